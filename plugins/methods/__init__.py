@@ -1,0 +1,1 @@
+"""Built-in adapter method plugins, one module per method, each on PEFT."""

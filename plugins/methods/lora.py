@@ -1,0 +1,70 @@
+"""LoRA: low-rank updates added to the frozen weights (``peft.LoraConfig``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from vlft.hookspecs import hookimpl
+from vlft.policies import AdapterDefaults, MethodInfo
+
+from . import _peft
+
+NAME = "lora"
+
+
+@dataclass
+class LoraOptions:
+    r: int = field(default=32, metadata={"help": "Rank of the update matrices."})
+    lora_alpha: int = field(default=64, metadata={"help": "Scale: the update is multiplied by alpha / r."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the adapter's input."})
+    use_rslora: bool = field(default=False, metadata={"help": "Scale by alpha / sqrt(r) (rank-stabilised LoRA)."})
+
+
+@hookimpl
+def vlft_methods():
+    return [MethodInfo(NAME, "LoRA (PEFT): low-rank updates on text attention and the last vision blocks")]
+
+
+@hookimpl
+def vlft_adapter_defaults(method, config):
+    if method != NAME:
+        return None
+    options = _peft.options_from(LoraOptions, config.adapter, NAME)
+    return AdapterDefaults(
+        method=NAME, lr=2e-4, hyperparameters=dataclasses.asdict(options), help=_peft.help_of(LoraOptions),
+        text_modules=("q_proj", "k_proj", "v_proj", "o_proj"), vision_modules=("qkv", "proj"),
+        default_targets="both",
+    )
+
+
+@hookimpl
+def vlft_apply_adapter(method, model, targets, config):
+    if method != NAME:
+        return None
+    from peft import LoraConfig, get_peft_model
+
+    options = _peft.options_from(LoraOptions, config.adapter, NAME)
+    return get_peft_model(model, LoraConfig(target_modules=list(targets), **dataclasses.asdict(options)))
+
+
+@hookimpl
+def vlft_save_adapter(method, model, path):
+    if method != NAME:
+        return None
+    _peft.save(model, path)
+    return True
+
+
+@hookimpl
+def vlft_load_adapter(method, model, path, trainable):
+    if method != NAME:
+        return None
+    return _peft.load(model, path, trainable)
+
+
+@hookimpl
+def vlft_merge_adapter(method, model):
+    if method != NAME:
+        return None
+    return _peft.merge(model)

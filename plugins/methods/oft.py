@@ -1,0 +1,111 @@
+"""OFT: orthogonal fine-tuning, rotating a layer's input features (``peft.OFTConfig``).
+
+Rotations keep the norms of the features they act on, which suits the
+vision encoder. Blocks use the Cayley-Neumann parametrisation (PEFT's
+default), which avoids a matrix inverse per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from vlft.errors import ConfigError
+from vlft.hookspecs import hookimpl
+from vlft.policies import AdapterDefaults, MethodInfo
+
+from . import _peft
+
+NAME = "oft"
+BLOCK_SIZE_CANDIDATES = (32, 16, 8, 4, 2)
+
+
+@dataclass
+class OftOptions:
+    oft_block_size: int = field(
+        default=0, metadata={"help": "Size of each orthogonal block; 0 picks the largest of 32, 16, 8, 4, 2 "
+                                     "that divides every target's input width."})
+    use_cayley_neumann: bool = field(default=True, metadata={"help": "Cayley-Neumann parametrisation (faster)."})
+    num_cayley_neumann_terms: int = field(default=5, metadata={"help": "Terms of the Neumann series."})
+    coft: bool = field(default=False, metadata={"help": "Constrained OFT: keep rotations within eps of identity."})
+    eps: float = field(default=6e-5, metadata={"help": "The COFT constraint radius."})
+    block_share: bool = field(default=False, metadata={"help": "Share one block across a layer."})
+    module_dropout: float = field(default=0.0, metadata={"help": "Probability of dropping a whole block."})
+
+
+@hookimpl
+def vlft_methods():
+    return [MethodInfo(NAME, "OFT (PEFT): orthogonal block rotations, Cayley-Neumann; suits the vision encoder")]
+
+
+@hookimpl
+def vlft_adapter_defaults(method, config):
+    if method != NAME:
+        return None
+    options = _peft.options_from(OftOptions, config.adapter, NAME)
+    return AdapterDefaults(
+        method=NAME, lr=1e-4, hyperparameters=dataclasses.asdict(options), help=_peft.help_of(OftOptions),
+        text_modules=("q_proj", "k_proj", "v_proj", "o_proj"), vision_modules=("qkv", "proj"),
+        default_targets="both",
+        notes=["oft_block_size 0 means: chosen per model, the largest that divides every target's width"],
+    )
+
+
+def choose_block_size(model, targets, asked: int) -> int:
+    """The block size: ``asked`` if it divides every target's input width, else the largest that does."""
+    widths = {}
+    modules = dict(model.named_modules())
+    for name in targets:
+        widths[name] = modules[name].in_features
+    if asked:
+        bad = [f"{n} ({w})" for n, w in widths.items() if w % asked]
+        if bad:
+            raise ConfigError(
+                f"oft_block_size={asked} does not divide the input width of: {', '.join(bad[:5])}"
+                + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+                + "; choose a block size that divides them, or 0 to let vlft choose"
+            )
+        return asked
+    for size in BLOCK_SIZE_CANDIDATES:
+        if all(w % size == 0 for w in widths.values()):
+            return size
+    raise ConfigError(
+        "no OFT block size in " + ", ".join(map(str, BLOCK_SIZE_CANDIDATES))
+        + " divides every target's input width (" + ", ".join(sorted({str(w) for w in widths.values()}))
+        + "); adapt fewer modules with --targets, or use another method"
+    )
+
+
+@hookimpl
+def vlft_apply_adapter(method, model, targets, config):
+    if method != NAME:
+        return None
+    from peft import OFTConfig, get_peft_model
+
+    options = _peft.options_from(OftOptions, config.adapter, NAME)
+    block = choose_block_size(model, targets, options.oft_block_size)
+    kwargs = dataclasses.asdict(options)
+    kwargs["oft_block_size"] = block
+    return get_peft_model(model, OFTConfig(r=0, target_modules=list(targets), **kwargs))
+
+
+@hookimpl
+def vlft_save_adapter(method, model, path):
+    if method != NAME:
+        return None
+    _peft.save(model, path)
+    return True
+
+
+@hookimpl
+def vlft_load_adapter(method, model, path, trainable):
+    if method != NAME:
+        return None
+    return _peft.load(model, path, trainable)
+
+
+@hookimpl
+def vlft_merge_adapter(method, model):
+    if method != NAME:
+        return None
+    return _peft.merge(model)

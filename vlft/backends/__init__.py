@@ -1,0 +1,1 @@
+"""Backends that ship with the core (the CPU reference); vendor backends live in plugins/."""

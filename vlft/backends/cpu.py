@@ -1,0 +1,112 @@
+"""The CPU reference backend: every other backend is compared with this one.
+
+fp32 by default (bf16 autocast on request), eager attention unless asked
+otherwise, gloo for several processes, no pinned memory.
+"""
+
+from __future__ import annotations
+
+from vlft.errors import ConfigError
+from vlft.hookspecs import hookimpl
+from vlft.policies import (
+    AttentionPolicy, BackendInfo, DataLoaderOptions, DeviceSetup, DistributedOptions, MemoryStats,
+    PrecisionPolicy, ProbeResult,
+)
+
+NAME = "cpu"
+
+
+@hookimpl
+def vlft_backends():
+    return [BackendInfo(NAME, "CPU reference backend (fp32; bf16 autocast on request)", "cpu", priority=0)]
+
+
+@hookimpl
+def vlft_probe_backend(backend):
+    if backend != NAME:
+        return None
+    import torch
+
+    return ProbeResult(True, device_count=1, versions={"torch": torch.__version__})
+
+
+@hookimpl
+def vlft_setup_device(backend, config):
+    if backend != NAME:
+        return None
+    import torch
+
+    return DeviceSetup(torch.device("cpu"), local_rank=config.local_rank)
+
+
+@hookimpl
+def vlft_attention_implementation(backend, config, model_config):
+    if backend != NAME:
+        return None
+    from vlft.config import parse_attn
+
+    asked = parse_attn(config.attn) or {}
+    # eager is the reference: it is the plain math every other path must agree with
+    return AttentionPolicy(asked.get("vision", "eager"), asked.get("text", "eager"),
+                           "reference backend: eager unless asked" if not asked else "as asked")
+
+
+@hookimpl
+def vlft_precision_policy(backend, config):
+    if backend != NAME:
+        return None
+    if config.precision in ("auto", "fp32"):
+        return PrecisionPolicy("fp32", reason="CPU reference: full precision")
+    if config.precision == "bf16":
+        return PrecisionPolicy("bf16", autocast_dtype="bfloat16", reason="bf16 autocast, as asked")
+    if config.precision == "fp16":
+        import torch
+
+        return PrecisionPolicy(
+            "fp16", autocast_dtype="float16", loss_scaling=True, init_scale=2.0 ** 16,
+            reason="fp16 autocast with dynamic loss scaling, as asked",
+            make_scaler=lambda: torch.amp.GradScaler("cpu", init_scale=2.0 ** 16),
+        )
+    raise ConfigError(f"backend cpu does not support precision '{config.precision}'")
+
+
+@hookimpl
+def vlft_dataloader_options(backend, config, options: DataLoaderOptions):
+    if backend != NAME:
+        return
+    options.pin_memory = False
+    # workers would compete with the training threads for the same cores
+    options.num_workers = 0
+    options.reasons.append("cpu: no pinned memory (nothing to copy to); no workers (they share the compute cores)")
+
+
+@hookimpl
+def vlft_distributed_options(backend, config):
+    if backend != NAME:
+        return None
+    return DistributedOptions("gloo", timeout_s=600, reason="gloo is torch's CPU process group")
+
+
+@hookimpl
+def vlft_seed(backend, seed, deterministic):
+    if backend != NAME:
+        return
+    if deterministic:
+        import torch
+
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+@hookimpl
+def vlft_memory_reader(backend, device):
+    if backend != NAME:
+        return None
+    import resource
+    import sys
+
+    def read() -> MemoryStats:
+        # ru_maxrss is the process's peak resident set: KiB on Linux, bytes on macOS
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return MemoryStats(peak_bytes=peak if sys.platform == "darwin" else peak * 1024)
+
+    return read

@@ -1,0 +1,177 @@
+"""The ``vlft`` command line (click)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import sys
+
+import click
+from click.core import ParameterSource
+
+from . import __version__
+from .config import RunConfig, build_config, load_config_file, parse_adapter_options, user_fields
+from .errors import VlftError
+from .plugins import DISABLE_ENV, get_registry
+
+
+def user_errors(fn):
+    """Print a VlftError as a one-paragraph message and exit 1, instead of a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except VlftError as e:
+            raise click.ClickException(str(e)) from None
+
+    return wrapper
+
+
+def config_options(fn):
+    """One click option per RunConfig field, all defaulting to None so the config file can fill them."""
+    for f in reversed(user_fields()):
+        flag = f.metadata.get("cli", "--" + f.name.replace("_", "-"))
+        help_text = f.metadata["help"]
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if default not in (None, False):
+            help_text += f"  [default: {default}]"
+        if f.metadata.get("flag"):
+            fn = click.option(flag, f.name, is_flag=True, default=None, help=help_text)(fn)
+        elif f.name == "adapter":
+            fn = click.option(flag, f.name, multiple=True, metavar="KEY=VALUE", help=help_text)(fn)
+        else:
+            kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0].split("|")[0].strip(), str)
+            choices = f.metadata.get("choices")
+            fn = click.option(flag, f.name, type=click.Choice(choices) if choices else kind, default=None,
+                              help=help_text)(fn)
+    return fn
+
+
+def given_flags(ctx: click.Context, params: dict) -> dict:
+    out = {}
+    for f in user_fields():
+        if ctx.get_parameter_source(f.name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
+            value = params[f.name]
+            out[f.name] = parse_adapter_options(value) if f.name == "adapter" else value
+    return out
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="vlft")
+def cli():
+    """Fine-tune vision-language models with adapters, on any accelerator.
+
+    Backends and methods are plugins: `vlft plugins` lists them.
+    """
+
+
+@cli.command()
+@config_options
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="YAML file of flag values.")
+@click.option("--json", "as_json", is_flag=True, help="With --dry-run: print the plan as JSON.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.pass_context
+@user_errors
+def run(ctx, config_file, as_json, quiet, **params):
+    """Fine-tune a model with an adapter method on a backend, evaluate it before and after, save the adapter."""
+    from .run import execute, format_plan
+
+    file_values = load_config_file(config_file) if config_file else {}
+    config = build_config(file_values, given_flags(ctx, params))
+    registry = get_registry()
+    result = execute(registry, config, progress=not quiet)
+    if config.dry_run:
+        desc = result.description
+        click.echo(json.dumps(desc, indent=2, default=str) if as_json else format_plan(desc))
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@user_errors
+def plugins(as_json):
+    """List plugins, backends (with availability) and methods."""
+    registry = get_registry()
+    names = sorted({n for n, _ in registry.pm.list_name_plugin() if n})
+    probes = {name: registry.first("vlft_probe_backend", backend=name) for name in registry.backends}
+    data = {
+        "plugins": [{"name": n, "status": "loaded"} for n in names]
+        + [{"name": n, "status": "broken", "error": e} for n, e in sorted(registry.broken.items())]
+        + [{"name": n, "status": "disabled"} for n in registry.disabled],
+        "backends": [
+            {"name": b.name, "description": b.description, "device_type": b.device_type, "priority": b.priority,
+             "plugin": registry.owners[("backend", b.name)], "available": probes[b.name].available,
+             "reason": probes[b.name].reason, "device_count": probes[b.name].device_count}
+            for b in sorted(registry.backends.values(), key=lambda b: -b.priority)
+        ],
+        "methods": [
+            {"name": m.name, "description": m.description, "plugin": registry.owners[("method", m.name)]}
+            for m in sorted(registry.methods.values(), key=lambda m: m.name)
+        ],
+    }
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    click.echo("plugins:")
+    for p in data["plugins"]:
+        extra = f"  {p['error']}" if p.get("error") else ""
+        click.echo(f"  {p['name']:<16} {p['status']}{extra}")
+    click.echo("backends:")
+    for b in data["backends"]:
+        state = f"available ({b['device_count']} device(s))" if b["available"] else f"unavailable: {b['reason']}"
+        click.echo(f"  {b['name']:<8} {state}\n           {b['description']}")
+    click.echo("methods:")
+    for m in data["methods"]:
+        click.echo(f"  {m['name']:<8} {m['description']}")
+    if registry.broken:
+        click.echo(f"(block a broken plugin with {DISABLE_ENV}=name)")
+
+
+@cli.command()
+@user_errors
+def methods():
+    """List adapter methods with their default hyper-parameters and targets."""
+    registry = get_registry()
+    for info in sorted(registry.methods.values(), key=lambda m: m.name):
+        d = registry.first("vlft_adapter_defaults", method=info.name, config=RunConfig())
+        click.echo(f"{info.name}: {info.description}")
+        click.echo(f"  lr {d.lr:g}; default targets: {d.default_targets} "
+                   f"(text: {', '.join(d.text_modules) or '-'}; vision: {', '.join(d.vision_modules) or '-'}, "
+                   f"last {RunConfig().vision_last_n} blocks)")
+        for key, value in d.hyperparameters.items():
+            click.echo(f"  {key} = {value!r}" + (f"  # {d.help[key]}" if d.help.get(key) else ""))
+        for note in d.notes:
+            click.echo(f"  note: {note}")
+
+
+@cli.command("demo-data")
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--train", "n_train", default=1600, show_default=True, help="Training samples.")
+@click.option("--val", "n_val", default=400, show_default=True, help="Validation samples.")
+@click.option("--seed", default=0, show_default=True)
+@user_errors
+def demo_data(out, n_train, n_val, seed):
+    """Write the embedded product-inspection data set (JSONL + images) to OUT."""
+    from .demo_data import write_demo_dataset
+
+    ds = write_demo_dataset(out, n_train=n_train, n_val=n_val, seed=seed)
+    click.echo(f"wrote {n_train} training and {n_val} validation samples: {ds.train}, {ds.val}")
+
+
+def _register_plugin_commands() -> None:
+    try:
+        registry = get_registry()
+    except VlftError as e:  # a clash between plugins: report it when a command runs
+        click.echo(f"Error: {e}", err=True)
+        return
+    registry.hook.vlft_register_commands(cli=cli)
+
+
+def main(argv=None):
+    _register_plugin_commands()
+    return cli.main(args=argv, prog_name="vlft")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""Run configuration: one dataclass, filled from a YAML file and then flags.
+
+Config-file keys are the flag names (``vision-last-n`` or ``vision_last_n``);
+an unknown key is an error that lists the valid ones. Flags given on the
+command line override the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+
+def opt(default, help: str, **extra):
+    """A config field with help text (shown by ``vlft run --help``)."""
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **extra})
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class RunConfig:
+    backend: str = opt("auto", "Backend plugin to run on; 'auto' picks the best available (see `vlft plugins`).")
+    method: str = opt("lora", "Adapter method plugin (see `vlft methods`).")
+    model: str | None = opt(None, "Local Qwen2.5-VL / Qwen2-VL directory; default: the embedded model.")
+    data: str | None = opt(None, "Training data (JSON or JSONL); default: the embedded product-inspection set.")
+    val_data: str | None = opt(None, "Validation data; default: the embedded set's validation split.")
+    output: str | None = opt(None, "Run folder; default: runs/<time>-<method>-<backend>.")
+    steps: int | None = opt(None, "Optimizer steps to train (overrides --epochs).")
+    epochs: float | None = opt(None, "Passes over the training data; default 4 when --steps is not given.")
+    batch_size: int = opt(8, "Samples per micro-batch (per process).")
+    grad_accum: int = opt(1, "Micro-batches accumulated per optimizer step.")
+    lr: float | None = opt(None, "Peak learning rate; default: the method's.")
+    weight_decay: float = opt(0.0, "AdamW weight decay.")
+    warmup_ratio: float = opt(0.05, "Fraction of the steps spent warming the learning rate up.")
+    max_grad_norm: float = opt(1.0, "Gradient clipping norm (0 disables clipping).")
+    eval_every: int = opt(100, "Validation loss every N steps (0: never).")
+    eval_batches: int = opt(8, "Validation batches per periodic evaluation.")
+    eval_samples: int = opt(200, "Validation samples for the before/after generation test (0: all).")
+    max_new_tokens: int = opt(32, "Longest generated answer in evaluation.")
+    save_every: int = opt(200, "Checkpoint every N steps (0: only at the end).")
+    keep_checkpoints: int = opt(2, "Checkpoints kept; older ones are deleted.")
+    resume: bool = opt(False, "Continue from the newest checkpoint in --output.", flag=True)
+    seed: int = opt(0, "Seed for Python, NumPy, torch, the device and the data order.")
+    deterministic: bool = opt(False, "Ask for deterministic kernels (slower on some devices).", flag=True)
+    targets: str = opt("both", "Where to adapt: vision, text or both.", choices=("vision", "text", "both"))
+    vision_last_n: int = opt(6, "Adapt only the last N vision blocks (all when the model has fewer).")
+    max_pixels: int | None = opt(None, "Cap on each image's pixel count (e.g. 200704 = 448*448).")
+    precision: str = opt("auto", "auto, fp32, bf16 or fp16; auto takes the backend's choice.",
+                         choices=("auto", "fp32", "bf16", "fp16"))
+    attn: str | None = opt(None, "Attention: one implementation, or per tower as 'vision=eager,text=sdpa'.")
+    num_workers: int | None = opt(None, "DataLoader workers; default: the backend's.")
+    log_every: int = opt(10, "Write metrics.jsonl every N steps.")
+    adapter: dict = opt({}, "Method hyper-parameters, as KEY=VALUE (repeatable) or a mapping in the config file.",
+                        cli="--adapter-opt")
+    dry_run: bool = opt(False, "Resolve and print every policy, then stop without training.", flag=True)
+    # set from the environment by torchrun, not by users
+    local_rank: int = field(default=0, metadata={"internal": True})
+    rank: int = field(default=0, metadata={"internal": True})
+    world_size: int = field(default=1, metadata={"internal": True})
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def user_fields() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(RunConfig) if not f.metadata.get("internal")]
+
+
+def _canonical(key: str) -> str:
+    return key.strip().replace("-", "_")
+
+
+def _coerce(f: dataclasses.Field, value: Any, source: str) -> Any:
+    if value is None:
+        return None
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    try:
+        if kind.startswith("int"):
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if kind.startswith("float"):
+            return float(value)
+        if kind.startswith("bool"):
+            if not isinstance(value, bool):
+                raise ValueError
+            return value
+        if kind.startswith("dict"):
+            if not isinstance(value, dict):
+                raise ValueError
+            return dict(value)
+        if kind.startswith("str"):
+            return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: '{f.name.replace('_', '-')}' expects {kind}, got {value!r}") from None
+    return value
+
+
+def load_config_file(path: str | os.PathLike) -> dict:
+    """Read a YAML config file into canonical keys; unknown keys are an error."""
+    import yaml
+
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of flag names to values")
+    known = {f.name: f for f in user_fields() if f.name not in ("dry_run",)}
+    out = {}
+    for key, value in raw.items():
+        name = _canonical(str(key))
+        if name not in known:
+            valid = ", ".join(sorted(n.replace("_", "-") for n in known))
+            raise ConfigError(f"{path}: unknown key '{key}'. Valid keys: {valid}")
+        out[name] = _coerce(known[name], value, str(path))
+    # relative paths in a config file are relative to the file
+    for name in ("model", "data", "val_data", "output"):
+        if out.get(name) and not Path(out[name]).is_absolute() and (path.parent / out[name]).exists():
+            out[name] = str(path.parent / out[name])
+    return out
+
+
+def parse_adapter_options(pairs: tuple[str, ...] | list[str]) -> dict:
+    """``("r=16", "lora_dropout=0.1")`` -> ``{"r": 16, "lora_dropout": 0.1}`` (YAML scalars)."""
+    import yaml
+
+    out = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ConfigError(f"--adapter-opt expects KEY=VALUE, got '{pair}'")
+        key, value = pair.split("=", 1)
+        out[_canonical(key)] = yaml.safe_load(value)
+    return out
+
+
+def build_config(file_values: dict, flag_values: dict) -> RunConfig:
+    """Merge defaults < file < flags (flags that were actually given) and check the result."""
+    values = {**file_values}
+    for key, value in flag_values.items():
+        if key == "adapter":
+            values["adapter"] = {**values.get("adapter", {}), **value}
+        else:
+            values[key] = value
+    cfg = RunConfig(**values)
+    cfg.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    cfg.rank = int(os.environ.get("RANK", 0))
+    cfg.world_size = int(os.environ.get("WORLD_SIZE", 1))
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RunConfig) -> None:
+    for f in user_fields():
+        choices = f.metadata.get("choices")
+        value = getattr(cfg, f.name)
+        if choices and value not in choices:
+            raise ConfigError(f"--{f.name.replace('_', '-')} must be one of {', '.join(choices)}, got '{value}'")
+    positive = ("batch_size", "grad_accum", "keep_checkpoints", "log_every")
+    for name in positive:
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    for name in ("eval_every", "save_every", "eval_samples", "eval_batches", "vision_last_n", "max_grad_norm",
+                 "weight_decay"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must not be negative, got {getattr(cfg, name)}")
+    if cfg.steps is not None and cfg.steps < 1:
+        raise ConfigError(f"--steps must be at least 1, got {cfg.steps}")
+    if cfg.epochs is not None and cfg.epochs <= 0:
+        raise ConfigError(f"--epochs must be positive, got {cfg.epochs}")
+    if cfg.lr is not None and cfg.lr <= 0:
+        raise ConfigError(f"--lr must be positive, got {cfg.lr}")
+    if not 0 <= cfg.warmup_ratio < 1:
+        raise ConfigError(f"--warmup-ratio must be in [0, 1), got {cfg.warmup_ratio}")
+    if cfg.max_pixels is not None and cfg.max_pixels < 28 * 28:
+        raise ConfigError(f"--max-pixels must be at least {28 * 28} (one merged patch), got {cfg.max_pixels}")
+    parse_attn(cfg.attn)
+
+
+ATTN_CHOICES = ("eager", "sdpa", "flash_attention_2")
+
+
+def parse_attn(value: str | None) -> dict[str, str] | None:
+    """'sdpa' -> {'vision': 'sdpa', 'text': 'sdpa'}; 'vision=eager,text=sdpa' -> per tower."""
+    if value is None:
+        return None
+    out: dict[str, str] = {}
+    for part in value.split(","):
+        part = part.strip()
+        tower, _, impl = part.rpartition("=")
+        towers = ("vision", "text") if not tower else (tower.strip(),)
+        impl = impl.strip()
+        if impl not in ATTN_CHOICES or any(t not in ("vision", "text") for t in towers):
+            raise ConfigError(
+                f"--attn: cannot read '{part}'; use one of {', '.join(ATTN_CHOICES)}, "
+                "or per tower as 'vision=eager,text=sdpa'"
+            )
+        for t in towers:
+            out[t] = impl
+    return out

@@ -1,0 +1,403 @@
+"""Reading, validating, encoding and batching conversation data.
+
+Two input formats (see DESIGN.md), as a JSON array or JSON Lines:
+
+- conversations: ``{"image": "imgs/a.png", "conversations": [{"from": "user", "value": "<image>\\n..."},
+  {"from": "assistant", "value": "..."}]}`` (``image`` may also be a list, ``images`` too)
+- messages: ``{"messages": [{"role": "user", "content": "<image>..."}, ...], "images": ["imgs/a.png"]}``
+
+Image paths are relative to the data file; ``data:image/...;base64,`` URIs
+and bare base64 strings are accepted too. Every record is checked before
+training starts, and all problems are reported together, each with its file
+and line (JSONL) or record index (JSON array).
+
+Labels: only assistant replies count in the loss. The mask comes from
+rendering the conversation prefix by prefix with the processor's own chat
+template and tokenising the pieces, so it needs no token ids of any
+particular tokenizer.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from .errors import DataError
+
+IMAGE_PLACEHOLDER = "<image>"
+IGNORE_INDEX = -100
+ROLE_ALIASES = {
+    "user": "user", "human": "user",
+    "assistant": "assistant", "gpt": "assistant", "model": "assistant",
+    "system": "system",
+}
+MAX_REPORTED_PROBLEMS = 20
+
+
+@dataclass
+class Turn:
+    role: str
+    text: str
+
+
+@dataclass
+class Record:
+    """One validated sample: turns, resolved image sources, and where it came from."""
+
+    turns: list[Turn]
+    images: list[str | bytes]  # absolute path, or decoded image bytes
+    where: str  # "file.jsonl:12" or "file.json[3]"
+    id: str | None = None
+
+    @property
+    def reference(self) -> str:
+        """The last assistant reply: what evaluation compares generations with."""
+        return next(t.text for t in reversed(self.turns) if t.role == "assistant")
+
+
+@dataclass
+class _Problems:
+    path: Path
+    items: list[str] = field(default_factory=list)
+    count: int = 0
+
+    def add(self, where: str, message: str) -> None:
+        self.count += 1
+        if len(self.items) < MAX_REPORTED_PROBLEMS:
+            self.items.append(f"{where}: {message}")
+
+    def raise_if_any(self) -> None:
+        if not self.count:
+            return
+        more = self.count - len(self.items)
+        tail = f"\n  ... and {more} more" if more > 0 else ""
+        raise DataError(
+            f"{self.count} problem(s) in {self.path}:\n  " + "\n  ".join(self.items) + tail
+            + "\nFix these records (or remove them) and run again; nothing was written."
+        )
+
+
+def _iter_raw(path: Path, problems: _Problems):
+    """Yield (where, object) for each record of a JSON array or JSONL file."""
+    text = path.read_text(encoding="utf-8")
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            problems.add(f"{path.name}:{e.lineno}", f"invalid JSON ({e.msg}, column {e.colno})")
+            return
+        for i, obj in enumerate(data):
+            yield f"{path.name}[{i}]", obj
+        return
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield f"{path.name}:{lineno}", json.loads(line)
+        except json.JSONDecodeError as e:
+            problems.add(f"{path.name}:{lineno}", f"invalid JSON ({e.msg}, column {e.colno})")
+
+
+def _decode_base64_image(value: str) -> bytes | None:
+    payload = value
+    if value.startswith("data:"):
+        if ";base64," not in value:
+            return None
+        payload = value.split(";base64,", 1)[1]
+    elif len(value) < 64 or "/" in value[:64] and value.lower().endswith((".png", ".jpg", ".jpeg", ".webp", ".bmp")):
+        return None
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+
+
+def _resolve_image(value: Any, base_dir: Path) -> tuple[str | bytes | None, str | None]:
+    """(source, problem): an absolute path or image bytes, or why neither."""
+    if not isinstance(value, str) or not value:
+        return None, f"image must be a non-empty string (path or base64), got {value!r}"
+    if value.startswith("data:") or not (base_dir / value).exists():
+        raw = _decode_base64_image(value)
+        if raw is not None:
+            return raw, None
+        if value.startswith("data:"):
+            return None, "image data URI is not valid base64 (expected data:image/...;base64,...)"
+        return None, f"image '{value}' not found (looked for {base_dir / value}); paths are relative to the data file"
+    return str((base_dir / value).resolve()), None
+
+
+def load_image(source: str | bytes) -> Image.Image:
+    """Open an image from a path or bytes, fully decoded and in RGB."""
+    img = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
+    img.load()
+    return img.convert("RGB")
+
+
+def _parse_turns(obj: dict) -> tuple[list[tuple[Any, Any]], list | None, str | None]:
+    """Return ([(role, text)], images or None, problem) for either format."""
+    if "conversations" in obj:
+        convo = obj["conversations"]
+        if not isinstance(convo, list):
+            return [], None, "'conversations' must be a list of {\"from\", \"value\"} objects"
+        turns = []
+        for i, t in enumerate(convo):
+            if not isinstance(t, dict) or "from" not in t or "value" not in t:
+                return [], None, f"turn {i} must have 'from' and 'value'"
+            turns.append((t["from"], t["value"]))
+        images = obj.get("images", obj.get("image"))
+    elif "messages" in obj:
+        msgs = obj["messages"]
+        if not isinstance(msgs, list):
+            return [], None, "'messages' must be a list of {\"role\", \"content\"} objects"
+        turns = []
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                return [], None, f"message {i} must have 'role' and 'content'"
+            turns.append((m["role"], m["content"]))
+        images = obj.get("images", obj.get("image"))
+    else:
+        return [], None, "record has neither 'conversations' nor 'messages'"
+    if images is None:
+        images = []
+    elif isinstance(images, str):
+        images = [images]
+    elif not isinstance(images, list):
+        return [], None, "'images' must be a path, a base64 string or a list of them"
+    return turns, images, None
+
+
+def read_records(path: str | Path, check_images: bool = True) -> list[Record]:
+    """Read and validate a data file; raise one DataError listing every problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file not found: {path}")
+    problems = _Problems(path)
+    records: list[Record] = []
+    base_dir = path.parent
+    for where, obj in _iter_raw(path, problems):
+        if not isinstance(obj, dict):
+            problems.add(where, f"record must be a JSON object, got {type(obj).__name__}")
+            continue
+        raw_turns, raw_images, problem = _parse_turns(obj)
+        if problem:
+            problems.add(where, problem)
+            continue
+        turns: list[Turn] = []
+        bad = False
+        for i, (role, text) in enumerate(raw_turns):
+            canon = ROLE_ALIASES.get(role) if isinstance(role, str) else None
+            if canon is None:
+                problems.add(where, f"turn {i}: unknown role {role!r}; use one of user/human, assistant/gpt, system")
+                bad = True
+                break
+            if not isinstance(text, str):
+                problems.add(where, f"turn {i}: text must be a string, got {type(text).__name__}")
+                bad = True
+                break
+            turns.append(Turn(canon, text))
+        if bad:
+            continue
+        if not any(t.role == "assistant" for t in turns):
+            problems.add(where, "no assistant turn: there is nothing to learn from this record")
+            continue
+        if any(IMAGE_PLACEHOLDER in t.text for t in turns if t.role == "assistant"):
+            problems.add(where, f"an assistant turn contains {IMAGE_PLACEHOLDER}; images belong in user turns")
+            continue
+        n_placeholders = sum(t.text.count(IMAGE_PLACEHOLDER) for t in turns)
+        if n_placeholders != len(raw_images):
+            problems.add(
+                where,
+                f"{n_placeholders} {IMAGE_PLACEHOLDER} placeholder(s) but {len(raw_images)} image(s); "
+                f"put one {IMAGE_PLACEHOLDER} in the text for each image",
+            )
+            continue
+        sources: list[str | bytes] = []
+        for value in raw_images:
+            source, problem = _resolve_image(value, base_dir)
+            if problem is None and check_images:
+                try:
+                    load_image(source)
+                except (UnidentifiedImageError, OSError, ValueError) as e:
+                    label = value if isinstance(source, str) else "base64 image"
+                    problem = f"image '{label}' cannot be read ({e.__class__.__name__}: {e})"
+            if problem:
+                problems.add(where, problem)
+                bad = True
+                break
+            sources.append(source)
+        if bad:
+            continue
+        records.append(Record(turns, sources, where, obj.get("id")))
+    problems.raise_if_any()
+    if not records:
+        raise DataError(f"{path} holds no records")
+    return records
+
+
+def _chat_messages(turns: list[Turn]) -> list[dict]:
+    """Turns as chat-template messages, with <image> placeholders as image parts."""
+    messages = []
+    for t in turns:
+        parts: list[dict] = []
+        for k, chunk in enumerate(t.text.split(IMAGE_PLACEHOLDER)):
+            if k:
+                parts.append({"type": "image"})
+            if chunk:
+                parts.append({"type": "text", "text": chunk})
+        messages.append({"role": t.role, "content": parts})
+    return messages
+
+
+class SampleEncoder:
+    """Turns a Record into model inputs with assistant-only labels.
+
+    ``processor`` is a transformers multimodal processor (a tokenizer, an
+    image processor and a chat template). ``max_pixels`` caps each image's
+    pixel count through the image processor's own resize.
+    """
+
+    def __init__(self, processor, max_pixels: int | None = None):
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.image_token = processor.image_token
+        self.merge_length = processor.image_processor.merge_size ** 2
+        self.eos_text = self.tokenizer.eos_token
+        self.image_kwargs: dict = {}
+        if max_pixels is not None:
+            ip_size = dict(processor.image_processor.size)
+            ip_size["longest_edge"] = max_pixels
+            ip_size["shortest_edge"] = min(ip_size.get("shortest_edge", max_pixels), max_pixels)
+            self.image_kwargs["size"] = ip_size
+
+    def render(self, turns: list[Turn], add_generation_prompt: bool) -> str:
+        return self.processor.apply_chat_template(
+            _chat_messages(turns), tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def pieces(self, turns: list[Turn], where: str = "") -> list[tuple[str, bool]]:
+        """The rendered conversation as (text, trained) pieces, in order."""
+        pieces: list[tuple[str, bool]] = []
+        done = ""
+        for i, t in enumerate(turns):
+            if t.role != "assistant":
+                continue
+            prompt = self.render(turns[:i], add_generation_prompt=True)
+            full = self.render(turns[: i + 1], add_generation_prompt=False)
+            if not prompt.startswith(done) or not full.startswith(prompt):
+                raise DataError(
+                    f"{where}: the chat template does not render this conversation prefix by prefix, so the "
+                    "assistant tokens cannot be found (does it start with an assistant turn?)"
+                )
+            pieces.append((prompt[len(done):], False))
+            reply = full[len(prompt):]
+            end = reply.find(self.eos_text) if self.eos_text else -1
+            cut = end + len(self.eos_text) if end >= 0 else len(reply)
+            pieces.append((reply[:cut], True))
+            if reply[cut:]:
+                pieces.append((reply[cut:], False))
+            done = full
+        return pieces
+
+    def _images(self, record: Record) -> dict:
+        if not record.images:
+            return {}
+        out = self.processor.image_processor(
+            images=[load_image(s) for s in record.images], return_tensors="pt", **self.image_kwargs
+        )
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+
+    def _tokenize(self, pieces: list[tuple[str, bool]], grid_thw) -> tuple[list[int], list[int]]:
+        counts = iter([int(g.prod()) // self.merge_length for g in grid_thw] if grid_thw is not None else [])
+        input_ids: list[int] = []
+        labels: list[int] = []
+        for k, (text, trained) in enumerate(pieces):
+            if self.image_token in text:
+                chunks = text.split(self.image_token)
+                text = chunks[0] + "".join(self.image_token * next(counts) + c for c in chunks[1:])
+            ids = self.tokenizer(text, add_special_tokens=(k == 0))["input_ids"]
+            input_ids += ids
+            labels += ids if trained else [IGNORE_INDEX] * len(ids)
+        return input_ids, labels
+
+    def encode(self, record: Record) -> dict:
+        """Training inputs: input_ids and labels (1-D), plus the image tensors."""
+        vision = self._images(record)
+        input_ids, labels = self._tokenize(self.pieces(record.turns, record.where), vision.get("image_grid_thw"))
+        return {"input_ids": torch.tensor(input_ids), "labels": torch.tensor(labels), **vision}
+
+    def encode_prompt(self, record: Record) -> dict:
+        """Generation inputs: the conversation up to its last assistant reply."""
+        last = max(i for i, t in enumerate(record.turns) if t.role == "assistant")
+        prompt = self.render(record.turns[:last], add_generation_prompt=True)
+        vision = self._images(record)
+        input_ids, _ = self._tokenize([(prompt, False)], vision.get("image_grid_thw"))
+        return {"input_ids": torch.tensor(input_ids), **vision}
+
+
+class EncodedDataset(torch.utils.data.Dataset):
+    """Records encoded on access, so DataLoader workers share the work."""
+
+    def __init__(self, records: list[Record], encoder: SampleEncoder):
+        self.records = records
+        self.encoder = encoder
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.encoder.encode(self.records[index])
+
+
+class Collator:
+    """Pads a batch to its own longest sample and stacks the image tensors.
+
+    ``padding_side`` is "right" for training and "left" for generation.
+    ``mm_token_type_ids`` marks image tokens, which Qwen2.5-VL needs for its
+    3-D rotary positions.
+    """
+
+    def __init__(self, pad_token_id: int, image_token_id: int, padding_side: str = "right",
+                 pad_to: int | None = None):
+        self.pad_token_id = pad_token_id
+        self.image_token_id = image_token_id
+        self.padding_side = padding_side
+        self.pad_to = pad_to  # fixed length, only for comparisons in bench/
+
+    def __call__(self, samples: list[dict]) -> dict:
+        longest = max(len(s["input_ids"]) for s in samples)
+        length = max(longest, self.pad_to or 0)
+        batch_ids, batch_mask, batch_labels = [], [], []
+        for s in samples:
+            ids = s["input_ids"]
+            pad = length - len(ids)
+            fill_ids = torch.full((pad,), self.pad_token_id, dtype=ids.dtype)
+            ones, zeros = torch.ones(len(ids), dtype=torch.long), torch.zeros(pad, dtype=torch.long)
+            left = self.padding_side == "left"
+            batch_ids.append(torch.cat([fill_ids, ids] if left else [ids, fill_ids]))
+            batch_mask.append(torch.cat([zeros, ones] if left else [ones, zeros]))
+            if "labels" in s:
+                fill_labels = torch.full((pad,), IGNORE_INDEX, dtype=torch.long)
+                lab = s["labels"]
+                batch_labels.append(torch.cat([fill_labels, lab] if left else [lab, fill_labels]))
+        input_ids = torch.stack(batch_ids)
+        batch = {
+            "input_ids": input_ids,
+            "attention_mask": torch.stack(batch_mask),
+            "mm_token_type_ids": (input_ids == self.image_token_id).long(),
+        }
+        if batch_labels:
+            batch["labels"] = torch.stack(batch_labels)
+        with_images = [s for s in samples if "pixel_values" in s]
+        if with_images:
+            batch["pixel_values"] = torch.cat([s["pixel_values"] for s in with_images])
+            batch["image_grid_thw"] = torch.cat([s["image_grid_thw"] for s in with_images])
+        return batch

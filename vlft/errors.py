@@ -1,0 +1,21 @@
+"""Errors a user can act on.
+
+A ``VlftError`` is caught by the CLI and printed without a traceback: its
+message must say what is wrong, where, and how to fix it.
+"""
+
+
+class VlftError(Exception):
+    """A problem with the user's input, configuration or machine."""
+
+
+class ConfigError(VlftError):
+    """A bad flag, config-file key or value."""
+
+
+class DataError(VlftError):
+    """A bad data file or record; the message names the file and line or record."""
+
+
+class BackendUnavailable(VlftError):
+    """The chosen backend cannot run on this machine; the message carries the probe's reason."""

@@ -1,0 +1,158 @@
+"""The hooks a vlft plugin may implement.
+
+Plugins register through the ``vlft`` entry-point group (built-ins too).
+A backend plugin answers only for the backend names it owns and returns
+None for others; a method plugin likewise for its method names. Hooks marked
+*first answer wins* are ``firstresult``: implement them with
+``tryfirst=True`` to refine one concern of another plugin's backend (for
+example a faster attention for ``ascend``) without replacing the rest.
+
+All hooks are called with keyword arguments. They are called at set-up; the
+training step calls none of them.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("vlft")
+hookimpl = pluggy.HookimplMarker("vlft")
+
+
+# -- names -------------------------------------------------------------------
+
+@hookspec
+def vlft_backends():
+    """Return a list of ``BackendInfo`` for the backends this plugin offers.
+
+    Every plugin's answer is collected; two plugins offering one name is an error.
+    """
+
+
+@hookspec
+def vlft_methods():
+    """Return a list of ``MethodInfo`` for the adapter methods this plugin offers.
+
+    Every plugin's answer is collected; two plugins offering one name is an error.
+    """
+
+
+# -- backends ----------------------------------------------------------------
+
+@hookspec(firstresult=True)
+def vlft_probe_backend(backend):
+    """Return a ``ProbeResult``: can ``backend`` run here, and if not, why not.
+
+    First answer wins. Must never raise, and a plugin module must import
+    nothing heavy (no vendor extension) at module import: probe inside here.
+    """
+
+
+@hookspec(firstresult=True)
+def vlft_setup_device(backend, config):
+    """Prepare the device for this process and return a ``DeviceSetup``.
+
+    Sets the current device for the local rank (``config.local_rank``) and
+    any environment the device needs. First answer wins.
+    """
+
+
+@hookspec(firstresult=True)
+def vlft_attention_implementation(backend, config, model_config):
+    """Return an ``AttentionPolicy`` (per tower) for ``backend``.
+
+    ``config.attn`` carries the user's request (None for the default).
+    First answer wins.
+    """
+
+
+@hookspec(firstresult=True)
+def vlft_precision_policy(backend, config):
+    """Return a ``PrecisionPolicy``: parameter dtype, autocast dtype and loss scaling.
+
+    ``config.precision`` is "auto" or the user's choice; a backend that
+    cannot honour the choice raises ``ConfigError`` saying why. First answer wins.
+    """
+
+
+@hookspec
+def vlft_dataloader_options(backend, config, options):
+    """Adjust ``options`` (a ``DataLoaderOptions``) in place for ``backend``.
+
+    Every plugin is called, so several may add to it (the owner first; use
+    ``trylast`` to refine after it).
+    """
+
+
+@hookspec(firstresult=True)
+def vlft_distributed_options(backend, config):
+    """Return ``DistributedOptions``: process-group backend, timeout and environment. First answer wins."""
+
+
+@hookspec
+def vlft_seed(backend, seed, deterministic):
+    """Seed the device's generators and, when ``deterministic``, switch on deterministic kernels.
+
+    The core has already seeded Python, NumPy and torch's CPU generator.
+    Every plugin is called; each acts only for backends it owns.
+    """
+
+
+@hookspec(firstresult=True)
+def vlft_memory_reader(backend, device):
+    """Return a zero-argument callable giving ``MemoryStats`` for ``device``.
+
+    Resolved once at set-up, so reports read memory without calling hooks.
+    First answer wins.
+    """
+
+
+@hookspec
+def vlft_patch_model(backend, model, config):
+    """Rewrite parts of a loaded model that ``backend`` cannot run as they are.
+
+    Return a list of one-line descriptions of what was patched (or None).
+    Every plugin is called.
+    """
+
+
+# -- adapter methods -----------------------------------------------------------
+
+@hookspec(firstresult=True)
+def vlft_adapter_defaults(method, config):
+    """Return ``AdapterDefaults`` for ``method``: hyper-parameters, learning rate, target module names.
+
+    ``config.adapter`` holds the user's overrides (already checked against
+    the method's config fields). First answer wins.
+    """
+
+
+@hookspec(firstresult=True)
+def vlft_apply_adapter(method, model, targets, config):
+    """Wrap ``model`` with ``method``'s adapter on the module names ``targets``; return the adapted model.
+
+    Raise ``ConfigError`` when the method cannot adapt a target (say, no
+    block size divides its width). First answer wins.
+    """
+
+
+@hookspec(firstresult=True)
+def vlft_save_adapter(method, model, path):
+    """Save the adapter so that ``peft.PeftModel.from_pretrained(base, path)`` loads it. First answer wins."""
+
+
+@hookspec(firstresult=True)
+def vlft_load_adapter(method, model, path, trainable):
+    """Load an adapter saved by ``vlft_save_adapter`` onto base ``model``; return the adapted model."""
+
+
+@hookspec(firstresult=True)
+def vlft_merge_adapter(method, model):
+    """Fold the adapter into the base weights; return the plain merged model. First answer wins."""
+
+
+# -- command line ---------------------------------------------------------------
+
+@hookspec
+def vlft_register_commands(cli):
+    """Add click commands to the ``vlft`` command group ``cli``. Every plugin is called."""

@@ -1,0 +1,132 @@
+"""Resolving a run: every plugin answer gathered once into a ``RunPlan``.
+
+``vlft run --dry-run`` prints the plan; a real run trains from it. Nothing
+after this module asks a plugin about a policy again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import RunConfig
+from .errors import BackendUnavailable
+from .plugins import Registry
+from .policies import (
+    AdapterDefaults, AttentionPolicy, BackendInfo, DataLoaderOptions, DistributedOptions, MethodInfo,
+    PrecisionPolicy, ProbeResult,
+)
+
+
+@dataclass
+class BackendChoice:
+    info: BackendInfo
+    probe: ProbeResult
+    reason: str
+
+
+@dataclass
+class RunPlan:
+    config: RunConfig
+    backend: BackendChoice
+    precision: PrecisionPolicy
+    attention: AttentionPolicy
+    dataloader: DataLoaderOptions
+    distributed: DistributedOptions
+    method: MethodInfo
+    adapter: AdapterDefaults
+    lr: float
+    model_path: str
+    targets: list[str] = field(default_factory=list)
+    target_params: dict[str, int] = field(default_factory=dict)  # module -> adapter parameters
+    target_summary: dict[str, Any] = field(default_factory=dict)
+    patches: list[str] = field(default_factory=list)
+
+    def describe(self) -> dict:
+        """Everything resolved, as JSON-ready data."""
+        return {
+            "backend": {
+                "name": self.backend.info.name,
+                "device_type": self.backend.info.device_type,
+                "available": self.backend.probe.available,
+                "reason": self.backend.probe.reason,
+                "chosen_because": self.backend.reason,
+                "device_count": self.backend.probe.device_count,
+                "versions": self.backend.probe.versions,
+                "warnings": self.backend.probe.warnings,
+            },
+            "attention": dataclasses.asdict(self.attention),
+            "precision": self.precision.describe(),
+            "dataloader": dataclasses.asdict(self.dataloader),
+            "distributed": dataclasses.asdict(self.distributed),
+            "method": {
+                "name": self.method.name,
+                "lr": self.lr,
+                "hyperparameters": self.adapter.hyperparameters,
+                "notes": self.adapter.notes,
+            },
+            "model": self.model_path,
+            "targets": {
+                **self.target_summary,
+                "modules": {m: self.target_params.get(m) for m in self.targets},
+                "adapter_parameters": sum(self.target_params.values()),
+            },
+            "model_patches": self.patches,
+            "training": {
+                k: getattr(self.config, k)
+                for k in ("steps", "epochs", "batch_size", "grad_accum", "weight_decay", "warmup_ratio",
+                          "max_grad_norm", "seed", "deterministic", "save_every", "keep_checkpoints", "world_size")
+            },
+        }
+
+
+def choose_backend(registry: Registry, name: str) -> BackendChoice:
+    """The named backend with its probe, or for 'auto' the available one with the highest priority."""
+    if name != "auto":
+        info = registry.backend(name)
+        return BackendChoice(info, registry.first("vlft_probe_backend", backend=name), "asked for by name")
+    ranked = sorted(registry.backends.values(), key=lambda b: (-b.priority, b.name))
+    passed = []
+    for info in ranked:
+        probe = registry.first("vlft_probe_backend", backend=info.name)
+        if probe.available:
+            why = f"highest-priority available backend (priority {info.priority})"
+            if passed:
+                why += "; skipped " + "; ".join(passed)
+            return BackendChoice(info, probe, why)
+        passed.append(f"{info.name}: {probe.reason}")
+    raise BackendUnavailable("no backend is available: " + "; ".join(passed))
+
+
+def require_available(choice: BackendChoice) -> None:
+    if not choice.probe.available:
+        raise BackendUnavailable(
+            f"backend '{choice.info.name}' is not available here: {choice.probe.reason}\n"
+            f"Run `vlft doctor --backend {choice.info.name}` for what to install or set."
+        )
+
+
+def resolve_plan(registry: Registry, config: RunConfig, model_path: str, model_config) -> RunPlan:
+    backend = choose_backend(registry, config.backend)
+    name = backend.info.name
+    method = registry.method(config.method)
+    adapter = registry.first("vlft_adapter_defaults", method=method.name, config=config)
+    options = DataLoaderOptions()
+    registry.hook.vlft_dataloader_options(backend=name, config=config, options=options)
+    if config.num_workers is not None:
+        options.num_workers = config.num_workers
+        options.reasons.append(f"num_workers={config.num_workers}, as asked")
+    return RunPlan(
+        config=config,
+        backend=backend,
+        precision=registry.first("vlft_precision_policy", backend=name, config=config),
+        attention=registry.first("vlft_attention_implementation", backend=name, config=config,
+                                 model_config=model_config),
+        dataloader=options,
+        distributed=registry.first("vlft_distributed_options", backend=name, config=config),
+        method=method,
+        adapter=adapter,
+        lr=config.lr if config.lr is not None else adapter.lr,
+        model_path=model_path,
+    )

@@ -1,0 +1,143 @@
+"""Plain answers that plugins give and the run uses.
+
+Every concern a backend or method decides is resolved once, at set-up, into
+one of these dataclasses. The training step reads them; it calls no hooks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """What ``vlft_backends()`` answers: one entry per backend a plugin offers."""
+
+    name: str
+    description: str
+    device_type: str  # the torch device type: "cpu", "cuda", "npu", ...
+    priority: int = 0  # ``--backend auto`` takes the available backend with the highest priority
+
+
+@dataclass(frozen=True)
+class MethodInfo:
+    """What ``vlft_methods()`` answers: one entry per adapter method a plugin offers."""
+
+    name: str
+    description: str
+
+
+@dataclass
+class ProbeResult:
+    """Whether a backend can run here; ``reason`` says why not, with the fix."""
+
+    available: bool
+    reason: str = ""
+    device_count: int = 0
+    versions: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class DeviceSetup:
+    """The device a process trains on, and the environment set for it."""
+
+    device: Any  # torch.device
+    local_rank: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AttentionPolicy:
+    """Attention implementation per tower ("eager", "sdpa", "flash_attention_2")."""
+
+    vision: str
+    text: str
+    reason: str = ""
+
+    def as_attn_implementation(self) -> str | dict[str, str]:
+        """The value for ``from_pretrained(attn_implementation=...)``."""
+        if self.vision == self.text:
+            return self.text
+        return {"vision_config": self.vision, "text_config": self.text, "": self.text}
+
+
+@dataclass
+class PrecisionPolicy:
+    """Parameter dtype, autocast, and loss scaling.
+
+    ``make_scaler`` builds the gradient scaler when ``loss_scaling`` is on;
+    the backend owns it because each device has its own (torch.amp,
+    torch.npu.amp, ...).
+    """
+
+    name: str  # "fp32", "bf16", "fp16"
+    param_dtype: str = "float32"
+    autocast_dtype: str | None = None  # None: no autocast
+    loss_scaling: bool = False
+    init_scale: float = 2.0 ** 16
+    growth_interval: int = 2000
+    reason: str = ""
+    make_scaler: Callable[[], Any] | None = field(default=None, repr=False, compare=False)
+
+    def describe(self) -> dict:
+        d = asdict(self)
+        d.pop("make_scaler")
+        return d
+
+
+@dataclass
+class DataLoaderOptions:
+    """Keyword arguments for ``torch.utils.data.DataLoader``; plugins may each add some."""
+
+    pin_memory: bool = False
+    num_workers: int = 0
+    prefetch_factor: int | None = None
+    persistent_workers: bool = False
+    reasons: list[str] = field(default_factory=list)
+
+    def loader_kwargs(self) -> dict:
+        kw: dict[str, Any] = {"pin_memory": self.pin_memory, "num_workers": self.num_workers}
+        if self.num_workers > 0:
+            kw["persistent_workers"] = self.persistent_workers
+            if self.prefetch_factor is not None:
+                kw["prefetch_factor"] = self.prefetch_factor
+        return kw
+
+
+@dataclass
+class DistributedOptions:
+    """How processes talk: the process-group backend, its timeout and environment."""
+
+    process_group_backend: str  # "gloo", "nccl", "hccl", ...
+    timeout_s: int = 1800
+    env: dict[str, str] = field(default_factory=dict)
+    reason: str = ""
+
+
+@dataclass
+class MemoryStats:
+    """Device memory figures in bytes, for reports; None where the device cannot tell."""
+
+    peak_bytes: int | None = None
+    current_bytes: int | None = None
+
+
+@dataclass
+class AdapterDefaults:
+    """A method's hyper-parameters and where it adapts by default.
+
+    ``text_modules`` and ``vision_modules`` are the leaf names of the linear
+    layers to adapt inside text decoder layers and vision blocks; the shared
+    target selection turns them into full module names.
+    """
+
+    method: str
+    lr: float
+    hyperparameters: dict[str, Any]
+    text_modules: tuple[str, ...] = ()
+    vision_modules: tuple[str, ...] = ()
+    default_targets: str = "both"  # what ``--targets auto`` means for this method
+    help: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)

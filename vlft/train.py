@@ -1,0 +1,359 @@
+"""The training loop: AdamW, cosine schedule with warmup, accumulation, clipping, precision policy.
+
+The step reads only plain objects resolved at set-up (``StepPolicy``); it
+calls no plugin hooks. Loss is the sum of token losses over the whole
+optimizer step (all micro-batches, all processes) divided by that step's
+number of label tokens, so accumulation and data parallelism give exactly
+the loss and gradients of one big batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from .data import IGNORE_INDEX
+
+
+@dataclass
+class StepPolicy:
+    """What one optimizer step needs to know, resolved before the first step."""
+
+    device: torch.device
+    autocast_dtype: torch.dtype | None
+    scaler: Any  # a GradScaler or None
+    max_grad_norm: float
+    grad_accum: int
+    world_size: int = 1
+
+
+def seed_everything(seed: int) -> None:
+    """Python, NumPy and torch's CPU generator; the backend seeds its device."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropy over label positions (fp32)."""
+    shift_logits = logits[:, :-1, :].float()
+    shift_labels = labels[:, 1:]
+    return torch.nn.functional.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX, reduction="sum",
+    )
+
+
+def label_count(batch: dict) -> int:
+    """Label tokens that count in the loss (host-side: no device sync)."""
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+def to_device(batch: dict, device: torch.device, non_blocking: bool = False) -> dict:
+    return {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}
+
+
+def model_inputs(batch: dict) -> dict:
+    return {k: v for k, v in batch.items() if k != "labels"}
+
+
+def global_label_count(micro_batches: list[dict], world_size: int, device: torch.device) -> float:
+    count = sum(label_count(b) for b in micro_batches)
+    if world_size > 1:
+        t = torch.tensor([count], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(t)
+        count = t.item()
+    return float(max(count, 1))
+
+
+def train_step(model, optimizer, scheduler, micro_batches: list[dict], policy: StepPolicy) -> dict:
+    """One optimizer step over ``micro_batches`` (already on the device). Returns device tensors."""
+    n_tokens = global_label_count(micro_batches, policy.world_size, policy.device)
+    # DDP averages gradients over processes; scale back up so the result is sum / global tokens
+    scale = policy.world_size / n_tokens
+    autocast = (
+        torch.autocast(device_type=policy.device.type, dtype=policy.autocast_dtype)
+        if policy.autocast_dtype is not None else nullcontext()
+    )
+    total = torch.zeros((), device=policy.device)
+    for i, batch in enumerate(micro_batches):
+        sync = nullcontext()
+        if hasattr(model, "no_sync") and i < len(micro_batches) - 1:
+            sync = model.no_sync()  # all-reduce only on the last micro-batch
+        with sync:
+            with autocast:
+                logits = model(**model_inputs(batch)).logits
+            loss_sum = token_loss_sum(logits, batch["labels"])
+            loss = loss_sum * scale
+            (policy.scaler.scale(loss) if policy.scaler is not None else loss).backward()
+        total += loss_sum.detach()
+    if policy.scaler is not None:
+        policy.scaler.unscale_(optimizer)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if policy.max_grad_norm > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, policy.max_grad_norm)
+    else:
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    if policy.scaler is not None:
+        policy.scaler.step(optimizer)
+        policy.scaler.update()
+    else:
+        optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    local_tokens = sum(label_count(b) for b in micro_batches)
+    return {"loss_sum": total, "grad_norm": grad_norm.detach(), "local_tokens": local_tokens,
+            "global_tokens": n_tokens}
+
+
+class EpochSampler(torch.utils.data.Sampler):
+    """This process's share of a seeded shuffle, for one epoch, from a given offset.
+
+    Every process shuffles with ``seed + epoch`` and takes every
+    ``world_size``-th index, so 2 processes of batch 4 see exactly the
+    samples one process of batch 8 sees. ``start`` skips samples already
+    trained on, which is how ``--resume`` continues mid-epoch.
+    """
+
+    def __init__(self, n: int, seed: int, epoch: int, rank: int = 0, world_size: int = 1, start: int = 0):
+        self.n, self.seed, self.epoch, self.rank, self.world_size, self.start = n, seed, epoch, rank, world_size, start
+
+    def indices(self) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        perm = torch.randperm(self.n, generator=g).tolist()
+        usable = len(perm) - len(perm) % self.world_size
+        return perm[self.rank:usable:self.world_size][self.start:]
+
+    def __iter__(self):
+        return iter(self.indices())
+
+    def __len__(self) -> int:
+        return len(self.indices())
+
+
+def worker_init(worker_id: int) -> None:
+    # DataLoader seeds torch per worker; give Python and NumPy the same stream
+    seed = torch.initial_seed() % 2 ** 32
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def cosine_with_warmup(optimizer, warmup: int, total: int):
+    from transformers import get_cosine_schedule_with_warmup
+
+    return get_cosine_schedule_with_warmup(optimizer, warmup, total)
+
+
+@dataclass
+class LoopSettings:
+    total_steps: int
+    batch_size: int
+    grad_accum: int
+    seed: int
+    rank: int = 0
+    world_size: int = 1
+    log_every: int = 10
+    eval_every: int = 0
+    save_every: int = 0
+    keep_checkpoints: int = 2
+    loader_kwargs: dict = field(default_factory=dict)
+
+
+class CheckpointStore:
+    """``checkpoints/step-NNNNNN/``: adapter, optimizer, scheduler, scaler and RNG state; last K kept."""
+
+    def __init__(self, root: Path, keep: int, save_adapter: Callable[[Any, Path], None]):
+        self.root = root
+        self.keep = keep
+        self.save_adapter = save_adapter
+
+    def newest(self) -> Path | None:
+        done = sorted(p for p in self.root.glob("step-*") if (p / "state.pt").exists())
+        return done[-1] if done else None
+
+    def save(self, step: int, model, optimizer, scheduler, scaler, device: torch.device) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
+        final = self.root / f"step-{step:06d}"
+        tmp = self.root / f".tmp-step-{step:06d}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        self.save_adapter(model, tmp / "adapter")
+        state = {
+            "step": step,
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "rng": rng_state(device),
+        }
+        torch.save(state, tmp / "state.pt")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in sorted(p for p in self.root.glob("step-*"))[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+
+def rng_state(device: torch.device) -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if device.type != "cpu":
+        state["device"] = torch.get_device_module(device.type).get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "device" in state and device.type != "cpu":
+        torch.get_device_module(device.type).set_rng_state(state["device"])
+
+
+class MetricsLog:
+    """``metrics.jsonl``: one JSON object per logged step (rank 0 writes)."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+
+    def truncate_after(self, step: int) -> None:
+        """Drop lines past ``step``: a resumed run rewrites them."""
+        if self.path is None or not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict) -> None:
+        if self.path is None:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def steps_per_epoch(n_samples: int, batch_size: int, grad_accum: int, world_size: int) -> int:
+    per_rank = n_samples // world_size
+    return max(1, per_rank // (batch_size * grad_accum))
+
+
+def batches(dataset, collate, settings: LoopSettings, start_step: int):
+    """Yield lists of ``grad_accum`` micro-batches from ``start_step`` on, epoch after epoch."""
+    per_epoch = steps_per_epoch(len(dataset), settings.batch_size, settings.grad_accum, settings.world_size)
+    epoch, step_in_epoch = divmod(start_step, per_epoch)
+    micro = settings.batch_size
+    while True:
+        sampler = EpochSampler(len(dataset), settings.seed, epoch, settings.rank, settings.world_size,
+                               start=step_in_epoch * micro * settings.grad_accum)
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_size=micro, sampler=sampler, collate_fn=collate, drop_last=True,
+            worker_init_fn=worker_init, generator=torch.Generator().manual_seed(settings.seed + epoch),
+            **settings.loader_kwargs,
+        )
+        group: list[dict] = []
+        for batch in loader:
+            group.append(batch)
+            if len(group) == settings.grad_accum:
+                yield group
+                group = []
+                step_in_epoch += 1
+                if step_in_epoch >= per_epoch:
+                    break
+        epoch += 1
+        step_in_epoch = 0
+
+
+def run_training(model, optimizer, scheduler, policy: StepPolicy, dataset, collate, settings: LoopSettings,
+                 checkpoints: CheckpointStore | None, metrics: MetricsLog, memory_reader: Callable,
+                 evaluate_loss: Callable[[], float] | None = None, start_step: int = 0,
+                 progress: bool = True) -> list[dict]:
+    """Train from ``start_step`` to ``settings.total_steps``; return the logged records."""
+    from tqdm.auto import tqdm
+
+    is_main = settings.rank == 0
+    bar = tqdm(total=settings.total_steps, initial=start_step, desc="train", unit="step",
+               disable=not (progress and is_main), dynamic_ncols=True)
+    records: list[dict] = []
+    window_loss = torch.zeros((), device=policy.device)
+    window_tokens = 0.0
+    window_samples = 0
+    window_start = time.perf_counter()
+    window_steps = 0
+    non_blocking = bool(settings.loader_kwargs.get("pin_memory"))
+    step = start_step
+    model.train()
+    for group in batches(dataset, collate, settings, start_step):
+        if step >= settings.total_steps:
+            break
+        group = [to_device(b, policy.device, non_blocking) for b in group]
+        out = train_step(model, optimizer, scheduler, group, policy)
+        step += 1
+        window_loss += out["loss_sum"]
+        window_tokens += out["local_tokens"]
+        window_samples += sum(len(b["input_ids"]) for b in group) * settings.world_size
+        window_steps += 1
+        bar.update(1)
+        last = step == settings.total_steps
+        if step % settings.log_every == 0 or last:
+            loss_sum = window_loss
+            tokens = torch.tensor(window_tokens, device=policy.device, dtype=torch.float64)
+            if settings.world_size > 1:
+                pair = torch.stack([loss_sum.double(), tokens])
+                torch.distributed.all_reduce(pair)
+                loss_sum, tokens = pair[0], pair[1]
+            elapsed = time.perf_counter() - window_start
+            mem = memory_reader()
+            record = {
+                "step": step,
+                "loss": float(loss_sum) / max(float(tokens), 1.0),
+                "lr": scheduler.get_last_lr()[0],
+                "grad_norm": float(out["grad_norm"]),
+                "step_time_s": elapsed / window_steps,
+                "samples_per_s": window_samples / elapsed if elapsed > 0 else None,
+                "peak_memory_bytes": mem.peak_bytes,
+            }
+            if policy.scaler is not None:
+                record["loss_scale"] = float(policy.scaler.get_scale())
+            if evaluate_loss is not None and settings.eval_every and (step % settings.eval_every == 0 or last):
+                record["val_loss"] = evaluate_loss()
+                model.train()
+            records.append(record)
+            if is_main:
+                metrics.write(record)
+                bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
+            window_loss = torch.zeros((), device=policy.device)
+            window_tokens, window_samples, window_steps = 0.0, 0, 0
+            window_start = time.perf_counter()
+        elif evaluate_loss is not None and settings.eval_every and step % settings.eval_every == 0:
+            val = evaluate_loss()
+            model.train()
+            if is_main:
+                metrics.write({"step": step, "val_loss": val})
+        if checkpoints is not None and settings.save_every and step % settings.save_every == 0 and not last:
+            if is_main:
+                checkpoints.save(step, model_for_saving(model), optimizer, scheduler, policy.scaler, policy.device)
+            if settings.world_size > 1:
+                torch.distributed.barrier()
+    bar.close()
+    return records
+
+
+def model_for_saving(model):
+    """The PEFT model inside a DistributedDataParallel wrapper, or the model itself."""
+    return model.module if hasattr(model, "module") and hasattr(model, "no_sync") else model
+
+
+def total_steps_for(n_samples: int, steps: int | None, epochs: float | None, batch_size: int, grad_accum: int,
+                    world_size: int) -> int:
+    if steps is not None:
+        return steps
+    per_epoch = steps_per_epoch(n_samples, batch_size, grad_accum, world_size)
+    return max(1, math.ceil(per_epoch * (epochs if epochs is not None else 4)))
