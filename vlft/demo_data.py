@@ -58,26 +58,27 @@ def draw_product(colour: str, defect: str, rng: random.Random) -> Image.Image:
     fill = tuple(max(0, min(255, c + rng.randint(-20, 20))) for c in base)
     d.rounded_rectangle(box, radius=rng.randint(6, 16), fill=fill, outline=(60, 60, 60), width=2)
     x0, y0, x1, y1 = box
-    cx, cy = rng.randint(x0 + 25, x1 - 25), rng.randint(y0 + 25, y1 - 25)
+    # defects are bold and near the middle: the embedded model is small and sees 16 image tokens
+    cx, cy = size // 2 + rng.randint(-12, 12), size // 2 + rng.randint(-12, 12)
     if defect == "scratch":
-        # a long, straight, light-grey gouge across the surface
-        angle_dx = rng.choice([-1, 1])
-        d.line((x0 + 8, cy - 20 * angle_dx, x1 - 8, cy + 20 * angle_dx), fill=(235, 235, 235), width=4)
+        # long, straight, light gouges across the surface
+        tilt = rng.choice([-1, 1]) * rng.randint(10, 24)
+        for off in (-8, 8):
+            d.line((x0 + 6, cy + off - tilt, x1 - 6, cy + off + tilt), fill=(245, 245, 245), width=5)
     elif defect == "crack":
-        # a black zig-zag, mostly vertical
-        pts, y = [], y0 + 6
-        x = cx
-        while y < y1 - 6:
-            pts.append((x, y))
-            y += rng.randint(8, 14)
-            x += rng.choice([-9, 9])
-        d.line(pts, fill=(15, 15, 15), width=4)
+        # a black zig-zag from top to bottom
+        pts, y, k = [], y0 + 4, 0
+        while y < y1 - 4:
+            pts.append((cx + (9 if k % 2 else -9), y))
+            y += rng.randint(8, 12)
+            k += 1
+        d.line(pts, fill=(10, 10, 10), width=6)
     elif defect == "stain":
-        r = rng.randint(14, 20)
-        d.ellipse((cx - r, cy - int(r * 0.7), cx + r, cy + int(r * 0.7)), fill=(110, 70, 30))
+        r = rng.randint(22, 28)
+        d.ellipse((cx - r, cy - int(r * 0.75), cx + r, cy + int(r * 0.75)), fill=(115, 70, 25))
     elif defect == "hole":
-        r = rng.randint(9, 13)
-        d.ellipse((cx - r, cy - r, cx + r, cy + r), fill=(0, 0, 0), outline=(255, 255, 255), width=2)
+        r = rng.randint(14, 18)
+        d.ellipse((cx - r, cy - r, cx + r, cy + r), fill=(0, 0, 0), outline=(255, 255, 255), width=3)
     return img
 
 

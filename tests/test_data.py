@@ -1,0 +1,170 @@
+"""Data formats, image resolution, validation errors, label masking and batching."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from vlft.data import IGNORE_INDEX, Collator, SampleEncoder, read_records
+from vlft.errors import DataError
+
+
+def _png(path: Path, colour=(200, 30, 30), size=(56, 56)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, colour).save(buf, format="PNG")
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(buf.getvalue())
+    return buf.getvalue()
+
+
+def _jsonl(path: Path, records) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def conv(image="imgs/a.png", user="<image>\nWhat is it?", reply="colour: red"):
+    return {"image": image, "conversations": [{"from": "human", "value": user}, {"from": "gpt", "value": reply}]}
+
+
+def test_conversations_format_with_relative_image_paths(tmp_path):
+    _png(tmp_path / "sub" / "imgs" / "a.png")
+    path = _jsonl(tmp_path / "sub" / "train.jsonl", [conv()])
+    [rec] = read_records(path)
+    assert rec.images == [str((tmp_path / "sub" / "imgs" / "a.png").resolve())]
+    assert [(t.role, t.text) for t in rec.turns] == [("user", "<image>\nWhat is it?"), ("assistant", "colour: red")]
+    assert rec.where == "train.jsonl:1" and rec.reference == "colour: red"
+
+
+def test_messages_format_as_json_array_with_base64_images(tmp_path):
+    raw = _png(None)
+    b64 = base64.b64encode(raw).decode()
+    records = [
+        {"messages": [{"role": "user", "content": "<image><image>Compare."},
+                      {"role": "assistant", "content": "same"}],
+         "images": ["data:image/png;base64," + b64, b64]},
+    ]
+    path = tmp_path / "train.json"
+    path.write_text(json.dumps(records))
+    [rec] = read_records(path)
+    assert rec.images == [raw, raw] and rec.where == "train.json[0]"
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"image": "imgs/a.png", "conversations": [', "train.jsonl:2: invalid JSON"),
+        (conv(image="imgs/missing.png"), "train.jsonl:2: image 'imgs/missing.png' not found"),
+        (conv(user="no placeholder"), "train.jsonl:2: 0 <image> placeholder(s) but 1 image(s)"),
+        ({"image": "imgs/a.png", "conversations": [{"from": "human", "value": "<image>hi"}]},
+         "train.jsonl:2: no assistant turn"),
+        ({"image": "imgs/a.png", "conversations": [{"from": "robot", "value": "<image>hi"},
+                                                   {"from": "gpt", "value": "x"}]},
+         "train.jsonl:2: turn 0: unknown role 'robot'"),
+        (conv(image="imgs/broken.png"), "train.jsonl:2: image 'imgs/broken.png' cannot be read"),
+        ({"text": "hello"}, "train.jsonl:2: record has neither 'conversations' nor 'messages'"),
+    ],
+)
+def test_bad_records_are_named_by_file_and_line(tmp_path, line, message):
+    _png(tmp_path / "imgs" / "a.png")
+    (tmp_path / "imgs" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really a png")
+    path = _jsonl(tmp_path / "train.jsonl", [conv(), line])
+    with pytest.raises(DataError) as err:
+        read_records(path)
+    assert message in str(err.value)
+    assert "nothing was written" in str(err.value)
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    _png(tmp_path / "imgs" / "a.png")
+    path = _jsonl(tmp_path / "t.jsonl", [conv(image="imgs/x.png"), conv(), conv(user="none")])
+    with pytest.raises(DataError, match=r"2 problem\(s\)") as err:
+        read_records(path)
+    assert "t.jsonl:1:" in str(err.value) and "t.jsonl:3:" in str(err.value)
+
+
+def _multi_turn(tmp_path) -> Path:
+    _png(tmp_path / "imgs" / "a.png")
+    _png(tmp_path / "imgs" / "b.png", colour=(20, 20, 200), size=(84, 56))
+    rec = {
+        "images": ["imgs/a.png", "imgs/b.png"],
+        "conversations": [
+            {"from": "system", "value": "Be brief."},
+            {"from": "user", "value": "<image>\nColour?"},
+            {"from": "assistant", "value": "red"},
+            {"from": "user", "value": "And this one? <image>"},
+            {"from": "assistant", "value": "blue, and larger"},
+        ],
+    }
+    return _jsonl(tmp_path / "multi.jsonl", [rec])
+
+
+def test_labels_cover_exactly_the_assistant_replies_token_by_token(tmp_path, processor):
+    [rec] = read_records(_multi_turn(tmp_path))
+    enc = SampleEncoder(processor)
+    out = enc.encode(rec)
+    ids, labels = out["input_ids"].tolist(), out["labels"].tolist()
+    tok = processor.tokenizer
+    trained = [i for i, lab in enumerate(labels) if lab != IGNORE_INDEX]
+    # labels equal the ids where trained
+    assert all(labels[i] == ids[i] for i in trained)
+    # the trained tokens form exactly two runs: each reply followed by the end-of-turn token
+    runs, current = [], [trained[0]]
+    for i in trained[1:]:
+        if i == current[-1] + 1:
+            current.append(i)
+        else:
+            runs.append(current)
+            current = [i]
+    runs.append(current)
+    texts = [tok.decode([ids[i] for i in run]) for run in runs]
+    assert texts == ["red<|im_end|>", "blue, and larger<|im_end|>"]
+    # and every other token (system, prompts, image pads, the trailing newline) is masked
+    untrained = tok.decode([ids[i] for i in range(len(ids)) if labels[i] == IGNORE_INDEX])
+    assert "Be brief." in untrained and "Colour?" in untrained and "assistant" in untrained
+    assert "red" not in untrained and "blue" not in untrained
+
+
+def test_encoding_matches_the_processor_on_the_whole_conversation(tmp_path, processor):
+    [rec] = read_records(_multi_turn(tmp_path))
+    enc = SampleEncoder(processor)
+    out = enc.encode(rec)
+    full_text = enc.render(rec.turns, add_generation_prompt=False)
+    from vlft.data import load_image
+
+    ref = processor(text=[full_text], images=[load_image(s) for s in rec.images], return_tensors="pt")
+    assert torch.equal(out["input_ids"], ref["input_ids"][0])
+    assert torch.equal(out["pixel_values"], ref["pixel_values"])
+    assert torch.equal(out["image_grid_thw"], ref["image_grid_thw"])
+
+
+def test_batches_pad_to_their_own_longest_sample(small_data, processor):
+    enc = SampleEncoder(processor)
+    records = read_records(small_data[0])[:3]
+    samples = [enc.encode(r) for r in records]
+    samples[1]["input_ids"] = samples[1]["input_ids"][:-2]
+    samples[1]["labels"] = samples[1]["labels"][:-2]
+    col = Collator(processor.tokenizer.pad_token_id, processor.image_token_id)
+    batch = col(samples)
+    longest = max(len(s["input_ids"]) for s in samples)
+    assert batch["input_ids"].shape == (3, longest)
+    assert batch["attention_mask"][1].sum() == longest - 2
+    assert (batch["labels"][1, -2:] == IGNORE_INDEX).all()
+    assert batch["mm_token_type_ids"].sum() == (batch["input_ids"] == processor.image_token_id).sum() > 0
+    left = Collator(processor.tokenizer.pad_token_id, processor.image_token_id, padding_side="left")(samples)
+    assert left["attention_mask"][1, :2].sum() == 0
+
+
+def test_max_pixels_caps_the_image_tokens(small_data, processor):
+    rec = read_records(small_data[0])[0]
+    full = SampleEncoder(processor).encode(rec)
+    capped = SampleEncoder(processor, max_pixels=56 * 56).encode(rec)
+    assert int(full["image_grid_thw"].prod()) == 64  # 112x112 -> 8x8 patches
+    assert int(capped["image_grid_thw"].prod()) == 16  # 56x56 -> 4x4 patches
+    assert len(capped["input_ids"]) == len(full["input_ids"]) - 12

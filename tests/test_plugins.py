@@ -1,0 +1,110 @@
+"""The plugin manager and the built-in plugins against the hook specs."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+
+import pluggy
+import pytest
+
+from vlft.errors import ConfigError, VlftError
+from vlft.hookspecs import hookimpl
+from vlft.plugins import ENTRY_POINT_GROUP, load_registry, new_plugin_manager
+from vlft.policies import BackendInfo, MethodInfo
+
+BUILTINS = {
+    "cpu": "vlft.backends.cpu",
+    "cuda": "vlft_cuda",
+    "ascend": "vlft_ascend",
+    "lora": "vlft_methods.lora",
+    "oft": "vlft_methods.oft",
+}
+
+
+def test_builtins_register_through_the_entry_point_group():
+    eps = {ep.name: ep.value for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    assert {k: eps.get(k) for k in BUILTINS} == BUILTINS
+
+
+@pytest.mark.parametrize("name", sorted(BUILTINS))
+def test_builtin_plugin_matches_the_specs(name):
+    pm = new_plugin_manager()
+    pm.register(importlib.import_module(BUILTINS[name]), name=name)
+    pm.check_pending()  # every hookimpl has a spec with matching arguments
+    impls = [i for caller in pm.hook.__dict__.values() if isinstance(caller, pluggy.HookCaller)
+             for i in caller.get_hookimpls()]
+    assert impls, f"{name} implements no hooks"
+
+
+@pytest.mark.parametrize("name", sorted(BUILTINS))
+def test_builtin_plugin_answers_only_for_what_it_owns(name):
+    from vlft.config import RunConfig
+
+    pm = new_plugin_manager()
+    pm.register(importlib.import_module(BUILTINS[name]), name=name)
+    cfg = RunConfig()
+    assert pm.hook.vlft_probe_backend(backend="nobody") is None
+    assert pm.hook.vlft_precision_policy(backend="nobody", config=cfg) is None
+    assert pm.hook.vlft_setup_device(backend="nobody", config=cfg) is None
+    assert pm.hook.vlft_adapter_defaults(method="nobody", config=cfg) is None
+    assert pm.hook.vlft_apply_adapter(method="nobody", model=None, targets=[], config=cfg) is None
+
+
+def test_registry_lists_builtin_backends_and_methods(registry):
+    assert {"cpu", "cuda", "ascend"} <= set(registry.backends)
+    assert {"lora", "oft"} <= set(registry.methods)
+    assert registry.owners[("method", "oft")] == "oft"
+    assert registry.first("vlft_probe_backend", backend="cpu").available
+
+
+def test_unknown_names_list_the_valid_ones(registry):
+    with pytest.raises(ConfigError, match=r"unknown backend 'tpu'; valid backends: auto, ascend, cpu, cuda"):
+        registry.backend("tpu")
+    with pytest.raises(ConfigError, match=r"unknown method 'dora'; valid methods: lora, oft"):
+        registry.method("dora")
+
+
+def test_a_plugin_that_fails_to_import_is_listed_broken_and_the_rest_work(monkeypatch):
+    real = importlib.metadata.entry_points
+
+    def with_broken(**kw):
+        eps = list(real(**kw))
+        if kw.get("group") == ENTRY_POINT_GROUP:
+            eps.append(importlib.metadata.EntryPoint("broken", "vlft_no_such_module_xyz", ENTRY_POINT_GROUP))
+        return eps
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", with_broken)
+    reg = load_registry()
+    assert "broken" in reg.broken and "ModuleNotFoundError" in reg.broken["broken"]
+    assert "lora" in reg.methods and reg.first("vlft_probe_backend", backend="cpu").available
+    with pytest.raises(ConfigError, match="plugins that failed to load: broken"):
+        reg.method("nope")
+
+
+class _ClashingLora:
+    @hookimpl
+    def vlft_methods(self):
+        return [MethodInfo("lora", "a second LoRA")]
+
+
+def test_two_plugins_claiming_one_name_is_an_error_naming_both():
+    with pytest.raises(VlftError, match=r"two plugins offer the method 'lora': 'lora' and '.*_ClashingLora"):
+        load_registry(plugins=(_ClashingLora(),))
+
+
+def test_disable_env_blocks_a_plugin(monkeypatch):
+    monkeypatch.setenv("VLFT_DISABLE_PLUGINS", "oft, cuda")
+    reg = load_registry()
+    assert "oft" not in reg.methods and "cuda" not in reg.backends
+    assert reg.disabled == ["oft", "cuda"]
+
+
+def test_a_fresh_manager_with_only_test_plugins():
+    class OnlyBackend:
+        @hookimpl
+        def vlft_backends(self):
+            return [BackendInfo("toy", "a toy", "cpu", priority=5)]
+
+    reg = load_registry(load_entry_points=False, plugins=(OnlyBackend(),))
+    assert list(reg.backends) == ["toy"] and reg.methods == {}
