@@ -159,6 +159,11 @@ def demo_data(out, n_train, n_val, seed):
     click.echo(f"wrote {n_train} training and {n_val} validation samples: {ds.train}, {ds.val}")
 
 
+from .doctor import doctor as _doctor  # noqa: E402 - the command lives in its own module
+
+cli.add_command(_doctor)
+
+
 def _register_plugin_commands() -> None:
     try:
         registry = get_registry()

@@ -156,3 +156,15 @@ def vlft_merge_adapter(method, model):
 @hookspec
 def vlft_register_commands(cli):
     """Add click commands to the ``vlft`` command group ``cli``. Every plugin is called."""
+
+
+# -- diagnosis --------------------------------------------------------------------
+
+@hookspec
+def vlft_doctor_checks(backend):
+    """Return a list of ``DoctorCheck`` for ``backend``: what is installed, versions, devices, environment.
+
+    Every plugin is called (a plugin may add checks to another's backend);
+    answer None for backends you know nothing about. Must never raise, and
+    like probing it imports vendor extensions only inside the call.
+    """

@@ -141,3 +141,18 @@ class AdapterDefaults:
     default_targets: str = "both"  # what ``--targets auto`` means for this method
     help: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class DoctorCheck:
+    """One line of ``vlft doctor``: what was checked, whether it is fine, and the one-line fix when not.
+
+    ``blocking`` False marks advice (say, a suspicious environment variable)
+    that does not by itself stop the backend from running.
+    """
+
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    blocking: bool = True

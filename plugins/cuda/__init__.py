@@ -1,0 +1,368 @@
+"""The NVIDIA CUDA backend, device type ``cuda``.
+
+Resolved once at set-up:
+
+- bf16 autocast only where the GPU computes it natively (compute
+  capability >= 8.0, Ampere or newer; not ``is_bf16_supported()``, which
+  also says yes to emulation), else fp16 with ``torch.amp.GradScaler``;
+- ``flash_attention_2`` where the flash-attn package imports and the GPU is
+  8.0 or newer, else ``sdpa``; per tower overridable with ``--attn``;
+- TF32 for matmul and cuDNN; pinned memory and two DataLoader workers;
+  ``nccl``; ``CUBLAS_WORKSPACE_CONFIG`` when determinism is asked.
+
+``torch_npu.contrib.transfer_to_npu`` makes ``torch.cuda`` answer for an
+Ascend NPU; when it is loaded this backend reports itself unavailable, and
+``--backend auto`` asks the NPU backend first anyway (higher priority).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+import re
+import sys
+from pathlib import Path
+
+from vlft.errors import ConfigError
+from vlft.hookspecs import hookimpl
+from vlft.policies import (
+    AttentionPolicy, BackendInfo, DataLoaderOptions, DeviceSetup, DistributedOptions, DoctorCheck, MemoryStats,
+    PrecisionPolicy, ProbeResult,
+)
+
+NAME = "cuda"
+DEVICE_TYPE = "cuda"
+PRIORITY = 10
+TRANSFER_TO_NPU = "torch_npu.contrib.transfer_to_npu"
+BF16_CAPABILITY = (8, 0)  # Ampere: native bf16 and flash-attention 2
+FLASH_ATTN_MIN = (2, 3, 3)  # the oldest flash-attn 2 that transformers accepts
+LOSS_SCALE = 2.0 ** 16
+GROWTH_INTERVAL = 2000
+CUBLAS_WORKSPACE = ":4096:8"
+TORCH_CUDA_HINT = ("pip install torch --index-url https://download.pytorch.org/whl/cu128 "
+                   "(pick the CUDA version your driver supports)")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{e.__class__.__name__}: {text[0][:300] if text else ''}".rstrip(": ")
+
+
+def _version_tuple(version: str | None) -> tuple[int, ...] | None:
+    m = re.match(r"\s*(\d+)\.(\d+)(?:\.(\d+))?", version or "")
+    return tuple(int(x) for x in m.groups() if x is not None) if m else None
+
+
+def transfer_to_npu_loaded() -> bool:
+    return sys.modules.get(TRANSFER_TO_NPU) is not None
+
+
+def driver_version() -> str | None:
+    """The NVIDIA kernel driver version, where Linux shows it."""
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text(errors="replace")
+    except OSError:
+        return None
+    m = re.search(r"Kernel Module\s+(?:for \S+\s+)?([\d.]+)", text)
+    return m.group(1) if m else None
+
+
+def flash_attn_status() -> tuple[bool, str]:
+    """(usable, why): does the flash-attn 2 package import, at a version transformers accepts?"""
+    try:
+        spec = importlib.util.find_spec("flash_attn")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        return False, "the flash-attn package is not installed"
+    try:
+        module = importlib.import_module("flash_attn")
+    except Exception as e:  # noqa: BLE001 - a build for another torch fails with undefined symbols
+        return False, f"flash-attn is installed but does not import ({_first_line(e)}); rebuild it for this torch"
+    version = str(getattr(module, "__version__", ""))
+    vt = _version_tuple(version)
+    if vt is None or vt[0] != 2 or vt < FLASH_ATTN_MIN:
+        return False, f"flash-attn {version or '(unknown version)'} is not the 2.x (>= 2.3.3) that transformers uses"
+    return True, f"flash-attn {version}"
+
+
+def probe() -> ProbeResult:
+    """Can this process train on an NVIDIA GPU? Never raises."""
+    import torch
+
+    versions = {"torch": torch.__version__}
+    warnings: list[str] = []
+    if torch.version.cuda:
+        versions["cuda_runtime"] = torch.version.cuda
+    if transfer_to_npu_loaded():
+        return ProbeResult(False, "torch_npu.contrib.transfer_to_npu is loaded in this process: it redirects "
+                           "torch.cuda to the Ascend NPU, so torch.cuda.is_available() says nothing about NVIDIA "
+                           "GPUs; use --backend ascend (vlft needs no transfer_to_npu: remove that import)",
+                           versions=versions)
+    if sys.modules.get("torch_npu") is not None:
+        warnings.append("torch_npu is loaded in this process (torch autoloads it when installed); CUDA and "
+                        "torch_npu in one process are not supported: set TORCH_DEVICE_BACKEND_AUTOLOAD=0 or "
+                        "uninstall torch_npu on GPU machines")
+    if not torch.version.cuda and not getattr(torch.version, "hip", None):
+        return ProbeResult(False, f"torch {torch.__version__} is built without CUDA (torch.version.cuda is None): "
+                           f"{TORCH_CUDA_HINT}", versions=versions, warnings=warnings)
+    try:
+        available = bool(torch.cuda.is_available())
+        count = int(torch.cuda.device_count()) if available else 0
+    except Exception as e:  # noqa: BLE001
+        return ProbeResult(False, f"torch.cuda cannot query devices ({_first_line(e)})", versions=versions,
+                           warnings=warnings)
+    driver = driver_version()
+    if driver:
+        versions["driver"] = driver
+    if not available or count == 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = f"CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else "CUDA_VISIBLE_DEVICES unset"
+        cause = "no GPU visible" if driver else "no NVIDIA driver found"
+        return ProbeResult(False, f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU: {cause} "
+                           f"({where}); check `nvidia-smi`", versions=versions, warnings=warnings)
+    try:
+        cap = tuple(torch.cuda.get_device_capability(0))
+        versions["gpu"] = f"{torch.cuda.get_device_name(0)} (compute capability {cap[0]}.{cap[1]})"
+        if cap < BF16_CAPABILITY:
+            warnings.append(f"compute capability {cap[0]}.{cap[1]} < 8.0: no native bf16 and no flash-attention 2; "
+                            "fp16 with loss scaling and sdpa")
+    except Exception as e:  # noqa: BLE001
+        warnings.append(f"cannot read the GPU's compute capability ({_first_line(e)})")
+    return ProbeResult(True, device_count=count, versions=versions, warnings=warnings)
+
+
+def capability(config=None) -> tuple[int, int] | None:
+    """The compute capability of this process's GPU, or None where no GPU can be asked (a dry run elsewhere)."""
+    import torch
+
+    if transfer_to_npu_loaded():
+        return None
+    try:
+        if not torch.cuda.is_available():
+            return None
+        count = torch.cuda.device_count()
+        index = getattr(config, "local_rank", 0) if config is not None else 0
+        return tuple(torch.cuda.get_device_capability(index if index < count else 0))
+    except Exception:  # noqa: BLE001
+        return None
+
+
+# -- hooks ----------------------------------------------------------------------------
+
+@hookimpl
+def vlft_backends():
+    return [BackendInfo(NAME, "NVIDIA GPU via CUDA (bf16 on Ampere+, flash-attention 2 where installed, nccl)",
+                        DEVICE_TYPE, priority=PRIORITY)]
+
+
+@hookimpl
+def vlft_probe_backend(backend):
+    if backend != NAME:
+        return None
+    try:
+        return probe()
+    except Exception as e:  # noqa: BLE001 - a probe must never raise
+        return ProbeResult(False, f"probing CUDA failed unexpectedly ({_first_line(e)})")
+
+
+def enable_tf32() -> None:
+    import torch
+
+    # the legacy switches: mixing them with torch's newer fp32_precision API makes torch raise
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
+
+@hookimpl
+def vlft_setup_device(backend, config):
+    if backend != NAME:
+        return None
+    import torch
+
+    torch.cuda.set_device(config.local_rank)
+    enable_tf32()
+    return DeviceSetup(torch.device(DEVICE_TYPE, config.local_rank), local_rank=config.local_rank)
+
+
+@hookimpl
+def vlft_attention_implementation(backend, config, model_config):
+    if backend != NAME:
+        return None
+    from vlft.config import parse_attn
+
+    asked = parse_attn(config.attn) or {}
+    fa_ok, fa_why = flash_attn_status()
+    cap = capability(config)
+    for impl in asked.values():
+        if impl != "flash_attention_2":
+            continue
+        if not fa_ok:
+            raise ConfigError(f"--attn {config.attn}: {fa_why}; "
+                              "pip install flash-attn --no-build-isolation, or use sdpa")
+        if cap is not None and cap < BF16_CAPABILITY:
+            raise ConfigError(f"--attn {config.attn}: flash_attention_2 needs compute capability 8.0 or newer; "
+                              f"this GPU has {cap[0]}.{cap[1]}: use sdpa")
+    if not fa_ok:
+        default, why = "sdpa", f"sdpa: {fa_why}"
+    elif cap is not None and cap < BF16_CAPABILITY:
+        default, why = "sdpa", f"sdpa: {fa_why} present, but compute capability {cap[0]}.{cap[1]} < 8.0"
+    elif config.precision == "fp32":
+        default, why = "sdpa", "sdpa: flash-attention needs fp16/bf16 and fp32 was asked"
+    else:
+        default = "flash_attention_2"
+        why = f"flash_attention_2: {fa_why}" + (
+            ", compute capability >= 8.0 assumed (no GPU visible here)" if cap is None else
+            f", compute capability {cap[0]}.{cap[1]}")
+    if asked:
+        why = "as asked; default " + why
+    return AttentionPolicy(asked.get("vision", default), asked.get("text", default), why)
+
+
+def _make_scaler(init_scale: float, growth_interval: int):
+    import torch
+
+    return torch.amp.GradScaler("cuda", init_scale=init_scale, growth_interval=growth_interval)
+
+
+def _fp16(reason: str) -> PrecisionPolicy:
+    return PrecisionPolicy(
+        "fp16", autocast_dtype="float16", loss_scaling=True, init_scale=LOSS_SCALE, growth_interval=GROWTH_INTERVAL,
+        reason=reason, make_scaler=functools.partial(_make_scaler, LOSS_SCALE, GROWTH_INTERVAL),
+    )
+
+
+@hookimpl
+def vlft_precision_policy(backend, config):
+    if backend != NAME:
+        return None
+    p = config.precision
+    if p == "fp32":
+        return PrecisionPolicy("fp32", reason="full precision, as asked")
+    if p == "fp16":
+        return _fp16("fp16 autocast with dynamic loss scaling, as asked")
+    if p not in ("auto", "bf16"):
+        raise ConfigError(f"backend {NAME} does not support precision '{p}'")
+    cap = capability(config)
+    if cap is not None and cap < BF16_CAPABILITY:
+        if p == "bf16":
+            raise ConfigError(f"--precision bf16: this GPU (compute capability {cap[0]}.{cap[1]}) has no native "
+                              "bf16 (needs 8.0, Ampere or newer); use --precision fp16 or auto")
+        return _fp16(f"fp16 autocast with dynamic loss scaling: compute capability {cap[0]}.{cap[1]} < 8.0 "
+                     "has no native bf16")
+    if cap is None:
+        why = ("bf16 autocast: compute capability >= 8.0 assumed (no GPU visible here); "
+               "below 8.0 a run gets fp16 with dynamic loss scaling")
+    else:
+        why = f"bf16 autocast: compute capability {cap[0]}.{cap[1]} computes bf16 natively"
+    return PrecisionPolicy("bf16", autocast_dtype="bfloat16", reason=why if p == "auto" else why + "; as asked")
+
+
+@hookimpl
+def vlft_dataloader_options(backend, config, options: DataLoaderOptions):
+    if backend != NAME:
+        return
+    options.pin_memory = True
+    options.num_workers = 2
+    options.prefetch_factor = 2
+    options.reasons.append("cuda: pinned host memory for asynchronous copies; 2 workers encode images while the "
+                           "GPU trains")
+
+
+@hookimpl
+def vlft_distributed_options(backend, config):
+    if backend != NAME:
+        return None
+    return DistributedOptions("nccl", timeout_s=1800, reason="nccl is torch's process group for NVIDIA GPUs")
+
+
+@hookimpl
+def vlft_seed(backend, seed, deterministic):
+    if backend != NAME:
+        return
+    import torch
+
+    torch.cuda.manual_seed_all(seed)  # lazy: safe before the device is initialised
+    if deterministic:
+        # read by cuBLAS when its first handle is made, so it must be set before the first matmul
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+@hookimpl
+def vlft_memory_reader(backend, device):
+    if backend != NAME:
+        return None
+    import torch
+
+    def read() -> MemoryStats:
+        return MemoryStats(peak_bytes=int(torch.cuda.max_memory_allocated(device)),
+                           current_bytes=int(torch.cuda.memory_allocated(device)))
+
+    return read
+
+
+# -- doctor ----------------------------------------------------------------------------
+
+def doctor_checks() -> list[DoctorCheck]:
+    import torch
+
+    checks: list[DoctorCheck] = []
+    if torch.version.cuda:
+        checks.append(DoctorCheck("torch build", True, f"torch {torch.__version__}, CUDA runtime {torch.version.cuda}"))
+    elif getattr(torch.version, "hip", None):
+        checks.append(DoctorCheck("torch build", True, f"torch {torch.__version__}, ROCm {torch.version.hip}"))
+    else:
+        checks.append(DoctorCheck("torch build", False, f"torch {torch.__version__} is built without CUDA",
+                                  TORCH_CUDA_HINT))
+    driver = driver_version()
+    checks.append(DoctorCheck("NVIDIA driver", driver is not None,
+                              driver or "not found (/proc/driver/nvidia/version)",
+                              "" if driver else "install the NVIDIA driver; `nvidia-smi` must list the GPU",
+                              blocking=False))
+    if transfer_to_npu_loaded():
+        checks.append(DoctorCheck("transfer_to_npu", False, "torch_npu.contrib.transfer_to_npu is loaded: "
+                                  "torch.cuda answers for the Ascend NPU", "remove that import; use --backend ascend"))
+    found = probe()
+    if found.available:
+        for i in range(found.device_count):
+            try:
+                cap = tuple(torch.cuda.get_device_capability(i))
+                bf16 = "native bf16" if cap >= BF16_CAPABILITY else "no native bf16: fp16 with loss scaling"
+                detail = f"{torch.cuda.get_device_name(i)}, compute capability {cap[0]}.{cap[1]} ({bf16})"
+                checks.append(DoctorCheck(f"GPU {i}", True, detail))
+            except Exception as e:  # noqa: BLE001
+                checks.append(DoctorCheck(f"GPU {i}", False, _first_line(e), "check `nvidia-smi`"))
+    else:
+        checks.append(DoctorCheck("GPUs", False, "none usable (see the reason above)",
+                                  "`nvidia-smi` must list the GPU; check the driver and CUDA_VISIBLE_DEVICES"))
+    fa_ok, fa_why = flash_attn_status()
+    checks.append(DoctorCheck("flash-attn", fa_ok, fa_why + ("" if fa_ok else "; attention falls back to sdpa"),
+                              "" if fa_ok else "optional: pip install flash-attn --no-build-isolation (Ampere+)",
+                              blocking=False))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and not visible.strip():
+        checks.append(DoctorCheck("CUDA_VISIBLE_DEVICES", False, "set but empty: hides every GPU",
+                                  "unset CUDA_VISIBLE_DEVICES or list the GPUs (0,1,...)"))
+    elif visible is not None:
+        checks.append(DoctorCheck("CUDA_VISIBLE_DEVICES", True, visible))
+    if sys.modules.get("torch_npu") is not None:
+        checks.append(DoctorCheck("torch_npu", False, "loaded in this process next to CUDA",
+                                  "set TORCH_DEVICE_BACKEND_AUTOLOAD=0, or uninstall torch_npu on GPU machines",
+                                  blocking=False))
+    return checks
+
+
+@hookimpl
+def vlft_doctor_checks(backend):
+    if backend != NAME:
+        return None
+    try:
+        return doctor_checks()
+    except Exception as e:  # noqa: BLE001 - diagnosis must not crash
+        return [DoctorCheck("cuda checks", False, f"failed unexpectedly ({_first_line(e)})")]
