@@ -1,0 +1,111 @@
+"""Fixtures for the benchmarks: the backend (``--backend``), two model sizes, and data.
+
+``make bench`` runs these with pytest-benchmark enabled; the default
+``make test`` collects them with ``--benchmark-disable`` (each benchmark body
+runs once, on a reduced workload) so they cannot rot.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+# one cache for the session (tests/conftest.py does the same; whichever loads first wins)
+os.environ.setdefault("VLFT_CACHE", tempfile.mkdtemp(prefix="vlft-bench-cache-"))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# OpenMP threads that spin while waiting turn into 10-100x slower steps as soon as another process
+# wants the same cores (measured here: 0.05 s -> 5 s per step). Passive waiting costs little on a quiet
+# machine and keeps the figures usable on a busy one. libgomp reads this when torch loads, so it only
+# takes effect where torch was not imported before this file (``make bench`` yes; ``make test`` no,
+# tests/conftest.py imports torch first). Set OMP_WAIT_POLICY yourself to override.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+
+
+def _default_threads() -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores))
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("vlft-bench")
+    group.addoption("--backend", default="cpu",
+                    help="vlft backend the benchmarks run on (cpu, cuda, ascend, or a plugin's); "
+                         "skipped with the probe's reason where it is unavailable. Default: cpu.")
+    group.addoption("--bench-precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
+                    help="precision asked of the backend's precision policy (default: auto, the backend's choice).")
+    group.addoption("--bench-threads", type=int, default=None,
+                    help=f"torch CPU threads for the benchmarks (default: the usable cores, at most 8; "
+                         f"{_default_threads()} here).")
+
+
+@pytest.fixture(scope="session")
+def env(request):
+    from bench._support import resolve_env
+
+    threads = request.config.getoption("--bench-threads") or _default_threads()
+    return resolve_env(request.config.getoption("--backend"), threads,
+                       request.config.getoption("--bench-precision"))
+
+
+@pytest.fixture(scope="session")
+def embedded_size():
+    from bench._support import model_size
+    from vlft.embedded import embedded_model_dir
+
+    return model_size("embedded", str(embedded_model_dir()))
+
+
+@pytest.fixture(scope="session")
+def wide_size():
+    """The wider variant (text hidden 512, vision hidden 256), built once into VLFT_CACHE."""
+    from bench._support import model_size, wide_recipe
+    from vlft.embedded import build_embedded_model, cache_root, recipe_hash
+
+    recipe = wide_recipe()
+    path = cache_root() / f"bench-wide-qwen2_5_vl-{recipe_hash(recipe)}"
+    if not (path / "config.json").exists():
+        build_embedded_model(path, recipe)
+    return model_size("wide", str(path))
+
+
+@pytest.fixture(params=["embedded", "wide"])
+def size(request):
+    """Each benchmark runs on both model sizes."""
+    return request.getfixturevalue(f"{request.param}_size")
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory):
+    """The product-inspection set (one image, one question, one answer per record): 32 training records."""
+    from vlft.demo_data import write_demo_dataset
+
+    ds = write_demo_dataset(tmp_path_factory.mktemp("bench-data") / "demo", n_train=32, n_val=8, seed=5)
+    return ds.train
+
+
+@pytest.fixture(scope="session")
+def demo_records(demo_data):
+    from vlft.data import read_records
+
+    return read_records(demo_data)
+
+
+@pytest.fixture(scope="session")
+def mixed_data(demo_data):
+    """The demo records, half of them made longer (see ``bench._support.write_mixed_dataset``)."""
+    from bench._support import write_mixed_dataset
+
+    return write_mixed_dataset(demo_data)
+
+
+@pytest.fixture(scope="session")
+def mixed_records(mixed_data):
+    from vlft.data import read_records
+
+    return read_records(mixed_data)

@@ -1,0 +1,71 @@
+"""Group 6, ``dispatch``: plugin hook calls and host-device synchronisations inside one training step.
+
+Hook calls: pluggy's hook-call monitoring on the registry the models were
+built with (and on vlft's process-wide registry, if one was loaded) during
+one ``vlft.train.train_step``; target 0 (DESIGN.md: no hook inside the step).
+
+Synchronisations: ``bench._support.sync_counter``, a TorchDispatchMode that
+sees every aten operation of the step (forward, backward, clipping,
+optimizer) on any device, counts scalar reads, data-dependent shapes and
+blocking device-to-host copies, and attributes each to the code that asked
+for it. ``vlft_own`` counts those asked for by vlft's own code.
+
+The pytest-benchmark timing of this group is that of the instrumented step
+and is not a figure. Two plain tests (run by ``make test``) assert zero
+hook calls and zero synchronisations of vlft's own in a step.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench._support import (
+    BATCH_SIZE, HookCallCounter, adapted_model, encode_batches, figure, record, sync_counter, to_device, trainer,
+)
+
+METHODS = ("lora", "oft")
+
+
+def counted_step(env, size, records, method) -> dict:
+    import vlft.plugins
+    from vlft.train import label_count
+
+    host = encode_batches(size, records[:BATCH_SIZE])[0]
+    dev = to_device(env, host)
+    tr = trainer(env, adapted_model(env, size, method)[0])
+    tr.step(host, dev)  # first step: lazy initialisation (optimizer state) out of the way
+    tokens = label_count(host)  # on the host, before the step, as run_training does
+    counter = sync_counter(env.device, host_tensors=tr.host_state())
+    with HookCallCounter(env.registry, vlft.plugins._default) as hooks, counter:
+        tr.step_counted(tokens, dev)
+    return {"hook_calls": len(hooks.calls), "hooks": sorted(set(hooks.calls)), "syncs": counter.summary()}
+
+
+@pytest.mark.benchmark(group="dispatch")
+def test_dispatch(benchmark, env, size, demo_records):
+    results = {}
+
+    def measure():
+        for method in METHODS:
+            results[method] = counted_step(env, size, demo_records, method)
+
+    benchmark.pedantic(measure, rounds=1, iterations=1)
+    figures = {}
+    for method, r in results.items():
+        figures[f"{method} hook calls per step"] = figure(r["hook_calls"], "== 0", unit="")
+        figures[f"{method} syncs per step"] = figure(r["syncs"]["total"], unit="")
+        figures[f"{method} syncs per step by vlft"] = figure(r["syncs"]["vlft_own"], "== 0", unit="")
+    record(benchmark, env, size, "dispatch", figures, {}, dispatch=results,
+           notes=["syncs on CPU: every scalar read / data-dependent op counted as the sync it would be on a device"])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_no_hook_call_inside_a_training_step(env, embedded_size, demo_records, method):
+    r = counted_step(env, embedded_size, demo_records, method)
+    assert r["hook_calls"] == 0, r["hooks"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_vlft_itself_makes_no_host_device_sync_in_a_step(env, embedded_size, demo_records, method):
+    r = counted_step(env, embedded_size, demo_records, method)
+    assert r["syncs"]["vlft_own"] == 0, r["syncs"]["top_sites"]
