@@ -313,7 +313,7 @@ def test_answers_only_for_ascend():
     c = cfg()
     assert ascend.vlft_probe_backend(backend="cuda") is None
     assert ascend.vlft_precision_policy(backend="cpu", config=c) is None
-    assert ascend.vlft_patch_model(backend="cuda", model=None, config=c) is None
+    assert ascend.vlft_patch_model(backend="cuda", model=None, config=c, attention=None) is None
     assert ascend.vlft_doctor_checks(backend="cpu") is None
 
 
@@ -342,16 +342,20 @@ def test_patch_model_reroutes_sdpa_to_eager(model_dir, monkeypatch):
     with pytest.raises(AssertionError, match="scaled_dot_product_attention"):
         forward()  # the model as loaded does call SDPA
 
-    patched = ascend.vlft_patch_model(backend="ascend", model=model, config=cfg(attn="text=sdpa"))
+    def patch(config):
+        return ascend.vlft_patch_model(backend="ascend", model=model, config=config,
+                                       attention=ascend.attention_policy(config))
+
+    patched = patch(cfg(attn="text=sdpa"))
     assert patched and all("-> eager" in p for p in patched) and any("(vision)" in p for p in patched)
     assert tower_attention(model) == {"vision": "eager", "text": "sdpa"}  # text stays as asked
     model.model.visual(pixels, grid_thw=grid)  # vision no longer calls SDPA
 
-    patched = ascend.vlft_patch_model(backend="ascend", model=model, config=cfg())
+    patched = patch(cfg())
     assert any("(text)" in p for p in patched)
     assert tower_attention(model) == {"vision": "eager", "text": "eager"}
     forward()  # nothing calls SDPA now
-    assert ascend.vlft_patch_model(backend="ascend", model=model, config=cfg()) is None  # nothing left to patch
+    assert patch(cfg()) is None  # nothing left to patch
 
 
 # -- doctor --------------------------------------------------------------------------------

@@ -229,6 +229,11 @@ def test_setup_device_sets_the_local_rank_and_tf32(gpu, monkeypatch):
         assert (setup.device.type, setup.device.index, setup.local_rank) == ("cuda", 1, 1)
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
         assert torch.get_float32_matmul_precision() == "high"
+        # an explicit fp32 run (a parity check against the CPU) keeps true fp32 matmuls
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cudnn.allow_tf32 = False
+        cuda.vlft_setup_device(backend="cuda", config=cfg(precision="fp32"))
+        assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cudnn.allow_tf32
     finally:
         torch.set_float32_matmul_precision(before)
 

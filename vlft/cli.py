@@ -67,19 +67,54 @@ def cli():
     """
 
 
+def as_arguments(flags: dict) -> list[str]:
+    """Flag values back into command-line arguments (for torchrun's processes)."""
+    args: list[str] = []
+    for f in user_fields():
+        if f.name not in flags:
+            continue
+        flag = f.metadata.get("cli", "--" + f.name.replace("_", "-"))
+        value = flags[f.name]
+        if f.metadata.get("flag"):
+            args += [flag] if value else []
+        elif f.name == "adapter":
+            for key, v in value.items():
+                args += [flag, f"{key}={json.dumps(v)}"]
+        else:
+            args += [flag, str(value)]
+    return args
+
+
 @cli.command()
 @config_options
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="YAML file of flag values.")
 @click.option("--json", "as_json", is_flag=True, help="With --dry-run: print the plan as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--nproc-per-node", type=int, default=1, show_default=True,
+              help="Processes (devices) per machine; above 1 the run goes through torchrun.")
+@click.option("--nnodes", type=int, default=1, show_default=True, help="Machines (passed to torchrun).")
+@click.option("--node-rank", type=int, default=0, show_default=True, help="This machine's rank (torchrun).")
+@click.option("--master-addr", default=None, help="Rendezvous host (torchrun); default 127.0.0.1.")
+@click.option("--master-port", type=int, default=None, help="Rendezvous port (torchrun); default a free port.")
 @click.pass_context
 @user_errors
-def run(ctx, config_file, as_json, quiet, **params):
+def run(ctx, config_file, as_json, quiet, nproc_per_node, nnodes, node_rank, master_addr, master_port, **params):
     """Fine-tune a model with an adapter method on a backend, evaluate it before and after, save the adapter."""
+    from .launch import LaunchOptions, relaunch
     from .run import execute, format_plan
 
     file_values = load_config_file(config_file) if config_file else {}
-    config = build_config(file_values, given_flags(ctx, params))
+    flags = given_flags(ctx, params)
+    config = build_config(file_values, flags)
+    launch = LaunchOptions(nproc_per_node, nnodes, node_rank, master_addr, master_port)
+    if launch.wanted and not config.dry_run:
+        args = ["run", *as_arguments(flags)] + (["--config", config_file] if config_file else [])
+        code = relaunch(launch, args + (["--quiet"] if quiet else []))
+        if code != 0:
+            raise click.ClickException(f"a training process failed (torchrun exit code {code}); its error is above")
+        return
+    if launch.wanted:
+        config.world_size = nproc_per_node * nnodes
     registry = get_registry()
     result = execute(registry, config, progress=not quiet)
     if config.dry_run:
@@ -161,7 +196,11 @@ def demo_data(out, n_train, n_val, seed):
 
 from .doctor import doctor as _doctor  # noqa: E402 - the command lives in its own module
 
+from .parity import parity as _parity, parity_worker as _parity_worker  # noqa: E402
+
 cli.add_command(_doctor)
+cli.add_command(_parity)
+cli.add_command(_parity_worker)
 
 
 def _register_plugin_commands() -> None:

@@ -61,10 +61,12 @@ def draw_product(colour: str, defect: str, rng: random.Random) -> Image.Image:
     # defects are bold and near the middle: the embedded model is small and sees 16 image tokens
     cx, cy = size // 2 + rng.randint(-12, 12), size // 2 + rng.randint(-12, 12)
     if defect == "scratch":
-        # long, straight, light gouges across the surface
+        # long, straight gouges across the surface: a bright groove with dark rims
         tilt = rng.choice([-1, 1]) * rng.randint(10, 24)
-        for off in (-8, 8):
-            d.line((x0 + 6, cy + off - tilt, x1 - 6, cy + off + tilt), fill=(245, 245, 245), width=5)
+        for off in (-10, 0, 10):
+            line = (x0 + 6, cy + off - tilt, x1 - 6, cy + off + tilt)
+            d.line(line, fill=(40, 40, 40), width=6)
+            d.line(line, fill=(250, 250, 250), width=2)
     elif defect == "crack":
         # a black zig-zag from top to bottom
         pts, y, k = [], y0 + 4, 0

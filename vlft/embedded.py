@@ -56,7 +56,8 @@ RECIPE = {
     "min_pixels": 56 * 56,
     "max_pixels": 112 * 112,
     "embedding_row_norm": 1.0,
-    "initializer_range": 0.02,
+    "initializer_range": 0.1,
+    "vision_initializer_range": 0.02,
 }
 
 
@@ -148,6 +149,9 @@ def build_embedded_model(path: Path, recipe: dict = RECIPE) -> None:
     torch.manual_seed(recipe["seed"])
     model = Qwen2_5_VLForConditionalGeneration(config)
     with torch.no_grad():
+        for module in model.model.visual.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Conv3d)):
+                module.weight.normal_(0.0, recipe["vision_initializer_range"])
         emb = model.get_input_embeddings().weight
         emb.normal_()
         emb.mul_(recipe["embedding_row_norm"] / emb.norm(dim=-1, keepdim=True))

@@ -108,8 +108,10 @@ def vlft_memory_reader(backend, device):
 
 
 @hookspec
-def vlft_patch_model(backend, model, config):
+def vlft_patch_model(backend, model, config, attention):
     """Rewrite parts of a loaded model that ``backend`` cannot run as they are.
+
+    ``attention`` is the resolved ``AttentionPolicy`` the model was loaded with.
 
     Return a list of one-line descriptions of what was patched (or None).
     Every plugin is called.

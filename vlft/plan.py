@@ -107,8 +107,11 @@ def require_available(choice: BackendChoice) -> None:
         )
 
 
-def resolve_plan(registry: Registry, config: RunConfig, model_path: str, model_config) -> RunPlan:
-    backend = choose_backend(registry, config.backend)
+def resolve_plan(registry: Registry, config: RunConfig, model_path: str, model_config,
+                 backend: BackendChoice | None = None) -> RunPlan:
+    """Ask the plugins once for every policy. A real run passes the ``backend`` it has already
+    set up the device for, so policies that read device properties see the right device."""
+    backend = backend or choose_backend(registry, config.backend)
     name = backend.info.name
     method = registry.method(config.method)
     adapter = registry.first("vlft_adapter_defaults", method=method.name, config=config)

@@ -113,7 +113,8 @@ def load_registry(load_entry_points: bool = True, plugins: tuple = ()) -> Regist
                 continue
             pm.register(plugin, name=ep.name)
     for plugin in plugins:
-        pm.register(plugin)
+        # a readable name for messages: the module's or the class's
+        pm.register(plugin, name=getattr(plugin, "__name__", None) or type(plugin).__name__)
     return registry.refresh()
 
 

@@ -7,7 +7,6 @@ folder is created or any weight is loaded onto a device.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as _dt
 import json
 import os
@@ -78,12 +77,12 @@ def load_and_check_data(config: RunConfig, encoder) -> tuple[list, list]:
     return train, val
 
 
-def build_plan(registry: Registry, config: RunConfig) -> tuple[RunPlan, object]:
+def build_plan(registry: Registry, config: RunConfig, backend=None) -> tuple[RunPlan, object]:
     from .model import load_model_config, resolve_model_path
 
     model_path = resolve_model_path(config.model)
     model_config = load_model_config(model_path)
-    return resolve_plan(registry, config, model_path, model_config), model_config
+    return resolve_plan(registry, config, model_path, model_config, backend), model_config
 
 
 def plan_targets(registry: Registry, plan: RunPlan, model) -> None:
@@ -163,29 +162,57 @@ def _init_distributed(plan: RunPlan, device) -> None:
         )
 
 
-def execute(registry: Registry, config: RunConfig, progress: bool = True) -> RunResult:
-    """Run the whole job; see the module docstring for the order of checks."""
+@dataclass
+class Session:
+    """A run set up and ready for its first step: every policy resolved, the model adapted and on its device."""
+
+    plan: RunPlan
+    config: RunConfig
+    processor: object
+    encoder: data_mod.SampleEncoder
+    train_records: list
+    val_records: list
+    output: Path
+    device: object
+    model: object  # the adapted (PEFT) model
+    optimizer: object
+    scheduler: object
+    policy: object  # train.StepPolicy
+    settings: object  # train.LoopSettings
+    collate: data_mod.Collator
+    memory_reader: object
+    save_adapter: object
+    autocast_dtype: object = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.config.world_size > 1
+
+    @property
+    def dataset(self) -> data_mod.EncodedDataset:
+        return data_mod.EncodedDataset(self.train_records, self.encoder)
+
+
+def prepare(registry: Registry, config: RunConfig) -> Session:
+    """Check everything, then set up device, model, adapter, optimizer and schedule (no step taken)."""
     import torch
 
-    from .model import load_model, load_processor
-    from .train import (
-        CheckpointStore, LoopSettings, MetricsLog, StepPolicy, cosine_with_warmup, run_training,
-        seed_everything, total_steps_for,
-    )
+    from .model import load_model, load_processor, resolve_model_path
+    from .plan import choose_backend
+    from .train import LoopSettings, StepPolicy, cosine_with_warmup, seed_everything, total_steps_for
 
-    rank = config.rank
-    plan, model_config = build_plan(registry, config)
-    if config.dry_run:
-        return RunResult(None, plan, description=dry_run(registry, plan, model_config))
-    require_available(plan.backend)
-    backend = plan.backend.info.name
-    processor = load_processor(plan.model_path)
+    choice = choose_backend(registry, config.backend)
+    require_available(choice)
+    backend = choice.info.name
+    registry.method(config.method)
+    registry.first("vlft_adapter_defaults", method=config.method, config=config)  # checks --adapter-opt
+    model_path = resolve_model_path(config.model)
+    processor = load_processor(model_path)
     encoder = data_mod.SampleEncoder(processor, max_pixels=config.max_pixels)
     train_records, val_records = load_and_check_data(config, encoder)
     output = Path(config.output) if config.output else default_output(config, backend)
-    checkpoints_root = output / "checkpoints"
     if config.resume:
-        if not checkpoints_root.exists():
+        if not (output / "checkpoints").exists():
             raise ConfigError(f"--resume: no checkpoints in {output}; give the --output of the run to continue")
     elif output.exists() and any(output.iterdir()):
         raise ConfigError(f"--output {output} already holds a run; choose another folder or pass --resume")
@@ -197,64 +224,91 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
     for key, value in setup.env.items():
         os.environ.setdefault(key, value)
     device = setup.device
-    distributed = config.world_size > 1
-    if distributed:
+    plan, _ = build_plan(registry, config, choice)
+    if config.world_size > 1:
         _init_distributed(plan, device)
+        # every process writes under rank 0's folder (a default name carries a time stamp)
+        shared = [str(output)]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        output = Path(shared[0])
     memory_reader = registry.first("vlft_memory_reader", backend=backend, device=device)
     model = load_model(plan.model_path, plan.attention, plan.precision)
-    plan.patches = [p for ps in registry.hook.vlft_patch_model(backend=backend, model=model, config=config)
+    plan.patches = [p for ps in registry.hook.vlft_patch_model(backend=backend, model=model, config=config,
+                                                                   attention=plan.attention)
                     if ps for p in ps]
     seed_everything(config.seed)  # adapter initialisation is seeded the same on every backend
     model = plan_targets(registry, plan, model)
     model.to(device)
-    save_adapter = lambda m, path: registry.first("vlft_save_adapter", method=plan.method.name, model=m,  # noqa: E731
-                                                  path=path)
 
-    if rank == 0:
-        output.mkdir(parents=True, exist_ok=True)
-        (output / "plan.json").write_text(json.dumps(plan.describe(), indent=2, default=str))
-        (output / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
-        log(format_plan(plan.describe()))
-        log(f"data         {len(train_records)} training and {len(val_records)} validation records")
-        log(f"output       {output}")
+    def save_adapter(m, path):
+        registry.first("vlft_save_adapter", method=plan.method.name, model=m, path=path)
 
     autocast_dtype = getattr(torch, plan.precision.autocast_dtype) if plan.precision.autocast_dtype else None
     scaler = plan.precision.make_scaler() if plan.precision.loss_scaling else None
-    collate = data_mod.Collator(processor.tokenizer.pad_token_id, processor.image_token_id)
-    eval_records = val_records[: config.eval_samples] if config.eval_samples else val_records
-
-    from .evaluate import evaluate_generation, format_table, validation_loss
-
-    def generation_eval(m):
-        return evaluate_generation(m, encoder, eval_records, device, config.max_new_tokens, autocast_dtype,
-                                   rank=rank, world_size=config.world_size)
-
-    val_batches = [collate([encoder.encode(r) for r in val_records[i:i + config.batch_size]])
-                   for i in range(0, min(len(val_records), config.eval_batches * config.batch_size),
-                                  config.batch_size)]
-
-    def val_loss():
-        return validation_loss(model, val_batches, device, autocast_dtype)
-
     total_steps = total_steps_for(len(train_records), config.steps, config.epochs, config.batch_size,
                                   config.grad_accum, config.world_size)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=plan.lr, weight_decay=config.weight_decay)
     scheduler = cosine_with_warmup(optimizer, int(config.warmup_ratio * total_steps), total_steps)
-    store = CheckpointStore(checkpoints_root, config.keep_checkpoints, save_adapter)
-    metrics = MetricsLog(output / "metrics.jsonl" if rank == 0 else None)
+    policy = StepPolicy(device, autocast_dtype, scaler, config.max_grad_norm, config.grad_accum, config.world_size)
+    settings = LoopSettings(
+        total_steps=total_steps, batch_size=config.batch_size, grad_accum=config.grad_accum, seed=config.seed,
+        rank=config.rank, world_size=config.world_size, log_every=config.log_every, eval_every=config.eval_every,
+        save_every=config.save_every, keep_checkpoints=config.keep_checkpoints,
+        loader_kwargs=plan.dataloader.loader_kwargs(),
+    )
+    collate = data_mod.Collator(processor.tokenizer.pad_token_id, processor.image_token_id)
+    return Session(plan, config, processor, encoder, train_records, val_records, output, device, model, optimizer,
+                   scheduler, policy, settings, collate, memory_reader, save_adapter, autocast_dtype)
 
+
+def execute(registry: Registry, config: RunConfig, progress: bool = True) -> RunResult:
+    """Run the whole job; see the module docstring for the order of checks."""
+    import torch
+
+    from .evaluate import evaluate_generation, format_table, validation_loss
+    from .train import CheckpointStore, MetricsLog, run_training
+
+    if config.dry_run:
+        plan, model_config = build_plan(registry, config)
+        return RunResult(None, plan, description=dry_run(registry, plan, model_config))
+    s = prepare(registry, config)
+    plan = s.plan
+    rank, output, model, device = config.rank, s.output, s.model, s.device
+    if rank == 0:
+        output.mkdir(parents=True, exist_ok=True)
+        (output / "plan.json").write_text(json.dumps(plan.describe(), indent=2, default=str))
+        (output / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+        log(format_plan(plan.describe()))
+        log(f"data         {len(s.train_records)} training and {len(s.val_records)} validation records")
+        log(f"output       {output}")
+
+    eval_records = s.val_records[: config.eval_samples] if config.eval_samples else s.val_records
+
+    def generation_eval(m):
+        return evaluate_generation(m, s.encoder, eval_records, device, config.max_new_tokens, s.autocast_dtype,
+                                   rank=rank, world_size=config.world_size)
+
+    val_batches = [s.collate([s.encoder.encode(r) for r in s.val_records[i:i + config.batch_size]])
+                   for i in range(0, min(len(s.val_records), config.eval_batches * config.batch_size),
+                                  config.batch_size)]
+
+    def val_loss():
+        return validation_loss(model, val_batches, device, s.autocast_dtype)
+
+    store = CheckpointStore(output / "checkpoints", config.keep_checkpoints, s.save_adapter)
+    metrics = MetricsLog(output / "metrics.jsonl" if rank == 0 else None)
     start_step = 0
     before = None
     if config.resume:
-        start_step = _resume(registry, plan, model, optimizer, scheduler, scaler, store, device)
+        start_step = _resume(model, s.optimizer, s.scheduler, s.policy.scaler, store, device)
         metrics.truncate_after(start_step)
         eval_path = output / "eval.json"
         if eval_path.exists():
             before = json.loads(eval_path.read_text()).get("before")
         log(f"resumed      from step {start_step} ({store.newest()})", rank)
     train_model = model
-    if distributed:
+    if s.distributed:
         train_model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type != "cpu" and device.index is not None else None)
     if before is None:
@@ -264,19 +318,12 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
         if rank == 0:
             _write_eval(output, before, None)
 
-    policy = StepPolicy(device, autocast_dtype, scaler, config.max_grad_norm, config.grad_accum, config.world_size)
-    settings = LoopSettings(
-        total_steps=total_steps, batch_size=config.batch_size, grad_accum=config.grad_accum, seed=config.seed,
-        rank=rank, world_size=config.world_size, log_every=config.log_every, eval_every=config.eval_every,
-        save_every=config.save_every, keep_checkpoints=config.keep_checkpoints,
-        loader_kwargs=plan.dataloader.loader_kwargs(),
-    )
-    dataset = data_mod.EncodedDataset(train_records, encoder)
+    total_steps = s.settings.total_steps
     log(f"training     {total_steps} steps of {config.batch_size * config.grad_accum * config.world_size} samples",
         rank)
     t0 = time.perf_counter()
-    records = run_training(train_model, optimizer, scheduler, policy, dataset, collate, settings, store, metrics,
-                           memory_reader, evaluate_loss=val_loss if config.eval_every else None,
+    records = run_training(train_model, s.optimizer, s.scheduler, s.policy, s.dataset, s.collate, s.settings, store,
+                           metrics, s.memory_reader, evaluate_loss=val_loss if config.eval_every else None,
                            start_step=start_step, progress=progress)
     train_time = time.perf_counter() - t0
 
@@ -286,21 +333,22 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
         adapter_dir = output / "adapter"
         tmp = output / ".adapter-tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        save_adapter(model, tmp)
+        s.save_adapter(model, tmp)
         shutil.rmtree(adapter_dir, ignore_errors=True)
         os.replace(tmp, adapter_dir)
         _write_eval(output, before, after)
-        mem: MemoryStats = memory_reader()
+        mem: MemoryStats = s.memory_reader()
         summary = {
-            "backend": backend, "method": plan.method.name, "steps": total_steps, "resumed_from": start_step,
-            "train_time_s": train_time, "final_loss": records[-1]["loss"] if records else None,
-            "peak_memory_bytes": mem.peak_bytes, "exact_match_before": before["exact_match"],
-            "exact_match_after": after["exact_match"], "adapter": str(adapter_dir),
+            "backend": plan.backend.info.name, "method": plan.method.name, "steps": total_steps,
+            "resumed_from": start_step, "train_time_s": train_time,
+            "final_loss": records[-1]["loss"] if records else None, "peak_memory_bytes": mem.peak_bytes,
+            "exact_match_before": before["exact_match"], "exact_match_after": after["exact_match"],
+            "adapter": str(adapter_dir),
         }
         (output / "summary.json").write_text(json.dumps(summary, indent=2))
         print(format_table(before, after))
         print(f"adapter saved to {adapter_dir} ({total_steps - start_step} steps in {train_time:.0f} s)")
-    if distributed:
+    if s.distributed:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return RunResult(output, plan, before, after, records)
@@ -312,7 +360,7 @@ def _write_eval(output: Path, before: dict | None, after: dict | None) -> None:
     os.replace(tmp, output / "eval.json")
 
 
-def _resume(registry, plan, model, optimizer, scheduler, scaler, store, device) -> int:
+def _resume(model, optimizer, scheduler, scaler, store, device) -> int:
     import torch
     from safetensors.torch import load_file
 
@@ -334,7 +382,3 @@ def _resume(registry, plan, model, optimizer, scheduler, scaler, store, device) 
         scaler.load_state_dict(state["scaler"])
     set_rng_state(state["rng"], device)
     return int(state["step"])
-
-
-def config_fields_for_display() -> list[str]:
-    return [f.name for f in dataclasses.fields(RunConfig)]

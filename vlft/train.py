@@ -68,8 +68,8 @@ def model_inputs(batch: dict) -> dict:
     return {k: v for k, v in batch.items() if k != "labels"}
 
 
-def global_label_count(micro_batches: list[dict], world_size: int, device: torch.device) -> float:
-    count = sum(label_count(b) for b in micro_batches)
+def global_label_count(count: int, world_size: int, device: torch.device) -> float:
+    """Label tokens of this optimizer step summed over processes."""
     if world_size > 1:
         t = torch.tensor([count], dtype=torch.float64, device=device)
         torch.distributed.all_reduce(t)
@@ -77,9 +77,14 @@ def global_label_count(micro_batches: list[dict], world_size: int, device: torch
     return float(max(count, 1))
 
 
-def train_step(model, optimizer, scheduler, micro_batches: list[dict], policy: StepPolicy) -> dict:
-    """One optimizer step over ``micro_batches`` (already on the device). Returns device tensors."""
-    n_tokens = global_label_count(micro_batches, policy.world_size, policy.device)
+def train_step(model, optimizer, scheduler, micro_batches: list[dict], policy: StepPolicy,
+               local_tokens: int) -> dict:
+    """One optimizer step over ``micro_batches`` (already on the device). Returns device tensors.
+
+    ``local_tokens`` is this process's label-token count for the step, counted
+    on the host before the batches moved, so the step needs no device sync for it.
+    """
+    n_tokens = global_label_count(local_tokens, policy.world_size, policy.device)
     # DDP averages gradients over processes; scale back up so the result is sum / global tokens
     scale = policy.world_size / n_tokens
     autocast = (
@@ -112,7 +117,6 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], policy: S
         optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    local_tokens = sum(label_count(b) for b in micro_batches)
     return {"loss_sum": total, "grad_norm": grad_norm.detach(), "local_tokens": local_tokens,
             "global_tokens": n_tokens}
 
@@ -293,8 +297,9 @@ def run_training(model, optimizer, scheduler, policy: StepPolicy, dataset, colla
     for group in batches(dataset, collate, settings, start_step):
         if step >= settings.total_steps:
             break
+        local_tokens = sum(label_count(b) for b in group)
         group = [to_device(b, policy.device, non_blocking) for b in group]
-        out = train_step(model, optimizer, scheduler, group, policy)
+        out = train_step(model, optimizer, scheduler, group, policy, local_tokens)
         step += 1
         window_loss += out["loss_sum"]
         window_tokens += out["local_tokens"]

@@ -416,10 +416,10 @@ def patch_attention(model, policy: AttentionPolicy) -> list[str]:
 
 
 @hookimpl
-def vlft_patch_model(backend, model, config):
+def vlft_patch_model(backend, model, config, attention):
     if backend != NAME:
         return None
-    return patch_attention(model, attention_policy(config)) or None
+    return patch_attention(model, attention) or None
 
 
 # -- doctor ----------------------------------------------------------------------------

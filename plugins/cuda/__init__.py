@@ -184,7 +184,10 @@ def vlft_setup_device(backend, config):
     import torch
 
     torch.cuda.set_device(config.local_rank)
-    enable_tf32()
+    # TF32 rounds fp32 matmuls to 10-bit mantissas: fast, and right for "auto", but an explicit
+    # --precision fp32 (parity checks against the CPU reference) must get true fp32
+    if config.precision != "fp32":
+        enable_tf32()
     return DeviceSetup(torch.device(DEVICE_TYPE, config.local_rank), local_rank=config.local_rank)
 
 

@@ -1,0 +1,172 @@
+"""Cross-backend, distributed, attention, precision and seed parity.
+
+On a CPU-only machine these still check real things (gloo processes,
+eager against SDPA, autocast against fp32, the loss scaler); on a GPU or
+NPU machine the `accelerator` tests compare that device with the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlft.config import build_config
+from vlft.data import Collator, SampleEncoder, read_records
+from vlft.parity import TOLERANCES, compare, run_worker, tolerance_for
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cfg(small_data, out, **over):
+    train, val = small_data
+    values = dict(backend="cpu", method="lora", data=str(train), val_data=str(val), output=str(out), steps=4,
+                  batch_size=8, log_every=1, eval_every=0, eval_samples=2, max_new_tokens=4, save_every=0,
+                  seed=5, lr=2e-3, warmup_ratio=0.0)
+    values.update(over)
+    return values
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _weights(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "adapter" / "adapter_model.safetensors"))
+
+
+def test_two_gloo_processes_match_one_process_with_the_same_global_batch(small_data, tmp_path):
+    from vlft.plugins import get_registry
+    from vlft.run import execute
+
+    single = tmp_path / "single"
+    execute(get_registry(), build_config({}, _cfg(small_data, single)), progress=False)
+
+    double = tmp_path / "double"
+    args = []
+    for key, value in _cfg(small_data, double, batch_size=4).items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "vlft", "run", "--nproc-per-node", "2", "--quiet", *args],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    a, b = _metrics(single), _metrics(double)
+    assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2, 3, 4]
+    for x, y in zip(a, b):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), (x, y)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4), (x, y)
+    wa, wb = _weights(single), _weights(double)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-6)
+    # the adapter moved: the comparison is not of two untouched initialisations
+    assert a[-1]["loss"] < a[0]["loss"]
+
+
+def test_a_failing_rank_stops_the_others_with_a_clear_message(small_data, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"conversations": []}\n')
+    proc = subprocess.run([sys.executable, "-m", "vlft", "run", "--nproc-per-node", "2", "--backend", "cpu",
+                           "--data", str(bad), "--output", str(tmp_path / "o")],
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode != 0
+    assert "no assistant turn" in proc.stderr and "a training process failed" in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.fixture(scope="module")
+def batch(small_data, processor):
+    enc = SampleEncoder(processor)
+    records = read_records(small_data[0])[:4]
+    return Collator(processor.tokenizer.pad_token_id, processor.image_token_id)([enc.encode(r) for r in records])
+
+
+def _loss_and_grads(model, batch):
+    from vlft.train import model_inputs, token_loss_sum
+
+    model.zero_grad()
+    logits = model(**model_inputs(batch)).logits
+    loss = token_loss_sum(logits, batch["labels"]) / (batch["labels"][:, 1:] != -100).sum()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach(), grads
+
+
+def test_eager_and_sdpa_give_the_same_logits_and_gradients(model_dir, batch):
+    from conftest import base_model
+
+    results = {}
+    for impl in ("eager", "sdpa"):
+        model = base_model(model_dir, attn=impl)
+        for p in model.parameters():
+            p.requires_grad_(True)
+        results[impl] = _loss_and_grads(model, batch)
+    (le, ge), (ls, gs) = results["eager"], results["sdpa"]
+    torch.testing.assert_close(ls, le, rtol=1e-4, atol=1e-4)
+    assert ge.keys() == gs.keys() and len(ge) > 50
+    for name in ge:
+        torch.testing.assert_close(gs[name], ge[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
+def _worker(small_data, **over):
+    values = dict(backend="cpu", method="lora", steps=3, precision="fp32", batch_size=4, seed=7, model=None,
+                  data=str(small_data[0]), attn=None)
+    values.update(over)
+    return run_worker(**values)
+
+
+def test_seed_parity_same_seed_identical_other_seed_different(small_data):
+    a, b, c = _worker(small_data), _worker(small_data), _worker(small_data, seed=8)
+    assert [s["loss"] for s in a["steps"]] == [s["loss"] for s in b["steps"]]
+    assert a["steps"][-1]["weights"] == b["steps"][-1]["weights"]
+    assert [s["loss"] for s in a["steps"]] != [s["loss"] for s in c["steps"]]
+    assert all(r.ok for r in compare(a, b, TOLERANCES["fp32"]))
+    assert not all(r.ok for r in compare(a, c, TOLERANCES["fp32"]))
+
+
+@pytest.mark.parametrize("low", ["bf16", "fp16"])
+def test_reduced_precision_stays_within_its_stated_tolerance_of_fp32(small_data, low):
+    ref, run = _worker(small_data), _worker(small_data, precision=low)
+    assert run["precision"] == low
+    name, tol = tolerance_for(["fp32", low])
+    assert name == low
+    rows = compare(ref, run, tol)
+    assert all(r.ok for r in rows), rows
+    # and it is not secretly fp32: the tight tolerance sees the difference
+    assert not all(r.ok for r in compare(ref, run, TOLERANCES["fp32"]))
+
+
+def test_loss_scaler_skips_a_step_with_inf_gradients():
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.AdamW([w], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    (w.sum() * 0 + w[0] * float("inf")).backward()
+    assert not torch.isfinite(w.grad).all()
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    assert torch.equal(w.detach(), torch.ones(4))  # the step was skipped, weights untouched
+    assert scaler.get_scale() == 2.0 ** 15  # and the scale backed off
+    opt.zero_grad()
+    (scaler.scale(w.sum())).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert not torch.equal(w.detach(), torch.ones(4))  # a finite step goes through
+
+
+def test_cpu_against_each_accelerator(small_data, accelerator):
+    ref = _worker(small_data, steps=3)
+    dev = _worker(small_data, backend=accelerator, steps=3, precision="fp32")
+    assert dev["available"], dev
+    rows = compare(ref, dev, TOLERANCES["fp32"])
+    assert all(r.ok for r in rows), rows
+    assert all(math.isfinite(s["loss"]) for s in dev["steps"])

@@ -1,0 +1,50 @@
+"""Multi-process runs through torchrun (``torch.distributed.run``), not a launcher of our own.
+
+``vlft run --nproc-per-node N ...`` re-runs the same command under torchrun;
+``torchrun -m vlft run ...`` works directly too. torchrun's elastic agent
+stops every process when one fails and reports the failing rank.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+
+
+@dataclass
+class LaunchOptions:
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+
+    @property
+    def wanted(self) -> bool:
+        """A multi-process launch is asked for, and we are not already inside one."""
+        return (self.nproc_per_node > 1 or self.nnodes > 1) and "LOCAL_RANK" not in os.environ
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_command(opts: LaunchOptions, vlft_args: list[str]) -> list[str]:
+    port = opts.master_port or (free_port() if opts.nnodes == 1 else 29500)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={opts.nproc_per_node}",
+           f"--nnodes={opts.nnodes}", f"--node-rank={opts.node_rank}", f"--master-port={port}"]
+    cmd.append(f"--master-addr={opts.master_addr or '127.0.0.1'}")
+    return cmd + ["-m", "vlft", *vlft_args]
+
+
+def relaunch(opts: LaunchOptions, vlft_args: list[str]) -> int:
+    """Run ``vlft <vlft_args>`` in ``nproc_per_node`` processes; return torchrun's exit code."""
+    env = dict(os.environ)
+    # each process gets its share of the cores, not all of them
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // opts.nproc_per_node)))
+    return subprocess.call(torchrun_command(opts, vlft_args), env=env)
