@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/vlft run --backend cpu --method lora
+	$(VENV)/bin/vlft run
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import base_model
+from helpers import base_model
 from vlft.config import RunConfig
 from vlft.data import Collator, SampleEncoder, read_records
 from vlft.errors import ConfigError
@@ -68,7 +68,13 @@ def test_oft_block_size_divides_every_target_or_is_refused(registry, model_dir):
     model = base_model(model_dir)
     d = registry.first("vlft_adapter_defaults", method="oft", config=RunConfig(method="oft"))
     targets = select_targets(model, d, "both", 6).modules
-    assert choose_block_size(model, targets, 0) == 32  # widths 64 (vision) and 128 (text)
+    assert choose_block_size(model, targets, 0) == 64  # widths 64 (vision) and 128 (text)
+    assert choose_block_size(model, targets, 16) == 16
+    # a width no candidate divides is refused with the widths named
+    model.model.visual.blocks[7].attn.proj.in_features = 63
+    with pytest.raises(ConfigError, match=r"no OFT block size in 64, 32, 16, 8, 4, 2 divides .*\(128, 63, 64\)|\(63"):
+        choose_block_size(model, targets, 0)
+    model.model.visual.blocks[7].attn.proj.in_features = 64
     with pytest.raises(ConfigError, match=r"oft_block_size=48 does not divide .*model\.visual\.blocks\.2\.attn\.qkv"):
         choose_block_size(model, targets, 48)
 

@@ -30,6 +30,10 @@ QUESTIONS: tuple[str, ...] = (
     "What colour is this item, and is it damaged?",
 )
 IMAGE_SIZE = 112
+# what `vlft run` trains on this set when no --epochs/--steps is given: the embedded model
+# (random weights, adapters only) needs about 3,200 steps of 4 samples to name the defects
+# (LoRA: 97.5% exact match; OFT at its lr of 1e-4: about 60%)
+RECOMMENDED_EPOCHS = 8
 
 
 @dataclass(frozen=True)
@@ -79,8 +83,9 @@ def draw_product(colour: str, defect: str, rng: random.Random) -> Image.Image:
         r = rng.randint(22, 28)
         d.ellipse((cx - r, cy - int(r * 0.75), cx + r, cy + int(r * 0.75)), fill=(115, 70, 25))
     elif defect == "hole":
+        # a dark hole with a bright rim, where the surface tore
         r = rng.randint(14, 18)
-        d.ellipse((cx - r, cy - r, cx + r, cy + r), fill=(0, 0, 0), outline=(255, 255, 255), width=3)
+        d.ellipse((cx - r, cy - r, cx + r, cy + r), fill=(0, 0, 0), outline=(255, 255, 255), width=4)
     return img
 
 

@@ -5,11 +5,18 @@ BPE tokenizer, Qwen2.5-VL's chat template and ``Qwen2VLImageProcessor``,
 written once to a cache folder and then loaded with ``from_pretrained``, the
 same path a real checkpoint takes.
 
-Initialisation: with the usual std-0.02 weights a model this small produces
-logits so close to zero that the loss hardly moves even when the argmax is
-already right, and adapters learn slowly. The token embeddings (tied to the
-output head) are therefore drawn with unit-norm rows, which gives the logits a
-range of about +-sqrt(hidden) once a hidden state aligns with a token.
+Initialisation (each choice measured on the embedded product-inspection task
+with LoRA r=32 at lr 2e-4):
+
+- with the usual std-0.02 weights everywhere the logits stay so small that the
+  loss barely moves (it stalled at 1.6 after 300 steps, exact match 0%);
+- token embeddings (tied to the output head) get unit-norm rows, so logits
+  span about +-sqrt(hidden) once a hidden state aligns with a token;
+- text layers use std 0.1, so an adapter's update moves the residual stream
+  visibly (0.02: stalled; 0.2: noisier and worse);
+- the vision tower and merger keep std 0.02, which leaves them close to the
+  identity and lets the pixels' colour and shape reach the text model (0.1
+  there cost about 10 points of defect accuracy).
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ CHAT_TEMPLATE = (
 )
 # The embedded recipe; its hash names the cache folder, so a change rebuilds it.
 RECIPE = {
-    "version": 3,
+    "version": 4,
     "seed": 1234,
     "vocab_size": 512,
     "text": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,

@@ -119,9 +119,9 @@ def compare(a: dict, b: dict, tol: dict) -> list[StepComparison]:
     return rows
 
 
-def _spawn_worker(index: int, backend: str, precision: str, opts: dict, out: Path) -> dict:
+def _spawn_worker(index: int, backend: str, precision: str, opts: dict, out: Path, probe_only=False) -> dict:
     cmd = [sys.executable, "-m", "vlft", "parity-worker", "--backend", backend, "--precision", precision,
-           "--out", str(out)]
+           "--out", str(out)] + (["--probe-only"] if probe_only else [])
     for key in ("method", "steps", "batch_size", "seed", "model", "data", "attn"):
         if opts.get(key) is not None:
             cmd += [f"--{key.replace('_', '-')}", str(opts[key])]
@@ -157,17 +157,32 @@ def parity(backends, method, steps, precision, tolerance, batch_size, seed, mode
         precisions *= 2
     if len(precisions) != 2 or any(p not in TOLERANCES for p in precisions):
         raise click.UsageError(f"--precision: one or two of {', '.join(TOLERANCES)}, got '{precision}'")
+    from .errors import VlftError
+    from .plugins import get_registry
+
+    try:  # names are checked here; probing and training happen in the workers
+        registry = get_registry()
+        for name in names:
+            registry.backend(name)
+        registry.method(method)
+    except VlftError as e:
+        raise click.ClickException(str(e)) from None
     opts = dict(method=method, steps=steps, batch_size=batch_size, seed=seed, model=model, data=data, attn=attn)
     results = []
     with tempfile.TemporaryDirectory(prefix="vlft-parity-") as tmp:
+        # probe both first (each in its own process, like the runs), so nothing trains in vain
+        for i, name in enumerate(dict.fromkeys(names)):
+            probe = _spawn_worker(i, name, precisions[0], opts, Path(tmp) / f"probe-{i}.json", probe_only=True)
+            if probe.get("failed"):
+                raise click.ClickException(f"probing {name} failed:\n{probe['error']}")
+            if not probe.get("available"):
+                raise click.ClickException(f"cannot compare: {probe['reason']} (run `vlft doctor --backend {name}`)")
         for i, (name, prec) in enumerate(zip(names, precisions)):
             click.echo(f"running {steps} steps on {name} ({prec}) ...", err=True)
             results.append(_spawn_worker(i, name, prec, opts, Path(tmp) / f"{i}.json"))
     for r in results:
-        if not r.get("available"):
-            raise click.ClickException(f"cannot compare: {r['reason']} (run `vlft doctor --backend {r['backend']}`)")
-        if r.get("failed"):
-            raise click.ClickException(f"the {r['backend']} worker failed:\n{r['error']}")
+        if r.get("failed") or not r.get("available"):
+            raise click.ClickException(f"the {r['backend']} worker failed:\n{r.get('error') or r.get('reason')}")
     tol_name, tol = tolerance_for(precisions, None if tolerance == "auto" else tolerance)
     rows = compare(results[0], results[1], tol)
     label_a, label_b = (f"{n}/{p}" + (f"#{i}" if names[0] == names[1] and precisions[0] == precisions[1] else "")
@@ -210,8 +225,17 @@ def parity(backends, method, steps, precision, tolerance, batch_size, seed, mode
 @click.option("--model", default=None)
 @click.option("--data", default=None)
 @click.option("--attn", default=None)
-def parity_worker(backend, precision, out, method, steps, batch_size, seed, model, data, attn):
+@click.option("--probe-only", is_flag=True)
+def parity_worker(backend, precision, out, method, steps, batch_size, seed, model, data, attn, probe_only):
     """One side of `vlft parity` (run by it in a process of its own)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    result = run_worker(backend, method, steps, precision, batch_size, seed, model, data, attn)
+    if probe_only:
+        from .plan import choose_backend
+        from .plugins import get_registry
+
+        choice = choose_backend(get_registry(), backend)
+        result = {"backend": backend, "available": choice.probe.available,
+                  "reason": f"backend '{backend}' is not available here: {choice.probe.reason}"}
+    else:
+        result = run_worker(backend, method, steps, precision, batch_size, seed, model, data, attn)
     Path(out).write_text(json.dumps(result))

@@ -245,7 +245,12 @@ def prepare(registry: Registry, config: RunConfig) -> Session:
 
     autocast_dtype = getattr(torch, plan.precision.autocast_dtype) if plan.precision.autocast_dtype else None
     scaler = plan.precision.make_scaler() if plan.precision.loss_scaling else None
-    total_steps = total_steps_for(len(train_records), config.steps, config.epochs, config.batch_size,
+    epochs = config.epochs
+    if epochs is None and config.steps is None and config.data is None:
+        from .demo_data import RECOMMENDED_EPOCHS
+
+        epochs = RECOMMENDED_EPOCHS
+    total_steps = total_steps_for(len(train_records), config.steps, epochs, config.batch_size,
                                   config.grad_accum, config.world_size)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=plan.lr, weight_decay=config.weight_decay)

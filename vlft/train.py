@@ -356,9 +356,12 @@ def model_for_saving(model):
     return model.module if hasattr(model, "module") and hasattr(model, "no_sync") else model
 
 
+DEFAULT_EPOCHS = 3
+
+
 def total_steps_for(n_samples: int, steps: int | None, epochs: float | None, batch_size: int, grad_accum: int,
                     world_size: int) -> int:
     if steps is not None:
         return steps
     per_epoch = steps_per_epoch(n_samples, batch_size, grad_accum, world_size)
-    return max(1, math.ceil(per_epoch * (epochs if epochs is not None else 4)))
+    return max(1, math.ceil(per_epoch * (epochs if epochs is not None else DEFAULT_EPOCHS)))

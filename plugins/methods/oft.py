@@ -17,13 +17,15 @@ from vlft.policies import AdapterDefaults, MethodInfo
 from . import _peft
 
 NAME = "oft"
-BLOCK_SIZE_CANDIDATES = (32, 16, 8, 4, 2)
+# Larger blocks rotate more features together: on the embedded model 64 reached 59.5% exact match
+# where 32 reached 27% (same lr and steps); 64 also divides Qwen2.5-VL-7B's widths (1280, 3584).
+BLOCK_SIZE_CANDIDATES = (64, 32, 16, 8, 4, 2)
 
 
 @dataclass
 class OftOptions:
     oft_block_size: int = field(
-        default=0, metadata={"help": "Size of each orthogonal block; 0 picks the largest of 32, 16, 8, 4, 2 "
+        default=0, metadata={"help": "Size of each orthogonal block; 0 picks the largest of 64, 32, 16, 8, 4, 2 "
                                      "that divides every target's input width."})
     use_cayley_neumann: bool = field(default=True, metadata={"help": "Cayley-Neumann parametrisation (faster)."})
     num_cayley_neumann_terms: int = field(default=5, metadata={"help": "Terms of the Neumann series."})

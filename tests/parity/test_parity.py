@@ -102,7 +102,7 @@ def _loss_and_grads(model, batch):
 
 
 def test_eager_and_sdpa_give_the_same_logits_and_gradients(model_dir, batch):
-    from conftest import base_model
+    from helpers import base_model
 
     results = {}
     for impl in ("eager", "sdpa"):
