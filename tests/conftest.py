@@ -9,9 +9,6 @@ from pathlib import Path
 # one cache for the whole session, subprocesses included (set before vlft is imported)
 os.environ.setdefault("VLFT_CACHE", tempfile.mkdtemp(prefix="vlft-test-cache-"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# idle OpenMP threads sleep instead of spinning: on 2 shared cores spinning threads of two
-# processes (torchrun tests, subprocess CLIs) slow each other down many times over
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
