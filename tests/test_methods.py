@@ -111,6 +111,10 @@ def test_saved_adapter_loads_with_plain_peft_and_gives_the_same_logits(registry,
         base = base_model(model_dir).eval()(**_inputs(batch)).logits
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(ours, base, atol=1e-3)
+    loaded = registry.first("vlft_load_adapter", method=method, model=base_model(model_dir),
+                            path=tmp_path / "adapter", trainable=False).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**_inputs(batch)).logits, ours, atol=1e-5, rtol=1e-5)
     merged = registry.first("vlft_merge_adapter", method=method, model=plain)
     with torch.no_grad():
         torch.testing.assert_close(merged(**_inputs(batch)).logits, ours, atol=1e-4, rtol=1e-4)

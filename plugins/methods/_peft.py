@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from vlft.errors import ConfigError
+from vlft.hookspecs import hookimpl
 
 
 def options_from(cls, overrides: dict[str, Any], method: str):
@@ -33,16 +34,29 @@ def help_of(cls) -> dict[str, str]:
     return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
 
 
-def save(model, path) -> None:
-    # writes adapter_config.json + adapter_model.safetensors
-    model.save_pretrained(str(path), safe_serialization=True)
+def io_hooks(name: str):
+    """The save, load and merge hook implementations for the PEFT method ``name``."""
 
+    @hookimpl
+    def vlft_save_adapter(method, model, path):
+        if method != name:
+            return None
+        # adapter_config.json + adapter_model.safetensors, loadable by plain PeftModel.from_pretrained
+        model.save_pretrained(str(path), safe_serialization=True)
+        return True
 
-def load(model, path, trainable: bool):
-    from peft import PeftModel
+    @hookimpl
+    def vlft_load_adapter(method, model, path, trainable):
+        if method != name:
+            return None
+        from peft import PeftModel
 
-    return PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
+        return PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
 
+    @hookimpl
+    def vlft_merge_adapter(method, model):
+        if method != name:
+            return None
+        return model.merge_and_unload()
 
-def merge(model):
-    return model.merge_and_unload()
+    return vlft_save_adapter, vlft_load_adapter, vlft_merge_adapter

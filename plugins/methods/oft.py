@@ -91,23 +91,5 @@ def vlft_apply_adapter(method, model, targets, config):
     return get_peft_model(model, OFTConfig(r=0, target_modules=list(targets), **kwargs))
 
 
-@hookimpl
-def vlft_save_adapter(method, model, path):
-    if method != NAME:
-        return None
-    _peft.save(model, path)
-    return True
-
-
-@hookimpl
-def vlft_load_adapter(method, model, path, trainable):
-    if method != NAME:
-        return None
-    return _peft.load(model, path, trainable)
-
-
-@hookimpl
-def vlft_merge_adapter(method, model):
-    if method != NAME:
-        return None
-    return _peft.merge(model)
+# saving, loading and merging are PEFT's own, the same for every PEFT method
+vlft_save_adapter, vlft_load_adapter, vlft_merge_adapter = _peft.io_hooks(NAME)
