@@ -14,6 +14,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -283,8 +284,10 @@ def run_training(model, optimizer, scheduler, policy: StepPolicy, dataset, colla
     from tqdm.auto import tqdm
 
     is_main = settings.rank == 0
+    # in a terminal the bar redraws often; in a log file a line every 15 s is plenty
     bar = tqdm(total=settings.total_steps, initial=start_step, desc="train", unit="step",
-               disable=not (progress and is_main), dynamic_ncols=True)
+               disable=not (progress and is_main), dynamic_ncols=True,
+               mininterval=0.2 if sys.stderr.isatty() else 15.0)
     records: list[dict] = []
     window_loss = torch.zeros((), device=policy.device)
     window_tokens = 0.0
