@@ -13,7 +13,7 @@ from collections import defaultdict
 import torch
 
 from .data import Collator, Record, SampleEncoder
-from .train import to_device, token_loss_sum
+from .train import autocast_context, to_device, token_loss_sum
 
 FIELD = re.compile(r"^\s*([A-Za-z][\w \-]*?)\s*:\s*(.*?)\s*$")
 
@@ -77,9 +77,7 @@ def generate_answers(model, encoder: SampleEncoder, records: list[Record], devic
     for i in range(0, len(records), batch_size):
         chunk = records[i:i + batch_size]
         batch = to_device(collate([encoder.encode_prompt(r) for r in chunk]), device)
-        ctx = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else torch.autocast(
-            device.type, enabled=False)
-        with ctx:
+        with autocast_context(device, autocast_dtype):
             out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id)
         answers += tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
@@ -115,9 +113,7 @@ def validation_loss(model, loader_batches: list[dict], device, autocast_dtype=No
     total, tokens = 0.0, 0
     for batch in loader_batches:
         batch = to_device(batch, device)
-        ctx = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else torch.autocast(
-            device.type, enabled=False)
-        with ctx:
+        with autocast_context(device, autocast_dtype):
             logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
         total += float(token_loss_sum(logits, batch["labels"]))
         tokens += int((batch["labels"][:, 1:] != -100).sum())

@@ -39,6 +39,11 @@ class StepPolicy:
     world_size: int = 1
 
 
+def autocast_context(device: torch.device, dtype: torch.dtype | None):
+    """Autocast to ``dtype`` on ``device``, or nothing when the policy has no autocast."""
+    return torch.autocast(device_type=device.type, dtype=dtype) if dtype is not None else nullcontext()
+
+
 def seed_everything(seed: int) -> None:
     """Python, NumPy and torch's CPU generator; the backend seeds its device."""
     random.seed(seed)
@@ -88,10 +93,7 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], policy: S
     n_tokens = global_label_count(local_tokens, policy.world_size, policy.device)
     # DDP averages gradients over processes; scale back up so the result is sum / global tokens
     scale = policy.world_size / n_tokens
-    autocast = (
-        torch.autocast(device_type=policy.device.type, dtype=policy.autocast_dtype)
-        if policy.autocast_dtype is not None else nullcontext()
-    )
+    autocast = autocast_context(policy.device, policy.autocast_dtype)
     total = torch.zeros((), device=policy.device)
     for i, batch in enumerate(micro_batches):
         sync = nullcontext()
