@@ -23,7 +23,7 @@ def train(tmp_path, backend: str, method: str, **extra):
 
     ds = write_demo_dataset(tmp_path / "data", 32, 8)
     config = build_config({}, {
-        "backend": backend, "method": method, "steps": STEPS, "eval_samples": 4, "eval_every": 0,
+        "backend": backend, "method": method, "steps": STEPS, "batch_size": 8, "eval_samples": 4, "eval_every": 0,
         "save_every": 0, "log_every": 1, "data": str(ds.train), "val_data": str(ds.val),
         "output": str(tmp_path / "run"), **extra,
     })
