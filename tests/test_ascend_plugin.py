@@ -134,17 +134,22 @@ def test_probe_without_torch_npu_says_what_to_install(no_torch_npu):
     assert "vlft[ascend]" in found.reason and "CANN" in found.reason
 
 
-@pytest.mark.parametrize("error", ["ImportError('libhccl.so: cannot open shared object file')",
-                                   "RuntimeError('call aclInit failed, error code 100000')"])
-def test_probe_when_importing_torch_npu_raises(error, tmp_path, monkeypatch):
-    """A real (tiny) package named torch_npu whose import raises, as it does without CANN."""
+def install_fake_torch_npu(tmp_path, monkeypatch, init_source: str) -> None:
+    """Put a real on-disk package ``torch_npu`` with ``init_source`` as its ``__init__`` on sys.path."""
     pkg = tmp_path / "torch_npu"
     pkg.mkdir()
-    (pkg / "__init__.py").write_text(f"raise {error}\n")
+    (pkg / "__init__.py").write_text(init_source)
     forget_module(monkeypatch, "torch_npu")
     clear_env(monkeypatch, *HCCL_ENV)
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
+
+
+@pytest.mark.parametrize("error", ["ImportError('libhccl.so: cannot open shared object file')",
+                                   "RuntimeError('call aclInit failed, error code 100000')"])
+def test_probe_when_importing_torch_npu_raises(error, tmp_path, monkeypatch):
+    """A real (tiny) package named torch_npu whose import raises, as it does without CANN."""
+    install_fake_torch_npu(tmp_path, monkeypatch, f"raise {error}\n")
     found = ascend.probe()
     assert not found.available
     assert "does not import" in found.reason
@@ -168,16 +173,11 @@ def test_probe_when_import_torch_itself_raises(stand_in, monkeypatch):
 
 def test_version_mismatch_is_found_from_metadata_without_importing(tmp_path, monkeypatch):
     """Mismatched versions are read from package metadata; the mismatched torch_npu is never imported."""
-    pkg = tmp_path / "torch_npu"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("raise AssertionError('the probe must not import a mismatched torch_npu')\n")
     dist = tmp_path / "torch_npu-2.1.0.post3.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: torch_npu\nVersion: 2.1.0.post3\n")
-    forget_module(monkeypatch, "torch_npu")
-    clear_env(monkeypatch, *HCCL_ENV)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    importlib.invalidate_caches()
+    install_fake_torch_npu(tmp_path, monkeypatch,
+                           "raise AssertionError('the probe must not import a mismatched torch_npu')\n")
     found = ascend.probe()
     assert not found.available
     assert "torch_npu 2.1.0.post3 is built for torch 2.1.0" in found.reason
