@@ -13,7 +13,7 @@ from collections import defaultdict
 import torch
 
 from .data import Collator, Record, SampleEncoder
-from .train import autocast_context, to_device, token_loss_sum
+from .train import autocast_context, label_count, model_inputs, to_device, token_loss_sum
 
 FIELD = re.compile(r"^\s*([A-Za-z][\w \-]*?)\s*:\s*(.*?)\s*$")
 
@@ -111,12 +111,12 @@ def validation_loss(model, loader_batches: list[dict], device, autocast_dtype=No
     was_training = model.training
     model.eval()
     total, tokens = 0.0, 0
-    for batch in loader_batches:
-        batch = to_device(batch, device)
+    for host_batch in loader_batches:
+        tokens += label_count(host_batch)
+        batch = to_device(host_batch, device)
         with autocast_context(device, autocast_dtype):
-            logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+            logits = model(**model_inputs(batch)).logits
         total += float(token_loss_sum(logits, batch["labels"]))
-        tokens += int((batch["labels"][:, 1:] != -100).sum())
     model.train(was_training)
     return total / max(tokens, 1)
 

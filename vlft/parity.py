@@ -56,10 +56,12 @@ def run_worker(backend: str, method: str, steps: int, precision: str, batch_size
     from .errors import BackendUnavailable
     from .plugins import get_registry
     from .run import prepare
-    from .train import batches, label_count, to_device, train_step
+    from .train import batches, train_step_on
 
+    # the run folder is never written (nothing is saved), but prepare() checks it is free
     values = dict(backend=backend, method=method, steps=steps, precision=precision, batch_size=batch_size,
-                  seed=seed, model=model, data=data, attn=attn, output=tempfile.mkdtemp(prefix="vlft-parity-"),
+                  seed=seed, model=model, data=data, attn=attn,
+                  output=str(Path(tempfile.gettempdir()) / f"vlft-parity-{os.getpid()}"),
                   eval_every=0, save_every=0, warmup_ratio=0.0)
     config = build_config({}, {k: v for k, v in values.items() if v is not None})
     try:
@@ -70,9 +72,7 @@ def run_worker(backend: str, method: str, steps: int, precision: str, batch_size
     records = []
     s.model.train()
     for step, group in enumerate(batches(s.dataset, s.collate, s.settings, 0), start=1):
-        tokens = sum(label_count(b) for b in group)
-        out = train_step(s.model, s.optimizer, s.scheduler, [to_device(b, s.device) for b in group], s.policy,
-                         tokens)
+        out = train_step_on(s.model, s.optimizer, s.scheduler, group, s.policy)
         records.append({
             "step": step,
             "loss": float(out["loss_sum"]) / out["global_tokens"],

@@ -77,12 +77,12 @@ def load_and_check_data(config: RunConfig, encoder) -> tuple[list, list]:
     return train, val
 
 
-def build_plan(registry: Registry, config: RunConfig, backend=None) -> tuple[RunPlan, object]:
+def build_plan(registry: Registry, config: RunConfig) -> tuple[RunPlan, object]:
     from .model import load_model_config, resolve_model_path
 
     model_path = resolve_model_path(config.model)
     model_config = load_model_config(model_path)
-    return resolve_plan(registry, config, model_path, model_config, backend), model_config
+    return resolve_plan(registry, config, model_path, model_config), model_config
 
 
 def plan_targets(registry: Registry, plan: RunPlan, model) -> None:
@@ -197,7 +197,7 @@ def prepare(registry: Registry, config: RunConfig) -> Session:
     """Check everything, then set up device, model, adapter, optimizer and schedule (no step taken)."""
     import torch
 
-    from .model import load_model, load_processor, resolve_model_path
+    from .model import load_model, load_model_config, load_processor, resolve_model_path
     from .plan import choose_backend
     from .train import LoopSettings, StepPolicy, cosine_with_warmup, seed_everything, total_steps_for
 
@@ -207,6 +207,7 @@ def prepare(registry: Registry, config: RunConfig) -> Session:
     registry.method(config.method)
     registry.first("vlft_adapter_defaults", method=config.method, config=config)  # checks --adapter-opt
     model_path = resolve_model_path(config.model)
+    model_config = load_model_config(model_path)
     processor = load_processor(model_path)
     encoder = data_mod.SampleEncoder(processor, max_pixels=config.max_pixels)
     train_records, val_records = load_and_check_data(config, encoder)
@@ -224,7 +225,7 @@ def prepare(registry: Registry, config: RunConfig) -> Session:
     for key, value in setup.env.items():
         os.environ.setdefault(key, value)
     device = setup.device
-    plan, _ = build_plan(registry, config, choice)
+    plan = resolve_plan(registry, config, model_path, model_config, choice)
     if config.world_size > 1:
         _init_distributed(plan, device)
         # every process writes under rank 0's folder (a default name carries a time stamp)

@@ -124,6 +124,14 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], policy: S
             "global_tokens": n_tokens}
 
 
+def train_step_on(model, optimizer, scheduler, host_batches: list[dict], policy: StepPolicy,
+                  non_blocking: bool = False) -> dict:
+    """``train_step`` on batches still on the host: count their label tokens there, then move them."""
+    local_tokens = sum(label_count(b) for b in host_batches)
+    batches_on_device = [to_device(b, policy.device, non_blocking) for b in host_batches]
+    return train_step(model, optimizer, scheduler, batches_on_device, policy, local_tokens)
+
+
 class EpochSampler(torch.utils.data.Sampler):
     """This process's share of a seeded shuffle, for one epoch, from a given offset.
 
@@ -302,9 +310,7 @@ def run_training(model, optimizer, scheduler, policy: StepPolicy, dataset, colla
     for group in batches(dataset, collate, settings, start_step):
         if step >= settings.total_steps:
             break
-        local_tokens = sum(label_count(b) for b in group)
-        group = [to_device(b, policy.device, non_blocking) for b in group]
-        out = train_step(model, optimizer, scheduler, group, policy, local_tokens)
+        out = train_step_on(model, optimizer, scheduler, group, policy, non_blocking)
         step += 1
         window_loss += out["loss_sum"]
         window_tokens += out["local_tokens"]
