@@ -55,7 +55,7 @@ def test_ascend_dry_run_on_a_machine_without_an_npu(clean, model_dir):
     a = plan["attention"]
     assert (a["vision"], a["text"]) == ("eager", "eager")
     p = plan["precision"]
-    assert (p["name"], p["param_dtype"], p["autocast_dtype"]) == ("fp16", "float32", "float16")
+    assert (p["name"], p["param_dtype"], p["autocast_dtype"]) == ("fp16", "float16", "float16")
     assert (p["loss_scaling"], p["init_scale"], p["growth_interval"]) == (True, 65536.0, 2000)
     assert plan["dataloader"]["pin_memory"] is False
     d = plan["distributed"]
@@ -77,7 +77,7 @@ def test_ascend_dry_run_human_readable(clean, model_dir):
     out = result.stdout
     assert "backend      ascend (device type npu): UNAVAILABLE here (torch_npu is not installed" in out
     assert "attention    vision=eager text=eager" in out
-    assert "precision    fp16: params float32, autocast float16, dynamic loss scaling (initial scale 65536" in out
+    assert "precision    fp16: params float16, autocast float16, dynamic loss scaling (initial scale 65536" in out
     assert "dataloader   pin_memory=False" in out
     assert "distributed  hccl" in out and "HCCL_CONNECT_TIMEOUT=1200" in out and "HCCL_EXEC_TIMEOUT=1800" in out
     assert "model.visual.blocks." in out

@@ -120,6 +120,8 @@ def run(ctx, config_file, as_json, quiet, nproc_per_node, nnodes, node_rank, mas
     if config.dry_run:
         desc = result.description
         click.echo(json.dumps(desc, indent=2, default=str) if as_json else format_plan(desc))
+        if desc["memory"] and desc["memory"]["fits"] is False and not config.no_memory_check:
+            raise click.ClickException("this run will not fit its device; the memory plan above names the fixes")
 
 
 @cli.command()

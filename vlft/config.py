@@ -54,6 +54,19 @@ class RunConfig:
     max_pixels: int | None = opt(None, "Cap on each image's pixel count (e.g. 200704 = 448*448).")
     precision: str = opt("auto", "auto, fp32, bf16 or fp16; auto takes the backend's choice.",
                          choices=("auto", "fp32", "bf16", "fp16"))
+    param_dtype: str = opt("auto", "Dtype of the frozen base weights: auto (the backend's choice: fp32 on the CPU "
+                                   "reference, bf16 or fp16 on accelerators), fp32, bf16 or fp16. Adapter weights "
+                                   "are always fp32.", choices=("auto", "fp32", "bf16", "fp16"))
+    grad_checkpointing: str = opt("auto", "Activation checkpointing (non-reentrant, both towers): on, off, or auto "
+                                          "(on when the memory plan says the run does not fit without it).",
+                                  choices=("auto", "on", "off"))
+    max_length: int | None = opt(None, "Longest sample in tokens, image tokens included; longer samples are an "
+                                       "error (or skipped with --skip-too-long). Samples are never truncated.")
+    skip_too_long: bool = opt(False, "Skip samples longer than --max-length (counted and listed in the summary) "
+                                     "instead of stopping.", flag=True)
+    device_memory: str | None = opt(None, "Plan for a device of this much memory (e.g. 24GiB, 64GB) instead of "
+                                          "the one found; lets a dry run here plan for a card it does not have.")
+    no_memory_check: bool = opt(False, "Train even when the memory plan says the run will not fit.", flag=True)
     attn: str | None = opt(None, "Attention: one implementation, or per tower as 'vision=eager,text=sdpa'.")
     num_workers: int | None = opt(None, "DataLoader workers; default: the backend's.")
     log_every: int = opt(10, "Write metrics.jsonl every N steps.")
@@ -182,9 +195,30 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"--lr must be positive, got {cfg.lr}")
     if not 0 <= cfg.warmup_ratio < 1:
         raise ConfigError(f"--warmup-ratio must be in [0, 1), got {cfg.warmup_ratio}")
+    if cfg.max_length is not None and cfg.max_length < 1:
+        raise ConfigError(f"--max-length must be at least 1, got {cfg.max_length}")
+    if cfg.skip_too_long and cfg.max_length is None:
+        raise ConfigError("--skip-too-long needs --max-length N (the length above which samples are skipped)")
+    if cfg.device_memory is not None:
+        parse_bytes(cfg.device_memory, "--device-memory")
     if cfg.max_pixels is not None and cfg.max_pixels < 28 * 28:
         raise ConfigError(f"--max-pixels must be at least {28 * 28} (one merged patch), got {cfg.max_pixels}")
     parse_attn(cfg.attn)
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2, "g": 1000 ** 3, "gb": 1000 ** 3,
+          "t": 1000 ** 4, "tb": 1000 ** 4, "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+
+
+def parse_bytes(value: str | int, flag: str = "size") -> int:
+    """'24GiB' -> 25769803776, '64GB' -> 64e9, '1.5 TiB', or a plain number of bytes."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS:
+        raise ConfigError(f"{flag}: cannot read '{value}' as a size; write e.g. 24GiB, 80GB or 65536MiB")
+    return int(float(m.group(1)) * _UNITS[unit])
 
 
 ATTN_CHOICES = ("eager", "sdpa", "flash_attention_2")

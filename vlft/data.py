@@ -56,6 +56,7 @@ class Record:
     images: list[str | bytes]  # absolute path, or decoded image bytes
     where: str  # "file.jsonl:12" or "file.json[3]"
     id: str | None = None
+    image_sizes: list[tuple[int, int]] | None = None  # (width, height) of each image, read at validation
 
     @property
     def reference(self) -> str:
@@ -221,11 +222,12 @@ def read_records(path: str | Path, check_images: bool = True) -> list[Record]:
             )
             continue
         sources: list[str | bytes] = []
+        sizes: list[tuple[int, int]] = []
         for value in raw_images:
             source, problem = _resolve_image(value, base_dir)
             if problem is None and check_images:
                 try:
-                    load_image(source)
+                    sizes.append(load_image(source).size)
                 except (UnidentifiedImageError, OSError, ValueError) as e:
                     label = value if isinstance(source, str) else "base64 image"
                     problem = f"image '{label}' cannot be read ({e.__class__.__name__}: {e})"
@@ -236,7 +238,7 @@ def read_records(path: str | Path, check_images: bool = True) -> list[Record]:
             sources.append(source)
         if bad:
             continue
-        records.append(Record(turns, sources, where, obj.get("id")))
+        records.append(Record(turns, sources, where, obj.get("id"), sizes if check_images else None))
     problems.raise_if_any()
     if not records:
         raise DataError(f"{path} holds no records")
@@ -306,6 +308,29 @@ class SampleEncoder:
                 pieces.append((reply[cut:], False))
             done = full
         return pieces
+
+    def image_grid(self, width: int, height: int) -> tuple[int, int, int]:
+        """The (t, h, w) patch grid the image processor makes of an image of this size, without decoding it."""
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+        ip = self.processor.image_processor
+        size = self.image_kwargs.get("size", ip.size)
+        factor = ip.patch_size * ip.merge_size
+        h, w = smart_resize(height, width, factor, min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"])
+        return 1, h // ip.patch_size, w // ip.patch_size
+
+    def measure(self, record: Record) -> tuple[int, list[tuple[int, int, int]]]:
+        """(tokens, image grids) of a record as ``encode`` would make it, image tokens included."""
+        sizes = record.image_sizes
+        if sizes is None:
+            sizes = []
+            for source in record.images:
+                with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as img:
+                    sizes.append(img.size)
+        grids = [self.image_grid(w, h) for w, h in sizes]
+        counts = torch.tensor(grids) if grids else None
+        input_ids, _ = self._tokenize(self.pieces(record.turns, record.where), counts)
+        return len(input_ids), grids
 
     def _images(self, record: Record) -> dict:
         if not record.images:
@@ -401,3 +426,52 @@ class Collator:
             batch["pixel_values"] = torch.cat([s["pixel_values"] for s in with_images])
             batch["image_grid_thw"] = torch.cat([s["image_grid_thw"] for s in with_images])
         return batch
+
+
+@dataclass
+class LengthReport:
+    """Sample lengths in tokens (image tokens included), found when the data is checked."""
+
+    lengths: list[int]
+    grids: list[list[tuple[int, int, int]]]
+    skipped: list[dict] = field(default_factory=list)  # {"where", "length"} of samples over --max-length
+
+    def describe(self, limit: int | None) -> dict:
+        ordered = sorted(self.lengths)
+        return {
+            "max_length": limit, "samples": len(ordered), "longest": ordered[-1] if ordered else 0,
+            "median": ordered[len(ordered) // 2] if ordered else 0, "skipped": len(self.skipped),
+            "skipped_samples": self.skipped,
+        }
+
+
+def check_lengths(records: list[Record], encoder: SampleEncoder, max_length: int | None, skip: bool,
+                  what: str = "data") -> tuple[list[Record], LengthReport]:
+    """Measure every record; over ``max_length`` is an error naming each one, or with ``skip`` is dropped.
+
+    Samples are never truncated: a cut could fall inside an image's tokens, which the model cannot read.
+    """
+    kept: list[Record] = []
+    report = LengthReport([], [])
+    too_long: list[tuple[str, int]] = []
+    for rec in records:
+        n, grids = encoder.measure(rec)
+        if max_length is not None and n > max_length:
+            too_long.append((rec.where, n))
+            continue
+        kept.append(rec)
+        report.lengths.append(n)
+        report.grids.append(grids)
+    if too_long and not skip:
+        shown = "\n  ".join(f"{where}: {n} tokens" for where, n in too_long[:MAX_REPORTED_PROBLEMS])
+        more = len(too_long) - MAX_REPORTED_PROBLEMS
+        raise DataError(
+            f"{len(too_long)} sample(s) in the {what} are longer than --max-length {max_length} (image tokens "
+            f"included):\n  {shown}" + (f"\n  ... and {more} more" if more > 0 else "")
+            + "\nRaise --max-length, lower --max-pixels (fewer image tokens), or pass --skip-too-long to leave "
+              "them out (they are counted and listed in the summary); nothing was written."
+        )
+    report.skipped = [{"where": where, "length": n} for where, n in too_long]
+    if not kept:
+        raise DataError(f"every sample in the {what} is longer than --max-length {max_length}; nothing to train on")
+    return kept, report

@@ -107,6 +107,16 @@ def vlft_memory_reader(backend, device):
     """
 
 
+@hookspec(firstresult=True)
+def vlft_device_capacity(backend, config):
+    """Return a ``DeviceCapacity``: the memory of this process's device (``config.local_rank``).
+
+    Called once before any weight is loaded, for the memory plan; it may be
+    called where the device is absent (a dry run): answer
+    ``DeviceCapacity(None, ...)`` then, never raise. First answer wins.
+    """
+
+
 @hookspec
 def vlft_patch_model(backend, model, config, attention):
     """Rewrite parts of a loaded model that ``backend`` cannot run as they are.

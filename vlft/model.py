@@ -2,15 +2,51 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from .errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
+# Public configs of models whose weights are not on this disk: plans (dry runs) without a download.
+BUNDLED_CONFIGS = Path(__file__).parent / "model_configs"
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+
+
+def bundled_config(name: str) -> Path | None:
+    """The bundled config folder for a name like ``qwen2.5-vl-7b`` or ``Qwen/Qwen2.5-VL-7B-Instruct``."""
+    m = re.fullmatch(r"(?:qwen/)?qwen2\.5-vl-(\d+b)(?:-instruct)?", name.strip().lower())
+    if not m:
+        return None
+    path = BUNDLED_CONFIGS / f"qwen2.5-vl-{m.group(1)}"
+    return path if (path / "config.json").is_file() else None
+
+
+def bundled_names() -> list[str]:
+    return sorted((p.name for p in BUNDLED_CONFIGS.iterdir() if (p / "config.json").is_file()),
+                  key=lambda n: int(re.sub(r"\D", "", n.split("-")[-1]) or 0))
+
+
+def is_bundled(path: str) -> bool:
+    return Path(path).resolve().parent == BUNDLED_CONFIGS.resolve()
+
+
+def require_weights(path: str, asked: str | None) -> None:
+    """A real run needs weights; a bundled config has none: say where to put them."""
+    if not is_bundled(path):
+        return
+    name = Path(path).name
+    hub = "Qwen/" + name.replace("qwen2.5-vl", "Qwen2.5-VL").replace("b", "B") + "-Instruct"
+    raise ConfigError(
+        f"--model {asked}: vlft ships only the config of {name} (enough for --dry-run and the memory plan), "
+        f"not its weights. Download them on a machine with internet, e.g. `huggingface-cli download {hub} "
+        f"--local-dir /models/{hub.split('/')[1]}`, and pass --model /models/{hub.split('/')[1]}"
+    )
 
 
 def resolve_model_path(model: str | None) -> str:
-    """The embedded default when ``model`` is None; otherwise a local directory (or a hub id, if reachable)."""
+    """The embedded default when ``model`` is None; a local directory; a bundled config name
+    (``qwen2.5-vl-7b``: weightless, for planning); or a hub id, if reachable."""
     if model is None:
         from .embedded import embedded_model_dir
 
@@ -20,8 +56,11 @@ def resolve_model_path(model: str | None) -> str:
         if not (path / "config.json").is_file():
             raise ConfigError(f"--model {model}: no config.json there; point --model at a Qwen2.5-VL model directory")
         return str(path.resolve())
+    if (bundled := bundled_config(model)) is not None and not path.exists():
+        return str(bundled)
     if model.startswith((".", "/", "~")) or model.count("/") != 1:
-        raise ConfigError(f"--model {model}: directory not found")
+        raise ConfigError(f"--model {model}: directory not found (bundled configs for planning: "
+                          f"{', '.join(bundled_names())})")
     return model  # a hub id: transformers resolves it (its cache, or the network where there is one)
 
 
@@ -40,7 +79,18 @@ def load_model_config(path: str):
 
 
 def load_processor(path: str):
+    """The model's processor; for a bundled config, its image processor with the embedded tokenizer as a
+    stand-in (the real tokenizer is not bundled, so text lengths are approximate; image tokens are exact)."""
     from transformers import AutoProcessor
+
+    if is_bundled(path):
+        from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
+        from .embedded import CHAT_TEMPLATE, embedded_model_dir
+
+        tokenizer = AutoProcessor.from_pretrained(embedded_model_dir()).tokenizer
+        return Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor.from_pretrained(path), tokenizer=tokenizer,
+                                   video_processor=Qwen2VLVideoProcessor(), chat_template=CHAT_TEMPLATE)
 
     try:
         return AutoProcessor.from_pretrained(path)
@@ -69,3 +119,40 @@ def tower_attention(model) -> dict[str, str]:
         "vision": getattr(cfg.vision_config, "_attn_implementation", None),
         "text": getattr(cfg.text_config, "_attn_implementation", None),
     }
+
+
+def enable_checkpointing(model, vision_adapted: bool) -> None:
+    """Non-reentrant activation checkpointing in both towers, through transformers' own switch.
+
+    Non-reentrant checkpointing needs no input that requires grad (reentrant
+    would give vision adapters no gradient, peft issue 2880), so the input
+    hooks transformers adds for the reentrant case are removed again: they
+    would make the frozen vision tower build an autograd graph. Vision blocks
+    are checkpointed only when some are adapted; otherwise nothing there is
+    kept for backward anyway.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    base.disable_input_require_grads()
+    if not vision_adapted:
+        visual = getattr(getattr(base, "model", base), "visual", None)
+        for module in (visual.modules() if visual is not None else ()):
+            if hasattr(module, "gradient_checkpointing"):
+                module.gradient_checkpointing = False
+
+
+def upcast_trainable(model) -> list[str]:
+    """Every trainable parameter in fp32 (PEFT upcasts its adapter layers only); returns the names it cast.
+
+    A half-precision trainable weight under a loss scaler fails in
+    ``unscale_`` ("Attempting to unscale FP16 gradients"), and in bf16 its
+    updates round away; the frozen base keeps its own dtype.
+    """
+    import torch
+
+    cast = []
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
+            cast.append(name)
+    return cast

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import RunConfig
-from .errors import BackendUnavailable
+from .errors import BackendUnavailable, ConfigError
 from .plugins import Registry
 from .policies import (
     AdapterDefaults, AttentionPolicy, BackendInfo, DataLoaderOptions, DistributedOptions, MethodInfo,
@@ -42,6 +42,13 @@ class RunPlan:
     target_params: dict[str, int] = field(default_factory=dict)  # module -> adapter parameters
     target_summary: dict[str, Any] = field(default_factory=dict)
     patches: list[str] = field(default_factory=list)
+    memory: Any = None  # memory.MemoryPlan, once the data and the model's shape are known
+    lengths: dict[str, Any] = field(default_factory=dict)  # sample lengths: longest, skipped, limit
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def checkpointing(self) -> bool:
+        return bool(self.memory and self.memory.checkpointing)
 
     def describe(self) -> dict:
         """Everything resolved, as JSON-ready data."""
@@ -73,6 +80,13 @@ class RunPlan:
                 "adapter_parameters": sum(self.target_params.values()),
             },
             "model_patches": self.patches,
+            "param_dtype": {"dtype": self.precision.param_dtype, "reason": self.precision.param_reason,
+                            "trainable": "float32"},
+            "checkpointing": {"enabled": self.checkpointing, "asked": self.config.grad_checkpointing,
+                              "reason": self.memory.checkpointing_reason if self.memory else ""},
+            "lengths": self.lengths,
+            "memory": self.memory.describe() if self.memory else None,
+            "notes": self.notes,
             "training": {
                 k: getattr(self.config, k)
                 for k in ("steps", "epochs", "batch_size", "grad_accum", "weight_decay", "warmup_ratio",
@@ -107,6 +121,34 @@ def require_available(choice: BackendChoice) -> None:
         )
 
 
+HALF_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def resolve_precision(registry: Registry, backend: str, config: RunConfig):
+    """The backend's precision policy, with the base-weight dtype the user asked for.
+
+    Half-precision base weights compute in their own dtype, so ``--param-dtype bf16``
+    with ``--precision auto`` asks the backend for bf16 compute; an explicit
+    mismatch (fp16 weights under fp32 or bf16 compute) is refused.
+    """
+    asked = config.precision
+    if asked == "auto" and config.param_dtype in HALF_DTYPES:
+        asked = config.param_dtype
+    policy = registry.first("vlft_precision_policy", backend=backend,
+                            config=dataclasses.replace(config, precision=asked))
+    if config.param_dtype == "auto":
+        return policy
+    dtype = HALF_DTYPES.get(config.param_dtype, "float32")
+    if dtype != "float32" and policy.autocast_dtype != dtype:
+        raise ConfigError(
+            f"--param-dtype {config.param_dtype} needs {config.param_dtype} compute, but the precision is "
+            f"{policy.name}; use --precision {config.param_dtype} (or auto), or --param-dtype fp32"
+        )
+    policy.param_dtype = dtype
+    policy.param_reason = f"{config.param_dtype} weights, as asked"
+    return policy
+
+
 def resolve_plan(registry: Registry, config: RunConfig, model_path: str, model_config,
                  backend: BackendChoice | None = None) -> RunPlan:
     """Ask the plugins once for every policy. A real run passes the ``backend`` it has already
@@ -123,7 +165,7 @@ def resolve_plan(registry: Registry, config: RunConfig, model_path: str, model_c
     return RunPlan(
         config=config,
         backend=backend,
-        precision=registry.first("vlft_precision_policy", backend=name, config=config),
+        precision=resolve_precision(registry, name, config),
         attention=registry.first("vlft_attention_implementation", backend=name, config=config,
                                  model_config=model_config),
         dataloader=options,

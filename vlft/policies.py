@@ -73,12 +73,13 @@ class PrecisionPolicy:
     """
 
     name: str  # "fp32", "bf16", "fp16"
-    param_dtype: str = "float32"
+    param_dtype: str = "float32"  # the frozen base weights; trainable (adapter) weights are always float32
     autocast_dtype: str | None = None  # None: no autocast
     loss_scaling: bool = False
     init_scale: float = 2.0 ** 16
     growth_interval: int = 2000
     reason: str = ""
+    param_reason: str = ""  # why the base weights have ``param_dtype``
     make_scaler: Callable[[], Any] | None = field(default=None, repr=False, compare=False)
 
     def describe(self) -> dict:
@@ -122,6 +123,21 @@ class MemoryStats:
 
     peak_bytes: int | None = None
     current_bytes: int | None = None
+
+
+@dataclass
+class DeviceCapacity:
+    """How much memory one process's device offers, for the memory plan.
+
+    ``total_bytes`` None means the backend cannot tell here (a dry run for a
+    device this machine lacks); ``--device-memory`` then supplies it.
+    ``reserved_bytes`` is what the runtime itself takes outside the tensors
+    vlft counts (CUDA context, cuBLAS workspace, HCCL buffers, interpreter).
+    """
+
+    total_bytes: int | None
+    reserved_bytes: int = 0
+    source: str = ""
 
 
 @dataclass

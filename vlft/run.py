@@ -56,7 +56,8 @@ def default_output(config: RunConfig, backend: str) -> Path:
     return Path("runs") / f"{stamp}-{config.method}-{backend}"
 
 
-def load_and_check_data(config: RunConfig, encoder) -> tuple[list, list]:
+def load_and_check_data(config: RunConfig, encoder) -> tuple[list, list, data_mod.LengthReport]:
+    """Read and check both splits, lengths included; samples over --max-length stop the run or are skipped."""
     train_path, val_path = resolve_data_paths(config)
     train = data_mod.read_records(train_path)
     if val_path is not None:
@@ -71,22 +72,18 @@ def load_and_check_data(config: RunConfig, encoder) -> tuple[list, list]:
         held = set(order[:n_val])
         val = [r for i, r in enumerate(train) if i in held]
         train = [r for i, r in enumerate(train) if i not in held] or train
-    # the chat template must split every record into prompt and reply pieces
-    for rec in (*train, *val):
-        encoder.pieces(rec.turns, rec.where)
-    return train, val
+    # measuring renders every record with the chat template, which checks it splits into prompt and reply
+    train, lengths = data_mod.check_lengths(train, encoder, config.max_length, config.skip_too_long,
+                                            "training data")
+    val, val_lengths = data_mod.check_lengths(val, encoder, config.max_length, config.skip_too_long,
+                                              "validation data") if val else (val, None)
+    if val_lengths is not None:
+        lengths.skipped += [dict(s, split="validation") for s in val_lengths.skipped]
+    return train, val, lengths
 
 
-def build_plan(registry: Registry, config: RunConfig) -> tuple[RunPlan, object]:
-    from .model import load_model_config, resolve_model_path
-
-    model_path = resolve_model_path(config.model)
-    model_config = load_model_config(model_path)
-    return resolve_plan(registry, config, model_path, model_config), model_config
-
-
-def plan_targets(registry: Registry, plan: RunPlan, model) -> None:
-    """Fill the plan's target list and per-module adapter parameter counts (model may be on 'meta')."""
+def plan_targets(registry: Registry, plan: RunPlan, model):
+    """Adapt ``model`` (real or on 'meta'); fill the plan's target list and per-module adapter parameter counts."""
     from .targets import select_targets
 
     tp = select_targets(model, plan.adapter, plan.config.targets, plan.config.vision_last_n)
@@ -107,15 +104,80 @@ def plan_targets(registry: Registry, plan: RunPlan, model) -> None:
     return adapted
 
 
-def dry_run(registry: Registry, plan: RunPlan, model_config) -> dict:
-    """Resolve targets on a weightless copy of the model and return the plan."""
-    import torch
-    from transformers import AutoModelForImageTextToText
+@dataclass
+class Planned:
+    """A run resolved and checked before any weight is loaded: policies, data, targets, memory."""
 
-    with torch.device("meta"):
-        skeleton = AutoModelForImageTextToText.from_config(model_config)
-    plan_targets(registry, plan, skeleton)
-    return plan.describe()
+    plan: RunPlan
+    model_config: object
+    processor: object
+    encoder: data_mod.SampleEncoder
+    train_records: list
+    val_records: list
+    total_steps: int
+
+
+def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
+    """Everything a run decides before loading weights; ``--dry-run`` stops after this.
+
+    Order: backend, method, model config, data (lengths included), policies, targets on a weightless
+    copy of the model, then the memory plan against the device's capacity.
+    """
+    import torch
+
+    from . import memory
+    from .config import parse_bytes
+    from .model import load_model_config, load_processor, resolve_model_path
+    from .train import total_steps_for
+
+    registry.method(config.method)
+    registry.first("vlft_adapter_defaults", method=config.method, config=config)  # checks --adapter-opt
+    model_path = resolve_model_path(config.model)
+    model_config = load_model_config(model_path)
+    processor = load_processor(model_path)
+    encoder = data_mod.SampleEncoder(processor, max_pixels=config.max_pixels)
+    train, val, lengths = load_and_check_data(config, encoder)
+    plan = resolve_plan(registry, config, model_path, model_config, choice)
+    plan.lengths = lengths.describe(config.max_length)
+    from .model import is_bundled
+
+    if is_bundled(model_path):
+        plan.notes.append("bundled config without weights: text lengths counted with the embedded tokenizer "
+                          "(a stand-in; image tokens are exact)")
+    epochs = config.epochs
+    if epochs is None and config.steps is None and config.data is None:
+        from .demo_data import RECOMMENDED_EPOCHS
+
+        epochs = RECOMMENDED_EPOCHS
+    total_steps = total_steps_for(len(train), config.steps, epochs, config.batch_size, config.grad_accum,
+                                  config.world_size)
+
+    # targets and memory on a weightless copy, in the dtype the layers will compute in
+    compute = plan.precision.autocast_dtype or plan.precision.param_dtype
+    skeleton = plan_targets(registry, plan, memory.skeleton(model_config, plan.attention, getattr(torch, compute)))
+    capacity = registry.hook.vlft_device_capacity(backend=plan.backend.info.name, config=config) or \
+        memory.DeviceCapacity(None, 0, f"backend {plan.backend.info.name} does not report its memory")
+    total, source = capacity.total_bytes, capacity.source
+    if config.device_memory:
+        total, source = parse_bytes(config.device_memory, "--device-memory"), f"--device-memory {config.device_memory}"
+    shapes = memory.largest_batches(lengths.lengths, lengths.grids, config.batch_size, config.grad_accum,
+                                    config.world_size, config.seed, total_steps)
+    plan.memory = memory.worst_plan(skeleton, model_config, plan.precision.param_dtype,
+                                    plan.precision.autocast_dtype, shapes, capacity.reserved_bytes, total, source)
+    memory.decide(plan.memory, config.grad_checkpointing, skeleton, model_config, plan.precision.autocast_dtype,
+                  config.batch_size, config.grad_accum, config.max_pixels)
+    return Planned(plan, model_config, processor, encoder, train, val, total_steps)
+
+
+def check_fits(plan: RunPlan) -> None:
+    """Stop before loading when the memory plan says the run cannot fit (unless told to go on)."""
+    m = plan.memory
+    if m is None or m.fits() is not False or plan.config.no_memory_check:
+        return
+    raise ConfigError(
+        "the run will not fit its device: " + "\n".join(m.format())
+        + "\nApply one of the fixes above (or pass --no-memory-check to try anyway); nothing was loaded or written."
+    )
 
 
 def format_plan(desc: dict) -> str:
@@ -140,6 +202,20 @@ def format_plan(desc: dict) -> str:
         f"{t['text_layers']} text layers; {len(t['modules'])} modules, {t['adapter_parameters']:,} adapter parameters",
     ]
     lines += [f"             {name}  ({count:,} params)" for name, count in t["modules"].items()]
+    pd, ck, ln = desc["param_dtype"], desc["checkpointing"], desc["lengths"]
+    lines.append(f"weights      base {pd['dtype']}" + (f" ({pd['reason']})" if pd["reason"] else "")
+                 + ", trainable float32")
+    lines.append(f"checkpoint   {'on' if ck['enabled'] else 'off'} ({ck['reason']})")
+    if ln:
+        lines.append(f"lengths      longest {ln['longest']} tokens, median {ln['median']}, limit "
+                     f"{ln['max_length'] or 'none'}" + (f"; {ln['skipped']} sample(s) over it skipped"
+                                                        if ln["skipped"] else ""))
+        lines += [f"             skipped {s['where']} ({s['length']} tokens)" for s in ln["skipped_samples"][:20]]
+    if desc["memory"]:
+        from .memory import format_memory
+
+        lines += format_memory(desc["memory"])
+    lines += [f"note         {n}" for n in desc["notes"]]
     if desc["model_patches"]:
         lines += ["patches      " + "; ".join(desc["model_patches"])]
     for w in b["warnings"]:
@@ -197,20 +273,13 @@ def prepare(registry: Registry, config: RunConfig) -> Session:
     """Check everything, then set up device, model, adapter, optimizer and schedule (no step taken)."""
     import torch
 
-    from .model import load_model, load_model_config, load_processor, resolve_model_path
+    from .model import enable_checkpointing, load_model, require_weights, upcast_trainable
     from .plan import choose_backend
-    from .train import LoopSettings, StepPolicy, cosine_with_warmup, seed_everything, total_steps_for
+    from .train import LoopSettings, StepPolicy, cosine_with_warmup, seed_everything
 
     choice = choose_backend(registry, config.backend)
     require_available(choice)
     backend = choice.info.name
-    registry.method(config.method)
-    registry.first("vlft_adapter_defaults", method=config.method, config=config)  # checks --adapter-opt
-    model_path = resolve_model_path(config.model)
-    model_config = load_model_config(model_path)
-    processor = load_processor(model_path)
-    encoder = data_mod.SampleEncoder(processor, max_pixels=config.max_pixels)
-    train_records, val_records = load_and_check_data(config, encoder)
     output = Path(config.output) if config.output else default_output(config, backend)
     if config.resume:
         if not (output / "checkpoints").exists():
@@ -225,7 +294,10 @@ def prepare(registry: Registry, config: RunConfig) -> Session:
     for key, value in setup.env.items():
         os.environ.setdefault(key, value)
     device = setup.device
-    plan = resolve_plan(registry, config, model_path, model_config, choice)
+    planned = plan_run(registry, config, choice)
+    plan, processor = planned.plan, planned.processor
+    require_weights(plan.model_path, config.model)
+    check_fits(plan)
     if config.world_size > 1:
         _init_distributed(plan, device)
         # every process writes under rank 0's folder (a default name carries a time stamp)
@@ -239,6 +311,11 @@ def prepare(registry: Registry, config: RunConfig) -> Session:
                     if ps for p in ps]
     seed_everything(config.seed)  # adapter initialisation is seeded the same on every backend
     model = plan_targets(registry, plan, model)
+    cast = upcast_trainable(model)
+    if cast:
+        plan.notes.append(f"{len(cast)} trainable parameter(s) upcast to fp32 (e.g. {cast[0]})")
+    if plan.checkpointing:
+        enable_checkpointing(model, vision_adapted=bool(plan.target_summary.get("vision_blocks")))
     model.to(device)
 
     def save_adapter(m, path):
@@ -246,13 +323,7 @@ def prepare(registry: Registry, config: RunConfig) -> Session:
 
     autocast_dtype = getattr(torch, plan.precision.autocast_dtype) if plan.precision.autocast_dtype else None
     scaler = plan.precision.make_scaler() if plan.precision.loss_scaling else None
-    epochs = config.epochs
-    if epochs is None and config.steps is None and config.data is None:
-        from .demo_data import RECOMMENDED_EPOCHS
-
-        epochs = RECOMMENDED_EPOCHS
-    total_steps = total_steps_for(len(train_records), config.steps, epochs, config.batch_size,
-                                  config.grad_accum, config.world_size)
+    total_steps = planned.total_steps
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=plan.lr, weight_decay=config.weight_decay)
     scheduler = cosine_with_warmup(optimizer, int(config.warmup_ratio * total_steps), total_steps)
@@ -264,8 +335,9 @@ def prepare(registry: Registry, config: RunConfig) -> Session:
         loader_kwargs=plan.dataloader.loader_kwargs(),
     )
     collate = data_mod.Collator(processor.tokenizer.pad_token_id, processor.image_token_id)
-    return Session(plan, config, processor, encoder, train_records, val_records, output, device, model, optimizer,
-                   scheduler, policy, settings, collate, memory_reader, save_adapter, autocast_dtype)
+    return Session(plan, config, processor, planned.encoder, planned.train_records, planned.val_records, output,
+                   device, model, optimizer, scheduler, policy, settings, collate, memory_reader, save_adapter,
+                   autocast_dtype)
 
 
 def execute(registry: Registry, config: RunConfig, progress: bool = True) -> RunResult:
@@ -276,8 +348,8 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
     from .train import CheckpointStore, MetricsLog, run_training
 
     if config.dry_run:
-        plan, model_config = build_plan(registry, config)
-        return RunResult(None, plan, description=dry_run(registry, plan, model_config))
+        plan = plan_run(registry, config).plan
+        return RunResult(None, plan, description=plan.describe())
     s = prepare(registry, config)
     plan = s.plan
     rank, output, model, device = config.rank, s.output, s.model, s.device
@@ -350,6 +422,9 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
             "final_loss": records[-1]["loss"] if records else None, "peak_memory_bytes": mem.peak_bytes,
             "exact_match_before": before["exact_match"], "exact_match_after": after["exact_match"],
             "adapter": str(adapter_dir),
+            "param_dtype": plan.precision.param_dtype, "checkpointing": plan.checkpointing,
+            "memory_estimate_bytes": plan.memory.total_bytes() if plan.memory else None,
+            "skipped_too_long": plan.lengths.get("skipped_samples", []),
         }
         (output / "summary.json").write_text(json.dumps(summary, indent=2))
         print(format_table(before, after))

@@ -33,8 +33,8 @@ from pathlib import Path
 from vlft.errors import ConfigError
 from vlft.hookspecs import hookimpl
 from vlft.policies import (
-    AttentionPolicy, BackendInfo, DataLoaderOptions, DeviceSetup, DistributedOptions, DoctorCheck, MemoryStats,
-    PrecisionPolicy, ProbeResult,
+    AttentionPolicy, BackendInfo, DataLoaderOptions, DeviceCapacity, DeviceSetup, DistributedOptions, DoctorCheck,
+    MemoryStats, PrecisionPolicy, ProbeResult,
 )
 
 NAME = "ascend"
@@ -298,14 +298,14 @@ def vlft_precision_policy(backend, config):
         return None
     if config.precision in ("auto", "fp16"):
         return PrecisionPolicy(
-            "fp16", autocast_dtype="float16", loss_scaling=True, init_scale=LOSS_SCALE,
-            growth_interval=GROWTH_INTERVAL,
+            "fp16", param_dtype="float16", autocast_dtype="float16", loss_scaling=True, init_scale=LOSS_SCALE,
+            growth_interval=GROWTH_INTERVAL, param_reason="fp16 weights, matching fp16 compute",
             reason=("fp16 autocast with dynamic loss scaling (torch.npu.amp.GradScaler); "
                     + ("the NPU default" if config.precision == "auto" else "as asked")),
             make_scaler=functools.partial(_make_scaler, LOSS_SCALE, GROWTH_INTERVAL),
         )
     if config.precision == "fp32":
-        return PrecisionPolicy("fp32", reason="full precision, as asked")
+        return PrecisionPolicy("fp32", reason="full precision, as asked", param_reason="fp32 weights for fp32 compute")
     if config.precision == "bf16":
         found = probe()
         if not found.available:
@@ -317,7 +317,8 @@ def vlft_precision_policy(backend, config):
                 raise ConfigError(f"--precision bf16: this NPU ({name}) has no bf16 (Ascend 910A and 310P lack it); "
                                   "use --precision fp16 or auto")
             why = "bf16 autocast, as asked (torch.npu.is_bf16_supported())"
-        return PrecisionPolicy("bf16", autocast_dtype="bfloat16", reason=why)
+        return PrecisionPolicy("bf16", param_dtype="bfloat16", autocast_dtype="bfloat16", reason=why,
+                               param_reason="bf16 weights, matching bf16 compute")
     raise ConfigError(f"backend {NAME} does not support precision '{config.precision}'")
 
 
@@ -370,6 +371,25 @@ def vlft_seed(backend, seed, deterministic):
 
         torch.use_deterministic_algorithms(True, warn_only=True)
         os.environ.setdefault("HCCL_DETERMINISTIC", "true")
+
+
+# CANN's runtime, HCCL buffers and the operator workspace live outside torch_npu's allocator statistics.
+NPU_RESERVED = 2 * 2 ** 30
+
+
+@hookimpl
+def vlft_device_capacity(backend, config):
+    if backend != NAME:
+        return None
+    try:
+        if not probe().available:
+            return DeviceCapacity(None, NPU_RESERVED, "no NPU usable here")
+        npu = _npu()
+        index = config.local_rank if config.local_rank < npu.device_count() else 0
+        props = npu.get_device_properties(index)
+        return DeviceCapacity(int(props.total_memory), NPU_RESERVED, f"npu:{index} {props.name}")
+    except Exception as e:  # noqa: BLE001 - planning must not crash on a driver hiccup
+        return DeviceCapacity(None, NPU_RESERVED, f"cannot read the NPU's memory ({_first_line(e)})")
 
 
 @hookimpl

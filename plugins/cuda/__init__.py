@@ -28,7 +28,7 @@ from pathlib import Path
 from vlft.errors import ConfigError
 from vlft.hookspecs import hookimpl
 from vlft.policies import (
-    AttentionPolicy, BackendInfo, DataLoaderOptions, DeviceSetup, DistributedOptions, DoctorCheck, MemoryStats,
+    AttentionPolicy, BackendInfo, DataLoaderOptions, DeviceCapacity, DeviceSetup, DistributedOptions, DoctorCheck, MemoryStats,
     PrecisionPolicy, ProbeResult,
 )
 
@@ -232,9 +232,11 @@ def _make_scaler(init_scale: float, growth_interval: int):
 
 
 def _fp16(reason: str) -> PrecisionPolicy:
+    # half-precision base weights halve the memory of the frozen model; adapters stay fp32
     return PrecisionPolicy(
-        "fp16", autocast_dtype="float16", loss_scaling=True, init_scale=LOSS_SCALE, growth_interval=GROWTH_INTERVAL,
-        reason=reason, make_scaler=functools.partial(_make_scaler, LOSS_SCALE, GROWTH_INTERVAL),
+        "fp16", param_dtype="float16", autocast_dtype="float16", loss_scaling=True, init_scale=LOSS_SCALE,
+        growth_interval=GROWTH_INTERVAL, reason=reason, param_reason="fp16 weights, matching fp16 compute",
+        make_scaler=functools.partial(_make_scaler, LOSS_SCALE, GROWTH_INTERVAL),
     )
 
 
@@ -244,7 +246,7 @@ def vlft_precision_policy(backend, config):
         return None
     p = config.precision
     if p == "fp32":
-        return PrecisionPolicy("fp32", reason="full precision, as asked")
+        return PrecisionPolicy("fp32", reason="full precision, as asked", param_reason="fp32 weights for fp32 compute")
     if p == "fp16":
         return _fp16("fp16 autocast with dynamic loss scaling, as asked")
     if p not in ("auto", "bf16"):
@@ -261,7 +263,9 @@ def vlft_precision_policy(backend, config):
                "below 8.0 a run gets fp16 with dynamic loss scaling")
     else:
         why = f"bf16 autocast: compute capability {cap[0]}.{cap[1]} computes bf16 natively"
-    return PrecisionPolicy("bf16", autocast_dtype="bfloat16", reason=why if p == "auto" else why + "; as asked")
+    return PrecisionPolicy("bf16", param_dtype="bfloat16", autocast_dtype="bfloat16",
+                           reason=why if p == "auto" else why + "; as asked",
+                           param_reason="bf16 weights (the checkpoints' own dtype), matching bf16 compute")
 
 
 @hookimpl
@@ -295,6 +299,26 @@ def vlft_seed(backend, seed, deterministic):
         torch.backends.cudnn.benchmark = False
         torch.backends.cudnn.deterministic = True
         torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+# The CUDA context, cuBLAS workspaces and NCCL buffers live outside torch's allocator statistics.
+CUDA_RESERVED = 1 * 2 ** 30
+
+
+@hookimpl
+def vlft_device_capacity(backend, config):
+    if backend != NAME:
+        return None
+    import torch
+
+    try:
+        if transfer_to_npu_loaded() or not torch.cuda.is_available():
+            return DeviceCapacity(None, CUDA_RESERVED, "no GPU visible here")
+        index = config.local_rank if config.local_rank < torch.cuda.device_count() else 0
+        props = torch.cuda.get_device_properties(index)
+        return DeviceCapacity(int(props.total_memory), CUDA_RESERVED, f"cuda:{index} {props.name}")
+    except Exception as e:  # noqa: BLE001 - planning must not crash on a driver hiccup
+        return DeviceCapacity(None, CUDA_RESERVED, f"cannot read the GPU's memory ({_first_line(e)})")
 
 
 @hookimpl

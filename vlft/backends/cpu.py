@@ -9,7 +9,7 @@ from __future__ import annotations
 from vlft.errors import ConfigError
 from vlft.hookspecs import hookimpl
 from vlft.policies import (
-    AttentionPolicy, BackendInfo, DataLoaderOptions, DeviceSetup, DistributedOptions, MemoryStats,
+    AttentionPolicy, BackendInfo, DataLoaderOptions, DeviceCapacity, DeviceSetup, DistributedOptions, MemoryStats,
     PrecisionPolicy, ProbeResult,
 )
 
@@ -55,16 +55,20 @@ def vlft_attention_implementation(backend, config, model_config):
 def vlft_precision_policy(backend, config):
     if backend != NAME:
         return None
+    # the reference keeps fp32 base weights whatever it autocasts to; --param-dtype asks otherwise
     if config.precision in ("auto", "fp32"):
-        return PrecisionPolicy("fp32", reason="CPU reference: full precision")
+        return PrecisionPolicy("fp32", reason="CPU reference: full precision",
+                               param_reason="CPU reference: fp32 weights")
     if config.precision == "bf16":
-        return PrecisionPolicy("bf16", autocast_dtype="bfloat16", reason="bf16 autocast, as asked")
+        return PrecisionPolicy("bf16", autocast_dtype="bfloat16", reason="bf16 autocast, as asked",
+                               param_reason="CPU reference: fp32 weights under autocast")
     if config.precision == "fp16":
         import torch
 
         return PrecisionPolicy(
             "fp16", autocast_dtype="float16", loss_scaling=True, init_scale=2.0 ** 16,
             reason="fp16 autocast with dynamic loss scaling, as asked",
+            param_reason="CPU reference: fp32 weights under autocast",
             make_scaler=lambda: torch.amp.GradScaler("cpu", init_scale=2.0 ** 16),
         )
     raise ConfigError(f"backend cpu does not support precision '{config.precision}'")
@@ -95,6 +99,31 @@ def vlft_seed(backend, seed, deterministic):
         import torch
 
         torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def available_ram() -> int | None:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping), else physical RAM."""
+    import os
+
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+@hookimpl
+def vlft_device_capacity(backend, config):
+    if backend != NAME:
+        return None
+    # the interpreter, torch and transformers themselves take about half a GiB of RAM
+    return DeviceCapacity(available_ram(), reserved_bytes=512 * 2 ** 20, source="available RAM (/proc/meminfo)")
 
 
 @hookimpl
