@@ -1,0 +1,275 @@
+"""Real checkpoints on real cards: half-precision base weights, activation checkpointing, sample lengths,
+the memory plan and the bundled configs of models that are not on this disk."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from vlft.cli import cli
+from vlft.config import build_config
+from vlft.errors import DataError
+
+
+def _cfg(small_data, out, **over):
+    train, val = small_data
+    values = dict(backend="cpu", method="lora", data=str(train), val_data=str(val), output=str(out), steps=5,
+                  batch_size=4, log_every=1, eval_every=0, eval_samples=2, max_new_tokens=4, save_every=0, seed=1,
+                  warmup_ratio=0.0, lr=2e-3)
+    values.update(over)
+    return build_config({}, values)
+
+
+def _steps(registry, config, n):
+    """``n`` optimizer steps through vlft's own set-up and step; (losses, grad norms, model)."""
+    from vlft.run import prepare
+    from vlft.train import batches, train_step_on
+
+    s = prepare(registry, config)
+    s.model.train()
+    losses, norms = [], []
+    for group in batches(s.dataset, s.collate, s.settings, 0):
+        out = train_step_on(s.model, s.optimizer, s.scheduler, group, s.policy)
+        losses.append(float(out["loss_sum"]) / out["global_tokens"])
+        norms.append(float(out["grad_norm"]))
+        if len(losses) == n:
+            break
+    return losses, norms, s
+
+
+# -- parameter dtype -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def bf16_run(small_data, tmp_path_factory):
+    from vlft.plugins import load_registry
+    from vlft.run import execute
+
+    out = tmp_path_factory.mktemp("bf16") / "run"
+    return execute(load_registry(), _cfg(small_data, out, param_dtype="bf16", steps=6), progress=False)
+
+
+def test_bf16_base_weights_train_and_the_saved_adapter_is_fp32(bf16_run):
+    from safetensors.torch import load_file
+
+    plan = bf16_run.plan
+    assert (plan.precision.param_dtype, plan.precision.autocast_dtype) == ("bfloat16", "bfloat16")
+    losses = [m["loss"] for m in bf16_run.metrics]
+    assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses)))
+    assert sum(losses[3:]) < sum(losses[:3]), losses
+    saved = load_file(str(bf16_run.output / "adapter" / "adapter_model.safetensors"))
+    assert saved and {t.dtype for t in saved.values()} == {torch.float32}
+    summary = json.loads((bf16_run.output / "summary.json").read_text())
+    assert summary["param_dtype"] == "bfloat16"
+
+
+def test_half_base_weights_on_the_model_and_fp32_trainable_weights(registry, small_data, tmp_path):
+    """fp16 weights with a loss scaler: the frozen base is fp16, every trainable weight fp32 (else unscale_ fails)."""
+    _, _, s = _steps(registry, _cfg(small_data, tmp_path / "r", param_dtype="fp16"), 2)
+    frozen = {p.dtype for p in s.model.parameters() if not p.requires_grad}
+    trainable = {p.dtype for p in s.model.parameters() if p.requires_grad}
+    assert frozen == {torch.float16} and trainable == {torch.float32}
+    assert s.policy.scaler is not None
+
+
+def test_a_half_weight_dtype_under_another_compute_dtype_is_refused(registry, small_data, tmp_path):
+    from vlft.errors import ConfigError
+    from vlft.run import execute
+
+    with pytest.raises(ConfigError, match="--param-dtype fp16 needs fp16 compute"):
+        execute(registry, _cfg(small_data, tmp_path / "r", param_dtype="fp16", precision="bf16"))
+    assert not (tmp_path / "r").exists()
+
+
+# -- activation checkpointing ----------------------------------------------------------------------
+
+def test_checkpointing_gives_every_trainable_parameter_a_gradient_and_the_same_steps(registry, small_data,
+                                                                                       tmp_path):
+    on = _steps(registry, _cfg(small_data, tmp_path / "on", grad_checkpointing="on"), 5)
+    model = on[2].model
+    assert on[2].plan.checkpointing
+    base = model.get_base_model()
+    assert any(getattr(m, "gradient_checkpointing", False) for m in base.model.visual.blocks)
+    assert all(getattr(m, "gradient_checkpointing", False) for m in base.model.language_model.layers)
+    # one more forward/backward to look at gradients (the step above zeroed them)
+    from vlft.train import model_inputs, token_loss_sum
+
+    batch = next(iter(torch.utils.data.DataLoader(on[2].dataset, batch_size=4, collate_fn=on[2].collate)))
+    token_loss_sum(model(**model_inputs(batch)).logits, batch["labels"]).backward()
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert any(".visual." in n for n in trainable)
+    missing = [n for n, p in trainable.items() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not missing, missing[:5]
+
+    off = _steps(registry, _cfg(small_data, tmp_path / "off", grad_checkpointing="off"), 5)
+    assert not off[2].plan.checkpointing
+    for a, b in zip(on[0], off[0]):
+        assert a == pytest.approx(b, rel=1e-6)
+    for a, b in zip(on[1], off[1]):
+        assert a == pytest.approx(b, rel=1e-6)
+
+
+def test_a_frozen_vision_tower_builds_no_autograd_graph(registry, small_data, tmp_path):
+    _, _, s = _steps(registry, _cfg(small_data, tmp_path / "t", targets="text", grad_checkpointing="on"), 1)
+    seen = []
+    visual = s.model.get_base_model().model.visual
+    handle = visual.register_forward_hook(lambda m, i, o: seen.append(o.pooler_output.requires_grad))
+    from vlft.train import model_inputs
+
+    batch = next(iter(torch.utils.data.DataLoader(s.dataset, batch_size=2, collate_fn=s.collate)))
+    s.model.train()
+    s.model(**model_inputs(batch))
+    handle.remove()
+    assert seen == [False]
+
+
+# -- sample lengths ---------------------------------------------------------------------------------
+
+def test_measured_length_equals_the_encoded_length(processor, small_data):
+    from vlft.data import SampleEncoder, read_records
+
+    encoder = SampleEncoder(processor, max_pixels=56 * 56)
+    for rec in read_records(small_data[0])[:8]:
+        n, grids = encoder.measure(rec)
+        enc = encoder.encode(rec)
+        assert n == len(enc["input_ids"])
+        assert [list(g) for g in grids] == enc["image_grid_thw"].tolist()
+
+
+def test_too_long_samples_stop_the_run_with_their_lines_and_write_nothing(registry, small_data, tmp_path):
+    from vlft.run import execute
+
+    with pytest.raises(DataError) as e:
+        execute(registry, _cfg(small_data, tmp_path / "r", max_length=40))
+    msg = str(e.value)
+    assert "longer than --max-length 40" in msg and "train.jsonl:1: " in msg and "tokens" in msg
+    assert "--skip-too-long" in msg
+    assert not (tmp_path / "r").exists()
+
+
+def test_skipped_samples_are_counted_and_listed(registry, small_data, tmp_path, processor):
+    from vlft.data import SampleEncoder, read_records
+    from vlft.run import plan_run
+
+    encoder = SampleEncoder(processor)
+    lengths = sorted(encoder.measure(r)[0] for r in read_records(small_data[0]))
+    limit = lengths[len(lengths) // 2]
+    over = sum(n > limit for n in lengths)
+    assert 0 < over < len(lengths)
+    plan = plan_run(registry, _cfg(small_data, tmp_path / "r", max_length=limit, skip_too_long=True)).plan
+    assert plan.lengths["skipped"] >= over  # validation samples over the limit are listed too
+    assert all(s["length"] > limit and ".jsonl:" in s["where"] for s in plan.lengths["skipped_samples"])
+    assert plan.lengths["longest"] <= limit
+
+
+# -- the memory plan --------------------------------------------------------------------------------
+
+def test_traced_activations_equal_what_a_real_step_saves(registry, small_data, tmp_path):
+    """The meta-device trace counts exactly the tensors autograd saves on the CPU (fp32, eager)."""
+    from vlft.memory import BatchShape, SavedTensorMeter, plan_memory, skeleton
+    from vlft.run import plan_targets, plan_run
+    from vlft.train import model_inputs, token_loss_sum
+
+    config = _cfg(small_data, tmp_path / "r")
+    planned = plan_run(registry, config)
+    plan = planned.plan
+    _, _, s = _steps(registry, config, 1)
+    batch = next(iter(torch.utils.data.DataLoader(s.dataset, batch_size=4, collate_fn=s.collate)))
+    shape = BatchShape(4, batch["input_ids"].shape[1], [tuple(g) for g in batch["image_grid_thw"].tolist()])
+    sk = plan_targets(registry, plan, skeleton(planned.model_config, plan.attention, torch.float32))
+    estimate = plan_memory(sk, planned.model_config, "float32", None, shape, 0, None, "")
+    meter = SavedTensorMeter(s.model)
+    s.model.train()
+    with meter.hooks():
+        token_loss_sum(s.model(**model_inputs(batch)).logits, batch["labels"])
+    assert estimate.activations.full == pytest.approx(meter.bytes, rel=0.02)
+    assert estimate.adapter_parameters == sum(p.numel() for p in s.model.parameters() if p.requires_grad)
+
+
+def dry_json(*args):
+    result = CliRunner().invoke(cli, ["run", "--dry-run", "--json", *args])
+    return result, (json.loads(result.stdout[result.stdout.index("{"):result.stdout.rindex("}") + 1])
+                    if "{" in result.stdout else None)
+
+
+@pytest.mark.parametrize("backend, dtype", [("cuda", "bfloat16"), ("ascend", "float16")])
+def test_a_7b_plan_for_a_24gib_card_offline(backend, dtype, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "torch_npu", None)
+    result, plan = dry_json("--model", "qwen2.5-vl-7b", "--backend", backend, "--device-memory", "24GiB",
+                            "--max-length", "512")
+    assert result.exit_code == 0, result.output
+    assert plan["param_dtype"]["dtype"] == dtype and plan["param_dtype"]["trainable"] == "float32"
+    mem = plan["memory"]
+    assert mem["capacity_bytes"] == 24 * 2 ** 30 and mem["fits"] is True
+    # 8.29 B parameters in 2 bytes each
+    assert sum(mem["base_weights_bytes"].values()) == pytest.approx(8.29e9 * 2, rel=0.01)
+    assert plan["checkpointing"]["enabled"] is False and plan["targets"]["adapter_parameters"] > 0
+    assert plan["lengths"]["max_length"] == 512
+
+
+def test_a_plan_that_cannot_fit_exits_non_zero_and_names_the_fixes():
+    result, plan = dry_json("--model", "qwen2.5-vl-7b", "--backend", "cpu", "--param-dtype", "fp32",
+                            "--device-memory", "24GiB")
+    assert result.exit_code != 0
+    mem = plan["memory"]
+    assert mem["fits"] is False and mem["estimate_bytes"] > 24 * 2 ** 30
+    assert any(f.startswith("--param-dtype bf16") for f in mem["fixes"])
+    assert "will not fit" in result.output
+
+
+def test_checkpointing_auto_turns_on_when_only_it_makes_the_run_fit(tmp_path):
+    _, tight = dry_json("--model", "qwen2.5-vl-7b", "--backend", "cuda", "--device-memory", "80GiB",
+                        "--batch-size", "64")
+    need_off = tight["memory"]["activation_bytes_without_checkpointing"]
+    need_on = tight["memory"]["activation_bytes_with_checkpointing"]
+    assert need_on < 0.5 * need_off
+    fixed = tight["memory"]["estimate_bytes"] - tight["memory"]["activation_bytes"]
+    between = int((fixed + (need_on + need_off) / 2) / 0.95)
+    result, plan = dry_json("--model", "qwen2.5-vl-7b", "--backend", "cuda", "--device-memory", str(between),
+                            "--batch-size", "64")
+    assert result.exit_code == 0, result.output
+    assert plan["checkpointing"]["enabled"] is True and plan["checkpointing"]["reason"].startswith("auto: on")
+
+
+def test_a_run_that_cannot_fit_stops_before_loading_and_writes_nothing(registry, small_data, tmp_path):
+    from vlft.errors import ConfigError
+    from vlft.run import execute
+
+    with pytest.raises(ConfigError, match="will not fit") as e:
+        execute(registry, _cfg(small_data, tmp_path / "r", device_memory="300MiB"))
+    assert "fix " in str(e.value)
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_bundled_config_plans_but_a_real_run_says_where_the_weights_go(registry, small_data, tmp_path):
+    from vlft.errors import ConfigError
+    from vlft.run import execute
+
+    with pytest.raises(ConfigError, match="huggingface-cli download Qwen/Qwen2.5-VL-3B-Instruct"):
+        execute(registry, _cfg(small_data, tmp_path / "r", model="qwen2.5-vl-3b", device_memory="1TiB"))
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("name, total", [("qwen2.5-vl-3b", 3_754_622_976), ("qwen2.5-vl-7b", 8_292_166_656),
+                                         ("qwen2.5-vl-32b", 33_452_718_336), ("qwen2.5-vl-72b", 73_410_777_344)])
+def test_bundled_configs_have_the_published_parameter_counts(name, total):
+    """3B: the checkpoint's index (7,509,245,952 bytes / 2); 7B: 8.29 B; 32B: 33.5 B; 72B: 73.4 B."""
+    from transformers import AutoModelForImageTextToText
+
+    from vlft.model import load_model_config, resolve_model_path
+
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(load_model_config(resolve_model_path(name)))
+    assert sum(p.numel() for p in model.parameters()) == total
+
+
+def test_device_memory_sizes_parse():
+    from vlft.config import parse_bytes
+    from vlft.errors import ConfigError
+
+    assert parse_bytes("24GiB") == 24 * 2 ** 30 and parse_bytes("64GB") == 64 * 10 ** 9
+    assert parse_bytes("1.5 TiB") == int(1.5 * 2 ** 40) and parse_bytes("4096") == 4096
+    with pytest.raises(ConfigError, match="cannot read 'lots'"):
+        parse_bytes("lots", "--device-memory")
