@@ -373,8 +373,9 @@ class Interleaved:
             self.times[name].append(time.perf_counter() - t0)
         self.turn += 1
 
-    def run(self, benchmark) -> None:
-        """Warm up (when benchmarking), then let pytest-benchmark run the rounds."""
+    def run(self, benchmark, rounds: int | None = None) -> None:
+        """Warm up (when benchmarking), then let pytest-benchmark run the rounds (exactly ``rounds`` if given:
+        for groups whose figures are not times and whose steps are slow)."""
         repeats = 1 if benchmark.disabled else self.repeats
         if not benchmark.disabled:
             self._once()
@@ -384,7 +385,10 @@ class Interleaved:
             for _ in range(repeats):
                 self._once()
 
-        benchmark(one_round)
+        if rounds is None or benchmark.disabled:
+            benchmark(one_round)
+        else:
+            benchmark.pedantic(one_round, rounds=rounds, iterations=1)
 
     def median(self, name: str) -> float:
         return statistics.median(self.times[name])
@@ -455,31 +459,7 @@ def record(benchmark, env: BenchEnv, size: ModelSize | None, group: str, figures
 
 # -- memory -----------------------------------------------------------------------------------------
 
-class SavedTensorMeter:
-    """Bytes autograd keeps for backward: every saved tensor's storage, once, weights excluded."""
-
-    def __init__(self, model):
-        self.exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.exclude |= {b.untyped_storage().data_ptr() for b in model.buffers()}
-        self.storages: dict[int, int] = {}
-
-    def pack(self, t):
-        try:
-            st = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # a tensor without storage (sparse, ...)
-            return t
-        ptr = st.data_ptr()
-        if ptr and ptr not in self.exclude and ptr not in self.storages:
-            self.storages[ptr] = st.nbytes()
-        return t
-
-    @staticmethod
-    def unpack(t):
-        return t
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.storages.values())
+from vlft.memory import SavedTensorMeter  # noqa: E402 - one meter for the plan's tests and the bench
 
 
 def _tensor_bytes(tensors) -> int:
@@ -680,3 +660,41 @@ def sync_counter(device: torch.device, host_tensors=()):
                     "by_owner": dict(by_owner), "top_sites": dict(by_site.most_common(12))}
 
     return SyncCounter()
+
+
+def large_recipe() -> dict:
+    """A third size for the memory plan's calibration: text hidden 1024, vision hidden 512 (about 80 M parameters)."""
+    recipe = wide_recipe()
+    recipe["text"].update(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4)
+    recipe["vision"].update(hidden_size=512, intermediate_size=1376, num_heads=8, out_hidden_size=1024)
+    recipe["bench"] = "large"
+    return recipe
+
+
+def measured_step_peak(env: BenchEnv, session, group: list[dict]) -> dict:
+    """Peak memory of one real ``train_step_on`` of a prepared session (optimizer state already made).
+
+    Accelerators: the allocator's peak through the backend's memory reader.
+    CPU: every tensor storage alive at once, followed through the dispatcher
+    (``vlft.memory.LiveTensorMeter``), with the resident weights and optimizer
+    state counted from the start; transients inside the step are included.
+    """
+    from vlft.memory import LiveTensorMeter
+    from vlft.train import train_step_on
+
+    module = env.device_module()
+    if module is not None and hasattr(module, "reset_peak_memory_stats"):
+        env.synchronize()
+        before = int(module.memory_allocated(env.device))
+        module.reset_peak_memory_stats(env.device)
+        train_step_on(session.model, session.optimizer, session.scheduler, group, session.policy)
+        env.synchronize()
+        peak = env.memory_reader().peak_bytes
+        return {"measure": f"{env.device.type} allocator peak", "peak_bytes": peak, "step_bytes": peak - before,
+                "resident_bytes": before}
+    resident = [*session.model.parameters(), *session.model.buffers(),
+                *(v for st in session.optimizer.state.values() for v in st.values())]
+    with LiveTensorMeter(resident) as meter:
+        train_step_on(session.model, session.optimizer, session.scheduler, group, session.policy)
+    return {"measure": "live tensor storages, followed through the dispatcher", "peak_bytes": meter.peak,
+            "step_bytes": meter.peak - meter.start_bytes, "resident_bytes": meter.start_bytes}

@@ -105,3 +105,16 @@ def mixed_records(mixed_data):
     from vlft.data import read_records
 
     return read_records(mixed_data)
+
+
+@pytest.fixture(scope="session")
+def large_size():
+    """The third size of the memory group (text hidden 1024, vision hidden 512), built once into VLFT_CACHE."""
+    from bench._support import large_recipe, model_size
+    from vlft.embedded import build_embedded_model, cache_root, recipe_hash
+
+    recipe = large_recipe()
+    path = cache_root() / f"bench-large-qwen2_5_vl-{recipe_hash(recipe)}"
+    if not (path / "config.json").exists():
+        build_embedded_model(path, recipe)
+    return model_size("large", str(path))

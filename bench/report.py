@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-GROUP_ORDER = ["train_step", "loop_overhead", "padding", "inference", "data", "dispatch"]
+GROUP_ORDER = ["train_step", "loop_overhead", "padding", "inference", "data", "dispatch", "memory"]
 
 
 def fmt_bytes(n) -> str:

@@ -448,3 +448,69 @@ def decide(plan: MemoryPlan, asked: str, model, model_config, compute_dtype, bat
     fixes.append("--max-length N with --skip-too-long (leave out the longest samples), or fewer targets "
                  "(--targets text, a smaller --vision-last-n)")
     plan.fixes = fixes
+
+
+class LiveTensorMeter:
+    """The peak bytes of tensor storages alive at once while active, on any device (the CPU included).
+
+    Every tensor an operation creates is followed through a weak reference to
+    its storage until it is freed; ``resident`` tensors (weights, optimizer
+    state) made before are counted from the start. This is what an
+    allocator's peak statistic reports, less fragmentation, so the memory
+    plan can be checked where there is no allocator to ask.
+    """
+
+    def __init__(self, resident=()):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self._ref = StorageWeakRef
+        self.live: dict[int, tuple[object, int]] = {}
+        for t in resident:
+            self._add(t)
+        self.start_bytes = self.current
+        self.peak = self.current
+
+    def _add(self, t) -> None:
+        import torch
+
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        ptr = st.data_ptr()
+        if not ptr:
+            return
+        known = self.live.get(ptr)
+        if known is None or known[0].expired():
+            self.live[ptr] = (self._ref(st), st.nbytes())
+
+    @property
+    def current(self) -> int:
+        dead = [k for k, (ref, _) in self.live.items() if ref.expired()]
+        for k in dead:
+            del self.live[k]
+        return sum(n for _, n in self.live.values())
+
+    def __enter__(self):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        meter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_leaves(out):
+                    meter._add(t)
+                meter.peak = max(meter.peak, meter.current)
+                return out
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)

@@ -156,3 +156,19 @@ def upcast_trainable(model) -> list[str]:
             p.data = p.data.float()
             cast.append(name)
     return cast
+
+
+def compute_adapters_in_autocast_dtype(model) -> int:
+    """Let autocast, not PEFT, choose the adapters' matmul dtype; returns the layers switched.
+
+    PEFT casts each adapter layer's input to the adapter weights' dtype (fp32)
+    before autocast casts it back: under bf16/fp16 autocast that keeps an
+    extra fp32 copy of every adapted layer's input for backward. Only for
+    runs with autocast (half base weights always have it).
+    """
+    switched = 0
+    for module in model.modules():
+        if getattr(module, "cast_input_dtype_enabled", False):
+            module.cast_input_dtype_enabled = False
+            switched += 1
+    return switched

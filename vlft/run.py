@@ -155,6 +155,11 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
     # targets and memory on a weightless copy, in the dtype the layers will compute in
     compute = plan.precision.autocast_dtype or plan.precision.param_dtype
     skeleton = plan_targets(registry, plan, memory.skeleton(model_config, plan.attention, getattr(torch, compute)))
+    if plan.precision.autocast_dtype:  # under autocast the adapters compute in its dtype too (see model.py)
+        from .model import compute_adapters_in_autocast_dtype
+
+        skeleton.to(getattr(torch, compute))
+        compute_adapters_in_autocast_dtype(skeleton)
     capacity = registry.hook.vlft_device_capacity(backend=plan.backend.info.name, config=config) or \
         memory.DeviceCapacity(None, 0, f"backend {plan.backend.info.name} does not report its memory")
     total, source = capacity.total_bytes, capacity.source
@@ -273,7 +278,9 @@ def prepare(registry: Registry, config: RunConfig) -> Session:
     """Check everything, then set up device, model, adapter, optimizer and schedule (no step taken)."""
     import torch
 
-    from .model import enable_checkpointing, load_model, require_weights, upcast_trainable
+    from .model import (
+        compute_adapters_in_autocast_dtype, enable_checkpointing, load_model, require_weights, upcast_trainable,
+    )
     from .plan import choose_backend
     from .train import LoopSettings, StepPolicy, cosine_with_warmup, seed_everything
 
@@ -316,6 +323,8 @@ def prepare(registry: Registry, config: RunConfig) -> Session:
         plan.notes.append(f"{len(cast)} trainable parameter(s) upcast to fp32 (e.g. {cast[0]})")
     if plan.checkpointing:
         enable_checkpointing(model, vision_adapted=bool(plan.target_summary.get("vision_blocks")))
+    if plan.precision.autocast_dtype:
+        compute_adapters_in_autocast_dtype(model)
     model.to(device)
 
     def save_adapter(m, path):

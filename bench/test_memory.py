@@ -1,0 +1,106 @@
+"""Group ``memory``: peak memory of one training step with fp32 against bf16 base weights and with
+activation checkpointing on against off, each beside the memory plan's estimate.
+
+Every variant is a real ``vlft.run.prepare`` (the plan, the memory plan, the model in its parameter
+dtype, checkpointing switched on through transformers) on a data set of exactly one batch: the
+``BATCH_SIZE`` longest records of the mixed-length set, so the plan's "largest batch" is the batch
+measured. The estimate compared is the plan's total less the runtime reserve (which no tensor
+meter sees). Peak memory is measured, not counted: see ``bench._support.measured_step_peak``.
+
+Figures: bf16/fp32 peak (target <= 0.6 on the wide model), checkpointing on/off step memory above
+the resident weights and optimizer state (target <= 0.5 on the wide model), estimate/measured for
+every variant (target within +-20%), and the step-time cost of checkpointing.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench._support import BATCH_SIZE, Interleaved, figure, measured_step_peak, record
+
+VARIANTS = {"fp32": ("fp32", "off"), "fp32+ckpt": ("fp32", "on"), "bf16": ("bf16", "off"),
+            "bf16+ckpt": ("bf16", "on")}
+
+
+# (size, attention): the backend's default everywhere, and SDPA on the wide model too, since eager
+# attention keeps its softmax in fp32 whatever the compute dtype (transformers' eager path, by design)
+CASES = [("embedded", None), ("wide", None), ("wide", "sdpa"), ("large", None)]
+
+
+@pytest.fixture(params=CASES, ids=[f"{s}-{a or 'default'}" for s, a in CASES])
+def mem_case(request):
+    size, attn = request.param
+    return request.getfixturevalue(f"{size}_size"), attn
+
+
+@pytest.fixture(scope="session")
+def longest_batch_data(mixed_records, mixed_data, tmp_path_factory, embedded_size):
+    """The mixed set's ``BATCH_SIZE`` longest records (by the embedded tokenizer), written as one JSONL."""
+    lengths = sorted(((embedded_size.encoder.measure(r)[0], i) for i, r in enumerate(mixed_records)), reverse=True)
+    keep = {i for _, i in lengths[:BATCH_SIZE]}
+    lines = [line for i, line in enumerate(mixed_data.read_text().splitlines()) if i in keep]
+    out = mixed_data.parent / "longest-batch.jsonl"
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+def _session(env, size, data, tmp_path, param_dtype, ckpt, attn):
+    from vlft.run import prepare
+
+    precision = env.asked_precision if param_dtype == "bf16" else "fp32"
+    config = env.config(model=size.path, data=str(data), val_data=str(data), output=str(tmp_path / "unused"),
+                        steps=2, param_dtype=param_dtype, grad_checkpointing=ckpt, precision=precision,
+                        warmup_ratio=0.0, attn=attn)
+    return prepare(env.registry, config)
+
+
+@pytest.mark.benchmark(group="memory")
+def test_memory(benchmark, env, mem_case, longest_batch_data, tmp_path):
+    mem_size, attn = mem_case
+    if benchmark.disabled and mem_size.name != "embedded":
+        pytest.skip("under --benchmark-disable the memory group runs on the embedded model only")
+    from vlft.train import batches, train_step_on
+
+    sessions, groups = {}, {}
+    for name, (dtype, ckpt) in VARIANTS.items():
+        s = _session(env, mem_size, longest_batch_data, tmp_path / name, dtype, ckpt, attn)
+        s.model.train()
+        groups[name] = next(batches(s.dataset, s.collate, s.settings, 0))
+        train_step_on(s.model, s.optimizer, s.scheduler, groups[name], s.policy)  # AdamW state exists from here
+        sessions[name] = s
+
+    memory = {}
+    for name, s in sessions.items():
+        m = measured_step_peak(env, s, groups[name])
+        plan = s.plan.memory
+        m["estimate_bytes"] = plan.total_bytes() - plan.reserved_bytes
+        m["estimate/measured"] = m["estimate_bytes"] / m["peak_bytes"]
+        m["batch"] = plan.batch.describe()
+        memory[name] = m
+
+    timer = Interleaved(env, {name: (lambda s=s, g=groups[name]: train_step_on(s.model, s.optimizer, s.scheduler,
+                                                                               g, s.policy))
+                              for name, s in sessions.items()})
+    timer.run(benchmark, rounds=3)  # the figures here are memory; three rounds time checkpointing's cost
+
+    wide = mem_size.name == "wide"
+    errors = [abs(m["estimate/measured"] - 1) for m in memory.values()]
+    figures = {
+        "bf16/fp32 peak": figure(memory["bf16"]["peak_bytes"] / memory["fp32"]["peak_bytes"],
+                                 "<= 0.6" if wide else None),
+        "ckpt on/off step memory (fp32)": figure(memory["fp32+ckpt"]["step_bytes"] / memory["fp32"]["step_bytes"],
+                                                 "<= 0.5" if wide else None),
+        "ckpt on/off step memory (bf16)": figure(memory["bf16+ckpt"]["step_bytes"] / memory["bf16"]["step_bytes"]),
+        "worst |estimate/measured - 1|": figure(max(errors), "<= 0.2"),
+        "ckpt on/off step time (fp32)": timer.ratio_figure("fp32+ckpt", "fp32"),
+    }
+    for name, m in memory.items():
+        figures[f"estimate/measured {name}"] = figure(m["estimate/measured"])
+    attention = sessions["fp32"].plan.attention
+    figures = {f"{k} [{attention.text} attention]": v for k, v in figures.items()}
+    record(benchmark, env, mem_size, "memory", figures, timer.summary({n: BATCH_SIZE for n in sessions}), memory,
+           notes=["estimate: the memory plan's total less its runtime reserve, for exactly the batch measured",
+                  "step memory: the peak above the resident weights and optimizer state"],
+           batch=json.loads(json.dumps(memory["fp32"]["batch"])))
