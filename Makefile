@@ -8,7 +8,13 @@ PY     := $(VENV)/bin/python
 TORCH_PKGS ?= torch==2.14.1 torchvision==0.29.1
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run test bench clean
+# The device check runs on a machine with an accelerator and that machine's own Python (with torch,
+# transformers, peft, pluggy, click and pytest installed); here it uses the venv and stops where it
+# needs a device. vlft is installed there without dependencies or an index, only for its entry points.
+DEVICE_PY  ?= $(if $(wildcard $(PY)),$(PY),python3)
+DEVICE_OUT ?= device-check-results
+
+.PHONY: install run test bench device-check clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +37,11 @@ bench: $(STAMP)
 	    --benchmark-json=bench/results/latest.json -p no:randomly
 	$(PY) bench/report.py bench/results/latest.json > bench/results/latest.md
 	cat bench/results/latest.md
+
+device-check:
+	$(DEVICE_PY) -c "import importlib.metadata as m; m.distribution('vlft')" 2>/dev/null || \
+	    $(DEVICE_PY) -m pip install --quiet --no-deps --no-build-isolation --no-index -e .
+	$(DEVICE_PY) bench/device_check.py --out $(DEVICE_OUT)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

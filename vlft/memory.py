@@ -252,10 +252,26 @@ def _trainable(module) -> bool:
     return any(p.requires_grad for p in module.parameters())
 
 
+def _vision_seqlens(visual, grid):
+    """(full-attention, window-attention) cumulative sequence lengths for ``grid``, as the tower makes them."""
+    import torch
+
+    per_image = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0])
+    cu = torch.nn.functional.pad(per_image.cumsum(0, dtype=torch.int32), (1, 0))
+    try:  # transformers >= 5.2x: a shared helper
+        from transformers.vision_utils import get_vision_window_index
+
+        _, cu_window = get_vision_window_index(grid, spatial_merge_size=visual.spatial_merge_size,
+                                               window_size=visual.window_size, patch_size=visual.patch_size)
+    except ImportError:  # earlier 5.x: a method of the tower
+        _, cu_window = visual.get_window_index(grid)
+    cu_window = torch.unique_consecutive(torch.as_tensor(cu_window, dtype=torch.int32))
+    return cu, cu_window
+
+
 def trace_activations(model, batch: BatchShape) -> Activations:
     """Run the adapted meta model's layers once on ``batch``'s shapes and count what autograd saves."""
     import torch
-    from transformers.vision_utils import get_vision_cu_seqlens, get_vision_window_index
 
     from .train import token_loss_sum
 
@@ -279,11 +295,7 @@ def trace_activations(model, batch: BatchShape) -> Activations:
         image_features = None
         if visual is not None and batch.grids:
             vc = visual.config
-            grid = torch.tensor(batch.grids)
-            cu = get_vision_cu_seqlens(grid)
-            _, cu_window = get_vision_window_index(grid, spatial_merge_size=visual.spatial_merge_size,
-                                                   window_size=visual.window_size, patch_size=visual.patch_size)
-            cu_window = torch.as_tensor(cu_window)
+            cu, cu_window = _vision_seqlens(visual, torch.tensor(batch.grids))
             hidden = torch.empty(batch.patches, vc.hidden_size, device="meta", dtype=dtype)
             pos = torch.zeros(batch.patches, 2, dtype=torch.long, device="meta")
             pe = visual.rotary_pos_emb(hidden, pos)

@@ -132,8 +132,14 @@ def enable_checkpointing(model, vision_adapted: bool) -> None:
     kept for backward anyway.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(base, "activation_checkpointing_enable"):
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:  # transformers releases before the rename
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     base.disable_input_require_grads()
+    for cfg in (base.config, getattr(base.config, "text_config", None)):
+        if cfg is not None:
+            cfg.use_cache = False  # a KV cache is useless in training and incompatible with recomputation
     if not vision_adapted:
         visual = getattr(getattr(base, "model", base), "visual", None)
         for module in (visual.modules() if visual is not None else ()):
