@@ -48,6 +48,8 @@ def _restore_math_flags():
     """Each test leaves the switches as it found them, so no outcome depends on which test ran before."""
     saved = math_flags()
     yield
+    if math_flags() == saved:
+        return
     # the precision first: setting it also moves the matmul switch
     torch.set_float32_matmul_precision(saved[0])
     torch.backends.cuda.matmul.allow_tf32 = saved[1]
