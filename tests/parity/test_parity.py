@@ -187,11 +187,25 @@ def _step_figures(small_data, out, **over):
     return figures, {n: p.detach().clone() for n, p in s.model.named_parameters() if p.requires_grad}
 
 
+def _varied_replies(train: Path, out: Path) -> Path:
+    """The records of ``train`` with replies of 0 to 3 extra words, so micro-batches hold different numbers
+    of label tokens (the demo's replies are all about as long, which would hide a per-micro-batch mean)."""
+    lines = []
+    for i, line in enumerate(train.read_text().splitlines()):
+        rec = json.loads(line)
+        rec["image"] = str(train.parent / rec["image"])
+        rec["conversations"][-1]["value"] += "".join(f", note {k}" for k in range(i % 4))
+        lines.append(json.dumps(rec))
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
 def test_gradient_accumulation_computes_what_one_big_batch_computes(small_data, tmp_path):
     """Batch 2 with 2 micro-batches per step against batch 4. LoRA dropout is off: its masks are drawn per
     micro-batch, which no split can match."""
-    big, wb = _step_figures(small_data, tmp_path / "big", batch_size=4, steps=6)
-    acc, wa = _step_figures(small_data, tmp_path / "acc", batch_size=2, grad_accum=2, steps=6)
+    data = str(_varied_replies(small_data[0], tmp_path / "varied.jsonl"))
+    big, wb = _step_figures(small_data, tmp_path / "big", data=data, batch_size=4, steps=6)
+    acc, wa = _step_figures(small_data, tmp_path / "acc", data=data, batch_size=2, grad_accum=2, steps=6)
     assert len(big) == len(acc) == 6
     for (lb, gb), (la, ga) in zip(big, acc):
         assert la == pytest.approx(lb, rel=1e-5), (big, acc)
