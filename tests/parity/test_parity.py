@@ -226,7 +226,8 @@ def test_vlft_parity_command_prints_the_table_and_exits_1_beyond_tolerance(small
         proc = subprocess.run([*vlft_command(), "parity", "--backends", "cpu,cpu", "--precision", "fp32,bf16",
                                "--steps", "2", "--batch-size", "2", "--data", str(small_data[0]),
                                "--output", str(out), *args],
-                              capture_output=True, text=True, cwd=tmp_path, timeout=600)
+                              capture_output=True, text=True, cwd=tmp_path, timeout=600,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})  # one thread: robust on a busy host
         table = [line.split() for line in proc.stdout.splitlines() if line.split() and line.split()[0].isdigit()]
         return proc, table, json.loads(out.read_text()) if out.exists() else None
 
