@@ -1,7 +1,9 @@
 """What a run really did on its device, read from the model, the device and torch: the device tests' checks.
 
-Each check takes its expected value from the user's request or from a fact of the hardware, never from
-the plan the run resolved, so a plugin that answers a policy wrongly fails it. The same checks run on
+Each check takes its expected value from the user's request or from a fact of the hardware, not from
+the plan the run resolved, so a plugin that answers a policy wrongly fails it (one exception, by
+contract: the frozen base weights are checked against the plan's parameter dtype, the trainable ones
+against fp32, whatever the plan says). The same checks run on
 the CPU in ``tests/test_device_checks.py``, once with the built-in plugins (they pass) and once with a
 wrong answer registered ``tryfirst`` (they must fail): a check that cannot fail is caught there.
 
