@@ -1,19 +1,59 @@
-"""Shared fixtures. The embedded model and data are built once per session in a temp cache."""
+"""Shared fixtures. The embedded model and data are built once per session, in a folder removed at the end.
+
+``VLFT_TEST_ORDER=reverse`` runs the collected tests in reverse order (the device tests use it to show
+they do not depend on which ran first).
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
-# one cache for the whole session, subprocesses included (set before vlft is imported)
-os.environ.setdefault("VLFT_CACHE", tempfile.mkdtemp(prefix="vlft-test-cache-"))
+# One folder for the session, removed when it ends: the embedded model cache (about 80 MB, shared with
+# subprocesses through VLFT_CACHE) and the temp folder of every subprocess (torchrun's agent leaves a
+# torchelastic_* folder per launch). This process keeps the system temp folder (resolved before TMPDIR
+# changes), so pytest's own tmp_path and its retention are as usual.
+tempfile.gettempdir()
+SESSION_DIR = Path(tempfile.mkdtemp(prefix="vlft-test-"))
+(SESSION_DIR / "tmp").mkdir()
+os.environ["TMPDIR"] = str(SESSION_DIR / "tmp")
+os.environ.setdefault("VLFT_CACHE", str(SESSION_DIR / "cache"))  # a cache the caller chose is kept
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("VLFT_TEST_ORDER") == "reverse":
+        items.reverse()
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(SESSION_DIR, ignore_errors=True)
+
+
+def math_flags() -> tuple:
+    """The process-wide switches a backend's set-up may change (TF32 on CUDA)."""
+    return (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32)
+
+
+@pytest.fixture(autouse=True)
+def _restore_math_flags():
+    """Each test leaves the switches as it found them, so no outcome depends on which test ran before."""
+    saved = math_flags()
+    yield
+    if math_flags() == saved:
+        return
+    # the precision first: setting it also moves the matmul switch
+    torch.set_float32_matmul_precision(saved[0])
+    torch.backends.cuda.matmul.allow_tf32 = saved[1]
+    torch.backends.cudnn.allow_tf32 = saved[2]
 
 
 @pytest.fixture(scope="session")

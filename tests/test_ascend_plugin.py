@@ -37,12 +37,24 @@ class StandInScaler:
 
 
 class StandInNPU:
-    """Stands in for the ``torch.npu`` namespace torch_npu adds: reports ``count`` devices."""
+    """Stands in for the ``torch.npu`` namespace torch_npu adds: reports ``count`` devices.
+
+    Like torch_npu, its queries take a device (an index, a device object, or None for the current one,
+    which ``set_device`` changes) and answer for that device only: device ``i`` has its own memory figures.
+    """
 
     def __init__(self, count=2, bf16=True):
         self.count, self.bf16 = count, bf16
+        self.current = 0
         self.calls: list[tuple] = []
         self.amp = types.SimpleNamespace(GradScaler=StandInScaler)
+
+    def index_of(self, device=None) -> int:
+        index = device if isinstance(device, int) else getattr(device, "index", None)
+        index = self.current if index is None else index
+        if not 0 <= index < self.count:
+            raise RuntimeError(f"Invalid device ID {index}")
+        return index
 
     def is_available(self):
         return self.count > 0
@@ -57,16 +69,25 @@ class StandInNPU:
         return "Ascend910B2 (stand-in)"
 
     def set_device(self, index):
+        self.current = self.index_of(index)
         self.calls.append(("set_device", index))
 
     def manual_seed_all(self, seed):
         self.calls.append(("manual_seed_all", seed))
 
+    @staticmethod
+    def peak_of(index):
+        return (30 + index) << 20
+
+    @staticmethod
+    def current_of(index):
+        return (10 + index) << 20
+
     def max_memory_allocated(self, device=None):
-        return 3 << 20
+        return self.peak_of(self.index_of(device))
 
     def memory_allocated(self, device=None):
-        return 1 << 20
+        return self.current_of(self.index_of(device))
 
 
 HCCL_ENV = ("HCCL_OP_TIMEOUT", "HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT", "HCCL_DETERMINISTIC")
@@ -300,15 +321,19 @@ def test_seeding_and_determinism(stand_in, monkeypatch):
     assert asked == [True] and os.environ["HCCL_DETERMINISTIC"] == "true"
 
 
-def test_device_setup_and_memory(stand_in, monkeypatch):
+@pytest.mark.parametrize("local_rank", [0, 1])
+def test_device_setup_and_memory_follow_the_local_rank(stand_in, monkeypatch, local_rank):
     npu = stand_in()
     # torch.device("npu") needs the real torch_npu's device registration; stand in for it too
     monkeypatch.setattr(torch, "device", lambda kind, index=None: types.SimpleNamespace(type=kind, index=index))
-    setup = ascend.vlft_setup_device(backend="ascend", config=cfg())
-    assert npu.calls == [("set_device", 0)]
-    assert (setup.device.type, setup.device.index) == ("npu", 0)
+    config = cfg()
+    config.local_rank = local_rank
+    setup = ascend.vlft_setup_device(backend="ascend", config=config)
+    assert npu.calls == [("set_device", local_rank)]
+    assert (setup.device.type, setup.device.index) == ("npu", local_rank)
+    npu.current = 1 - local_rank  # whatever the current device, the reader reads the one it was given
     stats = ascend.vlft_memory_reader(backend="ascend", device=setup.device)()
-    assert (stats.peak_bytes, stats.current_bytes) == (3 << 20, 1 << 20)
+    assert (stats.peak_bytes, stats.current_bytes) == (npu.peak_of(local_rank), npu.current_of(local_rank))
 
 
 def test_answers_only_for_ascend():

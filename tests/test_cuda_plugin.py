@@ -28,23 +28,53 @@ def forget_module(monkeypatch, name):
     monkeypatch.delitem(sys.modules, name)
 
 
+def peak_of(index: int) -> int:
+    """The stand-in's peak memory on GPU ``index``: a different figure for every device."""
+    return (10 + index) << 20
+
+
+def current_of(index: int) -> int:
+    return (2 + index) << 20
+
+
 @pytest.fixture
 def gpu(monkeypatch):
-    """Stand in for one GPU; call the fixture's value with a capability to change it. Returns the call log."""
+    """Stand in for GPUs; call the fixture's value to change them. Returns the call log.
+
+    Like torch, every query takes a device (an index, a ``torch.device``, or None for the current
+    device, which ``set_device`` changes) and answers for that device only, so reading device 0 where
+    device 1 was meant is caught.
+    """
     calls: list[tuple] = []
     forget_module(monkeypatch, cuda.TRANSFER_TO_NPU)
     if not torch.version.cuda:
         monkeypatch.setattr(torch.version, "cuda", "12.8")
 
     def install(capability=(8, 0), count=1):
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
-        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"Stand-in GPU {capability}")
-        monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
+        """``capability``: one for every GPU, or a list of one per GPU."""
+        caps = list(capability) if isinstance(capability, list) else [capability] * count
+        current = {"index": 0}
+
+        def index_of(device=None) -> int:
+            index = device if isinstance(device, int) else getattr(device, "index", None)
+            index = current["index"] if index is None else index
+            if not 0 <= index < len(caps):
+                raise AssertionError("Invalid device id")  # what torch.cuda says
+            return index
+
+        def set_device(device):
+            current["index"] = index_of(device)
+            calls.append(("set_device", device))
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: len(caps) > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: len(caps))
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: caps[index_of(device)])
+        monkeypatch.setattr(torch.cuda, "get_device_name",
+                            lambda device=None: f"Stand-in GPU {caps[index_of(device)]}")
+        monkeypatch.setattr(torch.cuda, "set_device", set_device)
         monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: calls.append(("manual_seed_all", seed)))
-        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 5 << 20)
-        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2 << 20)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: peak_of(index_of(device)))
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: current_of(index_of(device)))
         return calls
 
     install()
@@ -216,26 +246,34 @@ def test_old_flash_attn_is_not_used(gpu, flash_attn):
 
 # -- device, data, processes, seeds, memory -------------------------------------------------------
 
-def test_setup_device_sets_the_local_rank_and_tf32(gpu, monkeypatch):
-    calls = gpu()
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    before = torch.get_float32_matmul_precision()  # the matmul switch is global: restored below
-    torch.set_float32_matmul_precision("highest")
-    try:
+def test_setup_device_sets_the_local_rank_and_tf32(gpu):
+    """TF32 on for the default; an explicit fp32 (a parity check against the CPU) turns it off again, even
+    after a default set-up in the same process turned it on (the conftest restores the switches)."""
+    calls = gpu(count=2)
+    config = cfg()
+    config.local_rank = 1
+    setup = cuda.vlft_setup_device(backend="cuda", config=config)
+    assert calls == [("set_device", 1)]
+    assert (setup.device.type, setup.device.index, setup.local_rank) == ("cuda", 1, 1)
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    assert torch.get_float32_matmul_precision() == "high"
+    cuda.vlft_setup_device(backend="cuda", config=cfg(precision="fp32"))
+    assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    assert torch.get_float32_matmul_precision() == "highest"
+    cuda.vlft_setup_device(backend="cuda", config=cfg(precision="bf16"))
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+
+
+def test_each_local_rank_reads_its_own_gpu(gpu, flash_attn):
+    """Two GPUs of different generations: the policies of local rank 1 follow GPU 1, those of rank 0 GPU 0."""
+    gpu(capability=[(7, 5), (8, 0)])
+    ranks = {}
+    for rank in (0, 1):
         config = cfg()
-        config.local_rank = 1
-        setup = cuda.vlft_setup_device(backend="cuda", config=config)
-        assert calls == [("set_device", 1)]
-        assert (setup.device.type, setup.device.index, setup.local_rank) == ("cuda", 1, 1)
-        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
-        assert torch.get_float32_matmul_precision() == "high"
-        # an explicit fp32 run (a parity check against the CPU) keeps true fp32 matmuls
-        torch.set_float32_matmul_precision("highest")
-        torch.backends.cudnn.allow_tf32 = False
-        cuda.vlft_setup_device(backend="cuda", config=cfg(precision="fp32"))
-        assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cudnn.allow_tf32
-    finally:
-        torch.set_float32_matmul_precision(before)
+        config.local_rank = rank
+        ranks[rank] = (cuda.vlft_precision_policy(backend="cuda", config=config).name,
+                       cuda.vlft_attention_implementation(backend="cuda", config=config, model_config=None).text)
+    assert ranks == {0: ("fp16", "sdpa"), 1: ("bf16", "flash_attention_2")}
 
 
 def test_dataloader_pins_memory_with_workers(gpu):
@@ -264,9 +302,11 @@ def test_seed_and_determinism(gpu, monkeypatch):
     assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
 
 
-def test_memory_reader(gpu):
-    stats = cuda.vlft_memory_reader(backend="cuda", device=torch.device("cuda", 0))()
-    assert (stats.peak_bytes, stats.current_bytes) == (5 << 20, 2 << 20)
+def test_memory_reader_reads_the_device_it_was_resolved_for(gpu):
+    gpu(count=2)
+    for index in (1, 0):
+        stats = cuda.vlft_memory_reader(backend="cuda", device=torch.device("cuda", index))()
+        assert (stats.peak_bytes, stats.current_bytes) == (peak_of(index), current_of(index))
 
 
 def test_answers_only_for_cuda():

@@ -168,3 +168,25 @@ def test_max_pixels_caps_the_image_tokens(small_data, processor):
     assert int(full["image_grid_thw"].prod()) == 64  # 112x112 -> 8x8 patches
     assert int(capped["image_grid_thw"].prod()) == 16  # 56x56 -> 4x4 patches
     assert len(capped["input_ids"]) == len(full["input_ids"]) - 12
+
+
+def test_without_validation_data_a_seeded_tenth_is_held_out(tmp_path, processor):
+    from vlft.config import RunConfig
+    from vlft.demo_data import write_demo_dataset
+    from vlft.run import load_and_check_data
+
+    ds = write_demo_dataset(tmp_path / "demo", n_train=40, n_val=1, seed=2)
+    everything = [r.where for r in read_records(ds.train)]
+    enc = SampleEncoder(processor)
+
+    def split(seed):
+        train, val = load_and_check_data(RunConfig(data=str(ds.train), seed=seed), enc)
+        return [r.where for r in train], [r.where for r in val]
+
+    train, val = split(0)
+    assert len(val) == 4 and len(train) == 36  # 10% of 40
+    assert sorted(train + val) == sorted(everything) and not set(train) & set(val)
+    assert train == [w for w in everything if w not in val]  # the training records keep the file's order
+    assert split(0) == (train, val)  # the same seed holds out the same records
+    others = [set(split(seed)[1]) for seed in (1, 2, 3)]
+    assert all(o != set(val) for o in others) and len({frozenset(o) for o in others}) == 3  # seeded, not fixed

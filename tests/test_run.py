@@ -34,7 +34,9 @@ def test_short_run_writes_adapter_metrics_and_eval(registry, small_data, tmp_pat
     from vlft.run import execute
 
     out = tmp_path / "run"
-    result = execute(registry, short_config(small_data, out, method=method), progress=False)
+    # a checkpoint every step, two kept: steps 1-5 are saved (the last step writes the adapter instead)
+    result = execute(registry, short_config(small_data, out, method=method, save_every=1, keep_checkpoints=2),
+                     progress=False)
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics if "loss" in m] == [1, 2, 3, 4, 5, 6]
     for key in ("loss", "lr", "grad_norm", "step_time_s", "samples_per_s", "peak_memory_bytes"):
@@ -46,7 +48,9 @@ def test_short_run_writes_adapter_metrics_and_eval(registry, small_data, tmp_pat
     assert ev["before"]["samples"] == 4 and ev["after"]["samples"] == 4
     assert set(ev["after"]["fields"]) == {"colour", "defect"}
     assert (out / "adapter" / "adapter_model.safetensors").exists()
-    assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step-000003"]
+    kept = sorted((out / "checkpoints").iterdir())
+    assert [p.name for p in kept] == ["step-000004", "step-000005"]
+    assert all((p / "state.pt").is_file() and (p / "adapter" / "adapter_model.safetensors").is_file() for p in kept)
     assert result.after is not None and json.loads((out / "summary.json").read_text())["method"] == method
 
 
@@ -84,31 +88,54 @@ def test_resume_continues_with_the_same_losses(registry, small_data, tmp_path, m
         assert x["lr"] == pytest.approx(y["lr"])
 
 
-def test_no_hook_is_called_inside_a_training_step(registry, small_data, tmp_path, monkeypatch):
+def hook_calls_inside_steps(registry, config, monkeypatch, inside_step=None) -> list[str]:
+    """Names of the vlft hooks called while a training step runs, through any registry: the one the run
+    was given, the process-wide one, or one made on the spot (pluggy's HookCaller is watched itself)."""
+    import pluggy
+
     import vlft.train
     from vlft.run import execute
 
-    inside = {"now": False, "calls": []}
-    real_step = vlft.train.train_step
+    state = {"inside": False, "calls": []}
+    real_step, real_call = vlft.train.train_step, pluggy.HookCaller.__call__
+
+    def watched_call(caller, *args, **kwargs):
+        manager = getattr(caller._hookexec, "__self__", None)
+        if state["inside"] and getattr(manager, "project_name", None) == "vlft":
+            state["calls"].append(caller.name)
+        return real_call(caller, *args, **kwargs)
 
     def watched_step(*args, **kwargs):
-        inside["now"] = True
+        state["inside"] = True
         try:
+            if inside_step is not None:
+                inside_step()
             return real_step(*args, **kwargs)
         finally:
-            inside["now"] = False
-
-    def before(hook_name, hook_impls, kwargs):
-        if inside["now"]:
-            inside["calls"].append(hook_name)
+            state["inside"] = False
 
     monkeypatch.setattr(vlft.train, "train_step", watched_step)
-    undo = registry.pm.add_hookcall_monitoring(before, lambda *a: None)
-    try:
-        execute(registry, short_config(small_data, tmp_path / "r", steps=3, save_every=0), progress=False)
-    finally:
-        undo()
-    assert inside["calls"] == []
+    monkeypatch.setattr(pluggy.HookCaller, "__call__", watched_call)
+    execute(registry, config, progress=False)
+    return state["calls"]
+
+
+def test_no_hook_is_called_inside_a_training_step(registry, small_data, tmp_path, monkeypatch):
+    config = short_config(small_data, tmp_path / "r", steps=3, save_every=0, eval_every=0)
+    assert hook_calls_inside_steps(registry, config, monkeypatch) == []
+
+
+def test_a_hook_called_inside_a_step_through_another_registry_is_seen(registry, small_data, tmp_path, monkeypatch):
+    """The watch above can fail: a step asking the process-wide registry, as a careless edit would, is caught."""
+    import torch
+
+    from vlft.plugins import get_registry
+
+    def ask():
+        get_registry().first("vlft_memory_reader", backend="cpu", device=torch.device("cpu"))
+
+    config = short_config(small_data, tmp_path / "r", steps=2, save_every=0, eval_every=0)
+    assert hook_calls_inside_steps(registry, config, monkeypatch, inside_step=ask) == ["vlft_memory_reader"] * 2
 
 
 class ToyPlugin:

@@ -95,7 +95,9 @@ def as_arguments(flags: dict) -> list[str]:
 @click.option("--nnodes", type=int, default=1, show_default=True, help="Machines (passed to torchrun).")
 @click.option("--node-rank", type=int, default=0, show_default=True, help="This machine's rank (torchrun).")
 @click.option("--master-addr", default=None, help="Rendezvous host (torchrun); default 127.0.0.1.")
-@click.option("--master-port", type=int, default=None, help="Rendezvous port (torchrun); default a free port.")
+@click.option("--master-port", type=int, default=None,
+              help="Rendezvous port (torchrun); default: on one machine torchrun's own rendezvous on a free port, "
+                   "on several 29500.")
 @click.pass_context
 @user_errors
 def run(ctx, config_file, as_json, quiet, nproc_per_node, nnodes, node_rank, master_addr, master_port, **params):

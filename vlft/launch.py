@@ -8,7 +8,6 @@ stops every process when one fails and reports the failing rank.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -28,17 +27,15 @@ class LaunchOptions:
         return (self.nproc_per_node > 1 or self.nnodes > 1) and "LOCAL_RANK" not in os.environ
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun_command(opts: LaunchOptions, vlft_args: list[str]) -> list[str]:
-    port = opts.master_port or (free_port() if opts.nnodes == 1 else 29500)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={opts.nproc_per_node}",
-           f"--nnodes={opts.nnodes}", f"--node-rank={opts.node_rank}", f"--master-port={port}"]
-    cmd.append(f"--master-addr={opts.master_addr or '127.0.0.1'}")
+           f"--nnodes={opts.nnodes}", f"--node-rank={opts.node_rank}"]
+    if opts.nnodes == 1 and opts.master_port is None:
+        # torchrun's own rendezvous binds port 0 and keeps the socket: a port found free and then
+        # closed here could be taken by another job (a second test suite) before torchrun binds it
+        cmd.append("--standalone")
+    else:
+        cmd += [f"--master-addr={opts.master_addr or '127.0.0.1'}", f"--master-port={opts.master_port or 29500}"]
     return cmd + ["-m", "vlft", *vlft_args]
 
 

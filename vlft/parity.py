@@ -137,7 +137,8 @@ def _spawn_worker(index: int, backend: str, precision: str, opts: dict, out: Pat
 @click.option("--method", default="lora", show_default=True)
 @click.option("--steps", default=5, show_default=True, type=int)
 @click.option("--precision", default="fp32", show_default=True,
-              help="One precision for both, or one per backend: fp32,bf16.")
+              help="One precision for both, or one per backend: fp32,bf16; auto is the backend's default "
+                   "policy (what `vlft run` uses), compared at the tolerance of the precision it resolves to.")
 @click.option("--tolerance", type=click.Choice(["auto", *TOLERANCES]), default="auto", show_default=True,
               help="Tolerance set; auto follows the looser of the two precisions.")
 @click.option("--batch-size", default=4, show_default=True, type=int)
@@ -155,8 +156,8 @@ def parity(backends, method, steps, precision, tolerance, batch_size, seed, mode
     precisions = [p.strip() for p in precision.split(",")]
     if len(precisions) == 1:
         precisions *= 2
-    if len(precisions) != 2 or any(p not in TOLERANCES for p in precisions):
-        raise click.UsageError(f"--precision: one or two of {', '.join(TOLERANCES)}, got '{precision}'")
+    if len(precisions) != 2 or any(p not in (*TOLERANCES, "auto") for p in precisions):
+        raise click.UsageError(f"--precision: one or two of {', '.join(TOLERANCES)}, auto; got '{precision}'")
     from .errors import VlftError
     from .plugins import get_registry
 
@@ -183,6 +184,7 @@ def parity(backends, method, steps, precision, tolerance, batch_size, seed, mode
     for r in results:
         if r.get("failed") or not r.get("available"):
             raise click.ClickException(f"the {r['backend']} worker failed:\n{r.get('error') or r.get('reason')}")
+    asked, precisions = precisions, [r["precision"] for r in results]  # "auto" resolved by each backend
     tol_name, tol = tolerance_for(precisions, None if tolerance == "auto" else tolerance)
     rows = compare(results[0], results[1], tol)
     label_a, label_b = (f"{n}/{p}" + (f"#{i}" if names[0] == names[1] and precisions[0] == precisions[1] else "")
@@ -195,8 +197,8 @@ def parity(backends, method, steps, precision, tolerance, batch_size, seed, mode
         click.echo(f"{r.step:>4}  {r.loss_a:>16.6f}  {r.loss_b:>16.6f}  {r.loss_diff:>9.2e}  {r.grad_norm_diff:>9.2e}"
                    f"  {r.worst_weight_diff:>9.2e}  {'ok' if r.ok else 'DIVERGED'}")
     first_bad = next((r for r in rows if not r.ok), None)
-    report = {"backends": names, "precisions": precisions, "method": method, "steps": steps, "seed": seed,
-              "tolerance": {"name": tol_name, **tol}, "passed": first_bad is None,
+    report = {"backends": names, "precisions": precisions, "asked": asked, "method": method, "steps": steps,
+              "seed": seed, "tolerance": {"name": tol_name, **tol}, "passed": first_bad is None,
               "comparison": [asdict(r) for r in rows], "runs": results}
     out_path = Path(output or f"parity-{names[0]}-{names[1]}.json")
     out_path.write_text(json.dumps(report, indent=2))

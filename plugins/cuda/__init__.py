@@ -7,8 +7,8 @@ Resolved once at set-up:
   also says yes to emulation), else fp16 with ``torch.amp.GradScaler``;
 - ``flash_attention_2`` where the flash-attn package imports and the GPU is
   8.0 or newer, else ``sdpa``; per tower overridable with ``--attn``;
-- TF32 for matmul and cuDNN; pinned memory and two DataLoader workers;
-  ``nccl``; ``CUBLAS_WORKSPACE_CONFIG`` when determinism is asked.
+- TF32 for matmul and cuDNN, turned off for an explicit ``--precision fp32``;
+  pinned memory and two DataLoader workers; ``nccl``; ``CUBLAS_WORKSPACE_CONFIG`` when determinism is asked.
 
 ``torch_npu.contrib.transfer_to_npu`` makes ``torch.cuda`` answer for an
 Ascend NPU; when it is loaded this backend reports itself unavailable, and
@@ -168,13 +168,18 @@ def vlft_probe_backend(backend):
         return ProbeResult(False, f"probing CUDA failed unexpectedly ({_first_line(e)})")
 
 
-def enable_tf32() -> None:
+def set_tf32(enabled: bool) -> None:
+    """TF32 for fp32 matmuls and cuDNN convolutions, on or off (the switches are process-wide)."""
     import torch
 
     # the legacy switches: mixing them with torch's newer fp32_precision API makes torch raise
-    torch.set_float32_matmul_precision("high")
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
+    torch.set_float32_matmul_precision("high" if enabled else "highest")
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled  # torch's own default is True: "off" must say so
+
+
+def enable_tf32() -> None:
+    set_tf32(True)
 
 
 @hookimpl
@@ -185,9 +190,9 @@ def vlft_setup_device(backend, config):
 
     torch.cuda.set_device(config.local_rank)
     # TF32 rounds fp32 matmuls to 10-bit mantissas: fast, and right for "auto", but an explicit
-    # --precision fp32 (parity checks against the CPU reference) must get true fp32
-    if config.precision != "fp32":
-        enable_tf32()
+    # --precision fp32 (parity checks against the CPU reference) must get true fp32, even when an
+    # earlier run in this process (a test session, a notebook) turned TF32 on
+    set_tf32(config.precision != "fp32")
     return DeviceSetup(torch.device(DEVICE_TYPE, config.local_rank), local_rank=config.local_rank)
 
 

@@ -1,6 +1,9 @@
 """Device tests run only where the device is: a test marked ``cuda`` or ``npu`` is skipped, with the
 backend probe's reason, on a machine without that device. This works on its own, whatever
 ``tests/conftest.py`` does, so the same suite is green on a laptop and real on a GPU or NPU machine.
+
+What the device tests assert lives in ``checks.py``; ``tests/test_device_checks.py`` runs those checks
+on the CPU against plugins that answer wrongly, to show each can fail.
 """
 
 from __future__ import annotations

@@ -1,72 +1,235 @@
-"""A few real training steps on each accelerator, through the same ``execute`` a user's ``vlft run`` takes.
+"""Real training steps on each accelerator, checked against what the device and the request say.
 
 Marked ``cuda`` or ``npu``: skipped (with the probe's reason) where the device is absent, see
-``conftest.py`` here. On a device machine: LoRA and OFT on the embedded default model and a small
-synthetic data set, loss finite and falling, peak device memory reported, adapter saved.
+``conftest.py`` here. The checks (``checks.py``) read what really ran: the dtype the linear layers
+computed in during the training steps, the attention each tower dispatched on, where and in which
+dtype the parameters live, the TF32 switches and a matmul's precision, vlft's step on an overflowing
+fp16 step, the memory the reader sees. Expected values come from the hardware (compute capability, the
+flash-attn package) or from the request, not from the run's plan; ``tests/test_device_checks.py`` shows
+on the CPU that each check fails when a plugin answers wrongly.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import torch
 
+from hardware.checks import (
+    check_attention, check_autocast, check_memory_reader, check_overflowing_step_is_skipped, check_parameters,
+    check_tf32, check_tf32_in_effect, observed_run, prepared,
+)
+
+REPO = Path(__file__).resolve().parents[2]
 STEPS = 8  # two passes over 32 samples in batches of 8: the second pass must see a lower loss
 
 
-def train(tmp_path, backend: str, method: str, **extra):
-    from vlft.config import build_config
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
     from vlft.demo_data import write_demo_dataset
-    from vlft.plugins import load_registry
-    from vlft.run import execute
 
-    ds = write_demo_dataset(tmp_path / "data", 32, 8)
-    config = build_config({}, {
-        "backend": backend, "method": method, "steps": STEPS, "batch_size": 8, "eval_samples": 4, "eval_every": 0,
-        "save_every": 0, "log_every": 1, "data": str(ds.train), "val_data": str(ds.val),
-        "output": str(tmp_path / "run"), **extra,
-    })
-    result = execute(load_registry(), config, progress=False)
+    ds = write_demo_dataset(tmp_path_factory.mktemp("device-data") / "demo", 32, 8)
+    return ds.train, ds.val
+
+
+def train(tmp_path, data, backend: str, method: str, **extra):
+    """``vlft run`` on the device with an observer; returns (result, observer) after the run-level checks."""
+    result, observer = observed_run(tmp_path, *data, backend=backend, method=method, steps=STEPS, batch_size=8,
+                                    eval_samples=4, max_new_tokens=8, lr=3e-3, warmup_ratio=0.0, **extra)
     losses = [r["loss"] for r in result.metrics]
     assert len(losses) == STEPS and all(math.isfinite(x) for x in losses), losses
+    # a sanity check only: a wrong but finite policy lowers the loss too; the checks of each test decide
     half = STEPS // 2
     assert sum(losses[half:]) / (STEPS - half) < sum(losses[:half]) / half, f"loss did not fall: {losses}"
     summary = json.loads((result.output / "summary.json").read_text())
-    assert summary["backend"] == backend and summary["steps"] == STEPS
-    assert summary["peak_memory_bytes"] and summary["peak_memory_bytes"] > 0, summary
-    assert all(r["peak_memory_bytes"] > 0 for r in result.metrics)
+    # the parameters live on the device, so its peak holds at least their bytes: a reader of the host,
+    # or of another device, reports less
+    param_bytes = sum(p.numel() * p.element_size() for p in observer.model.parameters())
+    assert summary["peak_memory_bytes"] >= param_bytes, (summary["peak_memory_bytes"], param_bytes)
     assert (result.output / "adapter" / "adapter_model.safetensors").is_file()
-    print(f"{backend} {method}: losses {[round(x, 4) for x in losses]}, "
-          f"peak memory {summary['peak_memory_bytes'] / 2**20:.1f} MiB, {summary['train_time_s']:.1f} s")
-    return result
+    print(f"{backend} {method} {extra}: losses {[round(x, 4) for x in losses]}, peak memory "
+          f"{summary['peak_memory_bytes'] / 2**20:.1f} MiB, {summary['train_time_s']:.1f} s")
+    return result, observer
+
+
+def run_reversed(marker: str) -> None:
+    """The device tests for ``marker`` (and the accelerator parity tests) again, in reverse order."""
+    if os.environ.get("VLFT_TEST_ORDER") == "reverse":
+        pytest.skip("this is the reversed run")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker, "-k", "not reverse_order",
+         str(REPO / "tests" / "hardware"), str(REPO / "tests" / "parity")],
+        env={**os.environ, "VLFT_TEST_ORDER": "reverse"}, cwd=REPO, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout, proc.stdout[-2000:]
+
+
+# -- CUDA ----------------------------------------------------------------------------------------------
+
+def capability(index: int = 0) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def flash_attn_2_importable() -> bool:
+    try:
+        import flash_attn
+    except Exception:  # noqa: BLE001 - a build for another torch fails with undefined symbols
+        return False
+    return str(getattr(flash_attn, "__version__", "")).startswith("2.")
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("method", ["lora", "oft"])
-def test_cuda_trains(method, tmp_path):
-    import torch
-
-    result = train(tmp_path, "cuda", method)
-    plan = result.plan
-    native_bf16 = torch.cuda.get_device_capability() >= (8, 0)
-    assert plan.precision.name == ("bf16" if native_bf16 else "fp16")
-    assert plan.dataloader.pin_memory is True and plan.distributed.process_group_backend == "nccl"
+def test_cuda_default_policy_is_what_the_gpu_allows(method, tmp_path, data):
+    cap = capability()
+    ampere = cap >= (8, 0)  # native bf16 and flash-attention 2 from compute capability 8.0 on
+    attn = "flash_attention_2" if ampere and flash_attn_2_importable() else "sdpa"
+    result, observer = train(tmp_path, data, "cuda", method)
+    check_autocast(observer, torch.bfloat16 if ampere else torch.float16)
+    check_attention(observer, {"vision": attn, "text": attn})
+    # base weights in the run's parameter dtype (issue 8: half where the GPU allows), adapters fp32
+    check_parameters(observer.model, "cuda", getattr(torch, result.plan.precision.param_dtype))
+    check_tf32(True)
+    if ampere:
+        check_tf32_in_effect(torch.device("cuda", 0), True)
+    else:
+        assert all("loss_scale" in r for r in result.metrics), "fp16 trained without a loss scaler"
 
 
 @pytest.mark.cuda
-def test_cuda_fp16_with_dynamic_loss_scaling(tmp_path):
-    result = train(tmp_path, "cuda", "lora", precision="fp16")
-    assert result.plan.precision.loss_scaling
-    assert all(r["loss_scale"] > 0 for r in result.metrics)
+def test_cuda_honours_an_explicit_precision_and_attention_per_tower(tmp_path, data):
+    result, observer = train(tmp_path, data, "cuda", "lora", precision="fp16", attn="vision=eager,text=sdpa")
+    check_autocast(observer, torch.float16)
+    check_attention(observer, {"vision": "eager", "text": "sdpa"})
+    check_tf32(True)
+    assert all("loss_scale" in r for r in result.metrics), "fp16 trained without a loss scaler"
+
+
+@pytest.mark.cuda
+def test_cuda_explicit_fp32_turns_tf32_off_after_a_default_set_up(tmp_path, data):
+    from vlft.config import build_config
+    from vlft.plugins import load_registry
+
+    device = torch.device("cuda", 0)
+    load_registry().first("vlft_setup_device", backend="cuda", config=build_config({}, {"backend": "cuda"}))
+    check_tf32(True)  # what a default run earlier in this process leaves behind
+    if capability() >= (8, 0):
+        check_tf32_in_effect(device, True)
+    result, observer = train(tmp_path, data, "cuda", "lora", precision="fp32")
+    check_tf32(False)
+    check_tf32_in_effect(device, False)
+    check_autocast(observer, torch.float32)
+    check_attention(observer, {"vision": "sdpa", "text": "sdpa"})  # flash-attention computes in half only
+    check_parameters(observer.model, "cuda", torch.float32)
+
+
+@pytest.mark.cuda
+def test_cuda_fp16_overflowing_step_is_skipped_by_vlfts_step(tmp_path, data):
+    check_overflowing_step_is_skipped(prepared(data[0], tmp_path, backend="cuda", precision="fp16"))
+
+
+@pytest.mark.cuda
+def test_cuda_memory_reader_reads_its_own_device(registry):
+    readers = [registry.first("vlft_memory_reader", backend="cuda", device=torch.device("cuda", i))
+               for i in range(min(torch.cuda.device_count(), 2))]
+    block = check_memory_reader(readers[0], torch.device("cuda", 0))
+    if len(readers) == 2:  # a block on device 1 is seen by device 1's reader only
+        before = readers[0]().current_bytes
+        block1 = check_memory_reader(readers[1], torch.device("cuda", 1))
+        assert readers[0]().current_bytes == before
+        del block1
+    del block
+
+
+@pytest.mark.cuda
+def test_cuda_local_rank_1_trains_on_device_1_with_its_capability(registry):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    from vlft.config import RunConfig
+
+    config = RunConfig(backend="cuda")
+    config.local_rank = 1
+    setup = registry.first("vlft_setup_device", backend="cuda", config=config)
+    assert setup.device == torch.device("cuda", 1) and torch.cuda.current_device() == 1
+    precision = registry.first("vlft_precision_policy", backend="cuda", config=config)
+    assert precision.autocast_dtype == ("bfloat16" if capability(1) >= (8, 0) else "float16")
+
+
+@pytest.mark.cuda
+def test_cuda_device_tests_pass_in_reverse_order():
+    run_reversed("cuda")
+
+
+# -- Ascend NPU ---------------------------------------------------------------------------------------
+
+EAGER = {"vision": "eager", "text": "eager"}
 
 
 @pytest.mark.npu
 @pytest.mark.parametrize("method", ["lora", "oft"])
-def test_npu_trains(method, tmp_path):
-    result = train(tmp_path, "ascend", method)
-    plan = result.plan
-    assert (plan.attention.vision, plan.attention.text) == ("eager", "eager")
-    assert plan.precision.name == "fp16" and plan.precision.init_scale == 2.0 ** 16
-    assert all(r["loss_scale"] > 0 for r in result.metrics)  # torch.npu.amp.GradScaler at work
-    assert plan.dataloader.pin_memory is False and plan.distributed.process_group_backend == "hccl"
+def test_npu_default_policy_is_fp16_with_loss_scaling_and_eager_attention(method, tmp_path, data):
+    result, observer = train(tmp_path, data, "ascend", method)
+    check_autocast(observer, torch.float16)
+    check_attention(observer, EAGER)  # and no scaled_dot_product_attention call in any training step
+    check_parameters(observer.model, "npu", getattr(torch, result.plan.precision.param_dtype))
+    assert all("loss_scale" in r for r in result.metrics), "fp16 trained without a loss scaler"
+
+
+@pytest.mark.npu
+def test_npu_patch_reroutes_a_model_loaded_with_sdpa_to_eager_on_the_device(model_dir, processor, data):
+    from hardware.checks import Observer
+    from helpers import base_model
+    from vlft.config import RunConfig
+    from vlft.data import Collator, SampleEncoder, read_records
+    from vlft.plugins import load_registry
+    from vlft.train import autocast_context, model_inputs, to_device
+
+    registry = load_registry()
+    config = RunConfig(backend="ascend")
+    device = registry.first("vlft_setup_device", backend="ascend", config=config).device
+    policy = registry.first("vlft_attention_implementation", backend="ascend", config=config, model_config=None)
+    model = base_model(model_dir, attn="sdpa").to(device)  # as a torch_npu-unaware loader would leave it
+    patched = [p for ps in registry.hook.vlft_patch_model(backend="ascend", model=model, config=config,
+                                                          attention=policy) if ps for p in ps]
+    assert patched, "nothing was patched, though both towers were loaded with sdpa"
+    observer = Observer()
+    observer.watch(model)
+    enc = SampleEncoder(processor)
+    batch = Collator(processor.tokenizer.pad_token_id, processor.image_token_id)(
+        [enc.encode(r) for r in read_records(data[0])[:2]])
+    model.train()
+    with observer.counting_sdpa(), autocast_context(device, torch.float16):
+        model(**model_inputs(to_device(batch, device))).logits.float().sum().backward()
+    check_attention(observer, EAGER)
+
+
+@pytest.mark.npu
+def test_npu_overflowing_step_is_skipped_by_vlfts_step(tmp_path, data):
+    check_overflowing_step_is_skipped(prepared(data[0], tmp_path, backend="ascend"))
+
+
+@pytest.mark.npu
+def test_npu_memory_reader_reads_its_own_device(registry):
+    import torch_npu  # noqa: F401 - registers the npu device type
+
+    count = torch.npu.device_count()
+    readers = [registry.first("vlft_memory_reader", backend="ascend", device=torch.device("npu", i))
+               for i in range(min(count, 2))]
+    block = check_memory_reader(readers[0], torch.device("npu", 0))
+    if len(readers) == 2:
+        before = readers[0]().current_bytes
+        block1 = check_memory_reader(readers[1], torch.device("npu", 1))
+        assert readers[0]().current_bytes == before
+        del block1
+    del block
+
+
+@pytest.mark.npu
+def test_npu_device_tests_pass_in_reverse_order():
+    run_reversed("npu")

@@ -1,8 +1,9 @@
-"""Cross-backend, distributed, attention, precision and seed parity.
+"""Cross-backend, distributed, accumulation, attention, precision and seed parity, and `vlft parity` itself.
 
-On a CPU-only machine these still check real things (gloo processes,
-eager against SDPA, autocast against fp32, the loss scaler); on a GPU or
-NPU machine the `accelerator` tests compare that device with the CPU.
+On a CPU-only machine these still check real things (gloo processes, micro-batches against one batch,
+eager against SDPA, autocast against fp32); on a GPU or NPU machine the `accelerator` tests compare that
+device with the CPU, in fp32 and in the device's default policy. (vlft's step on an overflowing fp16
+step: tests/test_device_checks.py.)
 """
 
 from __future__ import annotations
@@ -147,28 +148,102 @@ def test_reduced_precision_stays_within_its_stated_tolerance_of_fp32(small_data,
     assert not all(r.ok for r in compare(ref, run, TOLERANCES["fp32"]))
 
 
-def test_loss_scaler_skips_a_step_with_inf_gradients():
-    w = torch.nn.Parameter(torch.ones(4))
-    opt = torch.optim.AdamW([w], lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
-    scaler.scale(w.sum() + w[0] * float("inf")).backward()  # an overflow, as fp16 produces it
-    assert not torch.isfinite(w.grad).all()
-    scaler.unscale_(opt)
-    scaler.step(opt)
-    scaler.update()
-    assert torch.equal(w.detach(), torch.ones(4))  # the step was skipped, weights untouched
-    assert scaler.get_scale() == 2.0 ** 15  # and the scale backed off
-    opt.zero_grad()
-    (scaler.scale(w.sum())).backward()
-    scaler.step(opt)
-    scaler.update()
-    assert not torch.equal(w.detach(), torch.ones(4))  # a finite step goes through
+@pytest.fixture(scope="module")
+def cpu_reference(small_data):
+    return _worker(small_data, steps=3)
 
 
-def test_cpu_against_each_accelerator(small_data, accelerator):
-    ref = _worker(small_data, steps=3)
-    dev = _worker(small_data, backend=accelerator, steps=3, precision="fp32")
+@pytest.mark.parametrize("precision", ["fp32", "auto"])
+def test_cpu_against_each_accelerator(small_data, accelerator, precision, cpu_reference):
+    """fp32 on both (TF32 off: a real fp32 comparison), and the accelerator's default policy (what users
+    run: bf16 or fp16, flash, sdpa or eager attention) at the tolerance of the precision it resolves to."""
+    dev = _worker(small_data, backend=accelerator, steps=3, precision=precision)
     assert dev["available"], dev
-    rows = compare(ref, dev, TOLERANCES["fp32"])
-    assert all(r.ok for r in rows), rows
     assert all(math.isfinite(s["loss"]) for s in dev["steps"])
+    name, tol = tolerance_for([cpu_reference["precision"], dev["precision"]])
+    rows = compare(cpu_reference, dev, tol)
+    assert all(r.ok for r in rows), (name, dev["precision"], dev["attention"], rows)
+    if precision == "fp32":
+        assert dev["precision"] == "fp32"
+    elif dev["precision"] != "fp32":
+        # and the reduced precision really ran: the fp32 tolerance sees the difference
+        assert not all(r.ok for r in compare(cpu_reference, dev, TOLERANCES["fp32"])), rows
+
+
+def _step_figures(small_data, out, **over):
+    """Per step (loss, gradient norm), and the final adapter weights, of ``prepare`` + vlft's own step."""
+    from vlft.plugins import get_registry
+    from vlft.run import prepare
+    from vlft.train import batches, train_step_on
+
+    s = prepare(get_registry(), build_config({}, _cfg(small_data, out, adapter={"lora_dropout": 0.0}, **over)))
+    figures = []
+    s.model.train()
+    for group in batches(s.dataset, s.collate, s.settings, 0):
+        r = train_step_on(s.model, s.optimizer, s.scheduler, group, s.policy)
+        figures.append((float(r["loss_sum"]) / r["global_tokens"], float(r["grad_norm"])))
+        if len(figures) == s.settings.total_steps:
+            break
+    return figures, {n: p.detach().clone() for n, p in s.model.named_parameters() if p.requires_grad}
+
+
+def _varied_replies(train: Path, out: Path) -> Path:
+    """The records of ``train`` with replies of 0 to 3 extra words, so micro-batches hold different numbers
+    of label tokens (the demo's replies are all about as long, which would hide a per-micro-batch mean)."""
+    lines = []
+    for i, line in enumerate(train.read_text().splitlines()):
+        rec = json.loads(line)
+        rec["image"] = str(train.parent / rec["image"])
+        rec["conversations"][-1]["value"] += "".join(f", note {k}" for k in range(i % 4))
+        lines.append(json.dumps(rec))
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+def test_gradient_accumulation_computes_what_one_big_batch_computes(small_data, tmp_path):
+    """Batch 2 with 2 micro-batches per step against batch 4. LoRA dropout is off: its masks are drawn per
+    micro-batch, which no split can match."""
+    data = str(_varied_replies(small_data[0], tmp_path / "varied.jsonl"))
+    big, wb = _step_figures(small_data, tmp_path / "big", data=data, batch_size=4, steps=6)
+    acc, wa = _step_figures(small_data, tmp_path / "acc", data=data, batch_size=2, grad_accum=2, steps=6)
+    assert len(big) == len(acc) == 6
+    for (lb, gb), (la, ga) in zip(big, acc):
+        assert la == pytest.approx(lb, rel=1e-5), (big, acc)
+        assert ga == pytest.approx(gb, rel=1e-4), (big, acc)
+    assert wa.keys() == wb.keys()
+    for k in wb:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-6)
+    assert big[-1][0] < big[0][0]  # the adapter moved
+
+
+def test_vlft_parity_command_prints_the_table_and_exits_1_beyond_tolerance(small_data, tmp_path):
+    """The command as a user runs it (each backend in a worker process): fp32 against bf16 on the CPU passes
+    at the bf16 tolerance (the looser precision's) and fails at the forced fp32 one, with the same figures."""
+    from helpers import vlft_command
+
+    def parity(name, *args):
+        out = tmp_path / f"{name}.json"
+        proc = subprocess.run([*vlft_command(), "parity", "--backends", "cpu,cpu", "--precision", "fp32,bf16",
+                               "--steps", "2", "--batch-size", "2", "--data", str(small_data[0]),
+                               "--output", str(out), *args],
+                              capture_output=True, text=True, cwd=tmp_path, timeout=600,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})  # one thread: robust on a busy host
+        table = [line.split() for line in proc.stdout.splitlines() if line.split() and line.split()[0].isdigit()]
+        return proc, table, json.loads(out.read_text()) if out.exists() else None
+
+    loose, loose_table, loose_json = parity("loose")
+    assert loose.returncode == 0, loose.stdout + loose.stderr[-3000:]
+    assert loose_json["tolerance"]["name"] == "bf16" and loose_json["passed"]
+    assert [row[0] for row in loose_table] == ["1", "2"] and all(row[-1] == "ok" for row in loose_table)
+    assert "PASSED" in loose.stdout
+
+    tight, tight_table, tight_json = parity("tight", "--tolerance", "fp32")
+    assert tight.returncode == 1, tight.stdout + tight.stderr[-3000:]
+    assert tight_json["tolerance"]["name"] == "fp32" and not tight_json["passed"]
+    # the same seeded runs: the figures agree, only the verdicts differ
+    assert [r["loss_diff"] for r in tight_json["comparison"]] == [r["loss_diff"] for r in loose_json["comparison"]]
+    first = next(r for r in tight_json["comparison"] if not r["ok"])
+    assert f"DIVERGED first at step {first['step']}:" in tight.stdout
+    assert [row[-1] for row in tight_table] == ["ok" if r["ok"] else "DIVERGED" for r in tight_json["comparison"]]
+    for row, r in zip(tight_table, tight_json["comparison"]):  # the table prints the JSON's losses
+        assert (float(row[1]), float(row[2])) == pytest.approx((r["loss_a"], r["loss_b"]), abs=1e-6)

@@ -1,0 +1,265 @@
+"""What a run really did on its device, read from the model, the device and torch: the device tests' checks.
+
+Each check takes its expected value from the user's request or from a fact of the hardware, not from
+the plan the run resolved, so a plugin that answers a policy wrongly fails it (one exception, by
+contract: the frozen base weights are checked against the plan's parameter dtype, the trainable ones
+against fp32, whatever the plan says). The same checks run on
+the CPU in ``tests/test_device_checks.py``, once with the built-in plugins (they pass) and once with a
+wrong answer registered ``tryfirst`` (they must fail): a check that cannot fail is caught there.
+
+Imported as ``hardware.checks`` (``tests/`` is on ``sys.path`` through its conftest).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from vlft.hookspecs import hookimpl
+
+TOWERS = ("vision", "text")
+# Relative error of a 1024-deep fp32 matmul of unit normals against float64: about 1e-7 with true
+# fp32, about 5e-4 with TF32's 10-bit mantissas; the threshold sits between, a decade from each.
+TF32_ERROR_THRESHOLD = 1e-5
+
+
+def tower_of(module_name: str) -> str:
+    return "vision" if "visual" in module_name.split(".") else "text"
+
+
+class Observer:
+    """A plugin that watches a run and answers no policy.
+
+    Its ``vlft_patch_model`` runs last (``trylast``), after every backend's patch, and gets the loaded
+    base model. It records what each tower's configuration says right then, and hooks the model to
+    record, for every forward in training mode (the training steps, not evaluation), which attention
+    implementation each attention module dispatched on, the dtype every linear layer produced, and how
+    often ``scaled_dot_product_attention`` was called (while ``counting_sdpa()`` is active).
+    """
+
+    def __init__(self):
+        self.model = None
+        self.loaded_attention: dict[str, str] | None = None
+        self.forward_attention: dict[str, set] = {t: set() for t in TOWERS}
+        self.linear_dtypes: dict[str, set] = {t: set() for t in TOWERS}
+        self.sdpa_calls = 0
+        self._training_forward = 0
+
+    @hookimpl(trylast=True)
+    def vlft_patch_model(self, backend, model, config, attention):
+        self.watch(model)
+        return None
+
+    def watch(self, model) -> None:
+        from vlft.model import tower_attention
+
+        self.model = model
+        self.loaded_attention = tower_attention(model)
+        for name, module in model.named_modules():
+            tower = tower_of(name)
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_hook(self._linear_hook(tower))
+            cfg = getattr(module, "config", None)
+            if type(module).__name__.endswith("Attention") and hasattr(cfg, "_attn_implementation"):
+                # transformers picks the attention function from this very value at each forward
+                module.register_forward_pre_hook(self._attention_hook(tower))
+        model.register_forward_pre_hook(self._enter)
+        model.register_forward_hook(self._leave)
+
+    def _enter(self, module, args):
+        if module.training:
+            self._training_forward += 1
+
+    def _leave(self, module, args, output):
+        if module.training:
+            self._training_forward -= 1
+
+    def _linear_hook(self, tower):
+        def hook(module, args, output):
+            if module.training:
+                self.linear_dtypes[tower].add(output.dtype)
+        return hook
+
+    def _attention_hook(self, tower):
+        def hook(module, args):
+            if module.training:
+                self.forward_attention[tower].add(module.config._attn_implementation)
+        return hook
+
+    @contextlib.contextmanager
+    def counting_sdpa(self):
+        """Count ``torch.nn.functional.scaled_dot_product_attention`` calls made in training forwards."""
+        real = torch.nn.functional.scaled_dot_product_attention
+
+        def counted(*args, **kwargs):
+            if self._training_forward:
+                self.sdpa_calls += 1
+            return real(*args, **kwargs)
+
+        torch.nn.functional.scaled_dot_product_attention = counted
+        try:
+            yield self
+        finally:
+            torch.nn.functional.scaled_dot_product_attention = real
+
+
+# -- checks ------------------------------------------------------------------------------------------
+
+def check_autocast(observer: Observer, expected: torch.dtype) -> None:
+    """Every linear layer of both towers computed in ``expected`` during the training steps."""
+    for tower in TOWERS:
+        seen = observer.linear_dtypes[tower]
+        assert seen, f"no {tower} linear layer ran in a training step: nothing was observed"
+        assert seen == {expected}, f"{tower} linear layers computed in {sorted(map(str, seen))} in the training " \
+                                   f"steps; expected {expected}"
+
+
+def check_attention(observer: Observer, expected: dict[str, str]) -> None:
+    """Each tower was loaded with, and dispatched every training forward on, the expected implementation."""
+    assert observer.loaded_attention == expected, \
+        f"towers loaded with {observer.loaded_attention}; expected {expected}"
+    for tower in TOWERS:
+        seen = observer.forward_attention[tower]
+        assert seen == {expected[tower]}, \
+            f"{tower} attention modules ran {sorted(seen) or 'nothing'} in the training steps; " \
+            f"expected {expected[tower]}"
+    if "sdpa" not in expected.values():
+        assert observer.sdpa_calls == 0, f"scaled_dot_product_attention ran {observer.sdpa_calls} times in the " \
+                                         f"training steps, though neither tower should use it ({expected})"
+
+
+def check_parameters(model, device_type: str, frozen_dtype: torch.dtype) -> None:
+    """Every parameter on the device; frozen base weights in ``frozen_dtype``; every trainable one fp32."""
+    params = list(model.named_parameters())
+    trainable = [(n, p) for n, p in params if p.requires_grad]
+    assert trainable, "no trainable parameter: no adapter was applied"
+    elsewhere = sorted({f"{p.device}" for _, p in params if p.device.type != device_type})
+    assert not elsewhere, f"parameters left on {elsewhere}, not on {device_type}"
+    bad = [(n, p.dtype) for n, p in trainable if p.dtype != torch.float32]
+    assert not bad, f"{len(bad)} trainable parameters are not float32, e.g. {bad[:3]}"
+    bad = [(n, p.dtype) for n, p in params if not p.requires_grad and p.dtype != frozen_dtype]
+    assert not bad, f"{len(bad)} frozen parameters are not {frozen_dtype}, e.g. {bad[:3]}"
+
+
+def tf32_switches() -> dict:
+    return {"cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+            "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
+            "float32_matmul_precision": torch.get_float32_matmul_precision()}
+
+
+def check_tf32(expected_on: bool) -> None:
+    """The process-wide TF32 switches (matmul, cuDNN, matmul precision) all say ``expected_on``."""
+    s = tf32_switches()
+    want = {"cuda.matmul.allow_tf32": expected_on, "cudnn.allow_tf32": expected_on,
+            "float32_matmul_precision": "high" if expected_on else "highest"}
+    assert s == want, f"TF32 switches are {s}; expected {want}"
+
+
+def fp32_matmul_error(device, emulate_tf32: bool = False) -> float:
+    """Relative error of one fp32 matmul on ``device`` against float64 on the host.
+
+    ``emulate_tf32`` rounds the inputs to TF32's 10-bit mantissa first: what a TF32 device does, for
+    showing on a CPU that the threshold tells the two apart.
+    """
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(256, 1024, generator=g), torch.randn(1024, 256, generator=g)
+    ref = a.double() @ b.double()
+    if emulate_tf32:  # keep 10 of fp32's 23 mantissa bits
+        a, b = (t.view(torch.int32).bitwise_and(~0x1FFF).view(torch.float32) for t in (a, b))
+    got = (a.to(device) @ b.to(device)).cpu().double()
+    return float((got - ref).norm() / ref.norm())
+
+
+def check_tf32_in_effect(device, expected_on: bool) -> None:
+    """A matmul on ``device`` loses TF32's precision exactly when TF32 is meant to be on."""
+    err = fp32_matmul_error(device)
+    if expected_on:
+        assert err > TF32_ERROR_THRESHOLD, f"fp32 matmul error {err:.1e}: TF32 is not in effect"
+    else:
+        assert err < TF32_ERROR_THRESHOLD, f"fp32 matmul error {err:.1e}: TF32 (or worse) is in effect"
+
+
+def check_overflowing_step_is_skipped(session, tries: int = 5) -> None:
+    """vlft's own ``train_step``: a step whose gradients overflow changes no weight and lowers the loss
+    scale; a finite step after it trains."""
+    from vlft.train import batches, train_step_on
+
+    scaler = session.policy.scaler
+    assert scaler is not None, "fp16 without a loss scaler: an overflowing step would write inf into the weights"
+    params = [p for p in session.model.parameters() if p.requires_grad]
+    groups = batches(session.dataset, session.collate, session.settings, 0)
+    session.model.train()
+
+    def snapshot():
+        return [p.detach().clone() for p in params]
+
+    before, scale = snapshot(), float(scaler.get_scale())
+    # an overflow as fp16 produces it: one gradient turns infinite in the backward pass
+    handle = params[0].register_hook(lambda g: torch.full_like(g, math.inf))
+    try:
+        train_step_on(session.model, session.optimizer, session.scheduler, next(groups), session.policy)
+    finally:
+        handle.remove()
+    moved = [i for i, (b, p) in enumerate(zip(before, params)) if not torch.equal(b, p.detach())]
+    assert not moved, f"the overflowing step changed {len(moved)} trainable tensors"
+    assert float(scaler.get_scale()) < scale, f"loss scale {scaler.get_scale()} did not back off from {scale}"
+    for _ in range(tries):  # fp16 may overflow on its own at a high scale; the scaler backs off each time
+        before = snapshot()
+        train_step_on(session.model, session.optimizer, session.scheduler, next(groups), session.policy)
+        if any(not torch.equal(b, p.detach()) for b, p in zip(before, params)):
+            break
+    else:
+        raise AssertionError(f"no finite step went through in {tries} tries (scale {scaler.get_scale()})")
+    assert all(bool(torch.isfinite(p).all()) for p in params), "a trainable weight is not finite"
+
+
+def check_memory_reader(reader, device, nbytes: int = 64 << 20) -> torch.Tensor:
+    """The reader sees ``nbytes`` allocated on ``device``: peak at least that, current up by that.
+
+    Returns the block, so a caller can hold it while reading another device.
+    """
+    before = reader()
+    block = torch.ones(nbytes, dtype=torch.uint8, device=device)  # written, so a host counts its pages too
+    after = reader()
+    assert after.peak_bytes is not None and after.peak_bytes >= nbytes, \
+        f"peak {after.peak_bytes} bytes after allocating {nbytes} on {device}"
+    if before.current_bytes is not None:
+        assert after.current_bytes - before.current_bytes >= nbytes, \
+            f"current bytes went from {before.current_bytes} to {after.current_bytes} after allocating {nbytes} " \
+            f"on {device}: the reader does not read that device"
+        assert after.peak_bytes >= after.current_bytes
+    return block
+
+
+# -- running ------------------------------------------------------------------------------------------
+
+def observed_run(tmp_path, train, val, plugins=(), **values):
+    """``vlft run`` (``execute``) with an ``Observer`` next to the installed plugins and ``plugins``.
+
+    Returns (RunResult, Observer).
+    """
+    from vlft.config import build_config
+    from vlft.plugins import load_registry
+    from vlft.run import execute
+
+    observer = Observer()
+    config = build_config({}, {
+        "steps": 2, "batch_size": 4, "eval_samples": 1, "max_new_tokens": 2, "eval_every": 0, "save_every": 0,
+        "log_every": 1, "data": str(train), "val_data": str(val), "output": str(tmp_path / "run"), **values,
+    })
+    with observer.counting_sdpa():
+        result = execute(load_registry(plugins=(*plugins, observer)), config, progress=False)
+    return result, observer
+
+
+def prepared(train, tmp_path, plugins=(), **values):
+    """A session set up by ``prepare`` (no step taken), for checks that drive the step themselves."""
+    from vlft.config import build_config
+    from vlft.plugins import load_registry
+    from vlft.run import prepare
+
+    config = build_config({}, {"steps": 8, "batch_size": 4, "eval_every": 0, "save_every": 0, "data": str(train),
+                               "output": str(tmp_path / "session"), "warmup_ratio": 0.0, **values})
+    return prepare(load_registry(plugins=plugins), config)

@@ -1,0 +1,110 @@
+"""The commands as a user types them: the installed ``vlft`` script and ``torchrun``, each in a process of its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import vlft_command
+
+
+def vlft(*args, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([*vlft_command(), *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+
+
+def test_vlft_plugins_lists_plugins_backends_with_availability_and_methods(registry):
+    proc = vlft("plugins", "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    builtins = ("ascend", "cpu", "cuda", "lora", "oft")
+    assert {p["name"]: p["status"] for p in data["plugins"]} == {n: "loaded" for n in builtins}
+    for b in data["backends"]:  # what the command says is what the probe in this process finds
+        probe = registry.first("vlft_probe_backend", backend=b["name"])
+        assert b["available"] == probe.available, b
+        assert b["available"] or b["reason"] == probe.reason != ""
+    assert {b["name"] for b in data["backends"]} == {"ascend", "cpu", "cuda"}
+    assert [m["name"] for m in data["methods"]] == ["lora", "oft"]
+
+    proc = vlft("plugins", env={"VLFT_DISABLE_PLUGINS": "oft"})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert any(line.split() == ["oft", "disabled"] for line in lines), proc.stdout
+    methods = lines[lines.index("methods:") + 1:]
+    assert [line.split()[0] for line in methods] == ["lora"]
+    assert any(line.split()[:2] == ["cpu", "available"] for line in lines)
+
+
+def test_vlft_methods_shows_hyperparameters_with_help_lr_and_targets(registry):
+    from vlft.config import RunConfig
+
+    proc = vlft("methods")
+    assert proc.returncode == 0, proc.stderr
+    blocks = {}
+    for line in proc.stdout.splitlines():
+        if not line.startswith(" "):
+            blocks[line.split(":")[0]] = []
+        else:
+            blocks[list(blocks)[-1]].append(line.strip())
+    assert list(blocks) == ["lora", "oft"]
+    for name, lines in blocks.items():
+        d = registry.first("vlft_adapter_defaults", method=name, config=RunConfig())
+        assert lines[0].startswith(f"lr {d.lr:g}; default targets: {d.default_targets}"), lines[0]
+        for key, value in d.hyperparameters.items():
+            assert f"{key} = {value!r}  # {d.help[key]}" in lines, (name, key)
+    # the defaults the README states
+    lora, oft = ([line.split("  #")[0] for line in blocks[m]] for m in ("lora", "oft"))
+    assert lora[0].startswith("lr 0.0002;") and "r = 32" in lora and "lora_alpha = 64" in lora
+    assert oft[0].startswith("lr 0.0001;") and "use_cayley_neumann = True" in oft
+
+
+def test_vlft_demo_data_writes_a_readable_data_set(tmp_path):
+    from vlft.data import read_records
+    from vlft.evaluate import parse_fields
+
+    proc = vlft("demo-data", str(tmp_path / "demo"), "--train", "6", "--val", "2", "--seed", "4")
+    assert proc.returncode == 0, proc.stderr
+    train, val = read_records(tmp_path / "demo" / "train.jsonl"), read_records(tmp_path / "demo" / "val.jsonl")
+    assert (len(train), len(val)) == (6, 2)
+    for rec in train + val:  # every image is a file under the data set's folder; every answer names both fields
+        assert all(Path(p).is_file() and Path(p).is_relative_to(tmp_path / "demo") for p in rec.images)
+        assert set(parse_fields(rec.reference)) == {"colour", "defect"}, rec.reference
+
+
+def test_torchrun_runs_vlft_directly(small_data, tmp_path):
+    """``torchrun -m vlft run``: two processes, one data-parallel run (torchrun's own rendezvous, free port)."""
+    script = Path(sys.executable).with_name("torchrun")
+    torchrun = [str(script)] if script.is_file() else [sys.executable, "-m", "torch.distributed.run"]
+    out = tmp_path / "run"
+    args = ["--backend", "cpu", "--data", str(small_data[0]), "--val-data", str(small_data[1]), "--steps", "2",
+            "--batch-size", "2", "--eval-samples", "2", "--max-new-tokens", "2", "--eval-every", "0",
+            "--save-every", "0", "--log-every", "1", "--output", str(out), "--quiet"]
+    proc = subprocess.run([*torchrun, "--standalone", "--nproc-per-node", "2", "-m", "vlft", "run", *args],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    config = json.loads((out / "config.json").read_text())
+    assert (config["world_size"], config["rank"]) == (2, 0)  # written by rank 0 of two
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]  # one writer: rank 0
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("opts, has, lacks", [
+    (dict(nproc_per_node=2), ["--standalone"], ["--master-port"]),
+    (dict(nproc_per_node=2, master_port=29400), ["--master-port=29400", "--master-addr=127.0.0.1"], ["--standalone"]),
+    (dict(nproc_per_node=8, nnodes=2, node_rank=1, master_addr="10.0.0.1"),
+     ["--master-addr=10.0.0.1", "--master-port=29500", "--nnodes=2", "--node-rank=1"], ["--standalone"]),
+])
+def test_torchrun_gets_its_port_from_its_own_rendezvous_on_one_machine(opts, has, lacks):
+    from vlft.launch import LaunchOptions, torchrun_command
+
+    cmd = torchrun_command(LaunchOptions(**opts), ["run"])
+    assert all(a in cmd for a in has) and not any(a.startswith(tuple(lacks)) for a in cmd), cmd
+    assert cmd[-3:] == ["-m", "vlft", "run"]
