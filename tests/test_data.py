@@ -180,7 +180,7 @@ def test_without_validation_data_a_seeded_tenth_is_held_out(tmp_path, processor)
     enc = SampleEncoder(processor)
 
     def split(seed):
-        train, val = load_and_check_data(RunConfig(data=str(ds.train), seed=seed), enc)
+        train, val, _ = load_and_check_data(RunConfig(data=str(ds.train), seed=seed), enc)
         return [r.where for r in train], [r.where for r in val]
 
     train, val = split(0)
