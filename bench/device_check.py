@@ -1,7 +1,7 @@
 """``make device-check``: everything vlft promises about an accelerator, checked on one, in one command.
 
-1. the device tests (``-m "cuda or npu"``) and the parity tests, in file order and then reversed
-   (TF32 and other global switches must not leak from one test into the next);
+1. the device tests (``-m "cuda or npu"``) and the parity tests; among them a test that runs each
+   device's tests again in reverse order (TF32 and other global switches must not leak);
 2. ``vlft parity --backends cpu,<device>`` in the backend's default policy and in fp32;
 3. ``bench/device_scale.py``: Qwen2.5-VL-7B's shape with random bf16 weights on the device, LoRA and
    OFT steps, peak memory beside the memory plan's estimate.
@@ -81,10 +81,6 @@ def main(argv=None) -> int:
                                                            "steps": results}, indent=2))
         return 3
     backend = found[0]
-    # the parity files first this time: a global switch left by a device test (TF32) must not matter
-    results.append(step("device-tests-reversed",
-                        [py, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", "-m",
-                         "cuda or npu", *reversed(tests)], out, 300))
     for precision in ("auto", "fp32"):
         cmd = [py, "-m", "vlft", "parity", "--backends", f"cpu,{backend}", "--steps", "5",
                "--precision", precision, "--output", str(out / f"parity-{precision}.json")]
