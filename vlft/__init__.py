@@ -1,3 +1,27 @@
-"""vlft: fine-tune vision-language models with adapters, on any accelerator."""
+"""vlft: fine-tune vision-language models with adapters, on any accelerator.
+
+This module is the public plugin surface: a plugin imports what it needs from
+``vlft`` alone. Everything else (``vlft.run``, ``vlft.train``, ...) is
+internal and may change between releases.
+
+    from vlft import hookimpl, BackendInfo, ProbeResult, PrecisionPolicy
+
+Importing it loads no torch and no vendor extension, so a plugin module that
+imports it stays cheap to load (probing happens inside the hooks).
+"""
+
+from .config import RunConfig, parse_attn
+from .errors import BackendUnavailable, ConfigError, DataError, VlftError
+from .hookspecs import hookimpl
+from .policies import (
+    AdapterDefaults, AttentionPolicy, BackendInfo, DataLoaderOptions, DeviceCapacity, DeviceSetup,
+    DistributedOptions, DoctorCheck, MemoryStats, MethodInfo, PrecisionPolicy, ProbeResult,
+)
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "AdapterDefaults", "AttentionPolicy", "BackendInfo", "BackendUnavailable", "ConfigError", "DataError",
+    "DataLoaderOptions", "DeviceCapacity", "DeviceSetup", "DistributedOptions", "DoctorCheck", "MemoryStats",
+    "MethodInfo", "PrecisionPolicy", "ProbeResult", "RunConfig", "VlftError", "hookimpl", "parse_attn",
+]

@@ -13,7 +13,20 @@ training step calls none of them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable
+
 import pluggy
+
+if TYPE_CHECKING:  # annotations only: importing this module loads neither torch nor click
+    import click
+    import torch
+    import transformers
+
+    from .config import RunConfig
+    from .policies import (
+        AdapterDefaults, AttentionPolicy, BackendInfo, DataLoaderOptions, DeviceCapacity, DeviceSetup,
+        DistributedOptions, DoctorCheck, MemoryStats, MethodInfo, PrecisionPolicy, ProbeResult,
+    )
 
 hookspec = pluggy.HookspecMarker("vlft")
 hookimpl = pluggy.HookimplMarker("vlft")
@@ -22,7 +35,7 @@ hookimpl = pluggy.HookimplMarker("vlft")
 # -- names -------------------------------------------------------------------
 
 @hookspec
-def vlft_backends():
+def vlft_backends() -> list[BackendInfo]:
     """Return a list of ``BackendInfo`` for the backends this plugin offers.
 
     Every plugin's answer is collected; two plugins offering one name is an error.
@@ -30,7 +43,7 @@ def vlft_backends():
 
 
 @hookspec
-def vlft_methods():
+def vlft_methods() -> list[MethodInfo]:
     """Return a list of ``MethodInfo`` for the adapter methods this plugin offers.
 
     Every plugin's answer is collected; two plugins offering one name is an error.
@@ -40,7 +53,7 @@ def vlft_methods():
 # -- backends ----------------------------------------------------------------
 
 @hookspec(firstresult=True)
-def vlft_probe_backend(backend):
+def vlft_probe_backend(backend: str) -> ProbeResult | None:
     """Return a ``ProbeResult``: can ``backend`` run here, and if not, why not.
 
     First answer wins. Must never raise, and a plugin module must import
@@ -49,7 +62,7 @@ def vlft_probe_backend(backend):
 
 
 @hookspec(firstresult=True)
-def vlft_setup_device(backend, config):
+def vlft_setup_device(backend: str, config: RunConfig) -> DeviceSetup | None:
     """Prepare the device for this process and return a ``DeviceSetup``.
 
     Sets the current device for the local rank (``config.local_rank``) and
@@ -58,7 +71,8 @@ def vlft_setup_device(backend, config):
 
 
 @hookspec(firstresult=True)
-def vlft_attention_implementation(backend, config, model_config):
+def vlft_attention_implementation(backend: str, config: RunConfig,
+                                  model_config: transformers.PretrainedConfig) -> AttentionPolicy | None:
     """Return an ``AttentionPolicy`` (per tower) for ``backend``.
 
     ``config.attn`` carries the user's request (None for the default).
@@ -67,7 +81,7 @@ def vlft_attention_implementation(backend, config, model_config):
 
 
 @hookspec(firstresult=True)
-def vlft_precision_policy(backend, config):
+def vlft_precision_policy(backend: str, config: RunConfig) -> PrecisionPolicy | None:
     """Return a ``PrecisionPolicy``: parameter dtype, autocast dtype and loss scaling.
 
     ``config.precision`` is "auto" or the user's choice; a backend that
@@ -76,7 +90,7 @@ def vlft_precision_policy(backend, config):
 
 
 @hookspec
-def vlft_dataloader_options(backend, config, options):
+def vlft_dataloader_options(backend: str, config: RunConfig, options: DataLoaderOptions) -> None:
     """Adjust ``options`` (a ``DataLoaderOptions``) in place for ``backend``.
 
     Every plugin is called, so several may add to it (the owner first; use
@@ -85,12 +99,12 @@ def vlft_dataloader_options(backend, config, options):
 
 
 @hookspec(firstresult=True)
-def vlft_distributed_options(backend, config):
+def vlft_distributed_options(backend: str, config: RunConfig) -> DistributedOptions | None:
     """Return ``DistributedOptions``: process-group backend, timeout and environment. First answer wins."""
 
 
 @hookspec
-def vlft_seed(backend, seed, deterministic):
+def vlft_seed(backend: str, seed: int, deterministic: bool) -> None:
     """Seed the device's generators and, when ``deterministic``, switch on deterministic kernels.
 
     The core has already seeded Python, NumPy and torch's CPU generator.
@@ -99,7 +113,7 @@ def vlft_seed(backend, seed, deterministic):
 
 
 @hookspec(firstresult=True)
-def vlft_memory_reader(backend, device):
+def vlft_memory_reader(backend: str, device: torch.device) -> Callable[[], MemoryStats] | None:
     """Return a zero-argument callable giving ``MemoryStats`` for ``device``.
 
     Resolved once at set-up, so reports read memory without calling hooks.
@@ -108,7 +122,7 @@ def vlft_memory_reader(backend, device):
 
 
 @hookspec(firstresult=True)
-def vlft_device_capacity(backend, config):
+def vlft_device_capacity(backend: str, config: RunConfig) -> DeviceCapacity | None:
     """Return a ``DeviceCapacity``: the memory of this process's device (``config.local_rank``).
 
     Called once before any weight is loaded, for the memory plan; it may be
@@ -118,7 +132,8 @@ def vlft_device_capacity(backend, config):
 
 
 @hookspec
-def vlft_patch_model(backend, model, config, attention):
+def vlft_patch_model(backend: str, model: torch.nn.Module, config: RunConfig,
+                     attention: AttentionPolicy) -> list[str] | None:
     """Rewrite parts of a loaded model that ``backend`` cannot run as they are.
 
     ``attention`` is the resolved ``AttentionPolicy`` the model was loaded with.
@@ -131,7 +146,7 @@ def vlft_patch_model(backend, model, config, attention):
 # -- adapter methods -----------------------------------------------------------
 
 @hookspec(firstresult=True)
-def vlft_adapter_defaults(method, config):
+def vlft_adapter_defaults(method: str, config: RunConfig) -> AdapterDefaults | None:
     """Return ``AdapterDefaults`` for ``method``: hyper-parameters, learning rate, target module names.
 
     ``config.adapter`` holds the user's overrides (already checked against
@@ -140,7 +155,8 @@ def vlft_adapter_defaults(method, config):
 
 
 @hookspec(firstresult=True)
-def vlft_apply_adapter(method, model, targets, config):
+def vlft_apply_adapter(method: str, model: torch.nn.Module, targets: list[str],
+                       config: RunConfig) -> torch.nn.Module | None:
     """Wrap ``model`` with ``method``'s adapter on the module names ``targets``; return the adapted model.
 
     Raise ``ConfigError`` when the method cannot adapt a target (say, no
@@ -149,31 +165,32 @@ def vlft_apply_adapter(method, model, targets, config):
 
 
 @hookspec(firstresult=True)
-def vlft_save_adapter(method, model, path):
+def vlft_save_adapter(method: str, model: torch.nn.Module, path: str) -> bool | None:
     """Save the adapter so that ``peft.PeftModel.from_pretrained(base, path)`` loads it. First answer wins."""
 
 
 @hookspec(firstresult=True)
-def vlft_load_adapter(method, model, path, trainable):
+def vlft_load_adapter(method: str, model: torch.nn.Module, path: str,
+                      trainable: bool) -> torch.nn.Module | None:
     """Load an adapter saved by ``vlft_save_adapter`` onto base ``model``; return the adapted model."""
 
 
 @hookspec(firstresult=True)
-def vlft_merge_adapter(method, model):
+def vlft_merge_adapter(method: str, model: torch.nn.Module) -> torch.nn.Module | None:
     """Fold the adapter into the base weights; return the plain merged model. First answer wins."""
 
 
 # -- command line ---------------------------------------------------------------
 
 @hookspec
-def vlft_register_commands(cli):
+def vlft_register_commands(cli: click.Group) -> None:
     """Add click commands to the ``vlft`` command group ``cli``. Every plugin is called."""
 
 
 # -- diagnosis --------------------------------------------------------------------
 
 @hookspec
-def vlft_doctor_checks(backend):
+def vlft_doctor_checks(backend: str) -> list[DoctorCheck] | None:
     """Return a list of ``DoctorCheck`` for ``backend``: what is installed, versions, devices, environment.
 
     Every plugin is called (a plugin may add checks to another's backend);
