@@ -66,7 +66,7 @@ def run(backend: str, out: Path, steps: int, methods: list[str], model_name: str
         resolve_model_path, upcast_trainable
     from vlft.plan import choose_backend, require_available, resolve_plan
     from vlft.plugins import load_registry
-    from vlft.run import plan_targets
+    from vlft.preflight import plan_targets
     from vlft.train import StepPolicy, label_count, to_device, train_step
 
     registry = load_registry()

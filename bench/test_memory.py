@@ -47,7 +47,7 @@ def longest_batch_data(mixed_records, mixed_data, tmp_path_factory, embedded_siz
 
 
 def _session(env, size, data, tmp_path, param_dtype, ckpt, attn):
-    from vlft.run import prepare
+    from vlft.session import prepare
 
     precision = env.asked_precision if param_dtype == "bf16" else "fp32"
     config = env.config(model=size.path, data=str(data), val_data=str(data), output=str(tmp_path / "unused"),

@@ -173,7 +173,7 @@ def test_max_pixels_caps_the_image_tokens(small_data, processor):
 def test_without_validation_data_a_seeded_tenth_is_held_out(tmp_path, processor):
     from vlft.config import RunConfig
     from vlft.demo_data import write_demo_dataset
-    from vlft.run import load_and_check_data
+    from vlft.preflight import load_and_check_data
 
     ds = write_demo_dataset(tmp_path / "demo", n_train=40, n_val=1, seed=2)
     everything = [r.where for r in read_records(ds.train)]

@@ -25,7 +25,7 @@ def _cfg(small_data, out, **over):
 
 def _steps(registry, config, n):
     """``n`` optimizer steps through vlft's own set-up and step; (losses, grad norms, model)."""
-    from vlft.run import prepare
+    from vlft.session import prepare
     from vlft.train import batches, train_step_on
 
     s = prepare(registry, config)
@@ -151,7 +151,7 @@ def test_too_long_samples_stop_the_run_with_their_lines_and_write_nothing(regist
 
 def test_skipped_samples_are_counted_and_listed(registry, small_data, tmp_path, processor):
     from vlft.data import SampleEncoder, read_records
-    from vlft.run import plan_run
+    from vlft.preflight import plan_run
 
     encoder = SampleEncoder(processor)
     lengths = sorted(encoder.measure(r)[0] for r in read_records(small_data[0]))
@@ -169,7 +169,7 @@ def test_skipped_samples_are_counted_and_listed(registry, small_data, tmp_path, 
 def test_traced_activations_equal_what_a_real_step_saves(registry, small_data, tmp_path):
     """The meta-device trace counts exactly the tensors autograd saves on the CPU (fp32, eager)."""
     from vlft.memory import BatchShape, SavedTensorMeter, plan_memory, skeleton
-    from vlft.run import plan_targets, plan_run
+    from vlft.preflight import plan_targets, plan_run
     from vlft.train import model_inputs, token_loss_sum
 
     config = _cfg(small_data, tmp_path / "r")

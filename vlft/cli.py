@@ -103,7 +103,8 @@ def as_arguments(flags: dict) -> list[str]:
 def run(ctx, config_file, as_json, quiet, nproc_per_node, nnodes, node_rank, master_addr, master_port, **params):
     """Fine-tune a model with an adapter method on a backend, evaluate it before and after, save the adapter."""
     from .launch import LaunchOptions, relaunch
-    from .run import execute, format_plan
+    from .plan import format_plan
+    from .run import execute
 
     file_values = load_config_file(config_file) if config_file else {}
     flags = given_flags(ctx, params)

@@ -26,8 +26,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .policies import DeviceCapacity  # noqa: F401 - the hook's answer, re-exported for the planner
-
 GIB = 2 ** 30
 HEADROOM = 0.05  # allocator fragmentation: plan to use at most 95% of the device
 FUSED_ATTENTION = "vlft_memory_trace_fused"
@@ -506,7 +504,6 @@ class LiveTensorMeter:
         return sum(n for _, n in self.live.values())
 
     def __enter__(self):
-        import torch
         from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils._pytree import tree_leaves
 

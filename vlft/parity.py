@@ -55,14 +55,12 @@ def run_worker(backend: str, method: str, steps: int, precision: str, batch_size
     from .config import build_config
     from .errors import BackendUnavailable
     from .plugins import get_registry
-    from .run import prepare
+    from .session import prepare
     from .train import batches, train_step_on
 
-    # the run folder is never written (nothing is saved), but prepare() checks it is free
+    # a session writes nothing: no run folder is needed
     values = dict(backend=backend, method=method, steps=steps, precision=precision, batch_size=batch_size,
-                  seed=seed, model=model, data=data, attn=attn,
-                  output=str(Path(tempfile.gettempdir()) / f"vlft-parity-{os.getpid()}"),
-                  eval_every=0, save_every=0, warmup_ratio=0.0)
+                  seed=seed, model=model, data=data, attn=attn, eval_every=0, save_every=0, warmup_ratio=0.0)
     config = build_config({}, {k: v for k, v in values.items() if v is not None})
     try:
         s = prepare(get_registry(), config)

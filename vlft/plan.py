@@ -175,3 +175,46 @@ def resolve_plan(registry: Registry, config: RunConfig, model_path: str, model_c
         lr=config.lr if config.lr is not None else adapter.lr,
         model_path=model_path,
     )
+
+
+def format_plan(desc: dict) -> str:
+    b, a, p = desc["backend"], desc["attention"], desc["precision"]
+    dl, dist, m, t = desc["dataloader"], desc["distributed"], desc["method"], desc["targets"]
+    status = "available" if b["available"] else f"UNAVAILABLE here ({b['reason']})"
+    lines = [
+        f"backend      {b['name']} (device type {b['device_type']}): {status}",
+        f"             chosen: {b['chosen_because']}",
+        f"attention    vision={a['vision']} text={a['text']}" + (f"  ({a['reason']})" if a["reason"] else ""),
+        f"precision    {p['name']}: params {p['param_dtype']}, autocast {p['autocast_dtype'] or 'off'}, "
+        + (f"dynamic loss scaling (initial scale {p['init_scale']:g}, growth interval {p['growth_interval']})"
+           if p["loss_scaling"] else "no loss scaling")
+        + (f"  ({p['reason']})" if p["reason"] else ""),
+        f"dataloader   pin_memory={dl['pin_memory']} num_workers={dl['num_workers']}"
+        + (f" prefetch_factor={dl['prefetch_factor']}" if dl["prefetch_factor"] else ""),
+        f"distributed  {dist['process_group_backend']} (timeout {dist['timeout_s']} s)"
+        + "".join(f"\n             {k}={v}" for k, v in dist["env"].items()),
+        f"method       {m['name']} lr={m['lr']:g} " + " ".join(f"{k}={v}" for k, v in m["hyperparameters"].items()),
+        f"model        {desc['model']}",
+        f"targets      {t['towers']}: vision blocks {t['vision_blocks']} of {t['vision_depth']}, "
+        f"{t['text_layers']} text layers; {len(t['modules'])} modules, {t['adapter_parameters']:,} adapter parameters",
+    ]
+    lines += [f"             {name}  ({count:,} params)" for name, count in t["modules"].items()]
+    pd, ck, ln = desc["param_dtype"], desc["checkpointing"], desc["lengths"]
+    lines.append(f"weights      base {pd['dtype']}" + (f" ({pd['reason']})" if pd["reason"] else "")
+                 + ", trainable float32")
+    lines.append(f"checkpoint   {'on' if ck['enabled'] else 'off'} ({ck['reason']})")
+    if ln:
+        lines.append(f"lengths      longest {ln['longest']} tokens, median {ln['median']}, limit "
+                     f"{ln['max_length'] or 'none'}" + (f"; {ln['skipped']} sample(s) over it skipped"
+                                                        if ln["skipped"] else ""))
+        lines += [f"             skipped {s['where']} ({s['length']} tokens)" for s in ln["skipped_samples"][:20]]
+    if desc["memory"]:
+        from .memory import format_memory
+
+        lines += format_memory(desc["memory"])
+    lines += [f"note         {n}" for n in desc["notes"]]
+    if desc["model_patches"]:
+        lines += ["patches      " + "; ".join(desc["model_patches"])]
+    for w in b["warnings"]:
+        lines.append(f"warning      {w}")
+    return "\n".join(lines)

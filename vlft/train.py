@@ -11,20 +11,21 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
-import shutil
 import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
 
 from .data import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from .checkpoints import CheckpointStore
 
 
 @dataclass
@@ -183,55 +184,6 @@ class LoopSettings:
     save_every: int = 0
     keep_checkpoints: int = 2
     loader_kwargs: dict = field(default_factory=dict)
-
-
-class CheckpointStore:
-    """``checkpoints/step-NNNNNN/``: adapter, optimizer, scheduler, scaler and RNG state; last K kept."""
-
-    def __init__(self, root: Path, keep: int, save_adapter: Callable[[Any, Path], None]):
-        self.root = root
-        self.keep = keep
-        self.save_adapter = save_adapter
-
-    def newest(self) -> Path | None:
-        done = sorted(p for p in self.root.glob("step-*") if (p / "state.pt").exists())
-        return done[-1] if done else None
-
-    def save(self, step: int, model, optimizer, scheduler, scaler, device: torch.device) -> Path:
-        self.root.mkdir(parents=True, exist_ok=True)
-        final = self.root / f"step-{step:06d}"
-        tmp = self.root / f".tmp-step-{step:06d}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        self.save_adapter(model, tmp / "adapter")
-        state = {
-            "step": step,
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict() if scaler is not None else None,
-            "rng": rng_state(device),
-        }
-        torch.save(state, tmp / "state.pt")
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        for old in sorted(p for p in self.root.glob("step-*"))[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
-        return final
-
-
-def rng_state(device: torch.device) -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if device.type != "cpu":
-        state["device"] = torch.get_device_module(device.type).get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict, device: torch.device) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "device" in state and device.type != "cpu":
-        torch.get_device_module(device.type).set_rng_state(state["device"])
 
 
 class MetricsLog:

@@ -258,7 +258,7 @@ def prepared(train, tmp_path, plugins=(), **values):
     """A session set up by ``prepare`` (no step taken), for checks that drive the step themselves."""
     from vlft.config import build_config
     from vlft.plugins import load_registry
-    from vlft.run import prepare
+    from vlft.session import prepare
 
     config = build_config({}, {"steps": 8, "batch_size": 4, "eval_every": 0, "save_every": 0, "data": str(train),
                                "output": str(tmp_path / "session"), "warmup_ratio": 0.0, **values})

@@ -173,7 +173,7 @@ def test_cpu_against_each_accelerator(small_data, accelerator, precision, cpu_re
 def _step_figures(small_data, out, **over):
     """Per step (loss, gradient norm), and the final adapter weights, of ``prepare`` + vlft's own step."""
     from vlft.plugins import get_registry
-    from vlft.run import prepare
+    from vlft.session import prepare
     from vlft.train import batches, train_step_on
 
     s = prepare(get_registry(), build_config({}, _cfg(small_data, out, adapter={"lora_dropout": 0.0}, **over)))

@@ -1,0 +1,157 @@
+"""Everything a run decides before any weight is loaded or anything is written.
+
+The order keeps the promise "bad input loses nothing": the model config and
+every policy, then every data record (lengths included), then the adapter's
+targets and the memory plan on a weightless copy of the model. ``--dry-run``
+stops here and prints the plan; a real run stops here too when the memory
+plan says the run cannot fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import RunConfig
+from .data import LengthReport, SampleEncoder, check_lengths, read_records
+from .errors import ConfigError
+from .plan import RunPlan, resolve_plan
+from .plugins import Registry
+from .policies import DeviceCapacity
+
+DEFAULT_DATA_DIR_NAME = "demo-data"
+
+
+def resolve_data_paths(config: RunConfig) -> tuple[Path, Path | None]:
+    if config.data is None:
+        from .demo_data import write_demo_dataset
+        from .embedded import cache_root
+
+        ds = write_demo_dataset(cache_root() / DEFAULT_DATA_DIR_NAME)
+        return ds.train, (Path(config.val_data) if config.val_data else ds.val)
+    return Path(config.data), (Path(config.val_data) if config.val_data else None)
+
+
+def load_and_check_data(config: RunConfig, encoder) -> tuple[list, list, LengthReport]:
+    """Read and check both splits, lengths included; samples over --max-length stop the run or are skipped."""
+    train_path, val_path = resolve_data_paths(config)
+    train = read_records(train_path)
+    if val_path is not None:
+        val = read_records(val_path)
+    else:
+        # no validation file: hold out a seeded 10% (at least one record)
+        import random
+
+        order = list(range(len(train)))
+        random.Random(config.seed).shuffle(order)
+        n_val = max(1, len(train) // 10) if len(train) > 1 else 0
+        held = set(order[:n_val])
+        val = [r for i, r in enumerate(train) if i in held]
+        train = [r for i, r in enumerate(train) if i not in held] or train
+    # measuring renders every record with the chat template, which checks it splits into prompt and reply
+    train, lengths = check_lengths(train, encoder, config.max_length, config.skip_too_long,
+                                            "training data")
+    val, val_lengths = check_lengths(val, encoder, config.max_length, config.skip_too_long,
+                                              "validation data") if val else (val, None)
+    if val_lengths is not None:
+        lengths.skipped += [dict(s, split="validation") for s in val_lengths.skipped]
+    return train, val, lengths
+
+
+def plan_targets(registry: Registry, plan: RunPlan, model):
+    """Adapt ``model`` (real or on 'meta'); fill the plan's target list and per-module adapter parameter counts."""
+    from .targets import select_targets
+
+    tp = select_targets(model, plan.adapter, plan.config.targets, plan.config.vision_last_n)
+    plan.targets = tp.modules
+    plan.target_summary = {"towers": tp.towers, "vision_blocks": tp.vision_blocks,
+                           "vision_depth": tp.vision_depth, "text_layers": tp.text_layers}
+    adapted = registry.first("vlft_apply_adapter", method=plan.method.name, model=model, targets=tp.modules,
+                             config=plan.config)
+    counts: dict[str, int] = {}
+    for name, p in adapted.named_parameters():
+        if not p.requires_grad:
+            continue
+        for target in tp.modules:
+            if f"{target}." in name:
+                counts[target] = counts.get(target, 0) + p.numel()
+                break
+    plan.target_params = counts
+    return adapted
+
+
+@dataclass
+class Planned:
+    """A run resolved and checked before any weight is loaded: policies, data, targets, memory."""
+
+    plan: RunPlan
+    model_config: object
+    processor: object
+    encoder: SampleEncoder
+    train_records: list
+    val_records: list
+    total_steps: int
+
+
+def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
+    """Everything a run decides before loading weights; ``--dry-run`` stops after this.
+
+    Order: backend, method, model config, data (lengths included), policies, targets on a weightless
+    copy of the model, then the memory plan against the device's capacity.
+    """
+    import torch
+
+    from . import memory
+    from .config import parse_bytes
+    from .model import is_bundled, load_model_config, load_processor, resolve_model_path
+    from .train import total_steps_for
+
+    model_path = resolve_model_path(config.model)
+    model_config = load_model_config(model_path)
+    plan = resolve_plan(registry, config, model_path, model_config, choice)  # checks method and --adapter-opt
+    processor = load_processor(model_path)
+    encoder = SampleEncoder(processor, max_pixels=config.max_pixels)
+    train, val, lengths = load_and_check_data(config, encoder)
+    plan.lengths = lengths.describe(config.max_length)
+    if is_bundled(model_path):
+        plan.notes.append("bundled config without weights: text lengths counted with the embedded tokenizer "
+                          "(a stand-in; image tokens are exact)")
+    epochs = config.epochs
+    if epochs is None and config.steps is None and config.data is None:
+        from .demo_data import RECOMMENDED_EPOCHS
+
+        epochs = RECOMMENDED_EPOCHS
+    total_steps = total_steps_for(len(train), config.steps, epochs, config.batch_size, config.grad_accum,
+                                  config.world_size)
+
+    # targets and memory on a weightless copy, in the dtype the layers will compute in
+    compute = plan.precision.autocast_dtype or plan.precision.param_dtype
+    skeleton = plan_targets(registry, plan, memory.skeleton(model_config, plan.attention, getattr(torch, compute)))
+    if plan.precision.autocast_dtype:  # under autocast the adapters compute in its dtype too (see model.py)
+        from .model import compute_adapters_in_autocast_dtype
+
+        skeleton.to(getattr(torch, compute))
+        compute_adapters_in_autocast_dtype(skeleton)
+    capacity = registry.hook.vlft_device_capacity(backend=plan.backend.info.name, config=config) or \
+        DeviceCapacity(None, 0, f"backend {plan.backend.info.name} does not report its memory")
+    total, source = capacity.total_bytes, capacity.source
+    if config.device_memory:
+        total, source = parse_bytes(config.device_memory, "--device-memory"), f"--device-memory {config.device_memory}"
+    shapes = memory.largest_batches(lengths.lengths, lengths.grids, config.batch_size, config.grad_accum,
+                                    config.world_size, config.seed, total_steps)
+    plan.memory = memory.worst_plan(skeleton, model_config, plan.precision.param_dtype,
+                                    plan.precision.autocast_dtype, shapes, capacity.reserved_bytes, total, source)
+    memory.decide(plan.memory, config.grad_checkpointing, skeleton, model_config, plan.precision.autocast_dtype,
+                  config.batch_size, config.grad_accum, config.max_pixels)
+    return Planned(plan, model_config, processor, encoder, train, val, total_steps)
+
+
+def check_fits(plan: RunPlan) -> None:
+    """Stop before loading when the memory plan says the run cannot fit (unless told to go on)."""
+    m = plan.memory
+    if m is None or m.fits() is not False or plan.config.no_memory_check:
+        return
+    raise ConfigError(
+        "the run will not fit its device: " + "\n".join(m.format())
+        + "\nApply one of the fixes above (or pass --no-memory-check to try anyway); nothing was loaded or written."
+    )

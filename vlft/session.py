@@ -1,0 +1,146 @@
+"""A run set up and ready for its first step: device, model, adapter, optimizer and schedule.
+
+``prepare`` takes the plan from ``preflight`` (so every policy and check is
+already settled), then loads the model in the plan's parameter dtype and
+attention, applies the backend's patches and the method's adapter (or loads
+the adapter of a checkpoint to resume), and builds the optimizer. It owns no
+run folder: ``vlft run`` decides where things are written, ``vlft parity``
+writes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import RunConfig
+from .data import Collator, EncodedDataset, SampleEncoder
+from .plan import RunPlan, choose_backend, require_available
+from .plugins import Registry
+from .preflight import check_fits, plan_run
+
+
+def _init_distributed(plan: RunPlan, device) -> None:
+    import datetime
+
+    import torch
+
+    dist = plan.distributed
+    for key, value in dist.env.items():
+        os.environ.setdefault(key, value)
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            backend=dist.process_group_backend, timeout=datetime.timedelta(seconds=dist.timeout_s),
+            device_id=device if device.type != "cpu" else None,
+        )
+
+
+@dataclass
+class Session:
+    """A run set up and ready for its first step: every policy resolved, the model adapted and on its device."""
+
+    plan: RunPlan
+    config: RunConfig
+    processor: object
+    encoder: SampleEncoder
+    train_records: list
+    val_records: list
+    device: object
+    model: object  # the adapted (PEFT) model
+    optimizer: object
+    scheduler: object
+    policy: object  # train.StepPolicy
+    settings: object  # train.LoopSettings
+    collate: Collator
+    memory_reader: object
+    save_adapter: object
+    autocast_dtype: object = None
+    start_step: int = 0  # where a resumed run continues
+    checkpoint: Path | None = None  # the checkpoint it continues from
+
+    @property
+    def distributed(self) -> bool:
+        return self.config.world_size > 1
+
+    @property
+    def dataset(self) -> EncodedDataset:
+        return EncodedDataset(self.train_records, self.encoder)
+
+
+def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = None, choice=None) -> Session:
+    """Check everything (``preflight``), then set up device, model, adapter, optimizer and schedule.
+
+    ``resume_from``: a checkpoint folder whose adapter, optimizer, scheduler,
+    scaler and RNG state the session continues from. ``choice``: the backend already chosen
+    (and probed) by the caller, so it is not probed twice. No step is taken.
+    """
+    import torch
+
+    from .checkpoints import restore_training_state
+    from .model import (
+        compute_adapters_in_autocast_dtype, enable_checkpointing, load_model, require_weights, upcast_trainable,
+    )
+    from .train import LoopSettings, StepPolicy, cosine_with_warmup, seed_everything
+
+    choice = choice or choose_backend(registry, config.backend)
+    require_available(choice)
+    backend = choice.info.name
+
+    # -- set-up: every hook answer is taken here, before the first step ------------
+    seed_everything(config.seed)
+    registry.hook.vlft_seed(backend=backend, seed=config.seed, deterministic=config.deterministic)
+    setup = registry.first("vlft_setup_device", backend=backend, config=config)
+    for key, value in setup.env.items():
+        os.environ.setdefault(key, value)
+    device = setup.device
+    planned = plan_run(registry, config, choice)
+    plan, processor = planned.plan, planned.processor
+    require_weights(plan.model_path, config.model)
+    check_fits(plan)
+    if config.world_size > 1:
+        _init_distributed(plan, device)
+    memory_reader = registry.first("vlft_memory_reader", backend=backend, device=device)
+    model = load_model(plan.model_path, plan.attention, plan.precision)
+    plan.patches = [p for ps in registry.hook.vlft_patch_model(backend=backend, model=model, config=config,
+                                                                   attention=plan.attention)
+                    if ps for p in ps]
+    seed_everything(config.seed)  # adapter initialisation is seeded the same on every backend
+    if resume_from is not None:
+        model = registry.first("vlft_load_adapter", method=plan.method.name, model=model,
+                               path=str(resume_from / "adapter"), trainable=True)
+    else:  # the targets were chosen on the weightless copy in preflight
+        model = registry.first("vlft_apply_adapter", method=plan.method.name, model=model, targets=plan.targets,
+                               config=config)
+    cast = upcast_trainable(model)
+    if cast:
+        plan.notes.append(f"{len(cast)} trainable parameter(s) upcast to fp32 (e.g. {cast[0]})")
+    if plan.checkpointing:
+        enable_checkpointing(model, vision_adapted=bool(plan.target_summary.get("vision_blocks")))
+    if plan.precision.autocast_dtype:
+        compute_adapters_in_autocast_dtype(model)
+    model.to(device)
+
+    def save_adapter(m, path):
+        registry.first("vlft_save_adapter", method=plan.method.name, model=m, path=path)
+
+    autocast_dtype = getattr(torch, plan.precision.autocast_dtype) if plan.precision.autocast_dtype else None
+    scaler = plan.precision.make_scaler() if plan.precision.loss_scaling else None
+    total_steps = planned.total_steps
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=plan.lr, weight_decay=config.weight_decay)
+    scheduler = cosine_with_warmup(optimizer, int(config.warmup_ratio * total_steps), total_steps)
+    start_step = 0
+    if resume_from is not None:
+        start_step = restore_training_state(resume_from, optimizer, scheduler, scaler, device)
+    policy = StepPolicy(device, autocast_dtype, scaler, config.max_grad_norm, config.grad_accum, config.world_size)
+    settings = LoopSettings(
+        total_steps=total_steps, batch_size=config.batch_size, grad_accum=config.grad_accum, seed=config.seed,
+        rank=config.rank, world_size=config.world_size, log_every=config.log_every, eval_every=config.eval_every,
+        save_every=config.save_every, keep_checkpoints=config.keep_checkpoints,
+        loader_kwargs=plan.dataloader.loader_kwargs(),
+    )
+    collate = Collator(processor.tokenizer.pad_token_id, processor.image_token_id)
+    return Session(plan, config, processor, planned.encoder, planned.train_records, planned.val_records, device,
+                   model, optimizer, scheduler, policy, settings, collate, memory_reader, save_adapter,
+                   autocast_dtype, start_step, resume_from)
