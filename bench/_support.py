@@ -147,13 +147,13 @@ class ModelSize:
     model_config: Any
 
     def collator(self, **kw):
-        from vlft.data import Collator
+        from vlft.encoding import Collator
 
         return Collator(self.processor.tokenizer.pad_token_id, self.processor.image_token_id, **kw)
 
 
 def model_size(name: str, path: str) -> ModelSize:
-    from vlft.data import SampleEncoder
+    from vlft.encoding import SampleEncoder
     from vlft.model import load_model_config, load_processor
 
     processor = load_processor(path)
@@ -459,7 +459,7 @@ def record(benchmark, env: BenchEnv, size: ModelSize | None, group: str, figures
 
 # -- memory -----------------------------------------------------------------------------------------
 
-from vlft.memory import SavedTensorMeter  # noqa: E402 - one meter for the plan's tests and the bench
+from vlft.activations import SavedTensorMeter  # noqa: E402 - one meter for the plan's tests and the bench
 
 
 def _tensor_bytes(tensors) -> int:
@@ -676,10 +676,10 @@ def measured_step_peak(env: BenchEnv, session, group: list[dict]) -> dict:
 
     Accelerators: the allocator's peak through the backend's memory reader.
     CPU: every tensor storage alive at once, followed through the dispatcher
-    (``vlft.memory.LiveTensorMeter``), with the resident weights and optimizer
+    (``vlft.activations.LiveTensorMeter``), with the resident weights and optimizer
     state counted from the start; transients inside the step are included.
     """
-    from vlft.memory import LiveTensorMeter
+    from vlft.activations import LiveTensorMeter
     from vlft.train import train_step_on
 
     module = env.device_module()

@@ -60,7 +60,7 @@ def run(backend: str, out: Path, steps: int, methods: list[str], model_name: str
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from vlft import memory
+    from vlft import activations, memory
     from vlft.config import build_config
     from vlft.model import compute_adapters_in_autocast_dtype, enable_checkpointing, load_model_config, \
         resolve_model_path, upcast_trainable
@@ -88,7 +88,7 @@ def run(backend: str, out: Path, steps: int, methods: list[str], model_name: str
             compute = getattr(torch, plan.precision.autocast_dtype or plan.precision.param_dtype)
             host, grids = synthetic_batch(model_config, text=text, side=side)
             shape = memory.BatchShape(BATCH, host["input_ids"].shape[1], grids)
-            sk = plan_targets(registry, plan, memory.skeleton(model_config, plan.attention, compute))
+            sk = plan_targets(registry, plan, activations.skeleton(model_config, plan.attention, compute))
             if plan.precision.autocast_dtype:
                 sk.to(compute)
                 compute_adapters_in_autocast_dtype(sk)
@@ -134,7 +134,7 @@ def run(backend: str, out: Path, steps: int, methods: list[str], model_name: str
             if hasattr(module, "reset_peak_memory_stats"):
                 module.reset_peak_memory_stats(device)
             else:
-                meter = memory.LiveTensorMeter([*model.parameters(), *model.buffers(),
+                meter = activations.LiveTensorMeter([*model.parameters(), *model.buffers(),
                                                 *(v for st in optimizer.state.values() for v in st.values())])
                 meter.__enter__()
             times, losses = [], []

@@ -61,7 +61,8 @@ def test_memory(benchmark, env, mem_case, longest_batch_data, tmp_path):
     mem_size, attn = mem_case
     if benchmark.disabled and mem_size.name != "embedded":
         pytest.skip("under --benchmark-disable the memory group runs on the embedded model only")
-    from vlft.train import batches, train_step_on
+    from vlft.train import train_step_on
+    from vlft.sampling import batches
 
     sessions, groups = {}, {}
     for name, (dtype, ckpt) in VARIANTS.items():

@@ -11,7 +11,9 @@ import pytest
 import torch
 from PIL import Image
 
-from vlft.data import IGNORE_INDEX, Collator, SampleEncoder, read_records
+from vlft.data import IGNORE_INDEX, read_records
+
+from vlft.encoding import Collator, SampleEncoder
 from vlft.errors import DataError
 
 

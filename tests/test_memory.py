@@ -26,7 +26,8 @@ def _cfg(small_data, out, **over):
 def _steps(registry, config, n):
     """``n`` optimizer steps through vlft's own set-up and step; (losses, grad norms, model)."""
     from vlft.session import prepare
-    from vlft.train import batches, train_step_on
+    from vlft.train import train_step_on
+    from vlft.sampling import batches
 
     s = prepare(registry, config)
     s.model.train()
@@ -128,7 +129,8 @@ def test_a_frozen_vision_tower_builds_no_autograd_graph(registry, small_data, tm
 # -- sample lengths ---------------------------------------------------------------------------------
 
 def test_measured_length_equals_the_encoded_length(processor, small_data):
-    from vlft.data import SampleEncoder, read_records
+    from vlft.data import read_records
+    from vlft.encoding import SampleEncoder
 
     encoder = SampleEncoder(processor, max_pixels=56 * 56)
     for rec in read_records(small_data[0])[:8]:
@@ -150,7 +152,8 @@ def test_too_long_samples_stop_the_run_with_their_lines_and_write_nothing(regist
 
 
 def test_skipped_samples_are_counted_and_listed(registry, small_data, tmp_path, processor):
-    from vlft.data import SampleEncoder, read_records
+    from vlft.data import read_records
+    from vlft.encoding import SampleEncoder
     from vlft.preflight import plan_run
 
     encoder = SampleEncoder(processor)
@@ -168,7 +171,8 @@ def test_skipped_samples_are_counted_and_listed(registry, small_data, tmp_path, 
 
 def test_traced_activations_equal_what_a_real_step_saves(registry, small_data, tmp_path):
     """The meta-device trace counts exactly the tensors autograd saves on the CPU (fp32, eager)."""
-    from vlft.memory import BatchShape, SavedTensorMeter, plan_memory, skeleton
+    from vlft.memory import BatchShape, plan_memory
+    from vlft.activations import SavedTensorMeter, skeleton
     from vlft.preflight import plan_targets, plan_run
     from vlft.train import model_inputs, token_loss_sum
 

@@ -7,7 +7,8 @@ import torch
 
 from helpers import base_model
 from vlft.config import RunConfig
-from vlft.data import Collator, SampleEncoder, read_records
+from vlft.data import read_records
+from vlft.encoding import Collator, SampleEncoder
 from vlft.errors import ConfigError
 from vlft.targets import select_targets
 

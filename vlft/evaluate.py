@@ -12,7 +12,9 @@ from collections import defaultdict
 
 import torch
 
-from .data import Collator, Record, SampleEncoder
+from .data import Record
+
+from .encoding import Collator, SampleEncoder
 from .train import autocast_context, label_count, model_inputs, to_device, token_loss_sum
 
 FIELD = re.compile(r"^\s*([A-Za-z][\w \-]*?)\s*:\s*(.*?)\s*$")

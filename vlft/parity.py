@@ -56,7 +56,8 @@ def run_worker(backend: str, method: str, steps: int, precision: str, batch_size
     from .errors import BackendUnavailable
     from .plugins import get_registry
     from .session import prepare
-    from .train import batches, train_step_on
+    from .train import train_step_on
+    from .sampling import batches
 
     # a session writes nothing: no run folder is needed
     values = dict(backend=backend, method=method, steps=steps, precision=precision, batch_size=batch_size,

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import RunConfig
-from .data import LengthReport, SampleEncoder, check_lengths, read_records
+from .data import read_records
+from .encoding import LengthReport, SampleEncoder, check_lengths
 from .errors import ConfigError
 from .plan import RunPlan, resolve_plan
 from .plugins import Registry
@@ -101,10 +102,10 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
     """
     import torch
 
-    from . import memory
+    from . import activations, memory
     from .config import parse_bytes
     from .model import is_bundled, load_model_config, load_processor, resolve_model_path
-    from .train import total_steps_for
+    from .sampling import total_steps_for
 
     model_path = resolve_model_path(config.model)
     model_config = load_model_config(model_path)
@@ -126,7 +127,7 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
 
     # targets and memory on a weightless copy, in the dtype the layers will compute in
     compute = plan.precision.autocast_dtype or plan.precision.param_dtype
-    skeleton = plan_targets(registry, plan, memory.skeleton(model_config, plan.attention, getattr(torch, compute)))
+    skeleton = plan_targets(registry, plan, activations.skeleton(model_config, plan.attention, getattr(torch, compute)))
     if plan.precision.autocast_dtype:  # under autocast the adapters compute in its dtype too (see model.py)
         from .model import compute_adapters_in_autocast_dtype
 

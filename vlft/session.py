@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import RunConfig
-from .data import Collator, EncodedDataset, SampleEncoder
+from .encoding import Collator, EncodedDataset, SampleEncoder
 from .plan import RunPlan, choose_backend, require_available
 from .plugins import Registry
 from .preflight import check_fits, plan_run

@@ -10,7 +10,6 @@ the loss and gradients of one big batch.
 from __future__ import annotations
 
 import json
-import math
 import random
 import sys
 import time
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 
 from .data import IGNORE_INDEX
+from .sampling import batches
 
 if TYPE_CHECKING:
     from .checkpoints import CheckpointStore
@@ -133,38 +133,6 @@ def train_step_on(model, optimizer, scheduler, host_batches: list[dict], policy:
     return train_step(model, optimizer, scheduler, batches_on_device, policy, local_tokens)
 
 
-class EpochSampler(torch.utils.data.Sampler):
-    """This process's share of a seeded shuffle, for one epoch, from a given offset.
-
-    Every process shuffles with ``seed + epoch`` and takes every
-    ``world_size``-th index, so 2 processes of batch 4 see exactly the
-    samples one process of batch 8 sees. ``start`` skips samples already
-    trained on, which is how ``--resume`` continues mid-epoch.
-    """
-
-    def __init__(self, n: int, seed: int, epoch: int, rank: int = 0, world_size: int = 1, start: int = 0):
-        self.n, self.seed, self.epoch, self.rank, self.world_size, self.start = n, seed, epoch, rank, world_size, start
-
-    def indices(self) -> list[int]:
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        perm = torch.randperm(self.n, generator=g).tolist()
-        usable = len(perm) - len(perm) % self.world_size
-        return perm[self.rank:usable:self.world_size][self.start:]
-
-    def __iter__(self):
-        return iter(self.indices())
-
-    def __len__(self) -> int:
-        return len(self.indices())
-
-
-def worker_init(worker_id: int) -> None:
-    # DataLoader seeds torch per worker; give Python and NumPy the same stream
-    seed = torch.initial_seed() % 2 ** 32
-    random.seed(seed)
-    np.random.seed(seed)
-
-
 def cosine_with_warmup(optimizer, warmup: int, total: int):
     from transformers import get_cosine_schedule_with_warmup
 
@@ -205,37 +173,6 @@ class MetricsLog:
             return
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
-
-
-def steps_per_epoch(n_samples: int, batch_size: int, grad_accum: int, world_size: int) -> int:
-    per_rank = n_samples // world_size
-    return max(1, per_rank // (batch_size * grad_accum))
-
-
-def batches(dataset, collate, settings: LoopSettings, start_step: int):
-    """Yield lists of ``grad_accum`` micro-batches from ``start_step`` on, epoch after epoch."""
-    per_epoch = steps_per_epoch(len(dataset), settings.batch_size, settings.grad_accum, settings.world_size)
-    epoch, step_in_epoch = divmod(start_step, per_epoch)
-    micro = settings.batch_size
-    while True:
-        sampler = EpochSampler(len(dataset), settings.seed, epoch, settings.rank, settings.world_size,
-                               start=step_in_epoch * micro * settings.grad_accum)
-        loader = torch.utils.data.DataLoader(
-            dataset, batch_size=micro, sampler=sampler, collate_fn=collate, drop_last=True,
-            worker_init_fn=worker_init, generator=torch.Generator().manual_seed(settings.seed + epoch),
-            **settings.loader_kwargs,
-        )
-        group: list[dict] = []
-        for batch in loader:
-            group.append(batch)
-            if len(group) == settings.grad_accum:
-                yield group
-                group = []
-                step_in_epoch += 1
-                if step_in_epoch >= per_epoch:
-                    break
-        epoch += 1
-        step_in_epoch = 0
 
 
 def run_training(model, optimizer, scheduler, policy: StepPolicy, dataset, collate, settings: LoopSettings,
@@ -317,14 +254,3 @@ def run_training(model, optimizer, scheduler, policy: StepPolicy, dataset, colla
 def model_for_saving(model):
     """The PEFT model inside a DistributedDataParallel wrapper, or the model itself."""
     return model.module if hasattr(model, "module") and hasattr(model, "no_sync") else model
-
-
-DEFAULT_EPOCHS = 3
-
-
-def total_steps_for(n_samples: int, steps: int | None, epochs: float | None, batch_size: int, grad_accum: int,
-                    world_size: int) -> int:
-    if steps is not None:
-        return steps
-    per_epoch = steps_per_epoch(n_samples, batch_size, grad_accum, world_size)
-    return max(1, math.ceil(per_epoch * (epochs if epochs is not None else DEFAULT_EPOCHS)))

@@ -186,7 +186,8 @@ def test_npu_patch_reroutes_a_model_loaded_with_sdpa_to_eager_on_the_device(mode
     from hardware.checks import Observer
     from helpers import base_model
     from vlft.config import RunConfig
-    from vlft.data import Collator, SampleEncoder, read_records
+    from vlft.data import read_records
+    from vlft.encoding import Collator, SampleEncoder
     from vlft.plugins import load_registry
     from vlft.train import autocast_context, model_inputs, to_device
 

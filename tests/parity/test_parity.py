@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from vlft.config import build_config
-from vlft.data import Collator, SampleEncoder, read_records
+from vlft.data import read_records
+from vlft.encoding import Collator, SampleEncoder
 from vlft.parity import TOLERANCES, compare, run_worker, tolerance_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -174,7 +175,8 @@ def _step_figures(small_data, out, **over):
     """Per step (loss, gradient norm), and the final adapter weights, of ``prepare`` + vlft's own step."""
     from vlft.plugins import get_registry
     from vlft.session import prepare
-    from vlft.train import batches, train_step_on
+    from vlft.train import train_step_on
+    from vlft.sampling import batches
 
     s = prepare(get_registry(), build_config({}, _cfg(small_data, out, adapter={"lora_dropout": 0.0}, **over)))
     figures = []

@@ -1,0 +1,251 @@
+"""From a validated record to model inputs: chat-template rendering, assistant-only labels, image
+tensors, lengths, and batches padded to their own longest sample.
+
+Labels: only assistant replies count in the loss. The mask comes from
+rendering the conversation prefix by prefix with the processor's own chat
+template and tokenising the pieces, so it needs no token ids of any
+particular tokenizer.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+
+import torch
+from PIL import Image
+
+from .data import IGNORE_INDEX, IMAGE_PLACEHOLDER, MAX_REPORTED_PROBLEMS, Record, Turn, load_image
+from .errors import DataError
+
+
+def _chat_messages(turns: list[Turn]) -> list[dict]:
+    """Turns as chat-template messages, with <image> placeholders as image parts."""
+    messages = []
+    for t in turns:
+        parts: list[dict] = []
+        for k, chunk in enumerate(t.text.split(IMAGE_PLACEHOLDER)):
+            if k:
+                parts.append({"type": "image"})
+            if chunk:
+                parts.append({"type": "text", "text": chunk})
+        messages.append({"role": t.role, "content": parts})
+    return messages
+
+
+class SampleEncoder:
+    """Turns a Record into model inputs with assistant-only labels.
+
+    ``processor`` is a transformers multimodal processor (a tokenizer, an
+    image processor and a chat template). ``max_pixels`` caps each image's
+    pixel count through the image processor's own resize.
+    """
+
+    def __init__(self, processor, max_pixels: int | None = None):
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.image_token = processor.image_token
+        self.merge_length = processor.image_processor.merge_size ** 2
+        self.eos_text = self.tokenizer.eos_token
+        self.image_kwargs: dict = {}
+        if max_pixels is not None:
+            ip_size = dict(processor.image_processor.size)
+            ip_size["longest_edge"] = max_pixels
+            ip_size["shortest_edge"] = min(ip_size.get("shortest_edge", max_pixels), max_pixels)
+            self.image_kwargs["size"] = ip_size
+
+    def render(self, turns: list[Turn], add_generation_prompt: bool) -> str:
+        return self.processor.apply_chat_template(
+            _chat_messages(turns), tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def pieces(self, turns: list[Turn], where: str = "") -> list[tuple[str, bool]]:
+        """The rendered conversation as (text, trained) pieces, in order."""
+        pieces: list[tuple[str, bool]] = []
+        done = ""
+        for i, t in enumerate(turns):
+            if t.role != "assistant":
+                continue
+            prompt = self.render(turns[:i], add_generation_prompt=True)
+            full = self.render(turns[: i + 1], add_generation_prompt=False)
+            if not prompt.startswith(done) or not full.startswith(prompt):
+                raise DataError(
+                    f"{where}: the chat template does not render this conversation prefix by prefix, so the "
+                    "assistant tokens cannot be found (does it start with an assistant turn?)"
+                )
+            pieces.append((prompt[len(done):], False))
+            reply = full[len(prompt):]
+            end = reply.find(self.eos_text) if self.eos_text else -1
+            cut = end + len(self.eos_text) if end >= 0 else len(reply)
+            pieces.append((reply[:cut], True))
+            if reply[cut:]:
+                pieces.append((reply[cut:], False))
+            done = full
+        return pieces
+
+    def image_grid(self, width: int, height: int) -> tuple[int, int, int]:
+        """The (t, h, w) patch grid the image processor makes of an image of this size, without decoding it."""
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+        ip = self.processor.image_processor
+        size = self.image_kwargs.get("size", ip.size)
+        factor = ip.patch_size * ip.merge_size
+        h, w = smart_resize(height, width, factor, min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"])
+        return 1, h // ip.patch_size, w // ip.patch_size
+
+    def measure(self, record: Record) -> tuple[int, list[tuple[int, int, int]]]:
+        """(tokens, image grids) of a record as ``encode`` would make it, image tokens included."""
+        sizes = record.image_sizes
+        if sizes is None:
+            sizes = []
+            for source in record.images:
+                with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as img:
+                    sizes.append(img.size)
+        grids = [self.image_grid(w, h) for w, h in sizes]
+        counts = torch.tensor(grids) if grids else None
+        input_ids, _ = self._tokenize(self.pieces(record.turns, record.where), counts)
+        return len(input_ids), grids
+
+    def _images(self, record: Record) -> dict:
+        if not record.images:
+            return {}
+        out = self.processor.image_processor(
+            images=[load_image(s) for s in record.images], return_tensors="pt", **self.image_kwargs
+        )
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+
+    def _tokenize(self, pieces: list[tuple[str, bool]], grid_thw) -> tuple[list[int], list[int]]:
+        counts = iter([int(g.prod()) // self.merge_length for g in grid_thw] if grid_thw is not None else [])
+        input_ids: list[int] = []
+        labels: list[int] = []
+        for k, (text, trained) in enumerate(pieces):
+            if self.image_token in text:
+                chunks = text.split(self.image_token)
+                text = chunks[0] + "".join(self.image_token * next(counts) + c for c in chunks[1:])
+            ids = self.tokenizer(text, add_special_tokens=(k == 0))["input_ids"]
+            input_ids += ids
+            labels += ids if trained else [IGNORE_INDEX] * len(ids)
+        return input_ids, labels
+
+    def encode(self, record: Record) -> dict:
+        """Training inputs: input_ids and labels (1-D), plus the image tensors."""
+        vision = self._images(record)
+        input_ids, labels = self._tokenize(self.pieces(record.turns, record.where), vision.get("image_grid_thw"))
+        return {"input_ids": torch.tensor(input_ids), "labels": torch.tensor(labels), **vision}
+
+    def encode_prompt(self, record: Record) -> dict:
+        """Generation inputs: the conversation up to its last assistant reply."""
+        last = max(i for i, t in enumerate(record.turns) if t.role == "assistant")
+        prompt = self.render(record.turns[:last], add_generation_prompt=True)
+        vision = self._images(record)
+        input_ids, _ = self._tokenize([(prompt, False)], vision.get("image_grid_thw"))
+        return {"input_ids": torch.tensor(input_ids), **vision}
+
+
+class EncodedDataset(torch.utils.data.Dataset):
+    """Records encoded on access, so DataLoader workers share the work."""
+
+    def __init__(self, records: list[Record], encoder: SampleEncoder):
+        self.records = records
+        self.encoder = encoder
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.encoder.encode(self.records[index])
+
+
+class Collator:
+    """Pads a batch to its own longest sample and stacks the image tensors.
+
+    ``padding_side`` is "right" for training and "left" for generation.
+    ``mm_token_type_ids`` marks image tokens, which Qwen2.5-VL needs for its
+    3-D rotary positions.
+    """
+
+    def __init__(self, pad_token_id: int, image_token_id: int, padding_side: str = "right",
+                 pad_to: int | None = None):
+        self.pad_token_id = pad_token_id
+        self.image_token_id = image_token_id
+        self.padding_side = padding_side
+        self.pad_to = pad_to  # fixed length, only for comparisons in bench/
+
+    def __call__(self, samples: list[dict]) -> dict:
+        longest = max(len(s["input_ids"]) for s in samples)
+        length = max(longest, self.pad_to or 0)
+        batch_ids, batch_mask, batch_labels = [], [], []
+        for s in samples:
+            ids = s["input_ids"]
+            pad = length - len(ids)
+            fill_ids = torch.full((pad,), self.pad_token_id, dtype=ids.dtype)
+            ones, zeros = torch.ones(len(ids), dtype=torch.long), torch.zeros(pad, dtype=torch.long)
+            left = self.padding_side == "left"
+            batch_ids.append(torch.cat([fill_ids, ids] if left else [ids, fill_ids]))
+            batch_mask.append(torch.cat([zeros, ones] if left else [ones, zeros]))
+            if "labels" in s:
+                fill_labels = torch.full((pad,), IGNORE_INDEX, dtype=torch.long)
+                lab = s["labels"]
+                batch_labels.append(torch.cat([fill_labels, lab] if left else [lab, fill_labels]))
+        input_ids = torch.stack(batch_ids)
+        batch = {
+            "input_ids": input_ids,
+            "attention_mask": torch.stack(batch_mask),
+            "mm_token_type_ids": (input_ids == self.image_token_id).long(),
+        }
+        if batch_labels:
+            batch["labels"] = torch.stack(batch_labels)
+        with_images = [s for s in samples if "pixel_values" in s]
+        if with_images:
+            batch["pixel_values"] = torch.cat([s["pixel_values"] for s in with_images])
+            batch["image_grid_thw"] = torch.cat([s["image_grid_thw"] for s in with_images])
+        return batch
+
+
+@dataclass
+class LengthReport:
+    """Sample lengths in tokens (image tokens included), found when the data is checked."""
+
+    lengths: list[int]
+    grids: list[list[tuple[int, int, int]]]
+    skipped: list[dict] = field(default_factory=list)  # {"where", "length"} of samples over --max-length
+
+    def describe(self, limit: int | None) -> dict:
+        ordered = sorted(self.lengths)
+        return {
+            "max_length": limit, "samples": len(ordered), "longest": ordered[-1] if ordered else 0,
+            "median": ordered[len(ordered) // 2] if ordered else 0, "skipped": len(self.skipped),
+            "skipped_samples": self.skipped,
+        }
+
+
+def check_lengths(records: list[Record], encoder: SampleEncoder, max_length: int | None, skip: bool,
+                  what: str = "data") -> tuple[list[Record], LengthReport]:
+    """Measure every record; over ``max_length`` is an error naming each one, or with ``skip`` is dropped.
+
+    Samples are never truncated: a cut could fall inside an image's tokens, which the model cannot read.
+    """
+    kept: list[Record] = []
+    report = LengthReport([], [])
+    too_long: list[tuple[str, int]] = []
+    for rec in records:
+        n, grids = encoder.measure(rec)
+        if max_length is not None and n > max_length:
+            too_long.append((rec.where, n))
+            continue
+        kept.append(rec)
+        report.lengths.append(n)
+        report.grids.append(grids)
+    if too_long and not skip:
+        shown = "\n  ".join(f"{where}: {n} tokens" for where, n in too_long[:MAX_REPORTED_PROBLEMS])
+        more = len(too_long) - MAX_REPORTED_PROBLEMS
+        raise DataError(
+            f"{len(too_long)} sample(s) in the {what} are longer than --max-length {max_length} (image tokens "
+            f"included):\n  {shown}" + (f"\n  ... and {more} more" if more > 0 else "")
+            + "\nRaise --max-length, lower --max-pixels (fewer image tokens), or pass --skip-too-long to leave "
+              "them out (they are counted and listed in the summary); nothing was written."
+        )
+    report.skipped = [{"where": where, "length": n} for where, n in too_long]
+    if not kept:
+        raise DataError(f"every sample in the {what} is longer than --max-length {max_length}; nothing to train on")
+    return kept, report
