@@ -119,8 +119,8 @@ def stand_in(monkeypatch):
     clear_env(monkeypatch, *HCCL_ENV, "CUDA_VISIBLE_DEVICES")
     forget_module(monkeypatch, ascend.TRANSFER_TO_NPU)
     # package metadata of a real torch_npu (if this machine has one) must not override the stand-in's version
-    real_dist_version = ascend._dist_version
-    monkeypatch.setattr(ascend, "_dist_version", lambda name: None if name == "torch_npu" else real_dist_version(name))
+    real_dist_version = ascend.probing._dist_version
+    monkeypatch.setattr(ascend.probing, "_dist_version", lambda name: None if name == "torch_npu" else real_dist_version(name))
 
     def install(version=f"{TORCH_BASE}.post1", count=2, bf16=True):
         module = types.ModuleType("torch_npu")
@@ -186,7 +186,7 @@ def test_probe_when_import_torch_itself_raises(stand_in, monkeypatch):
             raise RuntimeError("Failed to load the backend extension: torch_npu")
         return importlib.import_module(name)
 
-    monkeypatch.setattr(ascend, "_import", failing)
+    monkeypatch.setattr(ascend.probing, "_import", failing)
     found = ascend.probe()
     assert not found.available
     assert "`import torch` failed" in found.reason and "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in found.reason
@@ -401,7 +401,7 @@ def test_doctor_without_torch_npu(no_torch_npu, monkeypatch):
 
 
 def test_doctor_with_the_stand_in(stand_in, monkeypatch):
-    monkeypatch.setattr(ascend, "_dist_version", lambda name: {"torch": "2.9.0", "torch_npu": "2.9.0.post2"}.get(name))
+    monkeypatch.setattr(ascend.probing, "_dist_version", lambda name: {"torch": "2.9.0", "torch_npu": "2.9.0.post2"}.get(name))
     stand_in(version="2.9.0.post2")
     monkeypatch.setattr(torch, "__version__", "2.9.0+cpu")
     checks = _checks()
@@ -411,7 +411,7 @@ def test_doctor_with_the_stand_in(stand_in, monkeypatch):
 
 
 def test_doctor_reports_a_version_mismatch_with_both_versions_and_the_fix(stand_in, monkeypatch):
-    monkeypatch.setattr(ascend, "_dist_version", lambda name: {"torch": "2.5.1", "torch_npu": "2.6.0.post3"}.get(name))
+    monkeypatch.setattr(ascend.probing, "_dist_version", lambda name: {"torch": "2.5.1", "torch_npu": "2.6.0.post3"}.get(name))
     check = _checks()["torch/torch_npu versions"]
     assert not check.ok and check.blocking
     assert "2.5.1" in check.detail and "2.6.0.post3" in check.detail and "torch==2.6.0" in check.fix

@@ -163,7 +163,7 @@ def test_auto_asks_the_npu_first_when_transfer_to_npu_makes_cuda_lie(gpu, monkey
     module.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
     module.__version__ = f"{vlft_ascend.base_version(torch.__version__)}.post1"
     monkeypatch.setitem(sys.modules, "torch_npu", module)
-    monkeypatch.setattr(vlft_ascend, "_dist_version", lambda name: None)
+    monkeypatch.setattr(vlft_ascend.probing, "_dist_version", lambda name: None)
     monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: True, device_count=lambda: 1),
                         raising=False)
     monkeypatch.setitem(sys.modules, cuda.TRANSFER_TO_NPU, types.ModuleType(cuda.TRANSFER_TO_NPU))

@@ -5,8 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from vlft.errors import ConfigError
-from vlft.hookspecs import hookimpl
+from vlft import ConfigError, hookimpl
 
 
 def options_from(cls, overrides: dict[str, Any], method: str):

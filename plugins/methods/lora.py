@@ -5,8 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from vlft.hookspecs import hookimpl
-from vlft.policies import AdapterDefaults, MethodInfo
+from vlft import AdapterDefaults, MethodInfo, hookimpl
 
 from . import _peft
 

@@ -10,9 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from vlft.errors import ConfigError
-from vlft.hookspecs import hookimpl
-from vlft.policies import AdapterDefaults, MethodInfo
+from vlft import AdapterDefaults, ConfigError, MethodInfo, hookimpl
 
 from . import _peft
 

@@ -6,11 +6,9 @@ otherwise, gloo for several processes, no pinned memory.
 
 from __future__ import annotations
 
-from vlft.errors import ConfigError
-from vlft.hookspecs import hookimpl
-from vlft.policies import (
-    AttentionPolicy, BackendInfo, DataLoaderOptions, DeviceCapacity, DeviceSetup, DistributedOptions, MemoryStats,
-    PrecisionPolicy, ProbeResult,
+from vlft import (
+    AttentionPolicy, BackendInfo, ConfigError, DataLoaderOptions, DeviceCapacity, DeviceSetup, DistributedOptions,
+    MemoryStats, PrecisionPolicy, ProbeResult, hookimpl,
 )
 
 NAME = "cpu"
@@ -43,7 +41,7 @@ def vlft_setup_device(backend, config):
 def vlft_attention_implementation(backend, config, model_config):
     if backend != NAME:
         return None
-    from vlft.config import parse_attn
+    from vlft import parse_attn
 
     asked = parse_attn(config.attn) or {}
     # eager is the reference: it is the plain math every other path must agree with

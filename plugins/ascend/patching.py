@@ -1,0 +1,35 @@
+"""Turning SDPA (or flash) attention back to eager where the NPU policy chose eager."""
+
+from __future__ import annotations
+
+from vlft import AttentionPolicy
+
+
+def patch_attention(model, policy: AttentionPolicy) -> list[str]:
+    """Switch every config of ``model`` still set to SDPA (or flash) to eager where ``policy`` chose eager.
+
+    Attention layers read ``config._attn_implementation`` at each forward, so
+    this reroutes them. Returns one line per patched config.
+    """
+    top = getattr(model, "config", None)
+    vision_cfg = getattr(top, "vision_config", None)
+    configs: dict[int, tuple[str, object]] = {}
+    if top is not None:
+        configs[id(top)] = ("model", top)
+    for name, module in model.named_modules():
+        cfg = getattr(module, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation") and id(cfg) not in configs:
+            configs[id(cfg)] = (name, cfg)
+    patched = []
+    for name, cfg in configs.values():
+        tower = "vision" if cfg is vision_cfg or "visual" in name.split(".") else "text"
+        want = policy.vision if tower == "vision" else policy.text
+        current = getattr(cfg, "_attn_implementation", None)
+        if want != "eager" or current in (None, "eager"):
+            continue
+        if isinstance(getattr(type(cfg), "_attn_implementation", None), property):
+            cfg._attn_implementation = {"": "eager"}  # transformers' setter: this config only, not its sub-configs
+        else:
+            cfg._attn_implementation = "eager"
+        patched.append(f"{name} ({tower}): {current} attention -> eager")
+    return patched
