@@ -1,6 +1,6 @@
 """Reading, validating, encoding and batching conversation data.
 
-Two input formats (see DESIGN.md), as a JSON array or JSON Lines:
+Two input formats (README.md, "Data"), as a JSON array or JSON Lines:
 
 - conversations: ``{"image": "imgs/a.png", "conversations": [{"from": "user", "value": "<image>\\n..."},
   {"from": "assistant", "value": "..."}]}`` (``image`` may also be a list, ``images`` too)
