@@ -57,17 +57,23 @@ def embedded_size():
     return model_size("embedded", str(embedded_model_dir()))
 
 
-@pytest.fixture(scope="session")
-def wide_size():
-    """The wider variant (text hidden 512, vision hidden 256), built once into VLFT_CACHE."""
-    from bench._support import model_size, wide_recipe
+def _built_size(name: str, recipe: dict):
+    """A bench model size built once from ``recipe`` into VLFT_CACHE (folder named by the recipe's hash)."""
+    from bench._support import model_size
     from vlft.embedded import build_embedded_model, cache_root, recipe_hash
 
-    recipe = wide_recipe()
-    path = cache_root() / f"bench-wide-qwen2_5_vl-{recipe_hash(recipe)}"
+    path = cache_root() / f"bench-{name}-qwen2_5_vl-{recipe_hash(recipe)}"
     if not (path / "config.json").exists():
         build_embedded_model(path, recipe)
-    return model_size("wide", str(path))
+    return model_size(name, str(path))
+
+
+@pytest.fixture(scope="session")
+def wide_size():
+    """The wider variant (text hidden 512, vision hidden 256)."""
+    from bench._support import wide_recipe
+
+    return _built_size("wide", wide_recipe())
 
 
 @pytest.fixture(params=["embedded", "wide"])
@@ -109,12 +115,7 @@ def mixed_records(mixed_data):
 
 @pytest.fixture(scope="session")
 def large_size():
-    """The third size of the memory group (text hidden 1024, vision hidden 512), built once into VLFT_CACHE."""
-    from bench._support import large_recipe, model_size
-    from vlft.embedded import build_embedded_model, cache_root, recipe_hash
+    """The third size of the memory group (text hidden 1024, vision hidden 512)."""
+    from bench._support import large_recipe
 
-    recipe = large_recipe()
-    path = cache_root() / f"bench-large-qwen2_5_vl-{recipe_hash(recipe)}"
-    if not (path / "config.json").exists():
-        build_embedded_model(path, recipe)
-    return model_size("large", str(path))
+    return _built_size("large", large_recipe())
