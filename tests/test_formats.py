@@ -245,3 +245,38 @@ def test_fewer_records_than_processes_is_refused_before_anything_is_written(tmp_
 
     with pytest.raises(DataError, match="1 training record.s. for 2 processes.*nothing was written"):
         check_enough_records(1, build_config({}, {"data": "x.jsonl"}).__class__(world_size=2))
+
+
+def test_every_layout_trains_one_step_and_data_check_reports_them(tmp_path):
+    """One short run over one file per layout (and a video), several --data files with a weight, early stopping."""
+    from click.testing import CliRunner
+
+    from vlft.cli import cli
+
+    _png(tmp_path / "imgs" / "a.png")
+    _mp4(tmp_path / "clips" / "a.mp4")
+    files = [str(_write(tmp_path / f"layout{i}.jsonl", [rec])) for i, rec in enumerate(LAYOUTS.values())]
+    files.append(str(_write(tmp_path / "video.jsonl", [{"video": "clips/a.mp4", "conversations": [
+        {"from": "human", "value": f"<video>\n{Q}"}, {"from": "gpt", "value": A}]}])) + ":2")
+    val = _write(tmp_path / "val.jsonl", [PLAIN])
+    res = CliRunner().invoke(cli, ["data", "check", *[f.rsplit(":", 1)[0] for f in files], "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert [f["records"] for f in report["files"]] == [1] * len(files) and report["files"][-1]["videos"] == 1
+    assert report["tokens"]["max"] == report["longest"][0]["tokens"] and report["longest"][0]["where"].endswith(
+        "video.jsonl:1")
+    bad = _write(tmp_path / "bad.jsonl", [_user(f"<|image_pad|>{Q}")])
+    res = CliRunner().invoke(cli, ["data", "check", str(bad)])
+    assert res.exit_code != 0 and "bad.jsonl:1: turn 0: '<|image_pad|>'" in res.output
+
+    out = tmp_path / "run"
+    args = ["run", "--backend", "cpu", "--output", str(out), "--val-data", str(val), "--batch-size", str(len(files) + 1),
+            "--steps", "2", "--eval-every", "1", "--early-stopping-patience", "1", "--eval-samples", "1",
+            "--max-new-tokens", "2", "--save-every", "0", "--quiet"]
+    for f in files:
+        args += ["--data", f]
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 0, res.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["early_stopping"]["best_step"] >= 1 and (out / "adapter-best" / "adapter_config.json").exists()
+    assert (out / "adapter" / "adapter_config.json").exists()
