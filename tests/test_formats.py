@@ -230,12 +230,17 @@ class _Settings:
 def test_fewer_records_than_one_step_train_on_a_smaller_batch_instead_of_hanging(n, batch, accum):
     from vlft.sampling import batches
 
+    def hang(*_):
+        raise TimeoutError("batches() gave no step within 20 s: the small-set hang")
+
+    previous = signal.signal(signal.SIGALRM, hang)
     signal.alarm(20)  # a hang fails the test instead of the suite
     try:
         gen = batches(list(range(n)), lambda xs: xs, _Settings(batch_size=batch, grad_accum=accum), 0)
         steps = [next(gen) for _ in range(3)]
     finally:
         signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
     assert all(sorted(x for b in group for x in b) == list(range(n)) for group in steps)
 
 
