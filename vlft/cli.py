@@ -41,6 +41,8 @@ def config_options(fn):
             fn = click.option(flag, f.name, is_flag=True, default=None, help=help_text)(fn)
         elif f.name == "adapter":
             fn = click.option(flag, f.name, multiple=True, metavar="KEY=VALUE", help=help_text)(fn)
+        elif f.metadata.get("multiple"):
+            fn = click.option(flag, f.name, multiple=True, metavar=f.metadata.get("metavar"), help=help_text)(fn)
         else:
             kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0].split("|")[0].strip(), str)
             choices = f.metadata.get("choices")
@@ -54,6 +56,10 @@ def given_flags(ctx: click.Context, params: dict) -> dict:
     for f in user_fields():
         if ctx.get_parameter_source(f.name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
             value = params[f.name]
+            if f.metadata.get("multiple"):
+                value = list(value)
+                if not value:  # click reports an unused multiple option as given
+                    continue
             out[f.name] = parse_adapter_options(value) if f.name == "adapter" else value
     return out
 
@@ -106,6 +112,9 @@ def as_arguments(flags: dict) -> list[str]:
         elif f.name == "adapter":
             for key, v in value.items():
                 args += [flag, f"{key}={json.dumps(v)}"]
+        elif f.metadata.get("multiple"):
+            for v in value:
+                args += [flag, str(v)]
         else:
             args += [flag, str(value)]
     return args

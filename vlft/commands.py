@@ -136,5 +136,7 @@ def vlft_register_commands(cli):
     from .doctor import doctor
     from .parity import parity, parity_worker
 
-    for command in (run, plugins, methods, demo_data, doctor, parity, parity_worker):
+    from .data_check import data
+
+    for command in (run, plugins, methods, demo_data, doctor, parity, parity_worker, data):
         cli.add_command(command)

@@ -28,7 +28,17 @@ class RunConfig:
     backend: str = opt("auto", "Backend plugin to run on; 'auto' picks the best available (see `vlft plugins`).")
     method: str = opt("lora", "Adapter method plugin (see `vlft methods`).")
     model: str | None = opt(None, "Local Qwen2.5-VL / Qwen2-VL directory; default: the embedded model.")
-    data: str | None = opt(None, "Training data (JSON or JSONL); default: the embedded product-inspection set.")
+    data: list | None = opt(None, "Training data (JSON or JSONL), repeatable; FILE:WEIGHT samples that file WEIGHT "
+                                  "times per epoch (2: every record twice, 0.5: a seeded half); default: the "
+                                  "embedded product-inspection set.", multiple=True, metavar="FILE[:WEIGHT]")
+    image_root: str | None = opt(None, "Folder that relative image and video paths start from (default: each data "
+                                       "file's folder); downloads of http(s) images may lie under it as DIR/host/path.")
+    add_placeholders: bool = opt(False, "Records with images but no <image> placeholder get them at the start of "
+                                        "the first user turn (as ms-swift does) instead of being an error.", flag=True)
+    video_fps: float = opt(2.0, "Frames per second sampled from each video.")
+    video_max_frames: int = opt(16, "Most frames taken from one video (spread over the clip when it is longer).")
+    early_stopping_patience: int = opt(0, "Stop when the validation loss (every --eval-every steps) has not improved "
+                                          "for N evaluations, keeping the best adapter in adapter-best/ (0: never).")
     val_data: str | None = opt(None, "Validation data; default: the embedded set's validation split.")
     output: str | None = opt(None, "Run folder; default: runs/<time>-<method>-<backend>.")
     steps: int | None = opt(None, "Optimizer steps to train (overrides --epochs).")
@@ -105,6 +115,11 @@ def _coerce(f: dataclasses.Field, value: Any, source: str) -> Any:
             if not isinstance(value, bool):
                 raise ValueError
             return value
+        if kind.startswith("list"):
+            items = list(value) if isinstance(value, (list, tuple)) else [value]
+            if not all(isinstance(x, (str, dict)) for x in items):
+                raise ValueError
+            return [x if isinstance(x, str) else _data_entry(x, source) for x in items]
         if kind.startswith("dict"):
             if not isinstance(value, dict):
                 raise ValueError
@@ -138,10 +153,34 @@ def load_config_file(path: str | os.PathLike) -> dict:
             raise ConfigError(f"{path}: unknown key '{key}'. Valid keys: {valid}")
         out[name] = _coerce(known[name], value, str(path))
     # relative paths in a config file are relative to the file
-    for name in ("model", "data", "val_data", "output"):
+    for name in ("model", "val_data", "output", "image_root"):
         if out.get(name) and not Path(out[name]).is_absolute() and (path.parent / out[name]).exists():
             out[name] = str(path.parent / out[name])
+    if out.get("data"):
+        out["data"] = [str(path.parent / d) if not Path(d).is_absolute() and (path.parent / split_data_spec(d)[0])
+                       .exists() else d for d in out["data"]]
     return out
+
+
+def _data_entry(entry: dict, source: str) -> str:
+    """A config file's ``{path: FILE, weight: W}`` as the flag's FILE:WEIGHT."""
+    if "path" not in entry or set(entry) - {"path", "weight"}:
+        raise ConfigError(f"{source}: a 'data' entry is a path or {{path: FILE, weight: W}}, got {entry!r}")
+    return f"{entry['path']}:{entry['weight']}" if "weight" in entry else str(entry["path"])
+
+
+def split_data_spec(spec: str) -> tuple[str, float]:
+    """'train.jsonl:2' -> ('train.jsonl', 2.0); a path that itself holds ':' is taken whole when it exists."""
+    head, sep, tail = spec.rpartition(":")
+    if sep and head and not Path(spec).exists():
+        try:
+            weight = float(tail)
+        except ValueError:
+            return spec, 1.0
+        if weight <= 0:
+            raise ConfigError(f"--data {spec}: the weight must be positive")
+        return head, weight
+    return spec, 1.0
 
 
 def parse_adapter_options(pairs: tuple[str, ...] | list[str]) -> dict:
@@ -204,6 +243,17 @@ def validate(cfg: RunConfig) -> None:
     if cfg.max_pixels is not None and cfg.max_pixels < 28 * 28:
         raise ConfigError(f"--max-pixels must be at least {28 * 28} (one merged patch), got {cfg.max_pixels}")
     parse_attn(cfg.attn)
+    if isinstance(cfg.data, str):  # a Python caller's single path
+        cfg.data = [cfg.data]
+    for spec in cfg.data or []:
+        split_data_spec(spec)
+    if cfg.video_fps <= 0 or cfg.video_max_frames < 2:
+        raise ConfigError("--video-fps must be positive and --video-max-frames at least 2 (a temporal patch is "
+                          f"2 frames), got {cfg.video_fps} and {cfg.video_max_frames}")
+    if cfg.early_stopping_patience < 0:
+        raise ConfigError(f"--early-stopping-patience must not be negative, got {cfg.early_stopping_patience}")
+    if cfg.early_stopping_patience and not cfg.eval_every:
+        raise ConfigError("--early-stopping-patience needs --eval-every N > 0 (the validation loss it watches)")
 
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2, "g": 1000 ** 3, "gb": 1000 ** 3,

@@ -43,6 +43,7 @@ MAX_REPORTED_PROBLEMS = 20
 class Turn:
     role: str
     text: str
+    trained: bool = True  # an assistant turn with ``loss: false`` stays in the context, out of the loss
 
 
 @dataclass
@@ -54,6 +55,8 @@ class Record:
     where: str  # "file.jsonl:12" or "file.json[3]"
     id: str | None = None
     image_sizes: list[tuple[int, int]] | None = None  # (width, height) of each image, read at validation
+    videos: list[str] = field(default_factory=list)  # absolute paths, in <video> placeholder order
+    layout: str = "messages"
 
     @property
     def reference(self) -> str:
@@ -119,18 +122,53 @@ def _decode_base64_image(value: str) -> bytes | None:
         return None
 
 
-def _resolve_image(value: Any, base_dir: Path) -> tuple[str | bytes | None, str | None]:
+def _url_cache_path(url: str, root: Path | None) -> Path | None:
+    """Where a downloaded copy of ``url`` lies under ``root``: ``root/host/path``, as ``wget -x`` saves it."""
+    if root is None:
+        return None
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    return root / u.netloc / u.path.lstrip("/")
+
+
+def _resolve_path(value: str, base_dir: Path, image_root: Path | None, what: str) -> tuple[str | None, str | None]:
+    """A media path: absolute as given; relative to --image-root when given, else to the data file."""
+    if value.startswith(("http://", "https://")):
+        cached = _url_cache_path(value, image_root)
+        if cached is not None and cached.is_file():
+            return str(cached.resolve()), None
+        hint = f" (looked for {cached})" if cached is not None else ""
+        return None, (f"{what} '{value}' is a URL and vlft reads nothing from the network{hint}; download it "
+                      f"first and give its local path, or keep the download under --image-root DIR as DIR/host/path "
+                      f"(what `wget -x` writes)")
+    root = image_root if image_root is not None else base_dir
+    candidate = Path(value) if Path(value).is_absolute() else root / value
+    if not candidate.exists():
+        rule = ("relative paths are relative to --image-root" if image_root is not None else
+                "relative paths are relative to the data file's folder; pass --image-root DIR if they are "
+                "relative to a dataset root")
+        return None, f"{what} '{value}' not found (looked for {candidate}); {rule}"
+    return str(candidate.resolve()), None
+
+
+def _resolve_image(value: Any, base_dir: Path, image_root: Path | None = None) -> tuple[str | bytes | None, str | None]:
     """(source, problem): an absolute path or image bytes, or why neither."""
+    if isinstance(value, dict):  # HF datasets' {"bytes", "path"} and swift's {"path"}
+        value = value.get("path") or value.get("bytes") or value.get("url")
     if not isinstance(value, str) or not value:
         return None, f"image must be a non-empty string (path or base64), got {value!r}"
-    if value.startswith("data:") or not (base_dir / value).exists():
+    if value.startswith("data:"):
+        raw = _decode_base64_image(value)
+        if raw is None:
+            return None, "image data URI is not valid base64 (expected data:image/...;base64,...)"
+        return raw, None
+    source, problem = _resolve_path(value, base_dir, image_root, "image")
+    if problem is not None and not value.startswith(("http://", "https://")):
         raw = _decode_base64_image(value)
         if raw is not None:
             return raw, None
-        if value.startswith("data:"):
-            return None, "image data URI is not valid base64 (expected data:image/...;base64,...)"
-        return None, f"image '{value}' not found (looked for {base_dir / value}); paths are relative to the data file"
-    return str((base_dir / value).resolve()), None
+    return source, problem
 
 
 def load_image(source: str | bytes) -> Image.Image:
@@ -140,44 +178,31 @@ def load_image(source: str | bytes) -> Image.Image:
     return img.convert("RGB")
 
 
-def _parse_turns(obj: dict) -> tuple[list[tuple[Any, Any]], list | None, str | None]:
-    """Return ([(role, text)], images or None, problem) for either format."""
-    if "conversations" in obj:
-        convo = obj["conversations"]
-        if not isinstance(convo, list):
-            return [], None, "'conversations' must be a list of {\"from\", \"value\"} objects"
-        turns = []
-        for i, t in enumerate(convo):
-            if not isinstance(t, dict) or "from" not in t or "value" not in t:
-                return [], None, f"turn {i} must have 'from' and 'value'"
-            turns.append((t["from"], t["value"]))
-        images = obj.get("images", obj.get("image"))
-    elif "messages" in obj:
-        msgs = obj["messages"]
-        if not isinstance(msgs, list):
-            return [], None, "'messages' must be a list of {\"role\", \"content\"} objects"
-        turns = []
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                return [], None, f"message {i} must have 'role' and 'content'"
-            turns.append((m["role"], m["content"]))
-        images = obj.get("images", obj.get("image"))
-    else:
-        return [], None, "record has neither 'conversations' nor 'messages'"
-    if images is None:
-        images = []
-    elif isinstance(images, str):
-        images = [images]
-    elif not isinstance(images, list):
-        return [], None, "'images' must be a path, a base64 string or a list of them"
-    return turns, images, None
+def read_records(path: str | Path, check_images: bool = True, image_root: str | Path | None = None,
+                 add_placeholders: bool = False) -> list[Record]:
+    """Read and validate a data file; raise one DataError listing every problem.
+
+    ``image_root``: the folder relative image and video paths start from (default: the data file's).
+    ``add_placeholders``: records with images but no placeholder get them at the start of the first user turn.
+    """
+    records, problems = read_records_collecting(path, check_images, image_root, add_placeholders)
+    problems.raise_if_any()
+    if not records:
+        raise DataError(f"{path} holds no records")
+    return records
 
 
-def read_records(path: str | Path, check_images: bool = True) -> list[Record]:
-    """Read and validate a data file; raise one DataError listing every problem."""
+def read_records_collecting(path: str | Path, check_images: bool = True, image_root: str | Path | None = None,
+                            add_placeholders: bool = False) -> tuple[list[Record], _Problems]:
+    """The valid records and the problems of the others (``vlft data check`` reports both)."""
+    from .formats import FormatProblem, parse_record, stray_marker
+
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file not found: {path}")
+    root = Path(image_root) if image_root is not None else None
+    if root is not None and not root.is_dir():
+        raise DataError(f"--image-root {root} is not a folder")
     problems = _Problems(path)
     records: list[Record] = []
     base_dir = path.parent
@@ -185,43 +210,27 @@ def read_records(path: str | Path, check_images: bool = True) -> list[Record]:
         if not isinstance(obj, dict):
             problems.add(where, f"record must be a JSON object, got {type(obj).__name__}")
             continue
-        raw_turns, raw_images, problem = _parse_turns(obj)
+        try:
+            parsed = parse_record(obj, add_placeholders)
+        except FormatProblem as e:
+            problems.add(where, str(e))
+            continue
+        problem = _check_turns(parsed)
         if problem:
             problems.add(where, problem)
             continue
-        turns: list[Turn] = []
-        bad = False
-        for i, (role, text) in enumerate(raw_turns):
-            canon = ROLE_ALIASES.get(role) if isinstance(role, str) else None
-            if canon is None:
-                problems.add(where, f"turn {i}: unknown role {role!r}; use one of user/human, assistant/gpt, system")
-                bad = True
-                break
-            if not isinstance(text, str):
-                problems.add(where, f"turn {i}: text must be a string, got {type(text).__name__}")
-                bad = True
-                break
-            turns.append(Turn(canon, text))
-        if bad:
-            continue
-        if not any(t.role == "assistant" for t in turns):
-            problems.add(where, "no assistant turn: there is nothing to learn from this record")
-            continue
-        if any(IMAGE_PLACEHOLDER in t.text for t in turns if t.role == "assistant"):
-            problems.add(where, f"an assistant turn contains {IMAGE_PLACEHOLDER}; images belong in user turns")
-            continue
-        n_placeholders = sum(t.text.count(IMAGE_PLACEHOLDER) for t in turns)
-        if n_placeholders != len(raw_images):
-            problems.add(
-                where,
-                f"{n_placeholders} {IMAGE_PLACEHOLDER} placeholder(s) but {len(raw_images)} image(s); "
-                f"put one {IMAGE_PLACEHOLDER} in the text for each image",
-            )
+        turns = [Turn(ROLE_ALIASES[t.role], t.text, t.loss is not False) for t in parsed.turns]
+        stray = next(((i, m) for i, t in enumerate(turns) if (m := stray_marker(t.text))), None)
+        if stray:
+            problems.add(where, f"turn {stray[0]}: '{stray[1]}' looks like an image marker vlft does not read, so it "
+                                "would be trained as plain text and the model would never see the picture; write "
+                                f"{IMAGE_PLACEHOLDER} where the image stands and list the image under 'images'")
             continue
         sources: list[str | bytes] = []
         sizes: list[tuple[int, int]] = []
-        for value in raw_images:
-            source, problem = _resolve_image(value, base_dir)
+        bad = False
+        for value in parsed.images:
+            source, problem = _resolve_image(value, base_dir, root)
             if problem is None and check_images:
                 try:
                     sizes.append(load_image(source).size)
@@ -235,8 +244,49 @@ def read_records(path: str | Path, check_images: bool = True) -> list[Record]:
             sources.append(source)
         if bad:
             continue
-        records.append(Record(turns, sources, where, obj.get("id"), sizes if check_images else None))
-    problems.raise_if_any()
-    if not records:
-        raise DataError(f"{path} holds no records")
-    return records
+        videos: list[str] = []
+        for value in parsed.videos:
+            source, problem = (_resolve_path(value, base_dir, root, "video") if isinstance(value, str) and value
+                               else (None, f"video must be a path, got {value!r}"))
+            if problem is None and check_images:
+                problem = video_problem(source, value)
+            if problem:
+                problems.add(where, problem)
+                bad = True
+                break
+            videos.append(source)
+        if bad:
+            continue
+        records.append(Record(turns, sources, where, obj.get("id"), sizes if check_images else None, videos,
+                              parsed.layout))
+    return records, problems
+
+
+def _check_turns(parsed) -> str | None:
+    """Roles, an assistant turn to learn from, no media in replies, loss only on assistant turns."""
+    for i, t in enumerate(parsed.turns):
+        if not isinstance(t.role, str) or t.role not in ROLE_ALIASES:
+            return f"turn {i}: unknown role {t.role!r}; use one of user/human, assistant/gpt, system"
+        if t.loss is not None and ROLE_ALIASES[t.role] != "assistant":
+            return f"turn {i}: 'loss' is only read on assistant turns (only replies are trained)"
+    roles = [ROLE_ALIASES[t.role] for t in parsed.turns]
+    if "assistant" not in roles:
+        return "no assistant turn: there is nothing to learn from this record"
+    if all(t.loss is False for t, r in zip(parsed.turns, roles) if r == "assistant"):
+        return "every assistant turn has loss: false, so no token of this record would be trained; drop the record " \
+               "or train at least one reply"
+    for t, r in zip(parsed.turns, roles):
+        if r == "assistant" and (IMAGE_PLACEHOLDER in t.text or "<video>" in t.text):
+            return f"an assistant turn contains {IMAGE_PLACEHOLDER}; images belong in user turns"
+    return None
+
+
+def video_problem(path: str, label: str) -> str | None:
+    """Why a video cannot be decoded, or None (opens it and reads its first frame)."""
+    from .video import VideoError, probe_video
+
+    try:
+        probe_video(path)
+    except VideoError as e:
+        return f"video '{label}' cannot be read ({e})"
+    return None

@@ -10,6 +10,7 @@ particular tokenizer.
 from __future__ import annotations
 
 import io
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -19,15 +20,20 @@ from .data import IGNORE_INDEX, IMAGE_PLACEHOLDER, MAX_REPORTED_PROBLEMS, Record
 from .errors import DataError
 
 
+_PLACEHOLDERS = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|<video>)")
+
+
 def _chat_messages(turns: list[Turn]) -> list[dict]:
-    """Turns as chat-template messages, with <image> placeholders as image parts."""
+    """Turns as chat-template messages, with <image>/<video> placeholders as image/video parts."""
     messages = []
     for t in turns:
         parts: list[dict] = []
-        for k, chunk in enumerate(t.text.split(IMAGE_PLACEHOLDER)):
-            if k:
+        for chunk in _PLACEHOLDERS.split(t.text):
+            if chunk == IMAGE_PLACEHOLDER:
                 parts.append({"type": "image"})
-            if chunk:
+            elif chunk == "<video>":
+                parts.append({"type": "video"})
+            elif chunk:
                 parts.append({"type": "text", "text": chunk})
         messages.append({"role": t.role, "content": parts})
     return messages
@@ -41,10 +47,12 @@ class SampleEncoder:
     pixel count through the image processor's own resize.
     """
 
-    def __init__(self, processor, max_pixels: int | None = None):
+    def __init__(self, processor, max_pixels: int | None = None, video_fps: float = 2.0, video_max_frames: int = 16):
         self.processor = processor
         self.tokenizer = processor.tokenizer
         self.image_token = processor.image_token
+        self.video_token = getattr(processor, "video_token", None)
+        self.video_fps, self.video_max_frames = video_fps, video_max_frames
         self.merge_length = processor.image_processor.merge_size ** 2
         self.eos_text = self.tokenizer.eos_token
         self.image_kwargs: dict = {}
@@ -77,7 +85,7 @@ class SampleEncoder:
             reply = full[len(prompt):]
             end = reply.find(self.eos_text) if self.eos_text else -1
             cut = end + len(self.eos_text) if end >= 0 else len(reply)
-            pieces.append((reply[:cut], True))
+            pieces.append((reply[:cut], t.trained))
             if reply[cut:]:
                 pieces.append((reply[cut:], False))
             done = full
@@ -103,8 +111,11 @@ class SampleEncoder:
                     sizes.append(img.size)
         grids = [self.image_grid(w, h) for w, h in sizes]
         counts = torch.tensor(grids) if grids else None
-        input_ids, _ = self._tokenize(self.pieces(record.turns, record.where), counts)
-        return len(input_ids), grids
+        video = self._videos(record)  # decoding is the only way to know a clip's frame count at this rate
+        video_grids = [tuple(int(x) for x in g) for g in video.get("video_grid_thw", [])]
+        input_ids, _ = self._tokenize(self.pieces(record.turns, record.where), counts,
+                                      video.get("video_grid_thw"))
+        return len(input_ids), grids + video_grids
 
     def _images(self, record: Record) -> dict:
         if not record.images:
@@ -114,14 +125,37 @@ class SampleEncoder:
         )
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
-    def _tokenize(self, pieces: list[tuple[str, bool]], grid_thw) -> tuple[list[int], list[int]]:
-        counts = iter([int(g.prod()) // self.merge_length for g in grid_thw] if grid_thw is not None else [])
+    def _videos(self, record: Record) -> dict:
+        if not record.videos:
+            return {}
+        from .errors import DataError
+        from .video import VideoError, read_frames
+
+        clips, rates = [], []
+        for path in record.videos:
+            try:
+                frames, rate = read_frames(path, self.video_fps, self.video_max_frames)
+            except VideoError as e:
+                raise DataError(f"{record.where}: video '{path}' cannot be read ({e})") from None
+            clips.append(torch.from_numpy(frames).permute(0, 3, 1, 2))
+            rates.append(rate)
+        vp = self.processor.video_processor
+        # frames are already sampled here, at the rate in ``rates``; the processor must not sample again
+        out = vp(videos=clips, return_tensors="pt", do_sample_frames=False, **self.image_kwargs)
+        seconds = torch.tensor([vp.temporal_patch_size / r for r in rates], dtype=torch.float32)
+        return {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": out["video_grid_thw"],
+                "second_per_grid_ts": seconds}
+
+    def _tokenize(self, pieces: list[tuple[str, bool]], grid_thw, video_grid_thw=None) -> tuple[list[int], list[int]]:
+        def tokens(grids):
+            return iter([int(g.prod()) // self.merge_length for g in grids] if grids is not None else [])
+
+        counts = {self.image_token: tokens(grid_thw), self.video_token: tokens(video_grid_thw)}
+        pads = re.compile("|".join(re.escape(t) for t in counts if t))
         input_ids: list[int] = []
         labels: list[int] = []
         for k, (text, trained) in enumerate(pieces):
-            if self.image_token in text:
-                chunks = text.split(self.image_token)
-                text = chunks[0] + "".join(self.image_token * next(counts) + c for c in chunks[1:])
+            text = pads.sub(lambda m: m.group(0) * next(counts[m.group(0)]), text)
             ids = self.tokenizer(text, add_special_tokens=(k == 0))["input_ids"]
             input_ids += ids
             labels += ids if trained else [IGNORE_INDEX] * len(ids)
@@ -129,16 +163,17 @@ class SampleEncoder:
 
     def encode(self, record: Record) -> dict:
         """Training inputs: input_ids and labels (1-D), plus the image tensors."""
-        vision = self._images(record)
-        input_ids, labels = self._tokenize(self.pieces(record.turns, record.where), vision.get("image_grid_thw"))
+        vision = {**self._images(record), **self._videos(record)}
+        input_ids, labels = self._tokenize(self.pieces(record.turns, record.where), vision.get("image_grid_thw"),
+                                           vision.get("video_grid_thw"))
         return {"input_ids": torch.tensor(input_ids), "labels": torch.tensor(labels), **vision}
 
     def encode_prompt(self, record: Record) -> dict:
         """Generation inputs: the conversation up to its last assistant reply."""
         last = max(i for i, t in enumerate(record.turns) if t.role == "assistant")
         prompt = self.render(record.turns[:last], add_generation_prompt=True)
-        vision = self._images(record)
-        input_ids, _ = self._tokenize([(prompt, False)], vision.get("image_grid_thw"))
+        vision = {**self._images(record), **self._videos(record)}
+        input_ids, _ = self._tokenize([(prompt, False)], vision.get("image_grid_thw"), vision.get("video_grid_thw"))
         return {"input_ids": torch.tensor(input_ids), **vision}
 
 
@@ -165,9 +200,10 @@ class Collator:
     """
 
     def __init__(self, pad_token_id: int, image_token_id: int, padding_side: str = "right",
-                 pad_to: int | None = None):
+                 pad_to: int | None = None, video_token_id: int | None = None):
         self.pad_token_id = pad_token_id
         self.image_token_id = image_token_id
+        self.video_token_id = video_token_id
         self.padding_side = padding_side
         self.pad_to = pad_to  # fixed length, only for comparisons in bench/
 
@@ -191,7 +227,10 @@ class Collator:
         batch = {
             "input_ids": input_ids,
             "attention_mask": torch.stack(batch_mask),
-            "mm_token_type_ids": (input_ids == self.image_token_id).long(),
+            # 1 image, 2 video: the 3-D rotary positions space video tokens out in time
+            "mm_token_type_ids": (input_ids == self.image_token_id).long()
+            + 2 * (input_ids == self.video_token_id).long() if self.video_token_id is not None
+            else (input_ids == self.image_token_id).long(),
         }
         if batch_labels:
             batch["labels"] = torch.stack(batch_labels)
@@ -199,6 +238,10 @@ class Collator:
         if with_images:
             batch["pixel_values"] = torch.cat([s["pixel_values"] for s in with_images])
             batch["image_grid_thw"] = torch.cat([s["image_grid_thw"] for s in with_images])
+        with_videos = [s for s in samples if "pixel_values_videos" in s]
+        if with_videos:
+            for key in ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
+                batch[key] = torch.cat([s[key] for s in with_videos])
         return batch
 
 

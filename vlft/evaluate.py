@@ -72,7 +72,8 @@ def score(predictions: list[str], references: list[str]) -> dict:
 def generate_answers(model, encoder: SampleEncoder, records: list[Record], device, batch_size: int = 16,
                      max_new_tokens: int = 32, autocast_dtype=None) -> list[str]:
     tokenizer = encoder.tokenizer
-    collate = Collator(tokenizer.pad_token_id, encoder.processor.image_token_id, padding_side="left")
+    collate = Collator(tokenizer.pad_token_id, encoder.processor.image_token_id, padding_side="left",
+                       video_token_id=getattr(encoder.processor, "video_token_id", None))
     was_training = model.training
     model.eval()
     answers: list[str] = []

@@ -23,22 +23,57 @@ from .policies import DeviceCapacity
 DEFAULT_DATA_DIR_NAME = "demo-data"
 
 
-def resolve_data_paths(config: RunConfig) -> tuple[Path, Path | None]:
-    if config.data is None:
+def resolve_data_paths(config: RunConfig) -> tuple[list[tuple[Path, float]], Path | None]:
+    """[(training file, sampling weight)], and the validation file or None."""
+    from .config import split_data_spec
+
+    if not config.data:
         from .demo_data import write_demo_dataset
         from .embedded import cache_root
 
         ds = write_demo_dataset(cache_root() / DEFAULT_DATA_DIR_NAME)
-        return ds.train, (Path(config.val_data) if config.val_data else ds.val)
-    return Path(config.data), (Path(config.val_data) if config.val_data else None)
+        return [(ds.train, 1.0)], (Path(config.val_data) if config.val_data else ds.val)
+    specs = [config.data] if isinstance(config.data, str) else config.data
+    return [(Path(p), w) for p, w in map(split_data_spec, specs)], (Path(config.val_data) if config.val_data else None)
+
+
+def weighted(records: list, weight: float, seed: int) -> list:
+    """``weight`` copies of each record per epoch: whole copies, then a seeded share for the fraction."""
+    import random
+
+    whole, frac = int(weight), weight - int(weight)
+    extra = random.Random(seed).sample(records, round(len(records) * frac)) if frac else []
+    return records * whole + extra
+
+
+def read_training_files(config: RunConfig) -> tuple[list, Path | None]:
+    """Every training file read and weighted (all files' problems reported together), and the validation path."""
+    from .data import read_records_collecting
+    from .errors import DataError
+
+    files, val_path = resolve_data_paths(config)
+    train, messages = [], []
+    for path, weight in files:
+        records, problems = read_records_collecting(path, image_root=config.image_root,
+                                                    add_placeholders=config.add_placeholders)
+        try:
+            problems.raise_if_any()
+        except DataError as e:
+            messages.append(str(e))
+            continue
+        if not records:
+            messages.append(f"{path} holds no records")
+        train += weighted(records, weight, config.seed)
+    if messages:
+        raise DataError("\n".join(messages))
+    return train, val_path
 
 
 def load_and_check_data(config: RunConfig, encoder) -> tuple[list, list, LengthReport]:
     """Read and check both splits, lengths included; samples over --max-length stop the run or are skipped."""
-    train_path, val_path = resolve_data_paths(config)
-    train = read_records(train_path)
+    train, val_path = read_training_files(config)
     if val_path is not None:
-        val = read_records(val_path)
+        val = read_records(val_path, image_root=config.image_root, add_placeholders=config.add_placeholders)
     else:
         # no validation file: hold out a seeded 10% (at least one record)
         import random
@@ -56,7 +91,18 @@ def load_and_check_data(config: RunConfig, encoder) -> tuple[list, list, LengthR
                                               "validation data") if val else (val, None)
     if val_lengths is not None:
         lengths.skipped += [dict(s, split="validation") for s in val_lengths.skipped]
+    check_enough_records(len(train), config)
     return train, val, lengths
+
+
+def check_enough_records(n_train: int, config: RunConfig) -> None:
+    """Every process needs at least one training record; fewer than one batch trains on a smaller batch."""
+    from .errors import DataError
+
+    if n_train < config.world_size:
+        raise DataError(
+            f"{n_train} training record(s) for {config.world_size} processes: every process needs at least one "
+            f"record. Add records or run on at most {max(n_train, 1)} process(es); nothing was written.")
 
 
 def plan_targets(registry: Registry, plan: RunPlan, model):
@@ -111,14 +157,15 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
     model_config = load_model_config(model_path)
     plan = resolve_plan(registry, config, model_path, model_config, choice)  # checks method and --adapter-opt
     processor = load_processor(model_path)
-    encoder = SampleEncoder(processor, max_pixels=config.max_pixels)
+    encoder = SampleEncoder(processor, max_pixels=config.max_pixels, video_fps=config.video_fps,
+                            video_max_frames=config.video_max_frames)
     train, val, lengths = load_and_check_data(config, encoder)
     plan.lengths = lengths.describe(config.max_length)
     if is_bundled(model_path):
         plan.notes.append("bundled config without weights: text lengths counted with the embedded tokenizer "
                           "(a stand-in; image tokens are exact)")
     epochs = config.epochs
-    if epochs is None and config.steps is None and config.data is None:
+    if epochs is None and config.steps is None and not config.data:
         from .demo_data import RECOMMENDED_EPOCHS
 
         epochs = RECOMMENDED_EPOCHS

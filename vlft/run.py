@@ -127,21 +127,26 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
     total_steps = s.settings.total_steps
     log(f"training     {total_steps} steps of {config.batch_size * config.grad_accum * config.world_size} samples",
         rank)
+    best: dict = {}
+
+    def save_best(step: int, loss: float) -> None:
+        # beside adapter/ (the last), written whole before it replaces the previous best
+        if rank == 0:
+            _save_adapter_atomically(s, model, output / "adapter-best")
+        best.update(step=step, val_loss=loss)
+
     t0 = time.perf_counter()
     records = run_training(train_model, s.optimizer, s.scheduler, s.policy, s.dataset, s.collate, s.settings, store,
                            metrics, s.memory_reader, evaluate_loss=val_loss if config.eval_every else None,
-                           start_step=start_step, progress=progress)
+                           start_step=start_step, progress=progress,
+                           on_best=save_best if config.early_stopping_patience else None)
     train_time = time.perf_counter() - t0
 
     log("evaluating the adapted model ...", rank)
     after = generation_eval(model)
     if rank == 0:
         adapter_dir = output / "adapter"
-        tmp = output / ".adapter-tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        s.save_adapter(model, tmp)
-        shutil.rmtree(adapter_dir, ignore_errors=True)
-        os.replace(tmp, adapter_dir)
+        _save_adapter_atomically(s, model, adapter_dir)
         _write_eval(output, before, after)
         mem: MemoryStats = s.memory_reader()
         summary = {
@@ -154,6 +159,10 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
             "memory_estimate_bytes": plan.memory.total_bytes() if plan.memory else None,
             "skipped_too_long": plan.lengths.get("skipped_samples", []),
         }
+        if config.early_stopping_patience:
+            summary["early_stopping"] = {"stopped_early": any(r.get("early_stop") for r in records),
+                                         "best_step": best.get("step"), "best_val_loss": best.get("val_loss"),
+                                         "best_adapter": str(output / "adapter-best") if best else None}
         (output / "summary.json").write_text(json.dumps(summary, indent=2))
         print(format_table(before, after))
         print(f"adapter saved to {adapter_dir} ({total_steps - start_step} steps in {train_time:.0f} s)")
@@ -161,6 +170,14 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return RunResult(output, plan, before, after, records)
+
+
+def _save_adapter_atomically(session, model, target: Path) -> None:
+    tmp = target.parent / f".{target.name}-tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    session.save_adapter(model, tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
 
 
 def _write_eval(output: Path, before: dict | None, after: dict | None) -> None:

@@ -60,11 +60,13 @@ def batches(dataset, collate, settings: LoopSettings, start_step: int):
     per_epoch = steps_per_epoch(len(dataset), settings.batch_size, settings.grad_accum, settings.world_size)
     epoch, step_in_epoch = divmod(start_step, per_epoch)
     micro = settings.batch_size
+    # fewer samples per process than one step: keep the incomplete batch, or an epoch would yield nothing
+    short = len(dataset) // settings.world_size < micro * settings.grad_accum
     while True:
         sampler = EpochSampler(len(dataset), settings.seed, epoch, settings.rank, settings.world_size,
                                start=step_in_epoch * micro * settings.grad_accum)
         loader = torch.utils.data.DataLoader(
-            dataset, batch_size=micro, sampler=sampler, collate_fn=collate, drop_last=True,
+            dataset, batch_size=micro, sampler=sampler, collate_fn=collate, drop_last=not short,
             worker_init_fn=worker_init, generator=torch.Generator().manual_seed(settings.seed + epoch),
             **settings.loader_kwargs,
         )
@@ -77,6 +79,12 @@ def batches(dataset, collate, settings: LoopSettings, start_step: int):
                 step_in_epoch += 1
                 if step_in_epoch >= per_epoch:
                     break
+        if short and group and step_in_epoch < per_epoch:
+            yield group  # the whole (small) epoch as one step of fewer samples
+            step_in_epoch += 1
+        if step_in_epoch == 0:
+            raise RuntimeError(f"an epoch of {len(dataset)} samples gave no batch (batch {micro} x accumulation "
+                               f"{settings.grad_accum} x {settings.world_size} processes)")
         epoch += 1
         step_in_epoch = 0
 

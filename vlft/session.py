@@ -138,9 +138,10 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
         total_steps=total_steps, batch_size=config.batch_size, grad_accum=config.grad_accum, seed=config.seed,
         rank=config.rank, world_size=config.world_size, log_every=config.log_every, eval_every=config.eval_every,
         save_every=config.save_every, keep_checkpoints=config.keep_checkpoints,
-        loader_kwargs=plan.dataloader.loader_kwargs(),
+        early_stopping_patience=config.early_stopping_patience, loader_kwargs=plan.dataloader.loader_kwargs(),
     )
-    collate = Collator(processor.tokenizer.pad_token_id, processor.image_token_id)
+    collate = Collator(processor.tokenizer.pad_token_id, processor.image_token_id,
+                       video_token_id=getattr(processor, "video_token_id", None))
     return Session(plan, config, processor, planned.encoder, planned.train_records, planned.val_records, device,
                    model, optimizer, scheduler, policy, settings, collate, memory_reader, save_adapter,
                    autocast_dtype, start_step, resume_from)

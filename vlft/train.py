@@ -151,6 +151,7 @@ class LoopSettings:
     eval_every: int = 0
     save_every: int = 0
     keep_checkpoints: int = 2
+    early_stopping_patience: int = 0  # evaluations without a better validation loss before stopping (0: never)
     loader_kwargs: dict = field(default_factory=dict)
 
 
@@ -178,8 +179,12 @@ class MetricsLog:
 def run_training(model, optimizer, scheduler, policy: StepPolicy, dataset, collate, settings: LoopSettings,
                  checkpoints: CheckpointStore | None, metrics: MetricsLog, memory_reader: Callable,
                  evaluate_loss: Callable[[], float] | None = None, start_step: int = 0,
-                 progress: bool = True) -> list[dict]:
-    """Train from ``start_step`` to ``settings.total_steps``; return the logged records."""
+                 progress: bool = True, on_best: Callable[[int, float], None] | None = None) -> list[dict]:
+    """Train from ``start_step`` to ``settings.total_steps``; return the logged records.
+
+    With ``settings.early_stopping_patience`` the loop stops once that many validation losses in a row were
+    no better than the best so far; ``on_best(step, loss)`` is called at each new best (to save it).
+    """
     from tqdm.auto import tqdm
 
     is_main = settings.rank == 0
@@ -195,9 +200,25 @@ def run_training(model, optimizer, scheduler, policy: StepPolicy, dataset, colla
     window_steps = 0
     non_blocking = bool(settings.loader_kwargs.get("pin_memory"))
     step = start_step
+    best, since_best = float("inf"), 0
+
+    def watch(val: float) -> bool:
+        """Record a validation loss; True when patience has run out."""
+        nonlocal best, since_best
+        if not settings.early_stopping_patience:
+            return False
+        if val < best:
+            best, since_best = val, 0
+            if on_best is not None:
+                on_best(step, val)
+            return False
+        since_best += 1
+        return since_best >= settings.early_stopping_patience
+
+    stop = False
     model.train()
     for group in batches(dataset, collate, settings, start_step):
-        if step >= settings.total_steps:
+        if step >= settings.total_steps or stop:
             break
         out = train_step_on(model, optimizer, scheduler, group, policy, non_blocking)
         step += 1
@@ -230,6 +251,9 @@ def run_training(model, optimizer, scheduler, policy: StepPolicy, dataset, colla
             if evaluate_loss is not None and settings.eval_every and (step % settings.eval_every == 0 or last):
                 record["val_loss"] = evaluate_loss()
                 model.train()
+                stop = watch(record["val_loss"])
+                if stop:
+                    record["early_stop"] = True
             records.append(record)
             if is_main:
                 metrics.write(record)
@@ -240,8 +264,11 @@ def run_training(model, optimizer, scheduler, policy: StepPolicy, dataset, colla
         elif evaluate_loss is not None and settings.eval_every and step % settings.eval_every == 0:
             val = evaluate_loss()
             model.train()
+            stop = watch(val)
+            if stop:
+                records.append({"step": step, "val_loss": val, "early_stop": True})
             if is_main:
-                metrics.write({"step": step, "val_loss": val})
+                metrics.write({"step": step, "val_loss": val, **({"early_stop": True} if stop else {})})
         if checkpoints is not None and settings.save_every and step % settings.save_every == 0 and not last:
             if is_main:
                 checkpoints.save(step, model_for_saving(model), optimizer, scheduler, policy.scaler, policy.device)
