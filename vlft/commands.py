@@ -135,6 +135,10 @@ def demo_data(out, n_train, n_val, seed):
 def vlft_register_commands(cli):
     from .doctor import doctor
     from .parity import parity, parity_worker
+    from .export import export
+    from .predict import eval_command, predict
+    from .report import report
 
-    for command in (run, plugins, methods, demo_data, doctor, parity, parity_worker):
+    for command in (run, plugins, methods, demo_data, doctor, parity, parity_worker, predict, eval_command, export,
+                    report):
         cli.add_command(command)
