@@ -255,6 +255,12 @@ def test_bad_inputs_give_one_clear_error_each(lora_run, tiny_data, tmp_path):
 
 # -- live logging and the progress bar ------------------------------------------------------------
 
+def test_an_unknown_metric_sink_stops_the_run_before_anything_is_written(tmp_path):
+    code, output = vlft("run", "--backend", "cpu", "--report-to", "tensorboard,nosuchsink", "--output", tmp_path / "r")
+    assert code == 1 and "--report-to nosuchsink: no plugin offers this metric sink" in output
+    assert not (tmp_path / "r").exists()
+
+
 def test_tensorboard_gets_the_scalars_of_metrics_jsonl(lora_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

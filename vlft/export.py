@@ -5,6 +5,10 @@ precision would round the update into the base weights twice); the result is the
 and written with ``save_pretrained`` beside the processor (tokenizer, image processor, chat template),
 so ``AutoModelForImageTextToText.from_pretrained`` and ``AutoProcessor.from_pretrained`` need no vlft.
 The folder appears only when complete (written under a temporary name, then renamed).
+
+Tolerance against the adapter model's logits (fp32, embedded model): fp32 export under 1e-4 max abs
+(summation order only; tested); bf16 export 0.13 max abs, 0.015 mean, on logits up to 3.8 (rounding
+of the weights; measured, 97% of arg-max tokens agree).
 """
 
 from __future__ import annotations
