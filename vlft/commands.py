@@ -133,10 +133,13 @@ def demo_data(out, n_train, n_val, seed):
 
 @hookimpl
 def vlft_register_commands(cli):
-    from .doctor import doctor
-    from .parity import parity, parity_worker
-
     from .data_check import data
+    from .doctor import doctor
+    from .export import export
+    from .parity import parity, parity_worker
+    from .predict import eval_command, predict
+    from .report import report
 
-    for command in (run, plugins, methods, demo_data, doctor, parity, parity_worker, data):
+    for command in (run, plugins, methods, demo_data, data, doctor, parity, parity_worker, predict, eval_command,
+                    export, report):
         cli.add_command(command)

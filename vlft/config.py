@@ -80,6 +80,8 @@ class RunConfig:
     attn: str | None = opt(None, "Attention: one implementation, or per tower as 'vision=eager,text=sdpa'.")
     num_workers: int | None = opt(None, "DataLoader workers; default: the backend's.")
     log_every: int = opt(10, "Write metrics.jsonl every N steps.")
+    report_to: str | None = opt(None, "Also send the logged metrics to these sinks, comma-separated: tensorboard "
+                                      "(pip install 'vlft[tensorboard]'), or one a plugin adds.")
     adapter: dict = opt({}, "Method hyper-parameters, as KEY=VALUE (repeatable) or a mapping in the config file.",
                         cli="--adapter-opt")
     dry_run: bool = opt(False, "Resolve and print every policy, then stop without training.", flag=True)

@@ -70,7 +70,10 @@ def score(predictions: list[str], references: list[str]) -> dict:
 
 @torch.no_grad()
 def generate_answers(model, encoder: SampleEncoder, records: list[Record], device, batch_size: int = 16,
-                     max_new_tokens: int = 32, autocast_dtype=None) -> list[str]:
+                     max_new_tokens: int = 32, autocast_dtype=None, sampling: dict | None = None,
+                     on_batch=None) -> list[str]:
+    """Answers to ``records`` (greedy unless ``sampling`` holds ``generate`` options such as
+    ``temperature``/``top_p``); ``on_batch(n)`` is told after each batch of ``n``."""
     tokenizer = encoder.tokenizer
     collate = Collator(tokenizer.pad_token_id, encoder.processor.image_token_id, padding_side="left",
                        video_token_id=getattr(encoder.processor, "video_token_id", None))
@@ -81,9 +84,11 @@ def generate_answers(model, encoder: SampleEncoder, records: list[Record], devic
         chunk = records[i:i + batch_size]
         batch = to_device(collate([encoder.encode_prompt(r) for r in chunk]), device)
         with autocast_context(device, autocast_dtype):
-            out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id)
+            out = model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                 **(dict(do_sample=True, **sampling) if sampling else dict(do_sample=False)))
         answers += tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+        if on_batch is not None:
+            on_batch(len(chunk))
     model.train(was_training)
     return [a.strip() for a in answers]
 

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Callable
 import pluggy
 
 if TYPE_CHECKING:  # annotations only: importing this module loads neither torch nor click
+    from pathlib import Path
+
     import click
     import torch
     import transformers
@@ -25,7 +27,7 @@ if TYPE_CHECKING:  # annotations only: importing this module loads neither torch
     from .config import RunConfig
     from .policies import (
         AdapterDefaults, AttentionPolicy, BackendInfo, DataLoaderOptions, DeviceCapacity, DeviceSetup,
-        DistributedOptions, DoctorCheck, MemoryStats, MethodInfo, PrecisionPolicy, ProbeResult,
+        DistributedOptions, DoctorCheck, MemoryStats, MethodInfo, MetricSink, PrecisionPolicy, ProbeResult,
     )
 
 hookspec = pluggy.HookspecMarker("vlft")
@@ -178,6 +180,20 @@ def vlft_load_adapter(method: str, model: torch.nn.Module, path: str,
 @hookspec(firstresult=True)
 def vlft_merge_adapter(method: str, model: torch.nn.Module) -> torch.nn.Module | None:
     """Fold the adapter into the base weights; return the plain merged model. First answer wins."""
+
+
+# -- logging -------------------------------------------------------------------
+
+@hookspec(firstresult=True)
+def vlft_metric_sink(name: str, config: RunConfig) -> Callable[[Path], MetricSink] | None:
+    """For ``--report-to name``: return a factory that opens a ``MetricSink`` given the run folder.
+
+    Answered by the plugin that offers the sink ``name`` (the built-in ``vlft.sinks`` answers
+    ``tensorboard``); None for other names. Called once per name before any weight is loaded, so a
+    missing package is reported at once: raise ``ConfigError`` saying what to install. The factory is
+    called once, on rank 0, when the run folder exists; the training loop then calls only the sink's
+    ``write(record)`` (the same dicts as ``metrics.jsonl``) and, at the end, ``close()``. First answer wins.
+    """
 
 
 # -- command line ---------------------------------------------------------------

@@ -74,6 +74,7 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
     choice = choose_backend(registry, config.backend)
     require_available(choice)
     output = run_folder(config, choice)
+    sink_factories = metric_sinks(registry, config)
     s = prepare(registry, config, resume_from=newest_checkpoint(output / "checkpoints") if config.resume else None,
                 choice=choice)
     if s.distributed:  # every process writes under rank 0's folder (a default name carries a time stamp)
@@ -104,7 +105,8 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
         return validation_loss(model, val_batches, device, s.autocast_dtype)
 
     store = CheckpointStore(output / "checkpoints", config.keep_checkpoints, s.save_adapter)
-    metrics = MetricsLog(output / "metrics.jsonl" if rank == 0 else None)
+    metrics = MetricsLog(output / "metrics.jsonl" if rank == 0 else None,
+                         [open_sink(output) for open_sink in sink_factories] if rank == 0 else None)
     start_step = s.start_step
     before = None
     if s.checkpoint is not None:
@@ -141,6 +143,7 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
                            start_step=start_step, progress=progress,
                            on_best=save_best if config.early_stopping_patience else None)
     train_time = time.perf_counter() - t0
+    metrics.close()
 
     log("evaluating the adapted model ...", rank)
     after = generation_eval(model)
@@ -166,6 +169,7 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
         (output / "summary.json").write_text(json.dumps(summary, indent=2))
         print(format_table(before, after))
         print(f"adapter saved to {adapter_dir} ({total_steps - start_step} steps in {train_time:.0f} s)")
+        print(f"compare it with other runs: vlft report {output} [OTHER_RUN ...] --output {output}-report")
     if s.distributed:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
@@ -178,6 +182,16 @@ def _save_adapter_atomically(session, model, target: Path) -> None:
     session.save_adapter(model, tmp)
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
+
+def metric_sinks(registry: Registry, config: RunConfig) -> list:
+    """``--report-to``: one sink factory per name, asked once at set-up (``vlft_metric_sink``)."""
+    factories = []
+    for name in [n.strip() for n in (config.report_to or "").split(",") if n.strip()]:
+        factory = registry.pm.hook.vlft_metric_sink(name=name, config=config)
+        if factory is None:
+            raise ConfigError(f"--report-to {name}: no plugin offers this metric sink (built in: tensorboard)")
+        factories.append(factory)
+    return factories
 
 
 def _write_eval(output: Path, before: dict | None, after: dict | None) -> None:

@@ -158,8 +158,9 @@ class LoopSettings:
 class MetricsLog:
     """``metrics.jsonl``: one JSON object per logged step (rank 0 writes)."""
 
-    def __init__(self, path: Path | None):
+    def __init__(self, path: Path | None, sinks: list | None = None):
         self.path = path
+        self.sinks = sinks or []  # policies.MetricSink objects, opened at set-up (--report-to)
 
     def truncate_after(self, step: int) -> None:
         """Drop lines past ``step``: a resumed run rewrites them."""
@@ -174,6 +175,12 @@ class MetricsLog:
             return
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+        for sink in self.sinks:
+            sink.write(record)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
 
 
 def run_training(model, optimizer, scheduler, policy: StepPolicy, dataset, collate, settings: LoopSettings,
@@ -257,7 +264,8 @@ def run_training(model, optimizer, scheduler, policy: StepPolicy, dataset, colla
             records.append(record)
             if is_main:
                 metrics.write(record)
-                bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
+                # refresh=False: the bar draws at its own interval (one line per 15 s in a log file), not per log
+                bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", refresh=False)
             window_loss = torch.zeros((), device=policy.device)
             window_tokens, window_samples, window_steps = 0.0, 0, 0
             window_start = time.perf_counter()

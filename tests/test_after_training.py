@@ -1,0 +1,282 @@
+"""After training: `vlft predict`, `vlft eval`, `vlft export`, `vlft report`, `--report-to`, the progress bar.
+
+One short LoRA run and one short OFT run are made per test session and shared by every test here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from vlft.cli import cli
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    from vlft.demo_data import write_demo_dataset
+
+    ds = write_demo_dataset(tmp_path_factory.mktemp("after") / "demo", n_train=16, n_val=4, seed=5)
+    return ds.train, ds.val
+
+
+def _short_run(tmp_path_factory, tiny_data, method, **over):
+    from vlft.config import build_config
+    from vlft.plugins import load_registry
+    from vlft.run import execute
+
+    train, val = tiny_data
+    out = tmp_path_factory.mktemp(method) / "run"
+    # lr 3e-3: three steps move the adapter far enough that its logits differ clearly from the base's
+    values = dict(backend="cpu", method=method, data=str(train), val_data=str(val), output=str(out), steps=3,
+                  batch_size=2, log_every=1, eval_every=0, eval_samples=1, max_new_tokens=4, save_every=0,
+                  seed=1, lr=3e-3)
+    values.update(over)
+    err, stdout = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(stdout):
+        execute(load_registry(), build_config({}, values), progress=True)
+    return out, err.getvalue(), stdout.getvalue()
+
+
+@pytest.fixture(scope="session")
+def lora_run(tmp_path_factory, tiny_data):
+    """(run folder, its stderr, its stdout): validation loss and TensorBoard on, so every plot has data."""
+    return _short_run(tmp_path_factory, tiny_data, "lora", eval_every=2, eval_batches=1, report_to="tensorboard")
+
+
+@pytest.fixture(scope="session")
+def oft_run(tmp_path_factory, tiny_data):
+    # text towers only: OFT's per-step orthogonalisation on the vision blocks would triple the run's time
+    return _short_run(tmp_path_factory, tiny_data, "oft", targets="text", steps=2)[0]
+
+
+def vlft(*args) -> tuple[int, str]:
+    result = CliRunner().invoke(cli, [str(a) for a in args])
+    if result.exception and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.output
+
+
+# -- predict ---------------------------------------------------------------------------------------
+
+def test_predict_writes_one_line_per_record_with_its_position_and_reference(lora_run, tiny_data, tmp_path):
+    from vlft.data import read_records
+
+    run, _, _ = lora_run
+    _, val = tiny_data
+    out = tmp_path / "pred.jsonl"
+    code, output = vlft("predict", "--adapter", run, "--data", val, "--output", out, "--max-new-tokens", 4,
+                        "--batch-size", 3, "--quiet")
+    assert code == 0, output
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    records = read_records(val)
+    assert len(lines) == len(records) == 4
+    assert [p["where"] for p in lines] == [r.where for r in records] == [f"val.jsonl:{i}" for i in range(1, 5)]
+    assert [p["reference"] for p in lines] == [r.reference for r in records]
+    assert all(isinstance(p["prediction"], str) and "<image>" in p["prompt"] for p in lines)
+
+
+def test_predict_reads_the_other_layout_and_answers_a_single_prompt(lora_run, tiny_data, tmp_path):
+    run, _, _ = lora_run
+    _, val = tiny_data
+    # the same records as a JSON array in the messages layout (the demo file is JSONL, conversations layout)
+    rows = [json.loads(line) for line in val.read_text().splitlines()]
+    converted = [{"messages": [{"role": {"human": "user", "gpt": "assistant"}.get(t["from"], t["from"]),
+                                "content": t["value"]} for t in r["conversations"]],
+                  "images": [str((val.parent / r["image"]).resolve())]} for r in rows]
+    data = tmp_path / "val.json"
+    data.write_text(json.dumps(converted))
+    out = tmp_path / "pred.jsonl"
+    code, output = vlft("predict", "--adapter", run / "adapter", "--data", data, "--output", out,
+                        "--max-new-tokens", 4, "--quiet")
+    assert code == 0, output
+    jsonl = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [p["where"] for p in jsonl] == [f"val.json[{i}]" for i in range(4)]
+    code, output = vlft("predict", "--adapter", run, "--image", converted[0]["images"][0], "--prompt",
+                        "What colour is this item?", "--max-new-tokens", 4)
+    assert code == 0 and output.strip(), output
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# -- eval ------------------------------------------------------------------------------------------
+
+def test_eval_gives_the_numbers_run_wrote_for_the_same_records(lora_run, tiny_data, tmp_path):
+    run, _, _ = lora_run
+    _, val = tiny_data
+    out = tmp_path / "scores.json"
+    code, output = vlft("eval", "--adapter", run, "--data", val, "--samples", 1, "--max-new-tokens", 4,
+                        "--compare-base", "--output", out)
+    assert code == 0, output
+    written = json.loads((run / "eval.json").read_text())
+    got = json.loads(out.read_text())
+    assert got["scores"] == written["after"]  # exact match, fields and the predictions themselves
+    assert got["base"] == written["before"]
+    assert "exact match" in output and got["samples"] == 1
+
+
+# -- export ----------------------------------------------------------------------------------------
+
+# Run in a fresh interpreter: plain transformers loads the exported folder, vlft is never imported.
+PLAIN_LOAD = r"""
+import sys, torch
+from transformers import AutoModelForImageTextToText, AutoProcessor
+folder, inputs_path, out_path = sys.argv[1:4]
+model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+processor = AutoProcessor.from_pretrained(folder)
+inputs = torch.load(inputs_path)
+with torch.no_grad():
+    logits = model(**inputs).logits
+text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}],
+                                     tokenize=False, add_generation_prompt=True)
+assert not any(name == "vlft" or name.startswith("vlft.") for name in sys.modules), "vlft was imported"
+torch.save({"logits": logits, "template": text}, out_path)
+"""
+
+
+def test_export_loads_with_plain_transformers_and_gives_the_adapter_logits(lora_run, tiny_data, tmp_path):
+    import torch
+
+    from vlft.data import read_records
+    from vlft.encoding import Collator
+    from vlft.infer import load_for_inference
+    from vlft.plugins import load_registry
+
+    run, _, _ = lora_run
+    _, val = tiny_data
+    out = tmp_path / "merged"
+    code, output = vlft("export", "--adapter", run, "--output", out, "--dtype", "fp32")
+    assert code == 0, output
+    assert (out / "model.safetensors").is_file() and (out / "chat_template.jinja").is_file()
+
+    loaded = load_for_inference(load_registry(), str(run), None, backend="cpu", precision="fp32", param_dtype="fp32")
+    records = read_records(val)[:2]
+    collate = Collator(loaded.processor.tokenizer.pad_token_id, loaded.processor.image_token_id)
+    batch = collate([loaded.encoder.encode(r) for r in records])
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    torch.save(inputs, tmp_path / "inputs.pt")
+    with torch.no_grad():
+        adapter_logits = loaded.model(**inputs).logits
+        with loaded.model.disable_adapter():
+            base_logits = loaded.model(**inputs).logits
+    script = tmp_path / "plain_load.py"
+    script.write_text(PLAIN_LOAD)
+    subprocess.run([sys.executable, str(script), str(out), str(tmp_path / "inputs.pt"), str(tmp_path / "o.pt")],
+                   check=True, cwd=tmp_path, timeout=120)
+    plain = torch.load(tmp_path / "o.pt")
+    # fp32 merge and fp32 weights: only summation order differs (W x + B A x vs (W + B A) x)
+    tolerance = 1e-4
+    assert (plain["logits"] - adapter_logits).abs().max() < tolerance
+    assert (adapter_logits - base_logits).abs().max() > 100 * tolerance  # the adapter changes the logits
+    own = loaded.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}], tokenize=False,
+        add_generation_prompt=True)
+    assert plain["template"] == own
+
+
+def test_export_adapter_only_copies_peft_folder_with_a_model_card(oft_run, tmp_path):
+    out = tmp_path / "adapter"
+    code, output = vlft("export", "--adapter", oft_run, "--output", out, "--adapter-only")
+    assert code == 0, output
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    card = (out / "README.md").read_text()
+    assert "method: oft" in card and "after training: exact match" in card
+
+
+# -- report ----------------------------------------------------------------------------------------
+
+def test_report_from_a_lora_and_an_oft_run(lora_run, oft_run, tmp_path):
+    run, _, run_stdout = lora_run
+    assert f"vlft report {run}" in run_stdout  # run says how to report on itself
+    out = tmp_path / "report"
+    code, output = vlft("report", run, oft_run, "--output", out)
+    assert code == 0, output
+    md = (out / "report.md").read_text()
+    table = [line for line in md.splitlines() if line.startswith("| ") and "| cpu |" in line]
+    assert len(table) == 2 and "| lora |" in table[0] and "| oft |" in table[1]
+    assert "| method | \"lora\" | \"oft\" |" in md  # the settings that differ
+    for name in ("loss", "val_loss", "lr", "step_time", "peak_memory"):
+        png = (out / f"{name}.png").read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000, name
+        from PIL import Image
+
+        with Image.open(out / f"{name}.png") as img:
+            img.verify()
+    page = (out / "report.html").read_text()
+    assert page.count('src="data:image/png;base64,') == 5
+    assert not re.search(r"(?:src|href)=\"(?!data:)", page) and "http" not in page
+    assert "lora" in page and "oft" in page
+
+
+def test_report_degrades_with_a_note_when_files_are_missing(lora_run, tmp_path):
+    import shutil
+
+    run, _, _ = lora_run
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    shutil.copy(run / "plan.json", partial / "plan.json")  # a run that stopped early: no metrics, eval, summary
+    code, output = vlft("report", partial, run, "--output", tmp_path / "rep")
+    assert code == 0, output
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "metrics.jsonl is missing" in md and "summary.json is missing" in md
+    assert (tmp_path / "rep" / "loss.png").is_file()
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+def test_bad_inputs_give_one_clear_error_each(lora_run, tiny_data, tmp_path):
+
+    from vlft.embedded import RECIPE, build_embedded_model
+
+    run, _, _ = lora_run
+    _, val = tiny_data
+    code, output = vlft("report", tiny_data[0].parent, "--output", tmp_path / "r")
+    assert code == 1 and "not a run folder" in output and not (tmp_path / "r").exists()
+    code, output = vlft("predict", "--adapter", tiny_data[0].parent, "--data", val, "--output", tmp_path / "p")
+    assert code == 1 and "not a run folder or an adapter folder" in output and not (tmp_path / "p").exists()
+    code, output = vlft("predict", "--adapter", run, "--image", tmp_path / "missing.png", "--prompt", "hi")
+    assert code == 1 and "missing.png: file not found" in output
+    # a base of another shape (more key/value heads): the adapter's k_proj update does not fit it
+    other = tmp_path / "other-base"
+    build_embedded_model(other, dict(RECIPE, text=dict(RECIPE["text"], num_key_value_heads=4)))
+    code, output = vlft("export", "--adapter", run, "--model", other, "--output", tmp_path / "m")
+    assert code == 1 and "does not fit the model" in output and not (tmp_path / "m").exists()
+    assert [line for line in output.splitlines() if line.startswith("Error")] == [output[output.index("Error"):].strip()]
+
+
+# -- live logging and the progress bar ------------------------------------------------------------
+
+def test_an_unknown_metric_sink_stops_the_run_before_anything_is_written(tmp_path):
+    code, output = vlft("run", "--backend", "cpu", "--report-to", "tensorboard,nosuchsink", "--output", tmp_path / "r")
+    assert code == 1 and "--report-to nosuchsink: no plugin offers this metric sink" in output
+    assert not (tmp_path / "r").exists()
+
+
+def test_tensorboard_gets_the_scalars_of_metrics_jsonl(lora_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run, _, _ = lora_run
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    metrics = _rows(run / "metrics.jsonl")
+    for key in ("loss", "lr", "val_loss", "step_time_s"):
+        logged = [(m["step"], m[key]) for m in metrics if m.get(key) is not None]
+        got = [(e.step, e.value) for e in events.Scalars(key)]
+        assert [s for s, _ in got] == [s for s, _ in logged] and logged, key
+        assert [v for _, v in got] == pytest.approx([v for _, v in logged], rel=1e-6), key
+
+
+def test_progress_bar_writes_no_line_per_logged_step_when_stderr_is_not_a_terminal(lora_run):
+    _, stderr, _ = lora_run
+    draws = [d for d in re.split(r"[\r\n]", stderr) if d.startswith("train:")]
+    # three logged steps; a bar that redraws on each draws five times (start, 3 logs, close)
+    assert 1 <= len(draws) <= 3, draws
