@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 from PIL import Image, UnidentifiedImageError
 
 from .errors import DataError
+from .safety import image_file_problem, open_image, read_text_file
 
 IMAGE_PLACEHOLDER = "<image>"
 IGNORE_INDEX = -100
@@ -85,7 +85,7 @@ class _Problems:
 
 def _iter_raw(path: Path, problems: _Problems):
     """Yield (where, object) for each record of a JSON array or JSONL file."""
-    text = path.read_text(encoding="utf-8")
+    text = read_text_file(path)
     stripped = text.lstrip()
     if stripped.startswith("["):
         try:
@@ -130,14 +130,15 @@ def _resolve_image(value: Any, base_dir: Path) -> tuple[str | bytes | None, str 
         if value.startswith("data:"):
             return None, "image data URI is not valid base64 (expected data:image/...;base64,...)"
         return None, f"image '{value}' not found (looked for {base_dir / value}); paths are relative to the data file"
+    problem = image_file_problem(base_dir / value)
+    if problem:
+        return None, f"image '{value}' {problem}"
     return str((base_dir / value).resolve()), None
 
 
 def load_image(source: str | bytes) -> Image.Image:
     """Open an image from a path or bytes, fully decoded and in RGB."""
-    img = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
-    img.load()
-    return img.convert("RGB")
+    return open_image(source)
 
 
 def _parse_turns(obj: dict) -> tuple[list[tuple[Any, Any]], list | None, str | None]:
