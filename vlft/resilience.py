@@ -150,11 +150,15 @@ def check_same_run(saved: dict | None, current: dict, checkpoint: Path, force: b
                     f"to continue anyway. Logging, evaluation and output settings may change freely.")
 
 
-def resume_command(argv: list[str], output: Path) -> str:
-    """The command that continues this run: the same arguments, ``--output`` made explicit, plus ``--resume``."""
+def resume_command(argv: list[str], output: Path, world_size: int = 1) -> str:
+    """The command that continues this run: the same arguments, ``--output`` made explicit, plus ``--resume``
+    (a torchrun worker's arguments lack ``--nproc-per-node``: it is put back)."""
     args = list(argv)
     if args and Path(args[0]).name in ("vlft", "__main__.py"):
         args = ["vlft"] + args[1:]
+    if world_size > 1 and "run" in args and not any(a.startswith("--nproc-per-node") for a in args):
+        at = args.index("run") + 1
+        args[at:at] = ["--nproc-per-node", str(world_size)]
     if "--output" not in args and not any(a.startswith("--output=") for a in args):
         args += ["--output", str(output)]
     if "--resume" not in args:

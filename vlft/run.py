@@ -150,7 +150,7 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
                                store, metrics, s.memory_reader, evaluate_loss=val_loss if config.eval_every else None,
                                start_step=start_step, progress=progress, skips=skips)
     except Interrupted as e:
-        command = resume_command(sys.argv, output)
+        command = resume_command(sys.argv, output, config.world_size)
         stopped_summary("interrupted", e.step, signal=e.signum,
                         checkpoint=str(e.checkpoint) if e.checkpoint else None, resume_command=command)
         log(f"interrupted after step {e.step}; checkpoint {e.checkpoint}. Continue with:\n  {command}", rank)
