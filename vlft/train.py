@@ -275,7 +275,8 @@ def _read_skips(pending: list, skips: SkipLog, dataset, settings: LoopSettings, 
                 f"{', '.join(sorted({w for e in last for w in e['records']}))}); the run stops. No skipped step "
                 f"was applied, so the newest checkpoint holds the last good weights. Lower --lr, use "
                 f"--precision fp32 or bf16, check these records, or raise --max-skipped-steps.")
-    settle_step_counters(optimizer, n_skipped, policy.device)
+    if policy.scaler is None:  # the scaler's skipped steps never reached the optimizer
+        settle_step_counters(optimizer, n_skipped, policy.device)
     pending.clear()
 
 
