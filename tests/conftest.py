@@ -84,3 +84,15 @@ def registry():
     from vlft.plugins import load_registry
 
     return load_registry()
+
+
+@pytest.fixture(scope="session")
+def straight_run(small_data, tmp_path_factory) -> Path:
+    """An uninterrupted 8-step run that resumed runs are compared with (``test_run.short_config`` values)."""
+    from test_run import short_config
+    from vlft.plugins import load_registry
+    from vlft.run import execute
+
+    out = tmp_path_factory.mktemp("straight") / "run"
+    execute(load_registry(), short_config(small_data, out, steps=8, save_every=4, eval_every=0), progress=False)
+    return out

@@ -54,12 +54,11 @@ def test_short_run_writes_adapter_metrics_and_eval(registry, small_data, tmp_pat
     assert result.after is not None and json.loads((out / "summary.json").read_text())["method"] == method
 
 
-def test_resume_continues_with_the_same_losses(registry, small_data, tmp_path, monkeypatch):
+def test_resume_continues_with_the_same_losses(registry, small_data, tmp_path, monkeypatch, straight_run):
     import vlft.train
     from vlft.run import execute
 
-    straight = tmp_path / "straight"
-    execute(registry, short_config(small_data, straight, steps=8, save_every=4, eval_every=0), progress=False)
+    straight = straight_run
 
     # the same run, interrupted during step 6 (after the step-4 checkpoint), then resumed
     interrupted = tmp_path / "interrupted"

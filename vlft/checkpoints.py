@@ -1,17 +1,25 @@
 """Checkpoints: ``checkpoints/step-NNNNNN/`` holding the adapter (saved by its method), the optimizer,
 scheduler, loss-scaler and RNG state; the last K are kept, and ``--resume`` continues from the newest.
 
-A checkpoint is written into a temporary folder and renamed into place, so a
-folder named ``step-*`` with a ``state.pt`` is complete. Resuming loads the
-adapter through the method's own ``vlft_load_adapter``, so any method that can
-save can also resume.
+A checkpoint is written into a temporary folder, its files fsynced, a
+``manifest.json`` (every file's size and sha256) written last, and only then
+renamed into place, so a ``step-*`` folder is either whole or detectably
+damaged: ``--resume`` takes the newest one whose manifest verifies, says which
+it skipped and why, and removes half-written temporary folders. A write that
+fails (a full disk) stops the run and leaves the previous checkpoint intact.
+Resuming loads the adapter through the method's own ``vlft_load_adapter``, so
+any method that can save can also resume.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
 import os
 import random
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,17 +37,39 @@ class CheckpointStore:
         self.keep = keep
         self.save_adapter = save_adapter
 
+    run_identity: dict | None = None  # what defines the training (vlft.resilience.run_identity), saved beside
+
     def newest(self) -> Path | None:
-        done = sorted(p for p in self.root.glob("step-*") if (p / "state.pt").exists())
+        done = sorted(p for p in self.root.glob("step-*") if (p / MANIFEST).exists())
         return done[-1] if done else None
 
     def save(self, step: int, model, optimizer, scheduler, scaler, device: torch.device) -> Path:
-        self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"step-{step:06d}"
         tmp = self.root / f".tmp-step-{step:06d}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        self.save_adapter(model, tmp / "adapter")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            remove_partial(self.root)
+            tmp.mkdir()
+            self._write(tmp, step, model, optimizer, scheduler, scaler, device)
+            write_manifest(tmp)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            fsync_dir(self.root)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            previous = self.newest()
+            why = "the disk is full" if e.errno == errno.ENOSPC else f"{e.__class__.__name__}: {e}"
+            raise CheckpointWriteError(
+                f"writing the checkpoint of step {step} in {self.root} failed ({why}); the run stops here. "
+                + (f"The previous checkpoint {previous.name} is intact: free space (or fix the cause) and run again "
+                   f"with --resume." if previous else "There is no earlier checkpoint.")
+            ) from e
+        for old in sorted(p for p in self.root.glob("step-*"))[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def _write(self, folder: Path, step: int, model, optimizer, scheduler, scaler, device) -> None:
+        self.save_adapter(model, folder / "adapter")
         state = {
             "step": step,
             "optimizer": optimizer.state_dict(),
@@ -47,12 +77,84 @@ class CheckpointStore:
             "scaler": scaler.state_dict() if scaler is not None else None,
             "rng": rng_state(device),
         }
-        torch.save(state, tmp / "state.pt")
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        for old in sorted(p for p in self.root.glob("step-*"))[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
-        return final
+        torch.save(state, folder / "state.pt")
+        if self.run_identity is not None:
+            (folder / RUN_IDENTITY).write_text(json.dumps(self.run_identity, indent=2, sort_keys=True))
+
+
+MANIFEST = "manifest.json"
+RUN_IDENTITY = "run.json"
+
+
+class CheckpointWriteError(VlftError):
+    """A checkpoint could not be written; the previous one is untouched."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some platforms cannot open a folder; the rename is still atomic there
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_manifest(folder: Path) -> None:
+    """Fsync every file of ``folder``, then write the manifest (sizes, sha256) last and fsync it and the folders."""
+    files = {}
+    for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+        with open(f, "rb+") as fh:
+            os.fsync(fh.fileno())
+        files[f.relative_to(folder).as_posix()] = {"size": f.stat().st_size, "sha256": _sha256(f)}
+    with open(folder / MANIFEST, "w", encoding="utf-8") as fh:
+        json.dump({"files": files}, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    for d in sorted({p for p in folder.rglob("*") if p.is_dir()} | {folder}):
+        fsync_dir(d)
+
+
+def verify(folder: Path) -> str | None:
+    """Why ``folder`` is not a whole checkpoint, or None when its manifest verifies."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+        files = manifest["files"]
+    except FileNotFoundError:
+        return "no manifest (the write did not finish, or an older vlft wrote it)"
+    except (ValueError, KeyError, TypeError) as e:
+        return f"unreadable manifest ({e})"
+    if "state.pt" not in files:
+        return "the manifest lists no state.pt"
+    for name, entry in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != entry["size"]:
+            return f"{name} has {size} bytes, the manifest says {entry['size']}"
+        if _sha256(path) != entry["sha256"]:
+            return f"{name} does not match its sha256"
+    return None
+
+
+def remove_partial(root: Path) -> list[Path]:
+    """Remove temporary folders a killed write left behind."""
+    partial = [p for p in root.glob(".tmp-step-*") if p.is_dir()]
+    for p in partial:
+        shutil.rmtree(p, ignore_errors=True)
+    return partial
 
 
 def rng_state(device: torch.device) -> dict:
@@ -72,12 +174,22 @@ def set_rng_state(state: dict, device: torch.device) -> None:
 
 
 
-def newest_checkpoint(root: Path) -> Path:
-    """The newest complete checkpoint under ``root``, or a clear error."""
-    done = sorted(p for p in root.glob("step-*") if (p / "state.pt").exists())
-    if not done:
-        raise VlftError(f"--resume: no complete checkpoint in {root}")
-    return done[-1]
+def newest_checkpoint(root: Path, report=None) -> Path:
+    """The newest checkpoint under ``root`` whose manifest verifies; the skipped ones are reported with the
+    reason, half-written temporary folders removed. None left: a clear error."""
+    report = report or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    for p in remove_partial(root):
+        report(f"resume: removed the half-written checkpoint folder {p.name}")
+    skipped = []
+    for candidate in sorted((p for p in root.glob("step-*") if p.is_dir()), reverse=True):
+        problem = verify(candidate)
+        if problem is None:
+            return candidate
+        skipped.append(f"{candidate.name}: {problem}")
+        report(f"resume: skipping {candidate.name}: {problem}")
+    detail = ("; skipped " + "; ".join(skipped)) if skipped else ""
+    raise VlftError(f"--resume: no complete checkpoint in {root}{detail}. Start the run again without --resume "
+                    f"(in a new --output).")
 
 
 def restore_training_state(checkpoint: Path, optimizer, scheduler, scaler, device: torch.device) -> int:

@@ -57,6 +57,12 @@ class RunConfig:
     save_every: int = opt(200, "Checkpoint every N steps (0: only at the end).")
     keep_checkpoints: int = opt(2, "Checkpoints kept; older ones are deleted.")
     resume: bool = opt(False, "Continue from the newest checkpoint in --output.", flag=True)
+    force_resume: bool = opt(False, "With --resume: continue even when the training configuration differs from "
+                                    "the checkpoint's (a warning lists the differences).", flag=True)
+    max_skipped_steps: int = opt(5, "Stop after this many consecutive steps with a non-finite loss or gradient "
+                                    "norm (such steps are never applied; 0: never stop).")
+    trust_pickle: bool = opt(False, "Allow a model folder whose weights are pickled (.bin/.pt); unpickling can "
+                                    "run code, so only for files you trust. Safetensors need no flag.", flag=True)
     seed: int = opt(0, "Seed for Python, NumPy, torch, the device and the data order.")
     deterministic: bool = opt(False, "Ask for deterministic kernels (slower on some devices).", flag=True)
     targets: str = opt("both", "Where to adapt: vision, text or both.", choices=("vision", "text", "both"))
@@ -127,10 +133,22 @@ def _coerce(f: dataclasses.Field, value: Any, source: str) -> Any:
                 raise ValueError
             return dict(value)
         if kind.startswith("str"):
+            if isinstance(value, (list, dict, bool)):  # str() would hide a YAML list or mapping
+                raise ValueError
             return str(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{source}: '{f.name.replace('_', '-')}' expects {kind}, got {value!r}") from None
     return value
+
+
+def _key_lines(text: str) -> dict[str, int]:
+    """Top-level key -> its line in the YAML text, for messages that point at the line."""
+    import yaml
+
+    node = yaml.compose(text)
+    if not isinstance(node, yaml.MappingNode):
+        return {}
+    return {str(k.value): k.start_mark.line + 1 for k, _ in node.value}
 
 
 def load_config_file(path: str | os.PathLike) -> dict:
@@ -139,9 +157,12 @@ def load_config_file(path: str | os.PathLike) -> dict:
 
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        text = path.read_text(encoding="utf-8")
+        raw = yaml.safe_load(text) or {}
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte offset {e.start}); save it as UTF-8") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML ({e})") from None
     if not isinstance(raw, dict):
@@ -153,7 +174,7 @@ def load_config_file(path: str | os.PathLike) -> dict:
         if name not in known:
             valid = ", ".join(sorted(n.replace("_", "-") for n in known))
             raise ConfigError(f"{path}: unknown key '{key}'. Valid keys: {valid}")
-        out[name] = _coerce(known[name], value, str(path))
+        out[name] = _coerce(known[name], value, f"{path}:{_key_lines(text).get(str(key), '?')}")
     # relative paths in a config file are relative to the file
     for name in ("model", "val_data", "output", "image_root"):
         if out.get(name) and not Path(out[name]).is_absolute() and (path.parent / out[name]).exists():
@@ -225,7 +246,7 @@ def validate(cfg: RunConfig) -> None:
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
     for name in ("eval_every", "save_every", "eval_samples", "eval_batches", "vision_last_n", "max_grad_norm",
-                 "weight_decay"):
+                 "weight_decay", "max_skipped_steps"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must not be negative, got {getattr(cfg, name)}")
     if cfg.steps is not None and cfg.steps < 1:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 from PIL import Image, UnidentifiedImageError
 
 from .errors import DataError
+from .safety import image_file_problem, open_image, read_text_file
 
 IMAGE_PLACEHOLDER = "<image>"
 IGNORE_INDEX = -100
@@ -88,7 +88,7 @@ class _Problems:
 
 def _iter_raw(path: Path, problems: _Problems):
     """Yield (where, object) for each record of a JSON array or JSONL file."""
-    text = path.read_text(encoding="utf-8")
+    text = read_text_file(path)
     stripped = text.lstrip()
     if stripped.startswith("["):
         try:
@@ -149,6 +149,9 @@ def _resolve_path(value: str, base_dir: Path, image_root: Path | None, what: str
                 "relative paths are relative to the data file's folder; pass --image-root DIR if they are "
                 "relative to a dataset root")
         return None, f"{what} '{value}' not found (looked for {candidate}); {rule}"
+    problem = image_file_problem(candidate)  # a folder, a device, a link to one: not a file to decode
+    if problem:
+        return None, f"{what} '{value}' {problem}"
     return str(candidate.resolve()), None
 
 
@@ -173,9 +176,7 @@ def _resolve_image(value: Any, base_dir: Path, image_root: Path | None = None) -
 
 def load_image(source: str | bytes) -> Image.Image:
     """Open an image from a path or bytes, fully decoded and in RGB."""
-    img = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
-    img.load()
-    return img.convert("RGB")
+    return open_image(source)
 
 
 def read_records(path: str | Path, check_images: bool = True, image_root: str | Path | None = None,

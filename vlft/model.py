@@ -98,14 +98,39 @@ def load_processor(path: str):
         raise ConfigError(f"cannot load the processor (tokenizer, image processor) from {path}: {e}") from None
 
 
-def load_model(path: str, attention, precision, device=None):
-    """The base model with the backend's attention per tower and parameter dtype, on ``device``."""
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def check_weight_format(path: str, trust_pickle: bool) -> None:
+    """Refuse a model folder whose only weights are pickled: unpickling a file can run code from it."""
+    folder = Path(path)
+    if trust_pickle or not folder.is_dir():
+        return
+    files = [f for f in folder.iterdir() if f.is_file()]
+    if any(f.suffix == ".safetensors" for f in files):
+        return
+    pickled = sorted(f.name for f in files if f.suffix in PICKLE_SUFFIXES)
+    if pickled:
+        raise ConfigError(
+            f"{path} holds pickled weights ({', '.join(pickled[:3])}{', ...' if len(pickled) > 3 else ''}) and no "
+            f".safetensors; loading a pickle can run code stored in it. Convert the weights to safetensors "
+            f"(model.save_pretrained(dir) in a trusted session), or pass --trust-pickle if you trust the file.")
+
+
+def load_model(path: str, attention, precision, device=None, trust_pickle: bool = False):
+    """The base model with the backend's attention per tower and parameter dtype, on ``device``.
+
+    Without ``trust_pickle`` only safetensors are read (transformers' ``use_safetensors=True``); with it,
+    transformers still unpickles with ``weights_only=True`` (its default), which allows tensors only.
+    """
     import torch
     from transformers import AutoModelForImageTextToText
 
+    check_weight_format(path, trust_pickle)
     model = AutoModelForImageTextToText.from_pretrained(
         path, dtype=getattr(torch, precision.param_dtype),
         attn_implementation=attention.as_attn_implementation(),
+        use_safetensors=None if trust_pickle else True,
     )
     if device is not None:
         model.to(device)

@@ -64,9 +64,10 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
     """Run the whole job; see the module docstring for the order of checks."""
     import torch
 
-    from .checkpoints import CheckpointStore, newest_checkpoint
+    from .checkpoints import RUN_IDENTITY, CheckpointStore, newest_checkpoint
     from .evaluate import evaluate_generation, format_table, validation_loss
-    from .train import MetricsLog, run_training
+    from .resilience import Interrupted, NonFiniteStop, check_same_run, resume_command, run_identity
+    from .train import MetricsLog, SkipLog, run_training
 
     if config.dry_run:
         plan = plan_run(registry, config).plan
@@ -75,8 +76,14 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
     require_available(choice)
     output = run_folder(config, choice)
     sink_factories = metric_sinks(registry, config)
-    s = prepare(registry, config, resume_from=newest_checkpoint(output / "checkpoints") if config.resume else None,
-                choice=choice)
+    identity = run_identity(config)
+    resume_from = None
+    if config.resume:
+        resume_from = newest_checkpoint(output / "checkpoints", report=lambda m: log(m, config.rank))
+        saved = resume_from / RUN_IDENTITY
+        check_same_run(json.loads(saved.read_text()) if saved.exists() else None, identity, resume_from,
+                       config.force_resume, lambda m: log(m, config.rank))
+    s = prepare(registry, config, resume_from=resume_from, choice=choice)
     if s.distributed:  # every process writes under rank 0's folder (a default name carries a time stamp)
         shared = [str(output)]
         torch.distributed.broadcast_object_list(shared, src=0)
@@ -105,6 +112,7 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
         return validation_loss(model, val_batches, device, s.autocast_dtype)
 
     store = CheckpointStore(output / "checkpoints", config.keep_checkpoints, s.save_adapter)
+    store.run_identity = identity
     metrics = MetricsLog(output / "metrics.jsonl" if rank == 0 else None,
                          [open_sink(output) for open_sink in sink_factories] if rank == 0 else None)
     start_step = s.start_step
@@ -138,10 +146,33 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
         best.update(step=step, val_loss=loss)
 
     t0 = time.perf_counter()
-    records = run_training(train_model, s.optimizer, s.scheduler, s.policy, s.dataset, s.collate, s.settings, store,
-                           metrics, s.memory_reader, evaluate_loss=val_loss if config.eval_every else None,
-                           start_step=start_step, progress=progress,
-                           on_best=save_best if config.early_stopping_patience else None)
+    skips = SkipLog()
+
+    def stopped_summary(status: str, step: int | None, **extra) -> None:
+        if rank == 0:
+            summary = {"status": status, "step": step, "steps": total_steps, "resumed_from": start_step,
+                       "train_time_s": time.perf_counter() - t0, "skipped_steps": skips.total,
+                       "skipped": skips.steps, **extra}
+            (output / "summary.json").write_text(json.dumps(summary, indent=2))
+
+    try:
+        records = run_training(train_model, s.optimizer, s.scheduler, s.policy, s.dataset, s.collate, s.settings,
+                               store, metrics, s.memory_reader, evaluate_loss=val_loss if config.eval_every else None,
+                               start_step=start_step, progress=progress, skips=skips,
+                               on_best=save_best if config.early_stopping_patience else None)
+    except Interrupted as e:
+        command = resume_command(sys.argv, output, config.world_size)
+        stopped_summary("interrupted", e.step, signal=e.signum,
+                        checkpoint=str(e.checkpoint) if e.checkpoint else None, resume_command=command)
+        log(f"interrupted after step {e.step}; checkpoint {e.checkpoint}. Continue with:\n  {command}", rank)
+        metrics.close()
+        if s.distributed:
+            torch.distributed.destroy_process_group()
+        raise SystemExit(e.exit_code) from None
+    except NonFiniteStop:
+        stopped_summary("stopped: non-finite steps", None, checkpoint=str(store.newest()) if store.newest() else None)
+        metrics.close()
+        raise
     train_time = time.perf_counter() - t0
     metrics.close()
 
@@ -161,6 +192,7 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
             "param_dtype": plan.precision.param_dtype, "checkpointing": plan.checkpointing,
             "memory_estimate_bytes": plan.memory.total_bytes() if plan.memory else None,
             "skipped_too_long": plan.lengths.get("skipped_samples", []),
+            "status": "completed", "skipped_steps": skips.total, "skipped": skips.steps,
         }
         if config.early_stopping_patience:
             summary["early_stopping"] = {"stopped_early": any(r.get("early_stop") for r in records),

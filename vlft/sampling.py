@@ -98,3 +98,13 @@ def total_steps_for(n_samples: int, steps: int | None, epochs: float | None, bat
         return steps
     per_epoch = steps_per_epoch(n_samples, batch_size, grad_accum, world_size)
     return max(1, math.ceil(per_epoch * (epochs if epochs is not None else DEFAULT_EPOCHS)))
+
+
+def step_indices(n_samples: int, settings: LoopSettings, step: int) -> list[int]:
+    """The dataset indices this process trained on in optimizer step ``step`` (1-based): the same order
+    ``batches`` draws, recomputed on the host so naming a batch needs nothing from the device."""
+    per_epoch = steps_per_epoch(n_samples, settings.batch_size, settings.grad_accum, settings.world_size)
+    epoch, step_in_epoch = divmod(step - 1, per_epoch)
+    span = settings.batch_size * settings.grad_accum
+    order = EpochSampler(n_samples, settings.seed, epoch, settings.rank, settings.world_size).indices()
+    return order[step_in_epoch * span:(step_in_epoch + 1) * span]

@@ -101,7 +101,7 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
     if config.world_size > 1:
         _init_distributed(plan, device)
     memory_reader = registry.first("vlft_memory_reader", backend=backend, device=device)
-    model = load_model(plan.model_path, plan.attention, plan.precision)
+    model = load_model(plan.model_path, plan.attention, plan.precision, trust_pickle=config.trust_pickle)
     plan.patches = [p for ps in registry.hook.vlft_patch_model(backend=backend, model=model, config=config,
                                                                    attention=plan.attention)
                     if ps for p in ps]
@@ -139,6 +139,7 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
         rank=config.rank, world_size=config.world_size, log_every=config.log_every, eval_every=config.eval_every,
         save_every=config.save_every, keep_checkpoints=config.keep_checkpoints,
         early_stopping_patience=config.early_stopping_patience, loader_kwargs=plan.dataloader.loader_kwargs(),
+        max_skipped_steps=config.max_skipped_steps,
     )
     collate = Collator(processor.tokenizer.pad_token_id, processor.image_token_id,
                        video_token_id=getattr(processor, "video_token_id", None))

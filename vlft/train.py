@@ -5,6 +5,11 @@ calls no plugin hooks. Loss is the sum of token losses over the whole
 optimizer step (all micro-batches, all processes) divided by that step's
 number of label tokens, so accumulation and data parallelism give exactly
 the loss and gradients of one big batch.
+
+A step whose loss or gradient norm is not finite is not applied, in every
+precision, without a host-device sync: the update is masked on the device
+(``guarded_step``), and the loop reads the skip flags when it reads the loss
+anyway (log steps, checkpoints), naming the skipped batches' records then.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import numpy as np
 import torch
 
 from .data import IGNORE_INDEX
-from .sampling import batches
+from .resilience import Interrupted, NonFiniteStop, StopRequest
+from .sampling import batches, step_indices
 
 if TYPE_CHECKING:
     from .checkpoints import CheckpointStore
@@ -114,15 +120,53 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], policy: S
         grad_norm = torch.nn.utils.clip_grad_norm_(params, policy.max_grad_norm)
     else:
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    if policy.scaler is not None:
+    grad_norm = grad_norm.detach()
+    # gradients are all-reduced, the loss is not: with several processes only the gradient decides, so
+    # every rank skips the same steps
+    finite = torch.isfinite(grad_norm)
+    if policy.world_size == 1:
+        finite = finite & torch.isfinite(total)
+    if policy.scaler is not None:  # the scaler skips a step with inf/NaN gradients itself (and backs off)
         policy.scaler.step(optimizer)
         policy.scaler.update()
     else:
-        optimizer.step()
+        guarded_step(optimizer, finite)
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss_sum": total, "grad_norm": grad_norm.detach(), "local_tokens": local_tokens,
-            "global_tokens": n_tokens}
+    return {"loss_sum": total, "grad_norm": grad_norm, "local_tokens": local_tokens,
+            "global_tokens": n_tokens, "skipped": ~finite}
+
+
+def guarded_step(optimizer, finite: torch.Tensor) -> None:
+    """``optimizer.step()``, undone on the device where ``finite`` is False: parameters and optimizer state
+    come back bit for bit, with no host sync. State a first step creates comes back as zeros (for AdamW,
+    the same as no state). Tensors that live elsewhere than the flag (AdamW's CPU step counters on an
+    accelerator) are settled at the next sync by ``settle_step_counters``."""
+    saved = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = optimizer.state.get(p, {})
+            saved.append((p, p.detach().clone(),
+                          {k: v.clone() for k, v in state.items() if torch.is_tensor(v) and v.device == p.device}))
+    optimizer.step()
+    with torch.no_grad():
+        for p, old_p, old_state in saved:
+            p.copy_(torch.where(finite, p, old_p))
+            for k, v in optimizer.state[p].items():
+                if torch.is_tensor(v) and v.device == finite.device:
+                    v.copy_(torch.where(finite, v, old_state[k] if k in old_state else torch.zeros_like(v)))
+
+
+def settle_step_counters(optimizer, skipped: int, device: torch.device) -> None:
+    """Take ``skipped`` steps back off step counters ``guarded_step`` could not mask on the device."""
+    if not skipped:
+        return
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if torch.is_tensor(step) and step.device != device:
+            step -= skipped
 
 
 def train_step_on(model, optimizer, scheduler, host_batches: list[dict], policy: StepPolicy,
@@ -151,16 +195,26 @@ class LoopSettings:
     eval_every: int = 0
     save_every: int = 0
     keep_checkpoints: int = 2
-    early_stopping_patience: int = 0  # evaluations without a better validation loss before stopping (0: never)
     loader_kwargs: dict = field(default_factory=dict)
+    max_skipped_steps: int = 5  # consecutive non-finite steps that stop the run (0: never)
+    early_stopping_patience: int = 0  # evaluations without a better validation loss before stopping (0: never)
+
+
+@dataclass
+class SkipLog:
+    """Steps not applied because their loss or gradient norm was not finite, with this process's records."""
+
+    total: int = 0
+    consecutive: int = 0
+    steps: list[dict] = field(default_factory=list)
 
 
 class MetricsLog:
     """``metrics.jsonl``: one JSON object per logged step (rank 0 writes)."""
 
     def __init__(self, path: Path | None, sinks: list | None = None):
-        self.path = path
         self.sinks = sinks or []  # policies.MetricSink objects, opened at set-up (--report-to)
+        self.path = path
 
     def truncate_after(self, step: int) -> None:
         """Drop lines past ``step``: a resumed run rewrites them."""
@@ -186,12 +240,59 @@ class MetricsLog:
 def run_training(model, optimizer, scheduler, policy: StepPolicy, dataset, collate, settings: LoopSettings,
                  checkpoints: CheckpointStore | None, metrics: MetricsLog, memory_reader: Callable,
                  evaluate_loss: Callable[[], float] | None = None, start_step: int = 0,
-                 progress: bool = True, on_best: Callable[[int, float], None] | None = None) -> list[dict]:
+                 progress: bool = True, skips: SkipLog | None = None,
+                 on_best: Callable[[int, float], None] | None = None) -> list[dict]:
     """Train from ``start_step`` to ``settings.total_steps``; return the logged records.
 
+    SIGTERM or SIGINT stops it after the current step with a checkpoint (``Interrupted``); too many
+    consecutive non-finite steps stop it with ``NonFiniteStop``. ``skips`` collects the skipped steps.
     With ``settings.early_stopping_patience`` the loop stops once that many validation losses in a row were
     no better than the best so far; ``on_best(step, loss)`` is called at each new best (to save it).
     """
+    with StopRequest() as stop:
+        return _loop(model, optimizer, scheduler, policy, dataset, collate, settings, checkpoints, metrics,
+                     memory_reader, evaluate_loss, start_step, progress, skips if skips is not None else SkipLog(),
+                     stop, on_best)
+
+
+def _read_skips(pending: list, skips: SkipLog, dataset, settings: LoopSettings, optimizer, policy: StepPolicy,
+                metrics: MetricsLog, is_main: bool) -> None:
+    """Read the pending steps' skip flags (one sync, where the loop syncs anyway) and account for them."""
+    if not pending:
+        return
+    flags = torch.stack([flag for _, flag in pending]).tolist()
+    n_skipped = 0
+    for (step, _), skipped in zip(pending, flags):
+        if not skipped:
+            skips.consecutive = 0
+            continue
+        n_skipped += 1
+        skips.total += 1
+        skips.consecutive += 1
+        records = getattr(dataset, "records", None)
+        where = [records[i].where for i in step_indices(len(dataset), settings, step)] if records else []
+        entry = {"step": step, "skipped": "non-finite loss or gradient norm", "records": where}
+        skips.steps.append(entry)
+        print(f"step {step} skipped: non-finite loss or gradient norm (records {', '.join(where)})",
+              file=sys.stderr, flush=True)
+        if is_main:
+            metrics.write(entry)
+        if settings.max_skipped_steps and skips.consecutive >= settings.max_skipped_steps:
+            pending.clear()
+            last = skips.steps[-skips.consecutive:]
+            raise NonFiniteStop(
+                f"{skips.consecutive} consecutive steps had a non-finite loss or gradient norm (steps "
+                f"{', '.join(str(e['step']) for e in last)}; records "
+                f"{', '.join(sorted({w for e in last for w in e['records']}))}); the run stops. No skipped step "
+                f"was applied, so the newest checkpoint holds the last good weights. Lower --lr, use "
+                f"--precision fp32 or bf16, check these records, or raise --max-skipped-steps.")
+    if policy.scaler is None:  # the scaler's skipped steps never reached the optimizer
+        settle_step_counters(optimizer, n_skipped, policy.device)
+    pending.clear()
+
+
+def _loop(model, optimizer, scheduler, policy, dataset, collate, settings, checkpoints, metrics, memory_reader,
+          evaluate_loss, start_step, progress, skips: SkipLog, stop: StopRequest, on_best=None) -> list[dict]:
     from tqdm.auto import tqdm
 
     is_main = settings.rank == 0
@@ -207,10 +308,11 @@ def run_training(model, optimizer, scheduler, policy: StepPolicy, dataset, colla
     window_steps = 0
     non_blocking = bool(settings.loader_kwargs.get("pin_memory"))
     step = start_step
+    pending: list[tuple[int, torch.Tensor]] = []  # (step, skipped flag on the device) not yet read
     best, since_best = float("inf"), 0
 
-    def watch(val: float) -> bool:
-        """Record a validation loss; True when patience has run out."""
+    def patience_ran_out(val: float) -> bool:
+        """Record a validation loss; True when early stopping's patience has run out."""
         nonlocal best, since_best
         if not settings.early_stopping_patience:
             return False
@@ -222,20 +324,23 @@ def run_training(model, optimizer, scheduler, policy: StepPolicy, dataset, colla
         since_best += 1
         return since_best >= settings.early_stopping_patience
 
-    stop = False
+    early_stop = False
     model.train()
     for group in batches(dataset, collate, settings, start_step):
-        if step >= settings.total_steps or stop:
+        if step >= settings.total_steps or early_stop:
             break
         out = train_step_on(model, optimizer, scheduler, group, policy, non_blocking)
         step += 1
-        window_loss += out["loss_sum"]
+        pending.append((step, out["skipped"]))
+        # a skipped step's loss (NaN, inf) stays out of the logged mean
+        window_loss += torch.where(out["skipped"], torch.zeros_like(out["loss_sum"]), out["loss_sum"])
         window_tokens += out["local_tokens"]
         window_samples += sum(len(b["input_ids"]) for b in group) * settings.world_size
         window_steps += 1
         bar.update(1)
         last = step == settings.total_steps
         if step % settings.log_every == 0 or last:
+            _read_skips(pending, skips, dataset, settings, optimizer, policy, metrics, is_main)
             loss_sum = window_loss
             tokens = torch.tensor(window_tokens, device=policy.device, dtype=torch.float64)
             if settings.world_size > 1:
@@ -252,14 +357,15 @@ def run_training(model, optimizer, scheduler, policy: StepPolicy, dataset, colla
                 "step_time_s": elapsed / window_steps,
                 "samples_per_s": window_samples / elapsed if elapsed > 0 else None,
                 "peak_memory_bytes": mem.peak_bytes,
+                "skipped_steps": skips.total,
             }
             if policy.scaler is not None:
                 record["loss_scale"] = float(policy.scaler.get_scale())
             if evaluate_loss is not None and settings.eval_every and (step % settings.eval_every == 0 or last):
                 record["val_loss"] = evaluate_loss()
                 model.train()
-                stop = watch(record["val_loss"])
-                if stop:
+                early_stop = patience_ran_out(record["val_loss"])
+                if early_stop:
                     record["early_stop"] = True
             records.append(record)
             if is_main:
@@ -272,18 +378,37 @@ def run_training(model, optimizer, scheduler, policy: StepPolicy, dataset, colla
         elif evaluate_loss is not None and settings.eval_every and step % settings.eval_every == 0:
             val = evaluate_loss()
             model.train()
-            stop = watch(val)
-            if stop:
+            early_stop = patience_ran_out(val)
+            if early_stop:
                 records.append({"step": step, "val_loss": val, "early_stop": True})
             if is_main:
-                metrics.write({"step": step, "val_loss": val, **({"early_stop": True} if stop else {})})
+                metrics.write({"step": step, "val_loss": val, **({"early_stop": True} if early_stop else {})})
+        saved = None
         if checkpoints is not None and settings.save_every and step % settings.save_every == 0 and not last:
-            if is_main:
-                checkpoints.save(step, model_for_saving(model), optimizer, scheduler, policy.scaler, policy.device)
-            if settings.world_size > 1:
-                torch.distributed.barrier()
+            saved = _save(checkpoints, step, model, optimizer, scheduler, policy, settings, pending, skips, dataset,
+                          metrics, is_main)
+        signum = stop.agreed(settings.world_size, policy.device) if not last else None
+        if signum:
+            if saved is None and checkpoints is not None:
+                saved = _save(checkpoints, step, model, optimizer, scheduler, policy, settings, pending, skips,
+                              dataset, metrics, is_main)
+            bar.close()
+            raise Interrupted(step, signum, saved)
     bar.close()
+    _read_skips(pending, skips, dataset, settings, optimizer, policy, metrics, is_main)
     return records
+
+
+def _save(checkpoints, step, model, optimizer, scheduler, policy, settings, pending, skips, dataset, metrics,
+          is_main):
+    # the step counters must be settled before they are saved
+    _read_skips(pending, skips, dataset, settings, optimizer, policy, metrics, is_main)
+    path = None
+    if is_main:
+        path = checkpoints.save(step, model_for_saving(model), optimizer, scheduler, policy.scaler, policy.device)
+    if settings.world_size > 1:
+        torch.distributed.barrier()
+    return path
 
 
 def model_for_saving(model):

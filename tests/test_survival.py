@@ -1,0 +1,347 @@
+"""Fault injection: non-finite steps, signals, kills during a checkpoint write, damaged checkpoints, changed
+configurations and hostile inputs. Where a process must die it is a real subprocess, bounded by a timeout."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from helpers import vlft_command
+from test_run import read_metrics, short_config
+from vlft.checkpoints import CheckpointStore, CheckpointWriteError, newest_checkpoint
+from vlft.cli import cli
+from vlft.errors import ConfigError, DataError, VlftError
+
+
+def wait_for(predicate, proc: subprocess.Popen, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            pytest.fail(f"the process ended (rc {proc.returncode}) before {what}:\n{out[-3000:]}")
+        time.sleep(0.05)
+    proc.kill()
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def logged_steps(output: Path) -> list[int]:
+    path = output / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+# -- 1. non-finite steps -----------------------------------------------------------------------------
+
+def test_non_finite_steps_are_not_applied_and_too_many_stop_the_run(registry, small_data, tmp_path, monkeypatch):
+    import vlft.encoding
+    import vlft.train
+    from vlft.run import execute
+    from vlft.train import NonFiniteStop
+
+    # steps 2, 4 and 5 produce a NaN loss (a patched loss)
+    nan_steps = {2, 4, 5}
+    calls = {"step": 0}
+    real_loss, real_step, real_get = vlft.train.token_loss_sum, vlft.train.train_step, vlft.encoding.EncodedDataset.__getitem__
+    weights: dict[int, tuple] = {}
+    drawn: list[int] = []
+
+    def nan_loss(logits, labels):
+        out = real_loss(logits, labels)
+        return out * float("nan") if calls["step"] in nan_steps else out
+
+    def watched_step(model, optimizer, *args, **kwargs):
+        calls["step"] += 1
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        before = [p.detach().clone() for p in params]
+        state_before = {id(p): {k: v.clone() for k, v in optimizer.state[p].items()} for p in params
+                        if p in optimizer.state}
+        out = real_step(model, optimizer, *args, **kwargs)
+        weights[calls["step"]] = (before, [p.detach().clone() for p in params], state_before,
+                                  {id(p): {k: v.clone() for k, v in optimizer.state[p].items()} for p in params})
+        return out
+
+    def watched_get(self, index):
+        drawn.append(index)
+        return real_get(self, index)
+
+    monkeypatch.setattr(vlft.train, "token_loss_sum", nan_loss)
+    monkeypatch.setattr(vlft.train, "train_step", watched_step)
+    monkeypatch.setattr(vlft.encoding.EncodedDataset, "__getitem__", watched_get)
+    out = tmp_path / "run"
+    config = short_config(small_data, out, steps=8, save_every=1, eval_every=0, eval_samples=1, max_new_tokens=2,
+                          max_skipped_steps=2)
+    with pytest.raises(NonFiniteStop, match=r"2 consecutive steps .* \(steps 4, 5;"):
+        execute(registry, config, progress=False)
+
+    before, after, state_before, state_after = weights[2]
+    assert all(torch.equal(a, b) for a, b in zip(before, after)), "the NaN step changed the weights"
+    for pid, st in state_after.items():  # the optimizer state is as before, step counter included
+        for k, v in st.items():
+            assert torch.equal(v, state_before[pid][k]), k
+    before3, after3 = weights[3][:2]
+    assert not all(torch.equal(a, b) for a, b in zip(before3, after3)), "the finite step after it was not applied"
+    assert all(torch.isfinite(p).all() for p in weights[5][1])
+
+    metrics = read_metrics(out)
+    skipped = [m for m in metrics if "skipped" in m]
+    assert [m["step"] for m in skipped] == [2, 4, 5]
+    # the records named are the ones the data loader drew for that step (batch 4, one micro-batch a step)
+    records = __import__("vlft.data", fromlist=["read_records"]).read_records(small_data[0])
+    train_where = {r.where for r in records}
+    assert set(skipped[0]["records"]) <= train_where and len(skipped[0]["records"]) == 4
+    assert [m["skipped_steps"] for m in metrics if "loss" in m] == [0, 1, 1, 2]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"].startswith("stopped") and summary["skipped_steps"] == 3
+    assert [e["step"] for e in summary["skipped"]] == [2, 4, 5]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000003", "step-000004"]
+    # the loader draws step k's samples just before step k: step 2 is the second group of 4
+    assert skipped[0]["records"] == [records[i].where for i in drawn[4:8]]
+
+
+# -- 2. signals ---------------------------------------------------------------------------------------
+
+def test_sigterm_writes_a_checkpoint_and_resume_gives_the_uninterrupted_losses(registry, small_data, tmp_path,
+                                                                                  straight_run):
+    from vlft.run import execute
+
+    train, val = small_data
+    out = tmp_path / "run"
+    # the same training as straight_run (short_config), evaluated less; no periodic checkpoints
+    args = ["run", "--backend", "cpu", "--method", "lora", "--data", str(train), "--val-data", str(val),
+            "--output", str(out), "--steps", "8", "--batch-size", "4", "--log-every", "1", "--eval-every", "0",
+            "--eval-batches", "1", "--eval-samples", "1", "--max-new-tokens", "2", "--save-every", "0",
+            "--seed", "1", "--lr", "3e-3", "--quiet"]
+    proc = subprocess.Popen(vlft_command() + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: logged_steps(out), proc, 240, "the first training step")
+        proc.send_signal(signal.SIGTERM)
+        stdout, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, stdout[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    step = summary["step"]
+    assert summary["status"] == "interrupted" and 1 <= step < 8
+    assert f"--output {out}" in summary["resume_command"] and summary["resume_command"].endswith("--resume")
+    assert summary["resume_command"] in stdout
+    assert newest_checkpoint(out / "checkpoints").name == f"step-{step:06d}"
+    assert logged_steps(out) == list(range(1, step + 1))
+
+    execute(registry, short_config(small_data, out, steps=8, eval_every=0, eval_samples=1, max_new_tokens=2,
+                                   resume=True), progress=False)
+    a, b = read_metrics(straight_run), read_metrics(out)
+    assert [m["step"] for m in b] == list(range(1, 9))
+    for x, y in zip(a, b):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-6), (x, y)
+    assert json.loads((out / "summary.json").read_text())["status"] == "completed"
+
+    # a changed batch size is refused, listing the difference, before anything is loaded or written
+    with pytest.raises(VlftError, match=r"batch-size: 4 in the checkpoint, 2 now"):
+        execute(registry, short_config(small_data, out, steps=8, batch_size=2, resume=True), progress=False)
+
+
+def test_resume_identity_ignores_logging_and_evaluation(small_data, tmp_path):
+    from vlft.resilience import identity_differences, run_identity
+
+    base = run_identity(short_config(small_data, tmp_path))
+    same = run_identity(short_config(small_data, tmp_path / "x", log_every=7, eval_every=0, eval_samples=1,
+                                     max_new_tokens=3, save_every=9, keep_checkpoints=5))
+    assert identity_differences(base, same) == []
+    changed = run_identity(short_config(small_data, tmp_path, grad_accum=2, seed=3))
+    assert [d.split(":")[0] for d in identity_differences(base, changed)] == ["grad-accum", "seed"]
+
+
+# -- 3. checkpoints: whole or ignored -----------------------------------------------------------------
+
+def stand_in_save_adapter(model, path: Path) -> None:
+    """A stand-in for a method's vlft_save_adapter: the store's own writing is what is under test."""
+    path.mkdir(parents=True)
+    torch.save(model.state_dict(), path / "weights.pt")
+
+
+def tiny_training_state():
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 64)).sum().backward()
+    optimizer.step()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    return model, optimizer, scheduler
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_and_none_left_is_one_error(tmp_path):
+    model, optimizer, scheduler = tiny_training_state()
+    store = CheckpointStore(tmp_path / "checkpoints", 3, stand_in_save_adapter)
+    for step in (2, 4):
+        store.save(step, model, optimizer, scheduler, None, torch.device("cpu"))
+    assert newest_checkpoint(store.root).name == "step-000004"
+    state = store.root / "step-000004" / "state.pt"
+    state.write_bytes(state.read_bytes()[:100])  # truncated
+    said: list[str] = []
+    assert newest_checkpoint(store.root, report=said.append).name == "step-000002"
+    assert said == ["resume: skipping step-000004: state.pt has 100 bytes, the manifest says "
+                    f"{json.loads((state.parent / 'manifest.json').read_text())['files']['state.pt']['size']}"]
+    older = store.root / "step-000002" / "adapter" / "weights.pt"
+    data = bytearray(older.read_bytes())
+    data[-1] ^= 0xFF  # same size, different content
+    older.write_bytes(bytes(data))
+    with pytest.raises(VlftError, match=r"no complete checkpoint .*step-000004: state.pt has 100 bytes.*"
+                                        r"step-000002: adapter/weights.pt does not match its sha256"):
+        newest_checkpoint(store.root, report=lambda m: None)
+
+
+def test_a_full_disk_stops_the_save_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    import vlft.checkpoints
+
+    model, optimizer, scheduler = tiny_training_state()
+    store = CheckpointStore(tmp_path / "checkpoints", 2, stand_in_save_adapter)
+    store.save(1, model, optimizer, scheduler, None, torch.device("cpu"))
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(vlft.checkpoints.torch, "save", full_disk)
+    with pytest.raises(CheckpointWriteError, match=r"step 2 .*the disk is full.*step-000001 is intact"):
+        store.save(2, model, optimizer, scheduler, None, torch.device("cpu"))
+    assert sorted(p.name for p in store.root.iterdir()) == ["step-000001"]
+    assert newest_checkpoint(store.root).name == "step-000001"
+
+
+KILLED_WRITER = """
+import sys, time, torch
+from pathlib import Path
+import vlft.checkpoints
+from test_survival import stand_in_save_adapter, tiny_training_state
+
+root = Path(sys.argv[1])
+real = torch.save
+def paused_save(obj, path, *a, **k):
+    real(obj, path, *a, **k)
+    if 'tmp-step-000002' in str(path) and str(path).endswith('state.pt'):
+        (root.parent / 'inside-write').write_text('1')  # tell the test, then wait to be killed
+        time.sleep(120)
+vlft.checkpoints.torch.save = paused_save
+model, optimizer, scheduler = tiny_training_state()
+store = vlft.checkpoints.CheckpointStore(root, 2, stand_in_save_adapter)
+for step in (1, 2):
+    store.save(step, model, optimizer, scheduler, None, torch.device('cpu'))
+"""
+
+
+def test_kill_during_a_checkpoint_write_leaves_the_previous_one_for_resume(tmp_path):
+    root = tmp_path / "checkpoints"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(root)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: (tmp_path / "inside-write").exists(), proc, 60, "the checkpoint write")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert sorted(p.name for p in root.iterdir()) == [".tmp-step-000002", "step-000001"]
+    said: list[str] = []
+    assert newest_checkpoint(root, report=said.append).name == "step-000001"
+    assert said == ["resume: removed the half-written checkpoint folder .tmp-step-000002"]
+    model, optimizer, scheduler = tiny_training_state()
+    CheckpointStore(root, 2, stand_in_save_adapter).save(2, model, optimizer, scheduler, None, torch.device("cpu"))
+    assert sorted(p.name for p in root.iterdir()) == ["step-000001", "step-000002"]
+
+
+# -- 5. hostile inputs --------------------------------------------------------------------------------
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG that declares ``width`` x ``height`` pixels in a few bytes (a decompression bomb's header)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+
+
+def record(image: str) -> str:
+    return json.dumps({"image": image, "conversations": [{"from": "user", "value": "<image>\nWhat?"},
+                                                         {"from": "assistant", "value": "ok"}]})
+
+
+def test_hostile_images_are_data_problems_with_file_and_line(tmp_path, small_data):
+    from PIL import Image
+
+    from vlft.data import read_records
+
+    good = next(Path(small_data[0]).parent.rglob("*.png"))
+    (tmp_path / "bomb.png").write_bytes(png_header_only(20000, 20000))  # 4e8 pixels, over PIL's 8.9e7 limit
+    (tmp_path / "over.png").write_bytes(png_header_only(10000, 10000))  # over the limit, under 2x: PIL only warns
+    (tmp_path / "cut.png").write_bytes(good.read_bytes()[:len(good.read_bytes()) // 2])
+    (tmp_path / "dev.png").symlink_to("/dev/zero")
+    (tmp_path / "dir.png").symlink_to(tmp_path)
+    lines = [record(n) for n in ("bomb.png", "over.png", "cut.png", "dev.png", "dir.png")]
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError) as e:
+        read_records(tmp_path / "d.jsonl")
+    msg = str(e.value)
+    assert "5 problem(s)" in msg
+    assert f"d.jsonl:1: image 'bomb.png' cannot be read (ValueError: image too large" in msg
+    assert f"d.jsonl:2: image 'over.png' cannot be read (ValueError: image too large" in msg
+    assert "d.jsonl:3: image 'cut.png' cannot be read (OSError: image file is truncated" in msg
+    assert "d.jsonl:4: image 'dev.png' is a device, pipe or socket (a symlink to /dev/zero)" in msg
+    assert "d.jsonl:5: image 'dir.png' is a folder" in msg
+    assert Image.MAX_IMAGE_PIXELS == 89478485  # the guard is PIL's own, not loosened
+
+
+def test_hostile_data_files(tmp_path):
+    from vlft.data import read_records
+
+    (tmp_path / "empty.jsonl").write_text("\n  \n")
+    with pytest.raises(DataError, match=r"empty.jsonl is empty"):
+        read_records(tmp_path / "empty.jsonl")
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"a": 1}\n{"b": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"latin1.jsonl:2: not UTF-8 text \(byte 0xe9 at offset 19\)"):
+        read_records(tmp_path / "latin1.jsonl")
+    # 100,000 bad records: reported in linear time, at most 20 listed
+    (tmp_path / "big.json").write_text(json.dumps([{"messages": [{"role": "user", "content": "hi"}]}] * 100_000))
+    t0 = time.perf_counter()
+    with pytest.raises(DataError) as e:
+        read_records(tmp_path / "big.json")
+    elapsed = time.perf_counter() - t0
+    assert str(e.value).startswith("100000 problem(s)") and "... and 99980 more" in str(e.value)
+    assert str(e.value).count("no assistant turn") == 20
+    assert elapsed < 30  # a quadratic check would take minutes at this size; the time itself is not measured
+
+
+def test_hostile_config_and_pickled_weights_exit_non_zero_and_write_nothing(tmp_path, small_data):
+    from vlft.model import check_weight_format
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("seed: 1\nbackend:\n  - cpu\n")
+    out = tmp_path / "out"
+    res = CliRunner().invoke(cli, ["run", "--config", str(cfg), "--output", str(out)])
+    assert res.exit_code != 0 and f"{cfg}:2: 'backend' expects str, got ['cpu']" in res.output
+    assert not out.exists()
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(ConfigError, match=r"pytorch_model.bin\) and no .safetensors.*--trust-pickle"):
+        check_weight_format(str(model), trust_pickle=False)
+    check_weight_format(str(model), trust_pickle=True)
+    (model / "model.safetensors").write_bytes(b"")
+    check_weight_format(str(model), trust_pickle=False)

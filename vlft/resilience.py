@@ -1,0 +1,166 @@
+"""What lets a run survive its faults: signals, non-finite steps, and resuming only the same run.
+
+- ``StopRequest``: SIGTERM or a first SIGINT sets a flag the loop reads between steps (under torchrun the
+  flag is all-reduced, so every rank stops at the same step); a second SIGINT interrupts at once.
+- ``run_identity``: what defines a training trajectory, saved in each checkpoint; ``--resume`` compares it
+  with the new configuration and refuses on any difference unless ``--force-resume``.
+- ``resume_command``: the exact command that continues an interrupted run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shlex
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from .errors import VlftError
+
+
+class Interrupted(Exception):
+    """Training stopped at a step boundary on a signal; the checkpoint of that step is written."""
+
+    def __init__(self, step: int, signum: int, checkpoint: Path | None):
+        super().__init__(f"interrupted by {signal.Signals(signum).name} after step {step}")
+        self.step, self.signum, self.checkpoint = step, signum, checkpoint
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # what a shell reports for a process killed by the signal: 143, 130
+
+
+class NonFiniteStop(VlftError):
+    """Too many consecutive steps with a non-finite loss or gradient norm."""
+
+
+class StopRequest:
+    """SIGTERM/SIGINT handlers that ask the loop to stop after the current step (main thread only)."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def _handler(self, signum, frame):
+        if self.signum is not None and signum == signal.SIGINT:
+            # a second Ctrl-C: stop at once; checkpoints are renamed into place only when whole
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
+              f"(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGTERM, signal.SIGINT):
+                self._previous[s] = signal.signal(s, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+        self._previous.clear()
+        return False
+
+    def agreed(self, world_size: int, device) -> int | None:
+        """The signal every rank acts on: any rank's, all-reduced when there are several processes."""
+        if world_size <= 1:
+            return self.signum
+        import torch
+
+        flag = torch.tensor([self.signum or 0], device=device, dtype=torch.int32)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        value = int(flag.item())
+        return value or None
+
+
+# -- resume identity --------------------------------------------------------------
+
+# RunConfig fields that change the trajectory (the data order, the update, the schedule)
+TRAJECTORY_FIELDS = (
+    "method", "adapter", "targets", "vision_last_n", "batch_size", "grad_accum", "lr", "weight_decay",
+    "warmup_ratio", "max_grad_norm", "steps", "epochs", "seed", "precision", "param_dtype", "max_pixels",
+    "max_length", "skip_too_long", "world_size",
+)
+
+
+def file_identity(path: str | None) -> dict | None:
+    if not path:
+        return None
+    p = Path(path)
+    if not p.is_file():
+        return {"path": str(p)}
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return {"name": p.name, "size": p.stat().st_size, "sha256": h.hexdigest()}
+
+
+def model_identity(path: str | None) -> dict:
+    """The model by its config and its weight files' names and sizes (hashing gigabytes would take minutes)."""
+    if not path:
+        return {"model": "embedded"}
+    p = Path(path)
+    if not p.is_dir():
+        return {"model": str(path)}
+    weights = {f.name: f.stat().st_size for f in sorted(p.iterdir())
+               if f.suffix in (".safetensors", ".bin", ".pt", ".pth")}
+    return {"config": file_identity(str(p / "config.json")), "weights": weights}
+
+
+def run_identity(config) -> dict:
+    """What defines the training of ``config``: two runs with equal identities follow the same trajectory."""
+    ident = {name: getattr(config, name) for name in TRAJECTORY_FIELDS}
+    ident["model"] = model_identity(config.model)
+    ident["data"] = file_identity(config.data) or "embedded"
+    return ident
+
+
+def identity_differences(saved: dict, current: dict) -> list[str]:
+    diffs = []
+    for key in sorted(set(saved) | set(current)):
+        if saved.get(key) != current.get(key):
+            diffs.append(f"{key.replace('_', '-')}: {_short(saved.get(key))} in the checkpoint, "
+                         f"{_short(current.get(key))} now")
+    return diffs
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def check_same_run(saved: dict | None, current: dict, checkpoint: Path, force: bool, warn) -> None:
+    """Refuse to resume ``checkpoint`` with a configuration that would train differently, unless forced."""
+    if saved is None:
+        warn(f"resume: {checkpoint.name} records no run identity (an older vlft wrote it); not compared")
+        return
+    diffs = identity_differences(saved, current)
+    if not diffs:
+        return
+    listing = "\n  ".join(diffs)
+    if force:
+        warn(f"WARNING --force-resume: continuing {checkpoint} with a different training configuration:\n  "
+             f"{listing}\nThe result is not the run the checkpoint started.")
+        return
+    raise VlftError(f"--resume: {checkpoint} was trained with a different configuration:\n  {listing}\n"
+                    f"Resume with the original values, start a new run (another --output), or pass --force-resume "
+                    f"to continue anyway. Logging, evaluation and output settings may change freely.")
+
+
+def resume_command(argv: list[str], output: Path, world_size: int = 1) -> str:
+    """The command that continues this run: the same arguments, ``--output`` made explicit, plus ``--resume``
+    (a torchrun worker's arguments lack ``--nproc-per-node``: it is put back)."""
+    args = list(argv)
+    if args and Path(args[0]).name in ("vlft", "__main__.py"):
+        args = ["vlft"] + args[1:]
+    if world_size > 1 and "run" in args and not any(a.startswith("--nproc-per-node") for a in args):
+        at = args.index("run") + 1
+        args[at:at] = ["--nproc-per-node", str(world_size)]
+    if "--output" not in args and not any(a.startswith("--output=") for a in args):
+        args += ["--output", str(output)]
+    if "--resume" not in args:
+        args.append("--resume")
+    return shlex.join(args)
