@@ -81,7 +81,7 @@ class StopRequest:
 TRAJECTORY_FIELDS = (
     "method", "adapter", "targets", "vision_last_n", "batch_size", "grad_accum", "lr", "weight_decay",
     "warmup_ratio", "max_grad_norm", "steps", "epochs", "seed", "precision", "param_dtype", "max_pixels",
-    "max_length", "skip_too_long", "world_size",
+    "max_length", "skip_too_long", "world_size", "add_placeholders", "video_fps", "video_max_frames",
 )
 
 
@@ -114,8 +114,23 @@ def run_identity(config) -> dict:
     """What defines the training of ``config``: two runs with equal identities follow the same trajectory."""
     ident = {name: getattr(config, name) for name in TRAJECTORY_FIELDS}
     ident["model"] = model_identity(config.model)
-    ident["data"] = file_identity(config.data) or "embedded"
+    ident["data"] = data_identity(config.data)
+    ident["val_data"] = file_identity(config.val_data)
     return ident
+
+
+def data_identity(data) -> list | str:
+    """Each --data file (size and content hash) with its sampling weight; "embedded" for the default set."""
+    from .config import split_data_spec
+
+    if not data:
+        return "embedded"
+    specs = [data] if isinstance(data, str) else list(data)
+    out = []
+    for spec in specs:
+        path, weight = split_data_spec(str(spec))
+        out.append({**(file_identity(path) or {"path": path}), "weight": weight})
+    return out
 
 
 def identity_differences(saved: dict, current: dict) -> list[str]:
