@@ -141,6 +141,14 @@ def test_a_dry_run_plans_the_example_method_on_the_example_backend(tmp_path):
     assert result.output is None and not (tmp_path / "run").exists()  # a dry run writes nothing
 
 
+def test_the_example_method_trains_on_the_cpu_reference_with_the_testing_helpers(tmp_path):
+    registry = registry_with(loha, entry_points=False)  # loha, plus vlft's cpu backend to run it on
+    result = run(tiny_run_config(tmp_path, backend="cpu", method="loha"), registry)
+    assert [m["step"] for m in result.metrics] == [1, 2]
+    assert result.plan.backend.info.name == "cpu" and result.plan.method.name == "loha"
+    assert (result.output / "adapter" / "adapter_model.safetensors").is_file()
+
+
 def test_the_example_registers_its_command():
     group = click.Group()
     registry_with(backend, entry_points=False).hook.vlft_register_commands(cli=group)

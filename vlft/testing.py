@@ -8,7 +8,7 @@
         check_plugin(my_plugin)
 
     def test_a_short_run(tmp_path):
-        registry = registry_with(my_plugin, entry_points=False)   # just this plugin (plus vlft's cpu backend)
+        registry = registry_with(my_plugin, entry_points=False)  # this plugin, vlft's cpu backend and lora
         result = run(tiny_run_config(tmp_path, backend="mybackend", method="lora"), registry)
         assert (result.output / "adapter" / "adapter_model.safetensors").is_file()
 

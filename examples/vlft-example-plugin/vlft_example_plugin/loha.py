@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from vlft import AdapterDefaults, ConfigError, MethodInfo, hookimpl
 
 NAME = "loha"
+# LoHa starts with one factor of each product at zero, so it moves slowly at LoRA's 2e-4: on the
+# embedded default (200 steps of 4) the loss went 6.8 -> 6.5 at 2e-4, 2.6 at 1e-3, 0.65 at 3e-3
+LR = 3e-3
 
 
 @dataclass
@@ -26,7 +29,7 @@ class LoHaOptions:
 
     r: int = field(default=8, metadata={"help": "Rank of each of the two low-rank products."})
     alpha: int = field(default=16, metadata={"help": "Scale: the update is multiplied by alpha / r."})
-    rank_dropout: float = field(default=0.0, metadata={"help": "Dropout on the rows of each update."})
+    rank_dropout: float = field(default=0.0, metadata={"help": "In training, dropout on the rows (outputs) of each update."})
     module_dropout: float = field(default=0.0, metadata={"help": "Probability of skipping a whole adapted layer."})
 
 
@@ -55,7 +58,7 @@ def vlft_adapter_defaults(method, config):
         return None
     chosen = options(config.adapter)  # checking here makes a bad --adapter-opt fail before anything loads
     return AdapterDefaults(
-        method=NAME, lr=2e-4, hyperparameters=dataclasses.asdict(chosen),
+        method=NAME, lr=LR, hyperparameters=dataclasses.asdict(chosen),
         help={f.name: f.metadata["help"] for f in dataclasses.fields(LoHaOptions)},
         # leaf names of the linear layers to adapt; vlft turns them into full names in the chosen blocks
         text_modules=("q_proj", "k_proj", "v_proj", "o_proj"), vision_modules=("qkv", "proj"),
