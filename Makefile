@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PKGS)
 	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e examples/vlft-example-plugin
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -22,23 +23,23 @@ def test_vlft_plugins_lists_plugins_backends_with_availability_and_methods(regis
     proc = vlft("plugins", "--json")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
-    builtins = ("ascend", "commands", "cpu", "cuda", "lora", "oft")
-    listed = {p["name"]: p["status"] for p in data["plugins"]}
-    # other installed plugins (the example plugin under `make test`) may be listed too
-    assert {n: listed.get(n) for n in builtins} == {n: "loaded" for n in builtins}, listed
+    # every installed entry point, vlft's own and any third party's (make test installs the example plugin)
+    installed = {ep.name for ep in importlib.metadata.entry_points(group="vlft")}
+    assert {"ascend", "commands", "cpu", "cuda", "lora", "oft", "sinks"} <= installed
+    assert {p["name"]: p["status"] for p in data["plugins"]} == {n: "loaded" for n in installed}
     for b in data["backends"]:  # what the command says is what the probe in this process finds
         probe = registry.first("vlft_probe_backend", backend=b["name"])
         assert b["available"] == probe.available, b
         assert b["available"] or b["reason"] == probe.reason != ""
-    assert {b["name"] for b in data["backends"]} == {"ascend", "cpu", "cuda"}
-    assert [m["name"] for m in data["methods"]] == ["lora", "oft"]
+    assert {b["name"] for b in data["backends"]} == set(registry.backends) >= {"ascend", "cpu", "cuda"}
+    assert [m["name"] for m in data["methods"]] == sorted(registry.methods) and {"lora", "oft"} <= set(registry.methods)
 
     proc = vlft("plugins", env={"VLFT_DISABLE_PLUGINS": "oft"})
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert any(line.split() == ["oft", "disabled"] for line in lines), proc.stdout
     methods = lines[lines.index("methods:") + 1:]
-    assert [line.split()[0] for line in methods] == ["lora"]
+    assert [line.split()[0] for line in methods] == sorted(set(registry.methods) - {"oft"})
     assert any(line.split()[:2] == ["cpu", "available"] for line in lines)
 
 
@@ -53,7 +54,7 @@ def test_vlft_methods_shows_hyperparameters_with_help_lr_and_targets(registry):
             blocks[line.split(":")[0]] = []
         else:
             blocks[list(blocks)[-1]].append(line.strip())
-    assert list(blocks) == ["lora", "oft"]
+    assert list(blocks) == sorted(registry.methods) and {"lora", "oft"} <= set(blocks)
     for name, lines in blocks.items():
         d = registry.first("vlft_adapter_defaults", method=name, config=RunConfig())
         assert lines[0].startswith(f"lr {d.lr:g}; default targets: {d.default_targets}"), lines[0]

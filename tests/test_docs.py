@@ -1,0 +1,300 @@
+"""Meta-tests: every plugin hook is documented, called by some test and listed in the README; the core names no vendor.
+
+Each check is a function over plain inputs (spec functions, document text, source text) returning the
+problems it finds, so the tests at the bottom can feed it a broken input and see it fail.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from vlft import hookspecs
+
+ROOT = Path(__file__).resolve().parent.parent
+HOOKS_DOC = ROOT / "docs" / "plugin-hooks.md"
+README = ROOT / "README.md"
+CORE = ROOT / "vlft"
+TEST_DIRS = (ROOT / "tests", ROOT / "bench")
+VENDORS = {"cuda", "npu", "ascend", "nvidia", "hccl", "nccl"}
+
+
+def spec_functions(module=hookspecs) -> dict:
+    """The hook specs of ``module``: functions pluggy marked ``vlft_spec``, by name."""
+    return {name: f for name, f in inspect.getmembers(module, inspect.isfunction) if hasattr(f, "vlft_spec")}
+
+
+def rel(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+# -- docs/plugin-hooks.md ---------------------------------------------------------------------------------
+
+@dataclass
+class Section:
+    """What one ``## vlft_name(a, b)`` section of the hooks page says."""
+
+    heading_params: list[str]
+    params: dict[str, str] = field(default_factory=dict)  # from "- `name: type`" lines
+    returns: str | None = None  # from "- **Returns**: `type`"
+    answers: str | None = None  # the "- **Answers**: ..." line
+
+
+HEADING = re.compile(r"^## (vlft_\w+)\(([^)]*)\)\s*$")
+PARAM = re.compile(r"^\s*- `(\w+): ([^`]+)`")
+RETURNS = re.compile(r"^\s*- \*\*Returns\*\*: `([^`]+)`")
+ANSWERS = re.compile(r"^\s*- \*\*Answers\*\*: (.+)$")
+
+
+def doc_sections(text: str) -> dict[str, Section]:
+    sections: dict[str, Section] = {}
+    current = None
+    for line in text.splitlines():
+        if line.startswith("## "):
+            m = HEADING.match(line)
+            current = None
+            if m:
+                current = sections[m.group(1)] = Section([p.strip() for p in m.group(2).split(",") if p.strip()])
+            continue
+        if current is None:
+            continue
+        if m := RETURNS.match(line):
+            current.returns = m.group(1)
+        elif m := ANSWERS.match(line):
+            current.answers = m.group(1)
+        elif m := PARAM.match(line):
+            current.params[m.group(1)] = m.group(2)
+    return sections
+
+
+def doc_problems(specs: dict, text: str, where: str = "docs/plugin-hooks.md") -> list[str]:
+    """Every spec has a section with its parameters (names, order, types), return type and call mode."""
+    sections = doc_sections(text)
+    problems = []
+    for name, spec in sorted(specs.items()):
+        sig = inspect.signature(spec)
+        params = list(sig.parameters)
+        if name not in sections:
+            problems.append(f"{where}: no section '## {name}({', '.join(params)})' for the hook {name} "
+                            f"(vlft/hookspecs.py)")
+            continue
+        s = sections[name]
+        if s.heading_params != params:
+            problems.append(f"{where}: the heading of {name} lists ({', '.join(s.heading_params)}); "
+                            f"the spec has ({', '.join(params)})")
+        for p, parameter in sig.parameters.items():
+            if s.params.get(p) != parameter.annotation:
+                problems.append(f"{where}: {name} should document '- `{p}: {parameter.annotation}`'"
+                                f" (found {s.params.get(p)!r})")
+        for extra in sorted(set(s.params) - set(params)):
+            problems.append(f"{where}: {name} documents a parameter '{extra}' the spec does not have")
+        if s.returns != sig.return_annotation:
+            problems.append(f"{where}: {name} should say '- **Returns**: `{sig.return_annotation}`'"
+                            f" (found {s.returns!r})")
+        first = spec.vlft_spec.get("firstresult", False)
+        expected = "first answer wins" if first else "every plugin is called"
+        if not s.answers or not s.answers.startswith(expected):
+            problems.append(f"{where}: {name} is {'firstresult' if first else 'not firstresult'}: its "
+                            f"'- **Answers**:' line should start with '{expected}' (found {s.answers!r})")
+    for name in sorted(set(sections) - set(specs)):
+        problems.append(f"{where}: documents {name}, which vlft/hookspecs.py does not define")
+    return problems
+
+
+def test_every_hook_is_documented_with_the_specs_parameters():
+    problems = doc_problems(spec_functions(), HOOKS_DOC.read_text(encoding="utf-8"))
+    assert not problems, "\n".join(problems)
+
+
+# -- every hook is called by some test ---------------------------------------------------------------------
+
+def sources_of_tests() -> dict[str, str]:
+    """The text of every test and benchmark module except this one (which names hooks only as data)."""
+    here = Path(__file__).resolve()
+    return {rel(p): p.read_text(encoding="utf-8") for d in TEST_DIRS for p in sorted(d.rglob("*.py"))
+            if p.resolve() != here}
+
+
+def uncalled_hooks(names, sources: dict[str, str]) -> list[str]:
+    """Hooks that no source uses: a name that only follows ``def`` (a plugin defining it) does not count."""
+    problems = []
+    for name in sorted(names):
+        used = re.compile(rf"(?<!def )\b{name}\b")
+        if not any(used.search(text) for text in sources.values()):
+            problems.append(f"no test or benchmark under tests/ or bench/ calls {name}")
+    return problems
+
+
+def test_every_hook_is_called_in_a_test():
+    problems = uncalled_hooks(spec_functions(), sources_of_tests())
+    assert not problems, "\n".join(problems)
+
+
+# -- the README lists every hook ----------------------------------------------------------------------------
+
+def readme_problems(names, text: str) -> list[str]:
+    """The README's "## Plugins" section names, in backticks, exactly the hooks of the specs."""
+    m = re.search(r"^## Plugins\s*$(.*?)(?=^## |\Z)", text, re.M | re.S)
+    if not m:
+        return ["README.md has no '## Plugins' section"]
+    listed = set(re.findall(r"`(vlft_\w+)`", m.group(1)))
+    problems = [f"README.md, section Plugins: does not list `{n}`" for n in sorted(set(names) - listed)]
+    problems += [f"README.md, section Plugins: lists `{n}`, which vlft/hookspecs.py does not define"
+                 for n in sorted(listed - set(names))]
+    return problems
+
+
+def test_the_readme_lists_every_hook():
+    problems = readme_problems(spec_functions(), README.read_text(encoding="utf-8"))
+    assert not problems, "\n".join(problems)
+
+
+# -- the core names no vendor -------------------------------------------------------------------------------
+#
+# The rule: split every identifier (variable, attribute, argument, function, class, import) into words
+# at underscores, digits, punctuation and case changes (torch_npu -> torch npu, HCCL_EXEC_TIMEOUT ->
+# hccl exec timeout, isCuda -> is cuda), and every string constant that has no whitespace in it the
+# same way (such a string is a value the code acts on: a device type, module or variable name, a key).
+# A word equal to a vendor name, or its plural, is an offence. Strings with whitespace are prose
+# (messages, help), and docstrings and comments are prose too: all allowed. The tree (not the token
+# stream) is read so that names inside f-strings are seen and docstrings are known exactly.
+
+WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+")
+
+
+def vendor_words(text: str) -> list[str]:
+    words = [w.lower() for w in WORDS.findall(text)]
+    return [w for w in words if w in VENDORS or (w.endswith("s") and w[:-1] in VENDORS)]
+
+
+def docstring_nodes(tree: ast.AST) -> set[int]:
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                    and isinstance(first.value.value, str):
+                ids.add(id(first.value))
+    return ids
+
+
+IDENTIFIER_FIELDS = ("id", "attr", "arg", "name", "asname", "module")
+
+
+def vendor_offenders(source: str, where: str) -> list[str]:
+    """``where:line: text`` for each identifier or one-word string in ``source`` that names a vendor."""
+    tree = ast.parse(source)
+    docstrings = docstring_nodes(tree)
+    found = []
+    for node in ast.walk(tree):
+        texts = [getattr(node, f) for f in IDENTIFIER_FIELDS if isinstance(getattr(node, f, None), str)]
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings \
+                and not any(c.isspace() for c in node.value):
+            texts.append(repr(node.value))
+        for text in texts:
+            if vendor_words(text):
+                found.append((getattr(node, "lineno", 0), text))
+    return [f"{where}:{line}: {text}" for line, text in sorted(set(found))]
+
+
+def test_the_core_names_no_vendor():
+    offenders = [o for p in sorted(CORE.rglob("*.py")) for o in vendor_offenders(p.read_text(encoding="utf-8"), rel(p))]
+    assert not offenders, ("vendor names in the core (move the code into the backend plugin that owns it):\n"
+                           + "\n".join(offenders))
+
+
+# -- each check above can fail --------------------------------------------------------------------------------
+
+@hookspecs.hookspec(firstresult=True)
+def vlft_not_yet_documented(backend: str, budget: int) -> str | None:
+    """A spec as a new hook would arrive: no docs, no test, not in the README."""
+
+
+def with_new_hook() -> dict:
+    return {**spec_functions(), "vlft_not_yet_documented": vlft_not_yet_documented}
+
+
+def test_a_new_hook_without_docs_is_reported():
+    problems = doc_problems(with_new_hook(), HOOKS_DOC.read_text(encoding="utf-8"))
+    assert problems == ["docs/plugin-hooks.md: no section '## vlft_not_yet_documented(backend, budget)' for the "
+                        "hook vlft_not_yet_documented (vlft/hookspecs.py)"]
+
+
+def test_a_section_that_drifts_from_its_spec_is_reported():
+    text = HOOKS_DOC.read_text(encoding="utf-8")
+    heading = "## vlft_seed(backend, seed, deterministic)"
+    assert heading in text and "- `seed: int`" in text and "- **Returns**: `ProbeResult | None`" in text
+    drifted = (text.replace(heading, "## vlft_seed(backend, seed)")
+               .replace("- `seed: int`", "- `seed: str`")
+               .replace("- **Returns**: `ProbeResult | None`", "- **Returns**: `ProbeResult`"))
+    problems = doc_problems(spec_functions(), drifted)
+    assert any("heading of vlft_seed lists (backend, seed); the spec has (backend, seed, deterministic)" in p
+               for p in problems), problems
+    assert any("vlft_seed should document '- `seed: int`' (found 'str')" in p for p in problems), problems
+    assert any("vlft_probe_backend should say '- **Returns**: `ProbeResult | None`'" in p for p in problems), problems
+
+
+def test_a_wrong_call_mode_and_a_stale_section_are_reported():
+    text = HOOKS_DOC.read_text(encoding="utf-8")
+    stale = text + "\n## vlft_gone(backend)\n\n- **Answers**: every plugin is called\n"
+    first = spec_functions()["vlft_probe_backend"]
+    every = spec_functions()["vlft_seed"]
+    # swap the call modes: each section now contradicts its spec
+    problems = doc_problems({"vlft_probe_backend": every, "vlft_seed": first}, stale)
+    assert any("documents vlft_gone, which vlft/hookspecs.py does not define" in p for p in problems), problems
+    assert any("vlft_seed is firstresult" in p for p in problems), problems
+    assert any("vlft_probe_backend is not firstresult" in p for p in problems), problems
+
+
+def test_a_hook_no_test_calls_is_reported():
+    assert uncalled_hooks(["vlft_not_yet_documented"], sources_of_tests()) == [
+        "no test or benchmark under tests/ or bench/ calls vlft_not_yet_documented"]
+    # a plugin that only defines the hook is not a test of it; a call through the hook relay is
+    assert uncalled_hooks(["vlft_x"], {"t.py": "def vlft_x(backend):\n    pass\n"})
+    assert not uncalled_hooks(["vlft_x"], {"t.py": "pm.hook.vlft_x(backend='cpu')\n"})
+
+
+def test_a_hook_missing_from_the_readme_is_reported():
+    readme = README.read_text(encoding="utf-8")
+    assert readme_problems(with_new_hook(), readme) == [
+        "README.md, section Plugins: does not list `vlft_not_yet_documented`"]
+    assert "`vlft_seed`" in readme
+    assert readme_problems(spec_functions(), readme.replace("`vlft_seed`", "`vlft_sed`")) == [
+        "README.md, section Plugins: does not list `vlft_seed`",
+        "README.md, section Plugins: lists `vlft_sed`, which vlft/hookspecs.py does not define"]
+
+
+VENDOR_SAMPLE = '''"""Module docstring: works on CUDA and Ascend alike."""
+import torch_npu
+from torch import cuda as accel
+# a comment about nccl is fine
+
+
+def pick(device, input_ids, cudnn_benchmark):
+    """cuda"""
+    if torch.cuda.is_available():
+        return "cuda:0"
+    os.environ["HCCL_EXEC_TIMEOUT"] = "1800"
+    print(f"{torch.npu.device_count()} devices; install the NVIDIA driver first")
+    return device.type == "npus", isAscend(), "gloo"
+'''
+
+
+@pytest.mark.parametrize("line, text", [
+    (2, "torch_npu"), (3, "cuda"), (9, "cuda"), (10, "'cuda:0'"), (11, "'HCCL_EXEC_TIMEOUT'"), (12, "npu"),
+    (13, "'npus'"), (13, "isAscend"),
+])
+def test_vendor_names_in_code_are_reported(line, text):
+    assert f"sample.py:{line}: {text}" in vendor_offenders(VENDOR_SAMPLE, "sample.py")
+
+
+def test_prose_comments_and_lookalike_words_are_not_reported():
+    # docstrings (lines 1, 8), the comment (4), the message (12), input_ids and cudnn (7) and "gloo" (13) pass
+    reported = {int(o.split(":")[1]) for o in vendor_offenders(VENDOR_SAMPLE, "sample.py")}
+    assert reported == {2, 3, 9, 10, 11, 12, 13}
+    assert not [o for o in vendor_offenders(VENDOR_SAMPLE, "sample.py") if o.endswith(("input_ids", "cudnn_benchmark"))]

@@ -1,0 +1,157 @@
+"""The example plugin package (examples/vlft-example-plugin): installed as a user would, and tested as its author would.
+
+`make test` installs it (`pip install -e examples/vlft-example-plugin`). The tests that go through its
+entry points skip, saying so, where it is not installed; the others import its modules from the source
+folder and register them by hand, with the helpers of ``vlft.testing`` a plugin author uses.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from vlft import ConfigError, RunConfig
+from vlft.testing import check_plugin, registry_with, run, tiny_run_config
+
+from helpers import vlft_command
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "vlft-example-plugin"
+ENTRY_POINTS = {"cpu-bf16": "vlft_example_plugin.backend", "loha": "vlft_example_plugin.loha"}
+
+
+def installed() -> bool:
+    eps = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="vlft")}
+    return all(eps.get(name) == value for name, value in ENTRY_POINTS.items())
+
+
+needs_install = pytest.mark.skipif(
+    not installed(), reason="vlft-example-plugin is not installed in this environment (make test installs it; "
+                            "or: pip install -e examples/vlft-example-plugin)")
+
+try:
+    from vlft_example_plugin import backend, loha
+except ImportError:  # not installed: the in-process tests use the source folder
+    sys.path.insert(0, str(EXAMPLE))
+    from vlft_example_plugin import backend, loha
+
+
+# -- as a user: through the entry points ------------------------------------------------------------------
+
+@needs_install
+def test_vlft_plugins_lists_the_example_backend_and_method():
+    from vlft.cli import cli
+
+    result = CliRunner().invoke(cli, ["plugins", "--json"])
+    assert result.exit_code == 0, result.output
+    listed = json.loads(result.output)
+    plugins = {p["name"]: p["status"] for p in listed["plugins"]}
+    assert plugins.get("cpu-bf16") == "loaded" and plugins.get("loha") == "loaded", plugins
+    backends = {b["name"]: b for b in listed["backends"]}
+    assert backends["cpu-bf16"]["plugin"] == "cpu-bf16" and backends["cpu-bf16"]["available"]
+    assert {m["name"]: m["plugin"] for m in listed["methods"]}.get("loha") == "loha"
+
+
+@needs_install
+def test_vlft_run_on_the_example_backend_and_method_saves_a_plain_peft_adapter(model_dir, tmp_path):
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from vlft.cli import cli
+    from vlft.demo_data import write_demo_dataset
+
+    ds = write_demo_dataset(tmp_path / "data", n_train=16, n_val=4)
+    out = tmp_path / "run"
+    result = CliRunner().invoke(cli, [
+        "run", "--backend", "cpu-bf16", "--method", "loha", "--steps", "2", "--batch-size", "2",
+        "--data", str(ds.train), "--val-data", str(ds.val), "--output", str(out), "--eval-samples", "2",
+        "--max-new-tokens", "4", "--eval-every", "0", "--save-every", "0", "--quiet"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads((out / "plan.json").read_text())
+    # the example backend's answers, not the cpu reference's, shaped the run
+    assert plan["precision"]["param_dtype"] == "bfloat16" and plan["precision"]["autocast_dtype"] == "bfloat16"
+    assert (plan["attention"]["vision"], plan["attention"]["text"]) == ("sdpa", "sdpa")
+    saved = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    # LoHa starts with w2_b at zero (no change to the model): any non-zero one shows the steps trained it
+    assert any(t.abs().max() > 0 for k, t in saved.items() if "hada_w2_b" in k), sorted(saved)[:4]
+    base = AutoModelForImageTextToText.from_pretrained(model_dir)
+    loaded = PeftModel.from_pretrained(base, str(out / "adapter"))
+    assert loaded.peft_config["default"].peft_type.value == "LOHA"
+    state = {k: v for k, v in loaded.state_dict().items() if "hada_" in k}
+    assert len(state) == len(saved) > 0
+    for key, tensor in saved.items():
+        match = [v for k, v in state.items() if k.replace(".default", "").endswith(key.split("base_model.model.")[-1])]
+        assert len(match) == 1 and torch.equal(match[0], tensor), key
+
+
+@needs_install
+def test_the_example_command_runs_from_the_vlft_console_script():
+    done = subprocess.run([*vlft_command(), "bf16-speed", "--size", "64", "--repeat", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "bf16 is" in done.stdout and "the speed of fp32" in done.stdout
+
+
+# -- as its author: each module registered by hand ----------------------------------------------------------
+
+@pytest.mark.parametrize("module", [backend, loha], ids=["backend", "loha"])
+def test_the_example_modules_match_the_specs_and_answer_only_for_their_names(module):
+    check_plugin(module)
+
+
+def test_the_example_backend_ranks_below_the_cpu_reference():
+    registry = registry_with(backend, entry_points=False)
+    offered = {info.name: info for infos in registry.hook.vlft_backends() for info in infos}
+    # `--backend auto` takes the highest priority: the example must never displace the reference
+    assert offered["cpu-bf16"].priority < offered["cpu"].priority
+    assert registry.owners[("backend", "cpu-bf16")] == backend.__name__
+
+
+def test_the_example_backend_refuses_other_precisions_naming_the_cpu_backend():
+    registry = registry_with(backend, entry_points=False)
+    with pytest.raises(ConfigError, match=r"cpu-bf16 computes in bf16; for --precision fp16 use --backend cpu"):
+        registry.first("vlft_precision_policy", backend="cpu-bf16", config=RunConfig(precision="fp16"))
+
+
+def test_loha_options_are_checked_before_anything_loads():
+    registry = registry_with(loha, entry_points=False)
+    d = registry.first("vlft_adapter_defaults", method="loha", config=RunConfig(adapter={"r": 4}))
+    assert d.hyperparameters["r"] == 4 and set(d.help) == set(d.hyperparameters)
+    with pytest.raises(ConfigError, match=r"method loha: unknown option rank; valid: r, alpha"):
+        registry.first("vlft_adapter_defaults", method="loha", config=RunConfig(adapter={"rank": 4}))
+    with pytest.raises(ConfigError, match=r"option r expects int, got 4.5"):
+        registry.first("vlft_adapter_defaults", method="loha", config=RunConfig(adapter={"r": 4.5}))
+
+
+def test_a_dry_run_plans_the_example_method_on_the_example_backend(tmp_path):
+    registry = registry_with(backend, loha, entry_points=False)
+    result = run(tiny_run_config(tmp_path, backend="cpu-bf16", method="loha", dry_run=True), registry)
+    plan = result.plan
+    assert plan.precision.param_dtype == "bfloat16" and plan.method.name == "loha"
+    assert plan.targets and all(n.endswith(("q_proj", "k_proj", "v_proj", "o_proj", "qkv", "proj"))
+                                for n in plan.targets)
+    assert result.output is None and not (tmp_path / "run").exists()  # a dry run writes nothing
+
+
+def test_the_example_method_trains_on_the_cpu_reference_with_the_testing_helpers(tmp_path):
+    registry = registry_with(loha, entry_points=False)  # loha, plus vlft's cpu backend to run it on
+    result = run(tiny_run_config(tmp_path, backend="cpu", method="loha"), registry)
+    assert [m["step"] for m in result.metrics] == [1, 2]
+    assert result.plan.backend.info.name == "cpu" and result.plan.method.name == "loha"
+    assert (result.output / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_the_example_registers_its_command():
+    group = click.Group()
+    registry_with(backend, entry_points=False).hook.vlft_register_commands(cli=group)
+    result = CliRunner().invoke(group, ["bf16-speed", "--size", "32", "--repeat", "1"])
+    assert result.exit_code == 0, result.output
+    assert "per 32x32 product" in result.output
