@@ -280,3 +280,41 @@ def test_progress_bar_writes_no_line_per_logged_step_when_stderr_is_not_a_termin
     draws = [d for d in re.split(r"[\r\n]", stderr) if d.startswith("train:")]
     # three logged steps; a bar that redraws on each draws five times (start, 3 logs, close)
     assert 1 <= len(draws) <= 3, draws
+
+
+def test_a_plugins_metric_sink_receives_what_metrics_jsonl_receives(tmp_path):
+    """``--report-to NAME`` asks ``vlft_metric_sink`` once; the loop then writes to the sink without hooks."""
+    from vlft import MetricSink, hookimpl
+    from vlft.config import build_config
+    from vlft.errors import ConfigError
+    from vlft.plugins import load_registry
+    from vlft.run import metric_sinks
+    from vlft.train import MetricsLog
+
+    class ListSink(MetricSink):
+        def __init__(self, folder):
+            self.folder, self.records, self.closed = folder, [], False
+
+        def write(self, record):
+            self.records.append(record)
+
+        def close(self):
+            self.closed = True
+
+    class SinkPlugin:
+        @hookimpl
+        def vlft_metric_sink(self, name, config):
+            return ListSink if name == "list" else None
+
+    registry = load_registry(plugins=(SinkPlugin(),))
+    asked = registry.pm.hook.vlft_metric_sink(name="list", config=build_config({}, {}))
+    assert asked is ListSink
+    factories = metric_sinks(registry, build_config({}, {"report_to": "list"}))
+    sink = factories[0](tmp_path)
+    log = MetricsLog(tmp_path / "metrics.jsonl", [sink])
+    log.write({"step": 1, "loss": 2.5})
+    log.close()
+    assert sink.folder == tmp_path and sink.records == [{"step": 1, "loss": 2.5}] and sink.closed
+    assert (tmp_path / "metrics.jsonl").read_text().strip() == '{"step": 1, "loss": 2.5}'
+    with pytest.raises(ConfigError, match="--report-to nowhere: no plugin offers this metric sink"):
+        metric_sinks(registry, build_config({}, {"report_to": "nowhere"}))

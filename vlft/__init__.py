@@ -15,7 +15,7 @@ from .errors import BackendUnavailable, ConfigError, DataError, VlftError
 from .hookspecs import hookimpl
 from .policies import (
     AdapterDefaults, AttentionPolicy, BackendInfo, DataLoaderOptions, DeviceCapacity, DeviceSetup,
-    DistributedOptions, DoctorCheck, MemoryStats, MethodInfo, PrecisionPolicy, ProbeResult,
+    DistributedOptions, DoctorCheck, MemoryStats, MethodInfo, MetricSink, PrecisionPolicy, ProbeResult,
 )
 
 __version__ = "0.1.0"
@@ -23,5 +23,5 @@ __version__ = "0.1.0"
 __all__ = [
     "AdapterDefaults", "AttentionPolicy", "BackendInfo", "BackendUnavailable", "ConfigError", "DataError",
     "DataLoaderOptions", "DeviceCapacity", "DeviceSetup", "DistributedOptions", "DoctorCheck", "MemoryStats",
-    "MethodInfo", "PrecisionPolicy", "ProbeResult", "RunConfig", "VlftError", "hookimpl", "parse_attn",
+    "MethodInfo", "MetricSink", "PrecisionPolicy", "ProbeResult", "RunConfig", "VlftError", "hookimpl", "parse_attn",
 ]

@@ -151,8 +151,9 @@ def vlft_patch_model(backend: str, model: torch.nn.Module, config: RunConfig,
 def vlft_adapter_defaults(method: str, config: RunConfig) -> AdapterDefaults | None:
     """Return ``AdapterDefaults`` for ``method``: hyper-parameters, learning rate, target module names.
 
-    ``config.adapter`` holds the user's overrides (already checked against
-    the method's config fields). First answer wins.
+    ``config.adapter`` holds the user's overrides: check them against the
+    method's options and raise ``ConfigError`` naming an unknown or ill-typed
+    one. First answer wins.
     """
 
 
@@ -174,7 +175,10 @@ def vlft_save_adapter(method: str, model: torch.nn.Module, path: str) -> bool | 
 @hookspec(firstresult=True)
 def vlft_load_adapter(method: str, model: torch.nn.Module, path: str,
                       trainable: bool) -> torch.nn.Module | None:
-    """Load an adapter saved by ``vlft_save_adapter`` onto base ``model``; return the adapted model."""
+    """Load an adapter saved by ``vlft_save_adapter`` onto base ``model``; return the adapted model.
+
+    Used by ``--resume`` (``trainable`` True) and by predict, eval and export. First answer wins.
+    """
 
 
 @hookspec(firstresult=True)
