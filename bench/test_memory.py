@@ -33,7 +33,8 @@ CASES = [("embedded", None), ("wide", None), ("wide", "sdpa"), ("large", None)]
 def mem_case(request):
     size, attn = request.param
     # decided before the size's model is built: under `make test` only the embedded model runs
-    if request.config.getoption("benchmark_disable") and size != "embedded":
+    disabled = request.config.getoption("benchmark_disable") and not request.config.getoption("benchmark_enable")
+    if disabled and size != "embedded":
         pytest.skip("under --benchmark-disable the memory group runs on the embedded model only")
     return request.getfixturevalue(f"{size}_size"), attn
 
