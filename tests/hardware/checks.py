@@ -234,6 +234,20 @@ def check_memory_reader(reader, device, nbytes: int = 64 << 20) -> torch.Tensor:
     return block
 
 
+def check_memory_readers_per_device(registry, backend: str, device_type: str, count: int) -> None:
+    """The backend's reader for device 0 sees a block there; with two devices, a block on device 1 is
+    seen by device 1's reader only (a local-rank mix-up would show up here)."""
+    readers = [registry.first("vlft_memory_reader", backend=backend, device=torch.device(device_type, i))
+               for i in range(min(count, 2))]
+    block = check_memory_reader(readers[0], torch.device(device_type, 0))
+    if len(readers) == 2:
+        before = readers[0]().current_bytes
+        block1 = check_memory_reader(readers[1], torch.device(device_type, 1))
+        assert readers[0]().current_bytes == before, f"{device_type}:0's reader counted a block on {device_type}:1"
+        del block1
+    del block
+
+
 # -- running ------------------------------------------------------------------------------------------
 
 def observed_run(tmp_path, train, val, plugins=(), **values):

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from hardware.checks import (
-    check_attention, check_autocast, check_memory_reader, check_overflowing_step_is_skipped, check_parameters,
+    check_attention, check_autocast, check_memory_readers_per_device, check_overflowing_step_is_skipped, check_parameters,
     check_tf32, check_tf32_in_effect, observed_run, prepared,
 )
 
@@ -136,15 +136,7 @@ def test_cuda_fp16_overflowing_step_is_skipped_by_vlfts_step(tmp_path, data):
 
 @pytest.mark.cuda
 def test_cuda_memory_reader_reads_its_own_device(registry):
-    readers = [registry.first("vlft_memory_reader", backend="cuda", device=torch.device("cuda", i))
-               for i in range(min(torch.cuda.device_count(), 2))]
-    block = check_memory_reader(readers[0], torch.device("cuda", 0))
-    if len(readers) == 2:  # a block on device 1 is seen by device 1's reader only
-        before = readers[0]().current_bytes
-        block1 = check_memory_reader(readers[1], torch.device("cuda", 1))
-        assert readers[0]().current_bytes == before
-        del block1
-    del block
+    check_memory_readers_per_device(registry, "cuda", "cuda", torch.cuda.device_count())
 
 
 @pytest.mark.cuda
@@ -219,16 +211,7 @@ def test_npu_overflowing_step_is_skipped_by_vlfts_step(tmp_path, data):
 def test_npu_memory_reader_reads_its_own_device(registry):
     import torch_npu  # noqa: F401 - registers the npu device type
 
-    count = torch.npu.device_count()
-    readers = [registry.first("vlft_memory_reader", backend="ascend", device=torch.device("npu", i))
-               for i in range(min(count, 2))]
-    block = check_memory_reader(readers[0], torch.device("npu", 0))
-    if len(readers) == 2:
-        before = readers[0]().current_bytes
-        block1 = check_memory_reader(readers[1], torch.device("npu", 1))
-        assert readers[0]().current_bytes == before
-        del block1
-    del block
+    check_memory_readers_per_device(registry, "ascend", "npu", torch.npu.device_count())
 
 
 @pytest.mark.npu
