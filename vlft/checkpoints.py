@@ -43,7 +43,13 @@ class CheckpointStore:
         done = sorted(p for p in self.root.glob("step-*") if (p / MANIFEST).exists())
         return done[-1] if done else None
 
+    collective = False  # --shard fsdp: every process takes part in saving (see save_collective)
+    adapter_to_save: Callable[[Any], Any] | None = None  # the model -> what save_adapter writes (None: not rank 0)
+
     def save(self, step: int, model, optimizer, scheduler, scaler, device: torch.device) -> Path:
+        """Write the checkpoint of ``step``; without sharding rank 0 alone calls this."""
+        if self.collective:
+            return self.save_collective(step, model, optimizer, scheduler, scaler, device)
         final = self.root / f"step-{step:06d}"
         tmp = self.root / f".tmp-step-{step:06d}"
         try:
@@ -51,28 +57,81 @@ class CheckpointStore:
             remove_partial(self.root)
             tmp.mkdir()
             self._write(tmp, step, model, optimizer, scheduler, scaler, device)
-            write_manifest(tmp)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            fsync_dir(self.root)
+            self._finish(tmp, final)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            previous = self.newest()
-            why = "the disk is full" if e.errno == errno.ENOSPC else f"{e.__class__.__name__}: {e}"
-            raise CheckpointWriteError(
-                f"writing the checkpoint of step {step} in {self.root} failed ({why}); the run stops here. "
-                + (f"The previous checkpoint {previous.name} is intact: free space (or fix the cause) and run again "
-                   f"with --resume." if previous else "There is no earlier checkpoint.")
-            ) from e
-        for old in sorted(p for p in self.root.glob("step-*"))[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            raise self._failed(step, e) from e
+        self._prune()
         return final
 
+    def save_collective(self, step: int, model, optimizer, scheduler, scaler, device: torch.device) -> Path:
+        """Every process calls this under ``--shard fsdp``: the adapter is gathered whole to rank 0, each
+        process writes its share of the optimizer state (torch.distributed.checkpoint), and rank 0 writes the
+        rest, the manifest last, and renames the folder into place. A failure on any process stops all of
+        them with the same error."""
+        import torch.distributed as dist
+
+        from .sharding import OPTIMIZER_DIR, save_optimizer
+
+        main = dist.get_rank() == 0
+        final = self.root / f"step-{step:06d}"
+        tmp = self.root / f".tmp-step-{step:06d}"
+        adapter = self.adapter_to_save(model)  # collective
+        problem: BaseException | None = None
+        if main:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                remove_partial(self.root)
+                tmp.mkdir()
+            except OSError as e:
+                problem = e
+        problem = _first_problem(problem)
+        if problem is None:
+            try:
+                save_optimizer(model, optimizer, tmp / OPTIMIZER_DIR)  # collective; fails on every process
+            except Exception as e:  # noqa: BLE001 - torch.distributed.checkpoint wraps OSError in its own type
+                problem = e
+        if main and problem is None:
+            try:
+                self._write(tmp, step, adapter, None, scheduler, scaler, device)
+                self._finish(tmp, final)
+            except OSError as e:
+                problem = e
+        problem = _first_problem(problem)
+        if problem is not None:
+            if main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise self._failed(step, problem) from problem
+        if main:
+            self._prune()
+        return final
+
+    def _finish(self, tmp: Path, final: Path) -> None:
+        write_manifest(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        fsync_dir(self.root)
+
+    def _prune(self) -> None:
+        for old in sorted(p for p in self.root.glob("step-*"))[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _failed(self, step: int, e: BaseException) -> CheckpointWriteError:
+        previous = self.newest()
+        nospace = isinstance(e, OSError) and e.errno == errno.ENOSPC
+        why = "the disk is full" if nospace else f"{e.__class__.__name__}: {e}"
+        return CheckpointWriteError(
+            f"writing the checkpoint of step {step} in {self.root} failed ({why}); the run stops here. "
+            + (f"The previous checkpoint {previous.name} is intact: free space (or fix the cause) and run again "
+               f"with --resume." if previous else "There is no earlier checkpoint.")
+        )
+
     def _write(self, folder: Path, step: int, model, optimizer, scheduler, scaler, device) -> None:
+        """``optimizer`` None: its state was written sharded (``save_collective``)."""
         self.save_adapter(model, folder / "adapter")
         state = {
             "step": step,
-            "optimizer": optimizer.state_dict(),
+            "optimizer": optimizer.state_dict() if optimizer is not None else None,
             "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict() if scaler is not None else None,
             "rng": rng_state(device),
@@ -80,6 +139,20 @@ class CheckpointStore:
         torch.save(state, folder / "state.pt")
         if self.run_identity is not None:
             (folder / RUN_IDENTITY).write_text(json.dumps(self.run_identity, indent=2, sort_keys=True))
+
+
+def _first_problem(problem: BaseException | None) -> BaseException | None:
+    """Under several processes: a problem on any of them, as every process sees it (rank order)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return problem
+    seen: list = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, None if problem is None else f"{problem.__class__.__name__}: {problem}")
+    first = next((p for p in seen if p is not None), None)
+    if first is None:
+        return None
+    return problem if problem is not None else RuntimeError(f"another process failed: {first}")
 
 
 MANIFEST = "manifest.json"
@@ -192,10 +265,23 @@ def newest_checkpoint(root: Path, report=None) -> Path:
                     f"(in a new --output).")
 
 
-def restore_training_state(checkpoint: Path, optimizer, scheduler, scaler, device: torch.device) -> int:
-    """Optimizer, scheduler, scaler and RNG state from ``checkpoint``; returns its step."""
+def restore_training_state(checkpoint: Path, optimizer, scheduler, scaler, device: torch.device,
+                           model=None) -> int:
+    """Optimizer, scheduler, scaler and RNG state from ``checkpoint``; returns its step. ``model``: the
+    sharded model (``--shard fsdp``), whose optimizer state is read from each process's share."""
+    from .sharding import OPTIMIZER_DIR, load_optimizer
+
     state = torch.load(checkpoint / "state.pt", map_location="cpu", weights_only=False)
-    optimizer.load_state_dict(state["optimizer"])
+    written_sharded = (checkpoint / OPTIMIZER_DIR).is_dir()
+    if written_sharded != (model is not None):
+        raise VlftError(
+            f"--resume: {checkpoint} was written {'with' if written_sharded else 'without'} --shard fsdp; resume "
+            f"it {'with' if written_sharded else 'without'} --shard fsdp (the optimizer state is stored "
+            f"{'in shares, one per process' if written_sharded else 'whole'})")
+    if model is not None:
+        load_optimizer(model, optimizer, checkpoint / OPTIMIZER_DIR)
+    else:
+        optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])

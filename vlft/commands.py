@@ -42,6 +42,8 @@ def run(ctx, config_file, as_json, quiet, nproc_per_node, nnodes, node_rank, mas
     flags = given_flags(ctx, params)
     config = build_config(file_values, flags)
     launch = LaunchOptions(nproc_per_node, nnodes, node_rank, master_addr, master_port)
+    if launch.wanted and not config.dry_run and config.shard == "fsdp":
+        check_sharding(get_registry(), config)  # before torchrun starts any process
     if launch.wanted and not config.dry_run:
         args = ["run", *as_arguments(flags)] + (["--config", config_file] if config_file else [])
         code = relaunch(launch, args + (["--quiet"] if quiet else []))
@@ -57,6 +59,15 @@ def run(ctx, config_file, as_json, quiet, nproc_per_node, nnodes, node_rank, mas
         click.echo(json.dumps(desc, indent=2, default=str) if as_json else format_plan(desc))
         if desc["memory"] and desc["memory"]["fits"] is False and not config.no_memory_check:
             raise click.ClickException("this run will not fit its device; the memory plan above names the fixes")
+
+
+def check_sharding(registry, config) -> None:
+    """``--shard fsdp`` on a backend that does not offer it: the error, before any process starts."""
+    from .plan import choose_backend
+    from .sharding import require_fsdp
+
+    name = choose_backend(registry, config.backend).info.name
+    require_fsdp(registry.first("vlft_distributed_options", backend=name, config=config), name)
 
 
 @click.command()

@@ -82,6 +82,10 @@ class RunConfig:
                                      "instead of stopping.", flag=True)
     device_memory: str | None = opt(None, "Plan for a device of this much memory (e.g. 24GiB, 64GB) instead of "
                                           "the one found; lets a dry run here plan for a card it does not have.")
+    shard: str = opt("none", "How several processes hold the model: none (each process a whole copy, data "
+                             "parallel) or fsdp (torch FSDP2: base weights, adapter, gradients and optimizer "
+                             "state split over the processes, for models that fit no single device).",
+                     choices=("none", "fsdp"))
     no_memory_check: bool = opt(False, "Train even when the memory plan says the run will not fit.", flag=True)
     attn: str | None = opt(None, "Attention: one implementation, or per tower as 'vision=eager,text=sdpa'.")
     num_workers: int | None = opt(None, "DataLoader workers; default: the backend's.")

@@ -23,6 +23,7 @@ estimate's error is stated in docs/memory-plan.md.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -73,6 +74,20 @@ class MemoryPlan:
     capacity_bytes: int | None = None
     capacity_source: str = ""
     fixes: list[str] = field(default_factory=list)
+    shard_world: int = 1  # --shard fsdp: base weights, adapter, grads and AdamW state split over this many
+    gathered_bytes: int = 0  # --shard fsdp: parameters gathered whole at a time (root + two blocks)
+
+    def per_process(self, n: int) -> int:
+        """``n`` bytes of sharded state as one process holds them."""
+        return math.ceil(n / self.shard_world)
+
+    @property
+    def base_bytes_per_process(self) -> int:
+        return self.per_process(sum(self.base_weights.values()))
+
+    @property
+    def adapter_state_bytes_per_process(self) -> int:
+        return self.per_process(self.adapter_bytes + self.grad_bytes + self.optimizer_bytes)
 
     @property
     def activation_bytes(self) -> int:
@@ -82,7 +97,7 @@ class MemoryPlan:
         """Weights + adapter state + saved activations: what bench/ counts on the CPU."""
         ckpt = self.checkpointing if checkpointing is None else checkpointing
         act = self.activations.checkpointed if ckpt else self.activations.full
-        return sum(self.base_weights.values()) + self.adapter_bytes + self.grad_bytes + self.optimizer_bytes + act
+        return self.base_bytes_per_process + self.adapter_state_bytes_per_process + self.gathered_bytes + act
 
     def total_bytes(self, checkpointing: bool | None = None) -> int:
         return self.counted_bytes(checkpointing) + self.logits_bytes + self.reserved_bytes
@@ -103,7 +118,9 @@ class MemoryPlan:
             "batch": self.batch.describe(), "checkpointing": self.checkpointing,
             "estimate_bytes": self.total_bytes(), "capacity_bytes": self.capacity_bytes,
             "capacity_source": self.capacity_source, "usable_fraction": 1 - HEADROOM, "fits": self.fits(),
-            "fixes": self.fixes,
+            "fixes": self.fixes, "sharded_over": self.shard_world, "gathered_bytes": self.gathered_bytes,
+            "base_bytes_per_process": self.base_bytes_per_process,
+            "adapter_state_bytes_per_process": self.adapter_state_bytes_per_process,
         }
 
     def format(self) -> list[str]:
@@ -115,11 +132,19 @@ def format_memory(d: dict) -> list[str]:
     w, batch = d["base_weights_bytes"], d["batch"]
     verdict = {True: "fits", False: "DOES NOT FIT", None: "capacity unknown (pass --device-memory)"}[d["fits"]]
     adapter = d["adapter_bytes"] + d["grad_bytes"] + d["optimizer_bytes"]
+    world = d.get("sharded_over", 1)
     lines = [
         f"memory       {gib(d['estimate_bytes'])} estimated per process; device {gib(d['capacity_bytes'])} "
         f"({d['capacity_source']}), {d['usable_fraction']:.0%} usable: {verdict}",
-        f"             base weights {d['base_dtype']}: vision {gib(w.get('vision', 0))}, text {gib(w.get('text', 0))}",
-        f"             adapter {d['adapter_parameters']:,} params, fp32 weights + grads + AdamW: {gib(adapter)}",
+        f"             base weights {d['base_dtype']}: vision {gib(w.get('vision', 0))}, text {gib(w.get('text', 0))}"
+        + (f"; sharded over {world} processes: {gib(d['base_bytes_per_process'])} each" if world > 1 else ""),
+        f"             adapter {d['adapter_parameters']:,} params, fp32 weights + grads + AdamW: {gib(adapter)}"
+        + (f"; {gib(d['adapter_state_bytes_per_process'])} each" if world > 1 else ""),
+    ]
+    if world > 1:
+        lines.append(f"             gathered whole at a time (the root's parameters + 2 blocks): "
+                     f"{gib(d['gathered_bytes'])}")
+    lines += [
         f"             activations {gib(d['activation_bytes'])} (checkpointing {'on' if d['checkpointing'] else 'off'}; "
         f"on {gib(d['activation_bytes_with_checkpointing'])}, off {gib(d['activation_bytes_without_checkpointing'])})"
         f" for the largest batch: {batch['samples']} x {batch['tokens_per_sample']} tokens, "
@@ -145,8 +170,10 @@ def weight_bytes(model, param_dtype) -> tuple[dict[str, int], int]:
 
 
 def plan_memory(model, model_config, param_dtype: str, compute_dtype: str | None, batch: BatchShape,
-                reserved_bytes: int, capacity_bytes: int | None, capacity_source: str) -> MemoryPlan:
-    """The plan for ``model`` (adapted, on the meta device) at ``batch``; checkpointing still undecided."""
+                reserved_bytes: int, capacity_bytes: int | None, capacity_source: str, shard_world: int = 1,
+                gathered_bytes: int = 0) -> MemoryPlan:
+    """The plan for ``model`` (adapted, on the meta device) at ``batch``; checkpointing still undecided.
+    ``shard_world`` > 1: sharded with FSDP over that many processes, ``gathered_bytes`` gathered at a time."""
     import torch
 
     pdtype = getattr(torch, param_dtype)
@@ -160,7 +187,20 @@ def plan_memory(model, model_config, param_dtype: str, compute_dtype: str | None
         base_weights=towers, base_dtype=param_dtype, adapter_parameters=trainable, adapter_bytes=4 * trainable,
         grad_bytes=4 * trainable, optimizer_bytes=8 * trainable, activations=acts, logits_bytes=logits,
         reserved_bytes=reserved_bytes, batch=batch, capacity_bytes=capacity_bytes, capacity_source=capacity_source,
+        shard_world=shard_world, gathered_bytes=gathered_bytes,
     )
+
+
+def fsdp_gathered_bytes(model, compute_dtype: str | None) -> int:
+    """What FSDP holds whole at one time: the root's parameters and two blocks (the one running and the next,
+    prefetched), at the dtype they are gathered in."""
+    import torch
+
+    from .sharding import working_set_bytes
+
+    itemsize = torch.empty((), dtype=getattr(torch, compute_dtype)).element_size() if compute_dtype else None
+    root, block, _ = working_set_bytes(model, itemsize)
+    return root + 2 * block
 
 
 # -- which batch is the largest --------------------------------------------------------------------
@@ -193,8 +233,9 @@ def largest_batches(lengths: list[int], grids: list[list], batch_size: int, grad
 
 
 def worst_plan(model, model_config, param_dtype, compute_dtype, shapes: list[BatchShape], reserved: int,
-               capacity: int | None, source: str) -> MemoryPlan:
-    plans = [plan_memory(model, model_config, param_dtype, compute_dtype, s, reserved, capacity, source)
+               capacity: int | None, source: str, shard_world: int = 1, gathered_bytes: int = 0) -> MemoryPlan:
+    plans = [plan_memory(model, model_config, param_dtype, compute_dtype, s, reserved, capacity, source,
+                         shard_world, gathered_bytes)
              for s in shapes]
     return max(plans, key=lambda p: p.total_bytes(False))
 
@@ -212,7 +253,7 @@ def resized_grids(grids, max_pixels: int, patch: int = 14, merge: int = 2):
 
 
 def decide(plan: MemoryPlan, asked: str, model, model_config, compute_dtype, batch_size: int, grad_accum: int,
-           max_pixels: int | None) -> None:
+           max_pixels: int | None, can_shard: bool = False) -> None:
     """Settle checkpointing (``asked``: on, off, auto) and, when the run does not fit, list what would."""
     if asked == "on":
         plan.checkpointing, plan.checkpointing_reason = True, "on, as asked"
@@ -244,7 +285,7 @@ def decide(plan: MemoryPlan, asked: str, model, model_config, compute_dtype, bat
         per = len(plan.batch.grids) / max(plan.batch.samples, 1)
         shape = BatchShape(b, plan.batch.tokens, plan.batch.grids[: round(per * b)])
         smaller = plan_memory(model, model_config, plan.base_dtype, compute_dtype, shape, plan.reserved_bytes,
-                              plan.capacity_bytes, plan.capacity_source)
+                              plan.capacity_bytes, plan.capacity_source, plan.shard_world, plan.gathered_bytes)
         if smaller.total_bytes(ckpt) <= usable or b == 1:
             accum = grad_accum * batch_size // b
             fixes.append(f"--batch-size {b} --grad-accum {accum} (same samples per step"
@@ -257,9 +298,18 @@ def decide(plan: MemoryPlan, asked: str, model, model_config, compute_dtype, bat
         shape = BatchShape(plan.batch.samples, plan.batch.tokens, resized_grids(plan.batch.grids, target))
         shape.tokens = max(1, plan.batch.tokens - (plan.batch.patches - shape.patches) // 4 // plan.batch.samples)
         capped = plan_memory(model, model_config, plan.base_dtype, compute_dtype, shape, plan.reserved_bytes,
-                             plan.capacity_bytes, plan.capacity_source)
+                             plan.capacity_bytes, plan.capacity_source, plan.shard_world, plan.gathered_bytes)
         fixes.append(f"--max-pixels {target} (448x448 images): about {gib(capped.total_bytes(ckpt))}"
                      + (" (fits)" if capped.total_bytes(ckpt) <= usable else ""))
+    if can_shard and plan.shard_world == 1:
+        gathered = fsdp_gathered_bytes(model, compute_dtype)
+        for n in (2, 4, 8, 16, 32, 64):
+            sharded = dataclasses.replace(plan, shard_world=n, gathered_bytes=gathered, fixes=[])
+            if sharded.total_bytes(ckpt) <= usable:
+                fixes.append(f"--shard fsdp over {n} processes (--nproc-per-node {n}, or --nnodes with "
+                             f"--nproc-per-node making {n}" + (", with checkpointing" if ckpt else "")
+                             + f"): {gib(sharded.total_bytes(ckpt))} per process (fits)")
+                break
     fixes.append("--max-length N with --skip-too-long (leave out the longest samples), or fewer targets "
                  "(--targets text, a smaller --vision-last-n)")
     plan.fixes = fixes

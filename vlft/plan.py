@@ -13,6 +13,7 @@ from typing import Any
 from .config import RunConfig
 from .errors import BackendUnavailable, ConfigError
 from .plugins import Registry
+from .sharding import resolve_sharding
 from .policies import (
     AdapterDefaults, AttentionPolicy, BackendInfo, DataLoaderOptions, DistributedOptions, MethodInfo,
     PrecisionPolicy, ProbeResult,
@@ -45,6 +46,7 @@ class RunPlan:
     memory: Any = None  # memory.MemoryPlan, once the data and the model's shape are known
     lengths: dict[str, Any] = field(default_factory=dict)  # sample lengths: longest, skipped, limit
     notes: list[str] = field(default_factory=list)
+    sharding: Any = None  # sharding.ShardingPlan: how the processes hold the model (--shard)
 
     @property
     def checkpointing(self) -> bool:
@@ -67,6 +69,7 @@ class RunPlan:
             "precision": self.precision.describe(),
             "dataloader": dataclasses.asdict(self.dataloader),
             "distributed": dataclasses.asdict(self.distributed),
+            "sharding": self.sharding.describe() if self.sharding else None,
             "method": {
                 "name": self.method.name,
                 "lr": self.lr,
@@ -162,19 +165,32 @@ def resolve_plan(registry: Registry, config: RunConfig, model_path: str, model_c
     if config.num_workers is not None:
         options.num_workers = config.num_workers
         options.reasons.append(f"num_workers={config.num_workers}, as asked")
+    precision = resolve_precision(registry, name, config)
+    distributed = registry.first("vlft_distributed_options", backend=name, config=config)
     return RunPlan(
         config=config,
         backend=backend,
-        precision=resolve_precision(registry, name, config),
+        precision=precision,
         attention=registry.first("vlft_attention_implementation", backend=name, config=config,
                                  model_config=model_config),
         dataloader=options,
-        distributed=registry.first("vlft_distributed_options", backend=name, config=config),
+        distributed=distributed,
         method=method,
         adapter=adapter,
         lr=config.lr if config.lr is not None else adapter.lr,
         model_path=model_path,
+        sharding=resolve_sharding(config, distributed, name, precision),
     )
+
+
+def _sharding_lines(sh: dict | None) -> list[str]:
+    if not sh or sh["strategy"] == "none":
+        return [f"sharding     none ({sh['reason']})"] if sh else []
+    blocks = " + ".join(f"{n} {cls}" for cls, n in sh["wrapped"].items()) or "the model's blocks"
+    return [f"sharding     fsdp over {sh['world_size']} process(es) ({sh['reason']})",
+            f"             fully_shard on {blocks}, then the root; parameters gathered in "
+            f"{sh['param_dtype'] or 'their own dtype'}, gradients reduced in {sh['reduce_dtype']}"
+            + (" (SUM, divided by FSDP)" if sh["sum_reductions"] else "")]
 
 
 def format_plan(desc: dict) -> str:
@@ -193,6 +209,7 @@ def format_plan(desc: dict) -> str:
         + (f" prefetch_factor={dl['prefetch_factor']}" if dl["prefetch_factor"] else ""),
         f"distributed  {dist['process_group_backend']} (timeout {dist['timeout_s']} s)"
         + "".join(f"\n             {k}={v}" for k, v in dist["env"].items()),
+        *_sharding_lines(desc.get("sharding")),
         f"method       {m['name']} lr={m['lr']:g} " + " ".join(f"{k}={v}" for k, v in m["hyperparameters"].items()),
         f"model        {desc['model']}",
         f"targets      {t['towers']}: vision blocks {t['vision_blocks']} of {t['vision_depth']}, "

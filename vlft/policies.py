@@ -109,12 +109,23 @@ class DataLoaderOptions:
 
 @dataclass
 class DistributedOptions:
-    """How processes talk: the process-group backend, its timeout and environment."""
+    """How processes talk: the process-group backend, its timeout and environment, and whether
+    ``--shard fsdp`` (torch FSDP2) works on it.
+
+    ``fsdp`` is False unless the backend says so: FSDP2 needs the process group's all-gather and
+    reduce-scatter and DTensor support on the device, which a backend author has to have tried.
+    ``fsdp_reason`` says why not (or any caveat); it is shown to a user who asks for sharding.
+    """
 
     process_group_backend: str  # "gloo", "nccl", "hccl", ...
     timeout_s: int = 1800
     env: dict[str, str] = field(default_factory=dict)
     reason: str = ""
+    fsdp: bool = False
+    fsdp_reason: str = ""
+    # FSDP2 averages gradients with ReduceOp.AVG where it can; a process group without a trustworthy AVG
+    # asks it to reduce with SUM and divide by the world size itself (set_force_sum_reduction_for_comms)
+    sum_reductions: bool = False
 
 
 @dataclass

@@ -138,6 +138,7 @@ class Planned:
     train_records: list
     val_records: list
     total_steps: int
+    skeleton: object = None  # the adapted model on 'meta' the plan was made on (--shard fsdp saves through it)
 
 
 def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
@@ -187,11 +188,23 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
         total, source = parse_bytes(config.device_memory, "--device-memory"), f"--device-memory {config.device_memory}"
     shapes = memory.largest_batches(lengths.lengths, lengths.grids, config.batch_size, config.grad_accum,
                                     config.world_size, config.seed, total_steps)
+    shard_world, gathered = 1, 0
+    if plan.sharding.enabled:
+        from .sharding import count_blocks
+
+        plan.sharding.wrapped = count_blocks(skeleton)
+        shard_world, gathered = config.world_size, memory.fsdp_gathered_bytes(skeleton, compute)
     plan.memory = memory.worst_plan(skeleton, model_config, plan.precision.param_dtype,
-                                    plan.precision.autocast_dtype, shapes, capacity.reserved_bytes, total, source)
+                                    plan.precision.autocast_dtype, shapes, capacity.reserved_bytes, total, source,
+                                    shard_world, gathered)
     memory.decide(plan.memory, config.grad_checkpointing, skeleton, model_config, plan.precision.autocast_dtype,
-                  config.batch_size, config.grad_accum, config.max_pixels)
-    return Planned(plan, model_config, processor, encoder, train, val, total_steps)
+                  config.batch_size, config.grad_accum, config.max_pixels,
+                  can_shard=bool(plan.distributed and plan.distributed.fsdp))
+    if plan.sharding.enabled:
+        plan.notes.append(f"--shard fsdp: each process reads the whole base model into host memory "
+                          f"({memory.gib(sum(plan.memory.base_weights.values()))}) before keeping its "
+                          f"1/{config.world_size} share on the device")
+    return Planned(plan, model_config, processor, encoder, train, val, total_steps, skeleton)
 
 
 def check_fits(plan: RunPlan) -> None:

@@ -102,7 +102,7 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
 
     def generation_eval(m):
         return evaluate_generation(m, s.encoder, eval_records, device, config.max_new_tokens, s.autocast_dtype,
-                                   rank=rank, world_size=config.world_size)
+                                   rank=rank, world_size=config.world_size, synced=s.sharded)
 
     val_batches = [s.collate([s.encoder.encode(r) for r in s.val_records[i:i + config.batch_size]])
                    for i in range(0, min(len(s.val_records), config.eval_batches * config.batch_size),
@@ -113,6 +113,8 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
 
     store = CheckpointStore(output / "checkpoints", config.keep_checkpoints, s.save_adapter)
     store.run_identity = identity
+    store.collective, store.adapter_to_save = s.sharded, s.adapter_to_save
+    sharding = sharding_figures(s) if s.sharded else None
     metrics = MetricsLog(output / "metrics.jsonl" if rank == 0 else None,
                          [open_sink(output) for open_sink in sink_factories] if rank == 0 else None)
     start_step = s.start_step
@@ -124,7 +126,7 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
             before = json.loads(eval_path.read_text()).get("before")
         log(f"resumed      from step {start_step} ({s.checkpoint})", rank)
     train_model = model
-    if s.distributed:
+    if config.world_size > 1 and not s.sharded:
         train_model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type != "cpu" and device.index is not None else None)
     if before is None:
@@ -141,8 +143,9 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
 
     def save_best(step: int, loss: float) -> None:
         # beside adapter/ (the last), written whole before it replaces the previous best
+        to_save = s.adapter_to_save(model)  # every process: gathering a sharded adapter is collective
         if rank == 0:
-            _save_adapter_atomically(s, model, output / "adapter-best")
+            _save_adapter_atomically(s, to_save, output / "adapter-best")
         best.update(step=step, val_loss=loss)
 
     t0 = time.perf_counter()
@@ -178,9 +181,10 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
 
     log("evaluating the adapted model ...", rank)
     after = generation_eval(model)
+    to_save = s.adapter_to_save(model)
     if rank == 0:
         adapter_dir = output / "adapter"
-        _save_adapter_atomically(s, model, adapter_dir)
+        _save_adapter_atomically(s, to_save, adapter_dir)
         _write_eval(output, before, after)
         mem: MemoryStats = s.memory_reader()
         summary = {
@@ -193,6 +197,7 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
             "memory_estimate_bytes": plan.memory.total_bytes() if plan.memory else None,
             "skipped_too_long": plan.lengths.get("skipped_samples", []),
             "status": "completed", "skipped_steps": skips.total, "skipped": skips.steps,
+            "sharding": sharding,
         }
         if config.early_stopping_patience:
             summary["early_stopping"] = {"stopped_early": any(r.get("early_stop") for r in records),
@@ -206,6 +211,22 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return RunResult(output, plan, before, after, records)
+
+
+def sharding_figures(s) -> dict:
+    """Under --shard fsdp: the base weights each process holds, measured on its tensors (collective)."""
+    import torch
+
+    from .memory import gib
+    from .sharding import base_bytes
+
+    here, whole = base_bytes(s.model)
+    per_rank: list = [None] * s.config.world_size
+    torch.distributed.all_gather_object(per_rank, here)
+    log(f"sharded      base weights per process {', '.join(gib(b) for b in per_rank)} of {gib(whole)} "
+        f"({len(per_rank)} process(es))", s.config.rank)
+    return {"strategy": "fsdp", "world_size": s.config.world_size, "base_bytes_per_process": per_rank,
+            "base_bytes_whole": whole, "wrapped": s.plan.sharding.wrapped}
 
 
 def _save_adapter_atomically(session, model, target: Path) -> None:

@@ -30,9 +30,13 @@ def _init_distributed(plan: RunPlan, device) -> None:
     for key, value in dist.env.items():
         os.environ.setdefault(key, value)
     if not torch.distributed.is_initialized():
+        extra = {}
+        if "MASTER_ADDR" not in os.environ and plan.config.world_size == 1:
+            # one process sharding on its own (--shard fsdp without torchrun): an in-memory rendezvous
+            extra = dict(store=torch.distributed.HashStore(), rank=0, world_size=1)
         torch.distributed.init_process_group(
             backend=dist.process_group_backend, timeout=datetime.timedelta(seconds=dist.timeout_s),
-            device_id=device if device.type != "cpu" else None,
+            device_id=device if device.type != "cpu" else None, **extra,
         )
 
 
@@ -58,10 +62,27 @@ class Session:
     autocast_dtype: object = None
     start_step: int = 0  # where a resumed run continues
     checkpoint: Path | None = None  # the checkpoint it continues from
+    skeleton: object = None  # the adapted model on 'meta' the plan was made on (saving under --shard fsdp)
 
     @property
     def distributed(self) -> bool:
-        return self.config.world_size > 1
+        """Processes talk: several of them, or one sharding on its own."""
+        return self.config.world_size > 1 or self.sharded
+
+    @property
+    def sharded(self) -> bool:
+        return bool(self.plan.sharding and self.plan.sharding.enabled)
+
+    def adapter_to_save(self, model):
+        """What ``save_adapter`` writes for ``model``: the model itself, or under ``--shard fsdp`` the plan's
+        weightless copy holding the adapter gathered whole (on rank 0; None on the others). Every process
+        must call it when sharded: gathering is collective."""
+        if not self.sharded:
+            return model
+        from .sharding import full_trainable_state, materialized_adapter
+
+        state = full_trainable_state(model)
+        return materialized_adapter(self.skeleton, state) if state is not None else None
 
     @property
     def dataset(self) -> EncodedDataset:
@@ -98,7 +119,7 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
     plan, processor = planned.plan, planned.processor
     require_weights(plan.model_path, config.model)
     check_fits(plan)
-    if config.world_size > 1:
+    if config.world_size > 1 or plan.sharding.enabled:
         _init_distributed(plan, device)
     memory_reader = registry.first("vlft_memory_reader", backend=backend, device=device)
     model = load_model(plan.model_path, plan.attention, plan.precision, trust_pickle=config.trust_pickle)
@@ -120,6 +141,10 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
     if plan.precision.autocast_dtype:
         compute_adapters_in_autocast_dtype(model)
     model.to(device)
+    if plan.sharding.enabled:
+        from .sharding import shard_model
+
+        shard_model(model, plan.sharding, device)
 
     def save_adapter(m, path):
         registry.first("vlft_save_adapter", method=plan.method.name, model=m, path=path)
@@ -132,7 +157,8 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
     scheduler = cosine_with_warmup(optimizer, int(config.warmup_ratio * total_steps), total_steps)
     start_step = 0
     if resume_from is not None:
-        start_step = restore_training_state(resume_from, optimizer, scheduler, scaler, device)
+        start_step = restore_training_state(resume_from, optimizer, scheduler, scaler, device,
+                                            model=model if plan.sharding.enabled else None)
     policy = StepPolicy(device, autocast_dtype, scaler, config.max_grad_norm, config.grad_accum, config.world_size)
     settings = LoopSettings(
         total_steps=total_steps, batch_size=config.batch_size, grad_accum=config.grad_accum, seed=config.seed,
@@ -145,4 +171,4 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
                        video_token_id=getattr(processor, "video_token_id", None))
     return Session(plan, config, processor, planned.encoder, planned.train_records, planned.val_records, device,
                    model, optimizer, scheduler, policy, settings, collate, memory_reader, save_adapter,
-                   autocast_dtype, start_step, resume_from)
+                   autocast_dtype, start_step, resume_from, planned.skeleton)

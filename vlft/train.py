@@ -29,6 +29,7 @@ import torch
 from .data import IGNORE_INDEX
 from .resilience import Interrupted, NonFiniteStop, StopRequest
 from .sampling import batches, step_indices
+from .sharding import local
 
 if TYPE_CHECKING:
     from .checkpoints import CheckpointStore
@@ -98,14 +99,17 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], policy: S
     on the host before the batches moved, so the step needs no device sync for it.
     """
     n_tokens = global_label_count(local_tokens, policy.world_size, policy.device)
-    # DDP averages gradients over processes; scale back up so the result is sum / global tokens
+    # DDP and FSDP average gradients over processes; scale back up so the result is sum / global tokens
     scale = policy.world_size / n_tokens
     autocast = autocast_context(policy.device, policy.autocast_dtype)
     total = torch.zeros((), device=policy.device)
+    last = len(micro_batches) - 1
     for i, batch in enumerate(micro_batches):
         sync = nullcontext()
-        if hasattr(model, "no_sync") and i < len(micro_batches) - 1:
-            sync = model.no_sync()  # all-reduce only on the last micro-batch
+        if hasattr(model, "no_sync") and i < last:
+            sync = model.no_sync()  # DDP: all-reduce only on the last micro-batch
+        elif hasattr(model, "set_requires_gradient_sync") and last:
+            model.set_requires_gradient_sync(i == last)  # FSDP: reduce-scatter only on the last one
         with sync:
             with autocast:
                 logits = model(**model_inputs(batch)).logits
@@ -121,6 +125,8 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], policy: S
     else:
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
     grad_norm = grad_norm.detach()
+    if hasattr(grad_norm, "full_tensor"):  # sharded gradients: the norm over all shards, the same on every process
+        grad_norm = grad_norm.full_tensor()
     # gradients are all-reduced, the loss is not: with several processes only the gradient decides, so
     # every rank skips the same steps
     finite = torch.isfinite(grad_norm)
@@ -141,21 +147,25 @@ def guarded_step(optimizer, finite: torch.Tensor) -> None:
     """``optimizer.step()``, undone on the device where ``finite`` is False: parameters and optimizer state
     come back bit for bit, with no host sync. State a first step creates comes back as zeros (for AdamW,
     the same as no state). Tensors that live elsewhere than the flag (AdamW's CPU step counters on an
-    accelerator) are settled at the next sync by ``settle_step_counters``."""
+    accelerator) are settled at the next sync by ``settle_step_counters``. Sharded parameters and state are
+    masked shard by shard (``finite`` is the same on every process)."""
     saved = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = optimizer.state.get(p, {})
-            saved.append((p, p.detach().clone(),
-                          {k: v.clone() for k, v in state.items() if torch.is_tensor(v) and v.device == p.device}))
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = optimizer.state.get(p, {})
+                saved.append((p, local(p).clone(), {k: local(v).clone() for k, v in state.items()
+                                                    if torch.is_tensor(v) and v.device == p.device}))
     optimizer.step()
     with torch.no_grad():
         for p, old_p, old_state in saved:
-            p.copy_(torch.where(finite, p, old_p))
+            mine = local(p)
+            mine.copy_(torch.where(finite, mine, old_p))
             for k, v in optimizer.state[p].items():
                 if torch.is_tensor(v) and v.device == finite.device:
+                    v = local(v)
                     v.copy_(torch.where(finite, v, old_state[k] if k in old_state else torch.zeros_like(v)))
 
 
@@ -403,6 +413,8 @@ def _save(checkpoints, step, model, optimizer, scheduler, policy, settings, pend
           is_main):
     # the step counters must be settled before they are saved
     _read_skips(pending, skips, dataset, settings, optimizer, policy, metrics, is_main)
+    if checkpoints.collective:  # --shard fsdp: every process writes its share
+        return checkpoints.save(step, model, optimizer, scheduler, policy.scaler, policy.device)
     path = None
     if is_main:
         path = checkpoints.save(step, model_for_saving(model), optimizer, scheduler, policy.scaler, policy.device)

@@ -164,6 +164,10 @@ def vlft_distributed_options(backend, config):
         reason=("hccl is torch_npu's process group; HCCL_CONNECT_TIMEOUT raised from CANN's 120 s, "
                 "HCCL_EXEC_TIMEOUT bounds each collective (HCCL_OP_TIMEOUT is not read by CANN); "
                 "choose devices with ASCEND_RT_VISIBLE_DEVICES"),
+        # FSDP2 runs on HCCL through torch_npu's DTensor support; HCCL's reduce ops are SUM/PROD/MAX/MIN
+        # (no AVG or PreMulSum), so FSDP divides the summed gradients itself
+        fsdp=True, sum_reductions=True,
+        fsdp_reason="FSDP2 on hccl through torch_npu; gradients reduce with SUM (HCCL has no ReduceOp.AVG)",
     )
 
 

@@ -177,7 +177,8 @@ def vlft_dataloader_options(backend, config, options: DataLoaderOptions):
 def vlft_distributed_options(backend, config):
     if backend != NAME:
         return None
-    return DistributedOptions("nccl", timeout_s=1800, reason="nccl is torch's process group for NVIDIA GPUs")
+    return DistributedOptions("nccl", timeout_s=1800, reason="nccl is torch's process group for NVIDIA GPUs",
+                              fsdp=True, fsdp_reason="FSDP2 on nccl (ReduceOp.AVG in the reduce-scatter)")
 
 
 @hookimpl

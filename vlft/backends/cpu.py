@@ -86,7 +86,11 @@ def vlft_dataloader_options(backend, config, options: DataLoaderOptions):
 def vlft_distributed_options(backend, config):
     if backend != NAME:
         return None
-    return DistributedOptions("gloo", timeout_s=600, reason="gloo is torch's CPU process group")
+    return DistributedOptions(
+        "gloo", timeout_s=600, reason="gloo is torch's CPU process group",
+        fsdp=True, sum_reductions=True,
+        fsdp_reason=("FSDP2 on gloo; its gradients reduce with SUM and are divided by FSDP itself, because "
+                     "gloo's averaged reduce-scatter has summed instead of averaged in some torch versions"))
 
 
 @hookimpl

@@ -103,7 +103,10 @@ def vlft_dataloader_options(backend, config, options: DataLoaderOptions):
 def vlft_distributed_options(backend, config):
     if backend != NAME:
         return None
-    return DistributedOptions("gloo", timeout_s=600, reason="gloo is torch's CPU process group")
+    # fsdp=True would let --shard fsdp run here too (gloo has the collectives); this example leaves it
+    # off, so the error a user gets for a backend without sharding can be seen
+    return DistributedOptions("gloo", timeout_s=600, reason="gloo is torch's CPU process group",
+                              fsdp_reason="the example backend has not been tried with FSDP2")
 
 
 @hookimpl
