@@ -1,0 +1,208 @@
+"""``--shard fsdp`` (torch FSDP2) on the CPU with gloo: the same training as one process, a saved adapter
+that plain PEFT loads, exact resumption across two torchrun agents, each process holding its share of the
+weights, and a clear error where the backend does not offer sharding.
+
+One sharded run (2 processes x batch 2, 10 steps, checkpoint at step 5, activation checkpointing on) is
+shared by the tests of this module, beside one unsharded process of batch 4.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import base_model, vlft_command
+from vlft.config import build_config
+
+HERE = Path(__file__).resolve().parent
+STEPS = 10
+
+
+def _values(small_data, out, **over) -> dict:
+    train, val = small_data
+    values = dict(backend="cpu", method="lora", data=str(train), val_data=str(val), output=str(out), steps=STEPS,
+                  batch_size=4, log_every=1, eval_every=0, eval_samples=3, max_new_tokens=4, save_every=5,
+                  seed=5, lr=2e-3, warmup_ratio=0.0, adapter={"lora_dropout": 0.0})
+    values.update(over)
+    return values
+
+
+def _flags(values: dict) -> list[str]:
+    args = []
+    for key, value in values.items():
+        if key == "adapter":
+            args += [x for k, v in value.items() for x in ("--adapter-opt", f"{k}={v}")]
+        else:
+            args += [f"--{key.replace('_', '-')}", str(value)]
+    return args
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _adapter(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def unsharded(small_data, tmp_path_factory) -> Path:
+    from vlft.plugins import get_registry
+    from vlft.run import execute
+
+    out = tmp_path_factory.mktemp("unsharded") / "run"
+    execute(get_registry(), build_config({}, _values(small_data, out, save_every=0)), progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sharded_values(small_data, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("sharded") / "run"
+    return _values(small_data, out, batch_size=2, shard="fsdp", grad_checkpointing="on")
+
+
+@pytest.fixture(scope="module")
+def sharded(sharded_values) -> Path:
+    proc = subprocess.run([*vlft_command(), "run", "--nproc-per-node", "2", "--quiet", *_flags(sharded_values)],
+                          capture_output=True, text=True, env=ENV, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return Path(sharded_values["output"])
+
+
+def test_two_sharded_processes_train_as_one_process_with_the_same_global_batch(unsharded, sharded):
+    """Losses, gradient norms (clipped over the sharded gradients) and the saved adapter against one
+    unsharded process: this also proves FSDP's gradient reduction on gloo averages, not sums."""
+    a, b = _metrics(unsharded), _metrics(sharded)
+    assert [m["step"] for m in a] == [m["step"] for m in b] == list(range(1, STEPS + 1))
+    for x, y in zip(a, b):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), (x, y)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4), (x, y)
+    wa, wb = _adapter(unsharded / "adapter"), _adapter(sharded / "adapter")
+    assert wa.keys() == wb.keys() and all(v.dtype == torch.float32 for v in wb.values())
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-5)
+    assert a[-1]["loss"] < a[0]["loss"] - 1  # the adapter moved: not two untouched initialisations
+    plan = json.loads((sharded / "plan.json").read_text())
+    assert plan["sharding"]["strategy"] == "fsdp" and plan["sharding"]["world_size"] == 2
+    assert plan["sharding"]["wrapped"] == {"Qwen2_5_VLVisionBlock": 8, "Qwen2_5_VLDecoderLayer": 2}
+
+
+def test_evaluation_under_sharding_gives_the_unsharded_answers(unsharded, sharded):
+    """3 validation records over 2 processes: one process pads its share, and decoding stays in step."""
+    a = json.loads((unsharded / "eval.json").read_text())
+    b = json.loads((sharded / "eval.json").read_text())
+    for when in ("before", "after"):
+        assert b[when]["samples"] == a[when]["samples"] == 3
+        assert [e["prediction"] for e in b[when]["examples"]] == [e["prediction"] for e in a[when]["examples"]]
+        assert b[when]["exact_match"] == a[when]["exact_match"]
+
+
+def test_each_process_holds_half_of_the_base_weights(sharded):
+    """Measured on each process's tensors after sharding (summary.json), not computed from the config."""
+    s = json.loads((sharded / "summary.json").read_text())["sharding"]
+    whole, per = s["base_bytes_whole"], s["base_bytes_per_process"]
+    assert len(per) == 2 and sum(per) == whole
+    for held in per:
+        assert held == pytest.approx(whole / 2, rel=0.02)
+
+
+def test_the_adapter_of_a_sharded_model_loads_with_plain_peft_and_gives_its_logits(sharded, sharded_values,
+                                                                                   model_dir, tmp_path):
+    """A worker shards the model of the step-5 checkpoint over 2 processes, takes its logits and saves its
+    adapter through the sharded path; plain ``PeftModel.from_pretrained`` on one process must agree."""
+    from peft import PeftModel
+
+    from vlft.train import model_inputs
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**sharded_values, "output": str(tmp_path / "unused")}))
+    checkpoint = sharded / "checkpoints" / "step-000005"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(HERE / "fsdp_worker.py"), str(config), str(checkpoint), str(tmp_path)],
+                          capture_output=True, text=True, env=ENV, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(tmp_path / "sharded.pt", weights_only=False)
+    saved, step5 = _adapter(tmp_path / "adapter"), _adapter(checkpoint / "adapter")
+    assert saved.keys() == step5.keys() and all(torch.equal(saved[k], step5[k]) for k in saved)
+    model = PeftModel.from_pretrained(base_model(model_dir), str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        logits = model(**model_inputs(got["batch"])).logits
+    torch.testing.assert_close(logits, got["logits"], rtol=1e-5, atol=1e-5)
+    with torch.no_grad(), model.disable_adapter():  # the adapter matters: the comparison is not of base models
+        assert not torch.allclose(model(**model_inputs(got["batch"])).logits, got["logits"], atol=1e-3)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_torchrun_agents_resume_a_sharded_run_with_the_uninterrupted_losses(sharded, sharded_values, tmp_path):
+    """The run is cut back to its step-5 checkpoint and continued with --resume by two torchrun agents
+    (--nnodes 2, one process each, rendezvous on localhost): one job, the same losses as without the cut."""
+    out = tmp_path / "run"
+    shutil.copytree(sharded, out)
+    for name in ("adapter", "summary.json", "eval.json"):
+        shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-000005"]
+    port = _free_port()
+    args = [*vlft_command(), "run", "--quiet", "--resume", *_flags({**sharded_values, "output": str(out)}),
+            "--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    agents = [subprocess.Popen([*args, "--node-rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=ENV) for r in (0, 1)]
+    try:
+        results = [a.communicate(timeout=600) for a in agents]
+    finally:
+        for a in agents:
+            a.kill()
+    assert [a.returncode for a in agents] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
+    assert "resumed      from step 5" in results[0][1]
+    assert json.loads((out / "config.json").read_text())["world_size"] == 2
+    resumed, straight = _metrics(out), _metrics(sharded)
+    assert [m["step"] for m in resumed] == list(range(1, STEPS + 1))
+    for x, y in zip(straight, resumed):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-6), (x, y)
+    wa, wb = _adapter(sharded / "adapter"), _adapter(out / "adapter")
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-6, atol=1e-7)
+
+
+def test_a_sharded_checkpoint_is_not_resumed_without_sharding(sharded):
+    from vlft.checkpoints import restore_training_state
+    from vlft.errors import VlftError
+
+    with pytest.raises(VlftError, match="was written with --shard fsdp; resume it with --shard fsdp"):
+        restore_training_state(sharded / "checkpoints" / "step-000005", None, None, None, torch.device("cpu"))
+
+
+def test_a_backend_without_sharding_is_refused_before_any_process_group(small_data, tmp_path):
+    """ToyPlugin's backend answers DistributedOptions("gloo") and says nothing of FSDP."""
+    from test_run import ToyPlugin
+
+    from vlft.commands import check_sharding
+    from vlft.errors import ConfigError
+    from vlft.plugins import load_registry
+    from vlft.run import execute
+
+    reg = load_registry(plugins=(ToyPlugin(),))
+    config = build_config({}, _values(small_data, tmp_path / "out", backend="toycpu", shard="fsdp"))
+    with pytest.raises(ConfigError, match="backend toycpu does not support sharded training"):
+        check_sharding(reg, config)  # what `vlft run --nproc-per-node N` asks before torchrun starts
+    with pytest.raises(ConfigError, match="backend toycpu does not support sharded training"):
+        execute(reg, config, progress=False)
+    assert not torch.distributed.is_initialized()
+    assert not (tmp_path / "out").exists()
