@@ -3,7 +3,9 @@
 1. the device tests (``-m "cuda or npu"``) and the parity tests; among them a test that runs each
    device's tests again in reverse order (TF32 and other global switches must not leak);
 2. ``vlft parity --backends cpu,<device>`` in the backend's default policy and in fp32;
-3. ``bench/device_scale.py``: Qwen2.5-VL-7B's shape with random bf16 weights on the device, LoRA and
+3. ``bench/device_fsdp.py``: one process with ``--shard fsdp`` against one without on the device (the
+   losses, a checkpoint, the adapter loaded with plain PEFT);
+4. ``bench/device_scale.py``: Qwen2.5-VL-7B's shape with random bf16 weights on the device, LoRA and
    OFT steps, peak memory beside the memory plan's estimate.
 
 On a machine without an accelerator it runs the device tests (which skip, each with the probe's
@@ -85,6 +87,8 @@ def main(argv=None) -> int:
         cmd = [py, "-m", "vlft", "parity", "--backends", f"cpu,{backend}", "--steps", "5",
                "--precision", precision, "--output", str(out / f"parity-{precision}.json")]
         results.append(step(f"parity-{precision}", cmd, out, 300))
+    results.append(step("fsdp-one-process", [py, "bench/device_fsdp.py", "--backend", backend, "--out", str(out)],
+                        out, 300))
     if not args.skip_scale:
         results.append(step("scale", [py, "bench/device_scale.py", "--backend", backend, "--out", str(out)], out,
                             480))

@@ -32,6 +32,9 @@ def test_vlft_plugins_lists_plugins_backends_with_availability_and_methods(regis
         assert b["available"] == probe.available, b
         assert b["available"] or b["reason"] == probe.reason != ""
     assert {b["name"] for b in data["backends"]} == set(registry.backends) >= {"ascend", "cpu", "cuda"}
+    # which backends offer --shard fsdp, as their distributed options say
+    assert {b["name"]: b["fsdp"] for b in data["backends"] if b["name"] in ("ascend", "cpu", "cuda")} == \
+        {"ascend": True, "cpu": True, "cuda": True}
     assert [m["name"] for m in data["methods"]] == sorted(registry.methods) and {"lora", "oft"} <= set(registry.methods)
 
     proc = vlft("plugins", env={"VLFT_DISABLE_PLUGINS": "oft"})

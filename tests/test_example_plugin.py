@@ -55,6 +55,7 @@ def test_vlft_plugins_lists_the_example_backend_and_method():
     assert plugins.get("cpu-bf16") == "loaded" and plugins.get("loha") == "loaded", plugins
     backends = {b["name"]: b for b in listed["backends"]}
     assert backends["cpu-bf16"]["plugin"] == "cpu-bf16" and backends["cpu-bf16"]["available"]
+    assert backends["cpu-bf16"]["fsdp"] is False and "not been tried with FSDP2" in backends["cpu-bf16"]["fsdp_reason"]
     assert {m["name"]: m["plugin"] for m in listed["methods"]}.get("loha") == "loha"
 
 

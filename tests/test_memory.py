@@ -220,7 +220,33 @@ def test_a_plan_that_cannot_fit_exits_non_zero_and_names_the_fixes():
     mem = plan["memory"]
     assert mem["fits"] is False and mem["estimate_bytes"] > 24 * 2 ** 30
     assert any(f.startswith("--param-dtype bf16") for f in mem["fixes"])
+    # the CPU backend offers sharding, so splitting the model over processes is one of the fixes
+    assert any(f.startswith("--shard fsdp over ") and f.endswith("(fits)") for f in mem["fixes"]), mem["fixes"]
     assert "will not fit" in result.output
+
+
+def test_a_72b_plan_sharded_over_8_processes_gives_each_its_share():
+    """The issue's command, offline: the bundled 72B config, FSDP over 8 CUDA processes of 80 GiB."""
+    from vlft.plan import format_plan
+
+    result, plan = dry_json("--model", "qwen2.5-vl-72b", "--shard", "fsdp", "--nproc-per-node", "8",
+                            "--backend", "cuda", "--device-memory", "80GiB")
+    assert result.exit_code == 0, result.output
+    sh, mem = plan["sharding"], plan["memory"]
+    assert sh["strategy"] == "fsdp" and sh["world_size"] == 8 and sh["param_dtype"] == "bfloat16"
+    assert sh["wrapped"] == {"Qwen2_5_VLVisionBlock": 32, "Qwen2_5_VLDecoderLayer": 80}
+    base = sum(mem["base_weights_bytes"].values())
+    assert base == pytest.approx(73.4e9 * 2, rel=0.01)  # 73.4 B parameters in bf16, 147 GB: no single card
+    assert mem["sharded_over"] == 8 and mem["base_bytes_per_process"] == -(-base // 8)
+    # each process: its eighth of everything sharded, plus what is gathered whole at a time
+    assert mem["estimate_bytes"] == (mem["base_bytes_per_process"] + mem["adapter_state_bytes_per_process"]
+                                     + mem["gathered_bytes"] + mem["activation_bytes"] + mem["logits_bytes"]
+                                     + mem["reserved_bytes"])
+    assert 0 < mem["gathered_bytes"] < base / 8 and mem["fits"] is True
+    text = format_plan(plan)
+    assert "sharding     fsdp over 8 process(es)" in text
+    assert "fully_shard on 32 Qwen2_5_VLVisionBlock + 80 Qwen2_5_VLDecoderLayer, then the root" in text
+    assert "sharded over 8 processes" in text
 
 
 def test_checkpointing_auto_turns_on_when_only_it_makes_the_run_fit(tmp_path):

@@ -78,6 +78,8 @@ def plugins(as_json):
     registry = get_registry()
     names = sorted({n for n, _ in registry.pm.list_name_plugin() if n})
     probes = {name: registry.first("vlft_probe_backend", backend=name) for name in registry.backends}
+    dist = {name: registry.first("vlft_distributed_options", backend=name, config=RunConfig())
+            for name in registry.backends}
     data = {
         "plugins": [{"name": n, "status": "loaded"} for n in names]
         + [{"name": n, "status": "broken", "error": e} for n, e in sorted(registry.broken.items())]
@@ -85,7 +87,9 @@ def plugins(as_json):
         "backends": [
             {"name": b.name, "description": b.description, "device_type": b.device_type, "priority": b.priority,
              "plugin": registry.owners[("backend", b.name)], "available": probes[b.name].available,
-             "reason": probes[b.name].reason, "device_count": probes[b.name].device_count}
+             "reason": probes[b.name].reason, "device_count": probes[b.name].device_count,
+             "fsdp": bool(dist[b.name] and dist[b.name].fsdp),
+             "fsdp_reason": dist[b.name].fsdp_reason if dist[b.name] else "no distributed options"}
             for b in sorted(registry.backends.values(), key=lambda b: -b.priority)
         ],
         "methods": [
@@ -103,7 +107,8 @@ def plugins(as_json):
     click.echo("backends:")
     for b in data["backends"]:
         state = f"available ({b['device_count']} device(s))" if b["available"] else f"unavailable: {b['reason']}"
-        click.echo(f"  {b['name']:<8} {state}\n           {b['description']}")
+        shard = "--shard fsdp: yes" if b["fsdp"] else f"--shard fsdp: no ({b['fsdp_reason'] or 'not offered'})"
+        click.echo(f"  {b['name']:<8} {state}\n           {b['description']}\n           {shard}")
     click.echo("methods:")
     for m in data["methods"]:
         click.echo(f"  {m['name']:<8} {m['description']}")

@@ -102,7 +102,12 @@ def vlft_dataloader_options(backend: str, config: RunConfig, options: DataLoader
 
 @hookspec(firstresult=True)
 def vlft_distributed_options(backend: str, config: RunConfig) -> DistributedOptions | None:
-    """Return ``DistributedOptions``: process-group backend, timeout and environment. First answer wins."""
+    """Return ``DistributedOptions``: process-group backend, timeout and environment, and whether
+    ``--shard fsdp`` (FSDP2) works on that process group (``fsdp``, ``fsdp_reason``, ``sum_reductions``).
+
+    Also asked before torchrun starts when sharding is requested, so a backend without it is refused
+    before any process starts. First answer wins.
+    """
 
 
 @hookspec
