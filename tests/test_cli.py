@@ -6,7 +6,6 @@ import importlib.metadata
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -80,26 +79,6 @@ def test_vlft_demo_data_writes_a_readable_data_set(tmp_path):
     for rec in train + val:  # every image is a file under the data set's folder; every answer names both fields
         assert all(Path(p).is_file() and Path(p).is_relative_to(tmp_path / "demo") for p in rec.images)
         assert set(parse_fields(rec.reference)) == {"colour", "defect"}, rec.reference
-
-
-def test_torchrun_runs_vlft_directly(small_data, tmp_path):
-    """``torchrun -m vlft run``: two processes, one data-parallel run (torchrun's own rendezvous, free port)."""
-    script = Path(sys.executable).with_name("torchrun")
-    torchrun = [str(script)] if script.is_file() else [sys.executable, "-m", "torch.distributed.run"]
-    out = tmp_path / "run"
-    args = ["--backend", "cpu", "--data", str(small_data[0]), "--val-data", str(small_data[1]), "--steps", "2",
-            "--batch-size", "2", "--eval-samples", "2", "--max-new-tokens", "2", "--eval-every", "0",
-            "--save-every", "0", "--log-every", "1", "--output", str(out), "--quiet"]
-    proc = subprocess.run([*torchrun, "--standalone", "--nproc-per-node", "2", "-m", "vlft", "run", *args],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    config = json.loads((out / "config.json").read_text())
-    assert (config["world_size"], config["rank"]) == (2, 0)  # written by rank 0 of two
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [1, 2]  # one writer: rank 0
-    assert json.loads((out / "summary.json").read_text())["steps"] == 2
-    assert (out / "adapter" / "adapter_model.safetensors").is_file()
 
 
 @pytest.mark.parametrize("opts, has, lacks", [

@@ -146,6 +146,24 @@ def tower_attention(model) -> dict[str, str]:
     }
 
 
+def empty_model(path: str, attention, precision):
+    """The base model as ``load_model`` builds it, on the 'meta' device: its structure without reading a
+    weight. Under ``--shard fsdp`` every process but rank 0 starts from this and receives its share of the
+    weights from rank 0 (``sharding.receive_from_rank0``)."""
+    import torch
+    from transformers import AutoModelForImageTextToText, GenerationConfig
+
+    config = load_model_config(path)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(
+            config, dtype=getattr(torch, precision.param_dtype), attn_implementation=attention.as_attn_implementation())
+    try:  # from_pretrained reads it too: generation (EOS ids) must stop where rank 0's does
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:
+        pass
+    return model.eval()
+
+
 def enable_checkpointing(model, vision_adapted: bool) -> None:
     """Non-reentrant activation checkpointing in both towers, through transformers' own switch.
 

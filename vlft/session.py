@@ -100,7 +100,8 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
 
     from .checkpoints import restore_training_state
     from .model import (
-        compute_adapters_in_autocast_dtype, enable_checkpointing, load_model, require_weights, upcast_trainable,
+        compute_adapters_in_autocast_dtype, empty_model, enable_checkpointing, load_model, require_weights,
+        upcast_trainable,
     )
     from .train import LoopSettings, StepPolicy, cosine_with_warmup, seed_everything
 
@@ -122,7 +123,13 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
     if config.world_size > 1 or plan.sharding.enabled:
         _init_distributed(plan, device)
     memory_reader = registry.first("vlft_memory_reader", backend=backend, device=device)
-    model = load_model(plan.model_path, plan.attention, plan.precision, trust_pickle=config.trust_pickle)
+    # sharded over several processes, only rank 0 reads the weights; the others build the model on 'meta'
+    # and receive their shares from it once it is sharded (below)
+    weightless = plan.sharding.enabled and config.world_size > 1 and config.rank != 0
+    if weightless:
+        model = empty_model(plan.model_path, plan.attention, plan.precision)
+    else:
+        model = load_model(plan.model_path, plan.attention, plan.precision, trust_pickle=config.trust_pickle)
     plan.patches = [p for ps in registry.hook.vlft_patch_model(backend=backend, model=model, config=config,
                                                                    attention=plan.attention)
                     if ps for p in ps]
@@ -140,12 +147,14 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
         enable_checkpointing(model, vision_adapted=bool(plan.target_summary.get("vision_blocks")))
     if plan.precision.autocast_dtype:
         compute_adapters_in_autocast_dtype(model)
-    model.to(device)
-    if plan.sharding.enabled:
+    if plan.sharding.enabled:  # fully_shard moves each process's shares to the device, never the whole model
         from .sharding import shard_model
 
-        shard_model(model, plan.sharding, device)
-
+        whole = model.state_dict() if config.world_size > 1 and config.rank == 0 else None
+        shard_model(model, plan.sharding, device, whole)
+        del whole
+    else:
+        model.to(device)
     def save_adapter(m, path):
         registry.first("vlft_save_adapter", method=plan.method.name, model=m, path=path)
 

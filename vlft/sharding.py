@@ -112,8 +112,9 @@ def working_set_bytes(model, itemsize: int | None) -> tuple[int, int, int]:
     return whole - sum(block_sizes), max(block_sizes, default=0), whole
 
 
-def shard_model(model, plan: ShardingPlan, device) -> None:
-    """Apply ``fully_shard`` to every block, then to the transformers model as the root (in place).
+def shard_model(model, plan: ShardingPlan, device, whole: dict | None = None) -> None:
+    """Apply ``fully_shard`` to every block, then to the transformers model as the root (in place); with
+    several processes, fill the shares from rank 0's ``whole`` state dict (``receive_from_rank0``).
 
     The root is the transformers model, not the PEFT wrapper, so ``generate`` (which calls the transformers
     model directly) also passes through the root's hooks.
@@ -131,6 +132,8 @@ def shard_model(model, plan: ShardingPlan, device) -> None:
     for _, block in blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=mp)
     root = fully_shard(transformers_model(model), mesh=mesh, mp_policy=mp)
+    if plan.world_size > 1:
+        receive_from_rank0(model, whole, device)
     # FSDP takes as root the first sharded module whose forward runs; generate runs the vision tower's
     # blocks before the root's forward, so settle the root now (torch has no public call for this)
     fully_shard.state(root)._lazy_init()
@@ -138,6 +141,26 @@ def shard_model(model, plan: ShardingPlan, device) -> None:
         for module in root.modules():
             if hasattr(module, "set_force_sum_reduction_for_comms"):
                 module.set_force_sum_reduction_for_comms(True)
+
+
+def receive_from_rank0(model, state: dict | None, device) -> None:
+    """Fill a sharded model whose processes other than rank 0 were built on 'meta' (``model.empty_model``):
+    rank 0 passes the full state dict it loaded (``state``, on the host), each process keeps its share.
+
+    Only rank 0 reads the checkpoint from disk and holds it whole in host memory; the others allocate only
+    their shards. Buffers (rotary frequencies, which the state dict does not hold) are copied from rank 0.
+    """
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    main = torch.distributed.get_rank() == 0
+    if not main:
+        model.to_empty(device=device)
+    with torch.no_grad():
+        for _, buffer in model.named_buffers():
+            torch.distributed.broadcast(buffer, src=0)
+    set_model_state_dict(model, state if main else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
 @contextmanager

@@ -23,7 +23,6 @@ from vlft.data import read_records
 from vlft.encoding import Collator, SampleEncoder
 from vlft.parity import TOLERANCES, compare, run_worker, tolerance_for
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _cfg(small_data, out, **over):
@@ -33,47 +32,6 @@ def _cfg(small_data, out, **over):
                   seed=5, lr=2e-3, warmup_ratio=0.0)
     values.update(over)
     return values
-
-
-def _metrics(out: Path) -> list[dict]:
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def _weights(out: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(str(out / "adapter" / "adapter_model.safetensors"))
-
-
-def test_two_gloo_processes_match_one_process_with_the_same_global_batch(small_data, tmp_path):
-    """LoRA dropout is off: each process draws its own dropout masks, which no data-parallel split can match."""
-    from vlft.plugins import get_registry
-    from vlft.run import execute
-
-    single = tmp_path / "single"
-    execute(get_registry(), build_config({}, _cfg(small_data, single, adapter={"lora_dropout": 0.0})),
-            progress=False)
-
-    double = tmp_path / "double"
-    args = ["--adapter-opt", "lora_dropout=0.0"]
-    for key, value in _cfg(small_data, double, batch_size=4).items():
-        args += [f"--{key.replace('_', '-')}", str(value)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "vlft", "run", "--nproc-per-node", "2", "--quiet", *args],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-    a, b = _metrics(single), _metrics(double)
-    assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2, 3, 4]
-    for x, y in zip(a, b):
-        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), (x, y)
-        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4), (x, y)
-    wa, wb = _weights(single), _weights(double)
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-6)
-    # the adapter moved: the comparison is not of two untouched initialisations
-    assert a[-1]["loss"] < a[0]["loss"]
 
 
 def test_a_failing_rank_stops_the_others_with_a_clear_message(small_data, tmp_path):

@@ -1,9 +1,13 @@
-"""``--shard fsdp`` (torch FSDP2) on the CPU with gloo: the same training as one process, a saved adapter
-that plain PEFT loads, exact resumption across two torchrun agents, each process holding its share of the
-weights, and a clear error where the backend does not offer sharding.
+"""Several processes on the CPU with gloo, data parallel and sharded (``--shard fsdp``, torch FSDP2).
 
-One sharded run (2 processes x batch 2, 10 steps, checkpoint at step 5, activation checkpointing on) is
-shared by the tests of this module, beside one unsharded process of batch 4.
+Both give the training of one process with the same global batch. Sharded: evaluation gives the unsharded
+answers, the saved adapter loads with plain PEFT and gives the sharded model's logits, two torchrun agents
+resume a run exactly, each process holds its share of the weights (and only rank 0 reads them), and a
+backend that does not offer sharding is refused before any process group starts.
+
+The tests share three runs of 10 steps: one process of batch 4; 2 data-parallel processes of batch 2
+(started with plain ``torchrun -m vlft run``); 2 sharded processes of batch 2 (``vlft run --nproc-per-node 2
+--shard fsdp``, checkpoint at step 5, activation checkpointing on).
 """
 
 from __future__ import annotations
@@ -82,6 +86,36 @@ def sharded(sharded_values) -> Path:
     return Path(sharded_values["output"])
 
 
+@pytest.fixture(scope="module")
+def data_parallel(small_data, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ddp") / "run"
+    script = Path(sys.executable).with_name("torchrun")
+    torchrun = [str(script)] if script.is_file() else [sys.executable, "-m", "torch.distributed.run"]
+    values = _values(small_data, out, batch_size=2, save_every=0)
+    proc = subprocess.run([*torchrun, "--standalone", "--nproc-per-node", "2", "-m", "vlft", "run", "--quiet",
+                           *_flags(values)], capture_output=True, text=True, env=ENV, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_two_data_parallel_processes_started_by_torchrun_train_as_one_process(unsharded, data_parallel):
+    """``torchrun -m vlft run``: 2 processes of batch 2 against 1 of batch 4. LoRA dropout is off: each
+    process draws its own dropout masks, which no data-parallel split can match."""
+    config = json.loads((data_parallel / "config.json").read_text())
+    assert (config["world_size"], config["rank"], config["shard"]) == (2, 0, "none")  # written by rank 0 of two
+    a, b = _metrics(unsharded), _metrics(data_parallel)
+    assert [m["step"] for m in a] == [m["step"] for m in b] == list(range(1, STEPS + 1))  # one writer: rank 0
+    for x, y in zip(a, b):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), (x, y)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4), (x, y)
+    wa, wb = _adapter(unsharded / "adapter"), _adapter(data_parallel / "adapter")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-5)
+    assert a[-1]["loss"] < a[0]["loss"] - 1  # the adapter moved: not two untouched initialisations
+    assert json.loads((data_parallel / "summary.json").read_text())["sharding"] is None
+
+
 def test_two_sharded_processes_train_as_one_process_with_the_same_global_batch(unsharded, sharded):
     """Losses, gradient norms (clipped over the sharded gradients) and the saved adapter against one
     unsharded process: this also proves FSDP's gradient reduction on gloo averages, not sums."""
@@ -121,8 +155,9 @@ def test_each_process_holds_half_of_the_base_weights(sharded):
 
 def test_the_adapter_of_a_sharded_model_loads_with_plain_peft_and_gives_its_logits(sharded, sharded_values,
                                                                                    model_dir, tmp_path):
-    """A worker shards the model of the step-5 checkpoint over 2 processes, takes its logits and saves its
-    adapter through the sharded path; plain ``PeftModel.from_pretrained`` on one process must agree."""
+    """A worker shards the model of the step-5 checkpoint over 2 processes (rank 1 may not read the weights:
+    it receives its share from rank 0), takes its logits and saves its adapter through the sharded path;
+    plain ``PeftModel.from_pretrained`` on one process must agree."""
     from peft import PeftModel
 
     from vlft.train import model_inputs
