@@ -201,9 +201,9 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
                   config.batch_size, config.grad_accum, config.max_pixels,
                   can_shard=bool(plan.distributed and plan.distributed.fsdp))
     if plan.sharding.enabled:
-        plan.notes.append(f"--shard fsdp: each process reads the whole base model into host memory "
-                          f"({memory.gib(sum(plan.memory.base_weights.values()))}) before keeping its "
-                          f"1/{config.world_size} share on the device")
+        plan.notes.append(f"--shard fsdp: rank 0 alone reads the base weights, into its host memory "
+                          f"({memory.gib(sum(plan.memory.base_weights.values()))}); the other processes build "
+                          f"the model without weights and receive their 1/{config.world_size} shares from it")
     return Planned(plan, model_config, processor, encoder, train, val, total_steps, skeleton)
 
 
