@@ -34,10 +34,31 @@ def main(config_path: str, checkpoint: str, out: str) -> None:
     with torch.no_grad():
         logits = s.model(**model_inputs(to_device(batch, s.device))).logits
     to_save = s.adapter_to_save(s.model)  # collective
+    skip = non_finite_step_is_not_applied(s, batch)
     if config.rank == 0:
         s.save_adapter(to_save, Path(out) / "adapter")
-        torch.save({"logits": logits, "batch": batch}, Path(out) / "sharded.pt")
+        torch.save({"logits": logits, "batch": batch, "skip": skip}, Path(out) / "sharded.pt")
     torch.distributed.destroy_process_group()
+
+
+def non_finite_step_is_not_applied(s, batch) -> dict:
+    """A step on a batch whose pixels are NaN: skipped on every process, and each process's shards of the
+    adapter and of the AdamW state (restored from the checkpoint) come back bit for bit."""
+    from vlft.sharding import local
+    from vlft.train import train_step_on
+
+    def shards():
+        params = [local(p).clone() for p in s.model.parameters() if p.requires_grad]
+        state = [local(v).clone() for st in s.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        return params, state
+
+    before = shards()
+    poisoned = {**batch, "pixel_values": torch.full_like(batch["pixel_values"], float("nan"))}
+    s.model.train()
+    out = train_step_on(s.model, s.optimizer, s.scheduler, [poisoned], s.policy)
+    after = shards()
+    same = all(torch.equal(a, b) for a, b in zip(before[0] + before[1], after[0] + after[1]))
+    return {"skipped": bool(out["skipped"]), "unchanged": same, "state_tensors": len(before[1])}
 
 
 if __name__ == "__main__":

@@ -170,6 +170,8 @@ def test_the_adapter_of_a_sharded_model_loads_with_plain_peft_and_gives_its_logi
                           capture_output=True, text=True, env=ENV, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = torch.load(tmp_path / "sharded.pt", weights_only=False)
+    # then a step with NaN pixels: skipped, and rank 0's shards of adapter and AdamW state untouched
+    assert got["skip"]["skipped"] and got["skip"]["unchanged"] and got["skip"]["state_tensors"] > 0, got["skip"]
     saved, step5 = _adapter(tmp_path / "adapter"), _adapter(checkpoint / "adapter")
     assert saved.keys() == step5.keys() and all(torch.equal(saved[k], step5[k]) for k in saved)
     model = PeftModel.from_pretrained(base_model(model_dir), str(tmp_path / "adapter")).eval()
