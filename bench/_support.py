@@ -299,7 +299,8 @@ def step_policy(env: BenchEnv, scaler=None):
 
     if scaler is None and env.precision.loss_scaling:
         scaler = env.precision.make_scaler()
-    return StepPolicy(env.device, env.autocast_dtype, scaler, max_grad_norm=1.0, grad_accum=1, world_size=1)
+    return StepPolicy(env.device, env.autocast_dtype, scaler, max_grad_norm=1.0, grad_accum=1, world_size=1,
+                      flags_on_host=env.device.type == "cpu")
 
 
 @dataclass

@@ -112,6 +112,39 @@ def test_non_finite_steps_are_not_applied_and_too_many_stop_the_run(registry, sm
     assert skipped[0]["records"] == [records[i].where for i in drawn[4:8]]
 
 
+def test_guarded_step_undoes_a_non_finite_step_on_the_device_bit_for_bit():
+    """The accelerator path (the CPU just skips the step, see StepPolicy.flags_on_host): the step is taken
+    and undone by a device-side mask, parameters and AdamW state (step counter included) as they were."""
+    import copy
+
+    from vlft.train import guarded_step
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.01)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()  # AdamW state exists
+    snapshot = ([p.detach().clone() for p in model.parameters()],
+                [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()])
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float("nan"))
+    guarded_step(opt, torch.tensor(False))
+    for p, old, old_state in zip(model.parameters(), *snapshot):
+        assert torch.equal(p, old) and all(torch.equal(v, old_state[k]) for k, v in opt.state[p].items())
+    # a finite step goes through as optimizer.step() would
+    twin = torch.nn.Linear(4, 3)
+    twin.load_state_dict(model.state_dict())
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=0.1, weight_decay=0.01)
+    twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # its own state tensors, not opt's
+    for p, q in zip(model.parameters(), twin.parameters()):
+        p.grad = torch.ones_like(p)
+        q.grad = torch.ones_like(q)
+    guarded_step(opt, torch.tensor(True))
+    twin_opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+    assert not all(torch.equal(p, old) for p, old in zip(model.parameters(), snapshot[0]))
+
+
 # -- 2. signals ---------------------------------------------------------------------------------------
 
 def test_sigterm_writes_a_checkpoint_and_resume_gives_the_uninterrupted_losses(registry, small_data, tmp_path,

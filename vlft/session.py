@@ -168,7 +168,8 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
     if resume_from is not None:
         start_step = restore_training_state(resume_from, optimizer, scheduler, scaler, device,
                                             model=model if plan.sharding.enabled else None)
-    policy = StepPolicy(device, autocast_dtype, scaler, config.max_grad_norm, config.grad_accum, config.world_size)
+    policy = StepPolicy(device, autocast_dtype, scaler, config.max_grad_norm, config.grad_accum, config.world_size,
+                        flags_on_host=device.type == "cpu")
     settings = LoopSettings(
         total_steps=total_steps, batch_size=config.batch_size, grad_accum=config.grad_accum, seed=config.seed,
         rank=config.rank, world_size=config.world_size, log_every=config.log_every, eval_every=config.eval_every,

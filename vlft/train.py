@@ -7,9 +7,11 @@ number of label tokens, so accumulation and data parallelism give exactly
 the loss and gradients of one big batch.
 
 A step whose loss or gradient norm is not finite is not applied, in every
-precision, without a host-device sync: the update is masked on the device
-(``guarded_step``), and the loop reads the skip flags when it reads the loss
-anyway (log steps, checkpoints), naming the skipped batches' records then.
+precision, without a host-device sync: on an accelerator the update is masked
+on the device (``guarded_step``); on the CPU, where reading the flag waits for
+nothing, the step is just not taken. The loop reads the skip flags when it
+reads the loss anyway (log steps, checkpoints), naming the skipped batches'
+records then.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ class StepPolicy:
     max_grad_norm: float
     grad_accum: int
     world_size: int = 1
+    # the device runs each op before returning (the CPU): reading the non-finite flag waits for nothing, so a
+    # skipped step is simply not taken instead of being taken and undone on the device (``guarded_step``)
+    flags_on_host: bool = False
 
 
 def autocast_context(device: torch.device, dtype: torch.dtype | None):
@@ -135,6 +140,9 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], policy: S
     if policy.scaler is not None:  # the scaler skips a step with inf/NaN gradients itself (and backs off)
         policy.scaler.step(optimizer)
         policy.scaler.update()
+    elif policy.flags_on_host:
+        if finite:
+            optimizer.step()
     else:
         guarded_step(optimizer, finite)
     scheduler.step()
