@@ -294,13 +294,15 @@ def optimizer_for(model, lr: float = 1e-4):
     return optimizer, cosine_with_warmup(optimizer, 0, 1_000_000)
 
 
-def step_policy(env: BenchEnv, scaler=None):
+def step_policy(env: BenchEnv, scaler=None, as_on_a_device: bool = False):
+    """The step policy a run on ``env`` resolves; ``as_on_a_device``: the accelerator's (the non-finite flag
+    stays on the device), for counting the syncs a step would make there."""
     from vlft.train import StepPolicy
 
     if scaler is None and env.precision.loss_scaling:
         scaler = env.precision.make_scaler()
     return StepPolicy(env.device, env.autocast_dtype, scaler, max_grad_norm=1.0, grad_accum=1, world_size=1,
-                      flags_on_host=env.device.type == "cpu")
+                      flags_on_host=env.device.type == "cpu" and not as_on_a_device)
 
 
 @dataclass
@@ -329,10 +331,10 @@ class Trainer:
                 if isinstance(s.get("step"), torch.Tensor) and s["step"].device.type == "cpu"]
 
 
-def trainer(env: BenchEnv, model) -> Trainer:
+def trainer(env: BenchEnv, model, as_on_a_device: bool = False) -> Trainer:
     model.train()
     optimizer, scheduler = optimizer_for(model)
-    return Trainer(model, optimizer, scheduler, step_policy(env))
+    return Trainer(model, optimizer, scheduler, step_policy(env, as_on_a_device=as_on_a_device))
 
 
 def encode_batches(size: ModelSize, records, batch_size: int = BATCH_SIZE, **collate_kw) -> list[dict]:

@@ -32,7 +32,9 @@ def counted_step(env, size, records, method) -> dict:
 
     host = encode_batches(size, records[:BATCH_SIZE])[0]
     dev = to_device(env, host)
-    tr = trainer(env, adapted_model(env, size, method)[0])
+    # the accelerator's step: on the CPU, vlft reads the non-finite flag on the host, which waits for nothing
+    # there but would be a sync on a device, and syncs are counted as they would be on a device
+    tr = trainer(env, adapted_model(env, size, method)[0], as_on_a_device=True)
     tr.step(host, dev)  # first step: lazy initialisation (optimizer state) out of the way
     tokens = label_count(host)  # on the host, before the step, as run_training does
     counter = sync_counter(env.device, host_tensors=tr.host_state())

@@ -42,8 +42,11 @@ def main(config_path: str, checkpoint: str, out: str) -> None:
 
 
 def non_finite_step_is_not_applied(s, batch) -> dict:
-    """A step on a batch whose pixels are NaN: skipped on every process, and each process's shards of the
-    adapter and of the AdamW state (restored from the checkpoint) come back bit for bit."""
+    """Steps on a batch whose pixels are NaN: skipped on every process, and each process's shards of the
+    adapter and of the AdamW state (restored from the checkpoint) come back bit for bit; both as the CPU
+    does it (the step not taken) and as an accelerator does (taken and undone shard by shard on the device)."""
+    import dataclasses
+
     from vlft.sharding import local
     from vlft.train import train_step_on
 
@@ -55,10 +58,14 @@ def non_finite_step_is_not_applied(s, batch) -> dict:
     before = shards()
     poisoned = {**batch, "pixel_values": torch.full_like(batch["pixel_values"], float("nan"))}
     s.model.train()
-    out = train_step_on(s.model, s.optimizer, s.scheduler, [poisoned], s.policy)
+    skipped = []
+    for on_host in (True, False):
+        out = train_step_on(s.model, s.optimizer, s.scheduler, [poisoned],
+                            dataclasses.replace(s.policy, flags_on_host=on_host))
+        skipped.append(bool(out["skipped"]))
     after = shards()
     same = all(torch.equal(a, b) for a, b in zip(before[0] + before[1], after[0] + after[1]))
-    return {"skipped": bool(out["skipped"]), "unchanged": same, "state_tensors": len(before[1])}
+    return {"skipped": all(skipped), "unchanged": same, "state_tensors": len(before[1])}
 
 
 if __name__ == "__main__":
