@@ -117,8 +117,9 @@ def table_rows(runs: list[RunData]) -> tuple[list[str], list[list[str]]]:
         devtype, count = _get(r.plan, "backend", "device_type"), _get(r.plan, "backend", "device_count")
         device = f"{devtype} x{count}" if devtype else "-"
         world = _get(r.plan, "training", "world_size") or 1
-        if devtype and world > 1:
-            device += f" ({world} processes)"
+        if devtype and (world > 1 or _get(r.plan, "sharding", "strategy") == "fsdp"):
+            sharded = _get(r.plan, "sharding", "strategy") == "fsdp"
+            device += f" ({world} process{'es' if world > 1 else ''}{', FSDP' if sharded else ''})"
         modules = _get(r.plan, "targets", "modules")
         steps = _get(r.summary, "steps") or (logged[-1]["step"] if logged else None)
         row = [r.name, backend, device, _get(r.plan, "method", "name") or _get(r.summary, "method") or "-",

@@ -243,3 +243,11 @@ def test_a_backend_without_sharding_is_refused_before_any_process_group(small_da
         execute(reg, config, progress=False)
     assert not torch.distributed.is_initialized()
     assert not (tmp_path / "out").exists()
+
+
+def test_the_report_says_how_the_processes_held_the_model(data_parallel, sharded):
+    from vlft.report import read_run, table_rows
+
+    header, rows = table_rows([read_run(data_parallel, "ddp"), read_run(sharded, "fsdp")])
+    device = header.index("device")
+    assert [row[device] for row in rows] == ["cpu x1 (2 processes)", "cpu x1 (2 processes, FSDP)"]
