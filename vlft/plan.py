@@ -190,7 +190,12 @@ def _sharding_lines(sh: dict | None) -> list[str]:
     return [f"sharding     fsdp over {sh['world_size']} process(es) ({sh['reason']})",
             f"             fully_shard on {blocks}, then the root; parameters gathered in "
             f"{sh['param_dtype'] or 'their own dtype'}, gradients reduced in {sh['reduce_dtype']}"
-            + (" (SUM, divided by FSDP)" if sh["sum_reductions"] else "")]
+            + (" (SUM, divided by FSDP)" if sh["sum_reductions"] else ""),
+            "             evaluation: each process answers an equal share (padded with repeats whose answers are "
+            "dropped), all decoding in step (synced_gpus); every decoding step gathers every block, so it is "
+            "slower than unsharded",
+            "             checkpoints: AdamW state in one share per process (torch.distributed.checkpoint), the "
+            "adapter gathered and saved once by rank 0"]
 
 
 def format_plan(desc: dict) -> str:
