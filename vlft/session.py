@@ -155,6 +155,7 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
         del whole
     else:
         model.to(device)
+
     def save_adapter(m, path):
         registry.first("vlft_save_adapter", method=plan.method.name, model=m, path=path)
 
