@@ -134,6 +134,21 @@ def test_two_sharded_processes_train_as_one_process_with_the_same_global_batch(u
     assert plan["sharding"]["wrapped"] == {"Qwen2_5_VLVisionBlock": 8, "Qwen2_5_VLDecoderLayer": 2}
 
 
+def test_sharded_gradient_accumulation_trains_as_one_process(unsharded, sharded_values, tmp_path):
+    """2 sharded processes x batch 1 x 2 micro-batches against 1 process x batch 4: the unreduced gradients
+    of the first micro-batch (set_requires_gradient_sync off) must add up with the last one's."""
+    values = {**sharded_values, "output": str(tmp_path / "run"), "batch_size": 1, "grad_accum": 2,
+              "save_every": 0, "eval_samples": 1, "max_new_tokens": 1, "grad_checkpointing": "off"}
+    proc = subprocess.run([*vlft_command(), "run", "--nproc-per-node", "2", "--quiet", *_flags(values)],
+                          capture_output=True, text=True, env=ENV, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = _metrics(unsharded), _metrics(tmp_path / "run")
+    assert len(a) == len(b) == STEPS
+    for x, y in zip(a, b):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), (x, y)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4), (x, y)
+
+
 def test_evaluation_under_sharding_gives_the_unsharded_answers(unsharded, sharded):
     """3 validation records over 2 processes: one process pads its share, and decoding stays in step."""
     a = json.loads((unsharded / "eval.json").read_text())
