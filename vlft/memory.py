@@ -199,7 +199,7 @@ def fsdp_gathered_bytes(model, compute_dtype: str | None) -> int:
     from .sharding import working_set_bytes
 
     itemsize = torch.empty((), dtype=getattr(torch, compute_dtype)).element_size() if compute_dtype else None
-    root, block, _ = working_set_bytes(model, itemsize)
+    root, block = working_set_bytes(model, itemsize)
     return root + 2 * block
 
 

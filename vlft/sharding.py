@@ -100,16 +100,15 @@ def count_blocks(model) -> dict[str, int]:
     return dict(Counter(type(m).__name__ for _, m in blocks(model)))
 
 
-def working_set_bytes(model, itemsize: int | None) -> tuple[int, int, int]:
-    """(root bytes, largest block bytes, whole model bytes) at the gathered dtype's ``itemsize`` (None: each
+def working_set_bytes(model, itemsize: int | None) -> tuple[int, int]:
+    """(root bytes, largest block bytes) at the gathered dtype's ``itemsize`` (None: each
     parameter's own). The root's parameters (embeddings, head, norms, patch embedding, merger) stay gathered
     through forward and backward; blocks are gathered one at a time, with the next one prefetched."""
     def size(params) -> int:
         return sum(p.numel() * (itemsize or p.element_size()) for p in params)
 
     block_sizes = [size(m.parameters()) for _, m in blocks(model)]
-    whole = size(model.parameters())
-    return whole - sum(block_sizes), max(block_sizes, default=0), whole
+    return size(model.parameters()) - sum(block_sizes), max(block_sizes, default=0)
 
 
 def shard_model(model, plan: ShardingPlan, device, whole: dict | None = None) -> None:
@@ -178,12 +177,6 @@ def root_gathered(model):
         yield
     finally:
         root.reshard()
-
-
-def is_sharded(model) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(transformers_model(model), FSDPModule)
 
 
 def local(t):
