@@ -65,8 +65,8 @@ def seed_everything(seed: int) -> None:
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropy over label positions (fp32)."""
-    shift_logits = logits[:, :-1, :].float()
+    """Sum of next-token cross-entropy over label positions, in fp32 at least (fp64 logits stay fp64)."""
+    shift_logits = logits[:, :-1, :].to(torch.promote_types(logits.dtype, torch.float32))
     shift_labels = labels[:, 1:]
     return torch.nn.functional.cross_entropy(
         shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),

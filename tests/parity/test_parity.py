@@ -129,14 +129,19 @@ def test_cpu_against_each_accelerator(small_data, accelerator, precision, cpu_re
         assert not all(r.ok for r in compare(cpu_reference, dev, TOLERANCES["fp32"])), rows
 
 
-def _step_figures(small_data, out, **over):
-    """Per step (loss, gradient norm), and the final adapter weights, of ``prepare`` + vlft's own step."""
+def _step_figures(small_data, out, float64=False, **over):
+    """Per step (loss, gradient norm), and the final adapter weights, of ``prepare`` + vlft's own step.
+
+    ``float64``: the prepared model (base and adapter) is cast to float64 before the first step (AdamW's
+    state is created at that step, so it follows the parameters)."""
     from vlft.plugins import get_registry
     from vlft.session import prepare
     from vlft.train import train_step_on
     from vlft.sampling import batches
 
     s = prepare(get_registry(), build_config({}, _cfg(small_data, out, adapter={"lora_dropout": 0.0}, **over)))
+    if float64:
+        s.model.double()
     figures = []
     s.model.train()
     for group in batches(s.dataset, s.collate, s.settings, 0):
@@ -161,19 +166,67 @@ def _varied_replies(train: Path, out: Path) -> Path:
 
 
 def test_gradient_accumulation_computes_what_one_big_batch_computes(small_data, tmp_path):
-    """Batch 2 with 2 micro-batches per step against batch 4. LoRA dropout is off: its masks are drawn per
-    micro-batch, which no split can match."""
+    """Batch 2 with 2 micro-batches per step against batch 4, 6 steps. LoRA dropout is off: its masks are drawn
+    per micro-batch, which no split can match.
+
+    Both runs compute in float64. In float32 the two differ only by summation order (one batch of 4 against
+    two of 2, and a CPU's kernels choose their own blocking: Intel and AMD differ), about 1e-7 of a sum; but
+    AdamW divides each gradient by its own running RMS, so a weight whose gradient is near zero (|g| ~ 1e-6
+    where the sum's rounding is ~1e-7 of the larger terms) moves by up to the learning rate either way: one
+    Intel machine saw 2 of 4,096 weights 2.5e-6 apart (lr 2e-3, 6 steps), while a real accumulation bug
+    (each micro-batch divided by its own label count instead of the step's) moves most weights by 1e-4 and
+    more. In float64 the rounding is ~1e-16, below AdamW's eps (1e-8) by far, so nothing amplifies it: the
+    tolerances below are 1e-9, and the bug (shown in ``test_the_accumulation_check_sees_a_per_micro_batch_mean``)
+    is 5 orders of magnitude beyond them."""
     data = str(_varied_replies(small_data[0], tmp_path / "varied.jsonl"))
-    big, wb = _step_figures(small_data, tmp_path / "big", data=data, batch_size=4, steps=6)
-    acc, wa = _step_figures(small_data, tmp_path / "acc", data=data, batch_size=2, grad_accum=2, steps=6)
+    big, wb = _step_figures(small_data, tmp_path / "big", data=data, batch_size=4, steps=6, float64=True)
+    acc, wa = _step_figures(small_data, tmp_path / "acc", data=data, batch_size=2, grad_accum=2, steps=6,
+                            float64=True)
+    assert all(w.dtype == torch.float64 for w in wa.values())
+    _assert_same_training(big, wb, acc, wa)
+    assert big[-1][0] < big[0][0]  # the adapter moved
+
+
+def _assert_same_training(big, wb, acc, wa):
     assert len(big) == len(acc) == 6
     for (lb, gb), (la, ga) in zip(big, acc):
-        assert la == pytest.approx(lb, rel=1e-5), (big, acc)
-        assert ga == pytest.approx(gb, rel=1e-4), (big, acc)
+        assert la == pytest.approx(lb, rel=1e-9), (big, acc)
+        assert ga == pytest.approx(gb, rel=1e-9), (big, acc)
     assert wa.keys() == wb.keys()
     for k in wb:
-        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-6)
-    assert big[-1][0] < big[0][0]  # the adapter moved
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-9, atol=1e-12)
+
+
+def test_the_accumulation_check_sees_a_per_micro_batch_mean(small_data, tmp_path, monkeypatch):
+    """The check above fails on the bug it was written for: each micro-batch's loss divided by its own label
+    count and the micro-batch means averaged, instead of the step's sum over the step's label count. The bug
+    is injected into vlft's step for this test only: each micro-batch's token-loss sum is rescaled so that
+    ``sum * world / step_tokens`` becomes ``mean / micro_batches`` (with one micro-batch it changes nothing)."""
+    import vlft.train
+
+    data = str(_varied_replies(small_data[0], tmp_path / "varied.jsonl"))
+    big, wb = _step_figures(small_data, tmp_path / "big", data=data, batch_size=4, steps=6, float64=True)
+    real_step, real_sum = vlft.train.train_step, vlft.train.token_loss_sum
+    factors = []
+
+    def step_with_per_micro_batch_means(model, optimizer, scheduler, micro_batches, policy, local_tokens):
+        counts = [vlft.train.label_count(b) for b in micro_batches]
+        factors[:] = [sum(counts) / (len(counts) * c) for c in counts]
+        return real_step(model, optimizer, scheduler, micro_batches, policy, local_tokens)
+
+    monkeypatch.setattr(vlft.train, "train_step", step_with_per_micro_batch_means)
+    calls = []
+
+    def rescaled_sum(logits, labels):  # outside a step (set-up traces the loss too) nothing is rescaled
+        calls.append(bool(factors))
+        return real_sum(logits, labels) * (factors.pop(0) if factors else 1.0)
+
+    monkeypatch.setattr(vlft.train, "token_loss_sum", rescaled_sum)
+    acc, wa = _step_figures(small_data, tmp_path / "acc", data=data, batch_size=2, grad_accum=2, steps=6,
+                            float64=True)
+    assert not factors and calls.count(True) == 12  # the bug ran, on each of the 6 x 2 micro-batches
+    with pytest.raises(AssertionError):
+        _assert_same_training(big, wb, acc, wa)
 
 
 def test_vlft_parity_command_prints_the_table_and_exits_1_beyond_tolerance(small_data, tmp_path, monkeypatch):
