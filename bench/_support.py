@@ -97,8 +97,8 @@ def resolve_env(backend: str, threads: int, precision: str = "auto") -> BenchEnv
 
     import pytest
 
-    from vlft.plan import choose_backend
-    from vlft.plugins import load_registry
+    from vlft.planning.plan import choose_backend
+    from vlft.registry import load_registry
 
     registry = load_registry()
     choice = choose_backend(registry, backend)  # unknown names raise with the valid ones; "auto" picks
@@ -124,7 +124,7 @@ def resolve_env(backend: str, threads: int, precision: str = "auto") -> BenchEnv
 
 def wide_recipe() -> dict:
     """The embedded recipe made wider, so that compute (not Python) dominates a step."""
-    from vlft.embedded import RECIPE
+    from vlft.models.embedded import RECIPE
 
     recipe = copy.deepcopy(RECIPE)
     recipe["text"].update(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
@@ -147,21 +147,21 @@ class ModelSize:
     model_config: Any
 
     def collator(self, **kw):
-        from vlft.encoding import Collator
+        from vlft.data.batching import Collator
 
         return Collator(self.processor.tokenizer.pad_token_id, self.processor.image_token_id, **kw)
 
 
 def model_size(name: str, path: str) -> ModelSize:
-    from vlft.encoding import SampleEncoder
-    from vlft.model import load_model_config, load_processor
+    from vlft.data.encoding import SampleEncoder
+    from vlft.models.loading import load_model_config, load_processor
 
     processor = load_processor(path)
     return ModelSize(name, path, processor, SampleEncoder(processor), load_model_config(path))
 
 
 def plan_for(env: BenchEnv, size: ModelSize, method: str):
-    from vlft.plan import resolve_plan
+    from vlft.planning.plan import resolve_plan
 
     # after the device is set up, as a run does, so policies reading device properties see it
     return resolve_plan(env.registry, env.config(method=method), size.path, size.model_config, env.choice)
@@ -169,7 +169,7 @@ def plan_for(env: BenchEnv, size: ModelSize, method: str):
 
 def load_base(env: BenchEnv, size: ModelSize):
     """The base model with the backend's attention, dtype and patches (still on the host)."""
-    from vlft.model import load_model
+    from vlft.models.loading import load_model
 
     plan = plan_for(env, size, "lora")
     model = load_model(size.path, plan.attention, plan.precision)
@@ -179,7 +179,7 @@ def load_base(env: BenchEnv, size: ModelSize):
 
 
 def targets_for(env: BenchEnv, size: ModelSize, model, method: str = "lora") -> list[str]:
-    from vlft.targets import select_targets
+    from vlft.models.targets import select_targets
 
     plan = plan_for(env, size, method)
     return select_targets(model, plan.adapter, TARGETS, VISION_LAST_N).modules
@@ -187,7 +187,7 @@ def targets_for(env: BenchEnv, size: ModelSize, model, method: str = "lora") -> 
 
 def adapted_model(env: BenchEnv, size: ModelSize, method: str, seed: int = 0):
     """Base model + ``method``'s adapter on vlft's default targets, through the method plugin, on the device."""
-    from vlft.train import seed_everything
+    from vlft.training.step import seed_everything
 
     model = load_base(env, size)
     plan = plan_for(env, size, method)
@@ -287,7 +287,7 @@ def write_mixed_dataset(demo_train: Path) -> Path:
 # -- training pieces -------------------------------------------------------------------------------
 
 def optimizer_for(model, lr: float = 1e-4):
-    from vlft.train import cosine_with_warmup
+    from vlft.training.step import cosine_with_warmup
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr)
@@ -297,7 +297,7 @@ def optimizer_for(model, lr: float = 1e-4):
 def step_policy(env: BenchEnv, scaler=None, as_on_a_device: bool = False):
     """The step policy a run on ``env`` resolves; ``as_on_a_device``: the accelerator's (the non-finite flag
     stays on the device), for counting the syncs a step would make there."""
-    from vlft.train import StepPolicy
+    from vlft.training.step import StepPolicy
 
     if scaler is None and env.precision.loss_scaling:
         scaler = env.precision.make_scaler()
@@ -315,13 +315,13 @@ class Trainer:
     policy: Any
 
     def step(self, host_batch: dict, device_batch: dict) -> dict:
-        from vlft.train import label_count
+        from vlft.data.batching import label_count
 
         # as in vlft.train.run_training: labels counted on the host, before the batch moved
         return self.step_counted(label_count(host_batch), device_batch)
 
     def step_counted(self, local_tokens: int, device_batch: dict) -> dict:
-        from vlft.train import train_step
+        from vlft.training.step import train_step
 
         return train_step(self.model, self.optimizer, self.scheduler, [device_batch], self.policy, local_tokens)
 
@@ -344,7 +344,7 @@ def encode_batches(size: ModelSize, records, batch_size: int = BATCH_SIZE, **col
 
 
 def to_device(env: BenchEnv, batch: dict) -> dict:
-    from vlft.train import to_device as move
+    from vlft.data.batching import to_device as move
 
     return move(batch, env.device)
 
@@ -462,7 +462,7 @@ def record(benchmark, env: BenchEnv, size: ModelSize | None, group: str, figures
 
 # -- memory -----------------------------------------------------------------------------------------
 
-from vlft.activations import SavedTensorMeter  # noqa: E402 - one meter for the plan's tests and the bench
+from vlft.measure import SavedTensorMeter  # noqa: E402 - one meter for the plan's tests and the bench
 
 
 def _tensor_bytes(tensors) -> int:
@@ -682,8 +682,8 @@ def measured_step_peak(env: BenchEnv, session, group: list[dict]) -> dict:
     (``vlft.activations.LiveTensorMeter``), with the resident weights and optimizer
     state counted from the start; transients inside the step are included.
     """
-    from vlft.activations import LiveTensorMeter
-    from vlft.train import train_step_on
+    from vlft.measure import LiveTensorMeter
+    from vlft.training.step import train_step_on
 
     module = env.device_module()
     if module is not None and hasattr(module, "reset_peak_memory_stats"):

@@ -52,7 +52,7 @@ def env(request):
 @pytest.fixture(scope="session")
 def embedded_size():
     from bench._support import model_size
-    from vlft.embedded import embedded_model_dir
+    from vlft.models.embedded import embedded_model_dir
 
     return model_size("embedded", str(embedded_model_dir()))
 
@@ -60,7 +60,7 @@ def embedded_size():
 def _built_size(name: str, recipe: dict):
     """A bench model size built once from ``recipe`` into VLFT_CACHE (folder named by the recipe's hash)."""
     from bench._support import model_size
-    from vlft.embedded import build_embedded_model, cache_root, recipe_hash
+    from vlft.models.embedded import build_embedded_model, cache_root, recipe_hash
 
     path = cache_root() / f"bench-{name}-qwen2_5_vl-{recipe_hash(recipe)}"
     if not (path / "config.json").exists():
@@ -85,7 +85,7 @@ def size(request):
 @pytest.fixture(scope="session")
 def demo_data(tmp_path_factory):
     """The product-inspection set (one image, one question, one answer per record): 32 training records."""
-    from vlft.demo_data import write_demo_dataset
+    from vlft.data.demo import write_demo_dataset
 
     ds = write_demo_dataset(tmp_path_factory.mktemp("bench-data") / "demo", n_train=32, n_val=8, seed=5)
     return ds.train
@@ -93,7 +93,7 @@ def demo_data(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def demo_records(demo_data):
-    from vlft.data import read_records
+    from vlft.data.records import read_records
 
     return read_records(demo_data)
 
@@ -108,7 +108,7 @@ def mixed_data(demo_data):
 
 @pytest.fixture(scope="session")
 def mixed_records(mixed_data):
-    from vlft.data import read_records
+    from vlft.data.records import read_records
 
     return read_records(mixed_data)
 

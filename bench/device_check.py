@@ -50,7 +50,7 @@ def step(name: str, cmd: list[str], out: Path, timeout: int) -> dict:
 
 def accelerators() -> tuple[list[str], dict[str, str]]:
     """(available accelerator backends, why each unavailable one is not)."""
-    from vlft.plugins import load_registry
+    from vlft.registry import load_registry
 
     registry = load_registry()
     found, missing = [], {}

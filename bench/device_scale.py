@@ -60,14 +60,16 @@ def run(backend: str, out: Path, steps: int, methods: list[str], model_name: str
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from vlft import activations, memory
+    from vlft import measure
+    from vlft.planning import memory, trace
     from vlft.config import build_config
-    from vlft.model import compute_adapters_in_autocast_dtype, enable_checkpointing, load_model_config, \
-        resolve_model_path, upcast_trainable
-    from vlft.plan import choose_backend, require_available, resolve_plan
-    from vlft.plugins import load_registry
-    from vlft.preflight import plan_targets
-    from vlft.train import StepPolicy, label_count, to_device, train_step
+    from vlft.models.adapting import compute_adapters_in_autocast_dtype, enable_checkpointing, upcast_trainable
+    from vlft.models.loading import load_model_config, resolve_model_path
+    from vlft.planning.plan import choose_backend, require_available, resolve_plan
+    from vlft.registry import load_registry
+    from vlft.planning.preflight import plan_targets
+    from vlft.training.step import StepPolicy, train_step
+    from vlft.data.batching import label_count, to_device
 
     registry = load_registry()
     choice = choose_backend(registry, backend)
@@ -87,8 +89,8 @@ def run(backend: str, out: Path, steps: int, methods: list[str], model_name: str
             plan = resolve_plan(registry, config, path, model_config, choice)
             compute = getattr(torch, plan.precision.autocast_dtype or plan.precision.param_dtype)
             host, grids = synthetic_batch(model_config, text=text, side=side)
-            shape = memory.BatchShape(BATCH, host["input_ids"].shape[1], grids)
-            sk = plan_targets(registry, plan, activations.skeleton(model_config, plan.attention, compute))
+            shape = trace.BatchShape(BATCH, host["input_ids"].shape[1], grids)
+            sk = plan_targets(registry, plan, trace.skeleton(model_config, plan.attention, compute))
             if plan.precision.autocast_dtype:
                 sk.to(compute)
                 compute_adapters_in_autocast_dtype(sk)
@@ -134,7 +136,7 @@ def run(backend: str, out: Path, steps: int, methods: list[str], model_name: str
             if hasattr(module, "reset_peak_memory_stats"):
                 module.reset_peak_memory_stats(device)
             else:
-                meter = activations.LiveTensorMeter([*model.parameters(), *model.buffers(),
+                meter = measure.LiveTensorMeter([*model.parameters(), *model.buffers(),
                                                 *(v for st in optimizer.state.values() for v in st.values())])
                 meter.__enter__()
             times, losses = [], []

@@ -27,8 +27,8 @@ METHODS = ("lora", "oft")
 
 
 def counted_step(env, size, records, method) -> dict:
-    import vlft.plugins
-    from vlft.train import label_count
+    import vlft.registry
+    from vlft.data.batching import label_count
 
     host = encode_batches(size, records[:BATCH_SIZE])[0]
     dev = to_device(env, host)
@@ -38,7 +38,7 @@ def counted_step(env, size, records, method) -> dict:
     tr.step(host, dev)  # first step: lazy initialisation (optimizer state) out of the way
     tokens = label_count(host)  # on the host, before the step, as run_training does
     counter = sync_counter(env.device, host_tensors=tr.host_state())
-    with HookCallCounter(env.registry, vlft.plugins._default) as hooks, counter:
+    with HookCallCounter(env.registry, vlft.registry._default) as hooks, counter:
         tr.step_counted(tokens, dev)
     return {"hook_calls": len(hooks.calls), "hooks": sorted(set(hooks.calls)), "syncs": counter.summary()}
 

@@ -51,7 +51,7 @@ def longest_batch_data(mixed_records, mixed_data, tmp_path_factory, embedded_siz
 
 
 def _session(env, size, data, tmp_path, param_dtype, ckpt, attn):
-    from vlft.session import prepare
+    from vlft.training.session import prepare
 
     precision = env.asked_precision if param_dtype == "bf16" else "fp32"
     config = env.config(model=size.path, data=str(data), val_data=str(data), output=str(tmp_path / "unused"),
@@ -63,8 +63,8 @@ def _session(env, size, data, tmp_path, param_dtype, ckpt, attn):
 @pytest.mark.benchmark(group="memory")
 def test_memory(benchmark, env, mem_case, longest_batch_data, tmp_path):
     mem_size, attn = mem_case
-    from vlft.train import train_step_on
-    from vlft.sampling import batches
+    from vlft.training.step import train_step_on
+    from vlft.data.order import batches
 
     sessions, groups = {}, {}
     for name, (dtype, ckpt) in VARIANTS.items():

@@ -23,7 +23,7 @@ SAMPLES = 12  # three batches per variant and call (one batch with --benchmark-d
 
 @pytest.mark.benchmark(group="padding")
 def test_padding(benchmark, env, size, mixed_records):
-    from vlft.sampling import EpochSampler
+    from vlft.data.order import EpochSampler
 
     order = EpochSampler(len(mixed_records), seed=0, epoch=0).indices()
     records = [mixed_records[i] for i in order][: BATCH_SIZE if benchmark.disabled else SAMPLES]

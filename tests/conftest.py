@@ -58,14 +58,14 @@ def _restore_math_flags():
 
 @pytest.fixture(scope="session")
 def model_dir() -> str:
-    from vlft.embedded import embedded_model_dir
+    from vlft.models.embedded import embedded_model_dir
 
     return str(embedded_model_dir())
 
 
 @pytest.fixture(scope="session")
 def processor(model_dir):
-    from vlft.model import load_processor
+    from vlft.models.loading import load_processor
 
     return load_processor(model_dir)
 
@@ -73,7 +73,7 @@ def processor(model_dir):
 @pytest.fixture(scope="session")
 def small_data(tmp_path_factory) -> tuple[Path, Path]:
     """A small product-inspection set: 64 training and 16 validation records."""
-    from vlft.demo_data import write_demo_dataset
+    from vlft.data.demo import write_demo_dataset
 
     ds = write_demo_dataset(tmp_path_factory.mktemp("data") / "demo", n_train=64, n_val=16, seed=3)
     return ds.train, ds.val
@@ -81,7 +81,7 @@ def small_data(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture
 def registry():
-    from vlft.plugins import load_registry
+    from vlft.registry import load_registry
 
     return load_registry()
 
@@ -90,8 +90,9 @@ def registry():
 def straight_run(small_data, tmp_path_factory) -> Path:
     """An uninterrupted 8-step run that resumed runs are compared with (``test_run.short_config`` values)."""
     from test_run import short_config
-    from vlft.plugins import load_registry
-    from vlft.run import execute
+
+    from vlft.commands.run import execute
+    from vlft.registry import load_registry
 
     out = tmp_path_factory.mktemp("straight") / "run"
     execute(load_registry(), short_config(small_data, out, steps=8, save_every=4, eval_every=0), progress=False)

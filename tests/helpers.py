@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def base_model(model_dir, attn="eager"):
     """The embedded base model in fp32 with one attention implementation for both towers."""
-    from vlft.model import load_model
+    from vlft.models.loading import load_model
     from vlft.policies import AttentionPolicy, PrecisionPolicy
 
     return load_model(model_dir, AttentionPolicy(attn, attn), PrecisionPolicy("fp32"))

@@ -21,16 +21,16 @@ from vlft.cli import cli
 
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory):
-    from vlft.demo_data import write_demo_dataset
+    from vlft.data.demo import write_demo_dataset
 
     ds = write_demo_dataset(tmp_path_factory.mktemp("after") / "demo", n_train=16, n_val=4, seed=5)
     return ds.train, ds.val
 
 
 def _short_run(tmp_path_factory, tiny_data, method, **over):
+    from vlft.commands.run import execute
     from vlft.config import build_config
-    from vlft.plugins import load_registry
-    from vlft.run import execute
+    from vlft.registry import load_registry
 
     train, val = tiny_data
     out = tmp_path_factory.mktemp(method) / "run"
@@ -67,7 +67,7 @@ def vlft(*args) -> tuple[int, str]:
 # -- predict ---------------------------------------------------------------------------------------
 
 def test_predict_writes_one_line_per_record_with_its_position_and_reference(lora_run, tiny_data, tmp_path):
-    from vlft.data import read_records
+    from vlft.data.records import read_records
 
     run, _, _ = lora_run
     _, val = tiny_data
@@ -146,10 +146,10 @@ torch.save({"logits": logits, "template": text}, out_path)
 def test_export_loads_with_plain_transformers_and_gives_the_adapter_logits(lora_run, tiny_data, tmp_path):
     import torch
 
-    from vlft.data import read_records
-    from vlft.encoding import Collator
-    from vlft.infer import load_for_inference
-    from vlft.plugins import load_registry
+    from vlft.data.batching import Collator
+    from vlft.data.records import read_records
+    from vlft.evaluation.inference import load_for_inference
+    from vlft.registry import load_registry
 
     run, _, _ = lora_run
     _, val = tiny_data
@@ -235,7 +235,7 @@ def test_report_degrades_with_a_note_when_files_are_missing(lora_run, tmp_path):
 
 def test_bad_inputs_give_one_clear_error_each(lora_run, tiny_data, tmp_path):
 
-    from vlft.embedded import RECIPE, build_embedded_model
+    from vlft.models.embedded import RECIPE, build_embedded_model
 
     run, _, _ = lora_run
     _, val = tiny_data
@@ -285,11 +285,11 @@ def test_progress_bar_writes_no_line_per_logged_step_when_stderr_is_not_a_termin
 def test_a_plugins_metric_sink_receives_what_metrics_jsonl_receives(tmp_path):
     """``--report-to NAME`` asks ``vlft_metric_sink`` once; the loop then writes to the sink without hooks."""
     from vlft import MetricSink, hookimpl
+    from vlft.commands.run import metric_sinks
     from vlft.config import build_config
     from vlft.errors import ConfigError
-    from vlft.plugins import load_registry
-    from vlft.run import metric_sinks
-    from vlft.train import MetricsLog
+    from vlft.registry import load_registry
+    from vlft.training.metrics import MetricsLog
 
     class ListSink(MetricSink):
         def __init__(self, folder):

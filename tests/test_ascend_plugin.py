@@ -19,8 +19,8 @@ import types
 
 import pytest
 import torch
-
 import vlft_ascend as ascend
+
 from vlft.config import RunConfig
 from vlft.errors import ConfigError
 from vlft.policies import DataLoaderOptions
@@ -347,7 +347,7 @@ def test_answers_only_for_ascend():
 # -- SDPA patched out where eager is chosen --------------------------------------------------
 
 def test_patch_model_reroutes_sdpa_to_eager(model_dir, monkeypatch):
-    from vlft.model import load_model, tower_attention
+    from vlft.models.loading import load_model, tower_attention
     from vlft.policies import AttentionPolicy, PrecisionPolicy
 
     model = load_model(model_dir, AttentionPolicy("sdpa", "sdpa"), PrecisionPolicy("fp32")).eval()

@@ -9,7 +9,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from helpers import vlft_command
 
 
@@ -69,8 +68,8 @@ def test_vlft_methods_shows_hyperparameters_with_help_lr_and_targets(registry):
 
 
 def test_vlft_demo_data_writes_a_readable_data_set(tmp_path):
-    from vlft.data import read_records
-    from vlft.evaluate import parse_fields
+    from vlft.data.records import read_records
+    from vlft.evaluation.scoring import parse_fields
 
     proc = vlft("demo-data", str(tmp_path / "demo"), "--train", "6", "--val", "2", "--seed", "4")
     assert proc.returncode == 0, proc.stderr
@@ -88,7 +87,7 @@ def test_vlft_demo_data_writes_a_readable_data_set(tmp_path):
      ["--master-addr=10.0.0.1", "--master-port=29500", "--nnodes=2", "--node-rank=1"], ["--standalone"]),
 ])
 def test_torchrun_gets_its_port_from_its_own_rendezvous_on_one_machine(opts, has, lacks):
-    from vlft.launch import LaunchOptions, torchrun_command
+    from vlft.training.launch import LaunchOptions, torchrun_command
 
     cmd = torchrun_command(LaunchOptions(**opts), ["run"])
     assert all(a in cmd for a in has) and not any(a.startswith(tuple(lacks)) for a in cmd), cmd

@@ -16,8 +16,8 @@ import types
 
 import pytest
 import torch
-
 import vlft_cuda as cuda
+
 from vlft.config import RunConfig
 from vlft.errors import ConfigError
 from vlft.policies import DataLoaderOptions
@@ -145,8 +145,8 @@ def test_transfer_to_npu_makes_the_cuda_probe_decline(gpu, monkeypatch):
 
 
 def test_auto_takes_the_gpu_when_there_is_no_npu(gpu, monkeypatch):
-    from vlft.plan import choose_backend
-    from vlft.plugins import load_registry
+    from vlft.planning.plan import choose_backend
+    from vlft.registry import load_registry
 
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # no NPU, whatever this machine has
     choice = choose_backend(load_registry(), "auto")
@@ -156,8 +156,9 @@ def test_auto_takes_the_gpu_when_there_is_no_npu(gpu, monkeypatch):
 def test_auto_asks_the_npu_first_when_transfer_to_npu_makes_cuda_lie(gpu, monkeypatch):
     """A stand-in torch_npu with one NPU, transfer_to_npu loaded, torch.cuda claiming a device: ascend wins."""
     import vlft_ascend
-    from vlft.plan import choose_backend
-    from vlft.plugins import load_registry
+
+    from vlft.planning.plan import choose_backend
+    from vlft.registry import load_registry
 
     module = types.ModuleType("torch_npu")
     module.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)

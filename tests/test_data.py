@@ -11,9 +11,9 @@ import pytest
 import torch
 from PIL import Image
 
-from vlft.data import IGNORE_INDEX, read_records
-
-from vlft.encoding import Collator, SampleEncoder
+from vlft.data.batching import Collator
+from vlft.data.encoding import SampleEncoder
+from vlft.data.records import IGNORE_INDEX, read_records
 from vlft.errors import DataError
 
 
@@ -138,7 +138,7 @@ def test_encoding_matches_the_processor_on_the_whole_conversation(tmp_path, proc
     enc = SampleEncoder(processor)
     out = enc.encode(rec)
     full_text = enc.render(rec.turns, add_generation_prompt=False)
-    from vlft.data import load_image
+    from vlft.data.records import load_image
 
     ref = processor(text=[full_text], images=[load_image(s) for s in rec.images], return_tensors="pt")
     assert torch.equal(out["input_ids"], ref["input_ids"][0])
@@ -174,8 +174,8 @@ def test_max_pixels_caps_the_image_tokens(small_data, processor):
 
 def test_without_validation_data_a_seeded_tenth_is_held_out(tmp_path, processor):
     from vlft.config import RunConfig
-    from vlft.demo_data import write_demo_dataset
-    from vlft.preflight import load_and_check_data
+    from vlft.data.demo import write_demo_dataset
+    from vlft.planning.preflight import load_and_check_data
 
     ds = write_demo_dataset(tmp_path / "demo", n_train=40, n_val=1, seed=2)
     everything = [r.where for r in read_records(ds.train)]

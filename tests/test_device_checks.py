@@ -9,11 +9,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hardware.checks import (
-    TF32_ERROR_THRESHOLD, check_attention, check_autocast, check_memory_reader, check_overflowing_step_is_skipped,
-    check_parameters, check_tf32, fp32_matmul_error, observed_run, prepared,
+    TF32_ERROR_THRESHOLD,
+    check_attention,
+    check_autocast,
+    check_memory_reader,
+    check_overflowing_step_is_skipped,
+    check_parameters,
+    check_tf32,
+    fp32_matmul_error,
+    observed_run,
+    prepared,
 )
+
 from vlft.hookspecs import hookimpl
 from vlft.policies import AttentionPolicy, DeviceSetup, MemoryStats, PrecisionPolicy
 
@@ -108,7 +116,7 @@ class OnlySkipsTF32:
 def test_tf32_check_after_a_default_then_an_fp32_set_up(plugins, fails, monkeypatch):
     """No GPU here: ``torch.cuda.set_device`` is stood in for; the TF32 switches are torch's own."""
     from vlft.config import RunConfig
-    from vlft.plugins import load_registry
+    from vlft.registry import load_registry
 
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
     registry = load_registry(plugins=plugins)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vlft.evaluate import parse_fields, score
+from vlft.evaluation.scoring import parse_fields, score
 
 REFERENCES = ["colour: red, defect: none", "colour: red, defect: scratch",
               "colour: blue, defect: crack", "colour: blue, defect: none"]

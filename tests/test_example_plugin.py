@@ -16,11 +16,10 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
+from helpers import vlft_command
 
 from vlft import ConfigError, RunConfig
 from vlft.testing import check_plugin, registry_with, run, tiny_run_config
-
-from helpers import vlft_command
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "vlft-example-plugin"
 ENTRY_POINTS = {"cpu-bf16": "vlft_example_plugin.backend", "loha": "vlft_example_plugin.loha"}
@@ -67,7 +66,7 @@ def test_vlft_run_on_the_example_backend_and_method_saves_a_plain_peft_adapter(m
     from transformers import AutoModelForImageTextToText
 
     from vlft.cli import cli
-    from vlft.demo_data import write_demo_dataset
+    from vlft.data.demo import write_demo_dataset
 
     ds = write_demo_dataset(tmp_path / "data", n_train=16, n_val=4)
     out = tmp_path / "run"

@@ -29,8 +29,8 @@ import pytest
 import torch
 from PIL import Image
 
-from vlft.data import read_records
-from vlft.encoding import SampleEncoder
+from vlft.data.encoding import SampleEncoder
+from vlft.data.records import read_records
 from vlft.errors import DataError
 
 Q, A = "What colour is it?", "colour: red"
@@ -228,7 +228,7 @@ class _Settings:
 
 @pytest.mark.parametrize("n, batch, accum", [(3, 4, 1), (3, 4, 2), (5, 4, 2)])
 def test_fewer_records_than_one_step_train_on_a_smaller_batch_instead_of_hanging(n, batch, accum):
-    from vlft.sampling import batches
+    from vlft.data.order import batches
 
     def hang(*_):
         raise TimeoutError("batches() gave no step within 20 s: the small-set hang")
@@ -246,7 +246,7 @@ def test_fewer_records_than_one_step_train_on_a_smaller_batch_instead_of_hanging
 
 def test_fewer_records_than_processes_is_refused_before_anything_is_written(tmp_path):
     from vlft.config import build_config
-    from vlft.preflight import check_enough_records
+    from vlft.planning.preflight import check_enough_records
 
     with pytest.raises(DataError, match="1 training record.s. for 2 processes.*nothing was written"):
         check_enough_records(1, build_config({}, {"data": "x.jsonl"}).__class__(world_size=2))

@@ -25,9 +25,9 @@ def _cfg(small_data, out, **over):
 
 def _steps(registry, config, n):
     """``n`` optimizer steps through vlft's own set-up and step; (losses, grad norms, model)."""
-    from vlft.session import prepare
-    from vlft.train import train_step_on
-    from vlft.sampling import batches
+    from vlft.data.order import batches
+    from vlft.training.session import prepare
+    from vlft.training.step import train_step_on
 
     s = prepare(registry, config)
     s.model.train()
@@ -45,8 +45,8 @@ def _steps(registry, config, n):
 
 @pytest.fixture(scope="session")
 def bf16_run(small_data, tmp_path_factory):
-    from vlft.plugins import load_registry
-    from vlft.run import execute
+    from vlft.commands.run import execute
+    from vlft.registry import load_registry
 
     out = tmp_path_factory.mktemp("bf16") / "run"
     return execute(load_registry(), _cfg(small_data, out, param_dtype="bf16", steps=6), progress=False)
@@ -76,8 +76,8 @@ def test_half_base_weights_on_the_model_and_fp32_trainable_weights(registry, sma
 
 
 def test_a_half_weight_dtype_under_another_compute_dtype_is_refused(registry, small_data, tmp_path):
+    from vlft.commands.run import execute
     from vlft.errors import ConfigError
-    from vlft.run import execute
 
     with pytest.raises(ConfigError, match="--param-dtype fp16 needs fp16 compute"):
         execute(registry, _cfg(small_data, tmp_path / "r", param_dtype="fp16", precision="bf16"))
@@ -95,7 +95,8 @@ def test_checkpointing_gives_every_trainable_parameter_a_gradient_and_the_same_s
     assert any(getattr(m, "gradient_checkpointing", False) for m in base.model.visual.blocks)
     assert all(getattr(m, "gradient_checkpointing", False) for m in base.model.language_model.layers)
     # one more forward/backward to look at gradients (the step above zeroed them)
-    from vlft.train import model_inputs, token_loss_sum
+    from vlft.data.batching import model_inputs
+    from vlft.models.loss import token_loss_sum
 
     batch = next(iter(torch.utils.data.DataLoader(on[2].dataset, batch_size=4, collate_fn=on[2].collate)))
     token_loss_sum(model(**model_inputs(batch)).logits, batch["labels"]).backward()
@@ -117,7 +118,7 @@ def test_a_frozen_vision_tower_builds_no_autograd_graph(registry, small_data, tm
     seen = []
     visual = s.model.get_base_model().model.visual
     handle = visual.register_forward_hook(lambda m, i, o: seen.append(o.pooler_output.requires_grad))
-    from vlft.train import model_inputs
+    from vlft.data.batching import model_inputs
 
     batch = next(iter(torch.utils.data.DataLoader(s.dataset, batch_size=2, collate_fn=s.collate)))
     s.model.train()
@@ -129,8 +130,8 @@ def test_a_frozen_vision_tower_builds_no_autograd_graph(registry, small_data, tm
 # -- sample lengths ---------------------------------------------------------------------------------
 
 def test_measured_length_equals_the_encoded_length(processor, small_data):
-    from vlft.data import read_records
-    from vlft.encoding import SampleEncoder
+    from vlft.data.encoding import SampleEncoder
+    from vlft.data.records import read_records
 
     encoder = SampleEncoder(processor, max_pixels=56 * 56)
     for rec in read_records(small_data[0])[:8]:
@@ -141,7 +142,7 @@ def test_measured_length_equals_the_encoded_length(processor, small_data):
 
 
 def test_too_long_samples_stop_the_run_with_their_lines_and_write_nothing(registry, small_data, tmp_path):
-    from vlft.run import execute
+    from vlft.commands.run import execute
 
     with pytest.raises(DataError) as e:
         execute(registry, _cfg(small_data, tmp_path / "r", max_length=40))
@@ -152,9 +153,9 @@ def test_too_long_samples_stop_the_run_with_their_lines_and_write_nothing(regist
 
 
 def test_skipped_samples_are_counted_and_listed(registry, small_data, tmp_path, processor):
-    from vlft.data import read_records
-    from vlft.encoding import SampleEncoder
-    from vlft.preflight import plan_run
+    from vlft.data.encoding import SampleEncoder
+    from vlft.data.records import read_records
+    from vlft.planning.preflight import plan_run
 
     encoder = SampleEncoder(processor)
     lengths = sorted(encoder.measure(r)[0] for r in read_records(small_data[0]))
@@ -171,10 +172,12 @@ def test_skipped_samples_are_counted_and_listed(registry, small_data, tmp_path, 
 
 def test_traced_activations_equal_what_a_real_step_saves(registry, small_data, tmp_path):
     """The meta-device trace counts exactly the tensors autograd saves on the CPU (fp32, eager)."""
-    from vlft.memory import BatchShape, plan_memory
-    from vlft.activations import SavedTensorMeter, skeleton
-    from vlft.preflight import plan_targets, plan_run
-    from vlft.train import model_inputs, token_loss_sum
+    from vlft.data.batching import model_inputs
+    from vlft.measure import SavedTensorMeter
+    from vlft.models.loss import token_loss_sum
+    from vlft.planning.memory import plan_memory
+    from vlft.planning.preflight import plan_run, plan_targets
+    from vlft.planning.trace import BatchShape, skeleton
 
     config = _cfg(small_data, tmp_path / "r")
     planned = plan_run(registry, config)
@@ -227,7 +230,7 @@ def test_a_plan_that_cannot_fit_exits_non_zero_and_names_the_fixes():
 
 def test_a_72b_plan_sharded_over_8_processes_gives_each_its_share():
     """The issue's command, offline: the bundled 72B config, FSDP over 8 CUDA processes of 80 GiB."""
-    from vlft.plan import format_plan
+    from vlft.planning.plan import format_plan
 
     result, plan = dry_json("--model", "qwen2.5-vl-72b", "--shard", "fsdp", "--nproc-per-node", "8",
                             "--backend", "cuda", "--device-memory", "80GiB")
@@ -264,8 +267,8 @@ def test_checkpointing_auto_turns_on_when_only_it_makes_the_run_fit(tmp_path):
 
 
 def test_a_run_that_cannot_fit_stops_before_loading_and_writes_nothing(registry, small_data, tmp_path):
+    from vlft.commands.run import execute
     from vlft.errors import ConfigError
-    from vlft.run import execute
 
     with pytest.raises(ConfigError, match="will not fit") as e:
         execute(registry, _cfg(small_data, tmp_path / "r", device_memory="300MiB"))
@@ -274,8 +277,8 @@ def test_a_run_that_cannot_fit_stops_before_loading_and_writes_nothing(registry,
 
 
 def test_a_bundled_config_plans_but_a_real_run_says_where_the_weights_go(registry, small_data, tmp_path):
+    from vlft.commands.run import execute
     from vlft.errors import ConfigError
-    from vlft.run import execute
 
     with pytest.raises(ConfigError, match="huggingface-cli download Qwen/Qwen2.5-VL-3B-Instruct"):
         execute(registry, _cfg(small_data, tmp_path / "r", model="qwen2.5-vl-3b", device_memory="1TiB"))
@@ -288,7 +291,7 @@ def test_bundled_configs_have_the_published_parameter_counts(name, total):
     """3B: the checkpoint's index (7,509,245,952 bytes / 2); 7B: 8.29 B; 32B: 33.5 B; 72B: 73.4 B."""
     from transformers import AutoModelForImageTextToText
 
-    from vlft.model import load_model_config, resolve_model_path
+    from vlft.models.loading import load_model_config, resolve_model_path
 
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(load_model_config(resolve_model_path(name)))

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import base_model
+
 from vlft.config import RunConfig
-from vlft.data import read_records
-from vlft.encoding import Collator, SampleEncoder
+from vlft.data.batching import Collator
+from vlft.data.encoding import SampleEncoder
+from vlft.data.records import read_records
 from vlft.errors import ConfigError
-from vlft.targets import select_targets
+from vlft.models.targets import select_targets
 
 
 @pytest.fixture(scope="module")

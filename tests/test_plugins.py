@@ -11,11 +11,11 @@ import pytest
 
 from vlft.errors import ConfigError, VlftError
 from vlft.hookspecs import hookimpl
-from vlft.plugins import ENTRY_POINT_GROUP, load_registry, new_plugin_manager
 from vlft.policies import BackendInfo, MethodInfo
+from vlft.registry import ENTRY_POINT_GROUP, load_registry, new_plugin_manager
 
 BUILTINS = {
-    "cpu": "vlft.backends.cpu",
+    "cpu": "vlft.builtin.cpu",
     "cuda": "vlft_cuda",
     "ascend": "vlft_ascend",
     "lora": "vlft_methods.lora",

@@ -10,10 +10,10 @@ from click.testing import CliRunner
 
 from vlft.cli import cli
 from vlft.config import build_config
-from vlft.errors import BackendUnavailable, ConfigError
+from vlft.errors import ConfigError
 from vlft.hookspecs import hookimpl
-from vlft.plugins import load_registry
 from vlft.policies import AdapterDefaults, BackendInfo, MethodInfo
+from vlft.registry import load_registry
 
 
 def short_config(small_data, output, **over):
@@ -31,7 +31,7 @@ def read_metrics(output: Path) -> list[dict]:
 
 @pytest.mark.parametrize("method", ["lora", "oft"])
 def test_short_run_writes_adapter_metrics_and_eval(registry, small_data, tmp_path, method):
-    from vlft.run import execute
+    from vlft.commands.run import execute
 
     out = tmp_path / "run"
     # a checkpoint every step, two kept: steps 1-5 are saved (the last step writes the adapter instead)
@@ -55,14 +55,15 @@ def test_short_run_writes_adapter_metrics_and_eval(registry, small_data, tmp_pat
 
 
 def test_resume_continues_with_the_same_losses(registry, small_data, tmp_path, monkeypatch, straight_run):
-    import vlft.train
-    from vlft.run import execute
+    import vlft.training.step
+
+    from vlft.commands.run import execute
 
     straight = straight_run
 
     # the same run, interrupted during step 6 (after the step-4 checkpoint), then resumed
     interrupted = tmp_path / "interrupted"
-    real_step = vlft.train.train_step
+    real_step = vlft.training.step.train_step
     calls = {"n": 0}
 
     def dying_step(*args, **kwargs):
@@ -71,11 +72,11 @@ def test_resume_continues_with_the_same_losses(registry, small_data, tmp_path, m
             raise KeyboardInterrupt
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(vlft.train, "train_step", dying_step)
+    monkeypatch.setattr(vlft.training.step, "train_step", dying_step)
     with pytest.raises(KeyboardInterrupt):
         execute(registry, short_config(small_data, interrupted, steps=8, save_every=4, eval_every=0),
                 progress=False)
-    monkeypatch.setattr(vlft.train, "train_step", real_step)
+    monkeypatch.setattr(vlft.training.step, "train_step", real_step)
     assert [m["step"] for m in read_metrics(interrupted)] == [1, 2, 3, 4, 5]
     execute(registry, short_config(small_data, interrupted, steps=8, save_every=4, eval_every=0, resume=True),
             progress=False)
@@ -91,12 +92,12 @@ def hook_calls_inside_steps(registry, config, monkeypatch, inside_step=None) -> 
     """Names of the vlft hooks called while a training step runs, through any registry: the one the run
     was given, the process-wide one, or one made on the spot (pluggy's HookCaller is watched itself)."""
     import pluggy
+    import vlft.training.step
 
-    import vlft.train
-    from vlft.run import execute
+    from vlft.commands.run import execute
 
     state = {"inside": False, "calls": []}
-    real_step, real_call = vlft.train.train_step, pluggy.HookCaller.__call__
+    real_step, real_call = vlft.training.step.train_step, pluggy.HookCaller.__call__
 
     def watched_call(caller, *args, **kwargs):
         manager = getattr(caller._hookexec, "__self__", None)
@@ -113,7 +114,7 @@ def hook_calls_inside_steps(registry, config, monkeypatch, inside_step=None) -> 
         finally:
             state["inside"] = False
 
-    monkeypatch.setattr(vlft.train, "train_step", watched_step)
+    monkeypatch.setattr(vlft.training.step, "train_step", watched_step)
     monkeypatch.setattr(pluggy.HookCaller, "__call__", watched_call)
     execute(registry, config, progress=False)
     return state["calls"]
@@ -128,7 +129,7 @@ def test_a_hook_called_inside_a_step_through_another_registry_is_seen(registry, 
     """The watch above can fail: a step asking the process-wide registry, as a careless edit would, is caught."""
     import torch
 
-    from vlft.plugins import get_registry
+    from vlft.registry import get_registry
 
     def ask():
         get_registry().first("vlft_memory_reader", backend="cpu", device=torch.device("cpu"))
@@ -210,7 +211,7 @@ class ToyPlugin:
 
 
 def test_a_plugin_defined_in_a_test_adds_a_backend_and_a_method(small_data, tmp_path):
-    from vlft.run import execute
+    from vlft.commands.run import execute
 
     reg = load_registry(plugins=(ToyPlugin(),))
     out = tmp_path / "toy"

@@ -15,12 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-
 from helpers import vlft_command
 from test_run import read_metrics, short_config
-from vlft.checkpoints import CheckpointStore, CheckpointWriteError, newest_checkpoint
+
 from vlft.cli import cli
 from vlft.errors import ConfigError, DataError, VlftError
+from vlft.training.checkpoints import (
+    CheckpointStore,
+    CheckpointWriteError,
+    newest_checkpoint,
+)
 
 
 def wait_for(predicate, proc: subprocess.Popen, timeout: float, what: str):
@@ -47,15 +51,16 @@ def logged_steps(output: Path) -> list[int]:
 # -- 1. non-finite steps -----------------------------------------------------------------------------
 
 def test_non_finite_steps_are_not_applied_and_too_many_stop_the_run(registry, small_data, tmp_path, monkeypatch):
-    import vlft.encoding
-    import vlft.train
-    from vlft.run import execute
-    from vlft.train import NonFiniteStop
+    import vlft.data.encoding
+    import vlft.training.step
+
+    from vlft.commands.run import execute
+    from vlft.training.signals import NonFiniteStop
 
     # steps 2, 4 and 5 produce a NaN loss (a patched loss)
     nan_steps = {2, 4, 5}
     calls = {"step": 0}
-    real_loss, real_step, real_get = vlft.train.token_loss_sum, vlft.train.train_step, vlft.encoding.EncodedDataset.__getitem__
+    real_loss, real_step, real_get = vlft.training.step.token_loss_sum, vlft.training.step.train_step, vlft.data.encoding.EncodedDataset.__getitem__
     weights: dict[int, tuple] = {}
     drawn: list[int] = []
 
@@ -78,9 +83,9 @@ def test_non_finite_steps_are_not_applied_and_too_many_stop_the_run(registry, sm
         drawn.append(index)
         return real_get(self, index)
 
-    monkeypatch.setattr(vlft.train, "token_loss_sum", nan_loss)
-    monkeypatch.setattr(vlft.train, "train_step", watched_step)
-    monkeypatch.setattr(vlft.encoding.EncodedDataset, "__getitem__", watched_get)
+    monkeypatch.setattr(vlft.training.step, "token_loss_sum", nan_loss)
+    monkeypatch.setattr(vlft.training.step, "train_step", watched_step)
+    monkeypatch.setattr(vlft.data.encoding.EncodedDataset, "__getitem__", watched_get)
     out = tmp_path / "run"
     config = short_config(small_data, out, steps=8, save_every=1, eval_every=0, eval_samples=1, max_new_tokens=2,
                           max_skipped_steps=2)
@@ -100,7 +105,7 @@ def test_non_finite_steps_are_not_applied_and_too_many_stop_the_run(registry, sm
     skipped = [m for m in metrics if "skipped" in m]
     assert [m["step"] for m in skipped] == [2, 4, 5]
     # the records named are the ones the data loader drew for that step (batch 4, one micro-batch a step)
-    records = __import__("vlft.data", fromlist=["read_records"]).read_records(small_data[0])
+    records = __import__("vlft.data.records", fromlist=["read_records"]).read_records(small_data[0])
     train_where = {r.where for r in records}
     assert set(skipped[0]["records"]) <= train_where and len(skipped[0]["records"]) == 4
     assert [m["skipped_steps"] for m in metrics if "loss" in m] == [0, 1, 1, 2]
@@ -117,7 +122,7 @@ def test_guarded_step_undoes_a_non_finite_step_on_the_device_bit_for_bit():
     and undone by a device-side mask, parameters and AdamW state (step counter included) as they were."""
     import copy
 
-    from vlft.train import guarded_step
+    from vlft.training.step import guarded_step
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
@@ -149,7 +154,7 @@ def test_guarded_step_undoes_a_non_finite_step_on_the_device_bit_for_bit():
 
 def test_sigterm_writes_a_checkpoint_and_resume_gives_the_uninterrupted_losses(registry, small_data, tmp_path,
                                                                                   straight_run):
-    from vlft.run import execute
+    from vlft.commands.run import execute
 
     train, val = small_data
     out = tmp_path / "run"
@@ -189,7 +194,7 @@ def test_sigterm_writes_a_checkpoint_and_resume_gives_the_uninterrupted_losses(r
 
 
 def test_resume_identity_ignores_logging_and_evaluation(small_data, tmp_path):
-    from vlft.resilience import identity_differences, run_identity
+    from vlft.training.resume import identity_differences, run_identity
 
     base = run_identity(short_config(small_data, tmp_path))
     same = run_identity(short_config(small_data, tmp_path / "x", log_every=7, eval_every=0, eval_samples=1,
@@ -238,7 +243,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_none_left_is_one_error(tmp_p
 
 
 def test_a_full_disk_stops_the_save_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    import vlft.checkpoints
+    import vlft.training.checkpoints
 
     model, optimizer, scheduler = tiny_training_state()
     store = CheckpointStore(tmp_path / "checkpoints", 2, stand_in_save_adapter)
@@ -247,7 +252,7 @@ def test_a_full_disk_stops_the_save_and_keeps_the_previous_checkpoint(tmp_path, 
     def full_disk(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(vlft.checkpoints.torch, "save", full_disk)
+    monkeypatch.setattr(vlft.training.checkpoints.torch, "save", full_disk)
     with pytest.raises(CheckpointWriteError, match=r"step 2 .*the disk is full.*step-000001 is intact"):
         store.save(2, model, optimizer, scheduler, None, torch.device("cpu"))
     assert sorted(p.name for p in store.root.iterdir()) == ["step-000001"]
@@ -257,7 +262,7 @@ def test_a_full_disk_stops_the_save_and_keeps_the_previous_checkpoint(tmp_path, 
 KILLED_WRITER = """
 import sys, time, torch
 from pathlib import Path
-import vlft.checkpoints
+import vlft.training.checkpoints
 from test_survival import stand_in_save_adapter, tiny_training_state
 
 root = Path(sys.argv[1])
@@ -267,9 +272,9 @@ def paused_save(obj, path, *a, **k):
     if 'tmp-step-000002' in str(path) and str(path).endswith('state.pt'):
         (root.parent / 'inside-write').write_text('1')  # tell the test, then wait to be killed
         time.sleep(120)
-vlft.checkpoints.torch.save = paused_save
+vlft.training.checkpoints.torch.save = paused_save
 model, optimizer, scheduler = tiny_training_state()
-store = vlft.checkpoints.CheckpointStore(root, 2, stand_in_save_adapter)
+store = vlft.training.checkpoints.CheckpointStore(root, 2, stand_in_save_adapter)
 for step in (1, 2):
     store.save(step, model, optimizer, scheduler, None, torch.device('cpu'))
 """
@@ -318,7 +323,7 @@ def record(image: str) -> str:
 def test_hostile_images_are_data_problems_with_file_and_line(tmp_path, small_data):
     from PIL import Image
 
-    from vlft.data import read_records
+    from vlft.data.records import read_records
 
     good = next(Path(small_data[0]).parent.rglob("*.png"))
     (tmp_path / "bomb.png").write_bytes(png_header_only(20000, 20000))  # 4e8 pixels, over PIL's 8.9e7 limit
@@ -332,8 +337,8 @@ def test_hostile_images_are_data_problems_with_file_and_line(tmp_path, small_dat
         read_records(tmp_path / "d.jsonl")
     msg = str(e.value)
     assert "5 problem(s)" in msg
-    assert f"d.jsonl:1: image 'bomb.png' cannot be read (ValueError: image too large" in msg
-    assert f"d.jsonl:2: image 'over.png' cannot be read (ValueError: image too large" in msg
+    assert "d.jsonl:1: image 'bomb.png' cannot be read (ValueError: image too large" in msg
+    assert "d.jsonl:2: image 'over.png' cannot be read (ValueError: image too large" in msg
     assert "d.jsonl:3: image 'cut.png' cannot be read (OSError: image file is truncated" in msg
     assert "d.jsonl:4: image 'dev.png' is a device, pipe or socket (a symlink to /dev/zero)" in msg
     assert "d.jsonl:5: image 'dir.png' is a folder" in msg
@@ -341,7 +346,7 @@ def test_hostile_images_are_data_problems_with_file_and_line(tmp_path, small_dat
 
 
 def test_hostile_data_files(tmp_path):
-    from vlft.data import read_records
+    from vlft.data.records import read_records
 
     (tmp_path / "empty.jsonl").write_text("\n  \n")
     with pytest.raises(DataError, match=r"empty.jsonl is empty"):
@@ -361,7 +366,7 @@ def test_hostile_data_files(tmp_path):
 
 
 def test_hostile_config_and_pickled_weights_exit_non_zero_and_write_nothing(tmp_path, small_data):
-    from vlft.model import check_weight_format
+    from vlft.models.loading import check_weight_format
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text("seed: 1\nbackend:\n  - cpu\n")

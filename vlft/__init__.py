@@ -10,12 +10,23 @@ Importing it loads no torch and no vendor extension, so a plugin module that
 imports it stays cheap to load (probing happens inside the hooks).
 """
 
-from .config import RunConfig, parse_attn
-from .errors import BackendUnavailable, ConfigError, DataError, VlftError
-from .hookspecs import hookimpl
-from .policies import (
-    AdapterDefaults, AttentionPolicy, BackendInfo, DataLoaderOptions, DeviceCapacity, DeviceSetup,
-    DistributedOptions, DoctorCheck, MemoryStats, MethodInfo, MetricSink, PrecisionPolicy, ProbeResult,
+from vlft.config import RunConfig, parse_attn
+from vlft.errors import BackendUnavailable, ConfigError, DataError, VlftError
+from vlft.hookspecs import hookimpl
+from vlft.policies import (
+    AdapterDefaults,
+    AttentionPolicy,
+    BackendInfo,
+    DataLoaderOptions,
+    DeviceCapacity,
+    DeviceSetup,
+    DistributedOptions,
+    DoctorCheck,
+    MemoryStats,
+    MethodInfo,
+    MetricSink,
+    PrecisionPolicy,
+    ProbeResult,
 )
 
 __version__ = "0.1.0"

@@ -10,10 +10,10 @@ import sys
 import click
 from click.core import ParameterSource
 
-from . import __version__
-from .config import parse_adapter_options, user_fields
-from .errors import VlftError
-from .plugins import get_registry
+from vlft import __version__
+from vlft.config import parse_adapter_options, user_fields
+from vlft.errors import VlftError
+from vlft.registry import get_registry
 
 
 def user_errors(fn):

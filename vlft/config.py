@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from vlft.errors import ConfigError
 
 
 def opt(default, help: str, **extra):

@@ -24,10 +24,21 @@ if TYPE_CHECKING:  # annotations only: importing this module loads neither torch
     import torch
     import transformers
 
-    from .config import RunConfig
-    from .policies import (
-        AdapterDefaults, AttentionPolicy, BackendInfo, DataLoaderOptions, DeviceCapacity, DeviceSetup,
-        DistributedOptions, DoctorCheck, MemoryStats, MethodInfo, MetricSink, PrecisionPolicy, ProbeResult,
+    from vlft.config import RunConfig
+    from vlft.policies import (
+        AdapterDefaults,
+        AttentionPolicy,
+        BackendInfo,
+        DataLoaderOptions,
+        DeviceCapacity,
+        DeviceSetup,
+        DistributedOptions,
+        DoctorCheck,
+        MemoryStats,
+        MethodInfo,
+        MetricSink,
+        PrecisionPolicy,
+        ProbeResult,
     )
 
 hookspec = pluggy.HookspecMarker("vlft")

@@ -23,10 +23,10 @@ import inspect
 from pathlib import Path
 from typing import Any
 
-from . import hookspecs
-from .config import RunConfig, build_config
-from .plugins import Registry, load_registry
-from .policies import DataLoaderOptions
+from vlft import hookspecs
+from vlft.config import RunConfig, build_config
+from vlft.policies import DataLoaderOptions
+from vlft.registry import Registry, load_registry
 
 __all__ = ["check_plugin", "registry_with", "run", "tiny_dataset", "tiny_run_config"]
 
@@ -47,7 +47,7 @@ def registry_with(*plugins: Any, entry_points: bool = True) -> Registry:
     """
     import importlib.metadata
 
-    from .plugins import ENTRY_POINT_GROUP
+    from vlft.registry import ENTRY_POINT_GROUP
 
     builtins: list = []
     if not entry_points:
@@ -64,7 +64,7 @@ def registry_with(*plugins: Any, entry_points: bool = True) -> Registry:
 
 def tiny_dataset(folder: str | Path, n_train: int = 16, n_val: int = 4, seed: int = 0) -> tuple[Path, Path]:
     """Write a small product-inspection data set under ``folder``/data; return (train.jsonl, val.jsonl)."""
-    from .demo_data import write_demo_dataset
+    from vlft.data.demo import write_demo_dataset
 
     ds = write_demo_dataset(Path(folder) / "data", n_train=n_train, n_val=n_val, seed=seed)
     return ds.train, ds.val
@@ -92,7 +92,7 @@ def run(config: RunConfig, registry: Registry | None = None, progress: bool = Fa
     The result has ``output`` (the run folder), ``plan`` (every resolved policy),
     ``before``/``after`` (evaluations) and ``metrics``.
     """
-    from .run import execute
+    from vlft.commands.run import execute
 
     return execute(registry if registry is not None else load_registry(), config, progress=progress)
 

@@ -23,10 +23,7 @@ from __future__ import annotations
 import functools
 import os
 
-from vlft import (
-    AttentionPolicy, BackendInfo, ConfigError, DataLoaderOptions, DeviceCapacity, DeviceSetup, DistributedOptions,
-    DoctorCheck, MemoryStats, PrecisionPolicy, ProbeResult, hookimpl,
-)
+from vlft import AttentionPolicy, BackendInfo, ConfigError, DataLoaderOptions, DeviceCapacity, DeviceSetup, DistributedOptions, DoctorCheck, MemoryStats, PrecisionPolicy, ProbeResult, hookimpl
 
 from . import probing  # noqa: F401 - tests reach the probe's internals through it
 from .doctor import doctor_checks

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import platform
 import sys
 
 from vlft import DoctorCheck
 
 from . import probing
 from .probing import (
-    HCCL_CONNECT_DEFAULT, HCCL_EXEC_DEFAULT, INSTALL_HINT, PINNED, SET_ENV, TRANSFER_TO_NPU, _first_line, _visible,
+    HCCL_CONNECT_DEFAULT, HCCL_EXEC_DEFAULT, INSTALL_HINT, PINNED, SET_ENV, TRANSFER_TO_NPU, _visible,
     base_version, cann_version, driver_version, probe, torch_npu_installed, version_mismatch,
 )
 

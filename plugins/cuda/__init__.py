@@ -20,10 +20,7 @@ from __future__ import annotations
 import functools
 import os
 
-from vlft import (
-    AttentionPolicy, BackendInfo, ConfigError, DataLoaderOptions, DeviceCapacity, DeviceSetup, DistributedOptions,
-    DoctorCheck, MemoryStats, PrecisionPolicy, ProbeResult, hookimpl,
-)
+from vlft import AttentionPolicy, BackendInfo, ConfigError, DataLoaderOptions, DeviceCapacity, DeviceSetup, DistributedOptions, DoctorCheck, MemoryStats, PrecisionPolicy, ProbeResult, hookimpl
 
 from .doctor import doctor_checks
 from .probing import (  # noqa: F401 - re-exported: the package's public helpers

@@ -53,7 +53,7 @@ class Observer:
         return None
 
     def watch(self, model) -> None:
-        from vlft.model import tower_attention
+        from vlft.models.loading import tower_attention
 
         self.model = model
         self.loaded_attention = tower_attention(model)
@@ -184,8 +184,8 @@ def check_tf32_in_effect(device, expected_on: bool) -> None:
 def check_overflowing_step_is_skipped(session, tries: int = 5) -> None:
     """vlft's own ``train_step``: a step whose gradients overflow changes no weight and lowers the loss
     scale; a finite step after it trains."""
-    from vlft.train import train_step_on
-    from vlft.sampling import batches
+    from vlft.data.order import batches
+    from vlft.training.step import train_step_on
 
     scaler = session.policy.scaler
     assert scaler is not None, "fp16 without a loss scaler: an overflowing step would write inf into the weights"
@@ -255,9 +255,9 @@ def observed_run(tmp_path, train, val, plugins=(), **values):
 
     Returns (RunResult, Observer).
     """
+    from vlft.commands.run import execute
     from vlft.config import build_config
-    from vlft.plugins import load_registry
-    from vlft.run import execute
+    from vlft.registry import load_registry
 
     observer = Observer()
     config = build_config({}, {
@@ -272,8 +272,8 @@ def observed_run(tmp_path, train, val, plugins=(), **values):
 def prepared(train, tmp_path, plugins=(), **values):
     """A session set up by ``prepare`` (no step taken), for checks that drive the step themselves."""
     from vlft.config import build_config
-    from vlft.plugins import load_registry
-    from vlft.session import prepare
+    from vlft.registry import load_registry
+    from vlft.training.session import prepare
 
     config = build_config({}, {"steps": 8, "batch_size": 4, "eval_every": 0, "save_every": 0, "data": str(train),
                                "output": str(tmp_path / "session"), "warmup_ratio": 0.0, **values})

@@ -20,10 +20,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from hardware.checks import (
-    check_attention, check_autocast, check_memory_readers_per_device, check_overflowing_step_is_skipped, check_parameters,
-    check_tf32, check_tf32_in_effect, observed_run, prepared,
+    check_attention,
+    check_autocast,
+    check_memory_readers_per_device,
+    check_overflowing_step_is_skipped,
+    check_parameters,
+    check_tf32,
+    check_tf32_in_effect,
+    observed_run,
+    prepared,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,7 +38,7 @@ STEPS = 8  # two passes over 32 samples in batches of 8: the second pass must se
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    from vlft.demo_data import write_demo_dataset
+    from vlft.data.demo import write_demo_dataset
 
     ds = write_demo_dataset(tmp_path_factory.mktemp("device-data") / "demo", 32, 8)
     return ds.train, ds.val
@@ -114,7 +120,7 @@ def test_cuda_honours_an_explicit_precision_and_attention_per_tower(tmp_path, da
 @pytest.mark.cuda
 def test_cuda_explicit_fp32_turns_tf32_off_after_a_default_set_up(tmp_path, data):
     from vlft.config import build_config
-    from vlft.plugins import load_registry
+    from vlft.registry import load_registry
 
     device = torch.device("cuda", 0)
     load_registry().first("vlft_setup_device", backend="cuda", config=build_config({}, {"backend": "cuda"}))
@@ -177,11 +183,13 @@ def test_npu_default_policy_is_fp16_with_loss_scaling_and_eager_attention(method
 def test_npu_patch_reroutes_a_model_loaded_with_sdpa_to_eager_on_the_device(model_dir, processor, data):
     from hardware.checks import Observer
     from helpers import base_model
+
     from vlft.config import RunConfig
-    from vlft.data import read_records
-    from vlft.encoding import Collator, SampleEncoder
-    from vlft.plugins import load_registry
-    from vlft.train import autocast_context, model_inputs, to_device
+    from vlft.data.batching import Collator, model_inputs, to_device
+    from vlft.data.encoding import SampleEncoder
+    from vlft.data.records import read_records
+    from vlft.models.loss import autocast_context
+    from vlft.registry import load_registry
 
     registry = load_registry()
     config = RunConfig(backend="ascend")

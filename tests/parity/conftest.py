@@ -12,7 +12,7 @@ DEVICE_MARKERS = {"cuda": pytest.mark.cuda, "npu": pytest.mark.npu}
 
 
 def available_accelerators() -> list:
-    from vlft.plugins import get_registry
+    from vlft.registry import get_registry
 
     reg = get_registry()
     return [pytest.param(name, marks=[DEVICE_MARKERS[info.device_type]] if info.device_type in DEVICE_MARKERS else [])

@@ -13,20 +13,20 @@ from pathlib import Path
 import torch
 
 from vlft.config import build_config
-from vlft.plugins import get_registry
-from vlft.session import prepare
-from vlft.train import model_inputs, to_device
+from vlft.data.batching import model_inputs, to_device
+from vlft.registry import get_registry
+from vlft.training.session import prepare
 
 
 def main(config_path: str, checkpoint: str, out: str) -> None:
     config = build_config({}, json.loads(Path(config_path).read_text()))
     if config.rank != 0:  # only rank 0 reads the weights; the others receive their shares from it
-        import vlft.model
+        import vlft.models.loading
 
         def refuse(*args, **kwargs):
             raise AssertionError(f"rank {config.rank} read the model's weights")
 
-        vlft.model.load_model = refuse
+        vlft.models.loading.load_model = refuse
     s = prepare(get_registry(), config, resume_from=Path(checkpoint))
     assert s.sharded and s.config.world_size == 2
     batch = s.collate([s.encoder.encode(r) for r in s.val_records[:4]])
@@ -47,8 +47,8 @@ def non_finite_step_is_not_applied(s, batch) -> dict:
     does it (the step not taken) and as an accelerator does (taken and undone shard by shard on the device)."""
     import dataclasses
 
-    from vlft.sharding import local
-    from vlft.train import train_step_on
+    from vlft.planning.sharding import local
+    from vlft.training.step import train_step_on
 
     def shards():
         params = [local(p).clone() for p in s.model.parameters() if p.requires_grad]

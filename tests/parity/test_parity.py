@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from vlft.commands.parity import TOLERANCES, compare, run_worker, tolerance_for
 from vlft.config import build_config
-from vlft.data import read_records
-from vlft.encoding import Collator, SampleEncoder
-from vlft.parity import TOLERANCES, compare, run_worker, tolerance_for
-
+from vlft.data.batching import Collator
+from vlft.data.encoding import SampleEncoder
+from vlft.data.records import read_records
 
 
 def _cfg(small_data, out, **over):
@@ -53,7 +53,8 @@ def batch(small_data, processor):
 
 
 def _loss_and_grads(model, batch):
-    from vlft.train import model_inputs, token_loss_sum
+    from vlft.data.batching import model_inputs
+    from vlft.models.loss import token_loss_sum
 
     model.zero_grad()
     logits = model(**model_inputs(batch)).logits
@@ -134,10 +135,10 @@ def _step_figures(small_data, out, float64=False, **over):
 
     ``float64``: the prepared model (base and adapter) is cast to float64 before the first step (AdamW's
     state is created at that step, so it follows the parameters)."""
-    from vlft.plugins import get_registry
-    from vlft.session import prepare
-    from vlft.train import train_step_on
-    from vlft.sampling import batches
+    from vlft.data.order import batches
+    from vlft.registry import get_registry
+    from vlft.training.session import prepare
+    from vlft.training.step import train_step_on
 
     s = prepare(get_registry(), build_config({}, _cfg(small_data, out, adapter={"lora_dropout": 0.0}, **over)))
     if float64:
@@ -202,26 +203,26 @@ def test_the_accumulation_check_sees_a_per_micro_batch_mean(small_data, tmp_path
     count and the micro-batch means averaged, instead of the step's sum over the step's label count. The bug
     is injected into vlft's step for this test only: each micro-batch's token-loss sum is rescaled so that
     ``sum * world / step_tokens`` becomes ``mean / micro_batches`` (with one micro-batch it changes nothing)."""
-    import vlft.train
+    import vlft.training.step
 
     data = str(_varied_replies(small_data[0], tmp_path / "varied.jsonl"))
     big, wb = _step_figures(small_data, tmp_path / "big", data=data, batch_size=4, steps=6, float64=True)
-    real_step, real_sum = vlft.train.train_step, vlft.train.token_loss_sum
+    real_step, real_sum = vlft.training.step.train_step, vlft.training.step.token_loss_sum
     factors = []
 
     def step_with_per_micro_batch_means(model, optimizer, scheduler, micro_batches, policy, local_tokens):
-        counts = [vlft.train.label_count(b) for b in micro_batches]
+        counts = [vlft.data.batching.label_count(b) for b in micro_batches]
         factors[:] = [sum(counts) / (len(counts) * c) for c in counts]
         return real_step(model, optimizer, scheduler, micro_batches, policy, local_tokens)
 
-    monkeypatch.setattr(vlft.train, "train_step", step_with_per_micro_batch_means)
+    monkeypatch.setattr(vlft.training.step, "train_step", step_with_per_micro_batch_means)
     calls = []
 
     def rescaled_sum(logits, labels):  # outside a step (set-up traces the loss too) nothing is rescaled
         calls.append(bool(factors))
         return real_sum(logits, labels) * (factors.pop(0) if factors else 1.0)
 
-    monkeypatch.setattr(vlft.train, "token_loss_sum", rescaled_sum)
+    monkeypatch.setattr(vlft.training.step, "token_loss_sum", rescaled_sum)
     acc, wa = _step_figures(small_data, tmp_path / "acc", data=data, batch_size=2, grad_accum=2, steps=6,
                             float64=True)
     assert not factors and calls.count(True) == 12  # the bug ran, on each of the 6 x 2 micro-batches
@@ -234,7 +235,7 @@ def test_vlft_parity_command_prints_the_table_and_exits_1_beyond_tolerance(small
     the forced fp32 tolerance. The same figures, judged at the default (the looser precision's, bf16), pass:
     that second verdict replays the first call's worker results through the command in this process (a
     stand-in for the workers, which already ran for real), rather than training the same steps again."""
-    import vlft.parity
+    import vlft.commands.parity
     from click.testing import CliRunner
     from helpers import vlft_command
 
@@ -265,7 +266,7 @@ def test_vlft_parity_command_prints_the_table_and_exits_1_beyond_tolerance(small
     def replay(index, backend, precision, opts, out, probe_only=False):
         return {"backend": backend, "available": True} if probe_only else runs[index]
 
-    monkeypatch.setattr(vlft.parity, "_spawn_worker", replay)
+    monkeypatch.setattr(vlft.commands.parity, "_spawn_worker", replay)
     loose_path = tmp_path / "loose.json"
     loose = CliRunner().invoke(cli, ["parity", "--backends", "cpu,cpu", "--precision", "fp32,bf16", "--steps", "2",
                                      "--batch-size", "2", "--data", str(small_data[0]), "--output", str(loose_path)])

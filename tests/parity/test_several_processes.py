@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import base_model, vlft_command
+
 from vlft.config import build_config
 
 HERE = Path(__file__).resolve().parent
@@ -64,8 +64,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 @pytest.fixture(scope="module")
 def unsharded(small_data, tmp_path_factory) -> Path:
-    from vlft.plugins import get_registry
-    from vlft.run import execute
+    from vlft.commands.run import execute
+    from vlft.registry import get_registry
 
     out = tmp_path_factory.mktemp("unsharded") / "run"
     execute(get_registry(), build_config({}, _values(small_data, out, save_every=0)), progress=False)
@@ -175,7 +175,7 @@ def test_the_adapter_of_a_sharded_model_loads_with_plain_peft_and_gives_its_logi
     plain ``PeftModel.from_pretrained`` on one process must agree."""
     from peft import PeftModel
 
-    from vlft.train import model_inputs
+    from vlft.data.batching import model_inputs
 
     config = tmp_path / "config.json"
     config.write_text(json.dumps({**sharded_values, "output": str(tmp_path / "unused")}))
@@ -234,8 +234,8 @@ def test_two_torchrun_agents_resume_a_sharded_run_with_the_uninterrupted_losses(
 
 
 def test_a_sharded_checkpoint_is_not_resumed_without_sharding(sharded):
-    from vlft.checkpoints import restore_training_state
     from vlft.errors import VlftError
+    from vlft.training.checkpoints import restore_training_state
 
     with pytest.raises(VlftError, match="was written with --shard fsdp; resume it with --shard fsdp"):
         restore_training_state(sharded / "checkpoints" / "step-000005", None, None, None, torch.device("cpu"))
@@ -245,10 +245,10 @@ def test_a_backend_without_sharding_is_refused_before_any_process_group(small_da
     """ToyPlugin's backend answers DistributedOptions("gloo") and says nothing of FSDP."""
     from test_run import ToyPlugin
 
-    from vlft.commands import check_sharding
+    from vlft.builtin.commands import check_sharding
+    from vlft.commands.run import execute
     from vlft.errors import ConfigError
-    from vlft.plugins import load_registry
-    from vlft.run import execute
+    from vlft.registry import load_registry
 
     reg = load_registry(plugins=(ToyPlugin(),))
     config = build_config({}, _values(small_data, tmp_path / "out", backend="toycpu", shard="fsdp"))
@@ -261,7 +261,7 @@ def test_a_backend_without_sharding_is_refused_before_any_process_group(small_da
 
 
 def test_the_report_says_how_the_processes_held_the_model(data_parallel, sharded):
-    from vlft.report import read_run, table_rows
+    from vlft.commands.report import read_run, table_rows
 
     header, rows = table_rows([read_run(data_parallel, "ddp"), read_run(sharded, "fsdp")])
     device = header.index("device")

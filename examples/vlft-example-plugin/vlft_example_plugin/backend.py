@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import sys
 
-from vlft import (
-    AttentionPolicy, BackendInfo, ConfigError, DataLoaderOptions, DeviceCapacity, DeviceSetup, DistributedOptions,
-    DoctorCheck, MemoryStats, PrecisionPolicy, ProbeResult, hookimpl, parse_attn,
-)
+from vlft import AttentionPolicy, BackendInfo, ConfigError, DataLoaderOptions, DeviceCapacity, DeviceSetup, DistributedOptions, DoctorCheck, MemoryStats, PrecisionPolicy, ProbeResult, hookimpl, parse_attn
 
 NAME = "cpu-bf16"
 # /proc/cpuinfo flags of CPUs that compute bf16 natively: x86 AVX512-BF16 and AMX; "bf16" on Arm

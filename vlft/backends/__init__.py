@@ -1,1 +1,0 @@
-"""Backends that ship with the core (the CPU reference); vendor backends live in plugins/."""

@@ -1,0 +1,161 @@
+"""The built-in commands, added to ``vlft`` through ``vlft_register_commands`` like any plugin's.
+
+This module is a plugin (entry point ``commands`` in the ``vlft`` group): the
+core's command group knows no command of its own, so a third-party command
+and ``vlft run`` are registered the same way.
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from vlft.cli import as_arguments, config_options, given_flags, user_errors
+from vlft.config import RunConfig, build_config, load_config_file
+from vlft.hookspecs import hookimpl
+from vlft.registry import DISABLE_ENV, get_registry
+
+
+@click.command()
+@config_options
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="YAML file of flag values.")
+@click.option("--json", "as_json", is_flag=True, help="With --dry-run: print the plan as JSON.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--nproc-per-node", type=int, default=1, show_default=True,
+              help="Processes (devices) per machine; above 1 the run goes through torchrun.")
+@click.option("--nnodes", type=int, default=1, show_default=True, help="Machines (passed to torchrun).")
+@click.option("--node-rank", type=int, default=0, show_default=True, help="This machine's rank (torchrun).")
+@click.option("--master-addr", default=None, help="Rendezvous host (torchrun); default 127.0.0.1.")
+@click.option("--master-port", type=int, default=None,
+              help="Rendezvous port (torchrun); default: on one machine torchrun's own rendezvous on a free port, "
+                   "on several 29500.")
+@click.pass_context
+@user_errors
+def run(ctx, config_file, as_json, quiet, nproc_per_node, nnodes, node_rank, master_addr, master_port, **params):
+    """Fine-tune a model with an adapter method on a backend, evaluate it before and after, save the adapter."""
+    from vlft.commands.run import execute
+    from vlft.planning.plan import format_plan
+    from vlft.training.launch import LaunchOptions, relaunch
+
+    file_values = load_config_file(config_file) if config_file else {}
+    flags = given_flags(ctx, params)
+    config = build_config(file_values, flags)
+    launch = LaunchOptions(nproc_per_node, nnodes, node_rank, master_addr, master_port)
+    if launch.wanted and not config.dry_run and config.shard == "fsdp":
+        check_sharding(get_registry(), config)  # before torchrun starts any process
+    if launch.wanted and not config.dry_run:
+        args = ["run", *as_arguments(flags)] + (["--config", config_file] if config_file else [])
+        code = relaunch(launch, args + (["--quiet"] if quiet else []))
+        if code != 0:
+            raise click.ClickException(f"a training process failed (torchrun exit code {code}); its error is above")
+        return
+    if launch.wanted:
+        config.world_size = nproc_per_node * nnodes
+    registry = get_registry()
+    result = execute(registry, config, progress=not quiet)
+    if config.dry_run:
+        desc = result.description
+        click.echo(json.dumps(desc, indent=2, default=str) if as_json else format_plan(desc))
+        if desc["memory"] and desc["memory"]["fits"] is False and not config.no_memory_check:
+            raise click.ClickException("this run will not fit its device; the memory plan above names the fixes")
+
+
+def check_sharding(registry, config) -> None:
+    """``--shard fsdp`` on a backend that does not offer it: the error, before any process starts."""
+    from vlft.planning.plan import choose_backend
+    from vlft.planning.sharding import require_fsdp
+
+    name = choose_backend(registry, config.backend).info.name
+    require_fsdp(registry.first("vlft_distributed_options", backend=name, config=config), name)
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@user_errors
+def plugins(as_json):
+    """List plugins, backends (with availability) and methods."""
+    registry = get_registry()
+    names = sorted({n for n, _ in registry.pm.list_name_plugin() if n})
+    probes = {name: registry.first("vlft_probe_backend", backend=name) for name in registry.backends}
+    dist = {name: registry.first("vlft_distributed_options", backend=name, config=RunConfig())
+            for name in registry.backends}
+    data = {
+        "plugins": [{"name": n, "status": "loaded"} for n in names]
+        + [{"name": n, "status": "broken", "error": e} for n, e in sorted(registry.broken.items())]
+        + [{"name": n, "status": "disabled"} for n in registry.disabled],
+        "backends": [
+            {"name": b.name, "description": b.description, "device_type": b.device_type, "priority": b.priority,
+             "plugin": registry.owners[("backend", b.name)], "available": probes[b.name].available,
+             "reason": probes[b.name].reason, "device_count": probes[b.name].device_count,
+             "fsdp": bool(dist[b.name] and dist[b.name].fsdp),
+             "fsdp_reason": dist[b.name].fsdp_reason if dist[b.name] else "no distributed options"}
+            for b in sorted(registry.backends.values(), key=lambda b: -b.priority)
+        ],
+        "methods": [
+            {"name": m.name, "description": m.description, "plugin": registry.owners[("method", m.name)]}
+            for m in sorted(registry.methods.values(), key=lambda m: m.name)
+        ],
+    }
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    click.echo("plugins:")
+    for p in data["plugins"]:
+        extra = f"  {p['error']}" if p.get("error") else ""
+        click.echo(f"  {p['name']:<16} {p['status']}{extra}")
+    click.echo("backends:")
+    for b in data["backends"]:
+        state = f"available ({b['device_count']} device(s))" if b["available"] else f"unavailable: {b['reason']}"
+        shard = "--shard fsdp: yes" if b["fsdp"] else f"--shard fsdp: no ({b['fsdp_reason'] or 'not offered'})"
+        click.echo(f"  {b['name']:<8} {state}\n           {b['description']}\n           {shard}")
+    click.echo("methods:")
+    for m in data["methods"]:
+        click.echo(f"  {m['name']:<8} {m['description']}")
+    if registry.broken:
+        click.echo(f"(block a broken plugin with {DISABLE_ENV}=name)")
+
+
+@click.command()
+@user_errors
+def methods():
+    """List adapter methods with their default hyper-parameters and targets."""
+    registry = get_registry()
+    for info in sorted(registry.methods.values(), key=lambda m: m.name):
+        d = registry.first("vlft_adapter_defaults", method=info.name, config=RunConfig())
+        click.echo(f"{info.name}: {info.description}")
+        click.echo(f"  lr {d.lr:g}; default targets: {d.default_targets} "
+                   f"(text: {', '.join(d.text_modules) or '-'}; vision: {', '.join(d.vision_modules) or '-'}, "
+                   f"last {RunConfig().vision_last_n} blocks)")
+        for key, value in d.hyperparameters.items():
+            click.echo(f"  {key} = {value!r}" + (f"  # {d.help[key]}" if d.help.get(key) else ""))
+        for note in d.notes:
+            click.echo(f"  note: {note}")
+
+
+@click.command("demo-data")
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--train", "n_train", default=1600, show_default=True, help="Training samples.")
+@click.option("--val", "n_val", default=400, show_default=True, help="Validation samples.")
+@click.option("--seed", default=0, show_default=True)
+@user_errors
+def demo_data(out, n_train, n_val, seed):
+    """Write the embedded product-inspection data set (JSONL + images) to OUT."""
+    from vlft.data.demo import write_demo_dataset
+
+    ds = write_demo_dataset(out, n_train=n_train, n_val=n_val, seed=seed)
+    click.echo(f"wrote {n_train} training and {n_val} validation samples: {ds.train}, {ds.val}")
+
+
+@hookimpl
+def vlft_register_commands(cli):
+    from vlft.commands.data_check import data
+    from vlft.commands.doctor import doctor
+    from vlft.commands.export import export
+    from vlft.commands.parity import parity, parity_worker
+    from vlft.commands.predict import eval_command, predict
+    from vlft.commands.report import report
+
+    for command in (run, plugins, methods, demo_data, data, doctor, parity, parity_worker, predict, eval_command,
+                    export, report):
+        cli.add_command(command)

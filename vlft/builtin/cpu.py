@@ -1,0 +1,152 @@
+"""The CPU reference backend: every other backend is compared with this one.
+
+fp32 by default (bf16 autocast on request), eager attention unless asked
+otherwise, gloo for several processes, no pinned memory.
+"""
+
+from __future__ import annotations
+
+from vlft import (
+    AttentionPolicy,
+    BackendInfo,
+    ConfigError,
+    DataLoaderOptions,
+    DeviceCapacity,
+    DeviceSetup,
+    DistributedOptions,
+    MemoryStats,
+    PrecisionPolicy,
+    ProbeResult,
+    hookimpl,
+)
+
+NAME = "cpu"
+
+
+@hookimpl
+def vlft_backends():
+    return [BackendInfo(NAME, "CPU reference backend (fp32; bf16 autocast on request)", "cpu", priority=0)]
+
+
+@hookimpl
+def vlft_probe_backend(backend):
+    if backend != NAME:
+        return None
+    import torch
+
+    return ProbeResult(True, device_count=1, versions={"torch": torch.__version__})
+
+
+@hookimpl
+def vlft_setup_device(backend, config):
+    if backend != NAME:
+        return None
+    import torch
+
+    return DeviceSetup(torch.device("cpu"), local_rank=config.local_rank)
+
+
+@hookimpl
+def vlft_attention_implementation(backend, config, model_config):
+    if backend != NAME:
+        return None
+    from vlft import parse_attn
+
+    asked = parse_attn(config.attn) or {}
+    # eager is the reference: it is the plain math every other path must agree with
+    return AttentionPolicy(asked.get("vision", "eager"), asked.get("text", "eager"),
+                           "reference backend: eager unless asked" if not asked else "as asked")
+
+
+@hookimpl
+def vlft_precision_policy(backend, config):
+    if backend != NAME:
+        return None
+    # the reference keeps fp32 base weights whatever it autocasts to; --param-dtype asks otherwise
+    if config.precision in ("auto", "fp32"):
+        return PrecisionPolicy("fp32", reason="CPU reference: full precision",
+                               param_reason="CPU reference: fp32 weights")
+    if config.precision == "bf16":
+        return PrecisionPolicy("bf16", autocast_dtype="bfloat16", reason="bf16 autocast, as asked",
+                               param_reason="CPU reference: fp32 weights under autocast")
+    if config.precision == "fp16":
+        import torch
+
+        return PrecisionPolicy(
+            "fp16", autocast_dtype="float16", loss_scaling=True, init_scale=2.0 ** 16,
+            reason="fp16 autocast with dynamic loss scaling, as asked",
+            param_reason="CPU reference: fp32 weights under autocast",
+            make_scaler=lambda: torch.amp.GradScaler("cpu", init_scale=2.0 ** 16),
+        )
+    raise ConfigError(f"backend cpu does not support precision '{config.precision}'")
+
+
+@hookimpl
+def vlft_dataloader_options(backend, config, options: DataLoaderOptions):
+    if backend != NAME:
+        return
+    options.pin_memory = False
+    # workers would compete with the training threads for the same cores
+    options.num_workers = 0
+    options.reasons.append("cpu: no pinned memory (nothing to copy to); no workers (they share the compute cores)")
+
+
+@hookimpl
+def vlft_distributed_options(backend, config):
+    if backend != NAME:
+        return None
+    return DistributedOptions(
+        "gloo", timeout_s=600, reason="gloo is torch's CPU process group",
+        fsdp=True, sum_reductions=True,
+        fsdp_reason=("FSDP2 on gloo; its gradients reduce with SUM and are divided by FSDP itself, because "
+                     "gloo's averaged reduce-scatter has summed instead of averaged in some torch versions"))
+
+
+@hookimpl
+def vlft_seed(backend, seed, deterministic):
+    if backend != NAME:
+        return
+    if deterministic:
+        import torch
+
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def available_ram() -> int | None:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping), else physical RAM."""
+    import os
+
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+@hookimpl
+def vlft_device_capacity(backend, config):
+    if backend != NAME:
+        return None
+    # the interpreter, torch and transformers themselves take about half a GiB of RAM
+    return DeviceCapacity(available_ram(), reserved_bytes=512 * 2 ** 20, source="available RAM (/proc/meminfo)")
+
+
+@hookimpl
+def vlft_memory_reader(backend, device):
+    if backend != NAME:
+        return None
+    import resource
+    import sys
+
+    def read() -> MemoryStats:
+        # ru_maxrss is the process's peak resident set: KiB on Linux, bytes on macOS
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return MemoryStats(peak_bytes=peak if sys.platform == "darwin" else peak * 1024)
+
+    return read

@@ -1,0 +1,90 @@
+"""``vlft data check FILE...``: read and measure data files as ``vlft run`` would, train nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from vlft.cli import user_errors
+
+
+@click.group()
+def data():
+    """Work with data files."""
+
+
+@data.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--model", default=None, help="Model whose processor measures the lengths; default: the embedded one.")
+@click.option("--image-root", default=None, help="Folder relative image/video paths start from (as `vlft run`).")
+@click.option("--add-placeholders", is_flag=True, help="As `vlft run --add-placeholders`.")
+@click.option("--max-pixels", type=int, default=None, help="As `vlft run --max-pixels`.")
+@click.option("--video-fps", type=float, default=2.0, show_default=True)
+@click.option("--video-max-frames", type=int, default=16, show_default=True)
+@click.option("--longest", default=5, show_default=True, help="How many of the longest records to list.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@user_errors
+def check(files, model, image_root, add_placeholders, max_pixels, video_fps, video_max_frames, longest, as_json):
+    """Validate FILE... (records, turns, images, videos, token lengths) with the messages `vlft run` gives.
+
+    Exits non-zero when any record has a problem."""
+    from vlft.data.encoding import SampleEncoder
+    from vlft.data.records import read_records_collecting
+    from vlft.errors import DataError
+    from vlft.models.loading import load_processor, resolve_model_path
+
+    encoder = SampleEncoder(load_processor(resolve_model_path(model)), max_pixels=max_pixels, video_fps=video_fps,
+                            video_max_frames=video_max_frames)
+    report = {"files": [], "problems": []}
+    measured = []
+    for name in files:
+        entry = {"file": name}
+        try:
+            records, problems = read_records_collecting(Path(name), image_root=image_root,
+                                                        add_placeholders=add_placeholders)
+        except DataError as e:
+            report["problems"].append(str(e))
+            report["files"].append(entry)
+            continue
+        report["problems"] += problems.items + ([f"... and {problems.count - len(problems.items)} more in {name}"]
+                                                if problems.count > len(problems.items) else [])
+        layouts: dict[str, int] = {}
+        for r in records:
+            layouts[r.layout] = layouts.get(r.layout, 0) + 1
+            try:
+                n, _ = encoder.measure(r)
+            except DataError as e:
+                report["problems"].append(str(e))
+                continue
+            measured.append((n, f"{Path(name).parent / r.where}"))
+        entry.update(records=len(records), problems=problems.count, layouts=layouts,
+                     turns=sum(len(r.turns) for r in records), images=sum(len(r.images) for r in records),
+                     videos=sum(len(r.videos) for r in records),
+                     max_images_per_record=max((len(r.images) for r in records), default=0),
+                     max_videos_per_record=max((len(r.videos) for r in records), default=0))
+        report["files"].append(entry)
+    lengths = sorted(n for n, _ in measured)
+    if lengths:
+        report["tokens"] = {"min": lengths[0], "median": lengths[len(lengths) // 2],
+                            "p95": lengths[min(len(lengths) - 1, int(0.95 * len(lengths)))], "max": lengths[-1]}
+    report["longest"] = [{"where": w, "tokens": n} for n, w in sorted(measured, reverse=True)[:longest]]
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        for f in report["files"]:
+            if "records" in f:
+                click.echo(f"{f['file']}: {f['records']} records ({', '.join(f'{k} {v}' for k, v in f['layouts'].items())}), "
+                           f"{f['turns']} turns, {f['images']} images, {f['videos']} videos; "
+                           f"{f['problems']} problem(s)")
+        if lengths:
+            t = report["tokens"]
+            click.echo(f"tokens (image tokens included): min {t['min']}, median {t['median']}, p95 {t['p95']}, "
+                       f"max {t['max']}")
+            for item in report["longest"]:
+                click.echo(f"  {item['where']}: {item['tokens']} tokens")
+        for p in report["problems"]:
+            click.echo(f"problem: {p}", err=True)
+    if report["problems"]:
+        raise click.ClickException(f"{len(report['problems'])} problem(s) found; fix them and check again")

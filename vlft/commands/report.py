@@ -1,0 +1,318 @@
+"""``vlft report RUN [RUN ...]``: run folders to one comparison (report.md, a self-contained report.html, PNGs).
+
+Each run folder is read as far as it goes: a missing or unreadable file becomes a note in the report
+(and a dash in the table), never a traceback. Only a path that is not a run folder at all is an error.
+Plots are drawn headless (matplotlib's Agg) and embedded in the HTML as data URIs, so the page needs
+nothing beside it and can be mailed or attached as one file.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import os
+import shutil
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+
+from vlft.cli import user_errors
+from vlft.errors import ConfigError
+
+RUN_FILES = ("plan.json", "config.json", "metrics.jsonl", "eval.json", "summary.json")
+
+
+# keys that differ between any two runs without being a choice
+NOT_CHOICES = {"output", "resume", "dry_run", "local_rank", "rank"}
+
+
+PLOTS = (  # file, metric key, title, y label
+    ("loss.png", "loss", "Training loss", "loss"),
+    ("val_loss.png", "val_loss", "Validation loss", "loss"),
+    ("lr.png", "lr", "Learning rate", "learning rate"),
+    ("step_time.png", "step_time_s", "Step time", "seconds per step"),
+    ("peak_memory.png", "peak_memory_bytes", "Peak device memory", "GiB"),
+)
+
+
+@dataclass
+class RunData:
+    path: Path
+    name: str
+    plan: dict | None = None
+    config: dict | None = None
+    metrics: list[dict] = field(default_factory=list)
+    eval: dict | None = None
+    summary: dict | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def read_run(path: str | os.PathLike, name: str) -> RunData:
+    p = Path(path)
+    if not p.is_dir():
+        raise ConfigError(f"{path}: no such folder; give run folders written by `vlft run`")
+    if not any((p / f).is_file() for f in RUN_FILES):
+        raise ConfigError(f"{path}: not a run folder (none of {', '.join(RUN_FILES)} is there); "
+                          "give folders written by `vlft run` (its --output)")
+    run = RunData(p, name)
+    for file, attr in (("plan.json", "plan"), ("config.json", "config"), ("eval.json", "eval"),
+                       ("summary.json", "summary")):
+        f = p / file
+        if not f.is_file():
+            run.notes.append(f"{file} is missing" + (" (the run did not finish)" if file == "summary.json" else ""))
+            continue
+        try:
+            setattr(run, attr, json.loads(f.read_text()))
+        except (OSError, ValueError) as e:
+            run.notes.append(f"{file} cannot be read ({e.__class__.__name__}: {e})")
+    f = p / "metrics.jsonl"
+    if f.is_file():
+        bad = 0
+        for line in f.read_text().splitlines():
+            if line.strip():
+                try:
+                    run.metrics.append(json.loads(line))
+                except ValueError:
+                    bad += 1  # a run killed mid-write leaves a partial last line
+        if bad:
+            run.notes.append(f"metrics.jsonl: {bad} unreadable line(s) skipped")
+    else:
+        run.notes.append("metrics.jsonl is missing: no curves for this run")
+    return run
+
+
+def _get(d: dict | None, *keys, default=None):
+    for k in keys:
+        if not isinstance(d, dict) or k not in d:
+            return default
+        d = d[k]
+    return d
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{v:.1%}"
+
+
+def table_rows(runs: list[RunData]) -> tuple[list[str], list[list[str]]]:
+    """The comparison table: one row per run."""
+    fields = sorted({k for r in runs for k in (_get(r.eval, "after", "fields") or {})})
+    header = ["run", "backend", "device", "method", "precision", "adapted modules", "adapter params", "steps",
+              "median step time", "samples/s", "peak memory", "exact match before", "exact match after"]
+    header += [f"{f} acc / F1 after" for f in fields]
+    rows = []
+    for r in runs:
+        logged = [m for m in r.metrics if "loss" in m]
+        # the first logged window holds start-up (compilation, allocator warm-up): left out of the median
+        steady = logged[1:] or logged
+        step_time = _median([m.get("step_time_s") for m in steady])
+        sps = _median([m.get("samples_per_s") for m in steady])
+        peaks = [m.get("peak_memory_bytes") for m in r.metrics if m.get("peak_memory_bytes") is not None]
+        peak = _get(r.summary, "peak_memory_bytes") or (max(peaks) if peaks else None)
+        backend = _get(r.plan, "backend", "name") or _get(r.summary, "backend") or "-"
+        devtype, count = _get(r.plan, "backend", "device_type"), _get(r.plan, "backend", "device_count")
+        device = f"{devtype} x{count}" if devtype else "-"
+        world = _get(r.plan, "training", "world_size") or 1
+        if devtype and (world > 1 or _get(r.plan, "sharding", "strategy") == "fsdp"):
+            sharded = _get(r.plan, "sharding", "strategy") == "fsdp"
+            device += f" ({world} process{'es' if world > 1 else ''}{', FSDP' if sharded else ''})"
+        modules = _get(r.plan, "targets", "modules")
+        steps = _get(r.summary, "steps") or (logged[-1]["step"] if logged else None)
+        row = [r.name, backend, device, _get(r.plan, "method", "name") or _get(r.summary, "method") or "-",
+               _get(r.plan, "precision", "name") or "-",
+               str(len(modules)) if modules is not None else "-",
+               f"{_get(r.plan, 'targets', 'adapter_parameters'):,}"
+               if _get(r.plan, "targets", "adapter_parameters") is not None else "-",
+               str(steps) if steps is not None else "-",
+               f"{step_time:.3f} s" if step_time is not None else "-",
+               f"{sps:.2f}" if sps is not None else "-",
+               f"{peak / 2**30:.2f} GiB" if peak else "-",
+               _pct(_get(r.eval, "before", "exact_match")), _pct(_get(r.eval, "after", "exact_match"))]
+        for f in fields:
+            m = _get(r.eval, "after", "fields", f)
+            row.append(f"{m['accuracy']:.1%} / {m['f1']:.1%}" if m else "-")
+        rows.append(row)
+    return header, rows
+
+
+def _flatten(d, prefix="") -> dict:
+    out = {}
+    for k, v in (d or {}).items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def config_differences(runs: list[RunData]) -> list[tuple[str, list[str]]]:
+    """Settings, asked for or resolved, whose values are not the same in every run."""
+    per_run = []
+    for r in runs:
+        values = {k: v for k, v in _flatten(r.config).items() if k not in NOT_CHOICES}
+        resolved = {
+            "resolved.backend": _get(r.plan, "backend", "name"),
+            "resolved.precision": _get(r.plan, "precision", "name"),
+            "resolved.param_dtype": _get(r.plan, "param_dtype", "dtype"),
+            "resolved.attention": f"vision={_get(r.plan, 'attention', 'vision')} text={_get(r.plan, 'attention', 'text')}"
+            if r.plan else None,
+            "resolved.lr": _get(r.plan, "method", "lr"),
+            "resolved.checkpointing": _get(r.plan, "checkpointing", "enabled"),
+            "resolved.model": _get(r.plan, "model"),
+        }
+        values.update({k: v for k, v in resolved.items() if v is not None})
+        values.update({f"method.{k}": v for k, v in (_get(r.plan, "method", "hyperparameters") or {}).items()})
+        values.update({f"versions.{k}": v for k, v in (_get(r.plan, "backend", "versions") or {}).items()})
+        per_run.append(values)
+    keys = sorted({k for v in per_run for k in v})
+    diffs = []
+    for k in keys:
+        shown = [json.dumps(v[k]) if k in v else "(absent)" for v in per_run]
+        if len(set(shown)) > 1:
+            diffs.append((k, shown))
+    return diffs
+
+
+def draw_plots(runs: list[RunData], folder: Path) -> dict[str, str]:
+    """One PNG per metric, every run on one chart; returns {file: note} for charts with no data."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: no display, same pixels everywhere
+    import matplotlib.pyplot as plt
+
+    empty = {}
+    for file, key, title, ylabel in PLOTS:
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+        drawn = 0
+        for r in runs:
+            points = [(m["step"], m[key]) for m in r.metrics if m.get(key) is not None and "step" in m]
+            if not points:
+                continue
+            xs, ys = zip(*points)
+            if key == "peak_memory_bytes":
+                ys = [y / 2**30 for y in ys]
+            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=r.name)
+            drawn += 1
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if drawn:
+            ax.legend()
+        else:
+            note = f"no run logged {key}" + (" (set --eval-every)" if key == "val_loss" else "")
+            ax.text(0.5, 0.5, note, ha="center", va="center", transform=ax.transAxes, color="gray")
+            empty[file] = note
+        fig.tight_layout()
+        fig.savefig(folder / file, format="png")
+        plt.close(fig)
+    return empty
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> str:
+    esc = [[c.replace("|", "\\|") for c in row] for row in [header, *rows]]
+    lines = ["| " + " | ".join(esc[0]) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in esc[1:]]
+    return "\n".join(lines)
+
+
+def _html_table(header: list[str], rows: list[list[str]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def write_report(runs: list[RunData], output: Path) -> Path:
+    """Write report.md, report.html and the PNGs into ``output`` (a new or empty folder, filled atomically)."""
+    header, rows = table_rows(runs)
+    diffs = config_differences(runs)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}-", dir=output.parent))
+    try:
+        empty = draw_plots(runs, tmp)
+        notes = [f"{r.name} ({r.path}): {n}" for r in runs for n in r.notes]
+        notes += [f"{file}: {note}" for file, note in empty.items()]
+        diff_header = ["setting", *[r.name for r in runs]]
+        diff_rows = [[k, *vals] for k, vals in diffs]
+        sources = ", ".join(f"{r.name} = {r.path}" for r in runs)
+        plot_titles = [(file, title) for file, _, title, _ in PLOTS]
+
+        md = ["# vlft report", "", f"Runs: {sources}", "", "## Comparison", "", _md_table(header, rows), "",
+              "Median step time and samples/s leave out the first logged window (start-up); "
+              "accuracy / F1 are per field, after training.", "", "## Plots", ""]
+        md += [f"![{title}]({file})" for file, title in plot_titles]
+        md += ["", "## What differs between the runs", ""]
+        md += [_md_table(diff_header, diff_rows) if diff_rows else "Nothing: the runs have the same settings."]
+        if notes:
+            md += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+        (tmp / "report.md").write_text("\n".join(md) + "\n")
+
+        figures = "".join(
+            f'<figure><img alt="{html.escape(title)}" src="data:image/png;base64,'
+            f'{base64.b64encode((tmp / file).read_bytes()).decode()}"><figcaption>{html.escape(title)}'
+            f"</figcaption></figure>" for file, title in plot_titles)
+        page = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>vlft report</title>
+<style>
+body{{font-family:sans-serif;margin:2em;max-width:1400px}}
+table{{border-collapse:collapse;margin:1em 0;font-size:0.9em}}
+th,td{{border:1px solid #bbb;padding:4px 8px;text-align:left}} th{{background:#eee}}
+figure{{display:inline-block;margin:0.5em}} img{{max-width:640px}} .note{{color:#a33}}
+</style></head><body>
+<h1>vlft report</h1><p>Runs: {html.escape(sources)}</p>
+<h2>Comparison</h2>{_html_table(header, rows)}
+<p>Median step time and samples/s leave out the first logged window (start-up); accuracy / F1 are per field,
+after training.</p>
+<h2>Plots</h2>{figures}
+<h2>What differs between the runs</h2>
+{_html_table(diff_header, diff_rows) if diff_rows else "<p>Nothing: the runs have the same settings.</p>"}
+{"<h2>Notes</h2><ul>" + "".join(f'<li class="note">{html.escape(n)}</li>' for n in notes) + "</ul>" if notes else ""}
+</body></html>
+"""
+        (tmp / "report.html").write_text(page)
+        if output.exists():
+            output.rmdir()  # checked empty by the caller
+        os.replace(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return output
+
+
+def run_names(paths: list[str]) -> list[str]:
+    """Short names for the runs: the folder names, made unique with their parents where they clash."""
+    names = [Path(p).resolve().name for p in paths]
+    if len(set(names)) == len(names):
+        return names
+    return [f"{Path(p).resolve().parent.name}/{Path(p).resolve().name}" for p in paths]
+
+
+@click.command()
+@click.argument("runs", nargs=-1, required=True, type=click.Path())
+@click.option("--output", default="report", show_default=True, type=click.Path(file_okay=False),
+              help="The report folder to write (new or empty).")
+@user_errors
+def report(runs, output):
+    """Compare run folders: a table, loss/LR/step-time/memory plots and the settings that differ."""
+    out = Path(output)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--output {output} already exists and is not empty; choose a new folder")
+    data = [read_run(p, n) for p, n in zip(runs, run_names(list(runs)))]
+    write_report(data, out)
+    header, rows = table_rows(data)
+    width = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    for line in [header, *rows]:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(line, width)).rstrip())
+    for r in data:
+        for n in r.notes:
+            click.echo(f"note: {r.name}: {n}")
+    click.echo(f"report written to {out / 'report.html'} and {out / 'report.md'}")

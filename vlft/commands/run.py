@@ -1,0 +1,262 @@
+"""``vlft run``: from a config to a trained adapter, an evaluation and a report.
+
+Order matters for the promise "bad input loses nothing": the run folder is
+checked (not created), then everything in ``preflight`` (backend, method,
+model config, every data record, the memory plan) before the folder is
+created or any weight is loaded onto a device.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from vlft.config import RunConfig
+from vlft.errors import ConfigError
+from vlft.planning.plan import RunPlan, choose_backend, format_plan, require_available
+from vlft.planning.preflight import plan_run
+from vlft.policies import MemoryStats
+from vlft.registry import Registry
+from vlft.training.session import prepare
+
+
+@dataclass
+class RunResult:
+    output: Path | None
+    plan: RunPlan
+    before: dict | None = None
+    after: dict | None = None
+    metrics: list | None = None
+    description: dict | None = None  # the resolved plan, for --dry-run
+
+
+def log(msg: str, rank: int = 0) -> None:
+    if rank == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def default_output(config: RunConfig, backend: str) -> Path:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{stamp}-{config.method}-{backend}"
+
+
+def run_folder(config: RunConfig, choice) -> Path:
+    """Where the run writes: ``--output`` or a new time-stamped folder; checked, not yet created.
+
+    A folder that already holds a run is refused unless ``--resume`` continues it.
+    """
+    output = Path(config.output) if config.output else default_output(config, choice.info.name)
+    if config.resume:
+        if not (output / "checkpoints").exists():
+            raise ConfigError(f"--resume: no checkpoints in {output}; give the --output of the run to continue")
+    elif output.exists() and any(output.iterdir()):
+        raise ConfigError(f"--output {output} already holds a run; choose another folder or pass --resume")
+    return output
+
+
+def execute(registry: Registry, config: RunConfig, progress: bool = True) -> RunResult:
+    """Run the whole job; see the module docstring for the order of checks."""
+    import torch
+
+    from vlft.evaluation.generation import evaluate_generation
+    from vlft.evaluation.scoring import format_table
+    from vlft.evaluation.validation import validation_loss
+    from vlft.training.checkpoints import (
+        RUN_IDENTITY,
+        CheckpointStore,
+        newest_checkpoint,
+    )
+    from vlft.training.loop import SkipLog, run_training
+    from vlft.training.metrics import MetricsLog
+    from vlft.training.resume import check_same_run, resume_command, run_identity
+    from vlft.training.signals import Interrupted, NonFiniteStop
+
+    if config.dry_run:
+        plan = plan_run(registry, config).plan
+        return RunResult(None, plan, description=plan.describe())
+    choice = choose_backend(registry, config.backend)
+    require_available(choice)
+    output = run_folder(config, choice)
+    sink_factories = metric_sinks(registry, config)
+    identity = run_identity(config)
+    resume_from = None
+    if config.resume:
+        resume_from = newest_checkpoint(output / "checkpoints", report=lambda m: log(m, config.rank))
+        saved = resume_from / RUN_IDENTITY
+        check_same_run(json.loads(saved.read_text()) if saved.exists() else None, identity, resume_from,
+                       config.force_resume, lambda m: log(m, config.rank))
+    s = prepare(registry, config, resume_from=resume_from, choice=choice)
+    if s.distributed:  # every process writes under rank 0's folder (a default name carries a time stamp)
+        shared = [str(output)]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        output = Path(shared[0])
+    plan = s.plan
+    rank, model, device = config.rank, s.model, s.device
+    if rank == 0:
+        output.mkdir(parents=True, exist_ok=True)
+        (output / "plan.json").write_text(json.dumps(plan.describe(), indent=2, default=str))
+        (output / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+        log(format_plan(plan.describe()))
+        log(f"data         {len(s.train_records)} training and {len(s.val_records)} validation records")
+        log(f"output       {output}")
+
+    eval_records = s.val_records[: config.eval_samples] if config.eval_samples else s.val_records
+
+    def generation_eval(m):
+        return evaluate_generation(m, s.encoder, eval_records, device, config.max_new_tokens, s.autocast_dtype,
+                                   rank=rank, world_size=config.world_size, synced=s.sharded)
+
+    val_batches = [s.collate([s.encoder.encode(r) for r in s.val_records[i:i + config.batch_size]])
+                   for i in range(0, min(len(s.val_records), config.eval_batches * config.batch_size),
+                                  config.batch_size)]
+
+    def val_loss():
+        return validation_loss(model, val_batches, device, s.autocast_dtype)
+
+    store = CheckpointStore(output / "checkpoints", config.keep_checkpoints, s.save_adapter)
+    store.run_identity = identity
+    store.collective, store.adapter_to_save = s.sharded, s.adapter_to_save
+    sharding = sharding_figures(s) if s.sharded else None
+    metrics = MetricsLog(output / "metrics.jsonl" if rank == 0 else None,
+                         [open_sink(output) for open_sink in sink_factories] if rank == 0 else None)
+    start_step = s.start_step
+    before = None
+    if s.checkpoint is not None:
+        metrics.truncate_after(start_step)
+        eval_path = output / "eval.json"
+        if eval_path.exists():
+            before = json.loads(eval_path.read_text()).get("before")
+        log(f"resumed      from step {start_step} ({s.checkpoint})", rank)
+    train_model = model
+    if config.world_size > 1 and not s.sharded:
+        train_model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type != "cpu" and device.index is not None else None)
+    if before is None:
+        log("evaluating the base model ...", rank)
+        with model.disable_adapter():
+            before = generation_eval(model)
+        if rank == 0:
+            _write_eval(output, before, None)
+
+    total_steps = s.settings.total_steps
+    log(f"training     {total_steps} steps of {config.batch_size * config.grad_accum * config.world_size} samples",
+        rank)
+    best: dict = {}
+
+    def save_best(step: int, loss: float) -> None:
+        # beside adapter/ (the last), written whole before it replaces the previous best
+        to_save = s.adapter_to_save(model)  # every process: gathering a sharded adapter is collective
+        if rank == 0:
+            _save_adapter_atomically(s, to_save, output / "adapter-best")
+        best.update(step=step, val_loss=loss)
+
+    t0 = time.perf_counter()
+    skips = SkipLog()
+
+    def stopped_summary(status: str, step: int | None, **extra) -> None:
+        if rank == 0:
+            summary = {"status": status, "step": step, "steps": total_steps, "resumed_from": start_step,
+                       "train_time_s": time.perf_counter() - t0, "skipped_steps": skips.total,
+                       "skipped": skips.steps, **extra}
+            (output / "summary.json").write_text(json.dumps(summary, indent=2))
+
+    try:
+        records = run_training(train_model, s.optimizer, s.scheduler, s.policy, s.dataset, s.collate, s.settings,
+                               store, metrics, s.memory_reader, evaluate_loss=val_loss if config.eval_every else None,
+                               start_step=start_step, progress=progress, skips=skips,
+                               on_best=save_best if config.early_stopping_patience else None)
+    except Interrupted as e:
+        command = resume_command(sys.argv, output, config.world_size)
+        stopped_summary("interrupted", e.step, signal=e.signum,
+                        checkpoint=str(e.checkpoint) if e.checkpoint else None, resume_command=command)
+        log(f"interrupted after step {e.step}; checkpoint {e.checkpoint}. Continue with:\n  {command}", rank)
+        metrics.close()
+        if s.distributed:
+            torch.distributed.destroy_process_group()
+        raise SystemExit(e.exit_code) from None
+    except NonFiniteStop:
+        stopped_summary("stopped: non-finite steps", None, checkpoint=str(store.newest()) if store.newest() else None)
+        metrics.close()
+        raise
+    train_time = time.perf_counter() - t0
+    metrics.close()
+
+    log("evaluating the adapted model ...", rank)
+    after = generation_eval(model)
+    to_save = s.adapter_to_save(model)
+    if rank == 0:
+        adapter_dir = output / "adapter"
+        _save_adapter_atomically(s, to_save, adapter_dir)
+        _write_eval(output, before, after)
+        mem: MemoryStats = s.memory_reader()
+        summary = {
+            "backend": plan.backend.info.name, "method": plan.method.name, "steps": total_steps,
+            "resumed_from": start_step, "train_time_s": train_time,
+            "final_loss": records[-1]["loss"] if records else None, "peak_memory_bytes": mem.peak_bytes,
+            "exact_match_before": before["exact_match"], "exact_match_after": after["exact_match"],
+            "adapter": str(adapter_dir),
+            "param_dtype": plan.precision.param_dtype, "checkpointing": plan.checkpointing,
+            "memory_estimate_bytes": plan.memory.total_bytes() if plan.memory else None,
+            "skipped_too_long": plan.lengths.get("skipped_samples", []),
+            "status": "completed", "skipped_steps": skips.total, "skipped": skips.steps,
+            "sharding": sharding,
+        }
+        if config.early_stopping_patience:
+            summary["early_stopping"] = {"stopped_early": any(r.get("early_stop") for r in records),
+                                         "best_step": best.get("step"), "best_val_loss": best.get("val_loss"),
+                                         "best_adapter": str(output / "adapter-best") if best else None}
+        (output / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(format_table(before, after))
+        print(f"adapter saved to {adapter_dir} ({total_steps - start_step} steps in {train_time:.0f} s)")
+        print(f"compare it with other runs: vlft report {output} [OTHER_RUN ...] --output {output}-report")
+    if s.distributed:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return RunResult(output, plan, before, after, records)
+
+
+def sharding_figures(s) -> dict:
+    """Under --shard fsdp: the base weights each process holds, measured on its tensors (collective)."""
+    import torch
+
+    from vlft.planning.memory import gib
+    from vlft.planning.sharding import base_bytes
+
+    here, whole = base_bytes(s.model)
+    per_rank: list = [None] * s.config.world_size
+    torch.distributed.all_gather_object(per_rank, here)
+    log(f"sharded      base weights per process {', '.join(gib(b) for b in per_rank)} of {gib(whole)} "
+        f"({len(per_rank)} process(es))", s.config.rank)
+    return {"strategy": "fsdp", "world_size": s.config.world_size, "base_bytes_per_process": per_rank,
+            "base_bytes_whole": whole, "wrapped": s.plan.sharding.wrapped}
+
+
+def _save_adapter_atomically(session, model, target: Path) -> None:
+    tmp = target.parent / f".{target.name}-tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    session.save_adapter(model, tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+
+
+def metric_sinks(registry: Registry, config: RunConfig) -> list:
+    """``--report-to``: one sink factory per name, asked once at set-up (``vlft_metric_sink``)."""
+    factories = []
+    for name in [n.strip() for n in (config.report_to or "").split(",") if n.strip()]:
+        factory = registry.pm.hook.vlft_metric_sink(name=name, config=config)
+        if factory is None:
+            raise ConfigError(f"--report-to {name}: no plugin offers this metric sink (built in: tensorboard)")
+        factories.append(factory)
+    return factories
+
+
+def _write_eval(output: Path, before: dict | None, after: dict | None) -> None:
+    tmp = output / ".eval.json.tmp"
+    tmp.write_text(json.dumps({"before": before, "after": after}, indent=2))
+    os.replace(tmp, output / "eval.json")

@@ -1,0 +1,74 @@
+"""batching: split out of vlft/encoding.py (docstring to write)."""
+
+from __future__ import annotations
+
+import torch
+
+from vlft.data.records import IGNORE_INDEX
+
+
+class Collator:
+    """Pads a batch to its own longest sample and stacks the image tensors.
+
+    ``padding_side`` is "right" for training and "left" for generation.
+    ``mm_token_type_ids`` marks image tokens, which Qwen2.5-VL needs for its
+    3-D rotary positions.
+    """
+
+    def __init__(self, pad_token_id: int, image_token_id: int, padding_side: str = "right",
+                 pad_to: int | None = None, video_token_id: int | None = None):
+        self.pad_token_id = pad_token_id
+        self.image_token_id = image_token_id
+        self.video_token_id = video_token_id
+        self.padding_side = padding_side
+        self.pad_to = pad_to  # fixed length, only for comparisons in bench/
+
+    def __call__(self, samples: list[dict]) -> dict:
+        longest = max(len(s["input_ids"]) for s in samples)
+        length = max(longest, self.pad_to or 0)
+        batch_ids, batch_mask, batch_labels = [], [], []
+        for s in samples:
+            ids = s["input_ids"]
+            pad = length - len(ids)
+            fill_ids = torch.full((pad,), self.pad_token_id, dtype=ids.dtype)
+            ones, zeros = torch.ones(len(ids), dtype=torch.long), torch.zeros(pad, dtype=torch.long)
+            left = self.padding_side == "left"
+            batch_ids.append(torch.cat([fill_ids, ids] if left else [ids, fill_ids]))
+            batch_mask.append(torch.cat([zeros, ones] if left else [ones, zeros]))
+            if "labels" in s:
+                fill_labels = torch.full((pad,), IGNORE_INDEX, dtype=torch.long)
+                lab = s["labels"]
+                batch_labels.append(torch.cat([fill_labels, lab] if left else [lab, fill_labels]))
+        input_ids = torch.stack(batch_ids)
+        batch = {
+            "input_ids": input_ids,
+            "attention_mask": torch.stack(batch_mask),
+            # 1 image, 2 video: the 3-D rotary positions space video tokens out in time
+            "mm_token_type_ids": (input_ids == self.image_token_id).long()
+            + 2 * (input_ids == self.video_token_id).long() if self.video_token_id is not None
+            else (input_ids == self.image_token_id).long(),
+        }
+        if batch_labels:
+            batch["labels"] = torch.stack(batch_labels)
+        with_images = [s for s in samples if "pixel_values" in s]
+        if with_images:
+            batch["pixel_values"] = torch.cat([s["pixel_values"] for s in with_images])
+            batch["image_grid_thw"] = torch.cat([s["image_grid_thw"] for s in with_images])
+        with_videos = [s for s in samples if "pixel_values_videos" in s]
+        if with_videos:
+            for key in ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
+                batch[key] = torch.cat([s[key] for s in with_videos])
+        return batch
+
+
+def label_count(batch: dict) -> int:
+    """Label tokens that count in the loss (host-side: no device sync)."""
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+def to_device(batch: dict, device: torch.device, non_blocking: bool = False) -> dict:
+    return {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}
+
+
+def model_inputs(batch: dict) -> dict:
+    return {k: v for k, v in batch.items() if k != "labels"}

@@ -1,0 +1,189 @@
+"""From a validated record to model inputs: chat-template rendering, assistant-only labels, image
+tensors, lengths, and batches padded to their own longest sample.
+
+Labels: only assistant replies count in the loss. The mask comes from
+rendering the conversation prefix by prefix with the processor's own chat
+template and tokenising the pieces, so it needs no token ids of any
+particular tokenizer.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+
+import torch
+from PIL import Image
+
+from vlft.data.records import IGNORE_INDEX, IMAGE_PLACEHOLDER, Record, Turn, load_image
+from vlft.errors import DataError
+
+_PLACEHOLDERS = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|<video>)")
+
+
+def _chat_messages(turns: list[Turn]) -> list[dict]:
+    """Turns as chat-template messages, with <image>/<video> placeholders as image/video parts."""
+    messages = []
+    for t in turns:
+        parts: list[dict] = []
+        for chunk in _PLACEHOLDERS.split(t.text):
+            if chunk == IMAGE_PLACEHOLDER:
+                parts.append({"type": "image"})
+            elif chunk == "<video>":
+                parts.append({"type": "video"})
+            elif chunk:
+                parts.append({"type": "text", "text": chunk})
+        messages.append({"role": t.role, "content": parts})
+    return messages
+
+
+class SampleEncoder:
+    """Turns a Record into model inputs with assistant-only labels.
+
+    ``processor`` is a transformers multimodal processor (a tokenizer, an
+    image processor and a chat template). ``max_pixels`` caps each image's
+    pixel count through the image processor's own resize.
+    """
+
+    def __init__(self, processor, max_pixels: int | None = None, video_fps: float = 2.0, video_max_frames: int = 16):
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.image_token = processor.image_token
+        self.video_token = getattr(processor, "video_token", None)
+        self.video_fps, self.video_max_frames = video_fps, video_max_frames
+        self.merge_length = processor.image_processor.merge_size ** 2
+        self.eos_text = self.tokenizer.eos_token
+        self.image_kwargs: dict = {}
+        if max_pixels is not None:
+            ip_size = dict(processor.image_processor.size)
+            ip_size["longest_edge"] = max_pixels
+            ip_size["shortest_edge"] = min(ip_size.get("shortest_edge", max_pixels), max_pixels)
+            self.image_kwargs["size"] = ip_size
+
+    def render(self, turns: list[Turn], add_generation_prompt: bool) -> str:
+        return self.processor.apply_chat_template(
+            _chat_messages(turns), tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def pieces(self, turns: list[Turn], where: str = "") -> list[tuple[str, bool]]:
+        """The rendered conversation as (text, trained) pieces, in order."""
+        pieces: list[tuple[str, bool]] = []
+        done = ""
+        for i, t in enumerate(turns):
+            if t.role != "assistant":
+                continue
+            prompt = self.render(turns[:i], add_generation_prompt=True)
+            full = self.render(turns[: i + 1], add_generation_prompt=False)
+            if not prompt.startswith(done) or not full.startswith(prompt):
+                raise DataError(
+                    f"{where}: the chat template does not render this conversation prefix by prefix, so the "
+                    "assistant tokens cannot be found (does it start with an assistant turn?)"
+                )
+            pieces.append((prompt[len(done):], False))
+            reply = full[len(prompt):]
+            end = reply.find(self.eos_text) if self.eos_text else -1
+            cut = end + len(self.eos_text) if end >= 0 else len(reply)
+            pieces.append((reply[:cut], t.trained))
+            if reply[cut:]:
+                pieces.append((reply[cut:], False))
+            done = full
+        return pieces
+
+    def image_grid(self, width: int, height: int) -> tuple[int, int, int]:
+        """The (t, h, w) patch grid the image processor makes of an image of this size, without decoding it."""
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+        ip = self.processor.image_processor
+        size = self.image_kwargs.get("size", ip.size)
+        factor = ip.patch_size * ip.merge_size
+        h, w = smart_resize(height, width, factor, min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"])
+        return 1, h // ip.patch_size, w // ip.patch_size
+
+    def measure(self, record: Record) -> tuple[int, list[tuple[int, int, int]]]:
+        """(tokens, image grids) of a record as ``encode`` would make it, image tokens included."""
+        sizes = record.image_sizes
+        if sizes is None:
+            sizes = []
+            for source in record.images:
+                with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as img:
+                    sizes.append(img.size)
+        grids = [self.image_grid(w, h) for w, h in sizes]
+        counts = torch.tensor(grids) if grids else None
+        video = self._videos(record)  # decoding is the only way to know a clip's frame count at this rate
+        video_grids = [tuple(int(x) for x in g) for g in video.get("video_grid_thw", [])]
+        input_ids, _ = self._tokenize(self.pieces(record.turns, record.where), counts,
+                                      video.get("video_grid_thw"))
+        return len(input_ids), grids + video_grids
+
+    def _images(self, record: Record) -> dict:
+        if not record.images:
+            return {}
+        out = self.processor.image_processor(
+            images=[load_image(s) for s in record.images], return_tensors="pt", **self.image_kwargs
+        )
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+
+    def _videos(self, record: Record) -> dict:
+        if not record.videos:
+            return {}
+        from vlft.data.video import VideoError, read_frames
+        from vlft.errors import DataError
+
+        clips, rates = [], []
+        for path in record.videos:
+            try:
+                frames, rate = read_frames(path, self.video_fps, self.video_max_frames)
+            except VideoError as e:
+                raise DataError(f"{record.where}: video '{path}' cannot be read ({e})") from None
+            clips.append(torch.from_numpy(frames).permute(0, 3, 1, 2))
+            rates.append(rate)
+        vp = self.processor.video_processor
+        # frames are already sampled here, at the rate in ``rates``; the processor must not sample again
+        out = vp(videos=clips, return_tensors="pt", do_sample_frames=False, **self.image_kwargs)
+        seconds = torch.tensor([vp.temporal_patch_size / r for r in rates], dtype=torch.float32)
+        return {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": out["video_grid_thw"],
+                "second_per_grid_ts": seconds}
+
+    def _tokenize(self, pieces: list[tuple[str, bool]], grid_thw, video_grid_thw=None) -> tuple[list[int], list[int]]:
+        def tokens(grids):
+            return iter([int(g.prod()) // self.merge_length for g in grids] if grids is not None else [])
+
+        counts = {self.image_token: tokens(grid_thw), self.video_token: tokens(video_grid_thw)}
+        pads = re.compile("|".join(re.escape(t) for t in counts if t))
+        input_ids: list[int] = []
+        labels: list[int] = []
+        for k, (text, trained) in enumerate(pieces):
+            text = pads.sub(lambda m: m.group(0) * next(counts[m.group(0)]), text)
+            ids = self.tokenizer(text, add_special_tokens=(k == 0))["input_ids"]
+            input_ids += ids
+            labels += ids if trained else [IGNORE_INDEX] * len(ids)
+        return input_ids, labels
+
+    def encode(self, record: Record) -> dict:
+        """Training inputs: input_ids and labels (1-D), plus the image tensors."""
+        vision = {**self._images(record), **self._videos(record)}
+        input_ids, labels = self._tokenize(self.pieces(record.turns, record.where), vision.get("image_grid_thw"),
+                                           vision.get("video_grid_thw"))
+        return {"input_ids": torch.tensor(input_ids), "labels": torch.tensor(labels), **vision}
+
+    def encode_prompt(self, record: Record) -> dict:
+        """Generation inputs: the conversation up to its last assistant reply."""
+        last = max(i for i, t in enumerate(record.turns) if t.role == "assistant")
+        prompt = self.render(record.turns[:last], add_generation_prompt=True)
+        vision = {**self._images(record), **self._videos(record)}
+        input_ids, _ = self._tokenize([(prompt, False)], vision.get("image_grid_thw"), vision.get("video_grid_thw"))
+        return {"input_ids": torch.tensor(input_ids), **vision}
+
+
+class EncodedDataset(torch.utils.data.Dataset):
+    """Records encoded on access, so DataLoader workers share the work."""
+
+    def __init__(self, records: list[Record], encoder: SampleEncoder):
+        self.records = records
+        self.encoder = encoder
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.encoder.encode(self.records[index])

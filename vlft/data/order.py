@@ -1,0 +1,111 @@
+"""The data order: every process's share of a seeded shuffle, epoch after epoch, resumable mid-epoch.
+
+Every process shuffles with ``seed + epoch`` and takes every
+``world_size``-th sample, so 2 processes of batch 4 see exactly the samples 1
+process of batch 8 sees, and the memory plan can list in advance every batch
+a run will draw.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from vlft.training.loop import LoopSettings
+
+
+class EpochSampler(torch.utils.data.Sampler):
+    """This process's share of a seeded shuffle, for one epoch, from a given offset.
+
+    Every process shuffles with ``seed + epoch`` and takes every
+    ``world_size``-th index, so 2 processes of batch 4 see exactly the
+    samples one process of batch 8 sees. ``start`` skips samples already
+    trained on, which is how ``--resume`` continues mid-epoch.
+    """
+
+    def __init__(self, n: int, seed: int, epoch: int, rank: int = 0, world_size: int = 1, start: int = 0):
+        self.n, self.seed, self.epoch, self.rank, self.world_size, self.start = n, seed, epoch, rank, world_size, start
+
+    def indices(self) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        perm = torch.randperm(self.n, generator=g).tolist()
+        usable = len(perm) - len(perm) % self.world_size
+        return perm[self.rank:usable:self.world_size][self.start:]
+
+    def __iter__(self):
+        return iter(self.indices())
+
+    def __len__(self) -> int:
+        return len(self.indices())
+
+
+def worker_init(worker_id: int) -> None:
+    # DataLoader seeds torch per worker; give Python and NumPy the same stream
+    seed = torch.initial_seed() % 2 ** 32
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def steps_per_epoch(n_samples: int, batch_size: int, grad_accum: int, world_size: int) -> int:
+    per_rank = n_samples // world_size
+    return max(1, per_rank // (batch_size * grad_accum))
+
+
+def batches(dataset, collate, settings: LoopSettings, start_step: int):
+    """Yield lists of ``grad_accum`` micro-batches from ``start_step`` on, epoch after epoch."""
+    per_epoch = steps_per_epoch(len(dataset), settings.batch_size, settings.grad_accum, settings.world_size)
+    epoch, step_in_epoch = divmod(start_step, per_epoch)
+    micro = settings.batch_size
+    # fewer samples per process than one step: keep the incomplete batch, or an epoch would yield nothing
+    short = len(dataset) // settings.world_size < micro * settings.grad_accum
+    while True:
+        sampler = EpochSampler(len(dataset), settings.seed, epoch, settings.rank, settings.world_size,
+                               start=step_in_epoch * micro * settings.grad_accum)
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_size=micro, sampler=sampler, collate_fn=collate, drop_last=not short,
+            worker_init_fn=worker_init, generator=torch.Generator().manual_seed(settings.seed + epoch),
+            **settings.loader_kwargs,
+        )
+        group: list[dict] = []
+        for batch in loader:
+            group.append(batch)
+            if len(group) == settings.grad_accum:
+                yield group
+                group = []
+                step_in_epoch += 1
+                if step_in_epoch >= per_epoch:
+                    break
+        if short and group and step_in_epoch < per_epoch:
+            yield group  # the whole (small) epoch as one step of fewer samples
+            step_in_epoch += 1
+        if step_in_epoch == 0:
+            raise RuntimeError(f"an epoch of {len(dataset)} samples gave no batch (batch {micro} x accumulation "
+                               f"{settings.grad_accum} x {settings.world_size} processes)")
+        epoch += 1
+        step_in_epoch = 0
+
+
+DEFAULT_EPOCHS = 3
+
+
+def total_steps_for(n_samples: int, steps: int | None, epochs: float | None, batch_size: int, grad_accum: int,
+                    world_size: int) -> int:
+    if steps is not None:
+        return steps
+    per_epoch = steps_per_epoch(n_samples, batch_size, grad_accum, world_size)
+    return max(1, math.ceil(per_epoch * (epochs if epochs is not None else DEFAULT_EPOCHS)))
+
+
+def step_indices(n_samples: int, settings: LoopSettings, step: int) -> list[int]:
+    """The dataset indices this process trained on in optimizer step ``step`` (1-based): the same order
+    ``batches`` draws, recomputed on the host so naming a batch needs nothing from the device."""
+    per_epoch = steps_per_epoch(n_samples, settings.batch_size, settings.grad_accum, settings.world_size)
+    epoch, step_in_epoch = divmod(step - 1, per_epoch)
+    span = settings.batch_size * settings.grad_accum
+    order = EpochSampler(n_samples, settings.seed, epoch, settings.rank, settings.world_size).indices()
+    return order[step_in_epoch * span:(step_in_epoch + 1) * span]

@@ -1,0 +1,70 @@
+"""generation: split out of vlft/evaluate.py (docstring to write)."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from vlft.data.batching import Collator, to_device
+from vlft.data.encoding import SampleEncoder
+from vlft.data.records import Record
+from vlft.evaluation.scoring import score
+from vlft.models.loss import autocast_context
+from vlft.training.fsdp import root_gathered
+
+
+@torch.no_grad()
+def generate_answers(model, encoder: SampleEncoder, records: list[Record], device, batch_size: int = 16,
+                     max_new_tokens: int = 32, autocast_dtype=None, sampling: dict | None = None,
+                     on_batch=None, synced: bool = False) -> list[str]:
+    """Answers to ``records`` (greedy unless ``sampling`` holds ``generate`` options such as
+    ``temperature``/``top_p``); ``on_batch(n)`` is told after each batch of ``n``. ``synced``: the model is
+    sharded, so every process keeps taking decoding steps until all are done (``synced_gpus``)."""
+    tokenizer = encoder.tokenizer
+    collate = Collator(tokenizer.pad_token_id, encoder.processor.image_token_id, padding_side="left",
+                       video_token_id=getattr(encoder.processor, "video_token_id", None))
+    was_training = model.training
+    model.eval()
+    answers: list[str] = []
+    with root_gathered(model) if synced else nullcontext():
+        for i in range(0, len(records), batch_size):
+            chunk = records[i:i + batch_size]
+            batch = to_device(collate([encoder.encode_prompt(r) for r in chunk]), device)
+            with autocast_context(device, autocast_dtype):
+                out = model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                     synced_gpus=synced,
+                                     **(dict(do_sample=True, **sampling) if sampling else dict(do_sample=False)))
+            answers += tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+            if on_batch is not None:
+                on_batch(len(chunk))
+    model.train(was_training)
+    return [a.strip() for a in answers]
+
+
+def evaluate_generation(model, encoder, records, device, max_new_tokens=32, autocast_dtype=None,
+                        rank: int = 0, world_size: int = 1, synced: bool = False) -> dict:
+    """Score greedy answers on ``records``; with several processes each does a share and rank 0 gathers.
+
+    ``synced`` (a sharded model, whose every forward pass gathers weights from all processes): the shares
+    are padded to the same length with repeats of a record, whose answers are dropped, and every process
+    decodes until all are done, so all take the same number of forward passes. Slower than unsharded
+    generation (each decoding step gathers every block), but the same answers."""
+    mine = records[rank::world_size]
+    n_mine = len(mine)
+    if synced and records:
+        mine += [records[0]] * (-(-len(records) // world_size) - n_mine)
+    answers = generate_answers(model, encoder, mine, device, max_new_tokens=max_new_tokens,
+                               autocast_dtype=autocast_dtype, synced=synced)[:n_mine]
+    pairs = list(zip(range(rank, len(records), world_size), answers))
+    if world_size > 1:
+        gathered: list = [None] * world_size
+        torch.distributed.all_gather_object(gathered, pairs)
+        pairs = sorted(p for part in gathered for p in part)
+    predictions = [a for _, a in pairs]
+    references = [records[i].reference for i, _ in pairs]
+    result = score(predictions, references)
+    result["examples"] = [
+        {"where": records[i].where, "reference": records[i].reference, "prediction": a} for i, a in pairs[:5]
+    ]
+    return result

@@ -1,0 +1,167 @@
+"""What ``vlft predict``, ``eval`` and ``export`` share: finding an adapter, and loading it on its base model
+with the same backend, precision and attention policies as ``vlft run``.
+
+``--adapter`` is a run folder (``plan.json`` + ``adapter/``) or a bare adapter folder
+(``adapter_config.json``); ``--model`` is the base (or a merged model when no adapter is given).
+The method comes from the run's plan, or from the adapter's PEFT type; loading and merging go
+through the method's hooks, so a method plugin that is not PEFT works the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vlft.errors import ConfigError, VlftError
+from vlft.registry import Registry
+
+
+@dataclass
+class AdapterSource:
+    """Where an adapter is and what was trained: its folder, the run around it (if any), method and base."""
+
+    adapter_dir: Path
+    run_dir: Path | None
+    method: str
+    base_model: str | None  # the base the run trained on (a path on the machine that trained it)
+    run_config: dict = field(default_factory=dict)
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: cannot read {what} ({e.__class__.__name__}: {e})") from None
+
+
+def locate_adapter(registry: Registry, path: str | os.PathLike) -> AdapterSource:
+    """A run folder or an adapter folder -> ``AdapterSource``; anything else is one clear error."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ConfigError(f"--adapter {path}: no such folder; give a run folder (from `vlft run`) "
+                          "or an adapter folder (holding adapter_config.json)")
+    if (p / "adapter_config.json").is_file():
+        adapter_dir = p
+        run_dir = p.parent if (p.parent / "plan.json").is_file() else None
+    elif (p / "adapter" / "adapter_config.json").is_file():
+        adapter_dir, run_dir = p / "adapter", p
+    else:
+        hint = ("it holds plan.json but no adapter/ (the run did not finish; its checkpoints/ hold adapters)"
+                if (p / "plan.json").is_file() else "it holds neither adapter/adapter_config.json nor "
+                "adapter_config.json")
+        raise ConfigError(f"--adapter {path}: not a run folder or an adapter folder: {hint}")
+    adapter_config = _read_json(adapter_dir / "adapter_config.json", "the adapter config")
+    method, base, run_config = None, adapter_config.get("base_model_name_or_path"), {}
+    if run_dir is not None:
+        plan = _read_json(run_dir / "plan.json", "the run's plan")
+        method = plan.get("method", {}).get("name")
+        base = plan.get("model") or base
+        if (run_dir / "config.json").is_file():
+            run_config = _read_json(run_dir / "config.json", "the run's config")
+    if method is None:  # a bare PEFT folder: its PEFT type names the method (LORA -> lora)
+        peft_type = str(adapter_config.get("peft_type", "")).lower()
+        method = peft_type if peft_type in registry.methods else None
+        if method is None:
+            raise ConfigError(f"--adapter {path}: adapter type {adapter_config.get('peft_type')!r} is not a method "
+                              f"of any installed plugin ({', '.join(sorted(registry.methods))}); "
+                              "give the run folder instead, whose plan.json names the method")
+    registry.method(method)  # an unknown method is an error naming the valid ones
+    return AdapterSource(adapter_dir, run_dir, method, base, run_config)
+
+
+@dataclass
+class Loaded:
+    """A model ready for inference, with everything needed to encode inputs and report what ran."""
+
+    model: object
+    processor: object
+    encoder: object
+    device: object
+    autocast_dtype: object
+    plan: object  # plan.RunPlan: backend, precision, attention as resolved
+    model_path: str
+    source: AdapterSource | None
+
+
+def _base_model_path(source: AdapterSource | None, model: str | None) -> str:
+    from vlft.models.loading import resolve_model_path
+
+    if model is not None or source is None:
+        return resolve_model_path(model)
+    base = source.base_model
+    if base and Path(base).is_dir():
+        return resolve_model_path(base)
+    if base and not base.startswith((".", "/", "~")) and base.count("/") == 1:
+        return base  # a hub id
+    where = source.run_dir or source.adapter_dir
+    raise ConfigError(f"--adapter {where}: its base model {base!r} is not on this machine; pass --model with "
+                      "the base model's folder")
+
+
+def load_for_inference(registry: Registry, adapter: str | None, model: str | None, *, backend: str = "auto",
+                       precision: str = "auto", param_dtype: str = "auto", attn: str | None = None,
+                       max_pixels: int | None = None, on_device: bool = True) -> Loaded:
+    """Resolve the policies as ``vlft run`` does, load the base (or merged) model and the adapter on it.
+
+    ``on_device=False`` keeps the model on the CPU (export merges there, in fp32).
+    """
+    import torch
+
+    from vlft.config import build_config
+    from vlft.data.encoding import SampleEncoder
+    from vlft.models.bundled import require_weights
+    from vlft.models.loading import load_model, load_model_config, load_processor
+    from vlft.planning.plan import choose_backend, require_available, resolve_plan
+
+    source = locate_adapter(registry, adapter) if adapter is not None else None
+    model_path = _base_model_path(source, model)
+    run_cfg = source.run_config if source else {}
+    if max_pixels is None:
+        max_pixels = run_cfg.get("max_pixels")  # encode images as the adapter saw them in training
+    config = build_config({}, {k: v for k, v in dict(
+        backend=backend, precision=precision, param_dtype=param_dtype, attn=attn, max_pixels=max_pixels,
+        method=source.method if source else None, model=model_path).items() if v is not None})
+    choice = choose_backend(registry, config.backend)
+    require_available(choice)
+    name = choice.info.name
+    device = torch.device("cpu")
+    if on_device:
+        setup = registry.first("vlft_setup_device", backend=name, config=config)
+        for key, value in setup.env.items():
+            os.environ.setdefault(key, value)
+        device = setup.device
+    model_config = load_model_config(model_path)
+    plan = resolve_plan(registry, config, model_path, model_config, choice)
+    require_weights(model_path, model)
+    processor = load_processor(model_path)
+    net = load_model(model_path, plan.attention, plan.precision)
+    plan.patches = [p for ps in registry.hook.vlft_patch_model(backend=name, model=net, config=config,
+                                                               attention=plan.attention) if ps for p in ps]
+    if source is not None:
+        try:
+            net = registry.first("vlft_load_adapter", method=source.method, model=net,
+                                 path=str(source.adapter_dir), trainable=False)
+        except VlftError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a mismatched base shows up as a shape or key error in loading
+            first = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+            raise ConfigError(
+                f"--adapter {source.adapter_dir}: it does not fit the model at {model_path} "
+                f"({e.__class__.__name__}: {first[:300]}). It was trained on {source.base_model}; "
+                "pass that model with --model"
+            ) from None
+    net.to(device)
+    net.eval()
+    autocast = getattr(torch, plan.precision.autocast_dtype) if plan.precision.autocast_dtype else None
+    encoder = SampleEncoder(processor, max_pixels=config.max_pixels)
+    return Loaded(net, processor, encoder, device, autocast, plan, model_path, source)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file, so a failure leaves nothing half-written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -1,0 +1,113 @@
+"""measure: split out of vlft/activations.py (docstring to write)."""
+
+from __future__ import annotations
+
+
+class SavedTensorMeter:
+    """Bytes autograd keeps for backward: each saved tensor's storage once, parameters and buffers excluded.
+
+    Works on real tensors (storages told apart by address) and on the meta
+    device (no addresses: a view counts as its base tensor).
+    """
+
+    def __init__(self, model):
+        self.exclude = {self._key(t) for t in (*model.parameters(), *model.buffers())}
+        self.storages: dict[object, int] = {}
+
+    @staticmethod
+    def _key(t):
+        if t.device.type == "meta":
+            base = t._base if t._base is not None else t
+            return ("meta", id(base))
+        return t.untyped_storage().data_ptr()
+
+    def pack(self, t):
+        try:
+            key = self._key(t)
+        except (RuntimeError, NotImplementedError):  # a tensor without storage (sparse, ...)
+            return t
+        if key and key not in self.exclude and key not in self.storages:
+            if t.device.type == "meta":
+                base = t._base if t._base is not None else t
+                self.storages[key] = base.numel() * base.element_size()
+            else:
+                self.storages[key] = t.untyped_storage().nbytes()
+        return t
+
+    @staticmethod
+    def unpack(t):
+        return t
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+    def hooks(self):
+        import torch
+
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+class LiveTensorMeter:
+    """The peak bytes of tensor storages alive at once while active, on any device (the CPU included).
+
+    Every tensor an operation creates is followed through a weak reference to
+    its storage until it is freed; ``resident`` tensors (weights, optimizer
+    state) made before are counted from the start. This is what an
+    allocator's peak statistic reports, less fragmentation, so the memory
+    plan can be checked where there is no allocator to ask.
+    """
+
+    def __init__(self, resident=()):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self._ref = StorageWeakRef
+        self.live: dict[int, tuple[object, int]] = {}
+        for t in resident:
+            self._add(t)
+        self.start_bytes = self.current
+        self.peak = self.current
+
+    def _add(self, t) -> None:
+        import torch
+
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        ptr = st.data_ptr()
+        if not ptr:
+            return
+        known = self.live.get(ptr)
+        if known is None or known[0].expired():
+            self.live[ptr] = (self._ref(st), st.nbytes())
+
+    @property
+    def current(self) -> int:
+        dead = [k for k, (ref, _) in self.live.items() if ref.expired()]
+        for k in dead:
+            del self.live[k]
+        return sum(n for _, n in self.live.values())
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        meter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_leaves(out):
+                    meter._add(t)
+                meter.peak = max(meter.peak, meter.current)
+                return out
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)

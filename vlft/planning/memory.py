@@ -1,0 +1,298 @@
+"""The memory plan: will the run fit its device? Answered before a weight is loaded.
+
+Peak memory per process is estimated as
+
+    base weights (per tower, at the parameter dtype)
+  + adapter weights, gradients and AdamW state (fp32)
+  + activations autograd keeps for backward, for the largest batch the run will draw
+  + the logits' working set (the logits and their gradient, alive around the loss)
+  + what the runtime reserves outside tensors (the backend's figure)
+
+Activations are not guessed from a formula: every vision block, text decoder
+layer, the merger and the head of the *adapted* model are run once on the
+meta device (shapes only, no memory, no arithmetic) under
+``saved_tensors_hooks``, so the estimate counts exactly the tensors autograd
+would save for this architecture, attention implementation, adapter and
+batch. Frozen layers before the first adapted one save nothing, as in a real
+step. With activation checkpointing a layer keeps only its input, and one
+layer at a time is recomputed during backward.
+
+Measured against counted peaks on the CPU (``make bench``, memory group) the
+estimate's error is stated in docs/memory-plan.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from vlft.planning.trace import Activations, BatchShape, trace_activations
+
+GIB = 2 ** 30
+
+
+HEADROOM = 0.05  # allocator fragmentation: plan to use at most 95% of the device
+
+
+def gib(n: int | float | None) -> str:
+    """Bytes for a person: GiB from 1 GiB up, MiB below."""
+    if n is None:
+        return "unknown"
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / 2 ** 20:.1f} MiB"
+
+
+@dataclass
+class MemoryPlan:
+    base_weights: dict[str, int]  # tower -> bytes
+    base_dtype: str
+    adapter_parameters: int
+    adapter_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activations: Activations
+    logits_bytes: int
+    reserved_bytes: int
+    batch: BatchShape
+    checkpointing: bool = False
+    checkpointing_reason: str = ""
+    capacity_bytes: int | None = None
+    capacity_source: str = ""
+    fixes: list[str] = field(default_factory=list)
+    shard_world: int = 1  # --shard fsdp: base weights, adapter, grads and AdamW state split over this many
+    gathered_bytes: int = 0  # --shard fsdp: parameters gathered whole at a time (root + two blocks)
+
+    def per_process(self, n: int) -> int:
+        """``n`` bytes of sharded state as one process holds them."""
+        return math.ceil(n / self.shard_world)
+
+    @property
+    def base_bytes_per_process(self) -> int:
+        return self.per_process(sum(self.base_weights.values()))
+
+    @property
+    def adapter_state_bytes_per_process(self) -> int:
+        return self.per_process(self.adapter_bytes + self.grad_bytes + self.optimizer_bytes)
+
+    @property
+    def activation_bytes(self) -> int:
+        return self.activations.checkpointed if self.checkpointing else self.activations.full
+
+    def counted_bytes(self, checkpointing: bool | None = None) -> int:
+        """Weights + adapter state + saved activations: what bench/ counts on the CPU."""
+        ckpt = self.checkpointing if checkpointing is None else checkpointing
+        act = self.activations.checkpointed if ckpt else self.activations.full
+        return self.base_bytes_per_process + self.adapter_state_bytes_per_process + self.gathered_bytes + act
+
+    def total_bytes(self, checkpointing: bool | None = None) -> int:
+        return self.counted_bytes(checkpointing) + self.logits_bytes + self.reserved_bytes
+
+    def fits(self, checkpointing: bool | None = None) -> bool | None:
+        if self.capacity_bytes is None:
+            return None
+        return self.total_bytes(checkpointing) <= self.capacity_bytes * (1 - HEADROOM)
+
+    def describe(self) -> dict:
+        return {
+            "base_weights_bytes": self.base_weights, "base_dtype": self.base_dtype,
+            "adapter_parameters": self.adapter_parameters, "adapter_bytes": self.adapter_bytes,
+            "grad_bytes": self.grad_bytes, "optimizer_bytes": self.optimizer_bytes,
+            "activation_bytes": self.activation_bytes, "activation_bytes_without_checkpointing": self.activations.full,
+            "activation_bytes_with_checkpointing": self.activations.checkpointed,
+            "logits_bytes": self.logits_bytes, "reserved_bytes": self.reserved_bytes,
+            "batch": self.batch.describe(), "checkpointing": self.checkpointing,
+            "estimate_bytes": self.total_bytes(), "capacity_bytes": self.capacity_bytes,
+            "capacity_source": self.capacity_source, "usable_fraction": 1 - HEADROOM, "fits": self.fits(),
+            "fixes": self.fixes, "sharded_over": self.shard_world, "gathered_bytes": self.gathered_bytes,
+            "base_bytes_per_process": self.base_bytes_per_process,
+            "adapter_state_bytes_per_process": self.adapter_state_bytes_per_process,
+        }
+
+    def format(self) -> list[str]:
+        return format_memory(self.describe())
+
+
+def format_memory(d: dict) -> list[str]:
+    """The plan's memory lines, from ``MemoryPlan.describe()`` (so dry-run JSON and text agree)."""
+    w, batch = d["base_weights_bytes"], d["batch"]
+    verdict = {True: "fits", False: "DOES NOT FIT", None: "capacity unknown (pass --device-memory)"}[d["fits"]]
+    adapter = d["adapter_bytes"] + d["grad_bytes"] + d["optimizer_bytes"]
+    world = d.get("sharded_over", 1)
+    lines = [
+        f"memory       {gib(d['estimate_bytes'])} estimated per process; device {gib(d['capacity_bytes'])} "
+        f"({d['capacity_source']}), {d['usable_fraction']:.0%} usable: {verdict}",
+        f"             base weights {d['base_dtype']}: vision {gib(w.get('vision', 0))}, text {gib(w.get('text', 0))}"
+        + (f"; sharded over {world} processes: {gib(d['base_bytes_per_process'])} each" if world > 1 else ""),
+        f"             adapter {d['adapter_parameters']:,} params, fp32 weights + grads + AdamW: {gib(adapter)}"
+        + (f"; {gib(d['adapter_state_bytes_per_process'])} each" if world > 1 else ""),
+    ]
+    if world > 1:
+        lines.append(f"             gathered whole at a time (the root's parameters + 2 blocks): "
+                     f"{gib(d['gathered_bytes'])}")
+    lines += [
+        f"             activations {gib(d['activation_bytes'])} (checkpointing {'on' if d['checkpointing'] else 'off'}; "
+        f"on {gib(d['activation_bytes_with_checkpointing'])}, off {gib(d['activation_bytes_without_checkpointing'])})"
+        f" for the largest batch: {batch['samples']} x {batch['tokens_per_sample']} tokens, "
+        f"{batch['image_patches']} image patches",
+        f"             logits {gib(d['logits_bytes'])}, runtime reserve {gib(d['reserved_bytes'])}",
+    ]
+    return lines + [f"fix          {f}" for f in d["fixes"]]
+
+
+def weight_bytes(model, param_dtype) -> tuple[dict[str, int], int]:
+    """(frozen base bytes per tower at ``param_dtype``, trainable parameter count)."""
+    import torch
+
+    itemsize = torch.empty((), dtype=param_dtype).element_size()
+    towers = {"vision": 0, "text": 0}
+    trainable = 0
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            trainable += p.numel()
+        else:
+            towers["vision" if ".visual." in f".{name}" else "text"] += p.numel() * itemsize
+    return towers, trainable
+
+
+def plan_memory(model, model_config, param_dtype: str, compute_dtype: str | None, batch: BatchShape,
+                reserved_bytes: int, capacity_bytes: int | None, capacity_source: str, shard_world: int = 1,
+                gathered_bytes: int = 0) -> MemoryPlan:
+    """The plan for ``model`` (adapted, on the meta device) at ``batch``; checkpointing still undecided.
+    ``shard_world`` > 1: sharded with FSDP over that many processes, ``gathered_bytes`` gathered at a time."""
+    import torch
+
+    pdtype = getattr(torch, param_dtype)
+    towers, trainable = weight_bytes(model, pdtype)
+    acts = trace_activations(model, batch)
+    vocab = model_config.text_config.vocab_size if hasattr(model_config, "text_config") else model_config.vocab_size
+    logit_itemsize = torch.empty((), dtype=getattr(torch, compute_dtype or param_dtype)).element_size()
+    # the logits stay alive through backward, and their fp32 gradient is made there
+    logits = batch.samples * batch.tokens * vocab * (logit_itemsize + 4)
+    return MemoryPlan(
+        base_weights=towers, base_dtype=param_dtype, adapter_parameters=trainable, adapter_bytes=4 * trainable,
+        grad_bytes=4 * trainable, optimizer_bytes=8 * trainable, activations=acts, logits_bytes=logits,
+        reserved_bytes=reserved_bytes, batch=batch, capacity_bytes=capacity_bytes, capacity_source=capacity_source,
+        shard_world=shard_world, gathered_bytes=gathered_bytes,
+    )
+
+
+def fsdp_gathered_bytes(model, compute_dtype: str | None) -> int:
+    """What FSDP holds whole at one time: the root's parameters and two blocks (the one running and the next,
+    prefetched), at the dtype they are gathered in."""
+    import torch
+
+    from vlft.planning.sharding import working_set_bytes
+
+    itemsize = torch.empty((), dtype=getattr(torch, compute_dtype)).element_size() if compute_dtype else None
+    root, block = working_set_bytes(model, itemsize)
+    return root + 2 * block
+
+
+def largest_batches(lengths: list[int], grids: list[list], batch_size: int, grad_accum: int, world_size: int,
+                    seed: int, total_steps: int) -> list[BatchShape]:
+    """The micro-batches with the most padded tokens and with the most image patches, over every
+    process and every step the run will take (the sampler is seeded, so this is exact)."""
+    from vlft.data.order import EpochSampler, steps_per_epoch
+
+    n = len(lengths)
+    per_epoch = steps_per_epoch(n, batch_size, grad_accum, world_size)
+    epochs = min(math.ceil(total_steps / per_epoch), 64)  # beyond a few epochs no new batch shapes appear
+    best_tokens: BatchShape | None = None
+    best_patches: BatchShape | None = None
+    for epoch in range(epochs):
+        for rank in range(world_size):
+            order = EpochSampler(n, seed, epoch, rank, world_size).indices()
+            usable = min(len(order) // batch_size, per_epoch * grad_accum) * batch_size
+            for i in range(0, usable, batch_size):
+                idx = order[i:i + batch_size]
+                shape = BatchShape(len(idx), max(lengths[j] for j in idx), [g for j in idx for g in grids[j]])
+                if best_tokens is None or shape.samples * shape.tokens > best_tokens.samples * best_tokens.tokens:
+                    best_tokens = shape
+                if best_patches is None or shape.patches > best_patches.patches:
+                    best_patches = shape
+    if best_tokens is None:  # fewer samples than one batch: the whole set is the batch
+        best_tokens = BatchShape(n, max(lengths), [g for gs in grids for g in gs])
+    return [best_tokens] if best_patches is None or best_patches is best_tokens else [best_tokens, best_patches]
+
+
+def worst_plan(model, model_config, param_dtype, compute_dtype, shapes: list[BatchShape], reserved: int,
+               capacity: int | None, source: str, shard_world: int = 1, gathered_bytes: int = 0) -> MemoryPlan:
+    plans = [plan_memory(model, model_config, param_dtype, compute_dtype, s, reserved, capacity, source,
+                         shard_world, gathered_bytes)
+             for s in shapes]
+    return max(plans, key=lambda p: p.total_bytes(False))
+
+
+def resized_grids(grids, max_pixels: int, patch: int = 14, merge: int = 2):
+    """Patch grids after capping each image at ``max_pixels`` (as ``--max-pixels`` would)."""
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+    out = []
+    for t, h, w in grids:
+        nh, nw = smart_resize(h * patch, w * patch, patch * merge, min_pixels=min(56 * 56, max_pixels),
+                              max_pixels=max_pixels)
+        out.append((t, nh // patch, nw // patch))
+    return out
+
+
+def decide(plan: MemoryPlan, asked: str, model, model_config, compute_dtype, batch_size: int, grad_accum: int,
+           max_pixels: int | None, can_shard: bool = False) -> None:
+    """Settle checkpointing (``asked``: on, off, auto) and, when the run does not fit, list what would."""
+    if asked == "on":
+        plan.checkpointing, plan.checkpointing_reason = True, "on, as asked"
+    elif asked == "off":
+        plan.checkpointing, plan.checkpointing_reason = False, "off, as asked"
+    elif plan.capacity_bytes is None:
+        plan.checkpointing, plan.checkpointing_reason = False, "auto: off (device memory unknown here)"
+    elif plan.fits(False):
+        plan.checkpointing, plan.checkpointing_reason = False, "auto: off (the run fits without it)"
+    else:
+        plan.checkpointing = True
+        plan.checkpointing_reason = (f"auto: on (without it {gib(plan.total_bytes(False))} would not fit "
+                                     f"{gib(plan.capacity_bytes)})")
+    if plan.fits() is not False:
+        return
+    usable = plan.capacity_bytes * (1 - HEADROOM)
+    fixes: list[str] = []
+    if not plan.checkpointing:
+        fixes.append(f"--grad-checkpointing on: {gib(plan.total_bytes(True))}"
+                     + (" (fits)" if plan.total_bytes(True) <= usable else ""))
+    if plan.base_dtype == "float32":
+        half = plan.total_bytes() - sum(plan.base_weights.values()) // 2
+        fixes.append(f"--param-dtype bf16 (fp16 where bf16 is not native): about {gib(half)}"
+                     + (" (fits)" if half <= usable else ""))
+    ckpt = plan.checkpointing or asked == "auto"
+    b = plan.batch.samples
+    while b > 1:
+        b //= 2
+        per = len(plan.batch.grids) / max(plan.batch.samples, 1)
+        shape = BatchShape(b, plan.batch.tokens, plan.batch.grids[: round(per * b)])
+        smaller = plan_memory(model, model_config, plan.base_dtype, compute_dtype, shape, plan.reserved_bytes,
+                              plan.capacity_bytes, plan.capacity_source, plan.shard_world, plan.gathered_bytes)
+        if smaller.total_bytes(ckpt) <= usable or b == 1:
+            accum = grad_accum * batch_size // b
+            fixes.append(f"--batch-size {b} --grad-accum {accum} (same samples per step"
+                         + (", with checkpointing" if ckpt else "") + f"): {gib(smaller.total_bytes(ckpt))}"
+                         + (" (fits)" if smaller.total_bytes(ckpt) <= usable else ""))
+            break
+    target = 448 * 448
+    if plan.batch.patches and (max_pixels is None or max_pixels > target) and \
+            any(h * w * 196 > target for _, h, w in plan.batch.grids):
+        shape = BatchShape(plan.batch.samples, plan.batch.tokens, resized_grids(plan.batch.grids, target))
+        shape.tokens = max(1, plan.batch.tokens - (plan.batch.patches - shape.patches) // 4 // plan.batch.samples)
+        capped = plan_memory(model, model_config, plan.base_dtype, compute_dtype, shape, plan.reserved_bytes,
+                             plan.capacity_bytes, plan.capacity_source, plan.shard_world, plan.gathered_bytes)
+        fixes.append(f"--max-pixels {target} (448x448 images): about {gib(capped.total_bytes(ckpt))}"
+                     + (" (fits)" if capped.total_bytes(ckpt) <= usable else ""))
+    if can_shard and plan.shard_world == 1:
+        gathered = fsdp_gathered_bytes(model, compute_dtype)
+        for n in (2, 4, 8, 16, 32, 64):
+            sharded = dataclasses.replace(plan, shard_world=n, gathered_bytes=gathered, fixes=[])
+            if sharded.total_bytes(ckpt) <= usable:
+                fixes.append(f"--shard fsdp over {n} processes (--nproc-per-node {n}, or --nnodes with "
+                             f"--nproc-per-node making {n}" + (", with checkpointing" if ckpt else "")
+                             + f"): {gib(sharded.total_bytes(ckpt))} per process (fits)")
+                break
+    fixes.append("--max-length N with --skip-too-long (leave out the longest samples), or fewer targets "
+                 "(--targets text, a smaller --vision-last-n)")
+    plan.fixes = fixes

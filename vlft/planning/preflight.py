@@ -1,0 +1,224 @@
+"""Everything a run decides before any weight is loaded or anything is written.
+
+The order keeps the promise "bad input loses nothing": the model config and
+every policy, then every data record (lengths included), then the adapter's
+targets and the memory plan on a weightless copy of the model. ``--dry-run``
+stops here and prints the plan; a real run stops here too when the memory
+plan says the run cannot fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from vlft.config import RunConfig
+from vlft.data.encoding import SampleEncoder
+from vlft.data.lengths import LengthReport, check_lengths
+from vlft.data.records import read_records
+from vlft.errors import ConfigError
+from vlft.planning.plan import RunPlan, resolve_plan
+from vlft.policies import DeviceCapacity
+from vlft.registry import Registry
+
+DEFAULT_DATA_DIR_NAME = "demo-data"
+
+
+def resolve_data_paths(config: RunConfig) -> tuple[list[tuple[Path, float]], Path | None]:
+    """[(training file, sampling weight)], and the validation file or None."""
+    from vlft.config import split_data_spec
+
+    if not config.data:
+        from vlft.data.demo import write_demo_dataset
+        from vlft.models.embedded import cache_root
+
+        ds = write_demo_dataset(cache_root() / DEFAULT_DATA_DIR_NAME)
+        return [(ds.train, 1.0)], (Path(config.val_data) if config.val_data else ds.val)
+    specs = [config.data] if isinstance(config.data, str) else config.data
+    return [(Path(p), w) for p, w in map(split_data_spec, specs)], (Path(config.val_data) if config.val_data else None)
+
+
+def weighted(records: list, weight: float, seed: int) -> list:
+    """``weight`` copies of each record per epoch: whole copies, then a seeded share for the fraction."""
+    import random
+
+    whole, frac = int(weight), weight - int(weight)
+    extra = random.Random(seed).sample(records, round(len(records) * frac)) if frac else []
+    return records * whole + extra
+
+
+def read_training_files(config: RunConfig) -> tuple[list, Path | None]:
+    """Every training file read and weighted (all files' problems reported together), and the validation path."""
+    from vlft.data.records import read_records_collecting
+    from vlft.errors import DataError
+
+    files, val_path = resolve_data_paths(config)
+    train, messages = [], []
+    for path, weight in files:
+        records, problems = read_records_collecting(path, image_root=config.image_root,
+                                                    add_placeholders=config.add_placeholders)
+        try:
+            problems.raise_if_any()
+        except DataError as e:
+            messages.append(str(e))
+            continue
+        if not records:
+            messages.append(f"{path} holds no records")
+        train += weighted(records, weight, config.seed)
+    if messages:
+        raise DataError("\n".join(messages))
+    return train, val_path
+
+
+def load_and_check_data(config: RunConfig, encoder) -> tuple[list, list, LengthReport]:
+    """Read and check both splits, lengths included; samples over --max-length stop the run or are skipped."""
+    train, val_path = read_training_files(config)
+    if val_path is not None:
+        val = read_records(val_path, image_root=config.image_root, add_placeholders=config.add_placeholders)
+    else:
+        # no validation file: hold out a seeded 10% (at least one record)
+        import random
+
+        order = list(range(len(train)))
+        random.Random(config.seed).shuffle(order)
+        n_val = max(1, len(train) // 10) if len(train) > 1 else 0
+        held = set(order[:n_val])
+        val = [r for i, r in enumerate(train) if i in held]
+        train = [r for i, r in enumerate(train) if i not in held] or train
+    # measuring renders every record with the chat template, which checks it splits into prompt and reply
+    train, lengths = check_lengths(train, encoder, config.max_length, config.skip_too_long,
+                                            "training data")
+    val, val_lengths = check_lengths(val, encoder, config.max_length, config.skip_too_long,
+                                              "validation data") if val else (val, None)
+    if val_lengths is not None:
+        lengths.skipped += [dict(s, split="validation") for s in val_lengths.skipped]
+    check_enough_records(len(train), config)
+    return train, val, lengths
+
+
+def check_enough_records(n_train: int, config: RunConfig) -> None:
+    """Every process needs at least one training record; fewer than one batch trains on a smaller batch."""
+    from vlft.errors import DataError
+
+    if n_train < config.world_size:
+        raise DataError(
+            f"{n_train} training record(s) for {config.world_size} processes: every process needs at least one "
+            f"record. Add records or run on at most {max(n_train, 1)} process(es); nothing was written.")
+
+
+def plan_targets(registry: Registry, plan: RunPlan, model):
+    """Adapt ``model`` (real or on 'meta'); fill the plan's target list and per-module adapter parameter counts."""
+    from vlft.models.targets import select_targets
+
+    tp = select_targets(model, plan.adapter, plan.config.targets, plan.config.vision_last_n)
+    plan.targets = tp.modules
+    plan.target_summary = {"towers": tp.towers, "vision_blocks": tp.vision_blocks,
+                           "vision_depth": tp.vision_depth, "text_layers": tp.text_layers}
+    adapted = registry.first("vlft_apply_adapter", method=plan.method.name, model=model, targets=tp.modules,
+                             config=plan.config)
+    counts: dict[str, int] = {}
+    for name, p in adapted.named_parameters():
+        if not p.requires_grad:
+            continue
+        for target in tp.modules:
+            if f"{target}." in name:
+                counts[target] = counts.get(target, 0) + p.numel()
+                break
+    plan.target_params = counts
+    return adapted
+
+
+@dataclass
+class Planned:
+    """A run resolved and checked before any weight is loaded: policies, data, targets, memory."""
+
+    plan: RunPlan
+    model_config: object
+    processor: object
+    encoder: SampleEncoder
+    train_records: list
+    val_records: list
+    total_steps: int
+    skeleton: object = None  # the adapted model on 'meta' the plan was made on (--shard fsdp saves through it)
+
+
+def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
+    """Everything a run decides before loading weights; ``--dry-run`` stops after this.
+
+    Order: backend, method, model config, data (lengths included), policies, targets on a weightless
+    copy of the model, then the memory plan against the device's capacity.
+    """
+    import torch
+
+    from vlft.planning import memory, trace
+    from vlft.config import parse_bytes
+    from vlft.data.order import total_steps_for
+    from vlft.models.bundled import is_bundled
+    from vlft.models.loading import (
+        load_model_config,
+        load_processor,
+        resolve_model_path,
+    )
+
+    model_path = resolve_model_path(config.model)
+    model_config = load_model_config(model_path)
+    plan = resolve_plan(registry, config, model_path, model_config, choice)  # checks method and --adapter-opt
+    processor = load_processor(model_path)
+    encoder = SampleEncoder(processor, max_pixels=config.max_pixels, video_fps=config.video_fps,
+                            video_max_frames=config.video_max_frames)
+    train, val, lengths = load_and_check_data(config, encoder)
+    plan.lengths = lengths.describe(config.max_length)
+    if is_bundled(model_path):
+        plan.notes.append("bundled config without weights: text lengths counted with the embedded tokenizer "
+                          "(a stand-in; image tokens are exact)")
+    epochs = config.epochs
+    if epochs is None and config.steps is None and not config.data:
+        from vlft.data.demo import RECOMMENDED_EPOCHS
+
+        epochs = RECOMMENDED_EPOCHS
+    total_steps = total_steps_for(len(train), config.steps, epochs, config.batch_size, config.grad_accum,
+                                  config.world_size)
+
+    # targets and memory on a weightless copy, in the dtype the layers will compute in
+    compute = plan.precision.autocast_dtype or plan.precision.param_dtype
+    skeleton = plan_targets(registry, plan, trace.skeleton(model_config, plan.attention, getattr(torch, compute)))
+    if plan.precision.autocast_dtype:  # under autocast the adapters compute in its dtype too (see model.py)
+        from vlft.models.adapting import compute_adapters_in_autocast_dtype
+
+        skeleton.to(getattr(torch, compute))
+        compute_adapters_in_autocast_dtype(skeleton)
+    capacity = registry.hook.vlft_device_capacity(backend=plan.backend.info.name, config=config) or \
+        DeviceCapacity(None, 0, f"backend {plan.backend.info.name} does not report its memory")
+    total, source = capacity.total_bytes, capacity.source
+    if config.device_memory:
+        total, source = parse_bytes(config.device_memory, "--device-memory"), f"--device-memory {config.device_memory}"
+    shapes = memory.largest_batches(lengths.lengths, lengths.grids, config.batch_size, config.grad_accum,
+                                    config.world_size, config.seed, total_steps)
+    shard_world, gathered = 1, 0
+    if plan.sharding.enabled:
+        from vlft.planning.sharding import count_blocks
+
+        plan.sharding.wrapped = count_blocks(skeleton)
+        shard_world, gathered = config.world_size, memory.fsdp_gathered_bytes(skeleton, compute)
+    plan.memory = memory.worst_plan(skeleton, model_config, plan.precision.param_dtype,
+                                    plan.precision.autocast_dtype, shapes, capacity.reserved_bytes, total, source,
+                                    shard_world, gathered)
+    memory.decide(plan.memory, config.grad_checkpointing, skeleton, model_config, plan.precision.autocast_dtype,
+                  config.batch_size, config.grad_accum, config.max_pixels,
+                  can_shard=bool(plan.distributed and plan.distributed.fsdp))
+    if plan.sharding.enabled:
+        plan.notes.append(f"--shard fsdp: rank 0 alone reads the base weights, into its host memory "
+                          f"({memory.gib(sum(plan.memory.base_weights.values()))}); the other processes build "
+                          f"the model without weights and receive their 1/{config.world_size} shares from it")
+    return Planned(plan, model_config, processor, encoder, train, val, total_steps, skeleton)
+
+
+def check_fits(plan: RunPlan) -> None:
+    """Stop before loading when the memory plan says the run cannot fit (unless told to go on)."""
+    m = plan.memory
+    if m is None or m.fits() is not False or plan.config.no_memory_check:
+        return
+    raise ConfigError(
+        "the run will not fit its device: " + "\n".join(m.format())
+        + "\nApply one of the fixes above (or pass --no-memory-check to try anyway); nothing was loaded or written."
+    )

@@ -1,0 +1,131 @@
+"""The plugin manager: entry points in, backends and methods out.
+
+Every plugin, built-in or third-party, registers through the ``vlft``
+entry-point group. A plugin that fails to import is recorded as broken and
+skipped, so one bad package cannot take the others down; ``vlft plugins``
+shows it with its error. ``VLFT_DISABLE_PLUGINS=name,...`` blocks plugins
+by entry-point name.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from dataclasses import dataclass, field
+
+import pluggy
+
+from vlft import hookspecs
+from vlft.errors import ConfigError, VlftError
+from vlft.policies import BackendInfo, MethodInfo
+
+ENTRY_POINT_GROUP = "vlft"
+
+
+DISABLE_ENV = "VLFT_DISABLE_PLUGINS"
+
+
+@dataclass
+class Registry:
+    """The plugin manager with what its plugins offer, checked for clashes."""
+
+    pm: pluggy.PluginManager
+    broken: dict[str, str] = field(default_factory=dict)  # entry-point name -> error
+    disabled: list[str] = field(default_factory=list)
+    backends: dict[str, BackendInfo] = field(default_factory=dict)
+    methods: dict[str, MethodInfo] = field(default_factory=dict)
+    owners: dict[tuple[str, str], str] = field(default_factory=dict)  # (kind, name) -> plugin
+
+    @property
+    def hook(self):
+        return self.pm.hook
+
+    def refresh(self) -> "Registry":
+        """Collect backend and method names; two plugins claiming one name is an error."""
+        self.backends.clear()
+        self.methods.clear()
+        self.owners.clear()
+        for kind, caller, table in (
+            ("backend", self.pm.hook.vlft_backends, self.backends),
+            ("method", self.pm.hook.vlft_methods, self.methods),
+        ):
+            for impl in caller.get_hookimpls():
+                for info in impl.function() or []:
+                    key = (kind, info.name)
+                    if key in self.owners:
+                        raise VlftError(
+                            f"two plugins offer the {kind} '{info.name}': '{self.owners[key]}' and "
+                            f"'{impl.plugin_name}'. Uninstall one, or block it with "
+                            f"{DISABLE_ENV}={impl.plugin_name}"
+                        )
+                    self.owners[key] = impl.plugin_name
+                    table[info.name] = info
+        return self
+
+    def backend(self, name: str) -> BackendInfo:
+        if name not in self.backends:
+            raise ConfigError(
+                f"unknown backend '{name}'; valid backends: {', '.join(['auto', *sorted(self.backends)])}"
+                + self._broken_hint()
+            )
+        return self.backends[name]
+
+    def method(self, name: str) -> MethodInfo:
+        if name not in self.methods:
+            raise ConfigError(
+                f"unknown method '{name}'; valid methods: {', '.join(sorted(self.methods))}" + self._broken_hint()
+            )
+        return self.methods[name]
+
+    def _broken_hint(self) -> str:
+        if not self.broken:
+            return ""
+        return " (plugins that failed to load: " + ", ".join(sorted(self.broken)) + "; see `vlft plugins`)"
+
+    def first(self, hook_name: str, **kwargs):
+        """Call a firstresult hook and insist on an answer."""
+        answer = getattr(self.pm.hook, hook_name)(**kwargs)
+        if answer is None:
+            subject = kwargs.get("backend") or kwargs.get("method")
+            raise VlftError(f"no plugin answers {hook_name} for '{subject}'; the plugin that offers it is incomplete")
+        return answer
+
+
+def new_plugin_manager() -> pluggy.PluginManager:
+    pm = pluggy.PluginManager("vlft")
+    pm.add_hookspecs(hookspecs)
+    return pm
+
+
+def load_registry(load_entry_points: bool = True, plugins: tuple = ()) -> Registry:
+    """A fresh registry: entry-point plugins (unless told not to) plus ``plugins`` (objects or modules)."""
+    pm = new_plugin_manager()
+    disabled = [n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip()]
+    registry = Registry(pm, disabled=disabled)
+    for name in disabled:
+        pm.set_blocked(name)
+    if load_entry_points:
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if pm.is_blocked(ep.name) or pm.has_plugin(ep.name):
+                continue
+            try:
+                plugin = ep.load()
+            except Exception as e:  # noqa: BLE001 - any import failure just marks the plugin broken
+                registry.broken[ep.name] = f"{e.__class__.__name__}: {e}"
+                continue
+            pm.register(plugin, name=ep.name)
+    for plugin in plugins:
+        # a readable name for messages: the module's or the class's
+        pm.register(plugin, name=getattr(plugin, "__name__", None) or type(plugin).__name__)
+    return registry.refresh()
+
+
+_default: Registry | None = None
+
+
+def get_registry() -> Registry:
+    """The process-wide registry, loaded from entry points on first use."""
+    global _default
+    if _default is None:
+        _default = load_registry()
+    return _default

@@ -1,0 +1,133 @@
+"""fsdp: split out of vlft/sharding.py (docstring to write)."""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+
+from vlft.planning.sharding import ShardingPlan, blocks, transformers_model
+
+
+def shard_model(model, plan: ShardingPlan, device, whole: dict | None = None) -> None:
+    """Apply ``fully_shard`` to every block, then to the transformers model as the root (in place); with
+    several processes, fill the shares from rank 0's ``whole`` state dict (``receive_from_rank0``).
+
+    The root is the transformers model, not the PEFT wrapper, so ``generate`` (which calls the transformers
+    model directly) also passes through the root's hooks.
+    """
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # the root returns the logits as a view; FSDP warns in case the caller changes them in place, which the
+    # loss (and nothing else in vlft) never does
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    mesh = init_device_mesh(device.type, (plan.world_size,))
+    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, plan.param_dtype) if plan.param_dtype else None,
+                              reduce_dtype=getattr(torch, plan.reduce_dtype))
+    for _, block in blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    root = fully_shard(transformers_model(model), mesh=mesh, mp_policy=mp)
+    if plan.world_size > 1:
+        receive_from_rank0(model, whole, device)
+    # FSDP takes as root the first sharded module whose forward runs; generate runs the vision tower's
+    # blocks before the root's forward, so settle the root now (torch has no public call for this)
+    fully_shard.state(root)._lazy_init()
+    if plan.sum_reductions:
+        for module in root.modules():
+            if hasattr(module, "set_force_sum_reduction_for_comms"):
+                module.set_force_sum_reduction_for_comms(True)
+
+
+def receive_from_rank0(model, state: dict | None, device) -> None:
+    """Fill a sharded model whose processes other than rank 0 were built on 'meta' (``model.empty_model``):
+    rank 0 passes the full state dict it loaded (``state``, on the host), each process keeps its share.
+
+    Only rank 0 reads the checkpoint from disk and holds it whole in host memory; the others allocate only
+    their shards. Buffers (rotary frequencies, which the state dict does not hold) are copied from rank 0.
+    """
+    import torch
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+    )
+
+    main = torch.distributed.get_rank() == 0
+    if not main:
+        model.to_empty(device=device)
+    with torch.no_grad():
+        for _, buffer in model.named_buffers():
+            torch.distributed.broadcast(buffer, src=0)
+    set_model_state_dict(model, state if main else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+@contextmanager
+def root_gathered(model):
+    """Keep the root's own parameters (embeddings, head, patch embedding, merger) gathered inside the block.
+
+    ``generate`` computes image features by calling the vision tower directly, outside the root's forward
+    and so outside its hooks; the blocks still gather themselves through theirs."""
+    root = transformers_model(model)
+    if not hasattr(root, "unshard"):
+        yield
+        return
+    root.unshard()
+    try:
+        yield
+    finally:
+        root.reshard()
+
+
+def full_trainable_state(model) -> dict | None:
+    """The trainable parameters gathered whole, on the CPU of rank 0 (None elsewhere). Every process must
+    call it: each parameter is one all-gather, in the same order everywhere. Only the adapter is gathered,
+    never the frozen base model."""
+    import torch
+
+    main = torch.distributed.get_rank() == 0
+    state = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            whole = p.full_tensor() if hasattr(p, "full_tensor") else p
+            if main:
+                state[name] = whole.detach().to("cpu", copy=True)
+    return state if main else None
+
+
+def materialized_adapter(skeleton, state: dict):
+    """The weightless adapted copy (``preflight``'s) holding ``state``: its adapter real, its base still on
+    'meta'. The method's ``vlft_save_adapter`` writes only the adapter, so it writes this as it would the
+    trained model."""
+    missing = [k for k in state if k not in dict(skeleton.named_parameters())]
+    if missing:
+        raise RuntimeError(f"the gathered adapter has parameters the plan's copy lacks (e.g. {missing[0]})")
+    skeleton.load_state_dict(state, strict=False, assign=True)
+    return skeleton
+
+
+OPTIMIZER_DIR = "optimizer"
+
+
+def save_optimizer(model, optimizer, folder) -> None:
+    """Each process writes its shard of the optimizer state under ``folder`` (collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(folder))
+
+
+def load_optimizer(model, optimizer, folder) -> None:
+    """Read the sharded optimizer state under ``folder`` into ``optimizer`` (collective). Another world size
+    than the one that wrote it is re-sharded by torch.distributed.checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=str(folder))
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])

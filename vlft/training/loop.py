@@ -1,0 +1,225 @@
+"""loop: split out of vlft/train.py (docstring to write)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from vlft.data.order import batches, step_indices
+from vlft.training.metrics import MetricsLog
+from vlft.training.signals import Interrupted, NonFiniteStop, StopRequest
+from vlft.training.step import StepPolicy, settle_step_counters, train_step_on
+
+if TYPE_CHECKING:
+    from vlft.training.checkpoints import CheckpointStore
+
+
+@dataclass
+class LoopSettings:
+    total_steps: int
+    batch_size: int
+    grad_accum: int
+    seed: int
+    rank: int = 0
+    world_size: int = 1
+    log_every: int = 10
+    eval_every: int = 0
+    save_every: int = 0
+    keep_checkpoints: int = 2
+    loader_kwargs: dict = field(default_factory=dict)
+    max_skipped_steps: int = 5  # consecutive non-finite steps that stop the run (0: never)
+    early_stopping_patience: int = 0  # evaluations without a better validation loss before stopping (0: never)
+
+
+@dataclass
+class SkipLog:
+    """Steps not applied because their loss or gradient norm was not finite, with this process's records."""
+
+    total: int = 0
+    consecutive: int = 0
+    steps: list[dict] = field(default_factory=list)
+
+
+def run_training(model, optimizer, scheduler, policy: StepPolicy, dataset, collate, settings: LoopSettings,
+                 checkpoints: CheckpointStore | None, metrics: MetricsLog, memory_reader: Callable,
+                 evaluate_loss: Callable[[], float] | None = None, start_step: int = 0,
+                 progress: bool = True, skips: SkipLog | None = None,
+                 on_best: Callable[[int, float], None] | None = None) -> list[dict]:
+    """Train from ``start_step`` to ``settings.total_steps``; return the logged records.
+
+    SIGTERM or SIGINT stops it after the current step with a checkpoint (``Interrupted``); too many
+    consecutive non-finite steps stop it with ``NonFiniteStop``. ``skips`` collects the skipped steps.
+    With ``settings.early_stopping_patience`` the loop stops once that many validation losses in a row were
+    no better than the best so far; ``on_best(step, loss)`` is called at each new best (to save it).
+    """
+    with StopRequest() as stop:
+        return _loop(model, optimizer, scheduler, policy, dataset, collate, settings, checkpoints, metrics,
+                     memory_reader, evaluate_loss, start_step, progress, skips if skips is not None else SkipLog(),
+                     stop, on_best)
+
+
+def _read_skips(pending: list, skips: SkipLog, dataset, settings: LoopSettings, optimizer, policy: StepPolicy,
+                metrics: MetricsLog, is_main: bool) -> None:
+    """Read the pending steps' skip flags (one sync, where the loop syncs anyway) and account for them."""
+    if not pending:
+        return
+    flags = torch.stack([flag for _, flag in pending]).tolist()
+    n_skipped = 0
+    for (step, _), skipped in zip(pending, flags):
+        if not skipped:
+            skips.consecutive = 0
+            continue
+        n_skipped += 1
+        skips.total += 1
+        skips.consecutive += 1
+        records = getattr(dataset, "records", None)
+        where = [records[i].where for i in step_indices(len(dataset), settings, step)] if records else []
+        entry = {"step": step, "skipped": "non-finite loss or gradient norm", "records": where}
+        skips.steps.append(entry)
+        print(f"step {step} skipped: non-finite loss or gradient norm (records {', '.join(where)})",
+              file=sys.stderr, flush=True)
+        if is_main:
+            metrics.write(entry)
+        if settings.max_skipped_steps and skips.consecutive >= settings.max_skipped_steps:
+            pending.clear()
+            last = skips.steps[-skips.consecutive:]
+            raise NonFiniteStop(
+                f"{skips.consecutive} consecutive steps had a non-finite loss or gradient norm (steps "
+                f"{', '.join(str(e['step']) for e in last)}; records "
+                f"{', '.join(sorted({w for e in last for w in e['records']}))}); the run stops. No skipped step "
+                f"was applied, so the newest checkpoint holds the last good weights. Lower --lr, use "
+                f"--precision fp32 or bf16, check these records, or raise --max-skipped-steps.")
+    if policy.scaler is None:  # the scaler's skipped steps never reached the optimizer
+        settle_step_counters(optimizer, n_skipped, policy.device)
+    pending.clear()
+
+
+def _loop(model, optimizer, scheduler, policy, dataset, collate, settings, checkpoints, metrics, memory_reader,
+          evaluate_loss, start_step, progress, skips: SkipLog, stop: StopRequest, on_best=None) -> list[dict]:
+    from tqdm.auto import tqdm
+
+    is_main = settings.rank == 0
+    # in a terminal the bar redraws often; in a log file a line every 15 s is plenty
+    bar = tqdm(total=settings.total_steps, initial=start_step, desc="train", unit="step",
+               disable=not (progress and is_main), dynamic_ncols=True,
+               mininterval=0.2 if sys.stderr.isatty() else 15.0)
+    records: list[dict] = []
+    window_loss = torch.zeros((), device=policy.device)
+    window_tokens = 0.0
+    window_samples = 0
+    window_start = time.perf_counter()
+    window_steps = 0
+    non_blocking = bool(settings.loader_kwargs.get("pin_memory"))
+    step = start_step
+    pending: list[tuple[int, torch.Tensor]] = []  # (step, skipped flag on the device) not yet read
+    best, since_best = float("inf"), 0
+
+    def patience_ran_out(val: float) -> bool:
+        """Record a validation loss; True when early stopping's patience has run out."""
+        nonlocal best, since_best
+        if not settings.early_stopping_patience:
+            return False
+        if val < best:
+            best, since_best = val, 0
+            if on_best is not None:
+                on_best(step, val)
+            return False
+        since_best += 1
+        return since_best >= settings.early_stopping_patience
+
+    early_stop = False
+    model.train()
+    for group in batches(dataset, collate, settings, start_step):
+        if step >= settings.total_steps or early_stop:
+            break
+        out = train_step_on(model, optimizer, scheduler, group, policy, non_blocking)
+        step += 1
+        pending.append((step, out["skipped"]))
+        # a skipped step's loss (NaN, inf) stays out of the logged mean
+        window_loss += torch.where(out["skipped"], torch.zeros_like(out["loss_sum"]), out["loss_sum"])
+        window_tokens += out["local_tokens"]
+        window_samples += sum(len(b["input_ids"]) for b in group) * settings.world_size
+        window_steps += 1
+        bar.update(1)
+        last = step == settings.total_steps
+        if step % settings.log_every == 0 or last:
+            _read_skips(pending, skips, dataset, settings, optimizer, policy, metrics, is_main)
+            loss_sum = window_loss
+            tokens = torch.tensor(window_tokens, device=policy.device, dtype=torch.float64)
+            if settings.world_size > 1:
+                pair = torch.stack([loss_sum.double(), tokens])
+                torch.distributed.all_reduce(pair)
+                loss_sum, tokens = pair[0], pair[1]
+            elapsed = time.perf_counter() - window_start
+            mem = memory_reader()
+            record = {
+                "step": step,
+                "loss": float(loss_sum) / max(float(tokens), 1.0),
+                "lr": scheduler.get_last_lr()[0],
+                "grad_norm": float(out["grad_norm"]),
+                "step_time_s": elapsed / window_steps,
+                "samples_per_s": window_samples / elapsed if elapsed > 0 else None,
+                "peak_memory_bytes": mem.peak_bytes,
+                "skipped_steps": skips.total,
+            }
+            if policy.scaler is not None:
+                record["loss_scale"] = float(policy.scaler.get_scale())
+            if evaluate_loss is not None and settings.eval_every and (step % settings.eval_every == 0 or last):
+                record["val_loss"] = evaluate_loss()
+                model.train()
+                early_stop = patience_ran_out(record["val_loss"])
+                if early_stop:
+                    record["early_stop"] = True
+            records.append(record)
+            if is_main:
+                metrics.write(record)
+                # refresh=False: the bar draws at its own interval (one line per 15 s in a log file), not per log
+                bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", refresh=False)
+            window_loss = torch.zeros((), device=policy.device)
+            window_tokens, window_samples, window_steps = 0.0, 0, 0
+            window_start = time.perf_counter()
+        elif evaluate_loss is not None and settings.eval_every and step % settings.eval_every == 0:
+            val = evaluate_loss()
+            model.train()
+            early_stop = patience_ran_out(val)
+            if early_stop:
+                records.append({"step": step, "val_loss": val, "early_stop": True})
+            if is_main:
+                metrics.write({"step": step, "val_loss": val, **({"early_stop": True} if early_stop else {})})
+        saved = None
+        if checkpoints is not None and settings.save_every and step % settings.save_every == 0 and not last:
+            saved = _save(checkpoints, step, model, optimizer, scheduler, policy, settings, pending, skips, dataset,
+                          metrics, is_main)
+        signum = stop.agreed(settings.world_size, policy.device) if not last else None
+        if signum:
+            if saved is None and checkpoints is not None:
+                saved = _save(checkpoints, step, model, optimizer, scheduler, policy, settings, pending, skips,
+                              dataset, metrics, is_main)
+            bar.close()
+            raise Interrupted(step, signum, saved)
+    bar.close()
+    _read_skips(pending, skips, dataset, settings, optimizer, policy, metrics, is_main)
+    return records
+
+
+def _save(checkpoints, step, model, optimizer, scheduler, policy, settings, pending, skips, dataset, metrics,
+          is_main):
+    # the step counters must be settled before they are saved
+    _read_skips(pending, skips, dataset, settings, optimizer, policy, metrics, is_main)
+    if checkpoints.collective:  # --shard fsdp: every process writes its share
+        return checkpoints.save(step, model, optimizer, scheduler, policy.scaler, policy.device)
+    path = None
+    if is_main:
+        path = checkpoints.save(step, model_for_saving(model), optimizer, scheduler, policy.scaler, policy.device)
+    if settings.world_size > 1:
+        torch.distributed.barrier()
+    return path
+
+
+def model_for_saving(model):
+    """The PEFT model inside a DistributedDataParallel wrapper, or the model itself."""
+    return model.module if hasattr(model, "module") and hasattr(model, "no_sync") else model

@@ -1,0 +1,190 @@
+"""A run set up and ready for its first step: device, model, adapter, optimizer and schedule.
+
+``prepare`` takes the plan from ``preflight`` (so every policy and check is
+already settled), then loads the model in the plan's parameter dtype and
+attention, applies the backend's patches and the method's adapter (or loads
+the adapter of a checkpoint to resume), and builds the optimizer. It owns no
+run folder: ``vlft run`` decides where things are written, ``vlft parity``
+writes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from vlft.config import RunConfig
+from vlft.data.batching import Collator
+from vlft.data.encoding import EncodedDataset, SampleEncoder
+from vlft.planning.plan import RunPlan, choose_backend, require_available
+from vlft.planning.preflight import check_fits, plan_run
+from vlft.registry import Registry
+
+
+def _init_distributed(plan: RunPlan, device) -> None:
+    import datetime
+
+    import torch
+
+    dist = plan.distributed
+    for key, value in dist.env.items():
+        os.environ.setdefault(key, value)
+    if not torch.distributed.is_initialized():
+        extra = {}
+        if "MASTER_ADDR" not in os.environ and plan.config.world_size == 1:
+            # one process sharding on its own (--shard fsdp without torchrun): an in-memory rendezvous
+            extra = dict(store=torch.distributed.HashStore(), rank=0, world_size=1)
+        torch.distributed.init_process_group(
+            backend=dist.process_group_backend, timeout=datetime.timedelta(seconds=dist.timeout_s),
+            device_id=device if device.type != "cpu" else None, **extra,
+        )
+
+
+@dataclass
+class Session:
+    """A run set up and ready for its first step: every policy resolved, the model adapted and on its device."""
+
+    plan: RunPlan
+    config: RunConfig
+    processor: object
+    encoder: SampleEncoder
+    train_records: list
+    val_records: list
+    device: object
+    model: object  # the adapted (PEFT) model
+    optimizer: object
+    scheduler: object
+    policy: object  # train.StepPolicy
+    settings: object  # train.LoopSettings
+    collate: Collator
+    memory_reader: object
+    save_adapter: object
+    autocast_dtype: object = None
+    start_step: int = 0  # where a resumed run continues
+    checkpoint: Path | None = None  # the checkpoint it continues from
+    skeleton: object = None  # the adapted model on 'meta' the plan was made on (saving under --shard fsdp)
+
+    @property
+    def distributed(self) -> bool:
+        """Processes talk: several of them, or one sharding on its own."""
+        return self.config.world_size > 1 or self.sharded
+
+    @property
+    def sharded(self) -> bool:
+        return bool(self.plan.sharding and self.plan.sharding.enabled)
+
+    def adapter_to_save(self, model):
+        """What ``save_adapter`` writes for ``model``: the model itself, or under ``--shard fsdp`` the plan's
+        weightless copy holding the adapter gathered whole (on rank 0; None on the others). Every process
+        must call it when sharded: gathering is collective."""
+        if not self.sharded:
+            return model
+        from vlft.training.fsdp import full_trainable_state, materialized_adapter
+
+        state = full_trainable_state(model)
+        return materialized_adapter(self.skeleton, state) if state is not None else None
+
+    @property
+    def dataset(self) -> EncodedDataset:
+        return EncodedDataset(self.train_records, self.encoder)
+
+
+def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = None, choice=None) -> Session:
+    """Check everything (``preflight``), then set up device, model, adapter, optimizer and schedule.
+
+    ``resume_from``: a checkpoint folder whose adapter, optimizer, scheduler,
+    scaler and RNG state the session continues from. ``choice``: the backend already chosen
+    (and probed) by the caller, so it is not probed twice. No step is taken.
+    """
+    import torch
+
+    from vlft.models.adapting import (
+        compute_adapters_in_autocast_dtype,
+        enable_checkpointing,
+        upcast_trainable,
+    )
+    from vlft.models.bundled import require_weights
+    from vlft.models.loading import empty_model, load_model
+    from vlft.training.checkpoints import restore_training_state
+    from vlft.training.loop import LoopSettings
+    from vlft.training.step import StepPolicy, cosine_with_warmup, seed_everything
+
+    choice = choice or choose_backend(registry, config.backend)
+    require_available(choice)
+    backend = choice.info.name
+
+    # -- set-up: every hook answer is taken here, before the first step ------------
+    seed_everything(config.seed)
+    registry.hook.vlft_seed(backend=backend, seed=config.seed, deterministic=config.deterministic)
+    setup = registry.first("vlft_setup_device", backend=backend, config=config)
+    for key, value in setup.env.items():
+        os.environ.setdefault(key, value)
+    device = setup.device
+    planned = plan_run(registry, config, choice)
+    plan, processor = planned.plan, planned.processor
+    require_weights(plan.model_path, config.model)
+    check_fits(plan)
+    if config.world_size > 1 or plan.sharding.enabled:
+        _init_distributed(plan, device)
+    memory_reader = registry.first("vlft_memory_reader", backend=backend, device=device)
+    # sharded over several processes, only rank 0 reads the weights; the others build the model on 'meta'
+    # and receive their shares from it once it is sharded (below)
+    weightless = plan.sharding.enabled and config.world_size > 1 and config.rank != 0
+    if weightless:
+        model = empty_model(plan.model_path, plan.attention, plan.precision)
+    else:
+        model = load_model(plan.model_path, plan.attention, plan.precision, trust_pickle=config.trust_pickle)
+    plan.patches = [p for ps in registry.hook.vlft_patch_model(backend=backend, model=model, config=config,
+                                                                   attention=plan.attention)
+                    if ps for p in ps]
+    seed_everything(config.seed)  # adapter initialisation is seeded the same on every backend
+    if resume_from is not None:
+        model = registry.first("vlft_load_adapter", method=plan.method.name, model=model,
+                               path=str(resume_from / "adapter"), trainable=True)
+    else:  # the targets were chosen on the weightless copy in preflight
+        model = registry.first("vlft_apply_adapter", method=plan.method.name, model=model, targets=plan.targets,
+                               config=config)
+    cast = upcast_trainable(model)
+    if cast:
+        plan.notes.append(f"{len(cast)} trainable parameter(s) upcast to fp32 (e.g. {cast[0]})")
+    if plan.checkpointing:
+        enable_checkpointing(model, vision_adapted=bool(plan.target_summary.get("vision_blocks")))
+    if plan.precision.autocast_dtype:
+        compute_adapters_in_autocast_dtype(model)
+    if plan.sharding.enabled:  # fully_shard moves each process's shares to the device, never the whole model
+        from vlft.training.fsdp import shard_model
+
+        whole = model.state_dict() if config.world_size > 1 and config.rank == 0 else None
+        shard_model(model, plan.sharding, device, whole)
+        del whole
+    else:
+        model.to(device)
+
+    def save_adapter(m, path):
+        registry.first("vlft_save_adapter", method=plan.method.name, model=m, path=path)
+
+    autocast_dtype = getattr(torch, plan.precision.autocast_dtype) if plan.precision.autocast_dtype else None
+    scaler = plan.precision.make_scaler() if plan.precision.loss_scaling else None
+    total_steps = planned.total_steps
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=plan.lr, weight_decay=config.weight_decay)
+    scheduler = cosine_with_warmup(optimizer, int(config.warmup_ratio * total_steps), total_steps)
+    start_step = 0
+    if resume_from is not None:
+        start_step = restore_training_state(resume_from, optimizer, scheduler, scaler, device,
+                                            model=model if plan.sharding.enabled else None)
+    policy = StepPolicy(device, autocast_dtype, scaler, config.max_grad_norm, config.grad_accum, config.world_size,
+                        flags_on_host=device.type == "cpu")
+    settings = LoopSettings(
+        total_steps=total_steps, batch_size=config.batch_size, grad_accum=config.grad_accum, seed=config.seed,
+        rank=config.rank, world_size=config.world_size, log_every=config.log_every, eval_every=config.eval_every,
+        save_every=config.save_every, keep_checkpoints=config.keep_checkpoints,
+        early_stopping_patience=config.early_stopping_patience, loader_kwargs=plan.dataloader.loader_kwargs(),
+        max_skipped_steps=config.max_skipped_steps,
+    )
+    collate = Collator(processor.tokenizer.pad_token_id, processor.image_token_id,
+                       video_token_id=getattr(processor, "video_token_id", None))
+    return Session(plan, config, processor, planned.encoder, planned.train_records, planned.val_records, device,
+                   model, optimizer, scheduler, policy, settings, collate, memory_reader, save_adapter,
+                   autocast_dtype, start_step, resume_from, planned.skeleton)

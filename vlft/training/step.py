@@ -1,0 +1,165 @@
+"""The training loop: AdamW, cosine schedule with warmup, accumulation, clipping, precision policy.
+
+The step reads only plain objects resolved at set-up (``StepPolicy``); it
+calls no plugin hooks. Loss is the sum of token losses over the whole
+optimizer step (all micro-batches, all processes) divided by that step's
+number of label tokens, so accumulation and data parallelism give exactly
+the loss and gradients of one big batch.
+
+A step whose loss or gradient norm is not finite is not applied, in every
+precision, without a host-device sync: on an accelerator the update is masked
+on the device (``guarded_step``); on the CPU, where reading the flag waits for
+nothing, the step is just not taken. The loop reads the skip flags when it
+reads the loss anyway (log steps, checkpoints), naming the skipped batches'
+records then.
+"""
+
+from __future__ import annotations
+
+import random
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from vlft.data.batching import label_count, model_inputs, to_device
+from vlft.models.loss import autocast_context, token_loss_sum
+from vlft.planning.sharding import local
+
+
+@dataclass
+class StepPolicy:
+    """What one optimizer step needs to know, resolved before the first step."""
+
+    device: torch.device
+    autocast_dtype: torch.dtype | None
+    scaler: Any  # a GradScaler or None
+    max_grad_norm: float
+    grad_accum: int
+    world_size: int = 1
+    # the device runs each op before returning (the CPU): reading the non-finite flag waits for nothing, so a
+    # skipped step is simply not taken instead of being taken and undone on the device (``guarded_step``)
+    flags_on_host: bool = False
+
+
+def seed_everything(seed: int) -> None:
+    """Python, NumPy and torch's CPU generator; the backend seeds its device."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def global_label_count(count: int, world_size: int, device: torch.device) -> float:
+    """Label tokens of this optimizer step summed over processes."""
+    if world_size > 1:
+        t = torch.tensor([count], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(t)
+        count = t.item()
+    return float(max(count, 1))
+
+
+def train_step(model, optimizer, scheduler, micro_batches: list[dict], policy: StepPolicy,
+               local_tokens: int) -> dict:
+    """One optimizer step over ``micro_batches`` (already on the device). Returns device tensors.
+
+    ``local_tokens`` is this process's label-token count for the step, counted
+    on the host before the batches moved, so the step needs no device sync for it.
+    """
+    n_tokens = global_label_count(local_tokens, policy.world_size, policy.device)
+    # DDP and FSDP average gradients over processes; scale back up so the result is sum / global tokens
+    scale = policy.world_size / n_tokens
+    autocast = autocast_context(policy.device, policy.autocast_dtype)
+    total = torch.zeros((), device=policy.device)
+    last = len(micro_batches) - 1
+    for i, batch in enumerate(micro_batches):
+        sync = nullcontext()
+        if hasattr(model, "no_sync") and i < last:
+            sync = model.no_sync()  # DDP: all-reduce only on the last micro-batch
+        elif hasattr(model, "set_requires_gradient_sync") and last:
+            model.set_requires_gradient_sync(i == last)  # FSDP: reduce-scatter only on the last one
+        with sync:
+            with autocast:
+                logits = model(**model_inputs(batch)).logits
+            loss_sum = token_loss_sum(logits, batch["labels"])
+            loss = loss_sum * scale
+            (policy.scaler.scale(loss) if policy.scaler is not None else loss).backward()
+        total += loss_sum.detach()
+    if policy.scaler is not None:
+        policy.scaler.unscale_(optimizer)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if policy.max_grad_norm > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, policy.max_grad_norm)
+    else:
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    grad_norm = grad_norm.detach()
+    if hasattr(grad_norm, "full_tensor"):  # sharded gradients: the norm over all shards, the same on every process
+        grad_norm = grad_norm.full_tensor()
+    # gradients are all-reduced, the loss is not: with several processes only the gradient decides, so
+    # every rank skips the same steps
+    finite = torch.isfinite(grad_norm)
+    if policy.world_size == 1:
+        finite = finite & torch.isfinite(total)
+    if policy.scaler is not None:  # the scaler skips a step with inf/NaN gradients itself (and backs off)
+        policy.scaler.step(optimizer)
+        policy.scaler.update()
+    elif policy.flags_on_host:
+        if finite:
+            optimizer.step()
+    else:
+        guarded_step(optimizer, finite)
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss_sum": total, "grad_norm": grad_norm, "local_tokens": local_tokens,
+            "global_tokens": n_tokens, "skipped": ~finite}
+
+
+def guarded_step(optimizer, finite: torch.Tensor) -> None:
+    """``optimizer.step()``, undone on the device where ``finite`` is False: parameters and optimizer state
+    come back bit for bit, with no host sync. State a first step creates comes back as zeros (for AdamW,
+    the same as no state). Tensors that live elsewhere than the flag (AdamW's CPU step counters on an
+    accelerator) are settled at the next sync by ``settle_step_counters``. Sharded parameters and state are
+    masked shard by shard (``finite`` is the same on every process)."""
+    saved = []
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = optimizer.state.get(p, {})
+                saved.append((p, local(p).clone(), {k: local(v).clone() for k, v in state.items()
+                                                    if torch.is_tensor(v) and v.device == p.device}))
+    optimizer.step()
+    with torch.no_grad():
+        for p, old_p, old_state in saved:
+            mine = local(p)
+            mine.copy_(torch.where(finite, mine, old_p))
+            for k, v in optimizer.state[p].items():
+                if torch.is_tensor(v) and v.device == finite.device:
+                    v = local(v)
+                    v.copy_(torch.where(finite, v, old_state[k] if k in old_state else torch.zeros_like(v)))
+
+
+def settle_step_counters(optimizer, skipped: int, device: torch.device) -> None:
+    """Take ``skipped`` steps back off step counters ``guarded_step`` could not mask on the device."""
+    if not skipped:
+        return
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if torch.is_tensor(step) and step.device != device:
+            step -= skipped
+
+
+def train_step_on(model, optimizer, scheduler, host_batches: list[dict], policy: StepPolicy,
+                  non_blocking: bool = False) -> dict:
+    """``train_step`` on batches still on the host: count their label tokens there, then move them."""
+    local_tokens = sum(label_count(b) for b in host_batches)
+    batches_on_device = [to_device(b, policy.device, non_blocking) for b in host_batches]
+    return train_step(model, optimizer, scheduler, batches_on_device, policy, local_tokens)
+
+
+def cosine_with_warmup(optimizer, warmup: int, total: int):
+    from transformers import get_cosine_schedule_with_warmup
+
+    return get_cosine_schedule_with_warmup(optimizer, warmup, total)
