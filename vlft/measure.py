@@ -1,4 +1,10 @@
-"""measure: split out of vlft/activations.py (docstring to write)."""
+"""Meters of tensor memory shared by the memory plan, the tests and the benchmarks.
+
+``SavedTensorMeter`` counts what autograd saves for backward (the memory
+plan's tracer uses it on the meta device); ``LiveTensorMeter`` follows the
+peak of live tensors during a real step, where a device has no allocator
+statistics to ask.
+"""
 
 from __future__ import annotations
 

@@ -21,12 +21,12 @@ from vlft.training.session import prepare
 def main(config_path: str, checkpoint: str, out: str) -> None:
     config = build_config({}, json.loads(Path(config_path).read_text()))
     if config.rank != 0:  # only rank 0 reads the weights; the others receive their shares from it
-        import vlft.models.loading
+        import vlft.training.session  # where prepare() finds load_model
 
         def refuse(*args, **kwargs):
             raise AssertionError(f"rank {config.rank} read the model's weights")
 
-        vlft.models.loading.load_model = refuse
+        vlft.training.session.load_model = refuse
     s = prepare(get_registry(), config, resume_from=Path(checkpoint))
     assert s.sharded and s.config.world_size == 2
     batch = s.collate([s.encoder.encode(r) for r in s.val_records[:4]])

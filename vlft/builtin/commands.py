@@ -3,6 +3,9 @@
 This module is a plugin (entry point ``commands`` in the ``vlft`` group): the
 core's command group knows no command of its own, so a third-party command
 and ``vlft run`` are registered the same way.
+
+Imports inside functions: the CLI imports this module at start to register its command, so torch
+and the stages load only when the command runs (`vlft --help` stays fast).
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
 fp32 by default (bf16 autocast on request), eager attention unless asked
 otherwise, gloo for several processes, no pinned memory.
+
+Imports inside functions: `vlft plugins` imports every plugin to list it, so torch loads only when a
+hook runs.
 """
 
 from __future__ import annotations

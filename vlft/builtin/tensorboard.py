@@ -2,6 +2,9 @@
 
 Other sinks (Weights & Biases, MLflow, ...) belong in their own plugins, answering ``vlft_metric_sink``
 for their name exactly as this module does for ``tensorboard``.
+
+Imports inside functions: `vlft plugins` imports every plugin to list it, so torch loads only when a
+hook runs.
 """
 
 from __future__ import annotations

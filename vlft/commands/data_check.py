@@ -1,4 +1,8 @@
-"""``vlft data check FILE...``: read and measure data files as ``vlft run`` would, train nothing."""
+"""``vlft data check FILE...``: read and measure data files as ``vlft run`` would, train nothing.
+
+Imports inside functions: the CLI imports this module at start to register its command, so torch
+and the stages load only when the command runs (`vlft --help` stays fast).
+"""
 
 from __future__ import annotations
 

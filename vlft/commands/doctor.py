@@ -4,6 +4,9 @@ The core knows no vendor: it lists the packages every backend shares, asks
 each backend plugin's probe, and collects the ``vlft_doctor_checks`` of all
 plugins. The exit status is 0 when the chosen backend (``--backend``,
 default ``auto``) can run here, 1 otherwise.
+
+Imports inside functions: the CLI imports this module at start to register its command, so torch
+and the stages load only when the command runs (`vlft --help` stays fast).
 """
 
 from __future__ import annotations

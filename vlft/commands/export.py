@@ -9,6 +9,9 @@ The folder appears only when complete (written under a temporary name, then rena
 Tolerance against the adapter model's logits (fp32, embedded model): fp32 export under 1e-4 max abs
 (summation order only; tested); bf16 export 0.13 max abs, 0.015 mean, on logits up to 3.8 (rounding
 of the weights; measured, 97% of arg-max tokens agree).
+
+Imports inside functions: the CLI imports this module at start to register its command, so torch
+and the stages load only when the command runs (`vlft --help` stays fast).
 """
 
 from __future__ import annotations

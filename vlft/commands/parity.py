@@ -5,6 +5,9 @@ in one), from the same seed, data order and adapter initialisation. Per step
 each records the loss, the gradient norm and a digest of every adapted
 module's weights; the parent compares them with tolerances that follow the
 two precisions and reports the first step and module where they part.
+
+Imports inside functions: the CLI imports this module at start to register its command, so torch
+and the stages load only when the command runs (`vlft --help` stays fast).
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@
 Both load through ``vlft.infer`` (the backend, precision and attention policies of ``vlft run``) and
 generate with ``vlft.evaluate``, so ``vlft eval`` gives the numbers ``vlft run`` wrote for the same
 records, decoding and batch.
+
+Imports inside functions: the CLI imports this module at start to register its command, so torch
+and the stages load only when the command runs (`vlft --help` stays fast).
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ Each run folder is read as far as it goes: a missing or unreadable file becomes 
 (and a dash in the table), never a traceback. Only a path that is not a run folder at all is an error.
 Plots are drawn headless (matplotlib's Agg) and embedded in the HTML as data URIs, so the page needs
 nothing beside it and can be mailed or attached as one file.
+
+Imports inside functions: the CLI imports this module at start to register its command, so torch
+and the stages load only when the command runs (`vlft --help` stays fast).
 """
 
 from __future__ import annotations

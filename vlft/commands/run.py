@@ -17,13 +17,29 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from vlft.config import RunConfig
 from vlft.errors import ConfigError
+from vlft.evaluation.generation import evaluate_generation
+from vlft.evaluation.scoring import format_table
+from vlft.evaluation.validation import validation_loss
+from vlft.planning.memory import gib
 from vlft.planning.plan import RunPlan, choose_backend, format_plan, require_available
 from vlft.planning.preflight import plan_run
+from vlft.planning.sharding import base_bytes
 from vlft.policies import MemoryStats
 from vlft.registry import Registry
+from vlft.training.checkpoints import (
+    RUN_IDENTITY,
+    CheckpointStore,
+    newest_checkpoint,
+)
+from vlft.training.loop import SkipLog, run_training
+from vlft.training.metrics import MetricsLog
+from vlft.training.resume import check_same_run, resume_command, run_identity
 from vlft.training.session import prepare
+from vlft.training.signals import Interrupted, NonFiniteStop
 
 
 @dataclass
@@ -62,20 +78,7 @@ def run_folder(config: RunConfig, choice) -> Path:
 
 def execute(registry: Registry, config: RunConfig, progress: bool = True) -> RunResult:
     """Run the whole job; see the module docstring for the order of checks."""
-    import torch
 
-    from vlft.evaluation.generation import evaluate_generation
-    from vlft.evaluation.scoring import format_table
-    from vlft.evaluation.validation import validation_loss
-    from vlft.training.checkpoints import (
-        RUN_IDENTITY,
-        CheckpointStore,
-        newest_checkpoint,
-    )
-    from vlft.training.loop import SkipLog, run_training
-    from vlft.training.metrics import MetricsLog
-    from vlft.training.resume import check_same_run, resume_command, run_identity
-    from vlft.training.signals import Interrupted, NonFiniteStop
 
     if config.dry_run:
         plan = plan_run(registry, config).plan
@@ -223,10 +226,7 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
 
 def sharding_figures(s) -> dict:
     """Under --shard fsdp: the base weights each process holds, measured on its tensors (collective)."""
-    import torch
 
-    from vlft.planning.memory import gib
-    from vlft.planning.sharding import base_bytes
 
     here, whole = base_bytes(s.model)
     per_rank: list = [None] * s.config.world_size

@@ -1,4 +1,6 @@
-"""batching: split out of vlft/encoding.py (docstring to write)."""
+"""From encoded samples to batches: padding to the batch's own longest sample, and batch helpers
+(label counts on the host, moving to the device, the model's inputs).
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """From a validated record to model inputs: chat-template rendering, assistant-only labels, image
-tensors, lengths, and batches padded to their own longest sample.
+tensors (lengths: ``data.lengths``; batches: ``data.batching``).
 
 Labels: only assistant replies count in the loss. The mask comes from
 rendering the conversation prefix by prefix with the processor's own chat
@@ -14,8 +14,10 @@ import re
 
 import torch
 from PIL import Image
+from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
 from vlft.data.records import IGNORE_INDEX, IMAGE_PLACEHOLDER, Record, Turn, load_image
+from vlft.data.video import VideoError, read_frames
 from vlft.errors import DataError
 
 _PLACEHOLDERS = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|<video>)")
@@ -91,7 +93,6 @@ class SampleEncoder:
 
     def image_grid(self, width: int, height: int) -> tuple[int, int, int]:
         """The (t, h, w) patch grid the image processor makes of an image of this size, without decoding it."""
-        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
         ip = self.processor.image_processor
         size = self.image_kwargs.get("size", ip.size)
@@ -126,8 +127,6 @@ class SampleEncoder:
     def _videos(self, record: Record) -> dict:
         if not record.videos:
             return {}
-        from vlft.data.video import VideoError, read_frames
-        from vlft.errors import DataError
 
         clips, rates = [], []
         for path in record.videos:

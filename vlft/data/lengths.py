@@ -1,4 +1,6 @@
-"""lengths: split out of vlft/encoding.py (docstring to write)."""
+"""Sample lengths (image tokens included) for the whole data set: ``--max-length``, ``--skip-too-long`` and
+the longest records the memory plan must hold.
+"""
 
 from __future__ import annotations
 

@@ -10,13 +10,22 @@ from __future__ import annotations
 
 import math
 import random
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from vlft.training.loop import LoopSettings
+
+@dataclass
+class DataOrder:
+    """What decides which samples each step draws: the sampler's settings (the loop's settings extend it)."""
+
+    batch_size: int
+    grad_accum: int
+    seed: int
+    rank: int = 0
+    world_size: int = 1
+    loader_kwargs: dict = field(default_factory=dict)  # the backend's DataLoader options (pin_memory, workers)
 
 
 class EpochSampler(torch.utils.data.Sampler):
@@ -56,7 +65,7 @@ def steps_per_epoch(n_samples: int, batch_size: int, grad_accum: int, world_size
     return max(1, per_rank // (batch_size * grad_accum))
 
 
-def batches(dataset, collate, settings: LoopSettings, start_step: int):
+def batches(dataset, collate, settings: DataOrder, start_step: int):
     """Yield lists of ``grad_accum`` micro-batches from ``start_step`` on, epoch after epoch."""
     per_epoch = steps_per_epoch(len(dataset), settings.batch_size, settings.grad_accum, settings.world_size)
     epoch, step_in_epoch = divmod(start_step, per_epoch)
@@ -101,7 +110,7 @@ def total_steps_for(n_samples: int, steps: int | None, epochs: float | None, bat
     return max(1, math.ceil(per_epoch * (epochs if epochs is not None else DEFAULT_EPOCHS)))
 
 
-def step_indices(n_samples: int, settings: LoopSettings, step: int) -> list[int]:
+def step_indices(n_samples: int, settings: DataOrder, step: int) -> list[int]:
     """The dataset indices this process trained on in optimizer step ``step`` (1-based): the same order
     ``batches`` draws, recomputed on the host so naming a batch needs nothing from the device."""
     per_epoch = steps_per_epoch(n_samples, settings.batch_size, settings.grad_accum, settings.world_size)

@@ -23,10 +23,13 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from PIL import Image, UnidentifiedImageError
 
+from vlft.data.formats import FormatProblem, parse_record, stray_marker
 from vlft.data.safety import image_file_problem, open_image, read_text_file
+from vlft.data.video import VideoError, probe_video
 from vlft.errors import DataError
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -132,7 +135,6 @@ def _url_cache_path(url: str, root: Path | None) -> Path | None:
     """Where a downloaded copy of ``url`` lies under ``root``: ``root/host/path``, as ``wget -x`` saves it."""
     if root is None:
         return None
-    from urllib.parse import urlparse
 
     u = urlparse(url)
     return root / u.netloc / u.path.lstrip("/")
@@ -202,7 +204,6 @@ def read_records(path: str | Path, check_images: bool = True, image_root: str | 
 def read_records_collecting(path: str | Path, check_images: bool = True, image_root: str | Path | None = None,
                             add_placeholders: bool = False) -> tuple[list[Record], _Problems]:
     """The valid records and the problems of the others (``vlft data check`` reports both)."""
-    from vlft.data.formats import FormatProblem, parse_record, stray_marker
 
     path = Path(path)
     if not path.is_file():
@@ -290,7 +291,6 @@ def _check_turns(parsed) -> str | None:
 
 def video_problem(path: str, label: str) -> str | None:
     """Why a video cannot be decoded, or None (opens it and reads its first frame)."""
-    from vlft.data.video import VideoError, probe_video
 
     try:
         probe_video(path)

@@ -15,7 +15,7 @@ class VideoError(Exception):
 
 def _open(path: str):
     try:
-        import av
+        import av  # optional: PyAV is needed only for video records
     except ImportError:  # pragma: no cover - av is a dependency
         raise VideoError("video needs PyAV: pip install av") from None
     try:

@@ -1,1 +1,2 @@
-"""evaluation"""
+"""Evaluation: scoring answers, generation, validation loss, and loading a trained adapter for inference.
+"""

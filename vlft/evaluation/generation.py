@@ -1,4 +1,9 @@
-"""generation: split out of vlft/evaluate.py (docstring to write)."""
+"""Greedy generation on validation records, and its scores (exact match, per-field accuracy and F1).
+
+Under ``--shard fsdp`` every forward pass gathers every block, so every
+process takes the same number of passes: the shares are padded to one length
+and generation runs with ``synced_gpus``.
+"""
 
 from __future__ import annotations
 

@@ -14,7 +14,19 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+from vlft.config import build_config
+from vlft.data.encoding import SampleEncoder
 from vlft.errors import ConfigError, VlftError
+from vlft.models.bundled import require_weights
+from vlft.models.loading import (
+    load_model,
+    load_model_config,
+    load_processor,
+    resolve_model_path,
+)
+from vlft.planning.plan import choose_backend, require_available, resolve_plan
 from vlft.registry import Registry
 
 
@@ -86,7 +98,6 @@ class Loaded:
 
 
 def _base_model_path(source: AdapterSource | None, model: str | None) -> str:
-    from vlft.models.loading import resolve_model_path
 
     if model is not None or source is None:
         return resolve_model_path(model)
@@ -107,13 +118,7 @@ def load_for_inference(registry: Registry, adapter: str | None, model: str | Non
 
     ``on_device=False`` keeps the model on the CPU (export merges there, in fp32).
     """
-    import torch
 
-    from vlft.config import build_config
-    from vlft.data.encoding import SampleEncoder
-    from vlft.models.bundled import require_weights
-    from vlft.models.loading import load_model, load_model_config, load_processor
-    from vlft.planning.plan import choose_backend, require_available, resolve_plan
 
     source = locate_adapter(registry, adapter) if adapter is not None else None
     model_path = _base_model_path(source, model)

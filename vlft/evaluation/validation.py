@@ -1,4 +1,5 @@
-"""validation: split out of vlft/evaluate.py (docstring to write)."""
+"""Validation loss: the training loss (sum over label tokens / label tokens) without gradients.
+"""
 
 from __future__ import annotations
 

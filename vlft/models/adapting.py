@@ -1,6 +1,9 @@
-"""adapting: split out of vlft/model.py (docstring to write)."""
+"""Making a loaded model trainable: activation checkpointing, fp32 trainable weights, adapters in autocast.
+"""
 
 from __future__ import annotations
+
+import torch
 
 
 def enable_checkpointing(model, vision_adapted: bool) -> None:
@@ -36,7 +39,6 @@ def upcast_trainable(model) -> list[str]:
     ``unscale_`` ("Attempting to unscale FP16 gradients"), and in bf16 its
     updates round away; the frozen base keeps its own dtype.
     """
-    import torch
 
     cast = []
     for name, p in model.named_parameters():

@@ -1,4 +1,5 @@
-"""bundled: split out of vlft/model.py (docstring to write)."""
+"""Bundled public configs (``--model qwen2.5-vl-7b``): plan a real checkpoint offline, on a weightless model.
+"""
 
 from __future__ import annotations
 

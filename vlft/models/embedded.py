@@ -28,6 +28,19 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLProcessor,
+    Qwen2VLImageProcessor,
+    Qwen2VLVideoProcessor,
+)
+
+from vlft.data import demo as demo_data
+
 EMBEDDED_NAME = "embedded"
 
 
@@ -91,7 +104,6 @@ def embedded_model_dir() -> Path:
 
 
 def _tokenizer_corpus() -> list[str]:
-    from vlft.data import demo as demo_data
 
     lines = ["You are a helpful assistant.", "system", "user", "assistant"]
     lines += list(demo_data.QUESTIONS)
@@ -105,8 +117,6 @@ def _tokenizer_corpus() -> list[str]:
 
 
 def build_tokenizer(vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -124,14 +134,6 @@ def build_tokenizer(vocab_size: int):
 
 def build_embedded_model(path: Path, recipe: dict = RECIPE) -> None:
     """Build, initialise and save the embedded model and processor at ``path``."""
-    import torch
-    from transformers import (
-        Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen2_5_VLProcessor,
-        Qwen2VLImageProcessor,
-        Qwen2VLVideoProcessor,
-    )
 
     tokenizer = build_tokenizer(recipe["vocab_size"])
     ids = tokenizer.convert_tokens_to_ids

@@ -4,8 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    GenerationConfig,
+    Qwen2_5_VLProcessor,
+    Qwen2VLImageProcessor,
+    Qwen2VLVideoProcessor,
+)
+
 from vlft.errors import ConfigError
 from vlft.models.bundled import bundled_config, bundled_names, is_bundled
+from vlft.models.embedded import CHAT_TEMPLATE, embedded_model_dir
 
 SUPPORTED_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
 
@@ -17,7 +29,6 @@ def resolve_model_path(model: str | None) -> str:
     """The embedded default when ``model`` is None; a local directory; a bundled config name
     (``qwen2.5-vl-7b``: weightless, for planning); or a hub id, if reachable."""
     if model is None:
-        from vlft.models.embedded import embedded_model_dir
 
         return str(embedded_model_dir())
     path = Path(model).expanduser()
@@ -34,7 +45,6 @@ def resolve_model_path(model: str | None) -> str:
 
 
 def load_model_config(path: str):
-    from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(path)
@@ -50,16 +60,9 @@ def load_model_config(path: str):
 def load_processor(path: str):
     """The model's processor; for a bundled config, its image processor with the embedded tokenizer as a
     stand-in (the real tokenizer is not bundled, so text lengths are approximate; image tokens are exact)."""
-    from transformers import AutoProcessor
 
     if is_bundled(path):
-        from transformers import (
-            Qwen2_5_VLProcessor,
-            Qwen2VLImageProcessor,
-            Qwen2VLVideoProcessor,
-        )
 
-        from vlft.models.embedded import CHAT_TEMPLATE, embedded_model_dir
 
         tokenizer = AutoProcessor.from_pretrained(embedded_model_dir()).tokenizer
         return Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor.from_pretrained(path), tokenizer=tokenizer,
@@ -96,8 +99,6 @@ def load_model(path: str, attention, precision, device=None, trust_pickle: bool 
     Without ``trust_pickle`` only safetensors are read (transformers' ``use_safetensors=True``); with it,
     transformers still unpickles with ``weights_only=True`` (its default), which allows tensors only.
     """
-    import torch
-    from transformers import AutoModelForImageTextToText
 
     check_weight_format(path, trust_pickle)
     model = AutoModelForImageTextToText.from_pretrained(
@@ -123,8 +124,6 @@ def empty_model(path: str, attention, precision):
     """The base model as ``load_model`` builds it, on the 'meta' device: its structure without reading a
     weight. Under ``--shard fsdp`` every process but rank 0 starts from this and receives its share of the
     weights from rank 0 (``sharding.receive_from_rank0``)."""
-    import torch
-    from transformers import AutoModelForImageTextToText, GenerationConfig
 
     config = load_model_config(path)
     with torch.device("meta"):

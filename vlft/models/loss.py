@@ -1,4 +1,5 @@
-"""loss: split out of vlft/train.py (docstring to write)."""
+"""The training loss: next-token cross-entropy summed over label tokens, and the autocast it runs under.
+"""
 
 from __future__ import annotations
 

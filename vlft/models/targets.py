@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import torch
+
 from vlft.errors import ConfigError
 
 VISION_BLOCK = re.compile(r"(?:^|\.)visual\.blocks\.(\d+)\.(.+)$")
@@ -31,7 +33,6 @@ class TargetPlan:
 
 
 def _is_linear(module) -> bool:
-    import torch
 
     return isinstance(module, torch.nn.Linear)
 

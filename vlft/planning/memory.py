@@ -27,6 +27,11 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+import torch
+from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+from vlft.data.order import EpochSampler, steps_per_epoch
+from vlft.planning.sharding import working_set_bytes
 from vlft.planning.trace import Activations, BatchShape, trace_activations
 
 GIB = 2 ** 30
@@ -141,7 +146,6 @@ def format_memory(d: dict) -> list[str]:
 
 def weight_bytes(model, param_dtype) -> tuple[dict[str, int], int]:
     """(frozen base bytes per tower at ``param_dtype``, trainable parameter count)."""
-    import torch
 
     itemsize = torch.empty((), dtype=param_dtype).element_size()
     towers = {"vision": 0, "text": 0}
@@ -159,7 +163,6 @@ def plan_memory(model, model_config, param_dtype: str, compute_dtype: str | None
                 gathered_bytes: int = 0) -> MemoryPlan:
     """The plan for ``model`` (adapted, on the meta device) at ``batch``; checkpointing still undecided.
     ``shard_world`` > 1: sharded with FSDP over that many processes, ``gathered_bytes`` gathered at a time."""
-    import torch
 
     pdtype = getattr(torch, param_dtype)
     towers, trainable = weight_bytes(model, pdtype)
@@ -179,9 +182,7 @@ def plan_memory(model, model_config, param_dtype: str, compute_dtype: str | None
 def fsdp_gathered_bytes(model, compute_dtype: str | None) -> int:
     """What FSDP holds whole at one time: the root's parameters and two blocks (the one running and the next,
     prefetched), at the dtype they are gathered in."""
-    import torch
 
-    from vlft.planning.sharding import working_set_bytes
 
     itemsize = torch.empty((), dtype=getattr(torch, compute_dtype)).element_size() if compute_dtype else None
     root, block = working_set_bytes(model, itemsize)
@@ -192,7 +193,6 @@ def largest_batches(lengths: list[int], grids: list[list], batch_size: int, grad
                     seed: int, total_steps: int) -> list[BatchShape]:
     """The micro-batches with the most padded tokens and with the most image patches, over every
     process and every step the run will take (the sampler is seeded, so this is exact)."""
-    from vlft.data.order import EpochSampler, steps_per_epoch
 
     n = len(lengths)
     per_epoch = steps_per_epoch(n, batch_size, grad_accum, world_size)
@@ -225,7 +225,6 @@ def worst_plan(model, model_config, param_dtype, compute_dtype, shapes: list[Bat
 
 def resized_grids(grids, max_pixels: int, patch: int = 14, merge: int = 2):
     """Patch grids after capping each image at ``max_pixels`` (as ``--max-pixels`` would)."""
-    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
     out = []
     for t, h, w in grids:

@@ -12,6 +12,7 @@ from typing import Any
 
 from vlft.config import RunConfig
 from vlft.errors import BackendUnavailable, ConfigError
+from vlft.planning.memory import format_memory
 from vlft.planning.sharding import resolve_sharding
 from vlft.policies import (
     AdapterDefaults,
@@ -237,7 +238,6 @@ def format_plan(desc: dict) -> str:
                                                         if ln["skipped"] else ""))
         lines += [f"             skipped {s['where']} ({s['length']} tokens)" for s in ln["skipped_samples"][:20]]
     if desc["memory"]:
-        from vlft.planning.memory import format_memory
 
         lines += format_memory(desc["memory"])
     lines += [f"note         {n}" for n in desc["notes"]]

@@ -9,15 +9,31 @@ plan says the run cannot fit.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlft.config import RunConfig
+import torch
+
+from vlft.config import RunConfig, parse_bytes, split_data_spec
+from vlft.data.demo import RECOMMENDED_EPOCHS, write_demo_dataset
 from vlft.data.encoding import SampleEncoder
 from vlft.data.lengths import LengthReport, check_lengths
-from vlft.data.records import read_records
-from vlft.errors import ConfigError
+from vlft.data.order import total_steps_for
+from vlft.data.records import read_records, read_records_collecting
+from vlft.errors import ConfigError, DataError
+from vlft.models.adapting import compute_adapters_in_autocast_dtype
+from vlft.models.bundled import is_bundled
+from vlft.models.embedded import cache_root
+from vlft.models.loading import (
+    load_model_config,
+    load_processor,
+    resolve_model_path,
+)
+from vlft.models.targets import select_targets
+from vlft.planning import memory, trace
 from vlft.planning.plan import RunPlan, resolve_plan
+from vlft.planning.sharding import count_blocks
 from vlft.policies import DeviceCapacity
 from vlft.registry import Registry
 
@@ -26,11 +42,8 @@ DEFAULT_DATA_DIR_NAME = "demo-data"
 
 def resolve_data_paths(config: RunConfig) -> tuple[list[tuple[Path, float]], Path | None]:
     """[(training file, sampling weight)], and the validation file or None."""
-    from vlft.config import split_data_spec
 
     if not config.data:
-        from vlft.data.demo import write_demo_dataset
-        from vlft.models.embedded import cache_root
 
         ds = write_demo_dataset(cache_root() / DEFAULT_DATA_DIR_NAME)
         return [(ds.train, 1.0)], (Path(config.val_data) if config.val_data else ds.val)
@@ -40,7 +53,6 @@ def resolve_data_paths(config: RunConfig) -> tuple[list[tuple[Path, float]], Pat
 
 def weighted(records: list, weight: float, seed: int) -> list:
     """``weight`` copies of each record per epoch: whole copies, then a seeded share for the fraction."""
-    import random
 
     whole, frac = int(weight), weight - int(weight)
     extra = random.Random(seed).sample(records, round(len(records) * frac)) if frac else []
@@ -49,8 +61,6 @@ def weighted(records: list, weight: float, seed: int) -> list:
 
 def read_training_files(config: RunConfig) -> tuple[list, Path | None]:
     """Every training file read and weighted (all files' problems reported together), and the validation path."""
-    from vlft.data.records import read_records_collecting
-    from vlft.errors import DataError
 
     files, val_path = resolve_data_paths(config)
     train, messages = [], []
@@ -98,7 +108,6 @@ def load_and_check_data(config: RunConfig, encoder) -> tuple[list, list, LengthR
 
 def check_enough_records(n_train: int, config: RunConfig) -> None:
     """Every process needs at least one training record; fewer than one batch trains on a smaller batch."""
-    from vlft.errors import DataError
 
     if n_train < config.world_size:
         raise DataError(
@@ -108,7 +117,6 @@ def check_enough_records(n_train: int, config: RunConfig) -> None:
 
 def plan_targets(registry: Registry, plan: RunPlan, model):
     """Adapt ``model`` (real or on 'meta'); fill the plan's target list and per-module adapter parameter counts."""
-    from vlft.models.targets import select_targets
 
     tp = select_targets(model, plan.adapter, plan.config.targets, plan.config.vision_last_n)
     plan.targets = tp.modules
@@ -148,17 +156,7 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
     Order: backend, method, model config, data (lengths included), policies, targets on a weightless
     copy of the model, then the memory plan against the device's capacity.
     """
-    import torch
 
-    from vlft.planning import memory, trace
-    from vlft.config import parse_bytes
-    from vlft.data.order import total_steps_for
-    from vlft.models.bundled import is_bundled
-    from vlft.models.loading import (
-        load_model_config,
-        load_processor,
-        resolve_model_path,
-    )
 
     model_path = resolve_model_path(config.model)
     model_config = load_model_config(model_path)
@@ -173,7 +171,6 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
                           "(a stand-in; image tokens are exact)")
     epochs = config.epochs
     if epochs is None and config.steps is None and not config.data:
-        from vlft.data.demo import RECOMMENDED_EPOCHS
 
         epochs = RECOMMENDED_EPOCHS
     total_steps = total_steps_for(len(train), config.steps, epochs, config.batch_size, config.grad_accum,
@@ -183,7 +180,6 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
     compute = plan.precision.autocast_dtype or plan.precision.param_dtype
     skeleton = plan_targets(registry, plan, trace.skeleton(model_config, plan.attention, getattr(torch, compute)))
     if plan.precision.autocast_dtype:  # under autocast the adapters compute in its dtype too (see model.py)
-        from vlft.models.adapting import compute_adapters_in_autocast_dtype
 
         skeleton.to(getattr(torch, compute))
         compute_adapters_in_autocast_dtype(skeleton)
@@ -196,7 +192,6 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
                                     config.world_size, config.seed, total_steps)
     shard_world, gathered = 1, 0
     if plan.sharding.enabled:
-        from vlft.planning.sharding import count_blocks
 
         plan.sharding.wrapped = count_blocks(skeleton)
         shard_world, gathered = config.world_size, memory.fsdp_gathered_bytes(skeleton, compute)

@@ -1,5 +1,5 @@
-"""``--shard fsdp``: torch's FSDP2 (``fully_shard``) over the run's processes, on any backend that says its
-process group supports it.
+"""``--shard fsdp``, the plan side: whether the backend's process group supports FSDP2, which blocks are
+sharded, and what each process holds (``ShardingPlan``); the run side is ``vlft.training.fsdp``.
 
 The model's own ``_no_split_modules`` (for Qwen2.5-VL every text decoder layer and vision block) are each
 sharded, then the transformers model as the root, so a block's parameters are gathered just before it
@@ -8,16 +8,6 @@ checks the dtype of the *trainable* parameters only (all fp32 here) and all-gath
 so the adapters need no groups of their own. The mixed-precision policy comes from the backend's
 precision policy: parameters gathered in its compute dtype, gradients reduced in fp32; the sharded
 master copies keep their dtype (base in ``--param-dtype``, adapters fp32).
-
-What FSDP changes beyond the step, and where it is handled:
-
-* saving the adapter: the trainable parameters are gathered whole onto rank 0 (``full_trainable_state``)
-  and loaded into the weightless adapted copy the plan was made on (``materialized_adapter``), which the
-  method's own ``vlft_save_adapter`` writes in PEFT format, as without sharding;
-* checkpoints: the optimizer's sharded state goes through torch.distributed.checkpoint (one file per
-  process, ``optimizer/``), which the same world size resumes exactly and another world size re-shards;
-* evaluation: every process runs the same number of forward passes (``evaluate.evaluate_generation``
-  pads the shares and generates with ``synced_gpus``), since each forward gathers every block.
 """
 
 from __future__ import annotations

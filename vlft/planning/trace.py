@@ -1,11 +1,24 @@
-"""trace: split out of vlft/memory.py (docstring to write)."""
+"""Counting activation memory: what autograd saves for backward, for the memory plan.
+
+``trace_activations`` runs every layer of an adapted model once on the meta
+device (shapes only: no memory, no arithmetic) under ``saved_tensors_hooks``
+and counts what autograd would keep. ``BatchShape`` (one micro-batch's
+samples, tokens and image grids) is what it traces; the memory plan asks it
+for the largest ones the sampler will draw.
+"""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+from transformers import AttentionInterface, AutoModelForImageTextToText
+from transformers.vision_utils import get_vision_window_index
+
 from vlft.measure import SavedTensorMeter
+from vlft.models.loss import token_loss_sum
 
 if TYPE_CHECKING:
     from vlft.planning.trace import BatchShape
@@ -47,8 +60,6 @@ def _register_fused_attention() -> None:
     backward, never the S x S probabilities; on the meta device SDPA would
     fall back to its math path and count those.
     """
-    import torch
-    from transformers import AttentionInterface
 
     class FusedAttention(torch.autograd.Function):
         @staticmethod
@@ -78,10 +89,7 @@ def skeleton(model_config, attention, dtype):
     Fused implementations (sdpa, flash) are traced with a stand-in that saves
     what a fused kernel saves; eager runs as it is.
     """
-    import copy
 
-    import torch
-    from transformers import AutoModelForImageTextToText
 
     _register_fused_attention()
     cfg = copy.deepcopy(model_config)
@@ -108,12 +116,10 @@ def _trainable(module) -> bool:
 
 def _vision_seqlens(visual, grid):
     """(full-attention, window-attention) cumulative sequence lengths for ``grid``, as the tower makes them."""
-    import torch
 
     per_image = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0])
     cu = torch.nn.functional.pad(per_image.cumsum(0, dtype=torch.int32), (1, 0))
     try:  # transformers >= 5.2x: a shared helper
-        from transformers.vision_utils import get_vision_window_index
 
         _, cu_window = get_vision_window_index(grid, spatial_merge_size=visual.spatial_merge_size,
                                                window_size=visual.window_size, patch_size=visual.patch_size)
@@ -125,9 +131,7 @@ def _vision_seqlens(visual, grid):
 
 def trace_activations(model, batch: BatchShape) -> Activations:
     """Run the adapted meta model's layers once on ``batch``'s shapes and count what autograd saves."""
-    import torch
 
-    from vlft.models.loss import token_loss_sum
 
     visual, text, lm_head = _parts(model)
     dtype = next(text.parameters()).dtype

@@ -25,8 +25,10 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from vlft.errors import VlftError
+from vlft.training.fsdp import OPTIMIZER_DIR, load_optimizer, save_optimizer
 
 
 class CheckpointStore:
@@ -69,9 +71,7 @@ class CheckpointStore:
         process writes its share of the optimizer state (torch.distributed.checkpoint), and rank 0 writes the
         rest, the manifest last, and renames the folder into place. A failure on any process stops all of
         them with the same error."""
-        import torch.distributed as dist
 
-        from vlft.training.fsdp import OPTIMIZER_DIR, save_optimizer
 
         main = dist.get_rank() == 0
         final = self.root / f"step-{step:06d}"
@@ -143,7 +143,6 @@ class CheckpointStore:
 
 def _first_problem(problem: BaseException | None) -> BaseException | None:
     """Under several processes: a problem on any of them, as every process sees it (rank order)."""
-    import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return problem
@@ -269,7 +268,6 @@ def restore_training_state(checkpoint: Path, optimizer, scheduler, scaler, devic
                            model=None) -> int:
     """Optimizer, scheduler, scaler and RNG state from ``checkpoint``; returns its step. ``model``: the
     sharded model (``--shard fsdp``), whose optimizer state is read from each process's share."""
-    from vlft.training.fsdp import OPTIMIZER_DIR, load_optimizer
 
     state = torch.load(checkpoint / "state.pt", map_location="cpu", weights_only=False)
     written_sharded = (checkpoint / OPTIMIZER_DIR).is_dir()

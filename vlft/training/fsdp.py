@@ -1,9 +1,33 @@
-"""fsdp: split out of vlft/sharding.py (docstring to write)."""
+"""``--shard fsdp``, the run side: FSDP2 on each block and the root, rank 0's weights sent to the others,
+the adapter gathered whole to save it, and the sharded optimizer state.
+
+The plan side (which blocks, what each process holds) is ``vlft.planning.sharding``.
+What FSDP changes beyond the step, and where it is handled:
+
+* saving the adapter: the trainable parameters are gathered whole onto rank 0 (``full_trainable_state``)
+  and loaded into the weightless adapted copy the plan was made on (``materialized_adapter``), which the
+  method's own ``vlft_save_adapter`` writes in PEFT format, as without sharding;
+* checkpoints: the optimizer's sharded state goes through torch.distributed.checkpoint (one file per
+  process, ``optimizer/``), which the same world size resumes exactly and another world size re-shards;
+* evaluation: every process runs the same number of forward passes (``evaluation.generation`` pads the
+  shares and generates with ``synced_gpus``), since each forward gathers every block.
+"""
 
 from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from vlft.planning.sharding import ShardingPlan, blocks, transformers_model
 
@@ -15,9 +39,6 @@ def shard_model(model, plan: ShardingPlan, device, whole: dict | None = None) ->
     The root is the transformers model, not the PEFT wrapper, so ``generate`` (which calls the transformers
     model directly) also passes through the root's hooks.
     """
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # the root returns the logits as a view; FSDP warns in case the caller changes them in place, which the
     # loss (and nothing else in vlft) never does
@@ -46,11 +67,6 @@ def receive_from_rank0(model, state: dict | None, device) -> None:
     Only rank 0 reads the checkpoint from disk and holds it whole in host memory; the others allocate only
     their shards. Buffers (rotary frequencies, which the state dict does not hold) are copied from rank 0.
     """
-    import torch
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-    )
 
     main = torch.distributed.get_rank() == 0
     if not main:
@@ -83,7 +99,6 @@ def full_trainable_state(model) -> dict | None:
     """The trainable parameters gathered whole, on the CPU of rank 0 (None elsewhere). Every process must
     call it: each parameter is one all-gather, in the same order everywhere. Only the adapter is gathered,
     never the frozen base model."""
-    import torch
 
     main = torch.distributed.get_rank() == 0
     state = {}
@@ -113,8 +128,6 @@ OPTIMIZER_DIR = "optimizer"
 
 def save_optimizer(model, optimizer, folder) -> None:
     """Each process writes its shard of the optimizer state under ``folder`` (collective)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(folder))
 
@@ -122,11 +135,6 @@ def save_optimizer(model, optimizer, folder) -> None:
 def load_optimizer(model, optimizer, folder) -> None:
     """Read the sharded optimizer state under ``folder`` into ``optimizer`` (collective). Another world size
     than the one that wrote it is re-sharded by torch.distributed.checkpoint."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_optimizer_state_dict,
-        set_optimizer_state_dict,
-    )
 
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
     dcp.load(state, checkpoint_id=str(folder))

@@ -1,4 +1,10 @@
-"""loop: split out of vlft/train.py (docstring to write)."""
+"""The training loop: steps from the sampler's batches, logging, evaluation, early stopping, checkpoints.
+
+The loop reads the step's device flags only where it syncs anyway (log steps
+and checkpoints), so a skipped step costs no extra host-device sync; it stops
+on SIGTERM/SIGINT (``signals.StopRequest``) after the current step with a
+checkpoint, and after ``--max-skipped-steps`` consecutive non-finite steps.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +14,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import torch
+from tqdm.auto import tqdm
 
-from vlft.data.order import batches, step_indices
+from vlft.data.order import DataOrder, batches, step_indices
 from vlft.training.metrics import MetricsLog
 from vlft.training.signals import Interrupted, NonFiniteStop, StopRequest
 from vlft.training.step import StepPolicy, settle_step_counters, train_step_on
@@ -18,19 +25,15 @@ if TYPE_CHECKING:
     from vlft.training.checkpoints import CheckpointStore
 
 
-@dataclass
-class LoopSettings:
+@dataclass(kw_only=True)
+class LoopSettings(DataOrder):
+    """The data order plus what the loop does around the steps: how long, logging, evaluation, saving."""
+
     total_steps: int
-    batch_size: int
-    grad_accum: int
-    seed: int
-    rank: int = 0
-    world_size: int = 1
     log_every: int = 10
     eval_every: int = 0
     save_every: int = 0
     keep_checkpoints: int = 2
-    loader_kwargs: dict = field(default_factory=dict)
     max_skipped_steps: int = 5  # consecutive non-finite steps that stop the run (0: never)
     early_stopping_patience: int = 0  # evaluations without a better validation loss before stopping (0: never)
 
@@ -100,7 +103,6 @@ def _read_skips(pending: list, skips: SkipLog, dataset, settings: LoopSettings, 
 
 def _loop(model, optimizer, scheduler, policy, dataset, collate, settings, checkpoints, metrics, memory_reader,
           evaluate_loss, start_step, progress, skips: SkipLog, stop: StopRequest, on_best=None) -> list[dict]:
-    from tqdm.auto import tqdm
 
     is_main = settings.rank == 0
     # in a terminal the bar redraws often; in a log file a line every 15 s is plenty

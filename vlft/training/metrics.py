@@ -1,4 +1,5 @@
-"""metrics: split out of vlft/train.py (docstring to write)."""
+"""``metrics.jsonl`` and the metric sinks (``--report-to``): what the loop logs, one line per logged step.
+"""
 
 from __future__ import annotations
 

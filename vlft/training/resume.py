@@ -1,7 +1,5 @@
-"""What lets a run survive its faults: signals, non-finite steps, and resuming only the same run.
+"""Resuming only the same run, and saying how to resume (signals and non-finite stops: ``training.signals``).
 
-- ``StopRequest``: SIGTERM or a first SIGINT sets a flag the loop reads between steps (under torchrun the
-  flag is all-reduced, so every rank stops at the same step); a second SIGINT interrupts at once.
 - ``run_identity``: what defines a training trajectory, saved in each checkpoint; ``--resume`` compares it
   with the new configuration and refuses on any difference unless ``--force-resume``.
 - ``resume_command``: the exact command that continues an interrupted run.
@@ -13,6 +11,7 @@ import hashlib
 import shlex
 from pathlib import Path
 
+from vlft.config import split_data_spec
 from vlft.errors import VlftError
 
 # RunConfig fields that change the trajectory (the data order, the update, the schedule)
@@ -59,7 +58,6 @@ def run_identity(config) -> dict:
 
 def data_identity(data) -> list | str:
     """Each --data file (size and content hash) with its sampling weight; "embedded" for the default set."""
-    from vlft.config import split_data_spec
 
     if not data:
         return "embedded"

@@ -10,22 +10,34 @@ writes nothing.
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from vlft.config import RunConfig
 from vlft.data.batching import Collator
 from vlft.data.encoding import EncodedDataset, SampleEncoder
+from vlft.models.adapting import (
+    compute_adapters_in_autocast_dtype,
+    enable_checkpointing,
+    upcast_trainable,
+)
+from vlft.models.bundled import require_weights
+from vlft.models.loading import empty_model, load_model
 from vlft.planning.plan import RunPlan, choose_backend, require_available
 from vlft.planning.preflight import check_fits, plan_run
 from vlft.registry import Registry
+from vlft.training.checkpoints import restore_training_state
+from vlft.training.fsdp import full_trainable_state, materialized_adapter, shard_model
+from vlft.training.loop import LoopSettings
+from vlft.training.step import StepPolicy, cosine_with_warmup, seed_everything
 
 
 def _init_distributed(plan: RunPlan, device) -> None:
-    import datetime
 
-    import torch
 
     dist = plan.distributed
     for key, value in dist.env.items():
@@ -80,7 +92,6 @@ class Session:
         must call it when sharded: gathering is collective."""
         if not self.sharded:
             return model
-        from vlft.training.fsdp import full_trainable_state, materialized_adapter
 
         state = full_trainable_state(model)
         return materialized_adapter(self.skeleton, state) if state is not None else None
@@ -97,18 +108,7 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
     scaler and RNG state the session continues from. ``choice``: the backend already chosen
     (and probed) by the caller, so it is not probed twice. No step is taken.
     """
-    import torch
 
-    from vlft.models.adapting import (
-        compute_adapters_in_autocast_dtype,
-        enable_checkpointing,
-        upcast_trainable,
-    )
-    from vlft.models.bundled import require_weights
-    from vlft.models.loading import empty_model, load_model
-    from vlft.training.checkpoints import restore_training_state
-    from vlft.training.loop import LoopSettings
-    from vlft.training.step import StepPolicy, cosine_with_warmup, seed_everything
 
     choice = choice or choose_backend(registry, config.backend)
     require_available(choice)
@@ -153,7 +153,6 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
     if plan.precision.autocast_dtype:
         compute_adapters_in_autocast_dtype(model)
     if plan.sharding.enabled:  # fully_shard moves each process's shares to the device, never the whole model
-        from vlft.training.fsdp import shard_model
 
         whole = model.state_dict() if config.world_size > 1 and config.rank == 0 else None
         shard_model(model, plan.sharding, device, whole)

@@ -1,4 +1,9 @@
-"""signals: split out of vlft/resilience.py (docstring to write)."""
+"""What stops a run between steps: SIGTERM or Ctrl-C (``StopRequest``), and too many non-finite steps.
+
+SIGTERM or a first SIGINT sets a flag the loop reads between steps (under
+torchrun the flag is all-reduced, so every rank stops at the same step); a
+second SIGINT interrupts at once.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,8 @@ import signal
 import sys
 import threading
 from pathlib import Path
+
+import torch
 
 from vlft.errors import VlftError
 
@@ -58,7 +65,6 @@ class StopRequest:
         """The signal every rank acts on: any rank's, all-reduced when there are several processes."""
         if world_size <= 1:
             return self.signum
-        import torch
 
         flag = torch.tensor([self.signum or 0], device=device, dtype=torch.int32)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)

@@ -1,4 +1,4 @@
-"""The training loop: AdamW, cosine schedule with warmup, accumulation, clipping, precision policy.
+"""The training step: AdamW, cosine schedule with warmup, accumulation, clipping, precision policy.
 
 The step reads only plain objects resolved at set-up (``StepPolicy``); it
 calls no plugin hooks. Loss is the sum of token losses over the whole
@@ -9,7 +9,7 @@ the loss and gradients of one big batch.
 A step whose loss or gradient norm is not finite is not applied, in every
 precision, without a host-device sync: on an accelerator the update is masked
 on the device (``guarded_step``); on the CPU, where reading the flag waits for
-nothing, the step is just not taken. The loop reads the skip flags when it
+nothing, the step is just not taken. The loop (``training.loop``) reads the skip flags when it
 reads the loss anyway (log steps, checkpoints), naming the skipped batches'
 records then.
 """
@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers import get_cosine_schedule_with_warmup
 
 from vlft.data.batching import label_count, model_inputs, to_device
 from vlft.models.loss import autocast_context, token_loss_sum
@@ -160,6 +161,5 @@ def train_step_on(model, optimizer, scheduler, host_batches: list[dict], policy:
 
 
 def cosine_with_warmup(optimizer, warmup: int, total: int):
-    from transformers import get_cosine_schedule_with_warmup
 
     return get_cosine_schedule_with_warmup(optimizer, warmup, total)
