@@ -178,68 +178,111 @@ def _where(dist) -> str:
     return str(path) if path is not None else "?"
 
 
+# pluggy's own entry-point loading, one name at a time (the names pyproject.toml gives): a plugin of another
+# installed distribution is left alone, and each one registered says which metadata served it
 _PROBE = r"""
 import json, sys
-import importlib.metadata as md
 import pluggy
 pm = pluggy.PluginManager("vlft")
-pm.load_setuptools_entrypoints("vlft")
-dist = md.distribution("vlft")
-print(json.dumps({"plugins": sorted(n for n, _ in pm.list_name_plugin()),
-                  "metadata": str(getattr(dist, "_path", "?"))}))
+for name in sys.argv[1:]:
+    pm.load_setuptools_entrypoints("vlft", name=name)
+served = {}
+for plugin, dist in pm.list_plugin_distinfo():
+    served[pm.get_name(plugin)] = str(getattr(getattr(dist, "_dist", dist), "_path", "?"))
+print(json.dumps(served))
 """
 
 
 def check_entry_points(way: Way, python: str = sys.executable) -> list[str]:
     """pluggy's ``load_setuptools_entrypoints("vlft")`` in a child with ``way``'s environment; raises
-    :class:`SourceTreeError` unless it registers every plugin pyproject.toml names."""
+    :class:`SourceTreeError` unless it registers every plugin pyproject.toml names, each from the
+    metadata ``way`` chose (``way.metadata``)."""
     # ``-c`` puts the working folder first on the path: this file's folder holds no package that could
     # serve vlft, so only the installed metadata or the paths given here can (-I and -P would drop
     # PYTHONPATH as well)
-    proc = subprocess.run([python, "-c", _PROBE], env=way.child_env(), capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parent, timeout=120)
+    proc = subprocess.run([python, "-c", _PROBE, *way.entry_points], env=way.child_env(), capture_output=True,
+                          text=True, cwd=Path(__file__).resolve().parent, timeout=120)
     if proc.returncode != 0:
         raise SourceTreeError("pluggy could not load the vlft entry points:\n" + proc.stderr[-3000:])
-    found = json.loads(proc.stdout.strip().splitlines()[-1])
-    missing = sorted(set(way.entry_points) - set(found["plugins"]))
+    served = json.loads(proc.stdout.strip().splitlines()[-1])
+    missing = sorted(set(way.entry_points) - set(served))
     if missing:
-        raise SourceTreeError(f"pluggy registered {found['plugins']}, not {missing} named in pyproject.toml "
-                              f"(metadata used: {found['metadata']})")
-    way.plugins = found["plugins"]
-    way.metadata = found["metadata"]
-    return found["plugins"]
+        raise SourceTreeError(f"pluggy did not register {missing} (named in pyproject.toml) through "
+                              f"{way.metadata}; it registered {sorted(served)}")
+    others = {n: m for n, m in served.items() if Path(m).resolve() != Path(way.metadata).resolve()}
+    if others:
+        raise SourceTreeError(f"pluggy loaded {sorted(others)} from other metadata than {way.metadata}: {others}")
+    way.plugins = sorted(served)
+    return way.plugins
 
 
-def prepare(repo: Path = REPO, site: Path | None = None, check: bool = True, python: str = sys.executable) -> Way:
-    """Make vlft importable with its plugins, here and in child processes; see the module's docstring."""
+def _found_at(name: str) -> Path | None:
+    """Where ``import name`` would load the top-level package or module from, without running it."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    if spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0]).resolve()
+    return Path(spec.origin).resolve() if spec.origin else None
+
+
+def choose(wanted: dict, dist, site: Path, sources: dict[str, Path] | None = None) -> tuple[bool, str]:
+    """(use the installed distribution ``dist``?, why not). It is used where its ``vlft`` entry points are
+    the ones pyproject.toml names and its packages are this checkout's (``sources``: name -> folder, an
+    editable install of it); not where it is the metadata this module generated in ``site``."""
+    if dist is None:
+        return False, "vlft not installed"
+    where = Path(_where(dist))
+    if where.parent.resolve() == site.resolve():
+        return False, "vlft not installed"  # a previous run's metadata, found through an inherited PYTHONPATH
+    have = {ep.name: ep.value for ep in dist.entry_points if ep.group == GROUP}
+    if have != wanted:
+        differ = sorted(k for k in {*have, *wanted} if have.get(k) != wanted.get(k))
+        return False, (f"vlft installed at {where} but its entry points differ from pyproject.toml ("
+                       + "; ".join(f"{k}: {have.get(k, '-')} installed, {wanted.get(k, '-')} in pyproject.toml"
+                                   for k in differ) + ")")
+    elsewhere = {name: at for name, src in (sources or {}).items()
+                 if (at := _found_at(name)) is not None and at != src.resolve()}
+    if elsewhere:
+        return False, (f"vlft installed at {where} but not from this checkout ("
+                       + ", ".join(f"{n} from {at}" for n, at in sorted(elsewhere.items())) + ")")
+    return True, ""
+
+
+def prepare(repo: Path = REPO, site: Path | None = None, check: bool = True, python: str = sys.executable,
+            activate: bool = True) -> Way:
+    """Make vlft importable with its plugins, in child processes (``Way.env``) and, with ``activate``, in
+    this one (``sys.path``); see the module's docstring. Raises :class:`SourceTreeError`."""
     project = read_project(repo)
     wanted = project["groups"][GROUP]
     site = site or repo / SITE_NAME
     dist = installed()
-    if dist is not None and Path(_where(dist)).resolve().parent == site.resolve():
-        dist = None  # the metadata a previous run generated, found through an inherited PYTHONPATH
-    reason = "vlft not installed"
-    if dist is not None:
-        have = {ep.name: ep.value for ep in dist.entry_points if ep.group == GROUP}
-        if have == wanted:
-            way = Way(INSTALLED, f"vlft installed: using its metadata ({_where(dist)})", entry_points=wanted,
-                      metadata=_where(dist))
-            if check:
-                check_entry_points(way, python)
-            return way
-        differ = sorted(set(have.items()) ^ set(wanted.items()))
-        reason = (f"vlft installed at {_where(dist)} but its entry points differ from pyproject.toml "
-                  f"({', '.join(f'{k} = {v}' for k, v in differ)})")
+    use, reason = choose(wanted, dist, site, package_sources(repo, project))
+    if use:
+        way = Way(INSTALLED, f"vlft installed: using its metadata ({_where(dist)})", entry_points=wanted,
+                  metadata=_where(dist))
+        if check:
+            check_entry_points(way, python)
+        return way
     site, _ = build_site(repo, site)
-    paths = [site, repo]
+    root = project["package_dir"].get("", "")
+    paths = [site, repo, *([repo / root] if root else [])]
     inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in map(str, paths)]
     env = {"PYTHONPATH": os.pathsep.join([*map(str, paths), *inherited])}
+    [info] = site.glob("*.dist-info")
     way = Way(SOURCE_TREE, f"{reason}: using the source tree via {site.name} (entry points from pyproject.toml)",
-              env=env, paths=paths, entry_points=wanted)
-    for p in reversed(paths):
-        if str(p) not in sys.path[:len(paths)]:
-            sys.path.insert(0, str(p))
-    importlib.invalidate_caches()
+              env=env, paths=paths, entry_points=wanted, metadata=str(info))
+    if activate:
+        for path in reversed(paths):
+            if str(path) in sys.path:
+                sys.path.remove(str(path))
+            sys.path.insert(0, str(path))
+        importlib.invalidate_caches()
     if check:
         check_entry_points(way, python)
     return way
