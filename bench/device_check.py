@@ -1,7 +1,10 @@
 """``make device-check``: everything vlft promises about an accelerator, checked on one, in one command.
 
-1. the device tests (``-m "cuda or npu"``) and the parity tests; among them a test that runs each
-   device's tests again in reverse order (TF32 and other global switches must not leak);
+1. the device tests: those of ``tests/hardware`` and ``tests/parity`` marked ``cuda`` or ``npu`` (the
+   accelerator parity tests carry their device's marker); among them a test that runs each device's
+   tests again in reverse order (TF32 and other global switches must not leak). The CPU-only tests of
+   those folders check nothing on a device and are left to CI and to ``make device-rehearsal``, which
+   runs them on the device machine's stack (``--all-tests`` runs them here too);
 2. ``vlft parity --backends cpu,<device>`` in the backend's default policy and in fp32;
 3. ``bench/device_fsdp.py``: one process with ``--shard fsdp`` against one without on the device (the
    losses, a checkpoint, the adapter loaded with plain PEFT);
@@ -18,8 +21,9 @@ large GPU, the timeouts add up to at most 480 s, and the whole check stops at th
 re-run, ``vlft parity`` in the default policy, and one scale point (LoRA, no checkpointing), within
 240 s.
 
-On a machine without an accelerator it runs the device tests (which skip, each with the probe's
-reason), says which backend is missing and why, and exits 3 (1 if a device test failed): nothing was
+On a machine without an accelerator it runs the whole of ``tests/hardware`` and ``tests/parity`` (the
+device tests skip, each with the probe's reason), says which backend is missing and why, and exits 3
+(1 if a test failed): nothing was
 checked on a device. Logs, ``device-check.json`` and ``device-check.md`` (the steps, the device tests'
 counts, the 7B-shape table beside the memory plan) go to ``--out`` (default ``device-check-results/``).
 """
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -43,6 +48,7 @@ if str(REPO) not in sys.path:
 from bench import device_report, source_tree  # noqa: E402 - after the repository is on the path
 
 DEVICE_TESTS = ["tests/hardware", "tests/parity"]
+DEVICE_MARKERS = "cuda or npu"
 
 
 @dataclass(frozen=True)
@@ -58,14 +64,14 @@ class Step:
 
 
 FULL = (
-    Step("device-tests", 150, 200, "tests/hardware + tests/parity, with the reverse-order re-run of the device tests"),
+    Step("device-tests", 150, 200, "tests/hardware + tests/parity marked cuda/npu, with their reverse-order re-run"),
     Step("parity-auto", 25, 45, "vlft parity cpu,<device>, the backend's default policy, 5 steps"),
     Step("parity-fp32", 25, 45, "vlft parity cpu,<device>, fp32, 5 steps"),
     Step("fsdp-one-process", 50, 80, "bench/device_fsdp.py: 3 runs of 10 steps (unsharded, sharded, resumed)"),
     Step("scale", 80, 110, "bench/device_scale.py: 7B shape, LoRA and OFT, checkpointing off and on, 5 steps each"),
 )
 QUICK = (
-    Step("device-tests", 110, 145, "tests/hardware + tests/parity, without the reverse-order re-run"),
+    Step("device-tests", 80, 120, "tests/hardware + tests/parity marked cuda/npu, without the reverse-order re-run"),
     Step("parity-auto", 25, 40, "vlft parity cpu,<device>, the backend's default policy, 5 steps"),
     Step("scale", 30, 45, "bench/device_scale.py: 7B shape, LoRA, checkpointing off, 3 steps"),
 )
@@ -84,11 +90,17 @@ def budget_table(steps: tuple[Step, ...], budget: int) -> str:
     return "\n".join(rows)
 
 
-def command(step: Step, py: str, backend: str | None, out: Path, quick: bool) -> list[str]:
+def command(step: Step, py: str, backend: str | None, out: Path, quick: bool, pytest_args: tuple = (),
+            all_tests: bool = False) -> list[str]:
+    """The step's command line; ``backend``: the accelerator found (None: none, the device tests skip)."""
     if step.name == "device-tests":
         cmd = [py, "-m", "pytest", "-q", "-rs", "-p", "no:randomly", "-p", "no:cacheprovider",
                f"--junitxml={out / 'device-tests.xml'}", *DEVICE_TESTS]
-        return [*cmd, "-k", "not reverse_order"] if quick else cmd
+        if backend is not None and not all_tests:
+            cmd += ["-m", DEVICE_MARKERS]
+        if quick:
+            cmd += ["-k", "not reverse_order"]
+        return [*cmd, *pytest_args]
     if step.name.startswith("parity-"):
         precision = step.name.split("-", 1)[1]
         return [py, "-m", "vlft", "parity", "--backends", f"cpu,{backend}", "--steps", "5",
@@ -166,11 +178,17 @@ def main(argv=None) -> int:
                     help="device tests (no reverse-order re-run), parity in the default policy, one scale point: "
                          f"within {BUDGET_S['quick']} s")
     ap.add_argument("--list", action="store_true", help="print the steps with their estimates and timeouts, run none")
+    ap.add_argument("--all-tests", action="store_true",
+                    help="on a device too, the CPU-only tests of tests/hardware and tests/parity (outside the budget)")
+    ap.add_argument("--pytest-args", default="",
+                    help="more pytest arguments for the device tests (recorded in the report), e.g. "
+                         "--pytest-args='-k \"not some_test\"'")
     ap.add_argument("--timeout-factor", type=float, default=1.0,
                     help="stretch every timeout and the deadline (a slower machine than one large GPU's, e.g. the "
                          "rehearsal on 2 cores)")
     args = ap.parse_args(argv)
     steps, budget = plan(args.quick)
+    pytest_args = tuple(shlex.split(args.pytest_args))
     if args.list:
         print(budget_table(steps, budget))
         return 0
@@ -205,12 +223,12 @@ def main(argv=None) -> int:
             r = {"name": s.name, "exit": "no time left", "seconds": 0.0, "log": ""}
             print(f"\n=== {s.name}: not run, the check's {budget} s deadline is reached", flush=True)
         else:
-            r = step(s.name, command(s, py, backend, out, args.quick), out, timeout, env)
+            r = step(s.name, command(s, py, backend, out, args.quick, pytest_args, args.all_tests), out, timeout, env)
         r.update(timeout_s=round(timeout), estimate_s=s.estimate_s)
         results.append(r)
         return r
 
-    def report() -> dict:
+    def report(code: int) -> dict:
         counts = device_report.device_test_counts(out / "device-tests.xml", out / "device-tests.log")
         scale = device_report.read_scale(out) if any(r["name"] == "scale" for r in results) else None
         budget_info = {"mode": "quick" if args.quick else "full", "deadline_s": round(budget * args.timeout_factor),
@@ -218,30 +236,32 @@ def main(argv=None) -> int:
                        "estimate_total_s": sum(s.estimate_s for s in steps),
                        "elapsed_s": round(time.perf_counter() - t_start, 1)}
         r = device_report.build(way.as_dict(), found, missing, results, counts, scale, budget_info)
-        r["python"] = sys.executable
+        r.update(python=sys.executable, pytest_args=list(pytest_args), exit_code=code)
         device_report.write(out, r)
         return r
 
-    run(by_name.pop("device-tests"))  # on every machine: without a device its tests skip with their reasons
+    run(by_name.pop("device-tests"))  # on every machine: without a device, the CPU-only ones, the others skip
     if not found:
         for name, why in missing.items():
             print(f"no {name}: {why}")
-        r = report()
-        c = r["device_tests"]
+        code = 3 if results[0]["exit"] == 0 else 1
+        c = report(code)["device_tests"]
         print(f"device tests: {c['passed']} passed, {c['skipped']} skipped, {c['failed']} failed, {c['errors']} errors")
-        if results[0]["exit"] != 0:
+        if code == 1:
             print("\ndevice check FAILED before any device step: the device tests above did not pass")
-            return 1
-        print("\ndevice check stopped here: no accelerator backend is available, so nothing was checked on a "
-              "device (the device tests above were skipped with their reasons)")
-        return 3
+        else:
+            print("\ndevice check stopped here: no accelerator backend is available, so nothing was checked on a "
+                  "device (the device tests above were skipped with their reasons)")
+        print(f"exit {code}; results: {out / 'device-check.md'}")
+        return code
     for s in by_name.values():
         run(s)
-    r = report()
+    code = 0 if all(x["exit"] == 0 for x in results) else 1
+    report(code)
     print("\n" + "\n".join(f"{x['name']:<24} exit {x['exit']} ({x['seconds']} s of {x['timeout_s']} s)"
                             for x in results))
-    print(f"results: {out / 'device-check.md'}")
-    return 0 if all(x["exit"] == 0 for x in results) else 1
+    print(f"exit {code}; results: {out / 'device-check.md'}")
+    return code
 
 
 if __name__ == "__main__":

@@ -87,6 +87,11 @@ def build(way: dict, accelerators: list, missing: dict, steps: list[dict], count
 
 def markdown(r: dict) -> str:
     lines = ["# make device-check", "", r["way"].get("line", ""), ""]
+    if "exit_code" in r:
+        lines += [f"Exit {r['exit_code']} (0: every step passed; 3: no accelerator here, the device tests passed; "
+                  "1: something failed).", ""]
+    if r.get("pytest_args"):
+        lines += [f"The device tests ran with extra pytest arguments: `{' '.join(r['pytest_args'])}`.", ""]
     acc = ", ".join(r["accelerators"]) or "none"
     lines += [f"Accelerators: {acc}."]
     lines += [f"- no {k}: {v}" for k, v in r["missing"].items()]

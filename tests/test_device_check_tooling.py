@@ -150,6 +150,14 @@ def test_the_time_budget_adds_up():
     assert names[0] == "device-tests" and any(n.startswith("parity-") for n in names) and "scale" in names
     scale = device_check.command(next(s for s in quick if s.name == "scale"), "py", "cuda", Path("o"), True)
     assert scale[scale.index("--methods") + 1] == "lora" and scale[scale.index("--checkpointing") + 1] == "off"
+    # on a device its tests only (the accelerator parity tests carry its marker); without one, all of them
+    def values(cmd, flag):
+        return [b for a, b in zip(cmd, cmd[1:]) if a == flag]
+
+    tests = device_check.command(quick[0], "py", "cuda", Path("o"), True)
+    assert values(tests, "-m") == ["pytest", "cuda or npu"] and values(tests, "-k") == ["not reverse_order"]
+    assert values(device_check.command(full[0], "py", None, Path("o"), False), "-m") == ["pytest"]
+    assert values(device_check.command(full[0], "py", "cuda", Path("o"), False), "-k") == []
     assert {s.name for s in full} >= {"device-tests", "parity-auto", "parity-fp32", "fsdp-one-process", "scale"}
 
 
