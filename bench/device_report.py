@@ -82,7 +82,8 @@ def build(way: dict, accelerators: list, missing: dict, steps: list[dict], count
           budget: dict) -> dict:
     return {"vlft_source": way.get("mode"), "way": way, "accelerators": accelerators, "missing": missing,
             "budget": budget, "steps": steps, "device_tests": counts, "scale": scale_rows(scale),
-            "scale_settings": (scale or {}).get("settings"), "scale_backend": (scale or {}).get("backend")}
+            "scale_settings": (scale or {}).get("settings"), "scale_backend": (scale or {}).get("backend"),
+            "scale_model": (scale or {}).get("model")}
 
 
 def markdown(r: dict) -> str:
@@ -105,7 +106,7 @@ def markdown(r: dict) -> str:
     lines += ["", "## Device tests (tests/hardware, tests/parity)", "",
               "| passed | skipped | failed | errors |", "|---|---|---|---|",
               f"| {c['passed']} | {c['skipped']} | {c['failed']} | {c['errors']} |", "", f"(from {c['source']})"]
-    lines += ["", "## Qwen2.5-VL-7B shape, one device (random bf16 weights)", ""]
+    lines += ["", f"## {r.get('scale_model') or 'qwen2.5-vl-7b'} shape, one device (random weights)", ""]
     if r["scale"]:
         if r.get("scale_settings"):
             s = r["scale_settings"]
