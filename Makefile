@@ -10,11 +10,17 @@ STAMP  := $(VENV)/.installed
 
 # The device check runs on a machine with an accelerator and that machine's own Python (with torch,
 # transformers, peft, pluggy, click and pytest installed); here it uses the venv and stops where it
-# needs a device. vlft is installed there without dependencies or an index, only for its entry points.
-DEVICE_PY  ?= $(if $(wildcard $(PY)),$(PY),python3)
-DEVICE_OUT ?= device-check-results
+# needs a device. Nothing is installed: where vlft is not installed, bench/source_tree.py serves the
+# checkout through .device-site/ (entry points generated from pyproject.toml). DEVICE_ARGS: --quick,
+# --skip-scale, --list (the time budget), --timeout-factor N.
+DEVICE_PY   ?= $(if $(wildcard $(PY)),$(PY),python3)
+DEVICE_OUT  ?= device-check-results
+DEVICE_ARGS ?=
+# `make device-rehearsal`, by hand (not CI): the device machine's stack in a venv outside the checkout.
+REHEARSAL_VENV   ?= /work/rehearsal-venv
+REHEARSAL_PYTHON ?= python3.12
 
-.PHONY: install run test bench device-check clean
+.PHONY: install run test bench device-check device-rehearsal clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,9 +46,10 @@ bench: $(STAMP)
 	cat bench/results/latest.md
 
 device-check:
-	$(DEVICE_PY) -c "import importlib.metadata as m; m.distribution('vlft')" 2>/dev/null || \
-	    $(DEVICE_PY) -m pip install --quiet --no-deps --no-build-isolation --no-index -e .
-	$(DEVICE_PY) bench/device_check.py --out $(DEVICE_OUT)
+	$(DEVICE_PY) bench/device_check.py --out $(DEVICE_OUT) $(DEVICE_ARGS)
+
+device-rehearsal:
+	REHEARSAL_VENV=$(REHEARSAL_VENV) REHEARSAL_PYTHON=$(REHEARSAL_PYTHON) bash bench/device_rehearsal.sh
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .device-site

@@ -56,7 +56,7 @@ def synthetic_batch(model_config, batch=BATCH, text=TEXT_TOKENS, side=IMAGE_SIDE
 
 
 def run(backend: str, out: Path, steps: int, methods: list[str], model_name: str = MODEL, text: int = TEXT_TOKENS,
-        side: int = IMAGE_SIDE) -> dict:
+        side: int = IMAGE_SIDE, checkpointing: tuple[str, ...] = ("off", "on")) -> dict:
     import torch
     from transformers import AutoModelForImageTextToText
 
@@ -79,8 +79,10 @@ def run(backend: str, out: Path, steps: int, methods: list[str], model_name: str
     results = {"backend": choice.info.name, "versions": choice.probe.versions, "model": model_name,
                "settings": {"batch": BATCH, "text_tokens": text, "image": f"{side}x{side}",
                             "targets": f"text attention + last {VISION_LAST_N} vision blocks"}, "runs": []}
-    for method in methods:
-        for ckpt in ("off", "on"):
+    # checkpointing off first, LoRA before OFT: the field report's rows come first, and each run's figures
+    # are written as soon as it ends, so a step cut short by the device check's timeout keeps them
+    for ckpt in checkpointing:
+        for method in methods:
             config = build_config({}, {"backend": choice.info.name, "method": method, "model": model_name,
                                        "vision_last_n": VISION_LAST_N, "batch_size": BATCH,
                                        "grad_checkpointing": ckpt})
@@ -159,8 +161,14 @@ def run(backend: str, out: Path, steps: int, methods: list[str], model_name: str
             run["estimate/measured"] = run["estimate_bytes"] / peak
             results["runs"].append(run)
             print(json.dumps({k: v for k, v in run.items() if k != "losses"}), flush=True)
+            write(results, out)
             del model, base, optimizer, batch
             getattr(module, "empty_cache", lambda: None)()
+    write(results, out)
+    return results
+
+
+def write(results: dict, out: Path) -> None:
     by = {(r["method"], r["checkpointing"]): r for r in results["runs"]}
     if ("lora", False) in by and ("oft", False) in by:
         results["oft/lora step time"] = by[("oft", False)]["median_step_s"] / by[("lora", False)]["median_step_s"]
@@ -168,7 +176,6 @@ def run(backend: str, out: Path, steps: int, methods: list[str], model_name: str
     out.mkdir(parents=True, exist_ok=True)
     (out / "device-scale.json").write_text(json.dumps(results, indent=2))
     (out / "device-scale.md").write_text(markdown(results))
-    return results
 
 
 def markdown(r: dict) -> str:
@@ -197,9 +204,10 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=MODEL, help="a bundled config name or a model folder (its shape only)")
     ap.add_argument("--text-tokens", type=int, default=TEXT_TOKENS)
     ap.add_argument("--image-side", type=int, default=IMAGE_SIDE)
+    ap.add_argument("--checkpointing", default="off,on", help="off, on, or both (off,on)")
     args = ap.parse_args(argv)
     run(args.backend, Path(args.out), args.steps, args.methods.split(","), args.model, args.text_tokens,
-        args.image_side)
+        args.image_side, tuple(args.checkpointing.split(",")))
     return 0
 
 

@@ -1,0 +1,236 @@
+"""``make device-check``'s own tooling, on the CPU: the source-tree way (no install step), the time
+budget, the step runner's timeout, and the report's counts and 7B-shape table."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # bench/ is a package of the repository, not an installed one
+    sys.path.insert(0, str(ROOT))
+
+from bench import device_check, device_report, source_tree  # noqa: E402
+
+
+def fake_repo(tmp_path: Path, module: str = "plug") -> Path:
+    """A checkout whose pyproject names a module inside the core package and one package mapped by
+    package-dir, as vlft's does, with other names: nothing in source_tree may know vlft's modules."""
+    repo = tmp_path / "repo"
+    (repo / "core").mkdir(parents=True)
+    (repo / "core" / "__init__.py").write_text("")
+    (repo / "core" / f"{module}.py").write_text("MARK = 'core'\n")
+    (repo / "plugins" / "extra").mkdir(parents=True)
+    (repo / "plugins" / "extra" / "__init__.py").write_text("MARK = 'extra'\n")
+    (repo / "pyproject.toml").write_text(textwrap.dedent(f"""\
+        [project]
+        name = "vlft"
+        version = "9.8.7"
+        dependencies = ["torch>=2.4"]
+
+        [project.scripts]
+        core-cli = "core.{module}:main"
+
+        [project.entry-points.vlft]
+        zz-first = "core.{module}"
+        zz-second = "fake_extra"
+
+        [tool.setuptools]
+        packages = ["core", "fake_extra"]
+
+        [tool.setuptools.package-dir]
+        fake_extra = "plugins/extra"
+        """))
+    return repo
+
+
+def test_the_metadata_is_generated_from_pyproject_and_mapped_packages_are_linked(tmp_path):
+    repo = fake_repo(tmp_path)
+    site, _ = source_tree.build_site(repo)
+    assert site == repo / ".device-site"
+    [info] = site.glob("*.dist-info")
+    dist = importlib.metadata.PathDistribution(info)
+    assert dist.metadata["Name"] == "vlft" and dist.version == "9.8.7"
+    eps = {(ep.group, ep.name): ep.value for ep in dist.entry_points}
+    assert eps == {("vlft", "zz-first"): "core.plug", ("vlft", "zz-second"): "fake_extra",
+                   ("console_scripts", "core-cli"): "core.plug:main"}
+    assert (site / "fake_extra" / "__init__.py").read_text() == "MARK = 'extra'\n"
+    assert not (site / "core").exists()  # at its own name in the root: the root on the path serves it
+
+
+def test_pluggy_finds_moved_modules_through_the_regenerated_metadata(tmp_path):
+    repo = fake_repo(tmp_path)
+    way = source_tree.prepare(repo, activate=False)
+    assert way.mode == source_tree.SOURCE_TREE
+    assert way.line.endswith("using the source tree via .device-site (entry points from pyproject.toml)")
+    assert {"zz-first", "zz-second"} <= set(way.plugins)
+    assert way.env["PYTHONPATH"].split(os.pathsep)[:2] == [str(repo / ".device-site"), str(repo)]
+    # a module moves and pyproject.toml follows: the next run's metadata follows it too
+    (repo / "core" / "plug.py").rename(repo / "core" / "registry.py")
+    text = (repo / "pyproject.toml").read_text().replace("core.plug", "core.registry")
+    (repo / "pyproject.toml").write_text(text)
+    way = source_tree.prepare(repo, activate=False)
+    assert {"zz-first", "zz-second"} <= set(way.plugins)
+    probe = subprocess.run([sys.executable, "-c", "import core.registry, fake_extra; print(fake_extra.MARK)"],
+                           env=way.child_env(), cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert probe.stdout.strip() == "extra", probe.stderr
+
+
+def test_a_package_pyproject_names_but_the_tree_lacks_is_reported(tmp_path):
+    repo = fake_repo(tmp_path)
+    (repo / "plugins" / "extra" / "__init__.py").unlink()
+    with pytest.raises(source_tree.SourceTreeError, match=r"'fake_extra'.*plugins/extra.*update pyproject.toml"):
+        source_tree.prepare(repo, activate=False)
+
+
+def test_an_entry_point_that_does_not_import_fails_the_check(tmp_path):
+    repo = fake_repo(tmp_path)
+    (repo / "core" / "plug.py").write_text("raise ImportError('broken on purpose')\n")
+    with pytest.raises(source_tree.SourceTreeError, match="broken on purpose"):
+        source_tree.prepare(repo, activate=False)
+
+
+def _dist(tmp_path: Path, entry_points: str) -> importlib.metadata.Distribution:
+    info = tmp_path / "site-packages" / "vlft-0.1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vlft\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(entry_points)
+    return importlib.metadata.PathDistribution(info)
+
+
+def test_an_installed_vlft_is_used_only_with_pyprojects_entry_points_and_this_checkouts_files(tmp_path):
+    wanted = {"cpu": "vlft.backends.cpu", "lora": "vlft_methods.lora"}
+    site = tmp_path / ".device-site"
+    assert source_tree.choose(wanted, None, site) == (False, "vlft not installed")
+    same = _dist(tmp_path / "a", "[vlft]\ncpu = vlft.backends.cpu\nlora = vlft_methods.lora\n")
+    assert source_tree.choose(wanted, same, site) == (True, "")
+    stale = _dist(tmp_path / "b", "[vlft]\ncpu = vlft.backends.cpu\nlora = vlft.methods.lora\n")
+    use, why = source_tree.choose(wanted, stale, site)
+    assert not use and "entry points differ" in why and "lora: vlft.methods.lora installed, vlft_methods.lora in pyproject.toml" in why
+    # an install of another checkout: its packages load from elsewhere
+    here = {"pytest": tmp_path / "not-where-pytest-is"}
+    use, why = source_tree.choose(wanted, same, site, here)
+    assert not use and "not from this checkout (pytest from " in why
+    # the metadata a previous run generated is not an install
+    ours = _dist(tmp_path / "c", "[vlft]\ncpu = vlft.backends.cpu\nlora = vlft_methods.lora\n")
+    assert source_tree.choose(wanted, ours, Path(ours._path).parent) == (False, "vlft not installed")
+
+
+def test_this_checkouts_pyproject_serves_every_builtin_plugin():
+    project = source_tree.read_project(ROOT)
+    sources = source_tree.package_sources(ROOT, project)
+    assert set(project["groups"]["vlft"]) >= {"cpu", "cuda", "ascend", "lora", "oft"}
+    for name, value in project["groups"]["vlft"].items():
+        assert value.split(".")[0] in sources, (name, value)
+    assert all(src.is_relative_to(ROOT) for src in sources.values())
+
+
+def test_the_makefile_device_check_installs_nothing():
+    text = (ROOT / "Makefile").read_text()
+    recipe = text.split("\ndevice-check:", 1)[1].split("\n\n", 1)[0]
+    assert "bench/device_check.py" in recipe and "pip" not in recipe
+
+
+def test_the_time_budget_adds_up():
+    full, full_budget = device_check.plan(quick=False)
+    quick, quick_budget = device_check.plan(quick=True)
+    assert full_budget <= 480 and sum(s.timeout_s for s in full) <= full_budget
+    # the quick plan leaves room for the set-up (the source-tree check, the backend probe) in 4 minutes
+    assert quick_budget <= 240 and sum(s.timeout_s for s in quick) <= quick_budget - 10
+    for s in (*full, *quick):
+        assert 0 < s.estimate_s <= s.timeout_s, s
+    names = [s.name for s in quick]
+    assert names[0] == "device-tests" and any(n.startswith("parity-") for n in names) and "scale" in names
+    scale = device_check.command(next(s for s in quick if s.name == "scale"), "py", "cuda", Path("o"), True)
+    assert scale[scale.index("--methods") + 1] == "lora" and scale[scale.index("--checkpointing") + 1] == "off"
+    # on a device its tests only (the accelerator parity tests carry its marker); without one, all of them
+    def values(cmd, flag):
+        return [b for a, b in zip(cmd, cmd[1:]) if a == flag]
+
+    tests = device_check.command(quick[0], "py", "cuda", Path("o"), True)
+    assert values(tests, "-m") == ["pytest", "cuda or npu"] and values(tests, "-k") == ["not reverse_order"]
+    assert values(device_check.command(full[0], "py", None, Path("o"), False), "-m") == ["pytest"]
+    assert values(device_check.command(full[0], "py", "cuda", Path("o"), False), "-k") == []
+    assert {s.name for s in full} >= {"device-tests", "parity-auto", "parity-fp32", "fsdp-one-process", "scale"}
+
+
+def test_a_step_past_its_timeout_is_killed_with_its_children(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    code = ("import subprocess, sys, time\n"
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+            f"open({str(pid_file)!r}, 'w').write(str(c.pid)); print('started', flush=True); time.sleep(120)\n")
+    r = device_check.step("sleeper", [sys.executable, "-c", code], tmp_path, timeout=3)
+    assert r["exit"] == "timeout"
+    assert "started" in (tmp_path / "sleeper.log").read_text()
+    child = int(pid_file.read_text())
+    try:
+        state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    assert state in ("gone", "Z", "X"), f"the step's child {child} outlived the timeout ({state})"
+    ok = device_check.step("ok", [sys.executable, "-c", "print('fine')"], tmp_path, timeout=60)
+    assert ok["exit"] == 0 and (tmp_path / "ok.log").read_text() == "fine\n"
+
+
+def test_the_device_tests_counts_come_from_junit_xml_and_from_the_summary_line(tmp_path):
+    (tmp_path / "test_three.py").write_text(textwrap.dedent("""\
+        import pytest
+        def test_passes(): pass
+        def test_passes_too(): pass
+        def test_fails(): assert False
+        @pytest.mark.skip(reason="no device here")
+        def test_skips(): pass
+        """))
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    xml = tmp_path / "r.xml"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+                           f"--junitxml={xml}", "test_three.py"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    expected = {"passed": 2, "skipped": 1, "failed": 1, "errors": 0, "total": 4}
+    c = device_report.counts_from_junit(xml)
+    assert {k: c[k] for k in expected} == expected
+    s = device_report.counts_from_summary(proc.stdout)
+    assert {k: s[k] for k in expected} == expected, proc.stdout[-500:]
+    log = tmp_path / "log"
+    log.write_text(proc.stdout)
+    assert device_report.device_test_counts(tmp_path / "missing.xml", log)["source"] == "summary line"
+    assert device_report.device_test_counts(tmp_path / "missing.xml", tmp_path / "no-log")["total"] == 0
+
+
+def test_the_report_puts_the_7b_table_in_the_field_reports_shape(tmp_path):
+    gib = 2 ** 30
+
+    def run(method, ckpt, s, peak, est):
+        return {"method": method, "checkpointing": ckpt, "median_step_s": s, "peak_bytes": peak * gib,
+                "estimate_bytes": est * gib, "precision": "bf16", "attention": "sdpa"}
+
+    scale = {"backend": "cuda", "settings": {"batch": 4, "text_tokens": 256, "image": "448x448",
+                                             "targets": "text attention + last 6 vision blocks"},
+             "runs": [run("oft", True, 0.9, 20.0, 21.0), run("lora", False, 0.5, 30.0, 33.0),
+                      run("oft", False, 0.6, 31.0, 30.0), run("lora", True, 0.7, 19.0, 19.5)]}
+    (tmp_path / "device-scale.json").write_text(json.dumps(scale))
+    steps = [{"name": "device-tests", "exit": 0, "seconds": 12.0, "timeout_s": 200, "estimate_s": 150}]
+    counts = {"passed": 5, "skipped": 2, "failed": 0, "errors": 0, "total": 7, "source": "junitxml"}
+    budget = {"mode": "full", "timeout_total_s": 480, "estimate_total_s": 330}
+    report = device_report.build({"mode": "source-tree", "line": "vlft not installed: ..."}, ["cuda"], {}, steps,
+                                 counts, device_report.read_scale(tmp_path), budget)
+    device_report.write(tmp_path, report)
+    assert json.loads((tmp_path / "device-check.json").read_text())["device_tests"]["passed"] == 5
+    md = (tmp_path / "device-check.md").read_text()
+    table = [line for line in md.splitlines() if line.startswith(("| LoRA", "| OFT"))]
+    assert table == ["| LoRA | off | 0.500 | 30.00 GiB | 33.00 GiB | 1.100 |",
+                     "| OFT | off | 0.600 | 31.00 GiB | 30.00 GiB | 0.968 |",
+                     "| LoRA | on | 0.700 | 19.00 GiB | 19.50 GiB | 1.026 |",
+                     "| OFT | on | 0.900 | 20.00 GiB | 21.00 GiB | 1.050 |"]
+    assert "| method | checkpointing | s/step | peak memory | memory plan estimate | estimate/measured |" in md
+    assert "| 5 | 2 | 0 | 0 |" in md
+    empty = device_report.markdown(device_report.build({"line": ""}, [], {"cuda": "no GPU"}, steps, counts, None,
+                                                        budget))
+    assert "Not run: no accelerator here." in empty and "- no cuda: no GPU" in empty
