@@ -77,9 +77,8 @@ def run_folder(config: RunConfig, choice) -> Path:
 
 
 def execute(registry: Registry, config: RunConfig, progress: bool = True) -> RunResult:
-    """Run the whole job; see the module docstring for the order of checks."""
-
-
+    """The whole job: checks -> folder -> resume -> set-up -> evaluate before -> train -> evaluate after ->
+    adapter -> summary (see the module docstring for why checks come first)."""
     if config.dry_run:
         plan = plan_run(registry, config).plan
         return RunResult(None, plan, description=plan.describe())
@@ -88,146 +87,193 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
     output = run_folder(config, choice)
     sink_factories = metric_sinks(registry, config)
     identity = run_identity(config)
-    resume_from = None
-    if config.resume:
-        resume_from = newest_checkpoint(output / "checkpoints", report=lambda m: log(m, config.rank))
-        saved = resume_from / RUN_IDENTITY
-        check_same_run(json.loads(saved.read_text()) if saved.exists() else None, identity, resume_from,
-                       config.force_resume, lambda m: log(m, config.rank))
+    resume_from = _checkpoint_to_resume(config, output, identity)
     s = prepare(registry, config, resume_from=resume_from, choice=choice)
-    if s.distributed:  # every process writes under rank 0's folder (a default name carries a time stamp)
-        shared = [str(output)]
-        torch.distributed.broadcast_object_list(shared, src=0)
-        output = Path(shared[0])
-    plan = s.plan
-    rank, model, device = config.rank, s.model, s.device
-    if rank == 0:
+    job = _Job(s, _shared_output(s, output), identity, sink_factories, progress)
+    job.write_plan()
+    before = job.evaluate_before()
+    records = job.train()
+    after = job.evaluate_after()
+    job.save_adapter()
+    job.write_summary(before, after, records)
+    job.finish()
+    return RunResult(job.output, s.plan, before, after, records)
+
+
+def _checkpoint_to_resume(config: RunConfig, output: Path, identity: dict) -> Path | None:
+    """``--resume``: the newest checkpoint that verifies, after checking it belongs to the same training."""
+    if not config.resume:
+        return None
+    resume_from = newest_checkpoint(output / "checkpoints", report=lambda m: log(m, config.rank))
+    saved = resume_from / RUN_IDENTITY
+    check_same_run(json.loads(saved.read_text()) if saved.exists() else None, identity, resume_from,
+                   config.force_resume, lambda m: log(m, config.rank))
+    return resume_from
+
+
+def _shared_output(s, output: Path) -> Path:
+    """Every process writes under rank 0's folder (a default name carries a time stamp)."""
+    if not s.distributed:
+        return output
+    shared = [str(output)]
+    torch.distributed.broadcast_object_list(shared, src=0)
+    return Path(shared[0])
+
+
+class _Job:
+    """One prepared run and what its steps share: the folder, metrics, checkpoints and evaluation data."""
+
+    def __init__(self, s, output: Path, identity: dict, sink_factories: list, progress: bool):
+        config = s.config
+        self.s, self.config, self.output, self.progress = s, config, output, progress
+        self.rank, self.model, self.device = config.rank, s.model, s.device
+        self.eval_records = s.val_records[: config.eval_samples] if config.eval_samples else s.val_records
+        self.val_batches = [s.collate([s.encoder.encode(r) for r in s.val_records[i:i + config.batch_size]])
+                            for i in range(0, min(len(s.val_records), config.eval_batches * config.batch_size),
+                                           config.batch_size)]
+        self.store = CheckpointStore(output / "checkpoints", config.keep_checkpoints, s.save_adapter)
+        self.store.run_identity = identity
+        self.store.collective, self.store.adapter_to_save = s.sharded, s.adapter_to_save
+        self.sharding = sharding_figures(s) if s.sharded else None
+        self.metrics = MetricsLog(output / "metrics.jsonl" if self.rank == 0 else None,
+                                  [open_sink(output) for open_sink in sink_factories] if self.rank == 0 else None)
+        self.skips = SkipLog()
+        self.best: dict = {}
+        self.train_time = 0.0
+
+    def write_plan(self) -> None:
+        s, output = self.s, self.output
+        if self.rank != 0:
+            return
         output.mkdir(parents=True, exist_ok=True)
-        (output / "plan.json").write_text(json.dumps(plan.describe(), indent=2, default=str))
-        (output / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
-        log(format_plan(plan.describe()))
+        (output / "plan.json").write_text(json.dumps(s.plan.describe(), indent=2, default=str))
+        (output / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
+        log(format_plan(s.plan.describe()))
         log(f"data         {len(s.train_records)} training and {len(s.val_records)} validation records")
         log(f"output       {output}")
 
-    eval_records = s.val_records[: config.eval_samples] if config.eval_samples else s.val_records
+    def generation_eval(self, model) -> dict:
+        s, config = self.s, self.config
+        return evaluate_generation(model, s.encoder, self.eval_records, self.device, config.max_new_tokens,
+                                   s.autocast_dtype, rank=self.rank, world_size=config.world_size,
+                                   synced=s.sharded)
 
-    def generation_eval(m):
-        return evaluate_generation(m, s.encoder, eval_records, device, config.max_new_tokens, s.autocast_dtype,
-                                   rank=rank, world_size=config.world_size, synced=s.sharded)
+    def val_loss(self) -> float:
+        return validation_loss(self.model, self.val_batches, self.device, self.s.autocast_dtype)
 
-    val_batches = [s.collate([s.encoder.encode(r) for r in s.val_records[i:i + config.batch_size]])
-                   for i in range(0, min(len(s.val_records), config.eval_batches * config.batch_size),
-                                  config.batch_size)]
+    def evaluate_before(self) -> dict:
+        """The base model's scores; a resumed run keeps those it wrote before."""
+        s = self.s
+        if s.checkpoint is not None:
+            self.metrics.truncate_after(s.start_step)
+            log(f"resumed      from step {s.start_step} ({s.checkpoint})", self.rank)
+            eval_path = self.output / "eval.json"
+            before = json.loads(eval_path.read_text()).get("before") if eval_path.exists() else None
+            if before is not None:
+                return before
+        log("evaluating the base model ...", self.rank)
+        with self.model.disable_adapter():
+            before = self.generation_eval(self.model)
+        if self.rank == 0:
+            _write_eval(self.output, before, None)
+        return before
 
-    def val_loss():
-        return validation_loss(model, val_batches, device, s.autocast_dtype)
-
-    store = CheckpointStore(output / "checkpoints", config.keep_checkpoints, s.save_adapter)
-    store.run_identity = identity
-    store.collective, store.adapter_to_save = s.sharded, s.adapter_to_save
-    sharding = sharding_figures(s) if s.sharded else None
-    metrics = MetricsLog(output / "metrics.jsonl" if rank == 0 else None,
-                         [open_sink(output) for open_sink in sink_factories] if rank == 0 else None)
-    start_step = s.start_step
-    before = None
-    if s.checkpoint is not None:
-        metrics.truncate_after(start_step)
-        eval_path = output / "eval.json"
-        if eval_path.exists():
-            before = json.loads(eval_path.read_text()).get("before")
-        log(f"resumed      from step {start_step} ({s.checkpoint})", rank)
-    train_model = model
-    if config.world_size > 1 and not s.sharded:
-        train_model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type != "cpu" and device.index is not None else None)
-    if before is None:
-        log("evaluating the base model ...", rank)
-        with model.disable_adapter():
-            before = generation_eval(model)
-        if rank == 0:
-            _write_eval(output, before, None)
-
-    total_steps = s.settings.total_steps
-    log(f"training     {total_steps} steps of {config.batch_size * config.grad_accum * config.world_size} samples",
-        rank)
-    best: dict = {}
-
-    def save_best(step: int, loss: float) -> None:
+    def save_best(self, step: int, loss: float) -> None:
         # beside adapter/ (the last), written whole before it replaces the previous best
-        to_save = s.adapter_to_save(model)  # every process: gathering a sharded adapter is collective
-        if rank == 0:
-            _save_adapter_atomically(s, to_save, output / "adapter-best")
-        best.update(step=step, val_loss=loss)
+        to_save = self.s.adapter_to_save(self.model)  # every process: gathering a sharded adapter is collective
+        if self.rank == 0:
+            _save_adapter_atomically(self.s, to_save, self.output / "adapter-best")
+        self.best.update(step=step, val_loss=loss)
 
-    t0 = time.perf_counter()
-    skips = SkipLog()
+    def train(self) -> list[dict]:
+        """The loop, under DDP when several processes hold the whole model; a stop writes its summary."""
+        s, config = self.s, self.config
+        train_model = self.model
+        if config.world_size > 1 and not s.sharded:
+            device = self.device
+            train_model = torch.nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[device.index] if device.type != "cpu" and device.index is not None else None)
+        log(f"training     {s.settings.total_steps} steps of "
+            f"{config.batch_size * config.grad_accum * config.world_size} samples", self.rank)
+        t0 = time.perf_counter()
+        try:
+            records = run_training(train_model, s.optimizer, s.scheduler, s.policy, s.dataset, s.collate,
+                                   s.settings, self.store, self.metrics, s.memory_reader,
+                                   evaluate_loss=self.val_loss if config.eval_every else None,
+                                   start_step=s.start_step, progress=self.progress, skips=self.skips,
+                                   on_best=self.save_best if config.early_stopping_patience else None)
+        except Interrupted as e:
+            command = resume_command(sys.argv, self.output, config.world_size)
+            self.stopped_summary("interrupted", e.step, t0, signal=e.signum,
+                                 checkpoint=str(e.checkpoint) if e.checkpoint else None, resume_command=command)
+            log(f"interrupted after step {e.step}; checkpoint {e.checkpoint}. Continue with:\n  {command}",
+                self.rank)
+            self.metrics.close()
+            if s.distributed:
+                torch.distributed.destroy_process_group()
+            raise SystemExit(e.exit_code) from None
+        except NonFiniteStop:
+            newest = self.store.newest()
+            self.stopped_summary("stopped: non-finite steps", None, t0, checkpoint=str(newest) if newest else None)
+            self.metrics.close()
+            raise
+        self.train_time = time.perf_counter() - t0
+        self.metrics.close()
+        return records
 
-    def stopped_summary(status: str, step: int | None, **extra) -> None:
-        if rank == 0:
-            summary = {"status": status, "step": step, "steps": total_steps, "resumed_from": start_step,
-                       "train_time_s": time.perf_counter() - t0, "skipped_steps": skips.total,
-                       "skipped": skips.steps, **extra}
-            (output / "summary.json").write_text(json.dumps(summary, indent=2))
+    def stopped_summary(self, status: str, step: int | None, t0: float, **extra) -> None:
+        if self.rank == 0:
+            summary = {"status": status, "step": step, "steps": self.s.settings.total_steps,
+                       "resumed_from": self.s.start_step, "train_time_s": time.perf_counter() - t0,
+                       "skipped_steps": self.skips.total, "skipped": self.skips.steps, **extra}
+            (self.output / "summary.json").write_text(json.dumps(summary, indent=2))
 
-    try:
-        records = run_training(train_model, s.optimizer, s.scheduler, s.policy, s.dataset, s.collate, s.settings,
-                               store, metrics, s.memory_reader, evaluate_loss=val_loss if config.eval_every else None,
-                               start_step=start_step, progress=progress, skips=skips,
-                               on_best=save_best if config.early_stopping_patience else None)
-    except Interrupted as e:
-        command = resume_command(sys.argv, output, config.world_size)
-        stopped_summary("interrupted", e.step, signal=e.signum,
-                        checkpoint=str(e.checkpoint) if e.checkpoint else None, resume_command=command)
-        log(f"interrupted after step {e.step}; checkpoint {e.checkpoint}. Continue with:\n  {command}", rank)
-        metrics.close()
-        if s.distributed:
-            torch.distributed.destroy_process_group()
-        raise SystemExit(e.exit_code) from None
-    except NonFiniteStop:
-        stopped_summary("stopped: non-finite steps", None, checkpoint=str(store.newest()) if store.newest() else None)
-        metrics.close()
-        raise
-    train_time = time.perf_counter() - t0
-    metrics.close()
+    def evaluate_after(self) -> dict:
+        log("evaluating the adapted model ...", self.rank)
+        return self.generation_eval(self.model)
 
-    log("evaluating the adapted model ...", rank)
-    after = generation_eval(model)
-    to_save = s.adapter_to_save(model)
-    if rank == 0:
-        adapter_dir = output / "adapter"
-        _save_adapter_atomically(s, to_save, adapter_dir)
+    def save_adapter(self) -> None:
+        to_save = self.s.adapter_to_save(self.model)  # every process: gathering a sharded adapter is collective
+        if self.rank == 0:
+            _save_adapter_atomically(self.s, to_save, self.output / "adapter")
+
+    def write_summary(self, before: dict, after: dict, records: list[dict]) -> None:
+        if self.rank != 0:
+            return
+        s, plan, output, config = self.s, self.s.plan, self.output, self.config
+        total_steps = s.settings.total_steps
         _write_eval(output, before, after)
         mem: MemoryStats = s.memory_reader()
         summary = {
             "backend": plan.backend.info.name, "method": plan.method.name, "steps": total_steps,
-            "resumed_from": start_step, "train_time_s": train_time,
+            "resumed_from": s.start_step, "train_time_s": self.train_time,
             "final_loss": records[-1]["loss"] if records else None, "peak_memory_bytes": mem.peak_bytes,
             "exact_match_before": before["exact_match"], "exact_match_after": after["exact_match"],
-            "adapter": str(adapter_dir),
+            "adapter": str(output / "adapter"),
             "param_dtype": plan.precision.param_dtype, "checkpointing": plan.checkpointing,
             "memory_estimate_bytes": plan.memory.total_bytes() if plan.memory else None,
             "skipped_too_long": plan.lengths.get("skipped_samples", []),
-            "status": "completed", "skipped_steps": skips.total, "skipped": skips.steps,
-            "sharding": sharding,
+            "status": "completed", "skipped_steps": self.skips.total, "skipped": self.skips.steps,
+            "sharding": self.sharding,
         }
         if config.early_stopping_patience:
+            best = self.best
             summary["early_stopping"] = {"stopped_early": any(r.get("early_stop") for r in records),
                                          "best_step": best.get("step"), "best_val_loss": best.get("val_loss"),
                                          "best_adapter": str(output / "adapter-best") if best else None}
         (output / "summary.json").write_text(json.dumps(summary, indent=2))
         print(format_table(before, after))
-        print(f"adapter saved to {adapter_dir} ({total_steps - start_step} steps in {train_time:.0f} s)")
+        print(f"adapter saved to {output / 'adapter'} ({total_steps - s.start_step} steps in {self.train_time:.0f} s)")
         print(f"compare it with other runs: vlft report {output} [OTHER_RUN ...] --output {output}-report")
-    if s.distributed:
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    return RunResult(output, plan, before, after, records)
+
+    def finish(self) -> None:
+        if self.s.distributed:
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
 
 
 def sharding_figures(s) -> dict:
     """Under --shard fsdp: the base weights each process holds, measured on its tensors (collective)."""
-
-
     here, whole = base_bytes(s.model)
     per_rank: list = [None] * s.config.world_size
     torch.distributed.all_gather_object(per_rank, here)

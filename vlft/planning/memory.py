@@ -23,7 +23,6 @@ estimate's error is stated in docs/memory-plan.md.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -232,66 +231,3 @@ def resized_grids(grids, max_pixels: int, patch: int = 14, merge: int = 2):
                               max_pixels=max_pixels)
         out.append((t, nh // patch, nw // patch))
     return out
-
-
-def decide(plan: MemoryPlan, asked: str, model, model_config, compute_dtype, batch_size: int, grad_accum: int,
-           max_pixels: int | None, can_shard: bool = False) -> None:
-    """Settle checkpointing (``asked``: on, off, auto) and, when the run does not fit, list what would."""
-    if asked == "on":
-        plan.checkpointing, plan.checkpointing_reason = True, "on, as asked"
-    elif asked == "off":
-        plan.checkpointing, plan.checkpointing_reason = False, "off, as asked"
-    elif plan.capacity_bytes is None:
-        plan.checkpointing, plan.checkpointing_reason = False, "auto: off (device memory unknown here)"
-    elif plan.fits(False):
-        plan.checkpointing, plan.checkpointing_reason = False, "auto: off (the run fits without it)"
-    else:
-        plan.checkpointing = True
-        plan.checkpointing_reason = (f"auto: on (without it {gib(plan.total_bytes(False))} would not fit "
-                                     f"{gib(plan.capacity_bytes)})")
-    if plan.fits() is not False:
-        return
-    usable = plan.capacity_bytes * (1 - HEADROOM)
-    fixes: list[str] = []
-    if not plan.checkpointing:
-        fixes.append(f"--grad-checkpointing on: {gib(plan.total_bytes(True))}"
-                     + (" (fits)" if plan.total_bytes(True) <= usable else ""))
-    if plan.base_dtype == "float32":
-        half = plan.total_bytes() - sum(plan.base_weights.values()) // 2
-        fixes.append(f"--param-dtype bf16 (fp16 where bf16 is not native): about {gib(half)}"
-                     + (" (fits)" if half <= usable else ""))
-    ckpt = plan.checkpointing or asked == "auto"
-    b = plan.batch.samples
-    while b > 1:
-        b //= 2
-        per = len(plan.batch.grids) / max(plan.batch.samples, 1)
-        shape = BatchShape(b, plan.batch.tokens, plan.batch.grids[: round(per * b)])
-        smaller = plan_memory(model, model_config, plan.base_dtype, compute_dtype, shape, plan.reserved_bytes,
-                              plan.capacity_bytes, plan.capacity_source, plan.shard_world, plan.gathered_bytes)
-        if smaller.total_bytes(ckpt) <= usable or b == 1:
-            accum = grad_accum * batch_size // b
-            fixes.append(f"--batch-size {b} --grad-accum {accum} (same samples per step"
-                         + (", with checkpointing" if ckpt else "") + f"): {gib(smaller.total_bytes(ckpt))}"
-                         + (" (fits)" if smaller.total_bytes(ckpt) <= usable else ""))
-            break
-    target = 448 * 448
-    if plan.batch.patches and (max_pixels is None or max_pixels > target) and \
-            any(h * w * 196 > target for _, h, w in plan.batch.grids):
-        shape = BatchShape(plan.batch.samples, plan.batch.tokens, resized_grids(plan.batch.grids, target))
-        shape.tokens = max(1, plan.batch.tokens - (plan.batch.patches - shape.patches) // 4 // plan.batch.samples)
-        capped = plan_memory(model, model_config, plan.base_dtype, compute_dtype, shape, plan.reserved_bytes,
-                             plan.capacity_bytes, plan.capacity_source, plan.shard_world, plan.gathered_bytes)
-        fixes.append(f"--max-pixels {target} (448x448 images): about {gib(capped.total_bytes(ckpt))}"
-                     + (" (fits)" if capped.total_bytes(ckpt) <= usable else ""))
-    if can_shard and plan.shard_world == 1:
-        gathered = fsdp_gathered_bytes(model, compute_dtype)
-        for n in (2, 4, 8, 16, 32, 64):
-            sharded = dataclasses.replace(plan, shard_world=n, gathered_bytes=gathered, fixes=[])
-            if sharded.total_bytes(ckpt) <= usable:
-                fixes.append(f"--shard fsdp over {n} processes (--nproc-per-node {n}, or --nnodes with "
-                             f"--nproc-per-node making {n}" + (", with checkpointing" if ckpt else "")
-                             + f"): {gib(sharded.total_bytes(ckpt))} per process (fits)")
-                break
-    fixes.append("--max-length N with --skip-too-long (leave out the longest samples), or fewer targets "
-                 "(--targets text, a smaller --vision-last-n)")
-    plan.fixes = fixes

@@ -31,7 +31,7 @@ from vlft.models.loading import (
     resolve_model_path,
 )
 from vlft.models.targets import select_targets
-from vlft.planning import memory, trace
+from vlft.planning import fixes, memory, trace
 from vlft.planning.plan import RunPlan, resolve_plan
 from vlft.planning.sharding import count_blocks
 from vlft.policies import DeviceCapacity
@@ -198,7 +198,7 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
     plan.memory = memory.worst_plan(skeleton, model_config, plan.precision.param_dtype,
                                     plan.precision.autocast_dtype, shapes, capacity.reserved_bytes, total, source,
                                     shard_world, gathered)
-    memory.decide(plan.memory, config.grad_checkpointing, skeleton, model_config, plan.precision.autocast_dtype,
+    fixes.decide(plan.memory, config.grad_checkpointing, skeleton, model_config, plan.precision.autocast_dtype,
                   config.batch_size, config.grad_accum, config.max_pixels,
                   can_shard=bool(plan.distributed and plan.distributed.fsdp))
     if plan.sharding.enabled:

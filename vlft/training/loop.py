@@ -101,38 +101,76 @@ def _read_skips(pending: list, skips: SkipLog, dataset, settings: LoopSettings, 
     pending.clear()
 
 
+class _EarlyStopping:
+    """``--early-stopping-patience``: stop once that many validation losses in a row beat no earlier one."""
+
+    def __init__(self, patience: int, on_best: Callable[[int, float], None] | None):
+        self.patience, self.on_best = patience, on_best
+        self.best, self.since_best = float("inf"), 0
+
+    def ran_out(self, step: int, val: float) -> bool:
+        """Record a validation loss; True when the patience has run out."""
+        if not self.patience:
+            return False
+        if val < self.best:
+            self.best, self.since_best = val, 0
+            if self.on_best is not None:
+                self.on_best(step, val)
+            return False
+        self.since_best += 1
+        return self.since_best >= self.patience
+
+
+class _Window:
+    """What the steps since the last logged one add up to: loss and label tokens (kept on the device until
+    the log step reads them), samples and time."""
+
+    def __init__(self, device):
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss = torch.zeros((), device=self.device)
+        self.tokens, self.samples, self.steps = 0.0, 0, 0
+        self.start = time.perf_counter()
+
+    def add(self, out: dict, group: list[dict], world_size: int) -> None:
+        # a skipped step's loss (NaN, inf) stays out of the logged mean
+        self.loss += torch.where(out["skipped"], torch.zeros_like(out["loss_sum"]), out["loss_sum"])
+        self.tokens += out["local_tokens"]
+        self.samples += sum(len(b["input_ids"]) for b in group) * world_size
+        self.steps += 1
+
+    def mean_loss(self, world_size: int) -> float:
+        """The loss over all processes' label tokens (one all-reduce under torchrun)."""
+        loss_sum = self.loss
+        tokens = torch.tensor(self.tokens, device=self.device, dtype=torch.float64)
+        if world_size > 1:
+            pair = torch.stack([loss_sum.double(), tokens])
+            torch.distributed.all_reduce(pair)
+            loss_sum, tokens = pair[0], pair[1]
+        return float(loss_sum) / max(float(tokens), 1.0)
+
+
+def _progress_bar(settings: LoopSettings, start_step: int, progress: bool):
+    # in a terminal the bar redraws often; in a log file a line every 15 s is plenty
+    return tqdm(total=settings.total_steps, initial=start_step, desc="train", unit="step",
+                disable=not (progress and settings.rank == 0), dynamic_ncols=True,
+                mininterval=0.2 if sys.stderr.isatty() else 15.0)
+
+
 def _loop(model, optimizer, scheduler, policy, dataset, collate, settings, checkpoints, metrics, memory_reader,
           evaluate_loss, start_step, progress, skips: SkipLog, stop: StopRequest, on_best=None) -> list[dict]:
-
+    """Step, log, evaluate, save and heed a stop request, step after step (``run_training``'s body)."""
     is_main = settings.rank == 0
-    # in a terminal the bar redraws often; in a log file a line every 15 s is plenty
-    bar = tqdm(total=settings.total_steps, initial=start_step, desc="train", unit="step",
-               disable=not (progress and is_main), dynamic_ncols=True,
-               mininterval=0.2 if sys.stderr.isatty() else 15.0)
+    bar = _progress_bar(settings, start_step, progress)
     records: list[dict] = []
-    window_loss = torch.zeros((), device=policy.device)
-    window_tokens = 0.0
-    window_samples = 0
-    window_start = time.perf_counter()
-    window_steps = 0
+    window = _Window(policy.device)
     non_blocking = bool(settings.loader_kwargs.get("pin_memory"))
     step = start_step
     pending: list[tuple[int, torch.Tensor]] = []  # (step, skipped flag on the device) not yet read
-    best, since_best = float("inf"), 0
-
-    def patience_ran_out(val: float) -> bool:
-        """Record a validation loss; True when early stopping's patience has run out."""
-        nonlocal best, since_best
-        if not settings.early_stopping_patience:
-            return False
-        if val < best:
-            best, since_best = val, 0
-            if on_best is not None:
-                on_best(step, val)
-            return False
-        since_best += 1
-        return since_best >= settings.early_stopping_patience
-
+    patience = _EarlyStopping(settings.early_stopping_patience, on_best)
+    wants_eval = evaluate_loss is not None and settings.eval_every
     early_stop = False
     model.train()
     for group in batches(dataset, collate, settings, start_step):
@@ -141,39 +179,16 @@ def _loop(model, optimizer, scheduler, policy, dataset, collate, settings, check
         out = train_step_on(model, optimizer, scheduler, group, policy, non_blocking)
         step += 1
         pending.append((step, out["skipped"]))
-        # a skipped step's loss (NaN, inf) stays out of the logged mean
-        window_loss += torch.where(out["skipped"], torch.zeros_like(out["loss_sum"]), out["loss_sum"])
-        window_tokens += out["local_tokens"]
-        window_samples += sum(len(b["input_ids"]) for b in group) * settings.world_size
-        window_steps += 1
+        window.add(out, group, settings.world_size)
         bar.update(1)
         last = step == settings.total_steps
         if step % settings.log_every == 0 or last:
             _read_skips(pending, skips, dataset, settings, optimizer, policy, metrics, is_main)
-            loss_sum = window_loss
-            tokens = torch.tensor(window_tokens, device=policy.device, dtype=torch.float64)
-            if settings.world_size > 1:
-                pair = torch.stack([loss_sum.double(), tokens])
-                torch.distributed.all_reduce(pair)
-                loss_sum, tokens = pair[0], pair[1]
-            elapsed = time.perf_counter() - window_start
-            mem = memory_reader()
-            record = {
-                "step": step,
-                "loss": float(loss_sum) / max(float(tokens), 1.0),
-                "lr": scheduler.get_last_lr()[0],
-                "grad_norm": float(out["grad_norm"]),
-                "step_time_s": elapsed / window_steps,
-                "samples_per_s": window_samples / elapsed if elapsed > 0 else None,
-                "peak_memory_bytes": mem.peak_bytes,
-                "skipped_steps": skips.total,
-            }
-            if policy.scaler is not None:
-                record["loss_scale"] = float(policy.scaler.get_scale())
-            if evaluate_loss is not None and settings.eval_every and (step % settings.eval_every == 0 or last):
+            record = _log_record(step, window, out, scheduler, policy, settings, memory_reader, skips)
+            if wants_eval and (step % settings.eval_every == 0 or last):
                 record["val_loss"] = evaluate_loss()
                 model.train()
-                early_stop = patience_ran_out(record["val_loss"])
+                early_stop = patience.ran_out(step, record["val_loss"])
                 if early_stop:
                     record["early_stop"] = True
             records.append(record)
@@ -181,13 +196,11 @@ def _loop(model, optimizer, scheduler, policy, dataset, collate, settings, check
                 metrics.write(record)
                 # refresh=False: the bar draws at its own interval (one line per 15 s in a log file), not per log
                 bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", refresh=False)
-            window_loss = torch.zeros((), device=policy.device)
-            window_tokens, window_samples, window_steps = 0.0, 0, 0
-            window_start = time.perf_counter()
-        elif evaluate_loss is not None and settings.eval_every and step % settings.eval_every == 0:
+            window.reset()
+        elif wants_eval and step % settings.eval_every == 0:
             val = evaluate_loss()
             model.train()
-            early_stop = patience_ran_out(val)
+            early_stop = patience.ran_out(step, val)
             if early_stop:
                 records.append({"step": step, "val_loss": val, "early_stop": True})
             if is_main:
@@ -206,6 +219,25 @@ def _loop(model, optimizer, scheduler, policy, dataset, collate, settings, check
     bar.close()
     _read_skips(pending, skips, dataset, settings, optimizer, policy, metrics, is_main)
     return records
+
+
+def _log_record(step, window: _Window, out, scheduler, policy, settings, memory_reader, skips) -> dict:
+    """One line of metrics.jsonl for the window ending at ``step``."""
+    loss = window.mean_loss(settings.world_size)
+    elapsed = time.perf_counter() - window.start
+    record = {
+        "step": step,
+        "loss": loss,
+        "lr": scheduler.get_last_lr()[0],
+        "grad_norm": float(out["grad_norm"]),
+        "step_time_s": elapsed / window.steps,
+        "samples_per_s": window.samples / elapsed if elapsed > 0 else None,
+        "peak_memory_bytes": memory_reader().peak_bytes,
+        "skipped_steps": skips.total,
+    }
+    if policy.scaler is not None:
+        record["loss_scale"] = float(policy.scaler.get_scale())
+    return record
 
 
 def _save(checkpoints, step, model, optimizer, scheduler, policy, settings, pending, skips, dataset, metrics,

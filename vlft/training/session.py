@@ -106,38 +106,70 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
 
     ``resume_from``: a checkpoint folder whose adapter, optimizer, scheduler,
     scaler and RNG state the session continues from. ``choice``: the backend already chosen
-    (and probed) by the caller, so it is not probed twice. No step is taken.
+    (and probed) by the caller, so it is not probed twice. No step is taken. Every hook answer is taken
+    here, before the first step.
     """
-
-
     choice = choice or choose_backend(registry, config.backend)
     require_available(choice)
     backend = choice.info.name
-
-    # -- set-up: every hook answer is taken here, before the first step ------------
-    seed_everything(config.seed)
-    registry.hook.vlft_seed(backend=backend, seed=config.seed, deterministic=config.deterministic)
-    setup = registry.first("vlft_setup_device", backend=backend, config=config)
-    for key, value in setup.env.items():
-        os.environ.setdefault(key, value)
-    device = setup.device
+    device = _seeded_device(registry, backend, config)
     planned = plan_run(registry, config, choice)
-    plan, processor = planned.plan, planned.processor
+    plan = planned.plan
     require_weights(plan.model_path, config.model)
     check_fits(plan)
     if config.world_size > 1 or plan.sharding.enabled:
         _init_distributed(plan, device)
     memory_reader = registry.first("vlft_memory_reader", backend=backend, device=device)
-    # sharded over several processes, only rank 0 reads the weights; the others build the model on 'meta'
-    # and receive their shares from it once it is sharded (below)
-    weightless = plan.sharding.enabled and config.world_size > 1 and config.rank != 0
-    if weightless:
+    model = _base_model(registry, backend, plan, config)
+    model = _adapted(registry, plan, config, model, resume_from)
+    _place(model, plan, config, device)
+    autocast_dtype = getattr(torch, plan.precision.autocast_dtype) if plan.precision.autocast_dtype else None
+    scaler = plan.precision.make_scaler() if plan.precision.loss_scaling else None
+    optimizer, scheduler = _optimizer_and_schedule(model, plan, config, planned.total_steps)
+    start_step = 0
+    if resume_from is not None:
+        start_step = restore_training_state(resume_from, optimizer, scheduler, scaler, device,
+                                            model=model if plan.sharding.enabled else None)
+    policy = StepPolicy(device, autocast_dtype, scaler, config.max_grad_norm, config.grad_accum, config.world_size,
+                        flags_on_host=device.type == "cpu")
+    settings = _loop_settings(config, plan, planned.total_steps)
+    processor = planned.processor
+    collate = Collator(processor.tokenizer.pad_token_id, processor.image_token_id,
+                       video_token_id=getattr(processor, "video_token_id", None))
+
+    def save_adapter(m, path):
+        registry.first("vlft_save_adapter", method=plan.method.name, model=m, path=path)
+
+    return Session(plan, config, processor, planned.encoder, planned.train_records, planned.val_records, device,
+                   model, optimizer, scheduler, policy, settings, collate, memory_reader, save_adapter,
+                   autocast_dtype, start_step, resume_from, planned.skeleton)
+
+
+def _seeded_device(registry: Registry, backend: str, config: RunConfig):
+    """Seeds (host and device), the backend's environment, and its device for this process."""
+    seed_everything(config.seed)
+    registry.hook.vlft_seed(backend=backend, seed=config.seed, deterministic=config.deterministic)
+    setup = registry.first("vlft_setup_device", backend=backend, config=config)
+    for key, value in setup.env.items():
+        os.environ.setdefault(key, value)
+    return setup.device
+
+
+def _base_model(registry: Registry, backend: str, plan: RunPlan, config: RunConfig):
+    """The base model with the backend's patches. Sharded over several processes, only rank 0 reads the
+    weights; the others build it on 'meta' and receive their shares once it is sharded (``_place``)."""
+    if plan.sharding.enabled and config.world_size > 1 and config.rank != 0:
         model = empty_model(plan.model_path, plan.attention, plan.precision)
     else:
         model = load_model(plan.model_path, plan.attention, plan.precision, trust_pickle=config.trust_pickle)
     plan.patches = [p for ps in registry.hook.vlft_patch_model(backend=backend, model=model, config=config,
                                                                    attention=plan.attention)
                     if ps for p in ps]
+    return model
+
+
+def _adapted(registry: Registry, plan: RunPlan, config: RunConfig, model, resume_from: Path | None):
+    """The method's adapter on the targets chosen in preflight (or a checkpoint's), made trainable."""
     seed_everything(config.seed)  # adapter initialisation is seeded the same on every backend
     if resume_from is not None:
         model = registry.first("vlft_load_adapter", method=plan.method.name, model=model,
@@ -152,38 +184,29 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
         enable_checkpointing(model, vision_adapted=bool(plan.target_summary.get("vision_blocks")))
     if plan.precision.autocast_dtype:
         compute_adapters_in_autocast_dtype(model)
-    if plan.sharding.enabled:  # fully_shard moves each process's shares to the device, never the whole model
+    return model
 
-        whole = model.state_dict() if config.world_size > 1 and config.rank == 0 else None
-        shard_model(model, plan.sharding, device, whole)
-        del whole
-    else:
+
+def _place(model, plan: RunPlan, config: RunConfig, device) -> None:
+    """Onto the device: whole, or (``--shard fsdp``) each process's shares, never the whole model."""
+    if not plan.sharding.enabled:
         model.to(device)
+        return
+    whole = model.state_dict() if config.world_size > 1 and config.rank == 0 else None
+    shard_model(model, plan.sharding, device, whole)
 
-    def save_adapter(m, path):
-        registry.first("vlft_save_adapter", method=plan.method.name, model=m, path=path)
 
-    autocast_dtype = getattr(torch, plan.precision.autocast_dtype) if plan.precision.autocast_dtype else None
-    scaler = plan.precision.make_scaler() if plan.precision.loss_scaling else None
-    total_steps = planned.total_steps
+def _optimizer_and_schedule(model, plan: RunPlan, config: RunConfig, total_steps: int):
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=plan.lr, weight_decay=config.weight_decay)
-    scheduler = cosine_with_warmup(optimizer, int(config.warmup_ratio * total_steps), total_steps)
-    start_step = 0
-    if resume_from is not None:
-        start_step = restore_training_state(resume_from, optimizer, scheduler, scaler, device,
-                                            model=model if plan.sharding.enabled else None)
-    policy = StepPolicy(device, autocast_dtype, scaler, config.max_grad_norm, config.grad_accum, config.world_size,
-                        flags_on_host=device.type == "cpu")
-    settings = LoopSettings(
+    return optimizer, cosine_with_warmup(optimizer, int(config.warmup_ratio * total_steps), total_steps)
+
+
+def _loop_settings(config: RunConfig, plan: RunPlan, total_steps: int) -> LoopSettings:
+    return LoopSettings(
         total_steps=total_steps, batch_size=config.batch_size, grad_accum=config.grad_accum, seed=config.seed,
         rank=config.rank, world_size=config.world_size, log_every=config.log_every, eval_every=config.eval_every,
         save_every=config.save_every, keep_checkpoints=config.keep_checkpoints,
         early_stopping_patience=config.early_stopping_patience, loader_kwargs=plan.dataloader.loader_kwargs(),
         max_skipped_steps=config.max_skipped_steps,
     )
-    collate = Collator(processor.tokenizer.pad_token_id, processor.image_token_id,
-                       video_token_id=getattr(processor, "video_token_id", None))
-    return Session(plan, config, processor, planned.encoder, planned.train_records, planned.val_records, device,
-                   model, optimizer, scheduler, policy, settings, collate, memory_reader, save_adapter,
-                   autocast_dtype, start_step, resume_from, planned.skeleton)

@@ -1,0 +1,118 @@
+"""When a run does not fit: settle activation checkpointing, and name the fixes that would make it fit,
+each re-estimated by the memory plan (not scaled)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vlft.planning.memory import (
+    HEADROOM,
+    MemoryPlan,
+    fsdp_gathered_bytes,
+    gib,
+    plan_memory,
+    resized_grids,
+)
+from vlft.planning.trace import BatchShape
+
+
+def decide(plan: MemoryPlan, asked: str, model, model_config, compute_dtype, batch_size: int, grad_accum: int,
+           max_pixels: int | None, can_shard: bool = False) -> None:
+    """Settle checkpointing (``asked``: on, off, auto) and, when the run does not fit, list what would."""
+    _settle_checkpointing(plan, asked)
+    if plan.fits() is not False:
+        return
+    ckpt = plan.checkpointing or asked == "auto"
+    replan = _replanner(plan, model, model_config, compute_dtype)
+    fixes = [
+        _fix_checkpointing(plan),
+        _fix_half_weights(plan),
+        _fix_smaller_batches(plan, replan, ckpt, batch_size, grad_accum),
+        _fix_fewer_pixels(plan, replan, ckpt, max_pixels),
+        _fix_sharding(plan, model, compute_dtype, ckpt) if can_shard and plan.shard_world == 1 else None,
+        "--max-length N with --skip-too-long (leave out the longest samples), or fewer targets "
+        "(--targets text, a smaller --vision-last-n)",
+    ]
+    plan.fixes = [f for f in fixes if f]
+
+
+def _settle_checkpointing(plan: MemoryPlan, asked: str) -> None:
+    if asked == "on":
+        plan.checkpointing, plan.checkpointing_reason = True, "on, as asked"
+    elif asked == "off":
+        plan.checkpointing, plan.checkpointing_reason = False, "off, as asked"
+    elif plan.capacity_bytes is None:
+        plan.checkpointing, plan.checkpointing_reason = False, "auto: off (device memory unknown here)"
+    elif plan.fits(False):
+        plan.checkpointing, plan.checkpointing_reason = False, "auto: off (the run fits without it)"
+    else:
+        plan.checkpointing = True
+        plan.checkpointing_reason = (f"auto: on (without it {gib(plan.total_bytes(False))} would not fit "
+                                     f"{gib(plan.capacity_bytes)})")
+
+
+def _usable(plan: MemoryPlan) -> float:
+    return plan.capacity_bytes * (1 - HEADROOM)
+
+
+def _verdict(plan: MemoryPlan, n: int) -> str:
+    return " (fits)" if n <= _usable(plan) else ""
+
+
+def _replanner(plan: MemoryPlan, model, model_config, compute_dtype):
+    """The same plan for another batch shape (re-estimated, not scaled)."""
+    def replan(shape: BatchShape) -> MemoryPlan:
+        return plan_memory(model, model_config, plan.base_dtype, compute_dtype, shape, plan.reserved_bytes,
+                           plan.capacity_bytes, plan.capacity_source, plan.shard_world, plan.gathered_bytes)
+    return replan
+
+
+def _fix_checkpointing(plan: MemoryPlan) -> str | None:
+    if plan.checkpointing:
+        return None
+    n = plan.total_bytes(True)
+    return f"--grad-checkpointing on: {gib(n)}" + _verdict(plan, n)
+
+
+def _fix_half_weights(plan: MemoryPlan) -> str | None:
+    if plan.base_dtype != "float32":
+        return None
+    half = plan.total_bytes() - sum(plan.base_weights.values()) // 2
+    return f"--param-dtype bf16 (fp16 where bf16 is not native): about {gib(half)}" + _verdict(plan, half)
+
+
+def _fix_smaller_batches(plan: MemoryPlan, replan, ckpt: bool, batch_size: int, grad_accum: int) -> str | None:
+    """The largest halved micro-batch that fits (or batch 1), with the accumulation that keeps the step."""
+    b = plan.batch.samples
+    per = len(plan.batch.grids) / max(plan.batch.samples, 1)
+    while b > 1:
+        b //= 2
+        n = replan(BatchShape(b, plan.batch.tokens, plan.batch.grids[: round(per * b)])).total_bytes(ckpt)
+        if n <= _usable(plan) or b == 1:
+            accum = grad_accum * batch_size // b
+            return (f"--batch-size {b} --grad-accum {accum} (same samples per step"
+                    + (", with checkpointing" if ckpt else "") + f"): {gib(n)}" + _verdict(plan, n))
+    return None
+
+
+def _fix_fewer_pixels(plan: MemoryPlan, replan, ckpt: bool, max_pixels: int | None) -> str | None:
+    target = 448 * 448
+    if not plan.batch.patches or (max_pixels is not None and max_pixels <= target) or \
+            not any(h * w * 196 > target for _, h, w in plan.batch.grids):
+        return None
+    shape = BatchShape(plan.batch.samples, plan.batch.tokens, resized_grids(plan.batch.grids, target))
+    shape.tokens = max(1, plan.batch.tokens - (plan.batch.patches - shape.patches) // 4 // plan.batch.samples)
+    n = replan(shape).total_bytes(ckpt)
+    return f"--max-pixels {target} (448x448 images): about {gib(n)}" + _verdict(plan, n)
+
+
+def _fix_sharding(plan: MemoryPlan, model, compute_dtype, ckpt: bool) -> str | None:
+    """The fewest processes FSDP2 would need for the run to fit."""
+    gathered = fsdp_gathered_bytes(model, compute_dtype)
+    for n in (2, 4, 8, 16, 32, 64):
+        total = dataclasses.replace(plan, shard_world=n, gathered_bytes=gathered, fixes=[]).total_bytes(ckpt)
+        if total <= _usable(plan):
+            return (f"--shard fsdp over {n} processes (--nproc-per-node {n}, or --nnodes with "
+                    f"--nproc-per-node making {n}" + (", with checkpointing" if ckpt else "")
+                    + f"): {gib(total)} per process (fits)")
+    return None
