@@ -23,6 +23,8 @@ import inspect
 from pathlib import Path
 from typing import Any
 
+import pluggy
+
 from vlft import hookspecs
 from vlft.config import RunConfig, build_config
 from vlft.policies import DataLoaderOptions
@@ -140,8 +142,6 @@ def check_plugin(plugin: Any) -> None:
 
 def _wrapper_problems(name: str, generator: Any, old_style: bool) -> list[str]:
     """A wrapper asked about a name it does not own must yield once and pass the inner result on unchanged."""
-    import pluggy
-
     inner = object()  # what the other plugins answered, as far as the wrapper can tell
     try:
         next(generator)
