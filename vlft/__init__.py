@@ -4,12 +4,16 @@ This module is the public plugin surface: a plugin imports what it needs from
 ``vlft`` alone. Everything else (``vlft.run``, ``vlft.train``, ...) is
 internal and may change between releases.
 
-    from vlft import hookimpl, BackendInfo, ProbeResult, PrecisionPolicy
+    from vlft import hookimpl, hookimpl_for, BackendInfo, ProbeResult, PrecisionPolicy
+
+``hookimpl_for(NAME)`` marks a backend hook that answers only for ``NAME``
+(None for every other backend), so a backend need not repeat the guard.
 
 Importing it loads no torch and no vendor extension, so a plugin module that
 imports it stays cheap to load (probing happens inside the hooks).
 """
 
+from vlft.backend import BackendHookimpl, hookimpl_for
 from vlft.config import RunConfig, parse_attn
 from vlft.errors import BackendUnavailable, ConfigError, DataError, VlftError
 from vlft.hookspecs import hookimpl
@@ -32,7 +36,8 @@ from vlft.policies import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "AdapterDefaults", "AttentionPolicy", "BackendInfo", "BackendUnavailable", "ConfigError", "DataError",
-    "DataLoaderOptions", "DeviceCapacity", "DeviceSetup", "DistributedOptions", "DoctorCheck", "MemoryStats",
-    "MethodInfo", "MetricSink", "PrecisionPolicy", "ProbeResult", "RunConfig", "VlftError", "hookimpl", "parse_attn",
+    "AdapterDefaults", "AttentionPolicy", "BackendHookimpl", "BackendInfo", "BackendUnavailable", "ConfigError",
+    "DataError", "DataLoaderOptions", "DeviceCapacity", "DeviceSetup", "DistributedOptions", "DoctorCheck",
+    "MemoryStats", "MethodInfo", "MetricSink", "PrecisionPolicy", "ProbeResult", "RunConfig", "VlftError", "hookimpl",
+    "hookimpl_for", "parse_attn",
 ]

@@ -23,6 +23,8 @@ import inspect
 from pathlib import Path
 from typing import Any
 
+import pluggy
+
 from vlft import hookspecs
 from vlft.config import RunConfig, build_config
 from vlft.policies import DataLoaderOptions
@@ -112,7 +114,11 @@ def check_plugin(plugin: Any) -> None:
     - every ``vlft_*`` hook it implements exists, with parameters the spec has
       (pluggy's own check: a misspelt hook or parameter name fails here);
     - asked about a backend or method it does not own, every hook answers
-      None and leaves the ``DataLoaderOptions`` it is given untouched.
+      None and leaves the ``DataLoaderOptions`` it is given untouched (a
+      wrapper, ``hookwrapper=True`` or ``wrapper=True``, yields once and passes
+      the result on unchanged). Hooks marked ``@hookimpl_for(NAME)`` pass
+      this by construction; explicit ``if backend != NAME`` guards are checked
+      the same way.
     """
     pm = load_registry(load_entry_points=False).pm
     pm.register(plugin, name="plugin-under-test")
@@ -125,8 +131,27 @@ def check_plugin(plugin: Any) -> None:
         for impl in getattr(pm.hook, name).get_hookimpls():
             args = _placeholder_arguments()
             answer = impl.function(**{p: args[p] for p in impl.argnames})
-            if answer is not None:
+            if impl.hookwrapper or impl.wrapper:
+                problems += _wrapper_problems(name, answer, old_style=impl.hookwrapper)
+            elif answer is not None:
                 problems.append(f"{name} answered {answer!r} for a name it does not own; return None instead")
             if name == "vlft_dataloader_options" and args["options"] != DataLoaderOptions():
                 problems.append(f"{name} changed the options of a backend it does not own: {args['options']}")
     assert not problems, "plugin answers for names it does not own:\n  " + "\n  ".join(problems)
+
+
+def _wrapper_problems(name: str, generator: Any, old_style: bool) -> list[str]:
+    """A wrapper asked about a name it does not own must yield once and pass the inner result on unchanged."""
+    inner = object()  # what the other plugins answered, as far as the wrapper can tell
+    try:
+        next(generator)
+    except StopIteration:
+        return [f"{name} is a wrapper that returned without yielding; yield once, even for names it does not own"]
+    outcome = pluggy.Result(inner, None)
+    try:
+        generator.send(outcome if old_style else inner)
+    except StopIteration as stop:
+        changed = outcome.get_result() is not inner if old_style else stop.value is not inner
+        return [f"{name} changed the result for a name it does not own; pass it on unchanged"] if changed else []
+    generator.close()
+    return [f"{name} is a wrapper that yielded more than once"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import os
 
-from vlft import AttentionPolicy, BackendInfo, ConfigError, DataLoaderOptions, DeviceCapacity, DeviceSetup, DistributedOptions, DoctorCheck, MemoryStats, PrecisionPolicy, ProbeResult, hookimpl
+from vlft import AttentionPolicy, BackendInfo, ConfigError, DataLoaderOptions, DeviceCapacity, DeviceSetup, DistributedOptions, DoctorCheck, MemoryStats, PrecisionPolicy, ProbeResult, hookimpl, hookimpl_for
 
 from . import probing  # noqa: F401 - tests reach the probe's internals through it
 from .doctor import doctor_checks
@@ -34,6 +34,7 @@ from .probing import (  # noqa: F401 - re-exported: the package's public helpers
 )
 
 NAME = "ascend"
+ascend_hookimpl = hookimpl_for(NAME)  # a backend hook that answers for "ascend" only, None for others
 DEVICE_TYPE = "npu"
 PRIORITY = 20  # above cuda: transfer_to_npu makes torch.cuda claim the NPU, so the NPU is asked first
 LOSS_SCALE = 2.0 ** 16
@@ -48,20 +49,16 @@ def vlft_backends():
                         DEVICE_TYPE, priority=PRIORITY)]
 
 
-@hookimpl
+@ascend_hookimpl
 def vlft_probe_backend(backend):
-    if backend != NAME:
-        return None
     try:
         return probe()
     except Exception as e:  # noqa: BLE001 - a probe must never raise
         return ProbeResult(False, f"probing the NPU failed unexpectedly ({_first_line(e)})")
 
 
-@hookimpl
+@ascend_hookimpl
 def vlft_setup_device(backend, config):
-    if backend != NAME:
-        return None
     import torch
 
     _npu().set_device(config.local_rank)
@@ -82,10 +79,8 @@ def attention_policy(config) -> AttentionPolicy:
     return AttentionPolicy(vision, text, why)
 
 
-@hookimpl
+@ascend_hookimpl
 def vlft_attention_implementation(backend, config, model_config):
-    if backend != NAME:
-        return None
     return attention_policy(config)
 
 
@@ -95,10 +90,8 @@ def _make_scaler(init_scale: float, growth_interval: int):
     return npu.amp.GradScaler(init_scale=init_scale, growth_interval=growth_interval)
 
 
-@hookimpl
+@ascend_hookimpl
 def vlft_precision_policy(backend, config):
-    if backend != NAME:
-        return None
     if config.precision in ("auto", "fp16"):
         return PrecisionPolicy(
             "fp16", param_dtype="float16", autocast_dtype="float16", loss_scaling=True, init_scale=LOSS_SCALE,
@@ -132,10 +125,8 @@ def _device_name(npu) -> str:
         return "unknown NPU"
 
 
-@hookimpl
+@ascend_hookimpl
 def vlft_dataloader_options(backend, config, options: DataLoaderOptions):
-    if backend != NAME:
-        return
     options.pin_memory = False
     options.num_workers = 2
     options.prefetch_factor = 2
@@ -143,10 +134,8 @@ def vlft_dataloader_options(backend, config, options: DataLoaderOptions):
                            "2 workers encode images while the NPU trains")
 
 
-@hookimpl
+@ascend_hookimpl
 def vlft_distributed_options(backend, config):
-    if backend != NAME:
-        return None
     connect = os.environ.get("HCCL_CONNECT_TIMEOUT", HCCL_CONNECT_DEFAULT)
     execute = os.environ.get("HCCL_EXEC_TIMEOUT", HCCL_EXEC_DEFAULT)
     env = {"HCCL_CONNECT_TIMEOUT": connect, "HCCL_EXEC_TIMEOUT": execute}
@@ -168,10 +157,8 @@ def vlft_distributed_options(backend, config):
     )
 
 
-@hookimpl
+@ascend_hookimpl
 def vlft_seed(backend, seed, deterministic):
-    if backend != NAME:
-        return
     _npu().manual_seed_all(seed)
     if deterministic:
         import torch
@@ -184,10 +171,8 @@ def vlft_seed(backend, seed, deterministic):
 NPU_RESERVED = 2 * 2 ** 30
 
 
-@hookimpl
+@ascend_hookimpl
 def vlft_device_capacity(backend, config):
-    if backend != NAME:
-        return None
     try:
         if not probe().available:
             return DeviceCapacity(None, NPU_RESERVED, "no NPU usable here")
@@ -199,10 +184,8 @@ def vlft_device_capacity(backend, config):
         return DeviceCapacity(None, NPU_RESERVED, f"cannot read the NPU's memory ({_first_line(e)})")
 
 
-@hookimpl
+@ascend_hookimpl
 def vlft_memory_reader(backend, device):
-    if backend != NAME:
-        return None
     npu = _npu()
 
     def read() -> MemoryStats:
@@ -212,17 +195,13 @@ def vlft_memory_reader(backend, device):
     return read
 
 
-@hookimpl
+@ascend_hookimpl
 def vlft_patch_model(backend, model, config, attention):
-    if backend != NAME:
-        return None
     return patch_attention(model, attention) or None
 
 
-@hookimpl
+@ascend_hookimpl
 def vlft_doctor_checks(backend):
-    if backend != NAME:
-        return None
     try:
         return doctor_checks()
     except Exception as e:  # noqa: BLE001 - diagnosis must not crash

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import os
 
-from vlft import AttentionPolicy, BackendInfo, ConfigError, DataLoaderOptions, DeviceCapacity, DeviceSetup, DistributedOptions, DoctorCheck, MemoryStats, PrecisionPolicy, ProbeResult, hookimpl
+from vlft import AttentionPolicy, BackendInfo, ConfigError, DataLoaderOptions, DeviceCapacity, DeviceSetup, DistributedOptions, DoctorCheck, MemoryStats, PrecisionPolicy, ProbeResult, hookimpl, hookimpl_for
 
 from .doctor import doctor_checks
 from .probing import (  # noqa: F401 - re-exported: the package's public helpers
@@ -29,6 +29,7 @@ from .probing import (  # noqa: F401 - re-exported: the package's public helpers
 )
 
 NAME = "cuda"
+cuda_hookimpl = hookimpl_for(NAME)  # a backend hook that answers for "cuda" only, None for others
 DEVICE_TYPE = "cuda"
 PRIORITY = 10
 LOSS_SCALE = 2.0 ** 16
@@ -44,10 +45,8 @@ def vlft_backends():
                         DEVICE_TYPE, priority=PRIORITY)]
 
 
-@hookimpl
+@cuda_hookimpl
 def vlft_probe_backend(backend):
-    if backend != NAME:
-        return None
     try:
         return probe()
     except Exception as e:  # noqa: BLE001 - a probe must never raise
@@ -68,10 +67,8 @@ def enable_tf32() -> None:
     set_tf32(True)
 
 
-@hookimpl
+@cuda_hookimpl
 def vlft_setup_device(backend, config):
-    if backend != NAME:
-        return None
     import torch
 
     torch.cuda.set_device(config.local_rank)
@@ -82,10 +79,8 @@ def vlft_setup_device(backend, config):
     return DeviceSetup(torch.device(DEVICE_TYPE, config.local_rank), local_rank=config.local_rank)
 
 
-@hookimpl
+@cuda_hookimpl
 def vlft_attention_implementation(backend, config, model_config):
-    if backend != NAME:
-        return None
     from vlft import parse_attn
 
     asked = parse_attn(config.attn) or {}
@@ -131,10 +126,8 @@ def _fp16(reason: str) -> PrecisionPolicy:
     )
 
 
-@hookimpl
+@cuda_hookimpl
 def vlft_precision_policy(backend, config):
-    if backend != NAME:
-        return None
     p = config.precision
     if p == "fp32":
         return PrecisionPolicy("fp32", reason="full precision, as asked", param_reason="fp32 weights for fp32 compute")
@@ -159,10 +152,8 @@ def vlft_precision_policy(backend, config):
                            param_reason="bf16 weights (the checkpoints' own dtype), matching bf16 compute")
 
 
-@hookimpl
+@cuda_hookimpl
 def vlft_dataloader_options(backend, config, options: DataLoaderOptions):
-    if backend != NAME:
-        return
     options.pin_memory = True
     options.num_workers = 2
     options.prefetch_factor = 2
@@ -170,18 +161,14 @@ def vlft_dataloader_options(backend, config, options: DataLoaderOptions):
                            "GPU trains")
 
 
-@hookimpl
+@cuda_hookimpl
 def vlft_distributed_options(backend, config):
-    if backend != NAME:
-        return None
     return DistributedOptions("nccl", timeout_s=1800, reason="nccl is torch's process group for NVIDIA GPUs",
                               fsdp=True, fsdp_reason="FSDP2 on nccl (ReduceOp.AVG in the reduce-scatter)")
 
 
-@hookimpl
+@cuda_hookimpl
 def vlft_seed(backend, seed, deterministic):
-    if backend != NAME:
-        return
     import torch
 
     torch.cuda.manual_seed_all(seed)  # lazy: safe before the device is initialised
@@ -197,10 +184,8 @@ def vlft_seed(backend, seed, deterministic):
 CUDA_RESERVED = 1 * 2 ** 30
 
 
-@hookimpl
+@cuda_hookimpl
 def vlft_device_capacity(backend, config):
-    if backend != NAME:
-        return None
     import torch
 
     try:
@@ -213,10 +198,8 @@ def vlft_device_capacity(backend, config):
         return DeviceCapacity(None, CUDA_RESERVED, f"cannot read the GPU's memory ({_first_line(e)})")
 
 
-@hookimpl
+@cuda_hookimpl
 def vlft_memory_reader(backend, device):
-    if backend != NAME:
-        return None
     import torch
 
     def read() -> MemoryStats:
@@ -226,10 +209,8 @@ def vlft_memory_reader(backend, device):
     return read
 
 
-@hookimpl
+@cuda_hookimpl
 def vlft_doctor_checks(backend):
-    if backend != NAME:
-        return None
     try:
         return doctor_checks()
     except Exception as e:  # noqa: BLE001 - diagnosis must not crash

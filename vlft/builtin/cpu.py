@@ -21,9 +21,11 @@ from vlft import (
     PrecisionPolicy,
     ProbeResult,
     hookimpl,
+    hookimpl_for,
 )
 
 NAME = "cpu"
+cpu_hookimpl = hookimpl_for(NAME)  # a backend hook that answers for "cpu" only, None for others
 
 
 @hookimpl
@@ -31,28 +33,22 @@ def vlft_backends():
     return [BackendInfo(NAME, "CPU reference backend (fp32; bf16 autocast on request)", "cpu", priority=0)]
 
 
-@hookimpl
+@cpu_hookimpl
 def vlft_probe_backend(backend):
-    if backend != NAME:
-        return None
     import torch
 
     return ProbeResult(True, device_count=1, versions={"torch": torch.__version__})
 
 
-@hookimpl
+@cpu_hookimpl
 def vlft_setup_device(backend, config):
-    if backend != NAME:
-        return None
     import torch
 
     return DeviceSetup(torch.device("cpu"), local_rank=config.local_rank)
 
 
-@hookimpl
+@cpu_hookimpl
 def vlft_attention_implementation(backend, config, model_config):
-    if backend != NAME:
-        return None
     from vlft import parse_attn
 
     asked = parse_attn(config.attn) or {}
@@ -61,10 +57,8 @@ def vlft_attention_implementation(backend, config, model_config):
                            "reference backend: eager unless asked" if not asked else "as asked")
 
 
-@hookimpl
+@cpu_hookimpl
 def vlft_precision_policy(backend, config):
-    if backend != NAME:
-        return None
     # the reference keeps fp32 base weights whatever it autocasts to; --param-dtype asks otherwise
     if config.precision in ("auto", "fp32"):
         return PrecisionPolicy("fp32", reason="CPU reference: full precision",
@@ -84,20 +78,16 @@ def vlft_precision_policy(backend, config):
     raise ConfigError(f"backend cpu does not support precision '{config.precision}'")
 
 
-@hookimpl
+@cpu_hookimpl
 def vlft_dataloader_options(backend, config, options: DataLoaderOptions):
-    if backend != NAME:
-        return
     options.pin_memory = False
     # workers would compete with the training threads for the same cores
     options.num_workers = 0
     options.reasons.append("cpu: no pinned memory (nothing to copy to); no workers (they share the compute cores)")
 
 
-@hookimpl
+@cpu_hookimpl
 def vlft_distributed_options(backend, config):
-    if backend != NAME:
-        return None
     return DistributedOptions(
         "gloo", timeout_s=600, reason="gloo is torch's CPU process group",
         fsdp=True, sum_reductions=True,
@@ -105,10 +95,8 @@ def vlft_distributed_options(backend, config):
                      "gloo's averaged reduce-scatter has summed instead of averaged in some torch versions"))
 
 
-@hookimpl
+@cpu_hookimpl
 def vlft_seed(backend, seed, deterministic):
-    if backend != NAME:
-        return
     if deterministic:
         import torch
 
@@ -132,18 +120,14 @@ def available_ram() -> int | None:
         return None
 
 
-@hookimpl
+@cpu_hookimpl
 def vlft_device_capacity(backend, config):
-    if backend != NAME:
-        return None
     # the interpreter, torch and transformers themselves take about half a GiB of RAM
     return DeviceCapacity(available_ram(), reserved_bytes=512 * 2 ** 20, source="available RAM (/proc/meminfo)")
 
 
-@hookimpl
+@cpu_hookimpl
 def vlft_memory_reader(backend, device):
-    if backend != NAME:
-        return None
     import resource
     import sys
 

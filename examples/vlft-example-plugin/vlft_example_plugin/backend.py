@@ -7,19 +7,23 @@ On a CPU with native bf16 (AVX512-BF16, AMX, Arm BF16) it is also faster;
 elsewhere bf16 is emulated and slower, which the probe and ``vlft doctor``
 say, and ``vlft bf16-speed`` measures.
 
-Every hook below answers only for ``NAME`` and returns None for any other
-backend: the plugin manager asks every plugin, and the first non-None answer
-wins. Nothing heavy is imported at module level (``vlft plugins`` loads this
-module just to list it); torch is imported inside the hooks.
+Every backend hook below answers only for ``NAME`` and returns None for any
+other backend: the plugin manager asks every plugin, and the first non-None
+answer wins. ``@cpu_bf16_hookimpl`` (``hookimpl_for(NAME)``) writes that guard
+once; hooks without a ``backend`` argument keep ``@hookimpl``. Nothing heavy
+is imported at module level (``vlft plugins`` loads this module just to list
+it); torch is imported inside the hooks.
 """
 
 from __future__ import annotations
 
 import sys
 
-from vlft import AttentionPolicy, BackendInfo, ConfigError, DataLoaderOptions, DeviceCapacity, DeviceSetup, DistributedOptions, DoctorCheck, MemoryStats, PrecisionPolicy, ProbeResult, hookimpl, parse_attn
+from vlft import AttentionPolicy, BackendInfo, ConfigError, DataLoaderOptions, DeviceCapacity, DeviceSetup, DistributedOptions, DoctorCheck, MemoryStats, PrecisionPolicy, ProbeResult, hookimpl, hookimpl_for, parse_attn
 
 NAME = "cpu-bf16"
+# marks a backend hook that runs only when asked about NAME (None for any other backend)
+cpu_bf16_hookimpl = hookimpl_for(NAME)
 # /proc/cpuinfo flags of CPUs that compute bf16 natively: x86 AVX512-BF16 and AMX; "bf16" on Arm
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 
@@ -43,10 +47,8 @@ def vlft_backends():
                         device_type="cpu", priority=-1)]
 
 
-@hookimpl
+@cpu_bf16_hookimpl
 def vlft_probe_backend(backend):
-    if backend != NAME:
-        return None
     import torch
 
     warnings = []
@@ -55,29 +57,23 @@ def vlft_probe_backend(backend):
     return ProbeResult(True, device_count=1, versions={"torch": torch.__version__}, warnings=warnings)
 
 
-@hookimpl
+@cpu_bf16_hookimpl
 def vlft_setup_device(backend, config):
-    if backend != NAME:
-        return None
     import torch
 
     return DeviceSetup(torch.device("cpu"), local_rank=config.local_rank)
 
 
-@hookimpl
+@cpu_bf16_hookimpl
 def vlft_attention_implementation(backend, config, model_config):
-    if backend != NAME:
-        return None
     asked = parse_attn(config.attn) or {}  # the user's --attn, per tower
     # sdpa does not keep the attention matrix for backward the way eager does
     return AttentionPolicy(asked.get("vision", "sdpa"), asked.get("text", "sdpa"),
                            "as asked" if asked else "cpu-bf16: sdpa saves attention memory")
 
 
-@hookimpl
+@cpu_bf16_hookimpl
 def vlft_precision_policy(backend, config):
-    if backend != NAME:
-        return None
     if config.precision not in ("auto", "bf16"):
         # refuse what this backend is not for, and name the one that is
         raise ConfigError(f"backend {NAME} computes in bf16; for --precision {config.precision} use --backend cpu")
@@ -86,30 +82,24 @@ def vlft_precision_policy(backend, config):
                            param_reason=f"{NAME}: bf16 base weights, half the memory of fp32")
 
 
-@hookimpl
+@cpu_bf16_hookimpl
 def vlft_dataloader_options(backend, config, options: DataLoaderOptions):
-    if backend != NAME:
-        return
     # every plugin is called with the same object: change only what this backend decides, and say why
     options.pin_memory = False
     options.num_workers = 0
     options.reasons.append(f"{NAME}: no pinned memory (nothing to copy); no workers (they share the cores)")
 
 
-@hookimpl
+@cpu_bf16_hookimpl
 def vlft_distributed_options(backend, config):
-    if backend != NAME:
-        return None
     # fsdp=True would let --shard fsdp run here too (gloo has the collectives); this example leaves it
     # off, so the error a user gets for a backend without sharding can be seen
     return DistributedOptions("gloo", timeout_s=600, reason="gloo is torch's CPU process group",
                               fsdp_reason="the example backend has not been tried with FSDP2")
 
 
-@hookimpl
+@cpu_bf16_hookimpl
 def vlft_seed(backend, seed, deterministic):
-    if backend != NAME:
-        return
     # vlft has seeded Python, NumPy and torch's CPU generator already; the CPU has no other generator
     if deterministic:
         import torch
@@ -117,10 +107,8 @@ def vlft_seed(backend, seed, deterministic):
         torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-@hookimpl
+@cpu_bf16_hookimpl
 def vlft_device_capacity(backend, config):
-    if backend != NAME:
-        return None
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
@@ -130,10 +118,8 @@ def vlft_device_capacity(backend, config):
     return DeviceCapacity(available, reserved_bytes=512 * 2 ** 20, source="available RAM (/proc/meminfo)")
 
 
-@hookimpl
+@cpu_bf16_hookimpl
 def vlft_memory_reader(backend, device):
-    if backend != NAME:
-        return None
     import resource
 
     def read() -> MemoryStats:
@@ -144,10 +130,8 @@ def vlft_memory_reader(backend, device):
     return read
 
 
-@hookimpl
+@cpu_bf16_hookimpl
 def vlft_doctor_checks(backend):
-    if backend != NAME:
-        return None
     native = native_bf16()
     detail = {True: "native (cpuinfo flags)", False: "emulated: slower than fp32", None: "unknown on this OS"}
     # advice, not a blocker: the backend runs either way
