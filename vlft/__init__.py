@@ -1,7 +1,7 @@
 """vlft: fine-tune vision-language models with adapters, on any accelerator.
 
 This module is the public plugin surface: a plugin imports what it needs from
-``vlft`` alone. Everything else (``vlft.run``, ``vlft.train``, ...) is
+``vlft`` alone. Everything else (``vlft.commands.run``, ``vlft.training.step``, ...) is
 internal and may change between releases.
 
     from vlft import hookimpl, hookimpl_for, BackendInfo, ProbeResult, PrecisionPolicy
