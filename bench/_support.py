@@ -515,27 +515,7 @@ def step_memory(env: BenchEnv, tr: Trainer, host_batch: dict, device_batch: dict
             "grad_bytes": grads, "optimizer_bytes": state}
 
 
-# -- hook calls and host-device synchronisations ----------------------------------------------------
-
-class HookCallCounter:
-    """Counts pluggy hook calls on the given registries while active."""
-
-    def __init__(self, *registries):
-        self.registries = [r for r in registries if r is not None]
-        self.calls: list[str] = []
-        self._undo: list[Callable] = []
-
-    def __enter__(self):
-        for r in self.registries:
-            self._undo.append(r.pm.add_hookcall_monitoring(
-                lambda name, impls, kwargs: self.calls.append(name), lambda *a: None))
-        return self
-
-    def __exit__(self, *exc):
-        for undo in self._undo:
-            undo()
-        self._undo.clear()
-
+# -- host-device synchronisations (hook calls: vlft.measure.HookCallCounter) -------------------
 
 def _sync_ops():
     aten = torch.ops.aten
