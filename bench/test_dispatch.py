@@ -5,7 +5,7 @@ uses too) sees every vlft hook called through any registry (the one the
 models were built with, the process-wide one, one made on the spot) during
 one ``vlft.train.train_step``; target 0 (DESIGN.md: no hook inside the step).
 
-Synchronisations: ``bench._support.sync_counter``, a TorchDispatchMode that
+Synchronisations: ``bench.support.counters.sync_counter``, a TorchDispatchMode that
 sees every aten operation of the step (forward, backward, clipping,
 optimizer) on any device, counts scalar reads, data-dependent shapes and
 blocking device-to-host copies, and attributes each to the code that asked
@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import pytest
 
-from bench._support import (
-    BATCH_SIZE, adapted_model, encode_batches, figure, record, sync_counter, to_device, trainer,
-)
+from bench.support.counters import sync_counter
+from bench.support.data import encode_batches, to_device
+from bench.support.env import BATCH_SIZE
+from bench.support.figures import figure, record
+from bench.support.models import adapted_model
+from bench.support.training import trainer
 from vlft.measure import HookCallCounter
 
 METHODS = ("lora", "oft")
