@@ -42,7 +42,7 @@ def pytest_addoption(parser):
 
 @pytest.fixture(scope="session")
 def env(request):
-    from bench._support import resolve_env
+    from bench.support.env import resolve_env
 
     threads = request.config.getoption("--bench-threads") or _default_threads()
     return resolve_env(request.config.getoption("--backend"), threads,
@@ -51,7 +51,7 @@ def env(request):
 
 @pytest.fixture(scope="session")
 def embedded_size():
-    from bench._support import model_size
+    from bench.support.models import model_size
     from vlft.models.embedded import embedded_model_dir
 
     return model_size("embedded", str(embedded_model_dir()))
@@ -59,7 +59,7 @@ def embedded_size():
 
 def _built_size(name: str, recipe: dict):
     """A bench model size built once from ``recipe`` into VLFT_CACHE (folder named by the recipe's hash)."""
-    from bench._support import model_size
+    from bench.support.models import model_size
     from vlft.models.embedded import build_embedded_model, cache_root, recipe_hash
 
     path = cache_root() / f"bench-{name}-qwen2_5_vl-{recipe_hash(recipe)}"
@@ -71,7 +71,7 @@ def _built_size(name: str, recipe: dict):
 @pytest.fixture(scope="session")
 def wide_size():
     """The wider variant (text hidden 512, vision hidden 256)."""
-    from bench._support import wide_recipe
+    from bench.support.models import wide_recipe
 
     return _built_size("wide", wide_recipe())
 
@@ -100,8 +100,8 @@ def demo_records(demo_data):
 
 @pytest.fixture(scope="session")
 def mixed_data(demo_data):
-    """The demo records, half of them made longer (see ``bench._support.write_mixed_dataset``)."""
-    from bench._support import write_mixed_dataset
+    """The demo records, half of them made longer (see ``bench.support.data.write_mixed_dataset``)."""
+    from bench.support.data import write_mixed_dataset
 
     return write_mixed_dataset(demo_data)
 
@@ -116,6 +116,6 @@ def mixed_records(mixed_data):
 @pytest.fixture(scope="session")
 def large_size():
     """The third size of the memory group (text hidden 1024, vision hidden 512)."""
-    from bench._support import large_recipe
+    from bench.support.models import large_recipe
 
     return _built_size("large", large_recipe())

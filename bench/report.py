@@ -2,7 +2,7 @@
 
     python bench/report.py bench/results/latest.json > bench/results/latest.md
 
-Everything comes from each benchmark's ``extra_info`` (see bench/_support.py):
+Everything comes from each benchmark's ``extra_info`` (see bench/support/figures.py):
 ``figures`` (ratios with their targets), ``variants`` (per-variant medians of
 the interleaved timing), ``memory`` (peak per variant) and, for the dispatch
 group, hook calls and synchronisations per step.

@@ -19,9 +19,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench._support import (
-    BATCH_SIZE, Interleaved, adapted_model, encode_batches, plan_for, record, to_device, trainer,
-)
+from bench.support.data import encode_batches, to_device
+from bench.support.env import BATCH_SIZE
+from bench.support.figures import record
+from bench.support.models import adapted_model, plan_for
+from bench.support.timing import Interleaved
+from bench.support.training import trainer
 
 SAMPLES = 32  # records in the pipeline's file (8 with --benchmark-disable)
 

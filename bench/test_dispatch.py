@@ -1,10 +1,11 @@
 """Group 6, ``dispatch``: plugin hook calls and host-device synchronisations inside one training step.
 
-Hook calls: pluggy's hook-call monitoring on the registry the models were
-built with (and on vlft's process-wide registry, if one was loaded) during
+Hook calls: ``vlft.measure.HookCallCounter`` (the counter ``tests/test_run.py``
+uses too) sees every vlft hook called through any registry (the one the
+models were built with, the process-wide one, one made on the spot) during
 one ``vlft.train.train_step``; target 0 (DESIGN.md: no hook inside the step).
 
-Synchronisations: ``bench._support.sync_counter``, a TorchDispatchMode that
+Synchronisations: ``bench.support.counters.sync_counter``, a TorchDispatchMode that
 sees every aten operation of the step (forward, backward, clipping,
 optimizer) on any device, counts scalar reads, data-dependent shapes and
 blocking device-to-host copies, and attributes each to the code that asked
@@ -19,15 +20,18 @@ from __future__ import annotations
 
 import pytest
 
-from bench._support import (
-    BATCH_SIZE, HookCallCounter, adapted_model, encode_batches, figure, record, sync_counter, to_device, trainer,
-)
+from bench.support.counters import sync_counter
+from bench.support.data import encode_batches, to_device
+from bench.support.env import BATCH_SIZE
+from bench.support.figures import figure, record
+from bench.support.models import adapted_model
+from bench.support.training import trainer
+from vlft.measure import HookCallCounter
 
 METHODS = ("lora", "oft")
 
 
 def counted_step(env, size, records, method) -> dict:
-    import vlft.registry
     from vlft.data.batching import label_count
 
     host = encode_batches(size, records[:BATCH_SIZE])[0]
@@ -38,7 +42,7 @@ def counted_step(env, size, records, method) -> dict:
     tr.step(host, dev)  # first step: lazy initialisation (optimizer state) out of the way
     tokens = label_count(host)  # on the host, before the step, as run_training does
     counter = sync_counter(env.device, host_tensors=tr.host_state())
-    with HookCallCounter(env.registry, vlft.registry._default) as hooks, counter:
+    with HookCallCounter() as hooks, counter:
         tr.step_counted(tokens, dev)
     return {"hook_calls": len(hooks.calls), "hooks": sorted(set(hooks.calls)), "syncs": counter.summary()}
 

@@ -18,9 +18,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench._support import (
-    BATCH_SIZE, Interleaved, adapted_model, load_base, perturb_adapter, record, to_device,
-)
+from bench.support.data import to_device
+from bench.support.env import BATCH_SIZE
+from bench.support.figures import record
+from bench.support.models import adapted_model, load_base, perturb_adapter
+from bench.support.timing import Interleaved
 
 NEW_TOKENS = 12
 METHODS = ("lora", "oft")

@@ -18,7 +18,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench._support import BATCH_SIZE, Interleaved, adapted_model, encode_batches, record, to_device, trainer
+from bench.support.data import encode_batches, to_device
+from bench.support.env import BATCH_SIZE
+from bench.support.figures import record
+from bench.support.models import adapted_model
+from bench.support.timing import Interleaved
+from bench.support.training import trainer
 
 
 def plain_step(env, model, optimizer, scheduler, scaler=None, max_grad_norm: float = 1.0):

@@ -5,7 +5,7 @@ Every variant is a real ``vlft.run.prepare`` (the plan, the memory plan, the mod
 dtype, checkpointing switched on through transformers) on a data set of exactly one batch: the
 ``BATCH_SIZE`` longest records of the mixed-length set, so the plan's "largest batch" is the batch
 measured. The estimate compared is the plan's total less the runtime reserve (which no tensor
-meter sees). Peak memory is measured, not counted: see ``bench._support.measured_step_peak``.
+meter sees). Peak memory is measured, not counted: see ``bench.support.memory.measured_step_peak``.
 
 Figures: bf16/fp32 peak (target <= 0.6 on the wide model), checkpointing on/off step memory above
 the resident weights and optimizer state (target <= 0.5 on the wide model), estimate/measured for
@@ -18,7 +18,10 @@ import json
 
 import pytest
 
-from bench._support import BATCH_SIZE, Interleaved, figure, measured_step_peak, record
+from bench.support.env import BATCH_SIZE
+from bench.support.figures import figure, record
+from bench.support.memory import measured_step_peak
+from bench.support.timing import Interleaved
 
 VARIANTS = {"fp32": ("fp32", "off"), "fp32+ckpt": ("fp32", "on"), "bf16": ("bf16", "off"),
             "bf16+ckpt": ("bf16", "on")}

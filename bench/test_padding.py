@@ -1,6 +1,6 @@
 """Group 3, ``padding``: batches padded to their own longest sample against a fixed 512 tokens.
 
-The mixed-length set (``bench._support.write_mixed_dataset``: single-turn
+The mixed-length set (``bench.support.data.write_mixed_dataset``: single-turn
 records of ~60 tokens, long questions and multi-turn conversations up to
 ~280) in one seeded shuffle (``vlft.train.EpochSampler``), cut into batches
 of four; the same batches collated twice: by vlft's ``Collator`` (to the
@@ -15,7 +15,12 @@ from __future__ import annotations
 
 import pytest
 
-from bench._support import BATCH_SIZE, Interleaved, adapted_model, encode_batches, record, to_device, trainer
+from bench.support.data import encode_batches, to_device
+from bench.support.env import BATCH_SIZE
+from bench.support.figures import record
+from bench.support.models import adapted_model
+from bench.support.timing import Interleaved
+from bench.support.training import trainer
 
 FIXED_LENGTH = 512
 SAMPLES = 12  # three batches per variant and call (one batch with --benchmark-disable)

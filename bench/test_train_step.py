@@ -6,21 +6,24 @@ and the last six vision blocks) with its own AdamW, and each call is one
 ``vlft.train.train_step``. The frozen base has every weight frozen and a
 single trainable scalar gain where the first adapted vision block begins,
 so its backward traverses the same layers as the adapters' (activation
-gradients only); see ``bench._support.FrozenBase``.
+gradients only); see ``bench.support.models.FrozenBase``.
 
 Figures: OFT/LoRA step time (target <= 1.25), LoRA and OFT over the frozen
 base, and peak memory per variant with OFT/LoRA (target <= 1.05); see
-``bench._support.step_memory`` for how memory is measured on each backend.
+``bench.support.memory.step_memory`` for how memory is measured on each backend.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from bench._support import (
-    BATCH_SIZE, Interleaved, adapted_model, encode_batches, figure, frozen_model, record, step_memory, to_device,
-    trainer,
-)
+from bench.support.data import encode_batches, to_device
+from bench.support.env import BATCH_SIZE
+from bench.support.figures import figure, record
+from bench.support.memory import step_memory
+from bench.support.models import adapted_model, frozen_model
+from bench.support.timing import Interleaved
+from bench.support.training import trainer
 
 
 @pytest.mark.benchmark(group="train_step")

@@ -90,34 +90,24 @@ def test_resume_continues_with_the_same_losses(registry, small_data, tmp_path, m
 
 def hook_calls_inside_steps(registry, config, monkeypatch, inside_step=None) -> list[str]:
     """Names of the vlft hooks called while a training step runs, through any registry: the one the run
-    was given, the process-wide one, or one made on the spot (pluggy's HookCaller is watched itself)."""
-    import pluggy
+    was given, the process-wide one, or one made on the spot (``vlft.measure.HookCallCounter``, which
+    bench/'s dispatch group counts with too)."""
     import vlft.training.step
 
     from vlft.commands.run import execute
+    from vlft.measure import HookCallCounter
 
-    state = {"inside": False, "calls": []}
-    real_step, real_call = vlft.training.step.train_step, pluggy.HookCaller.__call__
-
-    def watched_call(caller, *args, **kwargs):
-        manager = getattr(caller._hookexec, "__self__", None)
-        if state["inside"] and getattr(manager, "project_name", None) == "vlft":
-            state["calls"].append(caller.name)
-        return real_call(caller, *args, **kwargs)
+    hooks, real_step = HookCallCounter(), vlft.training.step.train_step
 
     def watched_step(*args, **kwargs):
-        state["inside"] = True
-        try:
+        with hooks:
             if inside_step is not None:
                 inside_step()
             return real_step(*args, **kwargs)
-        finally:
-            state["inside"] = False
 
     monkeypatch.setattr(vlft.training.step, "train_step", watched_step)
-    monkeypatch.setattr(pluggy.HookCaller, "__call__", watched_call)
     execute(registry, config, progress=False)
-    return state["calls"]
+    return hooks.calls
 
 
 def test_no_hook_is_called_inside_a_training_step(registry, small_data, tmp_path, monkeypatch):
@@ -136,6 +126,29 @@ def test_a_hook_called_inside_a_step_through_another_registry_is_seen(registry, 
 
     config = short_config(small_data, tmp_path / "r", steps=2, save_every=0, eval_every=0)
     assert hook_calls_inside_steps(registry, config, monkeypatch, inside_step=ask) == ["vlft_memory_reader"] * 2
+
+
+def test_the_hook_counter_counts_vlft_hooks_only_and_puts_pluggy_back(registry):
+    import pluggy
+    import torch
+
+    from vlft.measure import HookCallCounter
+
+    other = pluggy.PluginManager("elsewhere")
+
+    class Spec:
+        @pluggy.HookspecMarker("elsewhere")
+        def ping(self):
+            ...
+
+    other.add_hookspecs(Spec)
+    real = pluggy.HookCaller.__call__
+    with HookCallCounter() as hooks:
+        registry.first("vlft_memory_reader", backend="cpu", device=torch.device("cpu"))
+        other.hook.ping()
+    other.hook.ping()
+    registry.first("vlft_memory_reader", backend="cpu", device=torch.device("cpu"))
+    assert hooks.calls == ["vlft_memory_reader"] and pluggy.HookCaller.__call__ is real
 
 
 class ToyPlugin:

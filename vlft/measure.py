@@ -1,9 +1,16 @@
-"""Meters of tensor memory shared by the memory plan, the tests and the benchmarks.
+"""Meters and counters shared by the memory plan, the tests and the benchmarks: one copy for all.
 
-``SavedTensorMeter`` counts what autograd saves for backward (the memory
-plan's tracer uses it on the meta device); ``LiveTensorMeter`` follows the
-peak of live tensors during a real step, where a device has no allocator
-statistics to ask.
+- ``SavedTensorMeter`` counts what autograd saves for backward (the memory
+  plan's tracer uses it on the meta device; ``tests/test_memory.py`` and
+  bench's CPU step memory on real tensors);
+- ``LiveTensorMeter`` follows the peak of live tensors during a real step,
+  where a device has no allocator statistics to ask (bench's memory group,
+  ``bench/device_scale.py`` on the CPU);
+- ``HookCallCounter`` names the plugin hooks called while active, through
+  any registry (``tests/test_run.py``, bench's ``dispatch`` group).
+
+Torch-free at import, like the rest of the top layer: torch and pluggy are
+imported inside the methods that need them.
 """
 
 from __future__ import annotations
@@ -117,3 +124,45 @@ class LiveTensorMeter:
 
     def __exit__(self, *exc):
         self._mode.__exit__(*exc)
+
+
+class HookCallCounter:
+    """Names of the plugin hooks of ``project`` called while active, in order, through any registry.
+
+    pluggy's ``HookCaller`` is watched itself (its call methods, wrapped while
+    active), so a call is seen whichever registry makes it: the one a run was
+    given, the process-wide one, or one made on the spot. Calls to other
+    projects' hooks (pytest's, say) are not counted. Entered again, the same
+    counter keeps adding to ``calls``.
+    """
+
+    _CALL_METHODS = ("__call__", "call_extra", "call_historic")
+
+    def __init__(self, project: str = "vlft"):
+        self.project = project
+        self.calls: list[str] = []
+        self._real: dict[str, object] = {}
+
+    def _watched(self, real):
+        def watched(caller, *args, **kwargs):
+            manager = getattr(caller._hookexec, "__self__", None)
+            if getattr(manager, "project_name", None) == self.project:
+                self.calls.append(caller.name)
+            return real(caller, *args, **kwargs)
+
+        return watched
+
+    def __enter__(self):
+        from pluggy import HookCaller
+
+        self._real = {name: getattr(HookCaller, name) for name in self._CALL_METHODS}
+        for name, real in self._real.items():
+            setattr(HookCaller, name, self._watched(real))
+        return self
+
+    def __exit__(self, *exc):
+        from pluggy import HookCaller
+
+        for name, real in self._real.items():
+            setattr(HookCaller, name, real)
+        self._real = {}

@@ -1,0 +1,56 @@
+"""The groups' data: the mixed-length set written beside the demo set, and batches encoded and moved."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.support.env import BATCH_SIZE, BenchEnv
+from bench.support.models import ModelSize
+
+FOLLOW_UPS = [
+    ("Where on the product is the defect?", "It is near the middle of the product."),
+    ("Is the defect large enough to reject the product?", "Yes, it should be rejected at inspection."),
+    ("Describe the surface of the product around the defect.", "The surface is smooth apart from the defect."),
+    ("What shape is the product?", "It is a rounded box seen from above."),
+]
+CONTEXT = ("You are inspecting products on a production line. Look at the whole product, left and right, top "
+           "and bottom, and name the colour of the product and the kind of damage you see, if any. ")
+
+
+def write_mixed_dataset(demo_train: Path) -> Path:
+    """Mixed lengths, as real instruction data has: the demo records, half of them made longer.
+
+    Of every four records two stay single-turn with a short question, one gets
+    a long question (an inspection brief repeated one to three times before
+    it), one becomes a multi-turn conversation (two to four more question and
+    answer rounds). Same images; written beside the demo set.
+    """
+    import json
+    import random
+
+    rng = random.Random(11)
+    out = Path(demo_train).parent / "mixed.jsonl"
+    lines = []
+    for i, line in enumerate(Path(demo_train).read_text().splitlines()):
+        rec = json.loads(line)
+        convo = rec["conversations"]
+        if i % 4 == 2:
+            convo[0]["value"] = "<image>\n" + CONTEXT * rng.randint(1, 3) + convo[0]["value"].split("\n", 1)[1]
+        elif i % 4 == 3:
+            for q, a in rng.sample(FOLLOW_UPS, rng.randint(2, 4)):
+                convo += [{"from": "user", "value": q}, {"from": "assistant", "value": a}]
+        lines.append(json.dumps(rec))
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+def encode_batches(size: ModelSize, records, batch_size: int = BATCH_SIZE, **collate_kw) -> list[dict]:
+    collate = size.collator(**collate_kw)
+    return [collate([size.encoder.encode(r) for r in records[i:i + batch_size]])
+            for i in range(0, len(records) - batch_size + 1, batch_size)]
+
+
+def to_device(env: BenchEnv, batch: dict) -> dict:
+    from vlft.data.batching import to_device as move
+
+    return move(batch, env.device)
