@@ -124,6 +124,28 @@ def test_eval_gives_the_numbers_run_wrote_for_the_same_records(lora_run, tiny_da
     assert "exact match" in output and got["samples"] == 1
 
 
+def test_eval_writes_into_the_run_folder_beside_eval_json_and_says_where(lora_run, tiny_data, tmp_path,
+                                                                          monkeypatch):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(lora_run[0], run)  # a copy: the shared run stays as it was for the other tests
+    _, val = tiny_data
+    run_eval = (run / "eval.json").read_text()
+    here = tmp_path / "elsewhere"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    code, output = vlft("eval", "--adapter", run, "--data", val, "--samples", 1, "--max-new-tokens", 4)
+    assert code == 0, output
+    out = run / f"eval-{val.stem}.json"
+    assert json.loads(out.read_text())["samples"] == 1 and f"scores written to {out}" in output
+    assert (run / "eval.json").read_text() == run_eval and not any(here.iterdir())
+    # naming the run's own eval.json is refused, before anything is scored
+    code, output = vlft("eval", "--adapter", run, "--data", val, "--output", run / "eval.json")
+    assert code == 1 and "is the eval.json `vlft run` wrote" in output
+    assert (run / "eval.json").read_text() == run_eval
+
+
 # -- export ----------------------------------------------------------------------------------------
 
 # Run in a fresh interpreter: plain transformers loads the exported folder, vlft is never imported.

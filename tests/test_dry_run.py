@@ -80,7 +80,7 @@ def test_ascend_dry_run_human_readable(clean, model_dir):
     assert "precision    fp16: params float16, autocast float16, dynamic loss scaling (initial scale 65536" in out
     assert "dataloader   pin_memory=False" in out
     assert "distributed  hccl" in out and "HCCL_CONNECT_TIMEOUT=1200" in out and "HCCL_EXEC_TIMEOUT=1800" in out
-    assert "model.visual.blocks." in out
+    assert "             vision blocks 2-7: qkv, proj (12 modules, " in out  # grouped (--verbose lists each)
 
 
 def test_ascend_dry_run_honours_the_users_settings(clean, model_dir, monkeypatch):
@@ -166,3 +166,42 @@ def test_doctor_passes_for_a_stand_in_gpu(clean, monkeypatch):
 def test_doctor_rejects_an_unknown_backend():
     result = invoke("doctor", "--backend", "tpu")
     assert result.exit_code == 1 and "unknown backend 'tpu'" in result.output
+
+
+# -- the adapted modules at a glance ---------------------------------------------------------------
+
+def test_the_plan_groups_adapted_modules_per_tower_and_layer_range_and_verbose_lists_each(model_dir):
+    plan = dry_run_json("--backend", "cpu")
+    modules = plan["targets"]["modules"]
+    assert len(modules) == 20  # the JSON keeps every module and its parameters
+    text = invoke("run", "--backend", "cpu", "--dry-run").output
+    block = text[text.index("\ntargets "):text.index("\nweights ")].splitlines()[1:]
+    assert "vision blocks 2-7 of 8" in text
+    vision = sum(n for name, n in modules.items() if ".blocks." in name)
+    lm = sum(n for name, n in modules.items() if ".layers." in name)
+    assert [line.strip() for line in block[1:]] == [
+        f"vision blocks 2-7: qkv, proj (12 modules, {vision / 1e3:.1f} K)",
+        f"text layers 0-1: q_proj, k_proj, v_proj, o_proj (8 modules, {lm / 1e3:.1f} K)",
+    ]
+    verbose = invoke("run", "--backend", "cpu", "--dry-run", "--verbose").output
+    listed = [line.split()[0] for line in verbose.splitlines() if line.strip().endswith("params)")]
+    assert listed == list(modules)
+
+
+def test_grouping_reads_layers_from_any_dotted_names_and_towers_from_the_summary():
+    from vlft.planning.plan import group_modules
+
+    # another family's names: no `visual`, no `language_model`; the text stack listed first
+    modules = {f"dec.h.{i}.attn.{k}": 1000 for i in range(4) for k in ("c_attn", "c_proj")}
+    modules |= {f"enc.stages.{i}.mix.{k}": 2_000_000 for i in (5, 6, 9) for k in ("qkv",)}
+    modules |= {"dec.h.4.attn.c_attn": 1000, "head": 7}
+    lines = group_modules(modules, {"towers": "both", "vision_blocks": [5, 6, 9]})
+    assert lines == [
+        "text h 0-3: c_attn, c_proj (8 modules, 8.0 K)",
+        "text h 4: c_attn (1 module, 1.0 K)",  # other modules than the layers before: a line of its own
+        "vision stages 5-6: qkv (2 modules, 4.0 M)",
+        "vision stages 9: qkv (1 module, 2.0 M)",  # not consecutive
+        "head (1 module, 7)",
+    ]
+    assert group_modules({"m.layers.0.a.q": 5, "m.layers.0.b.q": 5}, {"towers": "text"}) == [
+        "text layers 0: a.q, b.q (2 modules, 10)"]  # leaves that clash: the path after the layer

@@ -306,3 +306,39 @@ def test_device_memory_sizes_parse():
     assert parse_bytes("1.5 TiB") == int(1.5 * 2 ** 40) and parse_bytes("4096") == 4096
     with pytest.raises(ConfigError, match="cannot read 'lots'"):
         parse_bytes("lots", "--device-memory")
+
+
+def _long_data(folder, repeats: int):
+    """The demo set with each question made about ``12 * repeats`` tokens longer."""
+    from vlft.data.demo import write_demo_dataset
+
+    ds = write_demo_dataset(folder, n_train=4, n_val=2, seed=0)
+    records = [json.loads(line) for line in ds.train.read_text().splitlines()]
+    for r in records:
+        r["conversations"][0]["value"] += " Look closely." * repeats
+    ds.train.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return ds.train
+
+
+def test_when_no_single_fix_fits_the_plan_names_the_fewest_that_fit_together(tmp_path):
+    """The 7B at batch 4 of about 2k tokens on 24 GiB, checkpointing off: checkpointing alone and batch 1
+    alone are each still over; the two together fit, with the figure a plan for those flags gives."""
+    train = _long_data(tmp_path / "long", 165)
+    args = ["--model", "qwen2.5-vl-7b", "--backend", "cuda", "--device-memory", "24GiB", "--data", str(train)]
+    result, plan = dry_json(*args, "--grad-checkpointing", "off")
+    assert result.exit_code != 0 and 2000 < plan["lengths"]["longest"] < 2100
+    fixes = plan["memory"]["fixes"]
+    assert not any(f.endswith("(fits)") for f in fixes if not f.startswith("together: ")), fixes
+    combined = [f for f in fixes if f.startswith("together: ")]
+    assert len(combined) == 1 and combined[0].startswith(
+        "together: --grad-checkpointing on --batch-size 1 --grad-accum 4: ") and combined[0].endswith(" (fits)")
+    # re-estimated, not added up: the plan for those flags gives the same figure, and fits
+    from vlft.planning.memory import gib
+
+    result, fixed = dry_json(*args, "--grad-checkpointing", "on", "--batch-size", "1", "--grad-accum", "4")
+    assert result.exit_code == 0 and fixed["memory"]["fits"] is True
+    assert combined[0] == f"together: --grad-checkpointing on --batch-size 1 --grad-accum 4: " \
+                          f"{gib(fixed['memory']['estimate_bytes'])} (fits)"
+    from vlft.planning.plan import format_plan
+
+    assert f"fix          {combined[0]}" in format_plan(plan).splitlines()

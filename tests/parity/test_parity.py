@@ -277,3 +277,30 @@ def test_vlft_parity_command_prints_the_table_and_exits_1_beyond_tolerance(small
     assert "PASSED" in loose.stdout
     # the same seeded runs: the figures agree, only the verdicts differ
     assert [r["loss_diff"] for r in tight_json["comparison"]] == [r["loss_diff"] for r in loose_json["comparison"]]
+
+
+def test_vlft_parity_writes_into_a_folder_of_its_own_and_says_where(tmp_path, monkeypatch):
+    """Without --output the figures go to runs/parity-<time>-A-B/parity.json, not loose into the working
+    folder. The workers are stood in for (two identical fake runs): only where the command writes is tested."""
+    import vlft.commands.parity
+    from click.testing import CliRunner
+
+    from vlft.cli import cli
+
+    steps = [{"step": 1, "loss": 2.0, "grad_norm": 1.0, "weights": {"m.layers.0.q": [1.0, 2.0]}}]
+
+    def stand_in(index, backend, precision, opts, out, probe_only=False):
+        if probe_only:
+            return {"backend": backend, "available": True}
+        return {"backend": backend, "available": True, "precision": "fp32", "device": "cpu", "steps": steps}
+
+    monkeypatch.setattr(vlft.commands.parity, "_spawn_worker", stand_in)
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(cli, ["parity", "--backends", "cpu,cpu", "--steps", "1"])
+    assert result.exit_code == 0, result.output
+    written = list(tmp_path.rglob("*.json"))
+    assert len(written) == 1 and written[0].name == "parity.json", written
+    folder = written[0].parent
+    assert folder.parent == tmp_path / "runs" and folder.name.startswith("parity-") and folder.name.endswith("-cpu-cpu")
+    assert json.loads(written[0].read_text())["passed"] is True
+    assert f"wrote {written[0].relative_to(tmp_path)}" in result.output

@@ -24,6 +24,7 @@ from vlft.registry import DISABLE_ENV, get_registry
 @config_options
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="YAML file of flag values.")
 @click.option("--json", "as_json", is_flag=True, help="With --dry-run: print the plan as JSON.")
+@click.option("--verbose", is_flag=True, help="With --dry-run: list every adapted module, not the groups.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--nproc-per-node", type=int, default=1, show_default=True,
               help="Processes (devices) per machine; above 1 the run goes through torchrun.")
@@ -35,7 +36,7 @@ from vlft.registry import DISABLE_ENV, get_registry
                    "on several 29500.")
 @click.pass_context
 @user_errors
-def run(ctx, config_file, as_json, quiet, nproc_per_node, nnodes, node_rank, master_addr, master_port, **params):
+def run(ctx, config_file, as_json, verbose, quiet, nproc_per_node, nnodes, node_rank, master_addr, master_port, **params):
     """Fine-tune a model with an adapter method on a backend, evaluate it before and after, save the adapter."""
     from vlft.commands.run import execute
     from vlft.planning.plan import format_plan
@@ -59,7 +60,7 @@ def run(ctx, config_file, as_json, quiet, nproc_per_node, nnodes, node_rank, mas
     result = execute(registry, config, progress=not quiet)
     if config.dry_run:
         desc = result.description
-        click.echo(json.dumps(desc, indent=2, default=str) if as_json else format_plan(desc))
+        click.echo(json.dumps(desc, indent=2, default=str) if as_json else format_plan(desc, verbose=verbose))
         if desc["memory"] and desc["memory"]["fits"] is False and not config.no_memory_check:
             raise click.ClickException("this run will not fit its device; the memory plan above names the fixes")
 

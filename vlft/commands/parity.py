@@ -12,6 +12,7 @@ and the stages load only when the command runs (`vlft --help` stays fast).
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
@@ -123,6 +124,12 @@ def compare(a: dict, b: dict, tol: dict) -> list[StepComparison]:
     return rows
 
 
+def default_output(names: list[str]) -> Path:
+    """``runs/parity-<time>-A-B/parity.json``: a folder of its own, beside ``vlft run``'s default run folders."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"parity-{stamp}-{names[0]}-{names[1]}" / "parity.json"
+
+
 def _spawn_worker(index: int, backend: str, precision: str, opts: dict, out: Path, probe_only=False) -> dict:
     cmd = [sys.executable, "-m", "vlft", "parity-worker", "--backend", backend, "--precision", precision,
            "--out", str(out)] + (["--probe-only"] if probe_only else [])
@@ -151,7 +158,8 @@ def _spawn_worker(index: int, backend: str, precision: str, opts: dict, out: Pat
 @click.option("--data", default=None, help="Training data (default: the embedded set).")
 @click.option("--attn", default=None, help="Attention for both backends (default: each backend's).")
 @click.option("--output", "output", default=None, type=click.Path(dir_okay=False),
-              help="Where to write the figures as JSON [default: parity-A-B.json].")
+              help="Where to write the figures as JSON [default: parity.json in a new folder "
+                   "runs/parity-<time>-A-B/].")
 def parity(backends, method, steps, precision, tolerance, batch_size, seed, model, data, attn, output):
     """Run the same seeded steps on two backends and compare loss, gradient norm and adapter weights."""
     names = [b.strip() for b in backends.split(",") if b.strip()]
@@ -204,8 +212,10 @@ def parity(backends, method, steps, precision, tolerance, batch_size, seed, mode
     report = {"backends": names, "precisions": precisions, "asked": asked, "method": method, "steps": steps,
               "seed": seed, "tolerance": {"name": tol_name, **tol}, "passed": first_bad is None,
               "comparison": [asdict(r) for r in rows], "runs": results}
-    out_path = Path(output or f"parity-{names[0]}-{names[1]}.json")
+    out_path = Path(output) if output else default_output(names)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(report, indent=2))
+    click.echo(f"wrote {out_path}")
     if first_bad is not None:
         what = []
         if first_bad.loss_diff > tol["loss"]:

@@ -149,12 +149,24 @@ def predict(adapter, model, backend, precision, param_dtype, attn, max_pixels, b
     click.echo(f"wrote {len(lines)} predictions to {output}")
 
 
+def eval_output(output: str | None, source, data: str) -> Path:
+    """Where ``vlft eval`` writes: ``--output``, else ``eval-<data file stem>.json`` in the adapter's run folder
+    (in the working folder for a bare adapter folder or a model without one). The run's own ``eval.json``
+    (what ``vlft run`` wrote) is refused as a target."""
+    run_dir = source.run_dir if source is not None else None
+    out = Path(output) if output else (run_dir or Path(".")) / f"eval-{Path(data).stem}.json"
+    if run_dir is not None and out.resolve() == (run_dir / "eval.json").resolve():
+        raise ConfigError(f"--output {out} is the eval.json `vlft run` wrote; choose another file")
+    return out
+
+
 @click.command("eval")
 @model_options
 @click.option("--data", required=True, type=click.Path(dir_okay=False), help="A data file with reference answers.")
 @click.option("--samples", type=int, default=None, help="Score only the first N records (default: all).")
 @click.option("--output", default=None, type=click.Path(dir_okay=False),
-              help="Scores JSON; default: eval-<data file name>.json here.")
+              help="Scores JSON; default: eval-<data file name>.json in the run folder of --adapter (beside the "
+                   "run's own eval.json, which is never overwritten), else here.")
 @click.option("--compare-base", is_flag=True, help="Also score the base model (adapter off) on the same records.")
 @user_errors
 def eval_command(adapter, model, backend, precision, param_dtype, attn, max_pixels, batch_size, max_new_tokens, data,
@@ -172,6 +184,7 @@ def eval_command(adapter, model, backend, precision, param_dtype, attn, max_pixe
     if samples:
         records = records[:samples]
     loaded = _load(adapter, model, backend, precision, param_dtype, attn, max_pixels)
+    out = eval_output(output, loaded.source, data)
 
     def scores(m):
         return evaluate_generation(m, loaded.encoder, records, loaded.device, max_new_tokens, loaded.autocast_dtype)
@@ -181,7 +194,6 @@ def eval_command(adapter, model, backend, precision, param_dtype, attn, max_pixe
         with loaded.model.disable_adapter():
             before = scores(loaded.model)
     after = scores(loaded.model)
-    out = Path(output) if output else Path(f"eval-{Path(data).stem}.json")
     result = {"data": str(data), "samples": len(records), "model": loaded.model_path,
               "adapter": str(loaded.source.adapter_dir) if loaded.source else None,
               "method": loaded.source.method if loaded.source else None,

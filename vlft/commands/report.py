@@ -105,11 +105,17 @@ def _pct(v) -> str:
     return "-" if v is None else f"{v:.1%}"
 
 
+def _total_time(seconds: list[float]) -> str:
+    """``12.3 s (5x)``: the seconds of all the times something ran (evaluations, saves), and how many."""
+    return f"{sum(seconds):.2f} s ({len(seconds)}x)" if seconds else "-"
+
+
 def table_rows(runs: list[RunData]) -> tuple[list[str], list[list[str]]]:
     """The comparison table: one row per run."""
     fields = sorted({k for r in runs for k in (_get(r.eval, "after", "fields") or {})})
     header = ["run", "backend", "device", "method", "precision", "adapted modules", "adapter params", "steps",
-              "median step time", "samples/s", "peak memory", "exact match before", "exact match after"]
+              "median step time", "eval time", "checkpoint time", "samples/s", "peak memory",
+              "exact match before", "exact match after"]
     header += [f"{f} acc / F1 after" for f in fields]
     rows = []
     for r in runs:
@@ -118,6 +124,9 @@ def table_rows(runs: list[RunData]) -> tuple[list[str], list[list[str]]]:
         steady = logged[1:] or logged
         step_time = _median([m.get("step_time_s") for m in steady])
         sps = _median([m.get("samples_per_s") for m in steady])
+        # evaluation and checkpoint saving are not in the step time: their totals, and how often
+        evals = [m["eval_time_s"] for m in r.metrics if m.get("eval_time_s") is not None]
+        saves = [m["checkpoint_time_s"] for m in r.metrics if m.get("checkpoint_time_s") is not None]
         peaks = [m.get("peak_memory_bytes") for m in r.metrics if m.get("peak_memory_bytes") is not None]
         peak = _get(r.summary, "peak_memory_bytes") or (max(peaks) if peaks else None)
         backend = _get(r.plan, "backend", "name") or _get(r.summary, "backend") or "-"
@@ -136,6 +145,7 @@ def table_rows(runs: list[RunData]) -> tuple[list[str], list[list[str]]]:
                if _get(r.plan, "targets", "adapter_parameters") is not None else "-",
                str(steps) if steps is not None else "-",
                f"{step_time:.3f} s" if step_time is not None else "-",
+               _total_time(evals), _total_time(saves),
                f"{sps:.2f}" if sps is not None else "-",
                f"{peak / 2**30:.2f} GiB" if peak else "-",
                _pct(_get(r.eval, "before", "exact_match")), _pct(_get(r.eval, "after", "exact_match"))]

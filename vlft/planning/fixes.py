@@ -4,6 +4,7 @@ each re-estimated by the memory plan (not scaled)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from vlft.planning.memory import (
     HEADROOM,
@@ -30,9 +31,12 @@ def decide(plan: MemoryPlan, asked: str, model, model_config, compute_dtype, bat
         _fix_smaller_batches(plan, replan, ckpt, batch_size, grad_accum),
         _fix_fewer_pixels(plan, replan, ckpt, max_pixels),
         _fix_sharding(plan, model, compute_dtype, ckpt) if can_shard and plan.shard_world == 1 else None,
-        "--max-length N with --skip-too-long (leave out the longest samples), or fewer targets "
-        "(--targets text, a smaller --vision-last-n)",
     ]
+    if not any(f and f.endswith("(fits)") for f in fixes):
+        fixes.append(_fix_combined(plan, model, model_config, compute_dtype, ckpt, batch_size, grad_accum,
+                                   max_pixels))
+    fixes.append("--max-length N with --skip-too-long (leave out the longest samples), or fewer targets "
+                 "(--targets text, a smaller --vision-last-n)")
     plan.fixes = [f for f in fixes if f]
 
 
@@ -96,14 +100,75 @@ def _fix_smaller_batches(plan: MemoryPlan, replan, ckpt: bool, batch_size: int, 
 
 
 def _fix_fewer_pixels(plan: MemoryPlan, replan, ckpt: bool, max_pixels: int | None) -> str | None:
-    target = 448 * 448
-    if not plan.batch.patches or (max_pixels is not None and max_pixels <= target) or \
-            not any(h * w * 196 > target for _, h, w in plan.batch.grids):
+    if not plan.batch.patches or (max_pixels is not None and max_pixels <= PIXELS) or \
+            not any(h * w * 196 > PIXELS for _, h, w in plan.batch.grids):
         return None
-    shape = BatchShape(plan.batch.samples, plan.batch.tokens, resized_grids(plan.batch.grids, target))
-    shape.tokens = max(1, plan.batch.tokens - (plan.batch.patches - shape.patches) // 4 // plan.batch.samples)
-    n = replan(shape).total_bytes(ckpt)
-    return f"--max-pixels {target} (448x448 images): about {gib(n)}" + _verdict(plan, n)
+    n = replan(_fewer_pixels_shape(plan.batch)).total_bytes(ckpt)
+    return f"--max-pixels {PIXELS} (448x448 images): about {gib(n)}" + _verdict(plan, n)
+
+
+PIXELS = 448 * 448  # --max-pixels in the fixes: 448x448 images
+
+
+def _fewer_pixels_shape(batch: BatchShape) -> BatchShape:
+    shape = BatchShape(batch.samples, batch.tokens, resized_grids(batch.grids, PIXELS))
+    shape.tokens = max(1, batch.tokens - (batch.patches - shape.patches) // 4 // batch.samples)
+    return shape
+
+
+def _fix_combined(plan: MemoryPlan, model, model_config, compute_dtype, ckpt: bool, batch_size: int,
+                  grad_accum: int, max_pixels: int | None) -> str | None:
+    """When no single fix fits: the fewest of them that fit together, each combination re-estimated by
+    ``plan_memory`` (checkpointing, bf16 base weights, a smaller micro-batch with the accumulation that keeps
+    the step, 448x448 images), tried two at a time, then three, then all four; within one size in that order
+    of preference, and with the largest micro-batch that fits."""
+    options = []
+    if not ckpt:
+        options.append("checkpointing")
+    if plan.base_dtype == "float32":
+        options.append("half")
+    if plan.batch.samples > 1:
+        options.append("batch")
+    if plan.batch.patches and not (max_pixels is not None and max_pixels <= PIXELS) and \
+            any(h * w * 196 > PIXELS for _, h, w in plan.batch.grids):
+        options.append("pixels")
+    per = len(plan.batch.grids) / max(plan.batch.samples, 1)
+    plans: dict = {}
+
+    def total(chosen, samples: int) -> int:
+        key = ("half" in chosen, samples, "pixels" in chosen)
+        if key not in plans:
+            shape = BatchShape(samples, plan.batch.tokens, plan.batch.grids[: round(per * samples)])
+            if "pixels" in chosen:
+                shape = _fewer_pixels_shape(shape)
+            dtype = "bfloat16" if "half" in chosen else plan.base_dtype
+            plans[key] = plan_memory(model, model_config, dtype, compute_dtype, shape, plan.reserved_bytes,
+                                     plan.capacity_bytes, plan.capacity_source, plan.shard_world,
+                                     plan.gathered_bytes)
+        return plans[key].total_bytes(ckpt or "checkpointing" in chosen)
+
+    for size in range(2, len(options) + 1):
+        for chosen in itertools.combinations(options, size):
+            sizes = [plan.batch.samples]
+            if "batch" in chosen:
+                sizes, b = [], plan.batch.samples
+                while b > 1:
+                    b //= 2
+                    sizes.append(b)
+            for b in sizes:  # the largest micro-batch first
+                n = total(chosen, b)
+                if n <= _usable(plan):
+                    flags = []
+                    if "checkpointing" in chosen:
+                        flags.append("--grad-checkpointing on")
+                    if "half" in chosen:
+                        flags.append("--param-dtype bf16")
+                    if "batch" in chosen:
+                        flags.append(f"--batch-size {b} --grad-accum {grad_accum * batch_size // b}")
+                    if "pixels" in chosen:
+                        flags.append(f"--max-pixels {PIXELS}")
+                    return f"together: {' '.join(flags)}: {gib(n)}" + _verdict(plan, n)
+    return None
 
 
 def _fix_sharding(plan: MemoryPlan, model, compute_dtype, ckpt: bool) -> str | None:

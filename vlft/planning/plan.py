@@ -205,7 +205,93 @@ def _sharding_lines(sh: dict | None) -> list[str]:
             "adapter gathered and saved once by rank 0"]
 
 
-def format_plan(desc: dict) -> str:
+def _count(n: int) -> str:
+    """Parameters at a glance: ``1.8 M``, ``6.6 K``, ``512``."""
+    return f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n / 1e3:.1f} K" if n >= 1e3 else str(n)
+
+
+def _spans(indices: list[int]) -> str:
+    """``[2, 3, 4, 7]`` -> ``2-4, 7``."""
+    spans: list[list[int]] = []
+    for i in sorted(indices):
+        if spans and i == spans[-1][-1] + 1:
+            spans[-1].append(i)
+        else:
+            spans.append([i])
+    return ", ".join(f"{s[0]}-{s[-1]}" if len(s) > 1 else f"{s[0]}" for s in spans)
+
+
+def _split_name(name: str) -> tuple[str, int, str] | None:
+    """``(stack, index, rest)`` at the first number segment of a dotted module name
+    (``a.b.blocks.3.attn.qkv`` -> ``("a.b.blocks", 3, "attn.qkv")``); None without one."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit() and i > 0:
+            return ".".join(parts[:i]), int(part), ".".join(parts[i + 1:])
+    return None
+
+
+def _tower_names(stacks: dict[str, set[int]], summary: dict) -> dict[str, str]:
+    """Each stack's tower ("vision" or "text"), from the target summary: one tower adapted names every
+    stack; both name the stack whose indices are the adapted vision blocks "vision", the other "text"
+    (in listing order, vision first, where the indices do not tell). Stacks beyond that keep their path."""
+    towers = summary.get("towers")
+    if towers in ("vision", "text") and len(stacks) == 1:
+        return {stack: towers for stack in stacks}
+    names = {}
+    if towers == "both" and len(stacks) == 2:
+        blocks = set(summary.get("vision_blocks") or [])
+        first, second = stacks
+        matches = [s for s in (first, second) if stacks[s] == blocks]
+        vision = matches[0] if len(matches) == 1 else first
+        names = {vision: "vision", (second if vision == first else first): "text"}
+    return names
+
+
+def group_modules(modules: dict[str, int | None], summary: dict) -> list[str]:
+    """The adapted modules, one line per tower and layer range: ``vision blocks 26-31: qkv, proj (12 modules,
+    1.8 M)``. The layer is the first number segment of each dotted name and the stack the path before it,
+    so no model family's names are assumed; consecutive layers adapting the same modules share a line."""
+    stacks: dict[str, dict[int, list[str]]] = {}
+    others: list[str] = []
+    for name in modules:
+        split = _split_name(name)
+        if split is None:
+            others.append(name)
+            continue
+        stack, index, rest = split
+        stacks.setdefault(stack, {}).setdefault(index, []).append(name)
+    towers = _tower_names({s: set(layers) for s, layers in stacks.items()}, summary)
+    lines = []
+    for stack, layers in stacks.items():
+        container = stack.rsplit(".", 1)[-1]
+        label = f"{towers[stack]} {container}" if stack in towers else stack
+        rests = {_split_name(n)[2] for names in layers.values() for n in names}
+        leaves = {r.rsplit(".", 1)[-1] for r in rests}
+        short = len(leaves) == len(rests)  # the leaf names are enough when no two modules share one
+
+        def kinds(names):
+            return tuple((r.rsplit(".", 1)[-1] if short else r) for r in (_split_name(n)[2] for n in names))
+
+        runs: list[list[int]] = []
+        for index in sorted(layers):
+            if runs and index == runs[-1][-1] + 1 and kinds(layers[index]) == kinds(layers[runs[-1][0]]):
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        for run in runs:
+            names = [n for i in run for n in layers[i]]
+            span = f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}"
+            params = sum(modules[n] or 0 for n in names)
+            lines.append(f"{label} {span}: {', '.join(kinds(layers[run[0]]))} "
+                         f"({len(names)} module{'s' if len(names) != 1 else ''}, {_count(params)})")
+    lines += [f"{name} (1 module, {_count(modules[name] or 0)})" for name in others]
+    return lines
+
+
+def format_plan(desc: dict, verbose: bool = False) -> str:
+    """The plan as text; the adapted modules grouped per tower and layer range, or with ``verbose`` one
+    line each."""
     b, a, p = desc["backend"], desc["attention"], desc["precision"]
     dl, dist, m, t = desc["dataloader"], desc["distributed"], desc["method"], desc["targets"]
     status = "available" if b["available"] else f"UNAVAILABLE here ({b['reason']})"
@@ -224,10 +310,13 @@ def format_plan(desc: dict) -> str:
         *_sharding_lines(desc.get("sharding")),
         f"method       {m['name']} lr={m['lr']:g} " + " ".join(f"{k}={v}" for k, v in m["hyperparameters"].items()),
         f"model        {desc['model']}",
-        f"targets      {t['towers']}: vision blocks {t['vision_blocks']} of {t['vision_depth']}, "
+        f"targets      {t['towers']}: vision blocks {_spans(t['vision_blocks']) or 'none'} of {t['vision_depth']}, "
         f"{t['text_layers']} text layers; {len(t['modules'])} modules, {t['adapter_parameters']:,} adapter parameters",
     ]
-    lines += [f"             {name}  ({count:,} params)" for name, count in t["modules"].items()]
+    if verbose:
+        lines += [f"             {name}  ({count:,} params)" for name, count in t["modules"].items()]
+    else:
+        lines += [f"             {line}" for line in group_modules(t["modules"], t)]
     pd, ck, ln = desc["param_dtype"], desc["checkpointing"], desc["lengths"]
     lines.append(f"weights      base {pd['dtype']}" + (f" ({pd['reason']})" if pd["reason"] else "")
                  + ", trainable float32")

@@ -123,7 +123,10 @@ class _EarlyStopping:
 
 class _Window:
     """What the steps since the last logged one add up to: loss and label tokens (kept on the device until
-    the log step reads them), samples and time."""
+    the log step reads them), samples and time. Evaluation (``--eval-every``) and checkpoint saving
+    (``--save-every``, the best adapter) inside the window are timed apart (``timed``) and left out of
+    ``step_time_s`` and ``samples_per_s``; their lines in metrics.jsonl carry ``eval_time_s`` and
+    ``checkpoint_time_s``."""
 
     def __init__(self, device):
         self.device = device
@@ -133,6 +136,15 @@ class _Window:
         self.loss = torch.zeros((), device=self.device)
         self.tokens, self.samples, self.steps = 0.0, 0, 0
         self.start = time.perf_counter()
+        self.paused = 0.0  # seconds of evaluation and checkpoint saving inside the window: not step time
+
+    def timed(self, fn: Callable):
+        """``fn()`` and the seconds it took, which the window's step time leaves out."""
+        t0 = time.perf_counter()
+        result = fn()
+        seconds = time.perf_counter() - t0
+        self.paused += seconds
+        return result, seconds
 
     def add(self, out: dict, group: list[dict], world_size: int) -> None:
         # a skipped step's loss (NaN, inf) stays out of the logged mean
@@ -186,9 +198,11 @@ def _loop(model, optimizer, scheduler, policy, dataset, collate, settings, check
             _read_skips(pending, skips, dataset, settings, optimizer, policy, metrics, is_main)
             record = _log_record(step, window, out, scheduler, policy, settings, memory_reader, skips)
             if wants_eval and (step % settings.eval_every == 0 or last):
-                record["val_loss"] = evaluate_loss()
+                record["val_loss"], record["eval_time_s"] = window.timed(evaluate_loss)
                 model.train()
-                early_stop = patience.ran_out(step, record["val_loss"])
+                early_stop, saved_s = _patience(window, patience, step, record["val_loss"])
+                if saved_s is not None:
+                    record["checkpoint_time_s"] = saved_s
                 if early_stop:
                     record["early_stop"] = True
             records.append(record)
@@ -198,17 +212,22 @@ def _loop(model, optimizer, scheduler, policy, dataset, collate, settings, check
                 bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", refresh=False)
             window.reset()
         elif wants_eval and step % settings.eval_every == 0:
-            val = evaluate_loss()
+            val, eval_s = window.timed(evaluate_loss)
             model.train()
-            early_stop = patience.ran_out(step, val)
+            early_stop, saved_s = _patience(window, patience, step, val)
+            line = {"step": step, "val_loss": val, "eval_time_s": eval_s,
+                    **({"checkpoint_time_s": saved_s} if saved_s is not None else {}),
+                    **({"early_stop": True} if early_stop else {})}
             if early_stop:
-                records.append({"step": step, "val_loss": val, "early_stop": True})
+                records.append(line)
             if is_main:
-                metrics.write({"step": step, "val_loss": val, **({"early_stop": True} if early_stop else {})})
+                metrics.write(line)
         saved = None
         if checkpoints is not None and settings.save_every and step % settings.save_every == 0 and not last:
-            saved = _save(checkpoints, step, model, optimizer, scheduler, policy, settings, pending, skips, dataset,
-                          metrics, is_main)
+            saved, save_s = window.timed(lambda: _save(checkpoints, step, model, optimizer, scheduler, policy,
+                                                       settings, pending, skips, dataset, metrics, is_main))
+            if is_main:
+                metrics.write({"step": step, "checkpoint_time_s": save_s})
         signum = stop.agreed(settings.world_size, policy.device) if not last else None
         if signum:
             if saved is None and checkpoints is not None:
@@ -224,7 +243,7 @@ def _loop(model, optimizer, scheduler, policy, dataset, collate, settings, check
 def _log_record(step, window: _Window, out, scheduler, policy, settings, memory_reader, skips) -> dict:
     """One line of metrics.jsonl for the window ending at ``step``."""
     loss = window.mean_loss(settings.world_size)
-    elapsed = time.perf_counter() - window.start
+    elapsed = time.perf_counter() - window.start - window.paused  # training steps only
     record = {
         "step": step,
         "loss": loss,
@@ -238,6 +257,14 @@ def _log_record(step, window: _Window, out, scheduler, policy, settings, memory_
     if policy.scaler is not None:
         record["loss_scale"] = float(policy.scaler.get_scale())
     return record
+
+
+def _patience(window: _Window, patience: _EarlyStopping, step: int, val: float) -> tuple[bool, float | None]:
+    """Early stopping's verdict on ``val``; with the seconds spent saving a new best adapter (None if none)."""
+    best = patience.best
+    stop, seconds = window.timed(lambda: patience.ran_out(step, val))
+    saved = patience.on_best is not None and patience.best < best
+    return stop, seconds if saved else None
 
 
 def _save(checkpoints, step, model, optimizer, scheduler, policy, settings, pending, skips, dataset, metrics,
