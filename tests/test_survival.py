@@ -383,3 +383,48 @@ def test_hostile_config_and_pickled_weights_exit_non_zero_and_write_nothing(tmp_
     check_weight_format(str(model), trust_pickle=True)
     (model / "model.safetensors").write_bytes(b"")
     check_weight_format(str(model), trust_pickle=False)
+
+
+def test_the_end_of_a_run_saves_first_and_a_failed_evaluation_keeps_the_adapter(registry, small_data, tmp_path,
+                                                                                 monkeypatch, capsys):
+    """The evaluation after training runs out of memory (raised where it starts: a fault injected into the
+    real run): by then the adapter and a checkpoint of the last step are written and the AdamW state is
+    freed; summary.json says completed, with the error; ``--resume`` then says the run is complete and trains
+    nothing."""
+    import vlft.commands.run as run
+
+    out = tmp_path / "run"
+    sessions, calls, seen = [], [], {}
+    real_prepare, real_eval = run.prepare, run.evaluate_generation
+
+    def prepare(*args, **kwargs):
+        sessions.append(real_prepare(*args, **kwargs))
+        return sessions[-1]
+
+    def evaluation(*args, **kwargs):
+        calls.append(kwargs)
+        if len(calls) == 2:  # after training
+            seen.update(adapter=(out / "adapter" / "adapter_model.safetensors").is_file(),
+                        checkpoints=sorted(p.name for p in (out / "checkpoints").iterdir()),
+                        optimizer_state=len(sessions[0].optimizer.state))
+            raise torch.OutOfMemoryError("out of memory (injected): tried to allocate 2.00 GiB")
+        return real_eval(*args, **kwargs)
+
+    monkeypatch.setattr(run, "prepare", prepare)
+    monkeypatch.setattr(run, "evaluate_generation", evaluation)
+    config = dict(steps=4, save_every=3, eval_every=0, eval_samples=2, max_new_tokens=2, batch_size=2)
+    run.execute(registry, short_config(small_data, out, **config), progress=False)
+    assert seen == {"adapter": True, "checkpoints": ["step-000003", "step-000004"], "optimizer_state": 0}
+    assert [c["batch_size"] for c in calls] == [2, 2]  # the training micro-batch, not 16
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["exact_match_after"] is None
+    assert summary["eval_error"].startswith("OutOfMemoryError: out of memory (injected)")
+    plan = json.loads((out / "plan.json").read_text())
+    assert any(n.startswith("evaluation generates in batches of 2") for n in plan["notes"])
+
+    metrics = (out / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    result = run.execute(registry, short_config(small_data, out, resume=True, **config), progress=False)
+    assert "is complete (4 steps, checkpoint step-000004); nothing to train" in capsys.readouterr().err
+    assert len(sessions) == 1 and result.metrics == []  # nothing was set up, nothing trained
+    assert (out / "metrics.jsonl").read_text() == metrics

@@ -172,6 +172,7 @@ def _loop(model, optimizer, scheduler, policy, dataset, collate, settings, check
     patience = _EarlyStopping(settings.early_stopping_patience, on_best)
     wants_eval = evaluate_loss is not None and settings.eval_every
     early_stop = False
+    saved_step = None
     model.train()
     for group in batches(dataset, collate, settings, start_step):
         if step >= settings.total_steps or early_stop:
@@ -209,6 +210,7 @@ def _loop(model, optimizer, scheduler, policy, dataset, collate, settings, check
         if checkpoints is not None and settings.save_every and step % settings.save_every == 0 and not last:
             saved = _save(checkpoints, step, model, optimizer, scheduler, policy, settings, pending, skips, dataset,
                           metrics, is_main)
+            saved_step = step
         signum = stop.agreed(settings.world_size, policy.device) if not last else None
         if signum:
             if saved is None and checkpoints is not None:
@@ -218,6 +220,10 @@ def _loop(model, optimizer, scheduler, policy, dataset, collate, settings, check
             raise Interrupted(step, signum, saved)
     bar.close()
     _read_skips(pending, skips, dataset, settings, optimizer, policy, metrics, is_main)
+    if checkpoints is not None and step > start_step and saved_step != step:
+        # the final checkpoint: the run's end is resumable (and known complete) before anything else runs
+        _save(checkpoints, step, model, optimizer, scheduler, policy, settings, pending, skips, dataset, metrics,
+              is_main)
     return records
 
 
