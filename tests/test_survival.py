@@ -428,3 +428,37 @@ def test_the_end_of_a_run_saves_first_and_a_failed_evaluation_keeps_the_adapter(
     assert "is complete (4 steps, checkpoint step-000004); nothing to train" in capsys.readouterr().err
     assert len(sessions) == 1 and result.metrics == []  # nothing was set up, nothing trained
     assert (out / "metrics.jsonl").read_text() == metrics
+
+
+def test_fp16_scaler_back_offs_at_the_start_do_not_stop_the_run_and_a_nan_loss_still_does(registry, small_data,
+                                                                                           tmp_path, monkeypatch):
+    """fp16 on the CPU with a loss scale of 2**28 to start (the backend's 2**16 does not overflow the embedded
+    model; 2**28 does, for real, in its fp16 gradients): the scaler backs off step after step, more often than
+    --max-skipped-steps, and the run completes; those steps are counted as back-offs, not as skipped steps.
+    Then a NaN loss (a patched loss) is not explained by the scaler: it stops the run."""
+    import vlft.training.step
+
+    from vlft.commands.run import execute
+    from vlft.training.signals import NonFiniteStop
+
+    class StartsHigh(torch.amp.GradScaler):  # the CPU backend's scaler, started at 2**28
+        def __init__(self, device="cpu", init_scale=2.0 ** 16, **kwargs):
+            super().__init__(device, init_scale=2.0 ** 28, **kwargs)
+
+    monkeypatch.setattr(torch.amp, "GradScaler", StartsHigh)
+    out = tmp_path / "run"
+    values = dict(precision="fp16", steps=12, max_skipped_steps=3, save_every=0, eval_every=0, eval_samples=1,
+                  max_new_tokens=1)
+    execute(registry, short_config(small_data, out, **values), progress=False)
+    summary = json.loads((out / "summary.json").read_text())
+    metrics = [m for m in read_metrics(out) if "loss" in m]
+    assert summary["status"] == "completed" and summary["skipped_steps"] == 0
+    assert summary["scaler_backoffs"] > 3  # more than --max-skipped-steps, at the start
+    scales = [m["loss_scale"] for m in metrics]
+    assert scales[0] <= 2.0 ** 27 and scales[-1] <= 2.0 ** (28 - summary["scaler_backoffs"])  # it backed off
+    assert [m["scaler_backoffs"] for m in metrics][-1] == summary["scaler_backoffs"]
+
+    real_loss = vlft.training.step.token_loss_sum
+    monkeypatch.setattr(vlft.training.step, "token_loss_sum", lambda logits, labels: real_loss(logits, labels) * float("nan"))
+    with pytest.raises(NonFiniteStop, match="3 consecutive steps"):
+        execute(registry, short_config(small_data, tmp_path / "nan", **values), progress=False)

@@ -251,7 +251,8 @@ class _Job:
         if self.rank == 0:
             summary = {"status": status, "step": step, "steps": self.s.settings.total_steps,
                        "resumed_from": self.s.start_step, "train_time_s": time.perf_counter() - t0,
-                       "skipped_steps": self.skips.total, "skipped": self.skips.steps, **extra}
+                       "skipped_steps": self.skips.total, "skipped": self.skips.steps,
+                       "scaler_backoffs": self.skips.scaler_backoffs, **extra}
             (self.output / "summary.json").write_text(json.dumps(summary, indent=2))
 
     def free_optimizer_state(self) -> None:
@@ -302,6 +303,7 @@ class _Job:
             "memory_estimate_bytes": plan.memory.total_bytes() if plan.memory else None,
             "skipped_too_long": plan.lengths.get("skipped_samples", []),
             "status": "completed", "skipped_steps": self.skips.total, "skipped": self.skips.steps,
+            "scaler_backoffs": self.skips.scaler_backoffs,
             "sharding": self.sharding,
         }
         if config.early_stopping_patience:
