@@ -462,3 +462,32 @@ def test_fp16_scaler_back_offs_at_the_start_do_not_stop_the_run_and_a_nan_loss_s
     monkeypatch.setattr(vlft.training.step, "token_loss_sum", lambda logits, labels: real_loss(logits, labels) * float("nan"))
     with pytest.raises(NonFiniteStop, match="3 consecutive steps"):
         execute(registry, short_config(small_data, tmp_path / "nan", **values), progress=False)
+
+
+class _RunsCodeWhenUnpickled:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_checkpoint_state_is_loaded_without_running_pickled_code(registry, small_data, tmp_path, straight_run):
+    """state.pt is read with ``weights_only=True``: a real checkpoint restores (the RNG state included), and a
+    state.pt carrying an object that runs code when unpickled is refused before that code runs."""
+    from vlft.training.checkpoints import restore_training_state
+    from vlft.training.session import prepare
+
+    checkpoint = straight_run / "checkpoints" / "step-000008"
+    s = prepare(registry, short_config(small_data, tmp_path / "unused", steps=8, save_every=4, eval_every=0))
+    assert restore_training_state(checkpoint, s.optimizer, s.scheduler, None, torch.device("cpu")) == 8
+    assert s.optimizer.state  # the AdamW moments came back
+
+    marker = tmp_path / "code-ran"
+    hostile = tmp_path / "step-000001"
+    hostile.mkdir()
+    state = torch.load(checkpoint / "state.pt", weights_only=False)  # the test's own file, to copy from
+    torch.save({**state, "extra": _RunsCodeWhenUnpickled(marker)}, hostile / "state.pt")
+    with pytest.raises(VlftError, match="state.pt .* not only tensors and plain values"):
+        restore_training_state(hostile, s.optimizer, s.scheduler, None, torch.device("cpu"))
+    assert not marker.exists()
