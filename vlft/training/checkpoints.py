@@ -17,6 +17,7 @@ import errno
 import hashlib
 import json
 import os
+import pickle
 import random
 import shutil
 import sys
@@ -275,7 +276,6 @@ def load_state(path: Path) -> dict:
     """``state.pt`` with ``weights_only=True``: tensors and plain values, never code. Checkpoints written
     before the RNG state was stored plainly hold a NumPy array, allowed by name (``_reconstruct``, ``ndarray``,
     ``dtype``)."""
-    import pickle
 
     allowed = [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
     multiarray = getattr(np, "_core", None) or np.core
