@@ -192,3 +192,44 @@ def test_without_validation_data_a_seeded_tenth_is_held_out(tmp_path, processor)
     assert split(0) == (train, val)  # the same seed holds out the same records
     others = [set(split(seed)[1]) for seed in (1, 2, 3)]
     assert all(o != set(val) for o in others) and len({frozenset(o) for o in others}) == 3  # seeded, not fixed
+
+
+def test_weighted_copies_never_land_in_both_the_training_set_and_the_hold_out(tmp_path, processor):
+    """``FILE:3`` without a validation file: the 10% hold-out is drawn from the file's records, then the rest
+    is weighted; a record held out has no copy among the training records."""
+    from vlft.config import RunConfig
+    from vlft.data.demo import write_demo_dataset
+    from vlft.planning.preflight import load_and_check_data
+
+    ds = write_demo_dataset(tmp_path / "demo", n_train=40, n_val=1, seed=2)
+    train, val, _ = load_and_check_data(RunConfig(data=[f"{ds.train}:3"], seed=0), SampleEncoder(processor))
+    held, trained = {r.where for r in val}, [r.where for r in train]
+    assert len(held) == len(val) == 4 and not held & set(trained)
+    assert len(trained) == 3 * 36 and all(trained.count(w) == 3 for w in set(trained))
+
+
+def test_an_axolotl_base64_image_part_is_read_and_a_part_without_a_source_names_its_keys(tmp_path):
+    import base64
+    import io
+    import json
+
+    from PIL import Image
+
+    from vlft.errors import DataError
+
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(buf, format="PNG")
+    raw = buf.getvalue()
+
+    def rec(part):
+        return {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "Which colour?"}]},
+                             {"role": "assistant", "content": "red"}]}
+
+    path = tmp_path / "axolotl.jsonl"
+    path.write_text(json.dumps(rec({"type": "image", "base64": base64.b64encode(raw).decode()})) + "\n")
+    [r] = read_records(path)
+    assert r.images == [raw] and r.turns[0].text == "<image>Which colour?"
+    path.write_text(json.dumps(rec({"type": "image", "b64_json": "xyz"})) + "\n")
+    with pytest.raises(DataError) as err:
+        read_records(path)
+    assert "an image part without a source (keys found: 'b64_json', 'type'; a source is one of 'image', " in str(err.value)

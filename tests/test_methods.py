@@ -120,3 +120,43 @@ def test_saved_adapter_loads_with_plain_peft_and_gives_the_same_logits(registry,
     merged = registry.first("vlft_merge_adapter", method=method, model=plain)
     with torch.no_grad():
         torch.testing.assert_close(merged(**_inputs(batch)).logits, ours, atol=1e-4, rtol=1e-4)
+
+
+def test_the_vision_warmup_runs_the_tower_on_a_text_only_batch_and_adds_exactly_zero(registry, model_dir,
+                                                                                   batch):
+    """A text-only batch (no pixels): without the warm-up the vision adapters get no gradient (None: what DDP
+    calls unused); with it they get zero gradients, and the loss and the text gradients are bit for bit
+    those without it."""
+    from vlft.models.loss import token_loss_sum
+    from vlft.models.vision import install_vision_warmup
+
+    text_only = {k: v for k, v in batch.items() if k not in ("pixel_values", "image_grid_thw")}
+    text_only["mm_token_type_ids"] = torch.zeros_like(text_only["mm_token_type_ids"])
+
+    def step(install: bool):
+        model = base_model(model_dir)
+        # dropout off: the dummy pass draws dropout masks too, which would shift the text layers' masks
+        cfg = RunConfig(method="lora", adapter={"lora_dropout": 0.0})
+        d = registry.first("vlft_adapter_defaults", method="lora", config=cfg)
+        targets = select_targets(model, d, "both", 6).modules
+        torch.manual_seed(0)
+        adapted = registry.first("vlft_apply_adapter", method="lora", model=model, targets=targets, config=cfg)
+        handles = install_vision_warmup(adapted, {"image"}) if install else []
+        adapted.train()
+        # the image placeholders become plain text tokens: a text-only batch of the same shape
+        ids = text_only["input_ids"].masked_fill(text_only["input_ids"] == model.config.image_token_id, 1)
+        loss = token_loss_sum(adapted(**{**_inputs(text_only), "input_ids": ids}).logits, text_only["labels"])
+        loss.backward()
+        grads = {n: p.grad for n, p in adapted.named_parameters() if p.requires_grad}
+        return loss.detach(), grads, handles
+
+    loss_off, grads_off, _ = step(False)
+    loss_on, grads_on, handles = step(True)
+    assert handles
+    vision = [n for n in grads_on if ".visual." in n]
+    assert vision and all(grads_off[n] is None for n in vision)
+    assert all(grads_on[n] is not None and not grads_on[n].any() for n in vision)
+    assert torch.equal(loss_on, loss_off)
+    for n in grads_off:
+        if ".visual." not in n:
+            assert torch.equal(grads_on[n], grads_off[n]), n

@@ -112,3 +112,23 @@ def test_a_fresh_manager_with_only_test_plugins():
 
     reg = load_registry(load_entry_points=False, plugins=(OnlyBackend(),))
     assert list(reg.backends) == ["toy"] and reg.methods == {}
+
+
+def test_a_torch_older_than_the_floor_is_refused_with_a_clear_message():
+    """``get_total_norm`` and the public ``fully_shard`` need torch 2.6: the training stage refuses an older
+    torch at import, and ``vlft doctor`` fails its torch check (the version string stands in for an old
+    install: a subprocess that sets ``torch.__version__`` before importing vlft)."""
+    import subprocess
+    import sys
+
+    from vlft.floors import TORCH_FLOOR, torch_too_old
+
+    assert TORCH_FLOOR == "2.6"
+    assert torch_too_old("2.14.1+cu130") is None and torch_too_old("2.6.0") is None
+    assert "torch 2.5.1+cpu is older than vlft needs (2.6)" in torch_too_old("2.5.1+cpu")
+    code = ("import torch; torch.__version__ = '2.4.1'\n"
+            "try:\n    import vlft.training.step\nexcept ImportError as e:\n    print('refused:', e)\n"
+            "from vlft.commands.doctor import torch_check\nc = torch_check('2.4.1')\nprint('doctor:', c.ok, c.fix)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "refused: torch 2.4.1 is older than vlft needs (2.6)" in proc.stdout, proc.stderr[-2000:]
+    assert "doctor: False pip install 'torch>=2.6'" in proc.stdout

@@ -34,7 +34,7 @@ def test_short_run_writes_adapter_metrics_and_eval(registry, small_data, tmp_pat
     from vlft.commands.run import execute
 
     out = tmp_path / "run"
-    # a checkpoint every step, two kept: steps 1-5 are saved (the last step writes the adapter instead)
+    # a checkpoint every step, two kept: the last step's too (the final checkpoint, before the evaluation)
     result = execute(registry, short_config(small_data, out, method=method, save_every=1, keep_checkpoints=2),
                      progress=False)
     metrics = read_metrics(out)
@@ -49,7 +49,7 @@ def test_short_run_writes_adapter_metrics_and_eval(registry, small_data, tmp_pat
     assert set(ev["after"]["fields"]) == {"colour", "defect"}
     assert (out / "adapter" / "adapter_model.safetensors").exists()
     kept = sorted((out / "checkpoints").iterdir())
-    assert [p.name for p in kept] == ["step-000004", "step-000005"]
+    assert [p.name for p in kept] == ["step-000005", "step-000006"]
     assert all((p / "state.pt").is_file() and (p / "adapter" / "adapter_model.safetensors").is_file() for p in kept)
     assert result.after is not None and json.loads((out / "summary.json").read_text())["method"] == method
 

@@ -383,3 +383,111 @@ def test_hostile_config_and_pickled_weights_exit_non_zero_and_write_nothing(tmp_
     check_weight_format(str(model), trust_pickle=True)
     (model / "model.safetensors").write_bytes(b"")
     check_weight_format(str(model), trust_pickle=False)
+
+
+def test_the_end_of_a_run_saves_first_and_a_failed_evaluation_keeps_the_adapter(registry, small_data, tmp_path,
+                                                                                 monkeypatch, capsys):
+    """The evaluation after training runs out of memory (raised where it starts: a fault injected into the
+    real run): by then the adapter and a checkpoint of the last step are written and the AdamW state is
+    freed; summary.json says completed, with the error; ``--resume`` then says the run is complete and trains
+    nothing."""
+    import vlft.commands.run as run
+
+    out = tmp_path / "run"
+    sessions, calls, seen = [], [], {}
+    real_prepare, real_eval = run.prepare, run.evaluate_generation
+
+    def prepare(*args, **kwargs):
+        sessions.append(real_prepare(*args, **kwargs))
+        return sessions[-1]
+
+    def evaluation(*args, **kwargs):
+        calls.append(kwargs)
+        if len(calls) == 2:  # after training
+            seen.update(adapter=(out / "adapter" / "adapter_model.safetensors").is_file(),
+                        checkpoints=sorted(p.name for p in (out / "checkpoints").iterdir()),
+                        optimizer_state=len(sessions[0].optimizer.state))
+            raise torch.OutOfMemoryError("out of memory (injected): tried to allocate 2.00 GiB")
+        return real_eval(*args, **kwargs)
+
+    monkeypatch.setattr(run, "prepare", prepare)
+    monkeypatch.setattr(run, "evaluate_generation", evaluation)
+    config = dict(steps=4, save_every=3, eval_every=0, eval_samples=2, max_new_tokens=2, batch_size=2)
+    run.execute(registry, short_config(small_data, out, **config), progress=False)
+    assert seen == {"adapter": True, "checkpoints": ["step-000003", "step-000004"], "optimizer_state": 0}
+    assert [c["batch_size"] for c in calls] == [2, 2]  # the training micro-batch, not 16
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["exact_match_after"] is None
+    assert summary["eval_error"].startswith("OutOfMemoryError: out of memory (injected)")
+    plan = json.loads((out / "plan.json").read_text())
+    assert any(n.startswith("evaluation generates in batches of 2") for n in plan["notes"])
+
+    metrics = (out / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    result = run.execute(registry, short_config(small_data, out, resume=True, **config), progress=False)
+    assert "is complete (4 steps, checkpoint step-000004); nothing to train" in capsys.readouterr().err
+    assert len(sessions) == 1 and result.metrics == []  # nothing was set up, nothing trained
+    assert (out / "metrics.jsonl").read_text() == metrics
+
+
+def test_fp16_scaler_back_offs_at_the_start_do_not_stop_the_run_and_a_nan_loss_still_does(registry, small_data,
+                                                                                           tmp_path, monkeypatch):
+    """fp16 on the CPU with a loss scale of 2**28 to start (the backend's 2**16 does not overflow the embedded
+    model; 2**28 does, for real, in its fp16 gradients): the scaler backs off step after step, more often than
+    --max-skipped-steps, and the run completes; those steps are counted as back-offs, not as skipped steps.
+    Then a NaN loss (a patched loss) is not explained by the scaler: it stops the run."""
+    import vlft.training.step
+
+    from vlft.commands.run import execute
+    from vlft.training.signals import NonFiniteStop
+
+    class StartsHigh(torch.amp.GradScaler):  # the CPU backend's scaler, started at 2**28
+        def __init__(self, device="cpu", init_scale=2.0 ** 16, **kwargs):
+            super().__init__(device, init_scale=2.0 ** 28, **kwargs)
+
+    monkeypatch.setattr(torch.amp, "GradScaler", StartsHigh)
+    out = tmp_path / "run"
+    values = dict(precision="fp16", steps=12, max_skipped_steps=3, save_every=0, eval_every=0, eval_samples=1,
+                  max_new_tokens=1)
+    execute(registry, short_config(small_data, out, **values), progress=False)
+    summary = json.loads((out / "summary.json").read_text())
+    metrics = [m for m in read_metrics(out) if "loss" in m]
+    assert summary["status"] == "completed" and summary["skipped_steps"] == 0
+    assert summary["scaler_backoffs"] > 3  # more than --max-skipped-steps, at the start
+    scales = [m["loss_scale"] for m in metrics]
+    assert scales[0] <= 2.0 ** 27 and scales[-1] <= 2.0 ** (28 - summary["scaler_backoffs"])  # it backed off
+    assert [m["scaler_backoffs"] for m in metrics][-1] == summary["scaler_backoffs"]
+
+    real_loss = vlft.training.step.token_loss_sum
+    monkeypatch.setattr(vlft.training.step, "token_loss_sum", lambda logits, labels: real_loss(logits, labels) * float("nan"))
+    with pytest.raises(NonFiniteStop, match="3 consecutive steps"):
+        execute(registry, short_config(small_data, tmp_path / "nan", **values), progress=False)
+
+
+class _RunsCodeWhenUnpickled:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_checkpoint_state_is_loaded_without_running_pickled_code(registry, small_data, tmp_path, straight_run):
+    """state.pt is read with ``weights_only=True``: a real checkpoint restores (the RNG state included), and a
+    state.pt carrying an object that runs code when unpickled is refused before that code runs."""
+    from vlft.training.checkpoints import restore_training_state
+    from vlft.training.session import prepare
+
+    checkpoint = straight_run / "checkpoints" / "step-000008"
+    s = prepare(registry, short_config(small_data, tmp_path / "unused", steps=8, save_every=4, eval_every=0))
+    assert restore_training_state(checkpoint, s.optimizer, s.scheduler, None, torch.device("cpu")) == 8
+    assert s.optimizer.state  # the AdamW moments came back
+
+    marker = tmp_path / "code-ran"
+    hostile = tmp_path / "step-000001"
+    hostile.mkdir()
+    state = torch.load(checkpoint / "state.pt", weights_only=False)  # the test's own file, to copy from
+    torch.save({**state, "extra": _RunsCodeWhenUnpickled(marker)}, hostile / "state.pt")
+    with pytest.raises(VlftError, match="state.pt .* not only tensors and plain values"):
+        restore_training_state(hostile, s.optimizer, s.scheduler, None, torch.device("cpu"))
+    assert not marker.exists()

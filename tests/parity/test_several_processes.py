@@ -208,7 +208,7 @@ def test_two_torchrun_agents_resume_a_sharded_run_with_the_uninterrupted_losses(
     (--nnodes 2, one process each, rendezvous on localhost): one job, the same losses as without the cut."""
     out = tmp_path / "run"
     shutil.copytree(sharded, out)
-    for name in ("adapter", "summary.json", "eval.json"):
+    for name in ("adapter", "summary.json", "eval.json", f"checkpoints/step-{STEPS:06d}"):
         shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-000005"]
     port = _free_port()
@@ -266,3 +266,59 @@ def test_the_report_says_how_the_processes_held_the_model(data_parallel, sharded
     header, rows = table_rows([read_run(data_parallel, "ddp"), read_run(sharded, "fsdp")])
     device = header.index("device")
     assert [row[device] for row in rows] == ["cpu x1 (2 processes)", "cpu x1 (2 processes, FSDP)"]
+
+
+MIXED_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def mixed_data(small_data, tmp_path_factory) -> tuple[Path, Path]:
+    """16 records of the demo set, where the records each process draws are chosen (from the sampler's
+    order) so that rank 1 is text-only at steps 1 and 3 and rank 0 at step 2, beside the other's images."""
+    from vlft.data.order import EpochSampler
+
+    train, val = small_data
+    records = [json.loads(x) for x in train.read_text().splitlines()][:16]
+    text_only = set()
+    for rank in (0, 1):
+        order = EpochSampler(len(records), 5, 0, rank, 2).indices()  # seed 5 as _values, batch 2 per process
+        for step in ((1, 3) if rank == 1 else (2,)):
+            text_only.update(order[(step - 1) * 2:step * 2])
+    for i in text_only:
+        rec = records[i]
+        del rec["image"]
+        rec["conversations"][0]["value"] = rec["conversations"][0]["value"].replace("<image>\n", "")
+    out = tmp_path_factory.mktemp("mixed")
+    (out / "imgs").symlink_to(train.parent / "imgs")
+    (out / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return out / "train.jsonl", val
+
+
+@pytest.fixture(scope="module")
+def mixed_reference(mixed_data, tmp_path_factory) -> Path:
+    from vlft.commands.run import execute
+    from vlft.registry import get_registry
+
+    out = tmp_path_factory.mktemp("mixed-one") / "run"
+    execute(get_registry(), build_config({}, _values(mixed_data, out, steps=MIXED_STEPS, save_every=0,
+                                                      eval_samples=1, max_new_tokens=1)), progress=False)
+    return out
+
+
+@pytest.mark.parametrize("shard", ["none", "fsdp"])
+def test_text_only_batches_beside_image_batches_train_as_one_process(mixed_data, mixed_reference, shard,
+                                                                     tmp_path):
+    """One process's batch has no image while the other's has: every process still runs the vision tower
+    (a dummy image whose output counts 0), so DDP finds no unused parameter, FSDP gathers the same blocks on
+    every process, and the losses are those of one process with the same global batch."""
+    out = tmp_path / "run"
+    values = _values(mixed_data, out, batch_size=2, steps=MIXED_STEPS, save_every=0, eval_samples=1,
+                     max_new_tokens=1, shard=shard)
+    proc = subprocess.run([*vlft_command(), "run", "--nproc-per-node", "2", "--quiet", *_flags(values)],
+                          capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = _metrics(mixed_reference), _metrics(out)
+    assert [m["step"] for m in a] == [m["step"] for m in b] == list(range(1, MIXED_STEPS + 1))
+    for x, y in zip(a, b):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), (x, y)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4), (x, y)

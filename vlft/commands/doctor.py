@@ -20,6 +20,7 @@ import sys
 import click
 
 from vlft.errors import VlftError
+from vlft.floors import TORCH_FLOOR, torch_too_old
 from vlft.policies import DoctorCheck
 
 COMMON_PACKAGES = ("torch", "transformers", "peft", "pluggy")
@@ -30,13 +31,22 @@ def common_checks(registry) -> list[DoctorCheck]:
     checks = [DoctorCheck("python", True, f"{platform.python_version()} ({sys.executable})")]
     for name in COMMON_PACKAGES:
         try:
-            checks.append(DoctorCheck(name, True, importlib.metadata.version(name)))
+            version = importlib.metadata.version(name)
+            checks.append(torch_check(version) if name == "torch" else DoctorCheck(name, True, version))
         except importlib.metadata.PackageNotFoundError:
             checks.append(DoctorCheck(name, False, "not installed", f"pip install {name}"))
     for name, error in sorted(registry.broken.items()):
         checks.append(DoctorCheck(f"plugin {name}", False, f"failed to load: {error}",
                                   f"reinstall it, or block it with VLFT_DISABLE_PLUGINS={name}", blocking=False))
     return checks
+
+
+def torch_check(version: str) -> DoctorCheck:
+    """torch at or above the floor vlft's training needs (``floors.TORCH_FLOOR``)."""
+    too_old = torch_too_old(version)
+    if too_old is None:
+        return DoctorCheck("torch", True, version)
+    return DoctorCheck("torch", False, too_old, f"pip install 'torch>={TORCH_FLOOR}'")
 
 
 def backend_checks(registry, name: str) -> list[DoctorCheck]:

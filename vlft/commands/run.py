@@ -88,16 +88,38 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
     sink_factories = metric_sinks(registry, config)
     identity = run_identity(config)
     resume_from = _checkpoint_to_resume(config, output, identity)
+    complete = _completed(output, resume_from)
+    if complete is not None:
+        log(f"--resume: the run in {output} is complete ({complete['steps']} steps, checkpoint "
+            f"{resume_from.name}); nothing to train. Its adapter: {complete.get('adapter')}", config.rank)
+        return RunResult(output, None, metrics=[])
     s = prepare(registry, config, resume_from=resume_from, choice=choice)
     job = _Job(s, _shared_output(s, output), identity, sink_factories, progress)
     job.write_plan()
     before = job.evaluate_before()
-    records = job.train()
-    after = job.evaluate_after()
-    job.save_adapter()
-    job.write_summary(before, after, records)
+    records = job.train()  # ends with a checkpoint of the last step
+    job.save_adapter()  # before the evaluation: whatever it does, the trained adapter is kept
+    job.free_optimizer_state()
+    after, eval_error = job.evaluate_after()
+    job.write_summary(before, after, records, eval_error)
     job.finish()
     return RunResult(job.output, s.plan, before, after, records)
+
+
+def _completed(output: Path, resume_from: Path | None) -> dict | None:
+    """``--resume`` on a run that finished: its summary says completed and its newest checkpoint is of the
+    last step. The summary then, else None."""
+    path = output / "summary.json"
+    if resume_from is None or not path.exists():
+        return None
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    step = int(resume_from.name.rpartition("-")[2]) if resume_from.name.startswith("step-") else -1
+    if summary.get("status") != "completed" or step != summary.get("steps"):
+        return None
+    return summary
 
 
 def _checkpoint_to_resume(config: RunConfig, output: Path, identity: dict) -> Path | None:
@@ -146,6 +168,10 @@ class _Job:
         if self.rank != 0:
             return
         output.mkdir(parents=True, exist_ok=True)
+        note = (f"evaluation generates in batches of {eval_batch_size(self.config)} (the training micro-batch, "
+                f"at most 16), after training, once the adapter is saved and the optimizer state freed")
+        if note not in s.plan.notes:
+            s.plan.notes.append(note)
         (output / "plan.json").write_text(json.dumps(s.plan.describe(), indent=2, default=str))
         (output / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
         log(format_plan(s.plan.describe()))
@@ -156,7 +182,7 @@ class _Job:
         s, config = self.s, self.config
         return evaluate_generation(model, s.encoder, self.eval_records, self.device, config.max_new_tokens,
                                    s.autocast_dtype, rank=self.rank, world_size=config.world_size,
-                                   synced=s.sharded)
+                                   synced=s.sharded, batch_size=eval_batch_size(config))
 
     def val_loss(self) -> float:
         return validation_loss(self.model, self.val_batches, self.device, self.s.autocast_dtype)
@@ -225,19 +251,41 @@ class _Job:
         if self.rank == 0:
             summary = {"status": status, "step": step, "steps": self.s.settings.total_steps,
                        "resumed_from": self.s.start_step, "train_time_s": time.perf_counter() - t0,
-                       "skipped_steps": self.skips.total, "skipped": self.skips.steps, **extra}
+                       "skipped_steps": self.skips.total, "skipped": self.skips.steps,
+                       "scaler_backoffs": self.skips.scaler_backoffs, **extra}
             (self.output / "summary.json").write_text(json.dumps(summary, indent=2))
 
-    def evaluate_after(self) -> dict:
+    def free_optimizer_state(self) -> None:
+        """The AdamW moments are not needed once the last checkpoint holds them: free them before the
+        evaluation generates, so it runs in what training used."""
+        self.s.optimizer.zero_grad(set_to_none=True)
+        self.s.optimizer.state.clear()
+        if self.device.type != "cpu":
+            module = getattr(torch, self.device.type, None)
+            if module is not None and hasattr(module, "empty_cache"):
+                module.empty_cache()
+
+    def evaluate_after(self) -> tuple[dict | None, str | None]:
+        """The adapted model's scores, or (None, the error) when the evaluation fails: the adapter and the
+        final checkpoint are already written, so the run is complete without it."""
         log("evaluating the adapted model ...", self.rank)
-        return self.generation_eval(self.model)
+        try:
+            return self.generation_eval(self.model), None
+        except Exception as e:  # noqa: BLE001 - an out-of-memory or any bug: the trained adapter is kept
+            if self.s.distributed:
+                raise  # the other processes wait in the evaluation's collectives: stop them all
+            error = f"{e.__class__.__name__}: {e}"
+            log(f"the evaluation after training failed ({error}); the adapter is saved in "
+                f"{self.output / 'adapter'}. Score it again with: vlft predict", self.rank)
+            return None, error
 
     def save_adapter(self) -> None:
         to_save = self.s.adapter_to_save(self.model)  # every process: gathering a sharded adapter is collective
         if self.rank == 0:
             _save_adapter_atomically(self.s, to_save, self.output / "adapter")
 
-    def write_summary(self, before: dict, after: dict, records: list[dict]) -> None:
+    def write_summary(self, before: dict, after: dict | None, records: list[dict],
+                      eval_error: str | None = None) -> None:
         if self.rank != 0:
             return
         s, plan, output, config = self.s, self.s.plan, self.output, self.config
@@ -248,12 +296,14 @@ class _Job:
             "backend": plan.backend.info.name, "method": plan.method.name, "steps": total_steps,
             "resumed_from": s.start_step, "train_time_s": self.train_time,
             "final_loss": records[-1]["loss"] if records else None, "peak_memory_bytes": mem.peak_bytes,
-            "exact_match_before": before["exact_match"], "exact_match_after": after["exact_match"],
+            "exact_match_before": before["exact_match"],
+            "exact_match_after": after["exact_match"] if after is not None else None, "eval_error": eval_error,
             "adapter": str(output / "adapter"),
             "param_dtype": plan.precision.param_dtype, "checkpointing": plan.checkpointing,
             "memory_estimate_bytes": plan.memory.total_bytes() if plan.memory else None,
             "skipped_too_long": plan.lengths.get("skipped_samples", []),
             "status": "completed", "skipped_steps": self.skips.total, "skipped": self.skips.steps,
+            "scaler_backoffs": self.skips.scaler_backoffs,
             "sharding": self.sharding,
         }
         if config.early_stopping_patience:
@@ -262,7 +312,8 @@ class _Job:
                                          "best_step": best.get("step"), "best_val_loss": best.get("val_loss"),
                                          "best_adapter": str(output / "adapter-best") if best else None}
         (output / "summary.json").write_text(json.dumps(summary, indent=2))
-        print(format_table(before, after))
+        if after is not None:
+            print(format_table(before, after))
         print(f"adapter saved to {output / 'adapter'} ({total_steps - s.start_step} steps in {self.train_time:.0f} s)")
         print(f"compare it with other runs: vlft report {output} [OTHER_RUN ...] --output {output}-report")
 
@@ -270,6 +321,12 @@ class _Job:
         if self.s.distributed:
             torch.distributed.barrier()
             torch.distributed.destroy_process_group()
+
+
+def eval_batch_size(config: RunConfig) -> int:
+    """The generation evaluation's batch: the training micro-batch (a forward without gradients and its KV
+    cache hold less than a training step of as many samples), at most 16."""
+    return max(1, min(16, config.batch_size))
 
 
 def sharding_figures(s) -> dict:

@@ -66,6 +66,7 @@ class _Media:
 
     def __init__(self):
         self.slots: dict[str, list[tuple[bool, Any]]] = {IMAGE: [], VIDEO: []}  # (inline?, value)
+        self.sourceless: dict[str, list[list[str]]] = {IMAGE: [], VIDEO: []}  # the keys of parts without one
 
     def text(self, value: str) -> str:
         def sub(m: re.Match) -> str:
@@ -77,8 +78,10 @@ class _Media:
 
         return _MEDIA.sub(sub, value)
 
-    def part(self, kind: str, value: Any) -> str:
+    def part(self, kind: str, value: Any, keys: list[str] | None = None) -> str:
         self.slots[kind].append((value is not None, value))
+        if value is None:
+            self.sourceless[kind].append(sorted(keys or []))
         return kind
 
     def fill(self, kind: str, listed: list) -> list:
@@ -89,8 +92,12 @@ class _Media:
             noun = "image" if kind == IMAGE else "video"
             inline = len(slots) - open_slots
             extra = f" (plus {inline} given inline)" if inline else ""
+            parts = "".join(
+                f"; an {noun} part without a source (keys found: {', '.join(repr(k) for k in keys)}; a source "
+                f"is one of {', '.join(repr(k) for k in _SOURCE_KEYS[kind])}) counts as a placeholder for "
+                f"'{noun}s'" for keys in self.sourceless[kind][:3])
             raise FormatProblem(
-                f"{open_slots} {kind} placeholder(s){extra} but {len(listed)} {noun}(s) in '{noun}s'; "
+                f"{open_slots} {kind} placeholder(s){extra} but {len(listed)} {noun}(s) in '{noun}s'{parts}; "
                 f"put one {kind} in the text for each {noun}"
                 + (" (or pass --add-placeholders to put them at the start of the first user turn)"
                    if kind == IMAGE and not slots else "")
@@ -111,9 +118,14 @@ def _as_list(obj: dict, *keys: str) -> list:
     return []
 
 
+_SOURCE_KEYS = {kind: (name, "value", "url", "path", f"{name}_url", "base64")
+                for kind, name in ((IMAGE, "image"), (VIDEO, "video"))}
+
+
 def _part_source(part: dict, kind: str) -> Any:
-    """The source of an image/video part, or None when it points at the record's list."""
-    for key in (kind, "value", "url", "path", f"{kind}_url"):
+    """The source of an image/video part, or None when it points at the record's list. axolotl's
+    ``{"type": "image", "base64": "..."}`` is a bare base64 image."""
+    for key in _SOURCE_KEYS[IMAGE if kind == "image" else VIDEO]:
         if key in part and part[key] is not None:
             value = part[key]
             return value.get("url") if isinstance(value, dict) else value
@@ -138,9 +150,9 @@ def _content(value: Any, media: _Media, turn: int) -> str:
                 raise FormatProblem(f"turn {turn}, part {k}: a text part needs a string 'text' (or 'value')")
             out.append(media.text(text))
         elif kind in ("image", "image_url"):
-            out.append(media.part(IMAGE, _part_source(part, "image")))
+            out.append(media.part(IMAGE, _part_source(part, "image"), list(part)))
         elif kind in ("video", "video_url"):
-            out.append(media.part(VIDEO, _part_source(part, "video")))
+            out.append(media.part(VIDEO, _part_source(part, "video"), list(part)))
         else:
             raise FormatProblem(
                 f"turn {turn}, part {k}: unknown content part {part!r}; parts are {{\"type\": \"text\", \"text\"}}, "

@@ -48,7 +48,7 @@ def generate_answers(model, encoder: SampleEncoder, records: list[Record], devic
 
 
 def evaluate_generation(model, encoder, records, device, max_new_tokens=32, autocast_dtype=None,
-                        rank: int = 0, world_size: int = 1, synced: bool = False) -> dict:
+                        rank: int = 0, world_size: int = 1, synced: bool = False, batch_size: int = 16) -> dict:
     """Score greedy answers on ``records``; with several processes each does a share and rank 0 gathers.
 
     ``synced`` (a sharded model, whose every forward pass gathers weights from all processes): the shares
@@ -59,7 +59,7 @@ def evaluate_generation(model, encoder, records, device, max_new_tokens=32, auto
     n_mine = len(mine)
     if synced and records:
         mine += [records[0]] * (-(-len(records) // world_size) - n_mine)
-    answers = generate_answers(model, encoder, mine, device, max_new_tokens=max_new_tokens,
+    answers = generate_answers(model, encoder, mine, device, batch_size=batch_size, max_new_tokens=max_new_tokens,
                                autocast_dtype=autocast_dtype, synced=synced)[:n_mine]
     pairs = list(zip(range(rank, len(records), world_size), answers))
     if world_size > 1:

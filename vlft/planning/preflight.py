@@ -61,6 +61,13 @@ def weighted(records: list, weight: float, seed: int) -> list:
 
 def read_training_files(config: RunConfig) -> tuple[list, Path | None]:
     """Every training file read and weighted (all files' problems reported together), and the validation path."""
+    files, val_path = read_training_files_unweighted(config)
+    return [r for records, weight in files for r in weighted(records, weight, config.seed)], val_path
+
+
+def read_training_files_unweighted(config: RunConfig) -> tuple[list[tuple[list, float]], Path | None]:
+    """[(a training file's records, its weight)] (all files' problems reported together), and the
+    validation path."""
 
     files, val_path = resolve_data_paths(config)
     train, messages = [], []
@@ -74,7 +81,7 @@ def read_training_files(config: RunConfig) -> tuple[list, Path | None]:
             continue
         if not records:
             messages.append(f"{path} holds no records")
-        train += weighted(records, weight, config.seed)
+        train.append((records, weight))
     if messages:
         raise DataError("\n".join(messages))
     return train, val_path
@@ -82,19 +89,22 @@ def read_training_files(config: RunConfig) -> tuple[list, Path | None]:
 
 def load_and_check_data(config: RunConfig, encoder) -> tuple[list, list, LengthReport]:
     """Read and check both splits, lengths included; samples over --max-length stop the run or are skipped."""
-    train, val_path = read_training_files(config)
+    files, val_path = read_training_files_unweighted(config)
     if val_path is not None:
         val = read_records(val_path, image_root=config.image_root, add_placeholders=config.add_placeholders)
     else:
-        # no validation file: hold out a seeded 10% (at least one record)
-        import random
-
-        order = list(range(len(train)))
+        # no validation file: hold out a seeded 10% (at least one record) of the records as read, then weight
+        # the rest (weighting first would put copies of one record in both)
+        pool = [(f, i) for f, (records, _) in enumerate(files) for i in range(len(records))]
+        order = list(range(len(pool)))
         random.Random(config.seed).shuffle(order)
-        n_val = max(1, len(train) // 10) if len(train) > 1 else 0
-        held = set(order[:n_val])
-        val = [r for i, r in enumerate(train) if i in held]
-        train = [r for i, r in enumerate(train) if i not in held] or train
+        n_val = max(1, len(pool) // 10) if len(pool) > 1 else 0
+        held = {pool[k] for k in order[:n_val]}
+        val = [files[f][0][i] for f, i in pool if (f, i) in held]
+        kept = [([r for i, r in enumerate(records) if (f, i) not in held], w) for f, (records, w) in enumerate(files)]
+        if sum(len(r) for r, _ in kept):
+            files = kept
+    train = [r for records, weight in files for r in weighted(records, weight, config.seed)]
     # measuring renders every record with the chat template, which checks it splits into prompt and reply
     train, lengths = check_lengths(train, encoder, config.max_length, config.skip_too_long,
                                             "training data")

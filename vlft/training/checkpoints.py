@@ -17,6 +17,7 @@ import errno
 import hashlib
 import json
 import os
+import pickle
 import random
 import shutil
 import sys
@@ -232,15 +233,22 @@ def remove_partial(root: Path) -> list[Path]:
 
 
 def rng_state(device: torch.device) -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Plain values and tensors only, so that ``state.pt`` loads with ``weights_only=True``."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    numpy_state = [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if device.type != "cpu":
         state["device"] = torch.get_device_module(device.type).get_rng_state()
     return state
 
 
 def set_rng_state(state: dict, device: torch.device) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["python"]))
+    numpy_state = state["numpy"]
+    if isinstance(numpy_state, list):  # as rng_state writes it: the keys as a tensor
+        name, keys, pos, has_gauss, cached = numpy_state
+        numpy_state = (name, keys.numpy().astype(np.uint32), pos, has_gauss, cached)
+    np.random.set_state(numpy_state)
     torch.set_rng_state(state["torch"])
     if "device" in state and device.type != "cpu":
         torch.get_device_module(device.type).set_rng_state(state["device"])
@@ -264,12 +272,29 @@ def newest_checkpoint(root: Path, report=None) -> Path:
                     f"(in a new --output).")
 
 
+def load_state(path: Path) -> dict:
+    """``state.pt`` with ``weights_only=True``: tensors and plain values, never code. Checkpoints written
+    before the RNG state was stored plainly hold a NumPy array, allowed by name (``_reconstruct``, ``ndarray``,
+    ``dtype``)."""
+
+    allowed = [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    multiarray = getattr(np, "_core", None) or np.core
+    allowed.append(multiarray.multiarray._reconstruct)
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).split("WeightsUnpickler error:", 1)[-1].strip().splitlines()[0]
+        raise VlftError(f"--resume: {path} holds not only tensors and plain values ({first}); it is not "
+                        f"unpickled, since unpickling runs code. Resume from a checkpoint vlft wrote.") from None
+
+
 def restore_training_state(checkpoint: Path, optimizer, scheduler, scaler, device: torch.device,
                            model=None) -> int:
     """Optimizer, scheduler, scaler and RNG state from ``checkpoint``; returns its step. ``model``: the
     sharded model (``--shard fsdp``), whose optimizer state is read from each process's share."""
 
-    state = torch.load(checkpoint / "state.pt", map_location="cpu", weights_only=False)
+    state = load_state(checkpoint / "state.pt")
     written_sharded = (checkpoint / OPTIMIZER_DIR).is_dir()
     if written_sharded != (model is not None):
         raise VlftError(

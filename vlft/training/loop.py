@@ -45,6 +45,9 @@ class SkipLog:
     total: int = 0
     consecutive: int = 0
     steps: list[dict] = field(default_factory=list)
+    # fp16: steps the loss scaler skipped and backed off from (its warm-up, an overflow of the scaled
+    # gradients); not applied either, but counted apart: they never stop the run
+    scaler_backoffs: int = 0
 
 
 def run_training(model, optimizer, scheduler, policy: StepPolicy, dataset, collate, settings: LoopSettings,
@@ -70,9 +73,12 @@ def _read_skips(pending: list, skips: SkipLog, dataset, settings: LoopSettings, 
     """Read the pending steps' skip flags (one sync, where the loop syncs anyway) and account for them."""
     if not pending:
         return
-    flags = torch.stack([flag for _, flag in pending]).tolist()
+    flags = torch.stack([torch.stack([flag, backoff.to(flag.device)]) for _, flag, backoff in pending]).tolist()
     n_skipped = 0
-    for (step, _), skipped in zip(pending, flags):
+    for (step, _, _), (skipped, backoff) in zip(pending, flags):
+        if backoff:
+            skips.scaler_backoffs += 1
+            continue
         if not skipped:
             skips.consecutive = 0
             continue
@@ -180,17 +186,18 @@ def _loop(model, optimizer, scheduler, policy, dataset, collate, settings, check
     window = _Window(policy.device)
     non_blocking = bool(settings.loader_kwargs.get("pin_memory"))
     step = start_step
-    pending: list[tuple[int, torch.Tensor]] = []  # (step, skipped flag on the device) not yet read
+    pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, skipped, scaler back-off) not yet read
     patience = _EarlyStopping(settings.early_stopping_patience, on_best)
     wants_eval = evaluate_loss is not None and settings.eval_every
     early_stop = False
+    saved_step = None
     model.train()
     for group in batches(dataset, collate, settings, start_step):
         if step >= settings.total_steps or early_stop:
             break
         out = train_step_on(model, optimizer, scheduler, group, policy, non_blocking)
         step += 1
-        pending.append((step, out["skipped"]))
+        pending.append((step, out["skipped"], out["backoff"]))
         window.add(out, group, settings.world_size)
         bar.update(1)
         last = step == settings.total_steps
@@ -228,6 +235,7 @@ def _loop(model, optimizer, scheduler, policy, dataset, collate, settings, check
                                                        settings, pending, skips, dataset, metrics, is_main))
             if is_main:
                 metrics.write({"step": step, "checkpoint_time_s": save_s})
+            saved_step = step
         signum = stop.agreed(settings.world_size, policy.device) if not last else None
         if signum:
             if saved is None and checkpoints is not None:
@@ -237,6 +245,10 @@ def _loop(model, optimizer, scheduler, policy, dataset, collate, settings, check
             raise Interrupted(step, signum, saved)
     bar.close()
     _read_skips(pending, skips, dataset, settings, optimizer, policy, metrics, is_main)
+    if checkpoints is not None and step > start_step and saved_step != step:
+        # the final checkpoint: the run's end is resumable (and known complete) before anything else runs
+        _save(checkpoints, step, model, optimizer, scheduler, policy, settings, pending, skips, dataset, metrics,
+              is_main)
     return records
 
 
@@ -256,6 +268,7 @@ def _log_record(step, window: _Window, out, scheduler, policy, settings, memory_
     }
     if policy.scaler is not None:
         record["loss_scale"] = float(policy.scaler.get_scale())
+        record["scaler_backoffs"] = skips.scaler_backoffs
     return record
 
 

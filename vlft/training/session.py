@@ -27,6 +27,7 @@ from vlft.models.adapting import (
 )
 from vlft.models.bundled import require_weights
 from vlft.models.loading import empty_model, load_model
+from vlft.models.vision import install_vision_warmup
 from vlft.planning.plan import RunPlan, choose_backend, require_available
 from vlft.planning.preflight import check_fits, plan_run
 from vlft.registry import Registry
@@ -123,6 +124,10 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
     model = _base_model(registry, backend, plan, config)
     model = _adapted(registry, plan, config, model, resume_from)
     _place(model, plan, config, device)
+    if config.world_size > 1:  # every process runs the towers the data uses, at every step (models.vision)
+        modalities = {m for m, rs in (("image", [r for r in planned.train_records if r.images]),
+                                      ("video", [r for r in planned.train_records if r.videos])) if rs}
+        install_vision_warmup(model, modalities)
     autocast_dtype = getattr(torch, plan.precision.autocast_dtype) if plan.precision.autocast_dtype else None
     scaler = plan.precision.make_scaler() if plan.precision.loss_scaling else None
     optimizer, scheduler = _optimizer_and_schedule(model, plan, config, planned.total_steps)

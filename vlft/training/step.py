@@ -102,7 +102,9 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], policy: S
     finite = torch.isfinite(grad_norm)
     if policy.world_size == 1:
         finite = finite & torch.isfinite(total)
+    backoff = torch.zeros((), dtype=torch.bool, device=finite.device)
     if policy.scaler is not None:  # the scaler skips a step with inf/NaN gradients itself (and backs off)
+        backoff = scaler_explains(policy, finite, total)
         policy.scaler.step(optimizer)
         policy.scaler.update()
     elif policy.flags_on_host:
@@ -113,7 +115,23 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], policy: S
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return {"loss_sum": total, "grad_norm": grad_norm, "local_tokens": local_tokens,
-            "global_tokens": n_tokens, "skipped": ~finite}
+            "global_tokens": n_tokens, "skipped": ~finite, "backoff": backoff}
+
+
+# below this loss scale an overflow is the gradients' own, not the scale's: fp16 holds up to 65504 unscaled
+MIN_LOSS_SCALE = 1.0
+
+
+def scaler_explains(policy: StepPolicy, finite: torch.Tensor, loss_sum: torch.Tensor) -> torch.Tensor:
+    """A non-finite step the loss scaler explains (a device flag, no sync): the loss is finite on every
+    process and the scale is above ``MIN_LOSS_SCALE``, so the scaled gradients overflowed and the scaler backs
+    off (its warm-up from 65536, then now and then). A NaN loss, or an overflow at the floor, is not explained."""
+    loss_finite = torch.isfinite(loss_sum).to(torch.float32)
+    if policy.world_size > 1:  # every process must classify the step alike (they stop together)
+        torch.distributed.all_reduce(loss_finite, op=torch.distributed.ReduceOp.MIN)
+    scale = policy.scaler._get_scale_async()  # the scale this step used, as a device tensor (no sync)
+    above_floor = (scale > MIN_LOSS_SCALE) if scale is not None else torch.ones((), dtype=torch.bool)
+    return (~finite) & (loss_finite > 0).to(finite.device) & above_floor.to(finite.device).reshape(())
 
 
 def guarded_step(optimizer, finite: torch.Tensor) -> None:

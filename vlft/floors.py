@@ -1,0 +1,22 @@
+"""The versions vlft needs, checked without importing them: torch 2.6 for ``torch.nn.utils.get_total_norm``
+(the gradient norm without clipping) and the public ``torch.distributed.fsdp.fully_shard`` (FSDP2).
+"""
+
+from __future__ import annotations
+
+import re
+
+TORCH_FLOOR = "2.6"
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+def torch_too_old(version: str) -> str | None:
+    """The message for a torch older than ``TORCH_FLOOR``, or None."""
+    if _release(version)[:2] >= _release(TORCH_FLOOR)[:2]:
+        return None
+    return (f"torch {version} is older than vlft needs ({TORCH_FLOOR}): training uses "
+            f"torch.nn.utils.get_total_norm and torch.distributed.fsdp.fully_shard. "
+            f"Install a newer one: pip install 'torch>={TORCH_FLOOR}' (with its matching torchvision)")
