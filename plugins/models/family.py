@@ -453,3 +453,16 @@ def check_family(family: ModelFamily) -> list[str]:
         if not m.startswith(family.vision_tower + "."):
             problems.append(f"{family.name}: merger {m} is not under vision_tower")
     return problems
+
+
+def count_parameters(model) -> dict[str, int]:
+    """total / vision / experts parameter counts (tied tensors once), as the memory plan needs them."""
+    total = vision = experts = 0
+    for name, p in model.named_parameters():
+        n = p.numel()
+        total += n
+        if ".visual." in f".{name}":
+            vision += n
+        if ".experts." in name:
+            experts += n
+    return {"total": total, "vision": vision, "experts": experts, "text": total - vision}

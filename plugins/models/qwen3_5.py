@@ -183,3 +183,23 @@ FAMILIES = (QWEN3_5, QWEN3_5_MOE)
 def tiny_dir(moe: bool = False) -> Path:
     return _tiny.cached_dir("qwen3.5-moe" if moe else "qwen3.5", RECIPE_MOE if moe else RECIPE,
                             build_tiny_moe if moe else build_tiny)
+
+
+def mtp_parameters(model) -> int:
+    """Parameters of the checkpoint's multi-token-prediction head (``mtp.*``), which transformers 5.2x does
+    not build (``_keys_to_ignore_on_load_unexpected = [r"^mtp.*"]``) but the published safetensors carry.
+
+    Per MTP layer: one full-attention decoder layer (same shapes as the model's own: for MoE the routed
+    experts are stored per expert on disk but hold the same number of values), plus ``mtp.fc``
+    (2*hidden -> hidden) and three RMSNorms (pre_fc_norm_embedding, pre_fc_norm_hidden, norm) of ``hidden``.
+    Checked exactly against the tensor sums of Qwen3.5-0.8B-Base, -4B and -35B-A3B (configs/SOURCES.md).
+    """
+    text = model.config.text_config
+    n = getattr(text, "mtp_num_hidden_layers", 0) or 0
+    if not n:
+        return 0
+    layers = model.model.language_model.layers
+    full = next(i for i, t in enumerate(text.layer_types) if t == "full_attention")
+    per_layer = sum(p.numel() for p in layers[full].parameters())
+    h = text.hidden_size
+    return n * per_layer + 2 * h * h + 3 * h
