@@ -317,3 +317,41 @@ def test_bundled_config_counts_within_one_percent_of_published(name):
     ip = json.loads((folder / "preprocessor_config.json").read_text())
     assert (ip["patch_size"], ip["merge_size"]) == (family.patch_size, family.merge_size)
     assert (ip["size"]["shortest_edge"], ip["size"]["longest_edge"]) == (family.image_min_pixels, family.image_max_pixels)
+
+
+# --- the third-party example candidate (Gemma 3), through the same dataclass ------------------------------
+
+def test_example_candidate_gemma3_trains_through_the_family_alone(tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from vlft_models import _example_candidate as gemma
+
+    f = gemma.FAMILY
+    assert fam_mod.check_family(f) == [] and f.rope_index is None
+    gemma.build_tiny(tmp_path / "g3")
+    processor = AutoProcessor.from_pretrained(tmp_path / "g3")
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path / "g3")
+    assert model.config.model_type in f.model_types and set(f.no_split_modules) <= set(model._no_split_modules)
+    prompt = processor.apply_chat_template(_chat(False), tokenize=False, add_generation_prompt=True)
+    full = processor.apply_chat_template(_chat(), tokenize=False)
+    assert full.startswith(prompt) and full[len(prompt):].startswith(ANSWER)
+    assert f.reply_end_token in full[len(prompt):] and processor.tokenizer.eos_token not in full[len(prompt):]
+    batch = processor(text=[full], images=[[_image(100, 75)]], return_tensors="pt")
+    assert set(batch) - {"input_ids", "attention_mask"} == set(f.batch_inputs)
+    image_id = processor.tokenizer.convert_tokens_to_ids(f.image_token)
+    assert int((batch["input_ids"] == image_id).sum()) == f.count_image_tokens(
+        75, 100, mm_tokens_per_image=model.config.mm_tokens_per_image)
+    assert torch.equal(batch["token_type_ids"], gemma.token_type_ids(batch["input_ids"], image_id))
+    targets = fam_mod.select_target_modules(model, f, "both", 1)
+    assert targets.vision_blocks == [targets.vision_depth - 1] and targets.text_layers == 2
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets.modules))
+    opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(6):
+        loss = peft_model(**batch, labels=batch["input_ids"]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0], losses

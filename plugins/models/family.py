@@ -24,6 +24,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 TOWERS = ("vision", "text", "both")
+# What the Qwen processors return for the model (transformers 5.2x), and how a batch joins each.
+QWEN_BATCH_INPUTS = {"pixel_values": "concat", "image_grid_thw": "concat", "pixel_values_videos": "concat",
+                     "video_grid_thw": "concat", "second_per_grid_ts": "concat", "mm_token_type_ids": "sequence"}
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,13 @@ class ModelFamily:
     bundled_processor: Callable[[str, Any], Any] | None = field(default=None, compare=False, metadata={
         "help": "bundled_processor(config_dir, tokenizer) -> processor for a weightless bundled config: its "
                 "image/video processor from the folder, the given stand-in tokenizer, the family's template."})
+    reply_end_token: str = field(default="<|im_end|>", metadata={
+        "help": "The token that closes an assistant turn in the template (the trained reply ends there). Qwen: "
+                "<|im_end|> (= the tokenizer's eos). Gemma 3: <end_of_turn>, while its eos is <eos>."})
+    batch_inputs: dict = field(default_factory=lambda: dict(QWEN_BATCH_INPUTS), compare=False, metadata={
+        "help": "Processor outputs the model takes besides input_ids/attention_mask/labels, and how a batch "
+                "joins them: 'concat' (along dim 0: pixel_values, image_grid_thw, ...) or 'sequence' (one value "
+                "per token, padded like input_ids with 0: mm_token_type_ids, Gemma 3's token_type_ids)."})
     chat_template_kwargs: dict = field(default_factory=dict, compare=False, metadata={
         "help": "Extra keyword arguments for apply_chat_template (Qwen3.5: enable_thinking=False, so prompt "
                 "and reply split cleanly)."})
@@ -133,7 +143,7 @@ class ModelFamily:
         "help": "rope_index(model_config, input_ids [L], image_grid_thw=None, video_grid_thw=None, "
                 "attention_mask=None, second_per_grid_ts=None) -> LongTensor [3, 1, L]: the 3-D mRoPE "
                 "positions of ONE sample, exactly as the model computes them (for packing: per sample, "
-                "then concatenate)."})
+                "then concatenate). None: the model uses plain 1-D positions (Gemma 3, LLaVA, InternVL)."})
 
     # --- embedded tiny model, bundled configs --------------------------------------------------------------
     build_tiny: Callable[[Any], None] | None = field(default=None, compare=False, metadata={
@@ -274,10 +284,15 @@ def frozen_router_parameters(model, family: ModelFamily) -> list[str]:
 
 
 def vision_parameter_names(model, family: ModelFamily) -> list[str]:
-    """Every parameter under the vision tower (blocks, mergers, deepstack mergers, patch embedding)."""
+    """Every vision-side parameter: the tower (blocks, patch embedding, Qwen's mergers and deepstack mergers)
+    and any projector outside it (Gemma 3's multi_modal_projector)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    tower = resolve_module(base, family.vision_tower)
-    return [f"{family.vision_tower}.{n}" for n, _ in tower.named_parameters()]
+    names = []
+    for root in (family.vision_tower, *family.vision_mergers):
+        if root.startswith(family.vision_tower + "."):
+            continue  # already under the tower
+        names += [f"{root}.{n}" for n, _ in resolve_module(base, root).named_parameters()]
+    return names
 
 
 def _prefix_of(wrapper, base) -> str:
@@ -449,9 +464,9 @@ def check_family(family: ModelFamily) -> list[str]:
         problems.append(f"{family.name}: default_targets {family.default_targets!r}")
     if not family.vision_blocks.startswith(family.vision_tower + "."):
         problems.append(f"{family.name}: vision_blocks is not under vision_tower")
-    for m in family.vision_mergers:
-        if not m.startswith(family.vision_tower + "."):
-            problems.append(f"{family.name}: merger {m} is not under vision_tower")
+    for m in family.vision_mergers:  # a projector may live outside the tower (Gemma 3, LLaVA): still vision side
+        if not _PATH.match(m):
+            problems.append(f"{family.name}: merger {m} is not a dotted path")
     return problems
 
 
