@@ -355,3 +355,16 @@ def test_example_candidate_gemma3_trains_through_the_family_alone(tmp_path):
         opt.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_importing_the_families_imports_neither_torch_nor_transformers():
+    import subprocess
+
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            "import importlib.util as u; from pathlib import Path; "
+            f"r = Path({str(ROOT)!r}); s = u.spec_from_file_location('vlft_models', r / '__init__.py', "
+            "submodule_search_locations=[str(r)]); m = u.module_from_spec(s); sys.modules['vlft_models'] = m; "
+            "s.loader.exec_module(m); m.families(); m.family_for('qwen3_vl'); "
+            "print(sorted(k for k in ('torch', 'transformers', 'peft') if k in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
