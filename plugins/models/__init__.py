@@ -1,6 +1,6 @@
 """vlft_models: the built-in model-family plugins (Qwen2-VL, Qwen2.5-VL, Qwen3-VL dense and MoE, Qwen3.5
-dense and MoE). Not wired in yet: see NOTES.md for the hook the core should add and how to register this
-package (entry point ``models = "vlft_models"`` in group "vlft", package-dir ``vlft_models = "plugins/models"``).
+dense and MoE), registered as entry point ``models = "vlft_models"`` in group "vlft" (package-dir
+``vlft_models = "plugins/models"``). NOTES.md has the facts and traps per family.
 
 Importing this package imports neither torch nor transformers.
 """
@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pluggy
+from vlft import hookimpl
 
 from .family import ModelFamily
-
-hookimpl = pluggy.HookimplMarker("vlft")  # == vlft.hookimpl; used directly while vlft/ is being reorganised
 
 CONFIGS = Path(__file__).parent / "configs"
 
@@ -42,8 +40,7 @@ def bundled_config_dir(name: str) -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
-# --- hook implementations (the specs are proposed in NOTES.md; pluggy ignores unknown hooks until the
-# --- spec exists only if the plugin manager is told to: register after add_hookspecs) -------------------
+# --- hook implementations (specs: vlft/hookspecs.py) ---------------------------------------------------------
 
 @hookimpl
 def vlft_model_family(model_type):

@@ -20,7 +20,7 @@ from functools import partial
 from pathlib import Path
 
 from . import _tiny
-from .family import ModelFamily, image_tokens, rope_index_from_class
+from .family import ModelFamily, qwen_family, image_tokens, rope_index_from_class
 
 SPECIAL_TOKENS = _tiny.BASE_SPECIAL_TOKENS
 # Qwen2-VL / Qwen2.5-VL preprocessor_config.json (vlft/model_configs/SOURCES.md): min 3136, max 12845056
@@ -158,7 +158,7 @@ def _finish(fam: ModelFamily) -> ModelFamily:
     return fam
 
 
-QWEN2_5_VL = _finish(ModelFamily(
+QWEN2_5_VL = _finish(qwen_family(
     name="qwen2.5-vl",
     model_types=("qwen2_5_vl",),
     description="Qwen2.5-VL (3B/7B/32B/72B): patch 14 x merge 2 (28 px), windowed vision attention",
@@ -174,7 +174,7 @@ QWEN2_5_VL = _finish(ModelFamily(
     **_COMMON,
 ))
 
-QWEN2_VL = _finish(ModelFamily(
+QWEN2_VL = _finish(qwen_family(
     name="qwen2-vl",
     model_types=("qwen2_vl",),
     description="Qwen2-VL (2B/7B/72B): patch 14 x merge 2 (28 px)",

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from . import _tiny
 from . import qwen3_vl as q3vl
-from .family import ModelFamily, image_tokens, rope_index_from_class, video_tokens_qwen3
+from .family import ModelFamily, qwen_family, image_tokens, rope_index_from_class, video_tokens_qwen3
 
 SPECIAL_TOKENS = _tiny.BASE_SPECIAL_TOKENS
 
@@ -151,7 +151,7 @@ def _finish(fam: ModelFamily) -> ModelFamily:
     return fam
 
 
-QWEN3_5 = _finish(ModelFamily(
+QWEN3_5 = _finish(qwen_family(
     name="qwen3.5",
     model_types=("qwen3_5",),
     description="Qwen3.5 dense: Gated DeltaNet + gated attention (3:1), patch 16 x merge 2",
@@ -163,7 +163,7 @@ QWEN3_5 = _finish(ModelFamily(
     **_COMMON,
 ))
 
-QWEN3_5_MOE = _finish(ModelFamily(
+QWEN3_5_MOE = _finish(qwen_family(
     name="qwen3.5-moe",
     model_types=("qwen3_5_moe",),
     description="Qwen3.5 MoE: hybrid layers, routed + shared experts; fused experts via target_parameters",

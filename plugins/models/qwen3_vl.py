@@ -13,7 +13,7 @@ from functools import partial
 from pathlib import Path
 
 from . import _tiny
-from .family import ModelFamily, image_tokens, rope_index_from_class, video_tokens_qwen3
+from .family import ModelFamily, qwen_family, image_tokens, rope_index_from_class, video_tokens_qwen3
 
 NAME = "qwen3-vl"
 SPECIAL_TOKENS = _tiny.BASE_SPECIAL_TOKENS
@@ -144,7 +144,7 @@ def _family(**overrides) -> ModelFamily:
         bundled_configs=("qwen3-vl-2b", "qwen3-vl-4b", "qwen3-vl-8b", "qwen3-vl-32b"),
     )
     base.update(overrides)
-    fam = ModelFamily(**base)
+    fam = qwen_family(**base)
     # token counts by this family's own numbers (a bound partial keeps the dataclass frozen and plain)
     object.__setattr__(fam, "image_tokens", partial(image_tokens, fam))
     object.__setattr__(fam, "video_tokens", partial(video_tokens_qwen3, fam))

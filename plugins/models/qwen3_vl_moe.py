@@ -20,7 +20,7 @@ from pathlib import Path
 
 from . import _tiny
 from . import qwen3_vl as dense
-from .family import ModelFamily, image_tokens, rope_index_from_class, video_tokens_qwen3
+from .family import ModelFamily, qwen_family, image_tokens, rope_index_from_class, video_tokens_qwen3
 
 NAME = "qwen3-vl-moe"
 
@@ -61,7 +61,7 @@ def tiny_dir() -> Path:
     return _tiny.cached_dir(NAME, RECIPE, build_tiny)
 
 
-FAMILY = ModelFamily(
+FAMILY = qwen_family(
     **{**{f: getattr(dense.FAMILY, f) for f in (
         "vision_tower", "vision_blocks", "vision_mergers", "decoder_layers", "embed_tokens", "lm_head",
         "vision_attention", "vision_mlp", "text_attention", "text_mlp", "patch_size", "merge_size",

@@ -17,19 +17,19 @@ from vlft.planning.trace import BatchShape
 
 
 def decide(plan: MemoryPlan, asked: str, model, model_config, compute_dtype, batch_size: int, grad_accum: int,
-           max_pixels: int | None, can_shard: bool = False) -> None:
+           max_pixels: int | None, can_shard: bool = False, family=None) -> None:
     """Settle checkpointing (``asked``: on, off, auto) and, when the run does not fit, list what would."""
     _settle_checkpointing(plan, asked)
     if plan.fits() is not False:
         return
     ckpt = plan.checkpointing or asked == "auto"
-    replan = _replanner(plan, model, model_config, compute_dtype)
+    replan = _replanner(plan, model, model_config, compute_dtype, family)
     fixes = [
         _fix_checkpointing(plan),
         _fix_half_weights(plan),
         _fix_smaller_batches(plan, replan, ckpt, batch_size, grad_accum),
-        _fix_fewer_pixels(plan, replan, ckpt, max_pixels),
-        _fix_sharding(plan, model, compute_dtype, ckpt) if can_shard and plan.shard_world == 1 else None,
+        _fix_fewer_pixels(plan, replan, ckpt, max_pixels, family),
+        _fix_sharding(plan, model, compute_dtype, ckpt, family) if can_shard and plan.shard_world == 1 else None,
         "--max-length N with --skip-too-long (leave out the longest samples), or fewer targets "
         "(--targets text, a smaller --vision-last-n)",
     ]
@@ -59,11 +59,11 @@ def _verdict(plan: MemoryPlan, n: int) -> str:
     return " (fits)" if n <= _usable(plan) else ""
 
 
-def _replanner(plan: MemoryPlan, model, model_config, compute_dtype):
+def _replanner(plan: MemoryPlan, model, model_config, compute_dtype, family):
     """The same plan for another batch shape (re-estimated, not scaled)."""
     def replan(shape: BatchShape) -> MemoryPlan:
         return plan_memory(model, model_config, plan.base_dtype, compute_dtype, shape, plan.reserved_bytes,
-                           plan.capacity_bytes, plan.capacity_source, plan.shard_world, plan.gathered_bytes)
+                           plan.capacity_bytes, plan.capacity_source, plan.shard_world, plan.gathered_bytes, family)
     return replan
 
 
@@ -95,20 +95,24 @@ def _fix_smaller_batches(plan: MemoryPlan, replan, ckpt: bool, batch_size: int, 
     return None
 
 
-def _fix_fewer_pixels(plan: MemoryPlan, replan, ckpt: bool, max_pixels: int | None) -> str | None:
+def _fix_fewer_pixels(plan: MemoryPlan, replan, ckpt: bool, max_pixels: int | None, family) -> str | None:
     target = 448 * 448
-    if not plan.batch.patches or (max_pixels is not None and max_pixels <= target) or \
-            not any(h * w * 196 > target for _, h, w in plan.batch.grids):
+    if family is None or family.image_grid is None or not family.patch_size:
         return None
-    shape = BatchShape(plan.batch.samples, plan.batch.tokens, resized_grids(plan.batch.grids, target))
-    shape.tokens = max(1, plan.batch.tokens - (plan.batch.patches - shape.patches) // 4 // plan.batch.samples)
+    pixels_per_patch = family.patch_size ** 2
+    if not plan.batch.patches or (max_pixels is not None and max_pixels <= target) or \
+            not any(h * w * pixels_per_patch > target for _, h, w in plan.batch.grids):
+        return None
+    shape = BatchShape(plan.batch.samples, plan.batch.tokens, resized_grids(plan.batch.grids, target, family))
+    per_token = family.merge_size ** 2  # patches per LLM token
+    shape.tokens = max(1, plan.batch.tokens - (plan.batch.patches - shape.patches) // per_token // plan.batch.samples)
     n = replan(shape).total_bytes(ckpt)
     return f"--max-pixels {target} (448x448 images): about {gib(n)}" + _verdict(plan, n)
 
 
-def _fix_sharding(plan: MemoryPlan, model, compute_dtype, ckpt: bool) -> str | None:
+def _fix_sharding(plan: MemoryPlan, model, compute_dtype, ckpt: bool, family=None) -> str | None:
     """The fewest processes FSDP2 would need for the run to fit."""
-    gathered = fsdp_gathered_bytes(model, compute_dtype)
+    gathered = fsdp_gathered_bytes(model, compute_dtype, family)
     for n in (2, 4, 8, 16, 32, 64):
         total = dataclasses.replace(plan, shard_world=n, gathered_bytes=gathered, fixes=[]).total_bytes(ckpt)
         if total <= _usable(plan):
