@@ -36,11 +36,11 @@ def bundled_config(name: str, registry=None) -> Path | None:
 
 
 def bundled_names(registry=None) -> list[str]:
-    def size(n):
-        m = re.search(r"(\d+(?:\.\d+)?)b", n.split("-", 2)[-1])
-        return float(m.group(1)) if m else 0.0
+    def key(n):
+        m = re.match(r"(.*?)-(\d+(?:\.\d+)?)b", n)
+        return (m.group(1), float(m.group(2))) if m else (n, 0.0)
 
-    return sorted(bundled_configs(_registry(registry)), key=lambda n: (n.rsplit("-", 2)[0], size(n)))
+    return sorted(bundled_configs(_registry(registry)), key=key)
 
 
 def is_bundled(path: str, registry=None) -> bool:
