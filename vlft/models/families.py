@@ -205,3 +205,13 @@ def count_parameters(model, family: ModelFamily) -> dict[str, int]:
             in_experts += n
     return {"total": total, "vision": vision, "text": total - vision, "experts": in_experts,
             "expert_adapter": expert_adapter}
+
+
+def family_of_model(model, registry=None) -> ModelFamily:
+    """The family of a loaded (or meta) model, for helpers called outside a plan (tests, bench scripts); a
+    run passes the plan's family instead."""
+    if registry is None:
+        from vlft.registry import get_registry  # the process-wide registry, only where none is given
+
+        registry = get_registry()
+    return resolve_family(registry, base_model(model).config)

@@ -30,7 +30,7 @@ import torch
 
 from vlft.data.order import EpochSampler, steps_per_epoch
 from vlft.planning.sharding import working_set_bytes
-from vlft.models.families import base_model
+from vlft.models.families import base_model, family_of_model
 from vlft.planning.trace import Activations, BatchShape, trace_activations
 
 GIB = 2 ** 30
@@ -150,6 +150,7 @@ def weight_bytes(model, param_dtype, family) -> tuple[dict[str, int], int]:
     itemsize = torch.empty((), dtype=param_dtype).element_size()
     towers = {"vision": 0, "text": 0}
     trainable = 0
+    family = family or family_of_model(model)
     roots = tuple(r + "." for r in family.vision_side() if r)
     for name, p in base_model(model).named_parameters():
         if p.requires_grad:
@@ -166,6 +167,7 @@ def plan_memory(model, model_config, param_dtype: str, compute_dtype: str | None
     ``shard_world`` > 1: sharded with FSDP over that many processes, ``gathered_bytes`` gathered at a time."""
 
     pdtype = getattr(torch, param_dtype)
+    family = family or family_of_model(model)
     towers, trainable = weight_bytes(model, pdtype, family)
     acts = trace_activations(model, batch, family)
     vocab = model_config.text_config.vocab_size if hasattr(model_config, "text_config") else model_config.vocab_size
