@@ -298,3 +298,47 @@ def test_prose_comments_and_lookalike_words_are_not_reported():
     reported = {int(o.split(":")[1]) for o in vendor_offenders(VENDOR_SAMPLE, "sample.py")}
     assert reported == {2, 3, 9, 10, 11, 12, 13}
     assert not [o for o in vendor_offenders(VENDOR_SAMPLE, "sample.py") if o.endswith(("input_ids", "cudnn_benchmark"))]
+
+
+# -- the core names no model family ---------------------------------------------------------------------------
+#
+# The same reading as the vendor rule (identifiers and one-word strings; prose, docstrings and comments
+# allowed): no family name and none of one family's own module or token names. What a family is lives in
+# its plugin (plugins/models, answering vlft_model_family). One module is exempt, on purpose:
+# vlft/models/embedded.py builds today's embedded default (a tiny Qwen2.5-VL) byte for byte as before, so
+# `make run` keeps its figures; every other family's tiny model is its plugin's (`--model embedded:<family>`).
+# vlft/data/formats.py reads dataset files written for other tools, whose inline placeholder tokens it
+# turns into vlft's <image>/<video>: a data-format fact, not how any model runs.
+
+MODEL_FAMILY_WORDS = {"qwen", "gemma", "llava", "idefics", "internvl", "smolvlm", "visual", "deepstack"}
+MODEL_FAMILY_STRINGS = ("smart_resize", "image_pad", "video_pad", "im_end", "patch_embed")
+FAMILY_EXEMPT = {"vlft/models/embedded.py", "vlft/data/formats.py"}
+
+
+def family_offenders(source: str, where: str) -> list[str]:
+    tree = ast.parse(source)
+    docstrings = docstring_nodes(tree)
+    found = []
+    for node in ast.walk(tree):
+        texts = [getattr(node, f) for f in IDENTIFIER_FIELDS if isinstance(getattr(node, f, None), str)]
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings \
+                and not any(c.isspace() for c in node.value):
+            texts.append(repr(node.value))
+        for text in texts:
+            words = [w.lower() for w in WORDS.findall(text)]
+            if any(w in MODEL_FAMILY_WORDS for w in words) or any(s in text.lower() for s in MODEL_FAMILY_STRINGS):
+                found.append((getattr(node, "lineno", 0), text))
+    return [f"{where}:{line}: {text}" for line, text in sorted(set(found))]
+
+
+def test_the_core_names_no_model_family():
+    offenders = [o for p in sorted(CORE.rglob("*.py")) if rel(p) not in FAMILY_EXEMPT
+                 for o in family_offenders(p.read_text(encoding="utf-8"), rel(p))]
+    assert not offenders, ("model-family names in the core (move the knowledge into the family plugin, "
+                           "plugins/models, and reach it through the ModelFamily of the plan):\n" + "\n".join(offenders))
+
+
+def test_the_model_family_rule_catches_a_family_name():
+    assert family_offenders("from transformers import Qwen2VLImageProcessor\nx = m.visual.blocks\n", "x.py")
+    assert family_offenders("from t.qwen2_vl.image_processing_qwen2_vl import smart_resize\n", "x.py")
+    assert not family_offenders('"""Qwen2.5-VL in a docstring is prose."""\nmsg = "a Qwen model"\n', "x.py")

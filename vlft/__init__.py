@@ -29,6 +29,7 @@ from vlft.policies import (
     MemoryStats,
     MethodInfo,
     MetricSink,
+    ModelFamily,
     PrecisionPolicy,
     ProbeResult,
 )
@@ -38,6 +39,6 @@ __version__ = "0.1.0"
 __all__ = [
     "AdapterDefaults", "AttentionPolicy", "BackendHookimpl", "BackendInfo", "BackendUnavailable", "ConfigError",
     "DataError", "DataLoaderOptions", "DeviceCapacity", "DeviceSetup", "DistributedOptions", "DoctorCheck",
-    "MemoryStats", "MethodInfo", "MetricSink", "PrecisionPolicy", "ProbeResult", "RunConfig", "VlftError", "hookimpl",
+    "MemoryStats", "MethodInfo", "MetricSink", "ModelFamily", "PrecisionPolicy", "ProbeResult", "RunConfig", "VlftError", "hookimpl",
     "hookimpl_for", "parse_attn",
 ]

@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # annotations only: importing this module loads neither torch
         MemoryStats,
         MethodInfo,
         MetricSink,
+        ModelFamily,
         PrecisionPolicy,
         ProbeResult,
     )
@@ -64,6 +65,36 @@ def vlft_methods() -> list[MethodInfo]:
 
 
 # -- backends ----------------------------------------------------------------
+
+@hookspec
+def vlft_model_families() -> list[ModelFamily]:
+    """Return a list of ``ModelFamily`` for the model families this plugin offers.
+
+    Every plugin's answer is collected: ``vlft plugins`` lists them, ``--model embedded:<name>`` looks a
+    family up by its name, and the error for a checkpoint no family owns names them.
+    """
+
+
+@hookspec(firstresult=True)
+def vlft_model_family(model_type: str, model_config: transformers.PretrainedConfig) -> ModelFamily | None:
+    """Return the ``ModelFamily`` that owns this checkpoint, or None.
+
+    ``model_type`` is ``model_config.model_type`` (as transformers reads it from ``config.json``). Asked
+    once at plan time, after the config is read and before the processor and the model load; the answer
+    is kept in the ``RunPlan`` and the training step asks nothing again. First answer wins: a plugin can
+    take over a family another plugin offers with ``tryfirst=True``.
+    """
+
+
+@hookspec
+def vlft_bundled_model_configs() -> dict[str, Path]:
+    """Return ``{name: folder}`` of weightless planning configs this plugin ships.
+
+    Each folder holds a ``config.json`` (and the preprocessor configs) of a public checkpoint, so
+    ``vlft run --model NAME --dry-run`` plans it offline (``--model NAME`` without ``--dry-run`` says where
+    to put the weights). Every plugin's answer is collected; the first plugin to offer a name wins.
+    """
+
 
 @hookspec(firstresult=True)
 def vlft_probe_backend(backend: str) -> ProbeResult | None:

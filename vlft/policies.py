@@ -6,7 +6,7 @@ one of these dataclasses. The training step reads them; it calls no hooks.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable
 
 
@@ -197,3 +197,186 @@ class MetricSink:
 
     def close(self) -> None:
         pass
+
+
+# -- model families --------------------------------------------------------------------------------------
+
+FAMILY_TOWERS = ("vision", "text", "both")
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """Everything vlft needs to know about one model family (one or more ``model_type`` values)."""
+
+    # --- identity -------------------------------------------------------------------------------------
+    name: str = field(metadata={"help": "Short name, used in `--model embedded:<name>` and `vlft plugins`, "
+                                        "e.g. 'qwen3-vl'."})
+    model_types: tuple[str, ...] = field(metadata={"help": "The `config.model_type` values this family owns, "
+                                                           "e.g. ('qwen3_vl',)."})
+    description: str = field(default="", metadata={"help": "One line for `vlft plugins`."})
+
+    # --- towers (dotted paths from the *ForConditionalGeneration model) --------------------------------
+    vision_tower: str = field(default="", metadata={
+        "help": "The vision encoder module; everything under it (blocks, mergers, patch embedding) is the "
+                "vision side for freezing, memory accounting and dtype policies."})
+    vision_blocks: str = field(default="", metadata={
+        "help": "The nn.ModuleList of vision transformer blocks; `--vision-last-n N` adapts its last N."})
+    vision_mergers: tuple[str, ...] = field(default=(), metadata={
+        "help": "Projector(s) from the vision width to the text width. Qwen3-VL also has "
+                "`model.visual.deepstack_merger_list` (a ModuleList): it belongs to the vision side and stays "
+                "frozen with the tower unless the plan adapts it."})
+    decoder_layers: str = field(default="model.language_model.layers", metadata={
+        "help": "The nn.ModuleList of text decoder layers."})
+    embed_tokens: str = field(default="model.language_model.embed_tokens", metadata={
+        "help": "The input token embedding (tied to the head where `tie_word_embeddings`)."})
+    lm_head: str = field(default="lm_head", metadata={"help": "The output head (logits)."})
+
+    # --- what --targets / --vision-last-n select (leaf names of nn.Linear modules) ---------------------
+    vision_attention: tuple[str, ...] = field(default=(), metadata={
+        "help": "Linear modules inside each vision block for attention, as paths relative to the block "
+                "(the leaf name alone is ambiguous: Qwen2.5-VL's vision MLP and text MLP share names)."})
+    vision_mlp: tuple[str, ...] = field(default=(), metadata={
+        "help": "Linear modules inside each vision block for the MLP, relative to the block."})
+    text_attention: tuple[str, ...] = field(default=("self_attn.q_proj", "self_attn.k_proj",
+                                                     "self_attn.v_proj", "self_attn.o_proj"), metadata={
+        "help": "Linear modules inside each decoder layer for (full) attention, relative to the layer."})
+    text_linear_attention: tuple[str, ...] = field(default=(), metadata={
+        "help": "Linear modules of linear-attention layers (Qwen3.5's Gated DeltaNet, `linear_attn.*`) that "
+                "are targets. Layers of the other type simply lack them."})
+    text_linear_attention_optional: tuple[str, ...] = field(default=(), metadata={
+        "help": "Linear modules of linear-attention layers that exist but are not targets by default "
+                "(Qwen3.5's per-head gates `in_proj_a`/`in_proj_b`, hidden -> num_value_heads)."})
+    text_mlp: tuple[str, ...] = field(default=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"), metadata={
+        "help": "Linear modules inside each decoder layer for the dense MLP (or a MoE's shared expert)."})
+    default_targets: str = field(default="both", metadata={"help": "What `--targets auto` means: vision, text "
+                                                                      "or both."})
+    default_vision_last_n: int = field(default=6, metadata={"help": "Default `--vision-last-n`."})
+    default_parts: tuple[str, ...] = field(default=("attention",), metadata={
+        "help": "Which module groups an adapter takes by default: 'attention' (today's behaviour: "
+                "q/k/v/o and the vision qkv/proj, plus linear attention), 'mlp', or both."})
+
+    # --- mixture of experts ------------------------------------------------------------------------------
+    expert_parameters: tuple[str, ...] = field(default=(), metadata={
+        "help": "Fused 3-D expert weights, relative to a decoder layer, for PEFT's `target_parameters` "
+                "(e.g. 'mlp.experts.gate_up_proj' [E, 2*I, H] and 'mlp.experts.down_proj' [E, H, I]). Empty for "
+                "dense models. Not adapted unless asked."})
+    router_modules: tuple[str, ...] = field(default=(), metadata={
+        "help": "Router / gate modules relative to a decoder layer; they always stay frozen and are never "
+                "targets (Qwen3-VL MoE 'mlp.gate'; Qwen3.5 MoE also 'mlp.shared_expert_gate', an nn.Linear "
+                "hidden->1 that a leaf-name 'gate' match would otherwise catch)."})
+
+    # --- tokens and the resize rule --------------------------------------------------------------------
+    image_token: str = field(default="", metadata={"help": "Placeholder repeated once per image "
+                                                                         "token."})
+    video_token: str = field(default="", metadata={"help": "Placeholder repeated once per video "
+                                                                         "token."})
+    vision_start_token: str = field(default="", metadata={"help": "Opens an image/video (per "
+                                                                                   "frame for Qwen3-VL/3.5)."})
+    vision_end_token: str = field(default="", metadata={"help": "Closes it."})
+    patch_size: int = field(default=0, metadata={"help": "Vision patch side in pixels."})
+    merge_size: int = field(default=1, metadata={"help": "Spatial merge (tokens = patches / merge_size**2)."})
+    temporal_patch_size: int = field(default=1, metadata={"help": "Frames per temporal patch."})
+    image_min_pixels: int = field(default=0, metadata={"help": "The image processor's default "
+                                                                      "size['shortest_edge'] (a pixel budget)."})
+    image_max_pixels: int = field(default=0, metadata={"help": "Default size['longest_edge']."})
+    video_min_pixels: int = field(default=0, metadata={"help": "The video processor's default "
+                                                                           "size['shortest_edge']."})
+    video_max_pixels: int = field(default=0, metadata={"help": "Default size['longest_edge'] "
+                                                                          "(Qwen3-VL: over all frames)."})
+    image_tokens: Callable[..., int] | None = field(default=None, compare=False, metadata={
+        "help": "image_tokens(height, width, min_pixels=None, max_pixels=None) -> LLM tokens of one image "
+                "by the family's own resize rule (None: the defaults above)."})
+    video_tokens: Callable[..., int] | None = field(default=None, compare=False, metadata={
+        "help": "video_tokens(frames, height, width, min_pixels=None, max_pixels=None) -> video pad tokens "
+                "(excluding per-frame timestamps and vision start/end, which are text)."})
+    box_coordinates: str = field(default="absolute", metadata={
+        "help": "Grounding convention: 'absolute' pixels of the resized image (Qwen2.5-VL) or 'relative-1000' "
+                "(Qwen3-VL, Qwen3.5). vlft never converts silently."})
+
+    # --- processor ---------------------------------------------------------------------------------------
+    processor_class: str = field(default="", metadata={"help": "transformers processor class name."})
+    load_processor: Callable[[str], Any] | None = field(default=None, compare=False, metadata={
+        "help": "load_processor(path) -> processor for a model folder (AutoProcessor by default)."})
+    bundled_processor: Callable[[str, Any], Any] | None = field(default=None, compare=False, metadata={
+        "help": "bundled_processor(config_dir, tokenizer) -> processor for a weightless bundled config: its "
+                "image/video processor from the folder, the given stand-in tokenizer, the family's template."})
+    reply_end_token: str = field(default="", metadata={
+        "help": "The token that closes an assistant turn in the template (the trained reply ends there). Qwen: "
+                "<|im_end|> (= the tokenizer's eos). Gemma 3: <end_of_turn>, while its eos is <eos>."})
+    batch_inputs: dict = field(default_factory=dict, compare=False, metadata={
+        "help": "Processor outputs the model takes besides input_ids/attention_mask/labels, and how a batch "
+                "joins them: 'concat' (along dim 0: pixel_values, image_grid_thw, ...) or 'sequence' (one value "
+                "per token, padded like input_ids with 0: mm_token_type_ids, Gemma 3's token_type_ids)."})
+    chat_template_kwargs: dict = field(default_factory=dict, compare=False, metadata={
+        "help": "Extra keyword arguments for apply_chat_template (Qwen3.5: enable_thinking=False, so prompt "
+                "and reply split cleanly)."})
+
+    # --- sharding, positions -------------------------------------------------------------------------------
+    no_split_modules: tuple[str, ...] = field(default=(), metadata={
+        "help": "Block classes FSDP shards as units (the model class's `_no_split_modules`)."})
+    rope_index: Callable[..., Any] | None = field(default=None, compare=False, metadata={
+        "help": "rope_index(model_config, input_ids [L], image_grid_thw=None, video_grid_thw=None, "
+                "attention_mask=None, second_per_grid_ts=None) -> LongTensor [3, 1, L]: the 3-D mRoPE "
+                "positions of ONE sample, exactly as the model computes them (for packing: per sample, "
+                "then concatenate). None: the model uses plain 1-D positions (Gemma 3, LLaVA, InternVL)."})
+
+    # --- embedded tiny model, bundled configs --------------------------------------------------------------
+    build_tiny: Callable[[Any], None] | None = field(default=None, compare=False, metadata={
+        "help": "build_tiny(path): writes a tiny random model of the family + processor there (offline)."})
+    tiny_recipe: dict = field(default_factory=dict, compare=False, metadata={
+        "help": "The tiny model's recipe; its hash names the cache folder."})
+    bundled_configs: tuple[str, ...] = field(default=(), metadata={
+        "help": "Names of bundled planning configs (folders under plugins/models/configs)."})
+
+    # --- planning (memory) -----------------------------------------------------------------------------
+    image_grid: Callable[..., tuple] | None = field(default=None, compare=False, metadata={
+        "help": "image_grid(height, width, min_pixels=None, max_pixels=None) -> (t, h, w): the patch grid the "
+                "image processor makes of one image (its product / merge_size**2 is the token count). The length "
+                "check and the memory plan use it without decoding pixels. None: images are measured by "
+                "running the processor."})
+    trace_vision: Callable[..., Any] | None = field(default=None, compare=False, metadata={
+        "help": "trace_vision(tower, grids, dtype, run_block) -> features: run the vision tower's blocks once "
+                "on the meta device for the memory plan, calling run_block(module, fn, block_input) around each "
+                "block (with its input tensor) and run_block(module, fn) around each merger, so activations are "
+                "counted per block. None: vision activations are not traced and "
+                "the plan says so."})
+
+    # --- derived views ------------------------------------------------------------------------------------
+    def vision_targets(self) -> tuple[str, ...]:
+        parts = self.default_parts
+        return (self.vision_attention if "attention" in parts else ()) + (self.vision_mlp if "mlp" in parts else ())
+
+    def text_targets(self) -> tuple[str, ...]:
+        parts = self.default_parts
+        out = (self.text_attention + self.text_linear_attention) if "attention" in parts else ()
+        return out + (self.text_mlp if "mlp" in parts else ())
+
+    def owns(self, model_type: str) -> bool:
+        return model_type in self.model_types
+
+    def count_image_tokens(self, height: int, width: int, **budget) -> int:
+        if self.image_tokens is None:
+            raise NotImplementedError(f"family {self.name} gives no image token count")
+        return self.image_tokens(height, width, **budget)
+
+    def count_video_tokens(self, frames: int, height: int, width: int, **budget) -> int:
+        if self.video_tokens is None:
+            raise NotImplementedError(f"family {self.name} gives no video token count")
+        return self.video_tokens(frames, height, width, **budget)
+
+    def vision_side(self) -> tuple[str, ...]:
+        """The roots of every vision-side module: the tower and any projector outside it."""
+        return (self.vision_tower, *(m for m in self.vision_mergers if not m.startswith(self.vision_tower + ".")))
+
+    def describe(self) -> dict:
+        """Plain-data view (callables by name) for `vlft plugins --json` and the plan report."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = getattr(v, "__qualname__", repr(v)) if callable(v) else v
+        return out
+
+
+def model_family_help() -> dict[str, str]:
+    """Each ``ModelFamily`` field's help (docs/plugin-hooks.md lists them; a docs test checks)."""
+    return {f.name: f.metadata.get("help", "") for f in fields(ModelFamily)}

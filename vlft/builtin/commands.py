@@ -78,7 +78,10 @@ def check_sharding(registry, config) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @user_errors
 def plugins(as_json):
-    """List plugins, backends (with availability) and methods."""
+    """List plugins, backends (with availability), methods and model families."""
+    from vlft.models.bundled import bundled_names  # the model stage, only for this listing
+    from vlft.models.families import installed_families
+
     registry = get_registry()
     names = sorted({n for n, _ in registry.pm.list_name_plugin() if n})
     probes = {name: registry.first("vlft_probe_backend", backend=name) for name in registry.backends}
@@ -100,6 +103,13 @@ def plugins(as_json):
             {"name": m.name, "description": m.description, "plugin": registry.owners[("method", m.name)]}
             for m in sorted(registry.methods.values(), key=lambda m: m.name)
         ],
+        "model_families": [
+            {"name": f.name, "model_types": list(f.model_types), "description": f.description,
+             "box_coordinates": f.box_coordinates, "embedded": f"embedded:{f.name}" if f.build_tiny else None,
+             "bundled_configs": list(f.bundled_configs)}
+            for f in installed_families(registry)
+        ],
+        "bundled_configs": bundled_names(registry),
     }
     if as_json:
         click.echo(json.dumps(data, indent=2))
@@ -116,6 +126,11 @@ def plugins(as_json):
     click.echo("methods:")
     for m in data["methods"]:
         click.echo(f"  {m['name']:<8} {m['description']}")
+    click.echo("model families (--model DIR of that model_type, or --model embedded:<name> for a tiny offline one):")
+    for f in data["model_families"]:
+        click.echo(f"  {f['name']:<13} {', '.join(f['model_types']):<14} boxes {f['box_coordinates']:<14} "
+                   f"{f['description']}")
+    click.echo("bundled configs (--model NAME --dry-run plans offline): " + ", ".join(data["bundled_configs"]))
     if registry.broken:
         click.echo(f"(block a broken plugin with {DISABLE_ENV}=name)")
 

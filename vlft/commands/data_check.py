@@ -37,10 +37,12 @@ def check(files, model, image_root, add_placeholders, max_pixels, video_fps, vid
     from vlft.data.encoding import SampleEncoder
     from vlft.data.records import read_records_collecting
     from vlft.errors import DataError
-    from vlft.models.loading import load_processor, resolve_model_path
+    from vlft.models.loading import load_processor, model_config_and_family, resolve_model_path
 
-    encoder = SampleEncoder(load_processor(resolve_model_path(model)), max_pixels=max_pixels, video_fps=video_fps,
-                            video_max_frames=video_max_frames)
+    path = resolve_model_path(model)
+    _, family = model_config_and_family(path)
+    encoder = SampleEncoder(load_processor(path, family), max_pixels=max_pixels, video_fps=video_fps,
+                            video_max_frames=video_max_frames, family=family)
     report = {"files": [], "problems": []}
     measured = []
     for name in files:

@@ -4,21 +4,32 @@ tensors (lengths: ``data.lengths``; batches: ``data.batching``).
 Labels: only assistant replies count in the loss. The mask comes from
 rendering the conversation prefix by prefix with the processor's own chat
 template and tokenising the pieces, so it needs no token ids of any
-particular tokenizer.
+particular tokenizer. Templates that render earlier turns differently once
+later turns follow (thinking templates drop earlier replies' reasoning
+blocks) are split from one render of the whole conversation instead: each
+reply starts where the render up to its generation prompt stops agreeing
+with the whole, and ends at the family's reply-end token.
+
+What is model-specific (the image grid rule, the reply-end token, extra
+template arguments) comes from the ``ModelFamily``.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import re
 
 import torch
 from PIL import Image
-from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
 from vlft.data.records import IGNORE_INDEX, IMAGE_PLACEHOLDER, Record, Turn, load_image
 from vlft.data.video import VideoError, read_frames
 from vlft.errors import DataError
+
+class _NotPrefix(Exception):
+    """The template does not render the conversation prefix by prefix."""
+
 
 _PLACEHOLDERS = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|<video>)")
 
@@ -47,14 +58,17 @@ class SampleEncoder:
     pixel count through the image processor's own resize.
     """
 
-    def __init__(self, processor, max_pixels: int | None = None, video_fps: float = 2.0, video_max_frames: int = 16):
+    def __init__(self, processor, max_pixels: int | None = None, video_fps: float = 2.0, video_max_frames: int = 16,
+                 family=None):
         self.processor = processor
+        self.family = family
+        self.template_kwargs = dict(family.chat_template_kwargs) if family is not None else {}
         self.tokenizer = processor.tokenizer
         self.image_token = processor.image_token
         self.video_token = getattr(processor, "video_token", None)
         self.video_fps, self.video_max_frames = video_fps, video_max_frames
         self.merge_length = processor.image_processor.merge_size ** 2
-        self.eos_text = self.tokenizer.eos_token
+        self.eos_text = (family.reply_end_token if family is not None else "") or self.tokenizer.eos_token
         self.image_kwargs: dict = {}
         if max_pixels is not None:
             ip_size = dict(processor.image_processor.size)
@@ -64,11 +78,41 @@ class SampleEncoder:
 
     def render(self, turns: list[Turn], add_generation_prompt: bool) -> str:
         return self.processor.apply_chat_template(
-            _chat_messages(turns), tokenize=False, add_generation_prompt=add_generation_prompt
+            _chat_messages(turns), tokenize=False, add_generation_prompt=add_generation_prompt, **self.template_kwargs
         )
 
     def pieces(self, turns: list[Turn], where: str = "") -> list[tuple[str, bool]]:
         """The rendered conversation as (text, trained) pieces, in order."""
+        try:
+            return self._pieces_by_prefix(turns)
+        except _NotPrefix:
+            return self._pieces_from_whole(turns, where)
+
+    def _pieces_from_whole(self, turns: list[Turn], where: str) -> list[tuple[str, bool]]:
+        """One render of the whole conversation; each reply from where the render up to its generation prompt
+        stops agreeing with it, to the reply-end token."""
+        full = self.render(turns, add_generation_prompt=False)
+        pieces: list[tuple[str, bool]] = []
+        done = 0
+        for i, t in enumerate(turns):
+            if t.role != "assistant":
+                continue
+            prompt = self.render(turns[:i], add_generation_prompt=True)
+            start = len(os.path.commonprefix([prompt, full]))
+            end = full.find(self.eos_text, start) if self.eos_text else -1
+            if i == 0 or start < done or end < 0 or not full[start:end].strip():
+                raise DataError(
+                    f"{where}: the chat template does not render this conversation so that each assistant reply "
+                    "can be found (does it start with an assistant turn?)"
+                )
+            end += len(self.eos_text)
+            pieces += [(full[done:start], False), (full[start:end], t.trained)]
+            done = end
+        if full[done:]:
+            pieces.append((full[done:], False))
+        return [p for p in pieces if p[0]]
+
+    def _pieces_by_prefix(self, turns: list[Turn]) -> list[tuple[str, bool]]:
         pieces: list[tuple[str, bool]] = []
         done = ""
         for i, t in enumerate(turns):
@@ -77,10 +121,7 @@ class SampleEncoder:
             prompt = self.render(turns[:i], add_generation_prompt=True)
             full = self.render(turns[: i + 1], add_generation_prompt=False)
             if not prompt.startswith(done) or not full.startswith(prompt):
-                raise DataError(
-                    f"{where}: the chat template does not render this conversation prefix by prefix, so the "
-                    "assistant tokens cannot be found (does it start with an assistant turn?)"
-                )
+                raise _NotPrefix
             pieces.append((prompt[len(done):], False))
             reply = full[len(prompt):]
             end = reply.find(self.eos_text) if self.eos_text else -1
@@ -96,9 +137,11 @@ class SampleEncoder:
 
         ip = self.processor.image_processor
         size = self.image_kwargs.get("size", ip.size)
-        factor = ip.patch_size * ip.merge_size
-        h, w = smart_resize(height, width, factor, min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"])
-        return 1, h // ip.patch_size, w // ip.patch_size
+        if self.family is not None and self.family.image_grid is not None:
+            return tuple(self.family.image_grid(height, width, min_pixels=size["shortest_edge"],
+                                                max_pixels=size["longest_edge"]))
+        out = ip(images=[Image.new("RGB", (width, height))], return_tensors="pt", **self.image_kwargs)
+        return tuple(int(x) for x in out["image_grid_thw"][0])
 
     def measure(self, record: Record) -> tuple[int, list[tuple[int, int, int]]]:
         """(tokens, image grids) of a record as ``encode`` would make it, image tokens included."""

@@ -22,7 +22,7 @@ from vlft.errors import ConfigError, VlftError
 from vlft.models.bundled import require_weights
 from vlft.models.loading import (
     load_model,
-    load_model_config,
+    model_config_and_family,
     load_processor,
     resolve_model_path,
 )
@@ -137,10 +137,10 @@ def load_for_inference(registry: Registry, adapter: str | None, model: str | Non
         for key, value in setup.env.items():
             os.environ.setdefault(key, value)
         device = setup.device
-    model_config = load_model_config(model_path)
-    plan = resolve_plan(registry, config, model_path, model_config, choice)
-    require_weights(model_path, model)
-    processor = load_processor(model_path)
+    model_config, family = model_config_and_family(model_path, registry)
+    plan = resolve_plan(registry, config, model_path, model_config, choice, family)
+    require_weights(model_path, model, registry)
+    processor = load_processor(model_path, family, registry)
     net = load_model(model_path, plan.attention, plan.precision)
     plan.patches = [p for ps in registry.hook.vlft_patch_model(backend=name, model=net, config=config,
                                                                attention=plan.attention) if ps for p in ps]
@@ -160,7 +160,7 @@ def load_for_inference(registry: Registry, adapter: str | None, model: str | Non
     net.to(device)
     net.eval()
     autocast = getattr(torch, plan.precision.autocast_dtype) if plan.precision.autocast_dtype else None
-    encoder = SampleEncoder(processor, max_pixels=config.max_pixels)
+    encoder = SampleEncoder(processor, max_pixels=config.max_pixels, family=family)
     return Loaded(net, processor, encoder, device, autocast, plan, model_path, source)
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from vlft.models.families import resolve_module
 
-def enable_checkpointing(model, vision_adapted: bool) -> None:
+
+def enable_checkpointing(model, vision_adapted: bool, family=None) -> None:
     """Non-reentrant activation checkpointing in both towers, through transformers' own switch.
 
     Non-reentrant checkpointing needs no input that requires grad (reentrant
@@ -26,8 +28,8 @@ def enable_checkpointing(model, vision_adapted: bool) -> None:
         if cfg is not None:
             cfg.use_cache = False  # a KV cache is useless in training and incompatible with recomputation
     if not vision_adapted:
-        visual = getattr(getattr(base, "model", base), "visual", None)
-        for module in (visual.modules() if visual is not None else ()):
+        roots = [resolve_module(base, r) for r in family.vision_side() if r] if family is not None else []
+        for module in (m for root in roots for m in root.modules()):
             if hasattr(module, "gradient_checkpointing"):
                 module.gradient_checkpointing = False
 

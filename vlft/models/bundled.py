@@ -1,4 +1,6 @@
-"""Bundled public configs (``--model qwen2.5-vl-7b``): plan a real checkpoint offline, on a weightless model.
+"""Bundled public configs (``--model qwen3-vl-8b``): plan a real checkpoint offline, on a weightless model.
+
+The configs are the model-family plugins' (``vlft_bundled_model_configs``); this module only finds them.
 """
 
 from __future__ import annotations
@@ -7,37 +9,55 @@ import re
 from pathlib import Path
 
 from vlft.errors import ConfigError
-
-# Public configs of models whose weights are not on this disk: plans (dry runs) without a download.
-BUNDLED_CONFIGS = Path(__file__).parent / "configs"
+from vlft.models.families import bundled_configs
 
 
-def bundled_config(name: str) -> Path | None:
-    """The bundled config folder for a name like ``qwen2.5-vl-7b`` or ``Qwen/Qwen2.5-VL-7B-Instruct``."""
-    m = re.fullmatch(r"(?:qwen/)?qwen2\.5-vl-(\d+b)(?:-instruct)?", name.strip().lower())
-    if not m:
+def _registry(registry):
+    if registry is not None:
+        return registry
+    from vlft.registry import get_registry  # the process-wide registry where the caller has none at hand
+
+    return get_registry()
+
+
+def _key(name: str) -> str:
+    """``Owner/Name-Instruct`` and ``name`` alike: lower case, no owner, no ``-instruct``."""
+    key = name.strip().lower().rsplit("/", 1)[-1]
+    return re.sub(r"-instruct$", "", key)
+
+
+def bundled_config(name: str, registry=None) -> Path | None:
+    """The bundled config folder for a name like ``qwen3-vl-8b`` or ``Owner/Name-8B-Instruct``."""
+    if name.count("/") > 1:
         return None
-    path = BUNDLED_CONFIGS / f"qwen2.5-vl-{m.group(1)}"
-    return path if (path / "config.json").is_file() else None
+    configs = bundled_configs(_registry(registry))
+    path = configs.get(_key(name))
+    return Path(path) if path is not None and (Path(path) / "config.json").is_file() else None
 
 
-def bundled_names() -> list[str]:
-    return sorted((p.name for p in BUNDLED_CONFIGS.iterdir() if (p / "config.json").is_file()),
-                  key=lambda n: int(re.sub(r"\D", "", n.split("-")[-1]) or 0))
+def bundled_names(registry=None) -> list[str]:
+    def key(n):
+        m = re.match(r"(.*?)-(\d+(?:\.\d+)?)b", n)
+        return (m.group(1), float(m.group(2))) if m else (n, 0.0)
+
+    return sorted(bundled_configs(_registry(registry)), key=key)
 
 
-def is_bundled(path: str) -> bool:
-    return Path(path).resolve().parent == BUNDLED_CONFIGS.resolve()
+def is_bundled(path: str, registry=None) -> bool:
+    here = Path(path).resolve()
+    return any(Path(p).resolve() == here for p in bundled_configs(_registry(registry)).values())
 
 
-def require_weights(path: str, asked: str | None) -> None:
+def require_weights(path: str, asked: str | None, registry=None) -> None:
     """A real run needs weights; a bundled config has none: say where to put them."""
-    if not is_bundled(path):
+    if not is_bundled(path, registry):
         return
     name = Path(path).name
-    hub = "Qwen/" + name.replace("qwen2.5-vl", "Qwen2.5-VL").replace("b", "B") + "-Instruct"
+    hub_file = Path(path) / "hub_id.txt"  # the checkpoint the config is from, where the plugin says
+    hub = hub_file.read_text().strip() if hub_file.is_file() else f"<the {name} checkpoint>"
+    local = hub.rsplit("/", 1)[-1] if hub_file.is_file() else name
     raise ConfigError(
         f"--model {asked}: vlft ships only the config of {name} (enough for --dry-run and the memory plan), "
         f"not its weights. Download them on a machine with internet, e.g. `huggingface-cli download {hub} "
-        f"--local-dir /models/{hub.split('/')[1]}`, and pass --model /models/{hub.split('/')[1]}"
+        f"--local-dir /models/{local}`, and pass --model /models/{local}"
     )

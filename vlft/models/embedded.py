@@ -191,3 +191,19 @@ def build_embedded_model(path: Path, recipe: dict = RECIPE) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def embedded_family_dir(family) -> Path:
+    """``--model embedded:<family>``: the family's tiny random model, built offline on first use with the demo
+    task's tokenizer corpus (short answers in tokens) and cached like the default, under a name hashed from
+    the family's recipe and the corpus (a change rebuilds it). The default above stays as it is."""
+    from vlft.errors import ConfigError  # only this helper raises; the module stays import-light
+
+    if family.build_tiny is None:
+        raise ConfigError(f"--model embedded:{family.name}: the {family.name} family offers no tiny embedded model")
+    corpus = _tokenizer_corpus()[: len(_tokenizer_corpus()) // 4]
+    digest = hashlib.sha256(json.dumps([family.tiny_recipe, corpus], sort_keys=True, default=str).encode())
+    path = cache_root() / f"embedded-{family.name}-{digest.hexdigest()[:12]}"
+    if not (path / "config.json").exists():
+        family.build_tiny(path, corpus=corpus)
+    return path

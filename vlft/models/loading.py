@@ -10,66 +10,76 @@ from transformers import (
     AutoModelForImageTextToText,
     AutoProcessor,
     GenerationConfig,
-    Qwen2_5_VLProcessor,
-    Qwen2VLImageProcessor,
-    Qwen2VLVideoProcessor,
 )
 
 from vlft.errors import ConfigError
-from vlft.models.bundled import bundled_config, bundled_names, is_bundled
-from vlft.models.embedded import CHAT_TEMPLATE, embedded_model_dir
-
-SUPPORTED_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
+from vlft.models.bundled import _registry, bundled_config, bundled_names, is_bundled
+from vlft.models.embedded import embedded_family_dir, embedded_model_dir
+from vlft.models.families import EMBEDDED_PREFIX, family_named, resolve_family
 
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 
 
-def resolve_model_path(model: str | None) -> str:
-    """The embedded default when ``model`` is None; a local directory; a bundled config name
-    (``qwen2.5-vl-7b``: weightless, for planning); or a hub id, if reachable."""
-    if model is None:
+def resolve_model_path(model: str | None, registry=None) -> str:
+    """The embedded default when ``model`` is None (or ``embedded``); a family's tiny embedded model for
+    ``embedded:<family>``; a local directory; a bundled config name (``qwen3-vl-8b``: weightless, for
+    planning); or a hub id, if reachable."""
+    if model is None or model == EMBEDDED_PREFIX.rstrip(":"):
 
         return str(embedded_model_dir())
+    if model.startswith(EMBEDDED_PREFIX):
+        return str(embedded_family_dir(family_named(_registry(registry), model[len(EMBEDDED_PREFIX):])))
     path = Path(model).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
-            raise ConfigError(f"--model {model}: no config.json there; point --model at a Qwen2.5-VL model directory")
+            raise ConfigError(f"--model {model}: no config.json there; point --model at a model directory "
+                              "(config.json, weights, processor files)")
         return str(path.resolve())
-    if (bundled := bundled_config(model)) is not None and not path.exists():
+    if (bundled := bundled_config(model, registry)) is not None and not path.exists():
         return str(bundled)
     if model.startswith((".", "/", "~")) or model.count("/") != 1:
         raise ConfigError(f"--model {model}: directory not found (bundled configs for planning: "
-                          f"{', '.join(bundled_names())})")
+                          f"{', '.join(bundled_names(registry))}; tiny offline models: embedded:<family>, see "
+                          "`vlft plugins`)")
     return model  # a hub id: transformers resolves it (its cache, or the network where there is one)
 
 
-def load_model_config(path: str):
-
+def read_model_config(path: str):
+    """The checkpoint's config, read with transformers (no family check)."""
     try:
-        config = AutoConfig.from_pretrained(path)
+        return AutoConfig.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - report any loading failure plainly
         raise ConfigError(f"cannot read the model config at {path}: {e}") from None
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(
-            f"{path} is a '{config.model_type}' model; vlft supports {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+
+
+def load_model_config(path: str, registry=None):
+    """The checkpoint's config, refused unless an installed model family owns its ``model_type``."""
+    config = read_model_config(path)
+    resolve_family(_registry(registry), config, where=str(path))
     return config
 
 
-def load_processor(path: str):
-    """The model's processor; for a bundled config, its image processor with the embedded tokenizer as a
-    stand-in (the real tokenizer is not bundled, so text lengths are approximate; image tokens are exact)."""
+def model_config_and_family(path: str, registry=None):
+    """(config, ModelFamily) of a checkpoint: the family asked for once, here."""
+    config = read_model_config(path)
+    return config, resolve_family(_registry(registry), config, where=str(path))
 
-    if is_bundled(path):
 
-
+def load_processor(path: str, family=None, registry=None):
+    """The model's processor (the family's loader, else AutoProcessor); for a bundled config, the family's
+    processor from the folder's preprocessor configs with the embedded tokenizer as a stand-in (the real
+    tokenizer is not bundled, so text lengths are approximate; image tokens are exact)."""
+    if family is None:
+        family = resolve_family(_registry(registry), read_model_config(path), where=str(path))
+    if is_bundled(path, registry):
+        if family.bundled_processor is None:
+            raise ConfigError(f"{path}: the {family.name} family cannot build a processor for a bundled config")
         tokenizer = AutoProcessor.from_pretrained(embedded_model_dir()).tokenizer
-        return Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor.from_pretrained(path), tokenizer=tokenizer,
-                                   video_processor=Qwen2VLVideoProcessor(), chat_template=CHAT_TEMPLATE)
+        return family.bundled_processor(path, tokenizer)
 
     try:
-        return AutoProcessor.from_pretrained(path)
+        return (family.load_processor or AutoProcessor.from_pretrained)(path)
     except Exception as e:  # noqa: BLE001
         raise ConfigError(f"cannot load the processor (tokenizer, image processor) from {path}: {e}") from None
 
@@ -125,7 +135,7 @@ def empty_model(path: str, attention, precision):
     weight. Under ``--shard fsdp`` every process but rank 0 starts from this and receives its share of the
     weights from rank 0 (``sharding.receive_from_rank0``)."""
 
-    config = load_model_config(path)
+    config = read_model_config(path)
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(
             config, dtype=getattr(torch, precision.param_dtype), attn_implementation=attention.as_attn_implementation())

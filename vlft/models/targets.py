@@ -1,24 +1,18 @@
 """Which modules an adapter goes on: shared by every method.
 
-Vision blocks are ``...visual.blocks.<i>...`` and text decoder layers are
-``...layers.<i>...`` outside the visual tower (the Qwen2-VL / Qwen2.5-VL
-layout in transformers). Only linear layers are targets; the Conv3d patch
-embedding never is.
+*Which* modules is the model family's answer (``ModelFamily``: the vision blocks and decoder layers by
+path, and the linear modules inside each, per part: attention, linear attention, MLP); the method keeps
+its hyper-parameters and what ``--targets auto`` means. Only ``nn.Linear`` modules are targets. Fused
+expert weights (mixture-of-experts families) are listed separately, for PEFT's ``target_parameters``,
+and only when asked.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-
-import torch
+from dataclasses import dataclass, field
 
 from vlft.errors import ConfigError
-
-VISION_BLOCK = re.compile(r"(?:^|\.)visual\.blocks\.(\d+)\.(.+)$")
-
-
-TEXT_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
+from vlft.models.families import select_target_modules
 
 
 @dataclass
@@ -30,41 +24,17 @@ class TargetPlan:
     vision_blocks: list[int]
     vision_depth: int
     text_layers: int
+    parameters: list[str] = field(default_factory=list)  # fused expert weights (target_parameters)
 
 
-def _is_linear(module) -> bool:
-
-    return isinstance(module, torch.nn.Linear)
-
-
-def select_targets(model, defaults, targets: str, vision_last_n: int) -> TargetPlan:
+def select_targets(model, defaults, targets: str, vision_last_n: int, family, experts: bool = False) -> TargetPlan:
     """Full module names to adapt for ``targets`` ("vision", "text", "both" or "auto")."""
     towers = defaults.default_targets if targets == "auto" else targets
-    vision: dict[int, list[str]] = {}
-    text: list[str] = []
-    text_layers = set()
-    for name, module in model.named_modules():
-        if not _is_linear(module) or "patch_embed" in name:
-            continue
-        leaf = name.rsplit(".", 1)[-1]
-        if m := VISION_BLOCK.search(name):
-            if leaf in defaults.vision_modules:
-                vision.setdefault(int(m.group(1)), []).append(name)
-        elif "visual" not in name and (m := TEXT_LAYER.search(name)):
-            text_layers.add(int(m.group(1)))
-            if leaf in defaults.text_modules:
-                text.append(name)
-    depth = max(vision) + 1 if vision else 0
-    chosen_blocks = sorted(vision)[-vision_last_n:] if vision_last_n else []
-    modules: list[str] = []
-    if towers in ("vision", "both"):
-        modules += [n for b in chosen_blocks for n in vision[b]]
-    if towers in ("text", "both"):
-        modules += text
-    if not modules:
+    ft = select_target_modules(model, family, towers, vision_last_n, experts=experts)
+    if not ft.modules and not ft.parameters:
         raise ConfigError(
-            f"no modules to adapt for --targets {towers} with --vision-last-n {vision_last_n}: the model has "
-            f"{depth} vision blocks with {'/'.join(defaults.vision_modules) or 'no'} layers and "
-            f"{len(text)} text layers named {'/'.join(defaults.text_modules) or '(none)'}"
+            f"no modules to adapt for --targets {towers} with --vision-last-n {vision_last_n}: the {family.name} "
+            f"model has {ft.vision_depth} vision blocks with {'/'.join(family.vision_targets()) or 'no'} layers "
+            f"and {ft.text_layers} text layers with {'/'.join(family.text_targets()) or '(none)'}"
         )
-    return TargetPlan(modules, towers, chosen_blocks if towers != "text" else [], depth, len(text_layers))
+    return TargetPlan(ft.modules, towers, ft.vision_blocks, ft.vision_depth, ft.text_layers, ft.parameters)

@@ -18,23 +18,23 @@ from vlft.planning.trace import BatchShape
 
 
 def decide(plan: MemoryPlan, asked: str, model, model_config, compute_dtype, batch_size: int, grad_accum: int,
-           max_pixels: int | None, can_shard: bool = False) -> None:
+           max_pixels: int | None, can_shard: bool = False, family=None) -> None:
     """Settle checkpointing (``asked``: on, off, auto) and, when the run does not fit, list what would."""
     _settle_checkpointing(plan, asked)
     if plan.fits() is not False:
         return
     ckpt = plan.checkpointing or asked == "auto"
-    replan = _replanner(plan, model, model_config, compute_dtype)
+    replan = _replanner(plan, model, model_config, compute_dtype, family)
     fixes = [
         _fix_checkpointing(plan),
         _fix_half_weights(plan),
         _fix_smaller_batches(plan, replan, ckpt, batch_size, grad_accum),
-        _fix_fewer_pixels(plan, replan, ckpt, max_pixels),
-        _fix_sharding(plan, model, compute_dtype, ckpt) if can_shard and plan.shard_world == 1 else None,
+        _fix_fewer_pixels(plan, replan, ckpt, max_pixels, family),
+        _fix_sharding(plan, model, compute_dtype, ckpt, family) if can_shard and plan.shard_world == 1 else None,
     ]
     if not any(f and f.endswith("(fits)") for f in fixes):
         fixes.append(_fix_combined(plan, model, model_config, compute_dtype, ckpt, batch_size, grad_accum,
-                                   max_pixels))
+                                   max_pixels, family))
     fixes.append("--max-length N with --skip-too-long (leave out the longest samples), or fewer targets "
                  "(--targets text, a smaller --vision-last-n)")
     plan.fixes = [f for f in fixes if f]
@@ -63,11 +63,11 @@ def _verdict(plan: MemoryPlan, n: int) -> str:
     return " (fits)" if n <= _usable(plan) else ""
 
 
-def _replanner(plan: MemoryPlan, model, model_config, compute_dtype):
+def _replanner(plan: MemoryPlan, model, model_config, compute_dtype, family):
     """The same plan for another batch shape (re-estimated, not scaled)."""
     def replan(shape: BatchShape) -> MemoryPlan:
         return plan_memory(model, model_config, plan.base_dtype, compute_dtype, shape, plan.reserved_bytes,
-                           plan.capacity_bytes, plan.capacity_source, plan.shard_world, plan.gathered_bytes)
+                           plan.capacity_bytes, plan.capacity_source, plan.shard_world, plan.gathered_bytes, family)
     return replan
 
 
@@ -99,25 +99,28 @@ def _fix_smaller_batches(plan: MemoryPlan, replan, ckpt: bool, batch_size: int, 
     return None
 
 
-def _fix_fewer_pixels(plan: MemoryPlan, replan, ckpt: bool, max_pixels: int | None) -> str | None:
-    if not plan.batch.patches or (max_pixels is not None and max_pixels <= PIXELS) or \
-            not any(h * w * 196 > PIXELS for _, h, w in plan.batch.grids):
+def _fix_fewer_pixels(plan: MemoryPlan, replan, ckpt: bool, max_pixels: int | None, family) -> str | None:
+    if family is None or family.image_grid is None or not family.patch_size:
         return None
-    n = replan(_fewer_pixels_shape(plan.batch)).total_bytes(ckpt)
+    if not plan.batch.patches or (max_pixels is not None and max_pixels <= PIXELS) or \
+            not any(h * w * family.patch_size ** 2 > PIXELS for _, h, w in plan.batch.grids):
+        return None
+    n = replan(_fewer_pixels_shape(plan.batch, family)).total_bytes(ckpt)
     return f"--max-pixels {PIXELS} (448x448 images): about {gib(n)}" + _verdict(plan, n)
 
 
 PIXELS = 448 * 448  # --max-pixels in the fixes: 448x448 images
 
 
-def _fewer_pixels_shape(batch: BatchShape) -> BatchShape:
-    shape = BatchShape(batch.samples, batch.tokens, resized_grids(batch.grids, PIXELS))
-    shape.tokens = max(1, batch.tokens - (batch.patches - shape.patches) // 4 // batch.samples)
+def _fewer_pixels_shape(batch: BatchShape, family) -> BatchShape:
+    shape = BatchShape(batch.samples, batch.tokens, resized_grids(batch.grids, PIXELS, family))
+    per_token = family.merge_size ** 2  # patches per LLM token
+    shape.tokens = max(1, batch.tokens - (batch.patches - shape.patches) // per_token // batch.samples)
     return shape
 
 
 def _fix_combined(plan: MemoryPlan, model, model_config, compute_dtype, ckpt: bool, batch_size: int,
-                  grad_accum: int, max_pixels: int | None) -> str | None:
+                  grad_accum: int, max_pixels: int | None, family=None) -> str | None:
     """When no single fix fits: the fewest of them that fit together, each combination re-estimated by
     ``plan_memory`` (checkpointing, bf16 base weights, a smaller micro-batch with the accumulation that keeps
     the step, 448x448 images), tried two at a time, then three, then all four; within one size in that order
@@ -129,8 +132,9 @@ def _fix_combined(plan: MemoryPlan, model, model_config, compute_dtype, ckpt: bo
         options.append("half")
     if plan.batch.samples > 1:
         options.append("batch")
-    if plan.batch.patches and not (max_pixels is not None and max_pixels <= PIXELS) and \
-            any(h * w * 196 > PIXELS for _, h, w in plan.batch.grids):
+    if family is not None and family.image_grid is not None and family.patch_size and plan.batch.patches and \
+            not (max_pixels is not None and max_pixels <= PIXELS) and \
+            any(h * w * family.patch_size ** 2 > PIXELS for _, h, w in plan.batch.grids):
         options.append("pixels")
     per = len(plan.batch.grids) / max(plan.batch.samples, 1)
     plans: dict = {}
@@ -140,11 +144,11 @@ def _fix_combined(plan: MemoryPlan, model, model_config, compute_dtype, ckpt: bo
         if key not in plans:
             shape = BatchShape(samples, plan.batch.tokens, plan.batch.grids[: round(per * samples)])
             if "pixels" in chosen:
-                shape = _fewer_pixels_shape(shape)
+                shape = _fewer_pixels_shape(shape, family)
             dtype = "bfloat16" if "half" in chosen else plan.base_dtype
             plans[key] = plan_memory(model, model_config, dtype, compute_dtype, shape, plan.reserved_bytes,
                                      plan.capacity_bytes, plan.capacity_source, plan.shard_world,
-                                     plan.gathered_bytes)
+                                     plan.gathered_bytes, family)
         return plans[key].total_bytes(ckpt or "checkpointing" in chosen)
 
     for size in range(2, len(options) + 1):
@@ -171,9 +175,9 @@ def _fix_combined(plan: MemoryPlan, model, model_config, compute_dtype, ckpt: bo
     return None
 
 
-def _fix_sharding(plan: MemoryPlan, model, compute_dtype, ckpt: bool) -> str | None:
+def _fix_sharding(plan: MemoryPlan, model, compute_dtype, ckpt: bool, family=None) -> str | None:
     """The fewest processes FSDP2 would need for the run to fit."""
-    gathered = fsdp_gathered_bytes(model, compute_dtype)
+    gathered = fsdp_gathered_bytes(model, compute_dtype, family)
     for n in (2, 4, 8, 16, 32, 64):
         total = dataclasses.replace(plan, shard_world=n, gathered_bytes=gathered, fixes=[]).total_bytes(ckpt)
         if total <= _usable(plan):

@@ -27,10 +27,10 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
 from vlft.data.order import EpochSampler, steps_per_epoch
 from vlft.planning.sharding import working_set_bytes
+from vlft.models.families import base_model, family_of_model
 from vlft.planning.trace import Activations, BatchShape, trace_activations
 
 GIB = 2 ** 30
@@ -143,29 +143,33 @@ def format_memory(d: dict) -> list[str]:
     return lines + [f"fix          {f}" for f in d["fixes"]]
 
 
-def weight_bytes(model, param_dtype) -> tuple[dict[str, int], int]:
-    """(frozen base bytes per tower at ``param_dtype``, trainable parameter count)."""
+def weight_bytes(model, param_dtype, family) -> tuple[dict[str, int], int]:
+    """(frozen base bytes per tower at ``param_dtype``, trainable parameter count); the vision side is what
+    the family's vision tower and projectors hold."""
 
     itemsize = torch.empty((), dtype=param_dtype).element_size()
     towers = {"vision": 0, "text": 0}
     trainable = 0
-    for name, p in model.named_parameters():
+    family = family or family_of_model(model)
+    roots = tuple(r + "." for r in family.vision_side() if r)
+    for name, p in base_model(model).named_parameters():
         if p.requires_grad:
             trainable += p.numel()
         else:
-            towers["vision" if ".visual." in f".{name}" else "text"] += p.numel() * itemsize
+            towers["vision" if roots and name.startswith(roots) else "text"] += p.numel() * itemsize
     return towers, trainable
 
 
 def plan_memory(model, model_config, param_dtype: str, compute_dtype: str | None, batch: BatchShape,
                 reserved_bytes: int, capacity_bytes: int | None, capacity_source: str, shard_world: int = 1,
-                gathered_bytes: int = 0) -> MemoryPlan:
+                gathered_bytes: int = 0, family=None) -> MemoryPlan:
     """The plan for ``model`` (adapted, on the meta device) at ``batch``; checkpointing still undecided.
     ``shard_world`` > 1: sharded with FSDP over that many processes, ``gathered_bytes`` gathered at a time."""
 
     pdtype = getattr(torch, param_dtype)
-    towers, trainable = weight_bytes(model, pdtype)
-    acts = trace_activations(model, batch)
+    family = family or family_of_model(model)
+    towers, trainable = weight_bytes(model, pdtype, family)
+    acts = trace_activations(model, batch, family)
     vocab = model_config.text_config.vocab_size if hasattr(model_config, "text_config") else model_config.vocab_size
     logit_itemsize = torch.empty((), dtype=getattr(torch, compute_dtype or param_dtype)).element_size()
     # the logits stay alive through backward, and their fp32 gradient is made there
@@ -178,13 +182,13 @@ def plan_memory(model, model_config, param_dtype: str, compute_dtype: str | None
     )
 
 
-def fsdp_gathered_bytes(model, compute_dtype: str | None) -> int:
+def fsdp_gathered_bytes(model, compute_dtype: str | None, family=None) -> int:
     """What FSDP holds whole at one time: the root's parameters and two blocks (the one running and the next,
     prefetched), at the dtype they are gathered in."""
 
 
     itemsize = torch.empty((), dtype=getattr(torch, compute_dtype)).element_size() if compute_dtype else None
-    root, block = working_set_bytes(model, itemsize)
+    root, block = working_set_bytes(model, itemsize, family)
     return root + 2 * block
 
 
@@ -215,19 +219,20 @@ def largest_batches(lengths: list[int], grids: list[list], batch_size: int, grad
 
 
 def worst_plan(model, model_config, param_dtype, compute_dtype, shapes: list[BatchShape], reserved: int,
-               capacity: int | None, source: str, shard_world: int = 1, gathered_bytes: int = 0) -> MemoryPlan:
+               capacity: int | None, source: str, shard_world: int = 1, gathered_bytes: int = 0,
+               family=None) -> MemoryPlan:
     plans = [plan_memory(model, model_config, param_dtype, compute_dtype, s, reserved, capacity, source,
-                         shard_world, gathered_bytes)
+                         shard_world, gathered_bytes, family)
              for s in shapes]
     return max(plans, key=lambda p: p.total_bytes(False))
 
 
-def resized_grids(grids, max_pixels: int, patch: int = 14, merge: int = 2):
-    """Patch grids after capping each image at ``max_pixels`` (as ``--max-pixels`` would)."""
+def resized_grids(grids, max_pixels: int, family):
+    """Patch grids after capping each image at ``max_pixels`` (as ``--max-pixels`` would), by the family's own
+    resize rule (its ``image_grid``); grids are unchanged where the family gives none."""
 
-    out = []
-    for t, h, w in grids:
-        nh, nw = smart_resize(h * patch, w * patch, patch * merge, min_pixels=min(56 * 56, max_pixels),
-                              max_pixels=max_pixels)
-        out.append((t, nh // patch, nw // patch))
-    return out
+    if family.image_grid is None:
+        return list(grids)
+    patch = family.patch_size
+    return [family.image_grid(h * patch, w * patch, min_pixels=min(family.image_min_pixels, max_pixels),
+                              max_pixels=max_pixels) for _, h, w in grids]

@@ -21,6 +21,7 @@ from vlft.policies import (
     DataLoaderOptions,
     DistributedOptions,
     MethodInfo,
+    ModelFamily,
     PrecisionPolicy,
     ProbeResult,
 )
@@ -54,6 +55,8 @@ class RunPlan:
     lengths: dict[str, Any] = field(default_factory=dict)  # sample lengths: longest, skipped, limit
     notes: list[str] = field(default_factory=list)
     sharding: Any = None  # sharding.ShardingPlan: how the processes hold the model (--shard)
+    family: ModelFamily | None = None  # the checkpoint's model family, resolved once here
+    model_counts: dict[str, int] = field(default_factory=dict)  # parameters: total, vision, experts, ...
 
     @property
     def checkpointing(self) -> bool:
@@ -84,6 +87,9 @@ class RunPlan:
                 "notes": self.adapter.notes,
             },
             "model": self.model_path,
+            "model_family": ({"name": self.family.name, "model_types": list(self.family.model_types),
+                              "box_coordinates": self.family.box_coordinates, "parameters": self.model_counts}
+                             if self.family else None),
             "targets": {
                 **self.target_summary,
                 "modules": {m: self.target_params.get(m) for m in self.targets},
@@ -160,7 +166,7 @@ def resolve_precision(registry: Registry, backend: str, config: RunConfig):
 
 
 def resolve_plan(registry: Registry, config: RunConfig, model_path: str, model_config,
-                 backend: BackendChoice | None = None) -> RunPlan:
+                 backend: BackendChoice | None = None, family: ModelFamily | None = None) -> RunPlan:
     """Ask the plugins once for every policy. A real run passes the ``backend`` it has already
     set up the device for, so policies that read device properties see the right device."""
     backend = backend or choose_backend(registry, config.backend)
@@ -187,6 +193,7 @@ def resolve_plan(registry: Registry, config: RunConfig, model_path: str, model_c
         lr=config.lr if config.lr is not None else adapter.lr,
         model_path=model_path,
         sharding=resolve_sharding(config, distributed, name, precision),
+        family=family,
     )
 
 
@@ -289,6 +296,15 @@ def group_modules(modules: dict[str, int | None], summary: dict) -> list[str]:
     return lines
 
 
+def _family_lines(fam: dict | None) -> list[str]:
+    if not fam:
+        return []
+    c = fam.get("parameters") or {}
+    counts = (f": {c['total']:,} parameters ({c['vision']:,} vision" + (f", {c['experts']:,} in experts"
+              if c.get("experts") else "") + ")") if c else ""
+    return [f"family       {fam['name']} ({', '.join(fam['model_types'])}){counts}; boxes {fam['box_coordinates']}"]
+
+
 def format_plan(desc: dict, verbose: bool = False) -> str:
     """The plan as text; the adapted modules grouped per tower and layer range, or with ``verbose`` one
     line each."""
@@ -310,6 +326,7 @@ def format_plan(desc: dict, verbose: bool = False) -> str:
         *_sharding_lines(desc.get("sharding")),
         f"method       {m['name']} lr={m['lr']:g} " + " ".join(f"{k}={v}" for k, v in m["hyperparameters"].items()),
         f"model        {desc['model']}",
+        *_family_lines(desc.get("model_family")),
         f"targets      {t['towers']}: vision blocks {_spans(t['vision_blocks']) or 'none'} of {t['vision_depth']}, "
         f"{t['text_layers']} text layers; {len(t['modules'])} modules, {t['adapter_parameters']:,} adapter parameters",
     ]

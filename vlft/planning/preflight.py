@@ -25,9 +25,10 @@ from vlft.errors import ConfigError, DataError
 from vlft.models.adapting import compute_adapters_in_autocast_dtype
 from vlft.models.bundled import is_bundled
 from vlft.models.embedded import cache_root
+from vlft.models.families import count_parameters
 from vlft.models.loading import (
-    load_model_config,
     load_processor,
+    model_config_and_family,
     resolve_model_path,
 )
 from vlft.models.targets import select_targets
@@ -128,7 +129,7 @@ def check_enough_records(n_train: int, config: RunConfig) -> None:
 def plan_targets(registry: Registry, plan: RunPlan, model):
     """Adapt ``model`` (real or on 'meta'); fill the plan's target list and per-module adapter parameter counts."""
 
-    tp = select_targets(model, plan.adapter, plan.config.targets, plan.config.vision_last_n)
+    tp = select_targets(model, plan.adapter, plan.config.targets, plan.config.vision_last_n, plan.family)
     plan.targets = tp.modules
     plan.target_summary = {"towers": tp.towers, "vision_blocks": tp.vision_blocks,
                            "vision_depth": tp.vision_depth, "text_layers": tp.text_layers}
@@ -168,15 +169,15 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
     """
 
 
-    model_path = resolve_model_path(config.model)
-    model_config = load_model_config(model_path)
-    plan = resolve_plan(registry, config, model_path, model_config, choice)  # checks method and --adapter-opt
-    processor = load_processor(model_path)
+    model_path = resolve_model_path(config.model, registry)
+    model_config, family = model_config_and_family(model_path, registry)  # the family: asked once, here
+    plan = resolve_plan(registry, config, model_path, model_config, choice, family)  # checks method, --adapter-opt
+    processor = load_processor(model_path, family, registry)
     encoder = SampleEncoder(processor, max_pixels=config.max_pixels, video_fps=config.video_fps,
-                            video_max_frames=config.video_max_frames)
+                            video_max_frames=config.video_max_frames, family=family)
     train, val, lengths = load_and_check_data(config, encoder)
     plan.lengths = lengths.describe(config.max_length)
-    if is_bundled(model_path):
+    if is_bundled(model_path, registry):
         plan.notes.append("bundled config without weights: text lengths counted with the embedded tokenizer "
                           "(a stand-in; image tokens are exact)")
     epochs = config.epochs
@@ -203,14 +204,16 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
     shard_world, gathered = 1, 0
     if plan.sharding.enabled:
 
-        plan.sharding.wrapped = count_blocks(skeleton)
-        shard_world, gathered = config.world_size, memory.fsdp_gathered_bytes(skeleton, compute)
+        plan.sharding.wrapped = count_blocks(skeleton, family)
+        shard_world, gathered = config.world_size, memory.fsdp_gathered_bytes(skeleton, compute, family)
     plan.memory = memory.worst_plan(skeleton, model_config, plan.precision.param_dtype,
                                     plan.precision.autocast_dtype, shapes, capacity.reserved_bytes, total, source,
-                                    shard_world, gathered)
+                                    shard_world, gathered, family)
     fixes.decide(plan.memory, config.grad_checkpointing, skeleton, model_config, plan.precision.autocast_dtype,
                   config.batch_size, config.grad_accum, config.max_pixels,
-                  can_shard=bool(plan.distributed and plan.distributed.fsdp))
+                  can_shard=bool(plan.distributed and plan.distributed.fsdp), family=family)
+    plan.notes += [f"not traced, counted as 0: {what}" for what in plan.memory.activations.untraced]
+    plan.model_counts = count_parameters(skeleton, family)
     if plan.sharding.enabled:
         plan.notes.append(f"--shard fsdp: rank 0 alone reads the base weights, into its host memory "
                           f"({memory.gib(sum(plan.memory.base_weights.values()))}); the other processes build "

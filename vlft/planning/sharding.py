@@ -1,7 +1,7 @@
 """``--shard fsdp``, the plan side: whether the backend's process group supports FSDP2, which blocks are
 sharded, and what each process holds (``ShardingPlan``); the run side is ``vlft.training.fsdp``.
 
-The model's own ``_no_split_modules`` (for Qwen2.5-VL every text decoder layer and vision block) are each
+The family's ``no_split_modules`` (the model class's ``_no_split_modules``: every text decoder layer and vision block) are each
 sharded, then the transformers model as the root, so a block's parameters are gathered just before it
 runs and freed after. Frozen base weights and trainable adapter weights share a block's group: FSDP2
 checks the dtype of the *trainable* parameters only (all fp32 here) and all-gathers mixed dtypes as bytes,
@@ -69,33 +69,35 @@ def transformers_model(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def block_classes(model) -> list[str]:
-    """The class names the model says must not be split across devices: the units FSDP shards."""
-    names = getattr(transformers_model(model), "_no_split_modules", None) or []
+def block_classes(model, family=None) -> list[str]:
+    """The class names that must not be split across devices: the units FSDP shards. The family's
+    ``no_split_modules`` where it names them, else what the transformers model class declares."""
+    names = (family.no_split_modules if family is not None else ()) or \
+        getattr(transformers_model(model), "_no_split_modules", None) or []
     if not names:
         raise ConfigError(f"--shard fsdp: {type(transformers_model(model)).__name__} names no _no_split_modules, "
                           f"so vlft cannot tell which blocks to shard")
     return list(names)
 
 
-def blocks(model) -> list:
+def blocks(model, family=None) -> list:
     """(name, module) of every block FSDP shards on its own, in model order."""
-    wanted = set(block_classes(model))
+    wanted = set(block_classes(model, family))
     return [(n, m) for n, m in transformers_model(model).named_modules() if type(m).__name__ in wanted]
 
 
-def count_blocks(model) -> dict[str, int]:
-    return dict(Counter(type(m).__name__ for _, m in blocks(model)))
+def count_blocks(model, family=None) -> dict[str, int]:
+    return dict(Counter(type(m).__name__ for _, m in blocks(model, family)))
 
 
-def working_set_bytes(model, itemsize: int | None) -> tuple[int, int]:
+def working_set_bytes(model, itemsize: int | None, family=None) -> tuple[int, int]:
     """(root bytes, largest block bytes) at the gathered dtype's ``itemsize`` (None: each
     parameter's own). The root's parameters (embeddings, head, norms, patch embedding, merger) stay gathered
     through forward and backward; blocks are gathered one at a time, with the next one prefetched."""
     def size(params) -> int:
         return sum(p.numel() * (itemsize or p.element_size()) for p in params)
 
-    block_sizes = [size(m.parameters()) for _, m in blocks(model)]
+    block_sizes = [size(m.parameters()) for _, m in blocks(model, family)]
     return size(model.parameters()) - sum(block_sizes), max(block_sizes, default=0)
 
 

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 
 import torch
 from transformers import AttentionInterface, AutoModelForImageTextToText
-from transformers.vision_utils import get_vision_window_index
 
 from vlft.measure import SavedTensorMeter
+from vlft.models.families import base_model, family_of_model, resolve_module
 from vlft.models.loss import token_loss_sum
 
 if TYPE_CHECKING:
@@ -51,6 +51,7 @@ class Activations:
     full: int
     checkpointed: int
     per_layer_max: int
+    untraced: list = field(default_factory=list)  # what could not be traced (counted as 0), in words
 
 
 def _register_fused_attention() -> None:
@@ -102,41 +103,31 @@ def skeleton(model_config, attention, dtype):
         return AutoModelForImageTextToText.from_config(cfg, attn_implementation=impls, dtype=dtype)
 
 
-def _parts(model):
-    """(vision tower, text model, lm_head) of a Qwen2-VL-style model, PEFT-wrapped or not."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    visual = next((m for m in base.modules() if hasattr(m, "blocks") and hasattr(m, "merger")), None)
-    text = next(m for m in base.modules() if hasattr(m, "layers") and hasattr(m, "rotary_emb") and hasattr(m, "norm"))
-    return visual, text, base.lm_head
+def _parts(model, family):
+    """(vision tower or None, text model, lm_head), by the family's paths, PEFT-wrapped or not."""
+    base = base_model(model)
+    tower = resolve_module(base, family.vision_tower) if family.vision_tower else None
+    text = resolve_module(base, family.decoder_layers.rpartition(".")[0])
+    return tower, text, resolve_module(base, family.lm_head)
 
 
 def _trainable(module) -> bool:
     return any(p.requires_grad for p in module.parameters())
 
 
-def _vision_seqlens(visual, grid):
-    """(full-attention, window-attention) cumulative sequence lengths for ``grid``, as the tower makes them."""
+def trace_activations(model, batch: BatchShape, family=None) -> Activations:
+    """Run the adapted meta model's layers once on ``batch``'s shapes and count what autograd saves.
 
-    per_image = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0])
-    cu = torch.nn.functional.pad(per_image.cumsum(0, dtype=torch.int32), (1, 0))
-    try:  # transformers >= 5.2x: a shared helper
+    The vision tower runs through the family's ``trace_vision`` (a family without one: its vision
+    activations are not counted, and ``Activations.untraced`` says so); the text layers and the head run
+    here, with 3-row positions where the family has a multimodal rope index."""
 
-        _, cu_window = get_vision_window_index(grid, spatial_merge_size=visual.spatial_merge_size,
-                                               window_size=visual.window_size, patch_size=visual.patch_size)
-    except ImportError:  # earlier 5.x: a method of the tower
-        _, cu_window = visual.get_window_index(grid)
-    cu_window = torch.unique_consecutive(torch.as_tensor(cu_window, dtype=torch.int32))
-    return cu, cu_window
-
-
-def trace_activations(model, batch: BatchShape) -> Activations:
-    """Run the adapted meta model's layers once on ``batch``'s shapes and count what autograd saves."""
-
-
-    visual, text, lm_head = _parts(model)
+    family = family or family_of_model(model)
+    tower, text, lm_head = _parts(model, family)
     dtype = next(text.parameters()).dtype
     meter = SavedTensorMeter(model)
     inputs: list[int] = []  # per participating layer: bytes a checkpoint keeps (its input)
+    untraced: list[str] = []
     layer_max = 0
     grad = False
 
@@ -151,23 +142,24 @@ def trace_activations(model, batch: BatchShape) -> Activations:
 
     with meter.hooks():
         image_features = None
-        if visual is not None and batch.grids:
-            vc = visual.config
-            cu, cu_window = _vision_seqlens(visual, torch.tensor(batch.grids))
-            hidden = torch.empty(batch.patches, vc.hidden_size, device="meta", dtype=dtype)
-            pos = torch.zeros(batch.patches, 2, dtype=torch.long, device="meta")
-            pe = visual.rotary_pos_emb(hidden, pos)
-            for i, block in enumerate(visual.blocks):
-                seqlens = cu if i in visual.fullatt_block_indexes else cu_window
-                if grad or _trainable(block):
-                    inputs.append(hidden.numel() * hidden.element_size())
-                hidden = run_layer(block, lambda b=block, h=hidden, s=seqlens: b(h, cu_seqlens=s,
-                                                                                  position_embeddings=pe))
-            image_features = run_layer(visual.merger, lambda h=hidden: visual.merger(h))
+        blocks = set(map(id, resolve_module(base_model(model), family.vision_blocks))) if tower is not None else set()
+
+        def run_vision(module, fn, block_input=None):
+            """The tracer's wrapper per block/merger; a block's input is what a checkpoint keeps."""
+            if block_input is not None and id(module) in blocks and (grad or _trainable(module)):
+                inputs.append(block_input.numel() * block_input.element_size())
+            return run_layer(module, fn)
+
+        if tower is not None and batch.grids:
+            if family.trace_vision is None:
+                untraced.append(f"vision activations of the {family.name} family (it gives no tracer)")
+            else:
+                image_features = family.trace_vision(tower, batch.grids, dtype, run_vision)
         hidden = torch.empty(batch.samples, batch.tokens, text.config.hidden_size, device="meta", dtype=dtype)
         if image_features is not None and image_features.requires_grad:
             hidden.requires_grad_(True)  # adapted vision: its features flow into the text model's input
-        pos = torch.zeros(3, batch.samples, batch.tokens, dtype=torch.long, device="meta")
+        rows = (3,) if family.rope_index is not None else ()
+        pos = torch.zeros(*rows, batch.samples, batch.tokens, dtype=torch.long, device="meta")
         pe = text.rotary_emb(hidden, pos)
         for layer in text.layers:
             if grad or _trainable(layer):
@@ -181,4 +173,4 @@ def trace_activations(model, batch: BatchShape) -> Activations:
     full = meter.bytes
     # non-reentrant checkpointing keeps each layer's input; backward recomputes one layer at a time
     checkpointed = sum(inputs) + layer_max + head
-    return Activations(full=full, checkpointed=min(full, checkpointed), per_layer_max=layer_max)
+    return Activations(full=full, checkpointed=min(full, checkpointed), per_layer_max=layer_max, untraced=untraced)

@@ -116,7 +116,7 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
     device = _seeded_device(registry, backend, config)
     planned = plan_run(registry, config, choice)
     plan = planned.plan
-    require_weights(plan.model_path, config.model)
+    require_weights(plan.model_path, config.model, registry)
     check_fits(plan)
     if config.world_size > 1 or plan.sharding.enabled:
         _init_distributed(plan, device)
@@ -186,7 +186,7 @@ def _adapted(registry: Registry, plan: RunPlan, config: RunConfig, model, resume
     if cast:
         plan.notes.append(f"{len(cast)} trainable parameter(s) upcast to fp32 (e.g. {cast[0]})")
     if plan.checkpointing:
-        enable_checkpointing(model, vision_adapted=bool(plan.target_summary.get("vision_blocks")))
+        enable_checkpointing(model, vision_adapted=bool(plan.target_summary.get("vision_blocks")), family=plan.family)
     if plan.precision.autocast_dtype:
         compute_adapters_in_autocast_dtype(model)
     return model

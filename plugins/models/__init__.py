@@ -1,0 +1,60 @@
+"""vlft_models: the built-in model-family plugins (Qwen2-VL, Qwen2.5-VL, Qwen3-VL dense and MoE, Qwen3.5
+dense and MoE), registered as entry point ``models = "vlft_models"`` in group "vlft" (package-dir
+``vlft_models = "plugins/models"``). NOTES.md has the facts and traps per family.
+
+Importing this package imports neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vlft import hookimpl
+
+from .family import ModelFamily
+
+CONFIGS = Path(__file__).parent / "configs"
+
+
+def _families() -> tuple[ModelFamily, ...]:
+    from . import qwen2_vl, qwen3_5, qwen3_vl, qwen3_vl_moe
+
+    return (*qwen2_vl.FAMILIES, qwen3_vl.FAMILY, qwen3_vl_moe.FAMILY, *qwen3_5.FAMILIES)
+
+
+def families() -> tuple[ModelFamily, ...]:
+    return _families()
+
+
+def family_for(model_type: str) -> ModelFamily | None:
+    return next((f for f in _families() if f.owns(model_type)), None)
+
+
+def family_named(name: str) -> ModelFamily | None:
+    return next((f for f in _families() if f.name == name), None)
+
+
+def bundled_config_dir(name: str) -> Path | None:
+    """configs/<name>/ for a bundled planning config such as 'qwen3-vl-8b'."""
+    path = CONFIGS / name
+    return path if (path / "config.json").is_file() else None
+
+
+# --- hook implementations (specs: vlft/hookspecs.py) ---------------------------------------------------------
+
+@hookimpl
+def vlft_model_family(model_type):
+    """firstresult: the family that owns ``model_type``, or None."""
+    return family_for(model_type)
+
+
+@hookimpl
+def vlft_model_families():
+    """All families this plugin offers (for `vlft plugins` and the unknown-model_type error)."""
+    return list(_families())
+
+
+@hookimpl
+def vlft_bundled_model_configs():
+    """{name: folder} of weightless planning configs this plugin ships."""
+    return {p.name: p for p in sorted(CONFIGS.iterdir()) if (p / "config.json").is_file()} if CONFIGS.is_dir() else {}

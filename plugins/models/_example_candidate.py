@@ -1,0 +1,157 @@
+"""Prototype of the third-party example family (issue 20 item 5): Gemma 3. Will move to examples/ as its own
+distribution (e.g. ``vlft-family-gemma3`` with entry point ``gemma3 = "vlft_family_gemma3"`` in group
+"vlft"); it imports only the ModelFamily dataclass, never the core.
+
+Why Gemma 3 (see NOTES.md for the comparison): the installed transformers builds a tiny
+``Gemma3ForConditionalGeneration`` with ``Gemma3Processor`` (``Gemma3ImageProcessor`` + tokenizer +
+official chat template) offline with no extra package; an image costs a fixed ``mm_tokens_per_image``
+tokens; pixel_values are [images, 3, H, W] (concat along dim 0 like Qwen's patches). And it differs from
+Qwen exactly where a family hook must be general: no mRoPE (plain 1-D positions, ``rope_index=None``);
+roles user/model and a reply that ends with ``<end_of_turn>`` while eos is ``<eos>``; the placeholder the
+template writes (``<start_of_image>``) is not the token the model counts (``<image_soft_token>``); and
+``token_type_ids`` (1 on image tokens) must reach the model in training, or image tokens silently attend
+causally instead of bidirectionally.
+
+transformers 5.2x module tree: ``model.vision_tower`` (SigLIP: ``encoder.layers[i].self_attn.{q,k,v,out}_proj``,
+``mlp.fc1/fc2``), ``model.multi_modal_projector`` (``mm_input_projection_weight`` is a bare Parameter, not
+an nn.Linear; ``mm_soft_emb_norm``; an AvgPool2d), ``model.language_model.layers[i]`` (Gemma3DecoderLayer:
+``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``; sliding/global layers), ``lm_head``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import _tiny
+from .family import ModelFamily
+
+NAME = "gemma3"
+TEMPLATE = (
+    "{{ bos_token }}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\\n\\n' -%}\n"
+    "    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    "    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n"
+    "    {%- if (message['role'] == 'assistant') -%}\n"
+    "        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n"
+    "        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n"
+    "        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n"
+    "                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n"
+    "                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n"
+    "        {%- endfor -%}\n"
+    "    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<end_of_turn>\\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{'<start_of_turn>model\\n'}}\n"
+    "{%- endif -%}\n"
+)
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
+                  "<end_of_image>", "<image_soft_token>"]
+
+RECIPE = {
+    "version": 1, "family": NAME, "seed": 1234, "vocab_size": 512,
+    # 32 px images, patch 8 -> 4x4 patches, pooled to mm_tokens_per_image = 4 (2x2)
+    "image_size": 32, "mm_tokens_per_image": 4,
+    "text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, sliding_window=64, max_position_embeddings=4096),
+    "vision": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=8),
+    "initializer_range": 0.1,
+}
+
+
+def _tokenizer(r, corpus=None):
+    from transformers import PreTrainedTokenizerFast
+
+    base = _tiny.build_tokenizer(r["vocab_size"], SPECIAL_TOKENS, (), corpus, eos="<eos>", pad="<pad>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=base._tokenizer, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
+        extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                              "image_token": "<image_soft_token>"})
+
+
+def build_tiny(path: Path, recipe: dict | None = None, corpus=None) -> None:
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessor, Gemma3Processor
+
+    r = recipe or RECIPE
+    tok = _tokenizer(r, corpus)
+    ids = tok.convert_tokens_to_ids
+    ip = Gemma3ImageProcessor(size={"height": r["image_size"], "width": r["image_size"]})
+    processor = Gemma3Processor(image_processor=ip, tokenizer=tok, image_seq_length=r["mm_tokens_per_image"],
+                                chat_template=TEMPLATE)
+    config = Gemma3Config(
+        text_config=dict(r["text"], vocab_size=len(tok), initializer_range=r["initializer_range"],
+                         bos_token_id=ids("<bos>"), eos_token_id=[ids("<eos>"), ids("<end_of_turn>")],
+                         pad_token_id=ids("<pad>")),
+        vision_config=dict(r["vision"], image_size=r["image_size"]),
+        mm_tokens_per_image=r["mm_tokens_per_image"], image_token_id=ids("<image_soft_token>"),
+        boi_token_id=ids("<start_of_image>"), eoi_token_id=ids("<end_of_image>"))
+    torch.manual_seed(r["seed"])
+    model = Gemma3ForConditionalGeneration(config)
+    model.generation_config.do_sample = False
+    _tiny.save_atomically(path, model, processor, r)
+
+
+def image_tokens(height: int, width: int, mm_tokens_per_image: int = 256, **_) -> int:
+    """Gemma 3 without pan-and-scan: every image is resized to the processor's square size -> a fixed count."""
+    return mm_tokens_per_image
+
+
+def token_type_ids(input_ids, image_token_id: int):
+    """What Gemma3Processor returns and the model needs in training: 1 on image tokens, else 0."""
+    return (input_ids == image_token_id).long()
+
+
+FAMILY = ModelFamily(
+    name=NAME,
+    model_types=("gemma3",),
+    description="Gemma 3 (4B/12B/27B): SigLIP + Gemma 3, fixed 256 tokens per image (third-party example)",
+    vision_tower="model.vision_tower",
+    vision_blocks="model.vision_tower.encoder.layers",
+    vision_mergers=("model.multi_modal_projector",),
+    decoder_layers="model.language_model.layers",
+    embed_tokens="model.language_model.embed_tokens",
+    lm_head="lm_head",
+    vision_attention=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"),
+    vision_mlp=("mlp.fc1", "mlp.fc2"),
+    text_attention=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
+    text_mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+    default_targets="both",
+    image_token="<image_soft_token>", video_token="",
+    vision_start_token="<start_of_image>", vision_end_token="<end_of_image>",
+    patch_size=14, merge_size=4, temporal_patch_size=1,  # 896 px / 14 = 64x64 patches pooled 4x4 -> 256
+    image_min_pixels=896 * 896, image_max_pixels=896 * 896, video_min_pixels=0, video_max_pixels=0,
+    image_tokens=image_tokens,
+    box_coordinates="absolute",
+    processor_class="Gemma3Processor",
+    load_processor=None,  # AutoProcessor
+    reply_end_token="<end_of_turn>",
+    batch_inputs={"pixel_values": "concat", "token_type_ids": "sequence"},
+    no_split_modules=("Gemma3DecoderLayer", "SiglipEncoderLayer"),
+    rope_index=None,
+    build_tiny=build_tiny,
+    tiny_recipe=RECIPE,
+)

@@ -1,0 +1,154 @@
+"""Qwen3-VL (dense): 2B, 4B, 8B, 32B. ``model_type`` "qwen3_vl".
+
+transformers 5.2x classes: ``Qwen3VLForConditionalGeneration`` -> ``.model`` (``Qwen3VLModel``) with
+``.visual`` (``Qwen3VLVisionModel``: patch_embed Conv3d, pos_embed, blocks[Qwen3VLVisionBlock], merger,
+deepstack_merger_list) and ``.language_model`` (``Qwen3VLTextModel``: layers[Qwen3VLTextDecoderLayer]);
+``lm_head`` on the outer model. Processor ``Qwen3VLProcessor`` = ``Qwen2VLImageProcessor`` (patch 16,
+merge 2) + ``Qwen3VLVideoProcessor`` (timestamps between frames) + Qwen2 tokenizer.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+from . import _tiny
+from .family import ModelFamily, qwen_family, image_tokens, rope_index_from_class, video_tokens_qwen3
+
+NAME = "qwen3-vl"
+SPECIAL_TOKENS = _tiny.BASE_SPECIAL_TOKENS
+
+# Qwen/Qwen3-VL-*-Instruct preprocessor_config.json / video_preprocessor_config.json (see configs/SOURCES.md)
+IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS = 65536, 16777216
+VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS = 4096, 25165824
+IMAGE_MEAN = IMAGE_STD = [0.5, 0.5, 0.5]
+
+RECIPE = {
+    "version": 1,
+    "family": NAME,
+    "seed": 1234,
+    "vocab_size": 512,
+    "text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                 rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [4, 2, 2],
+                                  "mrope_interleaved": True}),
+    "vision": dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                   patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                   deepstack_visual_indexes=[1, 2]),
+    # 128x128 images: 8x8 patches of 16 px, merged 2x2 into 16 tokens.
+    "min_pixels": 64 * 64,
+    "max_pixels": 128 * 128,
+    "video_min_pixels": 64 * 64,
+    "video_max_pixels": 4 * 128 * 128,
+    "embedding_row_norm": 1.0,
+    "initializer_range": 0.1,
+    "vision_initializer_range": 0.02,
+}
+
+
+def make_processor(tokenizer, recipe: dict | None = None, image_processor=None, video_processor=None,
+                   chat_template: str | None = None):
+    """Qwen3VLProcessor with the family's image/video processors (patch 16, merge 2, mean/std 0.5)."""
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+    r = recipe or RECIPE
+    v = r.get("vision", {})
+    common = dict(patch_size=v.get("patch_size", 16), merge_size=v.get("spatial_merge_size", 2),
+                  temporal_patch_size=v.get("temporal_patch_size", 2), image_mean=IMAGE_MEAN, image_std=IMAGE_STD)
+    if image_processor is None:
+        image_processor = Qwen2VLImageProcessor(
+            size={"shortest_edge": r.get("min_pixels", IMAGE_MIN_PIXELS),
+                  "longest_edge": r.get("max_pixels", IMAGE_MAX_PIXELS)}, **common)
+    if video_processor is None:
+        video_processor = Qwen3VLVideoProcessor(
+            size={"shortest_edge": r.get("video_min_pixels", VIDEO_MIN_PIXELS),
+                  "longest_edge": r.get("video_max_pixels", VIDEO_MAX_PIXELS)},
+            cap_pixels_per_frame=False, **common)
+    return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
+                            chat_template=chat_template or _tiny.template("qwen3_vl"))
+
+
+def build_tiny(path: Path, recipe: dict | None = None, corpus: list[str] | None = None) -> None:
+    """A tiny random Qwen3-VL (about 1 MB of fp32 weights) with tokenizer, template and processor."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    r = recipe or RECIPE
+    tokenizer = _tiny.build_tokenizer(r["vocab_size"], SPECIAL_TOKENS, _tiny.QWEN3_EXTRA_TOKENS, corpus)
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen3VLConfig(
+        text_config=dict(r["text"], vocab_size=len(tokenizer), bos_token_id=ids("<|endoftext|>"),
+                         eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
+                         initializer_range=r["initializer_range"]),
+        vision_config=dict(r["vision"], initializer_range=r["initializer_range"]),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+        tie_word_embeddings=True,
+    )
+    import torch
+
+    torch.manual_seed(r["seed"])
+    model = Qwen3VLForConditionalGeneration(config)
+    _tiny.initialise(model, r["seed"], r["vision_initializer_range"], r["embedding_row_norm"])
+    _tiny.finish_generation_config(model, tokenizer)
+    _tiny.save_atomically(path, model, make_processor(tokenizer, r), r)
+
+
+def bundled_processor(config_dir: str, tokenizer):
+    """For a weightless bundled config: the folder's preprocessor configs, a stand-in tokenizer."""
+    from transformers import Qwen2VLImageProcessor, Qwen3VLVideoProcessor
+
+    d = Path(config_dir)
+    ip = Qwen2VLImageProcessor.from_pretrained(d) if (d / "preprocessor_config.json").exists() else None
+    vp = Qwen3VLVideoProcessor.from_pretrained(d) if (d / "video_preprocessor_config.json").exists() else None
+    return make_processor(tokenizer, {"vision": {}, "min_pixels": IMAGE_MIN_PIXELS, "max_pixels": IMAGE_MAX_PIXELS,
+                                      "video_min_pixels": VIDEO_MIN_PIXELS, "video_max_pixels": VIDEO_MAX_PIXELS},
+                          image_processor=ip, video_processor=vp)
+
+
+def load_processor(path: str):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(path)
+
+
+def tiny_dir() -> Path:
+    return _tiny.cached_dir(NAME, RECIPE, build_tiny)
+
+
+def _family(**overrides) -> ModelFamily:
+    base = dict(
+        name=NAME,
+        model_types=("qwen3_vl",),
+        description="Qwen3-VL dense (2B/4B/8B/32B): patch 16 x merge 2, deepstack mergers, interleaved mRoPE",
+        vision_tower="model.visual",
+        vision_blocks="model.visual.blocks",
+        vision_mergers=("model.visual.merger", "model.visual.deepstack_merger_list"),
+        decoder_layers="model.language_model.layers",
+        embed_tokens="model.language_model.embed_tokens",
+        lm_head="lm_head",
+        vision_attention=("attn.qkv", "attn.proj"),
+        vision_mlp=("mlp.linear_fc1", "mlp.linear_fc2"),
+        text_attention=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
+        text_mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+        patch_size=16, merge_size=2, temporal_patch_size=2,
+        image_min_pixels=IMAGE_MIN_PIXELS, image_max_pixels=IMAGE_MAX_PIXELS,
+        video_min_pixels=VIDEO_MIN_PIXELS, video_max_pixels=VIDEO_MAX_PIXELS,
+        box_coordinates="relative-1000",
+        processor_class="Qwen3VLProcessor",
+        load_processor=load_processor,
+        bundled_processor=bundled_processor,
+        no_split_modules=("Qwen3VLTextDecoderLayer", "Qwen3VLVisionBlock"),
+        rope_index=rope_index_from_class("transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLModel"),
+        build_tiny=build_tiny,
+        tiny_recipe=RECIPE,
+        bundled_configs=("qwen3-vl-2b", "qwen3-vl-4b", "qwen3-vl-8b", "qwen3-vl-32b"),
+    )
+    base.update(overrides)
+    fam = qwen_family(**base)
+    # token counts by this family's own numbers (a bound partial keeps the dataclass frozen and plain)
+    object.__setattr__(fam, "image_tokens", partial(image_tokens, fam))
+    object.__setattr__(fam, "video_tokens", partial(video_tokens_qwen3, fam))
+    return fam
+
+
+FAMILY = _family()

@@ -1,0 +1,82 @@
+"""Qwen3-VL MoE: 30B-A3B and 235B-A22B. ``model_type`` "qwen3_vl_moe".
+
+Same vision tower, processor, template and rope index as dense Qwen3-VL. The decoder MLP is
+``Qwen3VLMoeTextSparseMoeBlock``: ``mlp.gate`` (``Qwen3VLMoeTextTopKRouter``, a bare ``weight`` [E, H]
+parameter, not an nn.Linear) and ``mlp.experts`` (``Qwen3VLMoeTextExperts``: fused 3-D parameters
+``gate_up_proj`` [E, 2*I, H] and ``down_proj`` [E, H, I], I = moe_intermediate_size). There is no shared
+expert. Layers listed in ``mlp_only_layers`` (none in the published configs) keep a dense
+``Qwen3VLMoeTextMLP`` with gate/up/down_proj.
+
+Adapters go on attention by default. Expert LoRA is opt-in through PEFT's ``target_parameters`` (the
+names in ``expert_parameters``); the router never trains. transformers 5.2x does compute a
+load-balancing loss when ``output_router_logits=True`` (off by default); with a frozen router it only
+pushes the adapters upstream of the router, so vlft should leave it off.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+from . import _tiny
+from . import qwen3_vl as dense
+from .family import qwen_family, image_tokens, rope_index_from_class, video_tokens_qwen3
+
+NAME = "qwen3-vl-moe"
+
+RECIPE = dict(dense.RECIPE, version=1, family=NAME,
+              text=dict(dense.RECIPE["text"], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        decoder_sparse_step=1, mlp_only_layers=[]))
+
+
+def build_tiny(path: Path, recipe: dict | None = None, corpus=None) -> None:
+    import torch
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    r = recipe or RECIPE
+    tokenizer = _tiny.build_tokenizer(r["vocab_size"], dense.SPECIAL_TOKENS, _tiny.QWEN3_EXTRA_TOKENS, corpus)
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen3VLMoeConfig(
+        text_config=dict(r["text"], vocab_size=len(tokenizer), bos_token_id=ids("<|endoftext|>"),
+                         eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
+                         initializer_range=r["initializer_range"]),
+        vision_config=dict(r["vision"], initializer_range=r["initializer_range"]),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(r["seed"])
+    model = Qwen3VLMoeForConditionalGeneration(config)
+    _tiny.initialise(model, r["seed"], r["vision_initializer_range"], r["embedding_row_norm"])
+    with torch.no_grad():  # the router starts at zeros in __init__; give it a spread so experts differ
+        for layer in model.model.language_model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None and not isinstance(gate, torch.nn.Linear):
+                gate.weight.normal_(0.0, r["initializer_range"])
+    _tiny.finish_generation_config(model, tokenizer)
+    _tiny.save_atomically(path, model, dense.make_processor(tokenizer, r), r)
+
+
+def tiny_dir() -> Path:
+    return _tiny.cached_dir(NAME, RECIPE, build_tiny)
+
+
+FAMILY = qwen_family(
+    **{**{f: getattr(dense.FAMILY, f) for f in (
+        "vision_tower", "vision_blocks", "vision_mergers", "decoder_layers", "embed_tokens", "lm_head",
+        "vision_attention", "vision_mlp", "text_attention", "text_mlp", "patch_size", "merge_size",
+        "temporal_patch_size", "image_min_pixels", "image_max_pixels", "video_min_pixels", "video_max_pixels",
+        "box_coordinates", "processor_class", "load_processor", "bundled_processor")}},
+    name=NAME,
+    model_types=("qwen3_vl_moe",),
+    description="Qwen3-VL MoE (30B-A3B/235B-A22B): attention adapters; fused experts via target_parameters",
+    expert_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
+    router_modules=("mlp.gate",),
+    no_split_modules=("Qwen3VLMoeTextDecoderLayer", "Qwen3VLMoeVisionBlock"),
+    rope_index=rope_index_from_class("transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe.Qwen3VLMoeModel"),
+    build_tiny=build_tiny,
+    tiny_recipe=RECIPE,
+    bundled_configs=("qwen3-vl-30b-a3b", "qwen3-vl-235b-a22b"),
+)
+object.__setattr__(FAMILY, "image_tokens", partial(image_tokens, FAMILY))
+object.__setattr__(FAMILY, "video_tokens", partial(video_tokens_qwen3, FAMILY))

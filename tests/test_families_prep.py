@@ -1,0 +1,370 @@
+"""The model-family layer (plugins/models, issue 20), before it is wired into the core.
+
+For every family: its tiny model builds offline and loads through the Auto classes, the processor
+renders a chat with the family's template, the family's own token count equals the processor's, a real
+PEFT LoRA on the family's default targets trains on the CPU, saves and loads with plain PEFT, the
+rope-index callable gives the positions the model computes itself; and every bundled planning config
+counts (on the meta device) within 1% of its published parameter count.
+
+(This file will be renamed when the families are wired in; it loads plugins/models as ``vlft_models``
+from this checkout, so it does not depend on the installed package.)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the network
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent / "plugins" / "models"
+
+
+def _load_package():
+    if "vlft_models" in sys.modules and Path(sys.modules["vlft_models"].__file__).parent == ROOT:
+        return sys.modules["vlft_models"]
+    spec = importlib.util.spec_from_file_location("vlft_models", ROOT / "__init__.py",
+                                                  submodule_search_locations=[str(ROOT)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["vlft_models"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+vm = _load_package()
+from vlft_models import family as fam_mod  # noqa: E402
+from vlft_models import qwen3_5  # noqa: E402
+
+FAMILIES = vm.families()
+NAMES = [f.name for f in FAMILIES]
+PROMPT = "What colour is the product?"
+ANSWER = "The product is red and has a scratch."
+
+
+# --- fixtures: each tiny model built once, loaded once --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """{family name: (folder, processor, model)}, built from the config classes, loaded offline."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    root = tmp_path_factory.mktemp("families")
+    out = {}
+    for f in FAMILIES:
+        path = root / f.name
+        f.build_tiny(path)
+        out[f.name] = (path, AutoProcessor.from_pretrained(path), AutoModelForImageTextToText.from_pretrained(path))
+    return out
+
+
+def _family(name):
+    return vm.family_named(name)
+
+
+def _image(w, h, colour=(200, 30, 30)):
+    from PIL import Image
+
+    return Image.new("RGB", (w, h), colour)
+
+
+def _chat(with_answer=True):
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
+    if with_answer:
+        msgs.append({"role": "assistant", "content": [{"type": "text", "text": ANSWER}]})
+    return msgs
+
+
+def _batch(family, processor, images=None, videos=None, texts=None):
+    texts = texts or [processor.apply_chat_template(_chat(), tokenize=False, **family.chat_template_kwargs)]
+    kw = dict(text=texts, return_tensors="pt", padding=True)
+    if images is not None:
+        kw["images"] = images
+    if videos is not None:
+        kw["videos"] = videos
+        kw["videos_kwargs"] = dict(do_sample_frames=False)
+    return processor(**kw)
+
+
+# --- the interface ---------------------------------------------------------------------------------------
+
+def test_every_field_has_help_and_every_family_is_consistent():
+    helps = fam_mod.help_text()
+    assert all(helps.values()), [k for k, v in helps.items() if not v]
+    problems = [p for f in FAMILIES for p in fam_mod.check_family(f)]
+    assert problems == []
+    owned = [t for f in FAMILIES for t in f.model_types]
+    assert len(owned) == len(set(owned)), "two families claim one model_type"
+    assert set(owned) == {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"}
+
+
+def test_the_hook_answers_by_model_type():
+    assert vm.vlft_model_family(model_type="qwen3_vl_moe").name == "qwen3-vl-moe"
+    assert vm.vlft_model_family(model_type="qwen3_5").name == "qwen3.5"
+    assert vm.vlft_model_family(model_type="llava") is None
+    assert {f.name for f in vm.vlft_model_families()} == set(NAMES)
+
+
+def test_smart_resize_restated_matches_transformers():
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize as tf_image
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as tf_video
+
+    for h, w in [(75, 100), (33, 47), (224, 224), (1080, 1920), (31, 900), (4000, 3000), (57, 57)]:
+        for factor, lo, hi in [(28, 3136, 12845056), (32, 65536, 16777216), (32, 4096, 128 * 128)]:
+            assert fam_mod.smart_resize(h, w, factor, lo, hi) == tf_image(h, w, factor, lo, hi)
+            for t in (2, 5, 16):
+                assert fam_mod.video_smart_resize_qwen3(t, h, w, 2, factor, lo, hi * 4) == \
+                    tf_video(t, h, w, 2, factor, lo, hi * 4)
+
+
+# --- per family ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tiny_model_builds_offline_small_and_of_the_family(tiny, name):
+    path, processor, model = tiny[name]
+    f = _family(name)
+    assert model.config.model_type in f.model_types
+    assert type(processor).__name__ == f.processor_class
+    assert processor.image_processor.patch_size == f.patch_size
+    assert processor.image_processor.merge_size == f.merge_size
+    weights = sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    assert weights < 8e6, f"{name} tiny weights are {weights / 1e6:.1f} MB"
+    for dotted in (f.vision_tower, f.vision_blocks, f.decoder_layers, f.embed_tokens, f.lm_head, *f.vision_mergers):
+        fam_mod.resolve_module(model, dotted)
+    assert set(f.no_split_modules) <= set(model._no_split_modules)
+    for token in (f.image_token, f.video_token, f.vision_start_token, f.vision_end_token):
+        assert token in processor.tokenizer.get_vocab(), token
+    assert processor.tokenizer.convert_tokens_to_ids(f.image_token) == model.config.image_token_id
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_processor_round_trips_a_chat_through_the_template(tiny, name):
+    _, processor, model = tiny[name]
+    f = _family(name)
+    prompt = processor.apply_chat_template(_chat(False), tokenize=False, add_generation_prompt=True,
+                                           **f.chat_template_kwargs)
+    full = processor.apply_chat_template(_chat(), tokenize=False, **f.chat_template_kwargs)
+    assert full.startswith(prompt), "prompt and reply must split prefix by prefix (label masking)"
+    reply = full[len(prompt):]
+    assert reply.startswith(ANSWER) and reply.rstrip("\n").endswith(processor.tokenizer.eos_token), repr(reply)
+    assert f"{f.vision_start_token}{f.image_token}{f.vision_end_token}" in prompt
+    batch = _batch(f, processor, images=[_image(100, 75)])
+    ids = batch["input_ids"][0]
+    n_image = int((ids == model.config.image_token_id).sum())
+    assert n_image == int(batch["image_grid_thw"][0].prod()) // f.merge_size ** 2
+    text = processor.tokenizer.decode(ids)
+    assert PROMPT in text and ANSWER in text and text.count(f.image_token) == n_image
+    assert torch.equal(batch["mm_token_type_ids"][0], fam_mod.mm_token_type_ids(
+        ids, model.config.image_token_id, model.config.video_token_id).to(batch["mm_token_type_ids"].dtype))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_family_token_count_equals_the_processors(tiny, name):
+    import numpy as np
+
+    _, processor, model = tiny[name]
+    f = _family(name)
+    ip, vp = processor.image_processor, processor.video_processor
+    sizes = [(75, 100), (33, 47), (128, 128), (300, 200), (17, 260), (513, 97)]
+    images = [_image(w, h) for h, w in sizes]
+    batch = processor.image_processor(images=images, return_tensors="pt")
+    for (h, w), grid in zip(sizes, batch["image_grid_thw"]):
+        got = f.count_image_tokens(h, w, min_pixels=ip.size["shortest_edge"], max_pixels=ip.size["longest_edge"])
+        assert got == int(grid.prod()) // f.merge_size ** 2, (h, w)
+    # at the checkpoints' own budgets too (no override)
+    big = processor.image_processor(images=[_image(640, 480)], size={"shortest_edge": f.image_min_pixels,
+                                                                      "longest_edge": f.image_max_pixels},
+                                    return_tensors="pt")
+    assert f.count_image_tokens(480, 640) == int(big["image_grid_thw"][0].prod()) // f.merge_size ** 2
+    for frames, h, w in [(6, 70, 90), (5, 33, 130)]:
+        clip = np.zeros((frames, h, w, 3), dtype=np.uint8)
+        out = vp(videos=[clip], do_sample_frames=False, return_tensors="pt")
+        got = f.count_video_tokens(frames, h, w, min_pixels=vp.size["shortest_edge"], max_pixels=vp.size["longest_edge"])
+        assert got == int(out["video_grid_thw"][0].prod()) // f.merge_size ** 2, (frames, h, w)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_rope_index_gives_the_positions_the_model_computes(tiny, name):
+    import numpy as np
+
+    _, processor, model = tiny[name]
+    f = _family(name)
+    captured = []
+    hook = model.model.language_model.register_forward_pre_hook(
+        lambda mod, args, kwargs: captured.append(kwargs["position_ids"]), with_kwargs=True)
+    try:
+        # two samples of different lengths (right padding), then a video sample
+        short = processor.apply_chat_template(_chat(False), tokenize=False, add_generation_prompt=True,
+                                              **f.chat_template_kwargs)
+        long = processor.apply_chat_template(_chat(), tokenize=False, **f.chat_template_kwargs)
+        batch = _batch(f, processor, images=[_image(100, 75), _image(60, 130)], texts=[long, short])
+        clip = np.random.RandomState(0).randint(0, 255, (6, 70, 90, 3), dtype=np.uint8)
+        vchat = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": PROMPT}]},
+                 {"role": "assistant", "content": [{"type": "text", "text": ANSWER}]}]
+        vbatch = _batch(f, processor, videos=[clip],
+                        texts=[processor.apply_chat_template(vchat, tokenize=False, **f.chat_template_kwargs)])
+        with torch.no_grad():
+            model(**batch)
+            model(**vbatch)
+    finally:
+        hook.remove()
+    internal, vinternal = captured
+    grids = batch["image_grid_thw"]
+    for i in range(2):
+        mine = f.rope_index(model.config, batch["input_ids"][i], image_grid_thw=grids[i:i + 1],
+                            attention_mask=batch["attention_mask"][i])
+        assert mine.shape == (3, 1, batch["input_ids"].shape[1])
+        assert torch.equal(mine[:, 0], internal[-3:, i]), f"sample {i}"
+    mine = f.rope_index(model.config, vbatch["input_ids"][0], video_grid_thw=vbatch["video_grid_thw"],
+                        attention_mask=vbatch["attention_mask"][0], second_per_grid_ts=vbatch.get("second_per_grid_ts"))
+    assert torch.equal(mine[:, 0], vinternal[-3:, 0])
+    assert int(mine.max()) < vbatch["input_ids"].shape[1], "mRoPE compresses vision positions"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_lora_on_default_targets_trains_saves_and_loads_with_plain_peft(tiny, name, tmp_path):
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    path, processor, _ = tiny[name]
+    f = _family(name)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_pretrained(path)
+    experts = bool(f.expert_parameters)
+    targets = fam_mod.select_target_modules(model, f, "auto", 2, experts=experts)
+    assert targets.vision_blocks == [targets.vision_depth - 2, targets.vision_depth - 1]
+    names = set(targets.modules)
+    assert not any("merger" in n for n in names), "mergers (deepstack included) are not default targets"
+    assert all(isinstance(fam_mod.resolve_module(model, n), torch.nn.Linear) for n in names)
+    if f.text_linear_attention:  # Qwen3.5: both layer kinds adapted, the per-head gates not
+        assert any(".linear_attn.in_proj_qkv" in n for n in names) and any(".self_attn.q_proj" in n for n in names)
+        assert not any(n.endswith(("in_proj_a", "in_proj_b")) for n in names)
+    routers = fam_mod.frozen_router_parameters(model, f)
+    assert bool(routers) == experts
+    assert not any(n.rsplit(".", 1)[0] in names for n in routers)
+
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                                  target_modules=sorted(names),
+                                                  target_parameters=targets.parameters or None))
+    trainable = {n for n, p in peft_model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable), "only adapter weights train (routers frozen)"
+    if experts:
+        assert any("experts" in n for n in trainable)
+    batch = _batch(f, processor, images=[_image(64, 64)])
+    labels = batch["input_ids"].clone()
+    opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=5e-3)
+    losses, missing = [], None
+    for step in range(6):
+        loss = peft_model(**batch, labels=labels).loss
+        loss.backward()
+        if step == 1:  # LoRA B starts at zero, so A's gradient is zero on step 0 by construction
+            missing = [n for n, p in peft_model.named_parameters()
+                       if p.requires_grad and (p.grad is None or not p.grad.abs().sum() > 0)]
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert missing == [], missing[:5]
+    assert losses[-1] < 0.8 * losses[0], losses
+
+    peft_model.eval()
+    peft_model.save_pretrained(tmp_path / "adapter")
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert set(saved["target_modules"]) == names
+    reloaded = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(path), tmp_path / "adapter").eval()
+    base = AutoModelForImageTextToText.from_pretrained(path).eval()
+    with torch.no_grad():
+        a, b, c = peft_model(**batch).logits, reloaded(**batch).logits, base(**batch).logits
+    assert torch.allclose(a, b, atol=1e-5)
+    assert not torch.allclose(a, c, atol=1e-3), "the adapter changed nothing"
+
+
+# --- bundled planning configs -------------------------------------------------------------------------------
+
+PUBLISHED = {k: v for k, v in json.loads((vm.CONFIGS / "published.json").read_text()).items() if not k.startswith("_")}
+
+
+def test_every_bundled_config_has_a_published_count_and_a_family():
+    dirs = set(vm.vlft_bundled_model_configs())
+    assert dirs == set(PUBLISHED)
+    claimed = {c for f in FAMILIES for c in f.bundled_configs}
+    assert {d for d in dirs if d.startswith("qwen3-vl")} <= claimed
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_bundled_config_counts_within_one_percent_of_published(name):
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    folder = vm.bundled_config_dir(name)
+    config = AutoConfig.from_pretrained(folder)
+    family = vm.family_for(config.model_type)
+    assert family is not None and name.startswith(family.name.split("-moe")[0])
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    counted = fam_mod.count_parameters(model)["total"]
+    if PUBLISHED[name]["includes_mtp"]:
+        counted += qwen3_5.mtp_parameters(model)
+    published = PUBLISHED[name]["params"]
+    assert abs(counted - published) / published < 0.01, (counted, published)
+    if PUBLISHED[name]["exact"]:
+        assert counted == published
+    # the planning processor builds from the bundled preprocessor configs with the family's numbers
+    ip = json.loads((folder / "preprocessor_config.json").read_text())
+    assert (ip["patch_size"], ip["merge_size"]) == (family.patch_size, family.merge_size)
+    assert (ip["size"]["shortest_edge"], ip["size"]["longest_edge"]) == (family.image_min_pixels, family.image_max_pixels)
+
+
+# --- the third-party example candidate (Gemma 3), through the same dataclass ------------------------------
+
+def test_example_candidate_gemma3_trains_through_the_family_alone(tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from vlft_models import _example_candidate as gemma
+
+    f = gemma.FAMILY
+    assert fam_mod.check_family(f) == [] and f.rope_index is None
+    gemma.build_tiny(tmp_path / "g3")
+    processor = AutoProcessor.from_pretrained(tmp_path / "g3")
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path / "g3")
+    assert model.config.model_type in f.model_types and set(f.no_split_modules) <= set(model._no_split_modules)
+    prompt = processor.apply_chat_template(_chat(False), tokenize=False, add_generation_prompt=True)
+    full = processor.apply_chat_template(_chat(), tokenize=False)
+    assert full.startswith(prompt) and full[len(prompt):].startswith(ANSWER)
+    assert f.reply_end_token in full[len(prompt):] and processor.tokenizer.eos_token not in full[len(prompt):]
+    batch = processor(text=[full], images=[[_image(100, 75)]], return_tensors="pt")
+    assert set(batch) - {"input_ids", "attention_mask"} == set(f.batch_inputs)
+    image_id = processor.tokenizer.convert_tokens_to_ids(f.image_token)
+    assert int((batch["input_ids"] == image_id).sum()) == f.count_image_tokens(
+        75, 100, mm_tokens_per_image=model.config.mm_tokens_per_image)
+    assert torch.equal(batch["token_type_ids"], gemma.token_type_ids(batch["input_ids"], image_id))
+    targets = fam_mod.select_target_modules(model, f, "both", 1)
+    assert targets.vision_blocks == [targets.vision_depth - 1] and targets.text_layers == 2
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets.modules))
+    opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(6):
+        loss = peft_model(**batch, labels=batch["input_ids"]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_importing_the_families_imports_neither_torch_nor_transformers():
+    import subprocess
+
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            "import importlib.util as u; from pathlib import Path; "
+            f"r = Path({str(ROOT)!r}); s = u.spec_from_file_location('vlft_models', r / '__init__.py', "
+            "submodule_search_locations=[str(r)]); m = u.module_from_spec(s); sys.modules['vlft_models'] = m; "
+            "s.loader.exec_module(m); m.families(); m.family_for('qwen3_vl'); "
+            "print(sorted(k for k in ('torch', 'transformers', 'peft') if k in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

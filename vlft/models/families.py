@@ -1,0 +1,216 @@
+"""Model families in the core: resolving a checkpoint's family once at plan time, and the family-neutral
+helpers that read a ``ModelFamily`` (module paths, target selection, vision-side parameters).
+
+The knowledge of any one family (module names, token rules, processors, tiny models, bundled configs) is
+in the plugin that answers ``vlft_model_family``; nothing here names a family. Importing this module
+loads no torch (the helpers import it when called).
+
+Imports inside functions: torch, only when a helper runs on a model (the plugin surface stays light).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from vlft.errors import ConfigError
+from vlft.policies import FAMILY_TOWERS, ModelFamily
+
+EMBEDDED_PREFIX = "embedded:"
+
+
+def installed_families(registry) -> list[ModelFamily]:
+    """Every family the installed plugins offer, in plugin order, first offer of a name wins."""
+    seen: dict[str, ModelFamily] = {}
+    for answer in registry.hook.vlft_model_families():
+        for fam in answer or []:
+            seen.setdefault(fam.name, fam)
+    return list(seen.values())
+
+
+def how_to_add() -> str:
+    return ("add one with a plugin that answers the vlft_model_family hook (see docs/writing-plugins.md, "
+            "'A model family')")
+
+
+def resolve_family(registry, model_config, where: str = "") -> ModelFamily:
+    """The family that owns ``model_config.model_type``: asked once, at plan time."""
+    model_type = getattr(model_config, "model_type", None)
+    fam = registry.hook.vlft_model_family(model_type=model_type, model_config=model_config)
+    if fam is None:
+        names = [f"{f.name} ({', '.join(f.model_types)})" for f in installed_families(registry)]
+        raise ConfigError(
+            f"{where + ' is ' if where else ''}a '{model_type}' model, which is not a model family vlft knows: "
+            f"installed families: {'; '.join(names) or 'none'}. To train it, {how_to_add()}")
+    return fam
+
+
+def family_named(registry, name: str) -> ModelFamily:
+    """The family called ``name`` (``--model embedded:<name>``)."""
+    for fam in installed_families(registry):
+        if fam.name == name:
+            return fam
+    raise ConfigError(f"--model {EMBEDDED_PREFIX}{name}: no installed model family is called '{name}'; installed: "
+                      f"{', '.join(f.name for f in installed_families(registry)) or 'none'}")
+
+
+def bundled_configs(registry) -> dict:
+    """{name: folder} of the weightless planning configs the installed plugins ship."""
+    out: dict = {}
+    for answer in registry.hook.vlft_bundled_model_configs():
+        for name, path in (answer or {}).items():
+            out.setdefault(name, path)
+    return out
+
+
+def resolve_module(model, path: str):
+    """The module at a dotted path; raises AttributeError naming the missing step."""
+    obj = model
+    for step in path.split("."):
+        if not hasattr(obj, step):
+            raise AttributeError(f"{type(model).__name__} has no '{path}' (missing '{step}')")
+        obj = getattr(obj, step)
+    return obj
+
+
+def base_model(model):
+    """The transformers model under a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+@dataclass
+class FamilyTargets:
+    """What an adapter goes on, by family paths: module names and (MoE) parameter names."""
+
+    modules: list[str]
+    parameters: list[str]
+    vision_blocks: list[int]
+    vision_depth: int
+    text_layers: int
+
+
+def select_target_modules(model, family: ModelFamily, targets: str, vision_last_n: int,
+                          experts: bool = False, parts: tuple[str, ...] | None = None) -> FamilyTargets:
+    """Full names of the nn.Linear modules (and, with ``experts``, fused expert parameters) to adapt.
+
+    ``targets`` is vision / text / both / auto. Only modules that exist and are nn.Linear are returned, so a
+    hybrid model's layers each contribute the names they have (Qwen3.5: linear_attn.* in Gated DeltaNet
+    layers, self_attn.* in the full-attention ones).
+    """
+    import torch
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    prefix = "" if base is model else _prefix_of(model, base)
+    towers = family.default_targets if targets == "auto" else targets
+    if towers not in FAMILY_TOWERS:
+        raise ValueError(f"targets must be one of {FAMILY_TOWERS} or auto, not {targets!r}")
+    if parts is not None:
+        family = _with_parts(family, parts)
+    blocks = resolve_module(base, family.vision_blocks)
+    layers = resolve_module(base, family.decoder_layers)
+    depth = len(blocks)
+    chosen = list(range(depth))[-vision_last_n:] if vision_last_n else []
+
+    def linear_names(container_path, index, rel_names):
+        out = []
+        for rel in rel_names:
+            full = f"{container_path}.{index}.{rel}"
+            try:
+                mod = resolve_module(base, full)
+            except AttributeError:
+                continue  # e.g. a linear-attention projection in a full-attention layer
+            if isinstance(mod, torch.nn.Linear):
+                out.append(prefix + full)
+        return out
+
+    modules: list[str] = []
+    if towers in ("vision", "both"):
+        for b in chosen:
+            modules += linear_names(family.vision_blocks, b, family.vision_targets())
+    params: list[str] = []
+    if towers in ("text", "both"):
+        for i in range(len(layers)):
+            modules += linear_names(family.decoder_layers, i, family.text_targets())
+            if experts:
+                for rel in family.expert_parameters:
+                    full = f"{family.decoder_layers}.{i}.{rel}"
+                    try:
+                        p = resolve_module(base, full)
+                    except AttributeError:
+                        continue
+                    if isinstance(p, torch.nn.Parameter):
+                        params.append(prefix + full)
+    return FamilyTargets(modules, params, chosen if towers != "text" else [], depth, len(layers))
+
+
+def frozen_router_parameters(model, family: ModelFamily) -> list[str]:
+    """Names of router parameters (must stay requires_grad=False, whatever the method does)."""
+    names = []
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = resolve_module(base, family.decoder_layers)
+    for i in range(len(layers)):
+        for rel in family.router_modules:
+            try:
+                mod = resolve_module(base, f"{family.decoder_layers}.{i}.{rel}")
+            except AttributeError:
+                continue
+            names += [f"{family.decoder_layers}.{i}.{rel}.{n}" for n, _ in mod.named_parameters()]
+    return names
+
+
+def vision_parameter_names(model, family: ModelFamily) -> list[str]:
+    """Every vision-side parameter: the tower (blocks, patch embedding, Qwen's mergers and deepstack mergers)
+    and any projector outside it (Gemma 3's multi_modal_projector)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = []
+    for root in (family.vision_tower, *family.vision_mergers):
+        if root.startswith(family.vision_tower + "."):
+            continue  # already under the tower
+        names += [f"{root}.{n}" for n, _ in resolve_module(base, root).named_parameters()]
+    return names
+
+
+def _prefix_of(wrapper, base) -> str:
+    for name, mod in wrapper.named_modules():
+        if mod is base:
+            return name + "." if name else ""
+    return ""
+
+
+def _with_parts(family: ModelFamily, parts):
+
+    return replace(family, default_parts=tuple(parts))
+
+
+
+
+def count_parameters(model, family: ModelFamily) -> dict[str, int]:
+    """Base-model parameters (adapters left out; tied tensors once): total, vision side, fused experts, and
+    adapter parameters on the experts. Works on the meta device."""
+    base = base_model(model)
+    roots = tuple(r + "." for r in family.vision_side() if r)
+    experts = tuple("." + rel for rel in family.expert_parameters)
+    total = vision = in_experts = expert_adapter = 0
+    for name, p in base.named_parameters():
+        n = p.numel()
+        if p.requires_grad:  # an adapter's
+            if experts and any(e in name for e in (".experts.",)):
+                expert_adapter += n
+            continue
+        clean = name.replace(".base_layer", "")
+        total += n
+        if roots and clean.startswith(roots):
+            vision += n
+        if experts and clean.endswith(experts):
+            in_experts += n
+    return {"total": total, "vision": vision, "text": total - vision, "experts": in_experts,
+            "expert_adapter": expert_adapter}
+
+
+def family_of_model(model, registry=None) -> ModelFamily:
+    """The family of a loaded (or meta) model, for helpers called outside a plan (tests, bench scripts); a
+    run passes the plan's family instead."""
+    if registry is None:
+        from vlft.registry import get_registry  # the process-wide registry, only where none is given
+
+        registry = get_registry()
+    return resolve_family(registry, base_model(model).config)
