@@ -11,6 +11,7 @@ from vlft.data.batching import Collator
 from vlft.data.encoding import SampleEncoder
 from vlft.data.records import read_records
 from vlft.errors import ConfigError
+from vlft.models.families import family_of_model
 from vlft.models.targets import select_targets
 
 
@@ -28,7 +29,7 @@ def _inputs(batch):
 def test_targets_default_to_both_towers_last_six_vision_blocks(registry, model_dir):
     model = base_model(model_dir)
     d = registry.first("vlft_adapter_defaults", method="lora", config=RunConfig())
-    plan = select_targets(model, d, "both", 6)
+    plan = select_targets(model, d, "both", 6, family_of_model(model, registry))
     assert plan.vision_depth == 8 and plan.vision_blocks == [2, 3, 4, 5, 6, 7]
     vision = [m for m in plan.modules if ".visual." in m]
     text = [m for m in plan.modules if ".visual." not in m]
@@ -40,12 +41,12 @@ def test_targets_default_to_both_towers_last_six_vision_blocks(registry, model_d
 def test_target_choices(registry, model_dir):
     model = base_model(model_dir)
     d = registry.first("vlft_adapter_defaults", method="lora", config=RunConfig())
-    assert all(".visual." in m for m in select_targets(model, d, "vision", 2).modules)
-    assert select_targets(model, d, "vision", 2).vision_blocks == [6, 7]
-    assert select_targets(model, d, "vision", 50).vision_blocks == list(range(8))  # all when fewer
-    assert not any(".visual." in m for m in select_targets(model, d, "text", 6).modules)
+    assert all(".visual." in m for m in select_targets(model, d, "vision", 2, family_of_model(model, registry)).modules)
+    assert select_targets(model, d, "vision", 2, family_of_model(model, registry)).vision_blocks == [6, 7]
+    assert select_targets(model, d, "vision", 50, family_of_model(model, registry)).vision_blocks == list(range(8))  # all when fewer
+    assert not any(".visual." in m for m in select_targets(model, d, "text", 6, family_of_model(model, registry)).modules)
     with pytest.raises(ConfigError, match="no modules to adapt"):
-        select_targets(model, d, "vision", 0)
+        select_targets(model, d, "vision", 0, family_of_model(model, registry))
 
 
 @pytest.mark.parametrize("method", ["lora", "oft"])
@@ -55,7 +56,7 @@ def test_adapter_leaves_outputs_unchanged_before_the_first_step(registry, model_
         before = model(**_inputs(batch)).logits
     cfg = RunConfig(method=method)
     d = registry.first("vlft_adapter_defaults", method=method, config=cfg)
-    targets = select_targets(model, d, "both", 6).modules
+    targets = select_targets(model, d, "both", 6, family_of_model(model, registry)).modules
     adapted = registry.first("vlft_apply_adapter", method=method, model=model, targets=targets, config=cfg).eval()
     trainable = [n for n, p in adapted.named_parameters() if p.requires_grad]
     assert trainable and all(method in n for n in trainable)
@@ -69,7 +70,7 @@ def test_oft_block_size_divides_every_target_or_is_refused(registry, model_dir):
 
     model = base_model(model_dir)
     d = registry.first("vlft_adapter_defaults", method="oft", config=RunConfig(method="oft"))
-    targets = select_targets(model, d, "both", 6).modules
+    targets = select_targets(model, d, "both", 6, family_of_model(model, registry)).modules
     assert choose_block_size(model, targets, 0) == 64  # widths 64 (vision) and 128 (text)
     assert choose_block_size(model, targets, 16) == 16
     # a width no candidate divides is refused with the widths named
@@ -95,7 +96,7 @@ def test_saved_adapter_loads_with_plain_peft_and_gives_the_same_logits(registry,
     cfg = RunConfig(method=method)
     d = registry.first("vlft_adapter_defaults", method=method, config=cfg)
     model = base_model(model_dir)
-    targets = select_targets(model, d, "both", 6).modules
+    targets = select_targets(model, d, "both", 6, family_of_model(model, registry)).modules
     adapted = registry.first("vlft_apply_adapter", method=method, model=model, targets=targets, config=cfg)
     # move the adapter away from identity so the comparison means something
     with torch.no_grad():
@@ -138,10 +139,11 @@ def test_the_vision_warmup_runs_the_tower_on_a_text_only_batch_and_adds_exactly_
         # dropout off: the dummy pass draws dropout masks too, which would shift the text layers' masks
         cfg = RunConfig(method="lora", adapter={"lora_dropout": 0.0})
         d = registry.first("vlft_adapter_defaults", method="lora", config=cfg)
-        targets = select_targets(model, d, "both", 6).modules
+        targets = select_targets(model, d, "both", 6, family_of_model(model, registry)).modules
         torch.manual_seed(0)
         adapted = registry.first("vlft_apply_adapter", method="lora", model=model, targets=targets, config=cfg)
-        handles = install_vision_warmup(adapted, {"image"}) if install else []
+        family = registry.first("vlft_model_family", model_type=model.config.model_type, model_config=model.config)
+        handles = install_vision_warmup(adapted, {"image"}, family) if install else []
         adapted.train()
         # the image placeholders become plain text tokens: a text-only batch of the same shape
         ids = text_only["input_ids"].masked_fill(text_only["input_ids"] == model.config.image_token_id, 1)

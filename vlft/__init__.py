@@ -32,6 +32,7 @@ from vlft.policies import (
     ModelFamily,
     PrecisionPolicy,
     ProbeResult,
+    VisionWarmup,
 )
 
 __version__ = "0.1.0"
@@ -39,6 +40,6 @@ __version__ = "0.1.0"
 __all__ = [
     "AdapterDefaults", "AttentionPolicy", "BackendHookimpl", "BackendInfo", "BackendUnavailable", "ConfigError",
     "DataError", "DataLoaderOptions", "DeviceCapacity", "DeviceSetup", "DistributedOptions", "DoctorCheck",
-    "MemoryStats", "MethodInfo", "MetricSink", "ModelFamily", "PrecisionPolicy", "ProbeResult", "RunConfig", "VlftError", "hookimpl",
-    "hookimpl_for", "parse_attn",
+    "MemoryStats", "MethodInfo", "MetricSink", "ModelFamily", "PrecisionPolicy", "ProbeResult", "RunConfig",
+    "VisionWarmup", "VlftError", "hookimpl", "hookimpl_for", "parse_attn",
 ]

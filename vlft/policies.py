@@ -334,6 +334,12 @@ class ModelFamily:
                 "image processor makes of one image (its product / merge_size**2 is the token count). The length "
                 "check and the memory plan use it without decoding pixels. None: images are measured by "
                 "running the processor."})
+    vision_dummy: Callable[..., Any] | None = field(default=None, compare=False, metadata={
+        "help": "vision_dummy(model, modality) -> VisionWarmup or None: the smallest input the vision tower takes "
+                "for 'image' or 'video' (the module with the features method, the method's name and its keyword "
+                "arguments). Several processes run it on every step whose batch lacks that modality, so every "
+                "process uses the same parameters (DDP) and gathers the same blocks (FSDP). None: a multi-process "
+                "run on data that mixes text-only and image records may fail there."})
     trace_vision: Callable[..., Any] | None = field(default=None, compare=False, metadata={
         "help": "trace_vision(tower, grids, dtype, run_block) -> features: run the vision tower's blocks once "
                 "on the meta device for the memory plan, calling run_block(module, fn, block_input) around each "
@@ -380,3 +386,14 @@ class ModelFamily:
 def model_family_help() -> dict[str, str]:
     """Each ``ModelFamily`` field's help (docs/plugin-hooks.md lists them; a docs test checks)."""
     return {f.name: f.metadata.get("help", "") for f in fields(ModelFamily)}
+
+
+@dataclass
+class VisionWarmup:
+    """How to run one modality's tower on a dummy input (``ModelFamily.vision_dummy``): the module holding
+    the features method (``get_image_features``), that method's name and its keyword arguments (tensors on
+    the host, moved per call)."""
+
+    module: Any
+    method: str
+    inputs: dict

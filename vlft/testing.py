@@ -34,7 +34,7 @@ __all__ = ["check_plugin", "registry_with", "run", "tiny_dataset", "tiny_run_con
 
 UNKNOWN = "vlft-testing-unknown-name"  # a backend and method name no plugin owns
 # what a run needs besides the plugin under test: a backend to run a method on, a method to run a backend with
-BUILTINS_FOR_RUNS = ("cpu", "lora")
+BUILTINS_FOR_RUNS = ("cpu", "lora", "models")  # a backend, a method and the model families
 
 
 def registry_with(*plugins: Any, entry_points: bool = True) -> Registry:
@@ -42,9 +42,9 @@ def registry_with(*plugins: Any, entry_points: bool = True) -> Registry:
 
     ``entry_points=True``: the installed plugins too, as ``vlft`` itself would
     load them (a plugin passed here that is also installed is registered once).
-    ``entry_points=False``: only ``plugins``, plus vlft's CPU reference backend
-    and LoRA, so a method plugin has a backend to run on and a backend plugin
-    a method. Every call builds a new plugin manager: tests do not leak into
+    ``entry_points=False``: only ``plugins``, plus vlft's CPU reference backend,
+    LoRA and the built-in model families, so a method plugin has a backend to
+    run on, a backend plugin a method, and both a model. Every call builds a new plugin manager: tests do not leak into
     each other or into the process-wide registry.
     """
     import importlib.metadata

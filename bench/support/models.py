@@ -77,10 +77,12 @@ def load_base(env: BenchEnv, size: ModelSize):
 
 
 def targets_for(env: BenchEnv, size: ModelSize, model, method: str = "lora") -> list[str]:
+    from vlft.models.families import family_of_model
     from vlft.models.targets import select_targets
 
     plan = plan_for(env, size, method)
-    return select_targets(model, plan.adapter, TARGETS, VISION_LAST_N).modules
+    family = family_of_model(model, env.registry)
+    return select_targets(model, plan.adapter, TARGETS, VISION_LAST_N, family).modules
 
 
 def adapted_model(env: BenchEnv, size: ModelSize, method: str, seed: int = 0):

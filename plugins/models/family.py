@@ -64,6 +64,10 @@ def qwen_family(**fields_) -> ModelFamily:
         object.__setattr__(fam, "image_tokens", partial(image_tokens, fam))
     if fam.image_grid is None:
         object.__setattr__(fam, "image_grid", partial(image_grid, fam))
+    if fam.vision_dummy is None:
+        from ._warmup import qwen_vision_dummy
+
+        object.__setattr__(fam, "vision_dummy", qwen_vision_dummy)
     if fam.trace_vision is None:
         from . import _trace
 

@@ -50,7 +50,8 @@ def _flags(values: dict) -> list[str]:
 
 
 def _metrics(out: Path) -> list[dict]:
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    """The logged steps (the lines with a loss; checkpoint and evaluation timings have lines of their own)."""
+    return [m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
 
 
 def _adapter(folder: Path) -> dict:

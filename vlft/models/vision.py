@@ -8,55 +8,16 @@ a hang). So a training forward without the pixels of a modality the run uses fee
 tower and adds its output times 0 to the input embeddings: the same parameters get (zero) gradients and the
 loss is unchanged (``x + 0.0 == x``).
 
-The one family-specific piece is ``vision_warmup_inputs``: where the tower is and what a dummy input for it
-looks like (Qwen2-VL / Qwen2.5-VL here).
+The one family-specific piece is the family's ``vision_dummy``: where the tower is and what the smallest
+input it takes looks like (``ModelFamily.vision_dummy``, answered by the model-family plugin).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 # the model's forward arguments that carry each modality's pixels
 PIXEL_KEYS = {"image": "pixel_values", "video": "pixel_values_videos"}
-
-
-@dataclass
-class VisionWarmup:
-    """How to run one modality's tower on a dummy input: the module holding ``get_image_features`` /
-    ``get_video_features`` and that method's keyword arguments (on the host, moved per call)."""
-
-    module: torch.nn.Module
-    method: str
-    inputs: dict
-
-
-def _inner(model) -> torch.nn.Module | None:
-    """The transformers module that embeds the tokens and runs the towers (Qwen2_5_VLModel), under PEFT/DDP."""
-    found = None
-    for module in model.modules():
-        if hasattr(module, "get_image_features") and hasattr(module, "visual") and hasattr(module,
-                                                                                          "get_input_embeddings"):
-            found = module  # the innermost such module (the ForConditionalGeneration delegates to it)
-    return found
-
-
-def vision_warmup_inputs(model, modality: str) -> VisionWarmup | None:
-    """Qwen2-VL / Qwen2.5-VL: the smallest input the vision tower takes, one frame of one merged patch
-    (``spatial_merge_size`` x ``spatial_merge_size`` patches of zeros); images and videos share the tower.
-    None for a model without a vision tower of this kind."""
-    inner = _inner(model)
-    if inner is None:
-        return None
-    vc = inner.visual.config
-    merge = int(vc.spatial_merge_size)
-    dim = int(vc.in_channels) * int(vc.temporal_patch_size) * int(vc.patch_size) ** 2
-    pixels = torch.zeros(merge * merge, dim)
-    grid = torch.tensor([[1, merge, merge]])
-    if modality == "image":
-        return VisionWarmup(inner, "get_image_features", {"pixel_values": pixels, "image_grid_thw": grid})
-    return VisionWarmup(inner, "get_video_features", {"pixel_values_videos": pixels, "video_grid_thw": grid})
 
 
 def _tensor_sum(out) -> torch.Tensor:
@@ -74,12 +35,14 @@ def _tensor_sum(out) -> torch.Tensor:
     return torch.stack(sums).sum() if sums else torch.zeros(())
 
 
-def install_vision_warmup(model, modalities: set[str]) -> list:
+def install_vision_warmup(model, modalities: set[str], family) -> list:
     """Make every training forward of ``model`` run the vision tower for each of ``modalities`` (those the
     run's data holds): a forward without that modality's pixels gets a dummy through the tower, its output
     times 0 added to the input embeddings. Returns the hook handles (empty where the model has no such
     tower). Only training forwards (``module.training`` and gradients on): evaluation is left as it is."""
-    warmups = {m: w for m in sorted(modalities) if (w := vision_warmup_inputs(model, m)) is not None}
+    if family is None or family.vision_dummy is None:
+        return []
+    warmups = {m: w for m in sorted(modalities) if (w := family.vision_dummy(model, m)) is not None}
     if not warmups:
         return []
     inner = next(iter(warmups.values())).module

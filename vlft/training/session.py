@@ -127,7 +127,7 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
     if config.world_size > 1:  # every process runs the towers the data uses, at every step (models.vision)
         modalities = {m for m, rs in (("image", [r for r in planned.train_records if r.images]),
                                       ("video", [r for r in planned.train_records if r.videos])) if rs}
-        install_vision_warmup(model, modalities)
+        install_vision_warmup(model, modalities, plan.family)
     autocast_dtype = getattr(torch, plan.precision.autocast_dtype) if plan.precision.autocast_dtype else None
     scaler = plan.precision.make_scaler() if plan.precision.loss_scaling else None
     optimizer, scheduler = _optimizer_and_schedule(model, plan, config, planned.total_steps)

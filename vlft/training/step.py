@@ -129,6 +129,8 @@ def scaler_explains(policy: StepPolicy, finite: torch.Tensor, loss_sum: torch.Te
     loss_finite = torch.isfinite(loss_sum).to(torch.float32)
     if policy.world_size > 1:  # every process must classify the step alike (they stop together)
         torch.distributed.all_reduce(loss_finite, op=torch.distributed.ReduceOp.MIN)
+    if not policy.scaler.is_enabled():  # a disabled scaler skips nothing, so it explains nothing
+        return torch.zeros_like(finite)
     scale = policy.scaler._get_scale_async()  # the scale this step used, as a device tensor (no sync)
     above_floor = (scale > MIN_LOSS_SCALE) if scale is not None else torch.ones((), dtype=torch.bool)
     return (~finite) & (loss_finite > 0).to(finite.device) & above_floor.to(finite.device).reshape(())
