@@ -38,6 +38,17 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# LoRA against OFT on the embedded default, trained to convergence (make run's settings), in one report:
+# the table of the field report this project starts from. COMPARE_BACKEND=cuda (or ascend) on a device
+# machine; run it twice with different backends into one COMPARE_OUT to compare platforms.
+COMPARE_BACKEND ?= cpu
+COMPARE_OUT     ?= runs/compare
+compare: $(STAMP)
+	$(VENV)/bin/vlft run --quiet --backend $(COMPARE_BACKEND) --method lora --output $(COMPARE_OUT)/lora-$(COMPARE_BACKEND)
+	$(VENV)/bin/vlft run --quiet --backend $(COMPARE_BACKEND) --method oft --output $(COMPARE_OUT)/oft-$(COMPARE_BACKEND)
+	$(VENV)/bin/vlft report $(COMPARE_OUT)/*-*/ --output $(COMPARE_OUT)/report
+	@echo "report: $(COMPARE_OUT)/report/report.md"
+
 bench: $(STAMP)
 	mkdir -p bench/results
 	$(PY) -m pytest bench -q --benchmark-enable --benchmark-only \
