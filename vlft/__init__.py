@@ -26,6 +26,7 @@ from vlft.policies import (
     DeviceSetup,
     DistributedOptions,
     DoctorCheck,
+    KernelPatch,
     MemoryStats,
     MethodInfo,
     MetricSink,
@@ -39,6 +40,6 @@ __version__ = "0.1.0"
 __all__ = [
     "AdapterDefaults", "AttentionPolicy", "BackendHookimpl", "BackendInfo", "BackendUnavailable", "ConfigError",
     "DataError", "DataLoaderOptions", "DeviceCapacity", "DeviceSetup", "DistributedOptions", "DoctorCheck",
-    "MemoryStats", "MethodInfo", "MetricSink", "ModelFamily", "PrecisionPolicy", "ProbeResult", "RunConfig", "VlftError", "hookimpl",
+    "KernelPatch", "MemoryStats", "MethodInfo", "MetricSink", "ModelFamily", "PrecisionPolicy", "ProbeResult", "RunConfig", "VlftError", "hookimpl",
     "hookimpl_for", "parse_attn",
 ]
