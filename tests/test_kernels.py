@@ -113,7 +113,7 @@ def test_cuda_linear_patch_embedding_follows_the_family(monkeypatch):
     for family in (QWEN2_5_VL, QWEN3_VL):
         k = cuda_offers(monkeypatch, family=family)["linear-patch-embed"]
         assert k.available and k.default and "model.visual.patch_embed" in k.reason
-    bare = dataclasses.replace(QWEN2_5_VL, patch_embed="")
+    bare = dataclasses.replace(QWEN2_5_VL, vision_stem="")
     k = cuda_offers(monkeypatch, family=bare)["linear-patch-embed"]
     assert not k.available and "names no patch embedding" in k.reason
 
@@ -392,3 +392,15 @@ def test_a_run_with_a_kernel_calls_no_hook_inside_a_step(tmp_path, monkeypatch):
     result = execute(registry_with(CpuPatchEmbed()), tiny_run_config(tmp_path, eval_samples=0), progress=False)
     assert any(p.startswith("kernel linear-patch-embed") for p in result.plan.patches)
     assert hooks.calls == []
+
+
+def test_each_backend_offers_kernels_only_for_itself(no_torch_npu):
+    import vlft_cuda as cuda
+
+    from vlft.registry import load_registry
+
+    cfg = RunConfig()
+    assert cuda.vlft_kernel_patches(backend="ascend", config=cfg, model_config=None, family=None) is None
+    assert ascend.vlft_kernel_patches(backend="cuda", config=cfg, model_config=None, family=None) is None
+    offered = load_registry().hook.vlft_kernel_patches(backend="cpu", config=cfg, model_config=None, family=None)
+    assert [k for ks in offered if ks for k in ks] == []  # the CPU reference offers none: its model is today's

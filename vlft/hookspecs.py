@@ -201,7 +201,7 @@ def vlft_kernel_patches(backend: str, config: RunConfig, model_config: transform
 
     Asked once at plan time (dry runs too, where the device may be absent: never raise, decline with the
     reason); ``--kernels`` chooses among the answers, and the chosen patches' ``apply`` run once on the loaded
-    base model. ``family`` gives the module paths (``patch_embed``, ``kernel_targets``). Every plugin is
+    base model. ``family`` gives the module paths (``vision_stem``, ``kernel_targets``). Every plugin is
     called; each answers for backends it owns (a third party may add patches to another's backend).
     """
 

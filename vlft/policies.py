@@ -345,7 +345,7 @@ class ModelFamily:
     # --- sharding, positions -------------------------------------------------------------------------------
     no_split_modules: tuple[str, ...] = field(default=(), metadata={
         "help": "Block classes FSDP shards as units (the model class's `_no_split_modules`)."})
-    patch_embed: str = field(default="", metadata={
+    vision_stem: str = field(default="", metadata={
         "help": "The vision patch embedding module (its `proj` a Conv3d whose kernel equals its stride, for "
                 "Qwen2-VL to Qwen3.5: `model.visual.patch_embed`); a backend's kernel patch may replace the "
                 "convolution with an equal matmul. Empty: no such patch is offered."})

@@ -89,8 +89,7 @@ def linear_patch_embed(conv):
 
 
 def resolve(model, path: str):
-    """The submodule at dotted ``path`` (``model.visual.patch_embed``), or None; a PEFT wrapper is looked
-    through (its ``base_model.model``)."""
+    """The submodule at dotted ``path`` (``model.visual.patch_embed``) of the base model, or None."""
     module = model
     for part in path.split("."):
         module = getattr(module, part, None)
@@ -115,7 +114,7 @@ def apply_linear_patch_embed(model, path: str) -> str:
 # -- the offers ------------------------------------------------------------------------------------------
 
 def _patch_embed(family) -> KernelPatch:
-    path = getattr(family, "patch_embed", "") if family else ""
+    path = getattr(family, "vision_stem", "") if family else ""
     return KernelPatch(
         name="linear-patch-embed", replaces="Conv3d patch embedding (kernel == stride)", backend="cuda",
         why="an equal Linear was 11-18x faster than cuDNN's Conv3d (sglang-omni #132); orders of magnitude on "

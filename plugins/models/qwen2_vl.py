@@ -139,7 +139,7 @@ _COMMON = dict(
     # Qwen2VLVideoProcessor defaults (5.2x): size shortest 128*28*28, longest 28*28*768, per frame
     video_min_pixels=128 * 28 * 28, video_max_pixels=28 * 28 * 768,
     load_processor=load_processor,
-    patch_embed="model.visual.patch_embed",
+    vision_stem="model.visual.patch_embed",
 )
 
 

@@ -138,7 +138,7 @@ def _family(**overrides) -> ModelFamily:
         load_processor=load_processor,
         bundled_processor=bundled_processor,
         no_split_modules=("Qwen3VLTextDecoderLayer", "Qwen3VLVisionBlock"),
-        patch_embed="model.visual.patch_embed",
+        vision_stem="model.visual.patch_embed",
         kernel_targets={  # transformers 5.24 modeling_qwen3_vl: the vision MLP is not gated (linear_fc1/fc2)
             "rms_norm": ("Qwen3VLTextRMSNorm",),
             "gated_mlp": ("Qwen3VLTextMLP",),
