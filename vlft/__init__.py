@@ -26,6 +26,7 @@ from vlft.policies import (
     DeviceSetup,
     DistributedOptions,
     DoctorCheck,
+    KernelPatch,
     MemoryStats,
     MethodInfo,
     MetricSink,
@@ -40,6 +41,6 @@ __version__ = "0.1.0"
 __all__ = [
     "AdapterDefaults", "AttentionPolicy", "BackendHookimpl", "BackendInfo", "BackendUnavailable", "ConfigError",
     "DataError", "DataLoaderOptions", "DeviceCapacity", "DeviceSetup", "DistributedOptions", "DoctorCheck",
-    "MemoryStats", "MethodInfo", "MetricSink", "ModelFamily", "PrecisionPolicy", "ProbeResult", "RunConfig",
-    "VisionWarmup", "VlftError", "hookimpl", "hookimpl_for", "parse_attn",
+    "KernelPatch", "MemoryStats", "MethodInfo", "MetricSink", "ModelFamily", "PrecisionPolicy", "ProbeResult",
+    "RunConfig", "VisionWarmup", "VlftError", "hookimpl", "hookimpl_for", "parse_attn",
 ]

@@ -91,6 +91,9 @@ class RunConfig:
                      choices=("none", "fsdp"))
     no_memory_check: bool = opt(False, "Train even when the memory plan says the run will not fit.", flag=True)
     attn: str | None = opt(None, "Attention: one implementation, or per tower as 'vision=eager,text=sdpa'.")
+    kernels: str = opt("auto", "Kernel patches the backend offers (the plan lists them, chosen and declined): auto "
+                               "(those on by default whose condition holds), none (the model as transformers builds "
+                               "it), or NAME,... exactly those; auto,NAME adds an opt-in one.")
     num_workers: int | None = opt(None, "DataLoader workers; default: the backend's.")
     log_every: int = opt(10, "Write metrics.jsonl every N steps.")
     report_to: str | None = opt(None, "Also send the logged metrics to these sinks, comma-separated: tensorboard "
@@ -273,6 +276,7 @@ def validate(cfg: RunConfig) -> None:
     if cfg.max_pixels is not None and cfg.max_pixels < 28 * 28:
         raise ConfigError(f"--max-pixels must be at least {28 * 28} (one merged patch), got {cfg.max_pixels}")
     parse_attn(cfg.attn)
+    parse_kernels(cfg.kernels)
     if isinstance(cfg.data, str):  # a Python caller's single path
         cfg.data = [cfg.data]
     for spec in cfg.data or []:
@@ -322,3 +326,17 @@ def parse_attn(value: str | None) -> dict[str, str] | None:
         for t in towers:
             out[t] = impl
     return out
+
+
+def parse_kernels(value: str | None) -> tuple[str, set[str]]:
+    """'auto' -> ('auto', set()); 'none' -> ('none', set()); 'a,b' -> ('named', {'a', 'b'}); 'auto,a' ->
+    ('auto', {'a'}). Whether a name exists is the plan's to check (the backend offers the names)."""
+    parts = [p.strip() for p in (value or "auto").split(",") if p.strip()]
+    if not parts:
+        raise ConfigError("--kernels: empty; use auto, none, or kernel names separated by commas")
+    if parts == ["none"]:
+        return "none", set()
+    if "none" in parts:
+        raise ConfigError(f"--kernels {value}: 'none' cannot be combined with other names")
+    mode = "auto" if "auto" in parts else "named"
+    return mode, {p for p in parts if p != "auto"}

@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # annotations only: importing this module loads neither torch
         DeviceSetup,
         DistributedOptions,
         DoctorCheck,
+        KernelPatch,
         MemoryStats,
         MethodInfo,
         MetricSink,
@@ -189,6 +190,19 @@ def vlft_patch_model(backend: str, model: torch.nn.Module, config: RunConfig,
 
     Return a list of one-line descriptions of what was patched (or None).
     Every plugin is called.
+    """
+
+
+@hookspec
+def vlft_kernel_patches(backend: str, config: RunConfig, model_config: transformers.PretrainedConfig,
+                        family: ModelFamily | None) -> list[KernelPatch] | None:
+    """Return the ``KernelPatch`` es ``backend`` offers for this model: each faster kernel with what it
+    replaces, why, its condition and whether it holds here (and why not).
+
+    Asked once at plan time (dry runs too, where the device may be absent: never raise, decline with the
+    reason); ``--kernels`` chooses among the answers, and the chosen patches' ``apply`` run once on the loaded
+    base model. ``family`` gives the module paths (``vision_stem``, ``kernel_targets``). Every plugin is
+    called; each answers for backends it owns (a third party may add patches to another's backend).
     """
 
 

@@ -151,6 +151,37 @@ class DeviceCapacity:
     source: str = ""
 
 
+@dataclass(frozen=True)
+class KernelPatch:
+    """One faster kernel a backend offers for a model (``vlft_kernel_patches``): declared at plan time,
+    chosen or declined there (``--kernels``), applied once to the loaded base model.
+
+    ``available`` says whether its ``condition`` holds here and ``reason`` says why or why not (the
+    versions, the capability, the package found or missing). ``default`` False keeps an available patch off
+    under ``--kernels auto`` (the user names it to take it); ``reason`` then says why it is opt-in.
+    ``attention`` is a per-tower attention implementation (``{"vision": "flash_attention_2"}``) the model
+    must be loaded with for the patch; ``apply(model)`` rewrites the loaded base model in place (before the
+    adapter and before it moves to the device) and returns one line saying what it changed. ``check`` names
+    the test that shows the patch equal to what it replaces (empty where none can run here).
+    """
+
+    name: str  # what ``--kernels NAME`` selects, e.g. "linear-patch-embed"
+    replaces: str  # what it replaces, e.g. "Conv3d patch embedding"
+    why: str  # the measured reason to take it
+    condition: str  # when it applies: package, version, device capability, model
+    available: bool  # the condition holds here
+    reason: str = ""  # why it is (not) available here
+    default: bool = True  # taken by ``--kernels auto`` when available
+    attention: dict = field(default_factory=dict, compare=False)  # tower -> implementation it needs
+    apply: Callable[[Any], str] | None = field(default=None, repr=False, compare=False)
+    check: str = ""  # the equivalence test (file::name), where one exists
+    backend: str = ""  # the backend that offers it
+
+    def describe(self) -> dict:
+        return {k: getattr(self, k) for k in ("name", "replaces", "why", "condition", "available", "reason",
+                                              "default", "attention", "check", "backend")}
+
+
 @dataclass
 class AdapterDefaults:
     """A method's hyper-parameters and where it adapts by default.
@@ -314,6 +345,14 @@ class ModelFamily:
     # --- sharding, positions -------------------------------------------------------------------------------
     no_split_modules: tuple[str, ...] = field(default=(), metadata={
         "help": "Block classes FSDP shards as units (the model class's `_no_split_modules`)."})
+    vision_stem: str = field(default="", metadata={
+        "help": "The vision patch embedding module (its `proj` a Conv3d whose kernel equals its stride, for "
+                "Qwen2-VL to Qwen3.5: `model.visual.patch_embed`); a backend's kernel patch may replace the "
+                "convolution with an equal matmul. Empty: no such patch is offered."})
+    kernel_targets: dict = field(default_factory=dict, compare=False, metadata={
+        "help": "What backends' fused-op kernel patches may replace, by role: 'rms_norm' and 'gated_mlp' (module "
+                "class names, a gated MLP being `down_proj(act(gate_proj(x)) * up_proj(x))`), 'rotary' "
+                "('module:function' names of q/k rotary functions `f(q, k, cos, sin, ...)`). Empty: none."})
     rope_index: Callable[..., Any] | None = field(default=None, compare=False, metadata={
         "help": "rope_index(model_config, input_ids [L], image_grid_thw=None, video_grid_thw=None, "
                 "attention_mask=None, second_per_grid_ts=None) -> LongTensor [3, 1, L]: the 3-D mRoPE "

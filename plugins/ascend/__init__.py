@@ -10,7 +10,10 @@ What the field learned, resolved once at set-up:
   ``torch.npu.amp.GradScaler``; bf16 only on request, where the NPU has it;
 - ``pin_memory=False``; ``hccl`` with ``HCCL_CONNECT_TIMEOUT`` raised and
   ``HCCL_EXEC_TIMEOUT`` (``HCCL_OP_TIMEOUT`` is not read by CANN);
-- torch_npu ``X.Y.Z[.postN]`` runs only on torch ``X.Y.Z``.
+- torch_npu ``X.Y.Z[.postN]`` runs only on torch ``X.Y.Z``;
+- kernel patches (``kernels.py``): ``flash_attention_2`` on npu_fusion_attention per tower where torch_npu and
+  transformers have it (eager stays otherwise, with the reason), cu_seqlens once per forward, fused
+  RMSNorm / SwiGLU / rotary (opt-in), fp32 before FSDP2 sharding of bf16 weights; each listed in the plan.
 
 Importing this module imports neither torch nor torch_npu: torch_npu
 without CANN raises at import (sometimes already inside ``import torch``,
@@ -27,6 +30,7 @@ from vlft import AttentionPolicy, BackendInfo, ConfigError, DataLoaderOptions, D
 
 from . import probing  # noqa: F401 - tests reach the probe's internals through it
 from .doctor import doctor_checks
+from .kernels import kernel_patches
 from .patching import patch_attention
 from .probing import (  # noqa: F401 - re-exported: the package's public helpers
     HCCL_CONNECT_DEFAULT, HCCL_EXEC_DEFAULT, INSTALL_HINT, PINNED, TRANSFER_TO_NPU, _first_line, _npu,
@@ -206,3 +210,8 @@ def vlft_doctor_checks(backend):
         return doctor_checks()
     except Exception as e:  # noqa: BLE001 - diagnosis must not crash
         return [DoctorCheck("ascend checks", False, f"failed unexpectedly ({_first_line(e)})")]
+
+
+@ascend_hookimpl
+def vlft_kernel_patches(backend, config, model_config, family):
+    return kernel_patches(config, model_config, family)

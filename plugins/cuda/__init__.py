@@ -8,7 +8,9 @@ Resolved once at set-up:
 - ``flash_attention_2`` where the flash-attn package imports and the GPU is
   8.0 or newer, else ``sdpa``; per tower overridable with ``--attn``;
 - TF32 for matmul and cuDNN, turned off for an explicit ``--precision fp32``;
-  pinned memory and two DataLoader workers; ``nccl``; ``CUBLAS_WORKSPACE_CONFIG`` when determinism is asked.
+  pinned memory and two DataLoader workers; ``nccl``; ``CUBLAS_WORKSPACE_CONFIG`` when determinism is asked;
+- kernel patches (``kernels.py``): the Conv3d patch embedding as a matmul, flash-attention 2 for the vision
+  tower, Liger's kernels as an opt-in extra; each listed in the plan, chosen or declined with the reason.
 
 ``torch_npu.contrib.transfer_to_npu`` makes ``torch.cuda`` answer for an
 Ascend NPU; when it is loaded this backend reports itself unavailable, and
@@ -23,6 +25,7 @@ import os
 from vlft import AttentionPolicy, BackendInfo, ConfigError, DataLoaderOptions, DeviceCapacity, DeviceSetup, DistributedOptions, DoctorCheck, MemoryStats, PrecisionPolicy, ProbeResult, hookimpl, hookimpl_for
 
 from .doctor import doctor_checks
+from .kernels import kernel_patches
 from .probing import (  # noqa: F401 - re-exported: the package's public helpers
     BF16_CAPABILITY, FLASH_ATTN_MIN, TRANSFER_TO_NPU, _first_line, capability, driver_version, flash_attn_status,
     probe, transfer_to_npu_loaded,
@@ -215,3 +218,8 @@ def vlft_doctor_checks(backend):
         return doctor_checks()
     except Exception as e:  # noqa: BLE001 - diagnosis must not crash
         return [DoctorCheck("cuda checks", False, f"failed unexpectedly ({_first_line(e)})")]
+
+
+@cuda_hookimpl
+def vlft_kernel_patches(backend, config, model_config, family):
+    return kernel_patches(config, model_config, family)

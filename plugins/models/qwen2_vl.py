@@ -139,6 +139,7 @@ _COMMON = dict(
     # Qwen2VLVideoProcessor defaults (5.2x): size shortest 128*28*28, longest 28*28*768, per frame
     video_min_pixels=128 * 28 * 28, video_max_pixels=28 * 28 * 768,
     load_processor=load_processor,
+    vision_stem="model.visual.patch_embed",
 )
 
 
@@ -167,6 +168,12 @@ QWEN2_5_VL = _finish(qwen_family(
     processor_class="Qwen2_5_VLProcessor",
     bundled_processor=bundled_processor,
     no_split_modules=("Qwen2_5_VLDecoderLayer", "Qwen2_5_VLVisionBlock"),
+    kernel_targets={  # transformers 5.24 modeling_qwen2_5_vl: the vision MLP is gated too (hidden_act silu)
+        "rms_norm": ("Qwen2_5_VLRMSNorm", "Qwen2RMSNorm"),
+        "gated_mlp": ("Qwen2_5_VLMLP", "Qwen2MLP"),
+        "rotary": ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:apply_rotary_pos_emb",
+                   "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:apply_rotary_pos_emb_vision"),
+    },
     rope_index=rope_index_from_class("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VLModel"),
     build_tiny=build_tiny_2_5,
     tiny_recipe=RECIPE_2_5,

@@ -124,6 +124,7 @@ def bundled_processor(config_dir: str, tokenizer):
 
 _COMMON = dict(
     vision_tower="model.visual",
+    vision_stem="model.visual.patch_embed",
     vision_blocks="model.visual.blocks",
     vision_mergers=("model.visual.merger",),
     decoder_layers="model.language_model.layers",

@@ -138,6 +138,13 @@ def _family(**overrides) -> ModelFamily:
         load_processor=load_processor,
         bundled_processor=bundled_processor,
         no_split_modules=("Qwen3VLTextDecoderLayer", "Qwen3VLVisionBlock"),
+        vision_stem="model.visual.patch_embed",
+        kernel_targets={  # transformers 5.24 modeling_qwen3_vl: the vision MLP is not gated (linear_fc1/fc2)
+            "rms_norm": ("Qwen3VLTextRMSNorm",),
+            "gated_mlp": ("Qwen3VLTextMLP",),
+            "rotary": ("transformers.models.qwen3_vl.modeling_qwen3_vl:apply_rotary_pos_emb",
+                       "transformers.models.qwen3_vl.modeling_qwen3_vl:apply_rotary_pos_emb_vision"),
+        },
         rope_index=rope_index_from_class("transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLModel"),
         build_tiny=build_tiny,
         tiny_recipe=RECIPE,

@@ -66,7 +66,7 @@ FAMILY = qwen_family(
         "vision_tower", "vision_blocks", "vision_mergers", "decoder_layers", "embed_tokens", "lm_head",
         "vision_attention", "vision_mlp", "text_attention", "text_mlp", "patch_size", "merge_size",
         "temporal_patch_size", "image_min_pixels", "image_max_pixels", "video_min_pixels", "video_max_pixels",
-        "box_coordinates", "processor_class", "load_processor", "bundled_processor")}},
+        "box_coordinates", "processor_class", "load_processor", "bundled_processor", "vision_stem")}},
     name=NAME,
     model_types=("qwen3_vl_moe",),
     description="Qwen3-VL MoE (30B-A3B/235B-A22B): attention adapters; fused experts via target_parameters",

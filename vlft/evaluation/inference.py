@@ -26,6 +26,7 @@ from vlft.models.loading import (
     load_processor,
     resolve_model_path,
 )
+from vlft.planning.kernels import apply_kernels
 from vlft.planning.plan import choose_backend, require_available, resolve_plan
 from vlft.registry import Registry
 
@@ -144,6 +145,7 @@ def load_for_inference(registry: Registry, adapter: str | None, model: str | Non
     net = load_model(model_path, plan.attention, plan.precision)
     plan.patches = [p for ps in registry.hook.vlft_patch_model(backend=name, model=net, config=config,
                                                                attention=plan.attention) if ps for p in ps]
+    plan.patches += apply_kernels(plan.kernels, net)
     if source is not None:
         try:
             net = registry.first("vlft_load_adapter", method=source.method, model=net,

@@ -12,6 +12,7 @@ from typing import Any
 
 from vlft.config import RunConfig
 from vlft.errors import BackendUnavailable, ConfigError
+from vlft.planning.kernels import KernelChoice, choose_kernels, format_kernels, with_kernel_attention
 from vlft.planning.memory import format_memory
 from vlft.planning.sharding import resolve_sharding
 from vlft.policies import (
@@ -57,6 +58,7 @@ class RunPlan:
     sharding: Any = None  # sharding.ShardingPlan: how the processes hold the model (--shard)
     family: ModelFamily | None = None  # the checkpoint's model family, resolved once here
     model_counts: dict[str, int] = field(default_factory=dict)  # parameters: total, vision, experts, ...
+    kernels: KernelChoice | None = None  # the backends' kernel patches, chosen and declined (--kernels)
 
     @property
     def checkpointing(self) -> bool:
@@ -95,6 +97,7 @@ class RunPlan:
                 "modules": {m: self.target_params.get(m) for m in self.targets},
                 "adapter_parameters": sum(self.target_params.values()),
             },
+            "kernels": self.kernels.describe() if self.kernels else None,
             "model_patches": self.patches,
             "param_dtype": {"dtype": self.precision.param_dtype, "reason": self.precision.param_reason,
                             "trainable": "float32"},
@@ -180,12 +183,17 @@ def resolve_plan(registry: Registry, config: RunConfig, model_path: str, model_c
         options.reasons.append(f"num_workers={config.num_workers}, as asked")
     precision = resolve_precision(registry, name, config)
     distributed = registry.first("vlft_distributed_options", backend=name, config=config)
+    offered = [k for ks in registry.hook.vlft_kernel_patches(backend=name, config=config, model_config=model_config,
+                                                             family=family) if ks for k in ks]
+    kernels = choose_kernels(offered, config)
+    attention = with_kernel_attention(registry.first("vlft_attention_implementation", backend=name, config=config,
+                                                     model_config=model_config), kernels)
     return RunPlan(
         config=config,
         backend=backend,
         precision=precision,
-        attention=registry.first("vlft_attention_implementation", backend=name, config=config,
-                                 model_config=model_config),
+        attention=attention,
+        kernels=kernels,
         dataloader=options,
         distributed=distributed,
         method=method,
@@ -346,6 +354,7 @@ def format_plan(desc: dict, verbose: bool = False) -> str:
     if desc["memory"]:
 
         lines += format_memory(desc["memory"])
+    lines += format_kernels(desc.get("kernels"))
     lines += [f"note         {n}" for n in desc["notes"]]
     if desc["model_patches"]:
         lines += ["patches      " + "; ".join(desc["model_patches"])]

@@ -28,6 +28,7 @@ from vlft.models.adapting import (
 from vlft.models.bundled import require_weights
 from vlft.models.loading import empty_model, load_model
 from vlft.models.vision import install_vision_warmup
+from vlft.planning.kernels import apply_kernels
 from vlft.planning.plan import RunPlan, choose_backend, require_available
 from vlft.planning.preflight import check_fits, plan_run
 from vlft.registry import Registry
@@ -170,6 +171,7 @@ def _base_model(registry: Registry, backend: str, plan: RunPlan, config: RunConf
     plan.patches = [p for ps in registry.hook.vlft_patch_model(backend=backend, model=model, config=config,
                                                                    attention=plan.attention)
                     if ps for p in ps]
+    plan.patches += apply_kernels(plan.kernels, model)  # the chosen kernel patches, once, before the adapter
     return model
 
 
