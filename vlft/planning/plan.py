@@ -57,6 +57,8 @@ class RunPlan:
     sharding: Any = None  # sharding.ShardingPlan: how the processes hold the model (--shard)
     family: ModelFamily | None = None  # the checkpoint's model family, resolved once here
     model_counts: dict[str, int] = field(default_factory=dict)  # parameters: total, vision, experts, ...
+    param_groups: dict[str, dict] = field(default_factory=dict)  # AdamW group -> {"lr", "parameters"}
+    merger_parameters: int = 0  # --train-merger: merger parameters trained in full (modules_to_save)
 
     @property
     def checkpointing(self) -> bool:
@@ -95,6 +97,9 @@ class RunPlan:
                 "modules": {m: self.target_params.get(m) for m in self.targets},
                 "adapter_parameters": sum(self.target_params.values()),
             },
+            "optimizer": {"groups": self.param_groups, "train_merger": self.config.train_merger,
+                          "merger_parameters": self.merger_parameters,
+                          "lr_is": "absolute (--lr-vision and --lr-merger are not multipliers of --lr)"},
             "model_patches": self.patches,
             "param_dtype": {"dtype": self.precision.param_dtype, "reason": self.precision.param_reason,
                             "trainable": "float32"},
@@ -305,6 +310,17 @@ def _family_lines(fam: dict | None) -> list[str]:
     return [f"family       {fam['name']} ({', '.join(fam['model_types'])}){counts}; boxes {fam['box_coordinates']}"]
 
 
+def _optimizer_lines(opt: dict | None) -> list[str]:
+    """One line: each AdamW group's absolute peak learning rate and trainable parameters."""
+    if not opt or not opt.get("groups"):
+        return []
+    groups = ", ".join(f"{g} {v['lr']:g} ({v['parameters']:,} params)" for g, v in opt["groups"].items())
+    line = f"optimizer    AdamW groups, peak lr (absolute): {groups}"
+    if opt.get("train_merger"):
+        line += f"\n             merger trained in full: {opt['merger_parameters']:,} parameters (PEFT modules_to_save)"
+    return [line]
+
+
 def format_plan(desc: dict, verbose: bool = False) -> str:
     """The plan as text; the adapted modules grouped per tower and layer range, or with ``verbose`` one
     line each."""
@@ -334,6 +350,7 @@ def format_plan(desc: dict, verbose: bool = False) -> str:
         lines += [f"             {name}  ({count:,} params)" for name, count in t["modules"].items()]
     else:
         lines += [f"             {line}" for line in group_modules(t["modules"], t)]
+    lines += _optimizer_lines(desc.get("optimizer"))
     pd, ck, ln = desc["param_dtype"], desc["checkpointing"], desc["lengths"]
     lines.append(f"weights      base {pd['dtype']}" + (f" ({pd['reason']})" if pd["reason"] else "")
                  + ", trainable float32")

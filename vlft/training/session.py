@@ -26,6 +26,7 @@ from vlft.models.adapting import (
     upcast_trainable,
 )
 from vlft.models.bundled import require_weights
+from vlft.models.groups import optimizer_groups
 from vlft.models.loading import empty_model, load_model
 from vlft.models.vision import install_vision_warmup
 from vlft.planning.plan import RunPlan, choose_backend, require_available
@@ -202,8 +203,9 @@ def _place(model, plan: RunPlan, config: RunConfig, device) -> None:
 
 
 def _optimizer_and_schedule(model, plan: RunPlan, config: RunConfig, total_steps: int):
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=plan.lr, weight_decay=config.weight_decay)
+    # one group per tower (text, vision, merger), each at its absolute peak lr; the schedule scales them all
+    groups = optimizer_groups(model, plan.family, plan.lr, config)
+    optimizer = torch.optim.AdamW(groups, lr=plan.lr, weight_decay=config.weight_decay)
     return optimizer, cosine_with_warmup(optimizer, int(config.warmup_ratio * total_steps), total_steps)
 
 
