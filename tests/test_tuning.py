@@ -153,3 +153,70 @@ def test_lora_variant_trains_saves_and_loads_with_plain_peft(small_data, tmp_pat
     plain = PeftModel.from_pretrained(base_model(model_dir), str(tmp_path / "adapter")).eval()
     with torch.no_grad():
         torch.testing.assert_close(plain(**inputs).logits, s.model(**inputs).logits, atol=1e-5, rtol=1e-5)
+
+
+# -- adapters vLLM serves -----------------------------------------------------------------------------
+
+def _lora_folder(registry, model_dir, path, targets="both"):
+    from vlft.config import RunConfig
+    from vlft.models.targets import select_targets
+
+    cfg = RunConfig()
+    model = base_model(model_dir)
+    d = registry.first("vlft_adapter_defaults", method="lora", config=cfg)
+    from vlft.models.families import family_of_model
+
+    chosen = select_targets(model, d, targets, 6, family_of_model(model)).modules
+    adapted = registry.first("vlft_apply_adapter", method="lora", model=model, targets=chosen, config=cfg)
+    registry.first("vlft_save_adapter", method="lora", model=adapted, path=path)
+    return chosen
+
+
+def test_exported_adapter_names_are_the_models_modules_as_vllm_parses_them(registry, model_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from vlft.cli import cli
+    from vlft.models.serving import check_against_base, tensor_names
+
+    chosen = _lora_folder(registry, model_dir, tmp_path / "adapter")
+    result = CliRunner().invoke(cli, ["export", "--adapter", str(tmp_path / "adapter"), "--model", model_dir,
+                                      "--adapter-only", "--output", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    # vLLM's parse_fine_tuned_lora_name, restated: strip base_model.model., take <module>.lora_A/B.weight
+    keys = tensor_names(tmp_path / "out")
+    assert all(k.startswith("base_model.model.") and k.endswith((".lora_A.weight", ".lora_B.weight")) for k in keys)
+    parsed = {k[len("base_model.model."):].rsplit(".", 2)[0] for k in keys}
+    linear = {n for n, m in base_model(model_dir).named_modules() if isinstance(m, torch.nn.Linear)}
+    assert parsed == set(chosen) and parsed <= linear
+    check = check_against_base(tmp_path / "out", model_dir)
+    assert check.servable and set(check.vision) == {m for m in chosen if ".visual." in m} and check.vision
+    assert "--enable-tower-connector-lora" in result.output
+    assert "--enable-tower-connector-lora" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_text_only_adapters_need_no_tower_flag_and_foreign_names_are_caught(registry, model_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from vlft.models.serving import check_against_base
+
+    _lora_folder(registry, model_dir, tmp_path / "adapter", targets="text")
+    check = check_against_base(tmp_path / "adapter", model_dir)
+    assert check.servable and not check.vision
+    assert not any("tower-connector" in line for line in check.lines())
+    # a name that is no module of this model (another layout, another model) is named
+    tensors = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    key = next(iter(tensors))
+    tensors[key.replace("model.language_model.layers", "model.layers")] = tensors.pop(key)
+    save_file(tensors, str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    check = check_against_base(tmp_path / "adapter", model_dir)
+    assert check.missing and check.missing[0].startswith("model.layers.") and not check.servable
+
+
+def test_a_trained_merger_is_reported_as_what_vllm_refuses(tower_session, model_dir, tmp_path):
+    from vlft.models.serving import check_against_base
+
+    s = tower_session[0]
+    s.save_adapter(s.model, tmp_path / "adapter")
+    check = check_against_base(tmp_path / "adapter", model_dir)
+    assert not check.servable and any("modules_to_save" in b for b in check.blockers)
+    assert "merged model" in check.lines()[0]

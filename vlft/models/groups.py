@@ -9,6 +9,9 @@ schedule (warm-up, cosine) scales every group by the same factor.
 
 from __future__ import annotations
 
+import torch
+
+from vlft.errors import ConfigError
 from vlft.models.families import base_model, resolve_module
 
 GROUPS = ("text", "vision", "merger")
@@ -17,8 +20,6 @@ GROUPS = ("text", "vision", "merger")
 def merger_modules(model, family) -> list[str]:
     """Module names PEFT's ``modules_to_save`` gets to train the merger(s) in full. A ModuleList (Qwen3-VL's
     deepstack mergers) is indexed, never called, so its members are listed instead of the list."""
-    import torch
-
     base = base_model(model)
     names = []
     for path in family.vision_mergers:
@@ -80,8 +81,6 @@ def optimizer_groups(model, family, lr: float, config) -> list[dict]:
 def check_merger_trained(model, family, method: str) -> int:
     """After ``--train-merger``: the number of merger parameters in full training; a method that did not
     train them (ignoring ``config.train_merger``) is an error rather than a silent no-op."""
-    from vlft.errors import ConfigError
-
     names = [n for n, p in model.named_parameters() if p.requires_grad and ".modules_to_save." in n
              and tower_of(n, family) == "merger"]
     if not names:
