@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -220,3 +221,75 @@ def test_a_trained_merger_is_reported_as_what_vllm_refuses(tower_session, model_
     check = check_against_base(tmp_path / "adapter", model_dir)
     assert not check.servable and any("modules_to_save" in b for b in check.blockers)
     assert "merged model" in check.lines()[0]
+
+
+# -- NF4 base weights (QLoRA) ---------------------------------------------------------------------------
+
+def test_nf4_on_cpu_trains_and_the_plan_counts_the_stored_4bit_tensors(small_data, tmp_path):
+    """Needs bitsandbytes (``vlft[qlora]``; its CPU kernels train): a real 4-bit run, and the plan's weight
+    bytes equal to the bytes of the tensors bitsandbytes keeps (packed weights and quantization constants)."""
+    pytest.importorskip("bitsandbytes")
+    import bitsandbytes as bnb
+
+    from vlft.registry import load_registry
+    from vlft.training.session import prepare
+
+    s = prepare(load_registry(), _cfg(small_data, tmp_path / "run", param_dtype="nf4", double_quant=True,
+                                      steps=2, warmup_ratio=0.0))
+    assert s.plan.precision.quantization == "nf4" and s.plan.precision.autocast_dtype == "bfloat16"
+    base = s.model.get_base_model()
+    four = [m for m in base.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert four and not isinstance(base.lm_head, bnb.nn.Linear4bit)
+    assert not any(isinstance(m, bnb.nn.Linear4bit) for m in base.model.visual.merger.modules())
+    stored, seen = 0, set()
+    for m in base.modules():
+        for p in m.parameters(recurse=False):
+            if p.requires_grad or id(p) in seen:  # tied embeddings: one tensor
+                continue
+            seen.add(id(p))
+            stored += p.numel() * p.element_size()
+            qs = getattr(p, "quant_state", None)
+            if qs is not None:
+                parts = [qs.absmax, qs.code] + ([qs.state2.absmax, qs.state2.code, qs.offset] if qs.nested else [])
+                stored += sum(t.numel() * t.element_size() for t in parts)
+    assert sum(s.plan.memory.base_weights.values()) == stored
+    start = {n: p.detach().clone() for n, p in s.model.named_parameters() if p.requires_grad}
+    losses = _train(s, 2)
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    assert any(not torch.equal(p, start[n]) for n, p in s.model.named_parameters() if p.requires_grad)
+
+
+def test_nf4_is_refused_with_the_reason_where_the_backend_cannot(small_data, tmp_path, monkeypatch):
+    from vlft.errors import ConfigError
+    from vlft.planning.plan import resolve_precision
+    from vlft.registry import load_registry
+
+    registry = load_registry()
+    cfg = _cfg(small_data, tmp_path, param_dtype="nf4", backend="ascend")
+    if importlib.util.find_spec("bitsandbytes.backends.npu") is None:
+        with pytest.raises(ConfigError, match="backend ascend cannot train on 4-bit weights: .*NPU backend|"
+                                              "backend ascend cannot train on 4-bit weights: .*bitsandbytes"):
+            resolve_precision(registry, "ascend", cfg)
+    with pytest.raises(ConfigError, match="--double-quant applies to --param-dtype nf4 only"):
+        resolve_precision(registry, "cpu", _cfg(small_data, tmp_path, double_quant=True))
+    cuda = resolve_precision(registry, "cuda", _cfg(small_data, tmp_path, param_dtype="nf4", backend="cuda"))
+    assert cuda.quantization == "nf4" and cuda.autocast_dtype == "bfloat16" and cuda.four_bit
+
+
+def test_nf4_plans_the_7b_at_batch_4_of_2k_tokens_on_a_24gib_card(tmp_path):
+    from test_memory import _long_data, dry_json
+
+    train = _long_data(tmp_path / "long", 165)
+    args = ["--model", "qwen2.5-vl-7b", "--backend", "cuda", "--batch-size", "4", "--grad-checkpointing", "on",
+            "--device-memory", "24GiB", "--data", str(train)]
+    result, plan = dry_json(*args, "--param-dtype", "nf4")
+    assert result.exit_code == 0 and 2000 < plan["lengths"]["longest"] < 2100
+    mem = plan["memory"]
+    assert mem["fits"] is True and mem["base_dtype"] == "nf4 linear + bfloat16"
+    _, bf16 = dry_json(*args, "--param-dtype", "bf16", "--no-memory-check")
+    four, half = sum(mem["base_weights_bytes"].values()), sum(bf16["memory"]["base_weights_bytes"].values())
+    assert bf16["memory"]["fits"] is False and 0.3 < four / half < 0.45  # linear at ~4.5 bits, embeddings bf16
+    from vlft.planning.memory import gib
+    from vlft.planning.plan import format_plan
+
+    assert f"base weights nf4 linear + bfloat16: {gib(four)}" in format_plan(plan)

@@ -81,8 +81,12 @@ class RunConfig:
     precision: str = opt("auto", "auto, fp32, bf16 or fp16; auto takes the backend's choice.",
                          choices=("auto", "fp32", "bf16", "fp16"))
     param_dtype: str = opt("auto", "Dtype of the frozen base weights: auto (the backend's choice: fp32 on the CPU "
-                                   "reference, bf16 or fp16 on accelerators), fp32, bf16 or fp16. Adapter weights "
-                                   "are always fp32.", choices=("auto", "fp32", "bf16", "fp16"))
+                                   "reference, bf16 or fp16 on accelerators), fp32, bf16 or fp16; nf4: 4-bit "
+                                   "NormalFloat linear weights through bitsandbytes (QLoRA; bf16 compute, where "
+                                   "the backend offers it). Adapter weights are always fp32.",
+                           choices=("auto", "fp32", "bf16", "fp16", "nf4"))
+    double_quant: bool = opt(False, "With --param-dtype nf4: quantize the per-block scales again (8-bit; about "
+                                    "0.37 bits per weight less).", flag=True)
     grad_checkpointing: str = opt("auto", "Activation checkpointing (non-reentrant, both towers): on, off, or auto "
                                           "(on when the memory plan says the run does not fit without it).",
                                   choices=("auto", "on", "off"))

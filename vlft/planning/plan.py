@@ -101,7 +101,9 @@ class RunPlan:
                           "merger_parameters": self.merger_parameters,
                           "lr_is": "absolute (--lr-vision and --lr-merger are not multipliers of --lr)"},
             "model_patches": self.patches,
-            "param_dtype": {"dtype": self.precision.param_dtype, "reason": self.precision.param_reason,
+            "param_dtype": {"dtype": (f"nf4 linear weights{' (double-quantized)' if self.precision.double_quant else ''}"
+                                      f" + {self.precision.param_dtype}" if self.precision.quantization
+                                      else self.precision.param_dtype), "reason": self.precision.param_reason,
                             "trainable": "float32"},
             "checkpointing": {"enabled": self.checkpointing, "asked": self.config.grad_checkpointing,
                               "reason": self.memory.checkpointing_reason if self.memory else ""},
@@ -153,6 +155,10 @@ def resolve_precision(registry: Registry, backend: str, config: RunConfig):
     mismatch (fp16 weights under fp32 or bf16 compute) is refused.
     """
     asked = config.precision
+    if config.param_dtype == "nf4":
+        return _four_bit_precision(registry, backend, config)
+    if config.double_quant:
+        raise ConfigError("--double-quant applies to --param-dtype nf4 only")
     if asked == "auto" and config.param_dtype in HALF_DTYPES:
         asked = config.param_dtype
     policy = registry.first("vlft_precision_policy", backend=backend,
@@ -167,6 +173,23 @@ def resolve_precision(registry: Registry, backend: str, config: RunConfig):
         )
     policy.param_dtype = dtype
     policy.param_reason = f"{config.param_dtype} weights, as asked"
+    return policy
+
+
+def _four_bit_precision(registry: Registry, backend: str, config: RunConfig):
+    """``--param-dtype nf4``: linear weights in 4-bit NF4, everything else bf16, bf16 compute; the backend says
+    whether it can (``four_bit``) and why not."""
+    if config.precision not in ("auto", "bf16"):
+        raise ConfigError(f"--param-dtype nf4 computes in bf16; use --precision bf16 (or auto), not {config.precision}")
+    policy = registry.first("vlft_precision_policy", backend=backend,
+                            config=dataclasses.replace(config, precision="bf16", param_dtype="bf16"))
+    if not policy.four_bit:
+        raise ConfigError(f"--param-dtype nf4: backend {backend} cannot train on 4-bit weights: "
+                          f"{policy.four_bit_reason or 'it does not offer them'}")
+    policy.param_dtype, policy.autocast_dtype = "bfloat16", "bfloat16"
+    policy.quantization, policy.double_quant = "nf4", config.double_quant
+    policy.param_reason = (f"nf4 linear weights (absmax per 64-block{', double-quantized' if config.double_quant else ''}"
+                           f"), the rest bf16, as asked; {policy.four_bit_reason}")
     return policy
 
 

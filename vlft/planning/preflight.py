@@ -212,7 +212,8 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
         shard_world, gathered = config.world_size, memory.fsdp_gathered_bytes(skeleton, compute, family)
     plan.memory = memory.worst_plan(skeleton, model_config, plan.precision.param_dtype,
                                     plan.precision.autocast_dtype, shapes, capacity.reserved_bytes, total, source,
-                                    shard_world, gathered, family)
+                                    shard_world, gathered, family, plan.precision.quantization,
+                                    plan.precision.double_quant)
     fixes.decide(plan.memory, config.grad_checkpointing, skeleton, model_config, plan.precision.autocast_dtype,
                   config.batch_size, config.grad_accum, config.max_pixels,
                   can_shard=bool(plan.distributed and plan.distributed.fsdp), family=family)

@@ -18,7 +18,7 @@ from vlft.errors import VlftError
 TRAJECTORY_FIELDS = (
     "method", "adapter", "targets", "vision_last_n", "batch_size", "grad_accum", "lr", "lr_vision", "lr_merger",
     "train_merger", "weight_decay",
-    "warmup_ratio", "max_grad_norm", "steps", "epochs", "seed", "precision", "param_dtype", "max_pixels",
+    "warmup_ratio", "max_grad_norm", "steps", "epochs", "seed", "precision", "param_dtype", "double_quant", "max_pixels",
     "max_length", "skip_too_long", "world_size", "add_placeholders", "video_fps", "video_max_frames",
 )
 
