@@ -337,7 +337,7 @@ def _optimizer_lines(opt: dict | None) -> list[str]:
     """One line: each AdamW group's absolute peak learning rate and trainable parameters."""
     if not opt or not opt.get("groups"):
         return []
-    groups = ", ".join(f"{g} {v['lr']:g} ({v['parameters']:,} params)" for g, v in opt["groups"].items())
+    groups = ", ".join(f"{g} {v['lr']:g} ({v['parameters']:,} trainable)" for g, v in opt["groups"].items())
     line = f"optimizer    AdamW groups, peak lr (absolute): {groups}"
     if opt.get("train_merger"):
         line += f"\n             merger trained in full: {opt['merger_parameters']:,} parameters (PEFT modules_to_save)"
@@ -373,10 +373,10 @@ def format_plan(desc: dict, verbose: bool = False) -> str:
         lines += [f"             {name}  ({count:,} params)" for name, count in t["modules"].items()]
     else:
         lines += [f"             {line}" for line in group_modules(t["modules"], t)]
-    lines += _optimizer_lines(desc.get("optimizer"))
     pd, ck, ln = desc["param_dtype"], desc["checkpointing"], desc["lengths"]
     lines.append(f"weights      base {pd['dtype']}" + (f" ({pd['reason']})" if pd["reason"] else "")
                  + ", trainable float32")
+    lines += _optimizer_lines(desc.get("optimizer"))
     lines.append(f"checkpoint   {'on' if ck['enabled'] else 'off'} ({ck['reason']})")
     if ln:
         lines.append(f"lengths      longest {ln['longest']} tokens, median {ln['median']}, limit "
