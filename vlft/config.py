@@ -50,6 +50,13 @@ class RunConfig:
     batch_size: int = opt(4, "Samples per micro-batch (per process).")
     grad_accum: int = opt(1, "Micro-batches accumulated per optimizer step.")
     lr: float | None = opt(None, "Peak learning rate; default: the method's.")
+    lr_vision: float | None = opt(None, "Peak learning rate of the vision tower's trainable parameters, absolute "
+                                        "(not a multiplier of --lr); default: --lr. The schedule scales it as --lr.")
+    lr_merger: float | None = opt(None, "Peak learning rate of the merger (vision-to-text projector), absolute "
+                                        "(not a multiplier of --lr): its adapters, or all its weights with "
+                                        "--train-merger; default: --lr.")
+    train_merger: bool = opt(False, "Train the merger's weights in full beside the adapters (saved in the adapter "
+                                    "folder as PEFT modules_to_save, so plain PEFT loads them).", flag=True)
     weight_decay: float = opt(0.0, "AdamW weight decay.")
     warmup_ratio: float = opt(0.05, "Fraction of the steps spent warming the learning rate up.")
     max_grad_norm: float = opt(1.0, "Gradient clipping norm (0 disables clipping).")
@@ -74,8 +81,12 @@ class RunConfig:
     precision: str = opt("auto", "auto, fp32, bf16 or fp16; auto takes the backend's choice.",
                          choices=("auto", "fp32", "bf16", "fp16"))
     param_dtype: str = opt("auto", "Dtype of the frozen base weights: auto (the backend's choice: fp32 on the CPU "
-                                   "reference, bf16 or fp16 on accelerators), fp32, bf16 or fp16. Adapter weights "
-                                   "are always fp32.", choices=("auto", "fp32", "bf16", "fp16"))
+                                   "reference, bf16 or fp16 on accelerators), fp32, bf16 or fp16; nf4: 4-bit "
+                                   "NormalFloat linear weights through bitsandbytes (QLoRA; bf16 compute, where "
+                                   "the backend offers it). Adapter weights are always fp32.",
+                           choices=("auto", "fp32", "bf16", "fp16", "nf4"))
+    double_quant: bool = opt(False, "With --param-dtype nf4: quantize the per-block scales again (8-bit; about "
+                                    "0.37 bits per weight less).", flag=True)
     grad_checkpointing: str = opt("auto", "Activation checkpointing (non-reentrant, both towers): on, off, or auto "
                                           "(on when the memory plan says the run does not fit without it).",
                                   choices=("auto", "on", "off"))
@@ -263,8 +274,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"--steps must be at least 1, got {cfg.steps}")
     if cfg.epochs is not None and cfg.epochs <= 0:
         raise ConfigError(f"--epochs must be positive, got {cfg.epochs}")
-    if cfg.lr is not None and cfg.lr <= 0:
-        raise ConfigError(f"--lr must be positive, got {cfg.lr}")
+    for name in ("lr", "lr_vision", "lr_merger"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
     if not 0 <= cfg.warmup_ratio < 1:
         raise ConfigError(f"--warmup-ratio must be in [0, 1), got {cfg.warmup_ratio}")
     if cfg.max_length is not None and cfg.max_length < 1:

@@ -80,6 +80,11 @@ class PrecisionPolicy:
     growth_interval: int = 2000
     reason: str = ""
     param_reason: str = ""  # why the base weights have ``param_dtype``
+    # 4-bit NF4 base weights (QLoRA): whether this backend can train on them, and why (not); the backend's answer
+    four_bit: bool = False
+    four_bit_reason: str = ""
+    quantization: str | None = None  # "nf4" once asked for and offered; linear weights then 4-bit
+    double_quant: bool = False  # the per-block constants quantized again (8-bit, one fp32 per 256 blocks)
     make_scaler: Callable[[], Any] | None = field(default=None, repr=False, compare=False)
 
     def describe(self) -> dict:

@@ -94,8 +94,27 @@ def _make_scaler(init_scale: float, growth_interval: int):
     return npu.amp.GradScaler(init_scale=init_scale, growth_interval=growth_interval)
 
 
+def _four_bit() -> tuple[bool, str]:
+    """NF4 on Ascend: only where the installed bitsandbytes carries an NPU backend."""
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return False, ("NF4 (QLoRA) needs bitsandbytes, whose kernels are CUDA (and CPU) ones; it is not installed, "
+                       "and Ascend needs a build with its NPU backend; use --param-dtype bf16 or fp16")
+    if importlib.util.find_spec("bitsandbytes.backends.npu") is None:
+        return False, ("the installed bitsandbytes has no NPU backend (bitsandbytes.backends.npu): its 4-bit "
+                       "kernels do not run on Ascend; use --param-dtype bf16 or fp16")
+    return True, "NF4 through bitsandbytes' NPU backend"
+
+
 @ascend_hookimpl
 def vlft_precision_policy(backend, config):
+    policy = _precision(config)
+    policy.four_bit, policy.four_bit_reason = _four_bit()
+    return policy
+
+
+def _precision(config):
     if config.precision in ("auto", "fp16"):
         return PrecisionPolicy(
             "fp16", param_dtype="float16", autocast_dtype="float16", loss_scaling=True, init_scale=LOSS_SCALE,

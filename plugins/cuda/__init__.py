@@ -129,8 +129,25 @@ def _fp16(reason: str) -> PrecisionPolicy:
     )
 
 
+def _four_bit() -> tuple[bool, str]:
+    """NF4 on CUDA: bitsandbytes' own home. Offered for planning where it is not installed (a dry run for a
+    card elsewhere); loading the model then names the install."""
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return True, ("NF4 through bitsandbytes (CUDA kernels); it is not installed here: "
+                      "pip install 'vlft[qlora]' before a real run")
+    return True, "NF4 through bitsandbytes (CUDA kernels)"
+
+
 @cuda_hookimpl
 def vlft_precision_policy(backend, config):
+    policy = _precision(config)
+    policy.four_bit, policy.four_bit_reason = _four_bit()
+    return policy
+
+
+def _precision(config):
     p = config.precision
     if p == "fp32":
         return PrecisionPolicy("fp32", reason="full precision, as asked", param_reason="fp32 weights for fp32 compute")

@@ -17,7 +17,10 @@ class LoraOptions:
     r: int = field(default=32, metadata={"help": "Rank of the update matrices."})
     lora_alpha: int = field(default=64, metadata={"help": "Scale: the update is multiplied by alpha / r."})
     lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the adapter's input."})
-    use_rslora: bool = field(default=False, metadata={"help": "Scale by alpha / sqrt(r) (rank-stabilised LoRA)."})
+    use_rslora: bool = field(default=False, metadata={"help": "Scale by alpha / sqrt(r) (rank-stabilised LoRA), "
+                                                              "which keeps the update's size steady as r grows."})
+    use_dora: bool = field(default=False, metadata={"help": "DoRA: train each weight's magnitude apart from its "
+                                                            "direction (LoRA on the direction); slower per step."})
 
 
 @hookimpl
@@ -44,7 +47,8 @@ def vlft_apply_adapter(method, model, targets, config):
     from peft import LoraConfig, get_peft_model
 
     options = _peft.options_from(LoraOptions, config.adapter, NAME)
-    return get_peft_model(model, LoraConfig(target_modules=list(targets), **dataclasses.asdict(options)))
+    return get_peft_model(model, LoraConfig(target_modules=list(targets), modules_to_save=_peft.modules_to_save(
+        model, config), **dataclasses.asdict(options)))
 
 
 # saving, loading and merging are PEFT's own, the same for every PEFT method

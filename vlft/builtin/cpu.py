@@ -57,8 +57,28 @@ def vlft_attention_implementation(backend, config, model_config):
                            "reference backend: eager unless asked" if not asked else "as asked")
 
 
+def _four_bit() -> tuple[bool, str]:
+    """NF4 on the CPU: bitsandbytes' CPU kernels (checked to train LoRA with 0.50.2: forward, backward, saving)."""
+    import importlib.metadata
+
+    try:
+        version = importlib.metadata.version("bitsandbytes")
+    except importlib.metadata.PackageNotFoundError:
+        return False, "NF4 needs bitsandbytes, which is not installed: pip install 'vlft[qlora]'"
+    major, minor = (int(x) for x in version.split(".")[:2])
+    if (major, minor) < (0, 48):
+        return False, f"bitsandbytes {version} has no CPU 4-bit kernels (0.48 or newer has); pip install -U bitsandbytes"
+    return True, f"NF4 through bitsandbytes {version}'s CPU kernels"
+
+
 @cpu_hookimpl
 def vlft_precision_policy(backend, config):
+    policy = _precision(config)
+    policy.four_bit, policy.four_bit_reason = _four_bit()
+    return policy
+
+
+def _precision(config):
     # the reference keeps fp32 base weights whatever it autocasts to; --param-dtype asks otherwise
     if config.precision in ("auto", "fp32"):
         return PrecisionPolicy("fp32", reason="CPU reference: full precision",

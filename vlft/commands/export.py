@@ -71,6 +71,19 @@ def _publish(tmp: Path, out: Path) -> None:
     os.replace(tmp, out)
 
 
+def _serving_lines(registry, source, model) -> list[str]:
+    """vLLM's view of the adapter (names checked against the base model's modules), as lines to print."""
+    from vlft.models.loading import resolve_model_path
+    from vlft.models.serving import check_against_base
+
+    base = model or source.base_model
+    try:
+        path = resolve_model_path(base, registry)
+        return check_against_base(source.adapter_dir, path, registry).lines()
+    except ConfigError as e:
+        return [f"vLLM: names not checked: the base model {base!r} is not readable here ({e}); pass --model"]
+
+
 @click.command()
 @click.option("--adapter", required=True, metavar="RUN_OR_ADAPTER_DIR",
               help="A run folder (from `vlft run`) or an adapter folder.")
@@ -94,10 +107,14 @@ def export(adapter, model, output, dtype, adapter_only):
     try:
         if adapter_only:
             source = locate_adapter(registry, adapter)
+            serving = _serving_lines(registry, source, model)
             shutil.copytree(source.adapter_dir, tmp, dirs_exist_ok=True)
-            (tmp / "README.md").write_text(model_card(source, f"{source.method} adapter"))
+            card = model_card(source, f"{source.method} adapter")
+            (tmp / "README.md").write_text(card + "\n## Serving with vLLM\n\n" + "".join(f"- {s}\n" for s in serving))
             _publish(tmp, out)
             click.echo(f"adapter ({source.method}) copied to {out} with a model card")
+            for line in serving:
+                click.echo(line)
             return
         loaded = load_for_inference(registry, adapter, model, backend="cpu", precision="fp32", param_dtype="fp32",
                                     on_device=False)

@@ -103,22 +103,42 @@ def check_weight_format(path: str, trust_pickle: bool) -> None:
             f"(model.save_pretrained(dir) in a trusted session), or pass --trust-pickle if you trust the file.")
 
 
-def load_model(path: str, attention, precision, device=None, trust_pickle: bool = False):
+def load_model(path: str, attention, precision, device=None, trust_pickle: bool = False, keep_float=()):
     """The base model with the backend's attention per tower and parameter dtype, on ``device``.
 
     Without ``trust_pickle`` only safetensors are read (transformers' ``use_safetensors=True``); with it,
     transformers still unpickles with ``weights_only=True`` (its default), which allows tensors only.
+    ``precision.quantization`` "nf4": linear weights quantized to 4-bit NF4 while loading, on ``device``
+    (bitsandbytes through transformers), except the modules in ``keep_float``.
     """
 
     check_weight_format(path, trust_pickle)
-    model = AutoModelForImageTextToText.from_pretrained(
-        path, dtype=getattr(torch, precision.param_dtype),
-        attn_implementation=attention.as_attn_implementation(),
-        use_safetensors=None if trust_pickle else True,
-    )
-    if device is not None:
+    extra = {}
+    if precision.quantization == "nf4":
+        extra = dict(quantization_config=four_bit_config(precision, keep_float),
+                     device_map={"": str(device) if device is not None else "cpu"})
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(
+            path, dtype=getattr(torch, precision.param_dtype),
+            attn_implementation=attention.as_attn_implementation(),
+            use_safetensors=None if trust_pickle else True, **extra,
+        )
+    except ImportError as e:
+        if not extra:
+            raise
+        raise ConfigError(f"--param-dtype nf4 needs bitsandbytes: {e}; pip install 'vlft[qlora]'") from None
+    if device is not None and not extra:
         model.to(device)
     return model
+
+
+def four_bit_config(precision, keep_float=()):
+    """transformers' quantization config for NF4 base weights: bf16 compute, optional double quantization."""
+    from transformers import BitsAndBytesConfig  # only for nf4 runs (its import looks for bitsandbytes)
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+                              bnb_4bit_use_double_quant=precision.double_quant,
+                              llm_int8_skip_modules=list(keep_float) or None)
 
 
 def tower_attention(model) -> dict[str, str]:

@@ -125,7 +125,8 @@ def format_memory(d: dict) -> list[str]:
     lines = [
         f"memory       {gib(d['estimate_bytes'])} estimated per process; device {gib(d['capacity_bytes'])} "
         f"({d['capacity_source']}), {d['usable_fraction']:.0%} usable: {verdict}",
-        f"             base weights {d['base_dtype']}: vision {gib(w.get('vision', 0))}, text {gib(w.get('text', 0))}"
+        f"             base weights {d['base_dtype']}: {gib(sum(w.values()))} (vision {gib(w.get('vision', 0))}, "
+        f"text {gib(w.get('text', 0))})"
         + (f"; sharded over {world} processes: {gib(d['base_bytes_per_process'])} each" if world > 1 else ""),
         f"             adapter {d['adapter_parameters']:,} params, fp32 weights + grads + AdamW: {gib(adapter)}"
         + (f"; {gib(d['adapter_state_bytes_per_process'])} each" if world > 1 else ""),
@@ -143,39 +144,76 @@ def format_memory(d: dict) -> list[str]:
     return lines + [f"fix          {f}" for f in d["fixes"]]
 
 
-def weight_bytes(model, param_dtype, family) -> tuple[dict[str, int], int]:
+NF4_BLOCK = 64  # weights per absmax constant (bitsandbytes' 4-bit blocksize)
+NF4_DQ_BLOCK = 256  # absmax constants per fp32 constant of the second level (double quantization)
+
+
+def four_bit_bytes(n: int, double_quant: bool) -> int:
+    """Bytes of one NF4-quantized weight of ``n`` elements, as bitsandbytes stores it: two weights per byte, an
+    fp32 absmax per 64-block (double quantization: a uint8 one, plus an fp32 per 256 of those, its 256-entry
+    code and an offset), and the 16-entry NF4 code. Equal to the stored tensors (tested where it runs)."""
+    blocks = math.ceil(n / NF4_BLOCK)
+    packed = math.ceil(n / 2) + 16 * 4
+    if not double_quant:
+        return packed + 4 * blocks
+    return packed + blocks + 4 * math.ceil(blocks / NF4_DQ_BLOCK) + 256 * 4 + 4
+
+
+def quantized_weights(model, skip: tuple[str, ...]) -> set[int]:
+    """ids of the weights ``--param-dtype nf4`` stores in 4-bit: every nn.Linear's, except under ``skip``
+    (the head and the mergers, kept in bf16 as transformers' bitsandbytes loading is told)."""
+    out = set()
+    for name, module in base_model(model).named_modules():
+        clean = name.replace(".base_layer", "")
+        if isinstance(module, torch.nn.Linear) and not any(clean == s or clean.startswith(s + ".") for s in skip):
+            out.add(id(module.weight))
+    return out
+
+
+def four_bit_skip(family) -> tuple[str, ...]:
+    """What stays unquantized under nf4: the output head and the merger(s) (small; trained in full with
+    --train-merger, which needs float weights)."""
+    return (family.lm_head, *family.vision_mergers)
+
+
+def weight_bytes(model, param_dtype, family, quantization: str | None = None,
+                 double_quant: bool = False) -> tuple[dict[str, int], int]:
     """(frozen base bytes per tower at ``param_dtype``, trainable parameter count); the vision side is what
-    the family's vision tower and projectors hold."""
+    the family's vision tower and projectors hold. ``quantization`` "nf4": linear weights at 4 bits with
+    their constants (``four_bit_bytes``)."""
 
     itemsize = torch.empty((), dtype=param_dtype).element_size()
     towers = {"vision": 0, "text": 0}
     trainable = 0
     family = family or family_of_model(model)
     roots = tuple(r + "." for r in family.vision_side() if r)
+    four_bit = quantized_weights(model, four_bit_skip(family)) if quantization == "nf4" else set()
     for name, p in base_model(model).named_parameters():
         if p.requires_grad:
             trainable += p.numel()
         else:
-            towers["vision" if roots and name.startswith(roots) else "text"] += p.numel() * itemsize
+            size = four_bit_bytes(p.numel(), double_quant) if id(p) in four_bit else p.numel() * itemsize
+            towers["vision" if roots and name.startswith(roots) else "text"] += size
     return towers, trainable
 
 
 def plan_memory(model, model_config, param_dtype: str, compute_dtype: str | None, batch: BatchShape,
                 reserved_bytes: int, capacity_bytes: int | None, capacity_source: str, shard_world: int = 1,
-                gathered_bytes: int = 0, family=None) -> MemoryPlan:
+                gathered_bytes: int = 0, family=None, quantization: str | None = None,
+                double_quant: bool = False) -> MemoryPlan:
     """The plan for ``model`` (adapted, on the meta device) at ``batch``; checkpointing still undecided.
     ``shard_world`` > 1: sharded with FSDP over that many processes, ``gathered_bytes`` gathered at a time."""
 
     pdtype = getattr(torch, param_dtype)
     family = family or family_of_model(model)
-    towers, trainable = weight_bytes(model, pdtype, family)
+    towers, trainable = weight_bytes(model, pdtype, family, quantization, double_quant)
     acts = trace_activations(model, batch, family)
     vocab = model_config.text_config.vocab_size if hasattr(model_config, "text_config") else model_config.vocab_size
     logit_itemsize = torch.empty((), dtype=getattr(torch, compute_dtype or param_dtype)).element_size()
     # the logits stay alive through backward, and their fp32 gradient is made there
     logits = batch.samples * batch.tokens * vocab * (logit_itemsize + 4)
     return MemoryPlan(
-        base_weights=towers, base_dtype=param_dtype, adapter_parameters=trainable, adapter_bytes=4 * trainable,
+        base_weights=towers, base_dtype=f"nf4 linear + {param_dtype}" if quantization else param_dtype, adapter_parameters=trainable, adapter_bytes=4 * trainable,
         grad_bytes=4 * trainable, optimizer_bytes=8 * trainable, activations=acts, logits_bytes=logits,
         reserved_bytes=reserved_bytes, batch=batch, capacity_bytes=capacity_bytes, capacity_source=capacity_source,
         shard_world=shard_world, gathered_bytes=gathered_bytes,
@@ -220,9 +258,9 @@ def largest_batches(lengths: list[int], grids: list[list], batch_size: int, grad
 
 def worst_plan(model, model_config, param_dtype, compute_dtype, shapes: list[BatchShape], reserved: int,
                capacity: int | None, source: str, shard_world: int = 1, gathered_bytes: int = 0,
-               family=None) -> MemoryPlan:
+               family=None, quantization: str | None = None, double_quant: bool = False) -> MemoryPlan:
     plans = [plan_memory(model, model_config, param_dtype, compute_dtype, s, reserved, capacity, source,
-                         shard_world, gathered_bytes, family)
+                         shard_world, gathered_bytes, family, quantization, double_quant)
              for s in shapes]
     return max(plans, key=lambda p: p.total_bytes(False))
 

@@ -12,7 +12,12 @@ from typing import Any
 
 from vlft.config import RunConfig
 from vlft.errors import BackendUnavailable, ConfigError
-from vlft.planning.kernels import KernelChoice, choose_kernels, format_kernels, with_kernel_attention
+from vlft.planning.kernels import (
+    KernelChoice,
+    choose_kernels,
+    format_kernels,
+    with_kernel_attention,
+)
 from vlft.planning.memory import format_memory
 from vlft.planning.sharding import resolve_sharding
 from vlft.policies import (
@@ -59,6 +64,8 @@ class RunPlan:
     family: ModelFamily | None = None  # the checkpoint's model family, resolved once here
     model_counts: dict[str, int] = field(default_factory=dict)  # parameters: total, vision, experts, ...
     kernels: KernelChoice | None = None  # the backends' kernel patches, chosen and declined (--kernels)
+    param_groups: dict[str, dict] = field(default_factory=dict)  # AdamW group -> {"lr", "parameters"}
+    merger_parameters: int = 0  # --train-merger: merger parameters trained in full (modules_to_save)
 
     @property
     def checkpointing(self) -> bool:
@@ -98,8 +105,13 @@ class RunPlan:
                 "adapter_parameters": sum(self.target_params.values()),
             },
             "kernels": self.kernels.describe() if self.kernels else None,
+            "optimizer": {"groups": self.param_groups, "train_merger": self.config.train_merger,
+                          "merger_parameters": self.merger_parameters,
+                          "lr_is": "absolute (--lr-vision and --lr-merger are not multipliers of --lr)"},
             "model_patches": self.patches,
-            "param_dtype": {"dtype": self.precision.param_dtype, "reason": self.precision.param_reason,
+            "param_dtype": {"dtype": (f"nf4 linear weights{' (double-quantized)' if self.precision.double_quant else ''}"
+                                      f" + {self.precision.param_dtype}" if self.precision.quantization
+                                      else self.precision.param_dtype), "reason": self.precision.param_reason,
                             "trainable": "float32"},
             "checkpointing": {"enabled": self.checkpointing, "asked": self.config.grad_checkpointing,
                               "reason": self.memory.checkpointing_reason if self.memory else ""},
@@ -151,6 +163,10 @@ def resolve_precision(registry: Registry, backend: str, config: RunConfig):
     mismatch (fp16 weights under fp32 or bf16 compute) is refused.
     """
     asked = config.precision
+    if config.param_dtype == "nf4":
+        return _four_bit_precision(registry, backend, config)
+    if config.double_quant:
+        raise ConfigError("--double-quant applies to --param-dtype nf4 only")
     if asked == "auto" and config.param_dtype in HALF_DTYPES:
         asked = config.param_dtype
     policy = registry.first("vlft_precision_policy", backend=backend,
@@ -165,6 +181,23 @@ def resolve_precision(registry: Registry, backend: str, config: RunConfig):
         )
     policy.param_dtype = dtype
     policy.param_reason = f"{config.param_dtype} weights, as asked"
+    return policy
+
+
+def _four_bit_precision(registry: Registry, backend: str, config: RunConfig):
+    """``--param-dtype nf4``: linear weights in 4-bit NF4, everything else bf16, bf16 compute; the backend says
+    whether it can (``four_bit``) and why not."""
+    if config.precision not in ("auto", "bf16"):
+        raise ConfigError(f"--param-dtype nf4 computes in bf16; use --precision bf16 (or auto), not {config.precision}")
+    policy = registry.first("vlft_precision_policy", backend=backend,
+                            config=dataclasses.replace(config, precision="bf16", param_dtype="bf16"))
+    if not policy.four_bit:
+        raise ConfigError(f"--param-dtype nf4: backend {backend} cannot train on 4-bit weights: "
+                          f"{policy.four_bit_reason or 'it does not offer them'}")
+    policy.param_dtype, policy.autocast_dtype = "bfloat16", "bfloat16"
+    policy.quantization, policy.double_quant = "nf4", config.double_quant
+    policy.param_reason = (f"nf4 linear weights (absmax per 64-block{', double-quantized' if config.double_quant else ''}"
+                           f"), the rest bf16, as asked; {policy.four_bit_reason}")
     return policy
 
 
@@ -313,6 +346,17 @@ def _family_lines(fam: dict | None) -> list[str]:
     return [f"family       {fam['name']} ({', '.join(fam['model_types'])}){counts}; boxes {fam['box_coordinates']}"]
 
 
+def _optimizer_lines(opt: dict | None) -> list[str]:
+    """One line: each AdamW group's absolute peak learning rate and trainable parameters."""
+    if not opt or not opt.get("groups"):
+        return []
+    groups = ", ".join(f"{g} {v['lr']:g} ({v['parameters']:,} trainable)" for g, v in opt["groups"].items())
+    line = f"optimizer    AdamW groups, peak lr (absolute): {groups}"
+    if opt.get("train_merger"):
+        line += f"\n             merger trained in full: {opt['merger_parameters']:,} parameters (PEFT modules_to_save)"
+    return [line]
+
+
 def format_plan(desc: dict, verbose: bool = False) -> str:
     """The plan as text; the adapted modules grouped per tower and layer range, or with ``verbose`` one
     line each."""
@@ -345,6 +389,7 @@ def format_plan(desc: dict, verbose: bool = False) -> str:
     pd, ck, ln = desc["param_dtype"], desc["checkpointing"], desc["lengths"]
     lines.append(f"weights      base {pd['dtype']}" + (f" ({pd['reason']})" if pd["reason"] else "")
                  + ", trainable float32")
+    lines += _optimizer_lines(desc.get("optimizer"))
     lines.append(f"checkpoint   {'on' if ck['enabled'] else 'off'} ({ck['reason']})")
     if ln:
         lines.append(f"lengths      longest {ln['longest']} tokens, median {ln['median']}, limit "

@@ -26,6 +26,7 @@ from vlft.models.adapting import compute_adapters_in_autocast_dtype
 from vlft.models.bundled import is_bundled
 from vlft.models.embedded import cache_root
 from vlft.models.families import count_parameters
+from vlft.models.groups import check_merger_trained, describe_groups
 from vlft.models.loading import (
     load_processor,
     model_config_and_family,
@@ -144,6 +145,9 @@ def plan_targets(registry: Registry, plan: RunPlan, model):
                 counts[target] = counts.get(target, 0) + p.numel()
                 break
     plan.target_params = counts
+    if plan.config.train_merger:
+        plan.merger_parameters = check_merger_trained(adapted, plan.family, plan.method.name)
+    plan.param_groups = describe_groups(adapted, plan.family, plan.lr, plan.config)
     return adapted
 
 
@@ -208,7 +212,8 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
         shard_world, gathered = config.world_size, memory.fsdp_gathered_bytes(skeleton, compute, family)
     plan.memory = memory.worst_plan(skeleton, model_config, plan.precision.param_dtype,
                                     plan.precision.autocast_dtype, shapes, capacity.reserved_bytes, total, source,
-                                    shard_world, gathered, family)
+                                    shard_world, gathered, family, plan.precision.quantization,
+                                    plan.precision.double_quant)
     fixes.decide(plan.memory, config.grad_checkpointing, skeleton, model_config, plan.precision.autocast_dtype,
                   config.batch_size, config.grad_accum, config.max_pixels,
                   can_shard=bool(plan.distributed and plan.distributed.fsdp), family=family)

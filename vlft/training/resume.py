@@ -16,8 +16,9 @@ from vlft.errors import VlftError
 
 # RunConfig fields that change the trajectory (the data order, the update, the schedule)
 TRAJECTORY_FIELDS = (
-    "method", "adapter", "targets", "vision_last_n", "batch_size", "grad_accum", "lr", "weight_decay",
-    "warmup_ratio", "max_grad_norm", "steps", "epochs", "seed", "precision", "param_dtype", "max_pixels",
+    "method", "adapter", "targets", "vision_last_n", "batch_size", "grad_accum", "lr", "lr_vision", "lr_merger",
+    "train_merger", "weight_decay",
+    "warmup_ratio", "max_grad_norm", "steps", "epochs", "seed", "precision", "param_dtype", "double_quant", "max_pixels",
     "max_length", "skip_too_long", "world_size", "add_placeholders", "video_fps", "video_max_frames",
 )
 

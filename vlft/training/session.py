@@ -26,9 +26,11 @@ from vlft.models.adapting import (
     upcast_trainable,
 )
 from vlft.models.bundled import require_weights
+from vlft.models.groups import optimizer_groups
 from vlft.models.loading import empty_model, load_model
 from vlft.models.vision import install_vision_warmup
 from vlft.planning.kernels import apply_kernels
+from vlft.planning.memory import four_bit_skip
 from vlft.planning.plan import RunPlan, choose_backend, require_available
 from vlft.planning.preflight import check_fits, plan_run
 from vlft.registry import Registry
@@ -122,7 +124,7 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
     if config.world_size > 1 or plan.sharding.enabled:
         _init_distributed(plan, device)
     memory_reader = registry.first("vlft_memory_reader", backend=backend, device=device)
-    model = _base_model(registry, backend, plan, config)
+    model = _base_model(registry, backend, plan, config, device)
     model = _adapted(registry, plan, config, model, resume_from)
     _place(model, plan, config, device)
     if config.world_size > 1:  # every process runs the towers the data uses, at every step (models.vision)
@@ -161,13 +163,15 @@ def _seeded_device(registry: Registry, backend: str, config: RunConfig):
     return setup.device
 
 
-def _base_model(registry: Registry, backend: str, plan: RunPlan, config: RunConfig):
+def _base_model(registry: Registry, backend: str, plan: RunPlan, config: RunConfig, device=None):
     """The base model with the backend's patches. Sharded over several processes, only rank 0 reads the
     weights; the others build it on 'meta' and receive their shares once it is sharded (``_place``)."""
     if plan.sharding.enabled and config.world_size > 1 and config.rank != 0:
         model = empty_model(plan.model_path, plan.attention, plan.precision)
     else:
-        model = load_model(plan.model_path, plan.attention, plan.precision, trust_pickle=config.trust_pickle)
+        quantized = plan.precision.quantization is not None  # 4-bit weights are quantized onto the device
+        model = load_model(plan.model_path, plan.attention, plan.precision, device=device if quantized else None,
+                           trust_pickle=config.trust_pickle, keep_float=four_bit_skip(plan.family))
     plan.patches = [p for ps in registry.hook.vlft_patch_model(backend=backend, model=model, config=config,
                                                                    attention=plan.attention)
                     if ps for p in ps]
@@ -184,6 +188,12 @@ def _adapted(registry: Registry, plan: RunPlan, config: RunConfig, model, resume
     else:  # the targets were chosen on the weightless copy in preflight
         model = registry.first("vlft_apply_adapter", method=plan.method.name, model=model, targets=plan.targets,
                                config=config)
+    if plan.precision.quantization:
+        # k-bit preparation as PEFT's prepare_model_for_kbit_training, less its fp32 upcast of every frozen
+        # bf16 weight (embeddings and head: +2.2 GB on a 7B): base frozen (PEFT did), trainable fp32 (below),
+        # non-reentrant checkpointing (below) needs no input_require_grads
+        plan.notes.append("nf4: frozen bf16 weights kept bf16 (no fp32 upcast as prepare_model_for_kbit_training "
+                          "does); adapters fp32")
     cast = upcast_trainable(model)
     if cast:
         plan.notes.append(f"{len(cast)} trainable parameter(s) upcast to fp32 (e.g. {cast[0]})")
@@ -197,15 +207,17 @@ def _adapted(registry: Registry, plan: RunPlan, config: RunConfig, model, resume
 def _place(model, plan: RunPlan, config: RunConfig, device) -> None:
     """Onto the device: whole, or (``--shard fsdp``) each process's shares, never the whole model."""
     if not plan.sharding.enabled:
-        model.to(device)
+        if plan.precision.quantization is None:  # a 4-bit model was loaded onto its device
+            model.to(device)
         return
     whole = model.state_dict() if config.world_size > 1 and config.rank == 0 else None
     shard_model(model, plan.sharding, device, whole)
 
 
 def _optimizer_and_schedule(model, plan: RunPlan, config: RunConfig, total_steps: int):
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=plan.lr, weight_decay=config.weight_decay)
+    # one group per tower (text, vision, merger), each at its absolute peak lr; the schedule scales them all
+    groups = optimizer_groups(model, plan.family, plan.lr, config)
+    optimizer = torch.optim.AdamW(groups, lr=plan.lr, weight_decay=config.weight_decay)
     return optimizer, cosine_with_warmup(optimizer, int(config.warmup_ratio * total_steps), total_steps)
 
 

@@ -1,0 +1,295 @@
+"""Tuning like practitioners do: per-tower learning rates, a merger trained in full, DoRA and rsLoRA."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from helpers import base_model
+
+from vlft.config import build_config
+
+
+def _cfg(small_data, out, **over):
+    train, val = small_data
+    values = dict(backend="cpu", method="lora", data=str(train), val_data=str(val), output=str(out), steps=4,
+                  batch_size=2, log_every=1, eval_every=0, eval_samples=2, max_new_tokens=4, save_every=0, seed=1,
+                  warmup_ratio=0.5, lr=2e-3)
+    values.update(over)
+    return build_config({}, values)
+
+
+def _train(session, n):
+    from vlft.data.order import batches
+    from vlft.training.step import train_step_on
+
+    session.model.train()
+    losses = []
+    for group in batches(session.dataset, session.collate, session.settings, 0):
+        out = train_step_on(session.model, session.optimizer, session.scheduler, group, session.policy)
+        losses.append(float(out["loss_sum"]) / out["global_tokens"])
+        if len(losses) == n:
+            return losses
+    return losses
+
+
+@pytest.fixture(scope="module")
+def tower_session(small_data, tmp_path_factory):
+    from vlft.registry import load_registry
+    from vlft.training.session import prepare
+
+    cfg = _cfg(small_data, tmp_path_factory.mktemp("towers") / "run", lr_vision=1e-3, lr_merger=5e-4,
+               train_merger=True)
+    s = prepare(load_registry(), cfg)
+    merger = s.model.get_base_model().model.visual.merger
+    before = {n: p.detach().clone() for n, p in merger.original_module.named_parameters()}
+    losses = _train(s, 2)
+    return s, before, losses
+
+
+def test_each_tower_has_its_own_group_and_learning_rate_and_the_schedule_scales_them_all(tower_session):
+    s, _, losses = tower_session
+    groups = {g["name"]: g for g in s.optimizer.param_groups}
+    assert set(groups) == {"text", "vision", "merger"}
+    assert {n: g["initial_lr"] for n, g in groups.items()} == {"text": 2e-3, "vision": 1e-3, "merger": 5e-4}
+    names = {id(p): n for n, p in s.model.named_parameters()}
+    for name, group in groups.items():
+        members = [names[id(p)] for p in group["params"]]
+        assert members and all(p.requires_grad for p in group["params"])
+        if name == "merger":
+            assert all(".visual.merger.modules_to_save." in m for m in members)
+        elif name == "vision":
+            assert all(".visual.blocks." in m and "lora_" in m for m in members)
+        else:
+            assert all(".visual." not in m and "lora_" in m for m in members)
+    # 2 of 4 steps taken, warm-up 2 steps: every group at the same fraction of its own peak (not at its peak)
+    fractions = {n: g["lr"] / g["initial_lr"] for n, g in groups.items()}
+    assert len({round(f, 12) for f in fractions.values()}) == 1 and 0 < fractions["text"] <= 1
+    assert s.scheduler.get_last_lr() == [g["lr"] for g in s.optimizer.param_groups]
+    assert all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_the_plan_shows_the_groups_and_the_merger_trained_in_full(tower_session):
+    from vlft.planning.plan import format_plan
+
+    s = tower_session[0]
+    desc = s.plan.describe()
+    opt = desc["optimizer"]
+    assert opt["train_merger"] and {g: v["lr"] for g, v in opt["groups"].items()} == \
+        {"text": 2e-3, "vision": 1e-3, "merger": 5e-4}
+    merger_params = sum(p.numel() for p in s.model.get_base_model().model.visual.merger.modules_to_save.parameters())
+    assert opt["merger_parameters"] == merger_params == opt["groups"]["merger"]["parameters"]
+    text = format_plan(desc)
+    assert "peak lr (absolute): text 0.002" in text and "vision 0.001" in text and "merger 0.0005" in text
+    assert f"merger trained in full: {merger_params:,} parameters" in text
+
+
+def test_the_trained_merger_is_saved_so_plain_peft_loads_it(tower_session, model_dir, tmp_path):
+    from peft import PeftModel
+
+    s, before, _ = tower_session
+    wrapper = s.model.get_base_model().model.visual.merger
+    trained = {n: p.detach().clone() for n, p in wrapper.modules_to_save["default"].named_parameters()}
+    changed = [n for n in trained if not torch.equal(trained[n], before[n])]
+    assert changed, "the merger was not updated"
+    for n, p in wrapper.original_module.named_parameters():  # the frozen original is left alone
+        assert torch.equal(p, before[n])
+    s.save_adapter(s.model, tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["modules_to_save"] == ["model.visual.merger"]
+    plain = PeftModel.from_pretrained(base_model(model_dir), str(tmp_path / "adapter"))
+    loaded = plain.get_base_model().model.visual.merger.modules_to_save["default"]
+    for n, p in loaded.named_parameters():
+        torch.testing.assert_close(p.float(), trained[n].float())
+
+
+def test_a_method_that_ignores_train_merger_is_refused(registry, model_dir):
+    from vlft.errors import ConfigError
+    from vlft.models.families import family_of_model
+    from vlft.models.groups import check_merger_trained
+    from peft import LoraConfig, get_peft_model
+
+    model = base_model(model_dir)
+    adapted = get_peft_model(model, LoraConfig(target_modules=["q_proj"]))  # no modules_to_save
+    with pytest.raises(ConfigError, match="did not make the merger trainable"):
+        check_merger_trained(adapted, family_of_model(adapted), "stand-in")
+
+
+def test_learning_rates_must_be_positive(small_data, tmp_path):
+    from vlft.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--lr-vision must be positive"):
+        _cfg(small_data, tmp_path, lr_vision=0.0)
+
+
+# -- DoRA and rsLoRA ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("option", ["use_dora", "use_rslora"])
+def test_lora_variant_trains_saves_and_loads_with_plain_peft(small_data, tmp_path, model_dir, option):
+    from peft import PeftModel
+
+    from vlft.registry import load_registry
+    from vlft.training.session import prepare
+
+    s = prepare(load_registry(), _cfg(small_data, tmp_path / "run", steps=3, warmup_ratio=0.0,
+                                      adapter={option: True, "r": 8}))
+    assert s.plan.adapter.hyperparameters[option] is True
+    if option == "use_dora":
+        assert any("lora_magnitude_vector" in n for n, p in s.model.named_parameters() if p.requires_grad)
+    else:
+        layer = s.model.get_base_model().model.language_model.layers[0].self_attn.q_proj
+        assert layer.scaling["default"] == pytest.approx(64 / 8 ** 0.5)  # alpha / sqrt(r), not alpha / r
+    start = {n: p.detach().clone() for n, p in s.model.named_parameters() if p.requires_grad}
+    losses = _train(s, 3)
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    moved = [n for n, p in s.model.named_parameters() if p.requires_grad and not torch.equal(p, start[n])]
+    assert moved
+    s.save_adapter(s.model, tmp_path / "adapter")
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())[option] is True
+    batch = s.collate([s.encoder.encode(r) for r in s.train_records[:2]])
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    s.model.eval()
+    plain = PeftModel.from_pretrained(base_model(model_dir), str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(**inputs).logits, s.model(**inputs).logits, atol=1e-5, rtol=1e-5)
+
+
+# -- adapters vLLM serves -----------------------------------------------------------------------------
+
+def _lora_folder(registry, model_dir, path, targets="both"):
+    from vlft.config import RunConfig
+    from vlft.models.targets import select_targets
+
+    cfg = RunConfig()
+    model = base_model(model_dir)
+    d = registry.first("vlft_adapter_defaults", method="lora", config=cfg)
+    from vlft.models.families import family_of_model
+
+    chosen = select_targets(model, d, targets, 6, family_of_model(model)).modules
+    adapted = registry.first("vlft_apply_adapter", method="lora", model=model, targets=chosen, config=cfg)
+    registry.first("vlft_save_adapter", method="lora", model=adapted, path=path)
+    return chosen
+
+
+def test_exported_adapter_names_are_the_models_modules_as_vllm_parses_them(registry, model_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from vlft.cli import cli
+    from vlft.models.serving import check_against_base, tensor_names
+
+    chosen = _lora_folder(registry, model_dir, tmp_path / "adapter")
+    result = CliRunner().invoke(cli, ["export", "--adapter", str(tmp_path / "adapter"), "--model", model_dir,
+                                      "--adapter-only", "--output", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    # vLLM's parse_fine_tuned_lora_name, restated: strip base_model.model., take <module>.lora_A/B.weight
+    keys = tensor_names(tmp_path / "out")
+    assert all(k.startswith("base_model.model.") and k.endswith((".lora_A.weight", ".lora_B.weight")) for k in keys)
+    parsed = {k[len("base_model.model."):].rsplit(".", 2)[0] for k in keys}
+    linear = {n for n, m in base_model(model_dir).named_modules() if isinstance(m, torch.nn.Linear)}
+    assert parsed == set(chosen) and parsed <= linear
+    check = check_against_base(tmp_path / "out", model_dir)
+    assert check.servable and set(check.vision) == {m for m in chosen if ".visual." in m} and check.vision
+    assert "--enable-tower-connector-lora" in result.output
+    assert "--enable-tower-connector-lora" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_text_only_adapters_need_no_tower_flag_and_foreign_names_are_caught(registry, model_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from vlft.models.serving import check_against_base
+
+    _lora_folder(registry, model_dir, tmp_path / "adapter", targets="text")
+    check = check_against_base(tmp_path / "adapter", model_dir)
+    assert check.servable and not check.vision
+    assert not any("tower-connector" in line for line in check.lines())
+    # a name that is no module of this model (another layout, another model) is named
+    tensors = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    key = next(iter(tensors))
+    tensors[key.replace("model.language_model.layers", "model.layers")] = tensors.pop(key)
+    save_file(tensors, str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    check = check_against_base(tmp_path / "adapter", model_dir)
+    assert check.missing and check.missing[0].startswith("model.layers.") and not check.servable
+
+
+def test_a_trained_merger_is_reported_as_what_vllm_refuses(tower_session, model_dir, tmp_path):
+    from vlft.models.serving import check_against_base
+
+    s = tower_session[0]
+    s.save_adapter(s.model, tmp_path / "adapter")
+    check = check_against_base(tmp_path / "adapter", model_dir)
+    assert not check.servable and any("modules_to_save" in b for b in check.blockers)
+    assert "merged model" in check.lines()[0]
+
+
+# -- NF4 base weights (QLoRA) ---------------------------------------------------------------------------
+
+def test_nf4_on_cpu_trains_and_the_plan_counts_the_stored_4bit_tensors(small_data, tmp_path):
+    """Needs bitsandbytes (``vlft[qlora]``; its CPU kernels train): a real 4-bit run, and the plan's weight
+    bytes equal to the bytes of the tensors bitsandbytes keeps (packed weights and quantization constants)."""
+    pytest.importorskip("bitsandbytes")
+    import bitsandbytes as bnb
+
+    from vlft.registry import load_registry
+    from vlft.training.session import prepare
+
+    s = prepare(load_registry(), _cfg(small_data, tmp_path / "run", param_dtype="nf4", double_quant=True,
+                                      steps=2, warmup_ratio=0.0))
+    assert s.plan.precision.quantization == "nf4" and s.plan.precision.autocast_dtype == "bfloat16"
+    base = s.model.get_base_model()
+    four = [m for m in base.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert four and not isinstance(base.lm_head, bnb.nn.Linear4bit)
+    assert not any(isinstance(m, bnb.nn.Linear4bit) for m in base.model.visual.merger.modules())
+    stored, seen = 0, set()
+    for m in base.modules():
+        for p in m.parameters(recurse=False):
+            if p.requires_grad or id(p) in seen:  # tied embeddings: one tensor
+                continue
+            seen.add(id(p))
+            stored += p.numel() * p.element_size()
+            qs = getattr(p, "quant_state", None)
+            if qs is not None:
+                parts = [qs.absmax, qs.code] + ([qs.state2.absmax, qs.state2.code, qs.offset] if qs.nested else [])
+                stored += sum(t.numel() * t.element_size() for t in parts)
+    assert sum(s.plan.memory.base_weights.values()) == stored
+    start = {n: p.detach().clone() for n, p in s.model.named_parameters() if p.requires_grad}
+    losses = _train(s, 2)
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    assert any(not torch.equal(p, start[n]) for n, p in s.model.named_parameters() if p.requires_grad)
+
+
+def test_nf4_is_refused_with_the_reason_where_the_backend_cannot(small_data, tmp_path, monkeypatch):
+    from vlft.errors import ConfigError
+    from vlft.planning.plan import resolve_precision
+    from vlft.registry import load_registry
+
+    registry = load_registry()
+    cfg = _cfg(small_data, tmp_path, param_dtype="nf4", backend="ascend")
+    if importlib.util.find_spec("bitsandbytes") is None or importlib.util.find_spec("bitsandbytes.backends.npu") is None:
+        with pytest.raises(ConfigError, match="backend ascend cannot train on 4-bit weights: .*NPU backend|"
+                                              "backend ascend cannot train on 4-bit weights: .*bitsandbytes"):
+            resolve_precision(registry, "ascend", cfg)
+    with pytest.raises(ConfigError, match="--double-quant applies to --param-dtype nf4 only"):
+        resolve_precision(registry, "cpu", _cfg(small_data, tmp_path, double_quant=True))
+    cuda = resolve_precision(registry, "cuda", _cfg(small_data, tmp_path, param_dtype="nf4", backend="cuda"))
+    assert cuda.quantization == "nf4" and cuda.autocast_dtype == "bfloat16" and cuda.four_bit
+
+
+def test_nf4_plans_the_7b_at_batch_4_of_2k_tokens_on_a_24gib_card(tmp_path):
+    from test_memory import _long_data, dry_json
+
+    train = _long_data(tmp_path / "long", 165)
+    args = ["--model", "qwen2.5-vl-7b", "--backend", "cuda", "--batch-size", "4", "--grad-checkpointing", "on",
+            "--device-memory", "24GiB", "--data", str(train)]
+    result, plan = dry_json(*args, "--param-dtype", "nf4")
+    assert result.exit_code == 0 and 2000 < plan["lengths"]["longest"] < 2100
+    mem = plan["memory"]
+    assert mem["fits"] is True and mem["base_dtype"] == "nf4 linear + bfloat16"
+    _, bf16 = dry_json(*args, "--param-dtype", "bf16", "--no-memory-check")
+    four, half = sum(mem["base_weights_bytes"].values()), sum(bf16["memory"]["base_weights_bytes"].values())
+    assert bf16["memory"]["fits"] is False and 0.3 < four / half < 0.45  # linear at ~4.5 bits, embeddings bf16
+    from vlft.planning.memory import gib
+    from vlft.planning.plan import format_plan
+
+    assert f"base weights nf4 linear + bfloat16: {gib(four)}" in format_plan(plan)
