@@ -11,7 +11,13 @@ from vlft.data.batching import Collator
 from vlft.data.encoding import SampleEncoder
 from vlft.data.records import read_records
 from vlft.errors import ConfigError
-from vlft.models.targets import select_targets
+from vlft.models.families import family_of_model
+from vlft.models.targets import select_targets as _select_targets
+
+
+def select_targets(model, defaults, targets, vision_last_n):
+    """The shared selection for the model's own family (a run passes the plan's)."""
+    return _select_targets(model, defaults, targets, vision_last_n, family_of_model(model))
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +62,8 @@ def test_adapter_leaves_outputs_unchanged_before_the_first_step(registry, model_
     cfg = RunConfig(method=method)
     d = registry.first("vlft_adapter_defaults", method=method, config=cfg)
     targets = select_targets(model, d, "both", 6).modules
-    adapted = registry.first("vlft_apply_adapter", method=method, model=model, targets=targets, config=cfg).eval()
+    adapted = registry.first("vlft_apply_adapter", method=method, model=model, targets=targets, config=cfg,
+                           target_parameters=[]).eval()
     trainable = [n for n, p in adapted.named_parameters() if p.requires_grad]
     assert trainable and all(method in n for n in trainable)
     with torch.no_grad():
@@ -96,7 +103,8 @@ def test_saved_adapter_loads_with_plain_peft_and_gives_the_same_logits(registry,
     d = registry.first("vlft_adapter_defaults", method=method, config=cfg)
     model = base_model(model_dir)
     targets = select_targets(model, d, "both", 6).modules
-    adapted = registry.first("vlft_apply_adapter", method=method, model=model, targets=targets, config=cfg)
+    adapted = registry.first("vlft_apply_adapter", method=method, model=model, targets=targets, config=cfg,
+                             target_parameters=[])
     # move the adapter away from identity so the comparison means something
     with torch.no_grad():
         for p in adapted.parameters():
@@ -140,7 +148,8 @@ def test_the_vision_warmup_runs_the_tower_on_a_text_only_batch_and_adds_exactly_
         d = registry.first("vlft_adapter_defaults", method="lora", config=cfg)
         targets = select_targets(model, d, "both", 6).modules
         torch.manual_seed(0)
-        adapted = registry.first("vlft_apply_adapter", method="lora", model=model, targets=targets, config=cfg)
+        adapted = registry.first("vlft_apply_adapter", method="lora", model=model, targets=targets, config=cfg,
+                                 target_parameters=[])
         handles = install_vision_warmup(adapted, {"image"}) if install else []
         adapted.train()
         # the image placeholders become plain text tokens: a text-only batch of the same shape

@@ -36,8 +36,8 @@ def _inner(model) -> torch.nn.Module | None:
     """The transformers module that embeds the tokens and runs the towers (Qwen2_5_VLModel), under PEFT/DDP."""
     found = None
     for module in model.modules():
-        if hasattr(module, "get_image_features") and hasattr(module, "visual") and hasattr(module,
-                                                                                          "get_input_embeddings"):
+        if hasattr(module, "get_image_features") and hasattr(module, "get_input_embeddings") and \
+                getattr(getattr(module, "config", None), "vision_config", None) is not None:
             found = module  # the innermost such module (the ForConditionalGeneration delegates to it)
     return found
 
@@ -49,7 +49,7 @@ def vision_warmup_inputs(model, modality: str) -> VisionWarmup | None:
     inner = _inner(model)
     if inner is None:
         return None
-    vc = inner.visual.config
+    vc = inner.config.vision_config
     merge = int(vc.spatial_merge_size)
     dim = int(vc.in_channels) * int(vc.temporal_patch_size) * int(vc.patch_size) ** 2
     pixels = torch.zeros(merge * merge, dim)

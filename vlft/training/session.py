@@ -164,9 +164,10 @@ def _base_model(registry: Registry, backend: str, plan: RunPlan, config: RunConf
     """The base model with the backend's patches. Sharded over several processes, only rank 0 reads the
     weights; the others build it on 'meta' and receive their shares once it is sharded (``_place``)."""
     if plan.sharding.enabled and config.world_size > 1 and config.rank != 0:
-        model = empty_model(plan.model_path, plan.attention, plan.precision)
+        model = empty_model(plan.model_path, plan.attention, plan.precision, family=plan.family)
     else:
-        model = load_model(plan.model_path, plan.attention, plan.precision, trust_pickle=config.trust_pickle)
+        model = load_model(plan.model_path, plan.attention, plan.precision, trust_pickle=config.trust_pickle,
+                           family=plan.family)
     plan.patches = [p for ps in registry.hook.vlft_patch_model(backend=backend, model=model, config=config,
                                                                    attention=plan.attention)
                     if ps for p in ps]
@@ -181,7 +182,7 @@ def _adapted(registry: Registry, plan: RunPlan, config: RunConfig, model, resume
                                path=str(resume_from / "adapter"), trainable=True)
     else:  # the targets were chosen on the weightless copy in preflight
         model = registry.first("vlft_apply_adapter", method=plan.method.name, model=model, targets=plan.targets,
-                               config=config)
+                               config=config, target_parameters=plan.target_parameters)
     cast = upcast_trainable(model)
     if cast:
         plan.notes.append(f"{len(cast)} trainable parameter(s) upcast to fp32 (e.g. {cast[0]})")
