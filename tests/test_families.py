@@ -201,3 +201,34 @@ def test_multi_turn_qwen3_5_records_split_at_each_reply():
     assert len(trained) == 2
     assert trained[0].startswith("red") and trained[0].endswith(family.reply_end_token)
     assert "a scratch" in trained[1] and trained[1].endswith(family.reply_end_token)
+
+
+def test_every_bundled_config_counts_within_one_percent_of_its_published_count_through_the_wired_path():
+    """What `vlft run --model NAME --dry-run` counts (the registry's bundled configs, the family the hook
+    answers, the plan's meta copy with the family's load arguments, count_parameters) against
+    plugins/models/configs/published.json, for every bundled config the installed plugins offer."""
+    from vlft_models import CONFIGS, qwen3_5
+
+    from vlft.models.bundled import bundled_names
+    from vlft.models.families import count_parameters, family_load_kwargs
+    from vlft.models.loading import model_config_and_family, resolve_model_path
+    from vlft.planning import trace
+    from vlft.policies import AttentionPolicy
+    from vlft.registry import load_registry
+
+    registry = load_registry()
+    published = {k: v for k, v in json.loads((CONFIGS / "published.json").read_text()).items() if not k.startswith("_")}
+    names = sorted(bundled_names(registry))
+    assert set(names) == set(published), "every bundled config needs a published count"
+    off = {}
+    for name in names:
+        config, family = model_config_and_family(resolve_model_path(name, registry), registry)
+        model = trace.skeleton(config, AttentionPolicy("sdpa", "sdpa"), torch.bfloat16,
+                               family_load_kwargs(family, "bfloat16")).requires_grad_(False)  # as adapted: frozen
+        counted = count_parameters(model, family)["total"]
+        if published[name]["includes_mtp"]:  # the checkpoints carry mtp.* weights transformers drops on load
+            counted += qwen3_5.mtp_parameters(model)
+        want = published[name]["params"]
+        if abs(counted - want) / want >= 0.01 or (published[name]["exact"] and counted != want):
+            off[name] = (counted, want)
+    assert off == {}, off
