@@ -232,3 +232,21 @@ def test_every_bundled_config_counts_within_one_percent_of_its_published_count_t
         if abs(counted - want) / want >= 0.01 or (published[name]["exact"] and counted != want):
             off[name] = (counted, want)
     assert off == {}, off
+
+
+@pytest.mark.slow  # four worker processes (two probes, two runs): about a minute on 2 shared cores
+def test_vlft_parity_cpu_cpu_passes_on_the_qwen3_vl_embedded_model(tmp_path):
+    """The real command, its worker processes and all: two seeded runs of the family's tiny model agree."""
+    from click.testing import CliRunner
+
+    from vlft.cli import cli
+
+    out = tmp_path / "parity.json"
+    result = CliRunner().invoke(cli, ["parity", "--backends", "cpu,cpu", "--model", "embedded:qwen3-vl", "--steps",
+                                      "1", "--batch-size", "2", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["passed"] and len(report["comparison"]) == 1
+    adapted = set(report["runs"][0]["steps"][0]["weights"])
+    assert any("self_attn.q_proj" in n for n in adapted) and any(".visual.blocks." in n for n in adapted)
+    assert not any("deepstack" in n for n in adapted)
