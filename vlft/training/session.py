@@ -199,7 +199,7 @@ def _place(model, plan: RunPlan, config: RunConfig, device) -> None:
         model.to(device)
         return
     whole = model.state_dict() if config.world_size > 1 and config.rank == 0 else None
-    shard_model(model, plan.sharding, device, whole)
+    shard_model(model, plan.sharding, device, whole, family=plan.family)
 
 
 def _optimizer_and_schedule(model, plan: RunPlan, config: RunConfig, total_steps: int):
