@@ -57,7 +57,8 @@ def test_adapter_leaves_outputs_unchanged_before_the_first_step(registry, model_
     cfg = RunConfig(method=method)
     d = registry.first("vlft_adapter_defaults", method=method, config=cfg)
     targets = select_targets(model, d, "both", 6, family_of_model(model, registry)).modules
-    adapted = registry.first("vlft_apply_adapter", method=method, model=model, targets=targets, config=cfg).eval()
+    adapted = registry.first("vlft_apply_adapter", method=method, model=model, targets=targets, config=cfg,
+                           target_parameters=[]).eval()
     trainable = [n for n, p in adapted.named_parameters() if p.requires_grad]
     assert trainable and all(method in n for n in trainable)
     with torch.no_grad():
@@ -97,7 +98,8 @@ def test_saved_adapter_loads_with_plain_peft_and_gives_the_same_logits(registry,
     d = registry.first("vlft_adapter_defaults", method=method, config=cfg)
     model = base_model(model_dir)
     targets = select_targets(model, d, "both", 6, family_of_model(model, registry)).modules
-    adapted = registry.first("vlft_apply_adapter", method=method, model=model, targets=targets, config=cfg)
+    adapted = registry.first("vlft_apply_adapter", method=method, model=model, targets=targets, config=cfg,
+                             target_parameters=[])
     # move the adapter away from identity so the comparison means something
     with torch.no_grad():
         for p in adapted.parameters():
@@ -141,7 +143,8 @@ def test_the_vision_warmup_runs_the_tower_on_a_text_only_batch_and_adds_exactly_
         d = registry.first("vlft_adapter_defaults", method="lora", config=cfg)
         targets = select_targets(model, d, "both", 6, family_of_model(model, registry)).modules
         torch.manual_seed(0)
-        adapted = registry.first("vlft_apply_adapter", method="lora", model=model, targets=targets, config=cfg)
+        adapted = registry.first("vlft_apply_adapter", method="lora", model=model, targets=targets, config=cfg,
+                             target_parameters=[])
         family = registry.first("vlft_model_family", model_type=model.config.model_type, model_config=model.config)
         handles = install_vision_warmup(adapted, {"image"}, family) if install else []
         adapted.train()

@@ -168,7 +168,8 @@ def _lora_folder(registry, model_dir, path, targets="both"):
     from vlft.models.families import family_of_model
 
     chosen = select_targets(model, d, targets, 6, family_of_model(model)).modules
-    adapted = registry.first("vlft_apply_adapter", method="lora", model=model, targets=chosen, config=cfg)
+    adapted = registry.first("vlft_apply_adapter", method="lora", model=model, targets=chosen, config=cfg,
+                             target_parameters=[])
     registry.first("vlft_save_adapter", method="lora", model=adapted, path=path)
     return chosen
 

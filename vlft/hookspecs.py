@@ -220,8 +220,12 @@ def vlft_adapter_defaults(method: str, config: RunConfig) -> AdapterDefaults | N
 
 @hookspec(firstresult=True)
 def vlft_apply_adapter(method: str, model: torch.nn.Module, targets: list[str],
-                       config: RunConfig) -> torch.nn.Module | None:
+                       config: RunConfig, target_parameters: list[str]) -> torch.nn.Module | None:
     """Wrap ``model`` with ``method``'s adapter on the module names ``targets``; return the adapted model.
+
+    ``target_parameters`` are full names of fused 3-D expert weights (PEFT's ``target_parameters``); it is
+    empty unless the method's ``AdapterDefaults.target_experts`` asked for them, so a method that never sets
+    it may leave the argument out of its implementation.
 
     Raise ``ConfigError`` when the method cannot adapt a target (say, no
     block size divides its width). First answer wins.

@@ -202,6 +202,9 @@ class AdapterDefaults:
     text_modules: tuple[str, ...] = ()
     vision_modules: tuple[str, ...] = ()
     default_targets: str = "both"  # what ``--targets auto`` means for this method
+    # the method also adapts a mixture-of-experts family's fused expert weights (ModelFamily.expert_parameters):
+    # the core then passes them to vlft_apply_adapter as ``target_parameters`` (routers stay frozen)
+    target_experts: bool = False
     help: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -300,6 +303,14 @@ class ModelFamily:
         "help": "Router / gate modules relative to a decoder layer; they always stay frozen and are never "
                 "targets (Qwen3-VL MoE 'mlp.gate'; Qwen3.5 MoE also 'mlp.shared_expert_gate', an nn.Linear "
                 "hidden->1 that a leaf-name 'gate' match would otherwise catch)."})
+
+    load_kwargs: Callable[[str], dict] | None = field(default=None, compare=False, metadata={
+        "help": "load_kwargs(param_dtype) -> extra keyword arguments for transformers' from_pretrained/from_config "
+                "(the run's model, its meta-device plan copy and evaluation), given the parameter dtype the "
+                "precision policy chose ('float32', 'bfloat16', ...). The MoE families return "
+                "{'experts_implementation': 'eager'} for float32: transformers 5.2x runs fused experts with "
+                "torch._grouped_mm, which takes only 16-bit weights (its meta-device and CUDA kernels refuse "
+                "fp32). None: no extra arguments."})
 
     # --- tokens and the resize rule --------------------------------------------------------------------
     image_token: str = field(default="", metadata={"help": "Placeholder repeated once per image "

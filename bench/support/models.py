@@ -94,7 +94,7 @@ def adapted_model(env: BenchEnv, size: ModelSize, method: str, seed: int = 0):
     targets = targets_for(env, size, model, method)
     seed_everything(seed)
     adapted = env.registry.first("vlft_apply_adapter", method=method, model=model, targets=targets,
-                                 config=plan.config)
+                                 config=plan.config, target_parameters=[])
     return adapted.to(env.device), plan
 
 

@@ -77,9 +77,11 @@ def choose_block_size(model, targets, asked: int) -> int:
 
 
 @hookimpl
-def vlft_apply_adapter(method, model, targets, config):
+def vlft_apply_adapter(method, model, targets, config, target_parameters):
     if method != NAME:
         return None
+    if target_parameters:  # never asked for (OFT's defaults leave target_experts off); refuse rather than drop
+        raise ConfigError(f"method {NAME} does not adapt fused expert weights ({target_parameters[0]}, ...)")
     from peft import OFTConfig, get_peft_model
 
     options = _peft.options_from(OftOptions, config.adapter, NAME)

@@ -75,6 +75,14 @@ def qwen_family(**fields_) -> ModelFamily:
     return fam
 
 
+def fused_experts_load_kwargs(param_dtype: str) -> dict:
+    """``ModelFamily.load_kwargs`` of the MoE families. transformers 5.2x runs fused experts with
+    ``torch._grouped_mm`` by default; its meta-device and CUDA kernels take bf16/fp16 weights only ("Expected
+    mat_a to be BFloat16"), and it casts the input to the weight's dtype (autocast does not apply), so fp32
+    weights take transformers' eager per-expert loop. The plan's meta copy and the run load alike."""
+    return {} if param_dtype in ("bfloat16", "float16") else {"experts_implementation": "eager"}
+
+
 def help_text() -> dict[str, str]:
     """Each field's help, for documentation and a docs test (every field documented)."""
     return {f.name: f.metadata.get("help", "") for f in fields(ModelFamily)}

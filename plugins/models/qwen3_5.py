@@ -30,7 +30,7 @@ from pathlib import Path
 
 from . import _tiny
 from . import qwen3_vl as q3vl
-from .family import ModelFamily, qwen_family, image_tokens, rope_index_from_class, video_tokens_qwen3
+from .family import ModelFamily, fused_experts_load_kwargs, qwen_family, image_tokens, rope_index_from_class, video_tokens_qwen3
 
 SPECIAL_TOKENS = _tiny.BASE_SPECIAL_TOKENS
 
@@ -171,6 +171,7 @@ QWEN3_5_MOE = _finish(qwen_family(
     text_mlp=("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj"),
     expert_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
     router_modules=("mlp.gate", "mlp.shared_expert_gate"),
+    load_kwargs=fused_experts_load_kwargs,
     no_split_modules=("Qwen3_5MoeDecoderLayer", "Qwen3_5MoeVisionBlock"),
     rope_index=rope_index_from_class("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeModel"),
     build_tiny=build_tiny_moe,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from . import _tiny
 from . import qwen3_vl as dense
-from .family import qwen_family, image_tokens, rope_index_from_class, video_tokens_qwen3
+from .family import fused_experts_load_kwargs, qwen_family, image_tokens, rope_index_from_class, video_tokens_qwen3
 
 NAME = "qwen3-vl-moe"
 
@@ -72,6 +72,7 @@ FAMILY = qwen_family(
     description="Qwen3-VL MoE (30B-A3B/235B-A22B): attention adapters; fused experts via target_parameters",
     expert_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
     router_modules=("mlp.gate",),
+    load_kwargs=fused_experts_load_kwargs,
     no_split_modules=("Qwen3VLMoeTextDecoderLayer", "Qwen3VLMoeVisionBlock"),
     rope_index=rope_index_from_class("transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe.Qwen3VLMoeModel"),
     build_tiny=build_tiny,

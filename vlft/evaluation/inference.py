@@ -142,7 +142,7 @@ def load_for_inference(registry: Registry, adapter: str | None, model: str | Non
     plan = resolve_plan(registry, config, model_path, model_config, choice, family)
     require_weights(model_path, model, registry)
     processor = load_processor(model_path, family, registry)
-    net = load_model(model_path, plan.attention, plan.precision)
+    net = load_model(model_path, plan.attention, plan.precision, family=family)
     plan.patches = [p for ps in registry.hook.vlft_patch_model(backend=name, model=net, config=config,
                                                                attention=plan.attention) if ps for p in ps]
     plan.patches += apply_kernels(plan.kernels, net)

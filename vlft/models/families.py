@@ -214,3 +214,8 @@ def family_of_model(model, registry=None) -> ModelFamily:
 
         registry = get_registry()
     return resolve_family(registry, base_model(model).config)
+
+
+def family_load_kwargs(family, param_dtype: str) -> dict:
+    """The family's extra from_pretrained/from_config arguments for this parameter dtype (``load_kwargs``)."""
+    return dict(family.load_kwargs(param_dtype)) if family is not None and family.load_kwargs else {}

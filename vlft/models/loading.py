@@ -15,7 +15,7 @@ from transformers import (
 from vlft.errors import ConfigError
 from vlft.models.bundled import _registry, bundled_config, bundled_names, is_bundled
 from vlft.models.embedded import embedded_family_dir, embedded_model_dir
-from vlft.models.families import EMBEDDED_PREFIX, family_named, resolve_family
+from vlft.models.families import EMBEDDED_PREFIX, family_load_kwargs, family_named, resolve_family
 
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
@@ -103,8 +103,10 @@ def check_weight_format(path: str, trust_pickle: bool) -> None:
             f"(model.save_pretrained(dir) in a trusted session), or pass --trust-pickle if you trust the file.")
 
 
-def load_model(path: str, attention, precision, device=None, trust_pickle: bool = False, keep_float=()):
-    """The base model with the backend's attention per tower and parameter dtype, on ``device``.
+def load_model(path: str, attention, precision, device=None, trust_pickle: bool = False, keep_float=(),
+               family=None):
+    """The base model with the backend's attention per tower and parameter dtype, on ``device``; the
+    family's ``load_kwargs`` on top (MoE families: the experts implementation the dtype allows).
 
     Without ``trust_pickle`` only safetensors are read (transformers' ``use_safetensors=True``); with it,
     transformers still unpickles with ``weights_only=True`` (its default), which allows tensors only.
@@ -122,6 +124,7 @@ def load_model(path: str, attention, precision, device=None, trust_pickle: bool 
             path, dtype=getattr(torch, precision.param_dtype),
             attn_implementation=attention.as_attn_implementation(),
             use_safetensors=None if trust_pickle else True, **extra,
+            **family_load_kwargs(family, precision.param_dtype),
         )
     except ImportError as e:
         if not extra:
@@ -150,7 +153,7 @@ def tower_attention(model) -> dict[str, str]:
     }
 
 
-def empty_model(path: str, attention, precision):
+def empty_model(path: str, attention, precision, family=None):
     """The base model as ``load_model`` builds it, on the 'meta' device: its structure without reading a
     weight. Under ``--shard fsdp`` every process but rank 0 starts from this and receives its share of the
     weights from rank 0 (``sharding.receive_from_rank0``)."""
@@ -158,7 +161,8 @@ def empty_model(path: str, attention, precision):
     config = read_model_config(path)
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(
-            config, dtype=getattr(torch, precision.param_dtype), attn_implementation=attention.as_attn_implementation())
+            config, dtype=getattr(torch, precision.param_dtype), attn_implementation=attention.as_attn_implementation(),
+            **family_load_kwargs(family, precision.param_dtype))
     try:  # from_pretrained reads it too: generation (EOS ids) must stop where rank 0's does
         model.generation_config = GenerationConfig.from_pretrained(path)
     except OSError:

@@ -56,6 +56,7 @@ class RunPlan:
     targets: list[str] = field(default_factory=list)
     target_params: dict[str, int] = field(default_factory=dict)  # module -> adapter parameters
     target_summary: dict[str, Any] = field(default_factory=dict)
+    target_parameters: list[str] = field(default_factory=list)  # fused expert weights (PEFT target_parameters)
     patches: list[str] = field(default_factory=list)
     memory: Any = None  # memory.MemoryPlan, once the data and the model's shape are known
     lengths: dict[str, Any] = field(default_factory=dict)  # sample lengths: longest, skipped, limit
@@ -70,6 +71,16 @@ class RunPlan:
     @property
     def checkpointing(self) -> bool:
         return bool(self.memory and self.memory.checkpointing)
+
+    def experts_adapted(self) -> dict | None:
+        """For a mixture-of-experts family: whether its fused expert weights are adapted, which (relative to a
+        decoder layer), the adapter parameters on them, and the routers, which never train. None: no experts."""
+        if self.family is None or not self.family.expert_parameters:
+            return None
+        on_experts = sum(n for m, n in self.target_params.items() if m not in self.targets)
+        return {"adapted": bool(self.target_parameters), "parameters": list(self.family.expert_parameters),
+                "layers": len({p.rpartition(".")[0] for p in self.target_parameters}),
+                "adapter_parameters": on_experts, "routers": list(self.family.router_modules), "routers_frozen": True}
 
     def describe(self) -> dict:
         """Everything resolved, as JSON-ready data."""
@@ -103,6 +114,7 @@ class RunPlan:
                 **self.target_summary,
                 "modules": {m: self.target_params.get(m) for m in self.targets},
                 "adapter_parameters": sum(self.target_params.values()),
+                "experts": self.experts_adapted(),
             },
             "kernels": self.kernels.describe() if self.kernels else None,
             "optimizer": {"groups": self.param_groups, "train_merger": self.config.train_merger,
@@ -386,6 +398,12 @@ def format_plan(desc: dict, verbose: bool = False) -> str:
         lines += [f"             {name}  ({count:,} params)" for name, count in t["modules"].items()]
     else:
         lines += [f"             {line}" for line in group_modules(t["modules"], t)]
+    ex = t.get("experts")
+    if ex:
+        lines.append(f"experts      {', '.join(ex['parameters'])}: "
+                     + (f"adapted in {ex['layers']} layers ({ex['adapter_parameters']:,} adapter parameters)"
+                        if ex["adapted"] else "not adapted (lora: --adapter-opt target_experts=true adapts them)")
+                     + f"; router {', '.join(ex['routers'])} frozen")
     pd, ck, ln = desc["param_dtype"], desc["checkpointing"], desc["lengths"]
     lines.append(f"weights      base {pd['dtype']}" + (f" ({pd['reason']})" if pd["reason"] else "")
                  + ", trainable float32")

@@ -25,7 +25,7 @@ from vlft.errors import ConfigError, DataError
 from vlft.models.adapting import compute_adapters_in_autocast_dtype
 from vlft.models.bundled import is_bundled
 from vlft.models.embedded import cache_root
-from vlft.models.families import count_parameters
+from vlft.models.families import base_model, count_parameters, family_load_kwargs, frozen_router_parameters
 from vlft.models.groups import check_merger_trained, describe_groups
 from vlft.models.loading import (
     load_processor,
@@ -130,17 +130,25 @@ def check_enough_records(n_train: int, config: RunConfig) -> None:
 def plan_targets(registry: Registry, plan: RunPlan, model):
     """Adapt ``model`` (real or on 'meta'); fill the plan's target list and per-module adapter parameter counts."""
 
-    tp = select_targets(model, plan.adapter, plan.config.targets, plan.config.vision_last_n, plan.family)
+    experts = plan.adapter.target_experts
+    if experts and not plan.family.expert_parameters:
+        raise ConfigError(f"{plan.method.name}: target_experts=true, but the {plan.family.name} family has no fused "
+                          f"expert weights (not a mixture-of-experts model)")
+    tp = select_targets(model, plan.adapter, plan.config.targets, plan.config.vision_last_n, plan.family,
+                        experts=experts)
     plan.targets = tp.modules
+    plan.target_parameters = tp.parameters
     plan.target_summary = {"towers": tp.towers, "vision_blocks": tp.vision_blocks,
                            "vision_depth": tp.vision_depth, "text_layers": tp.text_layers}
     adapted = registry.first("vlft_apply_adapter", method=plan.method.name, model=model, targets=tp.modules,
-                             config=plan.config)
+                             config=plan.config, target_parameters=tp.parameters)
+    # the fused experts' adapters sit on the experts module (PEFT names them experts[.base_layer].lora_*)
+    owners = tp.modules + sorted({p.rpartition(".")[0] for p in tp.parameters})
     counts: dict[str, int] = {}
     for name, p in adapted.named_parameters():
         if not p.requires_grad:
             continue
-        for target in tp.modules:
+        for target in owners:
             if f"{target}." in name:
                 counts[target] = counts.get(target, 0) + p.numel()
                 break
@@ -148,6 +156,11 @@ def plan_targets(registry: Registry, plan: RunPlan, model):
     if plan.config.train_merger:
         plan.merger_parameters = check_merger_trained(adapted, plan.family, plan.method.name)
     plan.param_groups = describe_groups(adapted, plan.family, plan.lr, plan.config)
+    routers = set(frozen_router_parameters(adapted, plan.family))
+    training = [n for n, p in base_model(adapted).named_parameters() if p.requires_grad and n in routers]
+    if training:
+        raise ConfigError(f"method {plan.method.name} made router parameters trainable ({training[0]}, ...); "
+                          f"routers must stay frozen")
     return adapted
 
 
@@ -193,7 +206,8 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
 
     # targets and memory on a weightless copy, in the dtype the layers will compute in
     compute = plan.precision.autocast_dtype or plan.precision.param_dtype
-    skeleton = plan_targets(registry, plan, trace.skeleton(model_config, plan.attention, getattr(torch, compute)))
+    skeleton = plan_targets(registry, plan, trace.skeleton(model_config, plan.attention, getattr(torch, compute),
+                                                           family_load_kwargs(family, plan.precision.param_dtype)))
     if plan.precision.autocast_dtype:  # under autocast the adapters compute in its dtype too (see model.py)
 
         skeleton.to(getattr(torch, compute))

@@ -9,6 +9,7 @@ for the largest ones the sampler will draw.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -84,8 +85,38 @@ def _register_fused_attention() -> None:
     AttentionInterface.register(FUSED_ATTENTION, fused)
 
 
-def skeleton(model_config, attention, dtype):
-    """A weightless model on the meta device with the plan's attention per tower.
+META_EXPERTS = "vlft_memory_trace_experts"
+
+
+def _register_meta_experts() -> None:
+    """A fused-experts function for the meta device, where transformers' eager per-expert loop cannot run
+    (it asks which experts got tokens: ``nonzero`` has no meta kernel). It routes every (token, slot) pair
+    through one expert's weights, so it saves what the loop saves summed over experts: per pair the input
+    row, the gate/up projections and the activation (tokens x top-k rows in all)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # only when a MoE plan traces its experts
+
+    def per_pair(self, hidden_states, top_k_index, top_k_weights):
+        k = top_k_index.size(-1)
+        rows = hidden_states.repeat_interleave(k, dim=0)
+
+        def linear(x, weight):
+            return x @ weight[0] if getattr(self, "is_transposed", False) else torch.nn.functional.linear(x, weight[0])
+
+        if getattr(self, "has_gate", True):
+            mid = linear(rows, self.gate_up_proj)
+            mid = self._apply_gate(mid) if hasattr(self, "_apply_gate") else self.act_fn(mid.chunk(2, -1)[0]) * \
+                mid.chunk(2, -1)[1]
+        else:
+            mid = self.act_fn(linear(rows, self.up_proj))
+        out = linear(mid, self.down_proj) * top_k_weights.reshape(-1, 1).to(mid.dtype)
+        return out.view(-1, k, out.size(-1)).sum(dim=1).to(hidden_states.dtype)
+
+    ALL_EXPERTS_FUNCTIONS.register(META_EXPERTS, per_pair)
+
+
+def skeleton(model_config, attention, dtype, load_kwargs=None):
+    """A weightless model on the meta device with the plan's attention per tower (and the family's
+    ``load_kwargs`` for the run's parameter dtype, so it runs the experts implementation the run does).
 
     Fused implementations (sdpa, flash) are traced with a stand-in that saves
     what a fused kernel saves; eager runs as it is.
@@ -100,7 +131,12 @@ def skeleton(model_config, attention, dtype):
 
     impls = {"vision_config": impl(attention.vision), "text_config": impl(attention.text), "": impl(attention.text)}
     with torch.device("meta"):
-        return AutoModelForImageTextToText.from_config(cfg, attn_implementation=impls, dtype=dtype)
+        model = AutoModelForImageTextToText.from_config(cfg, attn_implementation=impls, dtype=dtype,
+                                                        **(load_kwargs or {}))
+    if (load_kwargs or {}).get("experts_implementation") == "eager":  # the eager loop has no meta kernel
+        _register_meta_experts()
+        model.set_experts_implementation(META_EXPERTS)
+    return model
 
 
 def _parts(model, family):
@@ -113,6 +149,23 @@ def _parts(model, family):
 
 def _trainable(module) -> bool:
     return any(p.requires_grad for p in module.parameters())
+
+
+@contextlib.contextmanager
+def _autocast_accepts_meta():
+    """``torch.autocast(device_type="meta", ...)`` raises ("unsupported scalarType"); PEFT's LoRA on fused expert
+    weights (``target_parameters``) opens a disabled one around its weight update W + s*B@A, which on the meta
+    device means nothing. For the trace only, a meta autocast is a no-op; every other device type is torch's."""
+    real = torch.autocast
+
+    def autocast(device_type, *args, **kwargs):
+        return contextlib.nullcontext() if device_type == "meta" else real(device_type, *args, **kwargs)
+
+    torch.autocast = autocast
+    try:
+        yield
+    finally:
+        torch.autocast = real
 
 
 def trace_activations(model, batch: BatchShape, family=None) -> Activations:
@@ -140,7 +193,7 @@ def trace_activations(model, batch: BatchShape, family=None) -> Activations:
             layer_max = max(layer_max, meter.bytes - before)
         return out
 
-    with meter.hooks():
+    with meter.hooks(), _autocast_accepts_meta():
         image_features = None
         blocks = set(map(id, resolve_module(base_model(model), family.vision_blocks))) if tower is not None else set()
 

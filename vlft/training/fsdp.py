@@ -32,7 +32,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from vlft.planning.sharding import ShardingPlan, blocks, transformers_model
 
 
-def shard_model(model, plan: ShardingPlan, device, whole: dict | None = None) -> None:
+def shard_model(model, plan: ShardingPlan, device, whole: dict | None = None, family=None) -> None:
     """Apply ``fully_shard`` to every block, then to the transformers model as the root (in place); with
     several processes, fill the shares from rank 0's ``whole`` state dict (``receive_from_rank0``).
 
@@ -46,7 +46,7 @@ def shard_model(model, plan: ShardingPlan, device, whole: dict | None = None) ->
     mesh = init_device_mesh(device.type, (plan.world_size,))
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, plan.param_dtype) if plan.param_dtype else None,
                               reduce_dtype=getattr(torch, plan.reduce_dtype))
-    for _, block in blocks(model):
+    for _, block in blocks(model, family):  # the plan family's no_split_modules, as the plan counted them
         fully_shard(block, mesh=mesh, mp_policy=mp)
     root = fully_shard(transformers_model(model), mesh=mesh, mp_policy=mp)
     if plan.world_size > 1:

@@ -167,11 +167,12 @@ def _base_model(registry: Registry, backend: str, plan: RunPlan, config: RunConf
     """The base model with the backend's patches. Sharded over several processes, only rank 0 reads the
     weights; the others build it on 'meta' and receive their shares once it is sharded (``_place``)."""
     if plan.sharding.enabled and config.world_size > 1 and config.rank != 0:
-        model = empty_model(plan.model_path, plan.attention, plan.precision)
+        model = empty_model(plan.model_path, plan.attention, plan.precision, family=plan.family)
     else:
         quantized = plan.precision.quantization is not None  # 4-bit weights are quantized onto the device
         model = load_model(plan.model_path, plan.attention, plan.precision, device=device if quantized else None,
-                           trust_pickle=config.trust_pickle, keep_float=four_bit_skip(plan.family))
+                           trust_pickle=config.trust_pickle, keep_float=four_bit_skip(plan.family),
+                           family=plan.family)
     plan.patches = [p for ps in registry.hook.vlft_patch_model(backend=backend, model=model, config=config,
                                                                    attention=plan.attention)
                     if ps for p in ps]
@@ -187,7 +188,7 @@ def _adapted(registry: Registry, plan: RunPlan, config: RunConfig, model, resume
                                path=str(resume_from / "adapter"), trainable=True)
     else:  # the targets were chosen on the weightless copy in preflight
         model = registry.first("vlft_apply_adapter", method=plan.method.name, model=model, targets=plan.targets,
-                               config=config)
+                               config=config, target_parameters=plan.target_parameters)
     if plan.precision.quantization:
         # k-bit preparation as PEFT's prepare_model_for_kbit_training, less its fp32 upcast of every frozen
         # bf16 weight (embeddings and head: +2.2 GB on a 7B): base frozen (PEFT did), trainable fp32 (below),
@@ -211,7 +212,7 @@ def _place(model, plan: RunPlan, config: RunConfig, device) -> None:
             model.to(device)
         return
     whole = model.state_dict() if config.world_size > 1 and config.rank == 0 else None
-    shard_model(model, plan.sharding, device, whole)
+    shard_model(model, plan.sharding, device, whole, family=plan.family)
 
 
 def _optimizer_and_schedule(model, plan: RunPlan, config: RunConfig, total_steps: int):
