@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -257,6 +258,66 @@ def test_a_full_disk_stops_the_save_and_keeps_the_previous_checkpoint(tmp_path, 
         store.save(2, model, optimizer, scheduler, None, torch.device("cpu"))
     assert sorted(p.name for p in store.root.iterdir()) == ["step-000001"]
     assert newest_checkpoint(store.root).name == "step-000001"
+
+
+FULL_DISK_ON_RANK_0 = '''
+"""sitecustomize for the test below: in the torchrun worker of rank 0 only, torch.save as the checkpoint
+store calls it is replaced by a stand-in for a full disk while the checkpoint of one step is written."""
+import os
+if os.environ.get("RANK") == "0" and os.environ.get("FULL_DISK_STAND_IN_AT_STEP"):
+    import errno
+    import vlft.training.checkpoints
+
+    _real_save = vlft.training.checkpoints.torch.save
+    _folder = f".tmp-step-{int(os.environ['FULL_DISK_STAND_IN_AT_STEP']):06d}"
+
+    def full_disk_stand_in(obj, f, *args, **kwargs):
+        if _folder in str(f):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return _real_save(obj, f, *args, **kwargs)
+
+    vlft.training.checkpoints.torch.save = full_disk_stand_in
+'''
+
+
+def test_a_checkpoint_write_failing_on_rank_0_stops_every_process_with_its_message(small_data, tmp_path):
+    """Two torchrun agents (--nnodes 2, one data-parallel process each, as on two machines: neither agent
+    stops the other's process): rank 0's disk is full at step 2's checkpoint (the last step's). Both processes stop with the
+    message and a non-zero exit, well before the process-group timeout (gloo: 600 s), and step 1's
+    checkpoint is intact."""
+    import socket
+
+    train, val = small_data
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FULL_DISK_ON_RANK_0)
+    env = dict(os.environ, OMP_NUM_THREADS="1", FULL_DISK_STAND_IN_AT_STEP="2",
+               PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "run"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    args = ["-m", "vlft", "run", "--quiet", "--backend", "cpu", "--method", "lora", "--data", str(train),
+            "--val-data", str(val), "--output", str(out), "--steps", "2", "--batch-size", "2", "--log-every", "1",
+            "--eval-every", "0", "--eval-samples", "1", "--max-new-tokens", "2", "--save-every", "1"]
+    agents = [subprocess.Popen([*torchrun, "--node-rank", str(r), *args], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=env) for r in (0, 1)]
+    try:
+        said = [a.communicate(timeout=240)[0] for a in agents]  # the bug this guards against: 600 s, then a timeout
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+    message = r"writing the checkpoint of step 2 .* failed \(the disk is full\); the run stops here. " \
+              r"The previous checkpoint step-000001 is intact"
+    for rank, (agent, text) in enumerate(zip(agents, said)):
+        assert agent.returncode != 0, f"rank {rank} exited 0:\n{text[-3000:]}"
+        assert re.search(message, text.replace("\n", " ")), f"rank {rank}:\n{text[-3000:]}"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001"]
+    assert newest_checkpoint(out / "checkpoints").name == "step-000001"
+    assert not (out / "adapter").exists()
 
 
 KILLED_WRITER = """
