@@ -94,14 +94,19 @@ def test_predict_reads_the_other_layout_and_answers_a_single_prompt(lora_run, ti
     data = tmp_path / "val.json"
     data.write_text(json.dumps(converted))
     out = tmp_path / "pred.jsonl"
+    # batch 1, as the single prompt is answered: the same computation, so the same greedy answer
     code, output = vlft("predict", "--adapter", run / "adapter", "--data", data, "--output", out,
-                        "--max-new-tokens", 4, "--quiet")
+                        "--max-new-tokens", 4, "--batch-size", 1, "--quiet")
     assert code == 0, output
     jsonl = [json.loads(line) for line in out.read_text().splitlines()]
     assert [p["where"] for p in jsonl] == [f"val.json[{i}]" for i in range(4)]
-    code, output = vlft("predict", "--adapter", run, "--image", converted[0]["images"][0], "--prompt",
-                        "What colour is this item?", "--max-new-tokens", 4)
-    assert code == 0 and output.strip(), output
+    # the first record's question and image as --prompt and --image: its answer, alone on stdout
+    question = converted[0]["messages"][0]["content"]
+    assert question.startswith("<image>\n") and jsonl[0]["prediction"].strip()
+    result = CliRunner().invoke(cli, ["predict", "--adapter", str(run), "--image", converted[0]["images"][0],
+                                      "--prompt", question, "--max-new-tokens", "4"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == jsonl[0]["prediction"] + "\n", (result.stdout, jsonl[0])
 
 
 def _rows(path: Path) -> list[dict]:
