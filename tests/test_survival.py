@@ -426,7 +426,7 @@ def test_hostile_data_files(tmp_path):
     assert elapsed < 30  # a quadratic check would take minutes at this size; the time itself is not measured
 
 
-def test_hostile_config_and_pickled_weights_exit_non_zero_and_write_nothing(tmp_path, small_data):
+def test_hostile_config_and_pickled_weights_exit_non_zero_and_write_nothing(tmp_path, small_data, model_dir):
     from vlft.models.loading import check_weight_format
 
     cfg = tmp_path / "c.yaml"
@@ -444,6 +444,22 @@ def test_hostile_config_and_pickled_weights_exit_non_zero_and_write_nothing(tmp_
     check_weight_format(str(model), trust_pickle=True)
     (model / "model.safetensors").write_bytes(b"")
     check_weight_format(str(model), trust_pickle=False)
+
+    # the whole command: a model folder whose weights are pickled only; vlft run exits non-zero, writes nothing
+    import shutil
+
+    pickled = tmp_path / "pickled-model"
+    shutil.copytree(model_dir, pickled, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    (pickled / "pytorch_model.bin").write_bytes(b"never unpickled")
+    train, val = small_data
+    out = tmp_path / "run"
+    proc = subprocess.run([*vlft_command(), "run", "--backend", "cpu", "--model", str(pickled), "--data", str(train),
+                           "--val-data", str(val), "--output", str(out), "--steps", "1", "--quiet"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert re.search(r"pytorch_model.bin\) and no .safetensors.*--trust-pickle", proc.stderr.replace("\n", " ")), \
+        proc.stderr[-2000:]
+    assert not out.exists()
 
 
 def test_the_end_of_a_run_saves_first_and_a_failed_evaluation_keeps_the_adapter(registry, small_data, tmp_path,
