@@ -151,6 +151,33 @@ def test_guarded_step_undoes_a_non_finite_step_on_the_device_bit_for_bit():
     assert not all(torch.equal(p, old) for p, old in zip(model.parameters(), snapshot[0]))
 
 
+def test_guarded_step_on_parameters_off_the_host_reads_no_flag_and_leaves_host_counters_to_settle():
+    """Parameters on the 'meta' device stand in for an accelerator's (no values, and reading one on the host
+    raises, as a sync would be needed): the guarded step runs without reading its flag, masks the state that
+    lives with the parameters, and leaves AdamW's host step counters to ``settle_step_counters``, which takes
+    the skipped steps back off."""
+    from vlft.training.step import guarded_step, settle_step_counters
+
+    model = torch.nn.Linear(4, 3, device="meta")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError):
+        bool(torch.tensor(False, device="meta"))  # what a host read of the flag would do
+
+    def step(finite: bool) -> None:
+        for p in model.parameters():
+            p.grad = torch.empty_like(p)
+        guarded_step(opt, torch.tensor(finite, device="meta"))
+
+    step(True)
+    step(False)
+    for p in model.parameters():
+        state = opt.state[p]
+        assert state["exp_avg"].device.type == "meta" and state["exp_avg_sq"].device.type == "meta"
+        assert state["step"].device.type == "cpu" and float(state["step"]) == 2  # not masked: elsewhere
+    settle_step_counters(opt, 1, torch.device("meta"))
+    assert [float(opt.state[p]["step"]) for p in model.parameters()] == [1.0, 1.0]
+
+
 # -- 2. signals ---------------------------------------------------------------------------------------
 
 def test_sigterm_writes_a_checkpoint_and_resume_gives_the_uninterrupted_losses(registry, small_data, tmp_path,
