@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 from click.testing import CliRunner
@@ -44,7 +45,7 @@ class RecordingSink:
 
 
 class RecordingSinkPlugin:
-    made: list[RecordingSink] = []
+    made: ClassVar[list[RecordingSink]] = []
 
     @hookimpl
     def vlft_metric_sink(self, name, config):
