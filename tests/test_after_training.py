@@ -12,10 +12,12 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 from click.testing import CliRunner
 
+from vlft import hookimpl
 from vlft.cli import cli
 
 
@@ -27,10 +29,33 @@ def tiny_data(tmp_path_factory):
     return ds.train, ds.val
 
 
+class RecordingSink:
+    """A plugin's metric sink (``vlft_metric_sink`` answers it for ``--report-to recording``): keeps what the
+    training loop writes to it."""
+
+    def __init__(self, folder):
+        self.folder, self.records, self.closed = folder, [], False
+        RecordingSinkPlugin.made.append(self)
+
+    def write(self, record):
+        self.records.append(dict(record))
+
+    def close(self):
+        self.closed = True
+
+
+class RecordingSinkPlugin:
+    made: ClassVar[list[RecordingSink]] = []
+
+    @hookimpl
+    def vlft_metric_sink(self, name, config):
+        return RecordingSink if name == "recording" else None
+
+
 def _short_run(tmp_path_factory, tiny_data, method, **over):
     from vlft.commands.run import execute
     from vlft.config import build_config
-    from vlft.registry import load_registry
+    from vlft.testing import registry_with
 
     train, val = tiny_data
     out = tmp_path_factory.mktemp(method) / "run"
@@ -41,14 +66,16 @@ def _short_run(tmp_path_factory, tiny_data, method, **over):
     values.update(over)
     err, stdout = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(stdout):
-        execute(load_registry(), build_config({}, values), progress=True)
+        execute(registry_with(RecordingSinkPlugin()), build_config({}, values), progress=True)
     return out, err.getvalue(), stdout.getvalue()
 
 
 @pytest.fixture(scope="session")
 def lora_run(tmp_path_factory, tiny_data):
-    """(run folder, its stderr, its stdout): validation loss and TensorBoard on, so every plot has data."""
-    return _short_run(tmp_path_factory, tiny_data, "lora", eval_every=2, eval_batches=1, report_to="tensorboard")
+    """(run folder, its stderr, its stdout): validation loss and TensorBoard on, so every plot has data; a
+    plugin's metric sink (RecordingSink) beside TensorBoard."""
+    return _short_run(tmp_path_factory, tiny_data, "lora", eval_every=2, eval_batches=1,
+                      report_to="tensorboard,recording")
 
 
 @pytest.fixture(scope="session")
@@ -94,14 +121,19 @@ def test_predict_reads_the_other_layout_and_answers_a_single_prompt(lora_run, ti
     data = tmp_path / "val.json"
     data.write_text(json.dumps(converted))
     out = tmp_path / "pred.jsonl"
+    # batch 1, as the single prompt is answered: the same computation, so the same greedy answer
     code, output = vlft("predict", "--adapter", run / "adapter", "--data", data, "--output", out,
-                        "--max-new-tokens", 4, "--quiet")
+                        "--max-new-tokens", 4, "--batch-size", 1, "--quiet")
     assert code == 0, output
     jsonl = [json.loads(line) for line in out.read_text().splitlines()]
     assert [p["where"] for p in jsonl] == [f"val.json[{i}]" for i in range(4)]
-    code, output = vlft("predict", "--adapter", run, "--image", converted[0]["images"][0], "--prompt",
-                        "What colour is this item?", "--max-new-tokens", 4)
-    assert code == 0 and output.strip(), output
+    # the first record's question and image as --prompt and --image: its answer, alone on stdout
+    question = converted[0]["messages"][0]["content"]
+    assert question.startswith("<image>\n") and jsonl[0]["prediction"].strip()
+    result = CliRunner().invoke(cli, ["predict", "--adapter", str(run), "--image", converted[0]["images"][0],
+                                      "--prompt", question, "--max-new-tokens", "4"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == jsonl[0]["prediction"] + "\n", (result.stdout, jsonl[0])
 
 
 def _rows(path: Path) -> list[dict]:
@@ -302,6 +334,22 @@ def test_progress_bar_writes_no_line_per_logged_step_when_stderr_is_not_a_termin
     draws = [d for d in re.split(r"[\r\n]", stderr) if d.startswith("train:")]
     # three logged steps; a bar that redraws on each draws five times (start, 3 logs, close)
     assert 1 <= len(draws) <= 3, draws
+
+
+def test_the_training_loop_feeds_a_plugins_metric_sink(lora_run):
+    """A real run with ``--report-to tensorboard,recording``: the plugin's sink gets every record of
+    metrics.jsonl as the loop logs it (steps 1-3, the validation loss at steps 2 and 3), and is closed once."""
+    run, _, _ = lora_run
+    sinks = [s for s in RecordingSinkPlugin.made if s.folder == run]
+    assert len(sinks) == 1, [s.folder for s in RecordingSinkPlugin.made]
+    sink = sinks[0]
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert sink.records == logged and sink.closed
+    assert [r["step"] for r in sink.records if "loss" in r] == [1, 2, 3]
+    # --eval-every 2 of 3 steps: at step 2 and at the last step
+    assert [r["step"] for r in sink.records if "val_loss" in r] == [2, 3]
+    assert all(r["val_loss"] > 0 for r in sink.records if "val_loss" in r)
+    assert all(r["loss"] > 0 for r in sink.records if "loss" in r)
 
 
 def test_a_plugins_metric_sink_receives_what_metrics_jsonl_receives(tmp_path):

@@ -34,6 +34,10 @@ def test_vlft_plugins_lists_plugins_backends_with_availability_and_methods(regis
     assert {b["name"]: b["fsdp"] for b in data["backends"] if b["name"] in ("ascend", "cpu", "cuda")} == \
         {"ascend": True, "cpu": True, "cuda": True}
     assert [m["name"] for m in data["methods"]] == sorted(registry.methods) and {"lora", "oft"} <= set(registry.methods)
+    # each method as its plugin answers vlft_methods, with the description it gives
+    offered = {info.name: info.description for infos in registry.hook.vlft_methods() for info in infos}
+    assert {m["name"]: m["description"] for m in data["methods"]} == offered
+    assert all(offered.values())
 
     proc = vlft("plugins", env={"VLFT_DISABLE_PLUGINS": "oft"})
     assert proc.returncode == 0, proc.stderr

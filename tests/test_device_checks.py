@@ -14,6 +14,7 @@ from hardware.checks import (
     check_attention,
     check_autocast,
     check_memory_reader,
+    check_non_finite_step_is_undone_on_the_device,
     check_overflowing_step_is_skipped,
     check_parameters,
     check_tf32,
@@ -164,6 +165,27 @@ def test_overflow_check_on_vlfts_own_step(small_data, tmp_path, plugin, message)
     else:
         with pytest.raises(AssertionError, match=message):
             check_overflowing_step_is_skipped(session)
+
+
+def unguarded_step_stand_in(optimizer, finite):
+    """A stand-in for a broken guarded_step: the optimizer steps whatever the flag says."""
+    optimizer.step()
+
+
+def test_non_finite_check_on_the_device_path_of_vlfts_step(small_data, tmp_path, monkeypatch):
+    """The CPU made to take the accelerator's path (``flags_on_host`` off: the step is taken and undone by
+    ``guarded_step``), bf16 without a scaler as on a GPU; with a guarded_step that guards nothing the
+    check fails."""
+    import vlft.training.step
+
+    session = prepared(small_data[0], tmp_path, backend="cpu", precision="bf16")
+    with pytest.raises(AssertionError, match="reads its flag on the host"):
+        check_non_finite_step_is_undone_on_the_device(session)  # the CPU's own path
+    session.policy.flags_on_host = False
+    check_non_finite_step_is_undone_on_the_device(session)
+    monkeypatch.setattr(vlft.training.step, "guarded_step", unguarded_step_stand_in)
+    with pytest.raises(AssertionError, match="the NaN step changed"):
+        check_non_finite_step_is_undone_on_the_device(session)
 
 
 # -- memory -------------------------------------------------------------------------------------------------

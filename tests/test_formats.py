@@ -284,5 +284,17 @@ def test_every_layout_trains_one_step_and_data_check_reports_them(tmp_path):
     res = CliRunner().invoke(cli, args)
     assert res.exit_code == 0, res.output
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["early_stopping"]["best_step"] >= 1 and (out / "adapter-best" / "adapter_config.json").exists()
+    # early stopping: the best step is the one with the lowest validation loss logged, its adapter is kept
+    vals = {m["step"]: m["val_loss"] for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+            if "val_loss" in m}
+    assert sorted(vals) == [1, 2]
+    best = min(vals, key=lambda step: (vals[step], step))
+    stopping = summary["early_stopping"]
+    assert (stopping["best_step"], stopping["best_val_loss"]) == (best, vals[best]), (stopping, vals)
+    assert stopping["stopped_early"] == (vals[2] >= vals[1])  # patience 1: one evaluation without a better loss
+    from safetensors.torch import load_file
+
+    kept, last = (load_file(str(out / d / "adapter_model.safetensors")) for d in ("adapter-best", "adapter"))
+    assert kept.keys() == last.keys()
+    assert all(torch.equal(kept[k], last[k]) for k in kept) == (best == 2)  # the last step's adapter or an older one
     assert (out / "adapter" / "adapter_config.json").exists()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -150,6 +151,33 @@ def test_guarded_step_undoes_a_non_finite_step_on_the_device_bit_for_bit():
     assert not all(torch.equal(p, old) for p, old in zip(model.parameters(), snapshot[0]))
 
 
+def test_guarded_step_on_parameters_off_the_host_reads_no_flag_and_leaves_host_counters_to_settle():
+    """Parameters on the 'meta' device stand in for an accelerator's (no values, and reading one on the host
+    raises, as a sync would be needed): the guarded step runs without reading its flag, masks the state that
+    lives with the parameters, and leaves AdamW's host step counters to ``settle_step_counters``, which takes
+    the skipped steps back off."""
+    from vlft.training.step import guarded_step, settle_step_counters
+
+    model = torch.nn.Linear(4, 3, device="meta")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError):
+        bool(torch.tensor(False, device="meta"))  # what a host read of the flag would do
+
+    def step(finite: bool) -> None:
+        for p in model.parameters():
+            p.grad = torch.empty_like(p)
+        guarded_step(opt, torch.tensor(finite, device="meta"))
+
+    step(True)
+    step(False)
+    for p in model.parameters():
+        state = opt.state[p]
+        assert state["exp_avg"].device.type == "meta" and state["exp_avg_sq"].device.type == "meta"
+        assert state["step"].device.type == "cpu" and float(state["step"]) == 2  # not masked: elsewhere
+    settle_step_counters(opt, 1, torch.device("meta"))
+    assert [float(opt.state[p]["step"]) for p in model.parameters()] == [1.0, 1.0]
+
+
 # -- 2. signals ---------------------------------------------------------------------------------------
 
 def test_sigterm_writes_a_checkpoint_and_resume_gives_the_uninterrupted_losses(registry, small_data, tmp_path,
@@ -259,6 +287,66 @@ def test_a_full_disk_stops_the_save_and_keeps_the_previous_checkpoint(tmp_path, 
     assert newest_checkpoint(store.root).name == "step-000001"
 
 
+FULL_DISK_ON_RANK_0 = '''
+"""sitecustomize for the test below: in the torchrun worker of rank 0 only, torch.save as the checkpoint
+store calls it is replaced by a stand-in for a full disk while the checkpoint of one step is written."""
+import os
+if os.environ.get("RANK") == "0" and os.environ.get("FULL_DISK_STAND_IN_AT_STEP"):
+    import errno
+    import vlft.training.checkpoints
+
+    _real_save = vlft.training.checkpoints.torch.save
+    _folder = f".tmp-step-{int(os.environ['FULL_DISK_STAND_IN_AT_STEP']):06d}"
+
+    def full_disk_stand_in(obj, f, *args, **kwargs):
+        if _folder in str(f):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return _real_save(obj, f, *args, **kwargs)
+
+    vlft.training.checkpoints.torch.save = full_disk_stand_in
+'''
+
+
+def test_a_checkpoint_write_failing_on_rank_0_stops_every_process_with_its_message(small_data, tmp_path):
+    """Two torchrun agents (--nnodes 2, one data-parallel process each, as on two machines: neither agent
+    stops the other's process): rank 0's disk is full at step 2's checkpoint (the last step's). Both processes stop with the
+    message and a non-zero exit, well before the process-group timeout (gloo: 600 s), and step 1's
+    checkpoint is intact."""
+    import socket
+
+    train, val = small_data
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FULL_DISK_ON_RANK_0)
+    env = dict(os.environ, OMP_NUM_THREADS="1", FULL_DISK_STAND_IN_AT_STEP="2",
+               PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "run"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    args = ["-m", "vlft", "run", "--quiet", "--backend", "cpu", "--method", "lora", "--data", str(train),
+            "--val-data", str(val), "--output", str(out), "--steps", "2", "--batch-size", "2", "--log-every", "1",
+            "--eval-every", "0", "--eval-samples", "1", "--max-new-tokens", "2", "--save-every", "1"]
+    agents = [subprocess.Popen([*torchrun, "--node-rank", str(r), *args], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=env) for r in (0, 1)]
+    try:
+        said = [a.communicate(timeout=240)[0] for a in agents]  # the bug this guards against: 600 s, then a timeout
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+    message = r"writing the checkpoint of step 2 .* failed \(the disk is full\); the run stops here. " \
+              r"The previous checkpoint step-000001 is intact"
+    for rank, (agent, text) in enumerate(zip(agents, said)):
+        assert agent.returncode != 0, f"rank {rank} exited 0:\n{text[-3000:]}"
+        assert re.search(message, text.replace("\n", " ")), f"rank {rank}:\n{text[-3000:]}"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001"]
+    assert newest_checkpoint(out / "checkpoints").name == "step-000001"
+    assert not (out / "adapter").exists()
+
+
 KILLED_WRITER = """
 import sys, time, torch
 from pathlib import Path
@@ -365,7 +453,7 @@ def test_hostile_data_files(tmp_path):
     assert elapsed < 30  # a quadratic check would take minutes at this size; the time itself is not measured
 
 
-def test_hostile_config_and_pickled_weights_exit_non_zero_and_write_nothing(tmp_path, small_data):
+def test_hostile_config_and_pickled_weights_exit_non_zero_and_write_nothing(tmp_path, small_data, model_dir):
     from vlft.models.loading import check_weight_format
 
     cfg = tmp_path / "c.yaml"
@@ -383,6 +471,22 @@ def test_hostile_config_and_pickled_weights_exit_non_zero_and_write_nothing(tmp_
     check_weight_format(str(model), trust_pickle=True)
     (model / "model.safetensors").write_bytes(b"")
     check_weight_format(str(model), trust_pickle=False)
+
+    # the whole command: a model folder whose weights are pickled only; vlft run exits non-zero, writes nothing
+    import shutil
+
+    pickled = tmp_path / "pickled-model"
+    shutil.copytree(model_dir, pickled, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    (pickled / "pytorch_model.bin").write_bytes(b"never unpickled")
+    train, val = small_data
+    out = tmp_path / "run"
+    proc = subprocess.run([*vlft_command(), "run", "--backend", "cpu", "--model", str(pickled), "--data", str(train),
+                           "--val-data", str(val), "--output", str(out), "--steps", "1", "--quiet"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert re.search(r"pytorch_model.bin\) and no .safetensors.*--trust-pickle", proc.stderr.replace("\n", " ")), \
+        proc.stderr[-2000:]
+    assert not out.exists()
 
 
 def test_the_end_of_a_run_saves_first_and_a_failed_evaluation_keeps_the_adapter(registry, small_data, tmp_path,

@@ -216,6 +216,52 @@ def check_overflowing_step_is_skipped(session, tries: int = 5) -> None:
     assert all(bool(torch.isfinite(p).all()) for p in params), "a trainable weight is not finite"
 
 
+def check_non_finite_step_is_undone_on_the_device(session) -> None:
+    """vlft's own ``train_step`` without a loss scaler (bf16, the default on GPUs from Ampere on): a step
+    whose gradients are NaN is taken and undone on the device (``guarded_step``, no host sync): every
+    trainable weight and the AdamW state come back bit for bit, the step counters (host tensors) once
+    ``settle_step_counters`` has run as the loop runs it; the step reports itself skipped, and a finite
+    step after it trains."""
+    from vlft.data.order import batches
+    from vlft.training.step import settle_step_counters, train_step_on
+
+    policy, optimizer = session.policy, session.optimizer
+    assert policy.scaler is None, f"a loss scaler ({type(policy.scaler).__name__}): not the default path"
+    assert not policy.flags_on_host, "the step reads its flag on the host: the device path is not taken"
+    params = [p for p in session.model.parameters() if p.requires_grad]
+    groups = batches(session.dataset, session.collate, session.settings, 0)
+    session.model.train()
+
+    def snapshot():
+        return ([p.detach().clone() for p in params],
+                [{k: v.clone() if torch.is_tensor(v) else v for k, v in optimizer.state[p].items()} for p in params])
+
+    def step(poison: bool) -> dict:
+        handle = params[0].register_hook(lambda g: torch.full_like(g, math.nan)) if poison else None
+        try:
+            out = train_step_on(session.model, optimizer, session.scheduler, next(groups), policy)
+        finally:
+            if handle is not None:
+                handle.remove()
+        return out
+
+    assert not bool(step(False)["skipped"]), "a finite first step was skipped"  # the AdamW state exists now
+    before, state_before = snapshot()
+    out = step(True)
+    assert bool(out["skipped"]), "a step with NaN gradients was not reported skipped"
+    settle_step_counters(optimizer, 1, policy.device)
+    after, state_after = snapshot()
+    moved = [i for i, (b, a) in enumerate(zip(before, after)) if not torch.equal(b, a)]
+    assert not moved, f"the NaN step changed {len(moved)} of {len(params)} trainable tensors"
+    for i, (old, new) in enumerate(zip(state_before, state_after)):
+        assert old.keys() == new.keys(), (i, sorted(old), sorted(new))
+        changed = [k for k in old if not (torch.equal(old[k], new[k]) if torch.is_tensor(old[k]) else old[k] == new[k])]
+        assert not changed, f"the NaN step changed the optimizer state {changed} of trainable tensor {i}"
+    assert not bool(step(False)["skipped"]), "the finite step after it was skipped"
+    assert any(not torch.equal(b, p.detach()) for b, p in zip(after, params)), "the finite step after it did not train"
+    assert all(bool(torch.isfinite(p).all()) for p in params), "a trainable weight is not finite"
+
+
 def check_memory_reader(reader, device, nbytes: int = 64 << 20) -> torch.Tensor:
     """The reader sees ``nbytes`` allocated on ``device``: peak at least that, current up by that.
 

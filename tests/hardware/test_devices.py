@@ -24,6 +24,7 @@ from hardware.checks import (
     check_attention,
     check_autocast,
     check_memory_readers_per_device,
+    check_non_finite_step_is_undone_on_the_device,
     check_overflowing_step_is_skipped,
     check_parameters,
     check_tf32,
@@ -146,17 +147,44 @@ def test_cuda_memory_reader_reads_its_own_device(registry):
 
 
 @pytest.mark.cuda
-def test_cuda_local_rank_1_trains_on_device_1_with_its_capability(registry):
+def test_cuda_default_bf16_non_finite_step_is_undone_on_the_device(tmp_path, data):
+    """The default path from Ampere on: bf16, no loss scaler, the step's flag left on the device; a NaN step
+    is taken and undone by guarded_step (weights and AdamW state bit for bit, host step counters settled)."""
+    if capability() < (8, 0):
+        pytest.skip("the default below compute capability 8.0 is fp16 with a loss scaler")
+    session = prepared(data[0], tmp_path, backend="cuda")
+    assert session.policy.autocast_dtype == torch.bfloat16
+    check_non_finite_step_is_undone_on_the_device(session)
+
+
+@pytest.mark.cuda
+def test_cuda_local_rank_1_trains_on_device_1_with_its_capability(registry, tmp_path, data, monkeypatch):
+    """A process with LOCAL_RANK 1 (as torchrun starts the second one) trains on cuda:1: its parameters live
+    there, it computes in the precision device 1 allows, and it allocates nothing on device 0."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     from vlft.config import RunConfig
 
     config = RunConfig(backend="cuda")
     config.local_rank = 1
-    setup = registry.first("vlft_setup_device", backend="cuda", config=config)
-    assert setup.device == torch.device("cuda", 1) and torch.cuda.current_device() == 1
     precision = registry.first("vlft_precision_policy", backend="cuda", config=config)
-    assert precision.autocast_dtype == ("bfloat16" if capability(1) >= (8, 0) else "float16")
+    expected = torch.bfloat16 if capability(1) >= (8, 0) else torch.float16
+    assert precision.autocast_dtype == str(expected).removeprefix("torch.")
+    monkeypatch.setenv("LOCAL_RANK", "1")  # build_config reads it, as under torchrun
+    previous = torch.cuda.current_device()
+    torch.cuda.synchronize(0)
+    on_device_0 = torch.cuda.memory_allocated(0)
+    torch.cuda.reset_peak_memory_stats(0)
+    try:
+        result, observer = train(tmp_path, data, "cuda", "lora")
+        assert torch.cuda.current_device() == 1
+        assert {p.device for p in observer.model.parameters()} == {torch.device("cuda", 1)}
+        check_parameters(observer.model, "cuda", getattr(torch, result.plan.precision.param_dtype))
+        check_autocast(observer, expected)
+        torch.cuda.synchronize(0)
+        assert torch.cuda.max_memory_allocated(0) == on_device_0, "the run allocated memory on device 0"
+    finally:
+        torch.cuda.set_device(previous)
 
 
 @pytest.mark.cuda

@@ -17,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vlft.data.order import DataOrder, batches, step_indices
+from vlft.training.checkpoints import CheckpointWriteError
 from vlft.training.metrics import MetricsLog
 from vlft.training.signals import Interrupted, NonFiniteStop, StopRequest
 from vlft.training.step import StepPolicy, settle_step_counters, train_step_on
@@ -286,12 +287,34 @@ def _save(checkpoints, step, model, optimizer, scheduler, policy, settings, pend
     _read_skips(pending, skips, dataset, settings, optimizer, policy, metrics, is_main)
     if checkpoints.collective:  # --shard fsdp: every process writes its share
         return checkpoints.save(step, model, optimizer, scheduler, policy.scaler, policy.device)
-    path = None
+    path, problem = None, None
     if is_main:
-        path = checkpoints.save(step, model_for_saving(model), optimizer, scheduler, policy.scaler, policy.device)
+        try:
+            path = checkpoints.save(step, model_for_saving(model), optimizer, scheduler, policy.scaler,
+                                    policy.device)
+        except Exception as e:  # noqa: BLE001 - any failure: the other processes must hear of it, not wait
+            problem = e
     if settings.world_size > 1:
-        torch.distributed.barrier()
+        # rank 0 writes alone; the others learn whether it did (a barrier would leave them waiting until the
+        # process-group timeout when rank 0 stops): every process stops with rank 0's message
+        said = [None if problem is None else _problem_message(problem, step)]
+        torch.distributed.broadcast_object_list(said, src=0, device=_object_device(policy.device))
+        if problem is None and said[0] is not None:
+            raise CheckpointWriteError(said[0])
+    if problem is not None:
+        raise problem
     return path
+
+
+def _problem_message(problem: BaseException, step: int) -> str:
+    if isinstance(problem, CheckpointWriteError):
+        return str(problem)
+    return f"writing the checkpoint of step {step} failed on rank 0 ({problem.__class__.__name__}: {problem})"
+
+
+def _object_device(device: torch.device) -> torch.device | None:
+    """Where broadcast_object_list stages its bytes: the training device (NCCL, HCCL), or the host (gloo)."""
+    return None if device.type == "cpu" else device
 
 
 def model_for_saving(model):
