@@ -12,6 +12,7 @@ from typing import Any
 
 from vlft.config import RunConfig
 from vlft.errors import BackendUnavailable, ConfigError
+from vlft.data.packing import PackingPlan, resolve_packing
 from vlft.planning.memory import format_memory
 from vlft.planning.sharding import resolve_sharding
 from vlft.policies import (
@@ -57,6 +58,7 @@ class RunPlan:
     sharding: Any = None  # sharding.ShardingPlan: how the processes hold the model (--shard)
     family: ModelFamily | None = None  # the checkpoint's model family, resolved once here
     model_counts: dict[str, int] = field(default_factory=dict)  # parameters: total, vision, experts, ...
+    packing: PackingPlan | None = None  # --packing as resolved against the attention and the family
 
     @property
     def checkpointing(self) -> bool:
@@ -76,6 +78,7 @@ class RunPlan:
                 "warnings": self.backend.probe.warnings,
             },
             "attention": dataclasses.asdict(self.attention),
+            "packing": self.packing.describe() if self.packing else None,
             "precision": self.precision.describe(),
             "dataloader": dataclasses.asdict(self.dataloader),
             "distributed": dataclasses.asdict(self.distributed),
@@ -180,12 +183,13 @@ def resolve_plan(registry: Registry, config: RunConfig, model_path: str, model_c
         options.reasons.append(f"num_workers={config.num_workers}, as asked")
     precision = resolve_precision(registry, name, config)
     distributed = registry.first("vlft_distributed_options", backend=name, config=config)
+    attention = registry.first("vlft_attention_implementation", backend=name, config=config, model_config=model_config)
     return RunPlan(
         config=config,
         backend=backend,
         precision=precision,
-        attention=registry.first("vlft_attention_implementation", backend=name, config=config,
-                                 model_config=model_config),
+        attention=attention,
+        packing=resolve_packing(config.packing, config.max_tokens_per_batch, attention, family),
         dataloader=options,
         distributed=distributed,
         method=method,
@@ -315,6 +319,7 @@ def format_plan(desc: dict, verbose: bool = False) -> str:
         f"backend      {b['name']} (device type {b['device_type']}): {status}",
         f"             chosen: {b['chosen_because']}",
         f"attention    vision={a['vision']} text={a['text']}" + (f"  ({a['reason']})" if a["reason"] else ""),
+        *([f"packing      {'on' if pk['enabled'] else 'off'}: {pk['reason']}"] if (pk := desc.get("packing")) else []),
         f"precision    {p['name']}: params {p['param_dtype']}, autocast {p['autocast_dtype'] or 'off'}, "
         + (f"dynamic loss scaling (initial scale {p['init_scale']:g}, growth interval {p['growth_interval']})"
            if p["loss_scaling"] else "no loss scaling")
