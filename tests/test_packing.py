@@ -109,7 +109,7 @@ def _check_data(micro_batches):
 
 def test_packed_and_padded_training_match_on_qwen2_5_vl(qwen25):
     (model, config, family, processor, encoder), records = qwen25
-    micro = _micro_batches(encoder, records)
+    micro = _micro_batches(encoder, records, per_step=1, size=3)
     _check_data(micro)
     padded, packed = _collators(processor, config, family)
     _assert_same(_steps(model, padded, micro, 3), _steps(model, packed, micro, 3))
