@@ -55,6 +55,21 @@ class AttentionPolicy:
     vision: str
     text: str
     reason: str = ""
+    # how the text attention keeps packed samples apart (``--packing``): "varlen" (flash-attention takes each
+    # sample's bounds from the text position row), "mask" (a block-diagonal causal 4-D mask: sdpa, eager) or
+    # "" (it cannot: runs pad). None: derived from ``text`` (``packing_path``).
+    packing: str | None = None
+    packing_reason: str = ""
+
+    def packing_path(self) -> tuple[str, str]:
+        """("varlen" | "mask" | "", why): how packed samples are kept apart in the text attention."""
+        if self.packing is not None:
+            return self.packing, self.packing_reason or f"the backend says {self.packing or 'no packing'}"
+        if self.text == "flash_attention_2":
+            return "varlen", "flash_attention_2 finds each sample's bounds from the text position row"
+        if self.text in ("sdpa", "eager"):
+            return "mask", f"{self.text} takes a block-diagonal causal 4-D mask built from the text position row"
+        return "", f"no known way for text attention '{self.text}' to keep packed samples apart"
 
     def as_attn_implementation(self) -> str | dict[str, str]:
         """The value for ``from_pretrained(attn_implementation=...)``."""
@@ -374,6 +389,11 @@ class ModelFamily:
                 "attention_mask=None, second_per_grid_ts=None) -> LongTensor [3, 1, L]: the 3-D mRoPE "
                 "positions of ONE sample, exactly as the model computes them (for packing: per sample, "
                 "then concatenate). None: the model uses plain 1-D positions (Gemma 3, LLaVA, InternVL)."})
+
+    packing_refusal: str = field(default="", metadata={
+        "help": "Why this family's text model cannot keep packed samples apart, or '' where it can: `--packing "
+                "on` is then an error with this reason and `auto` pads (Qwen3.5: its Gated DeltaNet layers carry "
+                "state along the row unless run with varlen kernels)."})
 
     # --- embedded tiny model, bundled configs --------------------------------------------------------------
     build_tiny: Callable[[Any], None] | None = field(default=None, compare=False, metadata={

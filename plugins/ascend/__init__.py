@@ -80,7 +80,12 @@ def attention_policy(config) -> AttentionPolicy:
         why = "as asked (the NPU default is eager)"
         if "flash_attention_2" in (vision, text):
             why += "; transformers runs flash_attention_2 on torch_npu's fused attention kernel"
-    return AttentionPolicy(vision, text, why)
+    # packing: eager/sdpa take the block-diagonal mask; flash_attention_2 (npu_fusion_attention) runs varlen from
+    # the text position row, moving cu_seqlens to the host in every layer (a sync per layer)
+    packing, packing_why = AttentionPolicy(text, text).packing_path()
+    if packing == "varlen":
+        packing_why += " (torch_npu moves cu_seqlens to the host in every layer: one sync per layer)"
+    return AttentionPolicy(vision, text, why, packing=packing, packing_reason=packing_why)
 
 
 @ascend_hookimpl

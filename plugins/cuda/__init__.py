@@ -111,7 +111,10 @@ def vlft_attention_implementation(backend, config, model_config):
             f", compute capability {cap[0]}.{cap[1]}")
     if asked:
         why = "as asked; default " + why
-    return AttentionPolicy(asked.get("vision", default), asked.get("text", default), why)
+    text = asked.get("text", default)
+    # packing: flash_attention_2 runs varlen (cu_seqlens from the text position row), sdpa/eager the mask path
+    packing, packing_why = AttentionPolicy(text, text).packing_path()
+    return AttentionPolicy(asked.get("vision", default), text, why, packing=packing, packing_reason=packing_why)
 
 
 def _make_scaler(init_scale: float, growth_interval: int):

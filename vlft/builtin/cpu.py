@@ -53,8 +53,12 @@ def vlft_attention_implementation(backend, config, model_config):
 
     asked = parse_attn(config.attn) or {}
     # eager is the reference: it is the plain math every other path must agree with
-    return AttentionPolicy(asked.get("vision", "eager"), asked.get("text", "eager"),
-                           "reference backend: eager unless asked" if not asked else "as asked")
+    text = asked.get("text", "eager")
+    # packing (--packing): the mask path on the reference, a block-diagonal causal mask per packed row
+    packing, why = AttentionPolicy(text, text).packing_path()
+    return AttentionPolicy(asked.get("vision", "eager"), text,
+                           "reference backend: eager unless asked" if not asked else "as asked",
+                           packing="mask" if packing == "mask" else "", packing_reason=why)
 
 
 def _four_bit() -> tuple[bool, str]:

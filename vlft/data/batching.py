@@ -73,4 +73,7 @@ def to_device(batch: dict, device: torch.device, non_blocking: bool = False) -> 
 
 
 def model_inputs(batch: dict) -> dict:
-    return {k: v for k, v in batch.items() if k != "labels"}
+    """The model's keyword arguments for a training or loss forward. ``use_cache=False``: nothing reads a KV
+    cache there, and with one transformers 5 ignores the packed text position row (``data.packing``: its
+    block-diagonal mask is only built when there is no cache)."""
+    return {**{k: v for k, v in batch.items() if k != "labels"}, "use_cache": False}

@@ -140,3 +140,42 @@ def write_demo_dataset(out: str | os.PathLike, n_train: int = 1600, n_val: int =
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return DemoDataset(out, out / "train.jsonl", out / "val.jsonl")
+
+
+WORDS = ("the", "product", "box", "surface", "left", "right", "corner", "edge", "colour", "scratch", "crack", "stain",
+         "hole", "small", "large", "near", "top", "bottom", "visible", "clean", "worn", "label", "seal", "panel")
+
+
+def write_varied_dataset(out: str | os.PathLike, n: int = 64, seed: int = 0, min_side: int = 224,
+                         max_side: int = 1024, max_images: int = 3, answer_words: tuple[int, int] = (5, 200),
+                         max_turns: int = 3) -> Path:
+    """A variable-length set with the shapes of real fine-tuning data, written to ``out/train.jsonl``:
+    0 to ``max_images`` images per record (some records text-only) of random sides in
+    [``min_side``, ``max_side``] (dynamic resolution: each is resized by the processor's own rule), 1 to
+    ``max_turns`` user/assistant turns, answers of ``answer_words`` words. Deterministic for a seed; for
+    bench/ and the packing tests (the demo set above is uniform: one image, short answers)."""
+    out = Path(out)
+    (out / "imgs").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    colours, defects = list(COLOURS), list(DEFECTS)
+    with open(out / "train.jsonl", "w", encoding="utf-8") as f:
+        for i in range(n):
+            images = []
+            for k in range(rng.randint(0, max_images)):
+                w, h = rng.randint(min_side, max_side), rng.randint(min_side, max_side)
+                img = draw_product(rng.choice(colours), rng.choice(defects), rng).resize((w, h))
+                name = f"v{i:05d}_{k}.png"
+                img.save(out / "imgs" / name, optimize=False)
+                images.append(f"imgs/{name}")
+            turns = rng.randint(1, max_turns)
+            # the placeholders go into the user turns, spread over them
+            spread = [[] for _ in range(turns)]
+            for k in range(len(images)):
+                spread[rng.randrange(turns)].append("<image>")
+            conv = []
+            for t in range(turns):
+                question = "".join(p + "\n" for p in spread[t]) + rng.choice(QUESTIONS)
+                answer = " ".join(rng.choice(WORDS) for _ in range(rng.randint(*answer_words)))
+                conv += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+            f.write(json.dumps({"id": f"v-{i}", "messages": conv, "images": images}) + "\n")
+    return out / "train.jsonl"

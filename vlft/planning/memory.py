@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vlft.data.order import EpochSampler, steps_per_epoch
+from vlft.data.packing import packed_shape
 from vlft.planning.sharding import working_set_bytes
 from vlft.models.families import base_model, family_of_model
 from vlft.planning.trace import Activations, BatchShape, trace_activations
@@ -89,7 +90,7 @@ class MemoryPlan:
         return self.base_bytes_per_process + self.adapter_state_bytes_per_process + self.gathered_bytes + act
 
     def total_bytes(self, checkpointing: bool | None = None) -> int:
-        return self.counted_bytes(checkpointing) + self.logits_bytes + self.reserved_bytes
+        return self.counted_bytes(checkpointing) + self.logits_bytes + self.reserved_bytes + self.batch.mask_bytes
 
     def fits(self, checkpointing: bool | None = None) -> bool | None:
         if self.capacity_bytes is None:
@@ -138,7 +139,9 @@ def format_memory(d: dict) -> list[str]:
         f"             activations {gib(d['activation_bytes'])} (checkpointing {'on' if d['checkpointing'] else 'off'}; "
         f"on {gib(d['activation_bytes_with_checkpointing'])}, off {gib(d['activation_bytes_without_checkpointing'])})"
         f" for the largest batch: {batch['samples']} x {batch['tokens_per_sample']} tokens, "
-        f"{batch['image_patches']} image patches",
+        f"{batch['image_patches']} image patches"
+        + (f" ({batch['packed_samples']} samples packed into {batch['samples']} row(s); block-diagonal mask "
+           f"{gib(batch['mask_bytes'])})" if batch.get("packed_samples") else ""),
         f"             logits {gib(d['logits_bytes'])}, runtime reserve {gib(d['reserved_bytes'])}",
     ]
     return lines + [f"fix          {f}" for f in d["fixes"]]
@@ -231,9 +234,19 @@ def fsdp_gathered_bytes(model, compute_dtype: str | None, family=None) -> int:
 
 
 def largest_batches(lengths: list[int], grids: list[list], batch_size: int, grad_accum: int, world_size: int,
-                    seed: int, total_steps: int) -> list[BatchShape]:
+                    seed: int, total_steps: int, packing=None, mask_itemsize: int = 1) -> list[BatchShape]:
     """The micro-batches with the most padded tokens and with the most image patches, over every
-    process and every step the run will take (the sampler is seeded, so this is exact)."""
+    process and every step the run will take (the sampler is seeded, so this is exact). ``packing`` (an
+    enabled ``data.packing.PackingPlan``): each micro-batch as the packing collator lays it out, rows x the
+    longest row, with the mask path's [rows, 1, L, L] mask at ``mask_itemsize`` bytes per entry."""
+
+    def shape_of(idx: list[int]) -> BatchShape:
+        gs = [g for j in idx for g in grids[j]]
+        if packing is None or not packing.enabled:
+            return BatchShape(len(idx), max(lengths[j] for j in idx), gs)
+        rows, width = packed_shape([lengths[j] for j in idx], packing)
+        mask = rows * width * width * mask_itemsize if packing.path == "mask" else 0
+        return BatchShape(rows, width, gs, packed=len(idx), mask_bytes=mask)
 
     n = len(lengths)
     per_epoch = steps_per_epoch(n, batch_size, grad_accum, world_size)
@@ -246,13 +259,13 @@ def largest_batches(lengths: list[int], grids: list[list], batch_size: int, grad
             usable = min(len(order) // batch_size, per_epoch * grad_accum) * batch_size
             for i in range(0, usable, batch_size):
                 idx = order[i:i + batch_size]
-                shape = BatchShape(len(idx), max(lengths[j] for j in idx), [g for j in idx for g in grids[j]])
+                shape = shape_of(idx)
                 if best_tokens is None or shape.samples * shape.tokens > best_tokens.samples * best_tokens.tokens:
                     best_tokens = shape
                 if best_patches is None or shape.patches > best_patches.patches:
                     best_patches = shape
     if best_tokens is None:  # fewer samples than one batch: the whole set is the batch
-        best_tokens = BatchShape(n, max(lengths), [g for gs in grids for g in gs])
+        best_tokens = shape_of(list(range(n)))
     return [best_tokens] if best_patches is None or best_patches is best_tokens else [best_tokens, best_patches]
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vlft.config import RunConfig
+from vlft.data.packing import PackingPlan, resolve_packing
 from vlft.errors import BackendUnavailable, ConfigError
 from vlft.planning.kernels import (
     KernelChoice,
@@ -67,6 +68,7 @@ class RunPlan:
     kernels: KernelChoice | None = None  # the backends' kernel patches, chosen and declined (--kernels)
     param_groups: dict[str, dict] = field(default_factory=dict)  # AdamW group -> {"lr", "parameters"}
     merger_parameters: int = 0  # --train-merger: merger parameters trained in full (modules_to_save)
+    packing: PackingPlan | None = None  # --packing as resolved against the attention and the family
 
     @property
     def checkpointing(self) -> bool:
@@ -96,6 +98,7 @@ class RunPlan:
                 "warnings": self.backend.probe.warnings,
             },
             "attention": dataclasses.asdict(self.attention),
+            "packing": self.packing.describe() if self.packing else None,
             "precision": self.precision.describe(),
             "dataloader": dataclasses.asdict(self.dataloader),
             "distributed": dataclasses.asdict(self.distributed),
@@ -239,6 +242,7 @@ def resolve_plan(registry: Registry, config: RunConfig, model_path: str, model_c
         precision=precision,
         attention=attention,
         kernels=kernels,
+        packing=resolve_packing(config.packing, config.max_tokens_per_batch, attention, family),
         dataloader=options,
         distributed=distributed,
         method=method,
@@ -379,6 +383,7 @@ def format_plan(desc: dict, verbose: bool = False) -> str:
         f"backend      {b['name']} (device type {b['device_type']}): {status}",
         f"             chosen: {b['chosen_because']}",
         f"attention    vision={a['vision']} text={a['text']}" + (f"  ({a['reason']})" if a["reason"] else ""),
+        *([f"packing      {'on' if pk['enabled'] else 'off'}: {pk['reason']}"] if (pk := desc.get("packing")) else []),
         f"precision    {p['name']}: params {p['param_dtype']}, autocast {p['autocast_dtype'] or 'off'}, "
         + (f"dynamic loss scaling (initial scale {p['init_scale']:g}, growth interval {p['growth_interval']})"
            if p["loss_scaling"] else "no loss scaling")

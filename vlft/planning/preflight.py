@@ -217,8 +217,10 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
     total, source = capacity.total_bytes, capacity.source
     if config.device_memory:
         total, source = parse_bytes(config.device_memory, "--device-memory"), f"--device-memory {config.device_memory}"
+    # packed: transformers' sdpa mask is bool, eager's is additive in the compute dtype
+    mask_itemsize = 1 if plan.attention.text == "sdpa" else getattr(torch, compute).itemsize
     shapes = memory.largest_batches(lengths.lengths, lengths.grids, config.batch_size, config.grad_accum,
-                                    config.world_size, config.seed, total_steps)
+                                    config.world_size, config.seed, total_steps, plan.packing, mask_itemsize)
     shard_world, gathered = 1, 0
     if plan.sharding.enabled:
 

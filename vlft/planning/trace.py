@@ -27,19 +27,26 @@ if TYPE_CHECKING:
 
 @dataclass
 class BatchShape:
-    """One micro-batch as the collator pads it: samples x tokens, plus every image's patch grid."""
+    """One micro-batch as the collator pads it: samples x tokens, plus every image's patch grid. Packed
+    (``--packing``): ``samples`` is the packed rows and ``tokens`` the longest row, ``packed`` the samples in
+    them and ``mask_bytes`` the block-diagonal 4-D mask transformers builds for them (the mask path)."""
 
     samples: int
     tokens: int
     grids: list[tuple[int, int, int]] = field(default_factory=list)
+    packed: int = 0  # samples packed into the rows (0: padded, one sample per row)
+    mask_bytes: int = 0
 
     @property
     def patches(self) -> int:
         return sum(t * h * w for t, h, w in self.grids)
 
     def describe(self) -> dict:
-        return {"samples": self.samples, "tokens_per_sample": self.tokens, "images": len(self.grids),
-                "image_patches": self.patches}
+        out = {"samples": self.samples, "tokens_per_sample": self.tokens, "images": len(self.grids),
+               "image_patches": self.patches}
+        if self.packed:
+            out.update(packed_samples=self.packed, mask_bytes=self.mask_bytes)
+        return out
 
 
 FUSED_ATTENTION = "vlft_memory_trace_fused"

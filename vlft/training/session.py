@@ -20,6 +20,7 @@ import torch
 from vlft.config import RunConfig
 from vlft.data.batching import Collator
 from vlft.data.encoding import EncodedDataset, SampleEncoder
+from vlft.data.packing import PackingCollator
 from vlft.models.adapting import (
     compute_adapters_in_autocast_dtype,
     enable_checkpointing,
@@ -73,7 +74,7 @@ class Session:
     scheduler: object
     policy: object  # train.StepPolicy
     settings: object  # train.LoopSettings
-    collate: Collator
+    collate: object  # data.batching.Collator or data.packing.PackingCollator
     memory_reader: object
     save_adapter: object
     autocast_dtype: object = None
@@ -142,8 +143,7 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
                         flags_on_host=device.type == "cpu")
     settings = _loop_settings(config, plan, planned.total_steps)
     processor = planned.processor
-    collate = Collator(processor.tokenizer.pad_token_id, processor.image_token_id,
-                       video_token_id=getattr(processor, "video_token_id", None))
+    collate = training_collator(plan, planned.model_config, processor)
 
     def save_adapter(m, path):
         registry.first("vlft_save_adapter", method=plan.method.name, model=m, path=path)
@@ -151,6 +151,17 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
     return Session(plan, config, processor, planned.encoder, planned.train_records, planned.val_records, device,
                    model, optimizer, scheduler, policy, settings, collate, memory_reader, save_adapter,
                    autocast_dtype, start_step, resume_from, planned.skeleton)
+
+
+def training_collator(plan: RunPlan, model_config, processor):
+    """The padding collator, or with packing (``plan.packing``) the packing one, holding the family's rope
+    index and the model config resolved at plan time (positions are built in the data stage)."""
+    pad, image, video = (processor.tokenizer.pad_token_id, processor.image_token_id,
+                         getattr(processor, "video_token_id", None))
+    if plan.packing is not None and plan.packing.enabled:
+        rope = plan.family.rope_index if plan.family is not None else None
+        return PackingCollator(pad, image, plan.packing, rope, model_config, video_token_id=video)
+    return Collator(pad, image, video_token_id=video)
 
 
 def _seeded_device(registry: Registry, backend: str, config: RunConfig):

@@ -1,0 +1,201 @@
+"""Padding-free packing (--packing): packed and padded training compute the same thing.
+
+The models are the real embedded ones (Qwen2.5-VL and ``embedded:qwen3-vl``), every parameter trainable
+(vision tower, merger, embeddings, text layers, head), fp32 on the CPU; the data mixes records with up to
+3 images, several turns and text-only records, of lengths that are not multiples of 8.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from vlft.data.batching import Collator, label_count, model_inputs
+from vlft.data.packing import PackingCollator, PackingPlan, pack_rows, resolve_packing
+from vlft.data.records import IGNORE_INDEX
+from vlft.models.loss import token_loss_sum
+from vlft.policies import AttentionPolicy
+
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def varied_records(tmp_path_factory):
+    from vlft.data.demo import write_varied_dataset
+    from vlft.data.records import read_records
+
+    path = write_varied_dataset(tmp_path_factory.mktemp("varied"), n=12, seed=1, min_side=28, max_side=160,
+                                answer_words=(1, 20))
+    return read_records(path)
+
+
+def _setup(model_name: str, attn: str):
+    from vlft.data.encoding import SampleEncoder
+    from vlft.models.loading import load_model, load_processor, model_config_and_family, resolve_model_path
+    from vlft.policies import PrecisionPolicy
+    from vlft.registry import load_registry
+
+    registry = load_registry()
+    path = resolve_model_path(model_name, registry)
+    config, family = model_config_and_family(path, registry)
+    processor = load_processor(path, family, registry)
+    model = load_model(path, AttentionPolicy(attn, attn), PrecisionPolicy("fp32"))
+    model.requires_grad_(True)
+    return model, config, family, processor, SampleEncoder(processor, family=family)
+
+
+@pytest.fixture(scope="module")
+def qwen25(varied_records):
+    return _setup("embedded", "eager"), varied_records
+
+
+@pytest.fixture(scope="module")
+def qwen3(varied_records):
+    return _setup("embedded:qwen3-vl", "eager"), varied_records
+
+
+def _collators(processor, config, family, max_tokens=None):
+    pad, image, video = processor.tokenizer.pad_token_id, processor.image_token_id, processor.video_token_id
+    packed = PackingCollator(pad, image, PackingPlan(True, "mask", max_tokens), family.rope_index, config,
+                             video_token_id=video)
+    return Collator(pad, image, video_token_id=video), packed
+
+
+def _steps(model, collate, micro_batches, steps: int, lr: float = 1e-3):
+    """``steps`` AdamW steps of sum-over-labels / step label count (``training.step``'s loss); per step the
+    loss and every gradient."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    out = []
+    for step in range(steps):
+        batches = [collate(samples) for samples in micro_batches[step]]
+        tokens = sum(label_count(b) for b in batches)
+        total = 0.0
+        for b in batches:
+            loss = token_loss_sum(model(**model_inputs(b)).logits, b["labels"]) / tokens
+            loss.backward()
+            total += loss.item()
+        out.append((total, tokens, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return out
+
+
+def _assert_same(padded, packed):
+    for step, ((loss_a, n_a, grads_a), (loss_b, n_b, grads_b)) in enumerate(zip(padded, packed), start=1):
+        assert n_a == n_b, (step, n_a, n_b)
+        assert abs(loss_a - loss_b) <= RTOL * abs(loss_a), (step, loss_a, loss_b)
+        assert grads_a.keys() == grads_b.keys()
+        for name, ga in grads_a.items():
+            gb = grads_b[name]
+            scale = ga.norm().item()
+            assert (ga - gb).norm().item() <= RTOL * max(scale, 1e-12), (step, name, scale, (ga - gb).norm().item())
+
+
+def _micro_batches(encoder, records, steps=3, per_step=2, size=2):
+    samples = [encoder.encode(r) for r in records]
+    it = iter(samples)
+    return [[[next(it) for _ in range(size)] for _ in range(per_step)] for _ in range(steps)]
+
+
+def _check_data(micro_batches):
+    flat = [s for step in micro_batches for mb in step for s in mb]
+    lengths = [len(s["input_ids"]) for s in flat]
+    images = [len(s.get("image_grid_thw", ())) for s in flat]
+    assert any(n % 8 for n in lengths) and 0 in images and max(images) >= 2, (lengths, images)
+
+
+def test_packed_and_padded_training_match_on_qwen2_5_vl(qwen25):
+    (model, config, family, processor, encoder), records = qwen25
+    micro = _micro_batches(encoder, records, per_step=1, size=3)
+    _check_data(micro)
+    padded, packed = _collators(processor, config, family)
+    _assert_same(_steps(model, padded, micro, 3), _steps(model, packed, micro, 3))
+
+
+def test_packed_and_padded_training_match_on_qwen3_vl(qwen3):
+    (model, config, family, processor, encoder), records = qwen3
+    micro = _micro_batches(encoder, records)
+    _check_data(micro)
+    padded, packed = _collators(processor, config, family)
+    _assert_same(_steps(model, padded, micro, 3), _steps(model, packed, micro, 3))
+
+
+def test_packed_rows_under_a_token_budget_match_padding_under_sdpa(qwen25, varied_records):
+    """Several rows per micro-batch (a budget), with padding at rows' ends; the sdpa path (bool mask)."""
+    (_, config, family, processor, encoder), records = qwen25
+    from vlft.models.loading import load_model, resolve_model_path
+    from vlft.policies import PrecisionPolicy
+
+    model = load_model(resolve_model_path("embedded"), AttentionPolicy("sdpa", "sdpa"), PrecisionPolicy("fp32"))
+    model.requires_grad_(True)
+    micro = _micro_batches(encoder, records, steps=1, per_step=1, size=6)
+    lengths = [len(s["input_ids"]) for s in micro[0][0]]
+    budget = max(lengths) + 3
+    padded, packed = _collators(processor, config, family, max_tokens=budget)
+    batch = packed(micro[0][0])
+    assert 1 < batch["input_ids"].shape[0] < 6 and batch["input_ids"].shape[1] <= budget
+    assert batch["position_ids"].shape[:2] == (4, batch["input_ids"].shape[0]) and "attention_mask" not in batch
+    _assert_same(_steps(model, padded, micro, 1), _steps(model, packed, micro, 1))
+
+
+def test_no_label_predicts_across_a_sample_boundary(qwen25):
+    """Every token labelled: packed, the loss must still be the sum of each sample's own loss (the shift at
+    each boundary would otherwise train the last token of one sample on the first of the next)."""
+    (model, config, family, processor, encoder), records = qwen25
+    samples = []
+    for r in records[:3]:
+        s = encoder.encode(r)
+        samples.append({**s, "labels": s["input_ids"].clone()})  # label everything, the first token too
+    _, packed = _collators(processor, config, family)
+    batch = packed(samples)
+    starts = torch.tensor([0] + [len(s["input_ids"]) for s in samples]).cumsum(0)[:-1]
+    assert (batch["labels"][0, starts] == IGNORE_INDEX).all()
+    assert (batch["position_ids"][0, 0, starts] == 0).all()  # the text row restarts at each sample
+    assert label_count(batch) == sum(len(s["input_ids"]) - 1 for s in samples)
+    with torch.no_grad():
+        own = sum(token_loss_sum(model(**model_inputs(Collator(processor.tokenizer.pad_token_id,
+                                                                processor.image_token_id)([s]))).logits,
+                                 s["labels"][None]).item() for s in samples)
+        together = token_loss_sum(model(**model_inputs(batch)).logits, batch["labels"]).item()
+    assert abs(together - own) <= RTOL * own, (together, own)
+
+
+def test_pack_rows_never_splits_and_keeps_the_budget():
+    rows = pack_rows([5, 9, 3, 7, 12, 1], 12)
+    assert sorted(i for r in rows for i in r) == list(range(6))
+    assert all(sum([5, 9, 3, 7, 12, 1][i] for i in r) <= 12 for r in rows)
+    assert pack_rows([20, 3], 10) == [[0], [1]]  # longer than the budget: a row of its own
+    assert pack_rows([4, 4], None) == [[0, 1]]
+
+
+def test_auto_packs_where_attention_isolates_and_refuses_a_family_that_cannot(registry):
+    from vlft.errors import ConfigError
+    from vlft.models.families import family_named
+
+    fam25, fam35 = family_named(registry, "qwen2.5-vl"), family_named(registry, "qwen3.5")
+    cpu = registry.first("vlft_attention_implementation", backend="cpu",
+                         config=__import__("vlft.config", fromlist=["RunConfig"]).RunConfig(), model_config=None)
+    assert resolve_packing("auto", None, cpu, fam25).path == "mask"
+    assert resolve_packing("auto", None, AttentionPolicy("sdpa", "flash_attention_2"), fam25).path == "varlen"
+    assert not resolve_packing("auto", None, AttentionPolicy("eager", "flex_attention"), fam25).enabled
+    off = resolve_packing("auto", None, cpu, fam35)
+    assert not off.enabled and "Gated DeltaNet" in off.reason
+    with pytest.raises(ConfigError, match="Gated DeltaNet"):
+        resolve_packing("on", None, cpu, fam35)
+    assert not resolve_packing("off", None, cpu, fam25).enabled
+
+
+def test_the_memory_plan_plans_the_packed_rows():
+    from vlft.planning.memory import largest_batches
+
+    lengths, grids = [50, 30, 20, 45, 61, 7, 33, 18], [[(1, 4, 4)]] * 8
+    padded = largest_batches(lengths, grids, 4, 1, 1, 0, 2)
+    one_row = largest_batches(lengths, grids, 4, 1, 1, 0, 2, PackingPlan(True, "mask", None), 4)
+    budget = largest_batches(lengths, grids, 4, 1, 1, 0, 2, PackingPlan(True, "mask", 64), 4)
+    assert padded[0].samples == 4 and not padded[0].packed
+    assert one_row[0].samples == 1 and one_row[0].packed == 4 and one_row[0].tokens <= sum(sorted(lengths)[-4:])
+    assert one_row[0].mask_bytes == one_row[0].tokens ** 2 * 4
+    assert all(b.tokens <= 64 for b in budget) and budget[0].samples >= 2
