@@ -4,7 +4,7 @@ embedding against the Conv3d it replaces, ``--kernels none`` giving today's mode
 Where a test needs a "working" torch_npu or liger_kernel it uses a STAND-IN module (named so below): it
 answers the choice logic (which patch for which versions and capabilities) and, where said, the wiring of a
 patch (that the patched model calls the op). It proves nothing about the real kernels; the ``cuda``- and
-``npu``-marked tests in ``tests/hardware/test_kernels.py`` compare each patch with the unpatched model on a
+``npu``-marked tests in ``tests/hardware/test_kernels_on_device.py`` compare each patch with the unpatched model on a
 device.
 """
 

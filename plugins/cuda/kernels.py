@@ -148,7 +148,7 @@ def _flash_vision(config) -> KernelPatch:
         condition="flash-attn >= 2.3.3 imports, compute capability >= 8.0, fp16/bf16",
         available=ok, reason=why + ("" if ok else "; the vision tower keeps sdpa"),
         attention={"vision": "flash_attention_2"},
-        check="tests/hardware/test_kernels.py::test_cuda_kernel_matches_the_unpatched_model",
+        check="tests/hardware/test_kernels_on_device.py::test_cuda_kernel_matches_the_unpatched_model",
     )
 
 
@@ -198,7 +198,7 @@ def _liger(model_config) -> list[KernelPatch]:
         available=ok, default=False,
         reason=(why + "; opt-in until measured on this task") if ok else why,
         apply=_apply_liger(fn, switch) if ok else None,
-        check="tests/hardware/test_kernels.py::test_cuda_kernel_matches_the_unpatched_model",
+        check="tests/hardware/test_kernels_on_device.py::test_cuda_kernel_matches_the_unpatched_model",
     ) for name, switch, replaces, reason in LIGER_PARTS]
     flce_why = why if not ok else (
         "vlft computes the loss from the logits (token_loss_sum over the label tokens), so Liger's fused "

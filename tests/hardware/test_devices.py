@@ -201,7 +201,7 @@ EAGER = {"vision": "eager", "text": "eager"}
 @pytest.mark.parametrize("method", ["lora", "oft"])
 def test_npu_default_policy_is_fp16_with_loss_scaling_and_eager_attention(method, tmp_path, data):
     # --kernels none: the field report's recipe (the npu-flash-attention-* kernels, where torch_npu and
-    # transformers have them, are checked in tests/hardware/test_kernels.py)
+    # transformers have them, are checked in tests/hardware/test_kernels_on_device.py)
     result, observer = train(tmp_path, data, "ascend", method, kernels="none")
     check_autocast(observer, torch.float16)
     check_attention(observer, EAGER)  # and no scaled_dot_product_attention call in any training step
