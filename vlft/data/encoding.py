@@ -102,6 +102,11 @@ class SampleEncoder:
 
     def measure(self, record: Record) -> tuple[int, list[tuple[int, int, int]]]:
         """(tokens, image grids) of a record as ``encode`` would make it, image tokens included."""
+        n, grids, _ = self.measure_labelled(record)
+        return n, grids
+
+    def measure_labelled(self, record: Record) -> tuple[int, list[tuple[int, int, int]], int]:
+        """``measure`` and the number of label tokens the loss counts (the positions the head runs at)."""
         sizes = record.image_sizes
         if sizes is None:
             sizes = []
@@ -112,9 +117,9 @@ class SampleEncoder:
         counts = torch.tensor(grids) if grids else None
         video = self._videos(record)  # decoding is the only way to know a clip's frame count at this rate
         video_grids = [tuple(int(x) for x in g) for g in video.get("video_grid_thw", [])]
-        input_ids, _ = self._tokenize(self.pieces(record.turns, record.where), counts,
-                                      video.get("video_grid_thw"))
-        return len(input_ids), grids + video_grids
+        input_ids, labels = self._tokenize(self.pieces(record.turns, record.where), counts,
+                                           video.get("video_grid_thw"))
+        return len(input_ids), grids + video_grids, sum(1 for x in labels[1:] if x != IGNORE_INDEX)
 
     def _images(self, record: Record) -> dict:
         if not record.images:

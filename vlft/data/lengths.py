@@ -18,6 +18,7 @@ class LengthReport:
     lengths: list[int]
     grids: list[list[tuple[int, int, int]]]
     skipped: list[dict] = field(default_factory=list)  # {"where", "length"} of samples over --max-length
+    labelled: list[int] = field(default_factory=list)  # label tokens per sample: the positions the head runs at
 
     def describe(self, limit: int | None) -> dict:
         ordered = sorted(self.lengths)
@@ -38,13 +39,14 @@ def check_lengths(records: list[Record], encoder: SampleEncoder, max_length: int
     report = LengthReport([], [])
     too_long: list[tuple[str, int]] = []
     for rec in records:
-        n, grids = encoder.measure(rec)
+        n, grids, labelled = encoder.measure_labelled(rec)
         if max_length is not None and n > max_length:
             too_long.append((rec.where, n))
             continue
         kept.append(rec)
         report.lengths.append(n)
         report.grids.append(grids)
+        report.labelled.append(labelled)
     if too_long and not skip:
         shown = "\n  ".join(f"{where}: {n} tokens" for where, n in too_long[:MAX_REPORTED_PROBLEMS])
         more = len(too_long) - MAX_REPORTED_PROBLEMS

@@ -87,7 +87,7 @@ def _fix_smaller_batches(plan: MemoryPlan, replan, ckpt: bool, batch_size: int, 
     per = len(plan.batch.grids) / max(plan.batch.samples, 1)
     while b > 1:
         b //= 2
-        n = replan(BatchShape(b, plan.batch.tokens, plan.batch.grids[: round(per * b)])).total_bytes(ckpt)
+        n = replan(BatchShape(b, plan.batch.tokens, plan.batch.grids[: round(per * b)], plan.batch.labelled)).total_bytes(ckpt)
         if n <= _usable(plan) or b == 1:
             accum = grad_accum * batch_size // b
             return (f"--batch-size {b} --grad-accum {accum} (same samples per step"
@@ -100,7 +100,8 @@ def _fix_fewer_pixels(plan: MemoryPlan, replan, ckpt: bool, max_pixels: int | No
     if not plan.batch.patches or (max_pixels is not None and max_pixels <= target) or \
             not any(h * w * 196 > target for _, h, w in plan.batch.grids):
         return None
-    shape = BatchShape(plan.batch.samples, plan.batch.tokens, resized_grids(plan.batch.grids, target))
+    shape = BatchShape(plan.batch.samples, plan.batch.tokens, resized_grids(plan.batch.grids, target),
+                       plan.batch.labelled)
     shape.tokens = max(1, plan.batch.tokens - (plan.batch.patches - shape.patches) // 4 // plan.batch.samples)
     n = replan(shape).total_bytes(ckpt)
     return f"--max-pixels {target} (448x448 images): about {gib(n)}" + _verdict(plan, n)

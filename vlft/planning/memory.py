@@ -168,8 +168,9 @@ def plan_memory(model, model_config, param_dtype: str, compute_dtype: str | None
     acts = trace_activations(model, batch)
     vocab = model_config.text_config.vocab_size if hasattr(model_config, "text_config") else model_config.vocab_size
     logit_itemsize = torch.empty((), dtype=getattr(torch, compute_dtype or param_dtype)).element_size()
-    # the logits stay alive through backward, and their fp32 gradient is made there
-    logits = batch.samples * batch.tokens * vocab * (logit_itemsize + 4)
+    # the logits stay alive through backward, and their fp32 gradient is made there; the head runs at the
+    # labelled positions only (``batch.logit_positions``)
+    logits = batch.samples * batch.logit_positions * vocab * (logit_itemsize + 4)
     return MemoryPlan(
         base_weights=towers, base_dtype=param_dtype, adapter_parameters=trainable, adapter_bytes=4 * trainable,
         grad_bytes=4 * trainable, optimizer_bytes=8 * trainable, activations=acts, logits_bytes=logits,
@@ -189,29 +190,43 @@ def fsdp_gathered_bytes(model, compute_dtype: str | None) -> int:
 
 
 def largest_batches(lengths: list[int], grids: list[list], batch_size: int, grad_accum: int, world_size: int,
-                    seed: int, total_steps: int) -> list[BatchShape]:
-    """The micro-batches with the most padded tokens and with the most image patches, over every
-    process and every step the run will take (the sampler is seeded, so this is exact)."""
+                    seed: int, total_steps: int, labelled: list[int] | None = None) -> list[BatchShape]:
+    """The micro-batches with the most padded tokens, with the most image patches and (given ``labelled``,
+    each sample's labelled tokens) with the most logit positions, over every process and every step the run
+    will take (the sampler is seeded, so this is exact)."""
 
     n = len(lengths)
     per_epoch = steps_per_epoch(n, batch_size, grad_accum, world_size)
     epochs = min(math.ceil(total_steps / per_epoch), 64)  # beyond a few epochs no new batch shapes appear
     best_tokens: BatchShape | None = None
     best_patches: BatchShape | None = None
+    best_logits: BatchShape | None = None
+
+    def most_labelled(idx) -> int | None:
+        return max(labelled[j] for j in idx) if labelled else None
+
     for epoch in range(epochs):
         for rank in range(world_size):
             order = EpochSampler(n, seed, epoch, rank, world_size).indices()
             usable = min(len(order) // batch_size, per_epoch * grad_accum) * batch_size
             for i in range(0, usable, batch_size):
                 idx = order[i:i + batch_size]
-                shape = BatchShape(len(idx), max(lengths[j] for j in idx), [g for j in idx for g in grids[j]])
+                shape = BatchShape(len(idx), max(lengths[j] for j in idx), [g for j in idx for g in grids[j]],
+                                   most_labelled(idx))
+                if labelled and (best_logits is None or shape.samples * shape.logit_positions
+                                 > best_logits.samples * best_logits.logit_positions):
+                    best_logits = shape
                 if best_tokens is None or shape.samples * shape.tokens > best_tokens.samples * best_tokens.tokens:
                     best_tokens = shape
                 if best_patches is None or shape.patches > best_patches.patches:
                     best_patches = shape
     if best_tokens is None:  # fewer samples than one batch: the whole set is the batch
-        best_tokens = BatchShape(n, max(lengths), [g for gs in grids for g in gs])
-    return [best_tokens] if best_patches is None or best_patches is best_tokens else [best_tokens, best_patches]
+        best_tokens = BatchShape(n, max(lengths), [g for gs in grids for g in gs], most_labelled(range(n)))
+    shapes = [best_tokens]
+    for other in (best_patches, best_logits):
+        if other is not None and all(other is not s for s in shapes):
+            shapes.append(other)
+    return shapes
 
 
 def worst_plan(model, model_config, param_dtype, compute_dtype, shapes: list[BatchShape], reserved: int,

@@ -189,7 +189,7 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
     if config.device_memory:
         total, source = parse_bytes(config.device_memory, "--device-memory"), f"--device-memory {config.device_memory}"
     shapes = memory.largest_batches(lengths.lengths, lengths.grids, config.batch_size, config.grad_accum,
-                                    config.world_size, config.seed, total_steps)
+                                    config.world_size, config.seed, total_steps, lengths.labelled)
     shard_world, gathered = 1, 0
     if plan.sharding.enabled:
 

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
-from vlft.data.batching import label_count, model_inputs, to_device
-from vlft.models.loss import autocast_context, token_loss_sum
+from vlft.data.batching import label_count, model_inputs, to_device, with_label_positions
+from vlft.models.loss import autocast_context, batch_loss_sum
 from vlft.planning.sharding import local
 
 
@@ -43,6 +43,8 @@ class StepPolicy:
     # the device runs each op before returning (the CPU): reading the non-finite flag waits for nothing, so a
     # skipped step is simply not taken instead of being taken and undone on the device (``guarded_step``)
     flags_on_host: bool = False
+    # the lm_head and the fp32 logits at labelled positions only (``models.loss.batch_loss_sum``)
+    labels_only: bool = True
 
 
 def seed_everything(seed: int) -> None:
@@ -81,9 +83,7 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], policy: S
         elif hasattr(model, "set_requires_gradient_sync") and last:
             model.set_requires_gradient_sync(i == last)  # FSDP: reduce-scatter only on the last one
         with sync:
-            with autocast:
-                logits = model(**model_inputs(batch)).logits
-            loss_sum = token_loss_sum(logits, batch["labels"])
+            loss_sum = batch_loss_sum(model, model_inputs(batch), batch, autocast)
             loss = loss_sum * scale
             (policy.scaler.scale(loss) if policy.scaler is not None else loss).backward()
         total += loss_sum.detach()
@@ -156,6 +156,8 @@ def train_step_on(model, optimizer, scheduler, host_batches: list[dict], policy:
                   non_blocking: bool = False) -> dict:
     """``train_step`` on batches still on the host: count their label tokens there, then move them."""
     local_tokens = sum(label_count(b) for b in host_batches)
+    if policy.labels_only:
+        host_batches = [with_label_positions(b) for b in host_batches]
     batches_on_device = [to_device(b, policy.device, non_blocking) for b in host_batches]
     return train_step(model, optimizer, scheduler, batches_on_device, policy, local_tokens)
 

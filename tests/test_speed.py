@@ -1,0 +1,106 @@
+"""Throughput work of issue 21: logits at labelled positions only, the guard without copies, no blocking syncs
+of vlft's own under torchrun, a preflight that scales, readable throughput, length-grouped batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_memory import _cfg
+
+
+@pytest.fixture(scope="module")
+def session(small_data, tmp_path_factory):
+    from vlft.registry import load_registry
+    from vlft.training.session import prepare
+
+    return prepare(load_registry(), _cfg(small_data, tmp_path_factory.mktemp("speed") / "r", batch_size=3))
+
+
+def _loss_and_grads(s, host, labels_only: bool):
+    from vlft.data.batching import model_inputs, to_device, with_label_positions
+    from vlft.models.loss import batch_loss_sum
+
+    s.model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)  # the adapter's dropout draws the same masks on both paths
+    batch = to_device(with_label_positions(host) if labels_only else host, s.device)
+    loss = batch_loss_sum(s.model, model_inputs(batch), batch)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in s.model.named_parameters() if p.requires_grad}
+    s.model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+# -- 3. logits only where labels are ----------------------------------------------------------------
+
+def test_label_positions_point_at_the_logits_that_predict_labels():
+    from vlft.data.batching import label_positions
+    from vlft.data.records import IGNORE_INDEX as X
+
+    labels = torch.tensor([[X, X, 5, 6, X, 7], [X, 8, X, X, X, X]])
+    positions, targets = label_positions(labels)
+    # the logit at position t predicts label t + 1; the short row is filled with ignored targets
+    assert positions[0].tolist() == [1, 2, 4]
+    assert targets[0].tolist() == [5, 6, 7]
+    assert positions[1, 0] == 0 and targets[1].tolist() == [8, X, X]
+
+
+def test_labels_only_head_gives_the_full_heads_loss_and_gradients(session):
+    s = session
+    s.model.train()
+    host = s.collate([s.dataset[i] for i in range(3)])
+    assert host["labels"].shape[1] > 2 * int((host["labels"] != -100).sum(1).max())  # most positions unlabelled
+    full_loss, full_grads = _loss_and_grads(s, host, labels_only=False)
+    kept_loss, kept_grads = _loss_and_grads(s, host, labels_only=True)
+    torch.testing.assert_close(kept_loss, full_loss, rtol=1e-6, atol=0)
+    assert full_grads.keys() == kept_grads.keys()
+    for name in full_grads:
+        torch.testing.assert_close(kept_grads[name], full_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_the_model_returns_logits_at_the_kept_positions_only(session):
+    from vlft.data.batching import model_inputs, with_label_positions
+
+    s = session
+    host = with_label_positions(s.collate([s.dataset[i] for i in range(3)]))
+    with torch.no_grad():
+        logits = s.model(**model_inputs(host), logits_to_keep=host["logit_positions"]).logits
+    assert logits.shape[:2] == host["kept_labels"].shape
+    assert logits.shape[1] < host["labels"].shape[1]
+
+
+def test_the_memory_plan_counts_the_logits_at_labelled_positions_only(session, registry, small_data, tmp_path):
+    from vlft.data.batching import label_positions, model_inputs, with_label_positions
+    from vlft.measure import SavedTensorMeter
+    from vlft.models.loss import batch_loss_sum
+    from vlft.planning.memory import plan_memory
+    from vlft.planning.preflight import plan_run, plan_targets
+    from vlft.planning.trace import BatchShape, skeleton
+
+    planned = plan_run(registry, _cfg(small_data, tmp_path / "r", batch_size=3))
+    plan = planned.plan
+    s = session
+    host = with_label_positions(s.collate([s.dataset[i] for i in range(4)]))
+    kept = label_positions(host["labels"])[0].shape[1]
+    grids = [tuple(g) for g in host["image_grid_thw"].tolist()]
+    tokens = host["input_ids"].shape[1]
+    sk = plan_targets(registry, plan, skeleton(planned.model_config, plan.attention, torch.float32))
+    full = plan_memory(sk, planned.model_config, "float32", None, BatchShape(4, tokens, grids), 0, None, "")
+    only = plan_memory(sk, planned.model_config, "float32", None, BatchShape(4, tokens, grids, kept), 0, None, "")
+    assert only.logits_bytes * tokens == full.logits_bytes * kept
+    meter = SavedTensorMeter(s.model)
+    s.model.train()
+    with meter.hooks():
+        batch_loss_sum(s.model, model_inputs(host), host)
+    assert only.activations.full < full.activations.full
+    assert only.activations.full == pytest.approx(meter.bytes, rel=0.02)
+
+
+def test_sample_lengths_report_each_samples_label_tokens(session):
+    from vlft.data.batching import label_count
+    from vlft.data.lengths import check_lengths
+
+    s = session
+    records = s.train_records[:5]
+    _, report = check_lengths(records, s.encoder, None, False)
+    assert report.labelled == [label_count(s.collate([s.dataset[i]])) for i in range(5)]
