@@ -104,3 +104,126 @@ def test_sample_lengths_report_each_samples_label_tokens(session):
     records = s.train_records[:5]
     _, report = check_lengths(records, s.encoder, None, False)
     assert report.labelled == [label_count(s.collate([s.dataset[i]])) for i in range(5)]
+
+
+# -- 4. the non-finite guard without copies ---------------------------------------------------------
+
+def _adamw(fused: bool):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, **({"fused": True} if fused else {}))
+    return model, opt
+
+
+def _grads(model, value=None):
+    model.zero_grad()
+    model(torch.ones(2, 6)).sum().backward()
+    if value is not None:
+        model.weight.grad[0, 0] = value
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_the_fused_guard_skips_a_non_finite_step_on_the_device_and_copies_nothing(bad):
+    from vlft.measure import CopiedBytes
+    from vlft.training.step import fused_guarded_step
+
+    model, opt = _adamw(fused=True)
+    _grads(model)
+    fused_guarded_step(opt, torch.tensor(True))  # one good step: state exists
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {k: v.clone() for k, v in opt.state[model.weight].items()}
+    assert float(state["step"]) == 1
+    _grads(model, bad)
+    with CopiedBytes() as copied:
+        fused_guarded_step(opt, torch.isfinite(model.weight.grad).all())
+    assert copied.bytes == 0
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    for k, v in opt.state[model.weight].items():
+        assert torch.equal(v, state[k]), k  # moments and the step counter: skipped steps do not count
+    assert not hasattr(opt, "found_inf")
+    _grads(model)
+    fused_guarded_step(opt, torch.tensor(True))
+    assert float(opt.state[model.weight]["step"]) == 2
+
+
+def test_the_fused_guards_good_steps_are_adamws_own():
+    from vlft.training.step import fused_guarded_step
+
+    (m1, o1), (m2, o2) = _adamw(fused=True), _adamw(fused=True)
+    for _ in range(3):
+        _grads(m1), _grads(m2)
+        o1.step()
+        fused_guarded_step(o2, torch.tensor(True))
+    for k, v in m1.state_dict().items():
+        assert torch.equal(v, m2.state_dict()[k]), k
+
+
+def test_the_copying_guard_copies_the_adapter_and_its_state_and_keeps_the_counter_exact():
+    from vlft.measure import CopiedBytes
+    from vlft.training.step import guarded_step
+
+    model, opt = _adamw(fused=False)
+    _grads(model)
+    opt.step()
+    _grads(model, float("inf"))
+    with CopiedBytes() as copied:
+        guarded_step(opt, torch.isfinite(model.weight.grad).all())
+    n = sum(p.numel() for p in model.parameters())
+    assert copied.bytes >= (4 + 8) * n * 2  # cloned before the step, restored after
+    assert float(opt.state[model.weight]["step"]) == 1
+
+
+def test_the_cpu_run_uses_fused_adamw_and_a_skipped_step_does_not_count(session):
+    from vlft.training.step import train_step_on
+
+    s = session
+    assert s.plan.precision.fused_optimizer and s.policy.fused_optimizer
+    assert all(g["fused"] for g in s.optimizer.param_groups)
+    host = [s.collate([s.dataset[i] for i in range(3)])]
+    out = train_step_on(s.model, s.optimizer, s.scheduler, host, s.policy)
+    assert not bool(out["skipped"])
+    steps = {float(st["step"]) for st in s.optimizer.state.values()}
+    weights = {n: p.detach().clone() for n, p in s.model.named_parameters() if p.requires_grad}
+    first = next(p for p in s.model.parameters() if p.requires_grad)
+    hook = first.register_hook(lambda g: torch.full_like(g, float("nan")))
+    try:
+        out = train_step_on(s.model, s.optimizer, s.scheduler, host, s.policy)
+    finally:
+        hook.remove()
+    assert bool(out["skipped"])
+    assert {float(st["step"]) for st in s.optimizer.state.values()} == steps
+    for n, p in s.model.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p.detach(), weights[n]), n
+
+
+def test_the_memory_plan_counts_the_guards_copy_only_where_fused_adamw_does_not_serve():
+    from types import SimpleNamespace as NS
+
+    from vlft.planning.preflight import guard_copies
+
+    def plan(device, fused, scaling=False, sharded=False):
+        return NS(backend=NS(info=NS(device_type=device)), sharding=NS(enabled=sharded),
+                  precision=NS(fused_optimizer=fused, loss_scaling=scaling))
+
+    assert not guard_copies(plan("cuda", True))
+    assert guard_copies(plan("npu", False))
+    assert guard_copies(plan("cuda", True, sharded=True))  # FSDP keeps the default AdamW
+    assert not guard_copies(plan("npu", False, scaling=True))  # the scaler skips steps itself
+    assert not guard_copies(plan("cpu", False))  # the flag is read on the host
+
+
+@pytest.mark.parametrize("copies", [False, True])
+def test_the_guards_copy_is_in_the_estimate(session, registry, small_data, tmp_path, copies):
+    from vlft.planning.memory import plan_memory
+    from vlft.planning.preflight import plan_run, plan_targets
+    from vlft.planning.trace import BatchShape, skeleton
+
+    planned = plan_run(registry, _cfg(small_data, tmp_path / "r", batch_size=3))
+    sk = plan_targets(registry, planned.plan, skeleton(planned.model_config, planned.plan.attention, torch.float32))
+    shape = BatchShape(1, 64, [], 8)
+    bare = plan_memory(sk, planned.model_config, "float32", None, shape, 0, None, "")
+    est = plan_memory(sk, planned.model_config, "float32", None, shape, 0, None, "", guard_copy=copies)
+    assert est.total_bytes() - bare.total_bytes() == (12 * est.adapter_parameters if copies else 0)
+    assert est.describe()["guard_copy_bytes"] == (12 * est.adapter_parameters if copies else 0)

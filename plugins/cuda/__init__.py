@@ -17,6 +17,7 @@ Ascend NPU; when it is loaded this backend reports itself unavailable, and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -128,6 +129,11 @@ def _fp16(reason: str) -> PrecisionPolicy:
 
 @cuda_hookimpl
 def vlft_precision_policy(backend, config):
+    # torch's fused AdamW (with found_inf, as GradScaler uses it) runs on CUDA: the non-finite guard copies nothing
+    return dataclasses.replace(_precision(config), fused_optimizer=True)
+
+
+def _precision(config):
     p = config.precision
     if p == "fp32":
         return PrecisionPolicy("fp32", reason="full precision, as asked", param_reason="fp32 weights for fp32 compute")

@@ -9,6 +9,8 @@ hook runs.
 
 from __future__ import annotations
 
+import dataclasses
+
 from vlft import (
     AttentionPolicy,
     BackendInfo,
@@ -59,6 +61,11 @@ def vlft_attention_implementation(backend, config, model_config):
 
 @cpu_hookimpl
 def vlft_precision_policy(backend, config):
+    # torch's fused AdamW (with found_inf) runs on the CPU
+    return dataclasses.replace(_precision(config), fused_optimizer=True)
+
+
+def _precision(config):
     # the reference keeps fp32 base weights whatever it autocasts to; --param-dtype asks otherwise
     if config.precision in ("auto", "fp32"):
         return PrecisionPolicy("fp32", reason="CPU reference: full precision",

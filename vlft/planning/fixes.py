@@ -63,7 +63,8 @@ def _replanner(plan: MemoryPlan, model, model_config, compute_dtype):
     """The same plan for another batch shape (re-estimated, not scaled)."""
     def replan(shape: BatchShape) -> MemoryPlan:
         return plan_memory(model, model_config, plan.base_dtype, compute_dtype, shape, plan.reserved_bytes,
-                           plan.capacity_bytes, plan.capacity_source, plan.shard_world, plan.gathered_bytes)
+                           plan.capacity_bytes, plan.capacity_source, plan.shard_world, plan.gathered_bytes,
+                           bool(plan.guard_copy_bytes))
     return replan
 
 

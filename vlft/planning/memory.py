@@ -65,6 +65,7 @@ class MemoryPlan:
     fixes: list[str] = field(default_factory=list)
     shard_world: int = 1  # --shard fsdp: base weights, adapter, grads and AdamW state split over this many
     gathered_bytes: int = 0  # --shard fsdp: parameters gathered whole at a time (root + two blocks)
+    guard_copy_bytes: int = 0  # the non-finite guard's copy of the adapter and its AdamW state (no fused AdamW)
 
     def per_process(self, n: int) -> int:
         """``n`` bytes of sharded state as one process holds them."""
@@ -76,7 +77,7 @@ class MemoryPlan:
 
     @property
     def adapter_state_bytes_per_process(self) -> int:
-        return self.per_process(self.adapter_bytes + self.grad_bytes + self.optimizer_bytes)
+        return self.per_process(self.adapter_bytes + self.grad_bytes + self.optimizer_bytes + self.guard_copy_bytes)
 
     @property
     def activation_bytes(self) -> int:
@@ -101,6 +102,7 @@ class MemoryPlan:
             "base_weights_bytes": self.base_weights, "base_dtype": self.base_dtype,
             "adapter_parameters": self.adapter_parameters, "adapter_bytes": self.adapter_bytes,
             "grad_bytes": self.grad_bytes, "optimizer_bytes": self.optimizer_bytes,
+            "guard_copy_bytes": self.guard_copy_bytes,
             "activation_bytes": self.activation_bytes, "activation_bytes_without_checkpointing": self.activations.full,
             "activation_bytes_with_checkpointing": self.activations.checkpointed,
             "logits_bytes": self.logits_bytes, "reserved_bytes": self.reserved_bytes,
@@ -120,14 +122,15 @@ def format_memory(d: dict) -> list[str]:
     """The plan's memory lines, from ``MemoryPlan.describe()`` (so dry-run JSON and text agree)."""
     w, batch = d["base_weights_bytes"], d["batch"]
     verdict = {True: "fits", False: "DOES NOT FIT", None: "capacity unknown (pass --device-memory)"}[d["fits"]]
-    adapter = d["adapter_bytes"] + d["grad_bytes"] + d["optimizer_bytes"]
+    adapter = d["adapter_bytes"] + d["grad_bytes"] + d["optimizer_bytes"] + d.get("guard_copy_bytes", 0)
     world = d.get("sharded_over", 1)
     lines = [
         f"memory       {gib(d['estimate_bytes'])} estimated per process; device {gib(d['capacity_bytes'])} "
         f"({d['capacity_source']}), {d['usable_fraction']:.0%} usable: {verdict}",
         f"             base weights {d['base_dtype']}: vision {gib(w.get('vision', 0))}, text {gib(w.get('text', 0))}"
         + (f"; sharded over {world} processes: {gib(d['base_bytes_per_process'])} each" if world > 1 else ""),
-        f"             adapter {d['adapter_parameters']:,} params, fp32 weights + grads + AdamW: {gib(adapter)}"
+        f"             adapter {d['adapter_parameters']:,} params, fp32 weights + grads + AdamW"
+        + (" + the guard's copy" if d.get("guard_copy_bytes") else "") + f": {gib(adapter)}"
         + (f"; {gib(d['adapter_state_bytes_per_process'])} each" if world > 1 else ""),
     ]
     if world > 1:
@@ -159,7 +162,7 @@ def weight_bytes(model, param_dtype) -> tuple[dict[str, int], int]:
 
 def plan_memory(model, model_config, param_dtype: str, compute_dtype: str | None, batch: BatchShape,
                 reserved_bytes: int, capacity_bytes: int | None, capacity_source: str, shard_world: int = 1,
-                gathered_bytes: int = 0) -> MemoryPlan:
+                gathered_bytes: int = 0, guard_copy: bool = False) -> MemoryPlan:
     """The plan for ``model`` (adapted, on the meta device) at ``batch``; checkpointing still undecided.
     ``shard_world`` > 1: sharded with FSDP over that many processes, ``gathered_bytes`` gathered at a time."""
 
@@ -176,6 +179,8 @@ def plan_memory(model, model_config, param_dtype: str, compute_dtype: str | None
         grad_bytes=4 * trainable, optimizer_bytes=8 * trainable, activations=acts, logits_bytes=logits,
         reserved_bytes=reserved_bytes, batch=batch, capacity_bytes=capacity_bytes, capacity_source=capacity_source,
         shard_world=shard_world, gathered_bytes=gathered_bytes,
+        # guard_copy: the adapter's weights and AdamW moments cloned before each step (``guarded_step``)
+        guard_copy_bytes=(4 + 8) * trainable if guard_copy else 0,
     )
 
 
@@ -230,9 +235,10 @@ def largest_batches(lengths: list[int], grids: list[list], batch_size: int, grad
 
 
 def worst_plan(model, model_config, param_dtype, compute_dtype, shapes: list[BatchShape], reserved: int,
-               capacity: int | None, source: str, shard_world: int = 1, gathered_bytes: int = 0) -> MemoryPlan:
+               capacity: int | None, source: str, shard_world: int = 1, gathered_bytes: int = 0,
+               guard_copy: bool = False) -> MemoryPlan:
     plans = [plan_memory(model, model_config, param_dtype, compute_dtype, s, reserved, capacity, source,
-                         shard_world, gathered_bytes)
+                         shard_world, gathered_bytes, guard_copy)
              for s in shapes]
     return max(plans, key=lambda p: p.total_bytes(False))
 

@@ -197,7 +197,7 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
         shard_world, gathered = config.world_size, memory.fsdp_gathered_bytes(skeleton, compute)
     plan.memory = memory.worst_plan(skeleton, model_config, plan.precision.param_dtype,
                                     plan.precision.autocast_dtype, shapes, capacity.reserved_bytes, total, source,
-                                    shard_world, gathered)
+                                    shard_world, gathered, guard_copies(plan))
     fixes.decide(plan.memory, config.grad_checkpointing, skeleton, model_config, plan.precision.autocast_dtype,
                   config.batch_size, config.grad_accum, config.max_pixels,
                   can_shard=bool(plan.distributed and plan.distributed.fsdp))
@@ -217,3 +217,16 @@ def check_fits(plan: RunPlan) -> None:
         "the run will not fit its device: " + "\n".join(m.format())
         + "\nApply one of the fixes above (or pass --no-memory-check to try anyway); nothing was loaded or written."
     )
+
+
+def fused_optimizer(plan: RunPlan) -> bool:
+    """The run's AdamW is torch's fused one: the backend says its device runs it (``PrecisionPolicy``), and the
+    parameters are not sharded (FSDP's DTensors keep the default implementation)."""
+    return bool(plan.precision.fused_optimizer) and not (plan.sharding and plan.sharding.enabled)
+
+
+def guard_copies(plan: RunPlan) -> bool:
+    """The non-finite guard copies the adapter and its AdamW state each step (``training.step.guarded_step``):
+    on a device whose flags are not read on the host, without a loss scaler (which skips steps itself) and
+    without the fused AdamW (which skips them on the device)."""
+    return plan.backend.info.device_type != "cpu" and not plan.precision.loss_scaling and not fused_optimizer(plan)

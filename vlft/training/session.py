@@ -28,7 +28,7 @@ from vlft.models.adapting import (
 from vlft.models.bundled import require_weights
 from vlft.models.loading import empty_model, load_model
 from vlft.planning.plan import RunPlan, choose_backend, require_available
-from vlft.planning.preflight import check_fits, plan_run
+from vlft.planning.preflight import check_fits, fused_optimizer, plan_run
 from vlft.registry import Registry
 from vlft.training.checkpoints import restore_training_state
 from vlft.training.fsdp import full_trainable_state, materialized_adapter, shard_model
@@ -131,7 +131,7 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
         start_step = restore_training_state(resume_from, optimizer, scheduler, scaler, device,
                                             model=model if plan.sharding.enabled else None)
     policy = StepPolicy(device, autocast_dtype, scaler, config.max_grad_norm, config.grad_accum, config.world_size,
-                        flags_on_host=device.type == "cpu")
+                        flags_on_host=device.type == "cpu", fused_optimizer=fused_optimizer(plan))
     settings = _loop_settings(config, plan, planned.total_steps)
     processor = planned.processor
     collate = Collator(processor.tokenizer.pad_token_id, processor.image_token_id,
@@ -198,7 +198,8 @@ def _place(model, plan: RunPlan, config: RunConfig, device) -> None:
 
 def _optimizer_and_schedule(model, plan: RunPlan, config: RunConfig, total_steps: int):
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=plan.lr, weight_decay=config.weight_decay)
+    fused = {"fused": True} if fused_optimizer(plan) else {}
+    optimizer = torch.optim.AdamW(trainable, lr=plan.lr, weight_decay=config.weight_decay, **fused)
     return optimizer, cosine_with_warmup(optimizer, int(config.warmup_ratio * total_steps), total_steps)
 
 

@@ -43,6 +43,9 @@ class StepPolicy:
     # the device runs each op before returning (the CPU): reading the non-finite flag waits for nothing, so a
     # skipped step is simply not taken instead of being taken and undone on the device (``guarded_step``)
     flags_on_host: bool = False
+    # torch's fused AdamW, told ``found_inf``, skips a non-finite step on the device: nothing is copied
+    # (``PrecisionPolicy.fused_optimizer``; else ``guarded_step`` copies and restores)
+    fused_optimizer: bool = False
     # the lm_head and the fp32 logits at labelled positions only (``models.loss.batch_loss_sum``)
     labels_only: bool = True
 
@@ -108,12 +111,25 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], policy: S
     elif policy.flags_on_host:
         if finite:
             optimizer.step()
+    elif policy.fused_optimizer:
+        fused_guarded_step(optimizer, finite)
     else:
         guarded_step(optimizer, finite)
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return {"loss_sum": total, "grad_norm": grad_norm, "local_tokens": local_tokens,
             "global_tokens": n_tokens, "skipped": ~finite}
+
+
+def fused_guarded_step(optimizer, finite: torch.Tensor) -> None:
+    """``optimizer.step()`` of a fused AdamW told to skip where ``finite`` is False, on the device, as GradScaler
+    tells it (``found_inf``): parameters, moments and step counters (on the device with ``fused``) stay as
+    they were, with no copy and no host sync."""
+    optimizer.found_inf = (~finite).to(torch.float32)
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
 
 
 def guarded_step(optimizer, finite: torch.Tensor) -> None:
