@@ -227,3 +227,51 @@ def test_the_guards_copy_is_in_the_estimate(session, registry, small_data, tmp_p
     est = plan_memory(sk, planned.model_config, "float32", None, shape, 0, None, "", guard_copy=copies)
     assert est.total_bytes() - bare.total_bytes() == (12 * est.adapter_parameters if copies else 0)
     assert est.describe()["guard_copy_bytes"] == (12 * est.adapter_parameters if copies else 0)
+
+
+# -- 5. no blocking syncs of vlft's own under torchrun ---------------------------------------------
+
+def _stop_worker(rank, world, init, queue):
+    import signal
+
+    from vlft.training.signals import StopRequest
+    from vlft.training.step import global_label_count, start_global_label_count
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        stop, seen = StopRequest(), []
+        for step in range(1, 6):
+            if rank == 1 and step == 2:
+                stop.signum = signal.SIGTERM  # as the handler would set it, on one process only
+            pending = start_global_label_count(10 * (rank + 1) + step, world)
+            seen.append((step, stop.agreed(world), pending()))
+            if seen[-1][1]:
+                break
+        stop.__exit__(None, None, None)
+        queue.put((rank, seen, global_label_count(0, world)))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_the_stop_flag_and_label_counts_are_agreed_on_the_host_one_step_later(tmp_path):
+    import signal
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_stop_worker, args=(r, 2, str(tmp_path / "init"), queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = {}
+    for _ in procs:
+        rank, seen, empty = queue.get(timeout=120)
+        got[rank] = (seen, empty)
+    for p in procs:
+        p.join(timeout=30)
+    assert got[0] == got[1]  # every rank stops at the same step, with the same counts
+    seen, empty = got[0]
+    # asked during step 2 on rank 1: both ranks act after step 3
+    assert [(s, a) for s, a, _ in seen] == [(1, None), (2, None), (3, signal.SIGTERM)]
+    assert [n for *_, n in seen] == [10 + 20 + 2 * s for s in (1, 2, 3)]
+    assert empty == 1.0  # no label anywhere: never a division by zero

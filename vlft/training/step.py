@@ -28,6 +28,7 @@ from transformers import get_cosine_schedule_with_warmup
 from vlft.data.batching import label_count, model_inputs, to_device, with_label_positions
 from vlft.models.loss import autocast_context, batch_loss_sum
 from vlft.planning.sharding import local
+from vlft.training.signals import host_all_reduce
 
 
 @dataclass
@@ -57,23 +58,32 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def global_label_count(count: int, world_size: int, device: torch.device) -> float:
-    """Label tokens of this optimizer step summed over processes."""
-    if world_size > 1:
-        t = torch.tensor([count], dtype=torch.float64, device=device)
-        torch.distributed.all_reduce(t)
-        count = t.item()
-    return float(max(count, 1))
+def start_global_label_count(count: int, world_size: int):
+    """Start summing this step's label tokens over processes, on the host (the counts are known there, so
+    the device is never waited for); call the result for the sum."""
+    if world_size <= 1:
+        return lambda: float(max(count, 1))
+    work, total = host_all_reduce([count], np.float64)
+
+    def result() -> float:
+        work.wait()
+        return float(max(total[0], 1))
+    return result
+
+
+def global_label_count(count: int, world_size: int, device: torch.device | None = None) -> float:
+    """Label tokens of this optimizer step summed over processes (a host reduction: no device sync)."""
+    return start_global_label_count(count, world_size)()
 
 
 def train_step(model, optimizer, scheduler, micro_batches: list[dict], policy: StepPolicy,
-               local_tokens: int) -> dict:
+               local_tokens: int, global_tokens: float | None = None) -> dict:
     """One optimizer step over ``micro_batches`` (already on the device). Returns device tensors.
 
     ``local_tokens`` is this process's label-token count for the step, counted
     on the host before the batches moved, so the step needs no device sync for it.
     """
-    n_tokens = global_label_count(local_tokens, policy.world_size, policy.device)
+    n_tokens = global_tokens if global_tokens is not None else global_label_count(local_tokens, policy.world_size)
     # DDP and FSDP average gradients over processes; scale back up so the result is sum / global tokens
     scale = policy.world_size / n_tokens
     autocast = autocast_context(policy.device, policy.autocast_dtype)
@@ -172,10 +182,11 @@ def train_step_on(model, optimizer, scheduler, host_batches: list[dict], policy:
                   non_blocking: bool = False) -> dict:
     """``train_step`` on batches still on the host: count their label tokens there, then move them."""
     local_tokens = sum(label_count(b) for b in host_batches)
+    global_tokens = start_global_label_count(local_tokens, policy.world_size)  # on the host, while batches move
     if policy.labels_only:
         host_batches = [with_label_positions(b) for b in host_batches]
     batches_on_device = [to_device(b, policy.device, non_blocking) for b in host_batches]
-    return train_step(model, optimizer, scheduler, batches_on_device, policy, local_tokens)
+    return train_step(model, optimizer, scheduler, batches_on_device, policy, local_tokens, global_tokens())
 
 
 def cosine_with_warmup(optimizer, warmup: int, total: int):
