@@ -174,25 +174,31 @@ def test_the_copying_guard_copies_the_adapter_and_its_state_and_keeps_the_counte
     assert float(opt.state[model.weight]["step"]) == 1
 
 
-def test_the_cpu_run_uses_fused_adamw_and_a_skipped_step_does_not_count(session):
-    from vlft.training.step import train_step_on
+def test_a_step_as_on_a_device_with_fused_adamw_skips_without_counting_the_step(session):
+    from dataclasses import replace
+
+    from vlft.training.step import cosine_with_warmup, train_step_on
 
     s = session
-    assert s.plan.precision.fused_optimizer and s.policy.fused_optimizer
-    assert all(g["fused"] for g in s.optimizer.param_groups)
+    assert s.plan.precision.fused_optimizer  # the CPU answers yes; its run reads the flag on the host instead
+    assert s.policy.flags_on_host and not s.policy.fused_optimizer
+    trainable = [p for p in s.model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-3, fused=True)
+    scheduler = cosine_with_warmup(optimizer, 0, 100)
+    policy = replace(s.policy, flags_on_host=False, fused_optimizer=True)
     host = [s.collate([s.dataset[i] for i in range(3)])]
-    out = train_step_on(s.model, s.optimizer, s.scheduler, host, s.policy)
+    out = train_step_on(s.model, optimizer, scheduler, host, policy)
     assert not bool(out["skipped"])
-    steps = {float(st["step"]) for st in s.optimizer.state.values()}
+    steps = {float(st["step"]) for st in optimizer.state.values()}
     weights = {n: p.detach().clone() for n, p in s.model.named_parameters() if p.requires_grad}
     first = next(p for p in s.model.parameters() if p.requires_grad)
     hook = first.register_hook(lambda g: torch.full_like(g, float("nan")))
     try:
-        out = train_step_on(s.model, s.optimizer, s.scheduler, host, s.policy)
+        out = train_step_on(s.model, optimizer, scheduler, host, policy)
     finally:
         hook.remove()
     assert bool(out["skipped"])
-    assert {float(st["step"]) for st in s.optimizer.state.values()} == steps
+    assert {float(st["step"]) for st in optimizer.state.values()} == steps == {1.0}
     for n, p in s.model.named_parameters():
         if p.requires_grad:
             assert torch.equal(p.detach(), weights[n]), n
@@ -207,7 +213,10 @@ def test_the_memory_plan_counts_the_guards_copy_only_where_fused_adamw_does_not_
         return NS(backend=NS(info=NS(device_type=device)), sharding=NS(enabled=sharded),
                   precision=NS(fused_optimizer=fused, loss_scaling=scaling))
 
-    assert not guard_copies(plan("cuda", True))
+    from vlft.planning.preflight import fused_optimizer
+
+    assert not guard_copies(plan("cuda", True)) and fused_optimizer(plan("cuda", True))
+    assert not fused_optimizer(plan("cpu", True))  # the CPU's flag is read on the host: no copy either way
     assert guard_copies(plan("npu", False))
     assert guard_copies(plan("cuda", True, sharded=True))  # FSDP keeps the default AdamW
     assert not guard_copies(plan("npu", False, scaling=True))  # the scaler skips steps itself

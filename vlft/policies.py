@@ -81,8 +81,9 @@ class PrecisionPolicy:
     reason: str = ""
     param_reason: str = ""  # why the base weights have ``param_dtype``
     # torch's fused AdamW runs on this device and skips a step on the device when told ``found_inf`` (as
-    # GradScaler tells it): the non-finite guard then copies nothing. False (the default) keeps the
-    # copy-and-restore guard, which the memory plan counts; a backend says True only where it was tried
+    # GradScaler tells it): the non-finite guard then copies nothing (used on accelerators; the CPU reads the
+    # flag on the host). False (the default) keeps the copy-and-restore guard, which the memory plan counts;
+    # a backend says True only where it was tried
     fused_optimizer: bool = False
     make_scaler: Callable[[], Any] | None = field(default=None, repr=False, compare=False)
 

@@ -61,7 +61,8 @@ def vlft_attention_implementation(backend, config, model_config):
 
 @cpu_hookimpl
 def vlft_precision_policy(backend, config):
-    # torch's fused AdamW (with found_inf) runs on the CPU
+    # torch's fused AdamW (with found_inf) runs on the CPU; a CPU run reads the flag on the host and keeps the
+    # default AdamW (the reference), but a step taken as on a device (bench, tests) may use it
     return dataclasses.replace(_precision(config), fused_optimizer=True)
 
 

@@ -220,9 +220,12 @@ def check_fits(plan: RunPlan) -> None:
 
 
 def fused_optimizer(plan: RunPlan) -> bool:
-    """The run's AdamW is torch's fused one: the backend says its device runs it (``PrecisionPolicy``), and the
-    parameters are not sharded (FSDP's DTensors keep the default implementation)."""
-    return bool(plan.precision.fused_optimizer) and not (plan.sharding and plan.sharding.enabled)
+    """The run's AdamW is torch's fused one: where the guard would otherwise copy (not on the CPU, whose
+    non-finite flag is read on the host and whose default AdamW stays the reference), the backend says its
+    device runs it (``PrecisionPolicy``), and the parameters are not sharded (FSDP's DTensors keep the default
+    implementation)."""
+    return (bool(plan.precision.fused_optimizer) and plan.backend.info.device_type != "cpu"
+            and not (plan.sharding and plan.sharding.enabled))
 
 
 def guard_copies(plan: RunPlan) -> bool:
