@@ -3,6 +3,8 @@ of vlft's own under torchrun, a preflight that scales, readable throughput, leng
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -284,3 +286,125 @@ def test_the_stop_flag_and_label_counts_are_agreed_on_the_host_one_step_later(tm
     assert [(s, a) for s, a, _ in seen] == [(1, None), (2, None), (3, signal.SIGTERM)]
     assert [n for *_, n in seen] == [10 + 20 + 2 * s for s in (1, 2, 3)]
     assert empty == 1.0  # no label anywhere: never a division by zero
+
+
+# -- 6. preflight that scales -----------------------------------------------------------------------
+
+@pytest.fixture
+def own_data(small_data, tmp_path, monkeypatch):
+    """A copy of the small set (its images may be changed) and a cache of checked data of its own."""
+    import shutil
+
+    import vlft.planning.checked as checked
+    from vlft.data import records
+
+    folder = tmp_path / "data"
+    shutil.copytree(small_data[0].parent, folder)
+    monkeypatch.setattr(checked, "cache_dir", lambda: tmp_path / "checked")
+    monkeypatch.setattr(records, "_CHECKED_IMAGES", {})
+    return folder / small_data[0].name, folder / small_data[1].name
+
+
+def _counting(monkeypatch, module, name):
+    calls = []
+    real = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def test_each_image_is_decoded_once_however_many_records_name_it(own_data, monkeypatch):
+    import json
+
+    from vlft.data import records
+
+    train = own_data[0]
+    lines = train.read_text().splitlines()
+    first = json.loads(lines[0])
+    train.write_text("\n".join([json.dumps(first)] * 7 + lines[1:3]) + "\n")
+    decoded = _counting(monkeypatch, records, "load_image")
+    got = records.read_records(train)
+    assert len(got) == 9
+    assert len(decoded) == len({s for r in got for s in r.images})
+
+
+def test_parallel_measuring_gives_the_serial_answers(session, monkeypatch):
+    from vlft.data import lengths
+
+    s = session
+    monkeypatch.setattr(lengths, "PARALLEL_FROM", 1)
+    serial = lengths.measure_all(s.train_records, s.encoder, workers=1)
+    done = []
+    parallel = lengths.measure_all(s.train_records, s.encoder, done.append, workers=2)
+    assert parallel == serial and sum(done) == len(s.train_records)
+
+
+def test_the_checked_data_is_reused_while_the_files_are_unchanged(own_data, monkeypatch, tmp_path):
+    import os
+
+    from PIL import Image
+
+    from vlft.data.encoding import SampleEncoder
+    from vlft.errors import DataError
+    from vlft.models.embedded import embedded_model_dir
+    from vlft.models.loading import load_processor
+    from vlft.planning import preflight
+
+    config = _cfg(own_data, tmp_path / "r")
+    encoder = SampleEncoder(load_processor(str(embedded_model_dir())))
+    checks = _counting(monkeypatch, preflight, "_load_and_check_data")
+    first = preflight.load_and_check_data(config, encoder)
+    again = preflight.load_and_check_data(config, encoder)  # a resume, a later run
+    assert len(checks) == 1
+    assert [r.where for r in again[0]] == [r.where for r in first[0]] and again[2].lengths == first[2].lengths
+    # an image changed on disk: checked again
+    image = Path(first[0][0].images[0])
+    Image.new("RGB", (64, 48), (1, 2, 3)).save(image)
+    changed = preflight.load_and_check_data(config, encoder)
+    assert len(checks) == 2 and changed[0][0].image_sizes[0] == (64, 48)
+    # a data file changed: checked again
+    with open(own_data[0], "a") as f:
+        f.write(own_data[0].read_text().splitlines()[0] + "\n")
+    assert len(preflight.load_and_check_data(config, encoder)[0]) == len(first[0]) + 1 and len(checks) == 3
+    # an image broken in place (same size and time as before): never trained on
+    st = image.stat()
+    image.write_bytes(b"\0" * st.st_size)
+    os.utime(image, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    with pytest.raises(DataError, match="cannot be read"):
+        preflight.load_and_check_data(config, encoder)
+
+
+def test_under_torchrun_the_other_processes_take_local_rank_0s_check(own_data, monkeypatch, tmp_path):
+    import threading
+
+    import vlft.planning.checked as checked
+    from vlft.data.encoding import SampleEncoder
+    from vlft.models.embedded import embedded_model_dir
+    from vlft.models.loading import load_processor
+    from vlft.planning import preflight
+
+    from dataclasses import replace
+
+    config = replace(_cfg(own_data, tmp_path / "r"), world_size=2, rank=1)
+    encoder = SampleEncoder(load_processor(str(embedded_model_dir())))
+    monkeypatch.setattr(checked, "POLL_S", 0.05)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    result = preflight._load_and_check_data(config, encoder)  # what rank 0 will have found
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    checks = _counting(monkeypatch, preflight, "_load_and_check_data")
+    paths = list(own_data)
+    key = checked.cache_key(config, encoder, paths)
+    later = threading.Timer(0.5, checked.store, (key, result, checked.media_files([*result[0], *result[1]])))
+    later.start()
+    got = preflight.load_and_check_data(config, encoder)  # waits for rank 0's entry
+    later.join()
+    assert not checks and len(got[0]) == len(result[0])
+    # rank 0 never writes (a cache it cannot write): after the wait the process checks itself
+    monkeypatch.setattr(checked, "WAIT_S", 0.3)
+    monkeypatch.setattr(checked, "cache_dir", lambda: tmp_path / "elsewhere")
+    preflight.load_and_check_data(config, encoder)
+    assert len(checks) == 1

@@ -156,9 +156,12 @@ class SampleEncoder:
         pads = re.compile("|".join(re.escape(t) for t in counts if t))
         input_ids: list[int] = []
         labels: list[int] = []
-        for k, (text, trained) in enumerate(pieces):
-            text = pads.sub(lambda m: m.group(0) * next(counts[m.group(0)]), text)
-            ids = self.tokenizer(text, add_special_tokens=(k == 0))["input_ids"]
+        texts = [pads.sub(lambda m: m.group(0) * next(counts[m.group(0)]), text) for text, _ in pieces]
+        # one tokenizer call for the first piece (special tokens) and one for the rest: the same ids as a call each
+        encoded = self.tokenizer(texts[:1], add_special_tokens=True)["input_ids"] if texts else []
+        if len(texts) > 1:
+            encoded += self.tokenizer(texts[1:], add_special_tokens=False)["input_ids"]
+        for ids, (_, trained) in zip(encoded, pieces):
             input_ids += ids
             labels += ids if trained else [IGNORE_INDEX] * len(ids)
         return input_ids, labels

@@ -31,7 +31,7 @@ from vlft.models.loading import (
     resolve_model_path,
 )
 from vlft.models.targets import select_targets
-from vlft.planning import fixes, memory, trace
+from vlft.planning import checked, fixes, memory, trace
 from vlft.planning.plan import RunPlan, resolve_plan
 from vlft.planning.sharding import count_blocks
 from vlft.policies import DeviceCapacity
@@ -81,7 +81,25 @@ def read_training_files(config: RunConfig) -> tuple[list, Path | None]:
 
 
 def load_and_check_data(config: RunConfig, encoder) -> tuple[list, list, LengthReport]:
-    """Read and check both splits, lengths included; samples over --max-length stop the run or are skipped."""
+    """Read and check both splits, lengths included; samples over --max-length stop the run or are skipped.
+    The result is kept in the user's cache while the files are unchanged (``planning.checked``), and under
+    torchrun one process per machine checks."""
+    files, val_path = resolve_data_paths(config)
+    paths = [p for p, _ in files] + ([val_path] if val_path is not None else [])
+    if not all(p.is_file() for p in paths):  # the reader names what is missing
+        return _load_and_check_data(config, encoder)
+
+    def media(result):
+        train, val, _ = result
+        return checked.media_files([*train, *val])
+
+    train, val, lengths = checked.checked(config, encoder, paths, lambda: _load_and_check_data(config, encoder),
+                                          media)
+    check_enough_records(len(train), config)
+    return train, val, lengths
+
+
+def _load_and_check_data(config: RunConfig, encoder) -> tuple[list, list, LengthReport]:
     train, val_path = read_training_files(config)
     if val_path is not None:
         val = read_records(val_path, image_root=config.image_root, add_placeholders=config.add_placeholders)
