@@ -61,7 +61,7 @@ def measure_all(records: list[Record], encoder: SampleEncoder, progress=None, wo
     """``encoder.measure_labelled`` of every record, in order: ``(tokens, grids, labelled)`` or the
     ``DataError`` it raised. Long sets are measured by forked worker processes (each renders its share of the
     chat templates); ``progress(n)`` is called as records are done."""
-    import multiprocessing
+    import multiprocessing  # only for long sets
 
     workers = check_workers() if workers is None else workers
     tick = progress or (lambda n: None)

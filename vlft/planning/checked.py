@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from vlft.errors import DataError
+from vlft.models.embedded import cache_root
 
 VERSION = 1
 WAIT_S = 1800  # how long a process waits for local rank 0's check before checking itself
@@ -28,8 +29,6 @@ POLL_S = 0.5
 
 
 def cache_dir() -> Path:
-    from vlft.models.embedded import cache_root
-
     return cache_root() / "checked"
 
 
