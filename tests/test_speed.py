@@ -408,3 +408,46 @@ def test_under_torchrun_the_other_processes_take_local_rank_0s_check(own_data, m
     monkeypatch.setattr(checked, "cache_dir", lambda: tmp_path / "elsewhere")
     preflight.load_and_check_data(config, encoder)
     assert len(checks) == 1
+
+
+# -- 7. throughput a user can read ------------------------------------------------------------------
+
+def test_throughput_counts_every_position_the_effective_ones_and_the_mfu_where_the_peak_is_known():
+    from vlft.training.loop import LoopSettings, throughput
+
+    settings = LoopSettings(total_steps=1, batch_size=1, grad_accum=1, seed=0, world_size=2)
+    totals = {"positions": 1000.0, "real": 600.0, "labels": 50.0}
+    out = throughput(totals, 2.0, settings)
+    assert out == {"tokens_per_s": 500.0, "effective_tokens_per_s": 300.0, "label_tokens_per_s": 25.0}
+    settings.peak_flops, settings.flops_per_token = 1e12, 4e9
+    assert throughput(totals, 2.0, settings)["mfu"] == pytest.approx(300.0 * 4e9 / 2e12)
+
+
+def test_a_run_logs_tokens_per_second_and_the_report_shows_them(small_data, tmp_path):
+    import json
+
+    from vlft.commands.report import read_run, table_rows
+    from vlft.commands.run import execute
+    from vlft.registry import load_registry
+
+    out = tmp_path / "run"
+    execute(load_registry(), _cfg(small_data, out, steps=3, log_every=1), progress=False)
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    logged = [m for m in logged if "loss" in m]
+    assert len(logged) == 3
+    for m in logged:
+        assert m["tokens_per_s"] > m["effective_tokens_per_s"] > m["label_tokens_per_s"] > 0
+        assert "mfu" not in m  # the CPU backend knows no peak FLOP/s
+        # the samples and the tokens of a window come from the same time
+        assert m["tokens_per_s"] / m["samples_per_s"] == pytest.approx(m["tokens_per_s"] * m["step_time_s"] / 4)
+    header, rows = table_rows([read_run(out, "run")])
+    row = dict(zip(header, rows[0]))
+    assert row["tokens/s"] != "-" and row["effective tokens/s"] != "-" and row["MFU"] == "-"
+
+
+def test_the_cuda_backend_knows_the_peak_of_the_cards_it_lists():
+    from vlft_cuda import peak_flops
+
+    assert peak_flops("NVIDIA H200", "bf16") == 989e12
+    assert peak_flops("NVIDIA H100 PCIe", "auto") == 756e12
+    assert peak_flops("NVIDIA H200", "fp32") is None and peak_flops("Some Card", "bf16") is None

@@ -154,6 +154,9 @@ class DeviceCapacity:
     total_bytes: int | None
     reserved_bytes: int = 0
     source: str = ""
+    # the device's dense peak FLOP/s at the run's compute dtype, where the backend knows it: the model FLOPs
+    # utilisation (MFU) in metrics.jsonl is given against it, and left out where it is None
+    peak_flops: float | None = None
 
 
 @dataclass

@@ -109,7 +109,7 @@ def table_rows(runs: list[RunData]) -> tuple[list[str], list[list[str]]]:
     """The comparison table: one row per run."""
     fields = sorted({k for r in runs for k in (_get(r.eval, "after", "fields") or {})})
     header = ["run", "backend", "device", "method", "precision", "adapted modules", "adapter params", "steps",
-              "median step time", "samples/s", "peak memory", "exact match before", "exact match after"]
+              "median step time", "samples/s", "tokens/s", "effective tokens/s", "MFU", "peak memory", "exact match before", "exact match after"]
     header += [f"{f} acc / F1 after" for f in fields]
     rows = []
     for r in runs:
@@ -118,6 +118,9 @@ def table_rows(runs: list[RunData]) -> tuple[list[str], list[list[str]]]:
         steady = logged[1:] or logged
         step_time = _median([m.get("step_time_s") for m in steady])
         sps = _median([m.get("samples_per_s") for m in steady])
+        tps = _median([m.get("tokens_per_s") for m in steady])
+        eff = _median([m.get("effective_tokens_per_s") for m in steady])
+        mfu = _median([m.get("mfu") for m in steady])
         peaks = [m.get("peak_memory_bytes") for m in r.metrics if m.get("peak_memory_bytes") is not None]
         peak = _get(r.summary, "peak_memory_bytes") or (max(peaks) if peaks else None)
         backend = _get(r.plan, "backend", "name") or _get(r.summary, "backend") or "-"
@@ -137,6 +140,8 @@ def table_rows(runs: list[RunData]) -> tuple[list[str], list[list[str]]]:
                str(steps) if steps is not None else "-",
                f"{step_time:.3f} s" if step_time is not None else "-",
                f"{sps:.2f}" if sps is not None else "-",
+               f"{tps:,.0f}" if tps is not None else "-", f"{eff:,.0f}" if eff is not None else "-",
+               _pct(mfu),
                f"{peak / 2**30:.2f} GiB" if peak else "-",
                _pct(_get(r.eval, "before", "exact_match")), _pct(_get(r.eval, "after", "exact_match"))]
         for f in fields:

@@ -54,6 +54,7 @@ class RunPlan:
     lengths: dict[str, Any] = field(default_factory=dict)  # sample lengths: longest, skipped, limit
     notes: list[str] = field(default_factory=list)
     sharding: Any = None  # sharding.ShardingPlan: how the processes hold the model (--shard)
+    peak_flops: float | None = None  # the device's peak FLOP/s where the backend knows it (DeviceCapacity)
 
     @property
     def checkpointing(self) -> bool:

@@ -204,6 +204,7 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
     capacity = registry.hook.vlft_device_capacity(backend=plan.backend.info.name, config=config) or \
         DeviceCapacity(None, 0, f"backend {plan.backend.info.name} does not report its memory")
     total, source = capacity.total_bytes, capacity.source
+    plan.peak_flops = capacity.peak_flops
     if config.device_memory:
         total, source = parse_bytes(config.device_memory, "--device-memory"), f"--device-memory {config.device_memory}"
     shapes = memory.largest_batches(lengths.lengths, lengths.grids, config.batch_size, config.grad_accum,

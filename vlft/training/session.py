@@ -133,6 +133,7 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
     policy = StepPolicy(device, autocast_dtype, scaler, config.max_grad_norm, config.grad_accum, config.world_size,
                         flags_on_host=device.type == "cpu", fused_optimizer=fused_optimizer(plan))
     settings = _loop_settings(config, plan, planned.total_steps)
+    settings.peak_flops, settings.flops_per_token = plan.peak_flops, model_flops_per_token(model)
     processor = planned.processor
     collate = Collator(processor.tokenizer.pad_token_id, processor.image_token_id,
                        video_token_id=getattr(processor, "video_token_id", None))
@@ -201,6 +202,13 @@ def _optimizer_and_schedule(model, plan: RunPlan, config: RunConfig, total_steps
     fused = {"fused": True} if fused_optimizer(plan) else {}
     optimizer = torch.optim.AdamW(trainable, lr=plan.lr, weight_decay=config.weight_decay, **fused)
     return optimizer, cosine_with_warmup(optimizer, int(config.warmup_ratio * total_steps), total_steps)
+
+
+def model_flops_per_token(model) -> float:
+    """Model FLOPs of one token in a step with a frozen base: 2 per parameter forward, 2 backward for the
+    input gradients (the adapters' own weight gradients are negligible); attention and activation
+    recomputation are left out, as MFU conventionally does."""
+    return 4.0 * sum(p.numel() for p in model.parameters())
 
 
 def _loop_settings(config: RunConfig, plan: RunPlan, total_steps: int) -> LoopSettings:
