@@ -451,3 +451,68 @@ def test_the_cuda_backend_knows_the_peak_of_the_cards_it_lists():
     assert peak_flops("NVIDIA H200", "bf16") == 989e12
     assert peak_flops("NVIDIA H100 PCIe", "auto") == 756e12
     assert peak_flops("NVIDIA H200", "fp32") is None and peak_flops("Some Card", "bf16") is None
+
+
+# -- 2. length-grouped batches ----------------------------------------------------------------------
+
+def _lengths(n=1000, seed=5):
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(20, 2000) for _ in range(n)]
+
+
+def test_grouped_order_is_one_shuffle_shared_by_the_processes():
+    from vlft.data.order import EpochSampler
+
+    lengths = _lengths()
+    n = len(lengths)
+    one = EpochSampler(n, 3, 1, lengths=lengths, batch_size=8).indices()
+    two = [EpochSampler(n, 3, 1, rank, 2, lengths=lengths, batch_size=4).indices() for rank in range(2)]
+    assert sorted(one) == list(range(n))  # every sample once per epoch
+    # 2 processes of batch 4 draw exactly the global batches 1 process of batch 8 draws
+    for b in range(len(two[0]) // 4):
+        assert sorted(one[8 * b:8 * b + 8]) == sorted(two[0][4 * b:4 * b + 4] + two[1][4 * b:4 * b + 4])
+    assert EpochSampler(n, 3, 1, lengths=lengths, batch_size=8).indices() == one  # seeded
+    assert EpochSampler(n, 4, 1, lengths=lengths, batch_size=8).indices() != one
+    assert EpochSampler(n, 3, 2, lengths=lengths, batch_size=8).indices() != one
+
+
+def test_grouped_batches_pad_less_than_the_plain_shuffle():
+    from vlft.data.order import EpochSampler
+
+    lengths = _lengths()
+
+    def padded(order):
+        return sum(8 * max(lengths[j] for j in order[i:i + 8]) for i in range(0, len(order) - 7, 8))
+
+    plain = padded(EpochSampler(len(lengths), 0, 0).indices())
+    grouped = padded(EpochSampler(len(lengths), 0, 0, lengths=lengths, batch_size=8).indices())
+    assert grouped < 0.75 * plain
+
+
+def test_a_resumed_grouped_run_continues_exactly():
+    from vlft.data.order import DataOrder, batches, step_indices
+
+    lengths = _lengths(200)
+    settings = DataOrder(batch_size=4, grad_accum=2, seed=7, lengths=lengths)
+
+    def collate(samples):
+        return samples
+
+    dataset = list(range(len(lengths)))
+    straight = batches(dataset, collate, settings, 0)
+    steps = [next(straight) for _ in range(40)]  # more than an epoch (25 steps)
+    resumed = batches(dataset, collate, settings, 30)
+    assert [next(resumed) for _ in range(10)] == steps[30:]
+    for k in (1, 26, 33):  # naming a step's records recomputes the same order
+        assert step_indices(len(dataset), settings, k) == [j for b in steps[k - 1] for j in b]
+
+
+def test_group_by_length_gives_the_sampler_each_training_samples_length(registry, small_data, tmp_path):
+    from vlft.training.session import prepare
+
+    s = prepare(registry, _cfg(small_data, tmp_path / "r", group_by_length=True))
+    assert s.settings.lengths == [s.encoder.measure(r)[0] for r in s.train_records]
+    plain = prepare(registry, _cfg(small_data, tmp_path / "p"))
+    assert plain.settings.lengths is None

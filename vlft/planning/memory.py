@@ -195,7 +195,8 @@ def fsdp_gathered_bytes(model, compute_dtype: str | None) -> int:
 
 
 def largest_batches(lengths: list[int], grids: list[list], batch_size: int, grad_accum: int, world_size: int,
-                    seed: int, total_steps: int, labelled: list[int] | None = None) -> list[BatchShape]:
+                    seed: int, total_steps: int, labelled: list[int] | None = None,
+                    grouped: bool = False) -> list[BatchShape]:
     """The micro-batches with the most padded tokens, with the most image patches and (given ``labelled``,
     each sample's labelled tokens) with the most logit positions, over every process and every step the run
     will take (the sampler is seeded, so this is exact)."""
@@ -212,7 +213,8 @@ def largest_batches(lengths: list[int], grids: list[list], batch_size: int, grad
 
     for epoch in range(epochs):
         for rank in range(world_size):
-            order = EpochSampler(n, seed, epoch, rank, world_size).indices()
+            order = EpochSampler(n, seed, epoch, rank, world_size, lengths=lengths if grouped else None,
+                                 batch_size=batch_size).indices()
             usable = min(len(order) // batch_size, per_epoch * grad_accum) * batch_size
             for i in range(0, usable, batch_size):
                 idx = order[i:i + batch_size]

@@ -166,6 +166,7 @@ class Planned:
     val_records: list
     total_steps: int
     skeleton: object = None  # the adapted model on 'meta' the plan was made on (--shard fsdp saves through it)
+    train_lengths: list | None = None  # each training sample's tokens (--group-by-length batches by them)
 
 
 def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
@@ -208,7 +209,8 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
     if config.device_memory:
         total, source = parse_bytes(config.device_memory, "--device-memory"), f"--device-memory {config.device_memory}"
     shapes = memory.largest_batches(lengths.lengths, lengths.grids, config.batch_size, config.grad_accum,
-                                    config.world_size, config.seed, total_steps, lengths.labelled)
+                                    config.world_size, config.seed, total_steps, lengths.labelled,
+                                    grouped=config.group_by_length)
     shard_world, gathered = 1, 0
     if plan.sharding.enabled:
 
@@ -224,7 +226,7 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
         plan.notes.append(f"--shard fsdp: rank 0 alone reads the base weights, into its host memory "
                           f"({memory.gib(sum(plan.memory.base_weights.values()))}); the other processes build "
                           f"the model without weights and receive their 1/{config.world_size} shares from it")
-    return Planned(plan, model_config, processor, encoder, train, val, total_steps, skeleton)
+    return Planned(plan, model_config, processor, encoder, train, val, total_steps, skeleton, lengths.lengths)
 
 
 def check_fits(plan: RunPlan) -> None:

@@ -134,6 +134,8 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
                         flags_on_host=device.type == "cpu", fused_optimizer=fused_optimizer(plan))
     settings = _loop_settings(config, plan, planned.total_steps)
     settings.peak_flops, settings.flops_per_token = plan.peak_flops, model_flops_per_token(model)
+    if config.group_by_length:
+        settings.lengths = planned.train_lengths
     processor = planned.processor
     collate = Collator(processor.tokenizer.pad_token_id, processor.image_token_id,
                        video_token_id=getattr(processor, "video_token_id", None))
