@@ -22,6 +22,7 @@ import pytest
 
 from bench.support.counters import sync_counter
 from bench.support.data import encode_batches, to_device
+from bench.support.distributed import two_process_syncs
 from bench.support.env import BATCH_SIZE
 from bench.support.figures import figure, record
 from bench.support.models import adapted_model
@@ -61,6 +62,11 @@ def test_dispatch(benchmark, env, size, demo_records):
         figures[f"{method} hook calls per step"] = figure(r["hook_calls"], "== 0", unit="")
         figures[f"{method} syncs per step"] = figure(r["syncs"]["total"], unit="")
         figures[f"{method} syncs per step by vlft"] = figure(r["syncs"]["vlft_own"], "== 0", unit="")
+    if env.device.type == "cpu":  # two processes over gloo: the label count and the stop flag are reduced
+        two = two_process_syncs(demo_records, "lora")
+        results["lora, 2 processes"] = two
+        figures["lora syncs per step by vlft, 2 processes"] = figure(max(r["syncs"]["vlft_own"] for r in two),
+                                                                   "== 0", unit="")
     record(benchmark, env, size, "dispatch", figures, {}, dispatch=results,
            notes=["syncs on CPU: every scalar read / data-dependent op counted as the sync it would be on a device"])
 
@@ -75,3 +81,14 @@ def test_no_hook_call_inside_a_training_step(env, embedded_size, demo_records, m
 def test_vlft_itself_makes_no_host_device_sync_in_a_step(env, embedded_size, demo_records, method):
     r = counted_step(env, embedded_size, demo_records, method)
     assert r["syncs"]["vlft_own"] == 0, r["syncs"]["top_sites"]
+
+
+def test_vlft_itself_makes_no_host_device_sync_in_a_step_with_two_processes(env, demo_records):
+    if env.device.type != "cpu":
+        pytest.skip("two processes over gloo on the host")
+    results = two_process_syncs(demo_records, "lora")
+    for r in results:
+        assert r["syncs"]["vlft_own"] == 0, r["syncs"]["top_sites"]
+        assert r["agreed"] is None
+    # the label count is summed over both processes
+    assert results[0]["global_tokens"] == results[1]["global_tokens"] == sum(r["local_tokens"] for r in results)

@@ -61,12 +61,12 @@ def test_non_finite_steps_are_not_applied_and_too_many_stop_the_run(registry, sm
     # steps 2, 4 and 5 produce a NaN loss (a patched loss)
     nan_steps = {2, 4, 5}
     calls = {"step": 0}
-    real_loss, real_step, real_get = vlft.training.step.token_loss_sum, vlft.training.step.train_step, vlft.data.encoding.EncodedDataset.__getitem__
+    real_loss, real_step, real_get = vlft.training.step.batch_loss_sum, vlft.training.step.train_step, vlft.data.encoding.EncodedDataset.__getitem__
     weights: dict[int, tuple] = {}
     drawn: list[int] = []
 
-    def nan_loss(logits, labels):
-        out = real_loss(logits, labels)
+    def nan_loss(*args, **kwargs):
+        out = real_loss(*args, **kwargs)
         return out * float("nan") if calls["step"] in nan_steps else out
 
     def watched_step(model, optimizer, *args, **kwargs):
@@ -84,7 +84,7 @@ def test_non_finite_steps_are_not_applied_and_too_many_stop_the_run(registry, sm
         drawn.append(index)
         return real_get(self, index)
 
-    monkeypatch.setattr(vlft.training.step, "token_loss_sum", nan_loss)
+    monkeypatch.setattr(vlft.training.step, "batch_loss_sum", nan_loss)
     monkeypatch.setattr(vlft.training.step, "train_step", watched_step)
     monkeypatch.setattr(vlft.data.encoding.EncodedDataset, "__getitem__", watched_get)
     out = tmp_path / "run"

@@ -105,6 +105,9 @@ class RunConfig:
                                        "error (or skipped with --skip-too-long). Samples are never truncated.")
     skip_too_long: bool = opt(False, "Skip samples longer than --max-length (counted and listed in the summary) "
                                      "instead of stopping.", flag=True)
+    group_by_length: bool = opt(False, "Batch samples of similar length together (less padding): seeded and "
+                                       "resumable like the plain shuffle; every process takes its share of it.",
+                                flag=True)
     device_memory: str | None = opt(None, "Plan for a device of this much memory (e.g. 24GiB, 64GB) instead of "
                                           "the one found; lets a dry run here plan for a card it does not have.")
     shard: str = opt("none", "How several processes hold the model: none (each process a whole copy, data "

@@ -6,6 +6,8 @@
 - ``LiveTensorMeter`` follows the peak of live tensors during a real step,
   where a device has no allocator statistics to ask (bench's memory group,
   ``bench/device_scale.py`` on the CPU);
+- ``CopiedBytes`` counts the bytes tensor copies write (``clone``, ``copy_``) while active: the
+  non-finite guard's cost (``tests/test_speed.py``, bench's train-step group);
 - ``HookCallCounter`` names the plugin hooks called while active, through
   any registry (``tests/test_run.py``, bench's ``dispatch`` group).
 
@@ -124,6 +126,38 @@ class LiveTensorMeter:
 
     def __exit__(self, *exc):
         self._mode.__exit__(*exc)
+
+
+class CopiedBytes:
+    """Bytes written by tensor copies (``aten.clone``, ``aten.copy_``) while active, as ``with CopiedBytes() as c``."""
+
+    def __init__(self):
+        self.bytes = 0
+        self.calls = 0
+        self._mode = None
+
+    def __enter__(self):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        meter = self
+        copies = {torch.ops.aten.clone.default, torch.ops.aten.copy_.default}
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func in copies and isinstance(out, torch.Tensor):
+                    meter.bytes += out.numel() * out.element_size()
+                    meter.calls += 1
+                return out
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        return False
 
 
 class HookCallCounter:

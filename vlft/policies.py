@@ -100,6 +100,11 @@ class PrecisionPolicy:
     four_bit_reason: str = ""
     quantization: str | None = None  # "nf4" once asked for and offered; linear weights then 4-bit
     double_quant: bool = False  # the per-block constants quantized again (8-bit, one fp32 per 256 blocks)
+    # torch's fused AdamW runs on this device and skips a step on the device when told ``found_inf`` (as
+    # GradScaler tells it): the non-finite guard then copies nothing (used on accelerators; the CPU reads the
+    # flag on the host). False (the default) keeps the copy-and-restore guard, which the memory plan counts;
+    # a backend says True only where it was tried
+    fused_optimizer: bool = False
     make_scaler: Callable[[], Any] | None = field(default=None, repr=False, compare=False)
 
     def describe(self) -> dict:
@@ -169,6 +174,9 @@ class DeviceCapacity:
     total_bytes: int | None
     reserved_bytes: int = 0
     source: str = ""
+    # the device's dense peak FLOP/s at the run's compute dtype, where the backend knows it: the model FLOPs
+    # utilisation (MFU) in metrics.jsonl is given against it, and left out where it is None
+    peak_flops: float | None = None
 
 
 @dataclass(frozen=True)

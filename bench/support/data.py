@@ -54,3 +54,39 @@ def to_device(env: BenchEnv, batch: dict) -> dict:
     from vlft.data.batching import to_device as move
 
     return move(batch, env.device)
+
+
+def write_preflight_dataset(out: Path, n_records: int = 16_000, n_images: int = 2_000, side: int = 448,
+                            seed: int = 0) -> Path:
+    """The field report's shape: ``n_records`` records over ``n_images`` JPEG images of ``side`` x ``side``
+    (each image in ``n_records / n_images`` records), one or two turns. Written once per shape."""
+    import json
+    import random
+
+    from PIL import Image
+
+    out = Path(out)
+    train = out / "train.jsonl"
+    if train.exists():
+        return train
+    (out / "imgs").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    for i in range(n_images):
+        colour = (rng.randrange(256), rng.randrange(256), rng.randrange(256))
+        img = Image.new("RGB", (side, side), colour)
+        img.paste((255 - colour[0], 80, 160), (rng.randrange(side // 2), rng.randrange(side // 2), side // 2 + 40,
+                                                side // 2 + 40))
+        img.save(out / "imgs" / f"{i:05d}.jpg", quality=85)
+    words = "the part shows a scratch near the left edge no defect visible dent on the surface".split()
+    tmp = out / "train.jsonl.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in range(n_records):
+            answer = " ".join(rng.choice(words) for _ in range(rng.randrange(5, 40)))
+            turns = [{"role": "user", "content": "<image>What do you see on this part?"},
+                     {"role": "assistant", "content": answer}]
+            if r % 3 == 0:
+                turns += [{"role": "user", "content": "Is it acceptable?"},
+                          {"role": "assistant", "content": rng.choice(["yes", "no, reject it"])}]
+            f.write(json.dumps({"messages": turns, "images": [f"imgs/{r % n_images:05d}.jpg"]}) + "\n")
+    tmp.rename(train)
+    return train

@@ -147,6 +147,8 @@ def _four_bit() -> tuple[bool, str]:
 def vlft_precision_policy(backend, config):
     policy = _precision(config)
     policy.four_bit, policy.four_bit_reason = _four_bit()
+    # torch's fused AdamW (with found_inf, as GradScaler uses it) runs on CUDA: the non-finite guard copies nothing
+    policy.fused_optimizer = True
     return policy
 
 
@@ -216,9 +218,26 @@ def vlft_device_capacity(backend, config):
             return DeviceCapacity(None, CUDA_RESERVED, "no GPU visible here")
         index = config.local_rank if config.local_rank < torch.cuda.device_count() else 0
         props = torch.cuda.get_device_properties(index)
-        return DeviceCapacity(int(props.total_memory), CUDA_RESERVED, f"cuda:{index} {props.name}")
+        return DeviceCapacity(int(props.total_memory), CUDA_RESERVED, f"cuda:{index} {props.name}",
+                              peak_flops=peak_flops(props.name, config.precision))
     except Exception as e:  # noqa: BLE001 - planning must not crash on a driver hiccup
         return DeviceCapacity(None, CUDA_RESERVED, f"cannot read the GPU's memory ({_first_line(e)})")
+
+
+# dense (no sparsity) peak FLOP/s from the vendor's data sheets: (name fragment, bf16/fp16 tensor, fp32 tf32)
+PEAK_FLOPS = (("H200", 989e12, 494e12), ("H100 PCIe", 756e12, 378e12), ("H100", 989e12, 494e12),
+              ("A100", 312e12, 156e12), ("L40S", 362e12, 183e12), ("A10G", 70e12, 35e12), ("L4", 121e12, 60e12))
+
+
+def peak_flops(name: str, precision: str) -> float | None:
+    """The card's dense peak at the run's precision (fp32 runs as TF32 is not assumed: its CUDA-core figure is
+    not listed, so None), or None for a card not in ``PEAK_FLOPS``."""
+    if precision == "fp32":
+        return None
+    for fragment, half, _ in PEAK_FLOPS:
+        if fragment in name:
+            return half
+    return None
 
 
 @cuda_hookimpl

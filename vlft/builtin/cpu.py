@@ -9,6 +9,7 @@ hook runs.
 
 from __future__ import annotations
 
+
 from vlft import (
     AttentionPolicy,
     BackendInfo,
@@ -79,6 +80,9 @@ def _four_bit() -> tuple[bool, str]:
 def vlft_precision_policy(backend, config):
     policy = _precision(config)
     policy.four_bit, policy.four_bit_reason = _four_bit()
+    # torch's fused AdamW (with found_inf) runs on the CPU; a CPU run reads the flag on the host and keeps the
+    # default AdamW (the reference), but a step taken as on a device (bench, tests) may use it
+    policy.fused_optimizer = True
     return policy
 
 

@@ -7,11 +7,15 @@ and the stages load only when the command runs (`vlft --help` stays fast).
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import click
 
 from vlft.cli import user_errors
+
+
+PROGRESS_FROM = 1_000  # records in a file from which `vlft data check` draws a progress bar
 
 
 @click.group()
@@ -34,7 +38,10 @@ def check(files, model, image_root, add_placeholders, max_pixels, video_fps, vid
     """Validate FILE... (records, turns, images, videos, token lengths) with the messages `vlft run` gives.
 
     Exits non-zero when any record has a problem."""
+    from tqdm.auto import tqdm
+
     from vlft.data.encoding import SampleEncoder
+    from vlft.data.lengths import measure_all
     from vlft.data.records import read_records_collecting
     from vlft.errors import DataError
     from vlft.models.loading import load_processor, model_config_and_family, resolve_model_path
@@ -59,12 +66,15 @@ def check(files, model, image_root, add_placeholders, max_pixels, video_fps, vid
         layouts: dict[str, int] = {}
         for r in records:
             layouts[r.layout] = layouts.get(r.layout, 0) + 1
-            try:
-                n, _ = encoder.measure(r)
-            except DataError as e:
-                report["problems"].append(str(e))
+        # long sets: measured by parallel workers, with a progress bar on stderr (not in --json's stdout)
+        with tqdm(total=len(records), desc=f"checking {Path(name).name}", unit="record", leave=False,
+                  disable=len(records) < PROGRESS_FROM, file=sys.stderr) as bar:
+            results = measure_all(records, encoder, bar.update)
+        for r, result in zip(records, results):
+            if isinstance(result, DataError):
+                report["problems"].append(str(result))
                 continue
-            measured.append((n, f"{Path(name).parent / r.where}"))
+            measured.append((result[0], f"{Path(name).parent / r.where}"))
         entry.update(records=len(records), problems=problems.count, layouts=layouts,
                      turns=sum(len(r.turns) for r in records), images=sum(len(r.images) for r in records),
                      videos=sum(len(r.videos) for r in records),

@@ -114,8 +114,8 @@ def table_rows(runs: list[RunData]) -> tuple[list[str], list[list[str]]]:
     """The comparison table: one row per run."""
     fields = sorted({k for r in runs for k in (_get(r.eval, "after", "fields") or {})})
     header = ["run", "backend", "device", "method", "precision", "adapted modules", "adapter params", "steps",
-              "median step time", "eval time", "checkpoint time", "samples/s", "peak memory",
-              "exact match before", "exact match after"]
+              "median step time", "eval time", "checkpoint time", "samples/s", "tokens/s", "effective tokens/s", "MFU",
+              "peak memory", "exact match before", "exact match after"]
     header += [f"{f} acc / F1 after" for f in fields]
     rows = []
     for r in runs:
@@ -127,6 +127,9 @@ def table_rows(runs: list[RunData]) -> tuple[list[str], list[list[str]]]:
         # evaluation and checkpoint saving are not in the step time: their totals, and how often
         evals = [m["eval_time_s"] for m in r.metrics if m.get("eval_time_s") is not None]
         saves = [m["checkpoint_time_s"] for m in r.metrics if m.get("checkpoint_time_s") is not None]
+        tps = _median([m.get("tokens_per_s") for m in steady])
+        eff = _median([m.get("effective_tokens_per_s") for m in steady])
+        mfu = _median([m.get("mfu") for m in steady])
         peaks = [m.get("peak_memory_bytes") for m in r.metrics if m.get("peak_memory_bytes") is not None]
         peak = _get(r.summary, "peak_memory_bytes") or (max(peaks) if peaks else None)
         backend = _get(r.plan, "backend", "name") or _get(r.summary, "backend") or "-"
@@ -147,6 +150,8 @@ def table_rows(runs: list[RunData]) -> tuple[list[str], list[list[str]]]:
                f"{step_time:.3f} s" if step_time is not None else "-",
                _total_time(evals), _total_time(saves),
                f"{sps:.2f}" if sps is not None else "-",
+               f"{tps:,.0f}" if tps is not None else "-", f"{eff:,.0f}" if eff is not None else "-",
+               _pct(mfu),
                f"{peak / 2**30:.2f} GiB" if peak else "-",
                _pct(_get(r.eval, "before", "exact_match")), _pct(_get(r.eval, "after", "exact_match"))]
         for f in fields:

@@ -68,12 +68,37 @@ def label_count(batch: dict) -> int:
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
 
+def label_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, targets), both ``[B, P]`` long, from host labels ``[B, L]``: the positions t whose logit
+    predicts a label (``labels[:, t + 1]`` is not ignored), ``P`` the most any row has (at least 1); rows with
+    fewer are filled with positions whose target is ``IGNORE_INDEX``. Host-side: no device sync."""
+    following = labels[:, 1:]
+    keep = following != IGNORE_INDEX
+    width = max(int(keep.sum(1).max()) if keep.numel() else 0, 1)
+    # a stable sort puts each row's labelled positions first, in order; the rest point at ignored targets
+    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :width]
+    if order.size(1) < width:  # a batch of length 1: no position predicts anything
+        order = torch.zeros(labels.size(0), width, dtype=torch.long)
+        return order, torch.full_like(order, IGNORE_INDEX)
+    return order, torch.gather(following, 1, order)
+
+
+def with_label_positions(batch: dict) -> dict:
+    """``batch`` (on the host) with the positions whose logits the loss needs (``logit_positions``) and their
+    targets (``kept_labels``): the step asks the model for those logits only (``models.loss``)."""
+    positions, targets = label_positions(batch["labels"])
+    return {**batch, "logit_positions": positions, "kept_labels": targets}
+
+
 def to_device(batch: dict, device: torch.device, non_blocking: bool = False) -> dict:
     return {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}
 
 
 def model_inputs(batch: dict) -> dict:
-    """The model's keyword arguments for a training or loss forward. ``use_cache=False``: nothing reads a KV
-    cache there, and with one transformers 5 ignores the packed text position row (``data.packing``: its
-    block-diagonal mask is only built when there is no cache)."""
-    return {**{k: v for k, v in batch.items() if k != "labels"}, "use_cache": False}
+    """The model's keyword arguments for a training or loss forward (not what only the loss reads).
+    ``use_cache=False``: nothing reads a KV cache there, and with one transformers 5 ignores the packed text
+    position row (``data.packing``: its block-diagonal mask is only built when there is no cache)."""
+    return {**{k: v for k, v in batch.items() if k not in LOSS_KEYS}, "use_cache": False}
+
+
+LOSS_KEYS = ("labels", "logit_positions", "kept_labels")  # what the loss reads, not the model

@@ -145,6 +145,11 @@ class SampleEncoder:
 
     def measure(self, record: Record) -> tuple[int, list[tuple[int, int, int]]]:
         """(tokens, image grids) of a record as ``encode`` would make it, image tokens included."""
+        n, grids, _ = self.measure_labelled(record)
+        return n, grids
+
+    def measure_labelled(self, record: Record) -> tuple[int, list[tuple[int, int, int]], int]:
+        """``measure`` and the number of label tokens the loss counts (the positions the head runs at)."""
         sizes = record.image_sizes
         if sizes is None:
             sizes = []
@@ -155,9 +160,9 @@ class SampleEncoder:
         counts = torch.tensor(grids) if grids else None
         video = self._videos(record)  # decoding is the only way to know a clip's frame count at this rate
         video_grids = [tuple(int(x) for x in g) for g in video.get("video_grid_thw", [])]
-        input_ids, _ = self._tokenize(self.pieces(record.turns, record.where), counts,
-                                      video.get("video_grid_thw"))
-        return len(input_ids), grids + video_grids
+        input_ids, labels = self._tokenize(self.pieces(record.turns, record.where), counts,
+                                           video.get("video_grid_thw"))
+        return len(input_ids), grids + video_grids, sum(1 for x in labels[1:] if x != IGNORE_INDEX)
 
     def _images(self, record: Record) -> dict:
         if not record.images:
@@ -194,9 +199,12 @@ class SampleEncoder:
         pads = re.compile("|".join(re.escape(t) for t in counts if t))
         input_ids: list[int] = []
         labels: list[int] = []
-        for k, (text, trained) in enumerate(pieces):
-            text = pads.sub(lambda m: m.group(0) * next(counts[m.group(0)]), text)
-            ids = self.tokenizer(text, add_special_tokens=(k == 0))["input_ids"]
+        texts = [pads.sub(lambda m: m.group(0) * next(counts[m.group(0)]), text) for text, _ in pieces]
+        # one tokenizer call for the first piece (special tokens) and one for the rest: the same ids as a call each
+        encoded = self.tokenizer(texts[:1], add_special_tokens=True)["input_ids"] if texts else []
+        if len(texts) > 1:
+            encoded += self.tokenizer(texts[1:], add_special_tokens=False)["input_ids"]
+        for ids, (_, trained) in zip(encoded, pieces):
             input_ids += ids
             labels += ids if trained else [IGNORE_INDEX] * len(ids)
         return input_ids, labels

@@ -4,6 +4,7 @@ the longest records the memory plan must hold.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from vlft.data.encoding import SampleEncoder
@@ -18,6 +19,7 @@ class LengthReport:
     lengths: list[int]
     grids: list[list[tuple[int, int, int]]]
     skipped: list[dict] = field(default_factory=list)  # {"where", "length"} of samples over --max-length
+    labelled: list[int] = field(default_factory=list)  # label tokens per sample: the positions the head runs at
 
     def describe(self, limit: int | None) -> dict:
         ordered = sorted(self.lengths)
@@ -28,8 +30,68 @@ class LengthReport:
         }
 
 
+PARALLEL_FROM = 2_000  # records: below this, starting workers costs more than it saves
+_WORKER_ENCODER: list = []  # the encoder a forked worker inherited
+
+
+def check_workers() -> int:
+    """Processes that measure records in parallel: the usable cores, at most 8 (``VLFT_CHECK_WORKERS``)."""
+    wanted = os.environ.get("VLFT_CHECK_WORKERS")
+    if wanted:
+        return max(1, int(wanted))
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores))
+
+
+def _measure_chunk(chunk: list[Record]) -> list:
+    encoder = _WORKER_ENCODER[0]
+    out = []
+    for rec in chunk:
+        try:
+            out.append(encoder.measure_labelled(rec))
+        except DataError as e:
+            out.append(e)
+    return out
+
+
+def measure_all(records: list[Record], encoder: SampleEncoder, progress=None, workers: int | None = None) -> list:
+    """``encoder.measure_labelled`` of every record, in order: ``(tokens, grids, labelled)`` or the
+    ``DataError`` it raised. Long sets are measured by forked worker processes (each renders its share of the
+    chat templates); ``progress(n)`` is called as records are done."""
+    import multiprocessing  # only for long sets
+
+    workers = check_workers() if workers is None else workers
+    tick = progress or (lambda n: None)
+    if workers <= 1 or len(records) < PARALLEL_FROM or "fork" not in multiprocessing.get_all_start_methods():
+        out = []
+        for rec in records:
+            try:
+                out.append(encoder.measure_labelled(rec))
+            except DataError as e:
+                out.append(e)
+            tick(1)
+        return out
+    size = max(64, len(records) // (workers * 8))
+    chunks = [records[i:i + size] for i in range(0, len(records), size)]
+    _WORKER_ENCODER[:] = [encoder]
+    # forked workers inherit the encoder (processor, tokenizer) instead of loading it again
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    out = []
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            for part in pool.imap(_measure_chunk, chunks):
+                out += part
+                tick(len(part))
+    finally:
+        _WORKER_ENCODER.clear()
+    return out
+
+
 def check_lengths(records: list[Record], encoder: SampleEncoder, max_length: int | None, skip: bool,
-                  what: str = "data") -> tuple[list[Record], LengthReport]:
+                  what: str = "data", progress=None) -> tuple[list[Record], LengthReport]:
     """Measure every record; over ``max_length`` is an error naming each one, or with ``skip`` is dropped.
 
     Samples are never truncated: a cut could fall inside an image's tokens, which the model cannot read.
@@ -37,14 +99,17 @@ def check_lengths(records: list[Record], encoder: SampleEncoder, max_length: int
     kept: list[Record] = []
     report = LengthReport([], [])
     too_long: list[tuple[str, int]] = []
-    for rec in records:
-        n, grids = encoder.measure(rec)
+    for rec, measured in zip(records, measure_all(records, encoder, progress)):
+        if isinstance(measured, Exception):
+            raise measured
+        n, grids, labelled = measured
         if max_length is not None and n > max_length:
             too_long.append((rec.where, n))
             continue
         kept.append(rec)
         report.lengths.append(n)
         report.grids.append(grids)
+        report.labelled.append(labelled)
     if too_long and not skip:
         shown = "\n  ".join(f"{where}: {n} tokens" for where, n in too_long[:MAX_REPORTED_PROBLEMS])
         more = len(too_long) - MAX_REPORTED_PROBLEMS

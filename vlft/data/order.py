@@ -4,6 +4,13 @@ Every process shuffles with ``seed + epoch`` and takes every
 ``world_size``-th sample, so 2 processes of batch 4 see exactly the samples 1
 process of batch 8 sees, and the memory plan can list in advance every batch
 a run will draw.
+
+With ``--group-by-length`` (``DataOrder.lengths``) the same shuffle is cut into windows of
+``GROUP_SPAN`` global batches (``batch_size x world_size`` samples); each window is sorted by length and
+cut into global batches, whose order is then shuffled with the same seed (the last, partial one stays
+last). Each process still takes every ``world_size``-th sample, so within a global batch every process
+draws samples of similar length: less padding, with the same guarantees (one shuffle shared by every
+process, the global batches independent of how they are split over processes, resumable mid-epoch).
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ class DataOrder:
     rank: int = 0
     world_size: int = 1
     loader_kwargs: dict = field(default_factory=dict)  # the backend's DataLoader options (pin_memory, workers)
+    # --group-by-length: each sample's length (tokens), which groups samples of similar length into batches
+    lengths: list[int] | None = None
 
 
 class EpochSampler(torch.utils.data.Sampler):
@@ -37,13 +46,17 @@ class EpochSampler(torch.utils.data.Sampler):
     trained on, which is how ``--resume`` continues mid-epoch.
     """
 
-    def __init__(self, n: int, seed: int, epoch: int, rank: int = 0, world_size: int = 1, start: int = 0):
+    def __init__(self, n: int, seed: int, epoch: int, rank: int = 0, world_size: int = 1, start: int = 0,
+                 lengths: list[int] | None = None, batch_size: int = 1):
         self.n, self.seed, self.epoch, self.rank, self.world_size, self.start = n, seed, epoch, rank, world_size, start
+        self.lengths, self.batch_size = lengths, batch_size
 
     def indices(self) -> list[int]:
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         perm = torch.randperm(self.n, generator=g).tolist()
         usable = len(perm) - len(perm) % self.world_size
+        if self.lengths is not None:
+            perm = grouped_by_length(perm[:usable], self.lengths, self.batch_size * self.world_size, g)
         return perm[self.rank:usable:self.world_size][self.start:]
 
     def __iter__(self):
@@ -51,6 +64,21 @@ class EpochSampler(torch.utils.data.Sampler):
 
     def __len__(self) -> int:
         return len(self.indices())
+
+
+GROUP_SPAN = 64  # global batches per window sorted by length: wider pads less, narrower mixes more
+
+
+def grouped_by_length(order: list[int], lengths: list[int], global_batch: int, generator) -> list[int]:
+    """``order`` with samples of similar length brought together into global batches (see the module)."""
+    span = global_batch * GROUP_SPAN
+    full, partial = [], []
+    for i in range(0, len(order), span):
+        window = sorted(order[i:i + span], key=lambda j: -lengths[j])  # stable: ties keep the shuffle's order
+        for k in range(0, len(window), global_batch):
+            (full if len(window) - k >= global_batch else partial).append(window[k:k + global_batch])
+    shuffled = [full[i] for i in torch.randperm(len(full), generator=generator).tolist()]
+    return [j for batch in shuffled + partial for j in batch]
 
 
 def worker_init(worker_id: int) -> None:
@@ -74,7 +102,8 @@ def batches(dataset, collate, settings: DataOrder, start_step: int):
     short = len(dataset) // settings.world_size < micro * settings.grad_accum
     while True:
         sampler = EpochSampler(len(dataset), settings.seed, epoch, settings.rank, settings.world_size,
-                               start=step_in_epoch * micro * settings.grad_accum)
+                               start=step_in_epoch * micro * settings.grad_accum, lengths=settings.lengths,
+                               batch_size=micro)
         loader = torch.utils.data.DataLoader(
             dataset, batch_size=micro, sampler=sampler, collate_fn=collate, drop_last=not short,
             worker_init_fn=worker_init, generator=torch.Generator().manual_seed(settings.seed + epoch),
@@ -116,5 +145,6 @@ def step_indices(n_samples: int, settings: DataOrder, step: int) -> list[int]:
     per_epoch = steps_per_epoch(n_samples, settings.batch_size, settings.grad_accum, settings.world_size)
     epoch, step_in_epoch = divmod(step - 1, per_epoch)
     span = settings.batch_size * settings.grad_accum
-    order = EpochSampler(n_samples, settings.seed, epoch, settings.rank, settings.world_size).indices()
+    order = EpochSampler(n_samples, settings.seed, epoch, settings.rank, settings.world_size,
+                         lengths=settings.lengths, batch_size=settings.batch_size).indices()
     return order[step_in_epoch * span:(step_in_epoch + 1) * span]

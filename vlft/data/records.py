@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,6 +183,30 @@ def _resolve_image(value: Any, base_dir: Path, image_root: Path | None = None) -
     return source, problem
 
 
+# each image file is decoded once per process while it is unchanged: (path, size, mtime) -> its size, or the
+# problem it raised
+_CHECKED_IMAGES: dict[tuple, tuple[int, int] | Exception] = {}
+
+
+def checked_image_size(source: str | bytes) -> tuple[int, int]:
+    """(width, height) of an image, fully decoded (a broken or over-large one raises, as ``load_image``); a
+    file is decoded once while its path, size and modification time stay the same."""
+    if isinstance(source, bytes):
+        return load_image(source).size
+    st = os.stat(source)
+    key = (source, st.st_size, st.st_mtime_ns)
+    found = _CHECKED_IMAGES.get(key)
+    if found is None:
+        try:
+            found = load_image(source).size
+        except (UnidentifiedImageError, OSError, ValueError) as e:
+            found = e
+        _CHECKED_IMAGES[key] = found
+    if isinstance(found, Exception):
+        raise found
+    return found
+
+
 def load_image(source: str | bytes) -> Image.Image:
     """Open an image from a path or bytes, fully decoded and in RGB."""
     return open_image(source)
@@ -214,6 +239,7 @@ def read_records_collecting(path: str | Path, check_images: bool = True, image_r
     problems = _Problems(path)
     records: list[Record] = []
     base_dir = path.parent
+    resolved: dict[str, tuple] = {}  # a path named by many records is resolved once per read
     for where, obj in _iter_raw(path, problems):
         if not isinstance(obj, dict):
             problems.add(where, f"record must be a JSON object, got {type(obj).__name__}")
@@ -238,10 +264,15 @@ def read_records_collecting(path: str | Path, check_images: bool = True, image_r
         sizes: list[tuple[int, int]] = []
         bad = False
         for value in parsed.images:
-            source, problem = _resolve_image(value, base_dir, root)
+            if isinstance(value, str) and len(value) < 4096:
+                if value not in resolved:
+                    resolved[value] = _resolve_image(value, base_dir, root)
+                source, problem = resolved[value]
+            else:
+                source, problem = _resolve_image(value, base_dir, root)
             if problem is None and check_images:
                 try:
-                    sizes.append(load_image(source).size)
+                    sizes.append(checked_image_size(source))
                 except (UnidentifiedImageError, OSError, ValueError) as e:
                     label = value if isinstance(source, str) else "base64 image"
                     problem = f"image '{label}' cannot be read ({e.__class__.__name__}: {e})"

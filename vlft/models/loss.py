@@ -1,4 +1,10 @@
 """The training loss: next-token cross-entropy summed over label tokens, and the autocast it runs under.
+
+Most positions of a VLM sample (image and prompt tokens) carry no label. ``data.batching.label_positions`` finds,
+on the host, the positions whose logit predicts a label (the logit at position t predicts label t+1); the model is
+asked for the logits there only (transformers' ``logits_to_keep`` with a tensor of positions), so the lm_head
+and the float32 logits cover labelled positions only. ``kept_loss_sum`` is then the same sum as
+``token_loss_sum`` over the full logits.
 """
 
 from __future__ import annotations
@@ -23,3 +29,29 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),
         ignore_index=IGNORE_INDEX, reduction="sum",
     )
+
+
+def kept_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``token_loss_sum`` for logits taken at ``label_positions`` only (``logits [B, P, V]``, ``targets [B, P]``)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
+                                             ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def batch_loss_sum(model, inputs: dict, batch: dict, autocast=None) -> torch.Tensor:
+    """The batch's summed token loss from ``model``: at the labelled positions only where the batch carries
+    them (``with_label_positions``) and the model honours ``logits_to_keep``, else over the full head. The
+    forward runs under ``autocast``, the loss after it in fp32."""
+    autocast = autocast if autocast is not None else nullcontext()
+    if "kept_labels" in batch:
+        with autocast:
+            logits = model(**inputs, logits_to_keep=batch["logit_positions"]).logits
+        if logits.dim() == 3 and logits.shape[:2] == batch["kept_labels"].shape:
+            return kept_loss_sum(logits, batch["kept_labels"])
+        if logits.shape[1] != batch["labels"].shape[1]:
+            raise RuntimeError(f"the model returned logits of shape {tuple(logits.shape)} for logits_to_keep of "
+                               f"shape {tuple(batch['logit_positions'].shape)}")
+    else:
+        with autocast:
+            logits = model(**inputs).logits
+    return token_loss_sum(logits, batch["labels"])

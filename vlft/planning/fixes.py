@@ -67,7 +67,8 @@ def _replanner(plan: MemoryPlan, model, model_config, compute_dtype, family):
     """The same plan for another batch shape (re-estimated, not scaled)."""
     def replan(shape: BatchShape) -> MemoryPlan:
         return plan_memory(model, model_config, plan.base_dtype, compute_dtype, shape, plan.reserved_bytes,
-                           plan.capacity_bytes, plan.capacity_source, plan.shard_world, plan.gathered_bytes, family)
+                           plan.capacity_bytes, plan.capacity_source, plan.shard_world, plan.gathered_bytes, family,
+                           guard_copy=bool(plan.guard_copy_bytes))
     return replan
 
 
@@ -91,7 +92,7 @@ def _fix_smaller_batches(plan: MemoryPlan, replan, ckpt: bool, batch_size: int, 
     per = len(plan.batch.grids) / max(plan.batch.samples, 1)
     while b > 1:
         b //= 2
-        n = replan(BatchShape(b, plan.batch.tokens, plan.batch.grids[: round(per * b)])).total_bytes(ckpt)
+        n = replan(BatchShape(b, plan.batch.tokens, plan.batch.grids[: round(per * b)], plan.batch.labelled)).total_bytes(ckpt)
         if n <= _usable(plan) or b == 1:
             accum = grad_accum * batch_size // b
             return (f"--batch-size {b} --grad-accum {accum} (same samples per step"

@@ -66,6 +66,7 @@ class MemoryPlan:
     fixes: list[str] = field(default_factory=list)
     shard_world: int = 1  # --shard fsdp: base weights, adapter, grads and AdamW state split over this many
     gathered_bytes: int = 0  # --shard fsdp: parameters gathered whole at a time (root + two blocks)
+    guard_copy_bytes: int = 0  # the non-finite guard's copy of the adapter and its AdamW state (no fused AdamW)
 
     def per_process(self, n: int) -> int:
         """``n`` bytes of sharded state as one process holds them."""
@@ -77,7 +78,7 @@ class MemoryPlan:
 
     @property
     def adapter_state_bytes_per_process(self) -> int:
-        return self.per_process(self.adapter_bytes + self.grad_bytes + self.optimizer_bytes)
+        return self.per_process(self.adapter_bytes + self.grad_bytes + self.optimizer_bytes + self.guard_copy_bytes)
 
     @property
     def activation_bytes(self) -> int:
@@ -102,6 +103,7 @@ class MemoryPlan:
             "base_weights_bytes": self.base_weights, "base_dtype": self.base_dtype,
             "adapter_parameters": self.adapter_parameters, "adapter_bytes": self.adapter_bytes,
             "grad_bytes": self.grad_bytes, "optimizer_bytes": self.optimizer_bytes,
+            "guard_copy_bytes": self.guard_copy_bytes,
             "activation_bytes": self.activation_bytes, "activation_bytes_without_checkpointing": self.activations.full,
             "activation_bytes_with_checkpointing": self.activations.checkpointed,
             "logits_bytes": self.logits_bytes, "reserved_bytes": self.reserved_bytes,
@@ -121,7 +123,7 @@ def format_memory(d: dict) -> list[str]:
     """The plan's memory lines, from ``MemoryPlan.describe()`` (so dry-run JSON and text agree)."""
     w, batch = d["base_weights_bytes"], d["batch"]
     verdict = {True: "fits", False: "DOES NOT FIT", None: "capacity unknown (pass --device-memory)"}[d["fits"]]
-    adapter = d["adapter_bytes"] + d["grad_bytes"] + d["optimizer_bytes"]
+    adapter = d["adapter_bytes"] + d["grad_bytes"] + d["optimizer_bytes"] + d.get("guard_copy_bytes", 0)
     world = d.get("sharded_over", 1)
     lines = [
         f"memory       {gib(d['estimate_bytes'])} estimated per process; device {gib(d['capacity_bytes'])} "
@@ -129,7 +131,8 @@ def format_memory(d: dict) -> list[str]:
         f"             base weights {d['base_dtype']}: {gib(sum(w.values()))} (vision {gib(w.get('vision', 0))}, "
         f"text {gib(w.get('text', 0))})"
         + (f"; sharded over {world} processes: {gib(d['base_bytes_per_process'])} each" if world > 1 else ""),
-        f"             adapter {d['adapter_parameters']:,} params, fp32 weights + grads + AdamW: {gib(adapter)}"
+        f"             adapter {d['adapter_parameters']:,} params, fp32 weights + grads + AdamW"
+        + (" + the guard's copy" if d.get("guard_copy_bytes") else "") + f": {gib(adapter)}"
         + (f"; {gib(d['adapter_state_bytes_per_process'])} each" if world > 1 else ""),
     ]
     if world > 1:
@@ -203,7 +206,7 @@ def weight_bytes(model, param_dtype, family, quantization: str | None = None,
 def plan_memory(model, model_config, param_dtype: str, compute_dtype: str | None, batch: BatchShape,
                 reserved_bytes: int, capacity_bytes: int | None, capacity_source: str, shard_world: int = 1,
                 gathered_bytes: int = 0, family=None, quantization: str | None = None,
-                double_quant: bool = False) -> MemoryPlan:
+                double_quant: bool = False, guard_copy: bool = False) -> MemoryPlan:
     """The plan for ``model`` (adapted, on the meta device) at ``batch``; checkpointing still undecided.
     ``shard_world`` > 1: sharded with FSDP over that many processes, ``gathered_bytes`` gathered at a time."""
 
@@ -213,13 +216,16 @@ def plan_memory(model, model_config, param_dtype: str, compute_dtype: str | None
     acts = trace_activations(model, batch, family)
     vocab = model_config.text_config.vocab_size if hasattr(model_config, "text_config") else model_config.vocab_size
     logit_itemsize = torch.empty((), dtype=getattr(torch, compute_dtype or param_dtype)).element_size()
-    # the logits stay alive through backward, and their fp32 gradient is made there
-    logits = batch.samples * batch.tokens * vocab * (logit_itemsize + 4)
+    # the logits stay alive through backward, and their fp32 gradient is made there; the head runs at the
+    # labelled positions only (``batch.logit_positions``)
+    logits = batch.samples * batch.logit_positions * vocab * (logit_itemsize + 4)
     return MemoryPlan(
         base_weights=towers, base_dtype=f"nf4 linear + {param_dtype}" if quantization else param_dtype, adapter_parameters=trainable, adapter_bytes=4 * trainable,
         grad_bytes=4 * trainable, optimizer_bytes=8 * trainable, activations=acts, logits_bytes=logits,
         reserved_bytes=reserved_bytes, batch=batch, capacity_bytes=capacity_bytes, capacity_source=capacity_source,
         shard_world=shard_world, gathered_bytes=gathered_bytes,
+        # guard_copy: the adapter's weights and AdamW moments cloned before each step (``guarded_step``)
+        guard_copy_bytes=(4 + 8) * trainable if guard_copy else 0,
     )
 
 
@@ -234,16 +240,22 @@ def fsdp_gathered_bytes(model, compute_dtype: str | None, family=None) -> int:
 
 
 def largest_batches(lengths: list[int], grids: list[list], batch_size: int, grad_accum: int, world_size: int,
-                    seed: int, total_steps: int, packing=None, mask_itemsize: int = 1) -> list[BatchShape]:
-    """The micro-batches with the most padded tokens and with the most image patches, over every
-    process and every step the run will take (the sampler is seeded, so this is exact). ``packing`` (an
-    enabled ``data.packing.PackingPlan``): each micro-batch as the packing collator lays it out, rows x the
-    longest row, with the mask path's [rows, 1, L, L] mask at ``mask_itemsize`` bytes per entry."""
+                    seed: int, total_steps: int, packing=None, mask_itemsize: int = 1,
+                    labelled: list[int] | None = None, grouped: bool = False) -> list[BatchShape]:
+    """The micro-batches with the most padded tokens, with the most image patches and (given ``labelled``,
+    each sample's labelled tokens) with the most logit positions, over every process and every step the run
+    will take (the sampler is seeded, so this is exact). ``packing`` (an enabled ``data.packing.PackingPlan``):
+    each micro-batch as the packing collator lays it out, rows x the longest row, with the mask path's
+    [rows, 1, L, L] mask at ``mask_itemsize`` bytes per entry (packed rows keep every logit position)."""
 
-    def shape_of(idx: list[int]) -> BatchShape:
+    def most_labelled(idx) -> int | None:
+        return max(labelled[j] for j in idx) if labelled else None
+
+    def shape_of(idx) -> BatchShape:
+        idx = list(idx)
         gs = [g for j in idx for g in grids[j]]
         if packing is None or not packing.enabled:
-            return BatchShape(len(idx), max(lengths[j] for j in idx), gs)
+            return BatchShape(len(idx), max(lengths[j] for j in idx), gs, most_labelled(idx))
         rows, width = packed_shape([lengths[j] for j in idx], packing)
         mask = rows * width * width * mask_itemsize if packing.path == "mask" else 0
         return BatchShape(rows, width, gs, packed=len(idx), mask_bytes=mask)
@@ -253,27 +265,38 @@ def largest_batches(lengths: list[int], grids: list[list], batch_size: int, grad
     epochs = min(math.ceil(total_steps / per_epoch), 64)  # beyond a few epochs no new batch shapes appear
     best_tokens: BatchShape | None = None
     best_patches: BatchShape | None = None
+    best_logits: BatchShape | None = None
+
     for epoch in range(epochs):
         for rank in range(world_size):
-            order = EpochSampler(n, seed, epoch, rank, world_size).indices()
+            order = EpochSampler(n, seed, epoch, rank, world_size, lengths=lengths if grouped else None,
+                                 batch_size=batch_size).indices()
             usable = min(len(order) // batch_size, per_epoch * grad_accum) * batch_size
             for i in range(0, usable, batch_size):
                 idx = order[i:i + batch_size]
                 shape = shape_of(idx)
+                if labelled and (best_logits is None or shape.samples * shape.logit_positions
+                                 > best_logits.samples * best_logits.logit_positions):
+                    best_logits = shape
                 if best_tokens is None or shape.samples * shape.tokens > best_tokens.samples * best_tokens.tokens:
                     best_tokens = shape
                 if best_patches is None or shape.patches > best_patches.patches:
                     best_patches = shape
     if best_tokens is None:  # fewer samples than one batch: the whole set is the batch
-        best_tokens = shape_of(list(range(n)))
-    return [best_tokens] if best_patches is None or best_patches is best_tokens else [best_tokens, best_patches]
+        best_tokens = shape_of(range(n))
+    shapes = [best_tokens]
+    for other in (best_patches, best_logits):
+        if other is not None and all(other is not s for s in shapes):
+            shapes.append(other)
+    return shapes
 
 
 def worst_plan(model, model_config, param_dtype, compute_dtype, shapes: list[BatchShape], reserved: int,
                capacity: int | None, source: str, shard_world: int = 1, gathered_bytes: int = 0,
-               family=None, quantization: str | None = None, double_quant: bool = False) -> MemoryPlan:
+               family=None, quantization: str | None = None, double_quant: bool = False,
+               guard_copy: bool = False) -> MemoryPlan:
     plans = [plan_memory(model, model_config, param_dtype, compute_dtype, s, reserved, capacity, source,
-                         shard_world, gathered_bytes, family, quantization, double_quant)
+                         shard_world, gathered_bytes, family, quantization, double_quant, guard_copy)
              for s in shapes]
     return max(plans, key=lambda p: p.total_bytes(False))
 

@@ -69,6 +69,7 @@ class RunPlan:
     param_groups: dict[str, dict] = field(default_factory=dict)  # AdamW group -> {"lr", "parameters"}
     merger_parameters: int = 0  # --train-merger: merger parameters trained in full (modules_to_save)
     packing: PackingPlan | None = None  # --packing as resolved against the attention and the family
+    peak_flops: float | None = None  # the device's peak FLOP/s where the backend knows it (DeviceCapacity)
 
     @property
     def checkpointing(self) -> bool:

@@ -33,7 +33,7 @@ from vlft.models.loading import (
     resolve_model_path,
 )
 from vlft.models.targets import select_targets
-from vlft.planning import fixes, memory, trace
+from vlft.planning import checked, fixes, memory, trace
 from vlft.planning.plan import RunPlan, resolve_plan
 from vlft.planning.sharding import count_blocks
 from vlft.policies import DeviceCapacity
@@ -90,7 +90,25 @@ def read_training_files_unweighted(config: RunConfig) -> tuple[list[tuple[list, 
 
 
 def load_and_check_data(config: RunConfig, encoder) -> tuple[list, list, LengthReport]:
-    """Read and check both splits, lengths included; samples over --max-length stop the run or are skipped."""
+    """Read and check both splits, lengths included; samples over --max-length stop the run or are skipped.
+    The result is kept in the user's cache while the files are unchanged (``planning.checked``), and under
+    torchrun one process per machine checks."""
+    files, val_path = resolve_data_paths(config)
+    paths = [p for p, _ in files] + ([val_path] if val_path is not None else [])
+    if not all(p.is_file() for p in paths):  # the reader names what is missing
+        return _load_and_check_data(config, encoder)
+
+    def media(result):
+        train, val, _ = result
+        return checked.media_files([*train, *val])
+
+    train, val, lengths = checked.checked(config, encoder, paths, lambda: _load_and_check_data(config, encoder),
+                                          media)
+    check_enough_records(len(train), config)
+    return train, val, lengths
+
+
+def _load_and_check_data(config: RunConfig, encoder) -> tuple[list, list, LengthReport]:
     files, val_path = read_training_files_unweighted(config)
     if val_path is not None:
         val = read_records(val_path, image_root=config.image_root, add_placeholders=config.add_placeholders)
@@ -176,6 +194,7 @@ class Planned:
     val_records: list
     total_steps: int
     skeleton: object = None  # the adapted model on 'meta' the plan was made on (--shard fsdp saves through it)
+    train_lengths: list | None = None  # each training sample's tokens (--group-by-length batches by them)
 
 
 def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
@@ -215,12 +234,14 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
     capacity = registry.hook.vlft_device_capacity(backend=plan.backend.info.name, config=config) or \
         DeviceCapacity(None, 0, f"backend {plan.backend.info.name} does not report its memory")
     total, source = capacity.total_bytes, capacity.source
+    plan.peak_flops = capacity.peak_flops
     if config.device_memory:
         total, source = parse_bytes(config.device_memory, "--device-memory"), f"--device-memory {config.device_memory}"
     # packed: transformers' sdpa mask is bool, eager's is additive in the compute dtype
     mask_itemsize = 1 if plan.attention.text == "sdpa" else getattr(torch, compute).itemsize
     shapes = memory.largest_batches(lengths.lengths, lengths.grids, config.batch_size, config.grad_accum,
-                                    config.world_size, config.seed, total_steps, plan.packing, mask_itemsize)
+                                    config.world_size, config.seed, total_steps, plan.packing, mask_itemsize,
+                                    labelled=lengths.labelled, grouped=config.group_by_length)
     shard_world, gathered = 1, 0
     if plan.sharding.enabled:
 
@@ -229,7 +250,7 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
     plan.memory = memory.worst_plan(skeleton, model_config, plan.precision.param_dtype,
                                     plan.precision.autocast_dtype, shapes, capacity.reserved_bytes, total, source,
                                     shard_world, gathered, family, plan.precision.quantization,
-                                    plan.precision.double_quant)
+                                    plan.precision.double_quant, guard_copies(plan))
     fixes.decide(plan.memory, config.grad_checkpointing, skeleton, model_config, plan.precision.autocast_dtype,
                   config.batch_size, config.grad_accum, config.max_pixels,
                   can_shard=bool(plan.distributed and plan.distributed.fsdp), family=family)
@@ -239,7 +260,7 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
         plan.notes.append(f"--shard fsdp: rank 0 alone reads the base weights, into its host memory "
                           f"({memory.gib(sum(plan.memory.base_weights.values()))}); the other processes build "
                           f"the model without weights and receive their 1/{config.world_size} shares from it")
-    return Planned(plan, model_config, processor, encoder, train, val, total_steps, skeleton)
+    return Planned(plan, model_config, processor, encoder, train, val, total_steps, skeleton, lengths.lengths)
 
 
 def check_fits(plan: RunPlan) -> None:
@@ -251,3 +272,19 @@ def check_fits(plan: RunPlan) -> None:
         "the run will not fit its device: " + "\n".join(m.format())
         + "\nApply one of the fixes above (or pass --no-memory-check to try anyway); nothing was loaded or written."
     )
+
+
+def fused_optimizer(plan: RunPlan) -> bool:
+    """The run's AdamW is torch's fused one: where the guard would otherwise copy (not on the CPU, whose
+    non-finite flag is read on the host and whose default AdamW stays the reference), the backend says its
+    device runs it (``PrecisionPolicy``), and the parameters are not sharded (FSDP's DTensors keep the default
+    implementation)."""
+    return (bool(plan.precision.fused_optimizer) and plan.backend.info.device_type != "cpu"
+            and not (plan.sharding and plan.sharding.enabled))
+
+
+def guard_copies(plan: RunPlan) -> bool:
+    """The non-finite guard copies the adapter and its AdamW state each step (``training.step.guarded_step``):
+    on a device whose flags are not read on the host, without a loss scaler (which skips steps itself) and
+    without the fused AdamW (which skips them on the device)."""
+    return plan.backend.info.device_type != "cpu" and not plan.precision.loss_scaling and not fused_optimizer(plan)

@@ -19,7 +19,7 @@ from transformers import AttentionInterface, AutoModelForImageTextToText
 
 from vlft.measure import SavedTensorMeter
 from vlft.models.families import base_model, family_of_model, resolve_module
-from vlft.models.loss import token_loss_sum
+from vlft.models.loss import kept_loss_sum
 
 if TYPE_CHECKING:
     from vlft.planning.trace import BatchShape
@@ -34,8 +34,14 @@ class BatchShape:
     samples: int
     tokens: int
     grids: list[tuple[int, int, int]] = field(default_factory=list)
+    # positions per sample whose logits the loss needs (the most labelled tokens in a sample); None: all of them
+    labelled: int | None = None
     packed: int = 0  # samples packed into the rows (0: padded, one sample per row)
     mask_bytes: int = 0
+
+    @property
+    def logit_positions(self) -> int:
+        return self.tokens if self.labelled is None else max(1, min(self.labelled, self.tokens))
 
     @property
     def patches(self) -> int:
@@ -43,7 +49,7 @@ class BatchShape:
 
     def describe(self) -> dict:
         out = {"samples": self.samples, "tokens_per_sample": self.tokens, "images": len(self.grids),
-               "image_patches": self.patches}
+               "image_patches": self.patches, "logit_positions_per_sample": self.logit_positions}
         if self.packed:
             out.update(packed_samples=self.packed, mask_bytes=self.mask_bytes)
         return out
@@ -225,10 +231,15 @@ def trace_activations(model, batch: BatchShape, family=None) -> Activations:
             if grad or _trainable(layer):
                 inputs.append(hidden.numel() * hidden.element_size())
             hidden = run_layer(layer, lambda lay=layer, h=hidden: lay(h, attention_mask=None, position_embeddings=pe))
-        labels = torch.zeros(batch.samples, batch.tokens, dtype=torch.long, device="meta")
+        # the head runs at the labelled positions only (``models.loss.batch_loss_sum``)
+        kept = batch.logit_positions
+        labels = torch.zeros(batch.samples, kept, dtype=torch.long, device="meta")
         head_before = meter.bytes
-        logits = lm_head(text.norm(hidden))
-        token_loss_sum(logits, labels)
+        normed = text.norm(hidden)
+        if kept < batch.tokens:
+            normed = torch.take_along_dim(normed, labels[..., None], dim=1)
+        logits = lm_head(normed)
+        kept_loss_sum(logits, labels)
         head = meter.bytes - head_before
     full = meter.bytes
     # non-reentrant checkpointing keeps each layer's input; backward recomputes one layer at a time

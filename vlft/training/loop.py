@@ -37,6 +37,9 @@ class LoopSettings(DataOrder):
     keep_checkpoints: int = 2
     max_skipped_steps: int = 5  # consecutive non-finite steps that stop the run (0: never)
     early_stopping_patience: int = 0  # evaluations without a better validation loss before stopping (0: never)
+    # MFU: the device's peak FLOP/s where the backend knows it, and the model FLOPs of one (non-padding) token
+    peak_flops: float | None = None
+    flops_per_token: float = 0.0
 
 
 @dataclass
@@ -142,6 +145,7 @@ class _Window:
     def reset(self) -> None:
         self.loss = torch.zeros((), device=self.device)
         self.tokens, self.samples, self.steps = 0.0, 0, 0
+        self.positions, self.real = 0, 0  # this process's token positions computed, and those not padding
         self.start = time.perf_counter()
         self.paused = 0.0  # seconds of evaluation and checkpoint saving inside the window: not step time
 
@@ -158,17 +162,22 @@ class _Window:
         self.loss += torch.where(out["skipped"], torch.zeros_like(out["loss_sum"]), out["loss_sum"])
         self.tokens += out["local_tokens"]
         self.samples += sum(len(b["input_ids"]) for b in group) * world_size
+        self.positions += sum(b["input_ids"].numel() for b in group)  # host batches: no device sync
+        self.real += sum(int(b["attention_mask"].sum()) for b in group)
         self.steps += 1
 
     def mean_loss(self, world_size: int) -> float:
-        """The loss over all processes' label tokens (one all-reduce under torchrun)."""
+        """The loss over all processes' label tokens (one all-reduce under torchrun, which also sums the
+        window's token counts into ``totals``)."""
         loss_sum = self.loss
-        tokens = torch.tensor(self.tokens, device=self.device, dtype=torch.float64)
+        counts = torch.tensor([self.tokens, self.positions, self.real], device=self.device, dtype=torch.float64)
         if world_size > 1:
-            pair = torch.stack([loss_sum.double(), tokens])
-            torch.distributed.all_reduce(pair)
-            loss_sum, tokens = pair[0], pair[1]
-        return float(loss_sum) / max(float(tokens), 1.0)
+            both = torch.cat([loss_sum.double().reshape(1), counts])
+            torch.distributed.all_reduce(both)
+            loss_sum, counts = both[0], both[1:]
+        labels, positions, real = counts.tolist()
+        self.totals = {"labels": labels, "positions": positions, "real": real}
+        return float(loss_sum) / max(labels, 1.0)
 
 
 def _progress_bar(settings: LoopSettings, start_step: int, progress: bool):
@@ -217,7 +226,11 @@ def _loop(model, optimizer, scheduler, policy, dataset, collate, settings, check
             if is_main:
                 metrics.write(record)
                 # refresh=False: the bar draws at its own interval (one line per 15 s in a log file), not per log
-                bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", refresh=False)
+                bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
+                                **({"tok/s": f"{record['tokens_per_s']:,.0f}",
+                                    "eff": f"{record['effective_tokens_per_s']:,.0f}"}
+                                   if record.get("tokens_per_s") else {}),
+                                **({"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}), refresh=False)
             window.reset()
         elif wants_eval and step % settings.eval_every == 0:
             val, eval_s = window.timed(evaluate_loss)
@@ -264,6 +277,7 @@ def _log_record(step, window: _Window, out, scheduler, policy, settings, memory_
         "grad_norm": float(out["grad_norm"]),
         "step_time_s": elapsed / window.steps,
         "samples_per_s": window.samples / elapsed if elapsed > 0 else None,
+        **throughput(window.totals, elapsed, settings),
         "peak_memory_bytes": memory_reader().peak_bytes,
         "skipped_steps": skips.total,
     }
@@ -279,6 +293,20 @@ def _patience(window: _Window, patience: _EarlyStopping, step: int, val: float) 
     stop, seconds = window.timed(lambda: patience.ran_out(step, val))
     saved = patience.on_best is not None and patience.best < best
     return stop, seconds if saved else None
+
+
+def throughput(totals: dict, elapsed: float, settings: LoopSettings) -> dict:
+    """Tokens/s over all processes: every position computed (padding included), the effective ones (not
+    padding), the labelled ones; and the MFU (model FLOPs of the effective tokens over the devices' peak)
+    where the backend knows the peak."""
+    if elapsed <= 0:
+        return {}
+    out = {"tokens_per_s": totals["positions"] / elapsed, "effective_tokens_per_s": totals["real"] / elapsed,
+           "label_tokens_per_s": totals["labels"] / elapsed}
+    if settings.peak_flops and settings.flops_per_token:
+        out["mfu"] = out["effective_tokens_per_s"] * settings.flops_per_token / (settings.peak_flops
+                                                                                 * settings.world_size)
+    return out
 
 
 def _save(checkpoints, step, model, optimizer, scheduler, policy, settings, pending, skips, dataset, metrics,

@@ -33,7 +33,7 @@ from vlft.models.vision import install_vision_warmup
 from vlft.planning.kernels import apply_kernels
 from vlft.planning.memory import four_bit_skip
 from vlft.planning.plan import RunPlan, choose_backend, require_available
-from vlft.planning.preflight import check_fits, plan_run
+from vlft.planning.preflight import check_fits, fused_optimizer, plan_run
 from vlft.registry import Registry
 from vlft.training.checkpoints import restore_training_state
 from vlft.training.fsdp import full_trainable_state, materialized_adapter, shard_model
@@ -140,8 +140,11 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
         start_step = restore_training_state(resume_from, optimizer, scheduler, scaler, device,
                                             model=model if plan.sharding.enabled else None)
     policy = StepPolicy(device, autocast_dtype, scaler, config.max_grad_norm, config.grad_accum, config.world_size,
-                        flags_on_host=device.type == "cpu")
+                        flags_on_host=device.type == "cpu", fused_optimizer=fused_optimizer(plan))
     settings = _loop_settings(config, plan, planned.total_steps)
+    settings.peak_flops, settings.flops_per_token = plan.peak_flops, model_flops_per_token(model)
+    if config.group_by_length:
+        settings.lengths = planned.train_lengths
     processor = planned.processor
     collate = training_collator(plan, planned.model_config, processor)
 
@@ -229,8 +232,16 @@ def _place(model, plan: RunPlan, config: RunConfig, device) -> None:
 def _optimizer_and_schedule(model, plan: RunPlan, config: RunConfig, total_steps: int):
     # one group per tower (text, vision, merger), each at its absolute peak lr; the schedule scales them all
     groups = optimizer_groups(model, plan.family, plan.lr, config)
-    optimizer = torch.optim.AdamW(groups, lr=plan.lr, weight_decay=config.weight_decay)
+    fused = {"fused": True} if fused_optimizer(plan) else {}
+    optimizer = torch.optim.AdamW(groups, lr=plan.lr, weight_decay=config.weight_decay, **fused)
     return optimizer, cosine_with_warmup(optimizer, int(config.warmup_ratio * total_steps), total_steps)
+
+
+def model_flops_per_token(model) -> float:
+    """Model FLOPs of one token in a step with a frozen base: 2 per parameter forward, 2 backward for the
+    input gradients (the adapters' own weight gradients are negligible); attention and activation
+    recomputation are left out, as MFU conventionally does."""
+    return 4.0 * sum(p.numel() for p in model.parameters())
 
 
 def _loop_settings(config: RunConfig, plan: RunPlan, total_steps: int) -> LoopSettings:

@@ -25,9 +25,10 @@ import numpy as np
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
-from vlft.data.batching import label_count, model_inputs, to_device
-from vlft.models.loss import autocast_context, token_loss_sum
+from vlft.data.batching import label_count, model_inputs, to_device, with_label_positions
+from vlft.models.loss import autocast_context, batch_loss_sum
 from vlft.planning.sharding import local
+from vlft.training.signals import host_all_reduce
 
 
 @dataclass
@@ -43,6 +44,11 @@ class StepPolicy:
     # the device runs each op before returning (the CPU): reading the non-finite flag waits for nothing, so a
     # skipped step is simply not taken instead of being taken and undone on the device (``guarded_step``)
     flags_on_host: bool = False
+    # torch's fused AdamW, told ``found_inf``, skips a non-finite step on the device: nothing is copied
+    # (``PrecisionPolicy.fused_optimizer``; else ``guarded_step`` copies and restores)
+    fused_optimizer: bool = False
+    # the lm_head and the fp32 logits at labelled positions only (``models.loss.batch_loss_sum``)
+    labels_only: bool = True
 
 
 def seed_everything(seed: int) -> None:
@@ -52,23 +58,32 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def global_label_count(count: int, world_size: int, device: torch.device) -> float:
-    """Label tokens of this optimizer step summed over processes."""
-    if world_size > 1:
-        t = torch.tensor([count], dtype=torch.float64, device=device)
-        torch.distributed.all_reduce(t)
-        count = t.item()
-    return float(max(count, 1))
+def start_global_label_count(count: int, world_size: int):
+    """Start summing this step's label tokens over processes, on the host (the counts are known there, so
+    the device is never waited for); call the result for the sum."""
+    if world_size <= 1:
+        return lambda: float(max(count, 1))
+    work, total = host_all_reduce([count], np.float64)
+
+    def result() -> float:
+        work.wait()
+        return float(max(total[0], 1))
+    return result
+
+
+def global_label_count(count: int, world_size: int, device: torch.device | None = None) -> float:
+    """Label tokens of this optimizer step summed over processes (a host reduction: no device sync)."""
+    return start_global_label_count(count, world_size)()
 
 
 def train_step(model, optimizer, scheduler, micro_batches: list[dict], policy: StepPolicy,
-               local_tokens: int) -> dict:
+               local_tokens: int, global_tokens: float | None = None) -> dict:
     """One optimizer step over ``micro_batches`` (already on the device). Returns device tensors.
 
     ``local_tokens`` is this process's label-token count for the step, counted
     on the host before the batches moved, so the step needs no device sync for it.
     """
-    n_tokens = global_label_count(local_tokens, policy.world_size, policy.device)
+    n_tokens = global_tokens if global_tokens is not None else global_label_count(local_tokens, policy.world_size)
     # DDP and FSDP average gradients over processes; scale back up so the result is sum / global tokens
     scale = policy.world_size / n_tokens
     autocast = autocast_context(policy.device, policy.autocast_dtype)
@@ -81,9 +96,7 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], policy: S
         elif hasattr(model, "set_requires_gradient_sync") and last:
             model.set_requires_gradient_sync(i == last)  # FSDP: reduce-scatter only on the last one
         with sync:
-            with autocast:
-                logits = model(**model_inputs(batch)).logits
-            loss_sum = token_loss_sum(logits, batch["labels"])
+            loss_sum = batch_loss_sum(model, model_inputs(batch), batch, autocast)
             loss = loss_sum * scale
             (policy.scaler.scale(loss) if policy.scaler is not None else loss).backward()
         total += loss_sum.detach()
@@ -110,6 +123,8 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], policy: S
     elif policy.flags_on_host:
         if finite:
             optimizer.step()
+    elif policy.fused_optimizer:
+        fused_guarded_step(optimizer, finite)
     else:
         guarded_step(optimizer, finite)
     scheduler.step()
@@ -134,6 +149,17 @@ def scaler_explains(policy: StepPolicy, finite: torch.Tensor, loss_sum: torch.Te
     scale = policy.scaler._get_scale_async()  # the scale this step used, as a device tensor (no sync)
     above_floor = (scale > MIN_LOSS_SCALE) if scale is not None else torch.ones((), dtype=torch.bool)
     return (~finite) & (loss_finite > 0).to(finite.device) & above_floor.to(finite.device).reshape(())
+
+
+def fused_guarded_step(optimizer, finite: torch.Tensor) -> None:
+    """``optimizer.step()`` of a fused AdamW told to skip where ``finite`` is False, on the device, as GradScaler
+    tells it (``found_inf``): parameters, moments and step counters (on the device with ``fused``) stay as
+    they were, with no copy and no host sync."""
+    optimizer.found_inf = (~finite).to(torch.float32)
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
 
 
 def guarded_step(optimizer, finite: torch.Tensor) -> None:
@@ -176,8 +202,11 @@ def train_step_on(model, optimizer, scheduler, host_batches: list[dict], policy:
                   non_blocking: bool = False) -> dict:
     """``train_step`` on batches still on the host: count their label tokens there, then move them."""
     local_tokens = sum(label_count(b) for b in host_batches)
+    global_tokens = start_global_label_count(local_tokens, policy.world_size)  # on the host, while batches move
+    if policy.labels_only:
+        host_batches = [with_label_positions(b) for b in host_batches]
     batches_on_device = [to_device(b, policy.device, non_blocking) for b in host_batches]
-    return train_step(model, optimizer, scheduler, batches_on_device, policy, local_tokens)
+    return train_step(model, optimizer, scheduler, batches_on_device, policy, local_tokens, global_tokens())
 
 
 def cosine_with_warmup(optimizer, warmup: int, total: int):
