@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from vlft.config import RunConfig
-from vlft.data.batching import Collator
+from vlft.data.batching import Collator, collator_for
 from vlft.data.encoding import EncodedDataset, SampleEncoder
 from vlft.models.adapting import (
     compute_adapters_in_autocast_dtype,
@@ -142,8 +142,7 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
                         flags_on_host=device.type == "cpu")
     settings = _loop_settings(config, plan, planned.total_steps)
     processor = planned.processor
-    collate = Collator(processor.tokenizer.pad_token_id, processor.image_token_id,
-                       video_token_id=getattr(processor, "video_token_id", None))
+    collate = collator_for(processor, plan.family)
 
     def save_adapter(m, path):
         registry.first("vlft_save_adapter", method=plan.method.name, model=m, path=path)
