@@ -83,6 +83,33 @@ def size(request):
 
 
 @pytest.fixture(scope="session")
+def qwen3_vl_size(env):
+    """`--model embedded:qwen3-vl`: the Qwen3-VL family's tiny model (built by its plugin, cached like the
+    embedded default)."""
+    from bench.support.models import model_size
+    from vlft.models.embedded import embedded_family_dir
+    from vlft.models.families import family_named
+
+    family = family_named(env.registry, "qwen3-vl")
+    return model_size("qwen3-vl", str(embedded_family_dir(family)), family)
+
+
+def skip_under_benchmark_disable(request, size_name: str) -> None:
+    """`make test` collects bench/ with --benchmark-disable: there the groups run on the embedded model only."""
+    disabled = request.config.getoption("benchmark_disable") and not request.config.getoption("benchmark_enable")
+    if disabled and size_name != "embedded":
+        pytest.skip(f"under --benchmark-disable this group runs on the embedded model only (not {size_name})")
+
+
+@pytest.fixture(params=["embedded", "wide", "qwen3-vl"])
+def family_size(request):
+    """train_step and loop_overhead: both sizes and the Qwen3-VL family's embedded model (issue 20's figures)."""
+    if request.param == "qwen3-vl":
+        skip_under_benchmark_disable(request, request.param)  # decided before its model is built
+    return request.getfixturevalue(f"{request.param.replace('-', '_')}_size")
+
+
+@pytest.fixture(scope="session")
 def demo_data(tmp_path_factory):
     """The product-inspection set (one image, one question, one answer per record): 32 training records."""
     from vlft.data.demo import write_demo_dataset

@@ -10,6 +10,8 @@ policy (autocast and loss scaling where it has them):
   ``clip_grad_norm_``, ``optimizer.step()``, ``scheduler.step()``,
   ``optimizer.zero_grad()``.
 
+Sizes: the embedded default, the wide one and ``embedded:qwen3-vl`` (the last only with benchmarks enabled).
+
 Figure: vlft/plain step time (target <= 1.03).
 """
 
@@ -50,7 +52,8 @@ def plain_step(env, model, optimizer, scheduler, scaler=None, max_grad_norm: flo
 
 
 @pytest.mark.benchmark(group="loop_overhead")
-def test_loop_overhead(benchmark, env, size, demo_records):
+def test_loop_overhead(benchmark, env, family_size, demo_records):
+    size = family_size
     host = encode_batches(size, demo_records[:BATCH_SIZE])[0]
     dev = to_device(env, host)
     model, _ = adapted_model(env, size, "lora")

@@ -29,7 +29,7 @@ VARIANTS = {"fp32": ("fp32", "off"), "fp32+ckpt": ("fp32", "on"), "bf16": ("bf16
 
 # (size, attention): the backend's default everywhere, and SDPA on the wide model too, since eager
 # attention keeps its softmax in fp32 whatever the compute dtype (transformers' eager path, by design)
-CASES = [("embedded", None), ("wide", None), ("wide", "sdpa"), ("large", None)]
+CASES = [("embedded", None), ("wide", None), ("wide", "sdpa"), ("large", None), ("qwen3-vl", None)]
 
 
 @pytest.fixture(params=CASES, ids=[f"{s}-{a or 'default'}" for s, a in CASES])
@@ -39,7 +39,7 @@ def mem_case(request):
     disabled = request.config.getoption("benchmark_disable") and not request.config.getoption("benchmark_enable")
     if disabled and size != "embedded":
         pytest.skip("under --benchmark-disable the memory group runs on the embedded model only")
-    return request.getfixturevalue(f"{size}_size"), attn
+    return request.getfixturevalue(f"{size.replace('-', '_')}_size"), attn
 
 
 @pytest.fixture(scope="session")

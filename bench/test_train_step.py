@@ -8,6 +8,8 @@ single trainable scalar gain where the first adapted vision block begins,
 so its backward traverses the same layers as the adapters' (activation
 gradients only); see ``bench.support.models.FrozenBase``.
 
+Sizes: the embedded default, the wide one and ``embedded:qwen3-vl`` (the last only with benchmarks enabled).
+
 Figures: OFT/LoRA step time (target <= 1.25), LoRA and OFT over the frozen
 base, and peak memory per variant with OFT/LoRA (target <= 1.05); see
 ``bench.support.memory.step_memory`` for how memory is measured on each backend.
@@ -27,7 +29,8 @@ from bench.support.training import trainer
 
 
 @pytest.mark.benchmark(group="train_step")
-def test_train_step(benchmark, env, size, demo_records):
+def test_train_step(benchmark, env, family_size, demo_records):
+    size = family_size
     host = encode_batches(size, demo_records[:BATCH_SIZE])[0]
     dev = to_device(env, host)
     trainers = {

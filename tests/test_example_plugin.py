@@ -22,7 +22,8 @@ from vlft import ConfigError, RunConfig
 from vlft.testing import check_plugin, registry_with, run, tiny_run_config
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "vlft-example-plugin"
-ENTRY_POINTS = {"cpu-bf16": "vlft_example_plugin.backend", "loha": "vlft_example_plugin.loha"}
+ENTRY_POINTS = {"cpu-bf16": "vlft_example_plugin.backend", "loha": "vlft_example_plugin.loha",
+                "gemma3": "vlft_example_plugin.gemma3"}
 
 
 def installed() -> bool:
@@ -35,10 +36,10 @@ needs_install = pytest.mark.skipif(
                             "or: pip install -e examples/vlft-example-plugin)")
 
 try:
-    from vlft_example_plugin import backend, loha
+    from vlft_example_plugin import backend, gemma3, loha
 except ImportError:  # not installed: the in-process tests use the source folder
     sys.path.insert(0, str(EXAMPLE))
-    from vlft_example_plugin import backend, loha
+    from vlft_example_plugin import backend, gemma3, loha
 
 
 # -- as a user: through the entry points ------------------------------------------------------------------
@@ -93,6 +94,66 @@ def test_vlft_run_on_the_example_backend_and_method_saves_a_plain_peft_adapter(m
 
 
 @needs_install
+def test_the_gemma3_family_trains_through_its_entry_point_and_saves_a_plain_peft_adapter(tmp_path):
+    """`--model embedded:gemma3` found through the example package's entry point (the registry loads every
+    installed plugin); a few steps with a falling loss; the adapter loads with plain PEFT on the tiny model."""
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from vlft.models.embedded import embedded_family_dir
+
+    result = run(tiny_run_config(tmp_path, model="embedded:gemma3", steps=8, batch_size=4, lr=3e-3))
+    plan = json.loads((result.output / "plan.json").read_text())
+    assert plan["model_family"]["name"] == "gemma3", plan.get("model_family")
+    losses = [m["loss"] for m in result.metrics if "loss" in m]
+    assert len(losses) == 8 and sum(losses[-3:]) / 3 < 0.9 * sum(losses[:3]) / 3, losses
+    folder = embedded_family_dir(gemma3.FAMILY)  # the folder the run trained on (built once, cached)
+    saved = load_file(str(result.output / "adapter" / "adapter_model.safetensors"))
+    loaded = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(folder),
+                                       str(result.output / "adapter"))
+    assert loaded.peft_config["default"].peft_type.value == "LORA"
+    state = {k.replace(".default", ""): v for k, v in loaded.state_dict().items() if "lora_" in k}
+    assert len(state) == len(saved) > 0 and any("vision_tower" in k for k in saved)
+    for key, tensor in saved.items():
+        assert torch.equal(state[key], tensor), key
+
+
+def test_gemma3_samples_are_encoded_as_its_own_processor_encodes_them(tmp_path):
+    """processor_expands_placeholders: the encoder's input_ids and token_type_ids equal Gemma3Processor's on
+    the whole rendered conversation; only the reply (to <end_of_turn>) is trained; the batch carries
+    token_type_ids and no Qwen keys."""
+    import torch
+
+    from vlft.data.batching import collator_for
+    from vlft.data.demo import write_demo_dataset
+    from vlft.data.encoding import SampleEncoder
+    from vlft.data.records import IGNORE_INDEX, load_image, read_records
+    from vlft.models.embedded import embedded_family_dir
+    from vlft.models.loading import load_processor
+
+    family = gemma3.FAMILY
+    processor = load_processor(embedded_family_dir(family), family)
+    encoder = SampleEncoder(processor, family=family)
+    records = read_records(write_demo_dataset(tmp_path / "data", n_train=2, n_val=1).train)
+    rec = records[0]
+    sample = encoder.encode(rec)
+    full = encoder.render(rec.turns, add_generation_prompt=False)
+    own = processor(text=[full], images=[[load_image(s) for s in rec.images]], return_tensors="pt")
+    assert torch.equal(sample["input_ids"], own["input_ids"][0])
+    assert torch.equal(sample["token_type_ids"], own["token_type_ids"][0]) and int(sample["token_type_ids"].sum()) \
+        == len(rec.images) * processor.image_seq_length
+    assert torch.equal(sample["pixel_values"], own["pixel_values"])
+    trained = processor.tokenizer.decode(sample["input_ids"][sample["labels"] != IGNORE_INDEX])
+    assert trained == rec.turns[-1].text + family.reply_end_token, trained
+    assert encoder.measure(rec)[0] == len(sample["input_ids"])
+    batch = collator_for(processor, family)([encoder.encode(r) for r in records])
+    assert set(batch) == {"input_ids", "attention_mask", "labels", "token_type_ids", "pixel_values"}
+    assert batch["token_type_ids"].shape == batch["input_ids"].shape
+
+
+@needs_install
 def test_the_example_command_runs_from_the_vlft_console_script():
     done = subprocess.run([*vlft_command(), "bf16-speed", "--size", "64", "--repeat", "1"],
                           capture_output=True, text=True, timeout=120)
@@ -102,7 +163,7 @@ def test_the_example_command_runs_from_the_vlft_console_script():
 
 # -- as its author: each module registered by hand ----------------------------------------------------------
 
-@pytest.mark.parametrize("module", [backend, loha], ids=["backend", "loha"])
+@pytest.mark.parametrize("module", [backend, loha, gemma3], ids=["backend", "loha", "gemma3"])
 def test_the_example_modules_match_the_specs_and_answer_only_for_their_names(module):
     check_plugin(module)
 

@@ -190,7 +190,11 @@ def test_multi_turn_qwen3_5_records_split_at_each_reply():
     """The thinking template renders earlier replies without their think block: the render-once split."""
     from vlft.data.encoding import SampleEncoder
     from vlft.data.records import Turn
-    from vlft.models.loading import load_processor, model_config_and_family, resolve_model_path
+    from vlft.models.loading import (
+        load_processor,
+        model_config_and_family,
+        resolve_model_path,
+    )
 
     path = resolve_model_path("embedded:qwen3.5")
     _, family = model_config_and_family(path)

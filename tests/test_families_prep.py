@@ -112,8 +112,12 @@ def test_the_hook_answers_by_model_type():
 
 
 def test_smart_resize_restated_matches_transformers():
-    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize as tf_image
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as tf_video
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import (
+        smart_resize as tf_image,
+    )
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
+        smart_resize as tf_video,
+    )
 
     for h, w in [(75, 100), (33, 47), (224, 224), (1080, 1920), (31, 900), (4000, 3000), (57, 57)]:
         for factor, lo, hi in [(28, 3136, 12845056), (32, 65536, 16777216), (32, 4096, 128 * 128)]:
@@ -323,11 +327,21 @@ def test_bundled_config_counts_within_one_percent_of_published(name):
 
 # --- the third-party example candidate (Gemma 3), through the same dataclass ------------------------------
 
-def test_example_candidate_gemma3_trains_through_the_family_alone(tmp_path):
+def _example_gemma3():
+    """The third-party example family (examples/vlft-example-plugin), installed or from its source folder."""
+    try:
+        from vlft_example_plugin import gemma3
+    except ImportError:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "vlft-example-plugin"))
+        from vlft_example_plugin import gemma3
+    return gemma3
+
+
+def test_example_gemma3_family_trains_through_the_family_alone(tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from vlft_models import _example_candidate as gemma
+    gemma = _example_gemma3()
 
     f = gemma.FAMILY
     assert fam_mod.check_family(f) == [] and f.rope_index is None

@@ -25,7 +25,12 @@ from test_ascend_plugin import no_torch_npu, stand_in  # noqa: F401 - the stand-
 from vlft import KernelPatch, hookimpl
 from vlft.config import RunConfig, build_config
 from vlft.errors import ConfigError
-from vlft.planning.kernels import apply_kernels, choose_kernels, format_kernels, with_kernel_attention
+from vlft.planning.kernels import (
+    apply_kernels,
+    choose_kernels,
+    format_kernels,
+    with_kernel_attention,
+)
 from vlft.policies import AttentionPolicy, PrecisionPolicy
 
 
@@ -377,7 +382,6 @@ class CpuPatchEmbed:
 
 def test_a_run_with_a_kernel_calls_no_hook_inside_a_step(tmp_path, monkeypatch):
     import vlft.training.step
-
     from vlft.commands.run import execute
     from vlft.measure import HookCallCounter
     from vlft.testing import registry_with, tiny_run_config

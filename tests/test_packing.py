@@ -33,7 +33,12 @@ def varied_records(tmp_path_factory):
 
 def _setup(model_name: str, attn: str):
     from vlft.data.encoding import SampleEncoder
-    from vlft.models.loading import load_model, load_processor, model_config_and_family, resolve_model_path
+    from vlft.models.loading import (
+        load_model,
+        load_processor,
+        model_config_and_family,
+        resolve_model_path,
+    )
     from vlft.policies import PrecisionPolicy
     from vlft.registry import load_registry
 

@@ -56,7 +56,6 @@ def test_short_run_writes_adapter_metrics_and_eval(registry, small_data, tmp_pat
 
 def test_resume_continues_with_the_same_losses(registry, small_data, tmp_path, monkeypatch, straight_run):
     import vlft.training.step
-
     from vlft.commands.run import execute
 
     straight = straight_run
@@ -93,7 +92,6 @@ def hook_calls_inside_steps(registry, config, monkeypatch, inside_step=None) -> 
     was given, the process-wide one, or one made on the spot (``vlft.measure.HookCallCounter``, which
     bench/'s dispatch group counts with too)."""
     import vlft.training.step
-
     from vlft.commands.run import execute
     from vlft.measure import HookCallCounter
 

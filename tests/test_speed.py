@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_memory import _cfg
 
 
@@ -380,14 +379,13 @@ def test_the_checked_data_is_reused_while_the_files_are_unchanged(own_data, monk
 
 def test_under_torchrun_the_other_processes_take_local_rank_0s_check(own_data, monkeypatch, tmp_path):
     import threading
+    from dataclasses import replace
 
     import vlft.planning.checked as checked
     from vlft.data.encoding import SampleEncoder
     from vlft.models.embedded import embedded_model_dir
     from vlft.models.loading import load_processor
     from vlft.planning import preflight
-
-    from dataclasses import replace
 
     config = replace(_cfg(own_data, tmp_path / "r"), world_size=2, rank=1)
     encoder = SampleEncoder(load_processor(str(embedded_model_dir())))

@@ -54,7 +54,6 @@ def logged_steps(output: Path) -> list[int]:
 def test_non_finite_steps_are_not_applied_and_too_many_stop_the_run(registry, small_data, tmp_path, monkeypatch):
     import vlft.data.encoding
     import vlft.training.step
-
     from vlft.commands.run import execute
     from vlft.training.signals import NonFiniteStop
 
@@ -541,7 +540,6 @@ def test_fp16_scaler_back_offs_at_the_start_do_not_stop_the_run_and_a_nan_loss_s
     --max-skipped-steps, and the run completes; those steps are counted as back-offs, not as skipped steps.
     Then a NaN loss (a patched loss) is not explained by the scaler: it stops the run."""
     import vlft.training.step
-
     from vlft.commands.run import execute
     from vlft.training.signals import NonFiniteStop
 

@@ -106,10 +106,11 @@ def test_the_trained_merger_is_saved_so_plain_peft_loads_it(tower_session, model
 
 
 def test_a_method_that_ignores_train_merger_is_refused(registry, model_dir):
+    from peft import LoraConfig, get_peft_model
+
     from vlft.errors import ConfigError
     from vlft.models.families import family_of_model
     from vlft.models.groups import check_merger_trained
-    from peft import LoraConfig, get_peft_model
 
     model = base_model(model_dir)
     adapted = get_peft_model(model, LoraConfig(target_modules=["q_proj"]))  # no modules_to_save

@@ -370,6 +370,14 @@ class ModelFamily:
     bundled_processor: Callable[[str, Any], Any] | None = field(default=None, compare=False, metadata={
         "help": "bundled_processor(config_dir, tokenizer) -> processor for a weightless bundled config: its "
                 "image/video processor from the folder, the given stand-in tokenizer, the family's template."})
+    processor_expands_placeholders: bool = field(default=False, metadata={
+        "help": "Who writes an image's tokens into the text. False (Qwen): vlft's encoder repeats `image_token` "
+                "once per LLM token (the image grid's product / merge_size**2) and builds the batch's "
+                "mm_token_type_ids itself. True: the family's processor does it (`processor(text=, images=)` per "
+                "rendered piece, e.g. Gemma 3's fixed <start_of_image><image_soft_token>*N<end_of_image>); the "
+                "encoder keeps every processor output `batch_inputs` names (its 'sequence' keys, e.g. "
+                "token_type_ids, aligned with input_ids) and the collator joins exactly those. Images only: "
+                "videos are refused there."})
     reply_end_token: str = field(default="", metadata={
         "help": "The token that closes an assistant turn in the template (the trained reply ends there). Qwen: "
                 "<|im_end|> (= the tokenizer's eos). Gemma 3: <end_of_turn>, while its eos is <eos>."})

@@ -44,18 +44,21 @@ class ModelSize:
     encoder: Any
     model_config: Any
 
+    family: Any = None  # the ModelFamily, where the size is not the embedded default's Qwen2.5-VL
+
     def collator(self, **kw):
         from vlft.data.batching import Collator
 
         return Collator(self.processor.tokenizer.pad_token_id, self.processor.image_token_id, **kw)
 
 
-def model_size(name: str, path: str) -> ModelSize:
+def model_size(name: str, path: str, family=None) -> ModelSize:
     from vlft.data.encoding import SampleEncoder
     from vlft.models.loading import load_model_config, load_processor
 
-    processor = load_processor(path)
-    return ModelSize(name, path, processor, SampleEncoder(processor), load_model_config(path))
+    processor = load_processor(path, family)
+    return ModelSize(name, path, processor, SampleEncoder(processor, family=family), load_model_config(path),
+                     family)
 
 
 def plan_for(env: BenchEnv, size: ModelSize, method: str):

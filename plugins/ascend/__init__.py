@@ -26,15 +26,38 @@ from __future__ import annotations
 import functools
 import os
 
-from vlft import AttentionPolicy, BackendInfo, ConfigError, DataLoaderOptions, DeviceCapacity, DeviceSetup, DistributedOptions, DoctorCheck, MemoryStats, PrecisionPolicy, ProbeResult, hookimpl, hookimpl_for
+from vlft import (
+    AttentionPolicy,
+    BackendInfo,
+    ConfigError,
+    DataLoaderOptions,
+    DeviceCapacity,
+    DeviceSetup,
+    DistributedOptions,
+    DoctorCheck,
+    MemoryStats,
+    PrecisionPolicy,
+    ProbeResult,
+    hookimpl,
+    hookimpl_for,
+)
 
 from . import probing  # noqa: F401 - tests reach the probe's internals through it
 from .doctor import doctor_checks
 from .kernels import kernel_patches
 from .patching import patch_attention
 from .probing import (  # noqa: F401 - re-exported: the package's public helpers
-    HCCL_CONNECT_DEFAULT, HCCL_EXEC_DEFAULT, INSTALL_HINT, PINNED, TRANSFER_TO_NPU, _first_line, _npu,
-    base_version, cann_version, probe, version_mismatch,
+    HCCL_CONNECT_DEFAULT,
+    HCCL_EXEC_DEFAULT,
+    INSTALL_HINT,
+    PINNED,
+    TRANSFER_TO_NPU,
+    _first_line,
+    _npu,
+    base_version,
+    cann_version,
+    probe,
+    version_mismatch,
 )
 
 NAME = "ascend"

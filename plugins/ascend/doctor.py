@@ -9,8 +9,19 @@ from vlft import DoctorCheck
 
 from . import probing
 from .probing import (
-    HCCL_CONNECT_DEFAULT, HCCL_EXEC_DEFAULT, INSTALL_HINT, PINNED, SET_ENV, TRANSFER_TO_NPU, _visible,
-    base_version, cann_version, driver_version, probe, torch_npu_installed, version_mismatch,
+    HCCL_CONNECT_DEFAULT,
+    HCCL_EXEC_DEFAULT,
+    INSTALL_HINT,
+    PINNED,
+    SET_ENV,
+    TRANSFER_TO_NPU,
+    _visible,
+    base_version,
+    cann_version,
+    driver_version,
+    probe,
+    torch_npu_installed,
+    version_mismatch,
 )
 
 

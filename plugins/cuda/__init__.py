@@ -22,13 +22,34 @@ from __future__ import annotations
 import functools
 import os
 
-from vlft import AttentionPolicy, BackendInfo, ConfigError, DataLoaderOptions, DeviceCapacity, DeviceSetup, DistributedOptions, DoctorCheck, MemoryStats, PrecisionPolicy, ProbeResult, hookimpl, hookimpl_for
+from vlft import (
+    AttentionPolicy,
+    BackendInfo,
+    ConfigError,
+    DataLoaderOptions,
+    DeviceCapacity,
+    DeviceSetup,
+    DistributedOptions,
+    DoctorCheck,
+    MemoryStats,
+    PrecisionPolicy,
+    ProbeResult,
+    hookimpl,
+    hookimpl_for,
+)
 
 from .doctor import doctor_checks
 from .kernels import kernel_patches
 from .probing import (  # noqa: F401 - re-exported: the package's public helpers
-    BF16_CAPABILITY, FLASH_ATTN_MIN, TRANSFER_TO_NPU, _first_line, capability, driver_version, flash_attn_status,
-    probe, transfer_to_npu_loaded,
+    BF16_CAPABILITY,
+    FLASH_ATTN_MIN,
+    TRANSFER_TO_NPU,
+    _first_line,
+    capability,
+    driver_version,
+    flash_attn_status,
+    probe,
+    transfer_to_npu_loaded,
 )
 
 NAME = "cuda"

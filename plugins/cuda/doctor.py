@@ -8,7 +8,13 @@ import sys
 from vlft import DoctorCheck
 
 from .probing import (
-    BF16_CAPABILITY, TORCH_CUDA_HINT, _first_line, driver_version, flash_attn_status, probe, transfer_to_npu_loaded,
+    BF16_CAPABILITY,
+    TORCH_CUDA_HINT,
+    _first_line,
+    driver_version,
+    flash_attn_status,
+    probe,
+    transfer_to_npu_loaded,
 )
 
 

@@ -33,7 +33,9 @@ def modules_to_save(model, config) -> list[str] | None:
     """The merger(s) to train in full under ``--train-merger`` (PEFT ``modules_to_save``), else None."""
     if not getattr(config, "train_merger", False):
         return None
-    from vlft.models.families import family_of_model  # torch-side helper, needed only when a run adapts
+    from vlft.models.families import (
+        family_of_model,  # torch-side helper, needed only when a run adapts
+    )
     from vlft.models.groups import merger_modules
 
     return merger_modules(model, family_of_model(model)) or None

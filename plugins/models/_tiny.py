@@ -57,7 +57,14 @@ def build_tokenizer(vocab_size: int, special_tokens: list[str], extra_tokens: li
                     corpus: list[str] | None = None, eos: str = "<|im_end|>", pad: str = "<|endoftext|>",
                     max_length: int = 4096):
     """A byte-level BPE tokenizer trained on ``corpus``; special and extra tokens are single tokens."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())

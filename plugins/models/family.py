@@ -102,7 +102,6 @@ from vlft.models.families import (  # noqa: E402,F401
     vision_parameter_names,
 )
 
-
 # --- the Qwen resize rule (transformers' qwen2_vl image processor smart_resize, restated) ------------------
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:

@@ -20,7 +20,7 @@ from functools import partial
 from pathlib import Path
 
 from . import _tiny
-from .family import ModelFamily, qwen_family, image_tokens, rope_index_from_class
+from .family import ModelFamily, image_tokens, qwen_family, rope_index_from_class
 
 SPECIAL_TOKENS = _tiny.BASE_SPECIAL_TOKENS
 # Qwen2-VL / Qwen2.5-VL preprocessor_config.json (vlft/model_configs/SOURCES.md): min 3136, max 12845056

@@ -30,7 +30,14 @@ from pathlib import Path
 
 from . import _tiny
 from . import qwen3_vl as q3vl
-from .family import ModelFamily, fused_experts_load_kwargs, qwen_family, image_tokens, rope_index_from_class, video_tokens_qwen3
+from .family import (
+    ModelFamily,
+    fused_experts_load_kwargs,
+    image_tokens,
+    qwen_family,
+    rope_index_from_class,
+    video_tokens_qwen3,
+)
 
 SPECIAL_TOKENS = _tiny.BASE_SPECIAL_TOKENS
 

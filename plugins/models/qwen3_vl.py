@@ -13,7 +13,13 @@ from functools import partial
 from pathlib import Path
 
 from . import _tiny
-from .family import ModelFamily, qwen_family, image_tokens, rope_index_from_class, video_tokens_qwen3
+from .family import (
+    ModelFamily,
+    image_tokens,
+    qwen_family,
+    rope_index_from_class,
+    video_tokens_qwen3,
+)
 
 NAME = "qwen3-vl"
 SPECIAL_TOKENS = _tiny.BASE_SPECIAL_TOKENS
@@ -49,7 +55,11 @@ RECIPE = {
 def make_processor(tokenizer, recipe: dict | None = None, image_processor=None, video_processor=None,
                    chat_template: str | None = None):
     """Qwen3VLProcessor with the family's image/video processors (patch 16, merge 2, mean/std 0.5)."""
-    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+    from transformers import (
+        Qwen2VLImageProcessor,
+        Qwen3VLProcessor,
+        Qwen3VLVideoProcessor,
+    )
 
     r = recipe or RECIPE
     v = r.get("vision", {})

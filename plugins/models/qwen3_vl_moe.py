@@ -20,7 +20,13 @@ from pathlib import Path
 
 from . import _tiny
 from . import qwen3_vl as dense
-from .family import fused_experts_load_kwargs, qwen_family, image_tokens, rope_index_from_class, video_tokens_qwen3
+from .family import (
+    fused_experts_load_kwargs,
+    image_tokens,
+    qwen_family,
+    rope_index_from_class,
+    video_tokens_qwen3,
+)
 
 NAME = "qwen3-vl-moe"
 

@@ -21,8 +21,8 @@ TOLERANCE = {None: (1e-4, 1e-3), "float32": (1e-4, 1e-3), "bfloat16": (2e-2, 8e-
 
 def _setup(backend: str):
     from vlft.config import RunConfig
-    from vlft.models.loading import model_config_and_family
     from vlft.models.embedded import embedded_model_dir
+    from vlft.models.loading import model_config_and_family
     from vlft.planning.plan import resolve_plan
     from vlft.registry import load_registry
 
@@ -61,7 +61,11 @@ def check_each_patch(backend: str) -> None:
     from vlft.data.encoding import SampleEncoder
     from vlft.data.records import read_records
     from vlft.models.loading import load_model, load_processor
-    from vlft.planning.kernels import apply_kernels, choose_kernels, with_kernel_attention
+    from vlft.planning.kernels import (
+        apply_kernels,
+        choose_kernels,
+        with_kernel_attention,
+    )
 
     registry, model_dir, device, model_config, family, plan, offered = _setup(backend)
     usable = [k for k in offered if k.available]

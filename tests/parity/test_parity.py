@@ -235,10 +235,10 @@ def test_vlft_parity_command_prints_the_table_and_exits_1_beyond_tolerance(small
     the forced fp32 tolerance. The same figures, judged at the default (the looser precision's, bf16), pass:
     that second verdict replays the first call's worker results through the command in this process (a
     stand-in for the workers, which already ran for real), rather than training the same steps again."""
-    import vlft.commands.parity
     from click.testing import CliRunner
     from helpers import vlft_command
 
+    import vlft.commands.parity
     from vlft.cli import cli
 
     tight_path = tmp_path / "tight.json"
@@ -282,9 +282,9 @@ def test_vlft_parity_command_prints_the_table_and_exits_1_beyond_tolerance(small
 def test_vlft_parity_writes_into_a_folder_of_its_own_and_says_where(tmp_path, monkeypatch):
     """Without --output the figures go to runs/parity-<time>-A-B/parity.json, not loose into the working
     folder. The workers are stood in for (two identical fake runs): only where the command writes is tested."""
-    import vlft.commands.parity
     from click.testing import CliRunner
 
+    import vlft.commands.parity
     from vlft.cli import cli
 
     steps = [{"step": 1, "loss": 2.0, "grad_norm": 1.0, "weights": {"m.layers.0.q": [1.0, 2.0]}}]

@@ -79,7 +79,9 @@ def check_sharding(registry, config) -> None:
 @user_errors
 def plugins(as_json):
     """List plugins, backends (with availability), methods and model families."""
-    from vlft.models.bundled import bundled_names  # the model stage, only for this listing
+    from vlft.models.bundled import (
+        bundled_names,  # the model stage, only for this listing
+    )
     from vlft.models.families import installed_families
 
     registry = get_registry()

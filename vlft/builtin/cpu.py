@@ -9,7 +9,6 @@ hook runs.
 
 from __future__ import annotations
 
-
 from vlft import (
     AttentionPolicy,
     BackendInfo,

@@ -14,7 +14,6 @@ import click
 
 from vlft.cli import user_errors
 
-
 PROGRESS_FROM = 1_000  # records in a file from which `vlft data check` draws a progress bar
 
 
@@ -44,7 +43,11 @@ def check(files, model, image_root, add_placeholders, max_pixels, video_fps, vid
     from vlft.data.lengths import measure_all
     from vlft.data.records import read_records_collecting
     from vlft.errors import DataError
-    from vlft.models.loading import load_processor, model_config_and_family, resolve_model_path
+    from vlft.models.loading import (
+        load_processor,
+        model_config_and_family,
+        resolve_model_path,
+    )
 
     path = resolve_model_path(model)
     _, family = model_config_and_family(path)

@@ -17,9 +17,12 @@ class Collator:
     3-D rotary positions.
     """
 
-    def __init__(self, pad_token_id: int, image_token_id: int, padding_side: str = "right",
-                 pad_to: int | None = None, video_token_id: int | None = None):
+    def __init__(self, pad_token_id: int, image_token_id: int | None, padding_side: str = "right",
+                 pad_to: int | None = None, video_token_id: int | None = None, batch_inputs: dict | None = None):
         self.pad_token_id = pad_token_id
+        # image_token_id None: the samples carry their processor's own inputs (ModelFamily.batch_inputs, joined
+        # as it says) and no mm_token_type_ids is made here
+        self.batch_inputs = dict(batch_inputs or {})
         self.image_token_id = image_token_id
         self.video_token_id = video_token_id
         self.padding_side = padding_side
@@ -42,6 +45,11 @@ class Collator:
                 lab = s["labels"]
                 batch_labels.append(torch.cat([fill_labels, lab] if left else [lab, fill_labels]))
         input_ids = torch.stack(batch_ids)
+        if self.image_token_id is None:
+            batch = {"input_ids": input_ids, "attention_mask": torch.stack(batch_mask)}
+            if batch_labels:
+                batch["labels"] = torch.stack(batch_labels)
+            return self._declared_inputs(samples, length, batch)
         batch = {
             "input_ids": input_ids,
             "attention_mask": torch.stack(batch_mask),
@@ -61,6 +69,38 @@ class Collator:
             for key in ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
                 batch[key] = torch.cat([s[key] for s in with_videos])
         return batch
+
+    def _declared_inputs(self, samples: list[dict], length: int, batch: dict) -> dict:
+        """The family's ``batch_inputs``: 'sequence' keys padded like input_ids (with 0), 'concat' keys joined
+        along dim 0 over the samples that have them."""
+        left = self.padding_side == "left"
+        for key, how in self.batch_inputs.items():
+            have = [s for s in samples if key in s]
+            if not have:
+                continue
+            if how == "sequence":
+                rows = []
+                for s in samples:
+                    row = s.get(key, torch.zeros(len(s["input_ids"]), dtype=torch.long))
+                    fill = torch.zeros(length - len(row), dtype=row.dtype)
+                    rows.append(torch.cat([fill, row] if left else [row, fill]))
+                batch[key] = torch.stack(rows)
+            elif how == "concat":
+                batch[key] = torch.cat([s[key] for s in have])
+            else:
+                raise ValueError(f"batch_inputs[{key!r}] is {how!r}: 'sequence' or 'concat'")
+        return batch
+
+
+def collator_for(processor, family=None, padding_side: str = "right") -> Collator:
+    """The batch builder for ``processor``'s samples: the family's declared inputs where its processor writes its
+    own image tokens (``ModelFamily.processor_expands_placeholders``), otherwise the image/video keys and
+    mm_token_type_ids built here."""
+    pad = processor.tokenizer.pad_token_id
+    if family is not None and family.processor_expands_placeholders:
+        return Collator(pad, None, padding_side=padding_side, batch_inputs=family.batch_inputs)
+    return Collator(pad, processor.image_token_id, padding_side=padding_side,
+                    video_token_id=getattr(processor, "video_token_id", None))
 
 
 def label_count(batch: dict) -> int:

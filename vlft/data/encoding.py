@@ -11,7 +11,12 @@ reply starts where the render up to its generation prompt stops agreeing
 with the whole, and ends at the family's reply-end token.
 
 What is model-specific (the image grid rule, the reply-end token, extra
-template arguments) comes from the ``ModelFamily``.
+template arguments, who writes an image's tokens) comes from the ``ModelFamily``.
+Image tokens: by default the encoder repeats the processor's ``image_token``
+once per LLM token of the image grid; a family whose processor writes its own
+image token sequence (``processor_expands_placeholders``) is encoded by calling
+the processor on each rendered piece, keeping the outputs the family's
+``batch_inputs`` names.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from PIL import Image
 from vlft.data.records import IGNORE_INDEX, IMAGE_PLACEHOLDER, Record, Turn, load_image
 from vlft.data.video import VideoError, read_frames
 from vlft.errors import DataError
+
 
 class _NotPrefix(Exception):
     """The template does not render the conversation prefix by prefix."""
@@ -67,10 +73,12 @@ class SampleEncoder:
         self.image_token = processor.image_token
         self.video_token = getattr(processor, "video_token", None)
         self.video_fps, self.video_max_frames = video_fps, video_max_frames
-        self.merge_length = processor.image_processor.merge_size ** 2
+        self.expands = bool(family is not None and family.processor_expands_placeholders)
+        self.merge_length = getattr(processor.image_processor, "merge_size", 1) ** 2
         self.eos_text = (family.reply_end_token if family is not None else "") or self.tokenizer.eos_token
         self.image_kwargs: dict = {}
-        if max_pixels is not None:
+        # a pixel budget caps the image processor's resize; a processor with a fixed size has none to cap
+        if max_pixels is not None and "longest_edge" in (getattr(processor.image_processor, "size", None) or {}):
             ip_size = dict(processor.image_processor.size)
             ip_size["longest_edge"] = max_pixels
             ip_size["shortest_edge"] = min(ip_size.get("shortest_edge", max_pixels), max_pixels)
@@ -156,6 +164,11 @@ class SampleEncoder:
             for source in record.images:
                 with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as img:
                     sizes.append(img.size)
+        if self.expands:  # the processor's count: blank images of the recorded sizes (no grid to report)
+            self._no_videos(record)
+            input_ids, _, _ = self._tokenize_expanded(self.pieces(record.turns, record.where),
+                                                      [Image.new("RGB", size) for size in sizes], record.where)
+            return len(input_ids), []
         grids = [self.image_grid(w, h) for w, h in sizes]
         counts = torch.tensor(grids) if grids else None
         video = self._videos(record)  # decoding is the only way to know a clip's frame count at this rate
@@ -209,8 +222,50 @@ class SampleEncoder:
             labels += ids if trained else [IGNORE_INDEX] * len(ids)
         return input_ids, labels
 
+    def _no_videos(self, record: Record) -> None:
+        if record.videos:
+            raise DataError(f"{record.where}: videos are not supported for the {self.family.name} family (its "
+                            "processor writes its own image tokens; vlft reads video only where it writes them)")
+
+    def _tokenize_expanded(self, pieces: list[tuple[str, bool]], images: list, where: str = ""):
+        """(input_ids, labels, extra inputs) with the processor writing each image's tokens: one processor call
+        per rendered piece with that piece's images, in order. The extra inputs are the outputs the family's
+        ``batch_inputs`` names: 'sequence' ones concatenated along the tokens (1-D, aligned with input_ids),
+        'concat' ones along dim 0."""
+        wanted = self.family.batch_inputs
+        placeholder = self.image_token or ""
+        left = list(images)
+        input_ids: list[int] = []
+        labels: list[int] = []
+        sequences: dict[str, list[torch.Tensor]] = {k: [] for k, how in wanted.items() if how == "sequence"}
+        stacked: dict[str, list[torch.Tensor]] = {k: [] for k, how in wanted.items() if how == "concat"}
+        for k, (text, trained) in enumerate(pieces):
+            n = text.count(placeholder) if placeholder else 0
+            if n > len(left):
+                raise DataError(f"{where}: the rendered conversation has more image placeholders than images")
+            mine, left = left[:n], left[n:]
+            out = self.processor(text=[text], images=[mine] if mine else None, add_special_tokens=(k == 0),
+                                 return_tensors="pt", **self.image_kwargs)
+            ids = out["input_ids"][0].tolist()
+            input_ids += ids
+            labels += ids if trained else [IGNORE_INDEX] * len(ids)
+            for key, parts in sequences.items():
+                parts.append(out[key][0] if key in out else torch.zeros(len(ids), dtype=torch.long))
+            for key, parts in stacked.items():
+                if key in out:
+                    parts.append(out[key])
+        if left:
+            raise DataError(f"{where}: {len(left)} image(s) have no placeholder in the rendered conversation")
+        extra = {key: torch.cat(parts) for key, parts in (*sequences.items(), *stacked.items()) if parts}
+        return input_ids, labels, extra
+
     def encode(self, record: Record) -> dict:
         """Training inputs: input_ids and labels (1-D), plus the image tensors."""
+        if self.expands:
+            self._no_videos(record)
+            input_ids, labels, extra = self._tokenize_expanded(
+                self.pieces(record.turns, record.where), [load_image(s) for s in record.images], record.where)
+            return {"input_ids": torch.tensor(input_ids), "labels": torch.tensor(labels), **extra}
         vision = {**self._images(record), **self._videos(record)}
         input_ids, labels = self._tokenize(self.pieces(record.turns, record.where), vision.get("image_grid_thw"),
                                            vision.get("video_grid_thw"))
@@ -220,6 +275,11 @@ class SampleEncoder:
         """Generation inputs: the conversation up to its last assistant reply."""
         last = max(i for i, t in enumerate(record.turns) if t.role == "assistant")
         prompt = self.render(record.turns[:last], add_generation_prompt=True)
+        if self.expands:
+            self._no_videos(record)
+            input_ids, _, extra = self._tokenize_expanded([(prompt, False)], [load_image(s) for s in record.images],
+                                                          record.where)
+            return {"input_ids": torch.tensor(input_ids), **extra}
         vision = {**self._images(record), **self._videos(record)}
         input_ids, _ = self._tokenize([(prompt, False)], vision.get("image_grid_thw"), vision.get("video_grid_thw"))
         return {"input_ids": torch.tensor(input_ids), **vision}

@@ -11,7 +11,7 @@ from contextlib import nullcontext
 
 import torch
 
-from vlft.data.batching import Collator, to_device
+from vlft.data.batching import collator_for, to_device
 from vlft.data.encoding import SampleEncoder
 from vlft.data.records import Record
 from vlft.evaluation.scoring import score
@@ -27,8 +27,7 @@ def generate_answers(model, encoder: SampleEncoder, records: list[Record], devic
     ``temperature``/``top_p``); ``on_batch(n)`` is told after each batch of ``n``. ``synced``: the model is
     sharded, so every process keeps taking decoding steps until all are done (``synced_gpus``)."""
     tokenizer = encoder.tokenizer
-    collate = Collator(tokenizer.pad_token_id, encoder.processor.image_token_id, padding_side="left",
-                       video_token_id=getattr(encoder.processor, "video_token_id", None))
+    collate = collator_for(encoder.processor, encoder.family, padding_side="left")
     was_training = model.training
     model.eval()
     answers: list[str] = []

@@ -22,8 +22,8 @@ from vlft.errors import ConfigError, VlftError
 from vlft.models.bundled import require_weights
 from vlft.models.loading import (
     load_model,
-    model_config_and_family,
     load_processor,
+    model_config_and_family,
     resolve_model_path,
 )
 from vlft.planning.kernels import apply_kernels

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from vlft.data.batching import label_count, model_inputs, to_device, with_label_positions
+from vlft.data.batching import (
+    label_count,
+    model_inputs,
+    to_device,
+    with_label_positions,
+)
 from vlft.models.loss import autocast_context, batch_loss_sum
 
 

@@ -15,7 +15,9 @@ from vlft.models.families import bundled_configs
 def _registry(registry):
     if registry is not None:
         return registry
-    from vlft.registry import get_registry  # the process-wide registry where the caller has none at hand
+    from vlft.registry import (
+        get_registry,  # the process-wide registry where the caller has none at hand
+    )
 
     return get_registry()
 

@@ -197,7 +197,9 @@ def embedded_family_dir(family) -> Path:
     """``--model embedded:<family>``: the family's tiny random model, built offline on first use with the demo
     task's tokenizer corpus (short answers in tokens) and cached like the default, under a name hashed from
     the family's recipe and the corpus (a change rebuilds it). The default above stays as it is."""
-    from vlft.errors import ConfigError  # only this helper raises; the module stays import-light
+    from vlft.errors import (
+        ConfigError,  # only this helper raises; the module stays import-light
+    )
 
     if family.build_tiny is None:
         raise ConfigError(f"--model embedded:{family.name}: the {family.name} family offers no tiny embedded model")

@@ -210,7 +210,9 @@ def family_of_model(model, registry=None) -> ModelFamily:
     """The family of a loaded (or meta) model, for helpers called outside a plan (tests, bench scripts); a
     run passes the plan's family instead."""
     if registry is None:
-        from vlft.registry import get_registry  # the process-wide registry, only where none is given
+        from vlft.registry import (
+            get_registry,  # the process-wide registry, only where none is given
+        )
 
         registry = get_registry()
     return resolve_family(registry, base_model(model).config)

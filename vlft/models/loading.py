@@ -15,8 +15,12 @@ from transformers import (
 from vlft.errors import ConfigError
 from vlft.models.bundled import _registry, bundled_config, bundled_names, is_bundled
 from vlft.models.embedded import embedded_family_dir, embedded_model_dir
-from vlft.models.families import EMBEDDED_PREFIX, family_load_kwargs, family_named, resolve_family
-
+from vlft.models.families import (
+    EMBEDDED_PREFIX,
+    family_load_kwargs,
+    family_named,
+    resolve_family,
+)
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 
@@ -137,7 +141,9 @@ def load_model(path: str, attention, precision, device=None, trust_pickle: bool 
 
 def four_bit_config(precision, keep_float=()):
     """transformers' quantization config for NF4 base weights: bf16 compute, optional double quantization."""
-    from transformers import BitsAndBytesConfig  # only for nf4 runs (its import looks for bitsandbytes)
+    from transformers import (
+        BitsAndBytesConfig,  # only for nf4 runs (its import looks for bitsandbytes)
+    )
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
                               bnb_4bit_use_double_quant=precision.double_quant,

@@ -30,8 +30,8 @@ import torch
 
 from vlft.data.order import EpochSampler, steps_per_epoch
 from vlft.data.packing import packed_shape
-from vlft.planning.sharding import working_set_bytes
 from vlft.models.families import base_model, family_of_model
+from vlft.planning.sharding import working_set_bytes
 from vlft.planning.trace import Activations, BatchShape, trace_activations
 
 GIB = 2 ** 30

@@ -25,7 +25,12 @@ from vlft.errors import ConfigError, DataError
 from vlft.models.adapting import compute_adapters_in_autocast_dtype
 from vlft.models.bundled import is_bundled
 from vlft.models.embedded import cache_root
-from vlft.models.families import base_model, count_parameters, family_load_kwargs, frozen_router_parameters
+from vlft.models.families import (
+    base_model,
+    count_parameters,
+    family_load_kwargs,
+    frozen_router_parameters,
+)
 from vlft.models.groups import check_merger_trained, describe_groups
 from vlft.models.loading import (
     load_processor,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -106,7 +107,9 @@ def _register_meta_experts() -> None:
     (it asks which experts got tokens: ``nonzero`` has no meta kernel). It routes every (token, slot) pair
     through one expert's weights, so it saves what the loop saves summed over experts: per pair the input
     row, the gate/up projections and the activation (tokens x top-k rows in all)."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # only when a MoE plan traces its experts
+    from transformers.integrations.moe import (
+        ALL_EXPERTS_FUNCTIONS,  # only when a MoE plan traces its experts
+    )
 
     def per_pair(self, hidden_states, top_k_index, top_k_weights):
         k = top_k_index.size(-1)
@@ -181,6 +184,20 @@ def _autocast_accepts_meta():
         torch.autocast = real
 
 
+def _position_embeddings(text, hidden, pos) -> list:
+    """Each decoder layer's rotary (cos, sin), as the text model computes them: one table for all layers, or
+    (transformers' convention for models whose rotary forward takes a ``layer_type``: sliding and full attention
+    with their own rope parameters) one per ``config.layer_types`` entry."""
+    rotary = text.rotary_emb
+    n = len(text.layers)
+    if "layer_type" not in inspect.signature(type(rotary).forward).parameters:
+        pe = rotary(hidden, pos)
+        return [pe] * n
+    types = list(text.config.layer_types)
+    tables = {t: rotary(hidden, pos, t) for t in set(types)}
+    return [tables[t] for t in types[:n]]
+
+
 def trace_activations(model, batch: BatchShape, family=None) -> Activations:
     """Run the adapted meta model's layers once on ``batch``'s shapes and count what autograd saves.
 
@@ -226,11 +243,13 @@ def trace_activations(model, batch: BatchShape, family=None) -> Activations:
             hidden.requires_grad_(True)  # adapted vision: its features flow into the text model's input
         rows = (3,) if family.rope_index is not None else ()
         pos = torch.zeros(*rows, batch.samples, batch.tokens, dtype=torch.long, device="meta")
-        pe = text.rotary_emb(hidden, pos)
-        for layer in text.layers:
+        pes = _position_embeddings(text, hidden, pos)
+        for i, layer in enumerate(text.layers):
             if grad or _trainable(layer):
                 inputs.append(hidden.numel() * hidden.element_size())
-            hidden = run_layer(layer, lambda lay=layer, h=hidden: lay(h, attention_mask=None, position_embeddings=pe))
+            pe = pes[i]
+            hidden = run_layer(layer, lambda lay=layer, h=hidden, pe=pe: lay(h, attention_mask=None,
+                                                                                position_embeddings=pe))
         # the head runs at the labelled positions only (``models.loss.batch_loss_sum``)
         kept = batch.logit_positions
         labels = torch.zeros(batch.samples, kept, dtype=torch.long, device="meta")

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from vlft.config import RunConfig
-from vlft.data.batching import Collator
+from vlft.data.batching import collator_for
 from vlft.data.encoding import EncodedDataset, SampleEncoder
 from vlft.data.packing import PackingCollator
 from vlft.models.adapting import (
@@ -164,7 +164,7 @@ def training_collator(plan: RunPlan, model_config, processor):
     if plan.packing is not None and plan.packing.enabled:
         rope = plan.family.rope_index if plan.family is not None else None
         return PackingCollator(pad, image, plan.packing, rope, model_config, video_token_id=video)
-    return Collator(pad, image, video_token_id=video)
+    return collator_for(processor, plan.family)
 
 
 def _seeded_device(registry: Registry, backend: str, config: RunConfig):

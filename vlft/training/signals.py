@@ -21,7 +21,6 @@ import torch
 
 from vlft.errors import VlftError
 
-
 _HOST_GROUP: list = []
 
 

@@ -25,7 +25,12 @@ import numpy as np
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
-from vlft.data.batching import label_count, model_inputs, to_device, with_label_positions
+from vlft.data.batching import (
+    label_count,
+    model_inputs,
+    to_device,
+    with_label_positions,
+)
 from vlft.models.loss import autocast_context, batch_loss_sum
 from vlft.planning.sharding import local
 from vlft.training.signals import host_all_reduce

@@ -1,16 +1,17 @@
-"""Prototype of the third-party example family (issue 20 item 5): Gemma 3. Will move to examples/ as its own
-distribution (e.g. ``vlft-family-gemma3`` with entry point ``gemma3 = "vlft_family_gemma3"`` in group
-"vlft"); it imports only the ModelFamily dataclass, never the core.
+"""A model family from outside vlft's core (issue 20 item 5): Gemma 3, registered through this package's entry
+point ``gemma3 = "vlft_example_plugin.gemma3"`` in group "vlft". It imports only vlft's public face
+(``vlft.ModelFamily``, ``vlft.hookimpl``), never the core nor the built-in families; its tiny embedded model
+(``--model embedded:gemma3``) is built here, offline, from transformers' config classes.
 
-Why Gemma 3 (see NOTES.md for the comparison): the installed transformers builds a tiny
-``Gemma3ForConditionalGeneration`` with ``Gemma3Processor`` (``Gemma3ImageProcessor`` + tokenizer +
-official chat template) offline with no extra package; an image costs a fixed ``mm_tokens_per_image``
-tokens; pixel_values are [images, 3, H, W] (concat along dim 0 like Qwen's patches). And it differs from
-Qwen exactly where a family hook must be general: no mRoPE (plain 1-D positions, ``rope_index=None``);
-roles user/model and a reply that ends with ``<end_of_turn>`` while eos is ``<eos>``; the placeholder the
-template writes (``<start_of_image>``) is not the token the model counts (``<image_soft_token>``); and
-``token_type_ids`` (1 on image tokens) must reach the model in training, or image tokens silently attend
-causally instead of bidirectionally.
+Why Gemma 3: the installed transformers builds a tiny ``Gemma3ForConditionalGeneration`` with
+``Gemma3Processor`` (``Gemma3ImageProcessor`` + tokenizer + the official chat template) offline with no extra
+package; an image costs a fixed ``mm_tokens_per_image`` tokens; pixel_values are [images, 3, H, W]. And it
+differs from Qwen exactly where a family hook must be general: no mRoPE (plain 1-D positions,
+``rope_index=None``); roles user/model and a reply that ends with ``<end_of_turn>`` while eos is ``<eos>``;
+the placeholder the template writes (``<start_of_image>``) is not the token the model counts
+(``<image_soft_token>``), and the processor itself writes each image's token sequence
+(``processor_expands_placeholders=True``); ``token_type_ids`` (1 on image tokens) must reach the model in
+training, or image tokens silently attend causally instead of bidirectionally.
 
 transformers 5.2x module tree: ``model.vision_tower`` (SigLIP: ``encoder.layers[i].self_attn.{q,k,v,out}_proj``,
 ``mlp.fc1/fc2``), ``model.multi_modal_projector`` (``mm_input_projection_weight`` is a bare Parameter, not
@@ -20,10 +21,13 @@ an nn.Linear; ``mm_soft_emb_norm``; an AvgPool2d), ``model.language_model.layers
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
-from . import _tiny
-from .family import ModelFamily
+from vlft import ModelFamily, hookimpl
 
 NAME = "gemma3"
 TEMPLATE = (
@@ -82,12 +86,26 @@ RECIPE = {
 }
 
 
+DEFAULT_CORPUS = [
+    "user", "model", "What colour is the product?", "What defect does the product have?",
+    "The product is red and has a scratch.", "The product is blue and has no defect.",
+    "the a an is are what which where how many colour defect product image answer question yes no",
+]
+
+
 def _tokenizer(r, corpus=None):
+    """A byte-level BPE tokenizer trained offline on ``corpus``, with Gemma 3's special tokens as single tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    base = _tiny.build_tokenizer(r["vocab_size"], SPECIAL_TOKENS, (), corpus, eos="<eos>", pad="<pad>")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=r["vocab_size"], special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(list(corpus or DEFAULT_CORPUS) * 4, trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=base._tokenizer, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
+        tokenizer_object=tok, model_max_length=r["text"]["max_position_embeddings"], bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
         extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
                               "image_token": "<image_soft_token>"})
 
@@ -111,8 +129,28 @@ def build_tiny(path: Path, recipe: dict | None = None, corpus=None) -> None:
         boi_token_id=ids("<start_of_image>"), eoi_token_id=ids("<end_of_image>"))
     torch.manual_seed(r["seed"])
     model = Gemma3ForConditionalGeneration(config)
+    model.generation_config.eos_token_id = ids("<end_of_turn>")  # a reply ends there, not at <eos>
+    model.generation_config.pad_token_id = ids("<pad>")
     model.generation_config.do_sample = False
-    _tiny.save_atomically(path, model, processor, r)
+    _save_atomically(Path(path), model, processor, r)
+
+
+def _save_atomically(path: Path, model, processor, recipe: dict) -> None:
+    """save_pretrained into a temporary folder beside ``path``, then rename it into place (vlft's cache rule:
+    a half-written model folder never exists)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=path.parent))
+    try:
+        model.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+        (tmp / "vlft_recipe.json").write_text(json.dumps(recipe, indent=2))
+        try:
+            os.replace(tmp, path)
+        except OSError:  # another process finished first; its copy is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def image_tokens(height: int, width: int, mm_tokens_per_image: int = 256, **_) -> int:
@@ -147,6 +185,7 @@ FAMILY = ModelFamily(
     image_tokens=image_tokens,
     box_coordinates="absolute",
     processor_class="Gemma3Processor",
+    processor_expands_placeholders=True,  # Gemma3Processor writes <start_of_image><image_soft_token>*N<end_of_image>
     load_processor=None,  # AutoProcessor
     reply_end_token="<end_of_turn>",
     batch_inputs={"pixel_values": "concat", "token_type_ids": "sequence"},
@@ -155,3 +194,16 @@ FAMILY = ModelFamily(
     build_tiny=build_tiny,
     tiny_recipe=RECIPE,
 )
+
+
+# --- hook implementations (specs: vlft/hookspecs.py) ---------------------------------------------------------
+
+@hookimpl
+def vlft_model_families():
+    """`vlft plugins` lists it; `--model embedded:gemma3` finds its tiny model here."""
+    return [FAMILY]
+
+
+@hookimpl
+def vlft_model_family(model_type):
+    return FAMILY if FAMILY.owns(model_type) else None
