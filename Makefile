@@ -22,7 +22,7 @@ REHEARSAL_PYTHON ?= python3.12
 
 .PHONY: install run test bench device-check device-rehearsal clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile examples/vlft-example-plugin/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PKGS)
