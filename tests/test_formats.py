@@ -222,14 +222,9 @@ def test_video_goes_through_the_processors_video_path(tmp_path, processor):
     assert enc.measure(rec)[0] == len(out["input_ids"])
 
 
-class _Settings:
-    def __init__(self, **kw):
-        self.__dict__.update(dict(batch_size=4, grad_accum=1, seed=0, rank=0, world_size=1, loader_kwargs={}), **kw)
-
-
 @pytest.mark.parametrize("n, batch, accum", [(3, 4, 1), (3, 4, 2), (5, 4, 2)])
 def test_fewer_records_than_one_step_train_on_a_smaller_batch_instead_of_hanging(n, batch, accum):
-    from vlft.data.order import batches
+    from vlft.data.order import DataOrder, batches
 
     def hang(*_):
         raise TimeoutError("batches() gave no step within 20 s: the small-set hang")
@@ -237,7 +232,7 @@ def test_fewer_records_than_one_step_train_on_a_smaller_batch_instead_of_hanging
     previous = signal.signal(signal.SIGALRM, hang)
     signal.alarm(20)  # a hang fails the test instead of the suite
     try:
-        gen = batches(list(range(n)), lambda xs: xs, _Settings(batch_size=batch, grad_accum=accum), 0)
+        gen = batches(list(range(n)), lambda xs: xs, DataOrder(batch_size=batch, grad_accum=accum, seed=0), 0)
         steps = [next(gen) for _ in range(3)]
     finally:
         signal.alarm(0)

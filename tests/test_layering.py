@@ -68,7 +68,8 @@ def read_imports(root: Path = VLFT) -> tuple[dict[str, Path], list[Import]]:
                 continue
             local = id(node) not in top_level
             before = lines[node.lineno - 2].strip() if node.lineno > 1 else ""
-            reasoned = module_reason or "#" in lines[node.lineno - 1] or before.startswith("#")
+            reasoned = (module_reason or before.startswith("#")
+                        or any("#" in line for line in lines[node.lineno - 1:node.end_lineno]))
             for target in _targets(node, package, modules):
                 found.append(Import(name, target, node.lineno, local, reasoned, id(node) in typing_only))
     return modules, found

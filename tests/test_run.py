@@ -29,6 +29,11 @@ def read_metrics(output: Path) -> list[dict]:
     return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
 
 
+def logged_losses(output: Path) -> list[dict]:
+    """The logged steps' lines (checkpoint and evaluation timings have lines of their own)."""
+    return [m for m in read_metrics(output) if "loss" in m]
+
+
 @pytest.mark.parametrize("method", ["lora", "oft"])
 def test_short_run_writes_adapter_metrics_and_eval(registry, small_data, tmp_path, method):
     from vlft.commands.run import execute
@@ -76,11 +81,11 @@ def test_resume_continues_with_the_same_losses(registry, small_data, tmp_path, m
         execute(registry, short_config(small_data, interrupted, steps=8, save_every=4, eval_every=0),
                 progress=False)
     monkeypatch.setattr(vlft.training.step, "train_step", real_step)
-    assert [m["step"] for m in read_metrics(interrupted)] == [1, 2, 3, 4, 5]
+    assert [m["step"] for m in logged_losses(interrupted)] == [1, 2, 3, 4, 5]
     execute(registry, short_config(small_data, interrupted, steps=8, save_every=4, eval_every=0, resume=True),
             progress=False)
 
-    a, b = read_metrics(straight), read_metrics(interrupted)
+    a, b = logged_losses(straight), logged_losses(interrupted)
     assert [m["step"] for m in b] == list(range(1, 9))
     for x, y in zip(a, b):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-6), (x, y)
@@ -291,7 +296,7 @@ def test_dry_run_prints_the_plan_without_training(tmp_path):
     assert res.exit_code == 0, res.output
     plan = json.loads(res.output[res.output.index("{"):])
     assert plan["backend"]["name"] == "cpu" and plan["method"]["name"] == "oft"
-    assert plan["precision"]["name"] == "fp32" and plan["attention"] == {"vision": "eager", "text": "eager",
-                                                                         "reason": plan["attention"]["reason"]}
+    assert plan["precision"]["name"] == "fp32" and {k: plan["attention"][k] for k in ("vision", "text")} == {
+        "vision": "eager", "text": "eager"}
     assert len(plan["targets"]["modules"]) == 20 and plan["targets"]["adapter_parameters"] > 0
     assert not (tmp_path / "o").exists()

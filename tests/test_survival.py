@@ -17,7 +17,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from helpers import vlft_command
-from test_run import read_metrics, short_config
+from test_run import logged_losses, read_metrics, short_config
 
 from vlft.cli import cli
 from vlft.errors import ConfigError, DataError, VlftError
@@ -209,7 +209,7 @@ def test_sigterm_writes_a_checkpoint_and_resume_gives_the_uninterrupted_losses(r
 
     execute(registry, short_config(small_data, out, steps=8, eval_every=0, eval_samples=1, max_new_tokens=2,
                                    resume=True), progress=False)
-    a, b = read_metrics(straight_run), read_metrics(out)
+    a, b = logged_losses(straight_run), logged_losses(out)
     assert [m["step"] for m in b] == list(range(1, 9))
     for x, y in zip(a, b):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-6), (x, y)
@@ -560,8 +560,8 @@ def test_fp16_scaler_back_offs_at_the_start_do_not_stop_the_run_and_a_nan_loss_s
     assert scales[0] <= 2.0 ** 27 and scales[-1] <= 2.0 ** (28 - summary["scaler_backoffs"])  # it backed off
     assert [m["scaler_backoffs"] for m in metrics][-1] == summary["scaler_backoffs"]
 
-    real_loss = vlft.training.step.token_loss_sum
-    monkeypatch.setattr(vlft.training.step, "token_loss_sum", lambda logits, labels: real_loss(logits, labels) * float("nan"))
+    real_loss = vlft.training.step.batch_loss_sum
+    monkeypatch.setattr(vlft.training.step, "batch_loss_sum", lambda *a, **k: real_loss(*a, **k) * float("nan"))
     with pytest.raises(NonFiniteStop, match="3 consecutive steps"):
         execute(registry, short_config(small_data, tmp_path / "nan", **values), progress=False)
 

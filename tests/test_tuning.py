@@ -290,7 +290,10 @@ def test_nf4_plans_the_7b_at_batch_4_of_2k_tokens_on_a_24gib_card(tmp_path):
     assert mem["fits"] is True and mem["base_dtype"] == "nf4 linear + bfloat16"
     _, bf16 = dry_json(*args, "--param-dtype", "bf16", "--no-memory-check")
     four, half = sum(mem["base_weights_bytes"].values()), sum(bf16["memory"]["base_weights_bytes"].values())
-    assert bf16["memory"]["fits"] is False and 0.3 < four / half < 0.45  # linear at ~4.5 bits, embeddings bf16
+    assert 0.3 < four / half < 0.45  # linear at ~4.5 bits, embeddings bf16
+    # the whole estimate drops by what the weights save (with logits only at labelled positions bf16 fits 24 GiB
+    # at this batch too, so the comparison is of the figures)
+    assert bf16["memory"]["estimate_bytes"] - mem["estimate_bytes"] >= 0.9 * (half - four)
     from vlft.planning.memory import gib
     from vlft.planning.plan import format_plan
 

@@ -104,7 +104,7 @@ def _placeholder_arguments() -> dict[str, Any]:
     return {
         "backend": UNKNOWN, "method": UNKNOWN, "config": RunConfig(), "model_config": None, "model": None,
         "targets": [], "path": "", "trainable": False, "seed": 0, "deterministic": False, "device": None,
-        "attention": None, "options": DataLoaderOptions(),
+        "attention": None, "options": DataLoaderOptions(), "family": None, "target_parameters": [],
     }
 
 

@@ -201,13 +201,13 @@ def _assert_same_training(big, wb, acc, wa):
 def test_the_accumulation_check_sees_a_per_micro_batch_mean(small_data, tmp_path, monkeypatch):
     """The check above fails on the bug it was written for: each micro-batch's loss divided by its own label
     count and the micro-batch means averaged, instead of the step's sum over the step's label count. The bug
-    is injected into vlft's step for this test only: each micro-batch's token-loss sum is rescaled so that
+    is injected into vlft's step for this test only: each micro-batch's loss sum is rescaled so that
     ``sum * world / step_tokens`` becomes ``mean / micro_batches`` (with one micro-batch it changes nothing)."""
     import vlft.training.step
 
     data = str(_varied_replies(small_data[0], tmp_path / "varied.jsonl"))
     big, wb = _step_figures(small_data, tmp_path / "big", data=data, batch_size=4, steps=6, float64=True)
-    real_step, real_sum = vlft.training.step.train_step, vlft.training.step.token_loss_sum
+    real_step, real_sum = vlft.training.step.train_step, vlft.training.step.batch_loss_sum
     factors = []
 
     def step_with_per_micro_batch_means(model, optimizer, scheduler, micro_batches, policy, local_tokens):
@@ -218,11 +218,11 @@ def test_the_accumulation_check_sees_a_per_micro_batch_mean(small_data, tmp_path
     monkeypatch.setattr(vlft.training.step, "train_step", step_with_per_micro_batch_means)
     calls = []
 
-    def rescaled_sum(logits, labels):  # outside a step (set-up traces the loss too) nothing is rescaled
+    def rescaled_sum(*args, **kwargs):  # outside a step nothing is rescaled
         calls.append(bool(factors))
-        return real_sum(logits, labels) * (factors.pop(0) if factors else 1.0)
+        return real_sum(*args, **kwargs) * (factors.pop(0) if factors else 1.0)
 
-    monkeypatch.setattr(vlft.training.step, "token_loss_sum", rescaled_sum)
+    monkeypatch.setattr(vlft.training.step, "batch_loss_sum", rescaled_sum)
     acc, wa = _step_figures(small_data, tmp_path / "acc", data=data, batch_size=2, grad_accum=2, steps=6,
                             float64=True)
     assert not factors and calls.count(True) == 12  # the bug ran, on each of the 6 x 2 micro-batches

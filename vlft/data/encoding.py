@@ -166,9 +166,9 @@ class SampleEncoder:
                     sizes.append(img.size)
         if self.expands:  # the processor's count: blank images of the recorded sizes (no grid to report)
             self._no_videos(record)
-            input_ids, _, _ = self._tokenize_expanded(self.pieces(record.turns, record.where),
-                                                      [Image.new("RGB", size) for size in sizes], record.where)
-            return len(input_ids), []
+            input_ids, labels, _ = self._tokenize_expanded(self.pieces(record.turns, record.where),
+                                                           [Image.new("RGB", size) for size in sizes], record.where)
+            return len(input_ids), [], sum(1 for x in labels[1:] if x != IGNORE_INDEX)
         grids = [self.image_grid(w, h) for w, h in sizes]
         counts = torch.tensor(grids) if grids else None
         video = self._videos(record)  # decoding is the only way to know a clip's frame count at this rate

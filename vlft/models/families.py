@@ -89,12 +89,15 @@ class FamilyTargets:
 
 
 def select_target_modules(model, family: ModelFamily, targets: str, vision_last_n: int,
-                          experts: bool = False, parts: tuple[str, ...] | None = None) -> FamilyTargets:
+                          experts: bool = False, parts: tuple[str, ...] | None = None,
+                          leaves: dict[str, tuple[str, ...]] | None = None) -> FamilyTargets:
     """Full names of the nn.Linear modules (and, with ``experts``, fused expert parameters) to adapt.
 
     ``targets`` is vision / text / both / auto. Only modules that exist and are nn.Linear are returned, so a
     hybrid model's layers each contribute the names they have (Qwen3.5: linear_attn.* in Gated DeltaNet
-    layers, self_attn.* in the full-attention ones).
+    layers, self_attn.* in the full-attention ones). ``leaves`` ({"vision"/"text": leaf names}): a method's
+    own choice for a tower, every nn.Linear in its blocks with one of those leaf names, instead of the
+    family's.
     """
     import torch
 
@@ -110,7 +113,11 @@ def select_target_modules(model, family: ModelFamily, targets: str, vision_last_
     depth = len(blocks)
     chosen = list(range(depth))[-vision_last_n:] if vision_last_n else []
 
-    def linear_names(container_path, index, rel_names):
+    def linear_names(container_path, index, rel_names, tower):
+        if leaves and leaves.get(tower):
+            block = resolve_module(base, f"{container_path}.{index}")
+            return [f"{prefix}{container_path}.{index}.{name}" for name, mod in block.named_modules()
+                    if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in leaves[tower]]
         out = []
         for rel in rel_names:
             full = f"{container_path}.{index}.{rel}"
@@ -125,11 +132,11 @@ def select_target_modules(model, family: ModelFamily, targets: str, vision_last_
     modules: list[str] = []
     if towers in ("vision", "both"):
         for b in chosen:
-            modules += linear_names(family.vision_blocks, b, family.vision_targets())
+            modules += linear_names(family.vision_blocks, b, family.vision_targets(), "vision")
     params: list[str] = []
     if towers in ("text", "both"):
         for i in range(len(layers)):
-            modules += linear_names(family.decoder_layers, i, family.text_targets())
+            modules += linear_names(family.decoder_layers, i, family.text_targets(), "text")
             if experts:
                 for rel in family.expert_parameters:
                     full = f"{family.decoder_layers}.{i}.{rel}"

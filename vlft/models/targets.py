@@ -30,7 +30,8 @@ class TargetPlan:
 def select_targets(model, defaults, targets: str, vision_last_n: int, family, experts: bool = False) -> TargetPlan:
     """Full module names to adapt for ``targets`` ("vision", "text", "both" or "auto")."""
     towers = defaults.default_targets if targets == "auto" else targets
-    ft = select_target_modules(model, family, towers, vision_last_n, experts=experts)
+    ft = select_target_modules(model, family, towers, vision_last_n, experts=experts,
+                               leaves=method_leaves(defaults, family))
     if not ft.modules and not ft.parameters:
         raise ConfigError(
             f"no modules to adapt for --targets {towers} with --vision-last-n {vision_last_n}: the {family.name} "
@@ -38,3 +39,17 @@ def select_targets(model, defaults, targets: str, vision_last_n: int, family, ex
             f"and {ft.text_layers} text layers with {'/'.join(family.text_targets()) or '(none)'}"
         )
     return TargetPlan(ft.modules, towers, ft.vision_blocks, ft.vision_depth, ft.text_layers, ft.parameters)
+
+
+def method_leaves(defaults, family) -> dict[str, tuple[str, ...]]:
+    """A method's own module choice per tower (``AdapterDefaults.text_modules``/``vision_modules``, leaf
+    names), where it names a module the family's default targets leave out (IA3's ``down_proj``): a method
+    that asks for the family's attention projections, or for nothing, gets the family's full default set
+    (which knows, say, a hybrid model's linear-attention projections)."""
+    out = {}
+    for tower, names, default in (("text", defaults.text_modules, family.text_targets()),
+                                  ("vision", defaults.vision_modules, family.vision_targets())):
+        family_leaves = {rel.rsplit(".", 1)[-1] for rel in default}
+        if names and not set(names) <= family_leaves:
+            out[tower] = tuple(names)
+    return out

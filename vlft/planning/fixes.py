@@ -114,7 +114,7 @@ PIXELS = 448 * 448  # --max-pixels in the fixes: 448x448 images
 
 
 def _fewer_pixels_shape(batch: BatchShape, family) -> BatchShape:
-    shape = BatchShape(batch.samples, batch.tokens, resized_grids(batch.grids, PIXELS, family))
+    shape = BatchShape(batch.samples, batch.tokens, resized_grids(batch.grids, PIXELS, family), batch.labelled)
     per_token = family.merge_size ** 2  # patches per LLM token
     shape.tokens = max(1, batch.tokens - (batch.patches - shape.patches) // per_token // batch.samples)
     return shape
@@ -143,13 +143,14 @@ def _fix_combined(plan: MemoryPlan, model, model_config, compute_dtype, ckpt: bo
     def total(chosen, samples: int) -> int:
         key = ("half" in chosen, samples, "pixels" in chosen)
         if key not in plans:
-            shape = BatchShape(samples, plan.batch.tokens, plan.batch.grids[: round(per * samples)])
+            shape = BatchShape(samples, plan.batch.tokens, plan.batch.grids[: round(per * samples)],
+                               plan.batch.labelled)
             if "pixels" in chosen:
                 shape = _fewer_pixels_shape(shape, family)
             dtype = "bfloat16" if "half" in chosen else plan.base_dtype
             plans[key] = plan_memory(model, model_config, dtype, compute_dtype, shape, plan.reserved_bytes,
                                      plan.capacity_bytes, plan.capacity_source, plan.shard_world,
-                                     plan.gathered_bytes, family)
+                                     plan.gathered_bytes, family, guard_copy=bool(plan.guard_copy_bytes))
         return plans[key].total_bytes(ckpt or "checkpointing" in chosen)
 
     for size in range(2, len(options) + 1):

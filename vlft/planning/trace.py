@@ -107,9 +107,8 @@ def _register_meta_experts() -> None:
     (it asks which experts got tokens: ``nonzero`` has no meta kernel). It routes every (token, slot) pair
     through one expert's weights, so it saves what the loop saves summed over experts: per pair the input
     row, the gate/up projections and the activation (tokens x top-k rows in all)."""
-    from transformers.integrations.moe import (
-        ALL_EXPERTS_FUNCTIONS,  # only when a MoE plan traces its experts
-    )
+    # only when a MoE plan traces its experts
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     def per_pair(self, hidden_states, top_k_index, top_k_weights):
         k = top_k_index.size(-1)
