@@ -210,10 +210,10 @@ def test_the_accumulation_check_sees_a_per_micro_batch_mean(small_data, tmp_path
     real_step, real_sum = vlft.training.step.train_step, vlft.training.step.batch_loss_sum
     factors = []
 
-    def step_with_per_micro_batch_means(model, optimizer, scheduler, micro_batches, policy, local_tokens):
+    def step_with_per_micro_batch_means(model, optimizer, scheduler, micro_batches, *rest):
         counts = [vlft.data.batching.label_count(b) for b in micro_batches]
         factors[:] = [sum(counts) / (len(counts) * c) for c in counts]
-        return real_step(model, optimizer, scheduler, micro_batches, policy, local_tokens)
+        return real_step(model, optimizer, scheduler, micro_batches, *rest)
 
     monkeypatch.setattr(vlft.training.step, "train_step", step_with_per_micro_batch_means)
     calls = []

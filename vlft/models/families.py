@@ -116,8 +116,10 @@ def select_target_modules(model, family: ModelFamily, targets: str, vision_last_
     def linear_names(container_path, index, rel_names, tower):
         if leaves and leaves.get(tower):
             block = resolve_module(base, f"{container_path}.{index}")
-            return [f"{prefix}{container_path}.{index}.{name}" for name, mod in block.named_modules()
-                    if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in leaves[tower]]
+            named = [f"{prefix}{container_path}.{index}.{name}" for name, mod in block.named_modules()
+                     if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in leaves[tower]]
+            if named:  # names of another family's modules (LoRA's Qwen vision names on SigLIP) fall back
+                return named
         out = []
         for rel in rel_names:
             full = f"{container_path}.{index}.{rel}"
