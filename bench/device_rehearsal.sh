@@ -47,7 +47,7 @@ fi
 [ "${REHEARSAL_STEP:-all}" = install ] && { say "installed"; exit 0; }
 
 say "the venv's shape"
-"$PY" - <<'EOF'
+"$PY" -P - <<'EOF'  # -P: not the checkout on sys.path (its vlft.egg-info from `make install` is no install here)
 import importlib.metadata as md
 import importlib.util
 import sys

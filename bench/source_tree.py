@@ -231,7 +231,8 @@ def _found_at(name: str) -> Path | None:
     return Path(spec.origin).resolve() if spec.origin else None
 
 
-def choose(wanted: dict, dist, site: Path, sources: dict[str, Path] | None = None) -> tuple[bool, str]:
+def choose(wanted: dict, dist, site: Path, sources: dict[str, Path] | None = None,
+           repo: Path | None = None) -> tuple[bool, str]:
     """(use the installed distribution ``dist``?, why not). It is used where its ``vlft`` entry points are
     the ones pyproject.toml names and its packages are this checkout's (``sources``: name -> folder, an
     editable install of it); not where it is the metadata this module generated in ``site``."""
@@ -240,6 +241,10 @@ def choose(wanted: dict, dist, site: Path, sources: dict[str, Path] | None = Non
     where = Path(_where(dist))
     if where.parent.resolve() == site.resolve():
         return False, "vlft not installed"  # a previous run's metadata, found through an inherited PYTHONPATH
+    if repo is not None and where.parent.resolve() == repo.resolve():
+        # a vlft.egg-info in the checkout: what `pip install -e .` (`make install`) leaves there for *its*
+        # Python; found here only because the checkout is on sys.path, it installs nothing in this one
+        return False, "vlft not installed in this Python (the checkout's vlft.egg-info is another venv's)"
     have = {ep.name: ep.value for ep in dist.entry_points if ep.group == GROUP}
     if have != wanted:
         differ = sorted(k for k in {*have, *wanted} if have.get(k) != wanted.get(k))
@@ -262,7 +267,7 @@ def prepare(repo: Path = REPO, site: Path | None = None, check: bool = True, pyt
     wanted = project["groups"][GROUP]
     site = site or repo / SITE_NAME
     dist = installed()
-    use, reason = choose(wanted, dist, site, package_sources(repo, project))
+    use, reason = choose(wanted, dist, site, package_sources(repo, project), repo)
     if use:
         way = Way(INSTALLED, f"vlft installed: using its metadata ({_where(dist)})", entry_points=wanted,
                   metadata=_where(dist))

@@ -514,3 +514,32 @@ def test_group_by_length_gives_the_sampler_each_training_samples_length(registry
     assert s.settings.lengths == [s.encoder.measure(r)[0] for r in s.train_records]
     plain = prepare(registry, _cfg(small_data, tmp_path / "p"))
     assert plain.settings.lengths is None
+
+
+def test_the_loss_reads_each_rows_positions_from_either_transformers_layout():
+    """transformers 5.2x gives ``logits_to_keep=[B, P]`` positions as [B, P, V] (each row its own); the 5.17
+    of a device machine indexes ``hidden[:, positions]`` and gives [B, B, P, V] (found by the device
+    rehearsal). Both give the full head's loss. Stand-in models serve the two layouts from one logits tensor."""
+    from types import SimpleNamespace
+
+    from vlft.data.batching import with_label_positions
+    from vlft.models.loss import batch_loss_sum, token_loss_sum
+
+    torch.manual_seed(0)
+    full = torch.randn(3, 9, 11)
+    labels = torch.full((3, 9), -100)
+    labels[0, 5:8], labels[1, 2:4], labels[2, 7:9] = 1, 2, 3
+    batch = with_label_positions({"labels": labels})
+
+    class NewLayout(torch.nn.Module):  # stand-in: a model of the installed transformers' behaviour
+        def forward(self, logits_to_keep=None):
+            return SimpleNamespace(logits=torch.stack([full[b, logits_to_keep[b]] for b in range(len(full))]))
+
+    class OldLayout(torch.nn.Module):  # stand-in: hidden[:, positions] with the [B, P] positions as one index
+        def forward(self, logits_to_keep=None):
+            return SimpleNamespace(logits=full[:, logits_to_keep])
+
+    want = token_loss_sum(full, labels)
+    assert OldLayout()(batch["logit_positions"]).logits.dim() == 4
+    for model in (NewLayout(), OldLayout()):
+        torch.testing.assert_close(batch_loss_sum(model, {}, batch), want)

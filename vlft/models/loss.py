@@ -46,8 +46,14 @@ def batch_loss_sum(model, inputs: dict, batch: dict, autocast=None) -> torch.Ten
     if "kept_labels" in batch:
         with autocast:
             logits = model(**inputs, logits_to_keep=batch["logit_positions"]).logits
-        if logits.dim() == 3 and logits.shape[:2] == batch["kept_labels"].shape:
-            return kept_loss_sum(logits, batch["kept_labels"])
+        kept = batch["kept_labels"]
+        if logits.dim() == 4 and logits.shape[:3] == (kept.shape[0], *kept.shape):
+            # transformers before 5.2x index ``hidden[:, positions]`` with the [B, P] positions as a whole
+            # (every row's positions on every row: [B, B, P, V]); row b's own are on the diagonal. Correct,
+            # but the head ran B times as wide: the memory plan's logits figure holds for 5.2x only
+            logits = logits[torch.arange(kept.shape[0]), torch.arange(kept.shape[0])]
+        if logits.dim() == 3 and logits.shape[:2] == kept.shape:
+            return kept_loss_sum(logits, kept)
         if logits.shape[1] != batch["labels"].shape[1]:
             raise RuntimeError(f"the model returned logits of shape {tuple(logits.shape)} for logits_to_keep of "
                                f"shape {tuple(batch['logit_positions'].shape)}")
