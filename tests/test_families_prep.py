@@ -383,3 +383,12 @@ def test_importing_the_families_imports_neither_torch_nor_transformers():
             "print(sorted(k for k in ('torch', 'transformers', 'peft') if k in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_the_qwen2_5_vl_tiny_recipe_is_the_embedded_defaults():
+    """The family plugin keeps a copy of the core's embedded recipe (it may import only vlft's public API):
+    ``embedded:qwen2.5-vl`` and the plain embedded default must stay the same model."""
+    from vlft.models.embedded import RECIPE
+    from vlft_models.qwen2_vl import RECIPE_2_5
+
+    assert RECIPE_2_5 == RECIPE

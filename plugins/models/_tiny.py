@@ -94,6 +94,21 @@ def initialise(model, seed: int, vision_std: float, embedding_row_norm: float, v
         emb.mul_(embedding_row_norm / emb.norm(dim=-1, keepdim=True))
 
 
+def qwen3_config_kwargs(recipe: dict, tokenizer, **text_extra) -> dict:
+    """The keyword arguments a Qwen3-generation config class (Qwen3-VL, its MoE, Qwen3.5) takes for a tiny
+    model: the recipe's towers with the tokenizer's special-token ids, tied embeddings."""
+    ids = tokenizer.convert_tokens_to_ids
+    return dict(
+        text_config=dict(recipe["text"], vocab_size=len(tokenizer), bos_token_id=ids("<|endoftext|>"),
+                         eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
+                         initializer_range=recipe["initializer_range"], **text_extra),
+        vision_config=dict(recipe["vision"], initializer_range=recipe["initializer_range"]),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+        tie_word_embeddings=True,
+    )
+
+
 def finish_generation_config(model, tokenizer) -> None:
     ids = tokenizer.convert_tokens_to_ids
     model.generation_config.eos_token_id = ids(tokenizer.eos_token)

@@ -26,7 +26,8 @@ SPECIAL_TOKENS = _tiny.BASE_SPECIAL_TOKENS
 # Qwen2-VL / Qwen2.5-VL preprocessor_config.json (vlft/model_configs/SOURCES.md): min 3136, max 12845056
 IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS = 3136, 12845056
 
-# vlft/embedded.py RECIPE version 4 (copied: that module is moving; keep the two in step)
+# vlft/models/embedded.py's RECIPE (version 4), copied because a plugin imports only vlft's public API;
+# tests/test_families_prep.py checks the two stay equal
 RECIPE_2_5 = {
     "version": 4,
     "seed": 1234,

@@ -86,19 +86,10 @@ def _build(path: Path, recipe: dict, moe: bool, corpus=None) -> None:
     import transformers
 
     tokenizer = _tiny.build_tokenizer(recipe["vocab_size"], SPECIAL_TOKENS, _tiny.QWEN3_EXTRA_TOKENS, corpus)
-    ids = tokenizer.convert_tokens_to_ids
     cfg_cls = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
     model_cls = (transformers.Qwen3_5MoeForConditionalGeneration if moe
                  else transformers.Qwen3_5ForConditionalGeneration)
-    config = cfg_cls(
-        text_config=dict(recipe["text"], vocab_size=len(tokenizer), bos_token_id=ids("<|endoftext|>"),
-                         eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
-                         initializer_range=recipe["initializer_range"], tie_word_embeddings=True),
-        vision_config=dict(recipe["vision"], initializer_range=recipe["initializer_range"]),
-        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
-        tie_word_embeddings=True,
-    )
+    config = cfg_cls(**_tiny.qwen3_config_kwargs(recipe, tokenizer, tie_word_embeddings=True))
     torch.manual_seed(recipe["seed"])
     model = model_cls(config)
     _tiny.initialise(model, recipe["seed"], recipe["vision_initializer_range"], recipe["embedding_row_norm"])

@@ -84,16 +84,7 @@ def build_tiny(path: Path, recipe: dict | None = None, corpus: list[str] | None 
 
     r = recipe or RECIPE
     tokenizer = _tiny.build_tokenizer(r["vocab_size"], SPECIAL_TOKENS, _tiny.QWEN3_EXTRA_TOKENS, corpus)
-    ids = tokenizer.convert_tokens_to_ids
-    config = Qwen3VLConfig(
-        text_config=dict(r["text"], vocab_size=len(tokenizer), bos_token_id=ids("<|endoftext|>"),
-                         eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
-                         initializer_range=r["initializer_range"]),
-        vision_config=dict(r["vision"], initializer_range=r["initializer_range"]),
-        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
-        tie_word_embeddings=True,
-    )
+    config = Qwen3VLConfig(**_tiny.qwen3_config_kwargs(r, tokenizer))
     import torch
 
     torch.manual_seed(r["seed"])
