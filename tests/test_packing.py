@@ -70,8 +70,11 @@ def _collators(processor, config, family, max_tokens=None):
 
 def _steps(model, collate, micro_batches, steps: int, lr: float = 1e-3):
     """``steps`` AdamW steps of sum-over-labels / step label count (``training.step``'s loss); per step the
-    loss and every gradient."""
-    model = copy.deepcopy(model)
+    loss and every gradient. In float64: packed and padded rows sum in other orders, and AdamW's normalised
+    update turns float32 rounding in near-zero gradients into weight differences up to the learning rate
+    (2.5e-6 after 6 steps in the accumulation test), which later steps' gradients would carry; float64
+    rounding (~1e-16) stays far below the tolerance on any CPU."""
+    model = copy.deepcopy(model).double()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     out = []
     for step in range(steps):
@@ -95,6 +98,7 @@ def _assert_same(padded, packed):
         assert grads_a.keys() == grads_b.keys()
         for name, ga in grads_a.items():
             gb = grads_b[name]
+            assert ga.dtype == gb.dtype == torch.float64, (name, ga.dtype)
             scale = ga.norm().item()
             assert (ga - gb).norm().item() <= RTOL * max(scale, 1e-12), (step, name, scale, (ga - gb).norm().item())
 
