@@ -7,6 +7,11 @@ PY     := $(VENV)/bin/python
 # platform, e.g. `make install TORCH_PKGS="torch==2.5.1 torchvision==0.20.1"`.
 TORCH_PKGS ?= torch==2.14.1 torchvision==0.29.1
 STAMP  := $(VENV)/.installed
+# bitsandbytes (the qlora extra) in a folder of its own, not the venv: where it is importable every
+# `import peft` loads it (about 1.2 s per process, and a warning on stderr). `make test` runs the
+# 4-bit tests (tests/test_qlora.py) in a second pass with it on PYTHONPATH.
+QLORA_SITE := $(VENV)/qlora-site
+QLORA_PKGS ?= bitsandbytes>=0.48
 
 # The device check runs on a machine with an accelerator and that machine's own Python (with torch,
 # transformers, peft, pluggy, click and pytest installed); here it uses the venv and stops where it
@@ -28,6 +33,8 @@ $(STAMP): pyproject.toml Makefile examples/vlft-example-plugin/pyproject.toml
 	$(PY) -m pip install --quiet $(TORCH_PKGS)
 	$(PY) -m pip install --quiet -e '.[dev]'
 	$(PY) -m pip install --quiet -e examples/vlft-example-plugin
+	rm -rf $(QLORA_SITE)
+	$(PY) -m pip install --quiet --no-deps --target $(QLORA_SITE) '$(QLORA_PKGS)'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -37,6 +44,8 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+	PYTHONPATH=$(abspath $(QLORA_SITE)) VLFT_REQUIRE_QLORA=1 $(PY) -m pytest -q tests/test_qlora.py \
+	    bench/test_memory.py -k 'qlora or nf4'
 
 # LoRA against OFT on the embedded default, trained to convergence (make run's settings), in one report:
 # the table of the field report this project starts from. COMPARE_BACKEND=cuda (or ascend) on a device
@@ -53,7 +62,9 @@ bench: $(STAMP)
 	mkdir -p bench/results
 	$(PY) -m pytest bench -q --benchmark-enable --benchmark-only \
 	    --benchmark-json=bench/results/latest.json -p no:randomly
-	$(PY) bench/report.py bench/results/latest.json > bench/results/latest.md
+	PYTHONPATH=$(abspath $(QLORA_SITE)) $(PY) -m pytest bench/test_memory.py -k nf4 -q --benchmark-enable \
+	    --benchmark-only --benchmark-json=bench/results/nf4.json -p no:randomly
+	$(PY) bench/report.py bench/results/latest.json bench/results/nf4.json > bench/results/latest.md
 	cat bench/results/latest.md
 
 device-check:

@@ -1,6 +1,9 @@
 """Turn pytest-benchmark's JSON (``make bench``) into a markdown report of ratios and peak memory.
 
-    python bench/report.py bench/results/latest.json > bench/results/latest.md
+    python bench/report.py bench/results/latest.json [bench/results/nf4.json ...] > bench/results/latest.md
+
+Several files (``make bench`` runs the 4-bit memory case in a second pass, with bitsandbytes on the
+path) make one report: their benchmarks together, the machine and commit of the first.
 
 Everything comes from each benchmark's ``extra_info`` (see bench/support/figures.py):
 ``figures`` (ratios with their targets), ``variants`` (per-variant medians of
@@ -151,12 +154,17 @@ def render(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def merged(paths: list[str]) -> dict:
+    """pytest-benchmark JSON files as one: the first's machine and commit, every file's benchmarks."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    return {**runs[0], "benchmarks": [b for run in runs for b in run.get("benchmarks", [])]}
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: python bench/report.py RESULTS.json > REPORT.md", file=sys.stderr)
+    if len(argv) < 2:
+        print("usage: python bench/report.py RESULTS.json [MORE.json ...] > REPORT.md", file=sys.stderr)
         return 2
-    data = json.loads(Path(argv[1]).read_text())
-    sys.stdout.write(render(data))
+    sys.stdout.write(render(merged(argv[1:])))
     return 0
 
 

@@ -56,7 +56,7 @@ def longest_batch_data(mixed_records, mixed_data, tmp_path_factory, embedded_siz
 def _session(env, size, data, tmp_path, param_dtype, ckpt, attn):
     from vlft.training.session import prepare
 
-    precision = env.asked_precision if param_dtype == "bf16" else "fp32"
+    precision = env.asked_precision if param_dtype in ("bf16", "nf4") else "fp32"
     config = env.config(model=size.path, data=str(data), val_data=str(data), output=str(tmp_path / "unused"),
                         steps=2, param_dtype=param_dtype, grad_checkpointing=ckpt, precision=precision,
                         warmup_ratio=0.0, attn=attn)
@@ -111,3 +111,83 @@ def test_memory(benchmark, env, mem_case, longest_batch_data, tmp_path):
            notes=["estimate: the memory plan's total less its runtime reserve, for exactly the batch measured",
                   "step memory: the peak above the resident weights and optimizer state"],
            batch=json.loads(json.dumps(memory["fp32"]["batch"])))
+
+
+# -- 4-bit base weights (QLoRA) ------------------------------------------------------------------------
+
+NF4_VARIANTS = {"bf16": ("bf16", "off"), "nf4": ("nf4", "off"), "nf4+ckpt": ("nf4", "on")}
+
+
+@pytest.fixture(params=["embedded", "wide"])
+def nf4_size(request):
+    disabled = request.config.getoption("benchmark_disable") and not request.config.getoption("benchmark_enable")
+    if disabled and request.param != "embedded":
+        pytest.skip("under --benchmark-disable the memory group runs on the embedded model only")
+    try:
+        import bitsandbytes  # noqa: F401 - where it is importable, 4-bit loading runs
+    except ImportError:
+        pytest.skip("bitsandbytes is not importable; `make bench` runs this with .venv/qlora-site on PYTHONPATH")
+    return request.getfixturevalue(f"{request.param}_size")
+
+
+def _four_bit_constants(model) -> list:
+    """bitsandbytes' per-block scales (and their nested scales) of every 4-bit weight: resident like the
+    packed weights, but held by each weight's quant_state, not as parameters."""
+    out = []
+    for p in model.parameters():
+        qs = getattr(p, "quant_state", None)
+        if qs is not None:
+            out += [qs.absmax, qs.code] + ([qs.state2.absmax, qs.state2.code, qs.offset] if qs.nested else [])
+    return out
+
+
+@pytest.mark.benchmark(group="memory")
+def test_memory_nf4(benchmark, env, nf4_size, longest_batch_data, tmp_path):
+    """nf4 against bf16 base weights: peak of one step, each beside the plan's estimate."""
+    from vlft.data.order import batches
+    from vlft.measure import LiveTensorMeter
+    from vlft.training.step import train_step_on
+
+    sessions, groups = {}, {}
+    for name, (dtype, ckpt) in NF4_VARIANTS.items():
+        s = _session(env, nf4_size, longest_batch_data, tmp_path / name, dtype, ckpt, None)
+        s.model.train()
+        groups[name] = next(batches(s.dataset, s.collate, s.settings, 0))
+        train_step_on(s.model, s.optimizer, s.scheduler, groups[name], s.policy)
+        sessions[name] = s
+
+    memory = {}
+    for name, s in sessions.items():
+        if env.device_module() is None:  # the CPU meter, with the 4-bit scales counted as resident
+            resident = [*s.model.parameters(), *s.model.buffers(), *_four_bit_constants(s.model),
+                        *(v for st in s.optimizer.state.values() for v in st.values())]
+            with LiveTensorMeter(resident) as meter:
+                train_step_on(s.model, s.optimizer, s.scheduler, groups[name], s.policy)
+            m = {"measure": "live tensor storages, followed through the dispatcher", "peak_bytes": meter.peak,
+                 "step_bytes": meter.peak - meter.start_bytes, "resident_bytes": meter.start_bytes}
+        else:
+            m = measured_step_peak(env, s, groups[name])
+        plan = s.plan.memory
+        m["weight_estimate_bytes"] = sum(plan.base_weights.values())
+        m["estimate_bytes"] = plan.total_bytes() - plan.reserved_bytes
+        m["estimate/measured"] = m["estimate_bytes"] / m["peak_bytes"]
+        memory[name] = m
+
+    timer = Interleaved(env, {name: (lambda s=s, g=groups[name]: train_step_on(s.model, s.optimizer, s.scheduler,
+                                                                               g, s.policy))
+                              for name, s in sessions.items()})
+    timer.run(benchmark, rounds=3)
+    errors = [abs(m["estimate/measured"] - 1) for m in memory.values()]
+    figures = {
+        "nf4/bf16 peak": figure(memory["nf4"]["peak_bytes"] / memory["bf16"]["peak_bytes"]),
+        "nf4/bf16 planned weight bytes": figure(memory["nf4"]["weight_estimate_bytes"]
+                                                / memory["bf16"]["weight_estimate_bytes"]),
+        "worst |estimate/measured - 1|": figure(max(errors), "<= 0.2"),
+        "nf4/bf16 step time": timer.ratio_figure("nf4", "bf16"),
+    }
+    for name, m in memory.items():
+        figures[f"estimate/measured {name}"] = figure(m["estimate/measured"])
+    record(benchmark, env, nf4_size, "memory", figures, timer.summary({n: BATCH_SIZE for n in sessions}), memory,
+           notes=["nf4: linear weights in 4-bit NF4 (bitsandbytes), the head, merger, embeddings and norms bf16; "
+                  "bf16 compute in both",
+                  "estimate: the memory plan's total less its runtime reserve, for exactly the batch measured"])

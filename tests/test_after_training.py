@@ -237,6 +237,24 @@ def test_export_loads_with_plain_transformers_and_gives_the_adapter_logits(lora_
     assert plain["template"] == own
 
 
+def test_export_of_an_nf4_run_without_4bit_kernels_says_what_to_do_and_writes_nothing(lora_run, tmp_path,
+                                                                                      monkeypatch):
+    """Where bitsandbytes cannot load 4-bit weights (here: its check made to say so), an nf4 run's default
+    merge is refused before loading, with both ways out. (tests/test_qlora.py merges real nf4 runs.)"""
+    import shutil
+
+    import vlft.builtin.cpu as cpu
+
+    run = shutil.copytree(lora_run[0], tmp_path / "run")
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, "param_dtype": "nf4"}))
+    monkeypatch.setattr(cpu, "_four_bit", lambda: (False, "NF4 needs bitsandbytes, which is not installed"))
+    code, output = vlft("export", "--adapter", run, "--output", tmp_path / "m")
+    assert code != 0 and "trained on NF4 base weights" in output
+    assert "pip install 'vlft[qlora]'" in output and "--merge-into original" in output
+    assert not (tmp_path / "m").exists() and not list(tmp_path.glob(".m-*"))
+
+
 def test_export_adapter_only_copies_peft_folder_with_a_model_card(oft_run, tmp_path):
     out = tmp_path / "adapter"
     code, output = vlft("export", "--adapter", oft_run, "--output", out, "--adapter-only")

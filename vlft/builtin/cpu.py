@@ -76,6 +76,28 @@ def _four_bit() -> tuple[bool, str]:
 
 
 @cpu_hookimpl
+def vlft_patch_model(backend, model, config, attention):
+    """4-bit linears compute through bitsandbytes' general CPU path in inference too, as in training.
+
+    bitsandbytes 0.50, in eval mode without grad on CPUs with AVX512-BF16, repacks each 4-bit weight on its
+    first forward (32-row tiles, scales rounded to bf16). On the tiny models it asserts (out_features not a
+    multiple of 32; Qwen2.5-VL's vision MLP has 3,420) or fails adding the bias in place; where it runs,
+    evaluation would round differently from training, and differently on CPUs without the extension.
+    """
+    import sys
+
+    if "bitsandbytes" not in sys.modules:  # no 4-bit model can have been loaded
+        return None
+    from bitsandbytes.nn import Linear4bit
+
+    packed = [m for m in model.modules() if isinstance(m, Linear4bit) and getattr(m, "support_avx512bf16_for_cpu", False)]
+    for module in packed:
+        module.support_avx512bf16_for_cpu = False
+    return [f"{len(packed)} 4-bit linear(s) kept off bitsandbytes' packed AVX512-BF16 inference path (computes "
+            "as training does)"] if packed else None
+
+
+@cpu_hookimpl
 def vlft_precision_policy(backend, config):
     policy = _precision(config)
     policy.four_bit, policy.four_bit_reason = _four_bit()

@@ -21,12 +21,14 @@ from vlft.data.encoding import SampleEncoder
 from vlft.errors import ConfigError, VlftError
 from vlft.models.bundled import require_weights
 from vlft.models.loading import (
+    dequantized,
     load_model,
     load_processor,
     model_config_and_family,
     resolve_model_path,
 )
 from vlft.planning.kernels import apply_kernels
+from vlft.planning.memory import four_bit_skip
 from vlft.planning.plan import choose_backend, require_available, resolve_plan
 from vlft.registry import Registry
 
@@ -114,12 +116,14 @@ def _base_model_path(source: AdapterSource | None, model: str | None) -> str:
 
 def load_for_inference(registry: Registry, adapter: str | None, model: str | None, *, backend: str = "auto",
                        precision: str = "auto", param_dtype: str = "auto", attn: str | None = None,
-                       max_pixels: int | None = None, on_device: bool = True) -> Loaded:
+                       max_pixels: int | None = None, on_device: bool = True, double_quant: bool = False,
+                       dequantize: bool = False) -> Loaded:
     """Resolve the policies as ``vlft run`` does, load the base (or merged) model and the adapter on it.
 
-    ``on_device=False`` keeps the model on the CPU (export merges there, in fp32).
+    ``on_device=False`` keeps the model on the CPU (export merges there, in fp32). ``param_dtype`` "nf4"
+    loads the base in 4-bit as the run trained it (``double_quant`` as it did); with ``dequantize`` those
+    weights come back as plain fp32 linears before the adapter goes on (what export merges into).
     """
-
 
     source = locate_adapter(registry, adapter) if adapter is not None else None
     model_path = _base_model_path(source, model)
@@ -127,8 +131,8 @@ def load_for_inference(registry: Registry, adapter: str | None, model: str | Non
     if max_pixels is None:
         max_pixels = run_cfg.get("max_pixels")  # encode images as the adapter saw them in training
     config = build_config({}, {k: v for k, v in dict(
-        backend=backend, precision=precision, param_dtype=param_dtype, attn=attn, max_pixels=max_pixels,
-        method=source.method if source else None, model=model_path).items() if v is not None})
+        backend=backend, precision=precision, param_dtype=param_dtype, double_quant=double_quant or None, attn=attn,
+        max_pixels=max_pixels, method=source.method if source else None, model=model_path).items() if v is not None})
     choice = choose_backend(registry, config.backend)
     require_available(choice)
     name = choice.info.name
@@ -142,7 +146,11 @@ def load_for_inference(registry: Registry, adapter: str | None, model: str | Non
     plan = resolve_plan(registry, config, model_path, model_config, choice, family)
     require_weights(model_path, model, registry)
     processor = load_processor(model_path, family, registry)
-    net = load_model(model_path, plan.attention, plan.precision, family=family)
+    quantized = plan.precision.quantization is not None  # 4-bit weights are made on their device, while loading
+    net = load_model(model_path, plan.attention, plan.precision, device=device if quantized else None,
+                     family=family, keep_float=four_bit_skip(family))
+    if dequantize and quantized:
+        net = dequantized(net)
     plan.patches = [p for ps in registry.hook.vlft_patch_model(backend=name, model=net, config=config,
                                                                attention=plan.attention) if ps for p in ps]
     plan.patches += apply_kernels(plan.kernels, net)

@@ -139,6 +139,13 @@ def load_model(path: str, attention, precision, device=None, trust_pickle: bool 
     return model
 
 
+def dequantized(model):
+    """A model loaded with 4-bit base weights, back to plain fp32 ``nn.Linear``s: each weight as the 4-bit
+    model computed with it (bitsandbytes dequantizes to bf16, the load dtype), then widened, which is exact.
+    The quantization config goes with it, so ``save_pretrained`` writes a plain model."""
+    return model.dequantize(dtype=torch.float32).float()
+
+
 def four_bit_config(precision, keep_float=()):
     """transformers' quantization config for NF4 base weights: bf16 compute, optional double quantization."""
     from transformers import (
