@@ -161,3 +161,14 @@ def test_a_bare_adapter_folder_cannot_be_merged_as_dequantized(nf4_run, tmp_path
     code, output = vlft("export", "--adapter", bare, "--output", tmp_path / "m", "--merge-into", "dequantized")
     assert code != 0 and "bare adapter folder" in output and "--merge-into original" in output
     assert not (tmp_path / "m").exists() and not list(tmp_path.glob(".m-*"))
+
+
+def test_eval_scores_the_trained_4bit_model_quantized_as_the_run_was(nf4_run, tiny_data, tmp_path):  # noqa: F811
+    """`vlft eval --param-dtype nf4` loads the base in 4-bit with the run's double quantization, and says so."""
+    out = tmp_path / "scores.json"
+    code, output = vlft("eval", "--adapter", nf4_run, "--data", tiny_data[1], "--param-dtype", "nf4", "--backend",
+                        "cpu", "--max-new-tokens", 4, "--output", out)
+    assert code == 0, output
+    precision = json.loads(out.read_text())["precision"]
+    assert precision["quantization"] == "nf4" and precision["double_quant"] is True
+    assert json.loads(out.read_text())["scores"]["samples"] == 4

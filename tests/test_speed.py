@@ -342,6 +342,55 @@ def test_parallel_measuring_gives_the_serial_answers(session, monkeypatch):
     assert parallel == serial and sum(done) == len(s.train_records)
 
 
+FORK_AFTER_TORCH = """
+import json, sys
+from pathlib import Path
+import torch
+from PIL import Image
+from vlft.data import lengths
+from vlft.data.encoding import SampleEncoder
+from vlft.data.records import read_records
+from vlft.models.embedded import embedded_model_dir
+from vlft.models.loading import load_processor
+
+folder = Path(sys.argv[1])
+Image.new("RGB", (448, 448), (200, 30, 30)).save(folder / "a.jpg")
+record = {"messages": [{"role": "user", "content": "<image>What?"}, {"role": "assistant", "content": "a dent"}],
+          "images": [str(folder / "a.jpg")]}
+(folder / "t.jsonl").write_text("\\n".join(json.dumps(record) for _ in range(4)) + "\\n")
+records = read_records(folder / "t.jsonl")
+encoder = SampleEncoder(load_processor(str(embedded_model_dir())))
+torch.set_num_threads(2)
+torch.ones(1 << 22).mul_(2)  # the parent's OpenMP team exists from here, as after a training step
+lengths.PARALLEL_FROM = 1
+print(len(lengths.measure_all(records, encoder, workers=2)))
+"""
+
+
+def test_workers_forked_after_torch_ran_in_parallel_do_not_hang(tmp_path):
+    """In a process whose OpenMP threads exist (a training step ran, as in the bench), forked measuring workers
+    used to wait forever on the first image large enough for torch to fan out. Bounded: a fresh process,
+    60 s (it takes about 5)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "fork_after_torch.py"
+    script.write_text(FORK_AFTER_TORCH)
+    # its own process group: a hang leaves forked workers behind, killed with it
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("measuring workers forked after a parallel torch op hung (60 s)")
+    assert proc.returncode == 0, err[-2000:]
+    assert out.strip() == "4"
+
+
 def test_the_checked_data_is_reused_while_the_files_are_unchanged(own_data, monkeypatch, tmp_path):
     import os
 

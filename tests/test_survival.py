@@ -344,6 +344,9 @@ def test_a_checkpoint_write_failing_on_rank_0_stops_every_process_with_its_messa
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001"]
     assert newest_checkpoint(out / "checkpoints").name == "step-000001"
     assert not (out / "adapter").exists()
+    summary = json.loads((out / "summary.json").read_text())  # rank 0's, written as it stopped
+    assert summary["status"] == "stopped: checkpoint write failed" and re.search(message, summary["error"])
+    assert summary["checkpoint"].endswith("step-000001") and "--resume" in summary["resume_command"]
 
 
 KILLED_WRITER = """

@@ -194,8 +194,7 @@ def export(adapter, model, output, dtype, adapter_only, merge_into):
     with _staged(out) as tmp:
         if merge_base == "dequantized":
             loaded = load_for_inference(registry, adapter, model, backend="cpu", param_dtype="nf4",
-                                        double_quant=bool(source.run_config.get("double_quant")), on_device=False,
-                                        dequantize=True)
+                                        on_device=False, dequantize=True)
         else:
             loaded = load_for_inference(registry, adapter, model, backend="cpu", precision="fp32",
                                         param_dtype="fp32", on_device=False)

@@ -31,8 +31,9 @@ def model_options(fn):
         click.option("--backend", default="auto", show_default=True, help="Backend plugin, as for `vlft run`."),
         click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto",
                      show_default=True, help="Compute precision, as for `vlft run`."),
-        click.option("--param-dtype", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto",
-                     show_default=True, help="Base weights' dtype, as for `vlft run`."),
+        click.option("--param-dtype", type=click.Choice(["auto", "fp32", "bf16", "fp16", "nf4"]), default="auto",
+                     show_default=True, help="Base weights' dtype, as for `vlft run`; nf4: the base in 4-bit, as a "
+                     "run trained with --param-dtype nf4 computed (double quantization as the run had it)."),
         click.option("--attn", default=None, help="Attention implementation, as for `vlft run`."),
         click.option("--max-pixels", type=int, default=None,
                      help="Cap on each image's pixel count; default: the run's."),

@@ -22,6 +22,7 @@ import torch
 from vlft.config import RunConfig
 from vlft.errors import ConfigError
 from vlft.evaluation.generation import evaluate_generation
+from vlft.evaluation.inference import write_atomically
 from vlft.evaluation.scoring import format_table
 from vlft.evaluation.validation import validation_loss
 from vlft.planning.memory import gib
@@ -31,6 +32,7 @@ from vlft.planning.sharding import base_bytes
 from vlft.policies import MemoryStats
 from vlft.registry import Registry
 from vlft.training.checkpoints import (
+    CheckpointWriteError,
     RUN_IDENTITY,
     CheckpointStore,
     newest_checkpoint,
@@ -243,6 +245,14 @@ class _Job:
             self.stopped_summary("stopped: non-finite steps", None, t0, checkpoint=str(newest) if newest else None)
             self.metrics.close()
             raise
+        except CheckpointWriteError as e:
+            newest = self.store.newest()
+            self.stopped_summary("stopped: checkpoint write failed", None, t0, error=str(e),
+                                 checkpoint=str(newest) if newest else None,
+                                 resume_command=resume_command(sys.argv, self.output, config.world_size)
+                                 if newest else None)
+            self.metrics.close()
+            raise
         self.train_time = time.perf_counter() - t0
         self.metrics.close()
         return records
@@ -253,7 +263,10 @@ class _Job:
                        "resumed_from": self.s.start_step, "train_time_s": time.perf_counter() - t0,
                        "skipped_steps": self.skips.total, "skipped": self.skips.steps,
                        "scaler_backoffs": self.skips.scaler_backoffs, **extra}
-            (self.output / "summary.json").write_text(json.dumps(summary, indent=2))
+            try:
+                write_atomically(self.output / "summary.json", json.dumps(summary, indent=2))
+            except OSError as e:  # the disk that stopped the run may not take this either: the error still prints
+                log(f"could not write {self.output / 'summary.json'} ({e})", self.rank)
 
     def free_optimizer_state(self) -> None:
         """The AdamW moments are not needed once the last checkpoint holds them: free them before the

@@ -46,6 +46,16 @@ def check_workers() -> int:
     return max(1, min(8, cores))
 
 
+def _start_worker() -> None:
+    """A forked worker computes on one thread. The parent's OpenMP threads do not survive the fork, yet the
+    child's libgomp still counts them as its team: the first torch op large enough to fan out (resizing a
+    448x448 image is) then waits for them forever. A parent that ran a training step, or any op as large,
+    before the data check had that team (the bench's preflight hung so; tests/test_speed.py)."""
+    import torch  # loaded by the parent already: the fork shares it
+
+    torch.set_num_threads(1)
+
+
 def _measure_chunk(chunk: list[Record]) -> list:
     encoder = _WORKER_ENCODER[0]
     out = []
@@ -81,7 +91,7 @@ def measure_all(records: list[Record], encoder: SampleEncoder, progress=None, wo
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     out = []
     try:
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
+        with multiprocessing.get_context("fork").Pool(workers, initializer=_start_worker) as pool:
             for part in pool.imap(_measure_chunk, chunks):
                 out += part
                 tick(len(part))

@@ -121,7 +121,7 @@ def load_for_inference(registry: Registry, adapter: str | None, model: str | Non
     """Resolve the policies as ``vlft run`` does, load the base (or merged) model and the adapter on it.
 
     ``on_device=False`` keeps the model on the CPU (export merges there, in fp32). ``param_dtype`` "nf4"
-    loads the base in 4-bit as the run trained it (``double_quant`` as it did); with ``dequantize`` those
+    loads the base in 4-bit as the run trained it (double quantization as it did, or ``double_quant``); with ``dequantize`` those
     weights come back as plain fp32 linears before the adapter goes on (what export merges into).
     """
 
@@ -130,6 +130,8 @@ def load_for_inference(registry: Registry, adapter: str | None, model: str | Non
     run_cfg = source.run_config if source else {}
     if max_pixels is None:
         max_pixels = run_cfg.get("max_pixels")  # encode images as the adapter saw them in training
+    if param_dtype == "nf4" and not double_quant:
+        double_quant = bool(run_cfg.get("double_quant"))  # quantized as the run was
     config = build_config({}, {k: v for k, v in dict(
         backend=backend, precision=precision, param_dtype=param_dtype, double_quant=double_quant or None, attn=attn,
         max_pixels=max_pixels, method=source.method if source else None, model=model_path).items() if v is not None})
