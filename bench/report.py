@@ -63,6 +63,17 @@ def ordered(benchmarks: list[dict]) -> list[dict]:
     return sorted(benchmarks, key=key)
 
 
+def _dispatch_rows(extra: dict) -> list[tuple[str, dict]]:
+    """(label, counts) per method; a several-process result (a list, one entry per rank) gives a row a rank."""
+    rows = []
+    for method, r in (extra.get("dispatch") or {}).items():
+        if isinstance(r, list):
+            rows += [(f"{method}, rank {x.get('rank', i)}", x) for i, x in enumerate(r)]
+        else:
+            rows.append((method, r))
+    return rows
+
+
 def render(data: dict) -> str:
     benchmarks = ordered([b for b in data.get("benchmarks", []) if b.get("extra_info", {}).get("figures")])
     lines = ["# vlft benchmarks", ""]
@@ -125,16 +136,16 @@ def render(data: dict) -> str:
     disp_rows = []
     for b in benchmarks:
         e = b["extra_info"]
-        for method, r in (e.get("dispatch") or {}).items():
+        for method, r in _dispatch_rows(e):
             s = r["syncs"]
             owners = ", ".join(f"{k} {v}" for k, v in sorted(s["by_owner"].items(), key=lambda kv: -kv[1]))
-            disp_rows.append([e.get("model") or "", method, r["hook_calls"], s["total"], s["vlft_own"], owners])
+            disp_rows.append([e.get("model") or "", method, r.get("hook_calls", "-"), s["total"], s["vlft_own"], owners])
     if disp_rows:
         lines += ["", "## Hook calls and host-device synchronisations in one training step", ""]
         lines += table(["model", "method", "hook calls", "syncs", "by vlft", "syncs by who asked"], disp_rows)
         sites = {}
         for b in benchmarks:
-            for r in (b["extra_info"].get("dispatch") or {}).values():
+            for _, r in _dispatch_rows(b["extra_info"]):
                 for site, n in r["syncs"]["top_sites"].items():
                     sites[site] = max(sites.get(site, 0), n)
         if sites:

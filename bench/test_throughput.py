@@ -117,6 +117,6 @@ def test_guard(benchmark, env, embedded_size, demo_records):
     record(benchmark, env, size, "guard",
            {"bytes copied by the guard, fused AdamW": figure(copied["fused"] - copied["none"], "== 0", unit="bytes"),
             "bytes copied by the guard, fallback": figure(copied["copy"] - copied["none"], unit="bytes")},
-           {"copied": copied, "adapter_parameters": params},
+           {}, copied=copied, adapter_parameters=params,
            notes=["a step as on an accelerator (flag on the device); copies counted in torch's dispatcher "
                   "(aten.clone, aten.copy_) over the whole step, less those of the same step without a guard"])
