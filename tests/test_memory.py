@@ -193,6 +193,12 @@ def test_traced_activations_equal_what_a_real_step_saves(registry, small_data, t
         token_loss_sum(s.model(**model_inputs(batch)).logits, batch["labels"])
     assert estimate.activations.full == pytest.approx(meter.bytes, rel=0.02)
     assert estimate.adapter_parameters == sum(p.numel() for p in s.model.parameters() if p.requires_grad)
+    # backward's working space: at least the gradient of eager attention's [B, heads, T, T] probabilities
+    heads = planned.model_config.text_config.num_attention_heads
+    probabilities = shape.samples * heads * shape.tokens ** 2 * 4
+    assert probabilities <= estimate.activations.backward_transient < estimate.activations.full / 2
+    assert estimate.total_bytes() == (estimate.counted_bytes() + estimate.activations.backward_transient
+                                      + estimate.logits_bytes)
 
 
 def dry_json(*args):
@@ -243,8 +249,8 @@ def test_a_72b_plan_sharded_over_8_processes_gives_each_its_share():
     assert mem["sharded_over"] == 8 and mem["base_bytes_per_process"] == -(-base // 8)
     # each process: its eighth of everything sharded, plus what is gathered whole at a time
     assert mem["estimate_bytes"] == (mem["base_bytes_per_process"] + mem["adapter_state_bytes_per_process"]
-                                     + mem["gathered_bytes"] + mem["activation_bytes"] + mem["logits_bytes"]
-                                     + mem["reserved_bytes"])
+                                     + mem["gathered_bytes"] + mem["activation_bytes"]
+                                     + mem["backward_transient_bytes"] + mem["logits_bytes"] + mem["reserved_bytes"])
     assert 0 < mem["gathered_bytes"] < base / 8 and mem["fits"] is True
     text = format_plan(plan)
     assert "sharding     fsdp over 8 process(es)" in text

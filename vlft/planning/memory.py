@@ -91,7 +91,8 @@ class MemoryPlan:
         return self.base_bytes_per_process + self.adapter_state_bytes_per_process + self.gathered_bytes + act
 
     def total_bytes(self, checkpointing: bool | None = None) -> int:
-        return self.counted_bytes(checkpointing) + self.logits_bytes + self.reserved_bytes + self.batch.mask_bytes
+        return (self.counted_bytes(checkpointing) + self.activations.backward_transient + self.logits_bytes
+                + self.reserved_bytes + self.batch.mask_bytes)
 
     def fits(self, checkpointing: bool | None = None) -> bool | None:
         if self.capacity_bytes is None:
@@ -106,6 +107,7 @@ class MemoryPlan:
             "guard_copy_bytes": self.guard_copy_bytes,
             "activation_bytes": self.activation_bytes, "activation_bytes_without_checkpointing": self.activations.full,
             "activation_bytes_with_checkpointing": self.activations.checkpointed,
+            "backward_transient_bytes": self.activations.backward_transient,
             "logits_bytes": self.logits_bytes, "reserved_bytes": self.reserved_bytes,
             "batch": self.batch.describe(), "checkpointing": self.checkpointing,
             "estimate_bytes": self.total_bytes(), "capacity_bytes": self.capacity_bytes,
@@ -145,7 +147,8 @@ def format_memory(d: dict) -> list[str]:
         f"{batch['image_patches']} image patches"
         + (f" ({batch['packed_samples']} samples packed into {batch['samples']} row(s); block-diagonal mask "
            f"{gib(batch['mask_bytes'])})" if batch.get("packed_samples") else ""),
-        f"             logits {gib(d['logits_bytes'])}, runtime reserve {gib(d['reserved_bytes'])}",
+        f"             backward working space {gib(d.get('backward_transient_bytes', 0))}, logits "
+        f"{gib(d['logits_bytes'])}, runtime reserve {gib(d['reserved_bytes'])}",
     ]
     return lines + [f"fix          {f}" for f in d["fixes"]]
 
