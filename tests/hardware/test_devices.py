@@ -188,6 +188,28 @@ def test_cuda_local_rank_1_trains_on_device_1_with_its_capability(registry, tmp_
 
 
 @pytest.mark.cuda
+def test_cuda_nf4_trains_on_4bit_weights_and_exports_merged_into_them(tmp_path, data):
+    """QLoRA on the GPU: the base's linears are bitsandbytes' 4-bit layers on the device, the step computes in
+    bf16, the loss falls, and `vlft export` merges into the dequantized NF4 weights (tests/test_qlora.py checks
+    the merge's numbers on the CPU)."""
+    pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes: pip install 'vlft[qlora]'")
+    import bitsandbytes as bnb
+    from click.testing import CliRunner
+
+    from vlft.cli import cli
+
+    if capability() < (8, 0):
+        pytest.skip("nf4 computes in bf16, native from compute capability 8.0")
+    result, observer = train(tmp_path, data, "cuda", "lora", param_dtype="nf4")
+    check_autocast(observer, torch.bfloat16)
+    four_bit = [m for m in observer.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert four_bit and all(m.weight.device.type == "cuda" for m in four_bit)
+    exported = CliRunner().invoke(cli, ["export", "--adapter", str(result.output), "--output", str(tmp_path / "m")])
+    assert exported.exit_code == 0, exported.output
+    assert "(its NF4 weights, dequantized)" in exported.output
+
+
+@pytest.mark.cuda
 def test_cuda_device_tests_pass_in_reverse_order():
     run_reversed("cuda")
 
