@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 from test_memory import _cfg
 
 
@@ -329,6 +330,23 @@ def test_each_image_is_decoded_once_however_many_records_name_it(own_data, monke
     got = records.read_records(train)
     assert len(got) == 9
     assert len(decoded) == len({s for r in got for s in r.images})
+
+
+def test_each_image_size_costs_one_run_of_the_image_processor(model_dir, monkeypatch):
+    """Without a family's grid formula the encoder asks the image processor, once per image size; the
+    answers are the processor's own."""
+    from vlft.data.encoding import SampleEncoder
+    from vlft.models.loading import load_processor
+
+    processor = load_processor(model_dir)
+    ip = processor.image_processor
+    expected = {size: tuple(int(x) for x in ip(images=[Image.new("RGB", size)], return_tensors="pt")["image_grid_thw"][0])
+                for size in ((448, 448), (300, 200))}
+    calls = _counting(monkeypatch, type(ip), "__call__")
+    encoder = SampleEncoder(processor)
+    grids = [encoder.image_grid(w, h) for w, h in [(448, 448)] * 5 + [(300, 200)] * 3]
+    assert grids == [expected[(448, 448)]] * 5 + [expected[(300, 200)]] * 3
+    assert len(calls) == 2
 
 
 def test_parallel_measuring_gives_the_serial_answers(session, monkeypatch):

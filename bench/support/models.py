@@ -44,7 +44,7 @@ class ModelSize:
     encoder: Any
     model_config: Any
 
-    family: Any = None  # the ModelFamily, where the size is not the embedded default's Qwen2.5-VL
+    family: Any = None  # the ModelFamily, resolved as a run resolves it
 
     def collator(self, **kw):
         from vlft.data.batching import Collator
@@ -54,8 +54,10 @@ class ModelSize:
 
 def model_size(name: str, path: str, family=None) -> ModelSize:
     from vlft.data.encoding import SampleEncoder
-    from vlft.models.loading import load_model_config, load_processor
+    from vlft.models.loading import load_model_config, model_config_and_family, load_processor
 
+    if family is None:  # resolved as a run resolves it, so the encoder is the one a run uses
+        family = model_config_and_family(path)[1]
     processor = load_processor(path, family)
     return ModelSize(name, path, processor, SampleEncoder(processor, family=family), load_model_config(path),
                      family)
