@@ -17,6 +17,7 @@ records then.
 from __future__ import annotations
 
 import random
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -132,7 +133,15 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], policy: S
         fused_guarded_step(optimizer, finite)
     else:
         guarded_step(optimizer, finite)
-    scheduler.step()
+    if policy.scaler is not None:
+        with warnings.catch_warnings():
+            # a step the scaler skipped still advances the schedule (it counts the run's steps, which resuming
+            # relies on); torch warns of exactly that when the first step is a back-off, as fp16 runs often start
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before",
+                                    category=UserWarning)
+            scheduler.step()
+    else:
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return {"loss_sum": total, "grad_norm": grad_norm, "local_tokens": local_tokens,
             "global_tokens": n_tokens, "skipped": ~finite, "backoff": backoff}
