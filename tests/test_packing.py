@@ -208,3 +208,17 @@ def test_the_memory_plan_plans_the_packed_rows():
     assert one_row[0].samples == 1 and one_row[0].packed == 4 and one_row[0].tokens <= sum(sorted(lengths)[-4:])
     assert one_row[0].mask_bytes == one_row[0].tokens ** 2 * 4
     assert all(b.tokens <= 64 for b in budget) and budget[0].samples >= 2
+
+
+def test_one_row_on_the_mask_path_is_planned_with_what_it_costs():
+    """The plan says what the bench measured: on the mask path one row per micro-batch is slower than padding,
+    and names the flag that bounds the rows; a bounded row and the varlen path carry no such advice."""
+    from vlft.data.packing import resolve_packing
+    from vlft.policies import AttentionPolicy
+
+    one_row = resolve_packing("on", None, AttentionPolicy("eager", "eager"), None)
+    assert one_row.enabled and one_row.path == "mask"
+    assert "0.5x padding's tokens/s" in one_row.reason and "--max-tokens-per-batch" in one_row.reason
+    bounded = resolve_packing("on", 2048, AttentionPolicy("eager", "eager"), None)
+    varlen = resolve_packing("on", None, AttentionPolicy("flash_attention_2", "flash_attention_2"), None)
+    assert "--max-tokens-per-batch" not in bounded.reason + varlen.reason

@@ -54,6 +54,13 @@ class PackingPlan:
                 "reason": self.reason}
 
 
+# measured (bench/test_packing.py, CPU, eager): the mask path's attention covers the whole row, so its cost
+# grows with the square of the row's length, and one row per micro-batch gives back more than the padding saves
+MASK_ONE_ROW = ("; on the mask path attention runs over the whole row at once (its cost grows with the row's "
+                "square): the CPU bench trains at 0.5x padding's tokens/s with one row per micro-batch, 1.1-1.6x "
+                "with rows of 2,048 tokens. Set --max-tokens-per-batch near your longest sample")
+
+
 def resolve_packing(mode: str, max_tokens: int | None, attention, family) -> PackingPlan:
     """``--packing auto|on|off`` against what the backend's attention and the model family can do.
 
@@ -71,6 +78,8 @@ def resolve_packing(mode: str, max_tokens: int | None, attention, family) -> Pac
         return PackingPlan(False, reason=f"auto: padded, since {cannot}")
     budget = (f"rows of at most {max_tokens} tokens" if max_tokens and path != "varlen"
               else "one row per micro-batch")
+    if path == "mask" and not max_tokens:
+        budget += MASK_ONE_ROW
     asked = "as asked" if mode == "on" else "auto"
     return PackingPlan(True, path, max_tokens, f"{asked}: {path} ({why}); {budget}")
 
