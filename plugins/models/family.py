@@ -52,9 +52,10 @@ QWEN_DEFAULTS = dict(
 )
 
 
-def qwen_family(**fields_) -> ModelFamily:
-    """A ModelFamily with the Qwen defaults, ``fields_`` on top; image grid/tokens by its own numbers and the
-    Qwen vision tracer for the memory plan."""
+def qwen_family(video_tokens_of=None, **fields_) -> ModelFamily:
+    """A ModelFamily with the Qwen defaults, ``fields_`` on top; image grid/tokens (and, given
+    ``video_tokens_of(fam, frames, height, width, ...)``, video tokens) by its own numbers, and the Qwen
+    vision tracer for the memory plan. Bound as partials of the family: the dataclass stays frozen and plain."""
     from functools import partial
 
     base = dict(QWEN_DEFAULTS, batch_inputs=dict(QWEN_BATCH_INPUTS))
@@ -62,6 +63,8 @@ def qwen_family(**fields_) -> ModelFamily:
     fam = ModelFamily(**base)
     if fam.image_tokens is None:
         object.__setattr__(fam, "image_tokens", partial(image_tokens, fam))
+    if fam.video_tokens is None and video_tokens_of is not None:
+        object.__setattr__(fam, "video_tokens", partial(video_tokens_of, fam))
     if fam.image_grid is None:
         object.__setattr__(fam, "image_grid", partial(image_grid, fam))
     if fam.vision_dummy is None:

@@ -154,13 +154,8 @@ def _video_tokens(fam: ModelFamily, frames: int, height: int, width: int, min_pi
     return t * per_frame
 
 
-def _finish(fam: ModelFamily) -> ModelFamily:
-    object.__setattr__(fam, "image_tokens", partial(image_tokens, fam))
-    object.__setattr__(fam, "video_tokens", partial(_video_tokens, fam))
-    return fam
-
-
-QWEN2_5_VL = _finish(qwen_family(
+QWEN2_5_VL = qwen_family(
+    video_tokens_of=_video_tokens,
     name="qwen2.5-vl",
     model_types=("qwen2_5_vl",),
     description="Qwen2.5-VL (3B/7B/32B/72B): patch 14 x merge 2 (28 px), windowed vision attention",
@@ -180,9 +175,10 @@ QWEN2_5_VL = _finish(qwen_family(
     tiny_recipe=RECIPE_2_5,
     bundled_configs=("qwen2.5-vl-3b", "qwen2.5-vl-7b", "qwen2.5-vl-32b", "qwen2.5-vl-72b"),
     **_COMMON,
-))
+)
 
-QWEN2_VL = _finish(qwen_family(
+QWEN2_VL = qwen_family(
+    video_tokens_of=_video_tokens,
     name="qwen2-vl",
     model_types=("qwen2_vl",),
     description="Qwen2-VL (2B/7B/72B): patch 14 x merge 2 (28 px)",
@@ -195,6 +191,6 @@ QWEN2_VL = _finish(qwen_family(
     build_tiny=build_tiny_2,
     tiny_recipe=RECIPE_2,
     **_COMMON,
-))
+)
 
 FAMILIES = (QWEN2_5_VL, QWEN2_VL)

@@ -25,15 +25,12 @@ The chat template is Qwen3.5's (thinking by default): vlft renders with ``enable
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 
 from . import _tiny
 from . import qwen3_vl as q3vl
 from .family import (
-    ModelFamily,
     fused_experts_load_kwargs,
-    image_tokens,
     qwen_family,
     rope_index_from_class,
     video_tokens_qwen3,
@@ -153,13 +150,8 @@ _COMMON = dict(
 )
 
 
-def _finish(fam: ModelFamily) -> ModelFamily:
-    object.__setattr__(fam, "image_tokens", partial(image_tokens, fam))
-    object.__setattr__(fam, "video_tokens", partial(video_tokens_qwen3, fam))
-    return fam
-
-
-QWEN3_5 = _finish(qwen_family(
+QWEN3_5 = qwen_family(
+    video_tokens_of=video_tokens_qwen3,
     name="qwen3.5",
     model_types=("qwen3_5",),
     description="Qwen3.5 dense: Gated DeltaNet + gated attention (3:1), patch 16 x merge 2",
@@ -169,9 +161,10 @@ QWEN3_5 = _finish(qwen_family(
     build_tiny=build_tiny,
     tiny_recipe=RECIPE,
     **_COMMON,
-))
+)
 
-QWEN3_5_MOE = _finish(qwen_family(
+QWEN3_5_MOE = qwen_family(
+    video_tokens_of=video_tokens_qwen3,
     name="qwen3.5-moe",
     model_types=("qwen3_5_moe",),
     description="Qwen3.5 MoE: hybrid layers, routed + shared experts; fused experts via target_parameters",
@@ -184,7 +177,7 @@ QWEN3_5_MOE = _finish(qwen_family(
     build_tiny=build_tiny_moe,
     tiny_recipe=RECIPE_MOE,
     **_COMMON,
-))
+)
 
 FAMILIES = (QWEN3_5, QWEN3_5_MOE)
 

@@ -9,13 +9,11 @@ merge 2) + ``Qwen3VLVideoProcessor`` (timestamps between frames) + Qwen2 tokeniz
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 
 from . import _tiny
 from .family import (
     ModelFamily,
-    image_tokens,
     qwen_family,
     rope_index_from_class,
     video_tokens_qwen3,
@@ -152,11 +150,7 @@ def _family(**overrides) -> ModelFamily:
         bundled_configs=("qwen3-vl-2b", "qwen3-vl-4b", "qwen3-vl-8b", "qwen3-vl-32b"),
     )
     base.update(overrides)
-    fam = qwen_family(**base)
-    # token counts by this family's own numbers (a bound partial keeps the dataclass frozen and plain)
-    object.__setattr__(fam, "image_tokens", partial(image_tokens, fam))
-    object.__setattr__(fam, "video_tokens", partial(video_tokens_qwen3, fam))
-    return fam
+    return qwen_family(video_tokens_of=video_tokens_qwen3, **base)
 
 
 FAMILY = _family()

@@ -15,14 +15,12 @@ pushes the adapters upstream of the router, so vlft should leave it off.
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 
 from . import _tiny
 from . import qwen3_vl as dense
 from .family import (
     fused_experts_load_kwargs,
-    image_tokens,
     qwen_family,
     rope_index_from_class,
     video_tokens_qwen3,
@@ -59,6 +57,7 @@ def tiny_dir() -> Path:
 
 
 FAMILY = qwen_family(
+    video_tokens_of=video_tokens_qwen3,
     **{**{f: getattr(dense.FAMILY, f) for f in (
         "vision_tower", "vision_blocks", "vision_mergers", "decoder_layers", "embed_tokens", "lm_head",
         "vision_attention", "vision_mlp", "text_attention", "text_mlp", "patch_size", "merge_size",
@@ -76,5 +75,3 @@ FAMILY = qwen_family(
     tiny_recipe=RECIPE,
     bundled_configs=("qwen3-vl-30b-a3b", "qwen3-vl-235b-a22b"),
 )
-object.__setattr__(FAMILY, "image_tokens", partial(image_tokens, FAMILY))
-object.__setattr__(FAMILY, "video_tokens", partial(video_tokens_qwen3, FAMILY))
