@@ -56,15 +56,16 @@ def _start_worker() -> None:
     torch.set_num_threads(1)
 
 
+def _measured(encoder: SampleEncoder, record: Record):
+    """``encoder.measure_labelled(record)``, or the ``DataError`` it raised (reported with the others)."""
+    try:
+        return encoder.measure_labelled(record)
+    except DataError as e:
+        return e
+
+
 def _measure_chunk(chunk: list[Record]) -> list:
-    encoder = _WORKER_ENCODER[0]
-    out = []
-    for rec in chunk:
-        try:
-            out.append(encoder.measure_labelled(rec))
-        except DataError as e:
-            out.append(e)
-    return out
+    return [_measured(_WORKER_ENCODER[0], rec) for rec in chunk]
 
 
 def measure_all(records: list[Record], encoder: SampleEncoder, progress=None, workers: int | None = None) -> list:
@@ -78,10 +79,7 @@ def measure_all(records: list[Record], encoder: SampleEncoder, progress=None, wo
     if workers <= 1 or len(records) < PARALLEL_FROM or "fork" not in multiprocessing.get_all_start_methods():
         out = []
         for rec in records:
-            try:
-                out.append(encoder.measure_labelled(rec))
-            except DataError as e:
-                out.append(e)
+            out.append(_measured(encoder, rec))
             tick(1)
         return out
     size = max(64, len(records) // (workers * 8))
