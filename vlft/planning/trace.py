@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -223,11 +224,12 @@ def trace_activations(model, batch: BatchShape, family=None) -> Activations:
     def run_layer(layer, fn):
         nonlocal grad, layer_max, largest_saved
         grad = grad or _trainable(layer)
-        before, known = meter.bytes, set(meter.storages)
+        before, seen = meter.bytes, len(meter.storages)
         out = fn()
         if grad:
             layer_max = max(layer_max, meter.bytes - before)
-            largest_saved = max([largest_saved, *(n for k, n in meter.storages.items() if k not in known)])
+            # the meter's dict keeps insertion order: this layer's storages are the ones after ``seen``
+            largest_saved = max([largest_saved, *itertools.islice(meter.storages.values(), seen, None)])
         return out
 
     with meter.hooks(), _autocast_accepts_meta():
