@@ -193,10 +193,10 @@ def export(adapter, model, output, dtype, adapter_only, merge_into):
     caveat = four_bit_caveat(merge_base) if source.run_config.get("param_dtype") == "nf4" else None
     with _staged(out) as tmp:
         if merge_base == "dequantized":
-            loaded = load_for_inference(registry, adapter, model, backend="cpu", param_dtype="nf4",
+            loaded = load_for_inference(registry, source, model, backend="cpu", param_dtype="nf4",
                                         on_device=False, dequantize=True)
         else:
-            loaded = load_for_inference(registry, adapter, model, backend="cpu", precision="fp32",
+            loaded = load_for_inference(registry, source, model, backend="cpu", precision="fp32",
                                         param_dtype="fp32", on_device=False)
         method = source.method
         merged = registry.pm.hook.vlft_merge_adapter(method=method, model=loaded.model)

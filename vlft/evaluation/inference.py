@@ -114,18 +114,21 @@ def _base_model_path(source: AdapterSource | None, model: str | None) -> str:
                       "the base model's folder")
 
 
-def load_for_inference(registry: Registry, adapter: str | None, model: str | None, *, backend: str = "auto",
+def load_for_inference(registry: Registry, adapter: str | AdapterSource | None, model: str | None, *,
+                       backend: str = "auto",
                        precision: str = "auto", param_dtype: str = "auto", attn: str | None = None,
                        max_pixels: int | None = None, on_device: bool = True, double_quant: bool = False,
                        dequantize: bool = False) -> Loaded:
     """Resolve the policies as ``vlft run`` does, load the base (or merged) model and the adapter on it.
 
+    ``adapter``: a run or adapter folder, or the ``AdapterSource`` the caller located already.
     ``on_device=False`` keeps the model on the CPU (export merges there, in fp32). ``param_dtype`` "nf4"
-    loads the base in 4-bit as the run trained it (double quantization as it did, or ``double_quant``); with ``dequantize`` those
-    weights come back as plain fp32 linears before the adapter goes on (what export merges into).
+    loads the base in 4-bit as the run trained it (double quantization as it did, or ``double_quant``); with
+    ``dequantize`` those weights come back as plain fp32 linears before the adapter goes on (what export
+    merges into).
     """
 
-    source = locate_adapter(registry, adapter) if adapter is not None else None
+    source = adapter if isinstance(adapter, AdapterSource) or adapter is None else locate_adapter(registry, adapter)
     model_path = _base_model_path(source, model)
     run_cfg = source.run_config if source else {}
     if max_pixels is None:
