@@ -123,6 +123,9 @@ def test_export_merges_into_the_dequantized_nf4_weights_it_trained_on(nf4_run, p
     bf16_export = (_merged_logits(tmp_path / "merged", inputs) - trained).abs().max().item()
     print(f"max |logit - trained 4-bit model's|: dequantized fp32 {off_dequantized:.4f}, dequantized bf16 "
           f"{bf16_export:.4f}, original fp32 {off_original:.4f}")
+    # the two error sources, not a tolerance: bf16 compute rounds each op by at most 2^-8 relative, while NF4
+    # moves each weight by up to half a step of its 16-level code (about 1/15 of the block's absmax), an
+    # order of magnitude more; measured 0.06 to 0.07 of it here on the AVX512, AVX2 and generic kernels
     assert off_dequantized < 0.25 * off_original
 
 
@@ -144,9 +147,13 @@ def test_the_dequantized_merge_is_the_4bit_weight_plus_the_update(nf4_run, tmp_p
             continue
         base = module.base_layer
         four_bit = bnb.functional.dequantize_4bit(base.weight.data, base.weight.quant_state).float()
-        update = (module.lora_B["default"].weight @ module.lora_A["default"].weight) * module.scaling["default"]
+        b, a, scale = module.lora_B["default"].weight, module.lora_A["default"].weight, module.scaling["default"]
+        update = (b @ a) * scale
+        # fp32 rounding of PEFT's merge against this one: a rank-r dot product in either summation order, the
+        # scaling and the addition, each within eps of the magnitudes involved (the dequantized weight is exact)
+        bound = torch.finfo(torch.float32).eps * ((a.shape[0] + 2) * (b.abs() @ a.abs()) * scale + four_bit.abs())
         key = name.removeprefix("base_model.model.") + ".weight"
-        assert torch.allclose(merged[key], four_bit + update, atol=1e-6), key
+        assert ((merged[key] - (four_bit + update)).abs() <= bound).all(), key
         assert update.abs().max() > 0  # trained
         checked += 1
     assert checked >= 8
