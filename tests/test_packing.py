@@ -218,7 +218,7 @@ def test_one_row_on_the_mask_path_is_planned_with_what_it_costs():
 
     one_row = resolve_packing("on", None, AttentionPolicy("eager", "eager"), None)
     assert one_row.enabled and one_row.path == "mask"
-    assert "0.5x padding's tokens/s" in one_row.reason and "--max-tokens-per-batch" in one_row.reason
+    assert "0.4-0.8x padding's tokens/s" in one_row.reason and "--max-tokens-per-batch" in one_row.reason
     bounded = resolve_packing("on", 2048, AttentionPolicy("eager", "eager"), None)
     varlen = resolve_packing("on", None, AttentionPolicy("flash_attention_2", "flash_attention_2"), None)
     assert "--max-tokens-per-batch" not in bounded.reason + varlen.reason

@@ -57,8 +57,8 @@ class PackingPlan:
 # measured (bench/test_packing.py, CPU, eager): the mask path's attention covers the whole row, so its cost
 # grows with the square of the row's length, and one row per micro-batch gives back more than the padding saves
 MASK_ONE_ROW = ("; on the mask path attention runs over the whole row at once (its cost grows with the row's "
-                "square): the CPU bench trains at 0.5x padding's tokens/s with one row per micro-batch, 1.1-1.6x "
-                "with rows of 2,048 tokens. Set --max-tokens-per-batch near your longest sample")
+                "square): the CPU bench trains at 0.4-0.8x padding's tokens/s with one row per micro-batch, "
+                "1.0-1.6x with rows of 2,048 tokens (four runs). Set --max-tokens-per-batch near your longest sample")
 
 
 def resolve_packing(mode: str, max_tokens: int | None, attention, family) -> PackingPlan:
