@@ -4,7 +4,10 @@ Every plugin, built-in or third-party, registers through the ``vlft``
 entry-point group. A plugin that fails to import is recorded as broken and
 skipped, so one bad package cannot take the others down; ``vlft plugins``
 shows it with its error. ``VLFT_DISABLE_PLUGINS=name,...`` blocks plugins
-by entry-point name.
+by entry-point name. ``VLFT_PLUGINS=module,...`` loads importable modules as
+plugins beside the installed ones, in every process the environment reaches
+(torchrun's workers too), as ``PYTEST_PLUGINS`` does for pytest: a plugin tried
+before it is packaged, or a test's own.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ ENTRY_POINT_GROUP = "vlft"
 
 
 DISABLE_ENV = "VLFT_DISABLE_PLUGINS"
+PLUGINS_ENV = "VLFT_PLUGINS"
 
 
 @dataclass
@@ -114,10 +118,26 @@ def load_registry(load_entry_points: bool = True, plugins: tuple = ()) -> Regist
                 registry.broken[ep.name] = f"{e.__class__.__name__}: {e}"
                 continue
             pm.register(plugin, name=ep.name)
+        _load_env_plugins(pm, registry)
     for plugin in plugins:
         # a readable name for messages: the module's or the class's
         pm.register(plugin, name=getattr(plugin, "__name__", None) or type(plugin).__name__)
     return registry.refresh()
+
+
+def _load_env_plugins(pm: pluggy.PluginManager, registry: Registry) -> None:
+    """The modules ``VLFT_PLUGINS`` names, each registered under its module name (broken ones recorded)."""
+    import importlib
+
+    for name in [n.strip() for n in os.environ.get(PLUGINS_ENV, "").split(",") if n.strip()]:
+        if pm.is_blocked(name) or pm.has_plugin(name):
+            continue
+        try:
+            module = importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - as for entry points: marked broken, the others still load
+            registry.broken[name] = f"{e.__class__.__name__}: {e} (from {PLUGINS_ENV})"
+            continue
+        pm.register(module, name=name)
 
 
 _default: Registry | None = None

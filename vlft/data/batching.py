@@ -130,15 +130,29 @@ def with_label_positions(batch: dict) -> dict:
     return {**batch, "logit_positions": positions, "kept_labels": targets}
 
 
+def batch_counts(batch: dict) -> tuple[int, int]:
+    """(samples, real token positions) of a host batch, without a device sync: a padded batch's rows and its
+    attention mask's ones; a packed batch's (``data.packing``) rows hold several samples, so it carries their
+    lengths (``sample_lengths``) and the padding at its rows' ends counts as no sample."""
+    if "sample_lengths" in batch:
+        lengths = batch["sample_lengths"]
+        return len(lengths), int(lengths.sum())
+    if "attention_mask" in batch:
+        return len(batch["input_ids"]), int(batch["attention_mask"].sum())
+    return len(batch["input_ids"]), batch["input_ids"].numel()
+
+
 def to_device(batch: dict, device: torch.device, non_blocking: bool = False) -> dict:
-    return {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}
+    """The batch's tensors on ``device``, less what only the host reads (``HOST_KEYS``)."""
+    return {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items() if k not in HOST_KEYS}
 
 
 def model_inputs(batch: dict) -> dict:
     """The model's keyword arguments for a training or loss forward (not what only the loss reads).
     ``use_cache=False``: nothing reads a KV cache there, and with one transformers 5 ignores the packed text
     position row (``data.packing``: its block-diagonal mask is only built when there is no cache)."""
-    return {**{k: v for k, v in batch.items() if k not in LOSS_KEYS}, "use_cache": False}
+    return {**{k: v for k, v in batch.items() if k not in LOSS_KEYS + HOST_KEYS}, "use_cache": False}
 
 
 LOSS_KEYS = ("labels", "logit_positions", "kept_labels")  # what the loss reads, not the model
+HOST_KEYS = ("sample_lengths",)  # what the loop counts on the host (``batch_counts``), never moved to a device

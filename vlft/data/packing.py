@@ -168,7 +168,7 @@ class PackingCollator:
             mm = mm + 2 * (input_ids == self.video_token_id).long()
         positions = torch.stack(pos_rows, dim=1)  # [4, rows, L]
         batch = {"input_ids": input_ids, "position_ids": positions[0] if n_rows == 1 else positions,
-                 "mm_token_type_ids": mm}
+                 "mm_token_type_ids": mm, "sample_lengths": torch.tensor(lengths)}
         if any("labels" in s for s in samples):
             batch["labels"] = torch.stack(label_rows)
         order = [samples[i] for row in rows for i in row]  # images in the order their tokens appear

@@ -35,7 +35,8 @@ def enable_checkpointing(model, vision_adapted: bool, family=None) -> None:
 
 
 def upcast_trainable(model) -> list[str]:
-    """Every trainable parameter in fp32 (PEFT upcasts its adapter layers only); returns the names it cast.
+    """Every trainable parameter in fp32 at least (PEFT upcasts its adapter layers only; an fp64 one, as the
+    suite's float64 comparisons use, stays fp64); returns the names it cast.
 
     A half-precision trainable weight under a loss scaler fails in
     ``unscale_`` ("Attempting to unscale FP16 gradients"), and in bf16 its
@@ -44,7 +45,7 @@ def upcast_trainable(model) -> list[str]:
 
     cast = []
     for name, p in model.named_parameters():
-        if p.requires_grad and p.dtype != torch.float32:
+        if p.requires_grad and p.dtype in (torch.float16, torch.bfloat16):
             p.data = p.data.float()
             cast.append(name)
     return cast

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from tqdm.auto import tqdm
 
+from vlft.data.batching import batch_counts
 from vlft.data.order import DataOrder, batches, step_indices
 from vlft.training.checkpoints import CheckpointWriteError
 from vlft.training.metrics import MetricsLog
@@ -161,9 +162,10 @@ class _Window:
         # a skipped step's loss (NaN, inf) stays out of the logged mean
         self.loss += torch.where(out["skipped"], torch.zeros_like(out["loss_sum"]), out["loss_sum"])
         self.tokens += out["local_tokens"]
-        self.samples += sum(len(b["input_ids"]) for b in group) * world_size
-        self.positions += sum(b["input_ids"].numel() for b in group)  # host batches: no device sync
-        self.real += sum(int(b["attention_mask"].sum()) for b in group)
+        counts = [batch_counts(b) for b in group]  # host batches: no device sync
+        self.samples += sum(n for n, _ in counts) * world_size
+        self.positions += sum(b["input_ids"].numel() for b in group)
+        self.real += sum(real for _, real in counts)
         self.steps += 1
 
     def mean_loss(self, world_size: int) -> float:

@@ -128,10 +128,10 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
     model = _base_model(registry, backend, plan, config, device)
     model = _adapted(registry, plan, config, model, resume_from)
     _place(model, plan, config, device)
-    if config.world_size > 1:  # every process runs the towers the data uses, at every step (models.vision)
-        modalities = {m for m, rs in (("image", [r for r in planned.train_records if r.images]),
-                                      ("video", [r for r in planned.train_records if r.videos])) if rs}
-        install_vision_warmup(model, modalities, plan.family)
+    # every step runs the towers the data uses, on every process, one included (models.vision)
+    modalities = {m for m, rs in (("image", [r for r in planned.train_records if r.images]),
+                                  ("video", [r for r in planned.train_records if r.videos])) if rs}
+    install_vision_warmup(model, modalities, plan.family, sharded=plan.sharding.enabled)
     autocast_dtype = getattr(torch, plan.precision.autocast_dtype) if plan.precision.autocast_dtype else None
     scaler = plan.precision.make_scaler() if plan.precision.loss_scaling else None
     optimizer, scheduler = _optimizer_and_schedule(model, plan, config, planned.total_steps)
