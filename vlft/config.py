@@ -30,7 +30,9 @@ def opt(default, help: str, **extra):
 class RunConfig:
     backend: str = opt("auto", "Backend plugin to run on; 'auto' picks the best available (see `vlft plugins`).")
     method: str = opt("lora", "Adapter method plugin (see `vlft methods`).")
-    model: str | None = opt(None, "Local Qwen2.5-VL / Qwen2-VL directory; default: the embedded model.")
+    model: str | None = opt(None, "Model directory (any family a plugin offers: `vlft plugins`), a bundled config "
+                                  "name (plans offline), or embedded:FAMILY (a tiny model built here); default: "
+                                  "the embedded Qwen2.5-VL.")
     data: list | None = opt(None, "Training data (JSON or JSONL), repeatable; FILE:WEIGHT samples that file WEIGHT "
                                   "times per epoch (2: every record twice, 0.5: a seeded half); default: the "
                                   "embedded product-inspection set.", multiple=True, metavar="FILE[:WEIGHT]")

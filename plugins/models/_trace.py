@@ -36,7 +36,9 @@ def trace_qwen_vision(tower, grids, dtype, run_block):
     grid = torch.tensor(grids)
     patches = int((grid[:, 0] * grid[:, 1] * grid[:, 2]).sum())
     cu, cu_window = _seqlens(tower, grid)
-    hidden = torch.empty(patches, tower.config.hidden_size, device="meta", dtype=dtype)
+    # the blocks' width: Qwen2-VL calls it embed_dim (its hidden_size is the merger's output, the text width)
+    width = getattr(tower.config, "embed_dim", None) or tower.config.hidden_size
+    hidden = torch.empty(patches, width, device="meta", dtype=dtype)
     pos = torch.zeros(patches, 2, dtype=torch.long, device="meta")
     pe = tower.rotary_pos_emb(hidden, pos)
     full = set(getattr(tower, "fullatt_block_indexes", range(len(tower.blocks))))

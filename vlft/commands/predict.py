@@ -169,9 +169,10 @@ def eval_output(output: str | None, source, data: str) -> Path:
               help="Scores JSON; default: eval-<data file name>.json in the run folder of --adapter (beside the "
                    "run's own eval.json, which is never overwritten), else here.")
 @click.option("--compare-base", is_flag=True, help="Also score the base model (adapter off) on the same records.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
 @user_errors
 def eval_command(adapter, model, backend, precision, param_dtype, attn, max_pixels, batch_size, max_new_tokens, data,
-                 samples, output, compare_base):
+                 samples, output, compare_base, quiet):
     """Score an adapter, a base or a merged model on a data file: exact match, per-field accuracy and F1."""
     from vlft.data.records import read_records
     from vlft.evaluation.generation import evaluate_generation
@@ -187,14 +188,19 @@ def eval_command(adapter, model, backend, precision, param_dtype, attn, max_pixe
     loaded = _load(adapter, model, backend, precision, param_dtype, attn, max_pixels)
     out = eval_output(output, loaded.source, data)
 
-    def scores(m):
-        return evaluate_generation(m, loaded.encoder, records, loaded.device, max_new_tokens, loaded.autocast_dtype)
+    from tqdm.auto import tqdm
+
+    def scores(m, desc: str):
+        with tqdm(total=len(records), desc=desc, unit="record", disable=quiet,
+                  mininterval=0.2 if sys.stderr.isatty() else 15.0) as bar:
+            return evaluate_generation(m, loaded.encoder, records, loaded.device, max_new_tokens,
+                                       loaded.autocast_dtype, on_batch=bar.update)
 
     before = None
     if compare_base:
         with loaded.model.disable_adapter():
-            before = scores(loaded.model)
-    after = scores(loaded.model)
+            before = scores(loaded.model, "eval base")
+    after = scores(loaded.model, "eval")
     result = {"data": str(data), "samples": len(records), "model": loaded.model_path,
               "adapter": str(loaded.source.adapter_dir) if loaded.source else None,
               "method": loaded.source.method if loaded.source else None,

@@ -47,8 +47,10 @@ def generate_answers(model, encoder: SampleEncoder, records: list[Record], devic
 
 
 def evaluate_generation(model, encoder, records, device, max_new_tokens=32, autocast_dtype=None,
-                        rank: int = 0, world_size: int = 1, synced: bool = False, batch_size: int = 16) -> dict:
+                        rank: int = 0, world_size: int = 1, synced: bool = False, batch_size: int = 16,
+                        on_batch=None) -> dict:
     """Score greedy answers on ``records``; with several processes each does a share and rank 0 gathers.
+    ``on_batch(n)`` is told after each batch of ``n`` answers (a progress bar).
 
     ``synced`` (a sharded model, whose every forward pass gathers weights from all processes): the shares
     are padded to the same length with repeats of a record, whose answers are dropped, and every process
@@ -59,7 +61,7 @@ def evaluate_generation(model, encoder, records, device, max_new_tokens=32, auto
     if synced and records:
         mine += [records[0]] * (-(-len(records) // world_size) - n_mine)
     answers = generate_answers(model, encoder, mine, device, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                               autocast_dtype=autocast_dtype, synced=synced)[:n_mine]
+                               autocast_dtype=autocast_dtype, synced=synced, on_batch=on_batch)[:n_mine]
     pairs = list(zip(range(rank, len(records), world_size), answers))
     if world_size > 1:
         gathered: list = [None] * world_size

@@ -158,6 +158,25 @@ def image_tokens(height: int, width: int, mm_tokens_per_image: int = 256, **_) -
     return mm_tokens_per_image
 
 
+def vision_dummy(model, modality: str):
+    """The smallest input SigLIP takes: one blank image at its fixed size, run through ``get_image_features``
+    on a process whose micro-batch has no image (vlft.models.vision), so DDP and FSDP see every process use
+    the tower at every step. Gemma 3 has no video tower."""
+    import torch
+
+    from vlft import VisionWarmup
+
+    if modality != "image":
+        return None
+    inner = next((m for m in model.modules() if hasattr(m, "get_image_features") and hasattr(m, "vision_tower")
+                  and hasattr(m, "get_input_embeddings")), None)
+    if inner is None:
+        return None
+    vc = inner.vision_tower.config
+    pixels = torch.zeros(1, int(vc.num_channels), int(vc.image_size), int(vc.image_size))
+    return VisionWarmup(inner, "get_image_features", {"pixel_values": pixels})
+
+
 def token_type_ids(input_ids, image_token_id: int):
     """What Gemma3Processor returns and the model needs in training: 1 on image tokens, else 0."""
     return (input_ids == image_token_id).long()
@@ -191,6 +210,7 @@ FAMILY = ModelFamily(
     batch_inputs={"pixel_values": "concat", "token_type_ids": "sequence"},
     no_split_modules=("Gemma3DecoderLayer", "SiglipEncoderLayer"),
     rope_index=None,
+    vision_dummy=vision_dummy,
     build_tiny=build_tiny,
     tiny_recipe=RECIPE,
 )
