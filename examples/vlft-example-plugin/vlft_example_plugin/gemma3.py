@@ -76,7 +76,7 @@ SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_o
                   "<end_of_image>", "<image_soft_token>"]
 
 RECIPE = {
-    "version": 1, "family": NAME, "seed": 1234, "vocab_size": 512,
+    "version": 2, "family": NAME, "seed": 1234, "vocab_size": 512,  # 2: the projector initialised (not zeros)
     # 32 px images, patch 8 -> 4x4 patches, pooled to mm_tokens_per_image = 4 (2x2)
     "image_size": 32, "mm_tokens_per_image": 4,
     "text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -129,6 +129,11 @@ def build_tiny(path: Path, recipe: dict | None = None, corpus=None) -> None:
         boi_token_id=ids("<start_of_image>"), eoi_token_id=ids("<end_of_image>"))
     torch.manual_seed(r["seed"])
     model = Gemma3ForConditionalGeneration(config)
+    # transformers initialises the projector's input projection to zeros (a real checkpoint overwrites it);
+    # left so, the tiny model's image features are all zero and nothing trains the vision tower
+    projector = model.model.multi_modal_projector
+    with torch.no_grad():
+        projector.mm_input_projection_weight.normal_(0.0, r["initializer_range"])
     model.generation_config.eos_token_id = ids("<end_of_turn>")  # a reply ends there, not at <eos>
     model.generation_config.pad_token_id = ids("<pad>")
     model.generation_config.do_sample = False

@@ -1,0 +1,122 @@
+"""Every embedded family as a user runs it: 2 data-parallel processes (``vlft run --nproc-per-node 2``) on
+mixed data (text-only records beside records of 1-2 images, so a process's micro-batch often has no image
+and the vision warm-up must keep the processes in step), then ``vlft predict``, ``vlft eval`` and
+``vlft export`` on the run, the merged model checked against base + adapter.
+
+The default family (Qwen2.5-VL) has these runs in test_packing_runs.py and test_after_training.py; Gemma 3
+comes from the example plugin (``make test`` installs it). One run per family, shared by its checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from helpers import vlft_command
+
+from vlft.cli import cli
+
+FAMILIES = ["qwen2-vl", "qwen3-vl", "qwen3-vl-moe", "qwen3.5", "qwen3.5-moe", "gemma3"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory) -> tuple[Path, Path]:
+    from vlft.data.demo import write_varied_dataset
+
+    root = tmp_path_factory.mktemp("mixed")
+    shape = dict(min_side=28, max_side=96, max_images=2, answer_words=(1, 8), max_turns=2)
+    return (write_varied_dataset(root / "train", n=16, seed=4, **shape),
+            write_varied_dataset(root / "val", n=4, seed=5, **shape))
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_run(request, mixed, tmp_path_factory) -> tuple[str, Path]:
+    family = request.param
+    if family == "gemma3":
+        pytest.importorskip("vlft_example_plugin", reason="the example plugin (make test installs it)")
+    train, val = mixed
+    out = tmp_path_factory.mktemp(family) / "run"
+    args = ["run", "--nproc-per-node", "2", "--quiet", "--backend", "cpu", "--model", f"embedded:{family}",
+            "--data", str(train), "--val-data", str(val), "--output", str(out), "--steps", "3", "--batch-size", "2",
+            "--log-every", "1", "--eval-every", "0", "--eval-samples", "1", "--max-new-tokens", "2",
+            "--save-every", "0", "--lr", "3e-3", "--seed", "2"]
+    proc = subprocess.run([*vlft_command(), *args], capture_output=True, text=True, env=ENV, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return family, out
+
+
+def _vlft(*args) -> str:
+    result = CliRunner().invoke(cli, [str(a) for a in args])
+    if result.exception and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_two_processes_train_every_family_on_mixed_data(family_run, mixed):
+    from safetensors.torch import load_file
+
+    family, out = family_run
+    config = json.loads((out / "config.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
+    assert config["world_size"] == 2 and summary["status"] == "completed" and summary["steps"] == 3
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["model_family"]["name"] == family
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logged if "loss" in m] == [1, 2, 3]
+    assert all(torch.isfinite(torch.tensor(m["loss"])) for m in logged if "loss" in m)
+    # the vision adapters trained too (LoRA B starts at 0): the tower ran on every process
+    weights = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    vision_b = [v for k, v in weights.items() if "lora_B" in k and any(t in k for t in ("visual", "vision"))]
+    assert vision_b and max(float(v.abs().max()) for v in vision_b) > 0
+
+
+def test_predict_and_eval_read_every_familys_run(family_run, mixed, tmp_path):
+    _, out = family_run
+    _, val = mixed
+    predictions = tmp_path / "p.jsonl"
+    _vlft("predict", "--adapter", out, "--data", val, "--output", predictions, "--max-new-tokens", "2", "--quiet")
+    lines = [json.loads(line) for line in predictions.read_text().splitlines()]
+    assert len(lines) == 4 and all(isinstance(line["prediction"], str) for line in lines)
+    scores = tmp_path / "e.json"
+    _vlft("eval", "--adapter", out, "--data", val, "--output", scores, "--max-new-tokens", "2", "--quiet")
+    assert json.loads(scores.read_text())["samples"] == 4
+
+
+def test_export_of_every_family_gives_the_adapters_logits(family_run, mixed, tmp_path):
+    """The merged model, loaded by plain transformers, against the trained model (base + adapter) on
+    records with and without images; and against the base, so the comparison is not of base models."""
+    from transformers import AutoModelForImageTextToText
+
+    from vlft.data.batching import collator_for, model_inputs
+    from vlft.data.records import read_records
+    from vlft.evaluation.inference import load_for_inference
+    from vlft.registry import load_registry
+
+    _, out = family_run
+    _, val = mixed
+    merged = tmp_path / "merged"
+    _vlft("export", "--adapter", out, "--output", merged, "--dtype", "fp32")
+    loaded = load_for_inference(load_registry(), str(out), None, backend="cpu", precision="fp32", param_dtype="fp32")
+    records = read_records(val)
+    assert any(r.images for r in records) and any(not r.images for r in records)
+    batch = collator_for(loaded.processor, loaded.encoder.family)([loaded.encoder.encode(r) for r in records])
+    inputs = model_inputs(batch)
+    # the attention the run used (the CPU reference: eager); padding positions' logits are nobody's answer
+    plain = AutoModelForImageTextToText.from_pretrained(str(merged), dtype=torch.float32,
+                                                        attn_implementation="eager").eval()
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        adapted = loaded.model(**inputs).logits[real]
+        with loaded.model.disable_adapter():
+            base = loaded.model(**inputs).logits[real]
+        exported = plain(**inputs).logits[real]
+    # fp32 merge: W x + B A x against (W + B A) x differ in summation order only
+    assert (exported - adapted).abs().max() < 1e-4
+    assert (adapted - base).abs().max() > 1e-2
