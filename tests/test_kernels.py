@@ -396,6 +396,10 @@ def test_a_run_with_a_kernel_calls_no_hook_inside_a_step(tmp_path, monkeypatch):
     result = execute(registry_with(CpuPatchEmbed()), tiny_run_config(tmp_path, eval_samples=0), progress=False)
     assert any(p.startswith("kernel linear-patch-embed") for p in result.plan.patches)
     assert hooks.calls == []
+    # --kernels none: the same run with the model as transformers builds it
+    plain = execute(registry_with(CpuPatchEmbed()), tiny_run_config(tmp_path / "none", kernels="none",
+                                                                       eval_samples=0), progress=False)
+    assert not any(p.startswith("kernel ") for p in plain.plan.patches)
 
 
 def test_each_backend_offers_kernels_only_for_itself(no_torch_npu):

@@ -188,3 +188,16 @@ def test_packing_matches_padding_for_oft_and_the_qwen3_families(varied, tmp_path
             for p in ("off", "on")}
     assert _plan(runs["on"])["packing"]["enabled"]
     _same_losses(runs["off"], runs["on"], steps=4)
+
+
+def test_rows_under_a_token_budget_train_as_padding(varied, padded, tmp_path):
+    """--max-tokens-per-batch 320: a micro-batch's 4 samples go into several rows of at most 320 tokens
+    (the data's samples are 50-300 tokens long), padded to the longest row: the same losses as padding,
+    with some padding computed but less than the padded batches have."""
+    out = _run(_values(varied, tmp_path / "run", packing="on", max_tokens_per_batch=320, save_every=0))
+    assert _plan(out)["packing"]["max_tokens_per_row"] == 320
+    _same_losses(padded, out)
+    packed_pad = [m["tokens_per_s"] / m["effective_tokens_per_s"] for m in _logged(out)]
+    padded_pad = [m["tokens_per_s"] / m["effective_tokens_per_s"] for m in _logged(padded)]
+    assert any(r > 1 for r in packed_pad)  # several rows: the budget was applied
+    assert sum(packed_pad) < sum(padded_pad)
