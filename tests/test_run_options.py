@@ -25,7 +25,7 @@ PACK = "test_packing_runs.py::"
 RUN_OPTION_TESTS = {
     "--backend": "test_run.py::test_short_run_writes_adapter_metrics_and_eval",
     "--method": "test_run.py::test_short_run_writes_adapter_metrics_and_eval",
-    "--model": "test_family_runs.py::test_two_processes_train_every_family_on_mixed_data",
+    "--model": "test_family_runs.py::test_every_family_trains_on_mixed_data",
     "--data": "test_run.py::test_short_run_writes_adapter_metrics_and_eval",
     "--image-root": "test_run_options.py::test_data_options_reach_the_samples_a_run_trains_on",
     "--add-placeholders": "test_run_options.py::test_data_options_reach_the_samples_a_run_trains_on",
