@@ -187,7 +187,10 @@ def test_auto_packs_where_attention_isolates_and_refuses_a_family_that_cannot(re
     fam25, fam35 = family_named(registry, "qwen2.5-vl"), family_named(registry, "qwen3.5")
     cpu = registry.first("vlft_attention_implementation", backend="cpu",
                          config=__import__("vlft.config", fromlist=["RunConfig"]).RunConfig(), model_config=None)
-    assert resolve_packing("auto", None, cpu, fam25).path == "mask"
+    assert resolve_packing("on", None, cpu, fam25).path == "mask"
+    padded = resolve_packing("auto", None, cpu, fam25)  # the mask path: no measured gain, so auto pads
+    assert not padded.enabled and "0.4-0.8x" in padded.reason and "--packing on" in padded.reason
+    assert not resolve_packing("auto", 2048, cpu, fam25).enabled
     assert resolve_packing("auto", None, AttentionPolicy("sdpa", "flash_attention_2"), fam25).path == "varlen"
     assert not resolve_packing("auto", None, AttentionPolicy("eager", "flex_attention"), fam25).enabled
     off = resolve_packing("auto", None, cpu, fam35)

@@ -127,6 +127,15 @@ def packed(varied, tmp_path_factory) -> Path:
     return _run(_values(varied, tmp_path_factory.mktemp("packed") / "run", packing="on"))
 
 
+def test_auto_pads_on_the_cpu_and_says_why(varied, tmp_path):
+    """``--packing auto`` in a real run on the CPU (the mask path): padded, the plan saying why and how to
+    pack anyway; the run trains."""
+    out = _run(_values(varied, tmp_path / "run", packing="auto", steps=2, save_every=0, eval_every=0))
+    packing = _plan(out)["packing"]
+    assert not packing["enabled"] and "auto: padded" in packing["reason"] and "--packing on" in packing["reason"]
+    assert [m["step"] for m in _logged(out)] == [1, 2]
+
+
 def test_a_packed_run_trains_evaluates_and_saves_with_the_padded_losses(padded, packed):
     assert _plan(packed)["packing"]["enabled"] and not _plan(padded)["packing"]["enabled"]
     assert _plan(packed)["precision"]["param_dtype"] == "float64"  # the comparison ran where it can be exact
@@ -160,10 +169,10 @@ def test_a_packed_run_killed_mid_way_resumes_exactly(varied, packed, tmp_path, m
 
 
 def test_two_data_parallel_processes_packed_train_as_one_padded_process(varied, padded, tmp_path):
-    """``--packing auto`` resolves to the mask path on the CPU; 2 processes of batch 2 (mixed text-only and
+    """``--packing on`` (the mask path on the CPU, where ``auto`` pads); 2 processes of batch 2 (mixed text-only and
     image micro-batches: the vision warm-up runs) against 1 of batch 4, padded. Each process evaluates 2
     batches of 2: the 4 records the single process evaluates in one batch."""
-    out = _cli(_values(varied, tmp_path / "run", packing="auto", batch_size=2, eval_batches=2),
+    out = _cli(_values(varied, tmp_path / "run", packing="on", batch_size=2, eval_batches=2),
                "--nproc-per-node", "2")
     assert _plan(out)["packing"]["enabled"] and _plan(out)["packing"]["path"] == "mask"
     _same_losses(padded, out)
