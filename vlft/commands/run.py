@@ -37,7 +37,7 @@ from vlft.training.checkpoints import (
     CheckpointStore,
     newest_checkpoint,
 )
-from vlft.training.loop import SkipLog, run_training
+from vlft.training.loop import SkipLog, Training, run_training
 from vlft.training.metrics import MetricsLog
 from vlft.training.resume import check_same_run, resume_command, run_identity
 from vlft.training.session import prepare
@@ -225,11 +225,11 @@ class _Job:
             f"{config.batch_size * config.grad_accum * config.world_size} samples", self.rank)
         t0 = time.perf_counter()
         try:
-            records = run_training(train_model, s.optimizer, s.scheduler, s.policy, s.dataset, s.collate,
-                                   s.settings, self.store, self.metrics, s.memory_reader,
-                                   evaluate_loss=self.val_loss if config.eval_every else None,
-                                   start_step=s.start_step, progress=self.progress, skips=self.skips,
-                                   on_best=self.save_best if config.early_stopping_patience else None)
+            records = run_training(Training(
+                train_model, s.optimizer, s.scheduler, s.policy, s.dataset, s.collate, s.settings, self.store,
+                self.metrics, s.memory_reader, evaluate_loss=self.val_loss if config.eval_every else None,
+                on_best=self.save_best if config.early_stopping_patience else None, start_step=s.start_step,
+                progress=self.progress, skips=self.skips))
         except Interrupted as e:
             command = resume_command(sys.argv, self.output, config.world_size)
             self.stopped_summary("interrupted", e.step, t0, signal=e.signum,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -55,61 +55,40 @@ class SkipLog:
     scaler_backoffs: int = 0
 
 
-def run_training(model, optimizer, scheduler, policy: StepPolicy, dataset, collate, settings: LoopSettings,
-                 checkpoints: CheckpointStore | None, metrics: MetricsLog, memory_reader: Callable,
-                 evaluate_loss: Callable[[], float] | None = None, start_step: int = 0,
-                 progress: bool = True, skips: SkipLog | None = None,
-                 on_best: Callable[[int, float], None] | None = None) -> list[dict]:
-    """Train from ``start_step`` to ``settings.total_steps``; return the logged records.
+@dataclass
+class Training:
+    """What a run's loop is given, on one object: the model and its optimizer and schedule, the step policy,
+    the data and how it is batched and ordered, where checkpoints and metrics go, and what it calls at
+    evaluation (``evaluate_loss``) and at each new best validation loss (``on_best(step, loss)``, to save
+    it). An objective that trains otherwise brings its own step and batches on the same object."""
+
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    policy: StepPolicy
+    dataset: Any
+    collate: Callable
+    settings: LoopSettings
+    checkpoints: CheckpointStore | None
+    metrics: MetricsLog
+    memory_reader: Callable
+    evaluate_loss: Callable[[], float] | None = None
+    on_best: Callable[[int, float], None] | None = None
+    start_step: int = 0
+    progress: bool = True
+    skips: SkipLog = field(default_factory=SkipLog)
+
+
+def run_training(training: Training) -> list[dict]:
+    """Train from ``training.start_step`` to ``settings.total_steps``; return the logged records.
 
     SIGTERM or SIGINT stops it after the current step with a checkpoint (``Interrupted``); too many
-    consecutive non-finite steps stop it with ``NonFiniteStop``. ``skips`` collects the skipped steps.
-    With ``settings.early_stopping_patience`` the loop stops once that many validation losses in a row were
-    no better than the best so far; ``on_best(step, loss)`` is called at each new best (to save it).
+    consecutive non-finite steps stop it with ``NonFiniteStop``. ``training.skips`` collects the skipped
+    steps. With ``settings.early_stopping_patience`` the loop stops once that many validation losses in a row
+    were no better than the best so far.
     """
     with StopRequest() as stop:
-        return _loop(model, optimizer, scheduler, policy, dataset, collate, settings, checkpoints, metrics,
-                     memory_reader, evaluate_loss, start_step, progress, skips if skips is not None else SkipLog(),
-                     stop, on_best)
-
-
-def _read_skips(pending: list, skips: SkipLog, dataset, settings: LoopSettings, optimizer, policy: StepPolicy,
-                metrics: MetricsLog, is_main: bool) -> None:
-    """Read the pending steps' skip flags (one sync, where the loop syncs anyway) and account for them."""
-    if not pending:
-        return
-    flags = torch.stack([torch.stack([flag, backoff.to(flag.device)]) for _, flag, backoff in pending]).tolist()
-    n_skipped = 0
-    for (step, _, _), (skipped, backoff) in zip(pending, flags):
-        if backoff:
-            skips.scaler_backoffs += 1
-            continue
-        if not skipped:
-            skips.consecutive = 0
-            continue
-        n_skipped += 1
-        skips.total += 1
-        skips.consecutive += 1
-        records = getattr(dataset, "records", None)
-        where = [records[i].where for i in step_indices(len(dataset), settings, step)] if records else []
-        entry = {"step": step, "skipped": "non-finite loss or gradient norm", "records": where}
-        skips.steps.append(entry)
-        print(f"step {step} skipped: non-finite loss or gradient norm (records {', '.join(where)})",
-              file=sys.stderr, flush=True)
-        if is_main:
-            metrics.write(entry)
-        if settings.max_skipped_steps and skips.consecutive >= settings.max_skipped_steps:
-            pending.clear()
-            last = skips.steps[-skips.consecutive:]
-            raise NonFiniteStop(
-                f"{skips.consecutive} consecutive steps had a non-finite loss or gradient norm (steps "
-                f"{', '.join(str(e['step']) for e in last)}; records "
-                f"{', '.join(sorted({w for e in last for w in e['records']}))}); the run stops. No skipped step "
-                f"was applied, so the newest checkpoint holds the last good weights. Lower --lr, use "
-                f"--precision fp32 or bf16, check these records, or raise --max-skipped-steps.")
-    if policy.scaler is None:  # the scaler's skipped steps never reached the optimizer
-        settle_step_counters(optimizer, n_skipped, policy.device)
-    pending.clear()
+        return Trainer(training, stop).run()
 
 
 class _EarlyStopping:
@@ -189,112 +168,188 @@ def _progress_bar(settings: LoopSettings, start_step: int, progress: bool):
                 mininterval=0.2 if sys.stderr.isatty() else 15.0)
 
 
-def _loop(model, optimizer, scheduler, policy, dataset, collate, settings, checkpoints, metrics, memory_reader,
-          evaluate_loss, start_step, progress, skips: SkipLog, stop: StopRequest, on_best=None) -> list[dict]:
-    """Step, log, evaluate, save and heed a stop request, step after step (``run_training``'s body)."""
-    is_main = settings.rank == 0
-    bar = _progress_bar(settings, start_step, progress)
-    records: list[dict] = []
-    window = _Window(policy.device)
-    non_blocking = bool(settings.loader_kwargs.get("pin_memory"))
-    step = start_step
-    pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, skipped, scaler back-off) not yet read
-    patience = _EarlyStopping(settings.early_stopping_patience, on_best)
-    wants_eval = evaluate_loss is not None and settings.eval_every
-    early_stop = False
-    saved_step = None
-    model.train()
-    for group in batches(dataset, collate, settings, start_step):
-        if step >= settings.total_steps or early_stop:
-            break
-        out = train_step_on(model, optimizer, scheduler, group, policy, non_blocking)
-        step += 1
-        pending.append((step, out["skipped"], out["backoff"]))
-        window.add(out, group, settings.world_size)
-        bar.update(1)
-        last = step == settings.total_steps
-        if step % settings.log_every == 0 or last:
-            _read_skips(pending, skips, dataset, settings, optimizer, policy, metrics, is_main)
-            record = _log_record(step, window, out, scheduler, policy, settings, memory_reader, skips)
-            if wants_eval and (step % settings.eval_every == 0 or last):
-                record["val_loss"], record["eval_time_s"] = window.timed(evaluate_loss)
-                model.train()
-                early_stop, saved_s = _patience(window, patience, step, record["val_loss"])
-                if saved_s is not None:
-                    record["checkpoint_time_s"] = saved_s
-                if early_stop:
-                    record["early_stop"] = True
-            records.append(record)
-            if is_main:
-                metrics.write(record)
-                # refresh=False: the bar draws at its own interval (one line per 15 s in a log file), not per log
-                bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
-                                **({"tok/s": f"{record['tokens_per_s']:,.0f}",
-                                    "eff": f"{record['effective_tokens_per_s']:,.0f}"}
-                                   if record.get("tokens_per_s") else {}),
-                                **({"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}), refresh=False)
-            window.reset()
-        elif wants_eval and step % settings.eval_every == 0:
-            val, eval_s = window.timed(evaluate_loss)
-            model.train()
-            early_stop, saved_s = _patience(window, patience, step, val)
-            line = {"step": step, "val_loss": val, "eval_time_s": eval_s,
-                    **({"checkpoint_time_s": saved_s} if saved_s is not None else {}),
-                    **({"early_stop": True} if early_stop else {})}
-            if early_stop:
-                records.append(line)
-            if is_main:
-                metrics.write(line)
-        saved = None
-        if checkpoints is not None and settings.save_every and step % settings.save_every == 0 and not last:
-            saved, save_s = window.timed(lambda: _save(checkpoints, step, model, optimizer, scheduler, policy,
-                                                       settings, pending, skips, dataset, metrics, is_main))
-            if is_main:
-                metrics.write({"step": step, "checkpoint_time_s": save_s})
-            saved_step = step
-        signum = stop.agreed(settings.world_size, policy.device) if not last else None
-        if signum:
-            if saved is None and checkpoints is not None:
-                saved = _save(checkpoints, step, model, optimizer, scheduler, policy, settings, pending, skips,
-                              dataset, metrics, is_main)
-            bar.close()
-            raise Interrupted(step, signum, saved)
-    bar.close()
-    _read_skips(pending, skips, dataset, settings, optimizer, policy, metrics, is_main)
-    if checkpoints is not None and step > start_step and saved_step != step:
-        # the final checkpoint: the run's end is resumable (and known complete) before anything else runs
-        _save(checkpoints, step, model, optimizer, scheduler, policy, settings, pending, skips, dataset, metrics,
-              is_main)
-    return records
+class Trainer:
+    """One run of the loop: the ``Training`` it was given and the state the steps build up (the step, the
+    window being logged, the steps whose skip flags are not read yet, early stopping)."""
 
+    def __init__(self, training: Training, stop: StopRequest):
+        self.t, self.stop = training, stop
+        self.is_main = training.settings.rank == 0
+        self.step = training.start_step
+        self.window = _Window(training.policy.device)
+        self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, skipped, back-off) not yet read
+        self.patience = _EarlyStopping(training.settings.early_stopping_patience, training.on_best)
+        self.wants_eval = training.evaluate_loss is not None and training.settings.eval_every
+        self.early_stop = False
+        self.saved_step: int | None = None
+        self.records: list[dict] = []
 
-def _log_record(step, window: _Window, out, scheduler, policy, settings, memory_reader, skips) -> dict:
-    """One line of metrics.jsonl for the window ending at ``step``."""
-    loss = window.mean_loss(settings.world_size)
-    elapsed = time.perf_counter() - window.start - window.paused  # training steps only
-    record = {
-        "step": step,
-        "loss": loss,
-        "lr": scheduler.get_last_lr()[0],
-        "grad_norm": float(out["grad_norm"]),
-        "step_time_s": elapsed / window.steps,
-        "samples_per_s": window.samples / elapsed if elapsed > 0 else None,
-        **throughput(window.totals, elapsed, settings),
-        "peak_memory_bytes": memory_reader().peak_bytes,
-        "skipped_steps": skips.total,
-    }
-    if policy.scaler is not None:
-        record["loss_scale"] = float(policy.scaler.get_scale())
-        record["scaler_backoffs"] = skips.scaler_backoffs
-    return record
+    def run(self) -> list[dict]:
+        """Step, log, evaluate, save and heed a stop request, step after step; then the final checkpoint."""
+        t, settings = self.t, self.t.settings
+        bar = _progress_bar(settings, t.start_step, t.progress)
+        non_blocking = bool(settings.loader_kwargs.get("pin_memory"))
+        t.model.train()
+        for group in batches(t.dataset, t.collate, settings, t.start_step):
+            if self.step >= settings.total_steps or self.early_stop:
+                break
+            out = train_step_on(t.model, t.optimizer, t.scheduler, group, t.policy, non_blocking)
+            self.step += 1
+            self.pending.append((self.step, out["skipped"], out["backoff"]))
+            self.window.add(out, group, settings.world_size)
+            bar.update(1)
+            last = self.step == settings.total_steps
+            if self.step % settings.log_every == 0 or last:
+                self._log(out, last, bar)
+            elif self.wants_eval and self.step % settings.eval_every == 0:
+                self._evaluate_between_logs()
+            saved = None
+            if t.checkpoints is not None and settings.save_every and self.step % settings.save_every == 0 \
+                    and not last:
+                saved, save_s = self.window.timed(self._save)
+                if self.is_main:
+                    t.metrics.write({"step": self.step, "checkpoint_time_s": save_s})
+                self.saved_step = self.step
+            signum = self.stop.agreed(settings.world_size, t.policy.device) if not last else None
+            if signum:
+                if saved is None and t.checkpoints is not None:
+                    saved = self._save()
+                bar.close()
+                raise Interrupted(self.step, signum, saved)
+        bar.close()
+        self._read_skips()
+        if t.checkpoints is not None and self.step > t.start_step and self.saved_step != self.step:
+            # the final checkpoint: the run's end is resumable (and known complete) before anything else runs
+            self._save()
+        return self.records
 
+    def _log(self, out: dict, last: bool, bar) -> None:
+        """A log step: the skip flags read, one line of metrics.jsonl (with the validation loss when due)."""
+        t, settings = self.t, self.t.settings
+        self._read_skips()
+        record = self._record(out)
+        if self.wants_eval and (self.step % settings.eval_every == 0 or last):
+            record["val_loss"], record["eval_time_s"] = self.window.timed(t.evaluate_loss)
+            t.model.train()
+            self.early_stop, saved_s = self._patience(record["val_loss"])
+            if saved_s is not None:
+                record["checkpoint_time_s"] = saved_s
+            if self.early_stop:
+                record["early_stop"] = True
+        self.records.append(record)
+        if self.is_main:
+            t.metrics.write(record)
+            # refresh=False: the bar draws at its own interval (one line per 15 s in a log file), not per log
+            bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
+                            **({"tok/s": f"{record['tokens_per_s']:,.0f}",
+                                "eff": f"{record['effective_tokens_per_s']:,.0f}"}
+                               if record.get("tokens_per_s") else {}),
+                            **({"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}), refresh=False)
+        self.window.reset()
 
-def _patience(window: _Window, patience: _EarlyStopping, step: int, val: float) -> tuple[bool, float | None]:
-    """Early stopping's verdict on ``val``; with the seconds spent saving a new best adapter (None if none)."""
-    best = patience.best
-    stop, seconds = window.timed(lambda: patience.ran_out(step, val))
-    saved = patience.on_best is not None and patience.best < best
-    return stop, seconds if saved else None
+    def _evaluate_between_logs(self) -> None:
+        t = self.t
+        val, eval_s = self.window.timed(t.evaluate_loss)
+        t.model.train()
+        self.early_stop, saved_s = self._patience(val)
+        line = {"step": self.step, "val_loss": val, "eval_time_s": eval_s,
+                **({"checkpoint_time_s": saved_s} if saved_s is not None else {}),
+                **({"early_stop": True} if self.early_stop else {})}
+        if self.early_stop:
+            self.records.append(line)
+        if self.is_main:
+            t.metrics.write(line)
+
+    def _record(self, out: dict) -> dict:
+        """One line of metrics.jsonl for the window ending at this step."""
+        t, window = self.t, self.window
+        loss = window.mean_loss(t.settings.world_size)
+        elapsed = time.perf_counter() - window.start - window.paused  # training steps only
+        record = {
+            "step": self.step,
+            "loss": loss,
+            "lr": t.scheduler.get_last_lr()[0],
+            "grad_norm": float(out["grad_norm"]),
+            "step_time_s": elapsed / window.steps,
+            "samples_per_s": window.samples / elapsed if elapsed > 0 else None,
+            **throughput(window.totals, elapsed, t.settings),
+            "peak_memory_bytes": t.memory_reader().peak_bytes,
+            "skipped_steps": t.skips.total,
+        }
+        if t.policy.scaler is not None:
+            record["loss_scale"] = float(t.policy.scaler.get_scale())
+            record["scaler_backoffs"] = t.skips.scaler_backoffs
+        return record
+
+    def _patience(self, val: float) -> tuple[bool, float | None]:
+        """Early stopping's verdict on ``val``; with the seconds spent saving a new best adapter (None if none)."""
+        best = self.patience.best
+        stop, seconds = self.window.timed(lambda: self.patience.ran_out(self.step, val))
+        saved = self.patience.on_best is not None and self.patience.best < best
+        return stop, seconds if saved else None
+
+    def _read_skips(self) -> None:
+        """Read the pending steps' skip flags (one sync, where the loop syncs anyway) and account for them."""
+        t, pending, skips, settings = self.t, self.pending, self.t.skips, self.t.settings
+        if not pending:
+            return
+        flags = torch.stack([torch.stack([flag, backoff.to(flag.device)]) for _, flag, backoff in pending]).tolist()
+        n_skipped = 0
+        for (step, _, _), (skipped, backoff) in zip(pending, flags):
+            if backoff:
+                skips.scaler_backoffs += 1
+                continue
+            if not skipped:
+                skips.consecutive = 0
+                continue
+            n_skipped += 1
+            skips.total += 1
+            skips.consecutive += 1
+            records = getattr(t.dataset, "records", None)
+            where = [records[i].where for i in step_indices(len(t.dataset), settings, step)] if records else []
+            entry = {"step": step, "skipped": "non-finite loss or gradient norm", "records": where}
+            skips.steps.append(entry)
+            print(f"step {step} skipped: non-finite loss or gradient norm (records {', '.join(where)})",
+                  file=sys.stderr, flush=True)
+            if self.is_main:
+                t.metrics.write(entry)
+            if settings.max_skipped_steps and skips.consecutive >= settings.max_skipped_steps:
+                pending.clear()
+                last = skips.steps[-skips.consecutive:]
+                raise NonFiniteStop(
+                    f"{skips.consecutive} consecutive steps had a non-finite loss or gradient norm (steps "
+                    f"{', '.join(str(e['step']) for e in last)}; records "
+                    f"{', '.join(sorted({w for e in last for w in e['records']}))}); the run stops. No skipped "
+                    f"step was applied, so the newest checkpoint holds the last good weights. Lower --lr, use "
+                    f"--precision fp32 or bf16, check these records, or raise --max-skipped-steps.")
+        if t.policy.scaler is None:  # the scaler's skipped steps never reached the optimizer
+            settle_step_counters(t.optimizer, n_skipped, t.policy.device)
+        pending.clear()
+
+    def _save(self):
+        """A checkpoint of this step: every process its share (``--shard fsdp``), else rank 0 alone, the others
+        told whether it managed."""
+        t, step, device = self.t, self.step, self.t.policy.device
+        self._read_skips()  # the step counters must be settled before they are saved
+        if t.checkpoints.collective:
+            return t.checkpoints.save(step, t.model, t.optimizer, t.scheduler, t.policy.scaler, device)
+        path, problem = None, None
+        if self.is_main:
+            try:
+                path = t.checkpoints.save(step, model_for_saving(t.model), t.optimizer, t.scheduler,
+                                          t.policy.scaler, device)
+            except Exception as e:  # noqa: BLE001 - any failure: the other processes must hear of it, not wait
+                problem = e
+        if t.settings.world_size > 1:
+            # rank 0 writes alone; the others learn whether it did (a barrier would leave them waiting until the
+            # process-group timeout when rank 0 stops): every process stops with rank 0's message
+            said = [None if problem is None else _problem_message(problem, step)]
+            torch.distributed.broadcast_object_list(said, src=0, device=_object_device(device))
+            if problem is None and said[0] is not None:
+                raise CheckpointWriteError(said[0])
+        if problem is not None:
+            raise problem
+        return path
 
 
 def throughput(totals: dict, elapsed: float, settings: LoopSettings) -> dict:
@@ -309,31 +364,6 @@ def throughput(totals: dict, elapsed: float, settings: LoopSettings) -> dict:
         out["mfu"] = out["effective_tokens_per_s"] * settings.flops_per_token / (settings.peak_flops
                                                                                  * settings.world_size)
     return out
-
-
-def _save(checkpoints, step, model, optimizer, scheduler, policy, settings, pending, skips, dataset, metrics,
-          is_main):
-    # the step counters must be settled before they are saved
-    _read_skips(pending, skips, dataset, settings, optimizer, policy, metrics, is_main)
-    if checkpoints.collective:  # --shard fsdp: every process writes its share
-        return checkpoints.save(step, model, optimizer, scheduler, policy.scaler, policy.device)
-    path, problem = None, None
-    if is_main:
-        try:
-            path = checkpoints.save(step, model_for_saving(model), optimizer, scheduler, policy.scaler,
-                                    policy.device)
-        except Exception as e:  # noqa: BLE001 - any failure: the other processes must hear of it, not wait
-            problem = e
-    if settings.world_size > 1:
-        # rank 0 writes alone; the others learn whether it did (a barrier would leave them waiting until the
-        # process-group timeout when rank 0 stops): every process stops with rank 0's message
-        said = [None if problem is None else _problem_message(problem, step)]
-        torch.distributed.broadcast_object_list(said, src=0, device=_object_device(policy.device))
-        if problem is None and said[0] is not None:
-            raise CheckpointWriteError(said[0])
-    if problem is not None:
-        raise problem
-    return path
 
 
 def _problem_message(problem: BaseException, step: int) -> str:
