@@ -18,3 +18,30 @@ def vlft_command() -> list[str]:
 
     script = Path(sys.executable).with_name("vlft")
     return [str(script)] if script.is_file() else [sys.executable, "-m", "vlft"]
+
+
+def run_flags(values: dict) -> list[str]:
+    """``vlft run`` flags for config ``values`` (``adapter`` as repeated ``--adapter-opt KEY=VALUE``)."""
+    args = []
+    for key, value in values.items():
+        if key == "adapter":
+            args += [x for k, v in value.items() for x in ("--adapter-opt", f"{k}={v}")]
+        else:
+            args += [f"--{key.replace('_', '-')}", str(value)]
+    return args
+
+
+def die_at_step(monkeypatch, n: int) -> None:
+    """Make the ``n``-th training step of this process raise KeyboardInterrupt (as Ctrl-C during it would);
+    ``monkeypatch.undo()`` puts the real step back."""
+    import vlft.training.step
+
+    real_step, calls = vlft.training.step.train_step, {"n": 0}
+
+    def dying_step(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(vlft.training.step, "train_step", dying_step)

@@ -20,7 +20,8 @@ from pathlib import Path
 import float64_reference
 import pytest
 from float64_reference import LOGGED_RTOL
-from helpers import vlft_command
+from helpers import die_at_step as dying
+from helpers import run_flags, vlft_command
 
 from vlft.config import build_config
 
@@ -53,7 +54,6 @@ def _values(varied, out, **over) -> dict:
 def _run(values: dict, monkeypatch=None, die_at_step: int | None = None) -> Path:
     """``vlft run`` in this process with the float64 reference; ``die_at_step``: interrupted there (as a
     Ctrl-C would), the folder left as such a run leaves it."""
-    import vlft.training.step
     from vlft.commands.run import execute
     from vlft.registry import load_registry
 
@@ -61,33 +61,15 @@ def _run(values: dict, monkeypatch=None, die_at_step: int | None = None) -> Path
     if die_at_step is None:
         execute(registry, build_config({}, values), progress=False)
         return Path(values["output"])
-    real_step, calls = vlft.training.step.train_step, {"n": 0}
-
-    def dying_step(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == die_at_step:
-            raise KeyboardInterrupt
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(vlft.training.step, "train_step", dying_step)
+    dying(monkeypatch, die_at_step)
     with pytest.raises(KeyboardInterrupt):
         execute(registry, build_config({}, values), progress=False)
-    monkeypatch.setattr(vlft.training.step, "train_step", real_step)
+    monkeypatch.undo()
     return Path(values["output"])
 
 
-def _flags(values: dict) -> list[str]:
-    args = []
-    for key, value in values.items():
-        if key == "adapter":
-            args += [x for k, v in value.items() for x in ("--adapter-opt", f"{k}={v}")]
-        else:
-            args += [f"--{key.replace('_', '-')}", str(value)]
-    return args
-
-
 def _cli(values: dict, *extra: str) -> Path:
-    proc = subprocess.run([*vlft_command(), "run", "--quiet", *extra, *_flags(values)], capture_output=True,
+    proc = subprocess.run([*vlft_command(), "run", "--quiet", *extra, *run_flags(values)], capture_output=True,
                           text=True, env=ENV, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return Path(values["output"])

@@ -183,24 +183,16 @@ def test_training_options_take_effect_in_a_real_run(demo, tmp_path):
 def test_resume_refuses_a_changed_run_unless_forced(demo, tmp_path, monkeypatch):
     """A run stopped after its step-2 checkpoint, resumed with another --lr: refused, naming what changed and
     --force-resume; with --force-resume it continues to its last step."""
-    import vlft.training.step
+    from helpers import die_at_step
 
     train, val = demo
     out = tmp_path / "run"
     common = (*BASE[:-4], "--seed", "4", "--data", train, "--val-data", val, "--output", out, "--steps", "4",
               "--save-every", "2")
-    real_step, calls = vlft.training.step.train_step, {"n": 0}
-
-    def dying_step(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(vlft.training.step, "train_step", dying_step)
+    die_at_step(monkeypatch, 3)
     code, output = _vlft(*common)
     assert code != 0 and (out / "checkpoints" / "step-000002").is_dir()  # interrupted during step 3
-    monkeypatch.setattr(vlft.training.step, "train_step", real_step)
+    monkeypatch.undo()
     code, output = _vlft(*common, "--resume", "--lr", "1e-3")
     assert code != 0 and "lr" in output and "--force-resume" in output, output
     code, output = _vlft(*common, "--resume", "--lr", "1e-3", "--force-resume")

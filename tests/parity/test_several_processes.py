@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import base_model, vlft_command
+from helpers import base_model, run_flags, vlft_command
 
 from vlft.config import build_config
 
@@ -37,16 +37,6 @@ def _values(small_data, out, **over) -> dict:
                   seed=5, lr=2e-3, warmup_ratio=0.0, adapter={"lora_dropout": 0.0})
     values.update(over)
     return values
-
-
-def _flags(values: dict) -> list[str]:
-    args = []
-    for key, value in values.items():
-        if key == "adapter":
-            args += [x for k, v in value.items() for x in ("--adapter-opt", f"{k}={v}")]
-        else:
-            args += [f"--{key.replace('_', '-')}", str(value)]
-    return args
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -81,7 +71,7 @@ def sharded_values(small_data, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def sharded(sharded_values) -> Path:
-    proc = subprocess.run([*vlft_command(), "run", "--nproc-per-node", "2", "--quiet", *_flags(sharded_values)],
+    proc = subprocess.run([*vlft_command(), "run", "--nproc-per-node", "2", "--quiet", *run_flags(sharded_values)],
                           capture_output=True, text=True, env=ENV, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return Path(sharded_values["output"])
@@ -94,7 +84,7 @@ def data_parallel(small_data, tmp_path_factory) -> Path:
     torchrun = [str(script)] if script.is_file() else [sys.executable, "-m", "torch.distributed.run"]
     values = _values(small_data, out, batch_size=2, save_every=0)
     proc = subprocess.run([*torchrun, "--standalone", "--nproc-per-node", "2", "-m", "vlft", "run", "--quiet",
-                           *_flags(values)], capture_output=True, text=True, env=ENV, timeout=600)
+                           *run_flags(values)], capture_output=True, text=True, env=ENV, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -140,7 +130,7 @@ def test_sharded_gradient_accumulation_trains_as_one_process(unsharded, sharded_
     of the first micro-batch (set_requires_gradient_sync off) must add up with the last one's."""
     values = {**sharded_values, "output": str(tmp_path / "run"), "batch_size": 1, "grad_accum": 2,
               "save_every": 0, "eval_samples": 1, "max_new_tokens": 1, "grad_checkpointing": "off"}
-    proc = subprocess.run([*vlft_command(), "run", "--nproc-per-node", "2", "--quiet", *_flags(values)],
+    proc = subprocess.run([*vlft_command(), "run", "--nproc-per-node", "2", "--quiet", *run_flags(values)],
                           capture_output=True, text=True, env=ENV, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = _metrics(unsharded), _metrics(tmp_path / "run")
@@ -213,7 +203,7 @@ def test_two_torchrun_agents_resume_a_sharded_run_with_the_uninterrupted_losses(
         shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-000005"]
     port = _free_port()
-    args = [*vlft_command(), "run", "--quiet", "--resume", *_flags({**sharded_values, "output": str(out)}),
+    args = [*vlft_command(), "run", "--quiet", "--resume", *run_flags({**sharded_values, "output": str(out)}),
             "--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port)]
     agents = [subprocess.Popen([*args, "--node-rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, env=ENV) for r in (0, 1)]
@@ -315,7 +305,7 @@ def test_text_only_batches_beside_image_batches_train_as_one_process(mixed_data,
     out = tmp_path / "run"
     values = _values(mixed_data, out, batch_size=2, steps=MIXED_STEPS, save_every=0, eval_samples=1,
                      max_new_tokens=1, shard=shard)
-    proc = subprocess.run([*vlft_command(), "run", "--nproc-per-node", "2", "--quiet", *_flags(values)],
+    proc = subprocess.run([*vlft_command(), "run", "--nproc-per-node", "2", "--quiet", *run_flags(values)],
                           capture_output=True, text=True, env=ENV, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = _metrics(mixed_reference), _metrics(out)
