@@ -264,3 +264,40 @@ def test_nf4_plans_the_7b_at_batch_4_of_2k_tokens_on_a_24gib_card(tmp_path):
     from vlft.planning.plan import format_plan
 
     assert f"base weights nf4 linear + bfloat16: {gib(four)}" in format_plan(plan)
+
+
+def test_a_merger_trained_in_full_under_fsdp_is_exported_whole(small_data, tmp_path, model_dir):
+    """--train-merger beside --shard fsdp over 2 processes, then ``vlft export``: the merged model's merger is
+    the trained one (gathered whole from the shards into the adapter folder's modules_to_save), not the base's."""
+    import os
+    import subprocess
+
+    from click.testing import CliRunner
+    from helpers import run_flags, vlft_command
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from vlft.cli import cli
+
+    train, val = small_data
+    out = tmp_path / "run"
+    values = dict(backend="cpu", data=str(train), val_data=str(val), output=str(out), steps=3, batch_size=2,
+                  log_every=1, eval_every=0, eval_samples=1, max_new_tokens=2, save_every=0, seed=1, lr=2e-3,
+                  shard="fsdp", train_merger=True)
+    flags = [f for f in run_flags(values) if f not in ("--train-merger", "True")] + ["--train-merger"]
+    proc = subprocess.run([*vlft_command(), "run", "--quiet", "--nproc-per-node", "2", *flags], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    trained = {k.split("merger.", 1)[1]: v for k, v in saved.items() if ".merger." in k and "lora" not in k}
+    assert trained, sorted(saved)[:5]
+    merged = tmp_path / "merged"
+    result = CliRunner().invoke(cli, ["export", "--adapter", str(out), "--output", str(merged), "--dtype", "fp32"])
+    assert result.exit_code == 0, result.output
+    exported = AutoModelForImageTextToText.from_pretrained(str(merged), dtype=torch.float32).model.visual.merger
+    base = base_model(model_dir).model.visual.merger
+    moved = 0
+    for name, p in exported.named_parameters():
+        torch.testing.assert_close(p.detach(), trained[name], rtol=0, atol=0)
+        moved += not torch.equal(p.detach(), dict(base.named_parameters())[name].detach())
+    assert moved  # the merger trained: the export does not hold the base's
