@@ -198,6 +198,13 @@ def test_resume_refuses_a_changed_run_unless_forced(demo, tmp_path, monkeypatch)
     code, output = _vlft(*common, "--resume", "--lr", "1e-3", "--force-resume")
     assert code == 0, output
     assert [m["step"] for m in _metrics(out) if "loss" in m] == [1, 2, 3, 4]
+    # the finished run extended: refused as changed, then trained on from its last step with --force-resume
+    code, output = _vlft(*common, "--resume", "--lr", "1e-3", "--steps", "6")
+    assert code != 0 and "steps" in output, output
+    code, output = _vlft(*common, "--resume", "--lr", "1e-3", "--steps", "6", "--force-resume")
+    assert code == 0, output
+    assert [m["step"] for m in _metrics(out) if "loss" in m] == [1, 2, 3, 4, 5, 6]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 6
 
 
 def _video(path: Path, frames: int = 8, fps: int = 4) -> None:

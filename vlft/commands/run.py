@@ -90,7 +90,7 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
     sink_factories = metric_sinks(registry, config)
     identity = run_identity(config)
     resume_from = _checkpoint_to_resume(config, output, identity)
-    complete = _completed(output, resume_from)
+    complete = _completed(output, resume_from, config)
     if complete is not None:
         log(f"--resume: the run in {output} is complete ({complete['steps']} steps, checkpoint "
             f"{resume_from.name}); nothing to train. Its adapter: {complete.get('adapter')}", config.rank)
@@ -108,9 +108,10 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
     return RunResult(job.output, s.plan, before, after, records)
 
 
-def _completed(output: Path, resume_from: Path | None) -> dict | None:
+def _completed(output: Path, resume_from: Path | None, config: RunConfig) -> dict | None:
     """``--resume`` on a run that finished: its summary says completed and its newest checkpoint is of the
-    last step. The summary then, else None."""
+    last step, and ``--steps`` asks for no more (a finished run extended with ``--force-resume --steps N``
+    trains on). The summary then, else None."""
     path = output / "summary.json"
     if resume_from is None or not path.exists():
         return None
@@ -120,6 +121,8 @@ def _completed(output: Path, resume_from: Path | None) -> dict | None:
         return None
     step = int(resume_from.name.rpartition("-")[2]) if resume_from.name.startswith("step-") else -1
     if summary.get("status") != "completed" or step != summary.get("steps"):
+        return None
+    if config.steps is not None and config.steps > step:
         return None
     return summary
 
