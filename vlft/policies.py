@@ -428,9 +428,10 @@ class ModelFamily:
     vision_dummy: Callable[..., Any] | None = field(default=None, compare=False, metadata={
         "help": "vision_dummy(model, modality) -> VisionWarmup or None: the smallest input the vision tower takes "
                 "for 'image' or 'video' (the module with the features method, the method's name and its keyword "
-                "arguments). Several processes run it on every step whose batch lacks that modality, so every "
-                "process uses the same parameters (DDP) and gathers the same blocks (FSDP). None: a multi-process "
-                "run on data that mixes text-only and image records may fail there."})
+                "arguments). Every run whose data holds that modality runs it on each training step whose batch lacks "
+                "it (and, sharded, on evaluation's first pass), so every process uses the same parameters (DDP) "
+                "and gathers the same blocks (FSDP), and 1 process trains as N. None: a multi-process run on data "
+                "that mixes text-only and image records may fail there."})
     trace_vision: Callable[..., Any] | None = field(default=None, compare=False, metadata={
         "help": "trace_vision(tower, grids, dtype, run_block) -> features: run the vision tower's blocks once "
                 "on the meta device for the memory plan, calling run_block(module, fn, block_input) around each "

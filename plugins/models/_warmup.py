@@ -1,5 +1,5 @@
 """The smallest input a Qwen vision tower takes, for ``ModelFamily.vision_dummy``: the core runs it on every
-process at every step of a multi-process run, so a text-only batch still uses the tower's parameters
+process at every step (one process too), so a text-only batch still uses the tower's parameters
 (``vlft.models.vision``)."""
 
 from __future__ import annotations
