@@ -129,3 +129,18 @@ def test_export_of_every_family_gives_the_adapters_logits(family_run, mixed, tmp
     # fp32 merge: W x + B A x against (W + B A) x differ in summation order only
     assert (exported - adapted).abs().max() < 1e-4
     assert (adapted - base).abs().max() > 1e-2
+
+
+def test_packing_on_is_refused_for_a_family_whose_token_inputs_it_cannot_carry(mixed, tmp_path):
+    """Gemma 3's token_type_ids (image tokens attend both ways) would be dropped from packed rows: ``--packing
+    on`` stops before anything is written, naming them; ``auto`` pads."""
+    pytest.importorskip("vlft_example_plugin", reason="the example plugin (make test installs it)")
+    train, val = mixed
+    args = ["run", "--quiet", "--backend", "cpu", "--model", "embedded:gemma3", "--data", train, "--val-data", val,
+            "--steps", "1", "--batch-size", "2", "--eval-every", "0", "--eval-samples", "1", "--max-new-tokens", "1"]
+    result = CliRunner().invoke(cli, [str(a) for a in [*args, "--packing", "on", "--output", tmp_path / "on"]])
+    assert result.exit_code != 0 and "token_type_ids" in result.output and "cannot pack" in result.output
+    assert not (tmp_path / "on").exists()
+    _vlft(*args, "--packing", "auto", "--output", tmp_path / "auto")
+    packing = json.loads((tmp_path / "auto" / "plan.json").read_text())["packing"]
+    assert not packing["enabled"] and "token_type_ids" in packing["reason"]

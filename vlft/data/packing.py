@@ -79,6 +79,12 @@ def resolve_packing(mode: str, max_tokens: int | None, attention, family) -> Pac
     if mode == "off":
         return PackingPlan(False, reason="off, as asked: batches are padded to their longest sample")
     refusal = getattr(family, "packing_refusal", "") if family is not None else ""
+    sequence = sorted(k for k, how in (getattr(family, "batch_inputs", None) or {}).items() if how == "sequence")
+    if not refusal and sequence and getattr(family, "processor_expands_placeholders", False):
+        # the packed collator lays out input_ids, labels and positions itself; a family's own per-token inputs
+        # (Gemma 3's token_type_ids: image tokens attend both ways) would be dropped, changing what it computes
+        refusal = (f"its per-token batch inputs ({', '.join(sequence)}) are not carried into packed rows "
+                   f"(they would be dropped, changing what the model computes)")
     path, why = attention.packing_path()
     cannot = (f"the {family.name} family cannot pack: {refusal}" if refusal else
               "" if path else f"the text attention cannot keep packed samples apart: {why}")
