@@ -45,3 +45,16 @@ def die_at_step(monkeypatch, n: int) -> None:
         return real_step(*args, **kwargs)
 
     monkeypatch.setattr(vlft.training.step, "train_step", dying_step)
+
+
+def cli_invoke(*args) -> tuple[int, str]:
+    """``vlft ARGS`` in this process through click (exit code, output); an exception other than click's exit
+    is raised as it is."""
+    from click.testing import CliRunner
+
+    from vlft.cli import cli
+
+    result = CliRunner().invoke(cli, [str(a) for a in args])
+    if result.exception and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.output

@@ -15,7 +15,8 @@ HERE = Path(__file__).resolve().parent
 
 # a real `vlft run` is started by one of these (in-process through the command's own entry point, or a process)
 RUN_ENTRIES = ("execute(", "testing.run(", "vlft_command()", "torch.distributed.run", "\"run\"", "'run'",
-               "_run(", "_cli(", "_short_run(", "straight_run", "family_run", "invoke(cli")
+               "_run(", "_cli(", "_short_run(", "straight_run", "family_run", "invoke(cli",
+               "cli_invoke(")
 
 
 @dataclass

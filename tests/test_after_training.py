@@ -16,6 +16,7 @@ from typing import ClassVar
 
 import pytest
 from click.testing import CliRunner
+from helpers import cli_invoke
 
 from vlft import hookimpl
 from vlft.cli import cli
@@ -85,10 +86,7 @@ def oft_run(tmp_path_factory, tiny_data):
 
 
 def vlft(*args) -> tuple[int, str]:
-    result = CliRunner().invoke(cli, [str(a) for a in args])
-    if result.exception and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.output
+    return cli_invoke(*args)
 
 
 # -- predict ---------------------------------------------------------------------------------------

@@ -19,10 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
-from helpers import vlft_command
+from helpers import cli_invoke, vlft_command
 
-from vlft.cli import cli
 
 FAMILIES = ["qwen2-vl", "qwen3-vl", "qwen3-vl-moe", "qwen3.5", "qwen3.5-moe", "gemma3"]
 TWO_PROCESSES = {"qwen2-vl", "qwen3-vl", "gemma3"}  # one of each vision tower
@@ -60,11 +58,9 @@ def family_run(request, mixed, tmp_path_factory) -> tuple[str, Path]:
 
 
 def _vlft(*args) -> str:
-    result = CliRunner().invoke(cli, [str(a) for a in args])
-    if result.exception and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    assert result.exit_code == 0, result.output
-    return result.output
+    code, output = cli_invoke(*args)
+    assert code == 0, output
+    return output
 
 
 def test_every_family_trains_on_mixed_data(family_run, mixed):
@@ -94,8 +90,11 @@ def test_predict_and_eval_read_every_familys_run(family_run, mixed, tmp_path):
     lines = [json.loads(line) for line in predictions.read_text().splitlines()]
     assert len(lines) == 4 and all(isinstance(line["prediction"], str) for line in lines)
     scores = tmp_path / "e.json"
-    _vlft("eval", "--adapter", out, "--data", val, "--output", scores, "--max-new-tokens", "2", "--quiet")
+    quiet = _vlft("eval", "--adapter", out, "--data", val, "--output", scores, "--max-new-tokens", "2", "--quiet")
     assert json.loads(scores.read_text())["samples"] == 4
+    shown = _vlft("eval", "--adapter", out, "--data", val, "--output", tmp_path / "e2.json", "--max-new-tokens", "2")
+    assert "eval: 100%" in shown and "4/4" in shown  # the progress bar, which --quiet leaves out
+    assert "eval:" not in quiet
 
 
 def test_export_of_every_family_gives_the_adapters_logits(family_run, mixed, tmp_path):
@@ -138,8 +137,8 @@ def test_packing_on_is_refused_for_a_family_whose_token_inputs_it_cannot_carry(m
     train, val = mixed
     args = ["run", "--quiet", "--backend", "cpu", "--model", "embedded:gemma3", "--data", train, "--val-data", val,
             "--steps", "1", "--batch-size", "2", "--eval-every", "0", "--eval-samples", "1", "--max-new-tokens", "1"]
-    result = CliRunner().invoke(cli, [str(a) for a in [*args, "--packing", "on", "--output", tmp_path / "on"]])
-    assert result.exit_code != 0 and "token_type_ids" in result.output and "cannot pack" in result.output
+    code, output = cli_invoke(*args, "--packing", "on", "--output", tmp_path / "on")
+    assert code != 0 and "token_type_ids" in output and "cannot pack" in output
     assert not (tmp_path / "on").exists()
     _vlft(*args, "--packing", "auto", "--output", tmp_path / "auto")
     packing = json.loads((tmp_path / "auto" / "plan.json").read_text())["packing"]

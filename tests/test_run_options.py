@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import run_option_index
-from click.testing import CliRunner
+from helpers import cli_invoke
 
 from vlft.cli import cli
 
@@ -125,13 +125,6 @@ def test_the_index_fails_an_option_a_test_does_not_use():
     assert not run_option_index.runs(layering.text)
 
 
-def _vlft(*args) -> tuple[int, str]:
-    result = CliRunner().invoke(cli, [str(a) for a in args])
-    if result.exception and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.output
-
-
 def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -158,7 +151,7 @@ def test_training_options_take_effect_in_a_real_run(demo, tmp_path):
     out = tmp_path / "run"
     config_file = tmp_path / "run.yaml"
     config_file.write_text("vision-last-n: 2\nweight_decay: 0.1\nepochs: 0.5\n")
-    code, output = _vlft(*BASE, "--data", train, "--val-data", val, "--output", out, "--config", config_file,
+    code, output = cli_invoke(*BASE, "--data", train, "--val-data", val, "--output", out, "--config", config_file,
                          "--max-grad-norm", "1e-12",
                          "--num-workers", "1", "--deterministic", "--attn", "vision=sdpa,text=eager",
                          "--device-memory", "1MiB", "--no-memory-check", "--lr", "3e-3")
@@ -190,18 +183,18 @@ def test_resume_refuses_a_changed_run_unless_forced(demo, tmp_path, monkeypatch)
     common = (*BASE[:-4], "--seed", "4", "--data", train, "--val-data", val, "--output", out, "--steps", "4",
               "--save-every", "2")
     die_at_step(monkeypatch, 3)
-    code, output = _vlft(*common)
+    code, output = cli_invoke(*common)
     assert code != 0 and (out / "checkpoints" / "step-000002").is_dir()  # interrupted during step 3
     monkeypatch.undo()
-    code, output = _vlft(*common, "--resume", "--lr", "1e-3")
+    code, output = cli_invoke(*common, "--resume", "--lr", "1e-3")
     assert code != 0 and "lr" in output and "--force-resume" in output, output
-    code, output = _vlft(*common, "--resume", "--lr", "1e-3", "--force-resume")
+    code, output = cli_invoke(*common, "--resume", "--lr", "1e-3", "--force-resume")
     assert code == 0, output
     assert [m["step"] for m in _metrics(out) if "loss" in m] == [1, 2, 3, 4]
     # the finished run extended: refused as changed, then trained on from its last step with --force-resume
-    code, output = _vlft(*common, "--resume", "--lr", "1e-3", "--steps", "6")
+    code, output = cli_invoke(*common, "--resume", "--lr", "1e-3", "--steps", "6")
     assert code != 0 and "steps" in output, output
-    code, output = _vlft(*common, "--resume", "--lr", "1e-3", "--steps", "6", "--force-resume")
+    code, output = cli_invoke(*common, "--resume", "--lr", "1e-3", "--steps", "6", "--force-resume")
     assert code == 0, output
     assert [m["step"] for m in _metrics(out) if "loss" in m] == [1, 2, 3, 4, 5, 6]
     assert json.loads((out / "summary.json").read_text())["steps"] == 6
@@ -241,13 +234,13 @@ def test_data_options_reach_the_samples_a_run_trains_on(demo, tmp_path):
 
     def lengths(*flags) -> dict:
         out = tmp_path / f"run{len(flags)}"
-        code, output = _vlft(*BASE, "--data", data, "--val-data", data, "--output", out, "--steps", "2",
+        code, output = cli_invoke(*BASE, "--data", data, "--val-data", data, "--output", out, "--steps", "2",
                              "--image-root", media, "--add-placeholders", *flags)
         assert code == 0, output
         assert [m["step"] for m in _metrics(out) if "loss" in m] == [1, 2]
         return json.loads((out / "plan.json").read_text())["lengths"]
 
-    code, output = _vlft(*BASE, "--data", data, "--val-data", data, "--output", tmp_path / "no", "--steps", "2")
+    code, output = cli_invoke(*BASE, "--data", data, "--val-data", data, "--output", tmp_path / "no", "--steps", "2")
     assert code != 0 and "--image-root" in output  # without it the images are not found, nothing is written
     assert not (tmp_path / "no").exists()
     full = lengths()
@@ -281,7 +274,7 @@ def test_grouped_batches_under_two_processes_pad_less(tmp_path):
                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
             assert proc.returncode == 0, proc.stderr[-3000:]
         else:  # the plain shuffle, in micro-batches of 2 as well
-            code, output = _vlft(*args)
+            code, output = cli_invoke(*args)
             assert code == 0, output
         logged = [m for m in _metrics(out) if "loss" in m]
         assert len(logged) == 8

@@ -137,9 +137,7 @@ def batch_counts(batch: dict) -> tuple[int, int]:
     if "sample_lengths" in batch:
         lengths = batch["sample_lengths"]
         return len(lengths), int(lengths.sum())
-    if "attention_mask" in batch:
-        return len(batch["input_ids"]), int(batch["attention_mask"].sum())
-    return len(batch["input_ids"]), batch["input_ids"].numel()
+    return len(batch["input_ids"]), int(batch["attention_mask"].sum())
 
 
 def to_device(batch: dict, device: torch.device, non_blocking: bool = False) -> dict:

@@ -6,8 +6,9 @@ the vision tower on that process only: DDP then finds parameters that were not u
 FSDP's collectives no longer match (gloo: "Received data size doesn't match expected size"; NCCL and HCCL:
 a hang). So a training forward without the pixels of a modality the run uses feeds a tiny dummy through the
 tower, and its output times 0 is added to the input embeddings: the same parameters get (zero) gradients,
-in the same order as real pixels give them, and the loss is unchanged (``x + 0.0 == x``). The model's inputs are left as they are (no ``inputs_embeds`` in
-place of ``input_ids``, which Qwen3-VL refuses beside them and would read stale rope deltas without them).
+in the same order as real pixels give them, and the loss is unchanged (``x + 0.0 == x``). The model's inputs
+are left as they are (no ``inputs_embeds`` in place of ``input_ids``, which Qwen3-VL refuses beside them and
+would read stale rope deltas without them).
 
 One process does the same: a text-only step then gives the vision adapters zero gradients (AdamW moves them
 by its momentum) rather than none (AdamW would skip them), so 1 process and N train alike on mixed data.

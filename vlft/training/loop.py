@@ -60,7 +60,7 @@ class Training:
     """What a run's loop is given, on one object: the model and its optimizer and schedule, the step policy,
     the data and how it is batched and ordered, where checkpoints and metrics go, and what it calls at
     evaluation (``evaluate_loss``) and at each new best validation loss (``on_best(step, loss)``, to save
-    it). An objective that trains otherwise brings its own step and batches on the same object."""
+    it)."""
 
     model: Any
     optimizer: Any
