@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from vlft.data.batching import Collator, label_count, model_inputs
-from vlft.data.packing import PackingCollator, PackingPlan, pack_rows, resolve_packing
+from vlft.data.packing import PackingCollator, PackingPlan, resolve_packing
 from vlft.data.records import IGNORE_INDEX
 from vlft.models.loss import token_loss_sum
+from vlft.models.segments import segments_name
 from vlft.policies import AttentionPolicy
 
 RTOL = 1e-5
@@ -32,6 +33,7 @@ def varied_records(tmp_path_factory):
 
 
 def _setup(model_name: str, attn: str):
+    """The model twice, the same weights: plain ``attn`` (padded batches) and its segments twin (packed)."""
     from vlft.data.encoding import SampleEncoder
     from vlft.models.loading import (
         load_model,
@@ -46,9 +48,11 @@ def _setup(model_name: str, attn: str):
     path = resolve_model_path(model_name, registry)
     config, family = model_config_and_family(path, registry)
     processor = load_processor(path, family, registry)
-    model = load_model(path, AttentionPolicy(attn, attn), PrecisionPolicy("fp32"))
-    model.requires_grad_(True)
-    return model, config, family, processor, SampleEncoder(processor, family=family)
+    models = []
+    for text in (attn, segments_name(attn)):
+        model = load_model(path, AttentionPolicy(attn, text), PrecisionPolicy("fp32"))
+        models.append(model.requires_grad_(True))
+    return models, config, family, processor, SampleEncoder(processor, family=family)
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +65,9 @@ def qwen3(varied_records):
     return _setup("embedded:qwen3-vl", "eager"), varied_records
 
 
-def _collators(processor, config, family, max_tokens=None):
+def _collators(processor, config, family):
     pad, image, video = processor.tokenizer.pad_token_id, processor.image_token_id, processor.video_token_id
-    packed = PackingCollator(pad, image, PackingPlan(True, "mask", max_tokens), family.rope_index, config,
+    packed = PackingCollator(pad, image, PackingPlan(True, "segments"), family.rope_index, config,
                              video_token_id=video)
     return Collator(pad, image, video_token_id=video), packed
 
@@ -117,43 +121,57 @@ def _check_data(micro_batches):
 
 
 def test_packed_and_padded_training_match_on_qwen2_5_vl(qwen25):
-    (model, config, family, processor, encoder), records = qwen25
+    ((plain, segments), config, family, processor, encoder), records = qwen25
     micro = _micro_batches(encoder, records, per_step=1, size=3)
     _check_data(micro)
     padded, packed = _collators(processor, config, family)
-    _assert_same(_steps(model, padded, micro, 3), _steps(model, packed, micro, 3))
+    _assert_same(_steps(plain, padded, micro, 3), _steps(segments, packed, micro, 3))
 
 
 def test_packed_and_padded_training_match_on_qwen3_vl(qwen3):
-    (model, config, family, processor, encoder), records = qwen3
+    ((plain, segments), config, family, processor, encoder), records = qwen3
     micro = _micro_batches(encoder, records)
     _check_data(micro)
     padded, packed = _collators(processor, config, family)
-    _assert_same(_steps(model, padded, micro, 3), _steps(model, packed, micro, 3))
+    _assert_same(_steps(plain, padded, micro, 3), _steps(segments, packed, micro, 3))
 
 
-def test_packed_rows_under_a_token_budget_match_padding_under_sdpa(qwen25, varied_records):
-    """Several rows per micro-batch (a budget), with padding at rows' ends; the sdpa path (bool mask)."""
+def test_packed_under_sdpa_matches_padding(qwen25):
+    """The segments path over transformers' sdpa: six samples in one row."""
     (_, config, family, processor, encoder), records = qwen25
     from vlft.models.loading import load_model, resolve_model_path
     from vlft.policies import PrecisionPolicy
 
-    model = load_model(resolve_model_path("embedded"), AttentionPolicy("sdpa", "sdpa"), PrecisionPolicy("fp32"))
-    model.requires_grad_(True)
+    plain, segments = (load_model(resolve_model_path("embedded"), AttentionPolicy("sdpa", text),
+                                  PrecisionPolicy("fp32")).requires_grad_(True)
+                       for text in ("sdpa", segments_name("sdpa")))
     micro = _micro_batches(encoder, records, steps=1, per_step=1, size=6)
-    lengths = [len(s["input_ids"]) for s in micro[0][0]]
-    budget = max(lengths) + 3
-    padded, packed = _collators(processor, config, family, max_tokens=budget)
+    padded, packed = _collators(processor, config, family)
     batch = packed(micro[0][0])
-    assert 1 < batch["input_ids"].shape[0] < 6 and batch["input_ids"].shape[1] <= budget
-    assert batch["position_ids"].shape[:2] == (4, batch["input_ids"].shape[0]) and "attention_mask" not in batch
-    _assert_same(_steps(model, padded, micro, 1), _steps(model, packed, micro, 1))
+    assert batch["input_ids"].shape == (1, sum(len(s["input_ids"]) for s in micro[0][0]))  # one row, no pad
+    assert batch["position_ids"].shape[:2] == (4, 1) and "attention_mask" not in batch
+    _assert_same(_steps(plain, padded, micro, 1), _steps(segments, packed, micro, 1))
+
+
+def test_segments_leave_padded_batches_and_generation_as_they_were(qwen25):
+    """A model loaded for packing also validates on padded batches and generates with a cache: there the
+    segments implementation hands the mask to the plain one, so it computes what the plain model computes."""
+    ((plain, segments), _, _, processor, encoder), records = qwen25
+    samples = [encoder.encode(r) for r in records[:3]]
+    batch = Collator(processor.tokenizer.pad_token_id, processor.image_token_id)(samples)
+    assert (batch["attention_mask"] == 0).any()  # really padded
+    with torch.no_grad():
+        a, b = (m(**model_inputs(batch)).logits for m in (plain, segments))
+        assert torch.equal(a, b)
+        prompt = {k: v for k, v in model_inputs(batch).items() if k != "labels"}
+        ga, gb = (m.generate(**prompt, max_new_tokens=4, do_sample=False) for m in (plain, segments))
+    assert torch.equal(ga, gb)
 
 
 def test_no_label_predicts_across_a_sample_boundary(qwen25):
     """Every token labelled: packed, the loss must still be the sum of each sample's own loss (the shift at
     each boundary would otherwise train the last token of one sample on the first of the next)."""
-    (model, config, family, processor, encoder), records = qwen25
+    ((plain, model), config, family, processor, encoder), records = qwen25
     samples = []
     for r in records[:3]:
         s = encoder.encode(r)
@@ -165,19 +183,11 @@ def test_no_label_predicts_across_a_sample_boundary(qwen25):
     assert (batch["position_ids"][0, 0, starts] == 0).all()  # the text row restarts at each sample
     assert label_count(batch) == sum(len(s["input_ids"]) - 1 for s in samples)
     with torch.no_grad():
-        own = sum(token_loss_sum(model(**model_inputs(Collator(processor.tokenizer.pad_token_id,
+        own = sum(token_loss_sum(plain(**model_inputs(Collator(processor.tokenizer.pad_token_id,
                                                                 processor.image_token_id)([s]))).logits,
                                  s["labels"][None]).item() for s in samples)
         together = token_loss_sum(model(**model_inputs(batch)).logits, batch["labels"]).item()
     assert abs(together - own) <= RTOL * own, (together, own)
-
-
-def test_pack_rows_never_splits_and_keeps_the_budget():
-    rows = pack_rows([5, 9, 3, 7, 12, 1], 12)
-    assert sorted(i for r in rows for i in r) == list(range(6))
-    assert all(sum([5, 9, 3, 7, 12, 1][i] for i in r) <= 12 for r in rows)
-    assert pack_rows([20, 3], 10) == [[0], [1]]  # longer than the budget: a row of its own
-    assert pack_rows([4, 4], None) == [[0, 1]]
 
 
 def test_auto_packs_where_attention_isolates_and_refuses_a_family_that_cannot(registry):
@@ -187,41 +197,36 @@ def test_auto_packs_where_attention_isolates_and_refuses_a_family_that_cannot(re
     fam25, fam35 = family_named(registry, "qwen2.5-vl"), family_named(registry, "qwen3.5")
     cpu = registry.first("vlft_attention_implementation", backend="cpu",
                          config=__import__("vlft.config", fromlist=["RunConfig"]).RunConfig(), model_config=None)
-    assert resolve_packing("on", None, cpu, fam25).path == "mask"
-    padded = resolve_packing("auto", None, cpu, fam25)  # the mask path: no measured gain, so auto pads
-    assert not padded.enabled and "0.4-0.8x" in padded.reason and "--packing on" in padded.reason
-    assert not resolve_packing("auto", 2048, cpu, fam25).enabled
-    assert resolve_packing("auto", None, AttentionPolicy("sdpa", "flash_attention_2"), fam25).path == "varlen"
-    assert not resolve_packing("auto", None, AttentionPolicy("eager", "flex_attention"), fam25).enabled
-    off = resolve_packing("auto", None, cpu, fam35)
+    assert resolve_packing("on", cpu, fam25).path == "segments"
+    assert resolve_packing("auto", cpu, fam25).path == "segments"
+    assert resolve_packing("auto", AttentionPolicy("sdpa", "sdpa"), fam25).path == "segments"
+    assert resolve_packing("auto", AttentionPolicy("sdpa", "flash_attention_2"), fam25).path == "varlen"
+    assert not resolve_packing("auto", AttentionPolicy("eager", "flex_attention"), fam25).enabled
+    off = resolve_packing("auto", cpu, fam35)
     assert not off.enabled and "Gated DeltaNet" in off.reason
     with pytest.raises(ConfigError, match="Gated DeltaNet"):
-        resolve_packing("on", None, cpu, fam35)
-    assert not resolve_packing("off", None, cpu, fam25).enabled
+        resolve_packing("on", cpu, fam35)
+    assert not resolve_packing("off", cpu, fam25).enabled
 
 
-def test_the_memory_plan_plans_the_packed_rows():
-    from vlft.planning.memory import largest_batches
+def test_a_packed_micro_batch_saves_no_more_than_the_padded_shape_the_plan_counts(qwen25):
+    """The memory plan counts a packed micro-batch as its padded shape (``memory.largest_batches``): that
+    bound holds only if packing saves no more for backward than padding. Measured with the tracer's meter
+    on the real model under eager, whose saved attention probabilities grow with the square of what one
+    attention call sees; beside them, the same row attended whole under transformers' block-diagonal mask
+    (what packing on sdpa/eager did before the segments path), which saves more too."""
+    from vlft.measure import SavedTensorMeter
 
-    lengths, grids = [50, 30, 20, 45, 61, 7, 33, 18], [[(1, 4, 4)]] * 8
-    padded = largest_batches(lengths, grids, 4, 1, 1, 0, 2)
-    one_row = largest_batches(lengths, grids, 4, 1, 1, 0, 2, PackingPlan(True, "mask", None), 4)
-    budget = largest_batches(lengths, grids, 4, 1, 1, 0, 2, PackingPlan(True, "mask", 64), 4)
-    assert padded[0].samples == 4 and not padded[0].packed
-    assert one_row[0].samples == 1 and one_row[0].packed == 4 and one_row[0].tokens <= sum(sorted(lengths)[-4:])
-    assert one_row[0].mask_bytes == one_row[0].tokens ** 2 * 4
-    assert all(b.tokens <= 64 for b in budget) and budget[0].samples >= 2
-
-
-def test_one_row_on_the_mask_path_is_planned_with_what_it_costs():
-    """The plan says what the bench measured: on the mask path one row per micro-batch is slower than padding,
-    and names the flag that bounds the rows; a bounded row and the varlen path carry no such advice."""
-    from vlft.data.packing import resolve_packing
-    from vlft.policies import AttentionPolicy
-
-    one_row = resolve_packing("on", None, AttentionPolicy("eager", "eager"), None)
-    assert one_row.enabled and one_row.path == "mask"
-    assert "0.4-0.8x padding's tokens/s" in one_row.reason and "--max-tokens-per-batch" in one_row.reason
-    bounded = resolve_packing("on", 2048, AttentionPolicy("eager", "eager"), None)
-    varlen = resolve_packing("on", None, AttentionPolicy("flash_attention_2", "flash_attention_2"), None)
-    assert "--max-tokens-per-batch" not in bounded.reason + varlen.reason
+    ((plain, segments), config, family, processor, encoder), records = qwen25
+    samples = [encoder.encode(r) for r in records[:4]]
+    padded, packed = _collators(processor, config, family)
+    saved = {}
+    for name, model, batch in (("padded", plain, padded(samples)), ("packed", segments, packed(samples)),
+                               ("whole row", plain, packed(samples))):
+        meter = SavedTensorMeter(model)
+        with meter.hooks():
+            token_loss_sum(model(**model_inputs(batch)).logits, batch["labels"])
+        saved[name] = meter.bytes
+    lengths = [len(s["input_ids"]) for s in samples]
+    assert max(lengths) * len(lengths) > 1.2 * sum(lengths), lengths  # padding to spare
+    assert saved["packed"] < min(saved["padded"], saved["whole row"]), saved

@@ -109,13 +109,24 @@ def packed(varied, tmp_path_factory) -> Path:
     return _run(_values(varied, tmp_path_factory.mktemp("packed") / "run", packing="on"))
 
 
-def test_auto_pads_on_the_cpu_and_says_why(varied, tmp_path):
-    """``--packing auto`` in a real run on the CPU (the mask path): padded, the plan saying why and how to
-    pack anyway; the run trains."""
-    out = _run(_values(varied, tmp_path / "run", packing="auto", steps=2, save_every=0, eval_every=0))
-    packing = _plan(out)["packing"]
-    assert not packing["enabled"] and "auto: padded" in packing["reason"] and "--packing on" in packing["reason"]
-    assert [m["step"] for m in _logged(out)] == [1, 2]
+def test_auto_packs_where_the_data_pads_and_pads_where_it_does_not(varied, tmp_path):
+    """``--packing auto`` in real runs on the CPU (the segments path): on the variable-length data, whose
+    micro-batches pad, it packs and says what it expects; on the demo set (one image, short answers: nearly
+    uniform lengths) it pads, saying why and how to pack anyway. Both train."""
+    from vlft.data.packing import CEILING_SHARE
+
+    def padding(packing: dict) -> float:  # the positions per real token the plan found
+        return float(packing["reason"].split("compute ")[1].split(" positions")[0])
+
+    out = _run(_values(varied, tmp_path / "varied", packing="auto", steps=2, save_every=0, eval_every=0))
+    packed = _plan(out)["packing"]
+    assert packed["enabled"] and packed["path"] == "segments" and padding(packed) * CEILING_SHARE > 1
+    demo = _run(_values(varied, tmp_path / "demo", packing="auto", steps=2, save_every=0, eval_every=0,
+                        data=None, val_data=None))
+    padded = _plan(demo)["packing"]
+    assert not padded["enabled"] and "auto: padded" in padded["reason"] and "--packing on" in padded["reason"]
+    assert padding(padded) * CEILING_SHARE <= 1
+    assert [m["step"] for m in _logged(out)] == [m["step"] for m in _logged(demo)] == [1, 2]
 
 
 def test_a_packed_run_trains_evaluates_and_saves_with_the_padded_losses(padded, packed):
@@ -150,45 +161,52 @@ def test_a_packed_run_killed_mid_way_resumes_exactly(varied, packed, tmp_path, m
     _same_losses(packed, out)
 
 
-def test_two_data_parallel_processes_packed_train_as_one_padded_process(varied, padded, tmp_path):
-    """``--packing on`` (the mask path on the CPU, where ``auto`` pads); 2 processes of batch 2 (mixed text-only and
-    image micro-batches: the vision warm-up runs) against 1 of batch 4, padded. Each process evaluates 2
-    batches of 2: the 4 records the single process evaluates in one batch."""
-    out = _cli(_values(varied, tmp_path / "run", packing="on", batch_size=2, eval_batches=2),
+OFT = dict(method="oft", adapter={"module_dropout": 0.0}, steps=4, save_every=0)
+
+
+@pytest.fixture(scope="module")
+def padded_oft(varied, tmp_path_factory) -> Path:
+    return _run(_values(varied, tmp_path_factory.mktemp("padded-oft") / "run", packing="off", **OFT))
+
+
+@pytest.mark.parametrize("method", ["lora", "oft"])
+def test_two_data_parallel_processes_packed_train_as_one_padded_process(varied, padded, padded_oft, tmp_path,
+                                                                        method):
+    """``--packing on`` (the segments path on the CPU); 2 processes of batch 2 (mixed text-only and image
+    micro-batches: the vision warm-up runs) against 1 of batch 4, padded. Each process evaluates 2 batches of
+    2: the 4 records the single process evaluates in one batch."""
+    reference, over = (padded, {}) if method == "lora" else (padded_oft, OFT)
+    out = _cli(_values(varied, tmp_path / "run", packing="on", batch_size=2, eval_batches=2, **over),
                "--nproc-per-node", "2")
-    assert _plan(out)["packing"]["enabled"] and _plan(out)["packing"]["path"] == "mask"
-    _same_losses(padded, out)
-    assert _val_losses(out) == pytest.approx(_val_losses(padded), rel=1e-6)  # as the gradient norm
+    assert _plan(out)["packing"]["enabled"] and _plan(out)["packing"]["path"] == "segments"
+    assert _plan(out)["method"]["name"] == method
+    _same_losses(reference, out, steps=over.get("steps", STEPS))
+    assert _val_losses(out) == pytest.approx(_val_losses(reference), rel=1e-6)  # as the gradient norm
 
 
-def test_two_sharded_processes_packed_train_as_one_padded_process(varied, padded, tmp_path):
-    out = _cli(_values(varied, tmp_path / "run", packing="on", batch_size=2, eval_batches=2, shard="fsdp"),
+@pytest.mark.parametrize("method", ["lora", "oft"])
+def test_two_sharded_processes_packed_train_as_one_padded_process(varied, padded, padded_oft, tmp_path, method):
+    reference, over = (padded, {}) if method == "lora" else (padded_oft, OFT)
+    out = _cli(_values(varied, tmp_path / "run", packing="on", batch_size=2, eval_batches=2, shard="fsdp", **over),
                "--nproc-per-node", "2")
     assert _plan(out)["sharding"]["strategy"] == "fsdp" and _plan(out)["packing"]["enabled"]
-    _same_losses(padded, out)
+    assert _plan(out)["method"]["name"] == method
+    _same_losses(reference, out, steps=over.get("steps", STEPS))
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
 
 
+def test_packing_matches_padding_for_oft(varied, padded_oft, tmp_path):
+    out = _run(_values(varied, tmp_path / "on", packing="on", **OFT))
+    assert _plan(out)["packing"]["enabled"]
+    _same_losses(padded_oft, out, steps=4)
+
+
 @pytest.mark.parametrize("case", [
-    dict(method="oft", adapter={"module_dropout": 0.0}),
     dict(model="embedded:qwen3-vl"),
     dict(model="embedded:qwen3-vl-moe", adapter={"lora_dropout": 0.0, "target_experts": True}),
-], ids=["oft", "qwen3-vl", "qwen3-vl-moe-experts"])
-def test_packing_matches_padding_for_oft_and_the_qwen3_families(varied, tmp_path, case):
+], ids=["qwen3-vl", "qwen3-vl-moe-experts"])
+def test_packing_matches_padding_for_the_qwen3_families(varied, tmp_path, case):
     runs = {p: _run(_values(varied, tmp_path / p, packing=p, steps=4, save_every=0, eval_every=0, **case))
             for p in ("off", "on")}
     assert _plan(runs["on"])["packing"]["enabled"]
     _same_losses(runs["off"], runs["on"], steps=4)
-
-
-def test_rows_under_a_token_budget_train_as_padding(varied, padded, tmp_path):
-    """--max-tokens-per-batch 320: a micro-batch's 4 samples go into several rows of at most 320 tokens
-    (the data's samples are 50-300 tokens long), padded to the longest row: the same losses as padding,
-    with some padding computed but less than the padded batches have."""
-    out = _run(_values(varied, tmp_path / "run", packing="on", max_tokens_per_batch=320, save_every=0))
-    assert _plan(out)["packing"]["max_tokens_per_row"] == 320
-    _same_losses(padded, out)
-    packed_pad = [m["tokens_per_s"] / m["effective_tokens_per_s"] for m in _logged(out)]
-    padded_pad = [m["tokens_per_s"] / m["effective_tokens_per_s"] for m in _logged(padded)]
-    assert any(r > 1 for r in packed_pad)  # several rows: the budget was applied
-    assert sum(packed_pad) < sum(padded_pad)

@@ -39,7 +39,6 @@ RUN_OPTION_TESTS = {
     "--batch-size": "test_run.py::test_short_run_writes_adapter_metrics_and_eval",
     "--grad-accum": "parity/test_several_processes.py::test_sharded_gradient_accumulation_trains_as_one_process",
     "--packing": PACK + "test_a_packed_run_trains_evaluates_and_saves_with_the_padded_losses",
-    "--max-tokens-per-batch": PACK + "test_rows_under_a_token_budget_train_as_padding",
     "--lr": "test_run.py::test_short_run_writes_adapter_metrics_and_eval",
     "--lr-vision": "test_tuning.py::test_the_plan_shows_the_groups_and_the_merger_trained_in_full",
     "--lr-merger": "test_tuning.py::test_the_plan_shows_the_groups_and_the_merger_trained_in_full",

@@ -51,17 +51,12 @@ class RunConfig:
                                      "which it needs to converge) when --steps is not given.")
     batch_size: int = opt(4, "Samples per micro-batch (per process).")
     grad_accum: int = opt(1, "Micro-batches accumulated per optimizer step.")
-    packing: str = opt("off", "Padding-free packing: a micro-batch's --batch-size samples laid end to end in rows, "
-                              "each sample keeping its own positions and attending only to itself (same loss and "
-                              "gradients as padding). auto: pack where the backend's attention and the model "
-                              "family can keep samples apart, else pad; on: pack or stop with the reason; off: pad.",
+    packing: str = opt("off", "Padding-free packing: a micro-batch's --batch-size samples laid end to end in one "
+                              "row, each sample keeping its own positions and attending only to itself (same loss "
+                              "and gradients as padding; steps, resume and the data order as without packing). "
+                              "auto: pack where the backend's attention and the model family can keep samples "
+                              "apart, else pad; on: pack or stop with the reason; off: pad.",
                        choices=("auto", "on", "off"))
-    max_tokens_per_batch: int | None = opt(None, "With packing: the token budget of one packed row. The sampler "
-                                                 "still draws --batch-size samples per micro-batch (so steps, "
-                                                 "resume and the data order are as without packing); they are "
-                                                 "packed whole, longest first, into rows of at most N tokens (a "
-                                                 "longer sample gets a row of its own). Default: one row per "
-                                                 "micro-batch. Flash-attention (varlen) always uses one row.")
     lr: float | None = opt(None, "Peak learning rate; default: the method's.")
     lr_vision: float | None = opt(None, "Peak learning rate of the vision tower's trainable parameters, absolute "
                                         "(not a multiplier of --lr); default: --lr. The schedule scales it as --lr.")
@@ -295,8 +290,6 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
     if not 0 <= cfg.warmup_ratio < 1:
         raise ConfigError(f"--warmup-ratio must be in [0, 1), got {cfg.warmup_ratio}")
-    if cfg.max_tokens_per_batch is not None and cfg.max_tokens_per_batch < 1:
-        raise ConfigError(f"--max-tokens-per-batch must be at least 1, got {cfg.max_tokens_per_batch}")
     if cfg.max_length is not None and cfg.max_length < 1:
         raise ConfigError(f"--max-length must be at least 1, got {cfg.max_length}")
     if cfg.skip_too_long and cfg.max_length is None:

@@ -56,19 +56,20 @@ class AttentionPolicy:
     text: str
     reason: str = ""
     # how the text attention keeps packed samples apart (``--packing``): "varlen" (flash-attention takes each
-    # sample's bounds from the text position row), "mask" (a block-diagonal causal 4-D mask: sdpa, eager) or
-    # "" (it cannot: runs pad). None: derived from ``text`` (``packing_path``).
+    # sample's bounds from the text position row), "segments" (sdpa or eager run per sample, see
+    # ``models.segments``) or "" (it cannot: runs pad). None: derived from ``text`` (``packing_path``).
     packing: str | None = None
     packing_reason: str = ""
 
     def packing_path(self) -> tuple[str, str]:
-        """("varlen" | "mask" | "", why): how packed samples are kept apart in the text attention."""
+        """("varlen" | "segments" | "", why): how packed samples are kept apart in the text attention."""
         if self.packing is not None:
             return self.packing, self.packing_reason or f"the backend says {self.packing or 'no packing'}"
         if self.text == "flash_attention_2":
             return "varlen", "flash_attention_2 finds each sample's bounds from the text position row"
         if self.text in ("sdpa", "eager"):
-            return "mask", f"{self.text} takes a block-diagonal causal 4-D mask built from the text position row"
+            return "segments", (f"{self.text} runs sample by sample, the row cut where its text position row "
+                                f"restarts")
         return "", f"no known way for text attention '{self.text}' to keep packed samples apart"
 
     def as_attn_implementation(self) -> str | dict[str, str]:

@@ -54,11 +54,11 @@ def vlft_attention_implementation(backend, config, model_config):
     asked = parse_attn(config.attn) or {}
     # eager is the reference: it is the plain math every other path must agree with
     text = asked.get("text", "eager")
-    # packing (--packing): the mask path on the reference, a block-diagonal causal mask per packed row
+    # packing (--packing): sample by sample on the reference's sdpa or eager (the segments path)
     packing, why = AttentionPolicy(text, text).packing_path()
     return AttentionPolicy(asked.get("vision", "eager"), text,
                            "reference backend: eager unless asked" if not asked else "as asked",
-                           packing="mask" if packing == "mask" else "", packing_reason=why)
+                           packing="segments" if packing == "segments" else "", packing_reason=why)
 
 
 def _four_bit() -> tuple[bool, str]:

@@ -148,3 +148,17 @@ def step_indices(n_samples: int, settings: DataOrder, step: int) -> list[int]:
     order = EpochSampler(n_samples, settings.seed, epoch, settings.rank, settings.world_size,
                          lengths=settings.lengths, batch_size=settings.batch_size).indices()
     return order[step_in_epoch * span:(step_in_epoch + 1) * span]
+
+
+def run_micro_batches(n_samples: int, settings: DataOrder, total_steps: int, max_epochs: int = 64):
+    """Every micro-batch (sample indices) every process draws in a run of ``total_steps``, epoch by epoch (at
+    most ``max_epochs``: beyond a few no new batch shapes appear). The sampler is seeded, so this is what the
+    run will draw; for planning (memory, packing) before the first step."""
+    per_epoch = steps_per_epoch(n_samples, settings.batch_size, settings.grad_accum, settings.world_size)
+    for epoch in range(min(math.ceil(total_steps / per_epoch), max_epochs)):
+        for rank in range(settings.world_size):
+            order = EpochSampler(n_samples, settings.seed, epoch, rank, settings.world_size,
+                                 lengths=settings.lengths, batch_size=settings.batch_size).indices()
+            usable = min(len(order) // settings.batch_size, per_epoch * settings.grad_accum) * settings.batch_size
+            for i in range(0, usable, settings.batch_size):
+                yield order[i:i + settings.batch_size]

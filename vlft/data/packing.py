@@ -7,11 +7,10 @@ batch's longest row. Nothing else changes:
   mRoPE rows of ONE sample, exactly as the model would compute them unpacked), plus a text row in front
   (``arange`` per sample) that transformers reads to find where samples start: ``position_ids`` is
   ``[4, rows, L]`` (``[rows, L]`` for a family with plain 1-D positions).
-- **Isolation**: no ``attention_mask`` is passed, so transformers 5 finds the samples from the text row:
-  for sdpa and eager it builds a block-diagonal causal 4-D mask (``masking_utils.find_packed_sequence_indices``
-  then ``packed_sequence_mask_function``), for flash_attention_2 it takes cu_seqlens from the same row
-  (varlen; one row only, see ``PackingPlan.one_row``). Padding at a row's end is a sample of its own: it
-  sees only itself and nothing sees it.
+- **Isolation**: no ``attention_mask`` is passed; the attention finds the samples where the text row
+  restarts. flash_attention_2 takes cu_seqlens from it (``varlen``); on sdpa and eager the text tower is
+  loaded with its per-segment twin (``models.segments``: ``segments``), which attends sample by sample.
+  Either way the cost is the samples' squares, not the row's, so a micro-batch is one row: no padding.
 - **Labels**: each sample's first label is set to ignored. The loss shifts labels by one over the whole row,
   so the last token of one sample would otherwise predict the first token of the next; unpacked, that first
   label is never predicted either (nothing comes before it). The loss and the label count
@@ -23,6 +22,7 @@ in the order their placeholders appear in the packed rows.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -39,43 +39,19 @@ class PackingPlan:
     """Whether a run packs, how the attention keeps samples apart, and why: resolved once at plan time."""
 
     enabled: bool
-    path: str = ""  # "mask" (block-diagonal 4-D mask: sdpa, eager) or "varlen" (flash-attention cu_seqlens)
-    max_tokens: int | None = None  # a packed row's budget (None: the micro-batch's samples in one row)
+    path: str = ""  # "varlen" (flash-attention cu_seqlens) or "segments" (sdpa/eager per sample)
     reason: str = ""
 
-    @property
-    def one_row(self) -> bool:
-        """varlen finds sample bounds in one row only (transformers checks packing at batch size 1), and its
-        cost does not grow with the row, so the micro-batch is a single row there, whatever the budget."""
-        return self.path == "varlen" or self.max_tokens is None
-
     def describe(self) -> dict:
-        return {"enabled": self.enabled, "path": self.path, "max_tokens_per_row": self.max_tokens,
-                "reason": self.reason}
+        return {"enabled": self.enabled, "path": self.path, "reason": self.reason}
 
 
-# measured (bench/test_packing.py, CPU, eager): the mask path's attention covers the whole row, so its cost
-# grows with the square of the row's length, and one row per micro-batch gives back more than the padding saves
-MASK_ONE_ROW = ("; on the mask path attention runs over the whole row at once (its cost grows with the row's "
-                "square): the CPU bench trains at 0.4-0.8x padding's tokens/s with one row per micro-batch, "
-                "1.0-1.6x with rows of 2,048 tokens (four runs). Set --max-tokens-per-batch near your longest sample")
-
-
-# why auto pads on the mask path: no measurement shows a gain there that holds (varlen packs: its cost does not
-# grow with the row)
-MASK_AUTO = ("the attention keeps packed samples apart only with a block-diagonal mask over the whole row "
-             "(sdpa, eager), which the CPU bench measured at 0.4-0.8x padding's tokens/s with one row per "
-             "micro-batch and 1.0-1.6x with rows of 2,048 tokens, and which a side-by-side run measured at "
-             "1.00-1.04x padding's epoch time under sdpa; --packing on packs anyway (with "
-             "--max-tokens-per-batch near your longest sample), --group-by-length pads less at no such cost")
-
-
-def resolve_packing(mode: str, max_tokens: int | None, attention, family) -> PackingPlan:
+def resolve_packing(mode: str, attention, family) -> PackingPlan:
     """``--packing auto|on|off`` against what the backend's attention and the model family can do.
 
-    ``auto`` packs where the attention keeps packed samples apart at a cost that does not grow with the row
-    (varlen) and the family's text model can; it pads otherwise, saying why (``MASK_AUTO``). ``on`` packs on
-    the mask path too; where packing cannot work it is an error with the reason."""
+    Both paths keep packed samples apart at the samples' own cost (varlen on flash-attention, segments on
+    sdpa and eager), so ``auto`` and ``on`` pack wherever the attention and the family can; ``auto`` pads
+    otherwise, saying why, and ``on`` stops with the reason."""
     if mode == "off":
         return PackingPlan(False, reason="off, as asked: batches are padded to their longest sample")
     refusal = getattr(family, "packing_refusal", "") if family is not None else ""
@@ -92,40 +68,35 @@ def resolve_packing(mode: str, max_tokens: int | None, attention, family) -> Pac
         if mode == "on":
             raise ConfigError(f"--packing on: {cannot}; use --packing auto or off (padded batches)")
         return PackingPlan(False, reason=f"auto: padded, since {cannot}")
-    if mode == "auto" and path == "mask":
-        return PackingPlan(False, reason=f"auto: padded, since {MASK_AUTO}")
-    budget = (f"rows of at most {max_tokens} tokens" if max_tokens and path != "varlen"
-              else "one row per micro-batch")
-    if path == "mask" and not max_tokens:
-        budget += MASK_ONE_ROW
     asked = "as asked" if mode == "on" else "auto"
-    return PackingPlan(True, path, max_tokens, f"{asked}: {path} ({why}); {budget}")
+    return PackingPlan(True, path, f"{asked}: {path} ({why}); one row per micro-batch, no padding")
 
 
-def pack_rows(lengths: list[int], max_tokens: int | None) -> list[list[int]]:
-    """Indices of ``lengths`` grouped into rows of at most ``max_tokens`` tokens (first fit, longest first;
-    ties in input order). A sample longer than the budget gets a row of its own: samples are never split.
-    ``max_tokens`` None: one row."""
-    if max_tokens is None:
-        return [list(range(len(lengths)))]
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
-        for r, left in enumerate(room):
-            if lengths[i] <= left:
-                rows[r].append(i)
-                room[r] -= lengths[i]
-                break
-        else:
-            rows.append([i])
-            room.append(max_tokens - lengths[i])
-    return [sorted(r) for r in rows]
+# measured (bench/test_packing.py: real runs, the CPU, eager, one epoch of variable-length data): packed
+# runs reached this share of the padding-free ceiling (padded positions / real positions), the rest being
+# the per-sample attention calls and the row's bookkeeping
+CEILING_SHARE = 0.9
 
 
-def packed_shape(lengths: list[int], plan: PackingPlan) -> tuple[int, int]:
-    """(rows, tokens per row) of the packed micro-batch whose samples have ``lengths``."""
-    rows = [list(range(len(lengths)))] if plan.one_row else pack_rows(lengths, plan.max_tokens)
-    return len(rows), max(sum(lengths[i] for i in r) for r in rows)
+def padding_ratio(lengths: list[int], micro_batches: list[list[int]]) -> float:
+    """Positions padded micro-batches compute per real token: sum(samples x longest) / sum(lengths)."""
+    real = sum(lengths[i] for mb in micro_batches for i in mb)
+    return sum(len(mb) * max(lengths[i] for i in mb) for mb in micro_batches if mb) / max(real, 1)
+
+
+def settle_auto(plan: PackingPlan, mode: str, ratio: float) -> PackingPlan:
+    """``--packing auto`` once the data's lengths are known: pack only where the run's micro-batches pad
+    enough that packing's measured share of the ceiling (``CEILING_SHARE``) still gains, pad otherwise."""
+    if mode != "auto" or not plan.enabled:
+        return plan
+    gain = ratio * CEILING_SHARE
+    if gain <= 1:
+        return PackingPlan(False, reason=f"auto: padded, since this run's micro-batches compute {ratio:.2f} "
+                                         f"positions per real token and packing was measured at "
+                                         f"{CEILING_SHARE:.2f} of that ceiling ({gain:.2f}x padding's speed); "
+                                         f"--packing on packs anyway")
+    return dataclasses.replace(plan, reason=f"{plan.reason}; padded micro-batches would compute {ratio:.2f} "
+                                            f"positions per real token (expected {gain:.2f}x padding's speed)")
 
 
 def sample_positions(sample: dict, rope_index: Callable[..., Any] | None, model_config) -> torch.Tensor:
@@ -158,40 +129,26 @@ class PackingCollator:
         self.plan, self.rope_index, self.model_config = plan, rope_index, model_config
 
     def __call__(self, samples: list[dict]) -> dict:
-        lengths = [len(s["input_ids"]) for s in samples]
-        rows = [list(range(len(samples)))] if self.plan.one_row else pack_rows(lengths, self.plan.max_tokens)
-        width = max(sum(lengths[i] for i in r) for r in rows)
-        n_rows = 1 if self.rope_index is None else 4
-        ids_rows, label_rows, pos_rows = [], [], []
-        for row in rows:
-            ids, labels, pos = [], [], []
-            for i in row:
-                s = samples[i]
-                ids.append(s["input_ids"].long())
-                if "labels" in s:
-                    lab = s["labels"].clone().long()
-                    lab[0] = IGNORE_INDEX  # the previous sample's last token must not predict it (module doc)
-                    labels.append(lab)
-                pos.append(sample_positions(s, self.rope_index, self.model_config))
-            pad = width - sum(lengths[i] for i in row)
-            ids.append(torch.full((pad,), self.pad_token_id, dtype=torch.long))
-            labels.append(torch.full((pad,), IGNORE_INDEX, dtype=torch.long))
-            pos.append(torch.arange(pad, dtype=torch.long).expand(n_rows, pad))  # padding: a sample of its own
-            ids_rows.append(torch.cat(ids))
-            label_rows.append(torch.cat(labels))
-            pos_rows.append(torch.cat(pos, dim=1))
-        input_ids = torch.stack(ids_rows)
+        # one row, no padding: both paths attend sample by sample (module docstring)
+        ids, labels, pos = [], [], []
+        for s in samples:
+            ids.append(s["input_ids"].long())
+            if "labels" in s:
+                lab = s["labels"].clone().long()
+                lab[0] = IGNORE_INDEX  # the previous sample's last token must not predict it (module doc)
+                labels.append(lab)
+            pos.append(sample_positions(s, self.rope_index, self.model_config))
+        input_ids = torch.cat(ids)[None]
         mm = (input_ids == self.image_token_id).long()
         if self.video_token_id is not None:
             mm = mm + 2 * (input_ids == self.video_token_id).long()
-        positions = torch.stack(pos_rows, dim=1)  # [4, rows, L]
-        batch = {"input_ids": input_ids, "position_ids": positions[0] if n_rows == 1 else positions,
-                 "mm_token_type_ids": mm, "sample_lengths": torch.tensor(lengths)}
-        if any("labels" in s for s in samples):
-            batch["labels"] = torch.stack(label_rows)
-        order = [samples[i] for row in rows for i in row]  # images in the order their tokens appear
-        for key in CONCAT_KEYS:
-            parts = [s[key] for s in order if key in s]
+        positions = torch.cat(pos, dim=1)[:, None]  # [4, 1, L] (or [1, 1, L]: plain positions)
+        batch = {"input_ids": input_ids, "position_ids": positions[0] if self.rope_index is None else positions,
+                 "mm_token_type_ids": mm, "sample_lengths": torch.tensor([len(i) for i in ids])}
+        if labels:
+            batch["labels"] = torch.cat(labels)[None]
+        for key in CONCAT_KEYS:  # images in the order their tokens appear
+            parts = [s[key] for s in samples if key in s]
             if parts:
                 batch[key] = torch.cat(parts)
         return batch

@@ -28,8 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vlft.data.order import EpochSampler, steps_per_epoch
-from vlft.data.packing import packed_shape
+from vlft.data.order import DataOrder, run_micro_batches
 from vlft.models.families import base_model, family_of_model
 from vlft.planning.sharding import working_set_bytes
 from vlft.planning.trace import Activations, BatchShape, trace_activations
@@ -92,7 +91,7 @@ class MemoryPlan:
 
     def total_bytes(self, checkpointing: bool | None = None) -> int:
         return (self.counted_bytes(checkpointing) + self.activations.backward_transient + self.logits_bytes
-                + self.reserved_bytes + self.batch.mask_bytes)
+                + self.reserved_bytes)
 
     def fits(self, checkpointing: bool | None = None) -> bool | None:
         if self.capacity_bytes is None:
@@ -144,9 +143,7 @@ def format_memory(d: dict) -> list[str]:
         f"             activations {gib(d['activation_bytes'])} (checkpointing {'on' if d['checkpointing'] else 'off'}; "
         f"on {gib(d['activation_bytes_with_checkpointing'])}, off {gib(d['activation_bytes_without_checkpointing'])})"
         f" for the largest batch: {batch['samples']} x {batch['tokens_per_sample']} tokens, "
-        f"{batch['image_patches']} image patches"
-        + (f" ({batch['packed_samples']} samples packed into {batch['samples']} row(s); block-diagonal mask "
-           f"{gib(batch['mask_bytes'])})" if batch.get("packed_samples") else ""),
+        f"{batch['image_patches']} image patches",
         f"             backward working space {gib(d.get('backward_transient_bytes', 0))}, logits "
         f"{gib(d['logits_bytes'])}, runtime reserve {gib(d['reserved_bytes'])}",
     ]
@@ -243,13 +240,12 @@ def fsdp_gathered_bytes(model, compute_dtype: str | None, family=None) -> int:
 
 
 def largest_batches(lengths: list[int], grids: list[list], batch_size: int, grad_accum: int, world_size: int,
-                    seed: int, total_steps: int, packing=None, mask_itemsize: int = 1,
-                    labelled: list[int] | None = None, grouped: bool = False) -> list[BatchShape]:
+                    seed: int, total_steps: int, labelled: list[int] | None = None,
+                    grouped: bool = False) -> list[BatchShape]:
     """The micro-batches with the most padded tokens, with the most image patches and (given ``labelled``,
     each sample's labelled tokens) with the most logit positions, over every process and every step the run
-    will take (the sampler is seeded, so this is exact). ``packing`` (an enabled ``data.packing.PackingPlan``):
-    each micro-batch as the packing collator lays it out, rows x the longest row, with the mask path's
-    [rows, 1, L, L] mask at ``mask_itemsize`` bytes per entry (packed rows keep every logit position)."""
+    will take (the sampler is seeded, so this is exact). A packed micro-batch is planned as padded: packing
+    computes per sample what padding computes, less the padding, so the padded shape bounds it from above."""
 
     def most_labelled(idx) -> int | None:
         return max(labelled[j] for j in idx) if labelled else None
@@ -257,34 +253,22 @@ def largest_batches(lengths: list[int], grids: list[list], batch_size: int, grad
     def shape_of(idx) -> BatchShape:
         idx = list(idx)
         gs = [g for j in idx for g in grids[j]]
-        if packing is None or not packing.enabled:
-            return BatchShape(len(idx), max(lengths[j] for j in idx), gs, most_labelled(idx))
-        rows, width = packed_shape([lengths[j] for j in idx], packing)
-        mask = rows * width * width * mask_itemsize if packing.path == "mask" else 0
-        return BatchShape(rows, width, gs, packed=len(idx), mask_bytes=mask)
+        return BatchShape(len(idx), max(lengths[j] for j in idx), gs, most_labelled(idx))
 
     n = len(lengths)
-    per_epoch = steps_per_epoch(n, batch_size, grad_accum, world_size)
-    epochs = min(math.ceil(total_steps / per_epoch), 64)  # beyond a few epochs no new batch shapes appear
     best_tokens: BatchShape | None = None
     best_patches: BatchShape | None = None
     best_logits: BatchShape | None = None
-
-    for epoch in range(epochs):
-        for rank in range(world_size):
-            order = EpochSampler(n, seed, epoch, rank, world_size, lengths=lengths if grouped else None,
-                                 batch_size=batch_size).indices()
-            usable = min(len(order) // batch_size, per_epoch * grad_accum) * batch_size
-            for i in range(0, usable, batch_size):
-                idx = order[i:i + batch_size]
-                shape = shape_of(idx)
-                if labelled and (best_logits is None or shape.samples * shape.logit_positions
-                                 > best_logits.samples * best_logits.logit_positions):
-                    best_logits = shape
-                if best_tokens is None or shape.samples * shape.tokens > best_tokens.samples * best_tokens.tokens:
-                    best_tokens = shape
-                if best_patches is None or shape.patches > best_patches.patches:
-                    best_patches = shape
+    order = DataOrder(batch_size, grad_accum, seed, world_size=world_size, lengths=lengths if grouped else None)
+    for idx in run_micro_batches(n, order, total_steps):
+        shape = shape_of(idx)
+        if labelled and (best_logits is None or shape.samples * shape.logit_positions
+                         > best_logits.samples * best_logits.logit_positions):
+            best_logits = shape
+        if best_tokens is None or shape.samples * shape.tokens > best_tokens.samples * best_tokens.tokens:
+            best_tokens = shape
+        if best_patches is None or shape.patches > best_patches.patches:
+            best_patches = shape
     if best_tokens is None:  # fewer samples than one batch: the whole set is the batch
         best_tokens = shape_of(range(n))
     shapes = [best_tokens]

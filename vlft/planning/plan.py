@@ -243,7 +243,7 @@ def resolve_plan(registry: Registry, config: RunConfig, model_path: str, model_c
         precision=precision,
         attention=attention,
         kernels=kernels,
-        packing=resolve_packing(config.packing, config.max_tokens_per_batch, attention, family),
+        packing=resolve_packing(config.packing, attention, family),
         dataloader=options,
         distributed=distributed,
         method=method,

@@ -19,7 +19,8 @@ from vlft.config import RunConfig, parse_bytes, split_data_spec
 from vlft.data.demo import RECOMMENDED_EPOCHS, write_demo_dataset
 from vlft.data.encoding import SampleEncoder
 from vlft.data.lengths import LengthReport, check_lengths
-from vlft.data.order import total_steps_for
+from vlft.data.order import DataOrder, run_micro_batches, total_steps_for
+from vlft.data.packing import padding_ratio, settle_auto
 from vlft.data.records import read_records, read_records_collecting
 from vlft.errors import ConfigError, DataError
 from vlft.models.adapting import compute_adapters_in_autocast_dtype
@@ -227,6 +228,10 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
         epochs = RECOMMENDED_EPOCHS
     total_steps = total_steps_for(len(train), config.steps, epochs, config.batch_size, config.grad_accum,
                                   config.world_size)
+    order = DataOrder(config.batch_size, config.grad_accum, config.seed, world_size=config.world_size,
+                      lengths=lengths.lengths if config.group_by_length else None)
+    plan.packing = settle_auto(plan.packing, config.packing, padding_ratio(  # auto: packs where the data pads
+        lengths.lengths, list(run_micro_batches(len(train), order, total_steps))))
 
     # targets and memory on a weightless copy, in the dtype the layers will compute in
     compute = plan.precision.autocast_dtype or plan.precision.param_dtype
@@ -242,10 +247,8 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
     plan.peak_flops = capacity.peak_flops
     if config.device_memory:
         total, source = parse_bytes(config.device_memory, "--device-memory"), f"--device-memory {config.device_memory}"
-    # packed: transformers' sdpa mask is bool, eager's is additive in the compute dtype
-    mask_itemsize = 1 if plan.attention.text == "sdpa" else getattr(torch, compute).itemsize
     shapes = memory.largest_batches(lengths.lengths, lengths.grids, config.batch_size, config.grad_accum,
-                                    config.world_size, config.seed, total_steps, plan.packing, mask_itemsize,
+                                    config.world_size, config.seed, total_steps,
                                     labelled=lengths.labelled, grouped=config.group_by_length)
     shard_world, gathered = 1, 0
     if plan.sharding.enabled:

@@ -29,17 +29,14 @@ if TYPE_CHECKING:
 
 @dataclass
 class BatchShape:
-    """One micro-batch as the collator pads it: samples x tokens, plus every image's patch grid. Packed
-    (``--packing``): ``samples`` is the packed rows and ``tokens`` the longest row, ``packed`` the samples in
-    them and ``mask_bytes`` the block-diagonal 4-D mask transformers builds for them (the mask path)."""
+    """One micro-batch as the collator pads it: samples x tokens, plus every image's patch grid (a packed one
+    is planned as padded: ``memory.largest_batches``)."""
 
     samples: int
     tokens: int
     grids: list[tuple[int, int, int]] = field(default_factory=list)
     # positions per sample whose logits the loss needs (the most labelled tokens in a sample); None: all of them
     labelled: int | None = None
-    packed: int = 0  # samples packed into the rows (0: padded, one sample per row)
-    mask_bytes: int = 0
 
     @property
     def logit_positions(self) -> int:
@@ -50,11 +47,8 @@ class BatchShape:
         return sum(t * h * w for t, h, w in self.grids)
 
     def describe(self) -> dict:
-        out = {"samples": self.samples, "tokens_per_sample": self.tokens, "images": len(self.grids),
-               "image_patches": self.patches, "logit_positions_per_sample": self.logit_positions}
-        if self.packed:
-            out.update(packed_samples=self.packed, mask_bytes=self.mask_bytes)
-        return out
+        return {"samples": self.samples, "tokens_per_sample": self.tokens, "images": len(self.grids),
+                "image_patches": self.patches, "logit_positions_per_sample": self.logit_positions}
 
 
 FUSED_ATTENTION = "vlft_memory_trace_fused"

@@ -29,6 +29,7 @@ from vlft.models.adapting import (
 from vlft.models.bundled import require_weights
 from vlft.models.groups import optimizer_groups
 from vlft.models.loading import empty_model, load_model
+from vlft.models.segments import with_segments
 from vlft.models.vision import install_vision_warmup
 from vlft.planning.kernels import apply_kernels
 from vlft.planning.memory import four_bit_skip
@@ -180,15 +181,16 @@ def _seeded_device(registry: Registry, backend: str, config: RunConfig):
 def _base_model(registry: Registry, backend: str, plan: RunPlan, config: RunConfig, device=None):
     """The base model with the backend's patches. Sharded over several processes, only rank 0 reads the
     weights; the others build it on 'meta' and receive their shares once it is sharded (``_place``)."""
+    attention = with_segments(plan.attention, plan.packing)  # packed on sdpa/eager: attended per sample
     if plan.sharding.enabled and config.world_size > 1 and config.rank != 0:
-        model = empty_model(plan.model_path, plan.attention, plan.precision, family=plan.family)
+        model = empty_model(plan.model_path, attention, plan.precision, family=plan.family)
     else:
         quantized = plan.precision.quantization is not None  # 4-bit weights are quantized onto the device
-        model = load_model(plan.model_path, plan.attention, plan.precision, device=device if quantized else None,
+        model = load_model(plan.model_path, attention, plan.precision, device=device if quantized else None,
                            trust_pickle=config.trust_pickle, keep_float=four_bit_skip(plan.family),
                            family=plan.family)
     plan.patches = [p for ps in registry.hook.vlft_patch_model(backend=backend, model=model, config=config,
-                                                                   attention=plan.attention)
+                                                                   attention=attention)
                     if ps for p in ps]
     plan.patches += apply_kernels(plan.kernels, model)  # the chosen kernel patches, once, before the adapter
     return model
