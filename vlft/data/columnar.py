@@ -126,16 +126,15 @@ def check_column_map(columns: dict[str, str] | None) -> dict[str, str]:
     return columns
 
 
-def _reading_plan(names: list[str], columns: dict[str, str], where: str) -> tuple[dict[str, str], list[str]]:
-    """({the file's column: the key it is read as}, [the columns not read])."""
-    missing = [f"{ours}={theirs}" for ours, theirs in columns.items() if theirs not in names]
-    if missing:
-        raise DataError(f"{where}: --columns {', '.join(missing)}: no such column; its columns are "
-                        f"{', '.join(names)}")
-    renamed = {theirs: ours for ours, theirs in columns.items()}
+def _reading_plan(names: list[str], columns: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """({the file's column: the key it is read as}, [the columns not read]). A mapping applies to the files
+    that hold its column (one ``--columns`` serves a run's several sets); where it applies, the file's own
+    column of that name, if any, is not read."""
+    renamed = {theirs: ours for ours, theirs in columns.items() if theirs in names}
+    replaced = set(renamed.values())
     read = {}
     for name in names:
-        key = renamed.get(name, name if name not in columns else None)  # a name mapped away is not read as itself
+        key = renamed.get(name, None if name in replaced else name)
         if key in RECORD_KEYS:
             read[name] = key
     return read, [n for n in names if n not in read]
@@ -148,7 +147,7 @@ def unread_columns(spec: str | os.PathLike, columns: dict[str, str] | None = Non
         if file_format(path) is None:
             continue
         names = _opened(path).schema.names
-        _, unread = _reading_plan(names, check_column_map(columns), path.name)
+        _, unread = _reading_plan(names, check_column_map(columns))
         if unread:
             out[str(path)] = unread
     return out
@@ -173,7 +172,7 @@ def iter_rows(path: Path, label: str, columns: dict[str, str] | None = None) -> 
     """(where, record dict) for each row: ``"label: row group G, row N"`` (Parquet) or ``"label: row N"``, N
     counted from 0 over the file as `datasets` and pandas index it."""
     table = _opened(path)
-    read, _ = _reading_plan(table.schema.names, check_column_map(columns), label)
+    read, _ = _reading_plan(table.schema.names, check_column_map(columns))
     shapes = {name: _image_shape(table.schema.field(name).type) for name in read}
     file = str(path.resolve())
     for group, first, batch in table.batches(list(read), label):

@@ -114,10 +114,12 @@ def _iter_raw(path: Path, label: str, problems: _Problems, columns: dict[str, st
 
 
 def _renamed(obj: Any, columns: dict[str, str]) -> Any:
+    """A JSON record's keys renamed as a columnar file's columns are (``columnar._reading_plan``)."""
     if not columns or not isinstance(obj, dict):
         return obj
-    renamed = {theirs: ours for ours, theirs in columns.items()}
-    return {renamed.get(k, k): v for k, v in obj.items() if k not in columns or k in renamed}
+    renamed = {theirs: ours for ours, theirs in columns.items() if theirs in obj}
+    replaced = set(renamed.values())
+    return {renamed.get(k, k): v for k, v in obj.items() if k in renamed or k not in replaced}
 
 
 def _iter_json(path: Path, label: str, problems: _Problems):
