@@ -205,7 +205,7 @@ class _Table:
 
     def __init__(self, path: Path):
         import pyarrow as pa  # a columnar file is being read
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # (its Parquet reader)
 
         self.path, self.format = path, file_format(path)
         self._groups: OrderedDict = OrderedDict()

@@ -76,8 +76,9 @@ def _image_bytes(source: str | bytes | StoredImage) -> tuple[bytes, str | None]:
 
 
 def _write_parquet(records: list[Record], out: Path) -> Converted:
-    import pyarrow as pa  # only a conversion to Parquet needs the writer
-    import pyarrow.parquet as pq
+    # only a conversion to Parquet needs the writer
+    import pyarrow as pa
+    import pyarrow.parquet as pq  # (the writer itself)
 
     with_loss = any(not t.trained for r in records for t in r.turns)
     message = [("role", pa.string()), ("content", pa.string())] + ([("loss", pa.bool_())] if with_loss else [])
