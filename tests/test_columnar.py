@@ -322,3 +322,15 @@ def test_convert_round_trips_json_lines_through_parquet(tmp_path):
     bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     code, output = cli_invoke("data", "convert", bad, tmp_path / "bad.parquet")
     assert code != 0 and "bad.jsonl:1: no assistant turn" in output and not (tmp_path / "bad.parquet").exists()
+
+
+def test_the_config_file_maps_columns_and_finds_globs_beside_it(tmp_path):
+    """``columns`` as a mapping in the config file is the flag's string; a glob is relative to the file."""
+    from vlft.config import build_config, load_config_file, parse_columns
+
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "a.parquet").write_bytes(b"")
+    (tmp_path / "run.yaml").write_text("columns: {messages: conv, images: pics}\ndata: ['shards/*.parquet:2']\n")
+    config = build_config(load_config_file(tmp_path / "run.yaml"), {})
+    assert parse_columns(config.columns) == {"messages": "conv", "images": "pics"}
+    assert config.data == [f"{tmp_path}/shards/*.parquet:2"]

@@ -222,9 +222,16 @@ def load_config_file(path: str | os.PathLike) -> dict:
         if out.get(name) and not Path(out[name]).is_absolute() and (path.parent / out[name]).exists():
             out[name] = str(path.parent / out[name])
     if out.get("data"):
-        out["data"] = [str(path.parent / d) if not Path(d).is_absolute() and (path.parent / split_data_spec(d)[0])
-                       .exists() else d for d in out["data"]]
+        out["data"] = [str(path.parent / d) if not Path(d).is_absolute() and _names_something(
+            path.parent / split_data_spec(d)[0]) else d for d in out["data"]]
     return out
+
+
+def _names_something(path: Path) -> bool:
+    """A file or folder, or a glob (``shards/*.parquet``) that matches one."""
+    import glob
+
+    return path.exists() or bool(set("*?[") & set(str(path)) and glob.glob(str(path)))
 
 
 def _data_entry(entry: dict, source: str) -> str:
