@@ -8,8 +8,8 @@ memory before, at its peak during the cold check, and after it with the records 
 scale the same set converted to JSON Lines (``vlft data convert``, images written as files) is checked too,
 the rate JSON Lines gives on the same records.
 
-10^6 records is left out: at the 10^5 rate measured on 2 cores its cold check alone takes over 7 minutes
-(and its set 2.5 GB); the figures per record below say what it would hold.
+10^6 records is left out: at the 10^5 rate measured on 2 shared cores (339 records/s, load average 7.6)
+its cold check alone takes about 50 minutes; the bytes held per record below say what it would hold.
 
 Figures: records/s cold at each scale (target: JSON Lines' own rate on the same records), records/s from
 the cache, MiB resident at the peak and held after the check, bytes held per record.

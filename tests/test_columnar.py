@@ -260,8 +260,9 @@ def test_bad_rows_are_named_by_file_row_group_and_row_and_nothing_is_written(tmp
 
 
 def test_unreadable_files_and_folders_get_a_message_naming_what_they_are_not(hub_sets, tmp_path):
-    """A truncated Parquet file is named as damaged Parquet (not as text that is not UTF-8); a folder that is
-    neither a saved `datasets` folder nor a folder of shards, and a saved DatasetDict, say what to give."""
+    """A truncated Parquet file is named as damaged Parquet (not as text that is not UTF-8); a file none of
+    whose columns a layout reads, a folder that is neither a saved `datasets` folder nor a folder of shards,
+    and a saved DatasetDict say what to give."""
     cut = tmp_path / "cut.parquet"
     cut.write_bytes(hub_sets["onevision"].read_bytes()[:-100])
     code, output = cli_invoke("data", "check", cut)
@@ -274,6 +275,9 @@ def test_unreadable_files_and_folders_get_a_message_naming_what_they_are_not(hub
     (empty / "a.png").write_bytes(PNG["red"])
     with pytest.raises(DataError, match="photos is a folder, but neither a saved `datasets` folder"):
         read_records(empty)
+    pq.write_table(pa.Table.from_pylist([{"question": "q", "answer": "a"}]), tmp_path / "qa.parquet")
+    with pytest.raises(DataError, match=r"qa.parquet: none of its columns \(question, answer\) is one vlft reads"):
+        read_records(tmp_path / "qa.parquet")
     splits = tmp_path / "dd"
     splits.mkdir()
     (splits / "dataset_dict.json").write_text('{"splits": ["train"]}')

@@ -173,6 +173,9 @@ def iter_rows(path: Path, label: str, columns: dict[str, str] | None = None) -> 
     counted from 0 over the file as `datasets` and pandas index it."""
     table = _opened(path)
     read, _ = _reading_plan(table.schema.names, check_column_map(columns))
+    if not read:
+        raise DataError(f"{label}: none of its columns ({', '.join(table.schema.names)}) is one vlft reads "
+                        f"({', '.join(RECORD_KEYS)}); map the set's own names with --columns OURS=THEIRS")
     shapes = {name: _image_shape(table.schema.field(name).type) for name in read}
     file = str(path.resolve())
     for group, first, batch in table.batches(list(read), label):
@@ -271,7 +274,7 @@ def _read_arrow(path: Path):
         return pa.ipc.open_stream(source).read_all()
 
 
-_OPEN: OrderedDict[str, _Table] = OrderedDict()
+_OPEN: OrderedDict[tuple, _Table] = OrderedDict()
 _OPEN_PID: list[int] = []  # the process the open files belong to: a forked worker opens its own
 
 
@@ -279,7 +282,8 @@ def _opened(path: Path) -> _Table:
     if _OPEN_PID != [os.getpid()]:
         _OPEN.clear()
         _OPEN_PID[:] = [os.getpid()]
-    key = str(path)
+    st = os.stat(path)
+    key = (str(path), st.st_size, st.st_mtime_ns)  # a file written again is opened again
     table = _OPEN.pop(key, None) or _Table(Path(path))
     _OPEN[key] = table
     while len(_OPEN) > KEEP_FILES:
