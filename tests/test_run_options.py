@@ -29,6 +29,7 @@ RUN_OPTION_TESTS = {
     "--data": "test_run.py::test_short_run_writes_adapter_metrics_and_eval",
     "--image-root": "test_run_options.py::test_data_options_reach_the_samples_a_run_trains_on",
     "--add-placeholders": "test_run_options.py::test_data_options_reach_the_samples_a_run_trains_on",
+    "--columns": "test_columnar.py::test_hub_sets_check_and_train_as_their_json_lines_conversions",
     "--video-fps": "test_run_options.py::test_data_options_reach_the_samples_a_run_trains_on",
     "--video-max-frames": "test_run_options.py::test_data_options_reach_the_samples_a_run_trains_on",
     "--early-stopping-patience": "test_formats.py::test_every_layout_trains_one_step_and_data_check_reports_them",

@@ -33,13 +33,16 @@ class RunConfig:
     model: str | None = opt(None, "Model directory (any family a plugin offers: `vlft plugins`), a bundled config "
                                   "name (plans offline), or embedded:FAMILY (a tiny model built here); default: "
                                   "the embedded Qwen2.5-VL.")
-    data: list | None = opt(None, "Training data (JSON or JSONL), repeatable; FILE:WEIGHT samples that file WEIGHT "
+    data: list | None = opt(None, "Training data (JSON, JSONL, Parquet, Arrow, a saved `datasets` folder, a folder "
+                                  "of .parquet/.arrow shards or a glob), repeatable; FILE:WEIGHT samples that file WEIGHT "
                                   "times per epoch (2: every record twice, 0.5: a seeded half); default: the "
                                   "embedded product-inspection set.", multiple=True, metavar="FILE[:WEIGHT]")
     image_root: str | None = opt(None, "Folder that relative image and video paths start from (default: each data "
                                        "file's folder); downloads of http(s) images may lie under it as DIR/host/path.")
     add_placeholders: bool = opt(False, "Records with images but no <image> placeholder get them at the start of "
                                         "the first user turn (as ms-swift does) instead of being an error.", flag=True)
+    columns: str | None = opt(None, "The data set's own names for the keys vlft reads, as OURS=THEIRS pairs "
+                                    "(messages=conv,images=pics); a mapping in the config file.", mapping=True)
     video_fps: float = opt(2.0, "Frames per second sampled from each video.")
     video_max_frames: int = opt(16, "Most frames taken from one video (spread over the clip when it is longer).")
     early_stopping_patience: int = opt(0, "Stop when the validation loss (every --eval-every steps) has not improved "
@@ -164,6 +167,8 @@ def _coerce(f: dataclasses.Field, value: Any, source: str) -> Any:
             if not isinstance(value, dict):
                 raise ValueError
             return dict(value)
+        if f.metadata.get("mapping") and isinstance(value, dict):  # a config file's {ours: theirs}
+            return ",".join(f"{k}={v}" for k, v in value.items())
         if kind.startswith("str"):
             if isinstance(value, (list, dict, bool)):  # str() would hide a YAML list or mapping
                 raise ValueError
@@ -212,9 +217,16 @@ def load_config_file(path: str | os.PathLike) -> dict:
         if out.get(name) and not Path(out[name]).is_absolute() and (path.parent / out[name]).exists():
             out[name] = str(path.parent / out[name])
     if out.get("data"):
-        out["data"] = [str(path.parent / d) if not Path(d).is_absolute() and (path.parent / split_data_spec(d)[0])
-                       .exists() else d for d in out["data"]]
+        out["data"] = [str(path.parent / d) if not Path(d).is_absolute() and _names_something(
+            path.parent / split_data_spec(d)[0]) else d for d in out["data"]]
     return out
+
+
+def _names_something(path: Path) -> bool:
+    """A file or folder, or a glob (``shards/*.parquet``) that matches one."""
+    import glob
+
+    return path.exists() or bool(set("*?[") & set(str(path)) and glob.glob(str(path)))
 
 
 def _data_entry(entry: dict, source: str) -> str:
@@ -236,6 +248,20 @@ def split_data_spec(spec: str) -> tuple[str, float]:
             raise ConfigError(f"--data {spec}: the weight must be positive")
         return head, weight
     return spec, 1.0
+
+
+def parse_columns(spec: str | None) -> dict[str, str]:
+    """``--columns 'messages=conv,images=pics'`` -> ``{"messages": "conv", "images": "pics"}``."""
+    out: dict[str, str] = {}
+    for pair in filter(None, (p.strip() for p in (spec or "").split(","))):
+        ours, sep, theirs = (x.strip() for x in pair.partition("="))
+        if not sep or not ours or not theirs:
+            raise ConfigError(f"--columns expects OURS=THEIRS pairs separated by commas (messages=conv), got "
+                              f"'{pair}'")
+        if ours in out:
+            raise ConfigError(f"--columns maps '{ours}' twice")
+        out[ours] = theirs
+    return out
 
 
 def parse_adapter_options(pairs: tuple[str, ...] | list[str]) -> dict:
@@ -304,6 +330,7 @@ def validate(cfg: RunConfig) -> None:
         cfg.data = [cfg.data]
     for spec in cfg.data or []:
         split_data_spec(spec)
+    parse_columns(cfg.columns)
     if cfg.video_fps <= 0 or cfg.video_max_frames < 2:
         raise ConfigError("--video-fps must be positive and --video-max-frames at least 2 (a temporal patch is "
                           f"2 frames), got {cfg.video_fps} and {cfg.video_max_frames}")

@@ -90,3 +90,50 @@ def write_preflight_dataset(out: Path, n_records: int = 16_000, n_images: int = 
             f.write(json.dumps({"messages": turns, "images": [f"imgs/{r % n_images:05d}.jpg"]}) + "\n")
     tmp.rename(train)
     return train
+
+
+def write_parquet_set(out: Path, n_records: int, n_images: int, shard_rows: int = 10_000, group_rows: int = 1_000,
+                      side: int = 224, seed: int = 0) -> Path:
+    """A hub-shaped Parquet set in ``out``: ``n_records`` rows in shards of ``shard_rows`` (row groups of
+    ``group_rows``), LLaVA-OneVision's columns (``id``, ``image`` as ``{bytes, path}``, ``conversations``,
+    ``data_source``), the images' JPEG bytes drawn in turn from ``n_images`` distinct ones of ``side`` x
+    ``side`` (each row holds its own copy, as hub sets do). Written once per shape; returns the folder."""
+    import io
+    import random
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    out = Path(out)
+    done = out / "done"
+    if done.exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    pool = []
+    for i in range(n_images):
+        colour = (rng.randrange(256), rng.randrange(256), rng.randrange(256))
+        img = Image.new("RGB", (side, side), colour)
+        img.paste((255 - colour[0], 80, 160), (rng.randrange(side // 2), rng.randrange(side // 2), side // 2 + 20,
+                                                side // 2 + 20))
+        buf = io.BytesIO()
+        img.save(buf, format="JPEG", quality=85)
+        pool.append(buf.getvalue())
+    words = "the part shows a scratch near the left edge no defect visible dent on the surface".split()
+    shards = (n_records + shard_rows - 1) // shard_rows
+    for s in range(shards):
+        rows = []
+        for r in range(s * shard_rows, min(n_records, (s + 1) * shard_rows)):
+            answer = " ".join(rng.choice(words) for _ in range(rng.randrange(5, 40)))
+            convo = [{"from": "human", "value": "<image>\nWhat do you see on this part?"},
+                     {"from": "gpt", "value": answer}]
+            if r % 3 == 0:
+                convo += [{"from": "human", "value": "Is it acceptable?"},
+                          {"from": "gpt", "value": rng.choice(["yes", "no, reject it"])}]
+            rows.append({"id": f"r{r}", "image": {"bytes": pool[r % n_images], "path": f"{r % n_images:05d}.jpg"},
+                         "conversations": convo, "data_source": "bench"})
+        pq.write_table(pa.Table.from_pylist(rows), out / f"train-{s:05d}-of-{shards:05d}.parquet",
+                       row_group_size=group_rows)
+    done.touch()
+    return out

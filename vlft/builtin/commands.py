@@ -171,12 +171,14 @@ def demo_data(out, n_train, n_val, seed):
 @hookimpl
 def vlft_register_commands(cli):
     from vlft.commands.data_check import data
+    from vlft.commands.data_convert import convert
     from vlft.commands.doctor import doctor
     from vlft.commands.export import export
     from vlft.commands.parity import parity, parity_worker
     from vlft.commands.predict import eval_command, predict
     from vlft.commands.report import report
 
+    data.add_command(convert)
     for command in (run, plugins, methods, demo_data, data, doctor, parity, parity_worker, predict, eval_command,
                     export, report):
         cli.add_command(command)

@@ -23,22 +23,26 @@ def data():
 
 
 @data.command()
-@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.argument("files", nargs=-1, required=True)
 @click.option("--model", default=None, help="Model whose processor measures the lengths; default: the embedded one.")
 @click.option("--image-root", default=None, help="Folder relative image/video paths start from (as `vlft run`).")
 @click.option("--add-placeholders", is_flag=True, help="As `vlft run --add-placeholders`.")
+@click.option("--columns", default=None, metavar="OURS=THEIRS,...", help="As `vlft run --columns`.")
 @click.option("--max-pixels", type=int, default=None, help="As `vlft run --max-pixels`.")
 @click.option("--video-fps", type=float, default=2.0, show_default=True)
 @click.option("--video-max-frames", type=int, default=16, show_default=True)
 @click.option("--longest", default=5, show_default=True, help="How many of the longest records to list.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @user_errors
-def check(files, model, image_root, add_placeholders, max_pixels, video_fps, video_max_frames, longest, as_json):
+def check(files, model, image_root, add_placeholders, columns, max_pixels, video_fps, video_max_frames, longest, as_json):
     """Validate FILE... (records, turns, images, videos, token lengths) with the messages `vlft run` gives.
 
+    A FILE is JSON, JSONL, Parquet or Arrow, a saved `datasets` folder, a folder of shards or a glob.
     Exits non-zero when any record has a problem."""
     from tqdm.auto import tqdm
 
+    from vlft.config import parse_columns
+    from vlft.data.columnar import unread_columns
     from vlft.data.encoding import SampleEncoder
     from vlft.data.lengths import measure_all
     from vlft.data.records import read_records_collecting
@@ -53,13 +57,15 @@ def check(files, model, image_root, add_placeholders, max_pixels, video_fps, vid
     _, family = model_config_and_family(path)
     encoder = SampleEncoder(load_processor(path, family), max_pixels=max_pixels, video_fps=video_fps,
                             video_max_frames=video_max_frames, family=family)
-    report = {"files": [], "problems": []}
+    mapping = parse_columns(columns)
+    report = {"files": [], "problems": [], "notes": []}
     measured = []
     for name in files:
         entry = {"file": name}
         try:
             records, problems = read_records_collecting(Path(name), image_root=image_root,
-                                                        add_placeholders=add_placeholders)
+                                                        add_placeholders=add_placeholders, columns=mapping)
+            unread = unread_columns(name, mapping)
         except DataError as e:
             report["problems"].append(str(e))
             report["files"].append(entry)
@@ -78,7 +84,9 @@ def check(files, model, image_root, add_placeholders, max_pixels, video_fps, vid
                 report["problems"].append(str(result))
                 continue
             measured.append((result[0], f"{Path(name).parent / r.where}"))
-        entry.update(records=len(records), problems=problems.count, layouts=layouts,
+        report["notes"] += [f"{file}: columns not read: {', '.join(cols)} (--columns OURS=THEIRS reads one as a "
+                            f"key vlft knows)" for file, cols in unread.items()]
+        entry.update(records=len(records), problems=problems.count, layouts=layouts, unread_columns=unread,
                      turns=sum(len(r.turns) for r in records), images=sum(len(r.images) for r in records),
                      videos=sum(len(r.videos) for r in records),
                      max_images_per_record=max((len(r.images) for r in records), default=0),
@@ -103,6 +111,8 @@ def check(files, model, image_root, add_placeholders, max_pixels, video_fps, vid
                        f"max {t['max']}")
             for item in report["longest"]:
                 click.echo(f"  {item['where']}: {item['tokens']} tokens")
+        for n in report["notes"]:
+            click.echo(f"note: {n}")
         for p in report["problems"]:
             click.echo(f"problem: {p}", err=True)
     if report["problems"]:

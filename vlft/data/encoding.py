@@ -21,14 +21,13 @@ the processor on each rendered piece, keeping the outputs the family's
 
 from __future__ import annotations
 
-import io
 import os
 import re
 
 import torch
 from PIL import Image
 
-from vlft.data.records import IGNORE_INDEX, IMAGE_PLACEHOLDER, Record, Turn, load_image
+from vlft.data.records import IGNORE_INDEX, IMAGE_PLACEHOLDER, Record, Turn, image_file_or_bytes, load_image
 from vlft.data.video import VideoError, read_frames
 from vlft.errors import DataError
 
@@ -170,7 +169,7 @@ class SampleEncoder:
         if sizes is None:
             sizes = []
             for source in record.images:
-                with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as img:
+                with Image.open(image_file_or_bytes(source)) as img:
                     sizes.append(img.size)
         if self.expands:  # the processor's count: blank images of the recorded sizes (no grid to report)
             self._no_videos(record)

@@ -15,6 +15,9 @@ Layouts (see README "Data"):
 - conversations / conversation (LLaVA, LLaMA-Factory sharegpt, official Qwen2.5-VL fine-tuning code,
   Qwen-VL): ``{"from", "value"}`` or ``{"role", "content"}`` turns; ``image``/``images``, ``video``/``videos``.
 - query/response/history (ms-swift).
+- texts: a list of ``{"user", "assistant"}`` turn pairs (extra keys such as ``source`` ignored) with the
+  record's ``images``; the text holds no placeholder, so the images stand at the start of the first user
+  turn (where a text does hold placeholders, they are read as in every layout).
 
 Qwen-VL's inline ``Picture 1: <img>path</img>`` becomes an image at its place in every layout.
 """
@@ -65,7 +68,9 @@ class _Media:
     """Collects the placeholders of a record in order: inline sources, or slots for the record's lists."""
 
     def __init__(self):
-        self.slots: dict[str, list[tuple[bool, Any]]] = {IMAGE: [], VIDEO: []}  # (inline?, value)
+        # (inline?, value): an inline source, or a slot for the record's list (value: an explicit index into it,
+        # as a typed part's ``"index": k`` gives, or None for the next one)
+        self.slots: dict[str, list[tuple[bool, Any]]] = {IMAGE: [], VIDEO: []}
         self.sourceless: dict[str, list[list[str]]] = {IMAGE: [], VIDEO: []}  # the keys of parts without one
 
     def text(self, value: str) -> str:
@@ -78,9 +83,9 @@ class _Media:
 
         return _MEDIA.sub(sub, value)
 
-    def part(self, kind: str, value: Any, keys: list[str] | None = None) -> str:
-        self.slots[kind].append((value is not None, value))
-        if value is None:
+    def part(self, kind: str, value: Any, keys: list[str] | None = None, index: int | None = None) -> str:
+        self.slots[kind].append((value is not None, value if value is not None else index))
+        if value is None and index is None:
             self.sourceless[kind].append(sorted(keys or []))
         return kind
 
@@ -102,8 +107,16 @@ class _Media:
                 + (" (or pass --add-placeholders to put them at the start of the first user turn)"
                    if kind == IMAGE and not slots else "")
             )
+        indexed = [value for inline, value in slots if not inline and value is not None]
+        if indexed and sorted(indexed) != list(range(len(listed))):
+            raise FormatProblem(f"{kind} parts name the indices {indexed} of '{noun_of(kind)}s', which holds "
+                                f"{len(listed)}; each index must name a different entry, from 0")
         it = iter(listed)
-        return [value if inline else next(it) for inline, value in slots]
+        return [value if inline else (listed[value] if value is not None else next(it)) for inline, value in slots]
+
+
+def noun_of(kind: str) -> str:
+    return "image" if kind == IMAGE else "video"
 
 
 def _as_list(obj: dict, *keys: str) -> list:
@@ -132,6 +145,14 @@ def _part_source(part: dict, kind: str) -> Any:
     return None
 
 
+def _part_index(part: dict, turn: int, k: int) -> int | None:
+    """A typed image part's ``"index": k`` (TRL's sets): the entry of the record's ``images`` it stands for."""
+    index = part.get("index")
+    if index is not None and (isinstance(index, bool) or not isinstance(index, int) or index < 0):
+        raise FormatProblem(f"turn {turn}, part {k}: 'index' must be a whole number from 0, got {index!r}")
+    return index
+
+
 def _content(value: Any, media: _Media, turn: int) -> str:
     """A message's content, a string or a list of typed parts, as text with placeholders."""
     if isinstance(value, str):
@@ -150,7 +171,7 @@ def _content(value: Any, media: _Media, turn: int) -> str:
                 raise FormatProblem(f"turn {turn}, part {k}: a text part needs a string 'text' (or 'value')")
             out.append(media.text(text))
         elif kind in ("image", "image_url"):
-            out.append(media.part(IMAGE, _part_source(part, "image"), list(part)))
+            out.append(media.part(IMAGE, _part_source(part, "image"), list(part), _part_index(part, turn, k)))
         elif kind in ("video", "video_url"):
             out.append(media.part(VIDEO, _part_source(part, "video"), list(part)))
         else:
@@ -232,8 +253,30 @@ def read_query_response(obj: dict, add_placeholders: bool = False) -> Parsed:
     return _finish("query/response", obj, turns, media, add_placeholders)
 
 
+def read_texts(obj: dict, add_placeholders: bool = False) -> Parsed:
+    """``{"texts": [{"user", "assistant"}, ...], "images"?}``: turn pairs whose text holds no placeholder; the
+    images stand at the start of the first user turn unless a text places them itself."""
+    pairs = obj["texts"]
+    if not isinstance(pairs, list) or not pairs:
+        raise FormatProblem("'texts' must be a non-empty list of {\"user\", \"assistant\"} objects")
+    media, turns = _Media(), []
+    for i, pair in enumerate(pairs):
+        if not isinstance(pair, dict) or not isinstance(pair.get("user"), str):
+            raise FormatProblem(f"texts[{i}] must have a string 'user'")
+        reply = pair.get("assistant")
+        if not isinstance(reply, str) or not reply.strip():
+            raise FormatProblem(f"texts[{i}] has no 'assistant' reply: there is nothing to learn from it")
+        turns += [RawTurn("user", media.text(pair["user"])), RawTurn("assistant", media.text(reply))]
+    return _finish("texts", obj, turns, media, add_placeholders=True)
+
+
 READERS = (("messages", read_messages), ("conversations", read_conversations),
-           ("conversation", read_conversations), ("query", read_query_response))
+           ("conversation", read_conversations), ("query", read_query_response), ("texts", read_texts))
+
+
+# every key some layout reads: a column outside these is listed as not read (``--columns`` maps one in)
+RECORD_KEYS = ("messages", "conversations", "conversation", "query", "response", "history", "texts", "system",
+               "images", "image", "videos", "video", "id")
 
 
 def parse_record(obj: dict, add_placeholders: bool = False) -> Parsed:
@@ -243,7 +286,8 @@ def parse_record(obj: dict, add_placeholders: bool = False) -> Parsed:
             return reader(obj, add_placeholders)
     keys = ", ".join(sorted(map(str, obj))) or "none"
     raise FormatProblem(
-        f"record has neither 'conversations' nor 'messages' (nor 'conversation' or swift's 'query'/'response'); "
+        f"record has neither 'conversations' nor 'messages' (nor 'conversation', 'texts' or swift's "
+        f"'query'/'response'); "
         f"its keys: {keys}. See README 'Data' for the accepted layouts")
 
 

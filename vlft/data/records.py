@@ -11,6 +11,10 @@ and bare base64 strings are accepted too. Every record is checked before
 training starts, and all problems are reported together, each with its file
 and line (JSONL) or record index (JSON array).
 
+Parquet and Arrow files, saved ``datasets`` folders, folders of shards and globs are read through
+``data.columnar``: each row becomes the dict a JSON record would be, its images stored as bytes kept as
+``StoredImage`` places (read when a sample is built); locations are ``file: row group G, row N``.
+
 Encoding records into model inputs (labels, images, batches) is
 ``vlft/encoding.py``.
 """
@@ -19,6 +23,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
+import io
 import json
 import os
 from dataclasses import dataclass, field
@@ -28,6 +34,7 @@ from urllib.parse import urlparse
 
 from PIL import Image, UnidentifiedImageError
 
+from vlft.data.columnar import EmbeddedImage, StoredImage, check_column_map, data_files, file_format, iter_rows
 from vlft.data.formats import FormatProblem, parse_record, stray_marker
 from vlft.data.safety import image_file_problem, open_image, read_text_file
 from vlft.data.video import VideoError, probe_video
@@ -61,7 +68,7 @@ class Record:
     """One validated sample: turns, resolved image sources, and where it came from."""
 
     turns: list[Turn]
-    images: list[str | bytes]  # absolute path, or decoded image bytes
+    images: list[str | bytes | StoredImage]  # absolute path, decoded base64 bytes, or bytes' place in a file
     where: str  # "file.jsonl:12" or "file.json[3]"
     id: str | None = None
     image_sizes: list[tuple[int, int]] | None = None  # (width, height) of each image, read at validation
@@ -96,26 +103,44 @@ class _Problems:
         )
 
 
-def _iter_raw(path: Path, problems: _Problems):
-    """Yield (where, object) for each record of a JSON array or JSONL file."""
+def _iter_raw(path: Path, label: str, problems: _Problems, columns: dict[str, str]):
+    """Yield (where, object) for each record of a JSON array, JSONL, Parquet or Arrow file; ``columns``
+    (ours -> the set's own name) renames keys before a layout reads them."""
+    if file_format(path) is not None:
+        yield from iter_rows(path, label, columns)
+        return
+    for where, obj in _iter_json(path, label, problems):
+        yield where, _renamed(obj, columns)
+
+
+def _renamed(obj: Any, columns: dict[str, str]) -> Any:
+    """A JSON record's keys renamed as a columnar file's columns are (``columnar._reading_plan``)."""
+    if not columns or not isinstance(obj, dict):
+        return obj
+    renamed = {theirs: ours for ours, theirs in columns.items() if theirs in obj}
+    replaced = set(renamed.values())
+    return {renamed.get(k, k): v for k, v in obj.items() if k in renamed or k not in replaced}
+
+
+def _iter_json(path: Path, label: str, problems: _Problems):
     text = read_text_file(path)
     stripped = text.lstrip()
     if stripped.startswith("["):
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            problems.add(f"{path.name}:{e.lineno}", f"invalid JSON ({e.msg}, column {e.colno})")
+            problems.add(f"{label}:{e.lineno}", f"invalid JSON ({e.msg}, column {e.colno})")
             return
         for i, obj in enumerate(data):
-            yield f"{path.name}[{i}]", obj
+            yield f"{label}[{i}]", obj
         return
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            yield f"{path.name}:{lineno}", json.loads(line)
+            yield f"{label}:{lineno}", json.loads(line)
         except json.JSONDecodeError as e:
-            problems.add(f"{path.name}:{lineno}", f"invalid JSON ({e.msg}, column {e.colno})")
+            problems.add(f"{label}:{lineno}", f"invalid JSON ({e.msg}, column {e.colno})")
 
 
 def _decode_base64_image(value: str) -> bytes | None:
@@ -207,19 +232,27 @@ def checked_image_size(source: str | bytes) -> tuple[int, int]:
     return found
 
 
-def load_image(source: str | bytes) -> Image.Image:
-    """Open an image from a path or bytes, fully decoded and in RGB."""
-    return open_image(source)
+def load_image(source: str | bytes | StoredImage) -> Image.Image:
+    """Open an image from a path, bytes or its place in a columnar file, fully decoded and in RGB."""
+    return open_image(source.read() if isinstance(source, StoredImage) else source)
+
+
+def image_file_or_bytes(source: str | bytes | StoredImage) -> str | io.BytesIO:
+    """What ``Image.open`` reads a source from (the header alone, for its size)."""
+    if isinstance(source, StoredImage):
+        source = source.read()
+    return io.BytesIO(source) if isinstance(source, bytes) else source
 
 
 def read_records(path: str | Path, check_images: bool = True, image_root: str | Path | None = None,
-                 add_placeholders: bool = False) -> list[Record]:
-    """Read and validate a data file; raise one DataError listing every problem.
+                 add_placeholders: bool = False, columns: dict[str, str] | None = None) -> list[Record]:
+    """Read and validate a data file (or a folder or glob of them); raise one DataError listing every problem.
 
     ``image_root``: the folder relative image and video paths start from (default: the data file's).
     ``add_placeholders``: records with images but no placeholder get them at the start of the first user turn.
+    ``columns``: the set's own names for the keys the layouts read (``{"messages": "conv"}``).
     """
-    records, problems = read_records_collecting(path, check_images, image_root, add_placeholders)
+    records, problems = read_records_collecting(path, check_images, image_root, add_placeholders, columns)
     problems.raise_if_any()
     if not records:
         raise DataError(f"{path} holds no records")
@@ -227,78 +260,118 @@ def read_records(path: str | Path, check_images: bool = True, image_root: str | 
 
 
 def read_records_collecting(path: str | Path, check_images: bool = True, image_root: str | Path | None = None,
-                            add_placeholders: bool = False) -> tuple[list[Record], _Problems]:
+                            add_placeholders: bool = False, columns: dict[str, str] | None = None,
+                            ) -> tuple[list[Record], _Problems]:
     """The valid records and the problems of the others (``vlft data check`` reports both)."""
 
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"data file not found: {path}")
+    files = data_files(path)
+    columns = check_column_map(columns)
     root = Path(image_root) if image_root is not None else None
     if root is not None and not root.is_dir():
         raise DataError(f"--image-root {root} is not a folder")
     problems = _Problems(path)
     records: list[Record] = []
-    base_dir = path.parent
-    resolved: dict[str, tuple] = {}  # a path named by many records is resolved once per read
-    for where, obj in _iter_raw(path, problems):
-        if not isinstance(obj, dict):
-            problems.add(where, f"record must be a JSON object, got {type(obj).__name__}")
-            continue
-        try:
-            parsed = parse_record(obj, add_placeholders)
-        except FormatProblem as e:
-            problems.add(where, str(e))
-            continue
-        problem = _check_turns(parsed)
+    images = _ImageChecker(root, check_images)
+    for file in files:
+        label = f"{path.name}/{file.name}" if path.is_dir() else file.name
+        for where, obj in _iter_raw(file, label, problems, columns):
+            record = _record(where, obj, file.parent, images, add_placeholders, problems)
+            if record is not None:
+                records.append(record)
+    return records, problems
+
+
+class _ImageChecker:
+    """Resolves and decodes a read's images: a path named by many records is resolved once, and an image
+    (file or bytes) decoded once however many records name it."""
+
+    def __init__(self, root: Path | None, check: bool):
+        self.root, self.check = root, check
+        self.resolved: dict[tuple, tuple] = {}  # (folder, path) -> (source, problem)
+        self.sizes: dict[bytes, tuple[int, int] | Exception] = {}  # digest of embedded bytes -> size or problem
+
+    def source(self, value: Any, base_dir: Path) -> tuple[str | bytes | StoredImage | None, tuple | None,
+                                                          str | None]:
+        """(source, (width, height) or None, problem) of one image value of a record."""
+        if isinstance(value, EmbeddedImage):
+            return value.ref, *self._embedded(value)
+        if isinstance(value, str) and len(value) < 4096:
+            key = (base_dir, value)
+            if key not in self.resolved:
+                self.resolved[key] = _resolve_image(value, base_dir, self.root)
+            source, problem = self.resolved[key]
+        else:
+            source, problem = _resolve_image(value, base_dir, self.root)
+        size = None
+        if problem is None and self.check:
+            try:
+                size = checked_image_size(source)
+            except (UnidentifiedImageError, OSError, ValueError) as e:
+                label = value if isinstance(source, str) else "base64 image"
+                problem = f"image '{label}' cannot be read ({e.__class__.__name__}: {e})"
+        return source, size, problem
+
+    def _embedded(self, image: EmbeddedImage) -> tuple[tuple[int, int] | None, str | None]:
+        if not self.check:
+            return None, None
+        key = hashlib.blake2b(image.data, digest_size=16).digest()
+        found = self.sizes.get(key)
+        if found is None:
+            try:
+                found = load_image(image.data).size
+            except (UnidentifiedImageError, OSError, ValueError) as e:
+                found = e
+            self.sizes[key] = found
+        if isinstance(found, Exception):
+            where = f"column '{image.ref.column}'" + (f", item {image.ref.item}" if image.ref.item is not None else "")
+            return None, f"image ({where}, {len(image.data)} bytes) cannot be read ({found.__class__.__name__}: {found})"
+        return found, None
+
+
+def _record(where: str, obj: Any, base_dir: Path, images: _ImageChecker, add_placeholders: bool,
+            problems: _Problems) -> Record | None:
+    """One raw record checked into a Record, or None with its problem added."""
+    if not isinstance(obj, dict):
+        problems.add(where, f"record must be a JSON object, got {type(obj).__name__}")
+        return None
+    try:
+        parsed = parse_record(obj, add_placeholders)
+    except FormatProblem as e:
+        problems.add(where, str(e))
+        return None
+    problem = _check_turns(parsed)
+    if problem:
+        problems.add(where, problem)
+        return None
+    turns = [Turn(ROLE_ALIASES[t.role], t.text, t.loss is not False) for t in parsed.turns]
+    stray = next(((i, m) for i, t in enumerate(turns) if (m := stray_marker(t.text))), None)
+    if stray:
+        problems.add(where, f"turn {stray[0]}: '{stray[1]}' looks like an image marker vlft does not read, so it "
+                            "would be trained as plain text and the model would never see the picture; write "
+                            f"{IMAGE_PLACEHOLDER} where the image stands and list the image under 'images'")
+        return None
+    sources: list[str | bytes | StoredImage] = []
+    sizes: list[tuple[int, int]] = []
+    for value in parsed.images:
+        source, size, problem = images.source(value, base_dir)
         if problem:
             problems.add(where, problem)
-            continue
-        turns = [Turn(ROLE_ALIASES[t.role], t.text, t.loss is not False) for t in parsed.turns]
-        stray = next(((i, m) for i, t in enumerate(turns) if (m := stray_marker(t.text))), None)
-        if stray:
-            problems.add(where, f"turn {stray[0]}: '{stray[1]}' looks like an image marker vlft does not read, so it "
-                                "would be trained as plain text and the model would never see the picture; write "
-                                f"{IMAGE_PLACEHOLDER} where the image stands and list the image under 'images'")
-            continue
-        sources: list[str | bytes] = []
-        sizes: list[tuple[int, int]] = []
-        bad = False
-        for value in parsed.images:
-            if isinstance(value, str) and len(value) < 4096:
-                if value not in resolved:
-                    resolved[value] = _resolve_image(value, base_dir, root)
-                source, problem = resolved[value]
-            else:
-                source, problem = _resolve_image(value, base_dir, root)
-            if problem is None and check_images:
-                try:
-                    sizes.append(checked_image_size(source))
-                except (UnidentifiedImageError, OSError, ValueError) as e:
-                    label = value if isinstance(source, str) else "base64 image"
-                    problem = f"image '{label}' cannot be read ({e.__class__.__name__}: {e})"
-            if problem:
-                problems.add(where, problem)
-                bad = True
-                break
-            sources.append(source)
-        if bad:
-            continue
-        videos: list[str] = []
-        for value in parsed.videos:
-            source, problem = (_resolve_path(value, base_dir, root, "video") if isinstance(value, str) and value
-                               else (None, f"video must be a path, got {value!r}"))
-            if problem is None and check_images:
-                problem = video_problem(source, value)
-            if problem:
-                problems.add(where, problem)
-                bad = True
-                break
-            videos.append(source)
-        if bad:
-            continue
-        records.append(Record(turns, sources, where, obj.get("id"), sizes if check_images else None, videos,
-                              parsed.layout))
-    return records, problems
+            return None
+        sources.append(source)
+        if size is not None:
+            sizes.append(size)
+    videos: list[str] = []
+    for value in parsed.videos:
+        source, problem = (_resolve_path(value, base_dir, images.root, "video") if isinstance(value, str) and value
+                           else (None, f"video must be a path, got {value!r}"))
+        if problem is None and images.check:
+            problem = video_problem(source, value)
+        if problem:
+            problems.add(where, problem)
+            return None
+        videos.append(source)
+    return Record(turns, sources, where, obj.get("id"), sizes if images.check else None, videos, parsed.layout)
 
 
 def _check_turns(parsed) -> str | None:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from vlft.config import RunConfig, parse_bytes, split_data_spec
+from vlft.config import RunConfig, parse_bytes, parse_columns, split_data_spec
+from vlft.data.columnar import data_files, unread_columns
 from vlft.data.demo import RECOMMENDED_EPOCHS, write_demo_dataset
 from vlft.data.encoding import SampleEncoder
 from vlft.data.lengths import LengthReport, check_lengths
@@ -81,7 +82,8 @@ def read_training_files_unweighted(config: RunConfig) -> tuple[list[tuple[list, 
     train, messages = [], []
     for path, weight in files:
         records, problems = read_records_collecting(path, image_root=config.image_root,
-                                                    add_placeholders=config.add_placeholders)
+                                                    add_placeholders=config.add_placeholders,
+                                                    columns=parse_columns(config.columns))
         try:
             problems.raise_if_any()
         except DataError as e:
@@ -100,8 +102,9 @@ def load_and_check_data(config: RunConfig, encoder) -> tuple[list, list, LengthR
     The result is kept in the user's cache while the files are unchanged (``planning.checked``), and under
     torchrun one process per machine checks."""
     files, val_path = resolve_data_paths(config)
-    paths = [p for p, _ in files] + ([val_path] if val_path is not None else [])
-    if not all(p.is_file() for p in paths):  # the reader names what is missing
+    try:  # each shard of a folder or glob is a file of the cache key
+        paths = [f for p in [p for p, _ in files] + ([val_path] if val_path is not None else []) for f in data_files(p)]
+    except DataError:  # the reader names what is missing, with the other files' problems
         return _load_and_check_data(config, encoder)
 
     def media(result):
@@ -117,7 +120,8 @@ def load_and_check_data(config: RunConfig, encoder) -> tuple[list, list, LengthR
 def _load_and_check_data(config: RunConfig, encoder) -> tuple[list, list, LengthReport]:
     files, val_path = read_training_files_unweighted(config)
     if val_path is not None:
-        val = read_records(val_path, image_root=config.image_root, add_placeholders=config.add_placeholders)
+        val = read_records(val_path, image_root=config.image_root, add_placeholders=config.add_placeholders,
+                           columns=parse_columns(config.columns))
     else:
         # no validation file: hold out a seeded 10% (at least one record) of the records as read, then weight
         # the rest (weighting first would put copies of one record in both)
@@ -140,6 +144,17 @@ def _load_and_check_data(config: RunConfig, encoder) -> tuple[list, list, Length
         lengths.skipped += [dict(s, split="validation") for s in val_lengths.skipped]
     check_enough_records(len(train), config)
     return train, val, lengths
+
+
+def unread_column_notes(config: RunConfig) -> list[str]:
+    """One note per columnar data file with columns no layout reads (listed, not silently dropped)."""
+    files, val_path = resolve_data_paths(config)
+    notes = []
+    for spec in [p for p, _ in files] + ([val_path] if val_path is not None else []):
+        for file, names in unread_columns(spec, parse_columns(config.columns)).items():
+            notes.append(f"{file}: columns not read: {', '.join(names)} (--columns OURS=THEIRS reads one as a "
+                         f"key vlft knows)")
+    return notes
 
 
 def check_enough_records(n_train: int, config: RunConfig) -> None:
@@ -219,6 +234,7 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
                             video_max_frames=config.video_max_frames, family=family)
     train, val, lengths = load_and_check_data(config, encoder)
     plan.lengths = lengths.describe(config.max_length)
+    plan.notes += unread_column_notes(config)
     if is_bundled(model_path, registry):
         plan.notes.append("bundled config without weights: text lengths counted with the embedded tokenizer "
                           "(a stand-in; image tokens are exact)")

@@ -1,0 +1,79 @@
+"""One cold and one cached data check of a set, in a process of its own (``bench/test_columnar.py``): its
+resident memory is the check's alone, not what earlier scales left behind.
+
+``python -m bench.support.columnar_check MODEL DATA VAL CACHE`` prints one JSON line: seconds cold and cached,
+records, and the process's resident memory (VmRSS, sampled every 20 ms) before, at its peak during the
+cold check, and after it with the checked records held. The check's forked workers are separate processes
+and not counted (they hold a chunk of records and one processor each).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class PeakRss:
+    """The highest VmRSS seen while the block runs, sampled on a thread."""
+
+    def __enter__(self):
+        self.peak, self._stop = rss_bytes(), threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def _watch(self):
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, rss_bytes())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+
+def main(model: str, data: str, val: str, cache: str) -> dict:
+    import os
+
+    os.environ["VLFT_CACHE"] = cache
+    from vlft.data.encoding import SampleEncoder
+    from vlft.models.loading import load_processor, model_config_and_family
+
+    _, family = model_config_and_family(model)
+    return measure(SampleEncoder(load_processor(model, family), family=family), data, val, cache)
+
+
+def measure(encoder, data: str, val: str, cache: str) -> dict:
+    """The figures of one cold and one cached check (``VLFT_CACHE`` is the caller's to point at ``cache``)."""
+    from vlft.config import build_config
+    from vlft.planning.preflight import load_and_check_data
+
+    config = build_config({}, dict(backend="cpu", data=[str(data)], val_data=str(val),
+                                   output=str(Path(cache) / "r")))
+    before = rss_bytes()
+    start = time.perf_counter()
+    with PeakRss() as peak:
+        train, val_records, _ = load_and_check_data(config, encoder)
+    cold = time.perf_counter() - start
+    after = rss_bytes()
+    records = len(train) + len(val_records)
+    del train, val_records
+    start = time.perf_counter()
+    train, val_records, _ = load_and_check_data(config, encoder)
+    cached = time.perf_counter() - start
+    return {"records": records, "cold_s": cold, "cached_s": cached, "rss_before": before, "rss_peak": peak.peak,
+            "rss_after": after}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(*sys.argv[1:5])))
