@@ -103,7 +103,7 @@ def attention_policy(config) -> AttentionPolicy:
         why = "as asked (the NPU default is eager)"
         if "flash_attention_2" in (vision, text):
             why += "; transformers runs flash_attention_2 on torch_npu's fused attention kernel"
-    # packing: eager/sdpa take the block-diagonal mask; flash_attention_2 (npu_fusion_attention) runs varlen from
+    # packing: eager/sdpa run per sample (segments); flash_attention_2 (npu_fusion_attention) runs varlen from
     # the text position row, moving cu_seqlens to the host in every layer (a sync per layer)
     packing, packing_why = AttentionPolicy(text, text).packing_path()
     if packing == "varlen":

@@ -133,7 +133,7 @@ def vlft_attention_implementation(backend, config, model_config):
     if asked:
         why = "as asked; default " + why
     text = asked.get("text", default)
-    # packing: flash_attention_2 runs varlen (cu_seqlens from the text position row), sdpa/eager the mask path
+    # packing: flash_attention_2 runs varlen (cu_seqlens from the text position row), sdpa/eager per sample
     packing, packing_why = AttentionPolicy(text, text).packing_path()
     return AttentionPolicy(asked.get("vision", default), text, why, packing=packing, packing_reason=packing_why)
 

@@ -119,10 +119,10 @@ def bundled_processor(config_dir: str, tokenizer):
 
 # transformers 5.24: the linear-attention layers (3 of every 4) run a causal conv1d and the gated delta rule along
 # the whole row; they restart per sample only when handed ``cu_seq_lens_q`` (flash-linear-attention and
-# causal-conv1d kernels). A 4-D mask never reaches them, so under the mask path samples would leak state.
+# causal-conv1d kernels). Attention masks and segments never reach them, so packed samples would leak state.
 PACKING_REFUSAL = ("its Gated DeltaNet linear-attention layers carry their recurrent and conv1d state along the "
                    "packed row; only varlen kernels (cu_seqlens through flash-linear-attention and causal-conv1d) "
-                   "restart it per sample, and vlft does not wire those yet; a block-diagonal mask does not reach "
+                   "restart it per sample, and vlft does not wire those yet; per-sample attention does not reach "
                    "those layers")
 
 _COMMON = dict(

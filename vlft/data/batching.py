@@ -148,7 +148,7 @@ def to_device(batch: dict, device: torch.device, non_blocking: bool = False) -> 
 def model_inputs(batch: dict) -> dict:
     """The model's keyword arguments for a training or loss forward (not what only the loss reads).
     ``use_cache=False``: nothing reads a KV cache there, and with one transformers 5 ignores the packed text
-    position row (``data.packing``: its block-diagonal mask is only built when there is no cache)."""
+    position row (``data.packing``: its packed-sample detection only runs when there is no cache)."""
     return {**{k: v for k, v in batch.items() if k not in LOSS_KEYS + HOST_KEYS}, "use_cache": False}
 
 
