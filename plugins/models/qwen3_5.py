@@ -160,6 +160,7 @@ QWEN3_5 = qwen_family(
     rope_index=rope_index_from_class("transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5Model"),
     build_tiny=build_tiny,
     tiny_recipe=RECIPE,
+    bundled_configs=("qwen3.5-0.8b", "qwen3.5-4b"),
     **_COMMON,
 )
 
@@ -176,6 +177,7 @@ QWEN3_5_MOE = qwen_family(
     rope_index=rope_index_from_class("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeModel"),
     build_tiny=build_tiny_moe,
     tiny_recipe=RECIPE_MOE,
+    bundled_configs=("qwen3.5-35b-a3b",),
     **_COMMON,
 )
 
