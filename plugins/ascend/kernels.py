@@ -14,14 +14,17 @@
 - ``fp32-before-fsdp``: ms-swift casts the model to fp32 before FSDP2 sharding on the NPU, because sharding
   bf16 parameters there can fail with ``NPUCastError``; taken where ``--shard fsdp`` meets bf16 weights.
 
-Nothing here imports torch_npu at module import; each condition is probed inside the hook (a stand-in
-torch_npu in the tests answers only the choice logic).
+Imports inside functions: nothing here imports torch, transformers' NPU integration or torch_npu at module
+import (torch_npu without CANN raises there, and the plan lists these patches on any machine); each
+condition is probed inside the hook (a stand-in torch_npu in the tests answers only the choice logic).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
+import types
 import weakref
 
 from vlft import KernelPatch
@@ -181,8 +184,6 @@ def _is_silu(act) -> bool:
 def apply_module_forward(model, classes: tuple[str, ...], make_forward, accept=lambda m: True) -> tuple[int, int]:
     """Bind ``make_forward``'s forward to every module of ``model`` whose class is in ``classes`` (instances,
     not the classes: other models in the process are untouched). Returns (patched, skipped)."""
-    import types
-
     patched = skipped = 0
     for module in model.modules():
         if type(module).__name__ not in classes:
@@ -214,8 +215,6 @@ def _rotary_functions(npu):
 def apply_rotary(targets: tuple[str, ...], npu) -> str:
     """Replace the family's rotary functions (``module:function``) by npu_rotary_mul versions. Module-level
     functions: this changes every model of that class in the process."""
-    import importlib
-
     text, vision = _rotary_functions(npu)
     done = []
     for target in targets:

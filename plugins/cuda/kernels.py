@@ -12,12 +12,14 @@
   fused linear cross-entropy is its own patch (it lowered quality on Qwen2.5-VL-3B while the loss looked
   normal, Liger #827).
 
-Nothing here imports torch or a vendor package at module import; conditions are probed inside the hook.
+Imports inside functions: nothing here imports torch or a vendor package (liger_kernel) at module import, since
+the plan offers these patches on machines without a GPU too; conditions are probed inside the hook.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from importlib.metadata import PackageNotFoundError, version
 
 from vlft import KernelPatch
 
@@ -170,8 +172,6 @@ def _liger_status(model_config) -> tuple[bool, str, str | None]:
 
 
 def _version(dist: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version(dist.replace("_", "-"))
     except PackageNotFoundError:

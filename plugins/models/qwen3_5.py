@@ -21,6 +21,9 @@ By default every 4th layer is full attention (``full_attention_interval`` 4). Th
 Without flash-linear-attention / causal-conv1d installed, transformers' torch fallbacks
 (``torch_chunk_gated_delta_rule``, a conv1d) run the linear-attention layers: they serve on the CPU.
 The chat template is Qwen3.5's (thinking by default): vlft renders with ``enable_thinking=False``.
+
+Imports inside functions: torch, tokenizers and transformers load only when a tiny model or a processor
+is built or loaded; the plugin registers, and plans offline, without them.
 """
 
 from __future__ import annotations
