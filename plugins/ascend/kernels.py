@@ -6,7 +6,9 @@
   stays, and the plan says why.
 - ``npu-cu-seqlens-once``: transformers' NPU varlen path moves ``cu_seqlens`` to the host at every
   attention call (a device sync per layer); vLLM-Ascend computes it once per forward pass. The patch
-  converts each distinct ``cu_seqlens`` once per vision forward and hands the host copy to every layer.
+  converts each distinct ``cu_seqlens`` once per vision forward and hands the host copy to every layer. It
+  loads the vision tower on ``flash_attention_2`` itself (as ``npu-flash-attention-vision`` does): on eager,
+  the path it changes never runs, so named alone it would do nothing.
 - ``npu-rms-norm``, ``npu-swiglu``, ``npu-rotary``: torch_npu's fused ``npu_rms_norm``, ``npu_swiglu`` and
   ``npu_rotary_mul`` on the modules and functions the model family names (``kernel_targets``): peers do
   this for Qwen3 / Qwen3-VL / Qwen3.5 only. Off by default until the ``npu``-marked test has compared them
@@ -33,7 +35,7 @@ from .probing import probe
 
 NPU_FA_MODULE = "transformers.integrations.npu_flash_attention"
 PER_CALL_HOST_COPY = "cu_seqlens_q[1:].cpu()"  # what transformers' varlen function does at every call
-DEVICE_TEST = "tests/hardware/test_kernels_on_device.py::test_npu_kernel_matches_the_unpatched_model"
+DEVICE_TEST = "tests/hardware/test_kernels_on_device.py::test_npu_kernel_patches_take_effect_and_match_the_unpatched_model"
 
 
 def _torch_npu():
@@ -152,6 +154,7 @@ def _cu_seqlens(config, family) -> KernelPatch:
             "computes it once per forward pass",
         condition="npu-flash-attention-vision's condition, and transformers copying cu_seqlens per call",
         available=ok, reason=why if ok else f"{why}: nothing to save",
+        attention={"vision": "flash_attention_2"},  # the varlen path it changes runs only there
         apply=(lambda model: apply_cu_seqlens_once(model, tower)) if ok else None,
         check="tests/test_kernels.py::test_cu_seqlens_reach_the_host_once_per_forward",
     )

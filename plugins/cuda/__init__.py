@@ -9,8 +9,8 @@ Resolved once at set-up:
   8.0 or newer, else ``sdpa``; per tower overridable with ``--attn``;
 - TF32 for matmul and cuDNN, turned off for an explicit ``--precision fp32``;
   pinned memory and two DataLoader workers; ``nccl``; ``CUBLAS_WORKSPACE_CONFIG`` when determinism is asked;
-- kernel patches (``kernels.py``): the Conv3d patch embedding as a matmul, flash-attention 2 for the vision
-  tower, Liger's kernels as an opt-in extra; each listed in the plan, chosen or declined with the reason.
+- kernel patches (``kernels.py``): the Conv3d patch embedding as a matmul, Liger's kernels as an opt-in
+  extra; each listed in the plan, chosen or declined with the reason.
 
 ``torch_npu.contrib.transfer_to_npu`` makes ``torch.cuda`` answer for an
 Ascend NPU; when it is loaded this backend reports itself unavailable, and
