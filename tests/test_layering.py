@@ -221,8 +221,8 @@ def house():
 def test_every_python_file_under_plugins_and_examples_is_read(house):
     modules, _ = house
     read = {p.resolve() for p in modules.values()}
-    missed = [str(p.relative_to(ROOT)) for folder in ("plugins", "examples") for p in sorted((ROOT / folder).rglob("*.py"))
-              if p.resolve() not in read]
+    missed = [str(p.relative_to(ROOT)) for folder in ("plugins", "examples")
+              for p in sorted((ROOT / folder).rglob("*.py")) if p.resolve() not in read]
     assert missed == []
     assert {"vlft_cuda", "vlft_ascend", "vlft_methods", "vlft_models", "vlft_example_plugin"} <= set(modules)
 
@@ -350,7 +350,8 @@ def test_the_plugin_rules_catch_a_new_private_import_a_cross_import_and_a_core_i
     modules, imports = read_imports(copies["vlft"], {k: v for k, v in copies.items() if k != "vlft"})
     new = {k for k in private_imports(imports, modules) if k not in PRIVATE_IMPORTS}
     assert new == {("vlft_cuda.kernels", "vlft.training.step")}
-    assert [(i.source, i.target) for i in across_plugins(imports, modules)] == [("vlft_cuda.kernels", "vlft_methods.lora")]
+    crossing = [(i.source, i.target) for i in across_plugins(imports, modules)]
+    assert crossing == [("vlft_cuda.kernels", "vlft_methods.lora")]
     assert sorted((i.source, i.target) for i in upward(imports, modules)) == [
         ("vlft.planning.plan", "vlft_cuda.probing"), ("vlft_cuda.kernels", "vlft_cuda")]
     # vlft_cuda imports vlft_cuda.kernels, which now imports vlft_cuda back

@@ -35,7 +35,8 @@ from .probing import probe
 
 NPU_FA_MODULE = "transformers.integrations.npu_flash_attention"
 PER_CALL_HOST_COPY = "cu_seqlens_q[1:].cpu()"  # what transformers' varlen function does at every call
-DEVICE_TEST = "tests/hardware/test_kernels_on_device.py::test_npu_kernel_patches_take_effect_and_match_the_unpatched_model"
+DEVICE_TEST = ("tests/hardware/test_kernels_on_device.py::"
+               "test_npu_kernel_patches_take_effect_and_match_the_unpatched_model")
 
 
 def _torch_npu():

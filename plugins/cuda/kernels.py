@@ -24,6 +24,8 @@ from importlib.metadata import PackageNotFoundError, version
 from vlft import KernelPatch
 
 
+DEVICE_TEST = ("tests/hardware/test_kernels_on_device.py::"
+               "test_cuda_kernel_patches_take_effect_and_match_the_unpatched_model")
 LIGER_MODEL_TYPES = {"qwen2_5_vl": "apply_liger_kernel_to_qwen2_5_vl", "qwen3_vl": "apply_liger_kernel_to_qwen3_vl"}
 LIGER_PARTS = (  # (patch name, the liger switch, what it replaces, why)
     ("liger-rms-norm", "rms_norm", "RMSNorm (text decoder)", "Liger's fused Triton RMSNorm: fewer kernel launches "
@@ -173,7 +175,7 @@ def _liger(model_config) -> list[KernelPatch]:
         available=ok, default=False,
         reason=(why + "; opt-in until measured on this task") if ok else why,
         apply=_apply_liger(fn, switch) if ok else None,
-        check="tests/hardware/test_kernels_on_device.py::test_cuda_kernel_patches_take_effect_and_match_the_unpatched_model",
+        check=DEVICE_TEST,
     ) for name, switch, replaces, reason in LIGER_PARTS]
     flce_why = why if not ok else (
         "vlft computes the loss from the logits (token_loss_sum over the label tokens), so Liger's fused "

@@ -332,6 +332,7 @@ def prepared(train, tmp_path, plugins=(), **values):
 # packages whose module-level functions a kernel patch may replace for the whole process
 PROCESS_WIDE = ("transformers", "torch_npu", "liger_kernel", "flash_attn")
 KERNEL_TOLERANCE_FACTOR = 2  # a patch within twice the unpatched model's own error (flash-attention's tests' rule)
+_MISSING = object()
 
 
 def _process_state() -> dict:
@@ -352,16 +353,18 @@ def _restore(state: dict) -> None:
         for key in [k for k in now if k not in old]:
             delattr(module, key)
         for key, value in old.items():
-            if now.get(key, _restore) is not value:
+            if now.get(key, _MISSING) is not value:
                 setattr(module, key, value)
 
 
 def _call_key(frame, event, arg):
     if event == "call":
         code = frame.f_code
-        return f"{getattr(code, 'co_qualname', code.co_name)} ({code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno})"
+        where = f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno}"
+        return f"{getattr(code, 'co_qualname', code.co_name)} ({where})"
     if event == "c_call":
-        return f"{getattr(arg, '__module__', None) or ''}.{getattr(arg, '__qualname__', getattr(arg, '__name__', repr(arg)))}"
+        name = getattr(arg, "__qualname__", getattr(arg, "__name__", repr(arg)))
+        return f"{getattr(arg, '__module__', None) or ''}.{name}"
     return None
 
 
@@ -449,7 +452,8 @@ def _exact_step(model, batch) -> dict:
     return kernel_step(exact.train(), host, torch.device("cpu"), None)
 
 
-def compare_each_patch(backend: str, registry=None, **config_values) -> tuple[list[str], dict[str, list[str]], list[str]]:
+def compare_each_patch(backend: str, registry=None,
+                       **config_values) -> tuple[list[str], dict[str, list[str]], list[str]]:
     """Every kernel patch ``backend`` offers whose condition holds here (opt-in ones too), taken as a run takes
     it (``--kernels NAME``: the plan lists it, ``_base_model`` applies it) and set against the run without it
     (``--kernels none``) on the embedded model and one batch of the demo data: (report lines, {patch:
@@ -544,8 +548,8 @@ def compare_each_patch(backend: str, registry=None, **config_values) -> tuple[li
                             "parameter changed dtype")
         for tower, impl in k.attention.items():
             if attention[tower] != impl or observer.forward_attention[tower] != {impl}:
-                problems.append(f"{tower} tower loaded {attention[tower]} and ran {sorted(observer.forward_attention[tower])}, "
-                                f"not {impl}")
+                ran = sorted(observer.forward_attention[tower])
+                problems.append(f"{tower} tower loaded {attention[tower]} and ran {ran}, not {impl}")
             elif ref_attention[tower] == impl:
                 problems.append(f"{tower} tower: the backend already uses {impl} without the patch")
         problems += kernel_errors(patched, unpatched, exact, u)
