@@ -506,10 +506,10 @@ def compare_each_patch(backend: str, registry=None,
     dtype_name = unpatched_plan.precision.autocast_dtype
     dtype = getattr(torch, dtype_name) if dtype_name else None
     ref = _base_model(registry, backend, unpatched_plan, none_config).to(device).train()
-    Observer().watch(ref)  # the same hooks as the patched model's, so their calls are no difference
     compute = dtype or next(ref.parameters()).dtype
     u = torch.finfo(compute).eps / 2  # unit roundoff of the dtype the step computes in
     exact = _exact_step(ref, batch)
+    Observer().watch(ref)  # the same hooks as the patched model's, so their calls are no difference
     on_device = to_device(batch, device)
     warm_up = device.type != "cpu"  # the first step on a device pays for the allocator and kernel selection
     if warm_up:
