@@ -58,3 +58,42 @@ def cli_invoke(*args) -> tuple[int, str]:
     if result.exception and not isinstance(result.exception, SystemExit):
         raise result.exception
     return result.exit_code, result.output
+
+
+def export_logits(run, merged, records, *, attn: str = "eager", rounded=None, **load) -> dict:
+    """Logits at the real (non-pad) positions of ``records``, each as a float32 CPU tensor:
+
+    - ``adapted``: the trained model as ``vlft eval`` loads it (base + adapter; ``load`` is passed to
+      ``load_for_inference``: backend, precision, param_dtype...), under that policy's autocast;
+    - ``base``: the same model with the adapter disabled, so a comparison is not one of base models;
+    - ``exported``: the merged folder ``merged`` loaded by plain transformers in fp32 (attention ``attn``) on
+      the same device, without autocast;
+    - ``exported_rounded`` (with ``rounded``, a torch dtype): that merged model again under autocast to
+      ``rounded``: the rounding that dtype alone costs on these inputs, for a tolerance measured side by side.
+    """
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from vlft.data.batching import collator_for, model_inputs, to_device
+    from vlft.evaluation.inference import load_for_inference
+    from vlft.models.loss import autocast_context
+    from vlft.registry import load_registry
+
+    loaded = load_for_inference(load_registry(), str(run), None, **load)
+    batch = collator_for(loaded.processor, loaded.encoder.family)([loaded.encoder.encode(r) for r in records])
+    inputs = model_inputs(to_device(batch, loaded.device))
+    real = batch["attention_mask"].bool().to(loaded.device)  # padding positions' logits are nobody's answer
+    plain = AutoModelForImageTextToText.from_pretrained(str(merged), dtype=torch.float32,
+                                                        attn_implementation=attn).to(loaded.device).eval()
+
+    def logits(model, dtype):
+        with torch.no_grad(), autocast_context(loaded.device, dtype):
+            return model(**inputs).logits[real].float().cpu()
+
+    out = {"adapted": logits(loaded.model, loaded.autocast_dtype)}
+    with loaded.model.disable_adapter():
+        out["base"] = logits(loaded.model, loaded.autocast_dtype)
+    out["exported"] = logits(plain, None)
+    if rounded is not None:
+        out["exported_rounded"] = logits(plain, rounded)
+    return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -133,10 +134,112 @@ def test_this_checkouts_pyproject_serves_every_builtin_plugin():
     assert all(src.is_relative_to(ROOT) for src in sources.values())
 
 
-def test_the_makefile_device_check_installs_nothing():
-    text = (ROOT / "Makefile").read_text()
-    recipe = text.split("\ndevice-check:", 1)[1].split("\n\n", 1)[0]
-    assert "bench/device_check.py" in recipe and "pip" not in recipe
+# what installs a package: an installer program, or Python running one as a module or a setup script
+INSTALLERS = {"pip", "pip3", "uv", "easy_install", "conda", "mamba", "ensurepip"}
+
+
+def installs(argv: list[str]) -> bool:
+    """Whether ``argv`` (one process's command line) runs an installer."""
+    names = [Path(a).name for a in argv]
+    if not names:
+        return False
+    if names[0] in INSTALLERS or re.fullmatch(r"pip3?(\.\d+)*", names[0]):
+        return True
+    modules = [b for a, b in zip(names, names[1:]) if a == "-m"]
+    return any(m.split(".")[0] in INSTALLERS for m in modules) or (
+        "setup.py" in names and any(a in ("install", "develop", "bdist_egg") for a in names))
+
+
+@pytest.mark.parametrize("argv, yes", [
+    (["pip", "install", "x"], True), (["/usr/bin/pip3.11", "install", "-e", "."], True),
+    (["python3", "-m", "pip", "install", "torch"], True), (["py", "-m", "ensurepip"], True),
+    (["uv", "pip", "install", "x"], True), (["python", "setup.py", "develop"], True),
+    (["python", "bench/device_check.py", "--out", "o"], False), (["py", "-m", "pytest", "-q"], False),
+    (["py", "-m", "vlft", "parity"], False), (["git", "describe"], False)])
+def test_installs_knows_an_installer_from_the_device_checks_commands(argv, yes):
+    assert installs(argv) is yes
+
+
+def test_the_makefile_device_check_runs_one_command_and_no_installer():
+    """What `make device-check` would run with every prerequisite out of date (``make -n -B``): an install step
+    that crept in as a recipe line or as a prerequisite (the venv's ``$(STAMP)``) is printed and named."""
+    import shlex
+    import shutil
+
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("make is not installed here")
+    proc = subprocess.run([make, "-n", "-B", "device-check", "DEVICE_PY=py"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    commands = [shlex.split(line) for line in proc.stdout.splitlines() if line.strip()]
+    assert [c for c in commands if installs(c)] == []
+    assert [c[:2] for c in commands] == [["py", "bench/device_check.py"]]
+
+
+SPAWN_LOGGER = textwrap.dedent("""\
+    # Records, for a test, every process this Python starts and every installer module it imports.
+    import json
+    import os
+    import sys
+
+    _LOG = os.environ["VLFT_SPAWN_LOG"]
+
+
+    def _write(event, argv):
+        with open(_LOG, "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "event": event, "argv": [str(a) for a in argv]}) + "\\n")
+
+
+    def _hook(event, args):
+        if event == "subprocess.Popen":
+            _write(event, [args[1]] if isinstance(args[1], (str, bytes)) else list(args[1]))
+        elif event in ("os.exec", "os.posix_spawn"):
+            _write(event, list(args[1]))
+        elif event == "os.spawn":
+            _write(event, list(args[2]))
+        elif event == "os.system":
+            _write(event, [args[0]])
+        elif event == "import" and args[0].split(".")[0] in ("pip", "ensurepip"):
+            _write(event, ["-m", args[0]])
+
+
+    sys.addaudithook(_hook)
+    """)
+
+
+def test_the_device_check_starts_no_installer_and_changes_no_site_packages(tmp_path):
+    """``bench/device_check.py`` as `make device-check` runs it, on this machine (no accelerator: the source-tree
+    check, the backend probe and the device-tests step run; ``--collect-only`` keeps that step to collecting),
+    watched from inside: an audit hook in it and in every Python it starts (a ``sitecustomize`` on PYTHONPATH)
+    records each process started and each import of pip or ensurepip, and stand-ins for the installer
+    programs come first on PATH. None of it installs, and this Python's site-packages are as they were."""
+    import sysconfig
+
+    hooks, bin_dir, log = tmp_path / "hooks", tmp_path / "bin", tmp_path / "spawned.jsonl"
+    hooks.mkdir()
+    bin_dir.mkdir()
+    (hooks / "sitecustomize.py").write_text(SPAWN_LOGGER)
+    for name in ("pip", "pip3", "uv", "easy_install", "conda"):
+        stand_in = bin_dir / name
+        stand_in.write_text(f'#!/bin/sh\necho "{name} $*" >> "{tmp_path / "installer-ran"}"\nexit 1\n')
+        stand_in.chmod(0o755)
+    site = Path(sysconfig.get_paths()["purelib"])
+    before = sorted(p.name for p in site.iterdir())
+    env = {**os.environ, "VLFT_SPAWN_LOG": str(log), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(hooks), os.environ.get("PYTHONPATH")) if p),
+           "CUDA_VISIBLE_DEVICES": ""}  # whatever this machine has, the device steps stay unrun
+    proc = subprocess.run([sys.executable, "bench/device_check.py", "--out", str(tmp_path / "out"),
+                           "--pytest-args=--collect-only"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]  # 3: no accelerator, tests collected
+    spawned = [json.loads(line) for line in log.read_text().splitlines()]
+    started = [s["argv"] for s in spawned if s["event"] != "import"]
+    # the watch saw the check's own children: the device tests' pytest, started by the check's process
+    assert any(argv[1:3] == ["-m", "pytest"] and "tests/hardware" in argv for argv in started), started
+    assert [s for s in spawned if s["event"] == "import" or installs(s["argv"])] == []
+    assert not (tmp_path / "installer-ran").exists()
+    assert sorted(p.name for p in site.iterdir()) == before
 
 
 def test_the_time_budget_adds_up():

@@ -199,3 +199,82 @@ def test_memory_check_fails_for_a_reader_of_another_device(registry):
 
     with pytest.raises(AssertionError, match="peak"):
         check_memory_reader(other_device, device)
+
+
+# -- kernel patches -----------------------------------------------------------------------------------------
+
+def _scaled_norms(model) -> str:
+    """WRONG ON PURPOSE: every RMSNorm's output 10% larger (a fused kernel that dropped a factor would look so)."""
+    import types
+
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    for m in norms:
+        m.forward = types.MethodType(lambda self, x, _real=type(m).forward: _real(self, x) * 1.1, m)
+    return f"{len(norms)} RMSNorms scaled"
+
+
+def _rotary_rewritten(model) -> str:
+    """Right, and process-wide as torch_npu's and Liger's rotary patches are: the vision tower's rotary
+    function replaced, in the modeling module, by the same formula written differently."""
+    import transformers.models.qwen2_5_vl.modeling_qwen2_5_vl as modeling
+
+    def apply_rotary_pos_emb_vision(q, k, cos, sin):
+        cos, sin = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
+
+        def rotate(x):
+            first, second = x.float().chunk(2, dim=-1)
+            return (x.float() * cos + torch.cat((-second, first), dim=-1) * sin).to(x.dtype)
+
+        return rotate(q), rotate(k)
+
+    modeling.apply_rotary_pos_emb_vision = apply_rotary_pos_emb_vision
+    return "vision rotary rewritten (process-wide)"
+
+
+class CpuKernelOffers:
+    """Kernel patches offered for the cpu backend: the CUDA plugin's real linear-patch-embed, a right
+    process-wide one, a right attention one (as Ascend's flash-attention patches are), one asking for the
+    attention the backend already uses (so it does nothing), one wrong."""
+
+    @hookimpl
+    def vlft_kernel_patches(self, backend, config, model_config, family):
+        if backend != "cpu":
+            return None
+        import dataclasses
+
+        import vlft_cuda.kernels as cuda_kernels
+
+        from vlft.policies import KernelPatch
+
+        def offer(name, **kw):
+            return KernelPatch(name=name, replaces="-", why="-", condition="-", available=True, reason="-",
+                               backend="cpu", **kw)
+
+        return [dataclasses.replace(cuda_kernels._patch_embed(family), backend="cpu"),
+                offer("rotary-rewritten", apply=_rotary_rewritten),
+                offer("sdpa-vision", attention={"vision": "sdpa"}),
+                offer("eager-vision", attention={"vision": "eager"}),  # the CPU backend's own choice
+                offer("scaled-norms", apply=_scaled_norms)]
+
+
+def test_kernel_patch_comparison_fails_a_patch_that_changes_nothing_or_is_wrong_and_undoes_process_wide_ones():
+    """``compare_each_patch`` (what the cuda/npu kernel tests assert) on the CPU in bf16, the autocast the
+    devices run: the right patches pass, within bf16's own error measured on the unpatched model; the one that
+    changes nothing and the wrong one fail, each for its reason; the process-wide one is undone afterwards."""
+    import transformers.models.qwen2_5_vl.modeling_qwen2_5_vl as modeling
+    from hardware.checks import compare_each_patch
+
+    from vlft.testing import registry_with
+
+    real_rotary = modeling.apply_rotary_pos_emb_vision
+    lines, failures, compared = compare_each_patch("cpu", registry_with(CpuKernelOffers()), precision="bf16")
+    print("\n".join(lines))
+    assert compared == ["linear-patch-embed", "rotary-rewritten", "sdpa-vision", "eager-vision", "scaled-norms"]
+    assert set(failures) == {"eager-vision", "scaled-norms"}
+    assert [f.split(":")[0] for f in failures["eager-vision"]] == ["took no effect", "vision tower"]
+    assert "already uses eager" in failures["eager-vision"][1]
+    assert failures["scaled-norms"][0].startswith("logits: relative error")
+    assert modeling.apply_rotary_pos_emb_vision is real_rotary
+    rotary_line = next(line for line in lines if line.startswith("  rotary-rewritten"))
+    assert "apply_rotary_pos_emb_vision" in rotary_line  # its code ran in the patched forward
+    assert "sdpa_attention_forward" in next(line for line in lines if line.startswith("  sdpa-vision"))

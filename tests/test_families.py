@@ -101,18 +101,6 @@ def test_a_qwen3_vl_folder_written_by_plain_transformers_trains_and_peft_loads_i
     assert "Qwen3VLForConditionalGeneration" in done.stdout
 
 
-def test_export_merges_a_qwen3_vl_adapter(family_runs, tmp_path):
-    from click.testing import CliRunner
-
-    from vlft.cli import cli
-
-    result = CliRunner().invoke(cli, ["export", "--adapter", str(family_runs["qwen3-vl"]), "--output",
-                                      str(tmp_path / "merged")])
-    assert result.exit_code == 0, result.output
-    assert (tmp_path / "merged" / "config.json").is_file()
-    assert json.loads((tmp_path / "merged" / "config.json").read_text())["model_type"] == "qwen3_vl"
-
-
 def _dry_run(**values):
     """What `vlft run ... --dry-run` prints, as data (plan_run is what --dry-run stops after)."""
     from vlft.config import build_config

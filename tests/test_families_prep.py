@@ -293,11 +293,35 @@ def test_lora_on_default_targets_trains_saves_and_loads_with_plain_peft(tiny, na
 PUBLISHED = {k: v for k, v in json.loads((vm.CONFIGS / "published.json").read_text()).items() if not k.startswith("_")}
 
 
-def test_every_bundled_config_has_a_published_count_and_a_family():
-    dirs = set(vm.vlft_bundled_model_configs())
-    assert dirs == set(PUBLISHED)
-    claimed = {c for f in FAMILIES for c in f.bundled_configs}
-    assert {d for d in dirs if d.startswith("qwen3-vl")} <= claimed
+def test_every_bundled_config_has_a_published_count_and_is_claimed_by_the_family_of_its_model_type():
+    """Each config folder that ships, read for its ``model_type``: claimed (``bundled_configs``) by exactly the
+    family that owns that model_type, so `vlft plugins` lists it under that family; no family claims a config
+    that does not ship."""
+    dirs = vm.vlft_bundled_model_configs()
+    assert set(dirs) == set(PUBLISHED)
+    claims: dict[str, list[str]] = {}
+    for f in FAMILIES:
+        for name in f.bundled_configs:
+            claims.setdefault(name, []).append(f.name)
+    assert sorted(set(claims) - set(dirs)) == []
+    wrong = {}
+    for name, folder in sorted(dirs.items()):
+        model_type = json.loads((folder / "config.json").read_text())["model_type"]
+        owner = vm.family_for(model_type)
+        expected = [owner.name] if owner is not None else f"a family owning {model_type}"
+        if claims.get(name) != expected:
+            wrong[name] = (model_type, claims.get(name, "claimed by none"), expected)
+    assert wrong == {}
+
+
+def test_vlft_plugins_lists_every_bundled_config_under_one_family():
+    from helpers import cli_invoke
+
+    code, output = cli_invoke("plugins", "--json")
+    assert code == 0, output
+    data = json.loads(output)
+    listed = [c for f in data["model_families"] for c in f["bundled_configs"]]
+    assert sorted(listed) == sorted(data["bundled_configs"]) == sorted(vm.vlft_bundled_model_configs())
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import cli_invoke, vlft_command
+from helpers import cli_invoke, export_logits, vlft_command
 
 
 FAMILIES = ["qwen2-vl", "qwen3-vl", "qwen3-vl-moe", "qwen3.5", "qwen3.5-moe", "gemma3"]
@@ -100,34 +100,19 @@ def test_predict_and_eval_read_every_familys_run(family_run, mixed, tmp_path):
 def test_export_of_every_family_gives_the_adapters_logits(family_run, mixed, tmp_path):
     """The merged model, loaded by plain transformers, against the trained model (base + adapter) on
     records with and without images; and against the base, so the comparison is not of base models."""
-    from transformers import AutoModelForImageTextToText
-
-    from vlft.data.batching import collator_for, model_inputs
     from vlft.data.records import read_records
-    from vlft.evaluation.inference import load_for_inference
-    from vlft.registry import load_registry
 
     _, out = family_run
     _, val = mixed
     merged = tmp_path / "merged"
     _vlft("export", "--adapter", out, "--output", merged, "--dtype", "fp32")
-    loaded = load_for_inference(load_registry(), str(out), None, backend="cpu", precision="fp32", param_dtype="fp32")
     records = read_records(val)
     assert any(r.images for r in records) and any(not r.images for r in records)
-    batch = collator_for(loaded.processor, loaded.encoder.family)([loaded.encoder.encode(r) for r in records])
-    inputs = model_inputs(batch)
-    # the attention the run used (the CPU reference: eager); padding positions' logits are nobody's answer
-    plain = AutoModelForImageTextToText.from_pretrained(str(merged), dtype=torch.float32,
-                                                        attn_implementation="eager").eval()
-    real = batch["attention_mask"].bool()
-    with torch.no_grad():
-        adapted = loaded.model(**inputs).logits[real]
-        with loaded.model.disable_adapter():
-            base = loaded.model(**inputs).logits[real]
-        exported = plain(**inputs).logits[real]
+    # the attention the run used (the CPU reference: eager)
+    logits = export_logits(out, merged, records, attn="eager", backend="cpu", precision="fp32", param_dtype="fp32")
     # fp32 merge: W x + B A x against (W + B A) x differ in summation order only
-    assert (exported - adapted).abs().max() < 1e-4
-    assert (adapted - base).abs().max() > 1e-2
+    assert (logits["exported"] - logits["adapted"]).abs().max() < 1e-4
+    assert (logits["adapted"] - logits["base"]).abs().max() > 1e-2
 
 
 def test_packing_on_is_refused_for_a_family_whose_token_inputs_it_cannot_carry(mixed, tmp_path):

@@ -14,11 +14,13 @@ import dataclasses
 import importlib.machinery
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
 import vlft_ascend as ascend
 import vlft_ascend.kernels as ascend_kernels
+import vlft_cuda
 import vlft_cuda.kernels as cuda_kernels
 from test_ascend_plugin import no_torch_npu, stand_in  # noqa: F401 - the stand-in torch_npu fixtures
 
@@ -93,22 +95,61 @@ def test_attention_of_a_chosen_patch_is_loaded_and_attn_wins():
 
 def cuda_offers(monkeypatch, fa=(True, "flash-attn 2.7.4"), cap=(9, 0), family=None, model_type="qwen2_5_vl",
                 **config):
-    monkeypatch.setattr(cuda_kernels, "flash_attn_status", lambda: fa)
-    monkeypatch.setattr(cuda_kernels, "capability", lambda config=None: cap)
+    # flash-attn and the GPU as every module of the plugin sees them (the attention policy and any patch alike)
+    for name, module in list(sys.modules.items()):
+        for attr, value in (("flash_attn_status", lambda: fa), ("capability", lambda config=None: cap)):
+            if name.split(".")[0] == "vlft_cuda" and hasattr(module, attr):
+                monkeypatch.setattr(module, attr, value)
     cfg = RunConfig(backend="cuda", **config)
     return {k.name: k for k in cuda_kernels.kernel_patches(cfg, types.SimpleNamespace(model_type=model_type), family)}
 
 
-@pytest.mark.parametrize("fa, cap, precision, available, why", [
-    ((True, "flash-attn 2.7.4"), (9, 0), "auto", True, "compute capability 9.0"),
-    ((True, "flash-attn 2.7.4"), None, "auto", True, "assumed (no GPU visible here)"),
-    ((True, "flash-attn 2.7.4"), (7, 5), "auto", False, "7.5 < 8.0"),
-    ((False, "the flash-attn package is not installed"), (9, 0), "auto", False, "not installed"),
-    ((True, "flash-attn 2.7.4"), (9, 0), "fp32", False, "--precision fp32"),
-])
-def test_cuda_flash_attention_for_the_vision_tower(monkeypatch, fa, cap, precision, available, why):
-    k = cuda_offers(monkeypatch, fa=fa, cap=cap, precision=precision)["flash-attn-vision"]
-    assert k.available is available and why in k.reason and k.attention == {"vision": "flash_attention_2"}
+def _asks_for_the_backends_own_attention(offers, policy) -> dict[str, list[str]]:
+    """{patch: towers it sets to the implementation the backend already picks} for the attention patches
+    offered as available; a patch with towers listed changes nothing there."""
+    return {k.name: [t for t, impl in k.attention.items() if getattr(policy, t) == impl]
+            for k in offers.values() if k.available and k.attention}
+
+
+@pytest.mark.parametrize("fa, cap, precision", [((True, "flash-attn 2.7.4"), (9, 0), "auto"),
+                                                ((True, "flash-attn 2.7.4"), None, "auto"),
+                                                ((False, "the flash-attn package is not installed"), (9, 0), "auto"),
+                                                ((True, "flash-attn 2.7.4"), (7, 5), "auto"),
+                                                ((True, "flash-attn 2.7.4"), (9, 0), "fp32")])
+def test_no_cuda_attention_patch_asks_for_what_the_backend_already_loads(monkeypatch, fa, cap, precision):
+    """An attention patch must differ from the backend's own choice wherever it is offered (the removed
+    flash-attn-vision asked for flash-attention 2 exactly where the backend already loads it)."""
+    offers = cuda_offers(monkeypatch, fa=fa, cap=cap, precision=precision)
+    policy = vlft_cuda.vlft_attention_implementation("cuda", RunConfig(backend="cuda", precision=precision), None)
+    assert {n: towers for n, towers in _asks_for_the_backends_own_attention(offers, policy).items() if towers} == {}
+
+
+def test_no_ascend_attention_patch_asks_for_what_the_backend_already_loads(stand_in):
+    from vlft_models.qwen2_vl import QWEN2_5_VL
+
+    sys.modules["torch_npu"].npu_fusion_attention = object()  # the stand-in has the op: the patches are offered
+    offers = ascend_offers(family=QWEN2_5_VL)
+    asked = _asks_for_the_backends_own_attention(offers, ascend.attention_policy(RunConfig(backend="ascend")))
+    assert set(asked) == {"npu-flash-attention-vision", "npu-flash-attention-text", "npu-cu-seqlens-once"}
+    assert {n: towers for n, towers in asked.items() if towers} == {}
+
+
+def test_every_kernel_patch_names_a_check_that_exists(monkeypatch, stand_in):
+    """``KernelPatch.check`` says where a patch is compared with the unpatched model: a test that exists."""
+    from vlft_models.qwen2_vl import QWEN2_5_VL
+
+    root = Path(__file__).resolve().parents[1]
+    npu = sys.modules["torch_npu"]
+    npu.npu_fusion_attention = npu.npu_rms_norm = npu.npu_swiglu = npu.npu_rotary_mul = object()
+    offered = [*cuda_offers(monkeypatch, family=QWEN2_5_VL).values(), *ascend_offers(family=QWEN2_5_VL).values()]
+    checks = {k.name: k.check for k in offered if k.check}
+    missing = {}
+    for name, check in checks.items():
+        path, _, test = check.partition("::")
+        text = (root / path).read_text() if (root / path).is_file() else ""
+        if not test or f"def {test}(" not in text:
+            missing[name] = check
+    assert len(checks) >= 8 and missing == {}
 
 
 def test_cuda_linear_patch_embedding_follows_the_family(monkeypatch):
@@ -364,7 +405,7 @@ def test_the_plan_lists_the_kernels_chosen_and_declined(cuda_plans):
     desc = cuda_plans["auto"].describe()["kernels"]
     assert [k["name"] for k in desc["chosen"]] == ["linear-patch-embed"]
     declined = {k["name"]: k["because"] for k in desc["declined"]}
-    assert set(declined) >= {"flash-attn-vision", "liger-rms-norm", "liger-fused-linear-cross-entropy"}
+    assert set(declined) >= {"liger-rms-norm", "liger-fused-linear-cross-entropy"}
     assert all(declined.values())
 
 

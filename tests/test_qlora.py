@@ -1,5 +1,6 @@
-"""QLoRA on the CPU with real bitsandbytes: a 4-bit run trains, its plan counts what bitsandbytes stores, and
-`vlft export` merges its adapter into the NF4 weights it trained on.
+"""QLoRA on the CPU with real bitsandbytes: a 4-bit run trains, its plan counts what bitsandbytes stores,
+`vlft export` merges its adapter into the NF4 weights it trained on, and `vlft predict` and `vlft eval` run its
+adapter on the 4-bit base (one shared 4-bit run for all of them).
 
 bitsandbytes is not in the dev install: where it is importable, every ``import peft`` loads it (about 1.2 s
 per process here, and a warning on stderr), which every other test's subprocess would pay. ``make test``
@@ -179,3 +180,45 @@ def test_eval_scores_the_trained_4bit_model_quantized_as_the_run_was(nf4_run, ti
     precision = json.loads(out.read_text())["precision"]
     assert precision["quantization"] == "nf4" and precision["double_quant"] is True
     assert json.loads(out.read_text())["scores"]["samples"] == 4
+
+
+def test_predict_answers_every_record_with_the_trained_adapter_on_the_4bit_base(nf4_run, probe, tiny_data,  # noqa: F811
+                                                                                  tmp_path, monkeypatch):
+    """`vlft predict --param-dtype nf4`: one prediction per record, in the data's order, made by the model the
+    run trained: bitsandbytes' 4-bit linears under the LoRA layers, the saved adapter's weights on them, and
+    the trained 4-bit model's logits (the ``probe``'s)."""
+    import vlft.evaluation.generation as generation
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from vlft.data.records import read_records
+
+    used = []  # the model predict generated with (watched, not replaced: the real generation runs)
+    real_generate = generation.generate_answers
+
+    def watched(model, *args, **kwargs):
+        used.append(model)
+        return real_generate(model, *args, **kwargs)
+
+    monkeypatch.setattr(generation, "generate_answers", watched)
+    out = tmp_path / "predictions.jsonl"
+    code, output = vlft("predict", "--adapter", nf4_run, "--data", tiny_data[1], "--param-dtype", "nf4",
+                        "--backend", "cpu", "--max-new-tokens", 4, "--output", out, "--quiet")
+    assert code == 0, output
+    records = read_records(tiny_data[1])
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [p["where"] for p in lines] == [r.where for r in records] and len(lines) == 4
+    assert all(isinstance(p["prediction"], str) for p in lines)
+
+    [model] = used
+    adapted = [m for m in model.modules() if hasattr(m, "lora_A")]
+    assert any(isinstance(m.base_layer, bnb.nn.Linear4bit) for m in adapted), \
+        "no LoRA layer sits on a 4-bit linear: the base was not loaded in 4-bit"
+    saved = load_file(str(nf4_run / "adapter" / "adapter_model.safetensors"))
+    loaded = get_peft_model_state_dict(model)
+    assert loaded.keys() == saved.keys()
+    assert all(torch.equal(loaded[k].cpu(), saved[k]) for k in saved)
+    assert any("lora_B" in k and saved[k].abs().max() > 0 for k in saved)  # trained, not the zero init
+    inputs, trained = probe
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(model(**inputs).logits.float(), trained)

@@ -1,37 +1,58 @@
 """Step times that mean what they say: evaluation and checkpoint saving are timed apart from training steps.
 
-A tiny run evaluates and saves at every step, each made slower by a known pause; steps, evaluations and
-saves must add up to the training time, each counted once, whatever the machine's speed.
+A tiny run evaluates and saves at every step. The run's clock (``time.perf_counter`` in the two modules that
+time it, the loop and ``vlft run``) is replaced by one that moves only when this test says: each training
+step, validation loss and checkpoint save moves it by its own known amount, and nothing else does. Every time
+the run reports is then an exact sum of those amounts, whatever the machine's speed and load: each is checked
+from both sides (a field that held another's time is too large, one that lost its own too small), with no
+wall-clock bound.
 """
 
 from __future__ import annotations
 
 import json
-import time
+import types
 
 from click.testing import CliRunner
 
-PAUSE = 0.6  # seconds added to every validation loss and every checkpoint save
+# what each kind of work costs on the run's clock; powers of two, so every sum and mean is exact in floats
+STEP, EVAL, SAVE = 0.25, 0.5, 2.0
+
+
+class RunClock:
+    """``perf_counter`` for the modules that time the run; moved only by ``spend``."""
+
+    def __init__(self):
+        self.now = 1024.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def spend(self, seconds: float) -> None:
+        self.now += seconds
 
 
 def test_step_time_leaves_out_evaluation_and_checkpoints_which_have_their_own_fields(tmp_path, monkeypatch):
     import vlft.commands.run as run_command
+    import vlft.training.loop as loop
     from vlft.cli import cli
     from vlft.testing import run, tiny_run_config
     from vlft.training.checkpoints import CheckpointStore
 
-    real_loss, real_save = run_command.validation_loss, CheckpointStore.save
+    clock = RunClock()
+    for module in (loop, run_command):  # only perf_counter: any other use of `time` there fails loudly
+        monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    real_step, real_loss, real_save = loop.train_step_on, run_command.validation_loss, CheckpointStore.save
 
-    def slow_loss(*args, **kwargs):
-        time.sleep(PAUSE)
-        return real_loss(*args, **kwargs)
+    def costed(real, seconds):
+        def call(*args, **kwargs):
+            clock.spend(seconds)
+            return real(*args, **kwargs)
+        return call
 
-    def slow_save(self, *args, **kwargs):
-        time.sleep(PAUSE)
-        return real_save(self, *args, **kwargs)
-
-    monkeypatch.setattr(run_command, "validation_loss", slow_loss)
-    monkeypatch.setattr(CheckpointStore, "save", slow_save)
+    monkeypatch.setattr(loop, "train_step_on", costed(real_step, STEP))
+    monkeypatch.setattr(run_command, "validation_loss", costed(real_loss, EVAL))
+    monkeypatch.setattr(CheckpointStore, "save", costed(real_save, SAVE))
     # log every 2 steps, evaluate and save every step: each logged window holds evaluations and saves
     config = tiny_run_config(tmp_path, steps=4, log_every=2, eval_every=1, eval_batches=1, save_every=1,
                              keep_checkpoints=1)
@@ -41,18 +62,18 @@ def test_step_time_leaves_out_evaluation_and_checkpoints_which_have_their_own_fi
     evals = [m for m in lines if "val_loss" in m]
     saves = [m for m in lines if "checkpoint_time_s" in m]
     logged = [m for m in lines if "loss" in m]
-    assert [m["step"] for m in evals] == [1, 2, 3, 4]
-    assert all(m["eval_time_s"] >= PAUSE for m in evals), evals
-    assert [m["step"] for m in saves] == [1, 2, 3]  # the last step's adapter is not a checkpoint
-    assert all(m["checkpoint_time_s"] >= PAUSE for m in saves), saves
-    assert [m["step"] for m in logged] == [2, 4]
+    assert [(m["step"], m["eval_time_s"]) for m in evals] == [(1, EVAL), (2, EVAL), (3, EVAL), (4, EVAL)]
+    # the last step's adapter is the final checkpoint, saved after the loop: no line of its own
+    assert [(m["step"], m["checkpoint_time_s"]) for m in saves] == [(1, SAVE), (2, SAVE), (3, SAVE)]
+    # each window of 2 steps held 2 evaluations and 2 saves (1 and 1 in the last): the step time is the steps'
+    assert [(m["step"], m["step_time_s"]) for m in logged] == [(2, STEP), (4, STEP)]
+    assert [m["samples_per_s"] for m in logged] == [config.batch_size / STEP] * 2
 
-    # steps, evaluations and saves add up to the training time, each counted once
+    # the training time holds every step, evaluation and save once, and the final checkpoint
     train_time = json.loads((result.output / "summary.json").read_text())["train_time_s"]
     accounted = (sum(m["step_time_s"] * 2 for m in logged) + sum(m["eval_time_s"] for m in evals)
                  + sum(m["checkpoint_time_s"] for m in saves))
-    # (a step time that held them would count each pause twice: at least 2.4 s too many here)
-    assert accounted <= train_time + 0.05, (accounted, train_time)
+    assert accounted + SAVE == train_time == 4 * STEP + 4 * EVAL + 4 * SAVE
 
     code_out = CliRunner().invoke(cli, ["report", str(result.output), "--output", str(tmp_path / "report")])
     assert code_out.exit_code == 0, code_out.output
@@ -60,6 +81,7 @@ def test_step_time_leaves_out_evaluation_and_checkpoints_which_have_their_own_fi
     header = next(line for line in md.splitlines() if line.startswith("| run |"))
     row = next(line for line in md.splitlines() if line.startswith("| ") and "| cpu |" in line)
     cells = dict(zip([c.strip() for c in header.strip("|").split("|")], [c.strip() for c in row.strip("|").split("|")]))
-    assert cells["eval time"].endswith("s (4x)") and float(cells["eval time"].split()[0]) >= 4 * PAUSE
-    assert cells["checkpoint time"].endswith("s (3x)") and float(cells["checkpoint time"].split()[0]) >= 3 * PAUSE
-    assert cells["median step time"] == f"{logged[1]['step_time_s']:.3f} s"  # the first window is warm-up
+    assert cells["eval time"] == f"{4 * EVAL:.2f} s (4x)"
+    assert cells["checkpoint time"] == f"{3 * SAVE:.2f} s (3x)"
+    assert cells["median step time"] == f"{STEP:.3f} s"  # the second window's (the first is warm-up)
+    assert cells["samples/s"] == f"{config.batch_size / STEP:.2f}"

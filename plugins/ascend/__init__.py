@@ -15,7 +15,7 @@ What the field learned, resolved once at set-up:
   transformers have it (eager stays otherwise, with the reason), cu_seqlens once per forward, fused
   RMSNorm / SwiGLU / rotary (opt-in), fp32 before FSDP2 sharding of bf16 weights; each listed in the plan.
 
-Importing this module imports neither torch nor torch_npu: torch_npu
+Imports inside functions: importing this module imports neither torch nor torch_npu: torch_npu
 without CANN raises at import (sometimes already inside ``import torch``,
 through torch's device-backend autoload), so only the hooks import it,
 inside ``try``. ``torch_npu.contrib.transfer_to_npu`` is never imported.
@@ -23,6 +23,7 @@ inside ``try``. ``torch_npu.contrib.transfer_to_npu`` is never imported.
 
 from __future__ import annotations
 
+import importlib.util
 import functools
 import os
 
@@ -40,6 +41,7 @@ from vlft import (
     ProbeResult,
     hookimpl,
     hookimpl_for,
+    parse_attn,
 )
 
 from . import probing  # noqa: F401 - tests reach the probe's internals through it
@@ -93,8 +95,6 @@ def vlft_setup_device(backend, config):
 
 
 def attention_policy(config) -> AttentionPolicy:
-    from vlft import parse_attn
-
     asked = parse_attn(config.attn) or {}
     vision, text = asked.get("vision", "eager"), asked.get("text", "eager")
     if not asked:
@@ -124,8 +124,6 @@ def _make_scaler(init_scale: float, growth_interval: int):
 
 def _four_bit() -> tuple[bool, str]:
     """NF4 on Ascend: only where the installed bitsandbytes carries an NPU backend."""
-    import importlib.util
-
     if importlib.util.find_spec("bitsandbytes") is None:
         return False, ("NF4 (QLoRA) needs bitsandbytes, whose kernels are CUDA (and CPU) ones; it is not installed, "
                        "and Ascend needs a build with its NPU backend; use --param-dtype bf16 or fp16")

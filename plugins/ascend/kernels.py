@@ -6,7 +6,9 @@
   stays, and the plan says why.
 - ``npu-cu-seqlens-once``: transformers' NPU varlen path moves ``cu_seqlens`` to the host at every
   attention call (a device sync per layer); vLLM-Ascend computes it once per forward pass. The patch
-  converts each distinct ``cu_seqlens`` once per vision forward and hands the host copy to every layer.
+  converts each distinct ``cu_seqlens`` once per vision forward and hands the host copy to every layer. It
+  loads the vision tower on ``flash_attention_2`` itself (as ``npu-flash-attention-vision`` does): on eager,
+  the path it changes never runs, so named alone it would do nothing.
 - ``npu-rms-norm``, ``npu-swiglu``, ``npu-rotary``: torch_npu's fused ``npu_rms_norm``, ``npu_swiglu`` and
   ``npu_rotary_mul`` on the modules and functions the model family names (``kernel_targets``): peers do
   this for Qwen3 / Qwen3-VL / Qwen3.5 only. Off by default until the ``npu``-marked test has compared them
@@ -14,14 +16,17 @@
 - ``fp32-before-fsdp``: ms-swift casts the model to fp32 before FSDP2 sharding on the NPU, because sharding
   bf16 parameters there can fail with ``NPUCastError``; taken where ``--shard fsdp`` meets bf16 weights.
 
-Nothing here imports torch_npu at module import; each condition is probed inside the hook (a stand-in
-torch_npu in the tests answers only the choice logic).
+Imports inside functions: nothing here imports torch, transformers' NPU integration or torch_npu at module
+import (torch_npu without CANN raises there, and the plan lists these patches on any machine); each
+condition is probed inside the hook (a stand-in torch_npu in the tests answers only the choice logic).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
+import types
 import weakref
 
 from vlft import KernelPatch
@@ -30,7 +35,8 @@ from .probing import probe
 
 NPU_FA_MODULE = "transformers.integrations.npu_flash_attention"
 PER_CALL_HOST_COPY = "cu_seqlens_q[1:].cpu()"  # what transformers' varlen function does at every call
-DEVICE_TEST = "tests/hardware/test_kernels_on_device.py::test_npu_kernel_matches_the_unpatched_model"
+DEVICE_TEST = ("tests/hardware/test_kernels_on_device.py::"
+               "test_npu_kernel_patches_take_effect_and_match_the_unpatched_model")
 
 
 def _torch_npu():
@@ -149,6 +155,7 @@ def _cu_seqlens(config, family) -> KernelPatch:
             "computes it once per forward pass",
         condition="npu-flash-attention-vision's condition, and transformers copying cu_seqlens per call",
         available=ok, reason=why if ok else f"{why}: nothing to save",
+        attention={"vision": "flash_attention_2"},  # the varlen path it changes runs only there
         apply=(lambda model: apply_cu_seqlens_once(model, tower)) if ok else None,
         check="tests/test_kernels.py::test_cu_seqlens_reach_the_host_once_per_forward",
     )
@@ -181,8 +188,6 @@ def _is_silu(act) -> bool:
 def apply_module_forward(model, classes: tuple[str, ...], make_forward, accept=lambda m: True) -> tuple[int, int]:
     """Bind ``make_forward``'s forward to every module of ``model`` whose class is in ``classes`` (instances,
     not the classes: other models in the process are untouched). Returns (patched, skipped)."""
-    import types
-
     patched = skipped = 0
     for module in model.modules():
         if type(module).__name__ not in classes:
@@ -214,8 +219,6 @@ def _rotary_functions(npu):
 def apply_rotary(targets: tuple[str, ...], npu) -> str:
     """Replace the family's rotary functions (``module:function``) by npu_rotary_mul versions. Module-level
     functions: this changes every model of that class in the process."""
-    import importlib
-
     text, vision = _rotary_functions(npu)
     done = []
     for target in targets:

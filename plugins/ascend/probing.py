@@ -1,6 +1,6 @@
 """Can this process use an Ascend NPU: torch_npu found, versions matched, CANN loaded, devices seen.
 
-Never raises, and imports torch_npu only inside ``probe`` (and ``_npu``, after
+Imports inside functions: it never raises, and imports torch_npu only inside ``probe`` (and ``_npu``, after
 a probe passed): torch_npu without CANN raises at import.
 """
 

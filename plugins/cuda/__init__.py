@@ -9,17 +9,22 @@ Resolved once at set-up:
   8.0 or newer, else ``sdpa``; per tower overridable with ``--attn``;
 - TF32 for matmul and cuDNN, turned off for an explicit ``--precision fp32``;
   pinned memory and two DataLoader workers; ``nccl``; ``CUBLAS_WORKSPACE_CONFIG`` when determinism is asked;
-- kernel patches (``kernels.py``): the Conv3d patch embedding as a matmul, flash-attention 2 for the vision
-  tower, Liger's kernels as an opt-in extra; each listed in the plan, chosen or declined with the reason.
+- kernel patches (``kernels.py``): the Conv3d patch embedding as a matmul, Liger's kernels as an opt-in
+  extra; each listed in the plan, chosen or declined with the reason.
 
 ``torch_npu.contrib.transfer_to_npu`` makes ``torch.cuda`` answer for an
 Ascend NPU; when it is loaded this backend reports itself unavailable, and
 ``--backend auto`` asks the NPU backend first anyway (higher priority).
+
+Imports inside functions: `vlft plugins`, `vlft doctor` and `--backend auto` import
+every backend plugin on every machine to list and probe it, so torch loads only when a hook of this backend
+runs.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 
 from vlft import (
@@ -36,6 +41,7 @@ from vlft import (
     ProbeResult,
     hookimpl,
     hookimpl_for,
+    parse_attn,
 )
 
 from .doctor import doctor_checks
@@ -105,8 +111,6 @@ def vlft_setup_device(backend, config):
 
 @cuda_hookimpl
 def vlft_attention_implementation(backend, config, model_config):
-    from vlft import parse_attn
-
     asked = parse_attn(config.attn) or {}
     fa_ok, fa_why = flash_attn_status()
     cap = capability(config)
@@ -156,8 +160,6 @@ def _fp16(reason: str) -> PrecisionPolicy:
 def _four_bit() -> tuple[bool, str]:
     """NF4 on CUDA: bitsandbytes' own home. Offered for planning where it is not installed (a dry run for a
     card elsewhere); loading the model then names the install."""
-    import importlib.util
-
     if importlib.util.find_spec("bitsandbytes") is None:
         return True, ("NF4 through bitsandbytes (CUDA kernels); it is not installed here: "
                       "pip install 'vlft[qlora]' before a real run")

@@ -1,4 +1,8 @@
-"""``vlft doctor --backend cuda``: the torch build, the driver, each GPU, flash-attn, the environment."""
+"""``vlft doctor --backend cuda``: the torch build, the driver, each GPU, flash-attn, the environment.
+
+Imports inside functions: `vlft doctor` lists every backend's checks on any machine; torch loads only
+when this backend's checks run.
+"""
 
 from __future__ import annotations
 

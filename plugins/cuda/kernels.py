@@ -5,24 +5,27 @@
   on some GPU / cuDNN pairs: an equal Linear was 11-18x faster (sglang-omni #132), and transformers #45750
   reports orders of magnitude on Blackwell in bf16; torch 2.9.x also has a Conv3d regression (pytorch
   #166122). On by default wherever the family names its patch embedding.
-- ``flash-attn-vision``: flash-attention 2 varlen for the vision tower (0.22 s against SDPA's 1.88 s for one
-  1000x2530 image on an A100, transformers #37363; FA3 there was 3x slower than FA2, verl #4670), where
-  flash-attn imports and the GPU is 8.0 or newer.
+- no flash-attention patch: the backend's own attention policy already loads both towers with flash-attention 2
+  wherever flash-attn imports and the GPU is 8.0 or newer (transformers #37363 measured FA2 varlen at 0.22 s
+  against SDPA's 1.88 s for one 1000x2530 image on an A100), so such a patch could never change a run.
 - ``liger-*``: Liger's RMSNorm, SwiGLU and (m)RoPE kernels (``pip install 'vlft[liger]'``), off by default;
   fused linear cross-entropy is its own patch (it lowered quality on Qwen2.5-VL-3B while the loss looked
   normal, Liger #827).
 
-Nothing here imports torch or a vendor package at module import; conditions are probed inside the hook.
+Imports inside functions: nothing here imports torch or a vendor package (liger_kernel) at module import, since
+the plan offers these patches on machines without a GPU too; conditions are probed inside the hook.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from importlib.metadata import PackageNotFoundError, version
 
 from vlft import KernelPatch
 
-from .probing import BF16_CAPABILITY, capability, flash_attn_status
 
+DEVICE_TEST = ("tests/hardware/test_kernels_on_device.py::"
+               "test_cuda_kernel_patches_take_effect_and_match_the_unpatched_model")
 LIGER_MODEL_TYPES = {"qwen2_5_vl": "apply_liger_kernel_to_qwen2_5_vl", "qwen3_vl": "apply_liger_kernel_to_qwen3_vl"}
 LIGER_PARTS = (  # (patch name, the liger switch, what it replaces, why)
     ("liger-rms-norm", "rms_norm", "RMSNorm (text decoder)", "Liger's fused Triton RMSNorm: fewer kernel launches "
@@ -128,30 +131,6 @@ def _patch_embed(family) -> KernelPatch:
     )
 
 
-def _flash_vision(config) -> KernelPatch:
-    fa_ok, fa_why = flash_attn_status()
-    cap = capability(config)
-    if not fa_ok:
-        ok, why = False, fa_why
-    elif cap is not None and cap < BF16_CAPABILITY:
-        ok, why = False, f"{fa_why}, but compute capability {cap[0]}.{cap[1]} < 8.0"
-    elif config.precision == "fp32":
-        ok, why = False, "flash-attention needs fp16/bf16 and --precision fp32 was asked"
-    else:
-        ok = True
-        why = fa_why + (", compute capability >= 8.0 assumed (no GPU visible here)" if cap is None
-                        else f", compute capability {cap[0]}.{cap[1]}")
-    return KernelPatch(
-        name="flash-attn-vision", replaces="SDPA in the vision tower", backend="cuda",
-        why="flash-attention 2 varlen: 0.22 s against SDPA's 1.88 s for a 1000x2530 image on an A100 "
-            "(transformers #37363); FA3 was 3x slower there (verl #4670)",
-        condition="flash-attn >= 2.3.3 imports, compute capability >= 8.0, fp16/bf16",
-        available=ok, reason=why + ("" if ok else "; the vision tower keeps sdpa"),
-        attention={"vision": "flash_attention_2"},
-        check="tests/hardware/test_kernels_on_device.py::test_cuda_kernel_matches_the_unpatched_model",
-    )
-
-
 def _liger_status(model_config) -> tuple[bool, str, str | None]:
     model_type = getattr(model_config, "model_type", None)
     if importlib.util.find_spec("liger_kernel") is None:
@@ -170,8 +149,6 @@ def _liger_status(model_config) -> tuple[bool, str, str | None]:
 
 
 def _version(dist: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version(dist.replace("_", "-"))
     except PackageNotFoundError:
@@ -198,7 +175,7 @@ def _liger(model_config) -> list[KernelPatch]:
         available=ok, default=False,
         reason=(why + "; opt-in until measured on this task") if ok else why,
         apply=_apply_liger(fn, switch) if ok else None,
-        check="tests/hardware/test_kernels_on_device.py::test_cuda_kernel_matches_the_unpatched_model",
+        check=DEVICE_TEST,
     ) for name, switch, replaces, reason in LIGER_PARTS]
     flce_why = why if not ok else (
         "vlft computes the loss from the logits (token_loss_sum over the label tokens), so Liger's fused "
@@ -214,4 +191,4 @@ def _liger(model_config) -> list[KernelPatch]:
 
 
 def kernel_patches(config, model_config, family) -> list[KernelPatch]:
-    return [_patch_embed(family), _flash_vision(config), *_liger(model_config)]
+    return [_patch_embed(family), *_liger(model_config)]

@@ -1,4 +1,8 @@
-"""Can this process use an NVIDIA GPU, and which one: probing without side effects (never raises)."""
+"""Can this process use an NVIDIA GPU, and which one: probing without side effects (never raises).
+
+Imports inside functions: the probe runs for `vlft plugins` and `--backend auto` on machines without a GPU
+too, and importing this module must not load torch (nor initialise CUDA).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""What every PEFT-based method shares: options, saving, loading, merging."""
+"""What every PEFT-based method shares: options, saving, loading, merging.
+
+Imports inside functions: peft (and with it transformers and torch) and vlft's model helpers load only
+when an adapter is applied, loaded or merged; `vlft plugins` imports every method plugin just to list it.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""LoRA: low-rank updates added to the frozen weights (``peft.LoraConfig``)."""
+"""LoRA: low-rank updates added to the frozen weights (``peft.LoraConfig``).
+
+Imports inside functions: peft (and with it transformers and torch) loads only when an adapter is
+applied, loaded or merged; `vlft plugins` imports every method plugin just to list it.
+"""
 
 from __future__ import annotations
 

@@ -3,6 +3,9 @@
 Rotations keep the norms of the features they act on, which suits the
 vision encoder. Blocks use the Cayley-Neumann parametrisation (PEFT's
 default), which avoids a matrix inverse per step.
+
+Imports inside functions: peft (and with it transformers and torch) loads only when an adapter is
+applied, loaded or merged; `vlft plugins` imports every method plugin just to list it.
 """
 
 from __future__ import annotations

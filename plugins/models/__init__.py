@@ -3,6 +3,9 @@ dense and MoE), registered as entry point ``models = "vlft_models"`` in group "v
 ``vlft_models = "plugins/models"``). NOTES.md has the facts and traps per family.
 
 Importing this package imports neither torch nor transformers.
+
+Imports inside functions: the family modules, each building its dataclasses at import, load when a family
+is first asked for, not when the plugin registers (every `vlft` command registers it).
 """
 
 from __future__ import annotations

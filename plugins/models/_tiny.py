@@ -10,6 +10,9 @@ The approach is vlft/embedded.py's (the Qwen2.5-VL embedded default), generalise
   vision std 0.02);
 - written to a temporary folder with ``save_pretrained`` and renamed into place, so a half-written
   cache never exists; loaded back with ``AutoProcessor`` / ``AutoModelForImageTextToText``.
+
+Imports inside functions: torch, tokenizers and transformers load only when a tiny model or a processor
+is built or loaded; the plugin registers, and plans offline, without them.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ Runs every vision block (and the mergers) once on the meta device, as the tower'
 Qwen2.5-VL with its window attention (full attention on ``fullatt_block_indexes``), Qwen2-VL, Qwen3-VL and
 Qwen3.5 with full attention per image, Qwen3-VL's deepstack mergers after their blocks. Moved here from
 vlft/planning/trace.py unchanged for Qwen2.5-VL.
+
+Imports inside functions: torch and transformers load only when a memory plan traces a tower, not when the
+family is registered.
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """The smallest input a Qwen vision tower takes, for ``ModelFamily.vision_dummy``: the core runs it on every
 process at every step (one process too), so a text-only batch still uses the tower's parameters
-(``vlft.models.vision``)."""
+(``vlft.models.vision``).
+
+Imports inside functions: torch loads only when a run builds the dummy input, not when the family is
+registered.
+"""
 
 from __future__ import annotations
 

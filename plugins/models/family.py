@@ -2,9 +2,10 @@
 
 This is the interface proposal for issue 20. It lives here for now; it should move to
 ``vlft/policies.py`` (beside ``BackendInfo``, ``MethodInfo``, ``AdapterDefaults``) so that the core and
-third-party family plugins import it as ``from vlft.policies import ModelFamily``. Nothing in this
-module imports torch or transformers at import time (the face of the package stays light); the helpers
-that need them import lazily.
+third-party family plugins import it as ``from vlft.policies import ModelFamily``.
+
+Imports inside functions: nothing in this module imports torch or transformers at import time (the face
+of the package stays light); the helpers that need them import lazily.
 
 A family answers for the ``model_type`` values it owns (``config.model_type`` of the checkpoint, as
 transformers writes it). Module paths are dotted attribute paths from the loaded
@@ -18,13 +19,19 @@ dataclass says, which is the point: a new family needs no core change.
 
 from __future__ import annotations
 
+import importlib
 import math
 import re
 from dataclasses import fields
+from functools import partial
+from types import SimpleNamespace
 from typing import Any, Callable
 
 from vlft.policies import FAMILY_TOWERS as TOWERS
 from vlft.policies import ModelFamily
+
+from . import _trace
+from ._warmup import qwen_vision_dummy
 
 # What the Qwen processors return for the model (transformers 5.2x), and how a batch joins each.
 QWEN_BATCH_INPUTS = {"pixel_values": "concat", "image_grid_thw": "concat", "pixel_values_videos": "concat",
@@ -56,8 +63,6 @@ def qwen_family(video_tokens_of=None, **fields_) -> ModelFamily:
     """A ModelFamily with the Qwen defaults, ``fields_`` on top; image grid/tokens (and, given
     ``video_tokens_of(fam, frames, height, width, ...)``, video tokens) by its own numbers, and the Qwen
     vision tracer for the memory plan. Bound as partials of the family: the dataclass stays frozen and plain."""
-    from functools import partial
-
     base = dict(QWEN_DEFAULTS, batch_inputs=dict(QWEN_BATCH_INPUTS))
     base.update(fields_)
     fam = ModelFamily(**base)
@@ -68,12 +73,8 @@ def qwen_family(video_tokens_of=None, **fields_) -> ModelFamily:
     if fam.image_grid is None:
         object.__setattr__(fam, "image_grid", partial(image_grid, fam))
     if fam.vision_dummy is None:
-        from ._warmup import qwen_vision_dummy
-
         object.__setattr__(fam, "vision_dummy", qwen_vision_dummy)
     if fam.trace_vision is None:
-        from . import _trace
-
         object.__setattr__(fam, "trace_vision", _trace.trace_qwen_vision)
     return fam
 
@@ -214,9 +215,6 @@ def rope_index_from_class(model_class_path: str) -> Callable[..., Any]:
 
     def rope_index(model_config, input_ids, image_grid_thw=None, video_grid_thw=None, attention_mask=None,
                    second_per_grid_ts=None, mm_token_type_ids_=None):
-        import importlib
-        from types import SimpleNamespace
-
         import torch
 
         cls = getattr(importlib.import_module(module_name), cls_name)

@@ -12,6 +12,9 @@ not the vision MLP names, block classes or rope index):
 
 The tiny builder for Qwen2.5-VL is vlft/embedded.py's recipe (``--model embedded`` stays that model); the
 Qwen2-VL one is its sibling with Qwen2-VL's config class.
+
+Imports inside functions: torch, tokenizers and transformers load only when a tiny model or a processor
+is built or loaded; the plugin registers, and plans offline, without them.
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ By default every 4th layer is full attention (``full_attention_interval`` 4). Th
 Without flash-linear-attention / causal-conv1d installed, transformers' torch fallbacks
 (``torch_chunk_gated_delta_rule``, a conv1d) run the linear-attention layers: they serve on the CPU.
 The chat template is Qwen3.5's (thinking by default): vlft renders with ``enable_thinking=False``.
+
+Imports inside functions: torch, tokenizers and transformers load only when a tiny model or a processor
+is built or loaded; the plugin registers, and plans offline, without them.
 """
 
 from __future__ import annotations
@@ -160,6 +163,7 @@ QWEN3_5 = qwen_family(
     rope_index=rope_index_from_class("transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5Model"),
     build_tiny=build_tiny,
     tiny_recipe=RECIPE,
+    bundled_configs=("qwen3.5-0.8b", "qwen3.5-4b"),
     **_COMMON,
 )
 
@@ -176,6 +180,7 @@ QWEN3_5_MOE = qwen_family(
     rope_index=rope_index_from_class("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeModel"),
     build_tiny=build_tiny_moe,
     tiny_recipe=RECIPE_MOE,
+    bundled_configs=("qwen3.5-35b-a3b",),
     **_COMMON,
 )
 

@@ -5,6 +5,9 @@ transformers 5.2x classes: ``Qwen3VLForConditionalGeneration`` -> ``.model`` (``
 deepstack_merger_list) and ``.language_model`` (``Qwen3VLTextModel``: layers[Qwen3VLTextDecoderLayer]);
 ``lm_head`` on the outer model. Processor ``Qwen3VLProcessor`` = ``Qwen2VLImageProcessor`` (patch 16,
 merge 2) + ``Qwen3VLVideoProcessor`` (timestamps between frames) + Qwen2 tokenizer.
+
+Imports inside functions: torch, tokenizers and transformers load only when a tiny model or a processor
+is built or loaded; the plugin registers, and plans offline, without them.
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@ Adapters go on attention by default. Expert LoRA is opt-in through PEFT's ``targ
 names in ``expert_parameters``); the router never trains. transformers 5.2x does compute a
 load-balancing loss when ``output_router_logits=True`` (off by default); with a frozen router it only
 pushes the adapters upstream of the router, so vlft should leave it off.
+
+Imports inside functions: torch, tokenizers and transformers load only when a tiny model or a processor
+is built or loaded; the plugin registers, and plans offline, without them.
 """
 
 from __future__ import annotations

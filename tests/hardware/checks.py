@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 
 import torch
 
@@ -324,3 +325,237 @@ def prepared(train, tmp_path, plugins=(), **values):
     config = build_config({}, {"steps": 8, "batch_size": 4, "eval_every": 0, "save_every": 0, "data": str(train),
                                "output": str(tmp_path / "session"), "warmup_ratio": 0.0, **values})
     return prepare(load_registry(plugins=plugins), config)
+
+
+# -- kernel patches --------------------------------------------------------------------------------------------
+
+# packages whose module-level functions a kernel patch may replace for the whole process
+PROCESS_WIDE = ("transformers", "torch_npu", "liger_kernel", "flash_attn")
+KERNEL_TOLERANCE_FACTOR = 2  # a patch within twice the unpatched model's own error (flash-attention's tests' rule)
+_MISSING = object()
+
+
+def _process_state() -> dict:
+    return {name: dict(vars(m)) for name, m in list(sys.modules.items())
+            if m is not None and name.split(".")[0] in PROCESS_WIDE}
+
+
+def _restore(state: dict) -> None:
+    """Every attribute of those packages' modules back as ``state`` had it, and the modules imported since
+    forgotten (their next import is a fresh, unpatched one)."""
+    for name, module in list(sys.modules.items()):
+        if module is None or name.split(".")[0] not in PROCESS_WIDE:
+            continue
+        if name not in state:
+            del sys.modules[name]
+            continue
+        now, old = vars(module), state[name]
+        for key in [k for k in now if k not in old]:
+            delattr(module, key)
+        for key, value in old.items():
+            if now.get(key, _MISSING) is not value:
+                setattr(module, key, value)
+
+
+def _call_key(frame, event, arg):
+    if event == "call":
+        code = frame.f_code
+        where = f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno}"
+        return f"{getattr(code, 'co_qualname', code.co_name)} ({where})"
+    if event == "c_call":
+        name = getattr(arg, "__qualname__", getattr(arg, "__name__", repr(arg)))
+        return f"{getattr(arg, '__module__', None) or ''}.{name}"
+    return None
+
+
+def forward_calls(model, inputs, device, dtype) -> set[str]:
+    """The Python functions and builtins one forward of ``model`` calls (this thread's, with ``sys.setprofile``):
+    where a patched model calls what the unpatched one never does, the patch's code ran."""
+    from vlft.models.loss import autocast_context
+
+    seen: set[str] = set()
+
+    def profile(frame, event, arg):
+        key = _call_key(frame, event, arg)
+        if key is not None:
+            seen.add(key)
+
+    with torch.no_grad(), autocast_context(device, dtype):
+        sys.setprofile(profile)
+        try:
+            model(**inputs)
+        finally:
+            sys.setprofile(None)
+    return seen
+
+
+def kernel_step(model, batch, device, dtype) -> dict:
+    """One training forward and backward as the run computes them (autocast, the token loss over the label
+    tokens): the loss, the logits at the real positions and every gradient, in float64 on the host, and the
+    seconds it took."""
+    import time
+
+    from vlft.data.batching import model_inputs
+    from vlft.models.loss import autocast_context, token_loss_sum
+
+    model.zero_grad(set_to_none=True)
+    sync = getattr(torch, device.type).synchronize if device.type != "cpu" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    with autocast_context(device, dtype):
+        logits = model(**model_inputs(batch)).logits
+    loss = token_loss_sum(logits, batch["labels"]) / (batch["labels"] != -100).sum()
+    loss.backward()
+    sync()
+    seconds = time.perf_counter() - t0
+    real = batch["attention_mask"].bool()
+    return {"loss": loss.detach().double().cpu(), "logits": logits.detach()[real].double().cpu(), "seconds": seconds,
+            "grads": {n: p.grad.detach().double().cpu() for n, p in model.named_parameters() if p.grad is not None}}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm()) if b.norm() > 0 else float((a - b).norm())
+
+
+def kernel_errors(patched: dict, unpatched: dict, exact: dict, u: float) -> list[str]:
+    """What of ``patched`` is further from ``exact`` than ``KERNEL_TOLERANCE_FACTOR`` times ``unpatched`` is,
+    plus one rounding ``u`` of the compute dtype (no kernel is asked to beat that): the logits, then each
+    gradient, as relative norm errors. Both models ran the same inputs in the same dtype on the same device, so
+    the unpatched model's error is that dtype's rounding on this model, measured side by side."""
+    failures = []
+    pairs = [("logits", patched["logits"], unpatched["logits"], exact["logits"])]
+    if set(patched["grads"]) != set(exact["grads"]):
+        failures.append(f"gradients of other parameters: {sorted(set(patched['grads']) ^ set(exact['grads']))[:4]}")
+    pairs += [(f"grad {n}", patched["grads"][n], unpatched["grads"][n], g)
+              for n, g in exact["grads"].items() if n in patched["grads"]]
+    for what, got, ref, want in pairs:
+        err, ref_err = _rel(got, want), _rel(ref, want)
+        tol = KERNEL_TOLERANCE_FACTOR * ref_err + u
+        if not err <= tol:
+            failures.append(f"{what}: relative error {err:.2e} > {KERNEL_TOLERANCE_FACTOR} x {ref_err:.2e} "
+                            f"(unpatched) + {u:.1e}")
+    return failures
+
+
+def _exact_step(model, batch) -> dict:
+    """``model``'s weights in float64 on the host, eager attention: the step without rounding to speak of."""
+    import copy
+
+    from vlft.models.loading import tower_attention
+
+    exact = copy.deepcopy(model).to("cpu", torch.float64)
+    for tower_config in (exact.config.vision_config, exact.config.text_config):
+        tower_config._attn_implementation = "eager"
+    exact.config._attn_implementation = "eager"
+    assert set(tower_attention(exact).values()) == {"eager"}
+    host = {k: (v.to("cpu", torch.float64) if v.is_floating_point() else v.cpu()) for k, v in batch.items()}
+    return kernel_step(exact.train(), host, torch.device("cpu"), None)
+
+
+def compare_each_patch(backend: str, registry=None,
+                       **config_values) -> tuple[list[str], dict[str, list[str]], list[str]]:
+    """Every kernel patch ``backend`` offers whose condition holds here (opt-in ones too), taken as a run takes
+    it (``--kernels NAME``: the plan lists it, ``_base_model`` applies it) and set against the run without it
+    (``--kernels none``) on the embedded model and one batch of the demo data: (report lines, {patch:
+    failures}, the patches compared). A patch fails when
+
+    - it took no effect: its forward called no function the unpatched one does not call, and no parameter
+      changed dtype (a patch asking for the attention the backend already uses is one);
+    - a tower it sets attention for did not load or dispatch on that implementation;
+    - its logits or a gradient left the tolerance of ``kernel_errors`` against a float64 host copy.
+
+    Process-wide patches (module-level functions replaced) are undone after each patch, before the next.
+    """
+    import dataclasses
+    import tempfile
+
+    from vlft.config import RunConfig
+    from vlft.data.batching import Collator, model_inputs, to_device
+    from vlft.data.demo import write_demo_dataset
+    from vlft.data.encoding import SampleEncoder
+    from vlft.data.records import read_records
+    from vlft.models.embedded import embedded_model_dir
+    from vlft.models.loading import load_processor, model_config_and_family, tower_attention
+    from vlft.planning.plan import resolve_plan
+    from vlft.registry import load_registry
+    from vlft.training.session import _base_model
+
+    registry = registry or load_registry()
+    model_dir = str(embedded_model_dir())
+    base = RunConfig(backend=backend, **config_values)
+    device = registry.first("vlft_setup_device", backend=backend, config=base).device
+    model_config, family = model_config_and_family(model_dir, registry)
+
+    def plan_for(kernels: str):
+        config = dataclasses.replace(base, kernels=kernels)
+        return resolve_plan(registry, config, model_dir, model_config, family=family), config
+
+    unpatched_plan, none_config = plan_for("none")
+    offered = [k for ks in registry.hook.vlft_kernel_patches(backend=backend, config=base, model_config=model_config,
+                                                             family=family) if ks for k in ks]
+    lines = [f"{backend}: offered {[k.name for k in offered]}"]
+    lines += [f"  declined {k.name}: {k.reason}" for k in offered if not k.available]
+    usable = [k for k in offered if k.available]
+    if not usable:
+        return lines, {}, []
+    processor = load_processor(model_dir, family, registry)
+    encoder = SampleEncoder(processor, family=family)
+    ds = write_demo_dataset(tempfile.mkdtemp(prefix="kernels-"), 8, 2)
+    batch = Collator(processor.tokenizer.pad_token_id, processor.image_token_id)(
+        [encoder.encode(r) for r in read_records(ds.train)[:2]])
+    dtype_name = unpatched_plan.precision.autocast_dtype
+    dtype = getattr(torch, dtype_name) if dtype_name else None
+    ref = _base_model(registry, backend, unpatched_plan, none_config).to(device).train()
+    compute = dtype or next(ref.parameters()).dtype
+    u = torch.finfo(compute).eps / 2  # unit roundoff of the dtype the step computes in
+    exact = _exact_step(ref, batch)
+    Observer().watch(ref)  # the same hooks as the patched model's, so their calls are no difference
+    on_device = to_device(batch, device)
+    warm_up = device.type != "cpu"  # the first step on a device pays for the allocator and kernel selection
+    if warm_up:
+        kernel_step(ref, on_device, device, dtype)
+    unpatched = kernel_step(ref, on_device, device, dtype)
+    ref_calls = forward_calls(ref, model_inputs(on_device), device, dtype)
+    ref_dtypes = {n: p.dtype for n, p in ref.named_parameters()}
+    ref_attention = tower_attention(ref)
+    del ref
+    clean = _process_state()  # after the unpatched path imported all it needs: what is new is a patch's
+    lines.append(f"  unpatched: loss {float(unpatched['loss']):.6f} (float64 host: {float(exact['loss']):.6f}), logits "
+                 f"error {_rel(unpatched['logits'], exact['logits']):.2e}, step {unpatched['seconds'] * 1e3:.1f} ms")
+
+    failures: dict[str, list[str]] = {}
+    for k in usable:
+        plan, config = plan_for(k.name)
+        problems = failures.setdefault(k.name, [])
+        if k.name not in [c.name for c in plan.kernels.chosen]:
+            problems.append(f"--kernels {k.name}: the plan does not list it as chosen")
+            continue
+        try:
+            model = _base_model(registry, backend, plan, config).to(device).train()
+            observer = Observer()
+            observer.watch(model)
+            if warm_up:
+                kernel_step(model, on_device, device, dtype)
+            patched = kernel_step(model, on_device, device, dtype)
+            new_calls = sorted(forward_calls(model, model_inputs(on_device), device, dtype) - ref_calls)
+            retyped = sorted(n for n, p in model.named_parameters() if ref_dtypes.get(n) != p.dtype)
+            attention = tower_attention(model)
+            del model
+        finally:
+            _restore(clean)
+        if not new_calls and not retyped:
+            problems.append("took no effect: its forward called nothing the unpatched one does not, and no "
+                            "parameter changed dtype")
+        for tower, impl in k.attention.items():
+            if attention[tower] != impl or observer.forward_attention[tower] != {impl}:
+                ran = sorted(observer.forward_attention[tower])
+                problems.append(f"{tower} tower loaded {attention[tower]} and ran {ran}, not {impl}")
+            elif ref_attention[tower] == impl:
+                problems.append(f"{tower} tower: the backend already uses {impl} without the patch")
+        problems += kernel_errors(patched, unpatched, exact, u)
+        lines.append(f"  {k.name}: loss {float(patched['loss']):.6f}, logits error "
+                     f"{_rel(patched['logits'], exact['logits']):.2e}; step {patched['seconds'] * 1e3:.1f} ms vs "
+                     f"{unpatched['seconds'] * 1e3:.1f} ms unpatched; new in its forward: {new_calls[:6]}"
+                     + (f" (+{len(new_calls) - 6})" if len(new_calls) > 6 else "")
+                     + (f"; parameters retyped: {len(retyped)}" if retyped else ""))
+    return lines, {k: v for k, v in failures.items() if v}, [k.name for k in usable]

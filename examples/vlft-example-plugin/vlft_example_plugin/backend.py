@@ -10,9 +10,11 @@ say, and ``vlft bf16-speed`` measures.
 Every backend hook below answers only for ``NAME`` and returns None for any
 other backend: the plugin manager asks every plugin, and the first non-None
 answer wins. ``@cpu_bf16_hookimpl`` (``hookimpl_for(NAME)``) writes that guard
-once; hooks without a ``backend`` argument keep ``@hookimpl``. Nothing heavy
-is imported at module level (``vlft plugins`` loads this module just to list
-it); torch is imported inside the hooks.
+once; hooks without a ``backend`` argument keep ``@hookimpl``.
+
+Imports inside functions: nothing heavy at module level (``vlft plugins`` loads this module just to
+list it): torch inside the hooks; ``resource`` (Unix only) where memory is read; click and time where
+the command runs.
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ transformers 5.2x module tree: ``model.vision_tower`` (SigLIP: ``encoder.layers[
 ``mlp.fc1/fc2``), ``model.multi_modal_projector`` (``mm_input_projection_weight`` is a bare Parameter, not
 an nn.Linear; ``mm_soft_emb_norm``; an AvgPool2d), ``model.language_model.layers[i]`` (Gemma3DecoderLayer:
 ``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``; sliding/global layers), ``lm_head``.
+
+Imports inside functions: torch, tokenizers and transformers load only when the tiny model is built or a
+run builds its dummy image; ``vlft plugins`` loads this module just to list it.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from vlft import ModelFamily, hookimpl
+from vlft import ModelFamily, VisionWarmup, hookimpl
 
 NAME = "gemma3"
 TEMPLATE = (
@@ -169,7 +172,6 @@ def vision_dummy(model, modality: str):
     the tower at every step. Gemma 3 has no video tower."""
     import torch
 
-    from vlft import VisionWarmup
 
     if modality != "image":
         return None

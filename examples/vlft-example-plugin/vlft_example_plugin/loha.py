@@ -8,6 +8,9 @@ A method plugin answers six hooks for its own name: its name
 (``vlft_methods``), its defaults, applying it, and saving, loading and
 merging the adapter. Saving goes through PEFT, so the adapter loads with plain
 ``peft.PeftModel.from_pretrained``.
+
+Imports inside functions: peft (and with it transformers and torch) loads only when an adapter is
+applied or loaded; ``vlft plugins`` loads this module just to list it.
 """
 
 from __future__ import annotations
