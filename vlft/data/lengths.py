@@ -5,9 +5,12 @@ the longest records the memory plan must hold.
 from __future__ import annotations
 
 import os
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from vlft.data.encoding import SampleEncoder
+from vlft.data.lazy import take
 from vlft.data.records import MAX_REPORTED_PROBLEMS, Record
 from vlft.errors import DataError
 
@@ -28,6 +31,34 @@ class LengthReport:
             "median": ordered[len(ordered) // 2] if ordered else 0, "skipped": len(self.skipped),
             "skipped_samples": self.skipped,
         }
+
+
+class PackedGrids(Sequence):
+    """Each sample's grids as ``LengthReport.grids`` lists them, held as two int arrays (where each sample's
+    grids start; the grids' t, h, w in a row) instead of a list of tuples per sample."""
+
+    def __init__(self):
+        self.starts, self.flat = array("q", [0]), array("i")
+
+    def append(self, grids: list[tuple[int, int, int]]) -> None:
+        for grid in grids:
+            self.flat.extend(grid)
+        self.starts.append(len(self.flat) // 3)
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def __getitem__(self, index: int) -> list[tuple[int, int, int]]:
+        if not -len(self) <= index < len(self):
+            raise IndexError(index)
+        index %= len(self)
+        a, b = self.starts[index], self.starts[index + 1]
+        return [tuple(self.flat[3 * k:3 * k + 3]) for k in range(a, b)]
+
+
+def compact_report() -> LengthReport:
+    """A report whose per-sample figures are int arrays (a few tens of bytes a sample, not Python objects)."""
+    return LengthReport(array("q"), PackedGrids(), labelled=array("q"))
 
 
 PARALLEL_FROM = 2_000  # records: below this, starting workers costs more than it saves
@@ -104,17 +135,17 @@ def check_lengths(records: list[Record], encoder: SampleEncoder, max_length: int
 
     Samples are never truncated: a cut could fall inside an image's tokens, which the model cannot read.
     """
-    kept: list[Record] = []
-    report = LengthReport([], [])
+    kept: list[int] = []
+    report = LengthReport([], []) if isinstance(records, list) else compact_report()  # lazy rows: arrays
     too_long: list[tuple[str, int]] = []
-    for rec, measured in zip(records, measure_all(records, encoder, progress)):
+    for i, measured in enumerate(measure_all(records, encoder, progress)):
         if isinstance(measured, Exception):
             raise measured
         n, grids, labelled = measured
         if max_length is not None and n > max_length:
-            too_long.append((rec.where, n))
+            too_long.append((records[i].where, n))
             continue
-        kept.append(rec)
+        kept.append(i)
         report.lengths.append(n)
         report.grids.append(grids)
         report.labelled.append(labelled)
@@ -130,4 +161,4 @@ def check_lengths(records: list[Record], encoder: SampleEncoder, max_length: int
     report.skipped = [{"where": where, "length": n} for where, n in too_long]
     if not kept:
         raise DataError(f"every sample in the {what} is longer than --max-length {max_length}; nothing to train on")
-    return kept, report
+    return take(records, kept), report
