@@ -9,7 +9,9 @@ travel beside it as an ``EmbeddedImage`` and are dropped with the batch. A struc
 bytes is a path, resolved as JSON paths are.
 
 Arrow files are memory-mapped (their buffers are read in place); Parquet files are read a row group at a
-time, and a sample's image reads the row group's image column (the last few kept per process).
+time, and a sample's image reads the row group's image column (the last few kept per process). A run
+keeps only each checked row's place (``data.lazy``) and builds the sample's record again from its row
+(``read_row``; the row group's columns kept the same way).
 
 Imports inside functions: pyarrow loads only when a columnar file is read (``vlft --help`` and JSON runs
 never pay for it).

@@ -99,34 +99,37 @@ def _measure_chunk(chunk: list[Record]) -> list:
     return [_measured(_WORKER_ENCODER[0], rec) for rec in chunk]
 
 
-def measure_all(records: list[Record], encoder: SampleEncoder, progress=None, workers: int | None = None) -> list:
+def measure_all(records: Sequence[Record], encoder: SampleEncoder, progress=None, workers: int | None = None) -> list:
     """``encoder.measure_labelled`` of every record, in order: ``(tokens, grids, labelled)`` or the
     ``DataError`` it raised. Long sets are measured by forked worker processes (each renders its share of the
     chat templates); ``progress(n)`` is called as records are done."""
+    return list(iter_measured(records, encoder, progress, workers))
+
+
+def iter_measured(records: Sequence[Record], encoder: SampleEncoder, progress=None, workers: int | None = None):
+    """``measure_all``'s results as they come: a run's check keeps only their figures, never the list of
+    them (a million tuples would outlive the check in the allocator's arenas)."""
     import multiprocessing  # only for long sets
 
     workers = check_workers() if workers is None else workers
     tick = progress or (lambda n: None)
     if workers <= 1 or len(records) < PARALLEL_FROM or "fork" not in multiprocessing.get_all_start_methods():
-        out = []
         for rec in records:
-            out.append(_measured(encoder, rec))
+            yield _measured(encoder, rec)
             tick(1)
-        return out
+        return
     size = max(64, len(records) // (workers * 8))
     chunks = [records[i:i + size] for i in range(0, len(records), size)]
     _WORKER_ENCODER[:] = [encoder]
     # forked workers inherit the encoder (processor, tokenizer) instead of loading it again
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    out = []
     try:
         with multiprocessing.get_context("fork").Pool(workers, initializer=_start_worker) as pool:
             for part in pool.imap(_measure_chunk, chunks):
-                out += part
                 tick(len(part))
+                yield from part
     finally:
         _WORKER_ENCODER.clear()
-    return out
 
 
 def check_lengths(records: list[Record], encoder: SampleEncoder, max_length: int | None, skip: bool,
@@ -138,7 +141,7 @@ def check_lengths(records: list[Record], encoder: SampleEncoder, max_length: int
     kept: list[int] = []
     report = LengthReport([], []) if isinstance(records, list) else compact_report()  # lazy rows: arrays
     too_long: list[tuple[str, int]] = []
-    for i, measured in enumerate(measure_all(records, encoder, progress)):
+    for i, measured in enumerate(iter_measured(records, encoder, progress)):
         if isinstance(measured, Exception):
             raise measured
         n, grids, labelled = measured

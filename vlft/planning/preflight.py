@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from vlft.config import RunConfig, parse_bytes, parse_columns, split_data_spec
@@ -102,7 +103,11 @@ def load_and_check_data(config: RunConfig, encoder) -> tuple[list, list, LengthR
         return _load_and_check_data(config, encoder)
 
     def media(result):  # columnar records noted their media while they were checked; lists are walked
-        return {k: v for part in result[:2] for k, v in (lazy_media(part) or checked.media_files(part)).items()}
+        found = {}
+        for part in result[:2]:
+            noted = lazy_media(part)
+            found.update(checked.media_files(part) if noted is None else noted)
+        return found
 
     train, val, lengths = checked.checked(config, encoder, paths, lambda: _load_and_check_data(config, encoder),
                                           media)
@@ -117,14 +122,17 @@ def _load_and_check_data(config: RunConfig, encoder) -> tuple[list, list, Length
     else:
         # no validation file: hold out a seeded 10% (at least one record) of the records as read, then weight
         # the rest (weighting first would put copies of one record in both)
-        pool = [(f, i) for f, (records, _) in enumerate(files) for i in range(len(records))]
-        order = list(range(len(pool)))
+        # (the records of all files in a row: file f's record i is starts[f] + i; flags, not a set of pairs)
+        starts = np.cumsum([0] + [len(records) for records, _ in files])
+        order = list(range(int(starts[-1])))
         random.Random(config.seed).shuffle(order)
-        n_val = max(1, len(pool) // 10) if len(pool) > 1 else 0
-        held = {pool[k] for k in order[:n_val]}
-        val = concat([take(records, [i for i in range(len(records)) if (f, i) in held])
+        n_val = max(1, len(order) // 10) if len(order) > 1 else 0
+        held = np.zeros(len(order), dtype=bool)
+        held[order[:n_val]] = True
+        del order
+        val = concat([take(records, np.flatnonzero(held[starts[f]:starts[f + 1]]))
                       for f, (records, _) in enumerate(files)])
-        kept = [(take(records, [i for i in range(len(records)) if (f, i) not in held]), w)
+        kept = [(take(records, np.flatnonzero(~held[starts[f]:starts[f + 1]])), w)
                 for f, (records, w) in enumerate(files)]
         if sum(len(r) for r, _ in kept):
             files = kept
