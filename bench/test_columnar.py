@@ -11,11 +11,14 @@ the figure that must stay near 0. At the smallest
 scale the same set converted to JSON Lines (``vlft data convert``, images written as files) is checked too,
 the rate JSON Lines gives on the same records.
 
-10^6 records is left out: at the 10^5 rate measured on 2 shared cores (339 records/s, load average 7.6)
-its cold check alone takes about 50 minutes; the bytes held per record below say what it would hold.
+10^6 records is left out: at the 10^5 rate measured on 2 shared cores (381 records/s, load average 3.0)
+its cold check alone takes about 44 minutes; the growth per record between 10^4 and 10^5 says what more
+it would hold.
 
 Figures: records/s cold at each scale (target: JSON Lines' own rate on the same records), records/s from
-the cache, MiB resident at the peak and held after the check, bytes held per record.
+the cache, MiB resident at the peak and held after the check, bytes held per record, MiB resident at the
+peak of the 2 training steps, and bytes resident per record between scales after the check and during
+the steps (target ~0: the places and figures, 44 bytes a record).
 """
 
 from __future__ import annotations

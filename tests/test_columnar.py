@@ -17,8 +17,10 @@ from __future__ import annotations
 import io
 import json
 import pickle
+from array import array
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -399,17 +401,17 @@ def _checked(data: str, processor) -> tuple:
 def test_a_run_holds_parquet_rows_as_places_with_the_records_of_json_lines(tmp_path, processor, monkeypatch):
     """The run's checked data on a Parquet set (held-out tenth, weight 2.5: whole copies and a seeded share)
     are the records the same set as JSON Lines gives, in the same order and split, with the same lengths; but
-    held as (file, row) places: the pickled result (the checked-data cache, what DataLoader workers receive)
-    grows per training sample by at most its places and figures: 12 bytes (file int32, row int64) and 8 each
-    for its length, labelled count and grid offset, 12 per image grid (int32 t, h, w), where a list of
-    Records grows by a Record per distinct sample (about 3 KB resident: bench/test_columnar.py)."""
+    held as (file, row) places: the pickled result (the checked-data cache) grows per training sample by its
+    places and figures alone: 12 bytes (file int32, row int64) and 8 each for its length, labelled count and
+    grid offset, 12 per image grid (int32 t, h, w); in memory they are the same arrays. (A list of Records
+    holds a Record per distinct sample, about 3 KB resident: bench/test_columnar.py.)"""
     import vlft.data.lazy as lazy
     from vlft.data.convert import convert
     from vlft.data.demo import write_demo_dataset
 
     monkeypatch.setenv("VLFT_CACHE", str(tmp_path / "cache"))
     sizes = {}
-    for n in (20, 40):
+    for n in (20, 80):
         ds = write_demo_dataset(tmp_path / f"demo-{n}", n_train=n, n_val=1, seed=2)
         convert(ds.train, tmp_path / f"train-{n}.parquet")
         train, val, lengths = _checked(f"{tmp_path / f'train-{n}.parquet'}:2.5", processor)
@@ -424,29 +426,11 @@ def test_a_run_holds_parquet_rows_as_places_with_the_records_of_json_lines(tmp_p
         assert view(train) == view(json_train) and view(val) == view(json_val)
         assert list(lengths.lengths) == json_lengths.lengths and list(lengths.labelled) == json_lengths.labelled
         assert list(lengths.grids) == json_lengths.grids
-        sizes[n] = (len(train), sum(map(len, lengths.grids)), *_held_bytes((train, val, lengths)))
-    (s1, g1, p1, m1), (s2, g2, p2, m2) = sizes[20], sizes[40]
-    bound = (12 + 3 * 8) * (s2 - s1) + 12 * (g2 - g1) + 12 * 2  # and 2 more held-out places
-    assert m2 - m1 <= bound  # in memory, exact: objects of fixed size cancel out
-    assert p2 - p1 <= bound + 3 * 8  # pickled: each of the 8 arrays' byte strings may outgrow a 1-byte length
-
-
-def _held_bytes(result) -> tuple[int, int]:
-    """(pickled bytes, bytes Python and numpy allocate to hold the result unpickled: tracemalloc counts the
-    requested sizes, so the figure is the arithmetic's, without allocator rounding). Allocations that are not
-    the result's (another thread's, a cache's first fill; one load in the whole module was seen 93 bytes over)
-    only add: the least of 3 loads."""
-    import tracemalloc
-
-    blob = pickle.dumps(result)
-    held = []
-    tracemalloc.start()
-    try:
-        for _ in range(3):
-            before = tracemalloc.get_traced_memory()[0]
-            kept = pickle.loads(blob)
-            held.append(tracemalloc.get_traced_memory()[0] - before)
-            del kept
-    finally:
-        tracemalloc.stop()
-    return len(blob), min(held)
+        sizes[n] = (len(train), sum(map(len, lengths.grids)), len(pickle.dumps((train, val, lengths))))
+    (s1, g1, p1), (s2, g2, p2) = sizes[20], sizes[80]
+    bound = (12 + 3 * 8) * (s2 - s1) + 12 * (g2 - g1) + 12 * 6  # and 6 more held-out places
+    assert p2 - p1 <= bound + 3 * 8  # each of the 8 arrays' byte strings may outgrow pickle's 1-byte length
+    # in memory too: arrays, not a Python int (28 bytes and an 8-byte pointer) or tuple per sample
+    assert all(isinstance(a, array) for a in (lengths.lengths, lengths.labelled, lengths.grids.starts,
+                                              lengths.grids.flat))
+    assert isinstance(train.rows, np.ndarray) and isinstance(train.file_of, np.ndarray)

@@ -239,7 +239,8 @@ class _Table:
         self._groups: OrderedDict = OrderedDict()
         try:
             if self.format == "parquet":
-                self.parquet = pq.ParquetFile(str(path), memory_map=True)
+                # read, not mapped: pages of a mapped file the check read would stay resident for the run
+                self.parquet = pq.ParquetFile(str(path), memory_map=False)
                 self.schema = self.parquet.schema_arrow
                 counts = [self.parquet.metadata.row_group(g).num_rows for g in range(self.parquet.num_row_groups)]
                 self.group_starts = [sum(counts[:g]) for g in range(len(counts) + 1)]
@@ -330,6 +331,13 @@ def _opened(path: Path) -> _Table:
     while len(_OPEN) > KEEP_FILES:
         _OPEN.popitem(last=False)
     return table
+
+
+def close(files: list[Path]) -> None:
+    """Forget these files' open tables: after the check, the pages it read of a memory-mapped Arrow file (and
+    the row groups kept) leave the process; training opens again the few it reads."""
+    for key in [k for k in _OPEN if k[0] in {str(f) for f in files}]:
+        del _OPEN[key]
 
 
 def read_image_bytes(ref: StoredImage) -> bytes:

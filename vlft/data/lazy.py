@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vlft.data.columnar import data_files, file_format
+from vlft.data.columnar import close, data_files, file_format
 from vlft.data.records import Record, read_records_collecting, record_at
 
 
@@ -114,6 +114,7 @@ def read_compact(path: str | Path, image_root=None, add_placeholders: bool = Fal
     kept = _KeptRows(files, lambda f: f"{path.name}/{f.name}" if path.is_dir() else f.name)
     _, problems = read_records_collecting(path, image_root=image_root, add_placeholders=add_placeholders,
                                           columns=columns, keep=kept.keep)
+    close(files)  # the run keeps places, not the files' pages the check read
     reading = {"image_root": image_root, "add_placeholders": add_placeholders, "columns": columns}
     return kept.records(reading), problems
 

@@ -138,7 +138,7 @@ def check_lengths(records: list[Record], encoder: SampleEncoder, max_length: int
 
     Samples are never truncated: a cut could fall inside an image's tokens, which the model cannot read.
     """
-    kept: list[int] = []
+    kept = array("q")  # indices of the samples kept (no Python int per sample)
     report = LengthReport([], []) if isinstance(records, list) else compact_report()  # lazy rows: arrays
     too_long: list[tuple[str, int]] = []
     for i, measured in enumerate(iter_measured(records, encoder, progress)):
