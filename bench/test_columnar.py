@@ -3,16 +3,22 @@ LLaVA-OneVision's columns, shards of 10,000 rows in row groups of 1,000, JPEG by
 pool of distinct images, one per ten records up to 10,000), at 10^4 and 10^5 records (200 with
 --benchmark-disable). Each scale runs in a process of its own (``bench/support/columnar_check.py``):
 ``planning.preflight.load_and_check_data`` cold (every row read and checked, each distinct image decoded
-once, every record measured by the parallel workers), then again from the cache; the process's resident
-memory before, at its peak during the cold check, and after it with the records held. At the smallest
+once, every record measured by the parallel workers), then again from the cache, then a 2-step ``vlft run``
+on the set; the process's resident memory before, at its peak during the cold check, after it with the
+checked rows held (``data.lazy``: places and figures, not Records), and at its peak during the 2 steps. The
+growth per record between scales (each in a process of its own, so the model and libraries cancel out) is
+the figure that must stay near 0. At the smallest
 scale the same set converted to JSON Lines (``vlft data convert``, images written as files) is checked too,
 the rate JSON Lines gives on the same records.
 
-10^6 records is left out: at the 10^5 rate measured on 2 shared cores (339 records/s, load average 7.6)
-its cold check alone takes about 50 minutes; the bytes held per record below say what it would hold.
+10^6 records is left out: at the 10^5 rate measured on 2 shared cores (381 records/s, load average 3.0)
+its cold check alone takes about 44 minutes; the growth per record between 10^4 and 10^5 says what more
+it would hold.
 
 Figures: records/s cold at each scale (target: JSON Lines' own rate on the same records), records/s from
-the cache, MiB resident at the peak and held after the check, bytes held per record.
+the cache, MiB resident at the peak and held after the check, bytes held per record, MiB resident at the
+peak of the 2 training steps, and bytes resident per record between scales after the check and during
+the steps (target ~0: the places and figures, 44 bytes a record).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ def _check(size, data: Path, val: Path, cache: Path, in_process: bool = False) -
     if in_process:  # the tiny workload of --benchmark-disable: the same check, without a process to start
         from bench.support.columnar_check import measure
 
-        return measure(size.encoder, data, val, cache)
+        return measure(size.encoder, data, val, cache, str(size.path))
     model = size.path
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-m", "bench.support.columnar_check", model, str(data), str(val),
@@ -73,7 +79,15 @@ def test_columnar_check(benchmark, env, embedded_size, tmp_path_factory, monkeyp
         figures[f"MiB held after the check ({n:,})"] = figure((r["rss_after"] - r["rss_before"]) / MIB, unit="MiB")
         figures[f"bytes held per record ({n:,})"] = figure((r["rss_after"] - r["rss_before"]) / r["records"],
                                                            unit="B")
+        figures[f"MiB resident, peak during 2 training steps ({n:,})"] = figure(r["rss_training"] / MIB, unit="MiB")
+    for a, b in zip(scales, scales[1:]):  # what one more record costs: the model and libraries cancel out
+        more = results[b]["records"] - results[a]["records"]
+        for key, what in (("rss_after", "after the check"), ("rss_training", "during 2 training steps")):
+            figures[f"bytes resident per record {what} ({a:,} -> {b:,})"] = figure(
+                (results[b][key] - results[a][key]) / more, "~0 (a few tens: the rows' places and figures)",
+                unit="B")
     record(benchmark, env, embedded_size, "columnar", figures, {str(k): v for k, v in results.items()},
            notes=[f"workers: {os.environ.get('VLFT_CHECK_WORKERS') or 'usable cores up to 8'}; load average "
                   f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"])
     assert [results[n]["records"] for n in scales] == [n + 16 for n in scales]
+    assert [results[n]["steps"] for n in scales] == [2 for _ in scales]

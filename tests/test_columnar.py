@@ -17,8 +17,10 @@ from __future__ import annotations
 import io
 import json
 import pickle
+from array import array
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -338,3 +340,97 @@ def test_the_config_file_maps_columns_and_finds_globs_beside_it(tmp_path):
     config = build_config(load_config_file(tmp_path / "run.yaml"), {})
     assert parse_columns(config.columns) == {"messages": "conv", "images": "pics"}
     assert config.data == [f"{tmp_path}/shards/*.parquet:2"]
+
+
+def _execute(**values) -> Path:
+    """``vlft run`` in this process (a KeyboardInterrupt from ``die_at_step`` comes out as it is)."""
+    from vlft.commands.run import execute
+    from vlft.config import build_config
+    from vlft.registry import load_registry
+
+    execute(load_registry(), build_config({}, values), progress=False)
+    return Path(values["output"])
+
+
+def _short_run(hub_sets, out: Path, **over) -> dict:
+    """A short run on the OneVision-style Parquet set (image bytes, two row groups; 6 rows in batches of 2, so
+    4 steps cross an epoch), dropout off so that losses depend on the samples alone."""
+    return {**dict(backend="cpu", data=str(hub_sets["onevision"]), val_data=str(hub_sets["cauldron"]),
+                   output=str(out), steps=4, batch_size=2, log_every=1, eval_every=0, eval_samples=1, max_new_tokens=2,
+                   save_every=0, seed=3, lr=3e-3, adapter={"lora_dropout": 0.0}), **over}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(hub_sets, tmp_path_factory) -> list[float]:
+    return _losses(_execute(**_short_run(hub_sets, tmp_path_factory.mktemp("whole") / "run")))
+
+
+def test_a_parquet_run_killed_mid_way_resumes_at_the_exact_sample(hub_sets, uninterrupted, tmp_path, monkeypatch):
+    """Killed during step 3 (after the step-2 checkpoint), then ``--resume``d: steps 3 and 4 draw the samples the
+    uninterrupted run drew there (rows built again from the file), so every logged loss is the same. Same
+    process, same shapes, same arithmetic: equal, not close."""
+    from helpers import die_at_step
+
+    values = _short_run(hub_sets, tmp_path / "run", save_every=2)
+    die_at_step(monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt):
+        _execute(**values)
+    monkeypatch.undo()
+    assert len(_losses(tmp_path / "run")) == 2
+    _execute(**values, resume=True)
+    assert len(uninterrupted) == 4 and _losses(tmp_path / "run") == uninterrupted
+
+
+def test_a_dataloader_worker_reads_the_rows_and_images_itself(hub_sets, uninterrupted, tmp_path):
+    """``--num-workers 1``: the records travel to the worker as (file, row) places and the worker reads rows and
+    image bytes from the Parquet file itself; its samples are the main process's, so the losses are equal."""
+    out = _execute(**_short_run(hub_sets, tmp_path / "run", steps=2, num_workers=1))
+    assert json.loads((out / "plan.json").read_text())["dataloader"]["num_workers"] == 1
+    assert _losses(out) == uninterrupted[:2]
+
+
+def _checked(data: str, processor) -> tuple:
+    """``load_and_check_data`` on ``data`` without a validation file (a seeded tenth held out), weighted."""
+    from vlft.config import RunConfig
+    from vlft.data.encoding import SampleEncoder
+    from vlft.planning.preflight import load_and_check_data
+
+    return load_and_check_data(RunConfig(data=[data], seed=0), SampleEncoder(processor))
+
+
+def test_a_run_holds_parquet_rows_as_places_with_the_records_of_json_lines(tmp_path, processor, monkeypatch):
+    """The run's checked data on a Parquet set (held-out tenth, weight 2.5: whole copies and a seeded share)
+    are the records the same set as JSON Lines gives, in the same order and split, with the same lengths; but
+    held as (file, row) places: the pickled result (the checked-data cache) grows per training sample by its
+    places and figures alone: 12 bytes (file int32, row int64) and 8 each for its length, labelled count and
+    grid offset, 12 per image grid (int32 t, h, w); in memory they are the same arrays. (A list of Records
+    holds a Record per distinct sample, about 3 KB resident: bench/test_columnar.py.)"""
+    import vlft.data.lazy as lazy
+    from vlft.data.convert import convert
+    from vlft.data.demo import write_demo_dataset
+
+    monkeypatch.setenv("VLFT_CACHE", str(tmp_path / "cache"))
+    sizes = {}
+    for n in (20, 80):
+        ds = write_demo_dataset(tmp_path / f"demo-{n}", n_train=n, n_val=1, seed=2)
+        convert(ds.train, tmp_path / f"train-{n}.parquet")
+        train, val, lengths = _checked(f"{tmp_path / f'train-{n}.parquet'}:2.5", processor)
+        assert isinstance(train, lazy.ColumnarRecords) and isinstance(val, lazy.ColumnarRecords)
+        json_train, json_val, json_lengths = _checked(f"{ds.train}:2.5", processor)
+
+        def view(records):
+            return [([(t.role, t.text) for t in r.turns], [load_image(s).tobytes() for s in r.images])
+                    for r in records]
+
+        assert len(train) == len(json_train) == 2 * (n - n // 10) + (n - n // 10) // 2
+        assert view(train) == view(json_train) and view(val) == view(json_val)
+        assert list(lengths.lengths) == json_lengths.lengths and list(lengths.labelled) == json_lengths.labelled
+        assert list(lengths.grids) == json_lengths.grids
+        sizes[n] = (len(train), sum(map(len, lengths.grids)), len(pickle.dumps((train, val, lengths))))
+    (s1, g1, p1), (s2, g2, p2) = sizes[20], sizes[80]
+    bound = (12 + 3 * 8) * (s2 - s1) + 12 * (g2 - g1) + 12 * 6  # and 6 more held-out places
+    assert p2 - p1 <= bound + 3 * 8  # each of the 8 arrays' byte strings may outgrow pickle's 1-byte length
+    # in memory too: arrays, not a Python int (28 bytes and an 8-byte pointer) or tuple per sample
+    assert all(isinstance(a, array) for a in (lengths.lengths, lengths.labelled, lengths.grids.starts,
+                                              lengths.grids.flat))
+    assert isinstance(train.rows, np.ndarray) and isinstance(train.file_of, np.ndarray)

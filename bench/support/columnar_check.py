@@ -3,8 +3,11 @@ resident memory is the check's alone, not what earlier scales left behind.
 
 ``python -m bench.support.columnar_check MODEL DATA VAL CACHE`` prints one JSON line: seconds cold and cached,
 records, and the process's resident memory (VmRSS, sampled every 20 ms) before, at its peak during the
-cold check, and after it with the checked records held. The check's forked workers are separate processes
-and not counted (they hold a chunk of records and one processor each).
+cold check, after it with the checked records held, and at its peak during a 2-step ``vlft run`` on the same
+set in this process (its check from the cache; the model, its optimizer and one batch added). The check's
+forked workers are separate processes and not counted (they hold a chunk of rows and one processor each).
+The figure that should not grow with the set is the difference between scales, each in a process of its
+own: what the model and libraries take is the same at every scale.
 """
 
 from __future__ import annotations
@@ -50,16 +53,17 @@ def main(model: str, data: str, val: str, cache: str) -> dict:
     from vlft.models.loading import load_processor, model_config_and_family
 
     _, family = model_config_and_family(model)
-    return measure(SampleEncoder(load_processor(model, family), family=family), data, val, cache)
+    return measure(SampleEncoder(load_processor(model, family), family=family), data, val, cache, model)
 
 
-def measure(encoder, data: str, val: str, cache: str) -> dict:
-    """The figures of one cold and one cached check (``VLFT_CACHE`` is the caller's to point at ``cache``)."""
+def measure(encoder, data: str, val: str, cache: str, model: str) -> dict:
+    """The figures of one cold and one cached check and a 2-step run (``VLFT_CACHE`` is the caller's to point
+    at ``cache``)."""
     from vlft.config import build_config
     from vlft.planning.preflight import load_and_check_data
 
-    config = build_config({}, dict(backend="cpu", data=[str(data)], val_data=str(val),
-                                   output=str(Path(cache) / "r")))
+    values = dict(backend="cpu", data=[str(data)], val_data=str(val), output=str(Path(cache) / "r"))
+    config = build_config({}, values)
     before = rss_bytes()
     start = time.perf_counter()
     with PeakRss() as peak:
@@ -71,8 +75,25 @@ def measure(encoder, data: str, val: str, cache: str) -> dict:
     start = time.perf_counter()
     train, val_records, _ = load_and_check_data(config, encoder)
     cached = time.perf_counter() - start
+    del train, val_records
+    with PeakRss() as training:
+        steps = two_steps(values, model)
     return {"records": records, "cold_s": cold, "cached_s": cached, "rss_before": before, "rss_peak": peak.peak,
-            "rss_after": after}
+            "rss_after": after, "rss_training": training.peak, "steps": steps}
+
+
+def two_steps(values: dict, model: str) -> int:
+    """A 2-step ``vlft run`` on the checked set (the check's options unchanged, so it comes from the cache);
+    one generated answer before and after, of 1 token. The steps it logged."""
+    from vlft.commands.run import execute
+    from vlft.config import build_config
+    from vlft.registry import load_registry
+
+    out = Path(values["output"])
+    execute(load_registry(), build_config({}, dict(values, model=model, steps=2, batch_size=2, log_every=1,
+                                                   eval_every=0, save_every=0, eval_samples=1,
+                                                   max_new_tokens=1)), progress=False)
+    return sum(1 for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ travel beside it as an ``EmbeddedImage`` and are dropped with the batch. A struc
 bytes is a path, resolved as JSON paths are.
 
 Arrow files are memory-mapped (their buffers are read in place); Parquet files are read a row group at a
-time, and a sample's image reads the row group's image column (the last few kept per process).
+time, and a sample's image reads the row group's image column (the last few kept per process). A run
+keeps only each checked row's place (``data.lazy``) and builds the sample's record again from its row
+(``read_row``; the row group's columns kept the same way).
 
 Imports inside functions: pyarrow loads only when a columnar file is read (``vlft --help`` and JSON runs
 never pay for it).
@@ -168,30 +170,53 @@ def _image_shape(type_) -> str | None:
     return None
 
 
-def iter_rows(path: Path, label: str, columns: dict[str, str] | None = None) -> Iterator[tuple[str, dict]]:
-    """(where, record dict) for each row: ``"label: row group G, row N"`` (Parquet) or ``"label: row N"``, N
-    counted from 0 over the file as `datasets` and pandas index it."""
+def iter_rows(path: Path, label: str, columns: dict[str, str] | None = None) -> Iterator[tuple[str, dict, int]]:
+    """(where, record dict, row) for each row: ``"label: row group G, row N"`` (Parquet) or ``"label: row N"``,
+    N counted from 0 over the file as `datasets` and pandas index it."""
     table = _opened(path)
-    read, _ = _reading_plan(table.schema.names, check_column_map(columns))
-    if not read:
-        raise DataError(f"{label}: none of its columns ({', '.join(table.schema.names)}) is one vlft reads "
-                        f"({', '.join(RECORD_KEYS)}); map the set's own names with --columns OURS=THEIRS")
-    shapes = {name: _image_shape(table.schema.field(name).type) for name in read}
+    read, shapes = _row_plan(table, label, columns)
     file = str(path.resolve())
     for group, first, batch in table.batches(list(read), label):
         values = {name: batch.column(name).to_pylist() for name in read}
         for i in range(batch.num_rows):
             row = first + i
-            obj = {}
-            for name, key in read.items():
-                value = values[name][i]
-                if shapes[name] == "one":
-                    value = None if value is None else [_image(value, StoredImage(file, row, name))]
-                elif shapes[name] == "list" and value is not None:
-                    value = [_image(v, StoredImage(file, row, name, k)) for k, v in enumerate(value)]
-                obj[key] = value
-            where = f"{label}: row group {group}, row {row}" if group is not None else f"{label}: row {row}"
-            yield where, obj
+            cells = {name: values[name][i] for name in read}
+            yield _where(label, group, row), _row_object(cells, read, shapes, file, row), row
+
+
+def read_row(path: Path, row: int, label: str, columns: dict[str, str] | None = None) -> tuple[str, dict]:
+    """(where, record dict) of one row, as ``iter_rows`` gives it: a training sample built from its row (its
+    row group is read once and kept, ``KEEP_GROUPS`` of them per process)."""
+    table = _opened(path)
+    read, shapes = _row_plan(table, label, columns)
+    group, cells = table.row(list(read), row)
+    return _where(label, group, row), _row_object(cells, read, shapes, str(Path(path).resolve()), row)
+
+
+def _row_plan(table: "_Table", label: str, columns: dict[str, str] | None) -> tuple[dict[str, str], dict]:
+    """({the file's column: the key it is read as}, {column: its image shape or None})."""
+    read, _ = _reading_plan(table.schema.names, check_column_map(columns))
+    if not read:
+        raise DataError(f"{label}: none of its columns ({', '.join(table.schema.names)}) is one vlft reads "
+                        f"({', '.join(RECORD_KEYS)}); map the set's own names with --columns OURS=THEIRS")
+    return read, {name: _image_shape(table.schema.field(name).type) for name in read}
+
+
+def _where(label: str, group: int | None, row: int) -> str:
+    return f"{label}: row group {group}, row {row}" if group is not None else f"{label}: row {row}"
+
+
+def _row_object(cells: dict, read: dict[str, str], shapes: dict, file: str, row: int) -> dict:
+    """One row's cells as the dict a JSON record would be, its images as places in the file."""
+    obj = {}
+    for name, key in read.items():
+        value = cells[name]
+        if shapes[name] == "one":
+            value = None if value is None else [_image(value, StoredImage(file, row, name))]
+        elif shapes[name] == "list" and value is not None:
+            value = [_image(v, StoredImage(file, row, name, k)) for k, v in enumerate(value)]
+        obj[key] = value
+    return obj
 
 
 def _image(value: dict | None, ref: StoredImage) -> Any:
@@ -214,7 +239,8 @@ class _Table:
         self._groups: OrderedDict = OrderedDict()
         try:
             if self.format == "parquet":
-                self.parquet = pq.ParquetFile(str(path), memory_map=True)
+                # read, not mapped: pages of a mapped file the check read would stay resident for the run
+                self.parquet = pq.ParquetFile(str(path), memory_map=False)
                 self.schema = self.parquet.schema_arrow
                 counts = [self.parquet.metadata.row_group(g).num_rows for g in range(self.parquet.num_row_groups)]
                 self.group_starts = [sum(counts[:g]) for g in range(len(counts) + 1)]
@@ -246,19 +272,35 @@ class _Table:
                 raise DataError(f"{label}: row group {group} cannot be read as Parquet ({e}); the file is "
                                 f"damaged: download or export it again") from None
 
-    def cell(self, column: str, row: int) -> Any:
+    def row(self, names: list[str], row: int) -> tuple[int | None, dict]:
+        """(row group or None, {column: value}) of one row; a Parquet row group's columns are read once and
+        kept (the last ``KEEP_GROUPS``), so samples drawn from one group cost one read."""
         if self.format != "parquet":
-            return self.table.column(column)[row].as_py()
+            return None, self.table.select(names).slice(row, 1).to_pylist()[0]
+        group = self._group_of(row)
+        rows = self._kept((group, tuple(names)), lambda: self.parquet.read_row_group(group, columns=names))
+        return group, rows.slice(row - self.group_starts[group], 1).to_pylist()[0]
+
+    def _group_of(self, row: int) -> int:
         from bisect import bisect_right  # only Parquet rows are found through their row group
 
-        group = bisect_right(self.group_starts, row) - 1
-        key = (group, column)
+        return bisect_right(self.group_starts, row) - 1
+
+    def _kept(self, key: tuple, read):
+        """A row group's columns from the kept ones, or read and kept (dropping the oldest)."""
         values = self._groups.pop(key, None)
         if values is None:
-            values = self.parquet.read_row_group(group, columns=[column]).column(0)
+            values = read()
         self._groups[key] = values
         while len(self._groups) > KEEP_GROUPS:
             self._groups.popitem(last=False)
+        return values
+
+    def cell(self, column: str, row: int) -> Any:
+        if self.format != "parquet":
+            return self.table.column(column)[row].as_py()
+        group = self._group_of(row)
+        values = self._kept((group, column), lambda: self.parquet.read_row_group(group, columns=[column]).column(0))
         return values[row - self.group_starts[group]].as_py()
 
 
@@ -289,6 +331,13 @@ def _opened(path: Path) -> _Table:
     while len(_OPEN) > KEEP_FILES:
         _OPEN.popitem(last=False)
     return table
+
+
+def close(files: list[Path]) -> None:
+    """Forget these files' open tables: after the check, the pages it read of a memory-mapped Arrow file (and
+    the row groups kept) leave the process; training opens again the few it reads."""
+    for key in [k for k in _OPEN if k[0] in {str(f) for f in files}]:
+        del _OPEN[key]
 
 
 def read_image_bytes(ref: StoredImage) -> bytes:

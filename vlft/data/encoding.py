@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 
 import torch
 from PIL import Image
@@ -295,7 +296,7 @@ class SampleEncoder:
 class EncodedDataset(torch.utils.data.Dataset):
     """Records encoded on access, so DataLoader workers share the work."""
 
-    def __init__(self, records: list[Record], encoder: SampleEncoder):
+    def __init__(self, records: Sequence[Record], encoder: SampleEncoder):  # a list or data.lazy rows
         self.records = records
         self.encoder = encoder
 

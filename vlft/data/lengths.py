@@ -5,9 +5,12 @@ the longest records the memory plan must hold.
 from __future__ import annotations
 
 import os
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from vlft.data.encoding import SampleEncoder
+from vlft.data.lazy import take
 from vlft.data.records import MAX_REPORTED_PROBLEMS, Record
 from vlft.errors import DataError
 
@@ -28,6 +31,34 @@ class LengthReport:
             "median": ordered[len(ordered) // 2] if ordered else 0, "skipped": len(self.skipped),
             "skipped_samples": self.skipped,
         }
+
+
+class PackedGrids(Sequence):
+    """Each sample's grids as ``LengthReport.grids`` lists them, held as two int arrays (where each sample's
+    grids start; the grids' t, h, w in a row) instead of a list of tuples per sample."""
+
+    def __init__(self):
+        self.starts, self.flat = array("q", [0]), array("i")
+
+    def append(self, grids: list[tuple[int, int, int]]) -> None:
+        for grid in grids:
+            self.flat.extend(grid)
+        self.starts.append(len(self.flat) // 3)
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def __getitem__(self, index: int) -> list[tuple[int, int, int]]:
+        if not -len(self) <= index < len(self):
+            raise IndexError(index)
+        index %= len(self)
+        a, b = self.starts[index], self.starts[index + 1]
+        return [tuple(self.flat[3 * k:3 * k + 3]) for k in range(a, b)]
+
+
+def compact_report() -> LengthReport:
+    """A report whose per-sample figures are int arrays (a few tens of bytes a sample, not Python objects)."""
+    return LengthReport(array("q"), PackedGrids(), labelled=array("q"))
 
 
 PARALLEL_FROM = 2_000  # records: below this, starting workers costs more than it saves
@@ -68,34 +99,37 @@ def _measure_chunk(chunk: list[Record]) -> list:
     return [_measured(_WORKER_ENCODER[0], rec) for rec in chunk]
 
 
-def measure_all(records: list[Record], encoder: SampleEncoder, progress=None, workers: int | None = None) -> list:
+def measure_all(records: Sequence[Record], encoder: SampleEncoder, progress=None, workers: int | None = None) -> list:
     """``encoder.measure_labelled`` of every record, in order: ``(tokens, grids, labelled)`` or the
     ``DataError`` it raised. Long sets are measured by forked worker processes (each renders its share of the
     chat templates); ``progress(n)`` is called as records are done."""
+    return list(iter_measured(records, encoder, progress, workers))
+
+
+def iter_measured(records: Sequence[Record], encoder: SampleEncoder, progress=None, workers: int | None = None):
+    """``measure_all``'s results as they come: a run's check keeps only their figures, never the list of
+    them (a million tuples would outlive the check in the allocator's arenas)."""
     import multiprocessing  # only for long sets
 
     workers = check_workers() if workers is None else workers
     tick = progress or (lambda n: None)
     if workers <= 1 or len(records) < PARALLEL_FROM or "fork" not in multiprocessing.get_all_start_methods():
-        out = []
         for rec in records:
-            out.append(_measured(encoder, rec))
+            yield _measured(encoder, rec)
             tick(1)
-        return out
+        return
     size = max(64, len(records) // (workers * 8))
     chunks = [records[i:i + size] for i in range(0, len(records), size)]
     _WORKER_ENCODER[:] = [encoder]
     # forked workers inherit the encoder (processor, tokenizer) instead of loading it again
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    out = []
     try:
         with multiprocessing.get_context("fork").Pool(workers, initializer=_start_worker) as pool:
             for part in pool.imap(_measure_chunk, chunks):
-                out += part
                 tick(len(part))
+                yield from part
     finally:
         _WORKER_ENCODER.clear()
-    return out
 
 
 def check_lengths(records: list[Record], encoder: SampleEncoder, max_length: int | None, skip: bool,
@@ -104,17 +138,17 @@ def check_lengths(records: list[Record], encoder: SampleEncoder, max_length: int
 
     Samples are never truncated: a cut could fall inside an image's tokens, which the model cannot read.
     """
-    kept: list[Record] = []
-    report = LengthReport([], [])
+    kept = array("q")  # indices of the samples kept (no Python int per sample)
+    report = LengthReport([], []) if isinstance(records, list) else compact_report()  # lazy rows: arrays
     too_long: list[tuple[str, int]] = []
-    for rec, measured in zip(records, measure_all(records, encoder, progress)):
+    for i, measured in enumerate(iter_measured(records, encoder, progress)):
         if isinstance(measured, Exception):
             raise measured
         n, grids, labelled = measured
         if max_length is not None and n > max_length:
-            too_long.append((rec.where, n))
+            too_long.append((records[i].where, n))
             continue
-        kept.append(rec)
+        kept.append(i)
         report.lengths.append(n)
         report.grids.append(grids)
         report.labelled.append(labelled)
@@ -130,4 +164,4 @@ def check_lengths(records: list[Record], encoder: SampleEncoder, max_length: int
     report.skipped = [{"where": where, "length": n} for where, n in too_long]
     if not kept:
         raise DataError(f"every sample in the {what} is longer than --max-length {max_length}; nothing to train on")
-    return kept, report
+    return take(records, kept), report

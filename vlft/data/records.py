@@ -34,7 +34,15 @@ from urllib.parse import urlparse
 
 from PIL import Image, UnidentifiedImageError
 
-from vlft.data.columnar import EmbeddedImage, StoredImage, check_column_map, data_files, file_format, iter_rows
+from vlft.data.columnar import (
+    EmbeddedImage,
+    StoredImage,
+    check_column_map,
+    data_files,
+    file_format,
+    iter_rows,
+    read_row,
+)
 from vlft.data.formats import FormatProblem, parse_record, stray_marker
 from vlft.data.safety import image_file_problem, open_image, read_text_file
 from vlft.data.video import VideoError, probe_video
@@ -104,13 +112,14 @@ class _Problems:
 
 
 def _iter_raw(path: Path, label: str, problems: _Problems, columns: dict[str, str]):
-    """Yield (where, object) for each record of a JSON array, JSONL, Parquet or Arrow file; ``columns``
-    (ours -> the set's own name) renames keys before a layout reads them."""
+    """Yield (where, object, row) for each record of a JSON array, JSONL, Parquet or Arrow file (row: a
+    columnar file's row, None in JSON); ``columns`` (ours -> the set's own name) renames keys before a layout
+    reads them."""
     if file_format(path) is not None:
         yield from iter_rows(path, label, columns)
         return
     for where, obj in _iter_json(path, label, problems):
-        yield where, _renamed(obj, columns)
+        yield where, _renamed(obj, columns), None
 
 
 def _renamed(obj: Any, columns: dict[str, str]) -> Any:
@@ -261,8 +270,9 @@ def read_records(path: str | Path, check_images: bool = True, image_root: str | 
 
 def read_records_collecting(path: str | Path, check_images: bool = True, image_root: str | Path | None = None,
                             add_placeholders: bool = False, columns: dict[str, str] | None = None,
-                            ) -> tuple[list[Record], _Problems]:
-    """The valid records and the problems of the others (``vlft data check`` reports both)."""
+                            keep=None) -> tuple[list[Record], _Problems]:
+    """The valid records and the problems of the others (``vlft data check`` reports both). ``keep(file,
+    row, record)``: says whether a valid record is kept in the list (``data.lazy`` keeps its row instead)."""
 
     path = Path(path)
     files = data_files(path)
@@ -275,11 +285,24 @@ def read_records_collecting(path: str | Path, check_images: bool = True, image_r
     images = _ImageChecker(root, check_images)
     for file in files:
         label = f"{path.name}/{file.name}" if path.is_dir() else file.name
-        for where, obj in _iter_raw(file, label, problems, columns):
+        for where, obj, row in _iter_raw(file, label, problems, columns):
             record = _record(where, obj, file.parent, images, add_placeholders, problems)
-            if record is not None:
+            if record is not None and (keep is None or keep(file, row, record)):
                 records.append(record)
     return records, problems
+
+
+def record_at(file: Path, row: int, label: str, image_root: str | Path | None = None,
+              add_placeholders: bool = False, columns: dict[str, str] | None = None) -> Record:
+    """The record of one row of a columnar file that was checked before, built again from the row (its
+    images stay places in the file, decoded when the sample is encoded)."""
+    where, obj = read_row(file, row, label, check_column_map(columns))
+    problems = _Problems(file)
+    root = Path(image_root) if image_root is not None else None
+    record = _record(where, obj, file.parent, _ImageChecker(root, check=False), add_placeholders, problems)
+    if record is None:
+        raise DataError(f"{problems.items[0]}\n{file} changed after it was checked; run again to check it anew")
+    return record
 
 
 class _ImageChecker:

@@ -56,7 +56,7 @@ def evaluate_generation(model, encoder, records, device, max_new_tokens=32, auto
     are padded to the same length with repeats of a record, whose answers are dropped, and every process
     decodes until all are done, so all take the same number of forward passes. Slower than unsharded
     generation (each decoding step gathers every block), but the same answers."""
-    mine = records[rank::world_size]
+    mine = list(records[rank::world_size])  # this process's share, built (columnar rows: data.lazy)
     n_mine = len(mine)
     if synced and records:
         mine += [records[0]] * (-(-len(records) // world_size) - n_mine)

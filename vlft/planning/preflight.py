@@ -10,9 +10,11 @@ plan says the run cannot fit.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from vlft.config import RunConfig, parse_bytes, parse_columns, split_data_spec
@@ -22,7 +24,8 @@ from vlft.data.encoding import SampleEncoder
 from vlft.data.lengths import LengthReport, check_lengths
 from vlft.data.order import DataOrder, run_micro_batches, total_steps_for
 from vlft.data.packing import padding_ratio, settle_auto
-from vlft.data.records import read_records, read_records_collecting
+from vlft.data.lazy import concat, read_compact, take, weighted
+from vlft.data.lazy import media_files as lazy_media
 from vlft.errors import ConfigError, DataError
 from vlft.models.adapting import compute_adapters_in_autocast_dtype
 from vlft.models.bundled import is_bundled
@@ -60,18 +63,10 @@ def resolve_data_paths(config: RunConfig) -> tuple[list[tuple[Path, float]], Pat
     return [(Path(p), w) for p, w in map(split_data_spec, specs)], (Path(config.val_data) if config.val_data else None)
 
 
-def weighted(records: list, weight: float, seed: int) -> list:
-    """``weight`` copies of each record per epoch: whole copies, then a seeded share for the fraction."""
-
-    whole, frac = int(weight), weight - int(weight)
-    extra = random.Random(seed).sample(records, round(len(records) * frac)) if frac else []
-    return records * whole + extra
-
-
 def read_training_files(config: RunConfig) -> tuple[list, Path | None]:
     """Every training file read and weighted (all files' problems reported together), and the validation path."""
     files, val_path = read_training_files_unweighted(config)
-    return [r for records, weight in files for r in weighted(records, weight, config.seed)], val_path
+    return concat([weighted(records, weight, config.seed) for records, weight in files]), val_path
 
 
 def read_training_files_unweighted(config: RunConfig) -> tuple[list[tuple[list, float]], Path | None]:
@@ -81,9 +76,9 @@ def read_training_files_unweighted(config: RunConfig) -> tuple[list[tuple[list, 
     files, val_path = resolve_data_paths(config)
     train, messages = [], []
     for path, weight in files:
-        records, problems = read_records_collecting(path, image_root=config.image_root,
-                                                    add_placeholders=config.add_placeholders,
-                                                    columns=parse_columns(config.columns))
+        records, problems = read_compact(path, image_root=config.image_root,  # columnar: rows, not objects
+                                         add_placeholders=config.add_placeholders,
+                                         columns=parse_columns(config.columns))
         try:
             problems.raise_if_any()
         except DataError as e:
@@ -107,9 +102,12 @@ def load_and_check_data(config: RunConfig, encoder) -> tuple[list, list, LengthR
     except DataError:  # the reader names what is missing, with the other files' problems
         return _load_and_check_data(config, encoder)
 
-    def media(result):
-        train, val, _ = result
-        return checked.media_files([*train, *val])
+    def media(result):  # columnar records noted their media while they were checked; lists are walked
+        found = {}
+        for part in result[:2]:
+            noted = lazy_media(part)
+            found.update(checked.media_files(part) if noted is None else noted)
+        return found
 
     train, val, lengths = checked.checked(config, encoder, paths, lambda: _load_and_check_data(config, encoder),
                                           media)
@@ -120,21 +118,25 @@ def load_and_check_data(config: RunConfig, encoder) -> tuple[list, list, LengthR
 def _load_and_check_data(config: RunConfig, encoder) -> tuple[list, list, LengthReport]:
     files, val_path = read_training_files_unweighted(config)
     if val_path is not None:
-        val = read_records(val_path, image_root=config.image_root, add_placeholders=config.add_placeholders,
-                           columns=parse_columns(config.columns))
+        val = _read_validation(val_path, config)
     else:
         # no validation file: hold out a seeded 10% (at least one record) of the records as read, then weight
         # the rest (weighting first would put copies of one record in both)
-        pool = [(f, i) for f, (records, _) in enumerate(files) for i in range(len(records))]
-        order = list(range(len(pool)))
+        # (the records of all files in a row: file f's record i is starts[f] + i; flags, not a set of pairs)
+        starts = np.cumsum([0] + [len(records) for records, _ in files])
+        order = list(range(int(starts[-1])))
         random.Random(config.seed).shuffle(order)
-        n_val = max(1, len(pool) // 10) if len(pool) > 1 else 0
-        held = {pool[k] for k in order[:n_val]}
-        val = [files[f][0][i] for f, i in pool if (f, i) in held]
-        kept = [([r for i, r in enumerate(records) if (f, i) not in held], w) for f, (records, w) in enumerate(files)]
+        n_val = max(1, len(order) // 10) if len(order) > 1 else 0
+        held = np.zeros(len(order), dtype=bool)
+        held[order[:n_val]] = True
+        del order
+        val = concat([take(records, np.flatnonzero(held[starts[f]:starts[f + 1]]))
+                      for f, (records, _) in enumerate(files)])
+        kept = [(take(records, np.flatnonzero(~held[starts[f]:starts[f + 1]])), w)
+                for f, (records, w) in enumerate(files)]
         if sum(len(r) for r, _ in kept):
             files = kept
-    train = [r for records, weight in files for r in weighted(records, weight, config.seed)]
+    train = concat([weighted(records, weight, config.seed) for records, weight in files])
     # measuring renders every record with the chat template, which checks it splits into prompt and reply
     train, lengths = check_lengths(train, encoder, config.max_length, config.skip_too_long,
                                             "training data")
@@ -144,6 +146,16 @@ def _load_and_check_data(config: RunConfig, encoder) -> tuple[list, list, Length
         lengths.skipped += [dict(s, split="validation") for s in val_lengths.skipped]
     check_enough_records(len(train), config)
     return train, val, lengths
+
+
+def _read_validation(path: Path, config: RunConfig):
+    """The validation file's records (columnar: their rows), every one checked; its problems raised."""
+    records, problems = read_compact(path, image_root=config.image_root, add_placeholders=config.add_placeholders,
+                                     columns=parse_columns(config.columns))
+    problems.raise_if_any()
+    if not records:
+        raise DataError(f"{path} holds no records")
+    return records
 
 
 def unread_column_notes(config: RunConfig) -> list[str]:
@@ -211,8 +223,8 @@ class Planned:
     model_config: object
     processor: object
     encoder: SampleEncoder
-    train_records: list
-    val_records: list
+    train_records: Sequence  # a list, or columnar rows (data.lazy.ColumnarRecords)
+    val_records: Sequence
     total_steps: int
     skeleton: object = None  # the adapted model on 'meta' the plan was made on (--shard fsdp saves through it)
     train_lengths: list | None = None  # each training sample's tokens (--group-by-length batches by them)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import torch
 from vlft.config import RunConfig
 from vlft.data.batching import collator_for
 from vlft.data.encoding import EncodedDataset, SampleEncoder
+from vlft.data.lazy import modalities
 from vlft.data.packing import PackingCollator
 from vlft.models.adapting import (
     compute_adapters_in_autocast_dtype,
@@ -67,8 +69,8 @@ class Session:
     config: RunConfig
     processor: object
     encoder: SampleEncoder
-    train_records: list
-    val_records: list
+    train_records: Sequence  # a list, or columnar rows built into records as they are read (data.lazy)
+    val_records: Sequence
     device: object
     model: object  # the adapted (PEFT) model
     optimizer: object
@@ -130,9 +132,7 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
     model = _adapted(registry, plan, config, model, resume_from)
     _place(model, plan, config, device)
     # every step runs the towers the data uses, on every process, one included (models.vision)
-    modalities = {m for m, rs in (("image", [r for r in planned.train_records if r.images]),
-                                  ("video", [r for r in planned.train_records if r.videos])) if rs}
-    install_vision_warmup(model, modalities, plan.family, sharded=plan.sharding.enabled)
+    install_vision_warmup(model, modalities(planned.train_records), plan.family, sharded=plan.sharding.enabled)
     autocast_dtype = getattr(torch, plan.precision.autocast_dtype) if plan.precision.autocast_dtype else None
     scaler = plan.precision.make_scaler() if plan.precision.loss_scaling else None
     optimizer, scheduler = _optimizer_and_schedule(model, plan, config, planned.total_steps)
