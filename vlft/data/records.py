@@ -67,6 +67,9 @@ class Record:
     image_sizes: list[tuple[int, int]] | None = None  # (width, height) of each image, read at validation
     videos: list[str] = field(default_factory=list)  # absolute paths, in <video> placeholder order
     layout: str = "messages"
+    # a preference record (``data.preferences``): the same prompt with the reply ranked lower; ``turns`` hold the
+    # chosen conversation
+    rejected: list[Turn] | None = None
 
     @property
     def reference(self) -> str:
@@ -213,13 +216,13 @@ def load_image(source: str | bytes) -> Image.Image:
 
 
 def read_records(path: str | Path, check_images: bool = True, image_root: str | Path | None = None,
-                 add_placeholders: bool = False) -> list[Record]:
+                 add_placeholders: bool = False, parse=None) -> list[Record]:
     """Read and validate a data file; raise one DataError listing every problem.
 
     ``image_root``: the folder relative image and video paths start from (default: the data file's).
     ``add_placeholders``: records with images but no placeholder get them at the start of the first user turn.
     """
-    records, problems = read_records_collecting(path, check_images, image_root, add_placeholders)
+    records, problems = read_records_collecting(path, check_images, image_root, add_placeholders, parse)
     problems.raise_if_any()
     if not records:
         raise DataError(f"{path} holds no records")
@@ -227,8 +230,9 @@ def read_records(path: str | Path, check_images: bool = True, image_root: str | 
 
 
 def read_records_collecting(path: str | Path, check_images: bool = True, image_root: str | Path | None = None,
-                            add_placeholders: bool = False) -> tuple[list[Record], _Problems]:
-    """The valid records and the problems of the others (``vlft data check`` reports both)."""
+                            add_placeholders: bool = False, parse=None) -> tuple[list[Record], _Problems]:
+    """The valid records and the problems of the others (``vlft data check`` reports both). ``parse``: the
+    layout reader of each JSON object (an objective's, ``Objective.parse``); None: ``parse_record``."""
 
     path = Path(path)
     if not path.is_file():
@@ -245,7 +249,7 @@ def read_records_collecting(path: str | Path, check_images: bool = True, image_r
             problems.add(where, f"record must be a JSON object, got {type(obj).__name__}")
             continue
         try:
-            parsed = parse_record(obj, add_placeholders)
+            parsed = (parse or parse_record)(obj, add_placeholders)
         except FormatProblem as e:
             problems.add(where, str(e))
             continue
@@ -296,8 +300,10 @@ def read_records_collecting(path: str | Path, check_images: bool = True, image_r
             videos.append(source)
         if bad:
             continue
+        rejected = [Turn(ROLE_ALIASES[t.role], t.text, t.loss is not False) for t in parsed.rejected] \
+            if parsed.rejected is not None else None
         records.append(Record(turns, sources, where, obj.get("id"), sizes if check_images else None, videos,
-                              parsed.layout))
+                              parsed.layout, rejected))
     return records, problems
 
 
