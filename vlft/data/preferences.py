@@ -56,15 +56,18 @@ def parse_preference(obj: dict, add_placeholders: bool = False) -> Parsed:
             sides[side] = parse_record({**rest, turns_key: [*prompt, *reply]}, add_placeholders)
         except FormatProblem as e:
             raise FormatProblem(f"{side}: {e}") from None
-        _prompt_replies_untrained(sides[side], len(prompt))
-        problem = _check_turns(sides[side])
-        if problem:
-            raise FormatProblem(f"{side}: {problem}")
     chosen, rejected = sides["chosen"], sides["rejected"]
     if chosen.images != rejected.images or chosen.videos != rejected.videos:
-        raise FormatProblem(f"chosen and rejected must share the prompt's images: chosen has "
-                            f"{len(chosen.images)} image(s), rejected {len(rejected.images)}, or they differ; "
-                            "put images in the prompt only")
+        counts = [f"{len(p.images)} image(s)" + (f" and {len(p.videos)} video(s)" if p.videos else "")
+                  for p in (chosen, rejected)]
+        raise FormatProblem(f"chosen and rejected must share the prompt's images: chosen has {counts[0]}, rejected "
+                            f"{counts[1]}" + (" (different ones)" if counts[0] == counts[1] else "")
+                            + "; put images in the prompt only")
+    for side, parsed in sides.items():
+        _prompt_replies_untrained(parsed, len(prompt))
+        problem = _check_turns(parsed)
+        if problem:
+            raise FormatProblem(f"{side}: {problem}")
     n = len(prompt) + (1 if "system" in obj and obj["system"] is not None else 0)
     replies = [[t.text for t in p.turns[n:]] for p in (chosen, rejected)]
     if replies[0] == replies[1]:

@@ -28,18 +28,25 @@ def init_adapter_source(registry: Registry, config: RunConfig) -> AdapterSource 
     return source
 
 
-def check_init_adapter(plan, source: AdapterSource) -> None:
-    """The adapter covers exactly the modules the plan adapts and was trained with this run's method options
-    (where its run folder tells); ``plan.init_adapter`` names it."""
+def matches(name: str, patterns: list[str]) -> bool:
+    """PEFT's rule for a list of ``target_modules``: the module's name, or a dotted suffix of it (PEFT saves the
+    shortest suffixes that tell the targets apart)."""
+    return name in patterns or any(name.endswith(f".{p}") for p in patterns)
+
+
+def check_init_adapter(plan, source: AdapterSource, module_names: list[str]) -> None:
+    """The adapter covers exactly the modules the plan adapts (``module_names``: every module of the model) and
+    was trained with this run's method options (where its run folder tells); ``plan.init_adapter`` names it."""
     where = plan.config.init_adapter
     try:
         saved = json.loads((source.adapter_dir / "adapter_config.json").read_text()).get("target_modules")
     except (OSError, ValueError) as e:
         raise ConfigError(f"--init-adapter {where}: cannot read its adapter_config.json ({e})") from None
-    if isinstance(saved, list) and set(saved) != set(plan.targets):
-        extra, missing = sorted(set(saved) - set(plan.targets)), sorted(set(plan.targets) - set(saved))
+    adapted = {n for n in module_names if matches(n, saved)} if isinstance(saved, list) else set(plan.targets)
+    if adapted != set(plan.targets):
+        extra, missing = sorted(adapted - set(plan.targets)), sorted(set(plan.targets) - adapted)
         raise ConfigError(
-            f"--init-adapter {where}: adapts {len(saved)} modules, this run plans {len(plan.targets)}"
+            f"--init-adapter {where}: adapts {len(adapted)} modules, this run plans {len(plan.targets)}"
             + (f" (only in the adapter: {extra[0]}, ...)" if extra else "")
             + (f" (only in the plan: {missing[0]}, ...)" if missing else "")
             + "; pass the --targets and --vision-last-n of the run that trained it")

@@ -283,7 +283,7 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
     plan.notes += [f"not traced, counted as 0: {what}" for what in plan.memory.activations.untraced]
     plan.model_counts = count_parameters(skeleton, family)
     if init_source is not None:
-        check_init_adapter(plan, init_source)
+        check_init_adapter(plan, init_source, [n for n, _ in base_model(skeleton).named_modules()])
     if plan.sharding.enabled:
         plan.notes.append(f"--shard fsdp: rank 0 alone reads the base weights, into its host memory "
                           f"({memory.gib(sum(plan.memory.base_weights.values()))}); the other processes build "

@@ -236,8 +236,8 @@ def _reference(model, plan: RunPlan, resume_from: Path | None, device) -> Refere
         return Reference(model, Reference.capture(model))
     kept = saved_reference(resume_from)
     if kept is None:
-        raise VlftError(f"--resume: {resume_from} keeps no reference weights of --init-adapter {plan.init_adapter}; "
-                        f"resume it without --init-adapter, or start the run again")
+        raise VlftError(f"--resume: {resume_from} keeps no reference weights of --init-adapter {plan.init_adapter} "
+                        f"(it was not written by a {plan.objective.name} run); start the run again")
     return Reference(model, {n: t.to(device) for n, t in kept.items()})
 
 
