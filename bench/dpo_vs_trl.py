@@ -73,8 +73,13 @@ def trl_stepper(pairs, registry, folder: Path):
     trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
                          processing_class=planned.processor)
     trainer.create_optimizer_and_scheduler(num_training_steps=100_000)
-    loader = iter(trainer.get_train_dataloader())
+    trainer.current_gradient_accumulation_steps = 1  # what train() sets before its steps
     model.train()
+
+    def epochs():
+        while True:  # epoch after epoch, as vlft's sampler goes on
+            yield from trainer.get_train_dataloader()
+    loader = epochs()
 
     def steps(n: int) -> None:
         for _ in range(n):
