@@ -25,6 +25,11 @@ PACK = "test_packing_runs.py::"
 RUN_OPTION_TESTS = {
     "--backend": "test_run.py::test_short_run_writes_adapter_metrics_and_eval",
     "--method": "test_run.py::test_short_run_writes_adapter_metrics_and_eval",
+    "--objective": "test_objectives.py::test_a_dpo_run_trains_saves_resumes_and_evaluates",
+    "--beta": "test_objectives.py::test_dpo_loss_options_take_effect",
+    "--dpo-loss": "test_objectives.py::test_dpo_loss_options_take_effect",
+    "--label-smoothing": "test_objectives.py::test_dpo_loss_options_take_effect",
+    "--init-adapter": "test_objectives.py::test_sft_then_dpo_from_its_adapter",
     "--model": "test_family_runs.py::test_every_family_trains_on_mixed_data",
     "--data": "test_run.py::test_short_run_writes_adapter_metrics_and_eval",
     "--image-root": "test_run_options.py::test_data_options_reach_the_samples_a_run_trains_on",

@@ -31,6 +31,8 @@ from vlft.policies import (
     MethodInfo,
     MetricSink,
     ModelFamily,
+    Objective,
+    ObjectiveInfo,
     PrecisionPolicy,
     ProbeResult,
     VisionWarmup,
@@ -41,6 +43,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AdapterDefaults", "AttentionPolicy", "BackendHookimpl", "BackendInfo", "BackendUnavailable", "ConfigError",
     "DataError", "DataLoaderOptions", "DeviceCapacity", "DeviceSetup", "DistributedOptions", "DoctorCheck",
-    "KernelPatch", "MemoryStats", "MethodInfo", "MetricSink", "ModelFamily", "PrecisionPolicy", "ProbeResult",
+    "KernelPatch", "MemoryStats", "MethodInfo", "MetricSink", "ModelFamily", "Objective", "ObjectiveInfo",
+    "PrecisionPolicy", "ProbeResult",
     "RunConfig", "VisionWarmup", "VlftError", "hookimpl", "hookimpl_for", "parse_attn",
 ]

@@ -30,6 +30,18 @@ def opt(default, help: str, **extra):
 class RunConfig:
     backend: str = opt("auto", "Backend plugin to run on; 'auto' picks the best available (see `vlft plugins`).")
     method: str = opt("lora", "Adapter method plugin (see `vlft methods`).")
+    objective: str = opt("sft", "What is optimised: sft (the next-token loss on the assistant replies) or dpo "
+                                "(direct preference optimisation on chosen and rejected replies); plugins add more "
+                                "(see `vlft objectives`).")
+    beta: float = opt(0.1, "DPO: the strength of the pull toward the reference model (the implicit reward is beta x "
+                           "the log-ratio of policy to reference).")
+    dpo_loss: str = opt("sigmoid", "DPO loss: sigmoid (-log sigmoid(beta x margin)), ipo (squared distance of the "
+                                   "per-token margin to 1/(2 beta)) or hinge (relu(1 - beta x margin)).",
+                        choices=("sigmoid", "ipo", "hinge"))
+    label_smoothing: float = opt(0.0, "DPO, sigmoid loss: the share of pairs taken as mislabelled (conservative "
+                                      "DPO), in [0, 0.5).")
+    init_adapter: str | None = opt(None, "Start from this adapter (a run folder or an adapter folder, e.g. an sft "
+                                         "run's) instead of a fresh one; a DPO run then takes it as its reference.")
     model: str | None = opt(None, "Model directory (any family a plugin offers: `vlft plugins`), a bundled config "
                                   "name (plans offline), or embedded:FAMILY (a tiny model built here); default: "
                                   "the embedded Qwen2.5-VL.")
@@ -213,7 +225,7 @@ def load_config_file(path: str | os.PathLike) -> dict:
             raise ConfigError(f"{path}: unknown key '{key}'. Valid keys: {valid}")
         out[name] = _coerce(known[name], value, f"{path}:{_key_lines(text).get(str(key), '?')}")
     # relative paths in a config file are relative to the file
-    for name in ("model", "val_data", "output", "image_root"):
+    for name in ("model", "val_data", "output", "image_root", "init_adapter"):
         if out.get(name) and not Path(out[name]).is_absolute() and (path.parent / out[name]).exists():
             out[name] = str(path.parent / out[name])
     if out.get("data"):
@@ -334,6 +346,10 @@ def validate(cfg: RunConfig) -> None:
     if cfg.video_fps <= 0 or cfg.video_max_frames < 2:
         raise ConfigError("--video-fps must be positive and --video-max-frames at least 2 (a temporal patch is "
                           f"2 frames), got {cfg.video_fps} and {cfg.video_max_frames}")
+    if cfg.beta <= 0:
+        raise ConfigError(f"--beta must be positive, got {cfg.beta}")
+    if not 0 <= cfg.label_smoothing < 0.5:
+        raise ConfigError(f"--label-smoothing must be in [0, 0.5), got {cfg.label_smoothing}")
     if cfg.early_stopping_patience < 0:
         raise ConfigError(f"--early-stopping-patience must not be negative, got {cfg.early_stopping_patience}")
     if cfg.early_stopping_patience and not cfg.eval_every:

@@ -39,6 +39,8 @@ if TYPE_CHECKING:  # annotations only: importing this module loads neither torch
         MethodInfo,
         MetricSink,
         ModelFamily,
+        Objective,
+        ObjectiveInfo,
         PrecisionPolicy,
         ProbeResult,
     )
@@ -249,6 +251,27 @@ def vlft_load_adapter(method: str, model: torch.nn.Module, path: str,
 @hookspec(firstresult=True)
 def vlft_merge_adapter(method: str, model: torch.nn.Module) -> torch.nn.Module | None:
     """Fold the adapter into the base weights; return the plain merged model. First answer wins."""
+
+
+# -- objectives ----------------------------------------------------------------------------------------------
+
+@hookspec
+def vlft_objectives() -> list[ObjectiveInfo]:
+    """Return a list of ``ObjectiveInfo`` for the training objectives this plugin offers (``--objective``).
+
+    Every plugin's answer is collected; two plugins offering one name is an error.
+    """
+
+
+@hookspec(firstresult=True)
+def vlft_objective(objective: str, config: RunConfig) -> Objective | None:
+    """Return the ``Objective`` for ``objective`` (its data layout and checks, batches, loss, figures, what the
+    memory plan counts), or None for a name this plugin does not offer.
+
+    Asked once at plan time, before any data is read; ``config`` holds its options (``--beta``, ...): check
+    them here and raise ``ConfigError`` naming a bad one. The training step calls the answer's callables and
+    no hook. First answer wins.
+    """
 
 
 # -- logging -------------------------------------------------------------------

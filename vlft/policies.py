@@ -28,6 +28,14 @@ class MethodInfo:
     description: str
 
 
+@dataclass(frozen=True)
+class ObjectiveInfo:
+    """What ``vlft_objectives()`` answers: one entry per training objective a plugin offers (``--objective``)."""
+
+    name: str
+    description: str
+
+
 @dataclass
 class ProbeResult:
     """Whether a backend can run here; ``reason`` says why not, with the fix."""
@@ -490,3 +498,79 @@ class VisionWarmup:
     module: Any
     method: str
     inputs: dict
+
+
+# -- objectives ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Objective:
+    """What a run optimises (``--objective``), answered once at plan time by ``vlft_objective``.
+
+    The core reads its fields and calls its callables; the training step calls no hook. A callable left None
+    is the supervised default, today's ``sft``: conversation records, one row per record, the next-token loss
+    summed over label tokens and averaged over the step's label tokens. ``objective_help()`` lists the fields.
+    """
+
+    name: str = field(metadata={"help": "What `--objective` selects, e.g. 'dpo'."})
+    description: str = field(default="", metadata={"help": "One line for `vlft objectives` and the plan."})
+    options: dict = field(default_factory=dict, compare=False, metadata={
+        "help": "The objective's resolved options, shown in the plan and written to plan.json ({'beta': 0.1})."})
+    help: dict = field(default_factory=dict, compare=False, metadata={
+        "help": "One line per option, for `vlft objectives`."})
+    layout: str = field(default="conversations: user turns and the assistant replies to learn", metadata={
+        "help": "The record layout it trains on, in words (the plan and `vlft objectives` show it)."})
+    parse: Callable[..., Any] | None = field(default=None, compare=False, metadata={
+        "help": "parse(obj, add_placeholders) -> a parsed record (vlft.data.formats.Parsed), for each JSON object "
+                "of a data file: its layout and checks, raising FormatProblem with what to fix (reported as "
+                "file:line before step 1). None: the conversation layouts of README 'Data'."})
+    encoder: Callable[..., Any] | None = field(default=None, compare=False, metadata={
+        "help": "encoder(sample_encoder) -> the encoder of this objective's samples: its encode(record) gives one "
+                "sample (DPO: chosen and rejected sharing the images, processed once) and its "
+                "measure_labelled(record) the longest row's (tokens, grids, labelled), for --max-length and the "
+                "memory plan. None: the sample encoder itself."})
+    collate: Callable[..., Any] | None = field(default=None, compare=False, metadata={
+        "help": "collate(row_collator) -> the batch builder, given the collator of plain rows (padding). None: "
+                "the row collator."})
+    rows_per_record: int = field(default=1, metadata={
+        "help": "Sequences the model runs per record (DPO: 2, chosen and rejected); the memory plan counts them."})
+    average_over: str = field(default="label tokens", metadata={
+        "help": "What the step's loss is averaged over, over every micro-batch and process: 'label tokens' or "
+                "'records' (the batch's 'records' count, e.g. DPO's pairs)."})
+    loss: Callable[..., Any] | None = field(default=None, compare=False, metadata={
+        "help": "loss(model, batch, autocast, reference) -> (loss summed over the batch's units, {figure: sum "
+                "over the batch's units}) from a batch on the device; `reference()` is a context manager "
+                "giving the reference model (no gradients, adapter off or the --init-adapter weights). "
+                "None: the next-token loss over label tokens."})
+    figures: tuple[str, ...] = field(default=(), metadata={
+        "help": "The figures `loss` returns, logged as means over the units (metrics.jsonl, --report-to) and, "
+                "as val_<figure>, in validation."})
+    reference: str = field(default="", metadata={
+        "help": "What the reference pass is, in words, where the loss uses one ('' none): the plan shows it "
+                "and the memory plan counts the --init-adapter copy it keeps."})
+    demo_data: Callable[..., Any] | None = field(default=None, compare=False, metadata={
+        "help": "demo_data(folder) -> (train, val) data files of the embedded demo task in this objective's "
+                "layout, for a run without --data. None: the product-inspection conversations."})
+    demo_epochs: float | None = field(default=None, metadata={
+        "help": "Epochs on the demo data when neither --epochs nor --steps is given (None: the SFT default)."})
+    packing_refusal: str = field(default="", metadata={
+        "help": "Why --packing cannot lay this objective's rows out, or '' where it can (auto then pads)."})
+    sharding_refusal: str = field(default="", metadata={
+        "help": "Why --shard fsdp cannot run this objective, or '' where it can (the run stops before any "
+                "process starts otherwise)."})
+    notes: tuple[str, ...] = field(default=(), metadata={"help": "Lines for the plan."})
+
+    @property
+    def supervised(self) -> bool:
+        """The default: the next-token loss over label tokens (what ``sft`` answers)."""
+        return self.loss is None
+
+    def describe(self) -> dict:
+        """Plain data for the plan and `vlft objectives` (callables left out)."""
+        return {"name": self.name, "description": self.description, "options": dict(self.options),
+                "layout": self.layout, "rows_per_record": self.rows_per_record, "average_over": self.average_over,
+                "figures": list(self.figures), "reference": self.reference, "notes": list(self.notes)}
+
+
+def objective_help() -> dict[str, str]:
+    """Each ``Objective`` field's help (docs/plugin-hooks.md lists them; a docs test checks)."""
+    return {f.name: f.metadata.get("help", "") for f in fields(Objective)}

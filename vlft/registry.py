@@ -1,4 +1,4 @@
-"""The plugin manager: entry points in, backends and methods out.
+"""The plugin manager: entry points in, backends, methods and objectives out.
 
 Every plugin, built-in or third-party, registers through the ``vlft``
 entry-point group. A plugin that fails to import is recorded as broken and
@@ -20,7 +20,7 @@ import pluggy
 
 from vlft import hookspecs
 from vlft.errors import ConfigError, VlftError
-from vlft.policies import BackendInfo, MethodInfo
+from vlft.policies import BackendInfo, MethodInfo, ObjectiveInfo
 
 ENTRY_POINT_GROUP = "vlft"
 
@@ -38,6 +38,7 @@ class Registry:
     disabled: list[str] = field(default_factory=list)
     backends: dict[str, BackendInfo] = field(default_factory=dict)
     methods: dict[str, MethodInfo] = field(default_factory=dict)
+    objectives: dict[str, ObjectiveInfo] = field(default_factory=dict)
     owners: dict[tuple[str, str], str] = field(default_factory=dict)  # (kind, name) -> plugin
 
     @property
@@ -45,13 +46,15 @@ class Registry:
         return self.pm.hook
 
     def refresh(self) -> "Registry":
-        """Collect backend and method names; two plugins claiming one name is an error."""
+        """Collect backend, method and objective names; two plugins claiming one name is an error."""
         self.backends.clear()
         self.methods.clear()
+        self.objectives.clear()
         self.owners.clear()
         for kind, caller, table in (
             ("backend", self.pm.hook.vlft_backends, self.backends),
             ("method", self.pm.hook.vlft_methods, self.methods),
+            ("objective", self.pm.hook.vlft_objectives, self.objectives),
         ):
             for impl in caller.get_hookimpls():
                 for info in impl.function() or []:
@@ -81,6 +84,12 @@ class Registry:
             )
         return self.methods[name]
 
+    def objective(self, name: str) -> ObjectiveInfo:
+        if name not in self.objectives:
+            raise ConfigError(f"unknown objective '{name}'; valid objectives: {', '.join(sorted(self.objectives))}"
+                              + self._broken_hint())
+        return self.objectives[name]
+
     def _broken_hint(self) -> str:
         if not self.broken:
             return ""
@@ -90,7 +99,7 @@ class Registry:
         """Call a firstresult hook and insist on an answer."""
         answer = getattr(self.pm.hook, hook_name)(**kwargs)
         if answer is None:
-            subject = kwargs.get("backend") or kwargs.get("method")
+            subject = kwargs.get("backend") or kwargs.get("method") or kwargs.get("objective")
             raise VlftError(f"no plugin answers {hook_name} for '{subject}'; the plugin that offers it is incomplete")
         return answer
 

@@ -32,9 +32,10 @@ from vlft.registry import Registry, load_registry
 
 __all__ = ["check_plugin", "registry_with", "run", "tiny_dataset", "tiny_run_config"]
 
-UNKNOWN = "vlft-testing-unknown-name"  # a backend and method name no plugin owns
-# what a run needs besides the plugin under test: a backend to run a method on, a method to run a backend with
-BUILTINS_FOR_RUNS = ("cpu", "lora", "models")  # a backend, a method and the model families
+UNKNOWN = "vlft-testing-unknown-name"  # a backend, method and objective name no plugin owns
+# what a run needs besides the plugin under test: a backend to run a method on, a method to run a backend with,
+# the model families and the default objective (sft)
+BUILTINS_FOR_RUNS = ("cpu", "lora", "models", "sft")
 
 
 def registry_with(*plugins: Any, entry_points: bool = True) -> Registry:
@@ -43,7 +44,7 @@ def registry_with(*plugins: Any, entry_points: bool = True) -> Registry:
     ``entry_points=True``: the installed plugins too, as ``vlft`` itself would
     load them (a plugin passed here that is also installed is registered once).
     ``entry_points=False``: only ``plugins``, plus vlft's CPU reference backend,
-    LoRA and the built-in model families, so a method plugin has a backend to
+    LoRA, the built-in model families and ``sft``, so a method plugin has a backend to
     run on, a backend plugin a method, and both a model. Every call builds a new plugin manager: tests do not leak into
     each other or into the process-wide registry.
     """
@@ -102,7 +103,7 @@ def run(config: RunConfig, registry: Registry | None = None, progress: bool = Fa
 def _placeholder_arguments() -> dict[str, Any]:
     """A value for every hook parameter, naming nothing any plugin owns."""
     return {
-        "backend": UNKNOWN, "method": UNKNOWN, "config": RunConfig(), "model_config": None, "model": None,
+        "backend": UNKNOWN, "method": UNKNOWN, "objective": UNKNOWN, "config": RunConfig(), "model_config": None, "model": None,
         "targets": [], "path": "", "trainable": False, "seed": 0, "deterministic": False, "device": None,
         "attention": None, "options": DataLoaderOptions(), "family": None, "target_parameters": [],
     }
@@ -113,7 +114,7 @@ def check_plugin(plugin: Any) -> None:
 
     - every ``vlft_*`` hook it implements exists, with parameters the spec has
       (pluggy's own check: a misspelt hook or parameter name fails here);
-    - asked about a backend or method it does not own, every hook answers
+    - asked about a backend, method or objective it does not own, every hook answers
       None and leaves the ``DataLoaderOptions`` it is given untouched (a
       wrapper, ``hookwrapper=True`` or ``wrapper=True``, yields once and passes
       the result on unchanged). Hooks marked ``@hookimpl_for(NAME)`` pass
@@ -126,7 +127,7 @@ def check_plugin(plugin: Any) -> None:
     problems = []
     for name, spec in inspect.getmembers(hookspecs, inspect.isfunction):
         params = inspect.signature(spec).parameters
-        if not name.startswith("vlft_") or not ({"backend", "method"} & set(params)):
+        if not name.startswith("vlft_") or not ({"backend", "method", "objective"} & set(params)):
             continue
         for impl in getattr(pm.hook, name).get_hookimpls():
             args = _placeholder_arguments()

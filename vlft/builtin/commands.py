@@ -66,12 +66,14 @@ def run(ctx, config_file, as_json, verbose, quiet, nproc_per_node, nnodes, node_
 
 
 def check_sharding(registry, config) -> None:
-    """``--shard fsdp`` on a backend that does not offer it: the error, before any process starts."""
-    from vlft.planning.plan import choose_backend
+    """``--shard fsdp`` on a backend that does not offer it, or for an objective that cannot run sharded: the
+    error, before any process starts."""
+    from vlft.planning.plan import choose_backend, resolve_objective
     from vlft.planning.sharding import require_fsdp
 
     name = choose_backend(registry, config.backend).info.name
     require_fsdp(registry.first("vlft_distributed_options", backend=name, config=config), name)
+    resolve_objective(registry, config)
 
 
 @click.command()
@@ -154,6 +156,28 @@ def methods():
             click.echo(f"  note: {note}")
 
 
+@click.command()
+@user_errors
+def objectives():
+    """List training objectives (--objective) with their data layout, options and logged figures."""
+    registry = get_registry()
+    for info in sorted(registry.objectives.values(), key=lambda o: o.name):
+        o = registry.first("vlft_objective", objective=info.name, config=RunConfig(objective=info.name))
+        click.echo(f"{info.name}: {info.description}")
+        click.echo(f"  data: {o.layout}")
+        click.echo(f"  loss averaged over {o.average_over}" + (f"; {o.rows_per_record} sequences per record"
+                                                             if o.rows_per_record > 1 else ""))
+        if o.reference:
+            click.echo(f"  reference: {o.reference}")
+        for key, value in o.options.items():
+            click.echo(f"  {key} = {value!r}" + (f"  # {o.help[key]}" if o.help.get(key) else ""))
+        if o.figures:
+            click.echo(f"  logs: {', '.join(o.figures)} (validation: val_ of each)")
+        for reason, what in ((o.packing_refusal, "--packing"), (o.sharding_refusal, "--shard fsdp")):
+            if reason:
+                click.echo(f"  no {what}: {reason}")
+
+
 @click.command("demo-data")
 @click.argument("out", type=click.Path(file_okay=False))
 @click.option("--train", "n_train", default=1600, show_default=True, help="Training samples.")
@@ -179,6 +203,7 @@ def vlft_register_commands(cli):
     from vlft.commands.report import report
 
     data.add_command(convert)
-    for command in (run, plugins, methods, demo_data, data, doctor, parity, parity_worker, predict, eval_command,
+    for command in (run, plugins, methods, objectives, demo_data, data, doctor, parity, parity_worker, predict,
+                    eval_command,
                     export, report):
         cli.add_command(command)

@@ -24,7 +24,7 @@ from vlft.errors import ConfigError
 from vlft.evaluation.generation import evaluate_generation
 from vlft.evaluation.inference import write_atomically
 from vlft.evaluation.scoring import format_table
-from vlft.evaluation.validation import validation_loss
+from vlft.evaluation.validation import objective_validation, validation_loss
 from vlft.planning.memory import gib
 from vlft.planning.plan import RunPlan, choose_backend, format_plan, require_available
 from vlft.planning.preflight import plan_run
@@ -161,6 +161,8 @@ class _Job:
         self.store = CheckpointStore(output / "checkpoints", config.keep_checkpoints, s.save_adapter)
         self.store.run_identity = identity
         self.store.collective, self.store.adapter_to_save = s.sharded, s.adapter_to_save
+        self.store.reference_state = s.reference.state if s.reference is not None else None
+        self.objective = s.plan.objective
         self.sharding = sharding_figures(s) if s.sharded else None
         self.metrics = MetricsLog(output / "metrics.jsonl" if self.rank == 0 else None,
                                   [open_sink(output) for open_sink in sink_factories] if self.rank == 0 else None)
@@ -189,11 +191,23 @@ class _Job:
                                    s.autocast_dtype, rank=self.rank, world_size=config.world_size,
                                    synced=s.sharded, batch_size=eval_batch_size(config))
 
-    def val_loss(self) -> float:
-        return validation_loss(self.model, self.val_batches, self.device, self.s.autocast_dtype)
+    def evaluate(self) -> dict:
+        """The validation figures: ``val_loss`` (the objective's loss) and the objective's ``val_<figure>``."""
+        if self.objective.supervised:
+            return {"val_loss": validation_loss(self.model, self.val_batches, self.device, self.s.autocast_dtype)}
+        return objective_validation(self.model, self.val_batches, self.device, self.s.autocast_dtype,
+                                    self.objective, self.s.reference)
+
+    def validation_figures(self) -> dict | None:
+        """The objective's validation figures now (for before and after training), where it has figures."""
+        if self.objective.supervised or not self.val_batches:
+            return None
+        return self.evaluate()
 
     def evaluate_before(self) -> dict:
-        """The base model's scores; a resumed run keeps those it wrote before."""
+        """The scores of the model training starts from: the base model, or the adapter --init-adapter loaded
+        (with the objective's validation figures, where it has them); a resumed run keeps those it wrote
+        before."""
         s = self.s
         if s.checkpoint is not None:
             self.metrics.truncate_after(s.start_step)
@@ -202,9 +216,16 @@ class _Job:
             before = json.loads(eval_path.read_text()).get("before") if eval_path.exists() else None
             if before is not None:
                 return before
-        log("evaluating the base model ...", self.rank)
-        with self.model.disable_adapter():
+        if s.plan.init_adapter:
+            log(f"evaluating the adapter it starts from ({s.plan.init_adapter}) ...", self.rank)
             before = self.generation_eval(self.model)
+        else:
+            log("evaluating the base model ...", self.rank)
+            with self.model.disable_adapter():
+                before = self.generation_eval(self.model)
+        validation = self.validation_figures()
+        if validation is not None:
+            before["validation"] = validation
         if self.rank == 0:
             _write_eval(self.output, before, None)
         return before
@@ -230,7 +251,7 @@ class _Job:
         try:
             records = run_training(Training(
                 train_model, s.optimizer, s.scheduler, s.policy, s.dataset, s.collate, s.settings, self.store,
-                self.metrics, s.memory_reader, evaluate_loss=self.val_loss if config.eval_every else None,
+                self.metrics, s.memory_reader, evaluate=self.evaluate if config.eval_every else None,
                 on_best=self.save_best if config.early_stopping_patience else None, start_step=s.start_step,
                 progress=self.progress, skips=self.skips))
         except Interrupted as e:
@@ -286,7 +307,11 @@ class _Job:
         final checkpoint are already written, so the run is complete without it."""
         log("evaluating the adapted model ...", self.rank)
         try:
-            return self.generation_eval(self.model), None
+            after = self.generation_eval(self.model)
+            validation = self.validation_figures()
+            if validation is not None:
+                after["validation"] = validation
+            return after, None
         except Exception as e:  # noqa: BLE001 - an out-of-memory or any bug: the trained adapter is kept
             if self.s.distributed:
                 raise  # the other processes wait in the evaluation's collectives: stop them all
@@ -309,7 +334,8 @@ class _Job:
         _write_eval(output, before, after)
         mem: MemoryStats = s.memory_reader()
         summary = {
-            "backend": plan.backend.info.name, "method": plan.method.name, "steps": total_steps,
+            "backend": plan.backend.info.name, "method": plan.method.name, "objective": plan.objective.name,
+            "init_adapter": plan.init_adapter, "steps": total_steps,
             "resumed_from": s.start_step, "train_time_s": self.train_time,
             "final_loss": records[-1]["loss"] if records else None, "peak_memory_bytes": mem.peak_bytes,
             "exact_match_before": before["exact_match"],
@@ -317,6 +343,7 @@ class _Job:
             "adapter": str(output / "adapter"),
             "param_dtype": plan.precision.param_dtype, "checkpointing": plan.checkpointing,
             "memory_estimate_bytes": plan.memory.total_bytes() if plan.memory else None,
+            **_validation_summary(before, after),
             "skipped_too_long": plan.lengths.get("skipped_samples", []),
             "status": "completed", "skipped_steps": self.skips.total, "skipped": self.skips.steps,
             "scaler_backoffs": self.skips.scaler_backoffs,
@@ -330,6 +357,9 @@ class _Job:
         (output / "summary.json").write_text(json.dumps(summary, indent=2))
         if after is not None:
             print(format_table(before, after))
+        for name, value in (before.get("validation") or {}).items():
+            later = ((after or {}).get("validation") or {}).get(name)
+            print(f"{name:<28} {value:10.4f} -> " + (f"{later:.4f}" if later is not None else "-"))
         print(f"adapter saved to {output / 'adapter'} ({total_steps - s.start_step} steps in {self.train_time:.0f} s)")
         print(f"compare it with other runs: vlft report {output} [OTHER_RUN ...] --output {output}-report")
 
@@ -373,6 +403,14 @@ def metric_sinks(registry: Registry, config: RunConfig) -> list:
             raise ConfigError(f"--report-to {name}: no plugin offers this metric sink (built in: tensorboard)")
         factories.append(factory)
     return factories
+
+
+def _validation_summary(before: dict, after: dict | None) -> dict:
+    """The objective's validation figures before and after training (a preference objective's accuracy)."""
+    if "validation" not in before:
+        return {}
+    return {"validation_before": before["validation"],
+            "validation_after": after.get("validation") if after is not None else None}
 
 
 def _write_eval(output: Path, before: dict | None, after: dict | None) -> None:

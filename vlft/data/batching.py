@@ -137,12 +137,16 @@ def batch_counts(batch: dict) -> tuple[int, int]:
     if "sample_lengths" in batch:
         lengths = batch["sample_lengths"]
         return len(lengths), int(lengths.sum())
+    if "records" in batch:  # rows of several sequences per record (``data.pairs``): the records count
+        return int(batch["records"]), int(batch["attention_mask"].sum())
     return len(batch["input_ids"]), int(batch["attention_mask"].sum())
 
 
 def to_device(batch: dict, device: torch.device, non_blocking: bool = False) -> dict:
-    """The batch's tensors on ``device``, less what only the host reads (``HOST_KEYS``)."""
-    return {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items() if k not in HOST_KEYS}
+    """The batch's tensors on ``device`` (those of a nested dict too: ``data.pairs``' shared inputs), less what
+    only the host reads (``HOST_KEYS``)."""
+    return {k: to_device(v, device, non_blocking) if isinstance(v, dict) else v.to(device, non_blocking=non_blocking)
+            for k, v in batch.items() if k not in HOST_KEYS}
 
 
 def model_inputs(batch: dict) -> dict:
@@ -153,4 +157,5 @@ def model_inputs(batch: dict) -> dict:
 
 
 LOSS_KEYS = ("labels", "logit_positions", "kept_labels")  # what the loss reads, not the model
-HOST_KEYS = ("sample_lengths",)  # what the loop counts on the host (``batch_counts``), never moved to a device
+# what the loop counts on the host (``batch_counts``), never moved to a device
+HOST_KEYS = ("sample_lengths", "records")

@@ -142,6 +142,44 @@ def write_demo_dataset(out: str | os.PathLike, n_train: int = 1600, n_val: int =
     return DemoDataset(out, out / "train.jsonl", out / "val.jsonl")
 
 
+PREFERENCE_FILES = ("preferences-train.jsonl", "preferences-val.jsonl")
+
+
+def wrong_answer(answer: str, rng: random.Random, field: str) -> str:
+    """``answer`` (``colour: X, defect: Y``) with ``field`` ("colour" or "defect") changed to another value."""
+    values = dict(part.split(": ", 1) for part in answer.split(", "))
+    choices = [v for v in (COLOURS if field == "colour" else DEFECTS) if v != values[field]]
+    values[field] = rng.choice(choices)
+    return answer_for(values["colour"], values["defect"])
+
+
+def write_demo_preferences(out: str | os.PathLike, n_train: int = 1600, n_val: int = 400,
+                           seed: int = 0) -> DemoDataset:
+    """The demo task as preference pairs, beside the demo data set in ``out`` (written first if missing) and
+    on its images: each record's question with the right answer chosen and, rejected, the same answer with the
+    colour (even records) or the defect (odd ones) changed to another value, in LLaMA-Factory's preference
+    layout. Deterministic for a seed; each file is written whole and renamed into place."""
+    ds = write_demo_dataset(out, n_train=n_train, n_val=n_val, seed=seed)
+    rng = random.Random(seed + 1)
+    paths = []
+    for source, name in zip((ds.train, ds.val), PREFERENCE_FILES):
+        target = ds.root / name
+        paths.append(target)
+        if target.exists():
+            continue
+        lines = []
+        for i, line in enumerate(source.read_text(encoding="utf-8").splitlines()):
+            rec = json.loads(line)
+            *prompt, reply = rec["conversations"]
+            rejected = wrong_answer(reply["value"], rng, "colour" if i % 2 == 0 else "defect")
+            lines.append(json.dumps({"id": rec["id"], "images": [rec["image"]], "conversations": prompt,
+                                     "chosen": reply, "rejected": {"from": reply["from"], "value": rejected}}))
+        tmp = target.with_name(f".{name}.{os.getpid()}.tmp")
+        tmp.write_text("".join(x + "\n" for x in lines), encoding="utf-8")
+        os.replace(tmp, target)
+    return DemoDataset(ds.root, paths[0], paths[1])
+
+
 WORDS = ("the", "product", "box", "surface", "left", "right", "corner", "edge", "colour", "scratch", "crack", "stain",
          "hole", "small", "large", "near", "top", "bottom", "visible", "clean", "worn", "label", "seal", "panel")
 

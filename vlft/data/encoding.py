@@ -279,6 +279,21 @@ class SampleEncoder:
                                            vision.get("video_grid_thw"))
         return {"input_ids": torch.tensor(input_ids), "labels": torch.tensor(labels), **vision}
 
+    def encode_conversations(self, record: Record, conversations: list[list[Turn]]) -> list[dict]:
+        """``encode`` for each of ``conversations`` (turn lists over ``record``'s images and videos, in the same
+        placeholder order): the images and videos are processed once and their tensors shared by every sample.
+        A family whose processor writes the image tokens processes them once per conversation."""
+        if self.expands:
+            return [self.encode(Record(turns, record.images, record.where, record.id, record.image_sizes))
+                    for turns in conversations]
+        vision = {**self._images(record), **self._videos(record)}
+        out = []
+        for turns in conversations:
+            input_ids, labels = self._tokenize(self.pieces(turns, record.where), vision.get("image_grid_thw"),
+                                               vision.get("video_grid_thw"))
+            out.append({"input_ids": torch.tensor(input_ids), "labels": torch.tensor(labels), **vision})
+        return out
+
     def encode_prompt(self, record: Record) -> dict:
         """Generation inputs: the conversation up to its last assistant reply."""
         last = max(i for i, t in enumerate(record.turns) if t.role == "assistant")

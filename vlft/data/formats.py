@@ -62,6 +62,7 @@ class Parsed:
     turns: list[RawTurn]
     images: list[Any] = field(default_factory=list)
     videos: list[Any] = field(default_factory=list)
+    rejected: list[RawTurn] | None = None  # a preference record: the rejected conversation (data.preferences)
 
 
 class _Media:

@@ -33,7 +33,7 @@ class ColumnarRecords(Sequence):
     def __init__(self, files: list[tuple[str, str]], reading: dict, file_of: np.ndarray, rows: np.ndarray,
                  media: dict[str, tuple[int, int]], modalities: frozenset):
         self.files = files  # (absolute path, label as locations name it)
-        self.reading = reading  # record_at's image_root, add_placeholders, columns
+        self.reading = reading  # record_at's image_root, add_placeholders, columns, parse
         self.file_of, self.rows = file_of, rows
         self.media = media  # image / video files the rows name by path, as checked: (size, mtime_ns)
         self.modalities = modalities  # "image" / "video" where some row has them
@@ -103,19 +103,20 @@ class _KeptRows:
                                frozenset(self.modalities))
 
 
-def read_compact(path: str | Path, image_root=None, add_placeholders: bool = False, columns: dict | None = None):
+def read_compact(path: str | Path, image_root=None, add_placeholders: bool = False, columns: dict | None = None,
+                 parse=None):
     """``read_records_collecting`` for a run: a set made only of columnar files comes back as
     ``ColumnarRecords`` (every row checked as before, only the valid rows' places kept); others as the list."""
     path = Path(path)
     files = data_files(path)
     if not all(file_format(f) is not None for f in files):
         return read_records_collecting(path, image_root=image_root, add_placeholders=add_placeholders,
-                                       columns=columns)
+                                       columns=columns, parse=parse)
     kept = _KeptRows(files, lambda f: f"{path.name}/{f.name}" if path.is_dir() else f.name)
     _, problems = read_records_collecting(path, image_root=image_root, add_placeholders=add_placeholders,
-                                          columns=columns, keep=kept.keep)
+                                          columns=columns, keep=kept.keep, parse=parse)
     close(files)  # the run keeps places, not the files' pages the check read
-    reading = {"image_root": image_root, "add_placeholders": add_placeholders, "columns": columns}
+    reading = {"image_root": image_root, "add_placeholders": add_placeholders, "columns": columns, "parse": parse}
     return kept.records(reading), problems
 
 

@@ -82,6 +82,9 @@ class Record:
     image_sizes: list[tuple[int, int]] | None = None  # (width, height) of each image, read at validation
     videos: list[str] = field(default_factory=list)  # absolute paths, in <video> placeholder order
     layout: str = "messages"
+    # a preference record (``data.preferences``): the same prompt with the reply ranked lower; ``turns`` hold the
+    # chosen conversation
+    rejected: list[Turn] | None = None
 
     @property
     def reference(self) -> str:
@@ -254,14 +257,16 @@ def image_file_or_bytes(source: str | bytes | StoredImage) -> str | io.BytesIO:
 
 
 def read_records(path: str | Path, check_images: bool = True, image_root: str | Path | None = None,
-                 add_placeholders: bool = False, columns: dict[str, str] | None = None) -> list[Record]:
+                 add_placeholders: bool = False, columns: dict[str, str] | None = None,
+                 parse=None) -> list[Record]:
     """Read and validate a data file (or a folder or glob of them); raise one DataError listing every problem.
 
     ``image_root``: the folder relative image and video paths start from (default: the data file's).
     ``add_placeholders``: records with images but no placeholder get them at the start of the first user turn.
     ``columns``: the set's own names for the keys the layouts read (``{"messages": "conv"}``).
     """
-    records, problems = read_records_collecting(path, check_images, image_root, add_placeholders, columns)
+    records, problems = read_records_collecting(path, check_images, image_root, add_placeholders, columns,
+                                                parse=parse)
     problems.raise_if_any()
     if not records:
         raise DataError(f"{path} holds no records")
@@ -270,9 +275,10 @@ def read_records(path: str | Path, check_images: bool = True, image_root: str | 
 
 def read_records_collecting(path: str | Path, check_images: bool = True, image_root: str | Path | None = None,
                             add_placeholders: bool = False, columns: dict[str, str] | None = None,
-                            keep=None) -> tuple[list[Record], _Problems]:
+                            keep=None, parse=None) -> tuple[list[Record], _Problems]:
     """The valid records and the problems of the others (``vlft data check`` reports both). ``keep(file,
-    row, record)``: says whether a valid record is kept in the list (``data.lazy`` keeps its row instead)."""
+    row, record)``: says whether a valid record is kept in the list (``data.lazy`` keeps its row instead).
+    ``parse``: the layout reader of each record (an objective's, ``Objective.parse``); None: ``parse_record``."""
 
     path = Path(path)
     files = data_files(path)
@@ -286,20 +292,20 @@ def read_records_collecting(path: str | Path, check_images: bool = True, image_r
     for file in files:
         label = f"{path.name}/{file.name}" if path.is_dir() else file.name
         for where, obj, row in _iter_raw(file, label, problems, columns):
-            record = _record(where, obj, file.parent, images, add_placeholders, problems)
+            record = _record(where, obj, file.parent, images, add_placeholders, problems, parse)
             if record is not None and (keep is None or keep(file, row, record)):
                 records.append(record)
     return records, problems
 
 
 def record_at(file: Path, row: int, label: str, image_root: str | Path | None = None,
-              add_placeholders: bool = False, columns: dict[str, str] | None = None) -> Record:
+              add_placeholders: bool = False, columns: dict[str, str] | None = None, parse=None) -> Record:
     """The record of one row of a columnar file that was checked before, built again from the row (its
     images stay places in the file, decoded when the sample is encoded)."""
     where, obj = read_row(file, row, label, check_column_map(columns))
     problems = _Problems(file)
     root = Path(image_root) if image_root is not None else None
-    record = _record(where, obj, file.parent, _ImageChecker(root, check=False), add_placeholders, problems)
+    record = _record(where, obj, file.parent, _ImageChecker(root, check=False), add_placeholders, problems, parse)
     if record is None:
         raise DataError(f"{problems.items[0]}\n{file} changed after it was checked; run again to check it anew")
     return record
@@ -353,13 +359,13 @@ class _ImageChecker:
 
 
 def _record(where: str, obj: Any, base_dir: Path, images: _ImageChecker, add_placeholders: bool,
-            problems: _Problems) -> Record | None:
+            problems: _Problems, parse=None) -> Record | None:
     """One raw record checked into a Record, or None with its problem added."""
     if not isinstance(obj, dict):
         problems.add(where, f"record must be a JSON object, got {type(obj).__name__}")
         return None
     try:
-        parsed = parse_record(obj, add_placeholders)
+        parsed = (parse or parse_record)(obj, add_placeholders)
     except FormatProblem as e:
         problems.add(where, str(e))
         return None
@@ -394,7 +400,10 @@ def _record(where: str, obj: Any, base_dir: Path, images: _ImageChecker, add_pla
             problems.add(where, problem)
             return None
         videos.append(source)
-    return Record(turns, sources, where, obj.get("id"), sizes if images.check else None, videos, parsed.layout)
+    rejected = [Turn(ROLE_ALIASES[t.role], t.text, t.loss is not False) for t in parsed.rejected] \
+        if parsed.rejected is not None else None
+    return Record(turns, sources, where, obj.get("id"), sizes if images.check else None, videos, parsed.layout,
+                  rejected)
 
 
 def _check_turns(parsed) -> str | None:

@@ -1,4 +1,5 @@
-"""Validation loss: the training loss (sum over label tokens / label tokens) without gradients.
+"""Validation loss: the training loss (sum over label tokens / label tokens) without gradients; for an objective
+with its own loss (``Objective.loss``), that loss and its figures, over the same units as in training.
 """
 
 from __future__ import annotations
@@ -6,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from vlft.data.batching import (
+    batch_counts,
     label_count,
     model_inputs,
     to_device,
@@ -26,3 +28,21 @@ def validation_loss(model, loader_batches: list[dict], device, autocast_dtype=No
         total += float(batch_loss_sum(model, model_inputs(batch), batch, autocast_context(device, autocast_dtype)))
     model.train(was_training)
     return total / max(tokens, 1)
+
+
+@torch.no_grad()
+def objective_validation(model, loader_batches: list[dict], device, autocast_dtype, objective, reference) -> dict:
+    """``val_loss`` and ``val_<figure>`` of ``objective``'s loss over fixed validation batches, averaged over its
+    units (label tokens or records) as in training, in evaluation mode."""
+    was_training = model.training
+    model.eval()
+    total, units, sums = 0.0, 0, {}
+    for host_batch in loader_batches:
+        units += batch_counts(host_batch)[0] if objective.average_over == "records" else label_count(host_batch)
+        batch = to_device(with_label_positions(host_batch), device)
+        loss_sum, figures = objective.loss(model, batch, autocast_context(device, autocast_dtype), reference)
+        total += float(loss_sum)
+        for name, value in figures.items():
+            sums[name] = sums.get(name, 0.0) + float(value)
+    model.train(was_training)
+    return {"val_loss": total / max(units, 1), **{f"val_{n}": v / max(units, 1) for n, v in sums.items()}}

@@ -66,6 +66,7 @@ class MemoryPlan:
     shard_world: int = 1  # --shard fsdp: base weights, adapter, grads and AdamW state split over this many
     gathered_bytes: int = 0  # --shard fsdp: parameters gathered whole at a time (root + two blocks)
     guard_copy_bytes: int = 0  # the non-finite guard's copy of the adapter and its AdamW state (no fused AdamW)
+    reference_bytes: int = 0  # a preference objective's reference: the --init-adapter weights it keeps (fp32)
 
     def per_process(self, n: int) -> int:
         """``n`` bytes of sharded state as one process holds them."""
@@ -77,7 +78,8 @@ class MemoryPlan:
 
     @property
     def adapter_state_bytes_per_process(self) -> int:
-        return self.per_process(self.adapter_bytes + self.grad_bytes + self.optimizer_bytes + self.guard_copy_bytes)
+        return self.per_process(self.adapter_bytes + self.grad_bytes + self.optimizer_bytes + self.guard_copy_bytes
+                                + self.reference_bytes)
 
     @property
     def activation_bytes(self) -> int:
@@ -104,6 +106,7 @@ class MemoryPlan:
             "adapter_parameters": self.adapter_parameters, "adapter_bytes": self.adapter_bytes,
             "grad_bytes": self.grad_bytes, "optimizer_bytes": self.optimizer_bytes,
             "guard_copy_bytes": self.guard_copy_bytes,
+            "reference_bytes": self.reference_bytes,
             "activation_bytes": self.activation_bytes, "activation_bytes_without_checkpointing": self.activations.full,
             "activation_bytes_with_checkpointing": self.activations.checkpointed,
             "backward_transient_bytes": self.activations.backward_transient,
@@ -124,7 +127,8 @@ def format_memory(d: dict) -> list[str]:
     """The plan's memory lines, from ``MemoryPlan.describe()`` (so dry-run JSON and text agree)."""
     w, batch = d["base_weights_bytes"], d["batch"]
     verdict = {True: "fits", False: "DOES NOT FIT", None: "capacity unknown (pass --device-memory)"}[d["fits"]]
-    adapter = d["adapter_bytes"] + d["grad_bytes"] + d["optimizer_bytes"] + d.get("guard_copy_bytes", 0)
+    adapter = (d["adapter_bytes"] + d["grad_bytes"] + d["optimizer_bytes"] + d.get("guard_copy_bytes", 0)
+               + d.get("reference_bytes", 0))
     world = d.get("sharded_over", 1)
     lines = [
         f"memory       {gib(d['estimate_bytes'])} estimated per process; device {gib(d['capacity_bytes'])} "
@@ -133,7 +137,8 @@ def format_memory(d: dict) -> list[str]:
         f"text {gib(w.get('text', 0))})"
         + (f"; sharded over {world} processes: {gib(d['base_bytes_per_process'])} each" if world > 1 else ""),
         f"             adapter {d['adapter_parameters']:,} params, fp32 weights + grads + AdamW"
-        + (" + the guard's copy" if d.get("guard_copy_bytes") else "") + f": {gib(adapter)}"
+        + (" + the guard's copy" if d.get("guard_copy_bytes") else "")
+        + (" + the reference's copy" if d.get("reference_bytes") else "") + f": {gib(adapter)}"
         + (f"; {gib(d['adapter_state_bytes_per_process'])} each" if world > 1 else ""),
     ]
     if world > 1:

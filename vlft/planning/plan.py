@@ -29,6 +29,7 @@ from vlft.policies import (
     DistributedOptions,
     MethodInfo,
     ModelFamily,
+    Objective,
     PrecisionPolicy,
     ProbeResult,
 )
@@ -70,6 +71,8 @@ class RunPlan:
     merger_parameters: int = 0  # --train-merger: merger parameters trained in full (modules_to_save)
     packing: PackingPlan | None = None  # --packing as resolved against the attention and the family
     peak_flops: float | None = None  # the device's peak FLOP/s where the backend knows it (DeviceCapacity)
+    objective: Objective | None = None  # what is optimised (--objective), resolved once here
+    init_adapter: str | None = None  # --init-adapter: the adapter folder the run starts from
 
     @property
     def checkpointing(self) -> bool:
@@ -104,6 +107,8 @@ class RunPlan:
             "dataloader": dataclasses.asdict(self.dataloader),
             "distributed": dataclasses.asdict(self.distributed),
             "sharding": self.sharding.describe() if self.sharding else None,
+            "objective": self.objective.describe() if self.objective else None,
+            "init_adapter": self.init_adapter,
             "method": {
                 "name": self.method.name,
                 "lr": self.lr,
@@ -230,6 +235,7 @@ def resolve_plan(registry: Registry, config: RunConfig, model_path: str, model_c
     if config.num_workers is not None:
         options.num_workers = config.num_workers
         options.reasons.append(f"num_workers={config.num_workers}, as asked")
+    objective = resolve_objective(registry, config)
     precision = resolve_precision(registry, name, config)
     distributed = registry.first("vlft_distributed_options", backend=name, config=config)
     offered = [k for ks in registry.hook.vlft_kernel_patches(backend=name, config=config, model_config=model_config,
@@ -243,7 +249,7 @@ def resolve_plan(registry: Registry, config: RunConfig, model_path: str, model_c
         precision=precision,
         attention=attention,
         kernels=kernels,
-        packing=resolve_packing(config.packing, attention, family),
+        packing=objective_packing(resolve_packing(config.packing, attention, family), objective, config.packing),
         dataloader=options,
         distributed=distributed,
         method=method,
@@ -252,7 +258,30 @@ def resolve_plan(registry: Registry, config: RunConfig, model_path: str, model_c
         model_path=model_path,
         sharding=resolve_sharding(config, distributed, name, precision),
         family=family,
+        objective=objective,
     )
+
+
+def resolve_objective(registry: Registry, config: RunConfig) -> Objective:
+    """The objective ``--objective`` names, its options checked by its plugin; ``--shard fsdp`` where it cannot
+    run sharded is refused with its reason."""
+    info = registry.objective(config.objective)
+    objective = registry.first("vlft_objective", objective=info.name, config=config)
+    if config.shard == "fsdp" and objective.sharding_refusal:
+        raise ConfigError(f"--shard fsdp: the {objective.name} objective cannot run sharded: "
+                          f"{objective.sharding_refusal}; nothing was started.")
+    return objective
+
+
+def objective_packing(packing: PackingPlan, objective: Objective, mode: str) -> PackingPlan:
+    """``packing`` as the objective allows it: an objective that cannot pack pads (``auto``) or stops (``on``)."""
+    if not packing.enabled or not objective.packing_refusal:
+        return packing
+    if mode == "on":
+        raise ConfigError(f"--packing on: the {objective.name} objective cannot pack: {objective.packing_refusal}; "
+                          f"use --packing auto or off (padded batches)")
+    return PackingPlan(False, reason=f"auto: padded, since the {objective.name} objective cannot pack: "
+                                     f"{objective.packing_refusal}")
 
 
 def _sharding_lines(sh: dict | None) -> list[str]:
@@ -354,6 +383,22 @@ def group_modules(modules: dict[str, int | None], summary: dict) -> list[str]:
     return lines
 
 
+def _objective_lines(obj: dict | None, init_adapter: str | None) -> list[str]:
+    if not obj:
+        return []
+    options = " ".join(f"{k}={v}" for k, v in obj["options"].items())
+    lines = [f"objective    {obj['name']}" + (f" {options}" if options else "") + f": {obj['description']}",
+             f"             data: {obj['layout']}; loss averaged over {obj['average_over']}"
+             + (f"; {obj['rows_per_record']} sequences per record" if obj["rows_per_record"] > 1 else "")]
+    if obj["reference"]:
+        lines.append(f"             reference: {obj['reference']}, without gradients, before the trained pass")
+    if obj["figures"]:
+        lines.append(f"             logs: {', '.join(obj['figures'])} (and val_ of each)")
+    if init_adapter:
+        lines.append(f"             starts from the adapter in {init_adapter} (--init-adapter)")
+    return lines
+
+
 def _family_lines(fam: dict | None) -> list[str]:
     if not fam:
         return []
@@ -395,6 +440,7 @@ def format_plan(desc: dict, verbose: bool = False) -> str:
         + "".join(f"\n             {k}={v}" for k, v in dist["env"].items()),
         *_sharding_lines(desc.get("sharding")),
         f"method       {m['name']} lr={m['lr']:g} " + " ".join(f"{k}={v}" for k, v in m["hyperparameters"].items()),
+        *_objective_lines(desc.get("objective"), desc.get("init_adapter")),
         f"model        {desc['model']}",
         *_family_lines(desc.get("model_family")),
         f"targets      {t['towers']}: vision blocks {_spans(t['vision_blocks']) or 'none'} of {t['vision_depth']}, "

@@ -9,6 +9,7 @@ plan says the run cannot fit.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from vlft.models.loading import (
 )
 from vlft.models.targets import select_targets
 from vlft.planning import checked, fixes, memory, trace
+from vlft.planning.init_adapter import check_init_adapter, init_adapter_source
 from vlft.planning.plan import RunPlan, resolve_plan
 from vlft.planning.sharding import count_blocks
 from vlft.policies import DeviceCapacity
@@ -52,33 +54,38 @@ from vlft.registry import Registry
 DEFAULT_DATA_DIR_NAME = "demo-data"
 
 
-def resolve_data_paths(config: RunConfig) -> tuple[list[tuple[Path, float]], Path | None]:
-    """[(training file, sampling weight)], and the validation file or None."""
+def resolve_data_paths(config: RunConfig, objective=None) -> tuple[list[tuple[Path, float]], Path | None]:
+    """[(training file, sampling weight)], and the validation file or None. Without --data: the embedded demo
+    set, in the objective's layout (``Objective.demo_data``)."""
 
     if not config.data:
-
-        ds = write_demo_dataset(cache_root() / DEFAULT_DATA_DIR_NAME)
-        return [(ds.train, 1.0)], (Path(config.val_data) if config.val_data else ds.val)
+        folder = cache_root() / DEFAULT_DATA_DIR_NAME
+        if objective is not None and objective.demo_data is not None:
+            train, val = objective.demo_data(folder)
+        else:
+            ds = write_demo_dataset(folder)
+            train, val = ds.train, ds.val
+        return [(train, 1.0)], (Path(config.val_data) if config.val_data else val)
     specs = [config.data] if isinstance(config.data, str) else config.data
     return [(Path(p), w) for p, w in map(split_data_spec, specs)], (Path(config.val_data) if config.val_data else None)
 
 
-def read_training_files(config: RunConfig) -> tuple[list, Path | None]:
+def read_training_files(config: RunConfig, objective=None) -> tuple[list, Path | None]:
     """Every training file read and weighted (all files' problems reported together), and the validation path."""
-    files, val_path = read_training_files_unweighted(config)
+    files, val_path = read_training_files_unweighted(config, objective)
     return concat([weighted(records, weight, config.seed) for records, weight in files]), val_path
 
 
-def read_training_files_unweighted(config: RunConfig) -> tuple[list[tuple[list, float]], Path | None]:
+def read_training_files_unweighted(config: RunConfig, objective=None) -> tuple[list[tuple[list, float]], Path | None]:
     """[(a training file's records, its weight)] (all files' problems reported together), and the
-    validation path."""
+    validation path. Records are read in the objective's layout (``Objective.parse``)."""
 
-    files, val_path = resolve_data_paths(config)
+    files, val_path = resolve_data_paths(config, objective)
     train, messages = [], []
     for path, weight in files:
         records, problems = read_compact(path, image_root=config.image_root,  # columnar: rows, not objects
                                          add_placeholders=config.add_placeholders,
-                                         columns=parse_columns(config.columns))
+                                         columns=parse_columns(config.columns), parse=_parse(objective))
         try:
             problems.raise_if_any()
         except DataError as e:
@@ -92,15 +99,15 @@ def read_training_files_unweighted(config: RunConfig) -> tuple[list[tuple[list, 
     return train, val_path
 
 
-def load_and_check_data(config: RunConfig, encoder) -> tuple[list, list, LengthReport]:
+def load_and_check_data(config: RunConfig, encoder, objective=None) -> tuple[list, list, LengthReport]:
     """Read and check both splits, lengths included; samples over --max-length stop the run or are skipped.
     The result is kept in the user's cache while the files are unchanged (``planning.checked``), and under
-    torchrun one process per machine checks."""
-    files, val_path = resolve_data_paths(config)
+    torchrun one process per machine checks. ``objective``: whose layout the records are read in."""
+    files, val_path = resolve_data_paths(config, objective)
     try:  # each shard of a folder or glob is a file of the cache key
         paths = [f for p in [p for p, _ in files] + ([val_path] if val_path is not None else []) for f in data_files(p)]
     except DataError:  # the reader names what is missing, with the other files' problems
-        return _load_and_check_data(config, encoder)
+        return _load_and_check_data(config, encoder, objective)
 
     def media(result):  # columnar records noted their media while they were checked; lists are walked
         found = {}
@@ -109,16 +116,16 @@ def load_and_check_data(config: RunConfig, encoder) -> tuple[list, list, LengthR
             found.update(checked.media_files(part) if noted is None else noted)
         return found
 
-    train, val, lengths = checked.checked(config, encoder, paths, lambda: _load_and_check_data(config, encoder),
-                                          media)
+    train, val, lengths = checked.checked(config, encoder, paths,
+                                          lambda: _load_and_check_data(config, encoder, objective), media)
     check_enough_records(len(train), config)
     return train, val, lengths
 
 
-def _load_and_check_data(config: RunConfig, encoder) -> tuple[list, list, LengthReport]:
-    files, val_path = read_training_files_unweighted(config)
+def _load_and_check_data(config: RunConfig, encoder, objective=None) -> tuple[list, list, LengthReport]:
+    files, val_path = read_training_files_unweighted(config, objective)
     if val_path is not None:
-        val = _read_validation(val_path, config)
+        val = _read_validation(val_path, config, objective)
     else:
         # no validation file: hold out a seeded 10% (at least one record) of the records as read, then weight
         # the rest (weighting first would put copies of one record in both)
@@ -148,14 +155,19 @@ def _load_and_check_data(config: RunConfig, encoder) -> tuple[list, list, Length
     return train, val, lengths
 
 
-def _read_validation(path: Path, config: RunConfig):
+def _read_validation(path: Path, config: RunConfig, objective=None):
     """The validation file's records (columnar: their rows), every one checked; its problems raised."""
     records, problems = read_compact(path, image_root=config.image_root, add_placeholders=config.add_placeholders,
-                                     columns=parse_columns(config.columns))
+                                     columns=parse_columns(config.columns), parse=_parse(objective))
     problems.raise_if_any()
     if not records:
         raise DataError(f"{path} holds no records")
     return records
+
+
+def _parse(objective):
+    """The objective's record layout reader (``Objective.parse``); None: the supervised layouts."""
+    return objective.parse if objective is not None else None
 
 
 def unread_column_notes(config: RunConfig) -> list[str]:
@@ -244,7 +256,12 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
     processor = load_processor(model_path, family, registry)
     encoder = SampleEncoder(processor, max_pixels=config.max_pixels, video_fps=config.video_fps,
                             video_max_frames=config.video_max_frames, family=family)
-    train, val, lengths = load_and_check_data(config, encoder)
+    objective = plan.objective
+    if objective.encoder is not None:  # the objective's samples (DPO: chosen and rejected sharing images)
+        encoder = objective.encoder(encoder)
+    plan.notes += list(objective.notes)
+    init_source = init_adapter_source(registry, config)
+    train, val, lengths = load_and_check_data(config, encoder, objective)
     plan.lengths = lengths.describe(config.max_length)
     plan.notes += unread_column_notes(config)
     if is_bundled(model_path, registry):
@@ -252,8 +269,7 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
                           "(a stand-in; image tokens are exact)")
     epochs = config.epochs
     if epochs is None and config.steps is None and not config.data:
-
-        epochs = RECOMMENDED_EPOCHS
+        epochs = objective.demo_epochs or RECOMMENDED_EPOCHS
     total_steps = total_steps_for(len(train), config.steps, epochs, config.batch_size, config.grad_accum,
                                   config.world_size)
     order = DataOrder(config.batch_size, config.grad_accum, config.seed, world_size=config.world_size,
@@ -278,6 +294,8 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
     shapes = memory.largest_batches(lengths.lengths, lengths.grids, config.batch_size, config.grad_accum,
                                     config.world_size, config.seed, total_steps,
                                     labelled=lengths.labelled, grouped=config.group_by_length)
+    if objective.rows_per_record > 1:  # every record runs as that many rows (its images once: models.rows)
+        shapes = [dataclasses.replace(shape, samples=shape.samples * objective.rows_per_record) for shape in shapes]
     shard_world, gathered = 1, 0
     if plan.sharding.enabled:
 
@@ -287,11 +305,19 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
                                     plan.precision.autocast_dtype, shapes, capacity.reserved_bytes, total, source,
                                     shard_world, gathered, family, plan.precision.quantization,
                                     plan.precision.double_quant, guard_copies(plan))
+    if objective.reference and init_source is not None:  # the reference keeps the adapter the run started from
+        plan.memory.reference_bytes = 4 * plan.memory.adapter_parameters
+    if objective.reference:
+        plan.notes.append(f"{objective.name}: the reference pass runs without gradients before the trained pass, "
+                          "so its activations are freed before the trained pass's; it keeps one log-probability "
+                          "per row")
     fixes.decide(plan.memory, config.grad_checkpointing, skeleton, model_config, plan.precision.autocast_dtype,
                   config.batch_size, config.grad_accum, config.max_pixels,
                   can_shard=bool(plan.distributed and plan.distributed.fsdp), family=family)
     plan.notes += [f"not traced, counted as 0: {what}" for what in plan.memory.activations.untraced]
     plan.model_counts = count_parameters(skeleton, family)
+    if init_source is not None:
+        check_init_adapter(plan, init_source, [n for n, _ in base_model(skeleton).named_modules()])
     if plan.sharding.enabled:
         plan.notes.append(f"--shard fsdp: rank 0 alone reads the base weights, into its host memory "
                           f"({memory.gib(sum(plan.memory.base_weights.values()))}); the other processes build "

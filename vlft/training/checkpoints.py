@@ -46,6 +46,10 @@ class CheckpointStore:
         done = sorted(p for p in self.root.glob("step-*") if (p / MANIFEST).exists())
         return done[-1] if done else None
 
+    # a preference objective's reference weights (``models.reference.Reference.state``), kept in state.pt so a
+    # resumed run has the reference it started with
+    reference_state: Callable[[], dict] | None = None
+
     collective = False  # --shard fsdp: every process takes part in saving (see save_collective)
     adapter_to_save: Callable[[Any], Any] | None = None  # the model -> what save_adapter writes (None: not rank 0)
 
@@ -137,6 +141,8 @@ class CheckpointStore:
             "scaler": scaler.state_dict() if scaler is not None else None,
             "rng": rng_state(device),
         }
+        if self.reference_state is not None:
+            state["reference"] = self.reference_state()
         torch.save(state, folder / "state.pt")
         if self.run_identity is not None:
             (folder / RUN_IDENTITY).write_text(json.dumps(self.run_identity, indent=2, sort_keys=True))
@@ -310,3 +316,8 @@ def restore_training_state(checkpoint: Path, optimizer, scheduler, scaler, devic
         scaler.load_state_dict(state["scaler"])
     set_rng_state(state["rng"], device)
     return int(state["step"])
+
+
+def saved_reference(checkpoint: Path) -> dict | None:
+    """The reference weights ``checkpoint`` kept (``CheckpointStore.reference_state``), or None."""
+    return load_state(checkpoint / "state.pt").get("reference") or None

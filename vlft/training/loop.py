@@ -59,8 +59,8 @@ class SkipLog:
 class Training:
     """What a run's loop is given, on one object: the model and its optimizer and schedule, the step policy,
     the data and how it is batched and ordered, where checkpoints and metrics go, and what it calls at
-    evaluation (``evaluate_loss``) and at each new best validation loss (``on_best(step, loss)``, to save
-    it)."""
+    evaluation (``evaluate``: the validation figures, ``val_loss`` and the objective's ``val_<figure>``) and at
+    each new best validation loss (``on_best(step, loss)``, to save it)."""
 
     model: Any
     optimizer: Any
@@ -72,7 +72,7 @@ class Training:
     checkpoints: CheckpointStore | None
     metrics: MetricsLog
     memory_reader: Callable
-    evaluate_loss: Callable[[], float] | None = None
+    evaluate: Callable[[], dict] | None = None
     on_best: Callable[[int, float], None] | None = None
     start_step: int = 0
     progress: bool = True
@@ -124,6 +124,7 @@ class _Window:
 
     def reset(self) -> None:
         self.loss = torch.zeros((), device=self.device)
+        self.figures: dict[str, torch.Tensor] = {}  # the objective's figures (sums over its units)
         self.tokens, self.samples, self.steps = 0.0, 0, 0
         self.positions, self.real = 0, 0  # this process's token positions computed, and those not padding
         self.start = time.perf_counter()
@@ -138,8 +139,11 @@ class _Window:
         return result, seconds
 
     def add(self, out: dict, group: list[dict], world_size: int) -> None:
-        # a skipped step's loss (NaN, inf) stays out of the logged mean
+        # a skipped step's loss (NaN, inf) stays out of the logged mean, and so do its figures
         self.loss += torch.where(out["skipped"], torch.zeros_like(out["loss_sum"]), out["loss_sum"])
+        for name, value in out.get("figures", {}).items():
+            kept = torch.where(out["skipped"], torch.zeros_like(value), value)
+            self.figures[name] = self.figures[name] + kept if name in self.figures else kept
         self.tokens += out["local_tokens"]
         counts = [batch_counts(b) for b in group]  # host batches: no device sync
         self.samples += sum(n for n, _ in counts) * world_size
@@ -148,16 +152,22 @@ class _Window:
         self.steps += 1
 
     def mean_loss(self, world_size: int) -> float:
-        """The loss over all processes' label tokens (one all-reduce under torchrun, which also sums the
-        window's token counts into ``totals``)."""
+        """The loss over all processes' label tokens (or records: the loss's units), in one all-reduce under
+        torchrun, which also sums the window's token counts into ``totals`` and the objective's figures into
+        ``means`` (over the same units)."""
         loss_sum = self.loss
+        names = sorted(self.figures)
         counts = torch.tensor([self.tokens, self.positions, self.real], device=self.device, dtype=torch.float64)
         if world_size > 1:
-            both = torch.cat([loss_sum.double().reshape(1), counts])
+            both = torch.cat([loss_sum.double().reshape(1), counts,
+                              *[self.figures[n].double().reshape(1) for n in names]])
             torch.distributed.all_reduce(both)
-            loss_sum, counts = both[0], both[1:]
+            loss_sum, counts, sums = both[0], both[1:4], both[4:].tolist()
+        else:
+            sums = [float(self.figures[n]) for n in names]
         labels, positions, real = counts.tolist()
         self.totals = {"labels": labels, "positions": positions, "real": real}
+        self.means = {n: v / max(labels, 1.0) for n, v in zip(names, sums)}
         return float(loss_sum) / max(labels, 1.0)
 
 
@@ -179,7 +189,7 @@ class Trainer:
         self.window = _Window(training.policy.device)
         self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, skipped, back-off) not yet read
         self.patience = _EarlyStopping(training.settings.early_stopping_patience, training.on_best)
-        self.wants_eval = training.evaluate_loss is not None and training.settings.eval_every
+        self.wants_eval = training.evaluate is not None and training.settings.eval_every
         self.early_stop = False
         self.saved_step: int | None = None
         self.records: list[dict] = []
@@ -229,7 +239,8 @@ class Trainer:
         self._read_skips()
         record = self._record(out)
         if self.wants_eval and (self.step % settings.eval_every == 0 or last):
-            record["val_loss"], record["eval_time_s"] = self.window.timed(t.evaluate_loss)
+            figures, record["eval_time_s"] = self.window.timed(t.evaluate)
+            record.update(figures)
             t.model.train()
             self.early_stop, saved_s = self._patience(record["val_loss"])
             if saved_s is not None:
@@ -249,10 +260,10 @@ class Trainer:
 
     def _evaluate_between_logs(self) -> None:
         t = self.t
-        val, eval_s = self.window.timed(t.evaluate_loss)
+        figures, eval_s = self.window.timed(t.evaluate)
         t.model.train()
-        self.early_stop, saved_s = self._patience(val)
-        line = {"step": self.step, "val_loss": val, "eval_time_s": eval_s,
+        self.early_stop, saved_s = self._patience(figures["val_loss"])
+        line = {"step": self.step, **figures, "eval_time_s": eval_s,
                 **({"checkpoint_time_s": saved_s} if saved_s is not None else {}),
                 **({"early_stop": True} if self.early_stop else {})}
         if self.early_stop:
@@ -268,11 +279,12 @@ class Trainer:
         record = {
             "step": self.step,
             "loss": loss,
+            **window.means,
             "lr": t.scheduler.get_last_lr()[0],
             "grad_norm": float(out["grad_norm"]),
             "step_time_s": elapsed / window.steps,
             "samples_per_s": window.samples / elapsed if elapsed > 0 else None,
-            **throughput(window.totals, elapsed, t.settings),
+            **throughput(window.totals, elapsed, t.settings, t.policy.per_record),
             "peak_memory_bytes": t.memory_reader().peak_bytes,
             "skipped_steps": t.skips.total,
         }
@@ -352,14 +364,16 @@ class Trainer:
         return path
 
 
-def throughput(totals: dict, elapsed: float, settings: LoopSettings) -> dict:
+def throughput(totals: dict, elapsed: float, settings: LoopSettings, per_record: bool = False) -> dict:
     """Tokens/s over all processes: every position computed (padding included), the effective ones (not
-    padding), the labelled ones; and the MFU (model FLOPs of the effective tokens over the devices' peak)
+    padding), the labelled ones (where the loss counts label tokens: ``per_record`` objectives count records,
+    which ``samples_per_s`` gives); and the MFU (model FLOPs of the effective tokens over the devices' peak)
     where the backend knows the peak."""
     if elapsed <= 0:
         return {}
-    out = {"tokens_per_s": totals["positions"] / elapsed, "effective_tokens_per_s": totals["real"] / elapsed,
-           "label_tokens_per_s": totals["labels"] / elapsed}
+    out = {"tokens_per_s": totals["positions"] / elapsed, "effective_tokens_per_s": totals["real"] / elapsed}
+    if not per_record:
+        out["label_tokens_per_s"] = totals["labels"] / elapsed
     if settings.peak_flops and settings.flops_per_token:
         out["mfu"] = out["effective_tokens_per_s"] * settings.flops_per_token / (settings.peak_flops
                                                                                  * settings.world_size)

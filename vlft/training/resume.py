@@ -54,7 +54,19 @@ def run_identity(config) -> dict:
     ident["model"] = model_identity(config.model)
     ident["data"] = data_identity(config.data)
     ident["val_data"] = file_identity(config.val_data)
+    if config.objective != "sft":  # keys only where they are not the default, so older checkpoints still compare
+        ident["objective"] = {k: getattr(config, k) for k in ("objective", "beta", "dpo_loss", "label_smoothing")}
+    if config.init_adapter:
+        ident["init_adapter"] = adapter_identity(config.init_adapter)
     return ident
+
+
+def adapter_identity(path: str) -> dict:
+    """An adapter folder (or a run folder's adapter/) by its files' sizes and content hashes."""
+    folder = Path(path) / "adapter" if (Path(path) / "adapter").is_dir() else Path(path)
+    if not folder.is_dir():
+        return {"path": str(path)}
+    return {f.name: file_identity(str(f)) for f in sorted(folder.iterdir()) if f.is_file()}
 
 
 def data_identity(data) -> list | str:

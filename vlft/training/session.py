@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from vlft.config import RunConfig
+from vlft.errors import VlftError
 from vlft.data.batching import collator_for
 from vlft.data.encoding import EncodedDataset, SampleEncoder
 from vlft.data.lazy import modalities
@@ -31,6 +32,7 @@ from vlft.models.adapting import (
 from vlft.models.bundled import require_weights
 from vlft.models.groups import optimizer_groups
 from vlft.models.loading import empty_model, load_model
+from vlft.models.reference import Reference
 from vlft.models.segments import with_segments
 from vlft.models.vision import install_vision_warmup
 from vlft.planning.kernels import apply_kernels
@@ -38,7 +40,7 @@ from vlft.planning.memory import four_bit_skip
 from vlft.planning.plan import RunPlan, choose_backend, require_available
 from vlft.planning.preflight import check_fits, fused_optimizer, plan_run
 from vlft.registry import Registry
-from vlft.training.checkpoints import restore_training_state
+from vlft.training.checkpoints import restore_training_state, saved_reference
 from vlft.training.fsdp import full_trainable_state, materialized_adapter, shard_model
 from vlft.training.loop import LoopSettings
 from vlft.training.step import StepPolicy, cosine_with_warmup, seed_everything
@@ -84,6 +86,7 @@ class Session:
     start_step: int = 0  # where a resumed run continues
     checkpoint: Path | None = None  # the checkpoint it continues from
     skeleton: object = None  # the adapted model on 'meta' the plan was made on (saving under --shard fsdp)
+    reference: Reference | None = None  # the objective's reference model, where its loss uses one
 
     @property
     def distributed(self) -> bool:
@@ -140,21 +143,26 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
     if resume_from is not None:
         start_step = restore_training_state(resume_from, optimizer, scheduler, scaler, device,
                                             model=model if plan.sharding.enabled else None)
+    objective = plan.objective
+    reference = _reference(model, plan, resume_from, device) if objective.reference else None
     policy = StepPolicy(device, autocast_dtype, scaler, config.max_grad_norm, config.grad_accum, config.world_size,
-                        flags_on_host=device.type == "cpu", fused_optimizer=fused_optimizer(plan))
+                        flags_on_host=device.type == "cpu", fused_optimizer=fused_optimizer(plan),
+                        loss=objective.loss, per_record=objective.average_over == "records", reference=reference)
     settings = _loop_settings(config, plan, planned.total_steps)
     settings.peak_flops, settings.flops_per_token = plan.peak_flops, model_flops_per_token(model)
     if config.group_by_length:
         settings.lengths = planned.train_lengths
     processor = planned.processor
     collate = training_collator(plan, planned.model_config, processor)
+    if objective.collate is not None:  # the objective's batches (DPO: chosen and rejected rows, images once)
+        collate = objective.collate(collate)
 
     def save_adapter(m, path):
         registry.first("vlft_save_adapter", method=plan.method.name, model=m, path=path)
 
     return Session(plan, config, processor, planned.encoder, planned.train_records, planned.val_records, device,
                    model, optimizer, scheduler, policy, settings, collate, memory_reader, save_adapter,
-                   autocast_dtype, start_step, resume_from, planned.skeleton)
+                   autocast_dtype, start_step, resume_from, planned.skeleton, reference)
 
 
 def training_collator(plan: RunPlan, model_config, processor):
@@ -199,9 +207,9 @@ def _base_model(registry: Registry, backend: str, plan: RunPlan, config: RunConf
 def _adapted(registry: Registry, plan: RunPlan, config: RunConfig, model, resume_from: Path | None):
     """The method's adapter on the targets chosen in preflight (or a checkpoint's), made trainable."""
     seed_everything(config.seed)  # adapter initialisation is seeded the same on every backend
-    if resume_from is not None:
-        model = registry.first("vlft_load_adapter", method=plan.method.name, model=model,
-                               path=str(resume_from / "adapter"), trainable=True)
+    if resume_from is not None or plan.init_adapter:  # a checkpoint's adapter, or the one --init-adapter names
+        path = str(resume_from / "adapter") if resume_from is not None else plan.init_adapter
+        model = registry.first("vlft_load_adapter", method=plan.method.name, model=model, path=path, trainable=True)
     else:  # the targets were chosen on the weightless copy in preflight
         model = registry.first("vlft_apply_adapter", method=plan.method.name, model=model, targets=plan.targets,
                                config=config, target_parameters=plan.target_parameters)
@@ -219,6 +227,20 @@ def _adapted(registry: Registry, plan: RunPlan, config: RunConfig, model, resume
     if plan.precision.autocast_dtype:
         compute_adapters_in_autocast_dtype(model)
     return model
+
+
+def _reference(model, plan: RunPlan, resume_from: Path | None, device) -> Reference:
+    """The objective's reference model: the adapter switched off, or the adapter --init-adapter loaded, kept as
+    it was (a resumed run takes it from its checkpoint, not the trained weights it resumes)."""
+    if not plan.init_adapter:
+        return Reference(model)
+    if resume_from is None:
+        return Reference(model, Reference.capture(model))
+    kept = saved_reference(resume_from)
+    if kept is None:
+        raise VlftError(f"--resume: {resume_from} keeps no reference weights of --init-adapter {plan.init_adapter} "
+                        f"(it was not written by a {plan.objective.name} run); start the run again")
+    return Reference(model, {n: t.to(device) for n, t in kept.items()})
 
 
 def _place(model, plan: RunPlan, config: RunConfig, device) -> None:

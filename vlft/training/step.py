@@ -4,7 +4,9 @@ The step reads only plain objects resolved at set-up (``StepPolicy``); it
 calls no plugin hooks. Loss is the sum of token losses over the whole
 optimizer step (all micro-batches, all processes) divided by that step's
 number of label tokens, so accumulation and data parallelism give exactly
-the loss and gradients of one big batch.
+the loss and gradients of one big batch. An objective with its own loss
+(``StepPolicy.loss``: DPO's) sums it over its units the same way, divided by
+the step's label tokens or, ``per_record``, its records (DPO's pairs).
 
 A step whose loss or gradient norm is not finite is not applied, in every
 precision, without a host-device sync: on an accelerator the update is masked
@@ -27,6 +29,7 @@ import torch
 from transformers import get_cosine_schedule_with_warmup
 
 from vlft.data.batching import (
+    batch_counts,
     label_count,
     model_inputs,
     to_device,
@@ -55,6 +58,12 @@ class StepPolicy:
     fused_optimizer: bool = False
     # the lm_head and the fp32 logits at labelled positions only (``models.loss.batch_loss_sum``)
     labels_only: bool = True
+    # the objective's loss (``Objective.loss``), None for the next-token loss over label tokens; with
+    # ``per_record`` it is averaged over the step's records (a pair batch's ``records``), not label tokens;
+    # ``reference`` gives the objective its reference model (``models.reference.Reference``)
+    loss: Any = None
+    per_record: bool = False
+    reference: Any = None
 
 
 def seed_everything(seed: int) -> None:
@@ -82,18 +91,32 @@ def global_label_count(count: int, world_size: int, device: torch.device | None 
     return start_global_label_count(count, world_size)()
 
 
+def objective_loss(model, batch: dict, policy: StepPolicy, autocast) -> tuple[torch.Tensor, dict]:
+    """The batch's summed loss and the objective's figures (sums): the next-token loss over label tokens, or
+    the objective's own (``StepPolicy.loss``)."""
+    if policy.loss is None:
+        return batch_loss_sum(model, model_inputs(batch), batch, autocast), {}
+    return policy.loss(model, batch, autocast, policy.reference)
+
+
+def loss_units(batch: dict, policy: StepPolicy) -> int:
+    """What the step's loss is averaged over in a host batch: its label tokens, or its records."""
+    return batch_counts(batch)[0] if policy.per_record else label_count(batch)
+
+
 def train_step(model, optimizer, scheduler, micro_batches: list[dict], policy: StepPolicy,
                local_tokens: int, global_tokens: float | None = None) -> dict:
     """One optimizer step over ``micro_batches`` (already on the device). Returns device tensors.
 
-    ``local_tokens`` is this process's label-token count for the step, counted
-    on the host before the batches moved, so the step needs no device sync for it.
+    ``local_tokens`` is this process's count of what the loss is averaged over (label tokens, or records:
+    ``loss_units``), counted on the host before the batches moved, so the step needs no device sync for it.
     """
     n_tokens = global_tokens if global_tokens is not None else global_label_count(local_tokens, policy.world_size)
     # DDP and FSDP average gradients over processes; scale back up so the result is sum / global tokens
     scale = policy.world_size / n_tokens
     autocast = autocast_context(policy.device, policy.autocast_dtype)
     total = torch.zeros((), device=policy.device)
+    figures: dict[str, torch.Tensor] = {}
     last = len(micro_batches) - 1
     for i, batch in enumerate(micro_batches):
         sync = nullcontext()
@@ -102,10 +125,12 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], policy: S
         elif hasattr(model, "set_requires_gradient_sync") and last:
             model.set_requires_gradient_sync(i == last)  # FSDP: reduce-scatter only on the last one
         with sync:
-            loss_sum = batch_loss_sum(model, model_inputs(batch), batch, autocast)
+            loss_sum, parts = objective_loss(model, batch, policy, autocast)
             loss = loss_sum * scale
             (policy.scaler.scale(loss) if policy.scaler is not None else loss).backward()
         total += loss_sum.detach()
+        for name, value in parts.items():
+            figures[name] = figures[name] + value.detach() if name in figures else value.detach()
     if policy.scaler is not None:
         policy.scaler.unscale_(optimizer)
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -144,7 +169,7 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], policy: S
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return {"loss_sum": total, "grad_norm": grad_norm, "local_tokens": local_tokens,
-            "global_tokens": n_tokens, "skipped": ~finite, "backoff": backoff}
+            "global_tokens": n_tokens, "skipped": ~finite, "backoff": backoff, "figures": figures}
 
 
 # below this loss scale an overflow is the gradients' own, not the scale's: fp16 holds up to 65504 unscaled
@@ -214,8 +239,8 @@ def settle_step_counters(optimizer, skipped: int, device: torch.device) -> None:
 
 def train_step_on(model, optimizer, scheduler, host_batches: list[dict], policy: StepPolicy,
                   non_blocking: bool = False) -> dict:
-    """``train_step`` on batches still on the host: count their label tokens there, then move them."""
-    local_tokens = sum(label_count(b) for b in host_batches)
+    """``train_step`` on batches still on the host: count their label tokens (or records) there, then move them."""
+    local_tokens = sum(loss_units(b, policy) for b in host_batches)
     global_tokens = start_global_label_count(local_tokens, policy.world_size)  # on the host, while batches move
     if policy.labels_only:
         host_batches = [with_label_positions(b) for b in host_batches]
