@@ -45,6 +45,17 @@ PRIVATE_IMPORTS = {
         "family_of_model: the family of a loaded model, to find its merger modules for --train-merger (issue 30)",
     ("vlft_methods._peft", "vlft.models.groups"):
         "merger_modules: the merger modules a family names, trained whole beside the adapters (issue 30)",
+    ("vlft_objectives.dpo", "vlft.data.demo"):
+        "write_demo_preferences: the demo preference pairs a run without --data trains on (issue 30)",
+    ("vlft_objectives.dpo", "vlft.data.pairs"):
+        "PairCollator, PairEncoder: a record's chosen and rejected rows, its images encoded once (issue 30)",
+    ("vlft_objectives.dpo", "vlft.data.preferences"):
+        "parse_preference: the preference layouts and their checks, read by the core's data check (issue 30)",
+    ("vlft_objectives.dpo", "vlft.models.loss"):
+        "sequence_logps: each row's summed log-probability of its reply, shared with the supervised loss "
+        "(issue 30)",
+    ("vlft_objectives.dpo", "vlft.models.rows"):
+        "row_inputs: the rows of one forward that share a vision pass (issue 30)",
     ("vlft_models.family", "vlft.models.families"):
         "FamilyTargets, frozen_router_parameters, resolve_module, select_target_modules, "
         "vision_parameter_names: the target-selection helpers, re-exported for family plugins (issue 30)",

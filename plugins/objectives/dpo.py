@@ -16,6 +16,9 @@ Logged (means over the pairs): the loss, ``reward_chosen`` and ``reward_rejected
 ``reward_margin``, ``preference_accuracy`` (the share of pairs whose chosen reward is strictly higher: 0 while
 the policy still equals the reference) and the policy's ``logps_chosen`` and ``logps_rejected``; validation
 logs each as ``val_<name>``.
+
+Imports inside functions: the core's preference data, pairs, loss and torch load when a run is planned or
+steps, so listing the objectives (``vlft objectives``, ``vlft plugins``) stays light.
 """
 
 from __future__ import annotations
