@@ -435,12 +435,12 @@ def test_a_run_with_a_kernel_calls_no_hook_inside_a_step(tmp_path, monkeypatch):
 
     monkeypatch.setattr(vlft.training.step, "train_step", watched_step)
     result = execute(registry_with(CpuPatchEmbed()), tiny_run_config(tmp_path, eval_samples=0), progress=False)
-    assert any(p.startswith("kernel linear-patch-embed") for p in result.plan.patches)
+    assert any(p.startswith("kernel linear-patch-embed") for p in result.description["model_patches"])
     assert hooks.calls == []
     # --kernels none: the same run with the model as transformers builds it
     plain = execute(registry_with(CpuPatchEmbed()), tiny_run_config(tmp_path / "none", kernels="none",
                                                                        eval_samples=0), progress=False)
-    assert not any(p.startswith("kernel ") for p in plain.plan.patches)
+    assert not any(p.startswith("kernel ") for p in plain.description["model_patches"])
 
 
 def test_each_backend_offers_kernels_only_for_itself(no_torch_npu):

@@ -51,7 +51,7 @@ class RunResult:
     before: dict | None = None
     after: dict | None = None
     metrics: list | None = None
-    description: dict | None = None  # the resolved plan, for --dry-run
+    description: dict | None = None  # the resolved plan (a real run's: with what setting the model up did)
 
 
 def log(msg: str, rank: int = 0) -> None:
@@ -105,7 +105,7 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
     after, eval_error = job.evaluate_after()
     job.write_summary(before, after, records, eval_error)
     job.finish()
-    return RunResult(job.output, s.plan, before, after, records)
+    return RunResult(job.output, s.plan, before, after, records, job.description)
 
 
 def _completed(output: Path, resume_from: Path | None, config: RunConfig) -> dict | None:
@@ -169,19 +169,18 @@ class _Job:
         self.skips = SkipLog()
         self.best: dict = {}
         self.train_time = 0.0
+        self.description = s.describe([
+            f"evaluation generates in batches of {eval_batch_size(config)} (the training micro-batch, at most 16), "
+            f"after training, once the adapter is saved and the optimizer state freed"])
 
     def write_plan(self) -> None:
         s, output = self.s, self.output
         if self.rank != 0:
             return
         output.mkdir(parents=True, exist_ok=True)
-        note = (f"evaluation generates in batches of {eval_batch_size(self.config)} (the training micro-batch, "
-                f"at most 16), after training, once the adapter is saved and the optimizer state freed")
-        if note not in s.plan.notes:
-            s.plan.notes.append(note)
-        (output / "plan.json").write_text(json.dumps(s.plan.describe(), indent=2, default=str))
+        (output / "plan.json").write_text(json.dumps(self.description, indent=2, default=str))
         (output / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
-        log(format_plan(s.plan.describe()))
+        log(format_plan(self.description))
         log(f"data         {len(s.train_records)} training and {len(s.val_records)} validation records")
         log(f"output       {output}")
 

@@ -103,9 +103,8 @@ def load_for_inference(registry: Registry, adapter: str | AdapterSource | None, 
                      family=family, keep_float=four_bit_skip(family))
     if dequantize and quantized:
         net = dequantized(net)
-    plan.patches = [p for ps in registry.hook.vlft_patch_model(backend=name, model=net, config=config,
-                                                               attention=plan.attention) if ps for p in ps]
-    plan.patches += apply_kernels(plan.kernels, net)
+    registry.hook.vlft_patch_model(backend=name, model=net, config=config, attention=plan.attention)
+    apply_kernels(plan.kernels, net)
     if source is not None:
         try:
             net = registry.first("vlft_load_adapter", method=source.method, model=net,

@@ -59,7 +59,6 @@ class RunPlan:
     target_params: dict[str, int] = field(default_factory=dict)  # module -> adapter parameters
     target_summary: dict[str, Any] = field(default_factory=dict)
     target_parameters: list[str] = field(default_factory=list)  # fused expert weights (PEFT target_parameters)
-    patches: list[str] = field(default_factory=list)
     memory: Any = None  # memory.MemoryPlan, once the data and the model's shape are known
     lengths: dict[str, Any] = field(default_factory=dict)  # sample lengths: longest, skipped, limit
     notes: list[str] = field(default_factory=list)
@@ -129,7 +128,6 @@ class RunPlan:
             "optimizer": {"groups": self.param_groups, "train_merger": self.config.train_merger,
                           "merger_parameters": self.merger_parameters,
                           "lr_is": "absolute (--lr-vision and --lr-merger are not multipliers of --lr)"},
-            "model_patches": self.patches,
             "param_dtype": {"dtype": (f"nf4 linear weights{' (double-quantized)' if self.precision.double_quant else ''}"
                                       f" + {self.precision.param_dtype}" if self.precision.quantization
                                       else self.precision.param_dtype), "reason": self.precision.param_reason,
@@ -471,7 +469,7 @@ def format_plan(desc: dict, verbose: bool = False) -> str:
         lines += format_memory(desc["memory"])
     lines += format_kernels(desc.get("kernels"))
     lines += [f"note         {n}" for n in desc["notes"]]
-    if desc["model_patches"]:
+    if desc.get("model_patches"):
         lines += ["patches      " + "; ".join(desc["model_patches"])]
     for w in b["warnings"]:
         lines.append(f"warning      {w}")

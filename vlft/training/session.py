@@ -13,7 +13,7 @@ from __future__ import annotations
 import datetime
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -87,6 +87,15 @@ class Session:
     checkpoint: Path | None = None  # the checkpoint it continues from
     skeleton: object = None  # the adapted model on 'meta' the plan was made on (saving under --shard fsdp)
     reference: Reference | None = None  # the objective's reference model, where its loss uses one
+    # what setting the model up did (the plan itself stays as planned): the backend's and kernels' patches,
+    # and notes on dtypes
+    patches: list[str] = field(default_factory=list)
+    setup_notes: list[str] = field(default_factory=list)
+
+    def describe(self, notes: list[str] = ()) -> dict:
+        """The plan as planned, with what setting the model up did and ``notes`` of the caller's."""
+        desc = self.plan.describe()
+        return {**desc, "model_patches": self.patches, "notes": [*desc["notes"], *self.setup_notes, *notes]}
 
     @property
     def distributed(self) -> bool:
@@ -131,8 +140,8 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
     if config.world_size > 1 or plan.sharding.enabled:
         _init_distributed(plan, device)
     memory_reader = registry.first("vlft_memory_reader", backend=backend, device=device)
-    model = _base_model(registry, backend, plan, config, device)
-    model = _adapted(registry, plan, config, model, resume_from)
+    model, patches = _base_model(registry, backend, plan, config, device)
+    model, setup_notes = _adapted(registry, plan, config, model, resume_from)
     _place(model, plan, config, device)
     # every step runs the towers the data uses, on every process, one included (models.vision)
     install_vision_warmup(model, modalities(planned.train_records), plan.family, sharded=plan.sharding.enabled)
@@ -162,7 +171,7 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
 
     return Session(plan, config, processor, planned.encoder, planned.train_records, planned.val_records, device,
                    model, optimizer, scheduler, policy, settings, collate, memory_reader, save_adapter,
-                   autocast_dtype, start_step, resume_from, planned.skeleton, reference)
+                   autocast_dtype, start_step, resume_from, planned.skeleton, reference, patches, setup_notes)
 
 
 def training_collator(plan: RunPlan, model_config, processor):
@@ -197,15 +206,17 @@ def _base_model(registry: Registry, backend: str, plan: RunPlan, config: RunConf
         model = load_model(plan.model_path, attention, plan.precision, device=device if quantized else None,
                            trust_pickle=config.trust_pickle, keep_float=four_bit_skip(plan.family),
                            family=plan.family)
-    plan.patches = [p for ps in registry.hook.vlft_patch_model(backend=backend, model=model, config=config,
-                                                                   attention=attention)
-                    if ps for p in ps]
-    plan.patches += apply_kernels(plan.kernels, model)  # the chosen kernel patches, once, before the adapter
-    return model
+    patches = [p for ps in registry.hook.vlft_patch_model(backend=backend, model=model, config=config,
+                                                              attention=attention)
+               if ps for p in ps]
+    patches += apply_kernels(plan.kernels, model)  # the chosen kernel patches, once, before the adapter
+    return model, patches
 
 
 def _adapted(registry: Registry, plan: RunPlan, config: RunConfig, model, resume_from: Path | None):
-    """The method's adapter on the targets chosen in preflight (or a checkpoint's), made trainable."""
+    """The method's adapter on the targets chosen in preflight (or a checkpoint's), made trainable; and notes
+    on what that did to the model's dtypes."""
+    notes = []
     seed_everything(config.seed)  # adapter initialisation is seeded the same on every backend
     if resume_from is not None or plan.init_adapter:  # a checkpoint's adapter, or the one --init-adapter names
         path = str(resume_from / "adapter") if resume_from is not None else plan.init_adapter
@@ -217,16 +228,16 @@ def _adapted(registry: Registry, plan: RunPlan, config: RunConfig, model, resume
         # k-bit preparation as PEFT's prepare_model_for_kbit_training, less its fp32 upcast of every frozen
         # bf16 weight (embeddings and head: +2.2 GB on a 7B): base frozen (PEFT did), trainable fp32 (below),
         # non-reentrant checkpointing (below) needs no input_require_grads
-        plan.notes.append("nf4: frozen bf16 weights kept bf16 (no fp32 upcast as prepare_model_for_kbit_training "
-                          "does); adapters fp32")
+        notes.append("nf4: frozen bf16 weights kept bf16 (no fp32 upcast as prepare_model_for_kbit_training "
+                     "does); adapters fp32")
     cast = upcast_trainable(model)
     if cast:
-        plan.notes.append(f"{len(cast)} trainable parameter(s) upcast to fp32 (e.g. {cast[0]})")
+        notes.append(f"{len(cast)} trainable parameter(s) upcast to fp32 (e.g. {cast[0]})")
     if plan.checkpointing:
         enable_checkpointing(model, vision_adapted=bool(plan.target_summary.get("vision_blocks")), family=plan.family)
     if plan.precision.autocast_dtype:
         compute_adapters_in_autocast_dtype(model)
-    return model
+    return model, notes
 
 
 def _reference(model, plan: RunPlan, resume_from: Path | None, device) -> Reference:
