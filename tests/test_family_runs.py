@@ -2,9 +2,10 @@
 images, so a micro-batch often has no image and the vision warm-up must run the tower), then ``vlft
 predict``, ``vlft eval`` and ``vlft export`` on the run, the merged model checked against base + adapter.
 
-One vision tower of each kind trains under 2 data-parallel processes (``vlft run --nproc-per-node 2``), where
-a warm-up that went wrong stops the run (a collective mismatch, an unused parameter): Qwen2-VL's, Qwen3-VL's
-(deepstack) and Gemma 3's (SigLIP; from the example plugin, which ``make test`` installs). The families
+One vision tower of each kind trains under 2 processes (``vlft run --nproc-per-node 2``), where a warm-up
+that went wrong stops the run (a collective mismatch, an unused parameter): Qwen2-VL's and Gemma 3's
+(SigLIP; from the example plugin, which ``make test`` installs) data parallel, Qwen3-VL's (deepstack)
+sharded (``--shard fsdp``, whose gathers and reductions must run in the same order on every process). The families
 that share Qwen3-VL's tower (Qwen3-VL MoE, Qwen3.5, Qwen3.5 MoE) train in one process through the CLI, with
 the same warm-up (it runs on one process too). The default family (Qwen2.5-VL) has these runs in
 test_packing_runs.py and test_after_training.py. One run per family, shared by its checks.
@@ -24,6 +25,7 @@ from helpers import cli_invoke, export_logits, vlft_command
 
 FAMILIES = ["qwen2-vl", "qwen3-vl", "qwen3-vl-moe", "qwen3.5", "qwen3.5-moe", "gemma3"]
 TWO_PROCESSES = {"qwen2-vl", "qwen3-vl", "gemma3"}  # one of each vision tower
+SHARDED = {"qwen3-vl"}
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
@@ -49,6 +51,8 @@ def family_run(request, mixed, tmp_path_factory) -> tuple[str, Path]:
             "--data", str(train), "--val-data", str(val), "--output", str(out), "--steps", "3", "--batch-size", "2",
             "--log-every", "1", "--eval-every", "0", "--eval-samples", "1", "--max-new-tokens", "2",
             "--save-every", "0", "--lr", "3e-3", "--seed", "2"]
+    if family in SHARDED:
+        args += ["--shard", "fsdp"]
     if processes == 1:
         _vlft(*args)
     else:
@@ -73,6 +77,7 @@ def test_every_family_trains_on_mixed_data(family_run, mixed):
     assert summary["status"] == "completed" and summary["steps"] == 3
     plan = json.loads((out / "plan.json").read_text())
     assert plan["model_family"]["name"] == family
+    assert plan["sharding"]["strategy"] == ("fsdp" if family in SHARDED else "none")
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in logged if "loss" in m] == [1, 2, 3]
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in logged if "loss" in m)
