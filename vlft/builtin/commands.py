@@ -201,6 +201,6 @@ def vlft_register_commands(cli):
     from vlft.commands.predict import eval_command, predict
     from vlft.commands.report import report
 
-    for command in (run, plugins, methods, objectives, demo_data, data, doctor, parity, parity_worker, predict, eval_command,
-                    export, report):
+    for command in (run, plugins, methods, objectives, demo_data, data, doctor, parity, parity_worker, predict,
+                    eval_command, export, report):
         cli.add_command(command)
