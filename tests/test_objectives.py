@@ -85,7 +85,8 @@ def test_a_dpo_run_trains_saves_resumes_and_evaluates(dpo_run, pref, tmp_path, m
     assert ev["after"]["samples"] == 2 and [e["reference"] for e in ev["after"]["examples"]] == chosen[:2]
     plan = json.loads((out / "plan.json").read_text())
     assert plan["objective"]["name"] == "dpo" and plan["objective"]["rows_per_record"] == 2
-    assert plan["objective"]["options"] == {"beta": 0.1, "loss": "sigmoid", "label_smoothing": 0.0}
+    assert plan["objective"]["options"] == {"beta": 0.1, "loss": "sigmoid", "label_smoothing": 0.0,
+                                            "rpo_alpha": 0.0}
     assert plan["memory"]["batch"]["samples"] == 4  # 2 pairs, 2 rows each
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
@@ -173,9 +174,10 @@ def test_sft_then_dpo_from_its_adapter(pref, tmp_path, monkeypatch):
 
 
 def test_dpo_loss_options_take_effect(pref, tmp_path):
-    """--dpo-loss, --beta and --label-smoothing, one pair a step (so the logged margin m = beta x the pair's
-    log-ratio margin is that pair's): ipo starts at (1 / (2 beta))^2 (margin 0); hinge is relu(1 - m);
-    sigmoid with smoothing eps is -(1 - eps) log sigmoid(m) - eps log sigmoid(-m), at every step."""
+    """--dpo-loss, --beta, --label-smoothing and --rpo-alpha, one pair a step (so the logged margin m = beta x
+    the pair's log-ratio margin is that pair's): ipo starts at (1 / (2 beta))^2 (margin 0); hinge is
+    relu(1 - m); sigmoid with smoothing eps is -(1 - eps) log sigmoid(m) - eps log sigmoid(-m), and with RPO's
+    a, -log sigmoid(m) + a x the chosen reply's mean token NLL, at every step."""
     def run(name, *flags):
         out = tmp_path / name
         code, output = cli_invoke("run", "--objective", "dpo", "--backend", "cpu", "--data", pref.train,
@@ -199,6 +201,10 @@ def test_dpo_loss_options_take_effect(pref, tmp_path):
     assert abs(smooth[-1]["reward_margin"]) > 1e-3  # not the trivial point
     plain = [-logsigmoid(m["reward_margin"]) for m in smooth]  # the unsmoothed loss would differ there
     assert smooth[-1]["loss"] != pytest.approx(plain[-1], abs=1e-4)
+    rpo = run("rpo", "--rpo-alpha", "0.5", "--beta", "0.5")
+    want = [-logsigmoid(m["reward_margin"]) + 0.5 * m["nll_chosen"] for m in rpo]
+    assert [m["loss"] for m in rpo] == pytest.approx(want, abs=1e-5)
+    assert rpo[0]["nll_chosen"] > 0.1 and rpo[0]["loss"] > LN2 + 0.05  # the NLL term is there from step 1
     code, output = cli_invoke("run", "--objective", "dpo", "--dpo-loss", "ipo", "--label-smoothing", "0.1",
                               "--output", tmp_path / "no", "--dry-run")
     assert code != 0 and "--label-smoothing applies to --dpo-loss sigmoid" in output

@@ -29,6 +29,7 @@ RUN_OPTION_TESTS = {
     "--beta": "test_objectives.py::test_dpo_loss_options_take_effect",
     "--dpo-loss": "test_objectives.py::test_dpo_loss_options_take_effect",
     "--label-smoothing": "test_objectives.py::test_dpo_loss_options_take_effect",
+    "--rpo-alpha": "test_objectives.py::test_dpo_loss_options_take_effect",
     "--init-adapter": "test_objectives.py::test_sft_then_dpo_from_its_adapter",
     "--model": "test_family_runs.py::test_every_family_trains_on_mixed_data",
     "--data": "test_run.py::test_short_run_writes_adapter_metrics_and_eval",

@@ -40,6 +40,9 @@ class RunConfig:
                         choices=("sigmoid", "ipo", "hinge"))
     label_smoothing: float = opt(0.0, "DPO, sigmoid loss: the share of pairs taken as mislabelled (conservative "
                                       "DPO), in [0, 0.5).")
+    rpo_alpha: float = opt(0.0, "DPO: weight of the chosen reply's mean token negative log-likelihood, added to "
+                                "each pair's loss (RPO; TRL's rpo_alpha, LLaMA-Factory's pref_ftx): keeps the chosen "
+                                "answers likely while the margin grows (0: plain DPO).")
     init_adapter: str | None = opt(None, "Start from this adapter (a run folder or an adapter folder, e.g. an sft "
                                          "run's) instead of a fresh one; a DPO run then takes it as its reference.")
     model: str | None = opt(None, "Model directory (any family a plugin offers: `vlft plugins`), a bundled config "
@@ -348,6 +351,8 @@ def validate(cfg: RunConfig) -> None:
                           f"2 frames), got {cfg.video_fps} and {cfg.video_max_frames}")
     if cfg.beta <= 0:
         raise ConfigError(f"--beta must be positive, got {cfg.beta}")
+    if cfg.rpo_alpha < 0:
+        raise ConfigError(f"--rpo-alpha must not be negative, got {cfg.rpo_alpha}")
     if not 0 <= cfg.label_smoothing < 0.5:
         raise ConfigError(f"--label-smoothing must be in [0, 0.5), got {cfg.label_smoothing}")
     if cfg.early_stopping_patience < 0:

@@ -103,8 +103,8 @@ def run(config: RunConfig, registry: Registry | None = None, progress: bool = Fa
 def _placeholder_arguments() -> dict[str, Any]:
     """A value for every hook parameter, naming nothing any plugin owns."""
     return {
-        "backend": UNKNOWN, "method": UNKNOWN, "objective": UNKNOWN, "config": RunConfig(), "model_config": None, "model": None,
-        "targets": [], "path": "", "trainable": False, "seed": 0, "deterministic": False, "device": None,
+        "backend": UNKNOWN, "method": UNKNOWN, "objective": UNKNOWN, "config": RunConfig(), "model_config": None,
+        "model": None, "targets": [], "path": "", "trainable": False, "seed": 0, "deterministic": False, "device": None,
         "attention": None, "options": DataLoaderOptions(), "family": None, "target_parameters": [],
     }
 

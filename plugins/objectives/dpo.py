@@ -12,6 +12,12 @@ pairs (every micro-batch and process):
   reply's token count, as TRL's ``ipo``);
 - ``hinge``: ``relu(1 - beta m)``.
 
+``--rpo-alpha a`` adds ``a x`` the chosen reply's mean token negative log-likelihood to each pair's loss (RPO,
+Pang et al., 2024; TRL's ``rpo_alpha``, LLaMA-Factory's ``pref_ftx``): plain DPO may lower both replies'
+likelihoods while their margin grows (measured on the demo after SFT: the chosen answer's log-probability
+fell from -3.2 to -33.8 and greedy answers broke), the NLL term holds the chosen one up; logged as
+``nll_chosen``.
+
 Logged (means over the pairs): the loss, ``reward_chosen`` and ``reward_rejected`` (``beta x`` each ratio),
 ``reward_margin``, ``preference_accuracy`` (the share of pairs whose chosen reward is strictly higher: 0 while
 the policy still equals the reference) and the policy's ``logps_chosen`` and ``logps_rejected``; validation
@@ -36,6 +42,7 @@ HELP = {
     "beta": "--beta: how strongly the policy is held to the reference (the reward is beta x the log-ratio)",
     "loss": "--dpo-loss: sigmoid, ipo or hinge",
     "label_smoothing": "--label-smoothing: sigmoid only, the share of pairs taken as mislabelled (cDPO)",
+    "rpo_alpha": "--rpo-alpha: weight of the chosen reply's mean token NLL added to each pair's loss (RPO)",
 }
 LAYOUT = ("preferences: a prompt and its images with a chosen and a rejected reply (LLaMA-Factory: "
           "conversations/messages + chosen + rejected + images; TRL: prompt + chosen + rejected + images)")
@@ -61,10 +68,13 @@ def vlft_objective(objective, config):
                  else "the base model (the adapter switched off)")
     return Objective(
         NAME, DESCRIPTION, layout=LAYOUT, help=HELP,
-        options={"beta": config.beta, "loss": config.dpo_loss, "label_smoothing": config.label_smoothing},
+        options={"beta": config.beta, "loss": config.dpo_loss, "label_smoothing": config.label_smoothing,
+                 "rpo_alpha": config.rpo_alpha},
         parse=parse_preference, encoder=PairEncoder, collate=PairCollator, rows_per_record=2,
-        average_over="records", figures=FIGURES, reference=reference,
-        loss=partial(dpo_loss, beta=config.beta, kind=config.dpo_loss, smoothing=config.label_smoothing),
+        average_over="records", figures=FIGURES + (("nll_chosen",) if config.rpo_alpha else ()),
+        reference=reference,
+        loss=partial(dpo_loss, beta=config.beta, kind=config.dpo_loss, smoothing=config.label_smoothing,
+                     rpo_alpha=config.rpo_alpha),
         demo_data=_demo, demo_epochs=2,
         packing_refusal="the chosen and rejected rows of a pair are scored row by row; packed rows are not "
                         "built for them",
@@ -85,7 +95,7 @@ def _demo(folder):
     return ds.train, ds.val
 
 
-def dpo_loss(model, batch, autocast, reference, *, beta: float, kind: str, smoothing: float):
+def dpo_loss(model, batch, autocast, reference, *, beta: float, kind: str, smoothing: float, rpo_alpha: float = 0.0):
     """(the pairs' summed loss, {figure: sum over the pairs}) for a batch of pairs on the device: the B chosen
     rows, then the B rejected rows (``data.pairs``)."""
     import torch  # the step runs torch already; the plugin module itself stays light
@@ -116,4 +126,8 @@ def dpo_loss(model, batch, autocast, reference, *, beta: float, kind: str, smoot
                "reward_margin": (reward_c - reward_r).sum(),
                "preference_accuracy": (reward_c > reward_r).to(reward_c.dtype).sum(),
                "logps_chosen": logps[:n].detach().sum(), "logps_rejected": logps[n:].detach().sum()}
+    if rpo_alpha:
+        nll = -logps[:n] / tokens[:n].clamp(min=1)
+        losses = losses + rpo_alpha * nll
+        figures["nll_chosen"] = nll.detach().sum()
     return losses.sum(), figures

@@ -204,6 +204,5 @@ def vlft_register_commands(cli):
 
     data.add_command(convert)
     for command in (run, plugins, methods, objectives, demo_data, data, doctor, parity, parity_worker, predict,
-                    eval_command,
-                    export, report):
+                    eval_command, export, report):
         cli.add_command(command)

@@ -163,8 +163,8 @@ class _Window:
                               *[self.figures[n].double().reshape(1) for n in names]])
             torch.distributed.all_reduce(both)
             loss_sum, counts, sums = both[0], both[1:4], both[4:].tolist()
-        else:
-            sums = [float(self.figures[n]) for n in names]
+        else:  # one read for all of them: the loop reads the device here anyway
+            sums = torch.stack([self.figures[n].double() for n in names]).tolist() if names else []
         labels, positions, real = counts.tolist()
         self.totals = {"labels": labels, "positions": positions, "real": real}
         self.means = {n: v / max(labels, 1.0) for n, v in zip(names, sums)}

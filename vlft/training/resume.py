@@ -55,7 +55,8 @@ def run_identity(config) -> dict:
     ident["data"] = data_identity(config.data)
     ident["val_data"] = file_identity(config.val_data)
     if config.objective != "sft":  # keys only where they are not the default, so older checkpoints still compare
-        ident["objective"] = {k: getattr(config, k) for k in ("objective", "beta", "dpo_loss", "label_smoothing")}
+        ident["objective"] = {k: getattr(config, k) for k in ("objective", "beta", "dpo_loss", "label_smoothing",
+                                                            "rpo_alpha")}
     if config.init_adapter:
         ident["init_adapter"] = adapter_identity(config.init_adapter)
     return ident
