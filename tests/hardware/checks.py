@@ -505,7 +505,8 @@ def compare_each_patch(backend: str, registry=None,
         [encoder.encode(r) for r in read_records(ds.train)[:2]])
     dtype_name = unpatched_plan.precision.autocast_dtype
     dtype = getattr(torch, dtype_name) if dtype_name else None
-    ref = _base_model(registry, backend, unpatched_plan, none_config).to(device).train()
+    ref, _ = _base_model(registry, backend, unpatched_plan, none_config)
+    ref = ref.to(device).train()
     compute = dtype or next(ref.parameters()).dtype
     u = torch.finfo(compute).eps / 2  # unit roundoff of the dtype the step computes in
     exact = _exact_step(ref, batch)
@@ -531,7 +532,8 @@ def compare_each_patch(backend: str, registry=None,
             problems.append(f"--kernels {k.name}: the plan does not list it as chosen")
             continue
         try:
-            model = _base_model(registry, backend, plan, config).to(device).train()
+            model, _ = _base_model(registry, backend, plan, config)
+            model = model.to(device).train()
             observer = Observer()
             observer.watch(model)
             if warm_up:
