@@ -169,8 +169,11 @@ def test_the_makefile_device_check_runs_one_command_and_no_installer():
     make = shutil.which("make")
     if make is None:
         pytest.skip("make is not installed here")
+    # under `make test` the parent make's MAKEFLAGS/MAKELEVEL would make this one a sub-make, which prints
+    # "Entering directory" lines among the commands: run it as a user would, from a shell
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
     proc = subprocess.run([make, "-n", "-B", "device-check", "DEVICE_PY=py"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr
     commands = [shlex.split(line) for line in proc.stdout.splitlines() if line.strip()]
     assert [c for c in commands if installs(c)] == []
