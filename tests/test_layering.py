@@ -63,11 +63,11 @@ PRIVATE_IMPORTS = {
 
 def plugin_packages(root: Path = ROOT) -> dict[str, Path]:
     """{package: folder} of every plugin in the checkout: the built-in ones (``plugins/``, as
-    ``vlft.plugins.BUILTIN_PACKAGES`` maps them) and each package of an example plugin
+    ``vlft.plugins.builtin_packages`` maps them) and each package of an example plugin
     (``examples/*/<package>/``)."""
-    from vlft.plugins import BUILTIN_PACKAGES
+    from vlft.plugins import builtin_packages
 
-    mapped = {name: root / folder for name, folder in BUILTIN_PACKAGES.items()}
+    mapped = builtin_packages(root)
     examples = {p.parent.name: p.parent for p in sorted((root / "examples").glob("*/*/__init__.py"))}
     return {**mapped, **examples}
 

@@ -16,7 +16,7 @@ import pytest
 from vlft.errors import ConfigError, VlftError
 from vlft.hookspecs import hookimpl
 from vlft.policies import BackendInfo, MethodInfo
-from vlft.plugins import BUILTIN_PACKAGES, BUILTIN_PLUGINS
+from vlft.plugins import builtin_packages, builtin_plugins
 from vlft.registry import ENTRY_POINT_GROUP, load_registry, new_plugin_manager
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,14 +33,18 @@ BUILTINS = {
 def test_builtins_register_directly_and_entry_points_are_left_to_third_parties():
     import tomllib
 
-    assert {k: v for k, v in BUILTIN_PLUGINS if k in BUILTINS} == BUILTINS
+    found = dict(builtin_plugins())
+    assert {k: found.get(k) for k in BUILTINS} == BUILTINS
+    assert {"commands", "sinks", "models", "sft", "dpo"} <= set(found)
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     # an install names no built-in as an entry point (they would be found twice), and puts each plugin
-    # package where vlft/plugins.py finds it in a checkout
+    # package where vlft/plugins.py finds it in a checkout, and lists it among its packages
     assert "vlft" not in project["project"].get("entry-points", {})
-    assert project["tool"]["setuptools"]["package-dir"] == BUILTIN_PACKAGES
+    setuptools = project["tool"]["setuptools"]
+    assert setuptools["package-dir"] == {k: str(v.relative_to(ROOT)) for k, v in builtin_packages(ROOT).items()}
+    assert set(builtin_packages(ROOT)) <= set(setuptools["packages"])
     reg = load_registry(load_entry_points=False, builtins=True)
-    assert {name for name, _ in BUILTIN_PLUGINS} <= {n for n, _ in reg.pm.list_name_plugin()}
+    assert set(found) <= {n for n, _ in reg.pm.list_name_plugin()}
     assert not reg.broken
 
 
@@ -52,7 +56,7 @@ def test_an_install_whose_old_entry_points_name_the_builtins_registers_each_once
     def with_old(**kw):
         eps = list(real(**kw))
         if kw.get("group") == ENTRY_POINT_GROUP:
-            eps += [importlib.metadata.EntryPoint(name, module, ENTRY_POINT_GROUP) for name, module in BUILTIN_PLUGINS]
+            eps += [importlib.metadata.EntryPoint(name, module, ENTRY_POINT_GROUP) for name, module in builtin_plugins()]
             eps += [importlib.metadata.EntryPoint("lora-old", "vlft_methods.lora", ENTRY_POINT_GROUP)]
         return eps
 

@@ -89,6 +89,16 @@ def vlft_model_family(model_type: str, model_config: transformers.PretrainedConf
     """
 
 
+@hookspec(firstresult=True)
+def vlft_default_model_family() -> str | None:
+    """Return the name of the model family whose tiny model is the embedded default (``vlft run`` with no
+    ``--model``, ``--model embedded``), or None.
+
+    The family must offer a tiny builder (``build_tiny``). First answer wins: a plugin can make another
+    family the default with ``tryfirst=True``.
+    """
+
+
 @hookspec
 def vlft_bundled_model_configs() -> dict[str, Path]:
     """Return ``{name: folder}`` of weightless planning configs this plugin ships.

@@ -1,6 +1,6 @@
 """The plugin manager: plugins in, backends, methods and objectives out.
 
-The built-in plugins (``vlft.plugins.BUILTIN_PLUGINS``) register directly, so a checkout that is not
+The built-in plugins (``vlft.plugins``) register directly, so a checkout that is not
 installed has them; third-party plugins register through the ``vlft`` entry-point group. A plugin that
 fails to import is recorded as broken and skipped, so one bad package cannot take the others down;
 ``vlft plugins`` shows it with its error. ``VLFT_DISABLE_PLUGINS=name,...`` blocks plugins
@@ -21,7 +21,7 @@ import pluggy
 
 from vlft import hookspecs
 from vlft.errors import ConfigError, VlftError
-from vlft.plugins import BUILTIN_PLUGINS, serve_checkout
+from vlft.plugins import builtin_plugins, serve_checkout
 from vlft.policies import BackendInfo, MethodInfo, ObjectiveInfo
 
 ENTRY_POINT_GROUP = "vlft"
@@ -143,7 +143,7 @@ def load_registry(load_entry_points: bool = True, plugins: tuple = (), builtins:
 def _load_builtins(pm: pluggy.PluginManager, registry: Registry) -> None:
     """The built-in plugins, imported by module name (from the checkout where vlft is not installed)."""
     serve_checkout()
-    for name, module_name in BUILTIN_PLUGINS:
+    for name, module_name in builtin_plugins():
         if pm.is_blocked(name) or pm.has_plugin(name):
             continue
         try:

@@ -13,9 +13,9 @@ from bench.support.env import TARGETS, VISION_LAST_N, BenchEnv
 
 def wide_recipe() -> dict:
     """The embedded recipe made wider, so that compute (not Python) dominates a step."""
-    from vlft.models.embedded import RECIPE
+    from vlft_models.qwen2_vl import RECIPE_2_5
 
-    recipe = copy.deepcopy(RECIPE)
+    recipe = copy.deepcopy(RECIPE_2_5)
     recipe["text"].update(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
                           num_key_value_heads=2)
     # Qwen2.5-VL's 3-D rotary sections must add up to head_dim / 2 = 32
