@@ -40,10 +40,6 @@ REASON_WORDS = 3
 # Every import of a private vlft module (a floor above the face) by a plugin, with the reason it has one
 # today. Issue 30 gives plugins a public surface for these; until then each is listed, and a new one fails.
 PRIVATE_IMPORTS = {
-    ("vlft_methods._peft", "vlft.models.families"):
-        "family_of_model: the family of a loaded model, to find its merger modules for --train-merger (issue 30)",
-    ("vlft_methods._peft", "vlft.models.groups"):
-        "merger_modules: the merger modules a family names, trained whole beside the adapters (issue 30)",
     ("vlft_objectives.dpo", "vlft.data.demo"):
         "write_demo_preferences: the demo preference pairs a run without --data trains on (issue 30)",
     ("vlft_objectives.dpo", "vlft.data.pairs"):

@@ -126,7 +126,8 @@ def test_builtin_plugin_answers_only_for_what_it_owns(name):
     assert pm.hook.vlft_precision_policy(backend="nobody", config=cfg) is None
     assert pm.hook.vlft_setup_device(backend="nobody", config=cfg) is None
     assert pm.hook.vlft_adapter_defaults(method="nobody", config=cfg) is None
-    assert pm.hook.vlft_apply_adapter(method="nobody", model=None, targets=[], config=cfg, target_parameters=[]) is None
+    assert pm.hook.vlft_apply_adapter(method="nobody", model=None, targets=[], config=cfg, target_parameters=[],
+                                      family=None) is None
 
 
 def test_registry_lists_builtin_backends_and_methods(registry):

@@ -195,10 +195,12 @@ def vlft_device_capacity(backend: str, config: RunConfig) -> DeviceCapacity | No
 
 @hookspec
 def vlft_patch_model(backend: str, model: torch.nn.Module, config: RunConfig,
-                     attention: AttentionPolicy) -> list[str] | None:
+                     attention: AttentionPolicy, family: ModelFamily) -> list[str] | None:
     """Rewrite parts of a loaded model that ``backend`` cannot run as they are.
 
-    ``attention`` is the resolved ``AttentionPolicy`` the model was loaded with.
+    ``attention`` is the resolved ``AttentionPolicy`` the model was loaded with; ``family`` is the model's
+    ``ModelFamily``: its module paths (``vision_tower``, ...) say where each tower is, so a patch never
+    guesses them from module names.
 
     Return a list of one-line descriptions of what was patched (or None).
     Every plugin is called.
@@ -232,12 +234,14 @@ def vlft_adapter_defaults(method: str, config: RunConfig) -> AdapterDefaults | N
 
 @hookspec(firstresult=True)
 def vlft_apply_adapter(method: str, model: torch.nn.Module, targets: list[str],
-                       config: RunConfig, target_parameters: list[str]) -> torch.nn.Module | None:
+                       config: RunConfig, target_parameters: list[str],
+                       family: ModelFamily) -> torch.nn.Module | None:
     """Wrap ``model`` with ``method``'s adapter on the module names ``targets``; return the adapted model.
 
     ``target_parameters`` are full names of fused 3-D expert weights (PEFT's ``target_parameters``); it is
     empty unless the method's ``AdapterDefaults.target_experts`` asked for them, so a method that never sets
-    it may leave the argument out of its implementation.
+    it may leave the argument out of its implementation. ``family`` is the model's ``ModelFamily`` (its
+    module paths: ``vision_mergers`` for ``--train-merger``, ...); a method that needs none may leave it out.
 
     Raise ``ConfigError`` when the method cannot adapt a target (say, no
     block size divides its width). First answer wins.

@@ -77,7 +77,7 @@ def load_base(env: BenchEnv, size: ModelSize):
     plan = plan_for(env, size, "lora")
     model = load_model(size.path, plan.attention, plan.precision)
     env.registry.hook.vlft_patch_model(backend=env.backend, model=model, config=plan.config,
-                                       attention=plan.attention)
+                                       attention=plan.attention, family=plan.family)
     return model
 
 
@@ -99,7 +99,7 @@ def adapted_model(env: BenchEnv, size: ModelSize, method: str, seed: int = 0):
     targets = targets_for(env, size, model, method)
     seed_everything(seed)
     adapted = env.registry.first("vlft_apply_adapter", method=method, model=model, targets=targets,
-                                 config=plan.config, target_parameters=[])
+                                 config=plan.config, target_parameters=[], family=plan.family)
     return adapted.to(env.device), plan
 
 
