@@ -21,8 +21,10 @@ def test_vlft_plugins_lists_plugins_backends_with_availability_and_methods(regis
     proc = vlft("plugins", "--json")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
-    # every installed entry point, vlft's own and any third party's (make test installs the example plugin)
-    installed = {ep.name for ep in importlib.metadata.entry_points(group="vlft")}
+    # vlft's own plugins and every installed entry point's (make test installs the example plugin)
+    from vlft.plugins import builtin_plugins
+
+    installed = {name for name, _ in builtin_plugins()} | {ep.name for ep in importlib.metadata.entry_points(group="vlft")}
     assert {"ascend", "commands", "cpu", "cuda", "lora", "oft", "sinks"} <= installed
     assert {p["name"]: p["status"] for p in data["plugins"]} == {n: "loaded" for n in installed}
     for b in data["backends"]:  # what the command says is what the probe in this process finds

@@ -1,6 +1,7 @@
 """The hooks a vlft plugin may implement.
 
-Plugins register through the ``vlft`` entry-point group (built-ins too).
+Third-party plugins register through the ``vlft`` entry-point group; the built-ins register directly
+(``vlft/plugins.py``).
 A backend plugin answers only for the backend names it owns and returns
 None for others; a method plugin likewise for its method names. Hooks marked
 *first answer wins* are ``firstresult``: implement them with
