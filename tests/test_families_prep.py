@@ -423,6 +423,16 @@ def test_the_embedded_default_is_the_default_familys_tiny_model(registry):
     assert resolve_model_path(None, registry) == resolve_model_path("embedded:qwen2.5-vl", registry)
 
 
+def test_without_a_plugin_naming_a_default_family_the_embedded_default_is_an_error_saying_so():
+    from vlft.errors import ConfigError
+    from vlft.models.embedded import embedded_model_dir
+    from vlft.registry import load_registry
+
+    bare = load_registry(load_entry_points=False)
+    with pytest.raises(ConfigError, match="no installed plugin names a default model family"):
+        embedded_model_dir(bare)
+
+
 EMBEDDED_DEFAULT_SHA256 = "76d63b531740d67aa19836df0acd455191688634a91f7a3799bbe74eda03cc5e"
 
 
