@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -22,8 +21,6 @@ SESSION_DIR = Path(tempfile.mkdtemp(prefix="vlft-test-"))
 os.environ["TMPDIR"] = str(SESSION_DIR / "tmp")
 os.environ.setdefault("VLFT_CACHE", str(SESSION_DIR / "cache"))  # a cache the caller chose is kept
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
 
 # The built-in plugin packages (vlft_models, vlft_cuda, ...) from this checkout, for the tests that import them
 # by name: where vlft is not installed (a device machine's Python runs the suite from the checkout) nothing
