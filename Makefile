@@ -15,8 +15,8 @@ QLORA_PKGS ?= bitsandbytes>=0.48
 
 # The device check runs on a machine with an accelerator and that machine's own Python (with torch,
 # transformers, peft, pluggy, click and pytest installed); here it uses the venv and stops where it
-# needs a device. Nothing is installed: where vlft is not installed, bench/source_tree.py serves the
-# checkout through .device-site/ (entry points generated from pyproject.toml). DEVICE_ARGS: --quick,
+# needs a device. Nothing is installed and no metadata is written: the built-in plugins register directly
+# (vlft/plugins.py), so the checkout first on PYTHONPATH is vlft. DEVICE_ARGS: --quick,
 # --skip-scale, --list (the time budget), --timeout-factor N.
 DEVICE_PY   ?= $(if $(wildcard $(PY)),$(PY),python3)
 DEVICE_OUT  ?= device-check-results
@@ -74,4 +74,4 @@ device-rehearsal:
 	REHEARSAL_VENV=$(REHEARSAL_VENV) REHEARSAL_PYTHON=$(REHEARSAL_PYTHON) bash bench/device_rehearsal.sh
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .device-site
+	rm -rf $(VENV) runs .pytest_cache

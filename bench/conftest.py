@@ -64,11 +64,13 @@ def embedded_size():
 def _built_size(name: str, recipe: dict):
     """A bench model size built once from ``recipe`` into VLFT_CACHE (folder named by the recipe's hash)."""
     from bench.support.models import model_size
-    from vlft.models.embedded import build_embedded_model, cache_root, recipe_hash
+    from vlft.models.embedded import cache_root, tokenizer_corpus
+    from vlft_models._tiny import recipe_hash
+    from vlft_models.qwen2_vl import build_tiny_2_5
 
     path = cache_root() / f"bench-{name}-qwen2_5_vl-{recipe_hash(recipe)}"
     if not (path / "config.json").exists():
-        build_embedded_model(path, recipe)
+        build_tiny_2_5(path, recipe, corpus=tokenizer_corpus())
     return model_size(name, str(path))
 
 

@@ -11,9 +11,10 @@
 4. ``bench/device_scale.py``: Qwen2.5-VL-7B's shape with random bf16 weights on the device, LoRA and
    OFT steps, peak memory beside the memory plan's estimate.
 
-It needs no install step: where no ``vlft`` distribution is installed (a device machine's own Python,
-with no setuptools and no registry), ``bench/source_tree.py`` serves the checkout with entry points
-generated from pyproject.toml; the first line printed says which way was taken.
+It needs no install step and writes no install metadata: the built-in plugins register directly
+(``vlft/plugins.py``), so the checkout first on ``PYTHONPATH`` is vlft, installed or not (a device
+machine's own Python, with no setuptools and no registry); the first line printed says where vlft was
+imported from and which plugins registered.
 
 The time budget is explicit (``--list`` prints it): each step has a timeout and an estimate on one
 large GPU, the timeouts add up to at most 480 s, and the whole check stops at that deadline.
@@ -31,6 +32,7 @@ counts, the 7B-shape table beside the memory plan) go to ``--out`` (default ``de
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import signal
@@ -45,10 +47,41 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(1, str(REPO))
 
-from bench import device_report, source_tree  # noqa: E402 - after the repository is on the path
+from bench import device_report  # noqa: E402 - after the repository is on the path
 
 DEVICE_TESTS = ["tests/hardware", "tests/parity"]
 DEVICE_MARKERS = "cuda or npu"
+
+
+# a child Python with the checkout first on its path: where vlft is imported from, and the plugins its
+# registry holds (the built-ins register directly, so an install is neither needed nor consulted for them)
+_PROBE = r"""
+import json, vlft
+from vlft.registry import load_registry
+r = load_registry()
+print(json.dumps({"vlft": vlft.__file__, "plugins": sorted(n for n, _ in r.pm.list_name_plugin() if n),
+                  "broken": r.broken}))
+"""
+
+
+def checkout_way(repo: Path = REPO, python: str = sys.executable) -> dict:
+    """How the steps import vlft: this checkout first on ``PYTHONPATH``. Checked in a child process, which
+    must import vlft from ``repo`` and register the CPU backend; raises RuntimeError saying what failed."""
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(repo)]
+    pythonpath = os.pathsep.join([str(repo), *inherited])
+    proc = subprocess.run([python, "-c", _PROBE], env={**os.environ, "PYTHONPATH": pythonpath}, cwd=repo,
+                          capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-3000:])
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    if not Path(found["vlft"]).resolve().is_relative_to(repo.resolve()):
+        raise RuntimeError(f"vlft imports from {found['vlft']}, not from this checkout ({repo})")
+    if "cpu" not in found["plugins"]:
+        raise RuntimeError(f"the built-in plugins did not register: {found['plugins']} (broken: {found['broken']})")
+    broken = "; broken: " + ", ".join(sorted(found["broken"])) if found["broken"] else ""
+    return {"mode": "checkout", "pythonpath": pythonpath, "vlft": found["vlft"], "plugins": found["plugins"],
+            "broken": found["broken"],
+            "line": f"vlft from this checkout ({repo}), plugins: {', '.join(found['plugins'])}{broken}"}
 
 
 @dataclass(frozen=True)
@@ -197,12 +230,12 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        way = source_tree.prepare()
-    except source_tree.SourceTreeError as e:
-        print(f"vlft cannot be made importable from this checkout: {e}", file=sys.stderr)
+        way = checkout_way()
+    except RuntimeError as e:
+        print(f"vlft cannot be imported from this checkout: {e}", file=sys.stderr)
         return 2
-    print(way.line, flush=True)
-    env = way.child_env()
+    print(way["line"], flush=True)
+    env = {**os.environ, "PYTHONPATH": way["pythonpath"]}
     # nothing written outside the checkout by the steps, where the caller chose no other place: the
     # embedded model (built once, shared by every step), matplotlib's cache; and no hub look-up
     for key, value in (("VLFT_CACHE", REPO / ".cache" / "vlft"), ("MPLCONFIGDIR", REPO / ".cache" / "matplotlib"),
@@ -235,7 +268,7 @@ def main(argv=None) -> int:
                        "timeout_factor": args.timeout_factor, "timeout_total_s": sum(s.timeout_s for s in steps),
                        "estimate_total_s": sum(s.estimate_s for s in steps),
                        "elapsed_s": round(time.perf_counter() - t_start, 1)}
-        r = device_report.build(way.as_dict(), found, missing, results, counts, scale, budget_info)
+        r = device_report.build(way, found, missing, results, counts, scale, budget_info)
         r.update(python=sys.executable, pytest_args=list(pytest_args), exit_code=code)
         device_report.write(out, r)
         return r

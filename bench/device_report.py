@@ -1,6 +1,6 @@
 """What ``make device-check`` reports: ``device-check.json`` and ``device-check.md`` in its ``--out`` folder.
 
-- the way vlft was made importable (installed, or the source tree with generated entry points);
+- where vlft was imported from (the checkout, first on PYTHONPATH) and the plugins that registered;
 - each step: its exit, its time, its timeout and its estimate on one large GPU;
 - the device tests' pass/skip/fail counts, read from pytest's JUnit XML (pytest's closing summary line
   where the XML is missing, e.g. after a timeout);

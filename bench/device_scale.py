@@ -111,7 +111,7 @@ def run(backend: str, out: Path, steps: int, methods: list[str], model_name: str
                     model_config, dtype=getattr(torch, plan.precision.param_dtype),
                     attn_implementation=plan.attention.as_attn_implementation())
             registry.hook.vlft_patch_model(backend=choice.info.name, model=base, config=config,
-                                           attention=plan.attention)
+                                           attention=plan.attention, family=plan.family)
             model = plan_targets(registry, plan, base).to(device)
             upcast_trainable(model)
             if ckpt == "on":

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -23,49 +22,12 @@ os.environ["TMPDIR"] = str(SESSION_DIR / "tmp")
 os.environ.setdefault("VLFT_CACHE", str(SESSION_DIR / "cache"))  # a cache the caller chose is kept
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# The built-in plugin packages (vlft_models, vlft_cuda, ...) from this checkout, for the tests that import them
+# by name: where vlft is not installed (a device machine's Python runs the suite from the checkout) nothing
+# else provides those names. Nothing is written: vlft/plugins.py maps the names to plugins/ on import.
+from vlft.plugins import serve_checkout  # noqa: E402 - after TMPDIR, before any test module imports a plugin
 
-
-def source_tree_example_plugin_metadata(repo: Path = Path(__file__).resolve().parents[1]) -> Path | None:
-    """Test helper for running from a source tree (``bench/source_tree.py``'s ``.device-site`` on the path): a
-    ``vlft_example_plugin`` dist-info there, generated from examples/vlft-example-plugin/pyproject.toml, and a
-    link to this checkout's package, so the example plugin's real entry points (the Gemma 3 family among
-    them) load from this checkout and not from an install made elsewhere. Where the example plugin is
-    installed from this checkout with those entry points (``make test`` installs it editable) nothing is
-    written. Returns the dist-info written, or None."""
-    import importlib.metadata
-    import importlib.util
-
-    import tomllib
-
-    site = repo / ".device-site"
-    if str(site) not in sys.path or not site.is_dir():
-        return None
-    example = repo / "examples" / "vlft-example-plugin"
-    project = tomllib.loads((example / "pyproject.toml").read_text())["project"]
-    wanted = dict(project["entry-points"]["vlft"])
-    package = example / "vlft_example_plugin"
-    try:
-        dist = importlib.metadata.distribution(project["name"])
-        have = {ep.name: ep.value for ep in dist.entry_points if ep.group == "vlft"}
-    except importlib.metadata.PackageNotFoundError:
-        have = {}
-    spec = importlib.util.find_spec("vlft_example_plugin")
-    here = spec is not None and Path(list(spec.submodule_search_locations)[0]).resolve() == package.resolve()
-    if have == wanted and here:
-        return None
-    info = site / f"{project['name'].replace('-', '_')}-{project['version']}.dist-info"
-    info.mkdir(exist_ok=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
-    (info / "entry_points.txt").write_text("[vlft]\n" + "".join(f"{k} = {v}\n" for k, v in wanted.items()))
-    (info / "top_level.txt").write_text("vlft_example_plugin\n")
-    link = site / "vlft_example_plugin"
-    if not link.exists():
-        os.symlink(os.path.relpath(package, site), link, target_is_directory=True)
-    importlib.invalidate_caches()
-    return info
-
-
-source_tree_example_plugin_metadata()
+serve_checkout()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -305,7 +305,8 @@ def test_report_degrades_with_a_note_when_files_are_missing(lora_run, tmp_path):
 
 def test_bad_inputs_give_one_clear_error_each(lora_run, tiny_data, tmp_path):
 
-    from vlft.models.embedded import RECIPE, build_embedded_model
+    from vlft.models.embedded import tokenizer_corpus
+    from vlft_models.qwen2_vl import RECIPE_2_5, build_tiny_2_5
 
     run, _, _ = lora_run
     _, val = tiny_data
@@ -317,7 +318,8 @@ def test_bad_inputs_give_one_clear_error_each(lora_run, tiny_data, tmp_path):
     assert code == 1 and "missing.png: file not found" in output
     # a base of another shape (more key/value heads): the adapter's k_proj update does not fit it
     other = tmp_path / "other-base"
-    build_embedded_model(other, dict(RECIPE, text=dict(RECIPE["text"], num_key_value_heads=4)))
+    build_tiny_2_5(other, dict(RECIPE_2_5, text=dict(RECIPE_2_5["text"], num_key_value_heads=4)),
+                   corpus=tokenizer_corpus())
     code, output = vlft("export", "--adapter", run, "--model", other, "--output", tmp_path / "m")
     assert code == 1 and "does not fit the model" in output and not (tmp_path / "m").exists()
     assert [line for line in output.splitlines() if line.startswith("Error")] == [output[output.index("Error"):].strip()]

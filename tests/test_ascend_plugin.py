@@ -340,15 +340,45 @@ def test_answers_only_for_ascend():
     c = cfg()
     assert ascend.vlft_probe_backend(backend="cuda") is None
     assert ascend.vlft_precision_policy(backend="cpu", config=c) is None
-    assert ascend.vlft_patch_model(backend="cuda", model=None, config=c, attention=None) is None
+    assert ascend.vlft_patch_model(backend="cuda", model=None, config=c, attention=None, family=None) is None
     assert ascend.vlft_doctor_checks(backend="cpu") is None
 
 
 # -- SDPA patched out where eager is chosen --------------------------------------------------
 
+def test_patch_model_finds_the_vision_tower_where_the_family_says_not_by_its_name():
+    """A model whose vision tower is not called ``visual`` (``model.vision_tower``, as SigLIP families have it)
+    and whose top config has no ``vision_config``: the family's ``vision_tower`` path alone tells Ascend which
+    config is the vision tower's."""
+    from types import SimpleNamespace
+
+    from vlft.policies import AttentionPolicy
+
+    class Config:
+        def __init__(self):
+            self._attn_implementation = "sdpa"
+
+    def holding(config):
+        module = torch.nn.Module()
+        module.config = config
+        return module
+
+    model = holding(Config())
+    model.model = torch.nn.Module()
+    model.model.vision_tower = holding(Config())
+    model.model.language_model = holding(Config())
+    family = SimpleNamespace(name="stand-in", vision_tower="model.vision_tower", vision_mergers=())
+    patched = ascend.vlft_patch_model(backend="ascend", model=model, config=cfg(), family=family,
+                                      attention=AttentionPolicy(vision="eager", text="sdpa"))
+    assert patched == ["model.vision_tower (vision): sdpa attention -> eager"]
+    assert model.model.vision_tower.config._attn_implementation == "eager"
+    assert model.model.language_model.config._attn_implementation == "sdpa"
+
+
 def test_patch_model_reroutes_sdpa_to_eager(model_dir, monkeypatch):
     from vlft.models.loading import load_model, tower_attention
     from vlft.policies import AttentionPolicy, PrecisionPolicy
+    from vlft_models.qwen2_vl import QWEN2_5_VL
 
     model = load_model(model_dir, AttentionPolicy("sdpa", "sdpa"), PrecisionPolicy("fp32")).eval()
     vc = model.config.vision_config
@@ -371,7 +401,7 @@ def test_patch_model_reroutes_sdpa_to_eager(model_dir, monkeypatch):
 
     def patch(config):
         return ascend.vlft_patch_model(backend="ascend", model=model, config=config,
-                                       attention=ascend.attention_policy(config))
+                                       attention=ascend.attention_policy(config), family=QWEN2_5_VL)
 
     patched = patch(cfg(attn="text=sdpa"))
     assert patched and all("-> eager" in p for p in patched) and any("(vision)" in p for p in patched)

@@ -21,8 +21,10 @@ def test_vlft_plugins_lists_plugins_backends_with_availability_and_methods(regis
     proc = vlft("plugins", "--json")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
-    # every installed entry point, vlft's own and any third party's (make test installs the example plugin)
-    installed = {ep.name for ep in importlib.metadata.entry_points(group="vlft")}
+    # vlft's own plugins and every installed entry point's (make test installs the example plugin)
+    from vlft.plugins import builtin_plugins
+
+    installed = {name for name, _ in builtin_plugins()} | {ep.name for ep in importlib.metadata.entry_points(group="vlft")}
     assert {"ascend", "commands", "cpu", "cuda", "lora", "oft", "sinks"} <= installed
     assert {p["name"]: p["status"] for p in data["plugins"]} == {n: "loaded" for n in installed}
     for b in data["backends"]:  # what the command says is what the probe in this process finds
@@ -38,13 +40,20 @@ def test_vlft_plugins_lists_plugins_backends_with_availability_and_methods(regis
     offered = {info.name: info.description for infos in registry.hook.vlft_methods() for info in infos}
     assert {m["name"]: m["description"] for m in data["methods"]} == offered
     assert all(offered.values())
+    # the plugin behind each offer: backends, methods, objectives and model families alike
+    assert all(m["plugin"] == registry.owners[("method", m["name"])] for m in data["methods"])
+    assert {o["name"]: o["plugin"] for o in data["objectives"]}.items() >= {"sft": "sft", "dpo": "dpo"}.items()
+    families = {f["name"]: f["plugin"] for f in data["model_families"]}
+    assert families["qwen2.5-vl"] == families["qwen3-vl"] == "models"
 
     proc = vlft("plugins", env={"VLFT_DISABLE_PLUGINS": "oft"})
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert any(line.split() == ["oft", "disabled"] for line in lines), proc.stdout
-    methods = lines[lines.index("methods:") + 1:next(i for i, line in enumerate(lines) if line.startswith("model families"))]
+    methods = lines[lines.index("methods:") + 1:lines.index("objectives:")]
     assert [line.split()[0] for line in methods] == sorted(set(registry.methods) - {"oft"})
+    # each offer names the plugin behind it
+    assert all(line.endswith(f"(plugin {registry.owners[('method', line.split()[0])]})") for line in methods)
     assert any(line.split()[:2] == ["cpu", "available"] for line in lines)
 
 

@@ -1,9 +1,8 @@
-"""``make device-check``'s own tooling, on the CPU: the source-tree way (no install step), the time
+"""``make device-check``'s own tooling, on the CPU: the checkout way (no install step, no metadata), the time
 budget, the step runner's timeout, and the report's counts and 7B-shape table."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import re
@@ -19,119 +18,28 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # bench/ is a package of the repository, not an installed one
     sys.path.insert(0, str(ROOT))
 
-from bench import device_check, device_report, source_tree  # noqa: E402
+from bench import device_check, device_report  # noqa: E402
 
 
-def fake_repo(tmp_path: Path, module: str = "plug") -> Path:
-    """A checkout whose pyproject names a module inside the core package and one package mapped by
-    package-dir, as vlft's does, with other names: nothing in source_tree may know vlft's modules."""
-    repo = tmp_path / "repo"
-    (repo / "core").mkdir(parents=True)
-    (repo / "core" / "__init__.py").write_text("")
-    (repo / "core" / f"{module}.py").write_text("MARK = 'core'\n")
-    (repo / "plugins" / "extra").mkdir(parents=True)
-    (repo / "plugins" / "extra" / "__init__.py").write_text("MARK = 'extra'\n")
-    (repo / "pyproject.toml").write_text(textwrap.dedent(f"""\
-        [project]
-        name = "vlft"
-        version = "9.8.7"
-        dependencies = ["torch>=2.4"]
-
-        [project.scripts]
-        core-cli = "core.{module}:main"
-
-        [project.entry-points.vlft]
-        zz-first = "core.{module}"
-        zz-second = "fake_extra"
-
-        [tool.setuptools]
-        packages = ["core", "fake_extra"]
-
-        [tool.setuptools.package-dir]
-        fake_extra = "plugins/extra"
-        """))
-    return repo
+def test_the_checkout_way_imports_vlft_from_this_checkout_and_writes_no_metadata():
+    """The device check's way to vlft: the checkout first on PYTHONPATH, nothing generated. The child it
+    checks in imports vlft from here and registers the built-in plugins."""
+    before = sorted(p.name for p in ROOT.iterdir())
+    way = device_check.checkout_way()
+    assert way["pythonpath"].split(os.pathsep)[0] == str(ROOT)
+    assert Path(way["vlft"]).resolve().is_relative_to(ROOT)
+    assert {"cpu", "cuda", "lora", "oft", "models", "sft"} <= set(way["plugins"]) and not way["broken"]
+    assert way["line"].startswith(f"vlft from this checkout ({ROOT}), plugins: ")
+    assert sorted(p.name for p in ROOT.iterdir()) == before  # no .device-site, no dist-info
 
 
-def test_the_metadata_is_generated_from_pyproject_and_mapped_packages_are_linked(tmp_path):
-    repo = fake_repo(tmp_path)
-    site, _ = source_tree.build_site(repo)
-    assert site == repo / ".device-site"
-    [info] = site.glob("*.dist-info")
-    dist = importlib.metadata.PathDistribution(info)
-    assert dist.metadata["Name"] == "vlft" and dist.version == "9.8.7"
-    eps = {(ep.group, ep.name): ep.value for ep in dist.entry_points}
-    assert eps == {("vlft", "zz-first"): "core.plug", ("vlft", "zz-second"): "fake_extra",
-                   ("console_scripts", "core-cli"): "core.plug:main"}
-    assert (site / "fake_extra" / "__init__.py").read_text() == "MARK = 'extra'\n"
-    assert not (site / "core").exists()  # at its own name in the root: the root on the path serves it
-
-
-def test_pluggy_finds_moved_modules_through_the_regenerated_metadata(tmp_path):
-    repo = fake_repo(tmp_path)
-    way = source_tree.prepare(repo, activate=False)
-    assert way.mode == source_tree.SOURCE_TREE
-    assert way.line.endswith("using the source tree via .device-site (entry points from pyproject.toml)")
-    assert {"zz-first", "zz-second"} <= set(way.plugins)
-    assert way.env["PYTHONPATH"].split(os.pathsep)[:2] == [str(repo / ".device-site"), str(repo)]
-    # a module moves and pyproject.toml follows: the next run's metadata follows it too
-    (repo / "core" / "plug.py").rename(repo / "core" / "registry.py")
-    text = (repo / "pyproject.toml").read_text().replace("core.plug", "core.registry")
-    (repo / "pyproject.toml").write_text(text)
-    way = source_tree.prepare(repo, activate=False)
-    assert {"zz-first", "zz-second"} <= set(way.plugins)
-    probe = subprocess.run([sys.executable, "-c", "import core.registry, fake_extra; print(fake_extra.MARK)"],
-                           env=way.child_env(), cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert probe.stdout.strip() == "extra", probe.stderr
-
-
-def test_a_package_pyproject_names_but_the_tree_lacks_is_reported(tmp_path):
-    repo = fake_repo(tmp_path)
-    (repo / "plugins" / "extra" / "__init__.py").unlink()
-    with pytest.raises(source_tree.SourceTreeError, match=r"'fake_extra'.*plugins/extra.*update pyproject.toml"):
-        source_tree.prepare(repo, activate=False)
-
-
-def test_an_entry_point_that_does_not_import_fails_the_check(tmp_path):
-    repo = fake_repo(tmp_path)
-    (repo / "core" / "plug.py").write_text("raise ImportError('broken on purpose')\n")
-    with pytest.raises(source_tree.SourceTreeError, match="broken on purpose"):
-        source_tree.prepare(repo, activate=False)
-
-
-def _dist(tmp_path: Path, entry_points: str) -> importlib.metadata.Distribution:
-    info = tmp_path / "site-packages" / "vlft-0.1.0.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vlft\nVersion: 0.1.0\n")
-    (info / "entry_points.txt").write_text(entry_points)
-    return importlib.metadata.PathDistribution(info)
-
-
-def test_an_installed_vlft_is_used_only_with_pyprojects_entry_points_and_this_checkouts_files(tmp_path):
-    wanted = {"cpu": "vlft.backends.cpu", "lora": "vlft_methods.lora"}
-    site = tmp_path / ".device-site"
-    assert source_tree.choose(wanted, None, site) == (False, "vlft not installed")
-    same = _dist(tmp_path / "a", "[vlft]\ncpu = vlft.backends.cpu\nlora = vlft_methods.lora\n")
-    assert source_tree.choose(wanted, same, site) == (True, "")
-    stale = _dist(tmp_path / "b", "[vlft]\ncpu = vlft.backends.cpu\nlora = vlft.methods.lora\n")
-    use, why = source_tree.choose(wanted, stale, site)
-    assert not use and "entry points differ" in why and "lora: vlft.methods.lora installed, vlft_methods.lora in pyproject.toml" in why
-    # an install of another checkout: its packages load from elsewhere
-    here = {"pytest": tmp_path / "not-where-pytest-is"}
-    use, why = source_tree.choose(wanted, same, site, here)
-    assert not use and "not from this checkout (pytest from " in why
-    # the metadata a previous run generated is not an install
-    ours = _dist(tmp_path / "c", "[vlft]\ncpu = vlft.backends.cpu\nlora = vlft_methods.lora\n")
-    assert source_tree.choose(wanted, ours, Path(ours._path).parent) == (False, "vlft not installed")
-
-
-def test_this_checkouts_pyproject_serves_every_builtin_plugin():
-    project = source_tree.read_project(ROOT)
-    sources = source_tree.package_sources(ROOT, project)
-    assert set(project["groups"]["vlft"]) >= {"cpu", "cuda", "ascend", "lora", "oft"}
-    for name, value in project["groups"]["vlft"].items():
-        assert value.split(".")[0] in sources, (name, value)
-    assert all(src.is_relative_to(ROOT) for src in sources.values())
+def test_the_checkout_way_refuses_a_vlft_imported_from_elsewhere(tmp_path, monkeypatch):
+    """A checkout without vlft in it, while the inherited PYTHONPATH holds another: refused, naming both."""
+    empty = tmp_path / "checkout"
+    empty.mkdir()
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    with pytest.raises(RuntimeError, match=f"vlft imports from {ROOT}.*not from this checkout"):
+        device_check.checkout_way(repo=empty)
 
 
 # what installs a package: an installer program, or Python running one as a module or a setup script

@@ -331,15 +331,14 @@ def test_prose_comments_and_lookalike_words_are_not_reported():
 #
 # The same reading as the vendor rule (identifiers and one-word strings; prose, docstrings and comments
 # allowed): no family name and none of one family's own module or token names. What a family is lives in
-# its plugin (plugins/models, answering vlft_model_family). One module is exempt, on purpose:
-# vlft/models/embedded.py builds today's embedded default (a tiny Qwen2.5-VL) byte for byte as before, so
-# `make run` keeps its figures; every other family's tiny model is its plugin's (`--model embedded:<family>`).
+# its plugin (plugins/models, answering vlft_model_family), the embedded default's recipe too (the default
+# family's tiny model, named by vlft_default_model_family). One module is exempt, on purpose:
 # vlft/data/formats.py reads dataset files written for other tools, whose inline placeholder tokens it
 # turns into vlft's <image>/<video>: a data-format fact, not how any model runs.
 
 MODEL_FAMILY_WORDS = {"qwen", "gemma", "llava", "idefics", "internvl", "smolvlm", "visual", "deepstack"}
 MODEL_FAMILY_STRINGS = ("smart_resize", "image_pad", "video_pad", "im_end", "patch_embed")
-FAMILY_EXEMPT = {"vlft/models/embedded.py", "vlft/data/formats.py"}
+FAMILY_EXEMPT = {"vlft/data/formats.py"}
 
 
 def family_offenders(source: str, where: str) -> list[str]:

@@ -68,7 +68,7 @@ def both(tmp_path_factory):
     base = load_model(plan.model_path, plan.attention, plan.precision, family=plan.family)
     seed_everything(config.seed)
     model = registry.first("vlft_apply_adapter", method="lora", model=base, targets=plan.targets, config=config,
-                           target_parameters=[])
+                           target_parameters=[], family=plan.family)
     theirs = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert theirs.keys() == initial.keys() and all(torch.equal(theirs[n], initial[n]) for n in initial)
 

@@ -148,7 +148,7 @@ def test_expert_lora_on_the_tiny_moe_trains_the_experts_and_never_the_router(sma
     model = load_model(plan.model_path, plan.attention, plan.precision, family=plan.family)
     assert model.get_experts_implementation()["text_config"] == "eager"  # fp32 on the CPU: the family's rule
     model = registry.first("vlft_apply_adapter", method="lora", model=model, targets=plan.targets, config=config,
-                           target_parameters=plan.target_parameters)
+                           target_parameters=plan.target_parameters, family=plan.family)
     with torch.no_grad():  # B starts at zero; give it values so A's gradient is not zero by construction
         for n, p in model.named_parameters():
             if "lora_B" in n:

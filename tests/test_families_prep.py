@@ -409,10 +409,43 @@ def test_importing_the_families_imports_neither_torch_nor_transformers():
     assert out.strip() == "[]", out
 
 
-def test_the_qwen2_5_vl_tiny_recipe_is_the_embedded_defaults():
-    """The family plugin keeps a copy of the core's embedded recipe (it may import only vlft's public API):
-    ``embedded:qwen2.5-vl`` and the plain embedded default must stay the same model."""
-    from vlft.models.embedded import RECIPE
-    from vlft_models.qwen2_vl import RECIPE_2_5
+def test_the_embedded_default_is_the_default_familys_tiny_model(registry):
+    """One recipe, owned by its family: ``--model embedded`` is the tiny model of the family a plugin names the
+    default (Qwen2.5-VL, whose weights `make run`'s figures come from), the same folder as
+    ``--model embedded:qwen2.5-vl``."""
+    from vlft.models.embedded import embedded_family_dir, embedded_model_dir
+    from vlft.models.families import family_named
+    from vlft.models.loading import resolve_model_path
 
-    assert RECIPE_2_5 == RECIPE
+    assert registry.hook.vlft_default_model_family() == "qwen2.5-vl"
+    family = family_named(registry, "qwen2.5-vl")
+    assert embedded_model_dir(registry) == embedded_family_dir(family)
+    assert resolve_model_path(None, registry) == resolve_model_path("embedded:qwen2.5-vl", registry)
+
+
+def test_without_a_plugin_naming_a_default_family_the_embedded_default_is_an_error_saying_so():
+    from vlft.errors import ConfigError
+    from vlft.models.embedded import embedded_model_dir
+    from vlft.registry import load_registry
+
+    bare = load_registry(load_entry_points=False)
+    with pytest.raises(ConfigError, match="no installed plugin names a default model family"):
+        embedded_model_dir(bare)
+
+
+EMBEDDED_DEFAULT_SHA256 = "76d63b531740d67aa19836df0acd455191688634a91f7a3799bbe74eda03cc5e"
+
+
+def test_the_embedded_defaults_weights_are_bit_identical_to_the_ones_make_run_was_measured_on(tmp_path):
+    """The Qwen2.5-VL family's tiny builder, given the demo corpus, writes the weights the embedded default
+    has had since recipe version 4 (when vlft/models/embedded.py built it): `make run`'s 0% -> 98% and every
+    recorded loss of the default model depend on them, byte for byte."""
+    import hashlib
+
+    from vlft.models.embedded import tokenizer_corpus
+    from vlft_models.qwen2_vl import build_tiny_2_5
+
+    build_tiny_2_5(tmp_path / "m", corpus=tokenizer_corpus())
+    assert hashlib.sha256((tmp_path / "m" / "model.safetensors").read_bytes()).hexdigest() == EMBEDDED_DEFAULT_SHA256
+
+

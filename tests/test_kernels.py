@@ -172,24 +172,51 @@ def test_liger_is_declined_where_it_is_not_installed(monkeypatch):
         assert not offers[name].available and "vlft[liger]" in offers[name].reason
 
 
-def test_liger_with_a_stand_in_is_opt_in_and_its_fused_loss_stays_off(monkeypatch):
-    """STAND-IN liger_kernel: a module with the entry point's name, so the condition can hold here."""
+def stand_in_liger(monkeypatch, *model_types) -> list:
+    """STAND-IN liger_kernel: a module with an entry point per model type (Liger's naming), so the condition
+    can hold here; returns the list its entry points append their keyword arguments to."""
     calls = []
     pkg = types.ModuleType("liger_kernel")
     pkg.__spec__ = importlib.machinery.ModuleSpec("liger_kernel", None)
     sub = types.ModuleType("liger_kernel.transformers")
-    sub.apply_liger_kernel_to_qwen2_5_vl = lambda **kw: calls.append(kw)
+    for model_type in model_types:
+        setattr(sub, f"apply_liger_kernel_to_{model_type}", lambda **kw: calls.append(kw))
     pkg.transformers = sub
     monkeypatch.setitem(sys.modules, "liger_kernel", pkg)
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers", sub)
-    offers = cuda_offers(monkeypatch)
+    return calls
+
+
+def test_liger_with_a_stand_in_is_opt_in_and_its_fused_loss_stays_off(monkeypatch):
+    from vlft_models.qwen2_vl import QWEN2_5_VL, QWEN2_VL
+
+    calls = stand_in_liger(monkeypatch, "qwen2_5_vl", "qwen2_vl")
+    offers = cuda_offers(monkeypatch, family=QWEN2_5_VL)
     k = offers["liger-rms-norm"]
     assert k.available and not k.default and "opt-in" in k.reason
     k.apply(object())
     assert calls[0]["rms_norm"] and not any(v for key, v in calls[0].items() if key not in ("rms_norm", "model"))
     assert not offers["liger-fused-linear-cross-entropy"].available  # switchable on its own, and not wired
     assert "logits" in offers["liger-fused-linear-cross-entropy"].reason
-    assert not cuda_offers(monkeypatch, model_type="qwen2_vl")["liger-swiglu"].available
+    # Qwen2-VL: Liger has it, but its family names no kernel targets, so nothing is offered
+    k = cuda_offers(monkeypatch, model_type="qwen2_vl", family=QWEN2_VL)["liger-swiglu"]
+    assert not k.available and "names no fused-op kernel targets" in k.reason
+
+
+def test_liger_follows_the_familys_kernel_targets_not_a_table_of_model_types(monkeypatch):
+    """A family the CUDA plugin has never heard of gets each Liger part its ``kernel_targets`` names, where
+    Liger has an entry point for its model type; a part whose role the family does not name is declined."""
+    from vlft_models.qwen2_vl import QWEN2_5_VL
+
+    stand_in_liger(monkeypatch, "newvlm")
+    family = dataclasses.replace(QWEN2_5_VL, name="newvlm", model_types=("newvlm",),
+                                 kernel_targets={"rms_norm": ("NewVLMRMSNorm",)})
+    offers = cuda_offers(monkeypatch, model_type="newvlm", family=family)
+    assert offers["liger-rms-norm"].available and "apply_liger_kernel_to_newvlm" in offers["liger-rms-norm"].reason
+    assert not offers["liger-swiglu"].available and "names no 'gated_mlp' kernel target" in offers["liger-swiglu"].reason
+    # Liger without that model type: declined, naming the entry point it looked for
+    k = cuda_offers(monkeypatch, model_type="othervlm", family=family)["liger-rms-norm"]
+    assert not k.available and "apply_liger_kernel_to_othervlm" in k.reason
 
 
 # -- Ascend's conditions (stand-in torch_npu) -----------------------------------------------------------

@@ -7,7 +7,7 @@ run (``__main__``, ``testing``). The CLI's group and option helpers are face: th
 and it reaches the commands only through the plugin registry (the ``commands`` entry point). A module imports only from its own floor or below; every import counts,
 at module level, under ``TYPE_CHECKING`` or inside a function.
 
-The plugin packages (``plugins/`` as pyproject.toml maps them, and each plugin under ``examples/``) stand on
+The plugin packages (``plugins/`` as vlft/plugins.py maps them, and each plugin under ``examples/``) stand on
 top of all of it: ``vlft`` imports none of them, none imports another, and inside one a part never imports
 its package's hook module (``__init__``), which imports the parts. Their imports of vlft modules outside the
 face (``vlft``'s private floors) are listed in ``PRIVATE_IMPORTS`` until issue 30 gives plugins a public
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ast
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -41,10 +40,6 @@ REASON_WORDS = 3
 # Every import of a private vlft module (a floor above the face) by a plugin, with the reason it has one
 # today. Issue 30 gives plugins a public surface for these; until then each is listed, and a new one fails.
 PRIVATE_IMPORTS = {
-    ("vlft_methods._peft", "vlft.models.families"):
-        "family_of_model: the family of a loaded model, to find its merger modules for --train-merger (issue 30)",
-    ("vlft_methods._peft", "vlft.models.groups"):
-        "merger_modules: the merger modules a family names, trained whole beside the adapters (issue 30)",
     ("vlft_objectives.dpo", "vlft.data.demo"):
         "write_demo_preferences: the demo preference pairs a run without --data trains on (issue 30)",
     ("vlft_objectives.dpo", "vlft.data.pairs"):
@@ -63,15 +58,14 @@ PRIVATE_IMPORTS = {
 
 
 def plugin_packages(root: Path = ROOT) -> dict[str, Path]:
-    """{package: folder} of every plugin in the checkout: those pyproject.toml maps (``plugins/``) and each
-    package of an example plugin (``examples/*/<package>/``)."""
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))  # bench/ is a package of the repository, not an installed one
-    from bench import source_tree
+    """{package: folder} of every plugin in the checkout: the built-in ones (``plugins/``, as
+    ``vlft.plugins.builtin_packages`` maps them) and each package of an example plugin
+    (``examples/*/<package>/``)."""
+    from vlft.plugins import builtin_packages
 
-    mapped = source_tree.package_sources(root, source_tree.read_project(root))
+    mapped = builtin_packages(root)
     examples = {p.parent.name: p.parent for p in sorted((root / "examples").glob("*/*/__init__.py"))}
-    return {**{name: path for name, path in mapped.items() if name.split(".")[0] != "vlft"}, **examples}
+    return {**mapped, **examples}
 
 
 def module_name(path: Path, root: Path = VLFT, package: str | None = None) -> str:
@@ -86,9 +80,9 @@ def floor(module: str) -> str:
     parts = module.split(".")
     if parts[0] != "vlft":
         return "plugins"
-    if len(parts) > 1 and parts[1] in FLOORS:
+    if len(parts) > 1 and parts[1] in FLOORS and (VLFT / parts[1]).is_dir():
         return parts[1]
-    return "face"
+    return "face"  # vlft/*.py: vlft/plugins.py (the built-in list) is face, not the plugins above it
 
 
 def has_reason(comment: str) -> bool:

@@ -56,9 +56,10 @@ def test_adapter_leaves_outputs_unchanged_before_the_first_step(registry, model_
         before = model(**_inputs(batch)).logits
     cfg = RunConfig(method=method)
     d = registry.first("vlft_adapter_defaults", method=method, config=cfg)
-    targets = select_targets(model, d, "both", 6, family_of_model(model, registry)).modules
+    family = family_of_model(model, registry)
+    targets = select_targets(model, d, "both", 6, family).modules
     adapted = registry.first("vlft_apply_adapter", method=method, model=model, targets=targets, config=cfg,
-                           target_parameters=[]).eval()
+                             target_parameters=[], family=family).eval()
     trainable = [n for n, p in adapted.named_parameters() if p.requires_grad]
     assert trainable and all(method in n for n in trainable)
     with torch.no_grad():
@@ -97,9 +98,10 @@ def test_saved_adapter_loads_with_plain_peft_and_gives_the_same_logits(registry,
     cfg = RunConfig(method=method)
     d = registry.first("vlft_adapter_defaults", method=method, config=cfg)
     model = base_model(model_dir)
-    targets = select_targets(model, d, "both", 6, family_of_model(model, registry)).modules
+    family = family_of_model(model, registry)
+    targets = select_targets(model, d, "both", 6, family).modules
     adapted = registry.first("vlft_apply_adapter", method=method, model=model, targets=targets, config=cfg,
-                             target_parameters=[])
+                             target_parameters=[], family=family)
     # move the adapter away from identity so the comparison means something
     with torch.no_grad():
         for p in adapted.parameters():
@@ -141,11 +143,11 @@ def test_the_vision_warmup_runs_the_tower_on_a_text_only_batch_and_adds_exactly_
         # dropout off: the dummy pass draws dropout masks too, which would shift the text layers' masks
         cfg = RunConfig(method="lora", adapter={"lora_dropout": 0.0})
         d = registry.first("vlft_adapter_defaults", method="lora", config=cfg)
-        targets = select_targets(model, d, "both", 6, family_of_model(model, registry)).modules
+        family = registry.first("vlft_model_family", model_type=model.config.model_type, model_config=model.config)
+        targets = select_targets(model, d, "both", 6, family).modules
         torch.manual_seed(0)
         adapted = registry.first("vlft_apply_adapter", method="lora", model=model, targets=targets, config=cfg,
-                             target_parameters=[])
-        family = registry.first("vlft_model_family", model_type=model.config.model_type, model_config=model.config)
+                                 target_parameters=[], family=family)
         handles = install_vision_warmup(adapted, {"image"}, family) if install else []
         adapted.train()
         # the image placeholders become plain text tokens: a text-only batch of the same shape

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pluggy
 import pytest
@@ -12,7 +16,10 @@ import pytest
 from vlft.errors import ConfigError, VlftError
 from vlft.hookspecs import hookimpl
 from vlft.policies import BackendInfo, MethodInfo
+from vlft.plugins import builtin_packages, builtin_plugins
 from vlft.registry import ENTRY_POINT_GROUP, load_registry, new_plugin_manager
+
+ROOT = Path(__file__).resolve().parents[1]
 
 BUILTINS = {
     "cpu": "vlft.builtin.cpu",
@@ -23,9 +30,79 @@ BUILTINS = {
 }
 
 
-def test_builtins_register_through_the_entry_point_group():
-    eps = {ep.name: ep.value for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
-    assert {k: eps.get(k) for k in BUILTINS} == BUILTINS
+def test_builtins_register_directly_and_entry_points_are_left_to_third_parties():
+    import tomllib
+
+    found = dict(builtin_plugins())
+    assert {k: found.get(k) for k in BUILTINS} == BUILTINS
+    assert {"commands", "sinks", "models", "sft", "dpo"} <= set(found)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    # an install names no built-in as an entry point (they would be found twice), and puts each plugin
+    # package where vlft/plugins.py finds it in a checkout, and lists it among its packages
+    assert "vlft" not in project["project"].get("entry-points", {})
+    setuptools = project["tool"]["setuptools"]
+    assert setuptools["package-dir"] == {k: str(v.relative_to(ROOT)) for k, v in builtin_packages(ROOT).items()}
+    assert set(builtin_packages(ROOT)) <= set(setuptools["packages"])
+    reg = load_registry(load_entry_points=False, builtins=True)
+    assert set(found) <= {n for n, _ in reg.pm.list_name_plugin()}
+    assert not reg.broken
+
+
+def test_an_install_whose_old_entry_points_name_the_builtins_registers_each_once(monkeypatch):
+    """An install made when the built-ins were entry points too (the same names, or other names for the same
+    modules): each built-in module is registered once, so no hook answers twice and no name clashes."""
+    real = importlib.metadata.entry_points
+
+    def with_old(**kw):
+        eps = list(real(**kw))
+        if kw.get("group") == ENTRY_POINT_GROUP:
+            eps += [importlib.metadata.EntryPoint(name, module, ENTRY_POINT_GROUP) for name, module in builtin_plugins()]
+            eps += [importlib.metadata.EntryPoint("lora-old", "vlft_methods.lora", ENTRY_POINT_GROUP)]
+        return eps
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", with_old)
+    reg = load_registry()
+    modules = [p for _, p in reg.pm.list_name_plugin()]
+    assert len(modules) == len({id(m) for m in modules})
+    assert not reg.pm.has_plugin("lora-old") and reg.owners[("method", "lora")] == "lora"
+    assert not reg.broken
+
+
+def test_a_checkout_that_is_not_installed_has_its_builtin_plugins(tmp_path):
+    """`python -m vlft plugins` from a Python where vlft is not installed, the checkout on PYTHONPATH: a
+    folder holding this venv's packages (torch, transformers, pluggy, click ...) minus vlft's own install
+    (its metadata, its editable finder), as on a device machine."""
+    import sysconfig
+
+    site = tmp_path / "site"
+    site.mkdir()
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if entry.name.startswith(("vlft", "__editable__", "_distutils_hack")) or entry.suffix == ".pth":
+            continue
+        (site / entry.name).symlink_to(entry)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)]), "VLFT_PLUGINS": ""}
+    code = ("import importlib.metadata as m, json, vlft\n"
+            "from vlft.registry import load_registry\n"
+            "r = load_registry()\n"
+            "print(json.dumps({'dists': [d.metadata['Name'] for d in m.distributions()],\n"
+            "                  'vlft': vlft.__file__, 'backends': sorted(r.backends), 'methods': sorted(r.methods),\n"
+            "                  'objectives': sorted(r.objectives), 'broken': r.broken}))\n")
+    # -S: no site-packages of this Python (the venv's, with vlft installed), only PYTHONPATH
+    proc = subprocess.run([sys.executable, "-S", "-c", code], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not [d for d in found["dists"] if d.startswith("vlft")]  # really not installed
+    assert Path(found["vlft"]).resolve().is_relative_to(ROOT)
+    assert {"cpu", "cuda", "ascend"} <= set(found["backends"]) and {"lora", "oft"} <= set(found["methods"])
+    assert {"sft", "dpo"} <= set(found["objectives"]) and not found["broken"]
+    cli = subprocess.run([sys.executable, "-S", "-m", "vlft", "plugins"], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    assert "(plugin models)" in cli.stdout and "(plugin cpu)" in cli.stdout and "(plugin sft)" in cli.stdout
+    assert "qwen2.5-vl" in cli.stdout and "(plugin lora)" in cli.stdout
 
 
 @pytest.mark.parametrize("name", sorted(BUILTINS))
@@ -49,7 +126,8 @@ def test_builtin_plugin_answers_only_for_what_it_owns(name):
     assert pm.hook.vlft_precision_policy(backend="nobody", config=cfg) is None
     assert pm.hook.vlft_setup_device(backend="nobody", config=cfg) is None
     assert pm.hook.vlft_adapter_defaults(method="nobody", config=cfg) is None
-    assert pm.hook.vlft_apply_adapter(method="nobody", model=None, targets=[], config=cfg, target_parameters=[]) is None
+    assert pm.hook.vlft_apply_adapter(method="nobody", model=None, targets=[], config=cfg, target_parameters=[],
+                                      family=None) is None
 
 
 def test_registry_lists_builtin_backends_and_methods(registry):

@@ -168,9 +168,10 @@ def _lora_folder(registry, model_dir, path, targets="both"):
     d = registry.first("vlft_adapter_defaults", method="lora", config=cfg)
     from vlft.models.families import family_of_model
 
-    chosen = select_targets(model, d, targets, 6, family_of_model(model)).modules
+    family = family_of_model(model, registry)
+    chosen = select_targets(model, d, targets, 6, family).modules
     adapted = registry.first("vlft_apply_adapter", method="lora", model=model, targets=chosen, config=cfg,
-                             target_parameters=[])
+                             target_parameters=[], family=family)
     registry.first("vlft_save_adapter", method="lora", model=adapted, path=path)
     return chosen
 

@@ -1,6 +1,7 @@
 """The hooks a vlft plugin may implement.
 
-Plugins register through the ``vlft`` entry-point group (built-ins too).
+Third-party plugins register through the ``vlft`` entry-point group; the built-ins register directly
+(``vlft/plugins.py``).
 A backend plugin answers only for the backend names it owns and returns
 None for others; a method plugin likewise for its method names. Hooks marked
 *first answer wins* are ``firstresult``: implement them with
@@ -86,6 +87,16 @@ def vlft_model_family(model_type: str, model_config: transformers.PretrainedConf
     once at plan time, after the config is read and before the processor and the model load; the answer
     is kept in the ``RunPlan`` and the training step asks nothing again. First answer wins: a plugin can
     take over a family another plugin offers with ``tryfirst=True``.
+    """
+
+
+@hookspec(firstresult=True)
+def vlft_default_model_family() -> str | None:
+    """Return the name of the model family whose tiny model is the embedded default (``vlft run`` with no
+    ``--model``, ``--model embedded``), or None.
+
+    The family must offer a tiny builder (``build_tiny``). First answer wins: a plugin can make another
+    family the default with ``tryfirst=True``.
     """
 
 
@@ -185,10 +196,12 @@ def vlft_device_capacity(backend: str, config: RunConfig) -> DeviceCapacity | No
 
 @hookspec
 def vlft_patch_model(backend: str, model: torch.nn.Module, config: RunConfig,
-                     attention: AttentionPolicy) -> list[str] | None:
+                     attention: AttentionPolicy, family: ModelFamily) -> list[str] | None:
     """Rewrite parts of a loaded model that ``backend`` cannot run as they are.
 
-    ``attention`` is the resolved ``AttentionPolicy`` the model was loaded with.
+    ``attention`` is the resolved ``AttentionPolicy`` the model was loaded with; ``family`` is the model's
+    ``ModelFamily``: its module paths (``vision_tower``, ...) say where each tower is, so a patch never
+    guesses them from module names.
 
     Return a list of one-line descriptions of what was patched (or None).
     Every plugin is called.
@@ -222,12 +235,14 @@ def vlft_adapter_defaults(method: str, config: RunConfig) -> AdapterDefaults | N
 
 @hookspec(firstresult=True)
 def vlft_apply_adapter(method: str, model: torch.nn.Module, targets: list[str],
-                       config: RunConfig, target_parameters: list[str]) -> torch.nn.Module | None:
+                       config: RunConfig, target_parameters: list[str],
+                       family: ModelFamily) -> torch.nn.Module | None:
     """Wrap ``model`` with ``method``'s adapter on the module names ``targets``; return the adapted model.
 
     ``target_parameters`` are full names of fused 3-D expert weights (PEFT's ``target_parameters``); it is
     empty unless the method's ``AdapterDefaults.target_experts`` asked for them, so a method that never sets
-    it may leave the argument out of its implementation.
+    it may leave the argument out of its implementation. ``family`` is the model's ``ModelFamily`` (its
+    module paths: ``vision_mergers`` for ``--train-merger``, ...); a method that needs none may leave it out.
 
     Raise ``ConfigError`` when the method cannot adapt a target (say, no
     block size divides its width). First answer wins.

@@ -1,9 +1,9 @@
-"""The plugin manager: entry points in, backends, methods and objectives out.
+"""The plugin manager: plugins in, backends, methods and objectives out.
 
-Every plugin, built-in or third-party, registers through the ``vlft``
-entry-point group. A plugin that fails to import is recorded as broken and
-skipped, so one bad package cannot take the others down; ``vlft plugins``
-shows it with its error. ``VLFT_DISABLE_PLUGINS=name,...`` blocks plugins
+The built-in plugins (``vlft.plugins``) register directly, so a checkout that is not
+installed has them; third-party plugins register through the ``vlft`` entry-point group. A plugin that
+fails to import is recorded as broken and skipped, so one bad package cannot take the others down;
+``vlft plugins`` shows it with its error. ``VLFT_DISABLE_PLUGINS=name,...`` blocks plugins
 by entry-point name. ``VLFT_PLUGINS=module,...`` loads importable modules as
 plugins beside the installed ones, in every process the environment reaches
 (torchrun's workers too), as ``PYTEST_PLUGINS`` does for pytest: a plugin tried
@@ -12,6 +12,7 @@ before it is packaged, or a test's own.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import os
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ import pluggy
 
 from vlft import hookspecs
 from vlft.errors import ConfigError, VlftError
+from vlft.plugins import builtin_plugins, serve_checkout
 from vlft.policies import BackendInfo, MethodInfo, ObjectiveInfo
 
 ENTRY_POINT_GROUP = "vlft"
@@ -103,6 +105,15 @@ class Registry:
             raise VlftError(f"no plugin answers {hook_name} for '{subject}'; the plugin that offers it is incomplete")
         return answer
 
+    def family_owners(self) -> dict[str, str]:
+        """{family name: plugin name} of the installed model families, first offer of a name wins (asked on
+        demand: listing the families imports their modules, which registering a plugin does not)."""
+        owners: dict[str, str] = {}
+        for impl in reversed(self.pm.hook.vlft_model_families.get_hookimpls()):  # in call order
+            for fam in impl.function() or []:
+                owners.setdefault(fam.name, impl.plugin_name)
+        return owners
+
 
 def new_plugin_manager() -> pluggy.PluginManager:
     pm = pluggy.PluginManager("vlft")
@@ -110,23 +121,18 @@ def new_plugin_manager() -> pluggy.PluginManager:
     return pm
 
 
-def load_registry(load_entry_points: bool = True, plugins: tuple = ()) -> Registry:
-    """A fresh registry: entry-point plugins (unless told not to) plus ``plugins`` (objects or modules)."""
+def load_registry(load_entry_points: bool = True, plugins: tuple = (), builtins: bool | None = None) -> Registry:
+    """A fresh registry: the built-in plugins and the entry-point plugins (unless ``load_entry_points`` is
+    False; ``builtins`` follows it unless given) plus ``plugins`` (objects or modules)."""
     pm = new_plugin_manager()
     disabled = [n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip()]
     registry = Registry(pm, disabled=disabled)
     for name in disabled:
         pm.set_blocked(name)
+    if load_entry_points if builtins is None else builtins:
+        _load_builtins(pm, registry)
     if load_entry_points:
-        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            if pm.is_blocked(ep.name) or pm.has_plugin(ep.name):
-                continue
-            try:
-                plugin = ep.load()
-            except Exception as e:  # noqa: BLE001 - any import failure just marks the plugin broken
-                registry.broken[ep.name] = f"{e.__class__.__name__}: {e}"
-                continue
-            pm.register(plugin, name=ep.name)
+        _load_entry_points(pm, registry)
         _load_env_plugins(pm, registry)
     for plugin in plugins:
         # a readable name for messages: the module's or the class's
@@ -134,10 +140,39 @@ def load_registry(load_entry_points: bool = True, plugins: tuple = ()) -> Regist
     return registry.refresh()
 
 
+def _load_builtins(pm: pluggy.PluginManager, registry: Registry) -> None:
+    """The built-in plugins, imported by module name (from the checkout where vlft is not installed)."""
+    serve_checkout()
+    for name, module_name in builtin_plugins():
+        if pm.is_blocked(name) or pm.has_plugin(name):
+            continue
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as e:  # noqa: BLE001 - a built-in that cannot import is broken, the others still load
+            registry.broken[name] = f"{e.__class__.__name__}: {e}"
+            continue
+        pm.register(module, name=name)
+
+
+def _load_entry_points(pm: pluggy.PluginManager, registry: Registry) -> None:
+    """Third-party plugins through the ``vlft`` entry-point group (pluggy's ``load_setuptools_entrypoints``,
+    with a failed import recorded instead of raised). An entry point naming a plugin already registered
+    (an install of vlft made when the built-ins were entry points too) is skipped, not registered twice."""
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if pm.is_blocked(ep.name) or pm.has_plugin(ep.name):
+            continue
+        try:
+            plugin = ep.load()
+        except Exception as e:  # noqa: BLE001 - any import failure just marks the plugin broken
+            registry.broken[ep.name] = f"{e.__class__.__name__}: {e}"
+            continue
+        if pm.is_registered(plugin):  # the same module under another name: a built-in an old install lists
+            continue
+        pm.register(plugin, name=ep.name)
+
+
 def _load_env_plugins(pm: pluggy.PluginManager, registry: Registry) -> None:
     """The modules ``VLFT_PLUGINS`` names, each registered under its module name (broken ones recorded)."""
-    import importlib
-
     for name in [n.strip() for n in os.environ.get(PLUGINS_ENV, "").split(",") if n.strip()]:
         if pm.is_blocked(name) or pm.has_plugin(name):
             continue
@@ -145,6 +180,8 @@ def _load_env_plugins(pm: pluggy.PluginManager, registry: Registry) -> None:
             module = importlib.import_module(name)
         except Exception as e:  # noqa: BLE001 - as for entry points: marked broken, the others still load
             registry.broken[name] = f"{e.__class__.__name__}: {e} (from {PLUGINS_ENV})"
+            continue
+        if pm.is_registered(module):  # a built-in or an entry point already registered it
             continue
         pm.register(module, name=name)
 

@@ -48,15 +48,15 @@ def registry_with(*plugins: Any, entry_points: bool = True) -> Registry:
     run on, a backend plugin a method, and both a model. Every call builds a new plugin manager: tests do not leak into
     each other or into the process-wide registry.
     """
-    import importlib.metadata
+    import importlib
 
-    from vlft.registry import ENTRY_POINT_GROUP
+    from vlft.plugins import builtin_plugins, serve_checkout
 
     builtins: list = []
     if not entry_points:
-        # the built-ins through their own entry points, wherever their modules live
-        builtins = [ep.load() for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
-                    if ep.name in BUILTINS_FOR_RUNS]
+        # the built-ins by their modules, as the registry finds them (from the checkout where not installed)
+        serve_checkout()
+        builtins = [importlib.import_module(module) for name, module in builtin_plugins() if name in BUILTINS_FOR_RUNS]
     registry = load_registry(load_entry_points=entry_points,
                              plugins=tuple(m for m in builtins if all(m is not p for p in plugins)))
     for plugin in plugins:

@@ -13,9 +13,9 @@ from bench.support.env import TARGETS, VISION_LAST_N, BenchEnv
 
 def wide_recipe() -> dict:
     """The embedded recipe made wider, so that compute (not Python) dominates a step."""
-    from vlft.models.embedded import RECIPE
+    from vlft_models.qwen2_vl import RECIPE_2_5
 
-    recipe = copy.deepcopy(RECIPE)
+    recipe = copy.deepcopy(RECIPE_2_5)
     recipe["text"].update(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
                           num_key_value_heads=2)
     # Qwen2.5-VL's 3-D rotary sections must add up to head_dim / 2 = 32
@@ -77,7 +77,7 @@ def load_base(env: BenchEnv, size: ModelSize):
     plan = plan_for(env, size, "lora")
     model = load_model(size.path, plan.attention, plan.precision)
     env.registry.hook.vlft_patch_model(backend=env.backend, model=model, config=plan.config,
-                                       attention=plan.attention)
+                                       attention=plan.attention, family=plan.family)
     return model
 
 
@@ -99,7 +99,7 @@ def adapted_model(env: BenchEnv, size: ModelSize, method: str, seed: int = 0):
     targets = targets_for(env, size, model, method)
     seed_everything(seed)
     adapted = env.registry.first("vlft_apply_adapter", method=method, model=model, targets=targets,
-                                 config=plan.config, target_parameters=[])
+                                 config=plan.config, target_parameters=[], family=plan.family)
     return adapted.to(env.device), plan
 
 

@@ -245,8 +245,8 @@ def vlft_memory_reader(backend, device):
 
 
 @ascend_hookimpl
-def vlft_patch_model(backend, model, config, attention):
-    return patch_attention(model, attention) or None
+def vlft_patch_model(backend, model, config, attention, family):
+    return patch_attention(model, attention, family) or None
 
 
 @ascend_hookimpl

@@ -5,12 +5,16 @@ from __future__ import annotations
 from vlft import AttentionPolicy
 
 
-def patch_attention(model, policy: AttentionPolicy) -> list[str]:
+def patch_attention(model, policy: AttentionPolicy, family=None) -> list[str]:
     """Switch every config of ``model`` still set to SDPA (or flash) to eager where ``policy`` chose eager.
 
     Attention layers read ``config._attn_implementation`` at each forward, so
-    this reroutes them. Returns one line per patched config.
+    this reroutes them. A config is the vision tower's when it is the model's
+    ``vision_config`` or belongs to a module under the family's vision side
+    (``vision_tower`` and any merger outside it): the family says where the
+    tower is, whatever its name. Returns one line per patched config.
     """
+    roots = [r for r in (getattr(family, "vision_tower", ""), *getattr(family, "vision_mergers", ())) if r]
     top = getattr(model, "config", None)
     vision_cfg = getattr(top, "vision_config", None)
     configs: dict[int, tuple[str, object]] = {}
@@ -22,7 +26,8 @@ def patch_attention(model, policy: AttentionPolicy) -> list[str]:
             configs[id(cfg)] = (name, cfg)
     patched = []
     for name, cfg in configs.values():
-        tower = "vision" if cfg is vision_cfg or "visual" in name.split(".") else "text"
+        in_vision = any(name == r or name.startswith(r + ".") for r in roots)
+        tower = "vision" if cfg is vision_cfg or in_vision else "text"
         want = policy.vision if tower == "vision" else policy.text
         current = getattr(cfg, "_attn_implementation", None)
         if want != "eager" or current in (None, "eager"):

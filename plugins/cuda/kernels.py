@@ -26,12 +26,14 @@ from vlft import KernelPatch
 
 DEVICE_TEST = ("tests/hardware/test_kernels_on_device.py::"
                "test_cuda_kernel_patches_take_effect_and_match_the_unpatched_model")
-LIGER_MODEL_TYPES = {"qwen2_5_vl": "apply_liger_kernel_to_qwen2_5_vl", "qwen3_vl": "apply_liger_kernel_to_qwen3_vl"}
-LIGER_PARTS = (  # (patch name, the liger switch, what it replaces, why)
-    ("liger-rms-norm", "rms_norm", "RMSNorm (text decoder)", "Liger's fused Triton RMSNorm: fewer kernel launches "
-                                                             "and less activation memory"),
-    ("liger-swiglu", "swiglu", "gated MLP activation (text decoder)", "Liger's fused SiLU-multiply"),
-    ("liger-rope", "rope", "multimodal rotary embedding (text decoder)", "Liger's fused mRoPE"),
+# Liger names its entry points after transformers' model_type (apply_liger_kernel_to_qwen2_5_vl); which parts
+# a model has that such a kernel may replace is the family's to say (``kernel_targets``), not a table here
+LIGER_ENTRY = "apply_liger_kernel_to_{model_type}"
+LIGER_PARTS = (  # (patch name, the liger switch, the family's kernel_targets role, what it replaces, why)
+    ("liger-rms-norm", "rms_norm", "rms_norm", "RMSNorm (text decoder)",
+     "Liger's fused Triton RMSNorm: fewer kernel launches and less activation memory"),
+    ("liger-swiglu", "swiglu", "gated_mlp", "gated MLP activation (text decoder)", "Liger's fused SiLU-multiply"),
+    ("liger-rope", "rope", "rotary", "multimodal rotary embedding (text decoder)", "Liger's fused mRoPE"),
 )
 
 
@@ -131,13 +133,14 @@ def _patch_embed(family) -> KernelPatch:
     )
 
 
-def _liger_status(model_config) -> tuple[bool, str, str | None]:
+def _liger_status(model_config, family) -> tuple[bool, str, str | None]:
     model_type = getattr(model_config, "model_type", None)
     if importlib.util.find_spec("liger_kernel") is None:
         return False, "liger_kernel is not installed (pip install 'vlft[liger]')", None
-    fn = LIGER_MODEL_TYPES.get(model_type)
-    if fn is None:
-        return False, f"Liger patches Qwen2.5-VL and Qwen3-VL here, not model_type {model_type}", None
+    if not getattr(family, "kernel_targets", None):
+        return False, (f"model family {family.name if family else '(none)'} names no fused-op kernel targets "
+                       "(kernel_targets), so Liger's patches are not offered for it"), None
+    fn = LIGER_ENTRY.format(model_type=model_type)
     try:
         import liger_kernel.transformers as lt
 
@@ -167,16 +170,26 @@ def _apply_liger(fn: str, switch: str):
     return apply
 
 
-def _liger(model_config) -> list[KernelPatch]:
-    ok, why, fn = _liger_status(model_config)
-    patches = [KernelPatch(
-        name=name, replaces=replaces, backend="cuda", why=reason,
-        condition="liger_kernel installed (the vlft[liger] extra), Qwen2.5-VL or Qwen3-VL",
-        available=ok, default=False,
-        reason=(why + "; opt-in until measured on this task") if ok else why,
-        apply=_apply_liger(fn, switch) if ok else None,
-        check=DEVICE_TEST,
-    ) for name, switch, replaces, reason in LIGER_PARTS]
+def _liger_part(family, role: str, ok: bool, why: str) -> tuple[bool, str]:
+    """A part is offered where Liger has the model and the family names what the part replaces."""
+    if ok and not (family.kernel_targets or {}).get(role):
+        return False, f"model family {family.name} names no '{role}' kernel target"
+    return ok, (why + "; opt-in until measured on this task") if ok else why
+
+
+def _liger(model_config, family) -> list[KernelPatch]:
+    ok, why, fn = _liger_status(model_config, family)
+    patches = []
+    for name, switch, role, replaces, reason in LIGER_PARTS:
+        part_ok, part_why = _liger_part(family, role, ok, why)
+        patches.append(KernelPatch(
+            name=name, replaces=replaces, backend="cuda", why=reason,
+            condition=f"liger_kernel installed (the vlft[liger] extra) with {LIGER_ENTRY}, and the model family "
+                      f"names its '{role}' kernel target",
+            available=part_ok, default=False, reason=part_why,
+            apply=_apply_liger(fn, switch) if part_ok else None,
+            check=DEVICE_TEST,
+        ))
     flce_why = why if not ok else (
         "vlft computes the loss from the logits (token_loss_sum over the label tokens), so Liger's fused "
         "forward, which fuses the head with the loss only when the model is given labels, would change nothing")
@@ -191,4 +204,4 @@ def _liger(model_config) -> list[KernelPatch]:
 
 
 def kernel_patches(config, model_config, family) -> list[KernelPatch]:
-    return [_patch_embed(family), *_liger(model_config)]
+    return [_patch_embed(family), *_liger(model_config, family)]

@@ -1,7 +1,7 @@
 """What every PEFT-based method shares: options, saving, loading, merging.
 
-Imports inside functions: peft (and with it transformers and torch) and vlft's model helpers load only
-when an adapter is applied, loaded or merged; `vlft plugins` imports every method plugin just to list it.
+Imports inside functions: peft (and with it transformers and torch) load only when an adapter is applied,
+loaded or merged; `vlft plugins` imports every method plugin just to list it.
 """
 
 from __future__ import annotations
@@ -33,16 +33,24 @@ def options_from(cls, overrides: dict[str, Any], method: str):
     return cls(**values)
 
 
-def modules_to_save(model, config) -> list[str] | None:
-    """The merger(s) to train in full under ``--train-merger`` (PEFT ``modules_to_save``), else None."""
+def modules_to_save(model, config, family) -> list[str] | None:
+    """The merger(s) to train in full under ``--train-merger`` (PEFT ``modules_to_save``), else None: the
+    modules the run's family names as its mergers (``vision_mergers``). A ModuleList (Qwen3-VL's deepstack
+    mergers) is indexed, never called, so its members are listed instead of the list."""
     if not getattr(config, "train_merger", False):
         return None
-    from vlft.models.families import (
-        family_of_model,  # torch-side helper, needed only when a run adapts
-    )
-    from vlft.models.groups import merger_modules
+    import torch  # a run that adapts has loaded torch already
 
-    return merger_modules(model, family_of_model(model)) or None
+    names = []
+    for path in family.vision_mergers:
+        module = model
+        for step in path.split("."):
+            if not hasattr(module, step):
+                raise ConfigError(f"--train-merger: the {family.name} family names the merger {path}, which "
+                                  f"{type(model).__name__} lacks (no '{step}')")
+            module = getattr(module, step)
+        names += [f"{path}.{i}" for i in range(len(module))] if isinstance(module, torch.nn.ModuleList) else [path]
+    return names or None
 
 
 def help_of(cls) -> dict[str, str]:

@@ -80,7 +80,7 @@ def choose_block_size(model, targets, asked: int) -> int:
 
 
 @hookimpl
-def vlft_apply_adapter(method, model, targets, config, target_parameters):
+def vlft_apply_adapter(method, model, targets, config, target_parameters, family):
     if method != NAME:
         return None
     if target_parameters:  # never asked for (OFT's defaults leave target_experts off); refuse rather than drop
@@ -92,7 +92,7 @@ def vlft_apply_adapter(method, model, targets, config, target_parameters):
     kwargs = dataclasses.asdict(options)
     kwargs["oft_block_size"] = block
     return get_peft_model(model, OFTConfig(r=0, target_modules=list(targets),
-                                           modules_to_save=_peft.modules_to_save(model, config), **kwargs))
+                                           modules_to_save=_peft.modules_to_save(model, config, family), **kwargs))
 
 
 # saving, loading and merging are PEFT's own, the same for every PEFT method

@@ -17,6 +17,7 @@ from vlft import hookimpl
 from .family import ModelFamily
 
 CONFIGS = Path(__file__).parent / "configs"
+DEFAULT_FAMILY = "qwen2.5-vl"
 
 
 def _families() -> tuple[ModelFamily, ...]:
@@ -55,6 +56,13 @@ def vlft_model_family(model_type):
 def vlft_model_families():
     """All families this plugin offers (for `vlft plugins` and the unknown-model_type error)."""
     return list(_families())
+
+
+@hookimpl
+def vlft_default_model_family():
+    """The embedded default (`vlft run` with no --model) is Qwen2.5-VL's tiny model, the one `make run`'s
+    figures (exact match 0% -> 98%) were measured on."""
+    return DEFAULT_FAMILY
 
 
 @hookimpl

@@ -1,12 +1,12 @@
 """Shared machinery for the tiny embedded models: tokenizer, initialisation, atomic save, cache.
 
-The approach is vlft/embedded.py's (the Qwen2.5-VL embedded default), generalised per family:
+The approach is the Qwen2.5-VL embedded default's (qwen2_vl.py), generalised per family:
 
 - a real byte-level BPE tokenizer trained offline on a small corpus, with the family's special tokens;
 - the family's real chat template (the official one, stored in ``templates/``);
 - the family's real processor classes, configured with the family's patch/merge sizes;
 - a real ``*ForConditionalGeneration`` built from the family's config class with seeded weights,
-  initialised as embedded.py measured to learn fast (unit-norm embedding rows, text std 0.1,
+  initialised as the embedded default was measured to learn fast (unit-norm embedding rows, text std 0.1,
   vision std 0.02);
 - written to a temporary folder with ``save_pretrained`` and renamed into place, so a half-written
   cache never exists; loaded back with ``AutoProcessor`` / ``AutoModelForImageTextToText``.
@@ -81,12 +81,15 @@ def build_tokenizer(vocab_size: int, special_tokens: list[str], extra_tokens: li
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad, model_max_length=max_length)
 
 
-def initialise(model, seed: int, vision_std: float, embedding_row_norm: float, vision_attr: str = "visual") -> None:
-    """embedded.py's measured init: vision Linear/Conv weights std ``vision_std``; unit-norm embedding rows
-    (the rest keeps the config's initializer_range, set by the caller)."""
+def initialise(model, seed: int, vision_std: float, embedding_row_norm: float, vision_attr: str = "visual",
+               reseed: bool = True) -> None:
+    """The embedded default's measured init (qwen2_vl.py says why): vision Linear/Conv weights std
+    ``vision_std``; unit-norm embedding rows (the rest keeps the config's initializer_range, set by the
+    caller). ``reseed``: seed the generator again first (else it runs on from the model's construction)."""
     import torch
 
-    torch.manual_seed(seed)
+    if reseed:
+        torch.manual_seed(seed)
     with torch.no_grad():
         visual = getattr(model.model, vision_attr)
         for module in visual.modules():

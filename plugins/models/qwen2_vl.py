@@ -10,8 +10,21 @@ not the vision MLP names, block classes or rope index):
   text MLP: select by path, not leaf); windowed attention except ``fullatt_block_indexes``; its rope index
   spaces video frames by ``tokens_per_second * second_per_grid_ts``.
 
-The tiny builder for Qwen2.5-VL is vlft/embedded.py's recipe (``--model embedded`` stays that model); the
-Qwen2-VL one is its sibling with Qwen2-VL's config class.
+The tiny builder for Qwen2.5-VL is the embedded default's recipe (``--model embedded`` is
+``--model embedded:qwen2.5-vl``, this plugin names the family the default); the Qwen2-VL one is its sibling
+with Qwen2-VL's config class.
+
+The Qwen2.5-VL recipe's initialisation, each choice measured on the embedded product-inspection task with
+LoRA r=32 at lr 2e-4:
+
+- with the usual std-0.02 weights everywhere the logits stay so small that the loss barely moves (it
+  stalled at 1.6 after 300 steps, exact match 0%);
+- token embeddings (tied to the output head) get unit-norm rows, so logits span about +-sqrt(hidden) once
+  a hidden state aligns with a token;
+- text layers use std 0.1, so an adapter's update moves the residual stream visibly (0.02: stalled; 0.2:
+  noisier and worse);
+- the vision tower and merger keep std 0.02, which leaves them close to the identity and lets the pixels'
+  colour and shape reach the text model (0.1 there cost about 10 points of defect accuracy).
 
 Imports inside functions: torch, tokenizers and transformers load only when a tiny model or a processor
 is built or loaded; the plugin registers, and plans offline, without them.
@@ -29,8 +42,8 @@ SPECIAL_TOKENS = _tiny.BASE_SPECIAL_TOKENS
 # Qwen2-VL / Qwen2.5-VL preprocessor_config.json (vlft/model_configs/SOURCES.md): min 3136, max 12845056
 IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS = 3136, 12845056
 
-# vlft/models/embedded.py's RECIPE (version 4), copied because a plugin imports only vlft's public API;
-# tests/test_families_prep.py checks the two stay equal
+# The embedded default's recipe (version 4; its weights are those `make run`'s figures come from).
+# 112x112 images: 8x8 patches of 14 px, merged 2x2 into 16 tokens.
 RECIPE_2_5 = {
     "version": 4,
     "seed": 1234,
@@ -80,7 +93,7 @@ def make_processor(tokenizer, recipe: dict, processor_cls_name: str = "Qwen2_5_V
 
 
 def _build(path: Path, recipe: dict, config_cls_name: str, model_cls_name: str, processor_cls_name: str,
-           corpus=None) -> None:
+           corpus=None, reseed_before_init: bool = True) -> None:
     import torch
     import transformers
 
@@ -98,14 +111,17 @@ def _build(path: Path, recipe: dict, config_cls_name: str, model_cls_name: str, 
         c.initializer_range = recipe["initializer_range"]
     torch.manual_seed(recipe["seed"])
     model = getattr(transformers, model_cls_name)(config)
-    _tiny.initialise(model, recipe["seed"], recipe["vision_initializer_range"], recipe["embedding_row_norm"])
+    _tiny.initialise(model, recipe["seed"], recipe["vision_initializer_range"], recipe["embedding_row_norm"],
+                     reseed=reseed_before_init)
     _tiny.finish_generation_config(model, tokenizer)
     _tiny.save_atomically(path, model, make_processor(tokenizer, recipe, processor_cls_name), recipe)
 
 
 def build_tiny_2_5(path: Path, recipe: dict | None = None, corpus=None) -> None:
+    # the generator runs on from the model's construction into the initialisation, without a second seed:
+    # the embedded default has always been built so, and its weights are those `make run` was measured on
     _build(path, recipe or RECIPE_2_5, "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration",
-           "Qwen2_5_VLProcessor", corpus)
+           "Qwen2_5_VLProcessor", corpus, reseed_before_init=False)
 
 
 def build_tiny_2(path: Path, recipe: dict | None = None, corpus=None) -> None:

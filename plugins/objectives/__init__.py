@@ -1,6 +1,8 @@
-"""Built-in objective plugins (``--objective``), one module per objective, each registered through its own
-entry point in group "vlft" (package-dir ``vlft_objectives = "plugins/objectives"``), as a third party would.
+"""Built-in objective plugins (``--objective``), one module per objective, each registered as a plugin of its
+own name (``PLUGIN_MODULES``, read by vlft/plugins.py; installed as ``vlft_objectives``).
 
 Importing them imports neither torch nor transformers: the core's helpers they build on are imported inside
 the hooks, at plan time.
 """
+
+PLUGIN_MODULES = ("sft", "dpo")

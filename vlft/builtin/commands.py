@@ -80,13 +80,15 @@ def check_sharding(registry, config) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @user_errors
 def plugins(as_json):
-    """List plugins, backends (with availability), methods and model families."""
+    """List plugins, backends (with availability), methods, objectives and model families, each with the
+    plugin that offers it."""
     from vlft.models.bundled import (
         bundled_names,  # the model stage, only for this listing
     )
     from vlft.models.families import installed_families
 
     registry = get_registry()
+    family_owners = registry.family_owners()
     names = sorted({n for n, _ in registry.pm.list_name_plugin() if n})
     probes = {name: registry.first("vlft_probe_backend", backend=name) for name in registry.backends}
     dist = {name: registry.first("vlft_distributed_options", backend=name, config=RunConfig())
@@ -107,8 +109,13 @@ def plugins(as_json):
             {"name": m.name, "description": m.description, "plugin": registry.owners[("method", m.name)]}
             for m in sorted(registry.methods.values(), key=lambda m: m.name)
         ],
+        "objectives": [
+            {"name": o.name, "description": o.description, "plugin": registry.owners[("objective", o.name)]}
+            for o in sorted(registry.objectives.values(), key=lambda o: o.name)
+        ],
         "model_families": [
             {"name": f.name, "model_types": list(f.model_types), "description": f.description,
+             "plugin": family_owners.get(f.name, "?"),
              "box_coordinates": f.box_coordinates, "embedded": f"embedded:{f.name}" if f.build_tiny else None,
              "bundled_configs": list(f.bundled_configs)}
             for f in installed_families(registry)
@@ -126,14 +133,18 @@ def plugins(as_json):
     for b in data["backends"]:
         state = f"available ({b['device_count']} device(s))" if b["available"] else f"unavailable: {b['reason']}"
         shard = "--shard fsdp: yes" if b["fsdp"] else f"--shard fsdp: no ({b['fsdp_reason'] or 'not offered'})"
-        click.echo(f"  {b['name']:<8} {state}\n           {b['description']}\n           {shard}")
+        click.echo(f"  {b['name']:<8} {state}\n           {b['description']} (plugin {b['plugin']})\n"
+                   f"           {shard}")
     click.echo("methods:")
     for m in data["methods"]:
-        click.echo(f"  {m['name']:<8} {m['description']}")
+        click.echo(f"  {m['name']:<8} {m['description']} (plugin {m['plugin']})")
+    click.echo("objectives:")
+    for o in data["objectives"]:
+        click.echo(f"  {o['name']:<8} {o['description']} (plugin {o['plugin']})")
     click.echo("model families (--model DIR of that model_type, or --model embedded:<name> for a tiny offline one):")
     for f in data["model_families"]:
         click.echo(f"  {f['name']:<13} {', '.join(f['model_types']):<14} boxes {f['box_coordinates']:<14} "
-                   f"{f['description']}")
+                   f"{f['description']} (plugin {f['plugin']})")
     click.echo("bundled configs (--model NAME --dry-run plans offline): " + ", ".join(data["bundled_configs"]))
     if registry.broken:
         click.echo(f"(block a broken plugin with {DISABLE_ENV}=name)")

@@ -103,7 +103,7 @@ def load_for_inference(registry: Registry, adapter: str | AdapterSource | None, 
                      family=family, keep_float=four_bit_skip(family))
     if dequantize and quantized:
         net = dequantized(net)
-    registry.hook.vlft_patch_model(backend=name, model=net, config=config, attention=plan.attention)
+    registry.hook.vlft_patch_model(backend=name, model=net, config=config, attention=plan.attention, family=family)
     apply_kernels(plan.kernels, net)
     if source is not None:
         try:

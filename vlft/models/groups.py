@@ -9,26 +9,9 @@ schedule (warm-up, cosine) scales every group by the same factor.
 
 from __future__ import annotations
 
-import torch
-
 from vlft.errors import ConfigError
-from vlft.models.families import base_model, resolve_module
 
 GROUPS = ("text", "vision", "merger")
-
-
-def merger_modules(model, family) -> list[str]:
-    """Module names PEFT's ``modules_to_save`` gets to train the merger(s) in full. A ModuleList (Qwen3-VL's
-    deepstack mergers) is indexed, never called, so its members are listed instead of the list."""
-    base = base_model(model)
-    names = []
-    for path in family.vision_mergers:
-        module = resolve_module(base, path)
-        if isinstance(module, torch.nn.ModuleList):
-            names += [f"{path}.{i}" for i in range(len(module))]
-        else:
-            names.append(path)
-    return names
 
 
 def _clean(name: str) -> str:
@@ -85,6 +68,6 @@ def check_merger_trained(model, family, method: str) -> int:
              and tower_of(n, family) == "merger"]
     if not names:
         raise ConfigError(f"--train-merger: method {method} did not make the merger trainable (its plugin ignores "
-                          "config.train_merger; PEFT methods pass merger_modules() as modules_to_save)")
+                          "config.train_merger; PEFT methods pass the family's vision_mergers as modules_to_save)")
     chosen = set(names)
     return sum(p.numel() for n, p in model.named_parameters() if n in chosen)

@@ -30,8 +30,7 @@ def resolve_model_path(model: str | None, registry=None) -> str:
     ``embedded:<family>``; a local directory; a bundled config name (``qwen3-vl-8b``: weightless, for
     planning); or a hub id, if reachable."""
     if model is None or model == EMBEDDED_PREFIX.rstrip(":"):
-
-        return str(embedded_model_dir())
+        return str(embedded_model_dir(registry))
     if model.startswith(EMBEDDED_PREFIX):
         return str(embedded_family_dir(family_named(_registry(registry), model[len(EMBEDDED_PREFIX):])))
     path = Path(model).expanduser()
@@ -79,7 +78,9 @@ def load_processor(path: str, family=None, registry=None):
     if is_bundled(path, registry):
         if family.bundled_processor is None:
             raise ConfigError(f"{path}: the {family.name} family cannot build a processor for a bundled config")
-        tokenizer = AutoProcessor.from_pretrained(embedded_model_dir()).tokenizer
+        # the embedded default's tokenizer, whatever the family: the family's own tiny tokenizer would be
+        # closer (Qwen3's added tokens) but means building its tiny model on a dry run (issue 30)
+        tokenizer = AutoProcessor.from_pretrained(embedded_model_dir(registry)).tokenizer
         return family.bundled_processor(path, tokenizer)
 
     try:

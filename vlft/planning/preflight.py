@@ -204,7 +204,7 @@ def plan_targets(registry: Registry, plan: RunPlan, model):
     plan.target_summary = {"towers": tp.towers, "vision_blocks": tp.vision_blocks,
                            "vision_depth": tp.vision_depth, "text_layers": tp.text_layers}
     adapted = registry.first("vlft_apply_adapter", method=plan.method.name, model=model, targets=tp.modules,
-                             config=plan.config, target_parameters=tp.parameters)
+                             config=plan.config, target_parameters=tp.parameters, family=plan.family)
     # the fused experts' adapters sit on the experts module (PEFT names them experts[.base_layer].lora_*)
     owners = tp.modules + sorted({p.rpartition(".")[0] for p in tp.parameters})
     counts: dict[str, int] = {}

@@ -207,7 +207,7 @@ def _base_model(registry: Registry, backend: str, plan: RunPlan, config: RunConf
                            trust_pickle=config.trust_pickle, keep_float=four_bit_skip(plan.family),
                            family=plan.family)
     patches = [p for ps in registry.hook.vlft_patch_model(backend=backend, model=model, config=config,
-                                                              attention=attention)
+                                                              attention=attention, family=plan.family)
                if ps for p in ps]
     patches += apply_kernels(plan.kernels, model)  # the chosen kernel patches, once, before the adapter
     return model, patches
@@ -223,7 +223,7 @@ def _adapted(registry: Registry, plan: RunPlan, config: RunConfig, model, resume
         model = registry.first("vlft_load_adapter", method=plan.method.name, model=model, path=path, trainable=True)
     else:  # the targets were chosen on the weightless copy in preflight
         model = registry.first("vlft_apply_adapter", method=plan.method.name, model=model, targets=plan.targets,
-                               config=config, target_parameters=plan.target_parameters)
+                               config=config, target_parameters=plan.target_parameters, family=plan.family)
     if plan.precision.quantization:
         # k-bit preparation as PEFT's prepare_model_for_kbit_training, less its fp32 upcast of every frozen
         # bf16 weight (embeddings and head: +2.2 GB on a 7B): base frozen (PEFT did), trainable fp32 (below),
