@@ -81,12 +81,14 @@ def check_sharding(registry, config) -> None:
 @user_errors
 def plugins(as_json):
     """List plugins, backends (with availability), methods and model families."""
-    from vlft.models.bundled import (
-        bundled_names,  # the model stage, only for this listing
+    from vlft.models.bundled import (  # the model stage, only for this listing
+        bundled_by_family,
+        bundled_names,
     )
     from vlft.models.families import installed_families
 
     registry = get_registry()
+    by_family = bundled_by_family(registry)
     names = sorted({n for n, _ in registry.pm.list_name_plugin() if n})
     probes = {name: registry.first("vlft_probe_backend", backend=name) for name in registry.backends}
     dist = {name: registry.first("vlft_distributed_options", backend=name, config=RunConfig())
@@ -108,9 +110,9 @@ def plugins(as_json):
             for m in sorted(registry.methods.values(), key=lambda m: m.name)
         ],
         "model_families": [
-            {"name": f.name, "model_types": list(f.model_types), "description": f.description,
+            {"name": f.name, "model_types": list(f.model_types), "description": f.description, "plugin": f.plugin,
              "box_coordinates": f.box_coordinates, "embedded": f"embedded:{f.name}" if f.build_tiny else None,
-             "bundled_configs": list(f.bundled_configs)}
+             "bundled_configs": by_family.get(f.name, [])}
             for f in installed_families(registry)
         ],
         "bundled_configs": bundled_names(registry),
@@ -133,7 +135,7 @@ def plugins(as_json):
     click.echo("model families (--model DIR of that model_type, or --model embedded:<name> for a tiny offline one):")
     for f in data["model_families"]:
         click.echo(f"  {f['name']:<13} {', '.join(f['model_types']):<14} boxes {f['box_coordinates']:<14} "
-                   f"{f['description']}")
+                   f"{f['description']} (plugin {f['plugin']})")
     click.echo("bundled configs (--model NAME --dry-run plans offline): " + ", ".join(data["bundled_configs"]))
     if registry.broken:
         click.echo(f"(block a broken plugin with {DISABLE_ENV}=name)")
