@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from vlft.data.encoding import family_of_processor
 from vlft.data.records import IGNORE_INDEX
 
 
@@ -71,8 +72,6 @@ def collator_for(processor, family=None, padding_side: str = "right", pad_to: in
     """The batch builder for ``processor``'s samples, joining the inputs the family's image inputs declare
     (``family`` None: the installed family of the processor, for helpers outside a run)."""
     if family is None:
-        from vlft.data.encoding import family_of_processor
-
         family = family_of_processor(processor)
     joins = family.image_inputs.batch_inputs if family.image_inputs is not None else {}
     return Collator(processor.tokenizer.pad_token_id, joins, padding_side=padding_side, pad_to=pad_to)

@@ -229,7 +229,7 @@ def _size_of(source) -> tuple[int, int]:
 def family_of_processor(processor):
     """The installed family whose ``processor_class`` is ``processor``'s, for helpers outside a run (a run passes
     its plan's family). Asks the process-wide registry."""
-    from vlft.registry import get_registry
+    from vlft.registry import get_registry  # the process-wide registry, only where no family is given
 
     name = type(processor).__name__
     for answer in get_registry().hook.vlft_model_families():

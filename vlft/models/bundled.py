@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from vlft.errors import ConfigError
-from vlft.models.families import bundled_configs
+from vlft.models.families import bundled_configs, installed_families
 
 
 def _registry(registry):
@@ -49,8 +49,6 @@ def bundled_names(registry=None) -> list[str]:
 def bundled_by_family(registry=None) -> dict[str, list[str]]:
     """{family name: its bundled config names}: a config belongs to the installed family that owns the
     ``model_type`` in its config.json (one source: the ``vlft_bundled_model_configs`` hook)."""
-    from vlft.models.families import installed_families
-
     registry = _registry(registry)
     families = installed_families(registry)
     out: dict[str, list[str]] = {f.name: [] for f in families}
