@@ -698,20 +698,27 @@ def check_family(family: Any) -> list[str]:
             if "Callable" in str(f.type):
                 need(callable(x) or (x is None and "None" in str(f.type)), f"{cap}.{f.name}",
                      f"must be callable{' or None' if 'None' in str(f.type) else ''}, not {type(x).__name__}")
-    images = family.image_inputs
+    def given(cap):  # the capability, where it is one (a wrong type was reported above)
+        v = getattr(family, cap)
+        return v if isinstance(v, CAPABILITIES[cap]) else None
+
+    images = given("image_inputs")
     if images is not None:
         joins = images.batch_inputs
         need(isinstance(joins, dict) and all(h in BATCH_JOINS for h in joins.values()), "image_inputs.batch_inputs",
              f"must map each input name to one of {BATCH_JOINS}")
-        need(images.pixels in (joins or {}), "image_inputs.pixels", "must be one of image_inputs.batch_inputs")
-        need(images.grid is None or images.patch_size > 0, "image_inputs.patch_size", "must be > 0 with a grid")
-    if family.video_inputs is not None:
-        need(images is not None, "video_inputs", "needs image_inputs (its prepare receives the clips)")
-        need(images is None or family.video_inputs.pixels in images.batch_inputs, "video_inputs.pixels",
+        need(isinstance(joins, dict) and images.pixels in joins, "image_inputs.pixels",
              "must be one of image_inputs.batch_inputs")
-    if family.sharding is not None:
-        need(all(isinstance(c, str) for c in family.sharding.no_split_modules), "sharding.no_split_modules",
-             "must be a tuple of class names")
+        need(images.grid is None or images.patch_size > 0, "image_inputs.patch_size", "must be > 0 with a grid")
+    video = given("video_inputs")
+    if video is not None:
+        need(images is not None, "video_inputs", "needs image_inputs (its prepare receives the clips)")
+        need(images is None or not isinstance(images.batch_inputs, dict) or video.pixels in images.batch_inputs,
+             "video_inputs.pixels", "must be one of image_inputs.batch_inputs")
+    sharding = given("sharding")
+    if sharding is not None:
+        need(isinstance(sharding.no_split_modules, tuple) and all(isinstance(c, str) for c in sharding.no_split_modules),
+             "sharding.no_split_modules", "must be a tuple of class names")
     return problems
 
 
