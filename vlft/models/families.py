@@ -245,4 +245,6 @@ def family_of_model(model, registry=None) -> ModelFamily:
 
 def family_load_kwargs(family, param_dtype: str) -> dict:
     """The family's extra from_pretrained/from_config arguments for this parameter dtype (``load_kwargs``)."""
-    return dict(family.load_kwargs(param_dtype)) if family is not None and family.load_kwargs else {}
+    if family is None or family.load_kwargs is None:
+        return {}
+    return dict(family.call("load_kwargs", family.load_kwargs, param_dtype))

@@ -80,7 +80,7 @@ def load_processor(path: str, family=None, registry=None):
         if family.bundled_processor is None:
             raise ConfigError(f"{path}: the {family.name} family cannot build a processor for a bundled config")
         tokenizer = AutoProcessor.from_pretrained(embedded_model_dir()).tokenizer
-        return family.bundled_processor(path, tokenizer)
+        return family.call("bundled_processor", family.bundled_processor, path, tokenizer)
 
     try:
         return (family.load_processor or AutoProcessor.from_pretrained)(path)
