@@ -51,7 +51,7 @@ def test_fields_no_run_reads_are_gone_and_every_field_has_help():
             "image_tokens", "video_tokens", "bundled_configs", "processor_expands_placeholders", "batch_inputs",
             "rope_index", "packing_refusal", "image_grid", "trace_vision", "no_split_modules", "patch_size",
             "merge_size", "temporal_patch_size", "image_min_pixels", "image_max_pixels", "video_min_pixels",
-            "video_max_pixels"}
+            "video_max_pixels", "embed_tokens", "text_linear_attention_optional"}
     assert names & gone == set()
     assert set(CAPABILITIES) <= names
     helps = model_family_help()

@@ -496,8 +496,6 @@ class ModelFamily:
                 "frozen with the tower unless the plan adapts it."})
     decoder_layers: str = field(default="model.language_model.layers", metadata={
         "help": "The nn.ModuleList of text decoder layers."})
-    embed_tokens: str = field(default="model.language_model.embed_tokens", metadata={
-        "help": "The input token embedding (tied to the head where `tie_word_embeddings`)."})
     lm_head: str = field(default="lm_head", metadata={"help": "The output head (logits)."})
 
     # --- what --targets / --vision-last-n select (leaf names of nn.Linear modules) ---------------------
@@ -512,9 +510,6 @@ class ModelFamily:
     text_linear_attention: tuple[str, ...] = field(default=(), metadata={
         "help": "Linear modules of linear-attention layers (Qwen3.5's Gated DeltaNet, `linear_attn.*`) that "
                 "are targets. Layers of the other type simply lack them."})
-    text_linear_attention_optional: tuple[str, ...] = field(default=(), metadata={
-        "help": "Linear modules of linear-attention layers that exist but are not targets by default "
-                "(Qwen3.5's per-head gates `in_proj_a`/`in_proj_b`, hidden -> num_value_heads)."})
     text_mlp: tuple[str, ...] = field(default=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"), metadata={
         "help": "Linear modules inside each decoder layer for the dense MLP (or a MoE's shared expert)."})
     default_targets: str = field(default="both", metadata={"help": "What `--targets auto` means: vision, text "
@@ -674,7 +669,7 @@ def check_family(family: Any) -> list[str]:
     need(isinstance(family.name, str) and bool(family.name), "name", "must be a non-empty string")
     need(isinstance(family.model_types, tuple) and bool(family.model_types)
          and all(isinstance(t, str) for t in family.model_types), "model_types", "must be a non-empty tuple of str")
-    for name in ("decoder_layers", "embed_tokens", "lm_head"):
+    for name in ("decoder_layers", "lm_head"):
         need(_dotted(getattr(family, name)), name, "must be a dotted module path")
     if family.vision_tower or family.vision_blocks:
         need(_dotted(family.vision_tower), "vision_tower", "must be a dotted module path")

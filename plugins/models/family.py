@@ -45,7 +45,6 @@ QWEN_DEFAULTS = dict(
     vision_blocks="model.visual.blocks",
     vision_mergers=("model.visual.merger",),
     decoder_layers="model.language_model.layers",
-    embed_tokens="model.language_model.embed_tokens",
     lm_head="lm_head",
     vision_attention=("attn.qkv", "attn.proj"),
     reply_end_token="<|im_end|>",

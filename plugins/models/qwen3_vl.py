@@ -126,7 +126,6 @@ def _family(**overrides) -> ModelFamily:
         vision_blocks="model.visual.blocks",
         vision_mergers=("model.visual.merger", "model.visual.deepstack_merger_list"),
         decoder_layers="model.language_model.layers",
-        embed_tokens="model.language_model.embed_tokens",
         lm_head="lm_head",
         vision_attention=("attn.qkv", "attn.proj"),
         vision_mlp=("mlp.linear_fc1", "mlp.linear_fc2"),

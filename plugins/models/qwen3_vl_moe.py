@@ -61,7 +61,7 @@ FAMILY = qwen_family(
     expert_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
     router_modules=("mlp.gate",),
     **{**{f: getattr(dense.FAMILY, f) for f in (
-        "vision_tower", "vision_blocks", "vision_mergers", "decoder_layers", "embed_tokens", "lm_head",
+        "vision_tower", "vision_blocks", "vision_mergers", "decoder_layers", "lm_head",
         "vision_attention", "vision_mlp", "text_attention", "text_mlp",
         "box_coordinates", "processor_class", "load_processor", "bundled_processor", "vision_stem")}},
     name=NAME,

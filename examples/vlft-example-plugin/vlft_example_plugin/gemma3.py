@@ -192,7 +192,6 @@ FAMILY = ModelFamily(
     vision_blocks="model.vision_tower.encoder.layers",
     vision_mergers=("model.multi_modal_projector",),
     decoder_layers="model.language_model.layers",
-    embed_tokens="model.language_model.embed_tokens",
     lm_head="lm_head",
     vision_attention=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"),
     vision_mlp=("mlp.fc1", "mlp.fc2"),
