@@ -198,7 +198,7 @@ torch.save({"logits": logits, "template": text}, out_path)
 def test_export_loads_with_plain_transformers_and_gives_the_adapter_logits(lora_run, tiny_data, tmp_path):
     import torch
 
-    from vlft.data.batching import Collator
+    from vlft.data.batching import collator_for
     from vlft.data.records import read_records
     from vlft.evaluation.inference import load_for_inference
     from vlft.registry import load_registry
@@ -212,7 +212,7 @@ def test_export_loads_with_plain_transformers_and_gives_the_adapter_logits(lora_
 
     loaded = load_for_inference(load_registry(), str(run), None, backend="cpu", precision="fp32", param_dtype="fp32")
     records = read_records(val)[:2]
-    collate = Collator(loaded.processor.tokenizer.pad_token_id, loaded.processor.image_token_id)
+    collate = collator_for(loaded.processor)
     batch = collate([loaded.encoder.encode(r) for r in records])
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     torch.save(inputs, tmp_path / "inputs.pt")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vlft.data.batching import Collator
+from vlft.data.batching import collator_for
 from vlft.data.encoding import SampleEncoder
 from vlft.data.records import IGNORE_INDEX, read_records
 from vlft.errors import DataError
@@ -152,14 +152,14 @@ def test_batches_pad_to_their_own_longest_sample(small_data, processor):
     samples = [enc.encode(r) for r in records]
     samples[1]["input_ids"] = samples[1]["input_ids"][:-2]
     samples[1]["labels"] = samples[1]["labels"][:-2]
-    col = Collator(processor.tokenizer.pad_token_id, processor.image_token_id)
+    col = collator_for(processor)
     batch = col(samples)
     longest = max(len(s["input_ids"]) for s in samples)
     assert batch["input_ids"].shape == (3, longest)
     assert batch["attention_mask"][1].sum() == longest - 2
     assert (batch["labels"][1, -2:] == IGNORE_INDEX).all()
     assert batch["mm_token_type_ids"].sum() == (batch["input_ids"] == processor.image_token_id).sum() > 0
-    left = Collator(processor.tokenizer.pad_token_id, processor.image_token_id, padding_side="left")(samples)
+    left = collator_for(processor, padding_side="left")(samples)
     assert left["attention_mask"][1, :2].sum() == 0
 
 

@@ -68,6 +68,11 @@ def _family(name):
     return vm.family_named(name)
 
 
+# the Qwen processors' placeholder and frame tokens (the template writes them; the family's image inputs repeat
+# the pad once per LLM token of the grid)
+IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"
+
+
 def _image(w, h, colour=(200, 30, 30)):
     from PIL import Image
 
@@ -135,16 +140,18 @@ def test_tiny_model_builds_offline_small_and_of_the_family(tiny, name):
     f = _family(name)
     assert model.config.model_type in f.model_types
     assert type(processor).__name__ == f.processor_class
-    assert processor.image_processor.patch_size == f.patch_size
-    assert processor.image_processor.merge_size == f.merge_size
+    v = fam_mod.vision_of(f)
+    assert processor.image_processor.patch_size == v.patch_size == f.image_inputs.patch_size
+    assert processor.image_processor.merge_size == v.merge_size and f.image_inputs.patches_per_token == v.merge_size ** 2
     weights = sum(p.stat().st_size for p in path.glob("*.safetensors"))
     assert weights < 8e6, f"{name} tiny weights are {weights / 1e6:.1f} MB"
-    for dotted in (f.vision_tower, f.vision_blocks, f.decoder_layers, f.embed_tokens, f.lm_head, *f.vision_mergers):
+    for dotted in (f.vision_tower, f.vision_blocks, f.decoder_layers, f.lm_head, *f.vision_mergers):
         fam_mod.resolve_module(model, dotted)
-    assert set(f.no_split_modules) <= set(model._no_split_modules)
-    for token in (f.image_token, f.video_token, f.vision_start_token, f.vision_end_token):
+    assert set(f.sharding.no_split_modules) <= set(model._no_split_modules)
+    for token in (IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END):
         assert token in processor.tokenizer.get_vocab(), token
-    assert processor.tokenizer.convert_tokens_to_ids(f.image_token) == model.config.image_token_id
+    assert processor.image_token == IMAGE_PAD and processor.video_token == VIDEO_PAD
+    assert processor.tokenizer.convert_tokens_to_ids(IMAGE_PAD) == model.config.image_token_id
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -157,13 +164,13 @@ def test_processor_round_trips_a_chat_through_the_template(tiny, name):
     assert full.startswith(prompt), "prompt and reply must split prefix by prefix (label masking)"
     reply = full[len(prompt):]
     assert reply.startswith(ANSWER) and reply.rstrip("\n").endswith(processor.tokenizer.eos_token), repr(reply)
-    assert f"{f.vision_start_token}{f.image_token}{f.vision_end_token}" in prompt
+    assert f"{VISION_START}{IMAGE_PAD}{VISION_END}" in prompt
     batch = _batch(f, processor, images=[_image(100, 75)])
     ids = batch["input_ids"][0]
     n_image = int((ids == model.config.image_token_id).sum())
-    assert n_image == int(batch["image_grid_thw"][0].prod()) // f.merge_size ** 2
+    assert n_image == int(batch["image_grid_thw"][0].prod()) // fam_mod.vision_of(f).merge_size ** 2
     text = processor.tokenizer.decode(ids)
-    assert PROMPT in text and ANSWER in text and text.count(f.image_token) == n_image
+    assert PROMPT in text and ANSWER in text and text.count(IMAGE_PAD) == n_image
     assert torch.equal(batch["mm_token_type_ids"][0], fam_mod.mm_token_type_ids(
         ids, model.config.image_token_id, model.config.video_token_id).to(batch["mm_token_type_ids"].dtype))
 
@@ -174,23 +181,25 @@ def test_family_token_count_equals_the_processors(tiny, name):
 
     _, processor, model = tiny[name]
     f = _family(name)
+    v = fam_mod.vision_of(f)
     ip, vp = processor.image_processor, processor.video_processor
     sizes = [(75, 100), (33, 47), (128, 128), (300, 200), (17, 260), (513, 97)]
     images = [_image(w, h) for h, w in sizes]
     batch = processor.image_processor(images=images, return_tensors="pt")
     for (h, w), grid in zip(sizes, batch["image_grid_thw"]):
-        got = f.count_image_tokens(h, w, min_pixels=ip.size["shortest_edge"], max_pixels=ip.size["longest_edge"])
-        assert got == int(grid.prod()) // f.merge_size ** 2, (h, w)
+        got = v.image_tokens(h, w, min_pixels=ip.size["shortest_edge"], max_pixels=ip.size["longest_edge"])
+        assert got == int(grid.prod()) // v.merge_size ** 2, (h, w)
     # at the checkpoints' own budgets too (no override)
-    big = processor.image_processor(images=[_image(640, 480)], size={"shortest_edge": f.image_min_pixels,
-                                                                      "longest_edge": f.image_max_pixels},
+    big = processor.image_processor(images=[_image(640, 480)], size={"shortest_edge": v.image_min_pixels,
+                                                                      "longest_edge": v.image_max_pixels},
                                     return_tensors="pt")
-    assert f.count_image_tokens(480, 640) == int(big["image_grid_thw"][0].prod()) // f.merge_size ** 2
+    assert v.image_tokens(480, 640) == int(big["image_grid_thw"][0].prod()) // v.merge_size ** 2
+    assert tuple(f.image_inputs.grid(480, 640)) == tuple(int(x) for x in big["image_grid_thw"][0])
     for frames, h, w in [(6, 70, 90), (5, 33, 130)]:
         clip = np.zeros((frames, h, w, 3), dtype=np.uint8)
         out = vp(videos=[clip], do_sample_frames=False, return_tensors="pt")
-        got = f.count_video_tokens(frames, h, w, min_pixels=vp.size["shortest_edge"], max_pixels=vp.size["longest_edge"])
-        assert got == int(out["video_grid_thw"][0].prod()) // f.merge_size ** 2, (frames, h, w)
+        got = f.video_inputs.grid(frames, h, w, min_pixels=vp.size["shortest_edge"], max_pixels=vp.size["longest_edge"])
+        assert tuple(got) == tuple(int(x) for x in out["video_grid_thw"][0]), (frames, h, w)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -220,13 +229,19 @@ def test_rope_index_gives_the_positions_the_model_computes(tiny, name):
         hook.remove()
     internal, vinternal = captured
     grids = batch["image_grid_thw"]
+    rope_index = f.positions.rope_index.rope_index  # the class's own, with an attention mask for the padding
     for i in range(2):
-        mine = f.rope_index(model.config, batch["input_ids"][i], image_grid_thw=grids[i:i + 1],
-                            attention_mask=batch["attention_mask"][i])
+        mine = rope_index(model.config, batch["input_ids"][i], image_grid_thw=grids[i:i + 1],
+                          attention_mask=batch["attention_mask"][i])
         assert mine.shape == (3, 1, batch["input_ids"].shape[1])
         assert torch.equal(mine[:, 0], internal[-3:, i]), f"sample {i}"
-    mine = f.rope_index(model.config, vbatch["input_ids"][0], video_grid_thw=vbatch["video_grid_thw"],
-                        attention_mask=vbatch["attention_mask"][0], second_per_grid_ts=vbatch.get("second_per_grid_ts"))
+        # the contract's call: one unpadded sample, its grids read from its own inputs
+        n = int(batch["attention_mask"][i].sum())
+        alone = f.positions.rope_index(model.config, {"input_ids": batch["input_ids"][i][:n],
+                                                      "image_grid_thw": grids[i:i + 1]})
+        assert torch.equal(alone[:, 0], internal[-3:, i, :n]), f"sample {i} alone"
+    mine = rope_index(model.config, vbatch["input_ids"][0], video_grid_thw=vbatch["video_grid_thw"],
+                      attention_mask=vbatch["attention_mask"][0], second_per_grid_ts=vbatch.get("second_per_grid_ts"))
     assert torch.equal(mine[:, 0], vinternal[-3:, 0])
     assert int(mine.max()) < vbatch["input_ids"].shape[1], "mRoPE compresses vision positions"
 
@@ -293,25 +308,15 @@ def test_lora_on_default_targets_trains_saves_and_loads_with_plain_peft(tiny, na
 PUBLISHED = {k: v for k, v in json.loads((vm.CONFIGS / "published.json").read_text()).items() if not k.startswith("_")}
 
 
-def test_every_bundled_config_has_a_published_count_and_is_claimed_by_the_family_of_its_model_type():
-    """Each config folder that ships, read for its ``model_type``: claimed (``bundled_configs``) by exactly the
-    family that owns that model_type, so `vlft plugins` lists it under that family; no family claims a config
-    that does not ship."""
+def test_every_bundled_config_has_a_published_count_and_a_family_owning_its_model_type():
+    """Each config folder that ships, read for its ``model_type``: a family owns that model_type, so `vlft
+    plugins` lists it under that family (one source: the hook's folders, no family field beside it)."""
     dirs = vm.vlft_bundled_model_configs()
     assert set(dirs) == set(PUBLISHED)
-    claims: dict[str, list[str]] = {}
-    for f in FAMILIES:
-        for name in f.bundled_configs:
-            claims.setdefault(name, []).append(f.name)
-    assert sorted(set(claims) - set(dirs)) == []
-    wrong = {}
-    for name, folder in sorted(dirs.items()):
-        model_type = json.loads((folder / "config.json").read_text())["model_type"]
-        owner = vm.family_for(model_type)
-        expected = [owner.name] if owner is not None else f"a family owning {model_type}"
-        if claims.get(name) != expected:
-            wrong[name] = (model_type, claims.get(name, "claimed by none"), expected)
-    assert wrong == {}
+    orphans = {name: json.loads((folder / "config.json").read_text())["model_type"]
+               for name, folder in sorted(dirs.items())
+               if vm.family_for(json.loads((folder / "config.json").read_text())["model_type"]) is None}
+    assert orphans == {}
 
 
 def test_vlft_plugins_lists_every_bundled_config_under_one_family():
@@ -343,9 +348,10 @@ def test_bundled_config_counts_within_one_percent_of_published(name):
         assert counted == published
     # the planning processor builds from the bundled preprocessor configs with the family's numbers
     ip = json.loads((folder / "preprocessor_config.json").read_text())
-    assert (ip["patch_size"], ip["merge_size"]) == (family.patch_size, family.merge_size)
+    v = fam_mod.vision_of(family)
+    assert (ip["patch_size"], ip["merge_size"]) == (v.patch_size, v.merge_size)
     size = ip.get("size") or {"shortest_edge": ip["min_pixels"], "longest_edge": ip["max_pixels"]}  # Qwen2.5-VL's
-    assert (size["shortest_edge"], size["longest_edge"]) == (family.image_min_pixels, family.image_max_pixels)
+    assert (size["shortest_edge"], size["longest_edge"]) == (v.image_min_pixels, v.image_max_pixels)
 
 
 # --- the third-party example candidate (Gemma 3), through the same dataclass ------------------------------
@@ -367,20 +373,19 @@ def test_example_gemma3_family_trains_through_the_family_alone(tmp_path):
     gemma = _example_gemma3()
 
     f = gemma.FAMILY
-    assert fam_mod.check_family(f) == [] and f.rope_index is None
+    assert fam_mod.check_family(f) == [] and f.positions is None and f.video_inputs is None
     gemma.build_tiny(tmp_path / "g3")
     processor = AutoProcessor.from_pretrained(tmp_path / "g3")
     model = AutoModelForImageTextToText.from_pretrained(tmp_path / "g3")
-    assert model.config.model_type in f.model_types and set(f.no_split_modules) <= set(model._no_split_modules)
+    assert model.config.model_type in f.model_types and set(f.sharding.no_split_modules) <= set(model._no_split_modules)
     prompt = processor.apply_chat_template(_chat(False), tokenize=False, add_generation_prompt=True)
     full = processor.apply_chat_template(_chat(), tokenize=False)
     assert full.startswith(prompt) and full[len(prompt):].startswith(ANSWER)
     assert f.reply_end_token in full[len(prompt):] and processor.tokenizer.eos_token not in full[len(prompt):]
     batch = processor(text=[full], images=[[_image(100, 75)]], return_tensors="pt")
-    assert set(batch) - {"input_ids", "attention_mask"} == set(f.batch_inputs)
-    image_id = processor.tokenizer.convert_tokens_to_ids(f.image_token)
-    assert int((batch["input_ids"] == image_id).sum()) == f.count_image_tokens(
-        75, 100, mm_tokens_per_image=model.config.mm_tokens_per_image)
+    assert set(batch) - {"input_ids", "attention_mask"} == set(f.image_inputs.batch_inputs)
+    image_id = processor.tokenizer.convert_tokens_to_ids("<image_soft_token>")
+    assert int((batch["input_ids"] == image_id).sum()) == model.config.mm_tokens_per_image
     assert torch.equal(batch["token_type_ids"], gemma.token_type_ids(batch["input_ids"], image_id))
     targets = fam_mod.select_target_modules(model, f, "both", 1)
     assert targets.vision_blocks == [targets.vision_depth - 1] and targets.text_layers == 2

@@ -361,3 +361,57 @@ def test_the_plugin_rules_catch_a_new_private_import_a_cross_import_and_a_core_i
         ("vlft.planning.plan", "vlft_cuda.probing"), ("vlft_cuda.kernels", "vlft_cuda")]
     # vlft_cuda imports vlft_cuda.kernels, which now imports vlft_cuda back
     assert any({"vlft_cuda", "vlft_cuda.kernels"} <= set(c) for c in circles(imports, modules))
+
+
+# -- the core names no family's input keys ----------------------------------------------------------------------
+#
+# What a family's model takes besides input_ids, attention_mask, labels and pixel_values (every transformers VLM's
+# pixels) is the family's to say (``ImageInputs.batch_inputs``, ``.pixels``, ``VideoInputs.pixels``); the core
+# joins and moves them without knowing their names. Read like the family-name rule in test_docs.py: identifiers
+# and one-word string constants; docstrings, comments and prose strings may name them. The exemption is the
+# family-name rule's: vlft/models/embedded.py builds today's embedded default model byte for byte (issue 30
+# item 5 moves it into its family's plugin).
+
+FAMILY_INPUT_KEYS = ("image_grid_thw", "video_grid_thw", "merge_size", "spatial_merge_size", "temporal_patch_size",
+                     "second_per_grid_ts", "mm_token_type_ids", "token_type_ids", "pixel_values_videos",
+                     "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
+                     "mm_tokens_per_image")
+INPUT_KEYS_EXEMPT = {"vlft/models/embedded.py"}
+IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def input_key_offenders(source: str, where: str) -> list[str]:
+    tree = ast.parse(source)
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr)
+                  and isinstance(node.body[0].value, ast.Constant) and isinstance(node.body[0].value.value, str)}
+    found = []
+    for node in ast.walk(tree):
+        texts = [getattr(node, f) for f in ("id", "attr", "arg", "name", "asname")
+                 if isinstance(getattr(node, f, None), str)]
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings \
+                and not any(c.isspace() for c in node.value):
+            texts.append(node.value)
+        for text in texts:
+            if any(word in FAMILY_INPUT_KEYS for word in IDENTIFIER.findall(text)) or \
+                    any(key in text for key in FAMILY_INPUT_KEYS if "." in text or "[" in text):
+                found.append((getattr(node, "lineno", 0), text))
+    return [f"{where}:{line}: {text}" for line, text in sorted(set(found))]
+
+
+def test_the_core_names_no_family_input_key():
+    offenders = [o for p in sorted(VLFT.rglob("*.py")) if str(p.relative_to(ROOT)) not in INPUT_KEYS_EXEMPT
+                 for o in input_key_offenders(p.read_text(encoding="utf-8"), str(p.relative_to(ROOT)))]
+    assert not offenders, ("a family's input keys named in the core (the family's image inputs say them: "
+                           "ImageInputs.batch_inputs, .pixels, VideoInputs.pixels):\n" + "\n".join(offenders))
+
+
+def test_the_input_key_rule_catches_a_key_and_lets_prose_pass():
+    assert input_key_offenders('batch["image_grid_thw"] = x\n', "x.py")
+    assert input_key_offenders("n = grid.prod() // processor.image_processor.merge_size ** 2\n", "x.py")
+    assert input_key_offenders("def f(second_per_grid_ts=None):\n    pass\n", "x.py")
+    assert input_key_offenders('keys = {"video": "pixel_values_videos"}\n', "x.py")
+    assert not input_key_offenders('"""Qwen reads image_grid_thw."""\nhelp = "joins image_grid_thw along dim 0"\n',
+                                   "x.py")
+    assert not input_key_offenders('x = batch["pixel_values"]\n', "x.py")

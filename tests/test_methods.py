@@ -7,7 +7,7 @@ import torch
 from helpers import base_model
 
 from vlft.config import RunConfig
-from vlft.data.batching import Collator
+from vlft.data.batching import collator_for
 from vlft.data.encoding import SampleEncoder
 from vlft.data.records import read_records
 from vlft.errors import ConfigError
@@ -19,7 +19,7 @@ from vlft.models.targets import select_targets
 def batch(small_data, processor):
     enc = SampleEncoder(processor)
     records = read_records(small_data[0])[:2]
-    return Collator(processor.tokenizer.pad_token_id, processor.image_token_id)([enc.encode(r) for r in records])
+    return collator_for(processor)([enc.encode(r) for r in records])
 
 
 def _inputs(batch):

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from vlft.data.batching import Collator, label_count, model_inputs
+from vlft.data.batching import collator_for, label_count, model_inputs
 from vlft.data.packing import PackingCollator, PackingPlan, resolve_packing
 from vlft.data.records import IGNORE_INDEX
 from vlft.models.loss import token_loss_sum
@@ -66,10 +66,9 @@ def qwen3(varied_records):
 
 
 def _collators(processor, config, family):
-    pad, image, video = processor.tokenizer.pad_token_id, processor.image_token_id, processor.video_token_id
-    packed = PackingCollator(pad, image, PackingPlan(True, "segments"), family.rope_index, config,
-                             video_token_id=video)
-    return Collator(pad, image, video_token_id=video), packed
+    packed = PackingCollator(PackingPlan(True, "segments"), family.positions, config,
+                             family.image_inputs.batch_inputs)
+    return collator_for(processor, family), packed
 
 
 def _steps(model, collate, micro_batches, steps: int, lr: float = 1e-3):
@@ -158,7 +157,7 @@ def test_segments_leave_padded_batches_and_generation_as_they_were(qwen25):
     segments implementation hands the mask to the plain one, so it computes what the plain model computes."""
     ((plain, segments), _, _, processor, encoder), records = qwen25
     samples = [encoder.encode(r) for r in records[:3]]
-    batch = Collator(processor.tokenizer.pad_token_id, processor.image_token_id)(samples)
+    batch = collator_for(processor)(samples)
     assert (batch["attention_mask"] == 0).any()  # really padded
     with torch.no_grad():
         a, b = (m(**model_inputs(batch)).logits for m in (plain, segments))
@@ -183,8 +182,7 @@ def test_no_label_predicts_across_a_sample_boundary(qwen25):
     assert (batch["position_ids"][0, 0, starts] == 0).all()  # the text row restarts at each sample
     assert label_count(batch) == sum(len(s["input_ids"]) - 1 for s in samples)
     with torch.no_grad():
-        own = sum(token_loss_sum(plain(**model_inputs(Collator(processor.tokenizer.pad_token_id,
-                                                                processor.image_token_id)([s]))).logits,
+        own = sum(token_loss_sum(plain(**model_inputs(collator_for(processor)([s]))).logits,
                                  s["labels"][None]).item() for s in samples)
         together = token_loss_sum(model(**model_inputs(batch)).logits, batch["labels"]).item()
     assert abs(together - own) <= RTOL * own, (together, own)

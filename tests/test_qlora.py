@@ -70,7 +70,7 @@ def nf4_run(tmp_path_factory, tiny_data):  # noqa: F811 - the fixture imported a
 def probe(nf4_run, tiny_data):  # noqa: F811
     """Two validation records encoded as the run encodes them, and the trained model's logits on them: the
     4-bit base with the adapter on top, computing in bf16 as in training."""
-    from vlft.data.batching import Collator
+    from vlft.data.batching import collator_for
     from vlft.data.records import read_records
     from vlft.evaluation.inference import load_for_inference
     from vlft.registry import load_registry
@@ -81,7 +81,7 @@ def probe(nf4_run, tiny_data):  # noqa: F811
     # the CPU backend keeps them off bitsandbytes' packed inference path (on AVX512-BF16 CPUs it asserts on
     # these shapes, and rounds differently from training)
     assert four_bit and not any(m.support_avx512bf16_for_cpu for m in four_bit)
-    collate = Collator(loaded.processor.tokenizer.pad_token_id, loaded.processor.image_token_id)
+    collate = collator_for(loaded.processor)
     batch = collate([loaded.encoder.encode(r) for r in read_records(tiny_data[1])[:2]])
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):

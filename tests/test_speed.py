@@ -332,9 +332,10 @@ def test_each_image_is_decoded_once_however_many_records_name_it(own_data, monke
     assert len(decoded) == len({s for r in got for s in r.images})
 
 
-def test_each_image_size_costs_one_run_of_the_image_processor(model_dir, monkeypatch):
-    """Without a family's grid formula the encoder asks the image processor, once per image size; the
-    answers are the processor's own."""
+def test_measuring_images_by_size_runs_no_image_processor(model_dir, monkeypatch):
+    """The Qwen families size an image by their own formula (``ImageInputs.prepare`` with sizes only): measuring
+    runs the image processor not once, and the grids are the processor's own."""
+    from vlft import Media
     from vlft.data.encoding import SampleEncoder
     from vlft.models.loading import load_processor
 
@@ -344,9 +345,11 @@ def test_each_image_size_costs_one_run_of_the_image_processor(model_dir, monkeyp
                 for size in ((448, 448), (300, 200))}
     calls = _counting(monkeypatch, type(ip), "__call__")
     encoder = SampleEncoder(processor)
-    grids = [encoder.image_grid(w, h) for w, h in [(448, 448)] * 5 + [(300, 200)] * 3]
-    assert grids == [expected[(448, 448)]] * 5 + [expected[(300, 200)]] * 3
-    assert len(calls) == 2
+    sizes = [(448, 448)] * 5 + [(300, 200)] * 3
+    prepared = encoder.family.image_inputs.prepare(processor, Media(sizes), None)
+    written = encoder.family.image_inputs.write(processor, ["<|image_pad|>" * len(sizes)], prepared)
+    assert written.grids == [expected[(448, 448)]] * 5 + [expected[(300, 200)]] * 3
+    assert len(calls) == 0
 
 
 def test_parallel_measuring_gives_the_serial_answers(session, monkeypatch):

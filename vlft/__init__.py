@@ -26,16 +26,25 @@ from vlft.policies import (
     DeviceSetup,
     DistributedOptions,
     DoctorCheck,
+    Experts,
+    ImageInputs,
     KernelPatch,
+    Media,
     MemoryStats,
     MethodInfo,
     MetricSink,
     ModelFamily,
     Objective,
     ObjectiveInfo,
+    Packing,
+    Positions,
     PrecisionPolicy,
     ProbeResult,
+    Sharding,
+    VideoInputs,
     VisionWarmup,
+    Written,
+    processor_image_inputs,
 )
 
 __version__ = "0.1.0"
@@ -43,7 +52,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AdapterDefaults", "AttentionPolicy", "BackendHookimpl", "BackendInfo", "BackendUnavailable", "ConfigError",
     "DataError", "DataLoaderOptions", "DeviceCapacity", "DeviceSetup", "DistributedOptions", "DoctorCheck",
-    "KernelPatch", "MemoryStats", "MethodInfo", "MetricSink", "ModelFamily", "Objective", "ObjectiveInfo",
-    "PrecisionPolicy", "ProbeResult",
-    "RunConfig", "VisionWarmup", "VlftError", "hookimpl", "hookimpl_for", "parse_attn",
+    "Experts", "ImageInputs", "KernelPatch", "Media", "MemoryStats", "MethodInfo", "MetricSink", "ModelFamily",
+    "Objective", "ObjectiveInfo", "Packing", "Positions", "PrecisionPolicy", "ProbeResult",
+    "RunConfig", "Sharding", "VideoInputs", "VisionWarmup", "Written", "VlftError", "hookimpl", "hookimpl_for",
+    "parse_attn", "processor_image_inputs",
 ]

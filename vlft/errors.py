@@ -19,3 +19,8 @@ class DataError(VlftError):
 
 class BackendUnavailable(VlftError):
     """The chosen backend cannot run on this machine; the message carries the probe's reason."""
+
+
+class PluginError(VlftError):
+    """A plugin's answer breaks its contract (a model family's field, or an error inside one of its functions);
+    the message names the plugin and the field."""

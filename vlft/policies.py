@@ -7,6 +7,7 @@ one of these dataclasses. The training step reads them; it calls no hooks.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
+from functools import partial
 from typing import Any, Callable
 
 
@@ -271,13 +272,207 @@ class MetricSink:
 
 
 # -- model families --------------------------------------------------------------------------------------
+#
+# A family is a small required core (name, model types, tower paths, target names, the processor and its
+# template) plus capabilities it fills only when it has them: image inputs, video inputs, positions,
+# packing, sharding, experts. Each capability is a small frozen dataclass the core reads; a family leaves
+# one None where it lacks it, and the core then refuses what needs it, saying why. ``check_family`` checks
+# them when the plugin's families are first asked for (``vlft.models.families``), naming plugin and field.
 
 FAMILY_TOWERS = ("vision", "text", "both")
+BATCH_JOINS = ("concat", "sequence")
+
+
+@dataclass
+class Media:
+    """A record's images and clips as a family's image inputs receive them (``ImageInputs.prepare``).
+
+    ``images`` is None when only the sizes are known (the length check and the memory plan measure a record
+    without decoding its images); a family may then answer from ``sizes`` alone or process blank images of
+    those sizes. ``videos`` holds each clip as (frames ``[T, C, H, W]`` uint8 tensor, frames per second),
+    already sampled at the run's ``--video-fps``."""
+
+    sizes: list  # (width, height) of each image, in placeholder order
+    images: list | None = None  # PIL images, or None when measuring
+    videos: list = field(default_factory=list)
+    where: str = ""  # the record's file:line, for errors
+
+
+@dataclass
+class Written:
+    """What ``ImageInputs.write`` answers: each text's token ids with its images' tokens written in, and
+    the sample's model inputs besides input_ids and labels (each key one of ``ImageInputs.batch_inputs``:
+    a 'sequence' input 1-D over the texts' ids laid end to end, a 'concat' input the images' tensors),
+    and the patch grid (t, h, w) of each image and clip where the family has one (the memory plan's)."""
+
+    ids: list  # list[list[int]], one per text
+    inputs: dict = field(default_factory=dict)
+    grids: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ImageInputs:
+    """How an image becomes model inputs. Two calls per record: ``prepare`` once (its images, and its clips
+    where the family has ``video_inputs``), ``write`` once per conversation over them (a preference pair's
+    two share one ``prepare``). Whether the core or the processor writes an image's tokens into the text is
+    the family's choice inside ``write``: the Qwen families repeat the image pad once per LLM token of the
+    image grid; ``vlft.data.encoding.processor_image_inputs`` builds the answer for a processor that writes
+    them itself (Gemma 3's)."""
+
+    prepare: Callable[..., Any] = field(metadata={
+        "help": "prepare(processor, media: vlft.Media, max_pixels: int | None) -> anything `write` takes: a "
+                "record's images (and clips) as model inputs, capped at `max_pixels` by the family's own rule; "
+                "with `media.images` None (measuring) from the sizes alone where it can."})
+    write: Callable[..., Any] = field(metadata={
+        "help": "write(processor, texts: list[str], prepared) -> vlft.Written: each rendered text piece's token "
+                "ids with the image tokens written in (the first piece with the tokenizer's special tokens, the "
+                "others without), and the sample's extra model inputs."})
+    batch_inputs: dict = field(metadata={
+        "help": "The model inputs `write` gives besides input_ids/labels, and how a batch joins each: 'concat' "
+                "(along dim 0 over the samples that have it: pixel tensors, grids) or 'sequence' (one value per "
+                "token, padded with 0 like input_ids and laid end to end by packing: Qwen's modality type per "
+                "token, Gemma 3's token_type_ids)."})
+    pixels: str = field(default="pixel_values", metadata={
+        "help": "The batch input holding an image's pixels: a batch without it has no image (the mixed-data "
+                "warm-up runs the tower on a dummy then)."})
+    size_cap: str = field(default="", metadata={
+        "help": "What `--max-pixels` means for this family, in words (Qwen: a pixel budget per image, the "
+                "resize keeps the aspect ratio). '' : the family has no size cap, and `--max-pixels` is refused "
+                "with that reason."})
+    grid: Callable[..., tuple] | None = field(default=None, compare=False, metadata={
+        "help": "grid(height, width, max_pixels=None) -> (t, h, w): the patch grid of one image at the family's "
+                "default budget, without pixels (the memory plan resizes grids by it for its --max-pixels "
+                "advice). None: the plan gives no such advice."})
+    patch_size: int = field(default=0, metadata={
+        "help": "The pixel side of one patch of `grid` (the memory plan turns a grid back into pixels)."})
+    patches_per_token: int = field(default=1, metadata={
+        "help": "Patches per LLM token (Qwen: merge 2 x 2 = 4): the memory plan's tokens from patches."})
+    trace: Callable[..., Any] | None = field(default=None, compare=False, metadata={
+        "help": "trace(tower, grids, dtype, run_block) -> features: run the vision tower's blocks once on the "
+                "meta device for the memory plan, calling run_block(module, fn, block_input) around each block "
+                "and run_block(module, fn) around each merger, so activations are counted per block. None: "
+                "vision activations are not traced, and the plan says so."})
+
+
+@dataclass(frozen=True)
+class VideoInputs:
+    """A family that takes video clips: its ``image_inputs.prepare`` then receives them in ``Media.videos``.
+    Without it a record with a video is refused, naming the family."""
+
+    pixels: str = field(metadata={
+        "help": "The batch input holding a clip's pixels (Qwen: pixel_values_videos): a batch without it has no "
+                "clip (the mixed-data warm-up runs the tower on a dummy clip then)."})
+    grid: Callable[..., tuple] | None = field(default=None, compare=False, metadata={
+        "help": "grid(frames, height, width, max_pixels=None) -> (t, h, w): the patch grid of a clip of `frames` "
+                "sampled frames at the family's default budget (a family's tests check it against the "
+                "processor)."})
+
+
+@dataclass(frozen=True)
+class Positions:
+    """A family whose model computes positions from more than the token index (Qwen's 3-D mRoPE): packing
+    builds each sample's positions with it. None: plain 1-D positions (Gemma 3, LLaVA)."""
+
+    rope_index: Callable[..., Any] = field(metadata={
+        "help": "rope_index(model_config, sample: dict) -> LongTensor [rows, 1, L]: the positions of ONE encoded "
+                "sample (its input_ids and the inputs `image_inputs.write` gave), exactly as the model computes "
+                "them unpacked. Packing puts a text row in front of them and concatenates the samples."})
+    rows: int = field(default=3, metadata={"help": "Rows of `rope_index`'s answer (3 for mRoPE)."})
+
+
+@dataclass(frozen=True)
+class Packing:
+    """A family whose samples can be laid end to end in one row (``--packing``): the attention keeps them
+    apart where the text position row restarts, its 'sequence' batch inputs are laid end to end and its
+    'concat' ones joined in order. None: the family cannot pack, and ``--packing on`` says so."""
+
+    refusal: str = field(default="", metadata={
+        "help": "Why this family's text model cannot keep packed samples apart after all, or '' where it can "
+                "(Qwen3.5: its Gated DeltaNet layers carry state along the row unless run with varlen kernels)."})
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How ``--shard fsdp`` cuts the model."""
+
+    no_split_modules: tuple[str, ...] = field(metadata={
+        "help": "Block classes FSDP shards as units (the model class's `_no_split_modules`)."})
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts family's fused expert weights and routers."""
+
+    parameters: tuple[str, ...] = field(metadata={
+        "help": "Fused 3-D expert weights, relative to a decoder layer, for PEFT's `target_parameters` (e.g. "
+                "'mlp.experts.gate_up_proj' [E, 2*I, H] and 'mlp.experts.down_proj' [E, H, I]). Adapted only "
+                "when the method asks (`target_experts`)."})
+    routers: tuple[str, ...] = field(default=(), metadata={
+        "help": "Router / gate modules relative to a decoder layer; they always stay frozen and are never "
+                "targets (Qwen3-VL MoE 'mlp.gate'; Qwen3.5 MoE also 'mlp.shared_expert_gate', an nn.Linear "
+                "hidden->1 that a leaf-name 'gate' match would otherwise catch)."})
+
+
+# --- a family whose processor writes each image's tokens itself -------------------------------------------------
+
+def processor_image_inputs(batch_inputs: dict, pixels: str = "pixel_values", size_cap: str = "", grid=None,
+                           patch_size: int = 0, patches_per_token: int = 1, trace=None) -> ImageInputs:
+    """``ImageInputs`` for a family whose processor writes each image's token sequence into the text
+    (``processor(text=, images=)``, e.g. Gemma 3's ``<start_of_image><image_soft_token>*N<end_of_image>``): the
+    processor is called once per rendered piece with that piece's images (those of its ``processor.image_token``
+    placeholders), and the outputs ``batch_inputs`` names are kept: 'sequence' ones laid end to end over the
+    pieces (0 where a piece has none), 'concat' ones joined along dim 0. Measuring processes blank images of
+    the recorded sizes (no pixels decoded)."""
+    return ImageInputs(prepare=_processor_prepare, write=partial(_processor_write, dict(batch_inputs)),
+                       batch_inputs=dict(batch_inputs), pixels=pixels, size_cap=size_cap, grid=grid,
+                       patch_size=patch_size, patches_per_token=patches_per_token, trace=trace)
+
+
+def _processor_prepare(processor, media: Media, max_pixels=None):
+    from PIL import Image
+
+    images = media.images if media.images is not None else [Image.new("RGB", size) for size in media.sizes]
+    return images, media.where
+
+
+def _processor_write(wanted: dict, processor, texts: list[str], prepared) -> Written:
+    import torch
+
+    from vlft.errors import DataError
+
+    left, where = list(prepared[0]), prepared[1]
+    placeholder = processor.image_token or ""
+    ids_per_text: list[list[int]] = []
+    sequences: dict[str, list] = {k: [] for k, how in wanted.items() if how == "sequence"}
+    stacked: dict[str, list] = {k: [] for k, how in wanted.items() if how == "concat"}
+    for k, text in enumerate(texts):
+        n = text.count(placeholder) if placeholder else 0
+        if n > len(left):
+            raise DataError(f"{where}: the rendered conversation has more image placeholders than images")
+        mine, left = left[:n], left[n:]
+        out = processor(text=[text], images=[mine] if mine else None, add_special_tokens=(k == 0),
+                        return_tensors="pt")
+        ids = out["input_ids"][0].tolist()
+        ids_per_text.append(ids)
+        for key, parts in sequences.items():
+            parts.append(out[key][0] if key in out else torch.zeros(len(ids), dtype=torch.long))
+        for key, parts in stacked.items():
+            if key in out:
+                parts.append(out[key])
+    if left:
+        raise DataError(f"{where}: {len(left)} image(s) have no placeholder in the rendered conversation")
+    extra = {key: torch.cat(parts) for key, parts in (*sequences.items(), *stacked.items()) if parts}
+    return Written(ids_per_text, extra)
+
+
+CAPABILITIES = {"image_inputs": ImageInputs, "video_inputs": VideoInputs, "positions": Positions,
+                "packing": Packing, "sharding": Sharding, "experts": Experts}
 
 
 @dataclass(frozen=True)
 class ModelFamily:
-    """Everything vlft needs to know about one model family (one or more ``model_type`` values)."""
+    """Everything vlft needs to know about one model family (one or more ``model_type`` values): a required
+    core, then optional capabilities (``CAPABILITIES``), each None where the family lacks it."""
 
     # --- identity -------------------------------------------------------------------------------------
     name: str = field(metadata={"help": "Short name, used in `--model embedded:<name>` and `vlft plugins`, "
@@ -285,6 +480,9 @@ class ModelFamily:
     model_types: tuple[str, ...] = field(metadata={"help": "The `config.model_type` values this family owns, "
                                                            "e.g. ('qwen3_vl',)."})
     description: str = field(default="", metadata={"help": "One line for `vlft plugins`."})
+    plugin: str = field(default="", compare=False, metadata={
+        "help": "Leave it empty: vlft fills it in when it loads the family (the plugin that offered it), so "
+                "errors and `vlft plugins` name the plugin."})
 
     # --- towers (dotted paths from the *ForConditionalGeneration model) --------------------------------
     vision_tower: str = field(default="", metadata={
@@ -298,8 +496,6 @@ class ModelFamily:
                 "frozen with the tower unless the plan adapts it."})
     decoder_layers: str = field(default="model.language_model.layers", metadata={
         "help": "The nn.ModuleList of text decoder layers."})
-    embed_tokens: str = field(default="model.language_model.embed_tokens", metadata={
-        "help": "The input token embedding (tied to the head where `tie_word_embeddings`)."})
     lm_head: str = field(default="lm_head", metadata={"help": "The output head (logits)."})
 
     # --- what --targets / --vision-last-n select (leaf names of nn.Linear modules) ---------------------
@@ -314,28 +510,34 @@ class ModelFamily:
     text_linear_attention: tuple[str, ...] = field(default=(), metadata={
         "help": "Linear modules of linear-attention layers (Qwen3.5's Gated DeltaNet, `linear_attn.*`) that "
                 "are targets. Layers of the other type simply lack them."})
-    text_linear_attention_optional: tuple[str, ...] = field(default=(), metadata={
-        "help": "Linear modules of linear-attention layers that exist but are not targets by default "
-                "(Qwen3.5's per-head gates `in_proj_a`/`in_proj_b`, hidden -> num_value_heads)."})
     text_mlp: tuple[str, ...] = field(default=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"), metadata={
         "help": "Linear modules inside each decoder layer for the dense MLP (or a MoE's shared expert)."})
     default_targets: str = field(default="both", metadata={"help": "What `--targets auto` means: vision, text "
-                                                                      "or both."})
-    default_vision_last_n: int = field(default=6, metadata={"help": "Default `--vision-last-n`."})
+                                                                      "or both (a method's own default wins)."})
     default_parts: tuple[str, ...] = field(default=("attention",), metadata={
         "help": "Which module groups an adapter takes by default: 'attention' (today's behaviour: "
                 "q/k/v/o and the vision qkv/proj, plus linear attention), 'mlp', or both."})
 
-    # --- mixture of experts ------------------------------------------------------------------------------
-    expert_parameters: tuple[str, ...] = field(default=(), metadata={
-        "help": "Fused 3-D expert weights, relative to a decoder layer, for PEFT's `target_parameters` "
-                "(e.g. 'mlp.experts.gate_up_proj' [E, 2*I, H] and 'mlp.experts.down_proj' [E, H, I]). Empty for "
-                "dense models. Not adapted unless asked."})
-    router_modules: tuple[str, ...] = field(default=(), metadata={
-        "help": "Router / gate modules relative to a decoder layer; they always stay frozen and are never "
-                "targets (Qwen3-VL MoE 'mlp.gate'; Qwen3.5 MoE also 'mlp.shared_expert_gate', an nn.Linear "
-                "hidden->1 that a leaf-name 'gate' match would otherwise catch)."})
+    # --- processor and template ------------------------------------------------------------------------
+    processor_class: str = field(default="", metadata={
+        "help": "transformers processor class name (a helper outside a run finds a processor's family by it)."})
+    load_processor: Callable[[str], Any] | None = field(default=None, compare=False, metadata={
+        "help": "load_processor(path) -> processor for a model folder (AutoProcessor by default)."})
+    bundled_processor: Callable[[str, Any], Any] | None = field(default=None, compare=False, metadata={
+        "help": "bundled_processor(config_dir, tokenizer) -> processor for a weightless bundled config: its "
+                "image/video processor from the folder, the given stand-in tokenizer, the family's template. "
+                "None: bundled configs of this family cannot be planned."})
+    reply_end_token: str = field(default="", metadata={
+        "help": "The token that closes an assistant turn in the template (the trained reply ends there). Qwen: "
+                "<|im_end|> (= the tokenizer's eos). Gemma 3: <end_of_turn>, while its eos is <eos>."})
+    chat_template_kwargs: dict = field(default_factory=dict, compare=False, metadata={
+        "help": "Extra keyword arguments for apply_chat_template (Qwen3.5: enable_thinking=False, so prompt "
+                "and reply split cleanly)."})
+    box_coordinates: str = field(default="absolute", metadata={
+        "help": "Grounding convention: 'absolute' pixels of the resized image (Qwen2.5-VL) or 'relative-1000' "
+                "(Qwen3-VL, Qwen3.5). vlft never converts silently."})
 
+    # --- loading and kernels ----------------------------------------------------------------------------
     load_kwargs: Callable[[str], dict] | None = field(default=None, compare=False, metadata={
         "help": "load_kwargs(param_dtype) -> extra keyword arguments for transformers' from_pretrained/from_config "
                 "(the run's model, its meta-device plan copy and evaluation), given the parameter dtype the "
@@ -343,64 +545,6 @@ class ModelFamily:
                 "{'experts_implementation': 'eager'} for float32: transformers 5.2x runs fused experts with "
                 "torch._grouped_mm, which takes only 16-bit weights (its meta-device and CUDA kernels refuse "
                 "fp32). None: no extra arguments."})
-
-    # --- tokens and the resize rule --------------------------------------------------------------------
-    image_token: str = field(default="", metadata={"help": "Placeholder repeated once per image "
-                                                                         "token."})
-    video_token: str = field(default="", metadata={"help": "Placeholder repeated once per video "
-                                                                         "token."})
-    vision_start_token: str = field(default="", metadata={"help": "Opens an image/video (per "
-                                                                                   "frame for Qwen3-VL/3.5)."})
-    vision_end_token: str = field(default="", metadata={"help": "Closes it."})
-    patch_size: int = field(default=0, metadata={"help": "Vision patch side in pixels."})
-    merge_size: int = field(default=1, metadata={"help": "Spatial merge (tokens = patches / merge_size**2)."})
-    temporal_patch_size: int = field(default=1, metadata={"help": "Frames per temporal patch."})
-    image_min_pixels: int = field(default=0, metadata={"help": "The image processor's default "
-                                                                      "size['shortest_edge'] (a pixel budget)."})
-    image_max_pixels: int = field(default=0, metadata={"help": "Default size['longest_edge']."})
-    video_min_pixels: int = field(default=0, metadata={"help": "The video processor's default "
-                                                                           "size['shortest_edge']."})
-    video_max_pixels: int = field(default=0, metadata={"help": "Default size['longest_edge'] "
-                                                                          "(Qwen3-VL: over all frames)."})
-    image_tokens: Callable[..., int] | None = field(default=None, compare=False, metadata={
-        "help": "image_tokens(height, width, min_pixels=None, max_pixels=None) -> LLM tokens of one image "
-                "by the family's own resize rule (None: the defaults above)."})
-    video_tokens: Callable[..., int] | None = field(default=None, compare=False, metadata={
-        "help": "video_tokens(frames, height, width, min_pixels=None, max_pixels=None) -> video pad tokens "
-                "(excluding per-frame timestamps and vision start/end, which are text)."})
-    box_coordinates: str = field(default="absolute", metadata={
-        "help": "Grounding convention: 'absolute' pixels of the resized image (Qwen2.5-VL) or 'relative-1000' "
-                "(Qwen3-VL, Qwen3.5). vlft never converts silently."})
-
-    # --- processor ---------------------------------------------------------------------------------------
-    processor_class: str = field(default="", metadata={"help": "transformers processor class name."})
-    load_processor: Callable[[str], Any] | None = field(default=None, compare=False, metadata={
-        "help": "load_processor(path) -> processor for a model folder (AutoProcessor by default)."})
-    bundled_processor: Callable[[str, Any], Any] | None = field(default=None, compare=False, metadata={
-        "help": "bundled_processor(config_dir, tokenizer) -> processor for a weightless bundled config: its "
-                "image/video processor from the folder, the given stand-in tokenizer, the family's template."})
-    processor_expands_placeholders: bool = field(default=False, metadata={
-        "help": "Who writes an image's tokens into the text. False (Qwen): vlft's encoder repeats `image_token` "
-                "once per LLM token (the image grid's product / merge_size**2) and builds the batch's "
-                "mm_token_type_ids itself. True: the family's processor does it (`processor(text=, images=)` per "
-                "rendered piece, e.g. Gemma 3's fixed <start_of_image><image_soft_token>*N<end_of_image>); the "
-                "encoder keeps every processor output `batch_inputs` names (its 'sequence' keys, e.g. "
-                "token_type_ids, aligned with input_ids) and the collator joins exactly those. Images only: "
-                "videos are refused there."})
-    reply_end_token: str = field(default="", metadata={
-        "help": "The token that closes an assistant turn in the template (the trained reply ends there). Qwen: "
-                "<|im_end|> (= the tokenizer's eos). Gemma 3: <end_of_turn>, while its eos is <eos>."})
-    batch_inputs: dict = field(default_factory=dict, compare=False, metadata={
-        "help": "Processor outputs the model takes besides input_ids/attention_mask/labels, and how a batch "
-                "joins them: 'concat' (along dim 0: pixel_values, image_grid_thw, ...) or 'sequence' (one value "
-                "per token, padded like input_ids with 0: mm_token_type_ids, Gemma 3's token_type_ids)."})
-    chat_template_kwargs: dict = field(default_factory=dict, compare=False, metadata={
-        "help": "Extra keyword arguments for apply_chat_template (Qwen3.5: enable_thinking=False, so prompt "
-                "and reply split cleanly)."})
-
-    # --- sharding, positions -------------------------------------------------------------------------------
-    no_split_modules: tuple[str, ...] = field(default=(), metadata={
-        "help": "Block classes FSDP shards as units (the model class's `_no_split_modules`)."})
     vision_stem: str = field(default="", metadata={
         "help": "The vision patch embedding module (its `proj` a Conv3d whose kernel equals its stride, for "
                 "Qwen2-VL to Qwen3.5: `model.visual.patch_embed`); a backend's kernel patch may replace the "
@@ -409,31 +553,6 @@ class ModelFamily:
         "help": "What backends' fused-op kernel patches may replace, by role: 'rms_norm' and 'gated_mlp' (module "
                 "class names, a gated MLP being `down_proj(act(gate_proj(x)) * up_proj(x))`), 'rotary' "
                 "('module:function' names of q/k rotary functions `f(q, k, cos, sin, ...)`). Empty: none."})
-    rope_index: Callable[..., Any] | None = field(default=None, compare=False, metadata={
-        "help": "rope_index(model_config, input_ids [L], image_grid_thw=None, video_grid_thw=None, "
-                "attention_mask=None, second_per_grid_ts=None) -> LongTensor [3, 1, L]: the 3-D mRoPE "
-                "positions of ONE sample, exactly as the model computes them (for packing: per sample, "
-                "then concatenate). None: the model uses plain 1-D positions (Gemma 3, LLaVA, InternVL)."})
-
-    packing_refusal: str = field(default="", metadata={
-        "help": "Why this family's text model cannot keep packed samples apart, or '' where it can: `--packing "
-                "on` is then an error with this reason and `auto` pads (Qwen3.5: its Gated DeltaNet layers carry "
-                "state along the row unless run with varlen kernels)."})
-
-    # --- embedded tiny model, bundled configs --------------------------------------------------------------
-    build_tiny: Callable[[Any], None] | None = field(default=None, compare=False, metadata={
-        "help": "build_tiny(path): writes a tiny random model of the family + processor there (offline)."})
-    tiny_recipe: dict = field(default_factory=dict, compare=False, metadata={
-        "help": "The tiny model's recipe; its hash names the cache folder."})
-    bundled_configs: tuple[str, ...] = field(default=(), metadata={
-        "help": "Names of bundled planning configs (folders under plugins/models/configs)."})
-
-    # --- planning (memory) -----------------------------------------------------------------------------
-    image_grid: Callable[..., tuple] | None = field(default=None, compare=False, metadata={
-        "help": "image_grid(height, width, min_pixels=None, max_pixels=None) -> (t, h, w): the patch grid the "
-                "image processor makes of one image (its product / merge_size**2 is the token count). The length "
-                "check and the memory plan use it without decoding pixels. None: images are measured by "
-                "running the processor."})
     vision_dummy: Callable[..., Any] | None = field(default=None, compare=False, metadata={
         "help": "vision_dummy(model, modality) -> VisionWarmup or None: the smallest input the vision tower takes "
                 "for 'image' or 'video' (the module with the features method, the method's name and its keyword "
@@ -441,14 +560,40 @@ class ModelFamily:
                 "it (and, sharded, on evaluation's first pass), so every process uses the same parameters (DDP) "
                 "and gathers the same blocks (FSDP), and 1 process trains as N. None: a multi-process run on data "
                 "that mixes text-only and image records may fail there."})
-    trace_vision: Callable[..., Any] | None = field(default=None, compare=False, metadata={
-        "help": "trace_vision(tower, grids, dtype, run_block) -> features: run the vision tower's blocks once "
-                "on the meta device for the memory plan, calling run_block(module, fn, block_input) around each "
-                "block (with its input tensor) and run_block(module, fn) around each merger, so activations are "
-                "counted per block. None: vision activations are not traced and "
-                "the plan says so."})
+
+    # --- capabilities (None: the family lacks it; see CAPABILITIES) -------------------------------------
+    image_inputs: ImageInputs | None = field(default=None, compare=False, metadata={
+        "help": "How an image becomes model inputs (vlft.ImageInputs). None: the family trains on text only, "
+                "and a record with an image is refused."})
+    video_inputs: VideoInputs | None = field(default=None, compare=False, metadata={
+        "help": "The family takes video clips (vlft.VideoInputs). None: a record with a video is refused."})
+    positions: Positions | None = field(default=None, compare=False, metadata={
+        "help": "Positions beyond the token index, e.g. 3-D mRoPE (vlft.Positions). None: plain 1-D positions."})
+    packing: Packing | None = field(default=None, compare=False, metadata={
+        "help": "The family's samples can be packed into one row (vlft.Packing). None: `--packing on` is refused "
+                "and `auto` pads."})
+    sharding: Sharding | None = field(default=None, compare=False, metadata={
+        "help": "FSDP's units (vlft.Sharding). None: the model class's own `_no_split_modules`."})
+    experts: Experts | None = field(default=None, compare=False, metadata={
+        "help": "Fused expert weights and routers of a mixture-of-experts family (vlft.Experts). None: dense."})
+
+    # --- embedded tiny model -----------------------------------------------------------------------------
+    build_tiny: Callable[..., None] | None = field(default=None, compare=False, metadata={
+        "help": "build_tiny(path, corpus=None): writes a tiny random model of the family + processor there "
+                "(offline), its tokenizer trained on `corpus` (a list of strings, the demo task's words) where "
+                "given. None: no `--model embedded:<name>`."})
+    tiny_recipe: dict = field(default_factory=dict, compare=False, metadata={
+        "help": "The tiny model's recipe; its hash names the cache folder."})
 
     # --- derived views ------------------------------------------------------------------------------------
+    @property
+    def expert_parameters(self) -> tuple[str, ...]:
+        return self.experts.parameters if self.experts is not None else ()
+
+    @property
+    def router_modules(self) -> tuple[str, ...]:
+        return self.experts.routers if self.experts is not None else ()
+
     def vision_targets(self) -> tuple[str, ...]:
         parts = self.default_parts
         return (self.vision_attention if "attention" in parts else ()) + (self.vision_mlp if "mlp" in parts else ())
@@ -461,32 +606,115 @@ class ModelFamily:
     def owns(self, model_type: str) -> bool:
         return model_type in self.model_types
 
-    def count_image_tokens(self, height: int, width: int, **budget) -> int:
-        if self.image_tokens is None:
-            raise NotImplementedError(f"family {self.name} gives no image token count")
-        return self.image_tokens(height, width, **budget)
+    def label(self) -> str:
+        """How errors name the family: "family 'gemma3' (plugin vlft_example_plugin)"."""
+        return f"family '{self.name}'" + (f" (plugin {self.plugin})" if self.plugin else "")
 
-    def count_video_tokens(self, frames: int, height: int, width: int, **budget) -> int:
-        if self.video_tokens is None:
-            raise NotImplementedError(f"family {self.name} gives no video token count")
-        return self.video_tokens(frames, height, width, **budget)
+    def call(self, what: str, fn: Callable[..., Any], *args, **kwargs):
+        """``fn`` (one of this family's functions, ``what`` its field), an error inside it raised as a PluginError
+        naming the family, its plugin and the field; vlft's own errors (a bad record) pass as they are."""
+        from vlft.errors import PluginError, VlftError
+
+        try:
+            return fn(*args, **kwargs)
+        except VlftError:
+            raise
+        except Exception as e:
+            raise PluginError(f"{self.label()}: {what} raised {type(e).__name__}: {e}") from e
 
     def vision_side(self) -> tuple[str, ...]:
         """The roots of every vision-side module: the tower and any projector outside it."""
         return (self.vision_tower, *(m for m in self.vision_mergers if not m.startswith(self.vision_tower + ".")))
 
     def describe(self) -> dict:
-        """Plain-data view (callables by name) for `vlft plugins --json` and the plan report."""
-        out = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            out[f.name] = getattr(v, "__qualname__", repr(v)) if callable(v) else v
-        return out
+        """Plain-data view (callables by name, capabilities as dicts) for `vlft plugins --json` and the plan."""
+        def plain(v):
+            if callable(v):
+                return getattr(v, "__qualname__", repr(v))
+            if hasattr(v, "__dataclass_fields__"):
+                return {f.name: plain(getattr(v, f.name)) for f in fields(v)}
+            return v
+
+        return {f.name: plain(getattr(self, f.name)) for f in fields(self)}
 
 
 def model_family_help() -> dict[str, str]:
-    """Each ``ModelFamily`` field's help (docs/plugin-hooks.md lists them; a docs test checks)."""
-    return {f.name: f.metadata.get("help", "") for f in fields(ModelFamily)}
+    """Each ``ModelFamily`` field's help, capabilities' fields as ``capability.field`` (docs/plugin-hooks.md
+    and docs/writing-plugins.md list them; a docs test checks)."""
+    out = {f.name: f.metadata.get("help", "") for f in fields(ModelFamily)}
+    for cap, cls in CAPABILITIES.items():
+        out.update({f"{cap}.{f.name}": f.metadata.get("help", "") for f in fields(cls)})
+    return out
+
+
+_PATH_STEP = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_"
+
+
+def _dotted(path: str) -> bool:
+    return bool(path) and all(step and not step[0].isdigit() and all(c in _PATH_STEP for c in step)
+                              for step in path.split("."))
+
+
+def check_family(family: Any) -> list[str]:
+    """What is wrong with a family's answer, field by field ('image_inputs.write must be callable ...'), with
+    no model: called when a plugin's families are first asked for; an empty list when all is well."""
+    if not isinstance(family, ModelFamily):
+        return [f"is a {type(family).__name__}, not a vlft.ModelFamily"]
+    problems = []
+
+    def need(ok: bool, field_name: str, what: str):
+        if not ok:
+            problems.append(f"{field_name} {what}")
+
+    need(isinstance(family.name, str) and bool(family.name), "name", "must be a non-empty string")
+    need(isinstance(family.model_types, tuple) and bool(family.model_types)
+         and all(isinstance(t, str) for t in family.model_types), "model_types", "must be a non-empty tuple of str")
+    for name in ("decoder_layers", "lm_head"):
+        need(_dotted(getattr(family, name)), name, "must be a dotted module path")
+    if family.vision_tower or family.vision_blocks:
+        need(_dotted(family.vision_tower), "vision_tower", "must be a dotted module path")
+        need(family.vision_blocks.startswith(family.vision_tower + ".") and _dotted(family.vision_blocks),
+             "vision_blocks", "must be a dotted module path under vision_tower")
+    for m in family.vision_mergers:  # a projector may live outside the tower (Gemma 3, LLaVA): still vision side
+        need(_dotted(m), "vision_mergers", f"entry {m!r} must be a dotted module path")
+    need(family.default_targets in FAMILY_TOWERS, "default_targets", f"must be one of {FAMILY_TOWERS}")
+    for name in ("load_processor", "bundled_processor", "load_kwargs", "vision_dummy", "build_tiny"):
+        v = getattr(family, name)
+        need(v is None or callable(v), name, f"must be callable or None, not {type(v).__name__}")
+    for cap, cls in CAPABILITIES.items():
+        v = getattr(family, cap)
+        if v is None:
+            continue
+        if not isinstance(v, cls):
+            problems.append(f"{cap} must be a vlft.{cls.__name__} or None, not {type(v).__name__}")
+            continue
+        for f in fields(cls):
+            x = getattr(v, f.name)
+            if "Callable" in str(f.type):
+                need(callable(x) or (x is None and "None" in str(f.type)), f"{cap}.{f.name}",
+                     f"must be callable{' or None' if 'None' in str(f.type) else ''}, not {type(x).__name__}")
+    def given(cap):  # the capability, where it is one (a wrong type was reported above)
+        v = getattr(family, cap)
+        return v if isinstance(v, CAPABILITIES[cap]) else None
+
+    images = given("image_inputs")
+    if images is not None:
+        joins = images.batch_inputs
+        need(isinstance(joins, dict) and all(h in BATCH_JOINS for h in joins.values()), "image_inputs.batch_inputs",
+             f"must map each input name to one of {BATCH_JOINS}")
+        need(isinstance(joins, dict) and images.pixels in joins, "image_inputs.pixels",
+             "must be one of image_inputs.batch_inputs")
+        need(images.grid is None or images.patch_size > 0, "image_inputs.patch_size", "must be > 0 with a grid")
+    video = given("video_inputs")
+    if video is not None:
+        need(images is not None, "video_inputs", "needs image_inputs (its prepare receives the clips)")
+        need(images is None or not isinstance(images.batch_inputs, dict) or video.pixels in images.batch_inputs,
+             "video_inputs.pixels", "must be one of image_inputs.batch_inputs")
+    sharding = given("sharding")
+    if sharding is not None:
+        need(isinstance(sharding.no_split_modules, tuple) and all(isinstance(c, str) for c in sharding.no_split_modules),
+             "sharding.no_split_modules", "must be a tuple of class names")
+    return problems
 
 
 @dataclass

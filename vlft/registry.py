@@ -105,15 +105,6 @@ class Registry:
             raise VlftError(f"no plugin answers {hook_name} for '{subject}'; the plugin that offers it is incomplete")
         return answer
 
-    def family_owners(self) -> dict[str, str]:
-        """{family name: plugin name} of the installed model families, first offer of a name wins (asked on
-        demand: listing the families imports their modules, which registering a plugin does not)."""
-        owners: dict[str, str] = {}
-        for impl in reversed(self.pm.hook.vlft_model_families.get_hookimpls()):  # in call order
-            for fam in impl.function() or []:
-                owners.setdefault(fam.name, impl.plugin_name)
-        return owners
-
 
 def new_plugin_manager() -> pluggy.PluginManager:
     pm = pluggy.PluginManager("vlft")

@@ -47,9 +47,9 @@ class ModelSize:
     family: Any = None  # the ModelFamily, resolved as a run resolves it
 
     def collator(self, **kw):
-        from vlft.data.batching import Collator
+        from vlft.data.batching import collator_for
 
-        return Collator(self.processor.tokenizer.pad_token_id, self.processor.image_token_id, **kw)
+        return collator_for(self.processor, **kw)
 
 
 def model_size(name: str, path: str, family=None) -> ModelSize:

@@ -22,61 +22,211 @@ from __future__ import annotations
 import importlib
 import math
 import re
-from dataclasses import fields
-from functools import partial
+from dataclasses import dataclass
+from functools import lru_cache
 from types import SimpleNamespace
 from typing import Any, Callable
 
-from vlft.policies import FAMILY_TOWERS as TOWERS
 from vlft.policies import ModelFamily
+from vlft.policies import check_family as _check_family
+from vlft.policies import model_family_help
 
 from . import _trace
 from ._warmup import qwen_vision_dummy
 
-# What the Qwen processors return for the model (transformers 5.2x), and how a batch joins each.
+# What the Qwen processors return for the model (transformers 5.2x), and how a batch joins each: the core
+# joins them as declared (ImageInputs.batch_inputs) and never names one.
 QWEN_BATCH_INPUTS = {"pixel_values": "concat", "image_grid_thw": "concat", "pixel_values_videos": "concat",
                      "video_grid_thw": "concat", "second_per_grid_ts": "concat", "mm_token_type_ids": "sequence"}
 
-
-# The dataclass is the core's (vlft.policies): its defaults are neutral; these are the Qwen ones every
-# family module here starts from.
+# The module paths every Qwen family starts from; each family module adds its own on top.
 QWEN_DEFAULTS = dict(
     vision_tower="model.visual",
     vision_blocks="model.visual.blocks",
     vision_mergers=("model.visual.merger",),
     decoder_layers="model.language_model.layers",
-    embed_tokens="model.language_model.embed_tokens",
     lm_head="lm_head",
     vision_attention=("attn.qkv", "attn.proj"),
-    image_token="<|image_pad|>",
-    video_token="<|video_pad|>",
-    vision_start_token="<|vision_start|>",
-    vision_end_token="<|vision_end|>",
-    patch_size=14, merge_size=2, temporal_patch_size=2,
-    image_min_pixels=56 * 56, image_max_pixels=28 * 28 * 1280,
-    video_min_pixels=128 * 28 * 28, video_max_pixels=28 * 28 * 768,
     reply_end_token="<|im_end|>",
+    vision_stem="model.visual.patch_embed",
 )
 
 
-def qwen_family(video_tokens_of=None, **fields_) -> ModelFamily:
-    """A ModelFamily with the Qwen defaults, ``fields_`` on top; image grid/tokens (and, given
-    ``video_tokens_of(fam, frames, height, width, ...)``, video tokens) by its own numbers, and the Qwen
-    vision tracer for the memory plan. Bound as partials of the family: the dataclass stays frozen and plain."""
-    base = dict(QWEN_DEFAULTS, batch_inputs=dict(QWEN_BATCH_INPUTS))
+@dataclass(frozen=True)
+class QwenVision:
+    """The Qwen image and video processors' numbers (patch side, spatial merge, temporal patch, default pixel
+    budgets) and the image-input functions over them: a record's images become ``pixel_values`` and
+    ``image_grid_thw``, each image's placeholder is repeated once per LLM token of its grid, and every token
+    gets its modality type (``mm_token_type_ids``: 0 text, 1 image, 2 video). Moved here from the core's
+    encoder and collator, unchanged. ``video_rule``: 'qwen2' resizes each frame by the image rule, 'qwen3'
+    spreads the budget over all frames."""
+
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    image_min_pixels: int = 56 * 56
+    image_max_pixels: int = 28 * 28 * 1280
+    video_min_pixels: int = 128 * 28 * 28
+    video_max_pixels: int = 28 * 28 * 768
+    video_rule: str = "qwen2"
+
+    # --- the resize rule -------------------------------------------------------------------------------------
+    def image_grid(self, height: int, width: int, min_pixels: int | None = None,
+                   max_pixels: int | None = None) -> tuple[int, int, int]:
+        """(t, h, w) patch grid of one image, as ``image_grid_thw`` gives it."""
+        return _image_grid(self, height, width, min_pixels, max_pixels)
+
+    def image_tokens(self, height: int, width: int, min_pixels: int | None = None,
+                     max_pixels: int | None = None) -> int:
+        t, h, w = self.image_grid(height, width, min_pixels, max_pixels)
+        return t * h * w // self.merge_size ** 2
+
+    def capped_grid(self, height: int, width: int, max_pixels: int | None = None) -> tuple[int, int, int]:
+        """``ImageInputs.grid``: the grid under ``--max-pixels`` (the floor lowered with it, as the encoder does)."""
+        if max_pixels is None:
+            return self.image_grid(height, width)
+        return self.image_grid(height, width, min(self.image_min_pixels, max_pixels), max_pixels)
+
+    def video_grid(self, frames: int, height: int, width: int, min_pixels: int | None = None,
+                   max_pixels: int | None = None) -> tuple[int, int, int]:
+        lo = self.video_min_pixels if min_pixels is None else min_pixels
+        hi = self.video_max_pixels if max_pixels is None else max_pixels
+        factor = self.patch_size * self.merge_size
+        if self.video_rule == "qwen3":
+            h, w = video_smart_resize_qwen3(frames, height, width, self.temporal_patch_size, factor, lo, hi)
+            t = (frames + -frames % self.temporal_patch_size) // self.temporal_patch_size
+        else:  # Qwen2VLVideoProcessor: the image rule per frame; frames padded to the temporal patch
+            h, w = smart_resize(height, width, factor, lo, hi)
+            t = (frames + self.temporal_patch_size - 1) // self.temporal_patch_size
+        return t, h // self.patch_size, w // self.patch_size
+
+    def video_tokens(self, frames: int, height: int, width: int, **budget) -> int:
+        t, h, w = self.video_grid(frames, height, width, **budget)
+        return t * h * w // self.merge_size ** 2
+
+    # --- ImageInputs: prepare once per record, write once per conversation --------------------------------------
+    def prepare(self, processor, media, max_pixels=None) -> dict:
+        import torch
+
+        kwargs = _size_kwargs(processor, max_pixels)
+        out: dict = {"inputs": {}, "image_grids": None, "video_grids": None}
+        if media.images:
+            done = processor.image_processor(images=list(media.images), return_tensors="pt", **kwargs)
+            out["inputs"].update(pixel_values=done["pixel_values"], image_grid_thw=done["image_grid_thw"])
+            out["image_grids"] = done["image_grid_thw"]
+        elif media.images is None and media.sizes:  # measuring: the grid by the formula, no pixels
+            size = kwargs.get("size", processor.image_processor.size)
+            out["image_grids"] = torch.tensor([self.image_grid(h, w, size["shortest_edge"], size["longest_edge"])
+                                               for w, h in media.sizes])
+        if media.videos:
+            vp = processor.video_processor
+            # frames are already sampled, at the rate given with each clip; the processor must not sample again
+            done = vp(videos=[clip for clip, _ in media.videos], return_tensors="pt", do_sample_frames=False,
+                      **kwargs)
+            seconds = torch.tensor([vp.temporal_patch_size / rate for _, rate in media.videos], dtype=torch.float32)
+            out["inputs"].update(pixel_values_videos=done["pixel_values_videos"],
+                                 video_grid_thw=done["video_grid_thw"], second_per_grid_ts=seconds)
+            out["video_grids"] = done["video_grid_thw"]
+        return out
+
+    def write(self, processor, texts: list[str], prepared: dict):
+        import torch
+
+        from vlft import Written
+
+        merge_length = getattr(processor.image_processor, "merge_size", 1) ** 2
+
+        def tokens(grids):
+            return iter([int(g.prod()) // merge_length for g in grids] if grids is not None else [])
+
+        image_token, video_token = processor.image_token, getattr(processor, "video_token", None)
+        counts = {image_token: tokens(prepared["image_grids"]), video_token: tokens(prepared["video_grids"])}
+        pads = re.compile("|".join(re.escape(t) for t in counts if t))
+        texts = [pads.sub(lambda m: m.group(0) * next(counts[m.group(0)]), text) for text in texts]
+        # one tokenizer call for the first piece (special tokens) and one for the rest: the same ids as a call each
+        ids = processor.tokenizer(texts[:1], add_special_tokens=True)["input_ids"] if texts else []
+        if len(texts) > 1:
+            ids += processor.tokenizer(texts[1:], add_special_tokens=False)["input_ids"]
+        flat = torch.tensor([i for piece in ids for i in piece], dtype=torch.long)
+        # 1 image, 2 video: the 3-D rotary positions space video tokens out in time
+        types = (flat == processor.image_token_id).long()
+        video_id = getattr(processor, "video_token_id", None)
+        if video_id is not None:
+            types = types + 2 * (flat == video_id).long()
+        grids = [tuple(int(x) for x in g) for key in ("image_grids", "video_grids")
+                 for g in (prepared[key] if prepared[key] is not None else [])]
+        return Written(ids, {**prepared["inputs"], "mm_token_type_ids": types}, grids)
+
+    def capabilities(self, trace=None) -> dict:
+        """The family's ``image_inputs`` and ``video_inputs``."""
+        from vlft import ImageInputs, VideoInputs
+
+        return dict(
+            image_inputs=ImageInputs(
+                prepare=self.prepare, write=self.write, batch_inputs=dict(QWEN_BATCH_INPUTS),
+                pixels="pixel_values",
+                size_cap="a pixel budget per image (the image processor's size['longest_edge']): the resize keeps "
+                         "the aspect ratio and rounds each side to the patch x merge factor",
+                grid=self.capped_grid, patch_size=self.patch_size, patches_per_token=self.merge_size ** 2,
+                trace=trace),
+            video_inputs=VideoInputs(pixels="pixel_values_videos", grid=self.video_grid))
+
+
+@lru_cache(maxsize=4096)
+def _image_grid(vision: QwenVision, height: int, width: int, min_pixels, max_pixels) -> tuple[int, int, int]:
+    """Remembered per size: a data set holds few sizes."""
+    factor = vision.patch_size * vision.merge_size
+    h, w = smart_resize(height, width, factor, vision.image_min_pixels if min_pixels is None else min_pixels,
+                        vision.image_max_pixels if max_pixels is None else max_pixels)
+    return 1, h // vision.patch_size, w // vision.patch_size
+
+
+def _size_kwargs(processor, max_pixels) -> dict:
+    """``--max-pixels`` as the Qwen processors take it: ``size['longest_edge']`` is a pixel budget (and the floor
+    ``shortest_edge`` is lowered to it). Applied to the image and the video processor alike."""
+    size = getattr(processor.image_processor, "size", None) or {}
+    if max_pixels is None or "longest_edge" not in size:
+        return {}
+    size = dict(size)
+    size["longest_edge"] = max_pixels
+    size["shortest_edge"] = min(size.get("shortest_edge", max_pixels), max_pixels)
+    return {"size": size}
+
+
+class SampleRopeIndex:
+    """``Positions.rope_index`` of a Qwen family: a sample's grids read from its own inputs, then the model
+    class's ``get_rope_index`` (``rope_index_from_class``)."""
+
+    def __init__(self, rope_index):
+        self.rope_index = rope_index
+        self.__qualname__ = rope_index.__qualname__
+
+    def __call__(self, model_config, sample: dict):
+        return self.rope_index(model_config, sample["input_ids"], image_grid_thw=sample.get("image_grid_thw"),
+                               video_grid_thw=sample.get("video_grid_thw"),
+                               second_per_grid_ts=sample.get("second_per_grid_ts"))
+
+
+def qwen_family(vision: QwenVision, rope_class: str, no_split_modules: tuple[str, ...], packing_refusal: str = "",
+                expert_parameters: tuple[str, ...] = (), router_modules: tuple[str, ...] = (),
+                **fields_) -> ModelFamily:
+    """A ModelFamily with the Qwen defaults, ``fields_`` on top, and its capabilities: image and video inputs by
+    ``vision``'s numbers (with the Qwen vision tracer for the memory plan), 3-D positions by ``rope_class``'s
+    ``get_rope_index``, packing (or its refusal), FSDP units and, given expert parameters, experts."""
+    from vlft import Experts, Packing, Positions, Sharding
+
+    base = dict(QWEN_DEFAULTS, vision_dummy=qwen_vision_dummy)
     base.update(fields_)
-    fam = ModelFamily(**base)
-    if fam.image_tokens is None:
-        object.__setattr__(fam, "image_tokens", partial(image_tokens, fam))
-    if fam.video_tokens is None and video_tokens_of is not None:
-        object.__setattr__(fam, "video_tokens", partial(video_tokens_of, fam))
-    if fam.image_grid is None:
-        object.__setattr__(fam, "image_grid", partial(image_grid, fam))
-    if fam.vision_dummy is None:
-        object.__setattr__(fam, "vision_dummy", qwen_vision_dummy)
-    if fam.trace_vision is None:
-        object.__setattr__(fam, "trace_vision", _trace.trace_qwen_vision)
-    return fam
+    return ModelFamily(
+        **base, **vision.capabilities(trace=_trace.trace_qwen_vision),
+        positions=Positions(SampleRopeIndex(rope_index_from_class(rope_class))),
+        packing=Packing(refusal=packing_refusal), sharding=Sharding(no_split_modules),
+        experts=Experts(expert_parameters, router_modules) if expert_parameters else None)
+
+
+def vision_of(family: ModelFamily) -> QwenVision:
+    """The Qwen numbers behind a Qwen family's image inputs (for the family tests)."""
+    return family.image_inputs.prepare.__self__
 
 
 def fused_experts_load_kwargs(param_dtype: str) -> dict:
@@ -89,7 +239,7 @@ def fused_experts_load_kwargs(param_dtype: str) -> dict:
 
 def help_text() -> dict[str, str]:
     """Each field's help, for documentation and a docs test (every field documented)."""
-    return {f.name: f.metadata.get("help", "") for f in fields(ModelFamily)}
+    return model_family_help()
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -127,22 +277,6 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
-def image_grid(family: ModelFamily, height: int, width: int, min_pixels: int | None = None,
-               max_pixels: int | None = None) -> tuple[int, int, int]:
-    """(t, h, w) patch grid of one image, as ``image_grid_thw`` gives it."""
-    factor = family.patch_size * family.merge_size
-    h, w = smart_resize(height, width, factor,
-                        family.image_min_pixels if min_pixels is None else min_pixels,
-                        family.image_max_pixels if max_pixels is None else max_pixels)
-    return 1, h // family.patch_size, w // family.patch_size
-
-
-def image_tokens(family: ModelFamily, height: int, width: int, min_pixels: int | None = None,
-                 max_pixels: int | None = None) -> int:
-    t, h, w = image_grid(family, height, width, min_pixels, max_pixels)
-    return t * h * w // family.merge_size ** 2
-
-
 def video_smart_resize_qwen3(frames: int, height: int, width: int, temporal_factor: int, factor: int,
                              min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """transformers.models.qwen3_vl.video_processing_qwen3_vl.smart_resize (5.2x): the budget covers all
@@ -166,29 +300,6 @@ def video_smart_resize_qwen3(frames: int, height: int, width: int, temporal_fact
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
-
-
-def video_grid_qwen3(family: ModelFamily, frames: int, height: int, width: int, min_pixels: int | None = None,
-                     max_pixels: int | None = None) -> tuple[int, int, int]:
-    """(t, h, w) grid of a clip of ``frames`` sampled frames (Qwen3-VL / Qwen3.5 video processor,
-    ``cap_pixels_per_frame`` off: transformers' 5.2x default)."""
-    factor = family.patch_size * family.merge_size
-    h, w = video_smart_resize_qwen3(frames, height, width, family.temporal_patch_size, factor,
-                                    family.video_min_pixels if min_pixels is None else min_pixels,
-                                    family.video_max_pixels if max_pixels is None else max_pixels)
-    t = (frames + -frames % family.temporal_patch_size) // family.temporal_patch_size
-    return t, h // family.patch_size, w // family.patch_size
-
-
-def video_tokens_qwen3(family: ModelFamily, frames: int, height: int, width: int, **budget) -> int:
-    t, h, w = video_grid_qwen3(family, frames, height, width, **budget)
-    return t * h * w // family.merge_size ** 2
-
-
-def video_smart_resize_qwen2(frames: int, height: int, width: int, factor: int, min_pixels: int,
-                             max_pixels: int) -> tuple[int, int]:
-    """Qwen2-VL / Qwen2.5-VL video processor: the image rule applied per frame."""
-    return smart_resize(height, width, factor, min_pixels, max_pixels)
 
 
 # --- positions -------------------------------------------------------------------------------------------
@@ -244,25 +355,9 @@ def rope_index_from_class(model_class_path: str) -> Callable[..., Any]:
     return rope_index
 
 
-_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[\w]+)*$")
-
-
 def check_family(family: ModelFamily) -> list[str]:
-    """Problems with a family's declared fields (no model needed): for a meta-test over all families."""
-    problems = []
-    for name in ("vision_tower", "vision_blocks", "decoder_layers", "embed_tokens", "lm_head", *()):
-        if not _PATH.match(getattr(family, name)):
-            problems.append(f"{family.name}: {name} is not a dotted path")
-    if not family.model_types:
-        problems.append(f"{family.name}: owns no model_type")
-    if family.default_targets not in TOWERS:
-        problems.append(f"{family.name}: default_targets {family.default_targets!r}")
-    if not family.vision_blocks.startswith(family.vision_tower + "."):
-        problems.append(f"{family.name}: vision_blocks is not under vision_tower")
-    for m in family.vision_mergers:  # a projector may live outside the tower (Gemma 3, LLaVA): still vision side
-        if not _PATH.match(m):
-            problems.append(f"{family.name}: merger {m} is not a dotted path")
-    return problems
+    """Problems with a family's declared fields (no model needed): the core's load-time check."""
+    return [f"{family.name}: {p}" for p in _check_family(family)]
 
 
 def count_parameters(model) -> dict[str, int]:

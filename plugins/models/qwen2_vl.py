@@ -36,7 +36,7 @@ from functools import partial
 from pathlib import Path
 
 from . import _tiny
-from .family import ModelFamily, image_tokens, qwen_family, rope_index_from_class
+from .family import QwenVision, qwen_family
 
 SPECIAL_TOKENS = _tiny.BASE_SPECIAL_TOKENS
 # Qwen2-VL / Qwen2.5-VL preprocessor_config.json (vlft/model_configs/SOURCES.md): min 3136, max 12845056
@@ -144,37 +144,28 @@ def load_processor(path: str):
     return AutoProcessor.from_pretrained(path)
 
 
+VISION = QwenVision(patch_size=14, merge_size=2, temporal_patch_size=2, image_min_pixels=IMAGE_MIN_PIXELS,
+                    image_max_pixels=IMAGE_MAX_PIXELS, video_min_pixels=128 * 28 * 28, video_max_pixels=28 * 28 * 768,
+                    video_rule="qwen2")  # Qwen2VLVideoProcessor: each frame resized by the image rule
+
 _COMMON = dict(
     vision_tower="model.visual",
     vision_blocks="model.visual.blocks",
     vision_mergers=("model.visual.merger",),
     decoder_layers="model.language_model.layers",
-    embed_tokens="model.language_model.embed_tokens",
     lm_head="lm_head",
     vision_attention=("attn.qkv", "attn.proj"),
     text_attention=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
     text_mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
-    patch_size=14, merge_size=2, temporal_patch_size=2,
-    image_min_pixels=IMAGE_MIN_PIXELS, image_max_pixels=IMAGE_MAX_PIXELS,
-    # Qwen2VLVideoProcessor defaults (5.2x): size shortest 128*28*28, longest 28*28*768, per frame
-    video_min_pixels=128 * 28 * 28, video_max_pixels=28 * 28 * 768,
     load_processor=load_processor,
     vision_stem="model.visual.patch_embed",
 )
 
 
-def _video_tokens(fam: ModelFamily, frames: int, height: int, width: int, min_pixels=None, max_pixels=None) -> int:
-    """Qwen2VLVideoProcessor: each frame resized by the image rule; frames padded to a multiple of the
-    temporal patch (2) by repeating the last one."""
-    per_frame = image_tokens(fam, height, width,
-                             fam.video_min_pixels if min_pixels is None else min_pixels,
-                             fam.video_max_pixels if max_pixels is None else max_pixels)
-    t = (frames + fam.temporal_patch_size - 1) // fam.temporal_patch_size
-    return t * per_frame
-
-
 QWEN2_5_VL = qwen_family(
-    video_tokens_of=_video_tokens,
+    VISION,
+    "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VLModel",
+    ("Qwen2_5_VLDecoderLayer", "Qwen2_5_VLVisionBlock"),
     name="qwen2.5-vl",
     model_types=("qwen2_5_vl",),
     description="Qwen2.5-VL (3B/7B/32B/72B): patch 14 x merge 2 (28 px), windowed vision attention",
@@ -182,22 +173,21 @@ QWEN2_5_VL = qwen_family(
     box_coordinates="absolute",
     processor_class="Qwen2_5_VLProcessor",
     bundled_processor=bundled_processor,
-    no_split_modules=("Qwen2_5_VLDecoderLayer", "Qwen2_5_VLVisionBlock"),
     kernel_targets={  # transformers 5.24 modeling_qwen2_5_vl: the vision MLP is gated too (hidden_act silu)
         "rms_norm": ("Qwen2_5_VLRMSNorm", "Qwen2RMSNorm"),
         "gated_mlp": ("Qwen2_5_VLMLP", "Qwen2MLP"),
         "rotary": ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:apply_rotary_pos_emb",
                    "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:apply_rotary_pos_emb_vision"),
     },
-    rope_index=rope_index_from_class("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VLModel"),
     build_tiny=build_tiny_2_5,
     tiny_recipe=RECIPE_2_5,
-    bundled_configs=("qwen2.5-vl-3b", "qwen2.5-vl-7b", "qwen2.5-vl-32b", "qwen2.5-vl-72b"),
     **_COMMON,
 )
 
 QWEN2_VL = qwen_family(
-    video_tokens_of=_video_tokens,
+    VISION,
+    "transformers.models.qwen2_vl.modeling_qwen2_vl.Qwen2VLModel",
+    ("Qwen2VLDecoderLayer", "Qwen2VLVisionBlock"),
     name="qwen2-vl",
     model_types=("qwen2_vl",),
     description="Qwen2-VL (2B/7B/72B): patch 14 x merge 2 (28 px)",
@@ -205,8 +195,6 @@ QWEN2_VL = qwen_family(
     box_coordinates="relative-1000",  # Qwen2-VL grounding used (0,1000) normalised boxes
     processor_class="Qwen2VLProcessor",
     bundled_processor=partial(bundled_processor, processor_cls_name="Qwen2VLProcessor"),
-    no_split_modules=("Qwen2VLDecoderLayer", "Qwen2VLVisionBlock"),
-    rope_index=rope_index_from_class("transformers.models.qwen2_vl.modeling_qwen2_vl.Qwen2VLModel"),
     build_tiny=build_tiny_2,
     tiny_recipe=RECIPE_2,
     **_COMMON,

@@ -32,12 +32,7 @@ from pathlib import Path
 
 from . import _tiny
 from . import qwen3_vl as q3vl
-from .family import (
-    fused_experts_load_kwargs,
-    qwen_family,
-    rope_index_from_class,
-    video_tokens_qwen3,
-)
+from .family import fused_experts_load_kwargs, qwen_family
 
 SPECIAL_TOKENS = _tiny.BASE_SPECIAL_TOKENS
 
@@ -129,22 +124,18 @@ PACKING_REFUSAL = ("its Gated DeltaNet linear-attention layers carry their recur
                    "those layers")
 
 _COMMON = dict(
-    packing_refusal=PACKING_REFUSAL,
+    packing_refusal=PACKING_REFUSAL,  # qwen_family makes it the family's Packing capability's refusal
     vision_tower="model.visual",
     vision_stem="model.visual.patch_embed",
     vision_blocks="model.visual.blocks",
     vision_mergers=("model.visual.merger",),
     decoder_layers="model.language_model.layers",
-    embed_tokens="model.language_model.embed_tokens",
     lm_head="lm_head",
     vision_attention=("attn.qkv", "attn.proj"),
     vision_mlp=("mlp.linear_fc1", "mlp.linear_fc2"),
     text_attention=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
     text_linear_attention=("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.out_proj"),
-    text_linear_attention_optional=("linear_attn.in_proj_a", "linear_attn.in_proj_b"),
-    patch_size=16, merge_size=2, temporal_patch_size=2,
-    image_min_pixels=IMAGE_MIN_PIXELS, image_max_pixels=IMAGE_MAX_PIXELS,
-    video_min_pixels=VIDEO_MIN_PIXELS, video_max_pixels=VIDEO_MAX_PIXELS,
+    # linear_attn.in_proj_a / in_proj_b (per-head gates, hidden -> num_value_heads) exist but are no targets
     box_coordinates="relative-1000",
     processor_class="Qwen3VLProcessor",
     load_processor=q3vl.load_processor,
@@ -154,21 +145,22 @@ _COMMON = dict(
 
 
 QWEN3_5 = qwen_family(
-    video_tokens_of=video_tokens_qwen3,
+    q3vl.VISION,
+    "transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5Model",
+    ("Qwen3_5DecoderLayer", "Qwen3_5VisionBlock"),
     name="qwen3.5",
     model_types=("qwen3_5",),
     description="Qwen3.5 dense: Gated DeltaNet + gated attention (3:1), patch 16 x merge 2",
     text_mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
-    no_split_modules=("Qwen3_5DecoderLayer", "Qwen3_5VisionBlock"),
-    rope_index=rope_index_from_class("transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5Model"),
     build_tiny=build_tiny,
     tiny_recipe=RECIPE,
-    bundled_configs=("qwen3.5-0.8b", "qwen3.5-4b"),
     **_COMMON,
 )
 
 QWEN3_5_MOE = qwen_family(
-    video_tokens_of=video_tokens_qwen3,
+    q3vl.VISION,
+    "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeModel",
+    ("Qwen3_5MoeDecoderLayer", "Qwen3_5MoeVisionBlock"),
     name="qwen3.5-moe",
     model_types=("qwen3_5_moe",),
     description="Qwen3.5 MoE: hybrid layers, routed + shared experts; fused experts via target_parameters",
@@ -176,11 +168,8 @@ QWEN3_5_MOE = qwen_family(
     expert_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
     router_modules=("mlp.gate", "mlp.shared_expert_gate"),
     load_kwargs=fused_experts_load_kwargs,
-    no_split_modules=("Qwen3_5MoeDecoderLayer", "Qwen3_5MoeVisionBlock"),
-    rope_index=rope_index_from_class("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeModel"),
     build_tiny=build_tiny_moe,
     tiny_recipe=RECIPE_MOE,
-    bundled_configs=("qwen3.5-35b-a3b",),
     **_COMMON,
 )
 

@@ -15,12 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import _tiny
-from .family import (
-    ModelFamily,
-    qwen_family,
-    rope_index_from_class,
-    video_tokens_qwen3,
-)
+from .family import ModelFamily, QwenVision, qwen_family
 
 NAME = "qwen3-vl"
 SPECIAL_TOKENS = _tiny.BASE_SPECIAL_TOKENS
@@ -117,6 +112,11 @@ def tiny_dir() -> Path:
     return _tiny.cached_dir(NAME, RECIPE, build_tiny)
 
 
+VISION = QwenVision(patch_size=16, merge_size=2, temporal_patch_size=2, image_min_pixels=IMAGE_MIN_PIXELS,
+                    image_max_pixels=IMAGE_MAX_PIXELS, video_min_pixels=VIDEO_MIN_PIXELS,
+                    video_max_pixels=VIDEO_MAX_PIXELS, video_rule="qwen3")
+
+
 def _family(**overrides) -> ModelFamily:
     base = dict(
         name=NAME,
@@ -126,20 +126,15 @@ def _family(**overrides) -> ModelFamily:
         vision_blocks="model.visual.blocks",
         vision_mergers=("model.visual.merger", "model.visual.deepstack_merger_list"),
         decoder_layers="model.language_model.layers",
-        embed_tokens="model.language_model.embed_tokens",
         lm_head="lm_head",
         vision_attention=("attn.qkv", "attn.proj"),
         vision_mlp=("mlp.linear_fc1", "mlp.linear_fc2"),
         text_attention=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
         text_mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
-        patch_size=16, merge_size=2, temporal_patch_size=2,
-        image_min_pixels=IMAGE_MIN_PIXELS, image_max_pixels=IMAGE_MAX_PIXELS,
-        video_min_pixels=VIDEO_MIN_PIXELS, video_max_pixels=VIDEO_MAX_PIXELS,
         box_coordinates="relative-1000",
         processor_class="Qwen3VLProcessor",
         load_processor=load_processor,
         bundled_processor=bundled_processor,
-        no_split_modules=("Qwen3VLTextDecoderLayer", "Qwen3VLVisionBlock"),
         vision_stem="model.visual.patch_embed",
         kernel_targets={  # transformers 5.24 modeling_qwen3_vl: the vision MLP is not gated (linear_fc1/fc2)
             "rms_norm": ("Qwen3VLTextRMSNorm",),
@@ -147,13 +142,12 @@ def _family(**overrides) -> ModelFamily:
             "rotary": ("transformers.models.qwen3_vl.modeling_qwen3_vl:apply_rotary_pos_emb",
                        "transformers.models.qwen3_vl.modeling_qwen3_vl:apply_rotary_pos_emb_vision"),
         },
-        rope_index=rope_index_from_class("transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLModel"),
         build_tiny=build_tiny,
         tiny_recipe=RECIPE,
-        bundled_configs=("qwen3-vl-2b", "qwen3-vl-4b", "qwen3-vl-8b", "qwen3-vl-32b"),
     )
     base.update(overrides)
-    return qwen_family(video_tokens_of=video_tokens_qwen3, **base)
+    return qwen_family(VISION, "transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLModel",
+                       ("Qwen3VLTextDecoderLayer", "Qwen3VLVisionBlock"), **base)
 
 
 FAMILY = _family()

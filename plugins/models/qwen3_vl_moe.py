@@ -22,12 +22,7 @@ from pathlib import Path
 
 from . import _tiny
 from . import qwen3_vl as dense
-from .family import (
-    fused_experts_load_kwargs,
-    qwen_family,
-    rope_index_from_class,
-    video_tokens_qwen3,
-)
+from .family import fused_experts_load_kwargs, qwen_family
 
 NAME = "qwen3-vl-moe"
 
@@ -60,21 +55,19 @@ def tiny_dir() -> Path:
 
 
 FAMILY = qwen_family(
-    video_tokens_of=video_tokens_qwen3,
+    dense.VISION,
+    "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe.Qwen3VLMoeModel",
+    ("Qwen3VLMoeTextDecoderLayer", "Qwen3VLMoeVisionBlock"),
+    expert_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
+    router_modules=("mlp.gate",),
     **{**{f: getattr(dense.FAMILY, f) for f in (
-        "vision_tower", "vision_blocks", "vision_mergers", "decoder_layers", "embed_tokens", "lm_head",
-        "vision_attention", "vision_mlp", "text_attention", "text_mlp", "patch_size", "merge_size",
-        "temporal_patch_size", "image_min_pixels", "image_max_pixels", "video_min_pixels", "video_max_pixels",
+        "vision_tower", "vision_blocks", "vision_mergers", "decoder_layers", "lm_head",
+        "vision_attention", "vision_mlp", "text_attention", "text_mlp",
         "box_coordinates", "processor_class", "load_processor", "bundled_processor", "vision_stem")}},
     name=NAME,
     model_types=("qwen3_vl_moe",),
     description="Qwen3-VL MoE (30B-A3B/235B-A22B): attention adapters; fused experts via target_parameters",
-    expert_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
-    router_modules=("mlp.gate",),
     load_kwargs=fused_experts_load_kwargs,
-    no_split_modules=("Qwen3VLMoeTextDecoderLayer", "Qwen3VLMoeVisionBlock"),
-    rope_index=rope_index_from_class("transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe.Qwen3VLMoeModel"),
     build_tiny=build_tiny,
     tiny_recipe=RECIPE,
-    bundled_configs=("qwen3-vl-30b-a3b", "qwen3-vl-235b-a22b"),
 )

@@ -470,7 +470,7 @@ def compare_each_patch(backend: str, registry=None,
     import tempfile
 
     from vlft.config import RunConfig
-    from vlft.data.batching import Collator, model_inputs, to_device
+    from vlft.data.batching import collator_for, model_inputs, to_device
     from vlft.data.demo import write_demo_dataset
     from vlft.data.encoding import SampleEncoder
     from vlft.data.records import read_records
@@ -501,7 +501,7 @@ def compare_each_patch(backend: str, registry=None,
     processor = load_processor(model_dir, family, registry)
     encoder = SampleEncoder(processor, family=family)
     ds = write_demo_dataset(tempfile.mkdtemp(prefix="kernels-"), 8, 2)
-    batch = Collator(processor.tokenizer.pad_token_id, processor.image_token_id)(
+    batch = collator_for(processor)(
         [encoder.encode(r) for r in read_records(ds.train)[:2]])
     dtype_name = unpatched_plan.precision.autocast_dtype
     dtype = getattr(torch, dtype_name) if dtype_name else None

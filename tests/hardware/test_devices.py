@@ -252,7 +252,7 @@ def test_npu_patch_reroutes_a_model_loaded_with_sdpa_to_eager_on_the_device(mode
     from helpers import base_model
 
     from vlft.config import RunConfig
-    from vlft.data.batching import Collator, model_inputs, to_device
+    from vlft.data.batching import collator_for, model_inputs, to_device
     from vlft.data.encoding import SampleEncoder
     from vlft.data.records import read_records
     from vlft.models.loss import autocast_context
@@ -270,7 +270,7 @@ def test_npu_patch_reroutes_a_model_loaded_with_sdpa_to_eager_on_the_device(mode
     observer = Observer()
     observer.watch(model)
     enc = SampleEncoder(processor)
-    batch = Collator(processor.tokenizer.pad_token_id, processor.image_token_id)(
+    batch = collator_for(processor)(
         [enc.encode(r) for r in read_records(data[0])[:2]])
     model.train()
     with observer.counting_sdpa(), autocast_context(device, torch.float16):

@@ -20,7 +20,7 @@ import torch
 
 from vlft.commands.parity import TOLERANCES, compare, run_worker, tolerance_for
 from vlft.config import build_config
-from vlft.data.batching import Collator
+from vlft.data.batching import collator_for
 from vlft.data.encoding import SampleEncoder
 from vlft.data.records import read_records
 
@@ -49,7 +49,7 @@ def test_a_failing_rank_stops_the_others_with_a_clear_message(small_data, tmp_pa
 def batch(small_data, processor):
     enc = SampleEncoder(processor)
     records = read_records(small_data[0])[:4]
-    return Collator(processor.tokenizer.pad_token_id, processor.image_token_id)([enc.encode(r) for r in records])
+    return collator_for(processor)([enc.encode(r) for r in records])
 
 
 def _loss_and_grads(model, batch):

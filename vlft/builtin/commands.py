@@ -82,13 +82,14 @@ def check_sharding(registry, config) -> None:
 def plugins(as_json):
     """List plugins, backends (with availability), methods, objectives and model families, each with the
     plugin that offers it."""
-    from vlft.models.bundled import (
-        bundled_names,  # the model stage, only for this listing
+    from vlft.models.bundled import (  # the model stage, only for this listing
+        bundled_by_family,
+        bundled_names,
     )
     from vlft.models.families import installed_families
 
     registry = get_registry()
-    family_owners = registry.family_owners()
+    by_family = bundled_by_family(registry)
     names = sorted({n for n, _ in registry.pm.list_name_plugin() if n})
     probes = {name: registry.first("vlft_probe_backend", backend=name) for name in registry.backends}
     dist = {name: registry.first("vlft_distributed_options", backend=name, config=RunConfig())
@@ -114,10 +115,9 @@ def plugins(as_json):
             for o in sorted(registry.objectives.values(), key=lambda o: o.name)
         ],
         "model_families": [
-            {"name": f.name, "model_types": list(f.model_types), "description": f.description,
-             "plugin": family_owners.get(f.name, "?"),
+            {"name": f.name, "model_types": list(f.model_types), "description": f.description, "plugin": f.plugin,
              "box_coordinates": f.box_coordinates, "embedded": f"embedded:{f.name}" if f.build_tiny else None,
-             "bundled_configs": list(f.bundled_configs)}
+             "bundled_configs": by_family.get(f.name, [])}
             for f in installed_families(registry)
         ],
         "bundled_configs": bundled_names(registry),

@@ -6,25 +6,22 @@ from __future__ import annotations
 
 import torch
 
+from vlft.data.encoding import family_of_processor
 from vlft.data.records import IGNORE_INDEX
 
 
 class Collator:
-    """Pads a batch to its own longest sample and stacks the image tensors.
+    """Pads a batch to its own longest sample and joins the samples' other model inputs as the family
+    declares them (``ImageInputs.batch_inputs``): 'sequence' inputs padded like input_ids (with 0), 'concat'
+    inputs joined along dim 0 over the samples that have them.
 
     ``padding_side`` is "right" for training and "left" for generation.
-    ``mm_token_type_ids`` marks image tokens, which Qwen2.5-VL needs for its
-    3-D rotary positions.
     """
 
-    def __init__(self, pad_token_id: int, image_token_id: int | None, padding_side: str = "right",
-                 pad_to: int | None = None, video_token_id: int | None = None, batch_inputs: dict | None = None):
+    def __init__(self, pad_token_id: int, batch_inputs: dict | None = None, padding_side: str = "right",
+                 pad_to: int | None = None):
         self.pad_token_id = pad_token_id
-        # image_token_id None: the samples carry their processor's own inputs (ModelFamily.batch_inputs, joined
-        # as it says) and no mm_token_type_ids is made here
         self.batch_inputs = dict(batch_inputs or {})
-        self.image_token_id = image_token_id
-        self.video_token_id = video_token_id
         self.padding_side = padding_side
         self.pad_to = pad_to  # fixed length, only for comparisons in bench/
 
@@ -44,31 +41,10 @@ class Collator:
                 fill_labels = torch.full((pad,), IGNORE_INDEX, dtype=torch.long)
                 lab = s["labels"]
                 batch_labels.append(torch.cat([fill_labels, lab] if left else [lab, fill_labels]))
-        input_ids = torch.stack(batch_ids)
-        if self.image_token_id is None:
-            batch = {"input_ids": input_ids, "attention_mask": torch.stack(batch_mask)}
-            if batch_labels:
-                batch["labels"] = torch.stack(batch_labels)
-            return self._declared_inputs(samples, length, batch)
-        batch = {
-            "input_ids": input_ids,
-            "attention_mask": torch.stack(batch_mask),
-            # 1 image, 2 video: the 3-D rotary positions space video tokens out in time
-            "mm_token_type_ids": (input_ids == self.image_token_id).long()
-            + 2 * (input_ids == self.video_token_id).long() if self.video_token_id is not None
-            else (input_ids == self.image_token_id).long(),
-        }
+        batch = {"input_ids": torch.stack(batch_ids), "attention_mask": torch.stack(batch_mask)}
         if batch_labels:
             batch["labels"] = torch.stack(batch_labels)
-        with_images = [s for s in samples if "pixel_values" in s]
-        if with_images:
-            batch["pixel_values"] = torch.cat([s["pixel_values"] for s in with_images])
-            batch["image_grid_thw"] = torch.cat([s["image_grid_thw"] for s in with_images])
-        with_videos = [s for s in samples if "pixel_values_videos" in s]
-        if with_videos:
-            for key in ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
-                batch[key] = torch.cat([s[key] for s in with_videos])
-        return batch
+        return self._declared_inputs(samples, length, batch)
 
     def _declared_inputs(self, samples: list[dict], length: int, batch: dict) -> dict:
         """The family's ``batch_inputs``: 'sequence' keys padded like input_ids (with 0), 'concat' keys joined
@@ -92,15 +68,13 @@ class Collator:
         return batch
 
 
-def collator_for(processor, family=None, padding_side: str = "right") -> Collator:
-    """The batch builder for ``processor``'s samples: the family's declared inputs where its processor writes its
-    own image tokens (``ModelFamily.processor_expands_placeholders``), otherwise the image/video keys and
-    mm_token_type_ids built here."""
-    pad = processor.tokenizer.pad_token_id
-    if family is not None and family.processor_expands_placeholders:
-        return Collator(pad, None, padding_side=padding_side, batch_inputs=family.batch_inputs)
-    return Collator(pad, processor.image_token_id, padding_side=padding_side,
-                    video_token_id=getattr(processor, "video_token_id", None))
+def collator_for(processor, family=None, padding_side: str = "right", pad_to: int | None = None) -> Collator:
+    """The batch builder for ``processor``'s samples, joining the inputs the family's image inputs declare
+    (``family`` None: the installed family of the processor, for helpers outside a run)."""
+    if family is None:
+        family = family_of_processor(processor)
+    joins = family.image_inputs.batch_inputs if family.image_inputs is not None else {}
+    return Collator(processor.tokenizer.pad_token_id, joins, padding_side=padding_side, pad_to=pad_to)
 
 
 def label_count(batch: dict) -> int:

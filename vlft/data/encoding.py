@@ -10,13 +10,13 @@ blocks) are split from one render of the whole conversation instead: each
 reply starts where the render up to its generation prompt stops agreeing
 with the whole, and ends at the family's reply-end token.
 
-What is model-specific (the image grid rule, the reply-end token, extra
-template arguments, who writes an image's tokens) comes from the ``ModelFamily``.
-Image tokens: by default the encoder repeats the processor's ``image_token``
-once per LLM token of the image grid; a family whose processor writes its own
-image token sequence (``processor_expands_placeholders``) is encoded by calling
-the processor on each rendered piece, keeping the outputs the family's
-``batch_inputs`` names.
+What is model-specific (the reply-end token, extra template arguments, how an
+image becomes model inputs and who writes its tokens into the text) comes from
+the ``ModelFamily``: its ``image_inputs`` prepares a record's images (and clips,
+with ``video_inputs``) once and writes them into each conversation's rendered
+pieces. The encoder names none of a family's input keys; ``vlft.processor_image_inputs``
+is the ready-made answer for a family whose processor writes the image tokens
+itself (Gemma 3's).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from PIL import Image
 
 from vlft.data.records import IGNORE_INDEX, IMAGE_PLACEHOLDER, Record, Turn, image_file_or_bytes, load_image
 from vlft.data.video import VideoError, read_frames
-from vlft.errors import DataError
+from vlft.errors import ConfigError, DataError
+from vlft.policies import Media, Written
 
 
 class _NotPrefix(Exception):
@@ -60,30 +61,25 @@ class SampleEncoder:
     """Turns a Record into model inputs with assistant-only labels.
 
     ``processor`` is a transformers multimodal processor (a tokenizer, an
-    image processor and a chat template). ``max_pixels`` caps each image's
-    pixel count through the image processor's own resize.
+    image processor and a chat template). ``max_pixels`` caps each image by
+    the family's own rule (``ImageInputs.size_cap``). ``family`` None: the
+    installed family whose ``processor_class`` is the processor's (helpers and
+    tests outside a run).
     """
 
     def __init__(self, processor, max_pixels: int | None = None, video_fps: float = 2.0, video_max_frames: int = 16,
                  family=None):
         self.processor = processor
-        self.family = family
-        self.template_kwargs = dict(family.chat_template_kwargs) if family is not None else {}
+        self.family = family if family is not None else family_of_processor(processor)
+        self.template_kwargs = dict(self.family.chat_template_kwargs)
         self.tokenizer = processor.tokenizer
-        self.image_token = processor.image_token
-        self.video_token = getattr(processor, "video_token", None)
         self.video_fps, self.video_max_frames = video_fps, video_max_frames
-        self.expands = bool(family is not None and family.processor_expands_placeholders)
-        self.merge_length = getattr(processor.image_processor, "merge_size", 1) ** 2
-        self.eos_text = (family.reply_end_token if family is not None else "") or self.tokenizer.eos_token
-        self.image_kwargs: dict = {}
-        # a pixel budget caps the image processor's resize; a processor with a fixed size has none to cap
-        if max_pixels is not None and "longest_edge" in (getattr(processor.image_processor, "size", None) or {}):
-            ip_size = dict(processor.image_processor.size)
-            ip_size["longest_edge"] = max_pixels
-            ip_size["shortest_edge"] = min(ip_size.get("shortest_edge", max_pixels), max_pixels)
-            self.image_kwargs["size"] = ip_size
-        self._grids: dict[tuple[int, int], tuple[int, int, int]] = {}  # image size -> patch grid
+        self.eos_text = self.family.reply_end_token or self.tokenizer.eos_token
+        self.images = self.family.image_inputs
+        if max_pixels is not None and self.images is not None and not self.images.size_cap:
+            raise ConfigError(f"--max-pixels: the {self.family.name} family has no image size cap "
+                              "(ImageInputs.size_cap is empty): its processor sizes every image itself")
+        self.max_pixels = max_pixels
 
     def render(self, turns: list[Turn], add_generation_prompt: bool) -> str:
         return self.processor.apply_chat_template(
@@ -141,23 +137,56 @@ class SampleEncoder:
             done = full
         return pieces
 
-    def image_grid(self, width: int, height: int) -> tuple[int, int, int]:
-        """The (t, h, w) patch grid the image processor makes of an image of this size, without decoding it.
-        Remembered per size: a data set holds few sizes, and without a family's formula the answer costs a
-        run of the image processor on a blank image (57% of measuring a record, profiled)."""
-        grid = self._grids.get((width, height))
-        if grid is None:
-            grid = self._grids[(width, height)] = self._image_grid(width, height)
-        return grid
+    # --- the family's image inputs ----------------------------------------------------------------------------
+    def _media(self, record: Record, decode: bool) -> Media:
+        """The record's images (decoded, or only their sizes) and clips, after refusing what the family lacks."""
+        if record.images and self.images is None:
+            raise DataError(f"{record.where}: images are not supported for the {self.family.name} family (it "
+                            "declares no image_inputs)")
+        if record.videos and self.family.video_inputs is None:
+            raise DataError(f"{record.where}: videos are not supported for the {self.family.name} family (it "
+                            "declares no video_inputs)")
+        if decode:
+            images = [load_image(s) for s in record.images]
+            sizes = [img.size for img in images]
+        else:  # measuring: the sizes alone (recorded, or read from the file headers)
+            images = None
+            sizes = record.image_sizes if record.image_sizes is not None else [_size_of(s) for s in record.images]
+        return Media(list(sizes), images, self._clips(record), record.where)
 
-    def _image_grid(self, width: int, height: int) -> tuple[int, int, int]:
-        ip = self.processor.image_processor
-        size = self.image_kwargs.get("size", ip.size)
-        if self.family is not None and self.family.image_grid is not None:
-            return tuple(self.family.image_grid(height, width, min_pixels=size["shortest_edge"],
-                                                max_pixels=size["longest_edge"]))
-        out = ip(images=[Image.new("RGB", (width, height))], return_tensors="pt", **self.image_kwargs)
-        return tuple(int(x) for x in out["image_grid_thw"][0])
+    def _clips(self, record: Record) -> list:
+        """Each clip's frames ``[T, C, H, W]`` at this run's rate, with the rate (decoding is the only way to know a
+        clip's frame count at this rate, so measuring decodes too)."""
+        clips = []
+        for path in record.videos:
+            try:
+                frames, rate = read_frames(path, self.video_fps, self.video_max_frames)
+            except VideoError as e:
+                raise DataError(f"{record.where}: video '{path}' cannot be read ({e})") from None
+            clips.append((torch.from_numpy(frames).permute(0, 3, 1, 2), rate))
+        return clips
+
+    def _prepare(self, media: Media):
+        if self.images is None:
+            return None
+        return self.family.call("image_inputs.prepare", self.images.prepare, self.processor, media, self.max_pixels)
+
+    def _write(self, pieces: list[tuple[str, bool]], prepared) -> tuple[list[int], list[int], dict, list]:
+        """(input_ids, labels, the sample's extra model inputs, grids) of rendered pieces over prepared media."""
+        texts = [text for text, _ in pieces]
+        if self.images is None:
+            ids = self.tokenizer(texts[:1], add_special_tokens=True)["input_ids"] if texts else []
+            if len(texts) > 1:
+                ids += self.tokenizer(texts[1:], add_special_tokens=False)["input_ids"]
+            written = Written(ids)
+        else:
+            written = self.family.call("image_inputs.write", self.images.write, self.processor, texts, prepared)
+        input_ids: list[int] = []
+        labels: list[int] = []
+        for ids, (_, trained) in zip(written.ids, pieces):
+            input_ids += ids
+            labels += ids if trained else [IGNORE_INDEX] * len(ids)
+        return input_ids, labels, dict(written.inputs), list(written.grids)
 
     def measure(self, record: Record) -> tuple[int, list[tuple[int, int, int]]]:
         """(tokens, image grids) of a record as ``encode`` would make it, image tokens included."""
@@ -166,146 +195,48 @@ class SampleEncoder:
 
     def measure_labelled(self, record: Record) -> tuple[int, list[tuple[int, int, int]], int]:
         """``measure`` and the number of label tokens the loss counts (the positions the head runs at)."""
-        sizes = record.image_sizes
-        if sizes is None:
-            sizes = []
-            for source in record.images:
-                with Image.open(image_file_or_bytes(source)) as img:
-                    sizes.append(img.size)
-        if self.expands:  # the processor's count: blank images of the recorded sizes (no grid to report)
-            self._no_videos(record)
-            input_ids, labels, _ = self._tokenize_expanded(self.pieces(record.turns, record.where),
-                                                           [Image.new("RGB", size) for size in sizes], record.where)
-            return len(input_ids), [], sum(1 for x in labels[1:] if x != IGNORE_INDEX)
-        grids = [self.image_grid(w, h) for w, h in sizes]
-        counts = torch.tensor(grids) if grids else None
-        video = self._videos(record)  # decoding is the only way to know a clip's frame count at this rate
-        video_grids = [tuple(int(x) for x in g) for g in video.get("video_grid_thw", [])]
-        input_ids, labels = self._tokenize(self.pieces(record.turns, record.where), counts,
-                                           video.get("video_grid_thw"))
-        return len(input_ids), grids + video_grids, sum(1 for x in labels[1:] if x != IGNORE_INDEX)
-
-    def _images(self, record: Record) -> dict:
-        if not record.images:
-            return {}
-        out = self.processor.image_processor(
-            images=[load_image(s) for s in record.images], return_tensors="pt", **self.image_kwargs
-        )
-        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
-
-    def _videos(self, record: Record) -> dict:
-        if not record.videos:
-            return {}
-
-        clips, rates = [], []
-        for path in record.videos:
-            try:
-                frames, rate = read_frames(path, self.video_fps, self.video_max_frames)
-            except VideoError as e:
-                raise DataError(f"{record.where}: video '{path}' cannot be read ({e})") from None
-            clips.append(torch.from_numpy(frames).permute(0, 3, 1, 2))
-            rates.append(rate)
-        vp = self.processor.video_processor
-        # frames are already sampled here, at the rate in ``rates``; the processor must not sample again
-        out = vp(videos=clips, return_tensors="pt", do_sample_frames=False, **self.image_kwargs)
-        seconds = torch.tensor([vp.temporal_patch_size / r for r in rates], dtype=torch.float32)
-        return {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": out["video_grid_thw"],
-                "second_per_grid_ts": seconds}
-
-    def _tokenize(self, pieces: list[tuple[str, bool]], grid_thw, video_grid_thw=None) -> tuple[list[int], list[int]]:
-        def tokens(grids):
-            return iter([int(g.prod()) // self.merge_length for g in grids] if grids is not None else [])
-
-        counts = {self.image_token: tokens(grid_thw), self.video_token: tokens(video_grid_thw)}
-        pads = re.compile("|".join(re.escape(t) for t in counts if t))
-        input_ids: list[int] = []
-        labels: list[int] = []
-        texts = [pads.sub(lambda m: m.group(0) * next(counts[m.group(0)]), text) for text, _ in pieces]
-        # one tokenizer call for the first piece (special tokens) and one for the rest: the same ids as a call each
-        encoded = self.tokenizer(texts[:1], add_special_tokens=True)["input_ids"] if texts else []
-        if len(texts) > 1:
-            encoded += self.tokenizer(texts[1:], add_special_tokens=False)["input_ids"]
-        for ids, (_, trained) in zip(encoded, pieces):
-            input_ids += ids
-            labels += ids if trained else [IGNORE_INDEX] * len(ids)
-        return input_ids, labels
-
-    def _no_videos(self, record: Record) -> None:
-        if record.videos:
-            raise DataError(f"{record.where}: videos are not supported for the {self.family.name} family (its "
-                            "processor writes its own image tokens; vlft reads video only where it writes them)")
-
-    def _tokenize_expanded(self, pieces: list[tuple[str, bool]], images: list, where: str = ""):
-        """(input_ids, labels, extra inputs) with the processor writing each image's tokens: one processor call
-        per rendered piece with that piece's images, in order. The extra inputs are the outputs the family's
-        ``batch_inputs`` names: 'sequence' ones concatenated along the tokens (1-D, aligned with input_ids),
-        'concat' ones along dim 0."""
-        wanted = self.family.batch_inputs
-        placeholder = self.image_token or ""
-        left = list(images)
-        input_ids: list[int] = []
-        labels: list[int] = []
-        sequences: dict[str, list[torch.Tensor]] = {k: [] for k, how in wanted.items() if how == "sequence"}
-        stacked: dict[str, list[torch.Tensor]] = {k: [] for k, how in wanted.items() if how == "concat"}
-        for k, (text, trained) in enumerate(pieces):
-            n = text.count(placeholder) if placeholder else 0
-            if n > len(left):
-                raise DataError(f"{where}: the rendered conversation has more image placeholders than images")
-            mine, left = left[:n], left[n:]
-            out = self.processor(text=[text], images=[mine] if mine else None, add_special_tokens=(k == 0),
-                                 return_tensors="pt", **self.image_kwargs)
-            ids = out["input_ids"][0].tolist()
-            input_ids += ids
-            labels += ids if trained else [IGNORE_INDEX] * len(ids)
-            for key, parts in sequences.items():
-                parts.append(out[key][0] if key in out else torch.zeros(len(ids), dtype=torch.long))
-            for key, parts in stacked.items():
-                if key in out:
-                    parts.append(out[key])
-        if left:
-            raise DataError(f"{where}: {len(left)} image(s) have no placeholder in the rendered conversation")
-        extra = {key: torch.cat(parts) for key, parts in (*sequences.items(), *stacked.items()) if parts}
-        return input_ids, labels, extra
+        input_ids, labels, _, grids = self._write(self.pieces(record.turns, record.where),
+                                                  self._prepare(self._media(record, decode=False)))
+        return len(input_ids), grids, sum(1 for x in labels[1:] if x != IGNORE_INDEX)
 
     def encode(self, record: Record) -> dict:
-        """Training inputs: input_ids and labels (1-D), plus the image tensors."""
-        if self.expands:
-            self._no_videos(record)
-            input_ids, labels, extra = self._tokenize_expanded(
-                self.pieces(record.turns, record.where), [load_image(s) for s in record.images], record.where)
-            return {"input_ids": torch.tensor(input_ids), "labels": torch.tensor(labels), **extra}
-        vision = {**self._images(record), **self._videos(record)}
-        input_ids, labels = self._tokenize(self.pieces(record.turns, record.where), vision.get("image_grid_thw"),
-                                           vision.get("video_grid_thw"))
-        return {"input_ids": torch.tensor(input_ids), "labels": torch.tensor(labels), **vision}
+        """Training inputs: input_ids and labels (1-D), plus the family's image inputs."""
+        return self.encode_conversations(record, [record.turns])[0]
 
     def encode_conversations(self, record: Record, conversations: list[list[Turn]]) -> list[dict]:
         """``encode`` for each of ``conversations`` (turn lists over ``record``'s images and videos, in the same
-        placeholder order): the images and videos are processed once and their tensors shared by every sample.
-        A family whose processor writes the image tokens processes them once per conversation."""
-        if self.expands:
-            return [self.encode(Record(turns, record.images, record.where, record.id, record.image_sizes))
-                    for turns in conversations]
-        vision = {**self._images(record), **self._videos(record)}
+        placeholder order): the media are prepared once and what they give shared by every sample."""
+        prepared = self._prepare(self._media(record, decode=True))
         out = []
         for turns in conversations:
-            input_ids, labels = self._tokenize(self.pieces(turns, record.where), vision.get("image_grid_thw"),
-                                               vision.get("video_grid_thw"))
-            out.append({"input_ids": torch.tensor(input_ids), "labels": torch.tensor(labels), **vision})
+            input_ids, labels, extra, _ = self._write(self.pieces(turns, record.where), prepared)
+            out.append({"input_ids": torch.tensor(input_ids), "labels": torch.tensor(labels), **extra})
         return out
 
     def encode_prompt(self, record: Record) -> dict:
         """Generation inputs: the conversation up to its last assistant reply."""
         last = max(i for i, t in enumerate(record.turns) if t.role == "assistant")
         prompt = self.render(record.turns[:last], add_generation_prompt=True)
-        if self.expands:
-            self._no_videos(record)
-            input_ids, _, extra = self._tokenize_expanded([(prompt, False)], [load_image(s) for s in record.images],
-                                                          record.where)
-            return {"input_ids": torch.tensor(input_ids), **extra}
-        vision = {**self._images(record), **self._videos(record)}
-        input_ids, _ = self._tokenize([(prompt, False)], vision.get("image_grid_thw"), vision.get("video_grid_thw"))
-        return {"input_ids": torch.tensor(input_ids), **vision}
+        input_ids, _, extra, _ = self._write([(prompt, False)], self._prepare(self._media(record, decode=True)))
+        return {"input_ids": torch.tensor(input_ids), **extra}
+
+
+def _size_of(source) -> tuple[int, int]:
+    with Image.open(image_file_or_bytes(source)) as img:
+        return img.size
+
+
+def family_of_processor(processor):
+    """The installed family whose ``processor_class`` is ``processor``'s, for helpers outside a run (a run passes
+    its plan's family). Asks the process-wide registry."""
+    from vlft.registry import get_registry  # the process-wide registry, only where no family is given
+
+    name = type(processor).__name__
+    for answer in get_registry().hook.vlft_model_families():
+        for fam in answer or []:
+            if fam.processor_class == name:
+                return fam
+    raise ConfigError(f"no installed model family has processor class {name}: pass the family")
 
 
 class EncodedDataset(torch.utils.data.Dataset):

@@ -3,7 +3,7 @@
 What the model sees, per row: the samples' tokens one after another (never split), then padding up to the
 batch's longest row. Nothing else changes:
 
-- **Positions**: each sample's own, from the model family's rope index (``ModelFamily.rope_index``: the 3
+- **Positions**: each sample's own, from the model family's rope index (``Positions.rope_index``: the 3
   mRoPE rows of ONE sample, exactly as the model would compute them unpacked), plus a text row in front
   (``arange`` per sample) that transformers reads to find where samples start: ``position_ids`` is
   ``[4, rows, L]`` (``[rows, L]`` for a family with plain 1-D positions).
@@ -16,15 +16,16 @@ batch's longest row. Nothing else changes:
   label is never predicted either (nothing comes before it). The loss and the label count
   (``batching.label_count``) are therefore exactly the padded ones.
 
-The vision tower already runs image by image (grids concatenated along dim 0), so images only need to come
-in the order their placeholders appear in the packed rows.
+- **The family's inputs**: as it declares them (``ImageInputs.batch_inputs``): 'sequence' ones (one value per
+  token) laid end to end like input_ids, 'concat' ones (pixels, grids) joined along dim 0 in sample order.
+  The vision tower already runs image by image, so images only need to come in the order their placeholders
+  appear in the packed rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable
 
 import torch
 
@@ -54,13 +55,10 @@ def resolve_packing(mode: str, attention, family) -> PackingPlan:
     otherwise, saying why, and ``on`` stops with the reason."""
     if mode == "off":
         return PackingPlan(False, reason="off, as asked: batches are padded to their longest sample")
-    refusal = getattr(family, "packing_refusal", "") if family is not None else ""
-    sequence = sorted(k for k, how in (getattr(family, "batch_inputs", None) or {}).items() if how == "sequence")
-    if not refusal and sequence and getattr(family, "processor_expands_placeholders", False):
-        # the packed collator lays out input_ids, labels and positions itself; a family's own per-token inputs
-        # (Gemma 3's token_type_ids: image tokens attend both ways) would be dropped, changing what it computes
-        refusal = (f"its per-token batch inputs ({', '.join(sequence)}) are not carried into packed rows "
-                   f"(they would be dropped, changing what the model computes)")
+    if family is None or family.packing is None:
+        refusal = "it declares no packing capability (ModelFamily.packing)" if family is not None else ""
+    else:
+        refusal = family.packing.refusal
     path, why = attention.packing_path()
     cannot = (f"the {family.name} family cannot pack: {refusal}" if refusal else
               "" if path else f"the text attention cannot keep packed samples apart: {why}")
@@ -100,34 +98,28 @@ def settle_auto(plan: PackingPlan, mode: str, ratio: float) -> PackingPlan:
                                             f"positions per real token (expected {gain:.2f}x padding's speed)")
 
 
-def sample_positions(sample: dict, rope_index: Callable[..., Any] | None, model_config) -> torch.Tensor:
-    """One sample's positions: ``[4, L]`` (text row, then the family's 3 mRoPE rows), or ``[1, L]`` for a
-    family with plain 1-D positions."""
+def sample_positions(sample: dict, positions, model_config) -> torch.Tensor:
+    """One sample's positions: ``[1 + rows, L]`` (text row, then the family's rows, e.g. 3 mRoPE rows), or
+    ``[1, L]`` for a family with plain 1-D positions (``positions`` None)."""
     ids = sample["input_ids"]
     text = torch.arange(len(ids), dtype=torch.long).unsqueeze(0)
-    if rope_index is None:
+    if positions is None:
         return text
-    rope = rope_index(model_config, ids, image_grid_thw=sample.get("image_grid_thw"),
-                      video_grid_thw=sample.get("video_grid_thw"),
-                      second_per_grid_ts=sample.get("second_per_grid_ts"))
-    return torch.cat([text, rope.reshape(3, -1).to(torch.long)])
-
-
-CONCAT_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+    rope = positions.rope_index(model_config, sample)
+    return torch.cat([text, rope.reshape(positions.rows, -1).to(torch.long)])
 
 
 class PackingCollator:
     """Packs a micro-batch's samples into rows (see the module docstring); a drop-in for ``batching.Collator``
     in training and the validation loss (generation keeps the padding collator).
 
-    ``rope_index`` and ``model_config`` are the family's rope-index function and the model config, resolved
-    once at plan time; positions are built here, in the data stage (a DataLoader worker, where there is
-    one), not in the training step."""
+    ``positions`` (the family's ``Positions``, or None) and ``model_config`` are resolved once at plan time;
+    positions are built here, in the data stage (a DataLoader worker, where there is one), not in the
+    training step. ``batch_inputs`` is how the family's inputs join (``ImageInputs.batch_inputs``)."""
 
-    def __init__(self, pad_token_id: int, image_token_id: int, plan: PackingPlan, rope_index, model_config,
-                 video_token_id: int | None = None):
-        self.pad_token_id, self.image_token_id, self.video_token_id = pad_token_id, image_token_id, video_token_id
-        self.plan, self.rope_index, self.model_config = plan, rope_index, model_config
+    def __init__(self, plan: PackingPlan, positions, model_config, batch_inputs: dict | None = None):
+        self.plan, self.positions, self.model_config = plan, positions, model_config
+        self.batch_inputs = dict(batch_inputs or {})
 
     def __call__(self, samples: list[dict]) -> dict:
         # one row, no padding: both paths attend sample by sample (module docstring)
@@ -138,18 +130,19 @@ class PackingCollator:
                 lab = s["labels"].clone().long()
                 lab[0] = IGNORE_INDEX  # the previous sample's last token must not predict it (module doc)
                 labels.append(lab)
-            pos.append(sample_positions(s, self.rope_index, self.model_config))
+            pos.append(sample_positions(s, self.positions, self.model_config))
         input_ids = torch.cat(ids)[None]
-        mm = (input_ids == self.image_token_id).long()
-        if self.video_token_id is not None:
-            mm = mm + 2 * (input_ids == self.video_token_id).long()
         positions = torch.cat(pos, dim=1)[:, None]  # [4, 1, L] (or [1, 1, L]: plain positions)
-        batch = {"input_ids": input_ids, "position_ids": positions[0] if self.rope_index is None else positions,
-                 "mm_token_type_ids": mm, "sample_lengths": torch.tensor([len(i) for i in ids])}
+        batch = {"input_ids": input_ids, "position_ids": positions[0] if self.positions is None else positions}
+        for key, how in self.batch_inputs.items():
+            if how == "sequence":  # one value per token: laid end to end like input_ids (0 where a sample has none)
+                batch[key] = torch.cat([s[key] if key in s else torch.zeros(len(s["input_ids"]), dtype=torch.long)
+                                        for s in samples])[None]
+        batch["sample_lengths"] = torch.tensor([len(i) for i in ids])
         if labels:
             batch["labels"] = torch.cat(labels)[None]
-        for key in CONCAT_KEYS:  # images in the order their tokens appear
+        for key, how in self.batch_inputs.items():  # images in the order their tokens appear
             parts = [s[key] for s in samples if key in s]
-            if parts:
+            if how == "concat" and parts:
                 batch[key] = torch.cat(parts)
         return batch

@@ -5,11 +5,12 @@ The configs are the model-family plugins' (``vlft_bundled_model_configs``); this
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 from vlft.errors import ConfigError
-from vlft.models.families import bundled_configs
+from vlft.models.families import bundled_configs, installed_families
 
 
 def _registry(registry):
@@ -43,6 +44,24 @@ def bundled_names(registry=None) -> list[str]:
         return (m.group(1), float(m.group(2))) if m else (n, 0.0)
 
     return sorted(bundled_configs(_registry(registry)), key=key)
+
+
+def bundled_by_family(registry=None) -> dict[str, list[str]]:
+    """{family name: its bundled config names}: a config belongs to the installed family that owns the
+    ``model_type`` in its config.json (one source: the ``vlft_bundled_model_configs`` hook)."""
+    registry = _registry(registry)
+    families = installed_families(registry)
+    out: dict[str, list[str]] = {f.name: [] for f in families}
+    configs = bundled_configs(registry)
+    for name in bundled_names(registry):
+        try:
+            model_type = json.loads((Path(configs[name]) / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError):
+            continue
+        owner = next((f for f in families if f.owns(model_type)), None)
+        if owner is not None:
+            out[owner.name].append(name)
+    return out
 
 
 def is_bundled(path: str, registry=None) -> bool:

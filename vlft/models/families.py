@@ -12,19 +12,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from vlft.errors import ConfigError
-from vlft.policies import FAMILY_TOWERS, ModelFamily
+from vlft.errors import ConfigError, PluginError
+from vlft.policies import FAMILY_TOWERS, ModelFamily, check_family
 
 EMBEDDED_PREFIX = "embedded:"
 
 
 def installed_families(registry) -> list[ModelFamily]:
-    """Every family the installed plugins offer, in plugin order, first offer of a name wins."""
+    """Every family the installed plugins offer, in plugin order, first offer of a name wins; each checked
+    against the contract (``policies.check_family``) and stamped with the plugin that offered it."""
     seen: dict[str, ModelFamily] = {}
-    for answer in registry.hook.vlft_model_families():
-        for fam in answer or []:
+    # pluggy calls the implementations last-registered first: the order the hook's answers came in before
+    for impl in reversed(registry.hook.vlft_model_families.get_hookimpls()):
+        for fam in impl.function() or []:
+            fam = loaded_family(fam, impl.plugin_name)
             seen.setdefault(fam.name, fam)
     return list(seen.values())
+
+
+def loaded_family(fam, plugin: str) -> ModelFamily:
+    """``fam`` as offered by ``plugin``: checked field by field (a PluginError naming the plugin and the field),
+    with ``plugin`` filled in (a new frozen value; the plugin's own stays as it is)."""
+    problems = check_family(fam)
+    if problems:
+        name = getattr(fam, "name", None) or "?"
+        raise PluginError(f"family '{name}' (plugin {plugin}): " + "; ".join(problems))
+    return fam if fam.plugin == plugin else replace(fam, plugin=plugin)
 
 
 def how_to_add() -> str:
@@ -36,6 +49,9 @@ def resolve_family(registry, model_config, where: str = "") -> ModelFamily:
     """The family that owns ``model_config.model_type``: asked once, at plan time."""
     model_type = getattr(model_config, "model_type", None)
     fam = registry.hook.vlft_model_family(model_type=model_type, model_config=model_config)
+    if fam is not None:  # the plugin that lists it (vlft_model_families) names it in errors
+        listed = {f.name: f.plugin for f in installed_families(registry)}
+        fam = loaded_family(fam, fam.plugin or listed.get(getattr(fam, "name", None), ""))
     if fam is None:
         names = [f"{f.name} ({', '.join(f.model_types)})" for f in installed_families(registry)]
         raise ConfigError(
@@ -229,4 +245,6 @@ def family_of_model(model, registry=None) -> ModelFamily:
 
 def family_load_kwargs(family, param_dtype: str) -> dict:
     """The family's extra from_pretrained/from_config arguments for this parameter dtype (``load_kwargs``)."""
-    return dict(family.load_kwargs(param_dtype)) if family is not None and family.load_kwargs else {}
+    if family is None or family.load_kwargs is None:
+        return {}
+    return dict(family.call("load_kwargs", family.load_kwargs, param_dtype))

@@ -81,7 +81,7 @@ def load_processor(path: str, family=None, registry=None):
         # the embedded default's tokenizer, whatever the family: the family's own tiny tokenizer would be
         # closer (Qwen3's added tokens) but means building its tiny model on a dry run (issue 30)
         tokenizer = AutoProcessor.from_pretrained(embedded_model_dir(registry)).tokenizer
-        return family.bundled_processor(path, tokenizer)
+        return family.call("bundled_processor", family.bundled_processor, path, tokenizer)
 
     try:
         return (family.load_processor or AutoProcessor.from_pretrained)(path)

@@ -17,7 +17,6 @@ import torch
 from vlft.data.batching import HOST_KEYS, LOSS_KEYS
 from vlft.data.pairs import SHARED
 from vlft.models.families import base_model
-from vlft.models.vision import PIXEL_KEYS
 
 # fields of a vision output the language model does not read (the tower's unmerged states)
 UNREAD = ("last_hidden_state", "hidden_states", "attentions")
@@ -42,29 +41,29 @@ def row_inputs(model, batch: dict, groups: int, share_features: bool = True) -> 
     features = _features(model, shared, groups) if share_features and shared and takes_vision_features(model) \
         else None
     if features is not None:
-        for key in (PIXEL_KEYS[m] for m in features):
+        for key, _ in features.values():
             shared.pop(key)
-        inputs["mm_encoder_outputs"] = features
+        inputs["mm_encoder_outputs"] = {m: output for m, (_, output) in features.items()}
     return {**inputs, **{k: torch.cat([v] * groups) for k, v in shared.items()}, "use_cache": False}
 
 
 def _features(model, shared: dict, groups: int) -> dict | None:
-    """{modality: its vision output, repeated for ``groups`` groups of rows}, or None where an output holds
-    what the repetition does not know."""
+    """{modality: (its pixels' input name, its vision output, repeated for ``groups`` groups of rows)}, or None
+    where an output holds what the repetition does not know. A modality's pixels are the first argument of the
+    model's ``get_<modality>_features`` (pixel_values, or the video pixels): the model says, no name is guessed."""
     base = base_model(unwrapped(model))
     out = {}
-    for modality, key in PIXEL_KEYS.items():
-        if key not in shared:
-            continue
+    for modality in ("image", "video"):
         method = getattr(base, f"get_{modality}_features", None)
-        if method is None:
-            return None
-        accepted = inspect.signature(method).parameters
+        accepted = inspect.signature(method).parameters if method is not None else {}
+        key = next(iter(accepted), None)
+        if key is None or key not in shared:
+            continue
         output = method(**{k: v for k, v in shared.items() if k in accepted}, return_dict=True)
         repeated = _repeated(output, groups)
         if repeated is None:
             return None
-        out[modality] = repeated
+        out[modality] = (key, repeated)
     return out or None
 
 

@@ -21,8 +21,16 @@ from __future__ import annotations
 
 import torch
 
-# the model's forward arguments that carry each modality's pixels
-PIXEL_KEYS = {"image": "pixel_values", "video": "pixel_values_videos"}
+
+def pixel_keys(family) -> dict[str, str]:
+    """The model's forward argument that carries each modality's pixels, as the family declares it
+    (``ImageInputs.pixels``, ``VideoInputs.pixels``)."""
+    out = {}
+    if family.image_inputs is not None:
+        out["image"] = family.image_inputs.pixels
+    if family.video_inputs is not None:
+        out["video"] = family.video_inputs.pixels
+    return out
 
 
 def _tensor_sum(out) -> torch.Tensor:
@@ -71,7 +79,8 @@ def install_vision_warmup(model, modalities: set[str], family, sharded: bool = F
     tower on any process."""
     if family is None or family.vision_dummy is None:
         return []
-    warmups = {m: w for m in sorted(modalities) if (w := family.vision_dummy(model, m)) is not None}
+    keys = pixel_keys(family)
+    warmups = {m: w for m in sorted(modalities) if m in keys and (w := family.vision_dummy(model, m)) is not None}
     if not warmups:
         return []
     inner = next(iter(warmups.values())).module
@@ -82,7 +91,7 @@ def install_vision_warmup(model, modalities: set[str], family, sharded: bool = F
         training = module.training and torch.is_grad_enabled()
         if not (training or (sharded and _prefill(kwargs))) or kwargs.get("mm_encoder_outputs"):
             return None
-        missing = [w for m, w in warmups.items() if kwargs.get(PIXEL_KEYS[m]) is None]
+        missing = [w for m, w in warmups.items() if kwargs.get(keys[m]) is None]
         if not missing:
             return None
         device = next(module.parameters()).device

@@ -48,9 +48,9 @@ def _processor_identity(encoder) -> dict:
     ip = getattr(proc, "image_processor", None)
     return {"class": type(proc).__name__, "chat_template": getattr(proc, "chat_template", None) or "",
             "tokenizer": getattr(tok, "name_or_path", ""), "vocab": len(tok),
-            "eos": tok.eos_token, "image_token": encoder.image_token, "video_token": encoder.video_token,
+            "eos": tok.eos_token, "family": encoder.family.name,
             "image_processor": json.dumps(ip.to_dict(), sort_keys=True, default=str) if ip is not None else "",
-            "image_kwargs": json.dumps(encoder.image_kwargs, sort_keys=True, default=str),
+            "max_pixels": encoder.max_pixels,
             "video": [encoder.video_fps, encoder.video_max_frames]}
 
 

@@ -100,11 +100,17 @@ def _fix_smaller_batches(plan: MemoryPlan, replan, ckpt: bool, batch_size: int, 
     return None
 
 
+def _resizable(family) -> bool:
+    """The family says how its images resize (``ImageInputs.grid`` and its patch side)."""
+    images = family.image_inputs if family is not None else None
+    return images is not None and images.grid is not None and images.patch_size > 0
+
+
 def _fix_fewer_pixels(plan: MemoryPlan, replan, ckpt: bool, max_pixels: int | None, family) -> str | None:
-    if family is None or family.image_grid is None or not family.patch_size:
+    if not _resizable(family):
         return None
     if not plan.batch.patches or (max_pixels is not None and max_pixels <= PIXELS) or \
-            not any(h * w * family.patch_size ** 2 > PIXELS for _, h, w in plan.batch.grids):
+            not any(h * w * family.image_inputs.patch_size ** 2 > PIXELS for _, h, w in plan.batch.grids):
         return None
     n = replan(_fewer_pixels_shape(plan.batch, family)).total_bytes(ckpt)
     return f"--max-pixels {PIXELS} (448x448 images): about {gib(n)}" + _verdict(plan, n)
@@ -115,7 +121,7 @@ PIXELS = 448 * 448  # --max-pixels in the fixes: 448x448 images
 
 def _fewer_pixels_shape(batch: BatchShape, family) -> BatchShape:
     shape = BatchShape(batch.samples, batch.tokens, resized_grids(batch.grids, PIXELS, family), batch.labelled)
-    per_token = family.merge_size ** 2  # patches per LLM token
+    per_token = family.image_inputs.patches_per_token
     shape.tokens = max(1, batch.tokens - (batch.patches - shape.patches) // per_token // batch.samples)
     return shape
 
@@ -133,9 +139,8 @@ def _fix_combined(plan: MemoryPlan, model, model_config, compute_dtype, ckpt: bo
         options.append("half")
     if plan.batch.samples > 1:
         options.append("batch")
-    if family is not None and family.image_grid is not None and family.patch_size and plan.batch.patches and \
-            not (max_pixels is not None and max_pixels <= PIXELS) and \
-            any(h * w * family.patch_size ** 2 > PIXELS for _, h, w in plan.batch.grids):
+    if _resizable(family) and plan.batch.patches and not (max_pixels is not None and max_pixels <= PIXELS) and \
+            any(h * w * family.image_inputs.patch_size ** 2 > PIXELS for _, h, w in plan.batch.grids):
         options.append("pixels")
     per = len(plan.batch.grids) / max(plan.batch.samples, 1)
     plans: dict = {}

@@ -295,10 +295,10 @@ def worst_plan(model, model_config, param_dtype, compute_dtype, shapes: list[Bat
 
 def resized_grids(grids, max_pixels: int, family):
     """Patch grids after capping each image at ``max_pixels`` (as ``--max-pixels`` would), by the family's own
-    resize rule (its ``image_grid``); grids are unchanged where the family gives none."""
-
-    if family.image_grid is None:
+    resize rule (``ImageInputs.grid``); grids are unchanged where the family gives none."""
+    images = family.image_inputs
+    if images is None or images.grid is None:
         return list(grids)
-    patch = family.patch_size
-    return [family.image_grid(h * patch, w * patch, min_pixels=min(family.image_min_pixels, max_pixels),
-                              max_pixels=max_pixels) for _, h, w in grids]
+    patch = images.patch_size
+    return [tuple(family.call("image_inputs.grid", images.grid, h * patch, w * patch, max_pixels))
+            for _, h, w in grids]

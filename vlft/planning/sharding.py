@@ -72,7 +72,7 @@ def transformers_model(model):
 def block_classes(model, family=None) -> list[str]:
     """The class names that must not be split across devices: the units FSDP shards. The family's
     ``no_split_modules`` where it names them, else what the transformers model class declares."""
-    names = (family.no_split_modules if family is not None else ()) or \
+    names = (family.sharding.no_split_modules if family is not None and family.sharding is not None else ()) or \
         getattr(transformers_model(model), "_no_split_modules", None) or []
     if not names:
         raise ConfigError(f"--shard fsdp: {type(transformers_model(model)).__name__} names no _no_split_modules, "

@@ -237,14 +237,16 @@ def trace_activations(model, batch: BatchShape, family=None) -> Activations:
             return run_layer(module, fn)
 
         if tower is not None and batch.grids:
-            if family.trace_vision is None:
+            trace_vision = family.image_inputs.trace if family.image_inputs is not None else None
+            if trace_vision is None:
                 untraced.append(f"vision activations of the {family.name} family (it gives no tracer)")
             else:
-                image_features = family.trace_vision(tower, batch.grids, dtype, run_vision)
+                image_features = family.call("image_inputs.trace", trace_vision, tower, batch.grids, dtype,
+                                             run_vision)
         hidden = torch.empty(batch.samples, batch.tokens, text.config.hidden_size, device="meta", dtype=dtype)
         if image_features is not None and image_features.requires_grad:
             hidden.requires_grad_(True)  # adapted vision: its features flow into the text model's input
-        rows = (3,) if family.rope_index is not None else ()
+        rows = (family.positions.rows,) if family.positions is not None else ()
         pos = torch.zeros(*rows, batch.samples, batch.tokens, dtype=torch.long, device="meta")
         pes = _position_embeddings(text, hidden, pos)
         for i, layer in enumerate(text.layers):

@@ -175,13 +175,12 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
 
 
 def training_collator(plan: RunPlan, model_config, processor):
-    """The padding collator, or with packing (``plan.packing``) the packing one, holding the family's rope
-    index and the model config resolved at plan time (positions are built in the data stage)."""
-    pad, image, video = (processor.tokenizer.pad_token_id, processor.image_token_id,
-                         getattr(processor, "video_token_id", None))
+    """The padding collator, or with packing (``plan.packing``) the packing one, holding the family's positions
+    and the model config resolved at plan time (positions are built in the data stage)."""
     if plan.packing is not None and plan.packing.enabled:
-        rope = plan.family.rope_index if plan.family is not None else None
-        return PackingCollator(pad, image, plan.packing, rope, model_config, video_token_id=video)
+        images = plan.family.image_inputs
+        return PackingCollator(plan.packing, plan.family.positions, model_config,
+                               images.batch_inputs if images is not None else {})
     return collator_for(processor, plan.family)
 
 

@@ -6,11 +6,11 @@ point ``gemma3 = "vlft_example_plugin.gemma3"`` in group "vlft". It imports only
 Why Gemma 3: the installed transformers builds a tiny ``Gemma3ForConditionalGeneration`` with
 ``Gemma3Processor`` (``Gemma3ImageProcessor`` + tokenizer + the official chat template) offline with no extra
 package; an image costs a fixed ``mm_tokens_per_image`` tokens; pixel_values are [images, 3, H, W]. And it
-differs from Qwen exactly where a family hook must be general: no mRoPE (plain 1-D positions,
-``rope_index=None``); roles user/model and a reply that ends with ``<end_of_turn>`` while eos is ``<eos>``;
+differs from Qwen exactly where a family contract must be general: no mRoPE (plain 1-D positions: no
+``positions`` capability); roles user/model and a reply that ends with ``<end_of_turn>`` while eos is ``<eos>``;
 the placeholder the template writes (``<start_of_image>``) is not the token the model counts
-(``<image_soft_token>``), and the processor itself writes each image's token sequence
-(``processor_expands_placeholders=True``); ``token_type_ids`` (1 on image tokens) must reach the model in
+(``<image_soft_token>``), and the processor itself writes each image's token sequence (its ``image_inputs``
+are ``vlft.processor_image_inputs``); ``token_type_ids`` (1 on image tokens) must reach the model in
 training, or image tokens silently attend causally instead of bidirectionally.
 
 transformers 5.2x module tree: ``model.vision_tower`` (SigLIP: ``encoder.layers[i].self_attn.{q,k,v,out}_proj``,
@@ -30,7 +30,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from vlft import ModelFamily, VisionWarmup, hookimpl
+from vlft import ModelFamily, Packing, Sharding, VisionWarmup, hookimpl, processor_image_inputs
 
 NAME = "gemma3"
 TEMPLATE = (
@@ -161,11 +161,6 @@ def _save_atomically(path: Path, model, processor, recipe: dict) -> None:
         raise
 
 
-def image_tokens(height: int, width: int, mm_tokens_per_image: int = 256, **_) -> int:
-    """Gemma 3 without pan-and-scan: every image is resized to the processor's square size -> a fixed count."""
-    return mm_tokens_per_image
-
-
 def vision_dummy(model, modality: str):
     """The smallest input SigLIP takes: one blank image at its fixed size, run through ``get_image_features``
     on a process whose micro-batch has no image (vlft.models.vision), so DDP and FSDP see every process use
@@ -197,33 +192,29 @@ FAMILY = ModelFamily(
     vision_blocks="model.vision_tower.encoder.layers",
     vision_mergers=("model.multi_modal_projector",),
     decoder_layers="model.language_model.layers",
-    embed_tokens="model.language_model.embed_tokens",
     lm_head="lm_head",
     vision_attention=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"),
     vision_mlp=("mlp.fc1", "mlp.fc2"),
     text_attention=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
     text_mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
     default_targets="both",
-    image_token="<image_soft_token>", video_token="",
-    vision_start_token="<start_of_image>", vision_end_token="<end_of_image>",
-    patch_size=14, merge_size=4, temporal_patch_size=1,  # 896 px / 14 = 64x64 patches pooled 4x4 -> 256
-    image_min_pixels=896 * 896, image_max_pixels=896 * 896, video_min_pixels=0, video_max_pixels=0,
-    image_tokens=image_tokens,
     box_coordinates="absolute",
     processor_class="Gemma3Processor",
-    processor_expands_placeholders=True,  # Gemma3Processor writes <start_of_image><image_soft_token>*N<end_of_image>
     load_processor=None,  # AutoProcessor
     reply_end_token="<end_of_turn>",
-    batch_inputs={"pixel_values": "concat", "token_type_ids": "sequence"},
-    no_split_modules=("Gemma3DecoderLayer", "SiglipEncoderLayer"),
-    rope_index=None,
+    # Gemma3Processor writes <start_of_image><image_soft_token>*N<end_of_image> itself, and returns
+    # token_type_ids (1 on image tokens: they attend both ways) beside the pixels. Without pan-and-scan every
+    # image is resized to the processor's square size: no size cap for --max-pixels to set.
+    image_inputs=processor_image_inputs({"pixel_values": "concat", "token_type_ids": "sequence"}),
+    # no video_inputs: Gemma 3 has no video tower; no positions: plain 1-D positions
+    packing=Packing(refusal="its token_type_ids make image tokens attend both ways, and vlft has not checked "
+                            "that Gemma 3 keeps that bidirectional attention inside each packed sample"),
+    sharding=Sharding(("Gemma3DecoderLayer", "SiglipEncoderLayer")),
     vision_dummy=vision_dummy,
     build_tiny=build_tiny,
     tiny_recipe=RECIPE,
 )
 
-
-# --- hook implementations (specs: vlft/hookspecs.py) ---------------------------------------------------------
 
 @hookimpl
 def vlft_model_families():

@@ -1,0 +1,195 @@
+"""The model-family contract by capability (issue 30 items 1 and 2): a required core and capabilities, each
+checked when a plugin's families are first asked for, each read by the core; errors inside a family's
+functions name the plugin; a capability the family lacks is refused with the reason. Light: no training."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import fields, replace
+from pathlib import Path
+
+import pytest
+
+import vlft
+from vlft.errors import ConfigError, DataError, PluginError
+from vlft.policies import CAPABILITIES, ModelFamily, check_family, model_family_help
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "writing-plugins.md"
+
+
+def _registry_with(*families, name="vlft_broken_family"):
+    from vlft.registry import load_registry
+
+    class Plugin:
+        __name__ = name
+
+        @vlft.hookimpl
+        def vlft_model_families(self):
+            return list(families)
+
+        @vlft.hookimpl
+        def vlft_model_family(self, model_type):
+            return next((f for f in families if model_type in f.model_types), None)
+
+    return load_registry(load_entry_points=False, plugins=(Plugin(),))
+
+
+def _qwen():
+    from vlft.models.families import family_named
+    from vlft.registry import get_registry
+
+    return family_named(get_registry(), "qwen2.5-vl")
+
+
+# --- the contract ------------------------------------------------------------------------------------------
+
+def test_fields_no_run_reads_are_gone_and_every_field_has_help():
+    names = {f.name for f in fields(ModelFamily)}
+    gone = {"default_vision_last_n", "image_token", "video_token", "vision_start_token", "vision_end_token",
+            "image_tokens", "video_tokens", "bundled_configs", "processor_expands_placeholders", "batch_inputs",
+            "rope_index", "packing_refusal", "image_grid", "trace_vision", "no_split_modules", "patch_size",
+            "merge_size", "temporal_patch_size", "image_min_pixels", "image_max_pixels", "video_min_pixels",
+            "video_max_pixels", "embed_tokens", "text_linear_attention_optional"}
+    assert names & gone == set()
+    assert set(CAPABILITIES) <= names
+    helps = model_family_help()
+    assert all(helps.values()), [k for k, v in helps.items() if not v]
+    assert {f"image_inputs.{f.name}" for f in fields(vlft.ImageInputs)} <= set(helps)
+
+
+def test_build_tiny_is_called_as_its_help_says():
+    """The core calls ``build_tiny(path, corpus=...)``; the help and every installed family agree."""
+    assert "build_tiny(path, corpus=None)" in model_family_help()["build_tiny"]
+    from vlft.models.families import installed_families
+    from vlft.registry import get_registry
+
+    for fam in installed_families(get_registry()):
+        if fam.build_tiny is not None:
+            inspect.signature(fam.build_tiny).bind(Path("x"), corpus=["a"])
+
+
+def test_every_installed_family_passes_the_load_time_check_and_names_its_plugin():
+    from vlft.models.families import installed_families
+    from vlft.registry import get_registry
+
+    families = installed_families(get_registry())
+    assert families and all(check_family(f) == [] for f in families)
+    assert all(f.plugin for f in families)
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda f: replace(f, image_inputs=replace(f.image_inputs, write="not a function")), "image_inputs.write"),
+    (lambda f: replace(f, image_inputs=replace(f.image_inputs, batch_inputs={"pixel_values": "stack"})),
+     "image_inputs.batch_inputs"),
+    (lambda f: replace(f, positions=vlft.Positions(rope_index=None)), "positions.rope_index"),
+    (lambda f: replace(f, sharding=("Block",)), "sharding"),
+    (lambda f: replace(f, vision_blocks="elsewhere.blocks"), "vision_blocks"),
+    (lambda f: replace(f, build_tiny="later"), "build_tiny"),
+])
+def test_a_broken_family_stops_at_load_naming_the_plugin_and_the_field(change, field):
+    from vlft.models.families import installed_families
+
+    broken = change(replace(_qwen(), name="broken", model_types=("broken",), plugin=""))
+    with pytest.raises(PluginError) as e:
+        installed_families(_registry_with(broken))
+    assert str(e.value).startswith("family 'broken' (plugin vlft_broken_family): ")
+    assert field in str(e.value), str(e.value)
+
+
+def test_a_broken_family_stops_the_run_s_lookup_by_model_type_too():
+    from types import SimpleNamespace
+
+    from vlft.models.families import resolve_family
+
+    broken = replace(_qwen(), name="broken", model_types=("broken",), plugin="",
+                     image_inputs=replace(_qwen().image_inputs, prepare=None))
+    with pytest.raises(PluginError, match=r"family 'broken' \(plugin vlft_broken_family\): image_inputs.prepare"):
+        resolve_family(_registry_with(broken), SimpleNamespace(model_type="broken"))
+
+
+# --- the core reads the capabilities ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def processor():
+    from vlft.models.embedded import embedded_model_dir
+    from vlft.models.loading import load_processor
+
+    return load_processor(str(embedded_model_dir()))
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    from vlft.data.demo import write_demo_dataset
+    from vlft.data.records import read_records
+
+    return read_records(write_demo_dataset(tmp_path_factory.mktemp("demo"), n_train=4, n_val=1).train)
+
+
+def test_an_error_inside_a_family_function_names_the_plugin_and_the_field(processor, records):
+    from vlft.data.encoding import SampleEncoder
+
+    def prepare(processor, media, max_pixels=None):
+        raise KeyError("image_grid_thw")
+
+    fam = replace(_qwen(), image_inputs=replace(_qwen().image_inputs, prepare=prepare), plugin="vlft_mine")
+    with pytest.raises(PluginError, match=r"family 'qwen2.5-vl' \(plugin vlft_mine\): image_inputs.prepare raised "
+                                          r"KeyError"):
+        SampleEncoder(processor, family=fam).encode(next(r for r in records if r.images))
+
+
+def test_what_a_family_lacks_is_refused_with_the_reason(processor, records):
+    from vlft.data.encoding import SampleEncoder
+    from vlft.data.packing import resolve_packing
+    from vlft.policies import AttentionPolicy
+
+    with_image = next(r for r in records if r.images)
+    text_only = replace(_qwen(), image_inputs=None, video_inputs=None)
+    with pytest.raises(DataError, match="images are not supported for the qwen2.5-vl family"):
+        SampleEncoder(processor, family=text_only).encode(with_image)
+    no_video = replace(_qwen(), video_inputs=None)
+    with pytest.raises(DataError, match="videos are not supported for the qwen2.5-vl family"):
+        SampleEncoder(processor, family=no_video).encode(replace(with_image, videos=["clip.mp4"]))
+    uncapped = replace(_qwen(), image_inputs=replace(_qwen().image_inputs, size_cap=""))
+    with pytest.raises(ConfigError, match="--max-pixels: the qwen2.5-vl family has no image size cap"):
+        SampleEncoder(processor, max_pixels=448 * 448, family=uncapped)
+    with pytest.raises(ConfigError, match="declares no packing capability"):
+        resolve_packing("on", AttentionPolicy("eager", "eager"), replace(_qwen(), packing=None))
+
+
+def test_the_batch_joins_what_the_family_declares_and_nothing_else(processor, records):
+    """The collator pads the family's 'sequence' inputs and joins its 'concat' ones; an input the family does
+    not declare never reaches the batch (the core knows no key of its own)."""
+    from vlft.data.batching import collator_for
+    from vlft.data.encoding import SampleEncoder
+
+    fam = _qwen()
+    samples = SampleEncoder(processor, family=fam).encode_conversations(records[0], [records[0].turns])
+    samples = [dict(s, extra_unknown=s["input_ids"]) for s in samples]
+    batch = collator_for(processor, fam)(samples)
+    assert "extra_unknown" not in batch
+    assert set(batch) - {"input_ids", "attention_mask", "labels"} <= set(fam.image_inputs.batch_inputs)
+    fewer = replace(fam, image_inputs=replace(fam.image_inputs, batch_inputs={"pixel_values": "concat"}))
+    assert set(collator_for(processor, fewer)(samples)) == {"input_ids", "attention_mask", "labels", "pixel_values"}
+
+
+# --- the guide ------------------------------------------------------------------------------------------
+
+def _family_section() -> str:
+    text = DOC.read_text(encoding="utf-8")
+    return text[text.index("## 9. A model-family plugin"):text.index("## 10.")]
+
+
+def test_the_guide_s_family_passes_the_load_time_check_and_names_every_capability():
+    section = _family_section()
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    scope: dict = {}
+    exec(compile(code, str(DOC), "exec"), scope)
+    family = scope["MYVLM"]
+    assert check_family(family) == []
+    for cap, cls in CAPABILITIES.items():
+        assert f"`{cap}`" in section, cap
+        for f in fields(cls):
+            assert re.search(rf"\b{f.name}\b", section), f"{cap}.{f.name}"
+    assert "build_tiny(path, corpus=None)" in section and "PluginError" in section
