@@ -35,6 +35,7 @@ from vlft.policies import (
     ObjectiveInfo,
     PrecisionPolicy,
     ProbeResult,
+    Reward,
     VisionWarmup,
 )
 
@@ -44,6 +45,6 @@ __all__ = [
     "AdapterDefaults", "AttentionPolicy", "BackendHookimpl", "BackendInfo", "BackendUnavailable", "ConfigError",
     "DataError", "DataLoaderOptions", "DeviceCapacity", "DeviceSetup", "DistributedOptions", "DoctorCheck",
     "KernelPatch", "MemoryStats", "MethodInfo", "MetricSink", "ModelFamily", "Objective", "ObjectiveInfo",
-    "PrecisionPolicy", "ProbeResult",
+    "PrecisionPolicy", "ProbeResult", "Reward",
     "RunConfig", "VisionWarmup", "VlftError", "hookimpl", "hookimpl_for", "parse_attn",
 ]

@@ -305,6 +305,14 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
                                     plan.precision.autocast_dtype, shapes, capacity.reserved_bytes, total, source,
                                     shard_world, gathered, family, plan.precision.quantization,
                                     plan.precision.double_quant, guard_copies(plan))
+    if objective.generation:  # the step samples (GRPO): its KV cache, in the compute dtype
+        worst = max(shapes, key=lambda shape: shape.samples * shape.tokens)
+        plan.memory.generation_bytes = memory.generation_bytes(model_config, compute, worst.samples,
+                                                               worst.tokens)
+        plan.memory.generation_shape = (f"{worst.samples} sequences ({config.batch_size} prompts x "
+                                        f"{objective.generation['sequences_per_record']}) x "
+                                        f"{worst.tokens} tokens (prompt + "
+                                        f"{objective.generation['new_tokens']} new)")
     if objective.reference and init_source is not None:  # the reference keeps the adapter the run started from
         plan.memory.reference_bytes = 4 * plan.memory.adapter_parameters
     if objective.reference:
