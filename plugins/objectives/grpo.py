@@ -445,6 +445,15 @@ def token_logps(model, inputs: dict, batch: dict, autocast):
     return logps * mask, mask
 
 
+def reduce_loss(per_token, mask, norm: str):
+    """The batch's summed loss from per-token losses ``[n, T]`` and their mask: over every completion token
+    (``token``: the core then divides by the step's completion tokens) or over completions of each one's token
+    mean (``sequence``: divided by the step's completions)."""
+    if norm == "token":
+        return (per_token * mask).sum()
+    return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum()
+
+
 def grpo_loss(model, batch, autocast, reference, *, epsilon: float, beta: float, norm: str):
     """(the batch's summed loss, {figure: sum}) for a rolled-out batch (``Rollout``): summed over completion
     tokens (``norm`` token) or over completions of their token means (``sequence``)."""
@@ -468,10 +477,7 @@ def grpo_loss(model, batch, autocast, reference, *, epsilon: float, beta: float,
     per_token, kl, clipped = grpo_token_loss(logps, logps.detach() if old is None else old, ref,
                                              extra["advantages"], epsilon=epsilon, beta=beta)
     m = mask.to(per_token.dtype)
-    if norm == "token":
-        loss = (per_token * m).sum()
-    else:
-        loss = ((per_token * m).sum(1) / m.sum(1).clamp(min=1)).sum()
+    loss = reduce_loss(per_token, m, norm)
     figures = dict(extra["figures"])
     figures["clip_fraction"] = (clipped.to(m.dtype) * m).sum()
     if kl is not None:
