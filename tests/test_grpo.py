@@ -288,3 +288,92 @@ def test_a_step_moves_the_policy_toward_the_better_completions(demo, sft_adapter
                 p -= 1e-2 * p.grad
     change = sequence_logps() - before
     assert float((advantages.double() * change.double()).sum()) > 0, (advantages, change)
+
+
+def test_killed_and_resumed_it_draws_the_same_completions(grpo_run, demo, sft_adapter, tmp_path, monkeypatch):
+    """Stopped during step 3 (after the step-2 checkpoint) and resumed: the sampler's state comes back with the
+    checkpoint, so steps 3 and 4 draw and score the same completions and give the same losses; the reference is
+    still the SFT adapter (kept in the checkpoint)."""
+    again = tmp_path / "again"
+    die_at_step(monkeypatch, 3)
+    code, _ = cli_invoke(*grpo_args(demo, sft_adapter, again))
+    assert code != 0 and [m["step"] for m in logged(again)] == [1, 2]
+    monkeypatch.undo()
+    code, output = cli_invoke(*grpo_args(demo, sft_adapter, again, "--resume"))
+    assert code == 0, output
+    for a, b in zip(logged(grpo_run[0]), logged(again), strict=True):
+        for key in ("loss", "reward", "kl", "completion_tokens"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (key, a, b)
+
+
+def always_raises(completions, references, **context):
+    raise RuntimeError("this reward is broken")
+
+
+def raises_off_reference(completions, references, **context):
+    """Scores the references (the check before step 1 passes), raises on anything else."""
+    for c, r in zip(completions, references):
+        if c != r:
+            raise ValueError(f"cannot read {c!r}")
+    return [1.0] * len(completions)
+
+
+def test_a_reward_that_raises_stops_the_run_with_its_name_and_record(demo, sft_adapter, tmp_path):
+    """Raising on the references: a file:line error per record before step 1, nothing written. Raising on a
+    sampled completion: the run stops in step 1 naming the reward, the record and the completion, with no
+    adapter, checkpoint or summary written."""
+    out = tmp_path / "broken"
+    args = [a if a != "fields" else f"{__name__}:always_raises" for a in grpo_args(demo, sft_adapter, out)]
+    code, output = cli_invoke(*args)
+    assert code != 0 and not out.exists(), output
+    assert ("train.jsonl:1: reward 'always_raises' cannot score this record's reference 'colour: " in output
+            and "(RuntimeError: this reward is broken)" in output), output
+    out = tmp_path / "picky"
+    args = [a if a != "fields" else f"{__name__}:raises_off_reference" for a in grpo_args(demo, sft_adapter, out)]
+    code, output = cli_invoke(*args)
+    assert code != 0, output
+    assert "reward 'raises_off_reference' raised ValueError: cannot read" in output, output
+    assert "on record train.jsonl:" in output and "(completion '" in output
+    assert not (out / "adapter").exists() and not (out / "summary.json").exists()
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+    assert not [m for m in logged(out)]  # no step was logged
+
+
+def test_bad_data_and_options_stop_before_step_1(demo, tmp_path):
+    data = Path(demo.root) / "bad-grpo.jsonl"  # beside the demo's imgs/
+    good = json.loads(Path(demo.train).read_text().splitlines()[0])
+    ends_with_user = {**good, "conversations": good["conversations"] + [{"from": "human", "value": "and?"}]}
+    data.write_text("".join(json.dumps(r) + "\n" for r in (good, ends_with_user)))
+    out = tmp_path / "run"
+    base = ["run", "--objective", "grpo", "--backend", "cpu", "--data", data, "--output", out, "--steps", "1"]
+    code, output = cli_invoke(*base)
+    assert code != 0 and not out.exists(), output
+    assert "bad-grpo.jsonl:2: the last turn must be the assistant's reply" in output and "bad-grpo.jsonl:1" not in output
+    code, output = cli_invoke(*base, "--reward", "numeric")
+    assert code != 0 and not out.exists()
+    assert "bad-grpo.jsonl:1: reward 'numeric' cannot score this record's reference 'colour: " in output
+    assert "holds no number" in output
+    for flags, said in ((["--reward", "nosuch"], "--reward nosuch: no plugin offers a reward 'nosuch'"),
+                        (["--reward", "format=("], "--reward format=(: not a regular expression"),
+                        (["--num-generations", "1"], "--num-generations must be at least 2"),
+                        (["--top-p", "0"], "--top-p must be in (0, 1]"),
+                        (["--shard", "fsdp", "--nproc-per-node", "2"],
+                         "--shard fsdp: the grpo objective cannot run sharded: the completions are sampled"),
+                        (["--packing", "on"], "--packing on: the grpo objective cannot pack")):
+        code, output = cli_invoke(*base[:-2], "--data", demo.train, "--steps", "1", *flags)
+        assert code != 0 and said in output and not out.exists(), (flags, output)
+
+
+def test_vlft_objectives_lists_grpo_its_options_and_the_rewards(registry):
+    code, output = cli_invoke("objectives")
+    assert code == 0, output
+    assert "grpo: group relative policy optimisation" in output
+    assert "  num_generations = 4  # --num-generations" in output and "  norm = 'token'  # --grpo-norm" in output
+    assert "logs: reward, reward_std, kl, clip_fraction, completion_length" in output
+    assert "format=REGEX: 1 if the whole completion matches the regex" in output
+    assert {"fields", "exact", "format", "numeric"} <= set(registry.rewards)
+    from vlft.config import RunConfig
+
+    zero = registry.objective_for(RunConfig(objective="grpo", beta=0.0, grpo_norm="sequence"))
+    assert zero.reference == "" and "kl" not in zero.figures  # beta 0: no reference pass
+    assert zero.average_over == "completions"
