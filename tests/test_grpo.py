@@ -377,3 +377,26 @@ def test_vlft_objectives_lists_grpo_its_options_and_the_rewards(registry):
     zero = registry.objective_for(RunConfig(objective="grpo", beta=0.0, grpo_norm="sequence"))
     assert zero.reference == "" and "kl" not in zero.figures  # beta 0: no reference pass
     assert zero.average_over == "completions"
+
+
+def test_two_processes_sample_and_train(demo, sft_adapter, tmp_path):
+    """2 data-parallel processes of 1 prompt each: each samples its own prompt's G completions (with its own
+    sampler, so not the draws of one process of 2 prompts), the completion tokens counted over both for the
+    loss; the figures are finite and per process (4 completions a step each)."""
+    import os
+    import subprocess
+
+    from helpers import vlft_command
+
+    out = tmp_path / "two"
+    args = [str(a) for a in grpo_args(demo, sft_adapter, out)]
+    for flag, value in (("--batch-size", "1"), ("--steps", "2"), ("--eval-samples", "2")):
+        args[args.index(flag) + 1] = value
+    proc = subprocess.run([*vlft_command(), *args, "--nproc-per-node", "2"], capture_output=True, text=True,
+                          timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = logged(out)
+    assert [m["step"] for m in lines] == [1, 2]
+    for m in lines:
+        assert m["completions"] == 4 and all(math.isfinite(m[k]) for k in GRPO_FIGURES), m
+    assert lines[0]["kl"] == 0 and (out / "adapter" / "adapter_model.safetensors").is_file()

@@ -317,8 +317,8 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
         plan.memory.reference_bytes = 4 * plan.memory.adapter_parameters
     if objective.reference:
         plan.notes.append(f"{objective.name}: the reference pass runs without gradients before the trained pass, "
-                          "so its activations are freed before the trained pass's; it keeps one log-probability "
-                          "per row")
+                          "so its activations are freed before the trained pass's; it keeps only the "
+                          "log-probabilities the loss compares")
     fixes.decide(plan.memory, config.grad_checkpointing, skeleton, model_config, plan.precision.autocast_dtype,
                   config.batch_size, config.grad_accum, config.max_pixels,
                   can_shard=bool(plan.distributed and plan.distributed.fsdp), family=family)
