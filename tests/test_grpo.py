@@ -345,14 +345,14 @@ def test_bad_data_and_options_stop_before_step_1(demo, tmp_path):
     ends_with_user = {**good, "conversations": good["conversations"] + [{"from": "human", "value": "and?"}]}
     data.write_text("".join(json.dumps(r) + "\n" for r in (good, ends_with_user)))
     out = tmp_path / "run"
-    base = ["run", "--objective", "grpo", "--backend", "cpu", "--data", data, "--output", out, "--steps", "1"]
-    code, output = cli_invoke(*base)
+    base = ["run", "--objective", "grpo", "--backend", "cpu", "--output", out, "--steps", "1"]
+    code, output = cli_invoke(*base, "--data", data)
     assert code != 0 and not out.exists(), output
     assert "bad-grpo.jsonl:2: the last turn must be the assistant's reply" in output and "bad-grpo.jsonl:1" not in output
-    code, output = cli_invoke(*base, "--reward", "numeric")
+    code, output = cli_invoke(*base, "--data", demo.train, "--val-data", demo.val, "--reward", "numeric")
     assert code != 0 and not out.exists()
-    assert "bad-grpo.jsonl:1: reward 'numeric' cannot score this record's reference 'colour: " in output
-    assert "holds no number" in output
+    assert "train.jsonl:1: reward 'numeric' cannot score this record's reference 'colour: " in output
+    assert "holds no number" in output and "56 problem(s) for the grpo objective" in output  # 48 + 8 records
     for flags, said in ((["--reward", "nosuch"], "--reward nosuch: no plugin offers a reward 'nosuch'"),
                         (["--reward", "format=("], "--reward format=(: not a regular expression"),
                         (["--num-generations", "1"], "--num-generations must be at least 2"),
@@ -360,7 +360,7 @@ def test_bad_data_and_options_stop_before_step_1(demo, tmp_path):
                         (["--shard", "fsdp", "--nproc-per-node", "2"],
                          "--shard fsdp: the grpo objective cannot run sharded: the completions are sampled"),
                         (["--packing", "on"], "--packing on: the grpo objective cannot pack")):
-        code, output = cli_invoke(*base[:-2], "--data", demo.train, "--steps", "1", *flags)
+        code, output = cli_invoke(*base, "--data", demo.train, "--val-data", demo.val, *flags)
         assert code != 0 and said in output and not out.exists(), (flags, output)
 
 

@@ -558,6 +558,11 @@ class Objective:
         "help": "Why --shard fsdp cannot run this objective, or '' where it can (the run stops before any "
                 "process starts otherwise)."})
     notes: tuple[str, ...] = field(default=(), metadata={"help": "Lines for the plan."})
+    check: Callable[..., Any] | None = field(default=None, compare=False, metadata={
+        "help": "check(records) -> ['file:line: problem', ...]: what the objective checks of the records as read "
+                "(GRPO: every reward scores every reference), every run before step 1 and outside the cached "
+                "data check (it may run the user's code, which can change while the data does not); any "
+                "problem stops the run with the list, nothing written. None: nothing more."})
     rollout: Callable[..., Any] | None = field(default=None, compare=False, metadata={
         "help": "rollout(model, host_batches, device, autocast) -> (device batches, units): what the step runs "
                 "before the loss, once per step over all its micro-batches (GRPO: sample completions with the "

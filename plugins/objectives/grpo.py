@@ -26,7 +26,7 @@ reward function's mean (``reward_<name>``), ``kl`` and ``clip_fraction`` (means 
 ``generation_time_s`` and ``reward_time_s`` (per step; ``step_time_s`` holds them, the rest is training).
 
 A reward function that raises stops the run naming the reward, the record and the completion. Every reward
-runs on every record's reference before step 1 (``parse``), so a reference it cannot score is a ``file:line``
+runs on every record's reference before step 1 (``check``), so a reference it cannot score is a ``file:line``
 error before anything is written.
 
 Imports inside functions: torch, transformers and the core's batch, row and loss helpers load when a run is
@@ -107,7 +107,7 @@ def vlft_objective(objective, config, rewards):
                  "max_new_tokens": config.max_new_tokens, "rewards": specs, "beta": beta,
                  "clip_epsilon": config.clip_epsilon, "scale_rewards": config.scale_rewards,
                  "norm": config.grpo_norm},
-        parse=partial(parse_checked, rewards=chosen), encoder=rollout.encoder, collate=PromptCollator,
+        parse=parse_prompt, check=partial(check_references, rewards=chosen), encoder=rollout.encoder, collate=PromptCollator,
         rows_per_record=g,
         average_over="completion tokens" if config.grpo_norm == "token" else "completions",
         loss=partial(grpo_loss, epsilon=config.clip_epsilon, beta=beta, norm=config.grpo_norm),
@@ -213,9 +213,9 @@ def _culprit(label, function, completions, references, where, error) -> RewardEr
                        f"of this step is written")
 
 
-def parse_checked(obj, add_placeholders=False, *, rewards):
+def parse_prompt(obj, add_placeholders=False):
     """The SFT layouts, checked for what GRPO reads: the record ends with the assistant's reply (the
-    reference), and every reward scores that reference without raising (FormatProblem: file:line)."""
+    reference the rewards read; FormatProblem: file:line)."""
     from vlft.data.formats import FormatProblem, parse_record  # the core's layouts (loaded at plan time)
     from vlft.data.records import ROLE_ALIASES  # user/human, assistant/gpt: the core's role names
 
@@ -223,17 +223,33 @@ def parse_checked(obj, add_placeholders=False, *, rewards):
     if not parsed.turns or ROLE_ALIASES.get(parsed.turns[-1].role) != "assistant":
         raise FormatProblem("the last turn must be the assistant's reply: grpo prompts with the turns before it "
                             "and its rewards compare the completions with it")
-    reference = parsed.turns[-1].text
-    for label, function in rewards:
-        try:
-            values = list(function([reference], [reference], where=["(the reference)"]))
-        except Exception as e:  # noqa: BLE001 - the user's code: whatever it raised, reported at this record
-            raise FormatProblem(f"reward '{label}' cannot score this record's reference {reference!r} "
-                                f"({e.__class__.__name__}: {e})") from None
-        if len(values) != 1 or not _finite_number(values[0]):
-            raise FormatProblem(f"reward '{label}' answered {values!r} for this record's reference {reference!r}, "
-                                f"not one finite number")
     return parsed
+
+
+def check_references(records, *, rewards) -> list[str]:
+    """Every reward on every record's reference, as a completion of itself: ['file:line: problem'] for each
+    record one cannot score (it raises, or answers other than one finite number). Run by the core every run,
+    outside the cached data check: a user's reward can change while the data does not."""
+    references, where = [r.reference for r in records], [r.where for r in records]
+    problems = []
+    for label, function in rewards:
+        try:  # all at once; one by one only to find the records it fails on
+            values = list(function(references, references, where=where))
+            if len(values) == len(references) and all(_finite_number(v) for v in values):
+                continue
+        except Exception:  # noqa: BLE001 - the user's code: found below, record by record
+            pass
+        for i, reference in enumerate(references):
+            try:
+                values = list(function([reference], [reference], where=[where[i]]))
+            except Exception as e:  # noqa: BLE001 - whatever it raised, reported at this record
+                problems.append(f"{where[i]}: reward '{label}' cannot score this record's reference {reference!r} "
+                                f"({e.__class__.__name__}: {e})")
+                continue
+            if len(values) != 1 or not _finite_number(values[0]):
+                problems.append(f"{where[i]}: reward '{label}' answered {values!r} for this record's reference "
+                                f"{reference!r}, not one finite number")
+    return problems
 
 
 # -- data: prompts and their references ----------------------------------------------------------------------
