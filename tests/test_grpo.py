@@ -374,6 +374,12 @@ def test_vlft_objectives_lists_grpo_its_options_and_the_rewards(registry):
     assert {"fields", "exact", "format", "numeric"} <= set(registry.rewards)
     from vlft.config import RunConfig
 
+    from vlft.testing import check_plugin
+
+    import vlft_objectives.rewards
+
+    for plugin in (grpo, vlft_objectives.rewards):  # answers None for the names of others
+        check_plugin(plugin)
     zero = registry.objective_for(RunConfig(objective="grpo", beta=0.0, grpo_norm="sequence"))
     assert zero.reference == "" and "kl" not in zero.figures  # beta 0: no reference pass
     assert zero.average_over == "completions"
