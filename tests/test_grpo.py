@@ -381,6 +381,11 @@ def test_vlft_objectives_lists_grpo_its_options_and_the_rewards(registry):
 
     for plugin in (grpo, vlft_objectives.rewards):  # answers None for the names of others
         check_plugin(plugin)
+    # the hook itself, as the core asks it: the rewards on offer passed in, the named ones built
+    answer = registry.pm.hook.vlft_objective(objective="grpo", config=RunConfig(objective="grpo", reward=["exact"]),
+                                             rewards=registry.rewards)
+    assert answer.options["rewards"] == ["exact"] and "reward_exact" not in answer.figures  # one reward: no split
+    assert registry.pm.hook.vlft_objective(objective="kto", config=RunConfig(), rewards={}) is None
     zero = registry.objective_for(RunConfig(objective="grpo", beta=0.0, grpo_norm="sequence"))
     assert zero.reference == "" and "kl" not in zero.figures  # beta 0: no reference pass
     assert zero.average_over == "completions"
