@@ -435,3 +435,15 @@ def test_the_chain_sft_dpo_grpo_runs_as_three_runs(demo, sft_adapter, tmp_path):
     lines = logged(out)
     assert [m["step"] for m in lines] == [1, 2] and lines[0]["kl"] == 0
     assert json.loads((out / "plan.json").read_text())["init_adapter"] == str(dpo / "adapter")
+
+
+def test_no_hook_is_called_inside_a_grpo_step(demo, registry, tmp_path, monkeypatch):
+    """Sampling, rewards and the loss run inside the step from what the plan resolved: no hook is asked."""
+    from test_run import hook_calls_inside_steps
+
+    from vlft.config import build_config
+
+    config = build_config({}, dict(backend="cpu", objective="grpo", data=str(demo.train), val_data=str(demo.val),
+                                   output=str(tmp_path / "r"), steps=2, batch_size=1, num_generations=2,
+                                   max_new_tokens=4, eval_every=0, eval_samples=1, save_every=0))
+    assert hook_calls_inside_steps(registry, config, monkeypatch) == []
