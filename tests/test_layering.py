@@ -51,6 +51,22 @@ PRIVATE_IMPORTS = {
         "(issue 30)",
     ("vlft_objectives.dpo", "vlft.models.rows"):
         "row_inputs: the rows of one forward that share a vision pass (issue 30)",
+    ("vlft_objectives.grpo", "vlft.data.batching"):
+        "to_device, with_label_positions: the prompts moved for sampling, the completions' labelled positions "
+        "(issue 30)",
+    ("vlft_objectives.grpo", "vlft.data.formats"):
+        "FormatProblem, parse_record: the SFT layouts, checked further for what GRPO reads (issue 30)",
+    ("vlft_objectives.grpo", "vlft.data.pairs"):
+        "SHARED: the batch key of the images given once for every group of rows (issue 30)",
+    ("vlft_objectives.grpo", "vlft.data.records"):
+        "IGNORE_INDEX, ROLE_ALIASES: the label that counts nothing, the role names of the layouts (issue 30)",
+    ("vlft_objectives.grpo", "vlft.models.loss"):
+        "labelled_logits: the logits at labelled positions only, shared with the supervised loss (issue 30)",
+    ("vlft_objectives.grpo", "vlft.models.rows"):
+        "row_inputs, unwrapped: the G rows of a prompt sharing one vision pass; the model DDP wraps (issue 30)",
+    ("vlft_objectives.rewards", "vlft.evaluation.scoring"):
+        "parse_fields, normalise: vlft eval's answer scorer, so the fields and exact rewards agree with it "
+        "(issue 30)",
     ("vlft_models.family", "vlft.models.families"):
         "FamilyTargets, frozen_router_parameters, resolve_module, select_target_modules, "
         "vision_parameter_names: the target-selection helpers, re-exported for family plugins (issue 30)",

@@ -117,8 +117,8 @@ def test_the_dry_run_and_vlft_objectives_show_the_objective(pref, tmp_path, regi
     assert {"sft", "dpo"} <= names
     from vlft.config import RunConfig
 
-    assert registry.first("vlft_objective", objective="sft", config=RunConfig()).supervised
-    with pytest.raises(ConfigError, match="unknown objective 'kto'; valid objectives: dpo, sft"):
+    assert registry.objective_for(RunConfig()).supervised
+    with pytest.raises(ConfigError, match="unknown objective 'kto'; valid objectives: dpo, grpo, sft"):
         registry.objective("kto")
 
 

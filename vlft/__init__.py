@@ -42,6 +42,7 @@ from vlft.policies import (
     ProbeResult,
     Sharding,
     VideoInputs,
+    Reward,
     VisionWarmup,
     Written,
     processor_image_inputs,
@@ -53,7 +54,7 @@ __all__ = [
     "AdapterDefaults", "AttentionPolicy", "BackendHookimpl", "BackendInfo", "BackendUnavailable", "ConfigError",
     "DataError", "DataLoaderOptions", "DeviceCapacity", "DeviceSetup", "DistributedOptions", "DoctorCheck",
     "Experts", "ImageInputs", "KernelPatch", "Media", "MemoryStats", "MethodInfo", "MetricSink", "ModelFamily",
-    "Objective", "ObjectiveInfo", "Packing", "Positions", "PrecisionPolicy", "ProbeResult",
+    "Objective", "ObjectiveInfo", "Packing", "Positions", "PrecisionPolicy", "ProbeResult", "Reward",
     "RunConfig", "Sharding", "VideoInputs", "VisionWarmup", "Written", "VlftError", "hookimpl", "hookimpl_for",
     "parse_attn", "processor_image_inputs",
 ]

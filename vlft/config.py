@@ -30,11 +30,13 @@ def opt(default, help: str, **extra):
 class RunConfig:
     backend: str = opt("auto", "Backend plugin to run on; 'auto' picks the best available (see `vlft plugins`).")
     method: str = opt("lora", "Adapter method plugin (see `vlft methods`).")
-    objective: str = opt("sft", "What is optimised: sft (the next-token loss on the assistant replies) or dpo "
-                                "(direct preference optimisation on chosen and rejected replies); plugins add more "
-                                "(see `vlft objectives`).")
-    beta: float = opt(0.1, "DPO: the strength of the pull toward the reference model (the implicit reward is beta x "
-                           "the log-ratio of policy to reference).")
+    objective: str = opt("sft", "What is optimised: sft (the next-token loss on the assistant replies), dpo "
+                                "(direct preference optimisation on chosen and rejected replies) or grpo (group "
+                                "relative policy optimisation on sampled completions and their rewards); plugins "
+                                "add more (see `vlft objectives`).")
+    beta: float | None = opt(None, "DPO: the strength of the pull toward the reference model (the implicit reward "
+                                   "is beta x the log-ratio of policy to reference; default 0.1). GRPO: the weight "
+                                   "of the KL term to the reference (default 0.04; 0 skips the reference pass).")
     dpo_loss: str = opt("sigmoid", "DPO loss: sigmoid (-log sigmoid(beta x margin)), ipo (squared distance of the "
                                    "per-token margin to 1/(2 beta)) or hinge (relu(1 - beta x margin)).",
                         choices=("sigmoid", "ipo", "hinge"))
@@ -43,6 +45,22 @@ class RunConfig:
     rpo_alpha: float = opt(0.0, "DPO: weight of the chosen reply's mean token negative log-likelihood, added to "
                                 "each pair's loss (RPO; TRL's rpo_alpha, LLaMA-Factory's pref_ftx): keeps the chosen "
                                 "answers likely while the margin grows (0: plain DPO).")
+    reward: list | None = opt(None, "GRPO: a reward function, repeatable (the rewards add up): a plugin's NAME or "
+                                    "NAME=ARGUMENT (built in: fields, exact, format=REGEX, numeric; see `vlft "
+                                    "objectives`) or your MODULE:FUNCTION; default: fields.",
+                              multiple=True, metavar="NAME[=ARG]|MODULE:FUNCTION")
+    num_generations: int = opt(4, "GRPO: completions sampled per prompt (the group whose rewards are compared), "
+                                  "at least 2.")
+    temperature: float = opt(1.0, "GRPO: sampling temperature of the completions.")
+    top_p: float = opt(1.0, "GRPO: nucleus sampling of the completions (1: off; no top-k either).")
+    clip_epsilon: float = opt(0.2, "GRPO: the policy ratio is clipped to [1 - e, 1 + e] (PPO's clip).")
+    scale_rewards: str = opt("group", "GRPO advantages: (r - group mean) divided by the group's reward std (group), "
+                                      "the batch's (batch), or not at all (none: Dr. GRPO).",
+                             choices=("group", "batch", "none"))
+    grpo_norm: str = opt("token", "GRPO loss normalisation: token (the sum over every completion token of the "
+                                  "step, divided by their number: DAPO, Dr. GRPO, TRL's 'dapo') or sequence (each "
+                                  "completion's token mean, averaged over completions: the original GRPO).",
+                         choices=("token", "sequence"))
     init_adapter: str | None = opt(None, "Start from this adapter (a run folder or an adapter folder, e.g. an sft "
                                          "run's) instead of a fresh one; a DPO run then takes it as its reference.")
     model: str | None = opt(None, "Model directory (any family a plugin offers: `vlft plugins`), a bundled config "
@@ -89,7 +107,7 @@ class RunConfig:
     eval_every: int = opt(200, "Validation loss every N steps (0: never).")
     eval_batches: int = opt(8, "Validation batches per periodic evaluation.")
     eval_samples: int = opt(200, "Validation samples for the before/after generation test (0: all).")
-    max_new_tokens: int = opt(32, "Longest generated answer in evaluation.")
+    max_new_tokens: int = opt(32, "Longest generated answer in evaluation, and (GRPO) of each sampled completion.")
     save_every: int = opt(200, "Checkpoint every N steps (0: only at the end).")
     keep_checkpoints: int = opt(2, "Checkpoints kept; older ones are deleted.")
     resume: bool = opt(False, "Continue from the newest checkpoint in --output.", flag=True)
@@ -349,8 +367,8 @@ def validate(cfg: RunConfig) -> None:
     if cfg.video_fps <= 0 or cfg.video_max_frames < 2:
         raise ConfigError("--video-fps must be positive and --video-max-frames at least 2 (a temporal patch is "
                           f"2 frames), got {cfg.video_fps} and {cfg.video_max_frames}")
-    if cfg.beta <= 0:
-        raise ConfigError(f"--beta must be positive, got {cfg.beta}")
+    if cfg.beta is not None and cfg.beta < 0:
+        raise ConfigError(f"--beta must not be negative, got {cfg.beta}")
     if cfg.rpo_alpha < 0:
         raise ConfigError(f"--rpo-alpha must not be negative, got {cfg.rpo_alpha}")
     if not 0 <= cfg.label_smoothing < 0.5:

@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # annotations only: importing this module loads neither torch
         ObjectiveInfo,
         PrecisionPolicy,
         ProbeResult,
+        Reward,
     )
 
 hookspec = pluggy.HookspecMarker("vlft")
@@ -279,13 +280,23 @@ def vlft_objectives() -> list[ObjectiveInfo]:
 
 
 @hookspec(firstresult=True)
-def vlft_objective(objective: str, config: RunConfig) -> Objective | None:
+def vlft_objective(objective: str, config: RunConfig, rewards: dict[str, Reward]) -> Objective | None:
     """Return the ``Objective`` for ``objective`` (its data layout and checks, batches, loss, figures, what the
     memory plan counts), or None for a name this plugin does not offer.
 
     Asked once at plan time, before any data is read; ``config`` holds its options (``--beta``, ...): check
-    them here and raise ``ConfigError`` naming a bad one. The training step calls the answer's callables and
-    no hook. First answer wins.
+    them here and raise ``ConfigError`` naming a bad one. ``rewards``: every reward function the plugins offer
+    (``vlft_rewards``), by name, for an objective that scores generations (GRPO); an implementation that does
+    not need it leaves the argument out. The training step calls the answer's callables and no hook. First
+    answer wins.
+    """
+
+
+@hookspec
+def vlft_rewards() -> list[Reward]:
+    """Return a list of ``Reward`` for the reward functions this plugin offers (``--reward NAME[=ARGUMENT]``).
+
+    Every plugin's answer is collected; two plugins offering one name is an error.
     """
 
 

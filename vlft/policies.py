@@ -786,6 +786,23 @@ class Objective:
         "help": "Why --shard fsdp cannot run this objective, or '' where it can (the run stops before any "
                 "process starts otherwise)."})
     notes: tuple[str, ...] = field(default=(), metadata={"help": "Lines for the plan."})
+    check: Callable[..., Any] | None = field(default=None, compare=False, metadata={
+        "help": "check(records) -> ['file:line: problem', ...]: what the objective checks of the records as read "
+                "(GRPO: every reward scores every reference), every run before step 1 and outside the cached "
+                "data check (it may run the user's code, which can change while the data does not); any "
+                "problem stops the run with the list, nothing written. None: nothing more."})
+    rollout: Callable[..., Any] | None = field(default=None, compare=False, metadata={
+        "help": "rollout(model, host_batches, device, autocast) -> (device batches, units): what the step runs "
+                "before the loss, once per step over all its micro-batches (GRPO: sample completions with the "
+                "model and score them), and this process's count of the units the loss is averaged over (known "
+                "only then: GRPO's completion tokens). None: the batches move to the device as they are."})
+    figure_units: dict = field(default_factory=dict, compare=False, metadata={
+        "help": "{figure: what its mean is over}: another figure that counts its units (GRPO's 'reward' over "
+                "'completions'), or 'steps' (per process and step: a count, a time); figures not named are "
+                "means over the loss's units."})
+    generation: dict = field(default_factory=dict, compare=False, metadata={
+        "help": "What the step generates, for the memory plan: {'sequences_per_record': G, 'new_tokens': T} "
+                "({} none): the plan counts the KV cache of the step's G x batch sequences."})
 
     @property
     def supervised(self) -> bool:
@@ -796,7 +813,26 @@ class Objective:
         """Plain data for the plan and `vlft objectives` (callables left out)."""
         return {"name": self.name, "description": self.description, "options": dict(self.options),
                 "layout": self.layout, "rows_per_record": self.rows_per_record, "average_over": self.average_over,
-                "figures": list(self.figures), "reference": self.reference, "notes": list(self.notes)}
+                "figures": list(self.figures), "reference": self.reference, "notes": list(self.notes),
+                **({"generation": dict(self.generation)} if self.generation else {})}
+
+
+@dataclass(frozen=True)
+class Reward:
+    """What ``vlft_rewards()`` answers: one reward function a plugin offers to reward objectives (``--reward
+    NAME`` or ``--reward NAME=ARGUMENT``).
+
+    ``build(argument)`` is called once at plan time (``argument`` None when not given) and returns the
+    function, ``function(completions, references, **context) -> list[float]``: one number per completion, the
+    reference being the record's assistant reply; ``context`` holds ``where`` (each completion's record,
+    ``file:line``) and may grow, so accept ``**context``. Raise ``ConfigError`` from ``build`` for a bad
+    argument. A reward that cannot score a record (a reference it cannot read) should raise: every reward runs
+    on every record's reference before step 1, and a record it raises on is reported as ``file:line``."""
+
+    name: str
+    description: str
+    build: Callable[[str | None], Callable[..., list]] = field(compare=False)
+    argument: str = ""  # what NAME=ARGUMENT takes, in words ('' none)
 
 
 def objective_help() -> dict[str, str]:

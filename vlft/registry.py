@@ -1,4 +1,4 @@
-"""The plugin manager: plugins in, backends, methods and objectives out.
+"""The plugin manager: plugins in, backends, methods, objectives and reward functions out.
 
 The built-in plugins (``vlft.plugins``) register directly, so a checkout that is not
 installed has them; third-party plugins register through the ``vlft`` entry-point group. A plugin that
@@ -16,13 +16,17 @@ import importlib
 import importlib.metadata
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import pluggy
 
 from vlft import hookspecs
 from vlft.errors import ConfigError, VlftError
 from vlft.plugins import builtin_plugins, serve_checkout
-from vlft.policies import BackendInfo, MethodInfo, ObjectiveInfo
+from vlft.policies import BackendInfo, MethodInfo, ObjectiveInfo, Reward
+
+if TYPE_CHECKING:
+    from vlft.policies import Objective
 
 ENTRY_POINT_GROUP = "vlft"
 
@@ -41,6 +45,7 @@ class Registry:
     backends: dict[str, BackendInfo] = field(default_factory=dict)
     methods: dict[str, MethodInfo] = field(default_factory=dict)
     objectives: dict[str, ObjectiveInfo] = field(default_factory=dict)
+    rewards: dict[str, Reward] = field(default_factory=dict)  # reward functions (``vlft_rewards``) by name
     owners: dict[tuple[str, str], str] = field(default_factory=dict)  # (kind, name) -> plugin
 
     @property
@@ -48,15 +53,17 @@ class Registry:
         return self.pm.hook
 
     def refresh(self) -> "Registry":
-        """Collect backend, method and objective names; two plugins claiming one name is an error."""
+        """Collect backend, method, objective and reward names; two plugins claiming one name is an error."""
         self.backends.clear()
         self.methods.clear()
         self.objectives.clear()
+        self.rewards.clear()
         self.owners.clear()
         for kind, caller, table in (
             ("backend", self.pm.hook.vlft_backends, self.backends),
             ("method", self.pm.hook.vlft_methods, self.methods),
             ("objective", self.pm.hook.vlft_objectives, self.objectives),
+            ("reward", self.pm.hook.vlft_rewards, self.rewards),
         ):
             for impl in caller.get_hookimpls():
                 for info in impl.function() or []:
@@ -91,6 +98,11 @@ class Registry:
             raise ConfigError(f"unknown objective '{name}'; valid objectives: {', '.join(sorted(self.objectives))}"
                               + self._broken_hint())
         return self.objectives[name]
+
+    def objective_for(self, config) -> "Objective":
+        """The ``Objective`` of ``config.objective`` (asked of its plugin, with the reward functions on offer)."""
+        info = self.objective(config.objective)
+        return self.first("vlft_objective", objective=info.name, config=config, rewards=dict(self.rewards))
 
     def _broken_hint(self) -> str:
         if not self.broken:

@@ -105,7 +105,7 @@ def _placeholder_arguments() -> dict[str, Any]:
     return {
         "backend": UNKNOWN, "method": UNKNOWN, "objective": UNKNOWN, "config": RunConfig(), "model_config": None,
         "model": None, "targets": [], "path": "", "trainable": False, "seed": 0, "deterministic": False, "device": None,
-        "attention": None, "options": DataLoaderOptions(), "family": None, "target_parameters": [],
+        "attention": None, "options": DataLoaderOptions(), "family": None, "target_parameters": [], "rewards": {},
     }
 
 

@@ -57,6 +57,9 @@ def vlft_objectives():
 def vlft_objective(objective, config):
     if objective != NAME:
         return None
+    beta = 0.1 if config.beta is None else config.beta  # --beta's DPO default
+    if beta <= 0:
+        raise ConfigError(f"--beta must be positive for dpo (the margin is scaled by it), got {beta}")
     if config.label_smoothing and config.dpo_loss != "sigmoid":
         raise ConfigError(f"--label-smoothing applies to --dpo-loss sigmoid (conservative DPO); {config.dpo_loss} "
                           f"takes none")
@@ -68,12 +71,12 @@ def vlft_objective(objective, config):
                  else "the base model (the adapter switched off)")
     return Objective(
         NAME, DESCRIPTION, layout=LAYOUT, help=HELP,
-        options={"beta": config.beta, "loss": config.dpo_loss, "label_smoothing": config.label_smoothing,
+        options={"beta": beta, "loss": config.dpo_loss, "label_smoothing": config.label_smoothing,
                  "rpo_alpha": config.rpo_alpha},
         parse=parse_preference, encoder=PairEncoder, collate=PairCollator, rows_per_record=2,
         average_over="records", figures=FIGURES + (("nll_chosen",) if config.rpo_alpha else ()),
         reference=reference,
-        loss=partial(dpo_loss, beta=config.beta, kind=config.dpo_loss, smoothing=config.label_smoothing,
+        loss=partial(dpo_loss, beta=beta, kind=config.dpo_loss, smoothing=config.label_smoothing,
                      rpo_alpha=config.rpo_alpha),
         demo_data=_demo, demo_epochs=2,
         packing_refusal="the chosen and rejected rows of a pair are scored row by row; packed rows are not "

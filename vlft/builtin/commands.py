@@ -173,7 +173,7 @@ def objectives():
     """List training objectives (--objective) with their data layout, options and logged figures."""
     registry = get_registry()
     for info in sorted(registry.objectives.values(), key=lambda o: o.name):
-        o = registry.first("vlft_objective", objective=info.name, config=RunConfig(objective=info.name))
+        o = registry.objective_for(RunConfig(objective=info.name))
         click.echo(f"{info.name}: {info.description}")
         click.echo(f"  data: {o.layout}")
         click.echo(f"  loss averaged over {o.average_over}" + (f"; {o.rows_per_record} sequences per record"
@@ -187,6 +187,11 @@ def objectives():
         for reason, what in ((o.packing_refusal, "--packing"), (o.sharding_refusal, "--shard fsdp")):
             if reason:
                 click.echo(f"  no {what}: {reason}")
+    if registry.rewards:  # what objectives that score generations (grpo) take as --reward
+        click.echo("reward functions (--reward NAME[=ARGUMENT], or your MODULE:FUNCTION):")
+        for reward in sorted(registry.rewards.values(), key=lambda r: r.name):
+            click.echo(f"  {reward.name}" + (f"={reward.argument}" if reward.argument else "")
+                       + f": {reward.description} ({registry.owners[('reward', reward.name)]})")
 
 
 @click.command("demo-data")

@@ -132,4 +132,5 @@ def model_inputs(batch: dict) -> dict:
 
 LOSS_KEYS = ("labels", "logit_positions", "kept_labels")  # what the loss reads, not the model
 # what the loop counts on the host (``batch_counts``), never moved to a device
-HOST_KEYS = ("sample_lengths", "records")
+# (a prompt batch's reference answers and their records' places: GRPO's rewards read them on the host)
+HOST_KEYS = ("sample_lengths", "records", "references", "where")

@@ -14,6 +14,7 @@ from vlft.data.batching import (
     with_label_positions,
 )
 from vlft.models.loss import autocast_context, batch_loss_sum
+from vlft.training.loop import figure_means
 
 
 @torch.no_grad()
@@ -37,12 +38,19 @@ def objective_validation(model, loader_batches: list[dict], device, autocast_dty
     was_training = model.training
     model.eval()
     total, units, sums = 0.0, 0, {}
+    autocast = autocast_context(device, autocast_dtype)
     for host_batch in loader_batches:
-        units += batch_counts(host_batch)[0] if objective.average_over == "records" else label_count(host_batch)
-        batch = to_device(with_label_positions(host_batch), device)
-        loss_sum, figures = objective.loss(model, batch, autocast_context(device, autocast_dtype), reference)
-        total += float(loss_sum)
-        for name, value in figures.items():
-            sums[name] = sums.get(name, 0.0) + float(value)
+        if objective.rollout is not None:  # GRPO: completions sampled and scored, then its loss on them
+            batches, n = objective.rollout(model, [host_batch], device, autocast)
+            units += n
+        else:
+            units += batch_counts(host_batch)[0] if objective.average_over == "records" else label_count(host_batch)
+            batches = [to_device(with_label_positions(host_batch), device)]
+        for batch in batches:
+            loss_sum, figures = objective.loss(model, batch, autocast, reference)
+            total += float(loss_sum)
+            for name, value in figures.items():
+                sums[name] = sums.get(name, 0.0) + float(value)
     model.train(was_training)
-    return {"val_loss": total / max(units, 1), **{f"val_{n}": v / max(units, 1) for n, v in sums.items()}}
+    means = figure_means(sums, objective.figure_units, units, len(loader_batches))
+    return {"val_loss": total / max(units, 1), **{f"val_{n}": v for n, v in means.items()}}

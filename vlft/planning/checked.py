@@ -5,11 +5,13 @@ its result.
 
 The cache key covers what decides the result: every data file's path, size, modification time and SHA-256
 (each shard of a folder or glob), the options that read and measure them (``--objective``, ``--columns``,
+``--max-new-tokens``: a generating objective's rows are measured with it,
 ``--image-root``, ``--add-placeholders``, ``--max-length``,
 ``--skip-too-long``, ``--max-pixels``, video rate and frames, the seed, the data weights) and the processor
 (its chat template, tokenizer and image processor settings). A cached result also lists every image and
 video file it read with its size and modification time; it is used only while each of them is unchanged,
-so nothing is trained on data that was not checked as it is now.
+so nothing is trained on data that was not checked as it is now. An objective's own check of the records
+(``Objective.check``: GRPO's rewards on the references) runs every time, outside this cache.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def cache_key(config, encoder, files: list[Path]) -> str:
     """The key of ``config``'s checked data: data files' contents, the options that read them, the processor."""
     options = {k: getattr(config, k, None) for k in (
         "data", "val_data", "columns", "image_root", "add_placeholders", "max_length", "skip_too_long", "max_pixels",
-        "video_fps", "video_max_frames", "seed", "objective")}
+        "video_fps", "video_max_frames", "seed", "objective", "max_new_tokens")}
     payload = {"version": VERSION, "files": [_file_digest(f) for f in files], "options": options,
                "processor": _processor_identity(encoder)}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:32]

@@ -67,6 +67,12 @@ class MemoryPlan:
     gathered_bytes: int = 0  # --shard fsdp: parameters gathered whole at a time (root + two blocks)
     guard_copy_bytes: int = 0  # the non-finite guard's copy of the adapter and its AdamW state (no fused AdamW)
     reference_bytes: int = 0  # a preference objective's reference: the --init-adapter weights it keeps (fp32)
+    # an objective that generates in the step (GRPO): the KV cache of its sampled sequences (every layer's keys
+    # and values for the largest micro-batch's prompts x G, prompt + new tokens long) and the last position's
+    # logits. Generation runs without gradients before the trained pass and its cache is gone when that starts,
+    # so the peak holds the larger of the two working sets, not their sum
+    generation_bytes: int = 0
+    generation_shape: str = ""
 
     def per_process(self, n: int) -> int:
         """``n`` bytes of sharded state as one process holds them."""
@@ -92,8 +98,10 @@ class MemoryPlan:
         return self.base_bytes_per_process + self.adapter_state_bytes_per_process + self.gathered_bytes + act
 
     def total_bytes(self, checkpointing: bool | None = None) -> int:
-        return (self.counted_bytes(checkpointing) + self.activations.backward_transient + self.logits_bytes
-                + self.reserved_bytes)
+        ckpt = self.checkpointing if checkpointing is None else checkpointing
+        act = self.activations.checkpointed if ckpt else self.activations.full
+        training = act + self.activations.backward_transient + self.logits_bytes
+        return self.counted_bytes(checkpointing) - act + max(training, self.generation_bytes) + self.reserved_bytes
 
     def fits(self, checkpointing: bool | None = None) -> bool | None:
         if self.capacity_bytes is None:
@@ -117,6 +125,8 @@ class MemoryPlan:
             "fixes": self.fixes, "sharded_over": self.shard_world, "gathered_bytes": self.gathered_bytes,
             "base_bytes_per_process": self.base_bytes_per_process,
             "adapter_state_bytes_per_process": self.adapter_state_bytes_per_process,
+            **({"generation_bytes": self.generation_bytes, "generation_shape": self.generation_shape}
+               if self.generation_bytes else {}),
         }
 
     def format(self) -> list[str]:
@@ -152,7 +162,21 @@ def format_memory(d: dict) -> list[str]:
         f"             backward working space {gib(d.get('backward_transient_bytes', 0))}, logits "
         f"{gib(d['logits_bytes'])}, runtime reserve {gib(d['reserved_bytes'])}",
     ]
+    if d.get("generation_bytes"):
+        lines.append(f"             generation (before the trained pass, not beside it): KV cache + last logits "
+                     f"{gib(d['generation_bytes'])} for {d['generation_shape']}")
     return lines + [f"fix          {f}" for f in d["fixes"]]
+
+
+def generation_bytes(model_config, dtype: str, sequences: int, tokens: int) -> int:
+    """Sampling ``sequences`` sequences of up to ``tokens`` tokens with the KV cache: every text layer's keys and
+    values (``dtype``), and the fp32 logits of the last position of each."""
+    text = getattr(model_config, "text_config", None) or model_config
+    layers = text.num_hidden_layers
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return 2 * layers * heads * head_dim * size * sequences * tokens + 4 * sequences * text.vocab_size
 
 
 NF4_BLOCK = 64  # weights per absmax constant (bitsandbytes' 4-bit blocksize)

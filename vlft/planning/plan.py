@@ -263,8 +263,7 @@ def resolve_plan(registry: Registry, config: RunConfig, model_path: str, model_c
 def resolve_objective(registry: Registry, config: RunConfig) -> Objective:
     """The objective ``--objective`` names, its options checked by its plugin; ``--shard fsdp`` where it cannot
     run sharded is refused with its reason."""
-    info = registry.objective(config.objective)
-    objective = registry.first("vlft_objective", objective=info.name, config=config)
+    objective = registry.objective_for(config)
     if config.shard == "fsdp" and objective.sharding_refusal:
         raise ConfigError(f"--shard fsdp: the {objective.name} objective cannot run sharded: "
                           f"{objective.sharding_refusal}; nothing was started.")

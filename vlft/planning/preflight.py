@@ -25,6 +25,7 @@ from vlft.data.encoding import SampleEncoder
 from vlft.data.lengths import LengthReport, check_lengths
 from vlft.data.order import DataOrder, run_micro_batches, total_steps_for
 from vlft.data.packing import padding_ratio, settle_auto
+from vlft.data.records import MAX_REPORTED_PROBLEMS
 from vlft.data.lazy import concat, read_compact, take, weighted
 from vlft.data.lazy import media_files as lazy_media
 from vlft.errors import ConfigError, DataError
@@ -262,6 +263,7 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
     plan.notes += list(objective.notes)
     init_source = init_adapter_source(registry, config)
     train, val, lengths = load_and_check_data(config, encoder, objective)
+    check_for_objective(objective, train, val)
     plan.lengths = lengths.describe(config.max_length)
     plan.notes += unread_column_notes(config)
     if is_bundled(model_path, registry):
@@ -305,12 +307,20 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
                                     plan.precision.autocast_dtype, shapes, capacity.reserved_bytes, total, source,
                                     shard_world, gathered, family, plan.precision.quantization,
                                     plan.precision.double_quant, guard_copies(plan))
+    if objective.generation:  # the step samples (GRPO): its KV cache, in the compute dtype
+        worst = max(shapes, key=lambda shape: shape.samples * shape.tokens)
+        plan.memory.generation_bytes = memory.generation_bytes(model_config, compute, worst.samples,
+                                                               worst.tokens)
+        plan.memory.generation_shape = (f"{worst.samples} sequences ({config.batch_size} prompts x "
+                                        f"{objective.generation['sequences_per_record']}) x "
+                                        f"{worst.tokens} tokens (prompt + "
+                                        f"{objective.generation['new_tokens']} new)")
     if objective.reference and init_source is not None:  # the reference keeps the adapter the run started from
         plan.memory.reference_bytes = 4 * plan.memory.adapter_parameters
     if objective.reference:
         plan.notes.append(f"{objective.name}: the reference pass runs without gradients before the trained pass, "
-                          "so its activations are freed before the trained pass's; it keeps one log-probability "
-                          "per row")
+                          "so its activations are freed before the trained pass's; it keeps only the "
+                          "log-probabilities the loss compares")
     fixes.decide(plan.memory, config.grad_checkpointing, skeleton, model_config, plan.precision.autocast_dtype,
                   config.batch_size, config.grad_accum, config.max_pixels,
                   can_shard=bool(plan.distributed and plan.distributed.fsdp), family=family)
@@ -323,6 +333,19 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
                           f"({memory.gib(sum(plan.memory.base_weights.values()))}); the other processes build "
                           f"the model without weights and receive their 1/{config.world_size} shares from it")
     return Planned(plan, model_config, processor, encoder, train, val, total_steps, skeleton, lengths.lengths)
+
+
+def check_for_objective(objective, train, val) -> None:
+    """The objective's own check of the records (``Objective.check``), every run: its problems, as file:line."""
+    if objective.check is None:
+        return
+    problems = objective.check([*train, *val])
+    if problems:
+        shown = problems[:MAX_REPORTED_PROBLEMS]
+        more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
+        raise DataError(f"{len(problems)} problem(s) for the {objective.name} objective:\n  " + "\n  ".join(shown)
+                        + more + "\nFix these records (or the objective's options) and run again; nothing was "
+                                 "written.")
 
 
 def check_fits(plan: RunPlan) -> None:

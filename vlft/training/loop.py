@@ -118,8 +118,9 @@ class _Window:
     ``step_time_s`` and ``samples_per_s``; their lines in metrics.jsonl carry ``eval_time_s`` and
     ``checkpoint_time_s``."""
 
-    def __init__(self, device):
+    def __init__(self, device, figure_units: dict | None = None):
         self.device = device
+        self.figure_units = figure_units or {}  # figure -> the figure counting its units, or "steps"
         self.reset()
 
     def reset(self) -> None:
@@ -167,8 +168,19 @@ class _Window:
             sums = torch.stack([self.figures[n].double() for n in names]).tolist() if names else []
         labels, positions, real = counts.tolist()
         self.totals = {"labels": labels, "positions": positions, "real": real}
-        self.means = {n: v / max(labels, 1.0) for n, v in zip(names, sums)}
+        self.means = figure_means(dict(zip(names, sums)), self.figure_units, labels, self.steps * world_size)
         return float(loss_sum) / max(labels, 1.0)
+
+
+def figure_means(sums: dict[str, float], units: dict[str, str], loss_units: float, steps: float) -> dict:
+    """Each figure's mean: over the figure ``units`` names for it (GRPO's reward over its 'completions'), per
+    process and step ('steps'), or over the loss's units (label tokens or records)."""
+    def over(name: str) -> float:
+        unit = units.get(name)
+        if unit == "steps":
+            return steps
+        return sums.get(unit, 0.0) if unit is not None else loss_units
+    return {n: v / max(over(n), 1.0) for n, v in sums.items()}
 
 
 def _progress_bar(settings: LoopSettings, start_step: int, progress: bool):
@@ -186,7 +198,7 @@ class Trainer:
         self.t, self.stop = training, stop
         self.is_main = training.settings.rank == 0
         self.step = training.start_step
-        self.window = _Window(training.policy.device)
+        self.window = _Window(training.policy.device, training.policy.figure_units)
         self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, skipped, back-off) not yet read
         self.patience = _EarlyStopping(training.settings.early_stopping_patience, training.on_best)
         self.wants_eval = training.evaluate is not None and training.settings.eval_every

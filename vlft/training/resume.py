@@ -48,6 +48,10 @@ def model_identity(path: str | None) -> dict:
     return {"config": file_identity(str(p / "config.json")), "weights": weights}
 
 
+SAMPLING_FIELDS = ("reward", "num_generations", "temperature", "top_p", "max_new_tokens", "clip_epsilon",
+                   "scale_rewards", "grpo_norm")
+
+
 def run_identity(config) -> dict:
     """What defines the training of ``config``: two runs with equal identities follow the same trajectory."""
     ident = {name: getattr(config, name) for name in TRAJECTORY_FIELDS}
@@ -57,6 +61,13 @@ def run_identity(config) -> dict:
     if config.objective != "sft":  # keys only where they are not the default, so older checkpoints still compare
         ident["objective"] = {k: getattr(config, k) for k in ("objective", "beta", "dpo_loss", "label_smoothing",
                                                             "rpo_alpha")}
+        # the sampling objectives' options (GRPO's), each only where it is not the default: the checkpoints of
+        # objectives that ignore them compare as before
+        defaults = type(config)()
+        for k in SAMPLING_FIELDS:
+            value = getattr(config, k)
+            if value != getattr(defaults, k):
+                ident["objective"][k] = list(value) if isinstance(value, tuple) else value  # as JSON reads it back
     if config.init_adapter:
         ident["init_adapter"] = adapter_identity(config.init_adapter)
     return ident

@@ -156,7 +156,8 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
     reference = _reference(model, plan, resume_from, device) if objective.reference else None
     policy = StepPolicy(device, autocast_dtype, scaler, config.max_grad_norm, config.grad_accum, config.world_size,
                         flags_on_host=device.type == "cpu", fused_optimizer=fused_optimizer(plan),
-                        loss=objective.loss, per_record=objective.average_over == "records", reference=reference)
+                        loss=objective.loss, per_record=objective.average_over != "label tokens",
+                        reference=reference, rollout=objective.rollout, figure_units=dict(objective.figure_units))
     settings = _loop_settings(config, plan, planned.total_steps)
     settings.peak_flops, settings.flops_per_token = plan.peak_flops, model_flops_per_token(model)
     if config.group_by_length:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -64,6 +64,11 @@ class StepPolicy:
     loss: Any = None
     per_record: bool = False
     reference: Any = None
+    # the objective's rollout (``Objective.rollout``: GRPO samples and scores completions), run on the step's
+    # batches before the loss; it also counts the units the loss is averaged over (completion tokens), which
+    # only exist once it ran. ``figure_units``: what each logged figure is a mean over (``Objective``)
+    rollout: Any = None
+    figure_units: dict = field(default_factory=dict)
 
 
 def seed_everything(seed: int) -> None:
@@ -239,7 +244,13 @@ def settle_step_counters(optimizer, skipped: int, device: torch.device) -> None:
 
 def train_step_on(model, optimizer, scheduler, host_batches: list[dict], policy: StepPolicy,
                   non_blocking: bool = False) -> dict:
-    """``train_step`` on batches still on the host: count their label tokens (or records) there, then move them."""
+    """``train_step`` on batches still on the host: count their label tokens (or records) there, then move them.
+    An objective with a rollout (GRPO) turns them into its batches on the device first, counting its units."""
+    if policy.rollout is not None:
+        batches_on_device, local_units = policy.rollout(model, host_batches, policy.device,
+                                                        autocast_context(policy.device, policy.autocast_dtype))
+        global_units = start_global_label_count(local_units, policy.world_size)()
+        return train_step(model, optimizer, scheduler, batches_on_device, policy, local_units, global_units)
     local_tokens = sum(loss_units(b, policy) for b in host_batches)
     global_tokens = start_global_label_count(local_tokens, policy.world_size)  # on the host, while batches move
     if policy.labels_only:

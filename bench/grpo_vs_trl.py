@@ -1,0 +1,164 @@
+"""Seconds per step: vlft's GRPO against TRL's GRPOTrainer on the embedded model, generation apart.
+
+    python bench/grpo_vs_trl.py [--steps 10] [--rounds 3] [--threads N]
+
+The demo task's conversations (the prompt up to the answer, which the ``fields`` reward reads), 4 prompts a
+step x G=4 completions of at most 16 new tokens, temperature 1, beta 0.04, token-level normalisation (vlft's
+``--grpo-norm token``, TRL's ``loss_type="dapo"``), LoRA r 32 on text attention and the last 6 vision blocks
+from a fresh adapter, fp32 on the CPU. Each timed step includes its data and its sampling; the sampling
+seconds are counted apart (vlft: ``generation_time_s``; TRL: its ``_generate`` timed from outside). The two are
+timed in turns, ``--rounds`` times, so a busy machine slows both alike; the figures are the medians per step.
+TRL (not a vlft dependency) must be installed: ``pip install trl -c constraints`` with the project's torch,
+transformers, peft, accelerate and datasets pinned (trl 1.16 installs beside transformers 5.24).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+G, PROMPTS, NEW_TOKENS, BETA = 4, 4, 16, 0.04
+
+
+def vlft_stepper(data, registry):
+    """A function taking ``n`` steps of a prepared vlft GRPO run; returns the generation seconds among them."""
+    from vlft.config import build_config
+    from vlft.data.order import batches
+    from vlft.training.session import prepare
+    from vlft.training.step import train_step_on
+
+    train, val = data
+    config = build_config({}, dict(backend="cpu", objective="grpo", data=str(train), val_data=str(val),
+                                   output=tempfile.mkdtemp(), steps=100_000, batch_size=PROMPTS,
+                                   num_generations=G, max_new_tokens=NEW_TOKENS, temperature=1.0, beta=BETA,
+                                   reward=["fields"]))
+    s = prepare(registry, config)
+    groups = batches(s.dataset, s.collate, s.settings, 0)
+
+    def steps(n: int) -> float:
+        generating = 0.0
+        for _ in range(n):
+            out = train_step_on(s.model, s.optimizer, s.scheduler, next(groups), s.policy)
+            generating += float(out["figures"]["generation_time_s"])
+        return generating
+    return steps
+
+
+def trl_stepper(data, registry, folder: Path):
+    """A function taking ``n`` steps of TRL's GRPOTrainer on the same prompts, model, LoRA and reward."""
+    from datasets import Dataset
+    from PIL import Image
+    from trl import GRPOConfig, GRPOTrainer
+
+    from vlft.config import build_config
+    from vlft.data.records import read_records
+    from vlft.models.loading import load_model
+    from vlft.planning.preflight import plan_run
+    from vlft_objectives.rewards import fields_reward
+
+    config = build_config({}, dict(backend="cpu", objective="grpo", data=str(data[0]), val_data=str(data[1]),
+                                   output=tempfile.mkdtemp(), steps=1, batch_size=PROMPTS))
+    planned = plan_run(registry, config)
+    plan = planned.plan
+    model = registry.first("vlft_apply_adapter", method="lora",
+                           model=load_model(plan.model_path, plan.attention, plan.precision, family=plan.family),
+                           targets=plan.targets, config=config, target_parameters=[])
+
+    def messages(turns):
+        return [{"role": t.role, "content": [{"type": "image"} if part == "<image>" else {"type": "text", "text": part}
+                                             for part in t.text.replace("<image>", "\0<image>\0").split("\0") if part]}
+                for t in turns]
+
+    rows = [{"image": Image.open(r.images[0]).convert("RGB"), "prompt": messages(r.turns[:-1]),
+             "reference": r.reference} for r in read_records(data[0])]
+
+    def fields(prompts, completions, reference, **kwargs):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return fields_reward([t.strip() for t in texts], reference)
+
+    args = GRPOConfig(output_dir=str(folder / "trl"), per_device_train_batch_size=PROMPTS * G, num_generations=G,
+                      max_completion_length=NEW_TOKENS, temperature=1.0, top_k=0, beta=BETA, loss_type="dapo",
+                      max_steps=100_000, learning_rate=plan.lr, report_to=[], save_strategy="no", use_cpu=True,
+                      bf16=False, fp16=False, gradient_checkpointing=False, logging_steps=1_000_000,
+                      disable_tqdm=True, dataloader_num_workers=0)
+    trainer = GRPOTrainer(model=model, reward_funcs=[fields], args=args, train_dataset=Dataset.from_list(rows),
+                          processing_class=planned.processor)
+    trainer.create_optimizer_and_scheduler(num_training_steps=100_000)
+    trainer.current_gradient_accumulation_steps = 1  # what train() sets before its steps
+    model.train()
+    clock = {"s": 0.0}
+    generate = trainer._generate
+
+    def timed_generate(*a, **k):  # TRL's sampling (prompts to completion ids), timed apart
+        t0 = time.perf_counter()
+        try:
+            return generate(*a, **k)
+        finally:
+            clock["s"] += time.perf_counter() - t0
+    trainer._generate = timed_generate
+
+    def epochs():
+        while True:  # epoch after epoch, as vlft's sampler goes on
+            yield from trainer.get_train_dataloader()
+    loader = epochs()
+
+    def steps(n: int) -> float:
+        clock["s"] = 0.0
+        for _ in range(n):
+            trainer.training_step(model, next(loader), None)
+            trainer.optimizer.step()
+            trainer.lr_scheduler.step()
+            trainer.optimizer.zero_grad(set_to_none=True)
+        return clock["s"]
+    return steps
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10, help="steps per timing")
+    parser.add_argument("--rounds", type=int, default=3, help="timings of each, in turns")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    opts = parser.parse_args(argv)
+    import torch
+
+    from vlft.data.demo import write_demo_dataset
+    from vlft.registry import load_registry
+
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    folder = Path(tempfile.mkdtemp(prefix="grpo-bench-"))
+    ds = write_demo_dataset(folder / "demo", n_train=400, n_val=8, seed=0)
+    registry = load_registry()
+    runs = {"vlft grpo": vlft_stepper((ds.train, ds.val), registry)}
+    try:
+        runs["trl grpo"] = trl_stepper((ds.train, ds.val), registry, folder)
+    except ImportError as e:
+        print(f"trl not installed ({e}); timing vlft only", file=sys.stderr)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    generating: dict[str, list[float]] = {name: [] for name in runs}
+    for steps in runs.values():
+        steps(2)  # warm-up: first-step allocations, AdamW state
+    for _ in range(opts.rounds):
+        for name, steps in runs.items():
+            t0 = time.perf_counter()
+            gen = steps(opts.steps)
+            times[name].append((time.perf_counter() - t0) / opts.steps)
+            generating[name].append(gen / opts.steps)
+    median = {name: statistics.median(t) for name, t in times.items()}
+    print(f"threads {torch.get_num_threads()}, {opts.rounds} rounds of {opts.steps} steps, {PROMPTS} prompts x G={G}, "
+          f"{NEW_TOKENS} new tokens")
+    for name, t in times.items():
+        gen = statistics.median(generating[name])
+        print(f"{name:9} {median[name]:.4f} s/step, generating {gen:.4f} ({gen / median[name]:.0%}), training "
+              f"{median[name] - gen:.4f} (rounds: {', '.join(f'{x:.4f}' for x in t)})")
+    if "trl grpo" in median:
+        print(f"vlft grpo / trl grpo: {median['vlft grpo'] / median['trl grpo']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

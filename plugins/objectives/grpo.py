@@ -1,0 +1,501 @@
+"""grpo: group relative policy optimisation (Shao et al., 2024, DeepSeekMath) on sampled completions and
+their rewards.
+
+Each step, for every prompt of its micro-batches, G completions are sampled from the policy (the adapted
+model, in evaluation mode, without gradients, with the KV cache; ``--num-generations``, ``--temperature``,
+``--top-p``, ``--max-new-tokens``), all prompts of a micro-batch in one ``generate`` call. Each completion is
+scored by the reward functions (``--reward``: the rewards add up) against its record's reference, the last
+assistant reply of an ordinary SFT record. The advantage of a completion is its reward against its group's:
+``A = (r - mean_group) / (std_group + 1e-4)`` (``--scale-rewards group``; ``batch``: the batch's std; ``none``:
+no division, Dr. GRPO). Per completion token, with ``ratio = exp(logp - logp_old)``:
+
+    loss_t = -min(ratio A, clip(ratio, 1 - e, 1 + e) A) + beta KL_t,   KL_t = exp(ref - logp) - (ref - logp) - 1
+
+(``--clip-epsilon e``; ``--beta``, 0 skips the reference pass; the reference is the adapter off, or the
+``--init-adapter`` weights as loaded). The step's loss (``--grpo-norm``): ``token`` sums loss_t over every
+completion token of the step (every micro-batch and process) and divides by their number (DAPO; Dr. GRPO
+and TRL's ``loss_type="dapo"`` do the same), so long completions weigh by their tokens; ``sequence`` takes
+each completion's token mean and averages over completions (the original GRPO). The completions are sampled
+by the weights being trained and trained on once, so ``logp_old`` is ``logp`` detached (TRL's
+``num_iterations=1``): the ratio is 1, nothing is clipped (``clip_fraction`` logs 0) and the gradient is the
+policy gradient ``-A grad logp``; the clip matters where old log-probabilities are given (``grpo_token_loss``).
+
+Logged per step: ``reward`` (mean over completions) and ``reward_std`` (the mean of the groups' std), each
+reward function's mean (``reward_<name>``), ``kl`` and ``clip_fraction`` (means over completion tokens),
+``completion_length`` (mean tokens), ``completions`` and ``completion_tokens`` (per process), and
+``generation_time_s`` and ``reward_time_s`` (per step; ``step_time_s`` holds them, the rest is training).
+
+A reward function that raises stops the run naming the reward, the record and the completion. Every reward
+runs on every record's reference before step 1 (``check``), so a reference it cannot score is a ``file:line``
+error before anything is written.
+
+Imports inside functions: torch, transformers and the core's batch, row and loss helpers load when a run is
+planned or steps, so listing the objectives (``vlft objectives``) stays light.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import math
+import os
+import sys
+import time
+from functools import partial
+
+from vlft import ConfigError, Objective, ObjectiveInfo, VlftError, hookimpl
+
+NAME = "grpo"
+DESCRIPTION = ("group relative policy optimisation: G sampled completions per prompt, rewarded against the "
+               "record's reply, pushed toward the better ones of their group")
+LAYOUT = ("conversations (the SFT layouts): the prompt up to the last assistant reply, which is the reference "
+          "the rewards read")
+HELP = {
+    "num_generations": "--num-generations: completions sampled per prompt (the group)",
+    "temperature": "--temperature: sampling temperature",
+    "top_p": "--top-p: nucleus sampling (1: off; no top-k)",
+    "max_new_tokens": "--max-new-tokens: longest completion",
+    "rewards": "--reward NAME[=ARG] or MODULE:FUNCTION, repeatable, summed (built in: fields, exact, format=REGEX, "
+               "numeric)",
+    "beta": "--beta: weight of the KL term to the reference (0: no reference pass)",
+    "clip_epsilon": "--clip-epsilon: the policy ratio is clipped to [1 - e, 1 + e]",
+    "scale_rewards": "--scale-rewards: group (r - mean) / std per group, batch (the batch's std), none (Dr. GRPO)",
+    "norm": "--grpo-norm: token (sum over the step's completion tokens / their number: DAPO) or sequence (each "
+            "completion's token mean, averaged: original GRPO)",
+}
+EPS = 1e-4  # added to the std of the rewards (TRL's value)
+# what each logged figure is a mean over (the loss's own unit, completion tokens or completions, is not used)
+FIGURE_UNITS = {"reward": "completions", "reward_std": "completions", "completion_length": "completions",
+                "kl": "completion_tokens", "clip_fraction": "completion_tokens", "completions": "steps",
+                "completion_tokens": "steps", "generation_time_s": "steps", "reward_time_s": "steps"}
+GRPO = "grpo"  # the batch key of what the loss reads besides the rows (advantages, figures)
+
+
+@hookimpl
+def vlft_objectives():
+    return [ObjectiveInfo(NAME, DESCRIPTION)]
+
+
+@hookimpl
+def vlft_objective(objective, config, rewards):
+    if objective != NAME:
+        return None
+    beta = 0.04 if config.beta is None else config.beta  # --beta's GRPO default (DeepSeekMath's)
+    g = config.num_generations
+    if g < 2:
+        raise ConfigError(f"--num-generations must be at least 2 (a group's rewards are compared), got {g}")
+    if config.temperature <= 0:
+        raise ConfigError(f"--temperature must be positive (grpo samples), got {config.temperature}")
+    if not 0 < config.top_p <= 1:
+        raise ConfigError(f"--top-p must be in (0, 1], got {config.top_p}")
+    if config.clip_epsilon <= 0:
+        raise ConfigError(f"--clip-epsilon must be positive, got {config.clip_epsilon}")
+    specs = list(config.reward or ["fields"])
+    chosen = resolve_rewards(specs, rewards)
+    sampling = Sampling(g, config.temperature, config.top_p, config.max_new_tokens)
+    rollout = Rollout(sampling, chosen, config.scale_rewards, config.grpo_norm)
+    reference = "" if beta == 0 else (
+        "the adapter as --init-adapter loaded it (kept frozen)" if config.init_adapter
+        else "the base model (the adapter switched off)")
+    figures = ("reward", "reward_std", *[f"reward_{label}" for label, _ in chosen if len(chosen) > 1],
+               *(("kl",) if beta else ()), "clip_fraction", "completion_length", "completions",
+               "completion_tokens", "generation_time_s", "reward_time_s")
+    units = {**FIGURE_UNITS, **{f"reward_{label}": "completions" for label, _ in chosen}}
+    return Objective(
+        NAME, DESCRIPTION, layout=LAYOUT, help=HELP,
+        options={"num_generations": g, "temperature": config.temperature, "top_p": config.top_p,
+                 "max_new_tokens": config.max_new_tokens, "rewards": specs, "beta": beta,
+                 "clip_epsilon": config.clip_epsilon, "scale_rewards": config.scale_rewards,
+                 "norm": config.grpo_norm},
+        parse=parse_prompt, check=partial(check_references, rewards=chosen), encoder=rollout.encoder, collate=PromptCollator,
+        rows_per_record=g,
+        average_over="completion tokens" if config.grpo_norm == "token" else "completions",
+        loss=partial(grpo_loss, epsilon=config.clip_epsilon, beta=beta, norm=config.grpo_norm),
+        rollout=rollout, figures=figures, figure_units=units, reference=reference,
+        generation={"sequences_per_record": g, "new_tokens": config.max_new_tokens},
+        demo_epochs=0.1,  # 40 steps of 4 prompts on the demo set: GRPO refines an SFT adapter, it does not start one
+        packing_refusal="the completions are sampled in the step and trained as padded rows; packed rows are not "
+                        "built for them",
+        sharding_refusal="the completions are sampled with generate on each process's whole model, and the "
+                         "reference pass switches the adapter off (or swaps in the --init-adapter weights); neither "
+                         "is built for FSDP's sharded parameters (every decoding step would gather every block); "
+                         "data parallel works: leave out --shard",
+        notes=(f"grpo: each step samples {g} completions per prompt (generate with the KV cache, one call per "
+               f"micro-batch), scores them, then trains on them once: the loss is "
+               + ("summed over completion tokens and divided by the step's count (DAPO)"
+                  if config.grpo_norm == "token" else "each completion's token mean, averaged over completions")
+               + "; the vision tower runs once per prompt in the trained pass (its features shared by the G rows)",),
+    )
+
+
+# -- rewards -----------------------------------------------------------------------------------------------
+
+class RewardError(VlftError):
+    """A reward function raised, or answered something that is not one finite number per completion."""
+
+
+def resolve_rewards(specs: list[str], offered: dict) -> list[tuple[str, object]]:
+    """[(label, function)] for ``--reward`` specs: NAME or NAME=ARGUMENT of a plugin's reward, or a user's
+    MODULE:FUNCTION (a spec with '=' is always a plugin's, so a regex may hold ':')."""
+    out, labels = [], set()
+    for spec in specs:
+        if "=" not in spec and ":" in spec:
+            label, function = spec.rsplit(":", 1)[1], _user_function(spec)
+        else:
+            name, _, argument = spec.partition("=")
+            if name not in offered:
+                raise ConfigError(f"--reward {spec}: no plugin offers a reward '{name}'; offered: "
+                                  f"{', '.join(sorted(offered)) or 'none'} (`vlft objectives`), or give your "
+                                  f"MODULE:FUNCTION")
+            label, function = name, offered[name].build(argument if "=" in spec else None)
+        if label in labels:
+            raise ConfigError(f"--reward {spec}: a reward named '{label}' is given twice")
+        labels.add(label)
+        out.append((label, function))
+    return out
+
+
+def _user_function(spec: str):
+    module_name, _, attr = spec.rpartition(":")
+    try:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name.split(".")[0] or os.getcwd() in sys.path:
+                raise
+            sys.path.insert(0, os.getcwd())  # a module beside the user, as `python -m` would find it
+            module = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - any import failure is the user's module's: say so, with the error
+        raise ConfigError(f"--reward {spec}: cannot import {module_name} ({e.__class__.__name__}: {e})") from None
+    function = getattr(module, attr, None)
+    if not callable(function):
+        raise ConfigError(f"--reward {spec}: {module_name} has no function '{attr}'")
+    return function
+
+
+def score(rewards, completions: list[str], references: list[str], where: list[str]):
+    """(each completion's summed reward, {label: its rewards}); a reward that raises or answers badly stops the
+    run with its name, the record and the completion (the first one it fails on)."""
+    per_reward = {}
+    for label, function in rewards:
+        try:
+            values = list(function(completions, references, where=where))
+        except Exception as e:  # noqa: BLE001 - the user's code: found and named, whatever it raised
+            raise _culprit(label, function, completions, references, where, e) from e
+        bad = next((i for i, v in enumerate(values) if not _finite_number(v)), None)
+        if len(values) != len(completions) or bad is not None:
+            i = bad if bad is not None else 0
+            what = (f"{len(values)} values for {len(completions)} completions" if len(values) != len(completions)
+                    else f"{values[i]!r}, not a finite number")
+            raise RewardError(f"reward '{label}' answered {what} for record {where[i]} (completion "
+                              f"{completions[i]!r}); the run stops here, nothing of this step is written")
+        per_reward[label] = [float(v) for v in values]
+    totals = [sum(vs) for vs in zip(*per_reward.values())]
+    return totals, per_reward
+
+
+def _finite_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _culprit(label, function, completions, references, where, error) -> RewardError:
+    """The first completion ``function`` raises on alone, or the batch's first where none does alone."""
+    for i in range(len(completions)):
+        try:
+            function(completions[i:i + 1], references[i:i + 1], where=where[i:i + 1])
+        except Exception as e:  # noqa: BLE001 - the one it fails on
+            error = e
+            break
+    else:
+        i = 0
+    return RewardError(f"reward '{label}' raised {error.__class__.__name__}: {error} on record {where[i]} "
+                       f"(completion {completions[i]!r}, reference {references[i]!r}); the run stops here, nothing "
+                       f"of this step is written")
+
+
+def parse_prompt(obj, add_placeholders=False):
+    """The SFT layouts, checked for what GRPO reads: the record ends with the assistant's reply (the
+    reference the rewards read; FormatProblem: file:line)."""
+    from vlft.data.formats import FormatProblem, parse_record  # the core's layouts (loaded at plan time)
+    from vlft.data.records import ROLE_ALIASES  # user/human, assistant/gpt: the core's role names
+
+    parsed = parse_record(obj, add_placeholders)
+    if not parsed.turns or ROLE_ALIASES.get(parsed.turns[-1].role) != "assistant":
+        raise FormatProblem("the last turn must be the assistant's reply: grpo prompts with the turns before it "
+                            "and its rewards compare the completions with it")
+    return parsed
+
+
+def check_references(records, *, rewards) -> list[str]:
+    """Every reward on every record's reference, as a completion of itself: ['file:line: problem'] for each
+    record one cannot score (it raises, or answers other than one finite number). Run by the core every run,
+    outside the cached data check: a user's reward can change while the data does not."""
+    references, where = [r.reference for r in records], [r.where for r in records]
+    problems = []
+    for label, function in rewards:
+        try:  # all at once; one by one only to find the records it fails on
+            values = list(function(references, references, where=where))
+            if len(values) == len(references) and all(_finite_number(v) for v in values):
+                continue
+        except Exception:  # noqa: BLE001 - the user's code: found below, record by record
+            pass
+        for i, reference in enumerate(references):
+            try:
+                values = list(function([reference], [reference], where=[where[i]]))
+            except Exception as e:  # noqa: BLE001 - whatever it raised, reported at this record
+                problems.append(f"{where[i]}: reward '{label}' cannot score this record's reference {reference!r} "
+                                f"({e.__class__.__name__}: {e})")
+                continue
+            if len(values) != 1 or not _finite_number(values[0]):
+                problems.append(f"{where[i]}: reward '{label}' answered {values!r} for this record's reference "
+                                f"{reference!r}, not one finite number")
+    return problems
+
+
+# -- data: prompts and their references ----------------------------------------------------------------------
+
+class PromptEncoder:
+    """A record as its prompt (encoded as for generation) with its reference and place; its measure is the
+    prompt plus ``new_tokens`` sampled ones (the length check and the memory plan)."""
+
+    def __init__(self, encoder, new_tokens: int):
+        self.base, self.new_tokens = encoder, new_tokens
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+    def measure_labelled(self, record):
+        tokens, grids, labelled = self.base.measure_labelled(record)
+        return tokens - labelled + self.new_tokens, grids, self.new_tokens
+
+    def encode(self, record) -> dict:
+        return {**self.base.encode_prompt(record), "reference": record.reference, "where": record.where}
+
+
+class PromptCollator:
+    """Prompts padded on the left (as generation wants), their images, and on the host their references and
+    places (``references``, ``where``) and count (``records``)."""
+
+    def __init__(self, rows):
+        self.rows = copy.copy(rows)
+        self.rows.padding_side = "left"
+
+    def __call__(self, samples: list[dict]) -> dict:
+        batch = self.rows([{k: v for k, v in s.items() if k not in ("reference", "where")} for s in samples])
+        batch["references"] = [s["reference"] for s in samples]
+        batch["where"] = [s["where"] for s in samples]
+        batch["records"] = len(samples)
+        return batch
+
+
+# -- the rollout: sample, score, advantages, the rows to train -------------------------------------------------
+
+class Sampling:
+    def __init__(self, groups: int, temperature: float, top_p: float, new_tokens: int):
+        self.groups, self.temperature, self.top_p, self.new_tokens = groups, temperature, top_p, new_tokens
+
+
+class Rollout:
+    """``Objective.rollout``: the step's completions, sampled and scored, laid out as rows to train (see the
+    module docstring). It decodes with the tokenizer of the encoder the core hands ``encoder`` at plan time."""
+
+    def __init__(self, sampling: Sampling, rewards, scale: str, norm: str):
+        self.sampling, self.rewards, self.scale, self.norm = sampling, rewards, scale, norm
+        self.tokenizer, self.suppress = None, []
+
+    def encoder(self, sample_encoder):
+        self.tokenizer = sample_encoder.tokenizer
+        processor = sample_encoder.processor
+        # a sampled image or video token would ask the model for pictures the row does not have
+        self.suppress = [t for t in (getattr(processor, "image_token_id", None),
+                                     getattr(processor, "video_token_id", None)) if t is not None]
+        return PromptEncoder(sample_encoder, self.sampling.new_tokens)
+
+    def __call__(self, model, host_batches: list[dict], device, autocast):
+        import torch  # the step runs torch already; the plugin module itself stays light
+
+        from vlft.models.rows import unwrapped
+
+        net = unwrapped(model)  # generate is the PEFT model's, not DDP's
+        t0 = time.perf_counter()
+        was_training = net.training
+        net.eval()  # no dropout while sampling (the trained pass runs in training mode)
+        try:
+            with torch.no_grad(), autocast:
+                sampled = [self._sample(net, b, device) for b in host_batches]
+        finally:
+            net.train(was_training)
+        generation_s = time.perf_counter() - t0  # the decoding below waited for the device
+        out, units = [], 0
+        for k, (host, prompt, sequences) in enumerate(sampled):
+            batch, n = self._rows(host, prompt, sequences, generation_s if k == 0 else 0.0)
+            out.append(batch)
+            units += n
+        return out, units
+
+    def _sample(self, net, host: dict, device):
+        from vlft.data.batching import to_device
+
+        s, tok = self.sampling, self.tokenizer
+        prompt = to_device(host, device)  # the references and places stay on the host
+        sequences = net.generate(**prompt, do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=0,
+                                 max_new_tokens=s.new_tokens, num_return_sequences=s.groups,
+                                 pad_token_id=tok.pad_token_id, use_cache=True,
+                                 **({"suppress_tokens": self.suppress} if self.suppress else {}))
+        return host, prompt, sequences
+
+    def _rows(self, host: dict, prompt: dict, sequences, generation_s: float):
+        import torch
+
+        from vlft.data.batching import with_label_positions
+        from vlft.data.pairs import SHARED
+        from vlft.data.records import IGNORE_INDEX
+
+        g, b = self.sampling.groups, host["records"]
+        length = prompt["input_ids"].shape[1]
+        completion = sequences[:, length:]  # [b * g, T], prompt-major (generate's order)
+        eos = torch.tensor(_eos_ids(self.tokenizer), device=completion.device)
+        is_eos = torch.isin(completion, eos)
+        mask = (torch.cumsum(is_eos, 1) - is_eos.long()) == 0  # up to and including the first end token
+        t0 = time.perf_counter()
+        ids = [row[m].tolist() for row, m in zip(completion, mask)]
+        texts = [t.strip() for t in self.tokenizer.batch_decode(ids, skip_special_tokens=True)]
+        references = [r for r in host["references"] for _ in range(g)]
+        where = [w for w in host["where"] for _ in range(g)]
+        totals, per_reward = score(self.rewards, texts, references, where)
+        reward_s = time.perf_counter() - t0
+        rewards = torch.tensor(totals, dtype=torch.float32, device=completion.device)
+        advantages, spread = group_advantages(rewards, g, self.scale)
+
+        def group_major(t):  # prompt-major [b * g, ...] -> [g * b, ...]: row j * b + i is prompt i's j-th
+            return t.reshape(b, g, *t.shape[1:]).transpose(0, 1).reshape(b * g, *t.shape[1:])
+
+        completion, mask = group_major(completion), group_major(mask)
+        rows = {"input_ids": group_major(sequences),
+                "attention_mask": torch.cat([prompt["attention_mask"].repeat(g, 1), mask.long()], 1)}
+        shared = {}
+        for key, value in prompt.items():
+            if key in rows:
+                continue
+            if value.dim() >= 2 and tuple(value.shape[:2]) == (b, length):  # per-token inputs: rows of their own
+                tail = torch.zeros((b * g, completion.shape[1], *value.shape[2:]), dtype=value.dtype,
+                                   device=value.device)
+                rows[key] = torch.cat([value.repeat(g, *[1] * (value.dim() - 1)), tail], 1)
+            else:  # the prompts' images, given once (models.rows repeats their features for the g groups)
+                shared[key] = value
+        labels = torch.full_like(rows["input_ids"], IGNORE_INDEX)
+        labels[:, length:] = torch.where(mask, completion, torch.full_like(completion, IGNORE_INDEX))
+        rows["labels"] = labels
+        batch = with_label_positions(rows)
+        batch[SHARED] = shared
+        lengths = mask.sum(1)
+        n_tokens = int(lengths.sum())
+        figures = {"reward": rewards.sum(), "reward_std": spread.sum(),
+                   **({f"reward_{k}": torch.tensor(sum(v), device=rewards.device) for k, v in per_reward.items()}
+                      if len(per_reward) > 1 else {}),
+                   "completion_length": lengths.sum().float(),
+                   "completions": torch.tensor(float(b * g), device=rewards.device),
+                   "completion_tokens": torch.tensor(float(n_tokens), device=rewards.device),
+                   "generation_time_s": torch.tensor(generation_s, device=rewards.device),
+                   "reward_time_s": torch.tensor(reward_s, device=rewards.device)}
+        batch[GRPO] = {"advantages": group_major(advantages), "groups": g, "figures": figures}
+        return batch, (n_tokens if self.norm == "token" else b * g)
+
+
+def _eos_ids(tokenizer) -> list[int]:
+    ids = tokenizer.eos_token_id
+    ids = list(ids) if isinstance(ids, (list, tuple)) else [ids]
+    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in ids:
+        ids.append(tokenizer.pad_token_id)  # generate pads finished rows with it: never part of a completion
+    return [i for i in ids if i is not None]
+
+
+def group_advantages(rewards, groups: int, scale: str):
+    """(advantages, each completion's group std), both ``[n]`` in the order of ``rewards`` (prompt-major: a
+    prompt's ``groups`` completions side by side): ``(r - group mean) / (std + EPS)`` with the group's std
+    (``group``, torch's unbiased std as TRL's) or the whole batch's (``batch``), or ``r - group mean``
+    (``none``)."""
+    r = rewards.reshape(-1, groups)
+    mean, std = r.mean(1, keepdim=True), r.std(1, keepdim=True)
+    centred = r - mean
+    if scale == "group":
+        centred = centred / (std + EPS)
+    elif scale == "batch":
+        centred = centred / (rewards.std() + EPS)
+    return centred.reshape(-1), std.expand_as(r).reshape(-1)
+
+
+# -- the loss ----------------------------------------------------------------------------------------------
+
+def grpo_token_loss(logps, old_logps, ref_logps, advantages, *, epsilon: float, beta: float):
+    """(per-token loss, per-token KL or None, per-token clipped flags), all ``[n, T]``, from per-token
+    log-probabilities of the completions under the policy, the policy that sampled them and the reference
+    (None: no KL term) and each completion's advantage ``[n]``:
+    ``-min(ratio A, clip(ratio, 1 - e, 1 + e) A) + beta (exp(ref - logp) - (ref - logp) - 1)``. A token counts
+    as clipped where the clip decides (ratio above 1 + e with A > 0, below 1 - e with A < 0), as TRL counts."""
+    import torch
+
+    ratio = torch.exp(logps - old_logps)
+    a = advantages.unsqueeze(1)
+    per_token = -torch.min(ratio * a, torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * a)
+    kl = None
+    if ref_logps is not None and beta:
+        delta = ref_logps - logps
+        kl = torch.exp(delta) - delta - 1
+        per_token = per_token + beta * kl
+    clipped = ((ratio > 1 + epsilon) & (a > 0)) | ((ratio < 1 - epsilon) & (a < 0))
+    return per_token, kl, clipped
+
+
+def token_logps(model, inputs: dict, batch: dict, autocast):
+    """(per-token log-probabilities ``[n, P]`` at the batch's labelled positions, their mask)."""
+    import torch
+
+    from vlft.data.records import IGNORE_INDEX
+    from vlft.models.loss import labelled_logits
+
+    logits, targets = labelled_logits(model, inputs, batch, autocast)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    mask = targets != IGNORE_INDEX
+    logps = torch.log_softmax(logits, -1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return logps * mask, mask
+
+
+def reduce_loss(per_token, mask, norm: str):
+    """The batch's summed loss from per-token losses ``[n, T]`` and their mask: over every completion token
+    (``token``: the core then divides by the step's completion tokens) or over completions of each one's token
+    mean (``sequence``: divided by the step's completions)."""
+    if norm == "token":
+        return (per_token * mask).sum()
+    return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum()
+
+
+def grpo_loss(model, batch, autocast, reference, *, epsilon: float, beta: float, norm: str):
+    """(the batch's summed loss, {figure: sum}) for a rolled-out batch (``Rollout``): summed over completion
+    tokens (``norm`` token) or over completions of their token means (``sequence``)."""
+    import torch
+
+    from vlft.models.rows import row_inputs
+
+    extra = batch[GRPO]
+    rows = {k: v for k, v in batch.items() if k != GRPO}
+    groups = extra["groups"]
+    ref = None
+    if beta and reference is not None:  # first, so its activations are gone before the trained pass's
+        with reference() as ref_model:
+            with autocast:
+                ref_inputs = row_inputs(ref_model, rows, groups)
+            ref, _ = token_logps(ref_model, ref_inputs, rows, autocast)
+    with autocast:
+        inputs = row_inputs(model, rows, groups)
+    logps, mask = token_logps(model, inputs, rows, autocast)
+    old = extra.get("old_logps")
+    per_token, kl, clipped = grpo_token_loss(logps, logps.detach() if old is None else old, ref,
+                                             extra["advantages"], epsilon=epsilon, beta=beta)
+    m = mask.to(per_token.dtype)
+    loss = reduce_loss(per_token, m, norm)
+    figures = dict(extra["figures"])
+    figures["clip_fraction"] = (clipped.to(m.dtype) * m).sum()
+    if kl is not None:
+        figures["kl"] = (kl.detach() * m).sum()
+    return loss, figures

@@ -1,0 +1,449 @@
+"""GRPO (``--objective grpo``): its loss against a hand computation in float64, the reward functions and their
+specs, a step's gradient pushing the better completions up, and real runs through the CLI from an SFT adapter
+(``--init-adapter``): figures, plan, resume, bad rewards and data stopped before step 1 or with the reward's
+name and record, what is refused.
+
+One SFT adapter is trained per session (``sft_adapter``: a few steps, enough for the colour field) and one
+GRPO run made from it (``grpo_run``); the resumed run is compared with that one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import cli_invoke, die_at_step
+
+import vlft_objectives.grpo as grpo
+from vlft import ConfigError
+from vlft_objectives.rewards import vlft_rewards
+
+GRPO_FIGURES = ("reward", "reward_std", "kl", "clip_fraction", "completion_length", "completions",
+                "completion_tokens", "generation_time_s", "reward_time_s")
+
+
+def offered() -> dict:
+    return {r.name: r for r in vlft_rewards()}
+
+
+# -- the loss, by hand (float64) ---------------------------------------------------------------------------
+
+def test_group_advantages_by_hand():
+    """(r - group mean) / (group std + 1e-4), the std unbiased (n - 1) as TRL's; a group of equal rewards gets
+    0 everywhere; 'none' only centres (Dr. GRPO); 'batch' divides by the whole batch's std."""
+    r = [1.0, 0.0, 0.5, 0.5, 1.0, 1.0, 1.0, 1.0]
+    rewards = torch.tensor(r, dtype=torch.float64)
+    adv, spread = grpo.group_advantages(rewards, 4, "group")
+    std = math.sqrt((0.5 ** 2 + 0.5 ** 2 + 0 + 0) / 3)
+    want = [(x - 0.5) / (std + 1e-4) for x in r[:4]] + [0.0] * 4
+    assert adv.tolist() == pytest.approx(want, rel=1e-12, abs=1e-12)
+    assert spread.tolist() == pytest.approx([std] * 4 + [0.0] * 4, rel=1e-12)
+    adv, _ = grpo.group_advantages(rewards, 4, "none")
+    assert adv.tolist() == pytest.approx([0.5, -0.5, 0, 0, 0, 0, 0, 0], abs=1e-12)
+    mean = sum(r) / 8
+    batch_std = math.sqrt(sum((x - mean) ** 2 for x in r) / 7)
+    adv, _ = grpo.group_advantages(rewards, 4, "batch")
+    assert adv.tolist() == pytest.approx([(x - 0.5) / (batch_std + 1e-4) for x in r[:4]] + [0.0] * 4, rel=1e-12)
+    # groups are consecutive: the same rewards as 2 groups of 4 are not 4 groups of 2
+    assert grpo.group_advantages(rewards, 2, "none")[0].tolist() == pytest.approx([.5, -.5, 0, 0, 0, 0, 0, 0])
+
+
+def test_the_token_loss_clip_and_kl_by_hand():
+    """Per token: -min(ratio A, clip(ratio, 1 - e, 1 + e) A) + beta (exp(ref - logp) - (ref - logp) - 1), with
+    the tokens where the clip decides counted; checked against plain Python arithmetic."""
+    logp = [[-1.0, -2.0, -0.5], [-0.3, -1.5, -2.5]]
+    old = [[-1.5, -2.0, -0.1], [-0.3, -1.0, -3.0]]  # ratios e^0.5 (clipped for A > 0), 1, e^-0.4; 1, e^-0.5, e^0.5
+    ref = [[-1.2, -1.8, -0.5], [-0.2, -1.5, -2.0]]
+    adv = [0.7, -1.3]
+    eps, beta = 0.2, 0.05
+    per_token, kl, clipped = grpo.grpo_token_loss(
+        torch.tensor(logp, dtype=torch.float64), torch.tensor(old, dtype=torch.float64),
+        torch.tensor(ref, dtype=torch.float64), torch.tensor(adv, dtype=torch.float64), epsilon=eps, beta=beta)
+    for i in range(2):
+        for t in range(3):
+            ratio = math.exp(logp[i][t] - old[i][t])
+            a = adv[i]
+            surrogate = min(ratio * a, min(max(ratio, 1 - eps), 1 + eps) * a)
+            d = ref[i][t] - logp[i][t]
+            k = math.exp(d) - d - 1
+            assert float(per_token[i, t]) == pytest.approx(-surrogate + beta * k, rel=1e-12, abs=1e-15), (i, t)
+            assert float(kl[i, t]) == pytest.approx(k, rel=1e-12, abs=1e-15)
+            want_clipped = (ratio > 1 + eps and a > 0) or (ratio < 1 - eps and a < 0)
+            assert bool(clipped[i, t]) == want_clipped, (i, t)
+    assert clipped.tolist() == [[True, False, False], [False, True, False]]
+    assert (kl >= 0).all() and float(kl[0, 2]) == 0  # the estimator is 0 where policy and reference agree
+    # beta 0 (or no reference): no KL term at all
+    plain, none, _ = grpo.grpo_token_loss(torch.tensor(logp, dtype=torch.float64),
+                                          torch.tensor(old, dtype=torch.float64), None,
+                                          torch.tensor(adv, dtype=torch.float64), epsilon=eps, beta=beta)
+    assert none is None and torch.allclose(plain, per_token - beta * kl, rtol=0, atol=1e-15)
+
+
+def test_token_and_sequence_normalisation_by_hand():
+    """token (DAPO): every completion token weighs the same, the step's sum divided by its token count (the
+    core divides); sequence: each completion's token mean, summed (the core divides by completions)."""
+    per_token = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 9.0, 9.0, 9.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.float64)
+    assert float(grpo.reduce_loss(per_token, mask, "token")) == pytest.approx(1 + 2 + 3 + 4)
+    assert float(grpo.reduce_loss(per_token, mask, "sequence")) == pytest.approx((1 + 2 + 3) / 3 + 4 / 1)
+
+
+# -- rewards -------------------------------------------------------------------------------------------------
+
+def test_the_built_in_rewards():
+    rewards = offered()
+    fields = rewards["fields"].build(None)
+    assert fields(["colour: red, defect: none", "colour: red, defect: dent", "red", "defect: none, colour: red"],
+                  ["colour: red, defect: none"] * 4) == [1.0, 0.5, 0.0, 1.0]
+    with pytest.raises(ValueError, match="holds no 'field: value' pairs"):
+        fields(["x"], ["just text"])
+    exact = rewards["exact"].build(None)
+    assert exact(["  colour: red,  defect: none ", "colour: red"], ["colour: red, defect: none"] * 2) == [1.0, 0.0]
+    fmt = rewards["format"].build(r"colour: \w+, defect: \w+")
+    assert fmt(["colour: red, defect: none", "colour: red"], ["", ""]) == [1.0, 0.0]
+    numeric = rewards["numeric"].build(None)
+    assert numeric(["there are 12 of them", "1,200", "none", "12.001"], ["12", "1200", "3", "12"]) == \
+        [1.0, 1.0, 0.0, 0.0]
+    assert rewards["numeric"].build("1e-3")(["12.001"], ["12"]) == [1.0]
+    with pytest.raises(ValueError, match="holds no number"):
+        numeric(["1"], ["no number"])
+    for name, argument, said in (("format", None, "needs a regex"), ("format", "(", "not a regular expression"),
+                                 ("exact", "x", "takes no argument"), ("numeric", "abc", "relative tolerance")):
+        with pytest.raises(ConfigError, match=said):
+            rewards[name].build(argument)
+
+
+def user_reward(completions, references, **context):
+    return [float(len(c) < 10) for c in completions]
+
+
+def test_reward_specs_resolve_plugins_and_user_functions():
+    """NAME, NAME=ARGUMENT (a regex may hold ':'), MODULE:FUNCTION; unknown names list what is offered."""
+    chosen = grpo.resolve_rewards(["fields", "format=colour: \\w+.*", f"{__name__}:user_reward"], offered())
+    assert [label for label, _ in chosen] == ["fields", "format", "user_reward"]
+    assert chosen[1][1](["colour: red, defect: none"], [""]) == [1.0]
+    assert chosen[2][1] is user_reward
+    with pytest.raises(ConfigError, match="no plugin offers a reward 'nosuch'; offered: exact, fields, format, numeric"):
+        grpo.resolve_rewards(["nosuch"], offered())
+    with pytest.raises(ConfigError, match="cannot import no_such_module"):
+        grpo.resolve_rewards(["no_such_module:f"], offered())
+    with pytest.raises(ConfigError, match="has no function 'nothing'"):
+        grpo.resolve_rewards([f"{__name__}:nothing"], offered())
+    with pytest.raises(ConfigError, match="given twice"):
+        grpo.resolve_rewards(["exact", "exact"], offered())
+
+
+def test_a_reward_that_raises_is_named_with_the_record_and_completion():
+    def picky(completions, references, **context):
+        return [1.0 / (c != "boom") for c in completions]  # ZeroDivisionError on 'boom' only
+
+    def short(completions, references, **context):
+        return [1.0]
+
+    where = ["a.jsonl:1", "a.jsonl:2", "a.jsonl:3"]
+    with pytest.raises(grpo.RewardError) as e:
+        grpo.score([("picky", picky)], ["fine", "boom", "ok"], ["r"] * 3, where)
+    assert "reward 'picky' raised ZeroDivisionError" in str(e.value) and "record a.jsonl:2" in str(e.value)
+    assert "'boom'" in str(e.value)
+    with pytest.raises(grpo.RewardError, match="reward 'short' answered 1 values for 3 completions"):
+        grpo.score([("short", short)], ["a", "b", "c"], ["r"] * 3, where)
+    nan = [("nan", lambda c, r, **k: [0.0, float("nan"), 1.0])]
+    with pytest.raises(grpo.RewardError, match=r"reward 'nan' answered nan, not a finite number for record a.jsonl:2"):
+        grpo.score(nan, ["a", "b", "c"], ["r"] * 3, where)
+    totals, parts = grpo.score([("one", lambda c, r, **k: [1.0] * len(c)), ("picky", picky)], ["x", "y"],
+                               ["r", "r"], where[:2])
+    assert totals == [2.0, 2.0] and parts == {"one": [1.0, 1.0], "picky": [1.0, 1.0]}
+
+
+# -- real runs through the CLI ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def demo(tmp_path_factory):
+    """The demo task, small: 48 training and 8 validation conversations ('colour: X, defect: Y')."""
+    from vlft.data.demo import write_demo_dataset
+
+    return write_demo_dataset(tmp_path_factory.mktemp("grpo-demo") / "demo", n_train=48, n_val=8, seed=3)
+
+
+@pytest.fixture(scope="session")
+def sft_adapter(demo, tmp_path_factory):
+    """An SFT run of a few steps from the base: enough to answer in the 'colour: X, defect: Y' form, so the
+    fields reward has something to read (from the base every reward is 0 and every advantage too)."""
+    out = tmp_path_factory.mktemp("grpo-sft") / "sft"
+    code, output = cli_invoke("run", "--backend", "cpu", "--data", demo.train, "--val-data", demo.val, "--output",
+                              out, "--steps", SFT_STEPS, "--batch-size", "4", "--lr", "2e-3", "--eval-every", "0",
+                              "--eval-samples", "8", "--max-new-tokens", "16", "--save-every", "0", "--adapter-opt",
+                              "lora_dropout=0", "--quiet")
+    assert code == 0, output
+    return out
+
+
+SFT_STEPS = "80"  # 80 x 4 at lr 2e-3: colour right, defect about a third (the format learnt)
+
+
+def grpo_args(demo, sft, out, *extra) -> list:
+    """4 GRPO steps of 2 prompts x 4 completions of at most 16 tokens, from the SFT adapter; checkpoints at 2 and
+    4; LoRA dropout 0, so the resumed run can draw the same computation."""
+    return ["run", "--objective", "grpo", "--reward", "fields", "--init-adapter", sft, "--backend", "cpu",
+            "--data", demo.train, "--val-data", demo.val, "--output", out, "--steps", "4", "--batch-size", "2",
+            "--num-generations", "4", "--max-new-tokens", "16", "--temperature", "0.7", "--lr", "3e-4",
+            "--log-every", "1",
+            "--eval-every", "0", "--eval-samples", "8", "--save-every", "2", "--seed", "1",
+            "--adapter-opt", "lora_dropout=0", "--quiet", *extra]
+
+
+@pytest.fixture(scope="session")
+def grpo_run(demo, sft_adapter, tmp_path_factory):
+    out = tmp_path_factory.mktemp("grpo") / "run"
+    code, output = cli_invoke(*grpo_args(demo, sft_adapter, out))
+    assert code == 0, output
+    return out, output
+
+
+def logged(out: Path) -> list[dict]:
+    return [m for m in (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
+
+
+def test_a_grpo_run_from_an_sft_adapter_logs_its_figures_and_trains(grpo_run, sft_adapter):
+    """``vlft run --objective grpo --reward fields --init-adapter SFT``: every step logs the rewards, KL, clip
+    fraction, completion lengths and generation time, all finite and in range; step 1's KL is 0 (the policy is
+    its reference, the SFT adapter); the adapter moved; the plan names the objective's options and what
+    generation costs in memory; the run starts where the SFT run ended (the same greedy answers)."""
+    out, output = grpo_run
+    lines = logged(out)
+    assert [m["step"] for m in lines] == [1, 2, 3, 4]
+    for m in lines:
+        assert set(GRPO_FIGURES) <= set(m), m
+        assert all(math.isfinite(m[k]) for k in GRPO_FIGURES), m
+        assert 0 <= m["reward"] <= 1 and m["reward_std"] >= 0 and m["kl"] >= 0 and m["clip_fraction"] == 0
+        assert m["completions"] == 8 and 8 <= m["completion_tokens"] <= 8 * 16
+        assert m["completion_length"] == pytest.approx(m["completion_tokens"] / 8)
+        assert 0 < m["generation_time_s"] < m["step_time_s"]
+    assert lines[0]["kl"] == 0  # the policy starts as its reference
+    assert any(m["kl"] > 0 for m in lines[1:])  # and leaves it
+    # the SFT adapter answers in fields: rewards are neither all 0 nor all 1 (advantages are not all 0)
+    assert 0 < sum(m["reward"] for m in lines) / 4 < 1 and any(m["reward_std"] > 0 for m in lines)
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["objective"]["options"] == {"num_generations": 4, "temperature": 0.7, "top_p": 1.0,
+                                            "max_new_tokens": 16, "rewards": ["fields"], "beta": 0.04,
+                                            "clip_epsilon": 0.2, "scale_rewards": "group", "norm": "token"}
+    assert plan["objective"]["generation"] == {"sequences_per_record": 4, "new_tokens": 16}
+    assert plan["memory"]["generation_bytes"] > 0 and plan["memory"]["batch"]["samples"] == 8
+    assert "generation (before the trained pass, not beside it): KV cache" in output
+    assert "--init-adapter" in output and plan["init_adapter"] == str(sft_adapter / "adapter")
+    before = json.loads((out / "eval.json").read_text())["before"]
+    sft_after = json.loads((sft_adapter / "eval.json").read_text())["after"]
+    assert [e["prediction"] for e in before["examples"]] == [e["prediction"] for e in sft_after["examples"]]
+    from safetensors.torch import load_file
+
+    start, trained = (load_file(str(p / "adapter" / "adapter_model.safetensors")) for p in (sft_adapter, out))
+    assert any(not torch.equal(start[k], trained[k]) for k in start)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["objective"] == "grpo" and summary["status"] == "completed"
+
+
+def test_a_step_moves_the_policy_toward_the_better_completions(demo, sft_adapter, registry, tmp_path):
+    """The loss's sign: one small gradient step on a rolled-out batch raises the log-probability of the
+    completions with positive advantages against those with negative ones (sum of A_i x the change of
+    completion i's log-probability > 0), as the policy gradient must; at the start the policy is its
+    reference, so the KL term neither adds to the loss nor pulls."""
+    from contextlib import nullcontext
+
+    from vlft.config import build_config
+    from vlft.models.rows import row_inputs
+    from vlft.training.session import prepare
+
+    config = build_config({}, dict(backend="cpu", objective="grpo", data=str(demo.train), val_data=str(demo.val),
+                                   output=str(tmp_path / "r"), steps=1, batch_size=4, init_adapter=str(sft_adapter),
+                                   num_generations=4, max_new_tokens=16, reward=["fields"],
+                                   adapter={"lora_dropout": 0.0}))
+    s = prepare(registry, config)
+    host = s.collate([s.dataset[i] for i in range(4)])
+    for seed in range(10):  # a draw where some group's rewards differ (else every advantage is 0)
+        torch.manual_seed(seed)
+        (batch,), units = s.policy.rollout(s.model, [host], s.device, nullcontext())
+        advantages = batch[grpo.GRPO]["advantages"]
+        if bool((advantages != 0).any()):
+            break
+    assert bool((advantages != 0).any()), "no draw gave the rewards a spread"
+    rows = {k: v for k, v in batch.items() if k != grpo.GRPO}
+    assert units == int((rows["kept_labels"] != -100).sum())  # token norm: the step's completion tokens
+
+    def sequence_logps():
+        with torch.no_grad():
+            logps, _ = grpo.token_logps(s.model, row_inputs(s.model, rows, 4), rows, nullcontext())
+        return logps.sum(1)
+
+    before = sequence_logps()
+    loss, figures = s.plan.objective.loss(s.model, batch, nullcontext(), s.reference)
+    assert float(figures["kl"]) == 0
+    loss.backward()
+    with torch.no_grad():
+        for p in s.model.parameters():
+            if p.requires_grad and p.grad is not None:
+                p -= 1e-2 * p.grad
+    change = sequence_logps() - before
+    assert float((advantages.double() * change.double()).sum()) > 0, (advantages, change)
+
+
+def test_killed_and_resumed_it_draws_the_same_completions(grpo_run, demo, sft_adapter, tmp_path, monkeypatch):
+    """Stopped during step 3 (after the step-2 checkpoint) and resumed: the sampler's state comes back with the
+    checkpoint, so steps 3 and 4 draw and score the same completions and give the same losses; the reference is
+    still the SFT adapter (kept in the checkpoint)."""
+    again = tmp_path / "again"
+    die_at_step(monkeypatch, 3)
+    code, _ = cli_invoke(*grpo_args(demo, sft_adapter, again))
+    assert code != 0 and [m["step"] for m in logged(again)] == [1, 2]
+    monkeypatch.undo()
+    code, output = cli_invoke(*grpo_args(demo, sft_adapter, again, "--resume"))
+    assert code == 0, output
+    for a, b in zip(logged(grpo_run[0]), logged(again), strict=True):
+        for key in ("loss", "reward", "kl", "completion_tokens"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (key, a, b)
+
+
+def always_raises(completions, references, **context):
+    raise RuntimeError("this reward is broken")
+
+
+def raises_off_reference(completions, references, **context):
+    """Scores the references (the check before step 1 passes), raises on anything else."""
+    for c, r in zip(completions, references):
+        if c != r:
+            raise ValueError(f"cannot read {c!r}")
+    return [1.0] * len(completions)
+
+
+def test_a_reward_that_raises_stops_the_run_with_its_name_and_record(demo, sft_adapter, tmp_path):
+    """Raising on the references: a file:line error per record before step 1, nothing written. Raising on a
+    sampled completion: the run stops in step 1 naming the reward, the record and the completion, with no
+    adapter, checkpoint or summary written."""
+    out = tmp_path / "broken"
+    args = [a if a != "fields" else f"{__name__}:always_raises" for a in grpo_args(demo, sft_adapter, out)]
+    code, output = cli_invoke(*args)
+    assert code != 0 and not out.exists(), output
+    assert ("train.jsonl:1: reward 'always_raises' cannot score this record's reference 'colour: " in output
+            and "(RuntimeError: this reward is broken)" in output), output
+    out = tmp_path / "picky"
+    args = [a if a != "fields" else f"{__name__}:raises_off_reference" for a in grpo_args(demo, sft_adapter, out)]
+    code, output = cli_invoke(*args)
+    assert code != 0, output
+    assert "reward 'raises_off_reference' raised ValueError: cannot read" in output, output
+    # the first sampling is the validation before training (val.jsonl) where there are validation batches
+    assert re.search(r"on record (train|val)\.jsonl:\d+ \(completion '", output), output
+    assert not (out / "adapter").exists() and not (out / "summary.json").exists()
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+    assert not (out / "metrics.jsonl").exists() or not logged(out)  # no step was logged
+
+
+def test_bad_data_and_options_stop_before_step_1(demo, tmp_path):
+    data = Path(demo.root) / "bad-grpo.jsonl"  # beside the demo's imgs/
+    good = json.loads(Path(demo.train).read_text().splitlines()[0])
+    ends_with_user = {**good, "conversations": good["conversations"] + [{"from": "human", "value": "and?"}]}
+    data.write_text("".join(json.dumps(r) + "\n" for r in (good, ends_with_user)))
+    out = tmp_path / "run"
+    base = ["run", "--objective", "grpo", "--backend", "cpu", "--output", out, "--steps", "1"]
+    code, output = cli_invoke(*base, "--data", data)
+    assert code != 0 and not out.exists(), output
+    assert "bad-grpo.jsonl:2: the last turn must be the assistant's reply" in output and "bad-grpo.jsonl:1" not in output
+    code, output = cli_invoke(*base, "--data", demo.train, "--val-data", demo.val, "--reward", "numeric")
+    assert code != 0 and not out.exists()
+    assert "train.jsonl:1: reward 'numeric' cannot score this record's reference 'colour: " in output
+    assert "holds no number" in output and "56 problem(s) for the grpo objective" in output  # 48 + 8 records
+    for flags, said in ((["--reward", "nosuch"], "--reward nosuch: no plugin offers a reward 'nosuch'"),
+                        (["--reward", "format=("], "--reward format=(: not a regular expression"),
+                        (["--num-generations", "1"], "--num-generations must be at least 2"),
+                        (["--top-p", "0"], "--top-p must be in (0, 1]"),
+                        (["--shard", "fsdp", "--nproc-per-node", "2"],
+                         "--shard fsdp: the grpo objective cannot run sharded: the completions are sampled"),
+                        (["--packing", "on"], "--packing on: the grpo objective cannot pack")):
+        code, output = cli_invoke(*base, "--data", demo.train, "--val-data", demo.val, *flags)
+        assert code != 0 and said in output and not out.exists(), (flags, output)
+
+
+def test_vlft_objectives_lists_grpo_its_options_and_the_rewards(registry):
+    code, output = cli_invoke("objectives")
+    assert code == 0, output
+    assert "grpo: group relative policy optimisation" in output
+    assert "  num_generations = 4  # --num-generations" in output and "  norm = 'token'  # --grpo-norm" in output
+    assert "logs: reward, reward_std, kl, clip_fraction, completion_length" in output
+    assert "format=REGEX: 1 if the whole completion matches the regex" in output
+    assert {"fields", "exact", "format", "numeric"} <= set(registry.rewards)
+    from vlft.config import RunConfig
+
+    from vlft.testing import check_plugin
+
+    import vlft_objectives.rewards
+
+    for plugin in (grpo, vlft_objectives.rewards):  # answers None for the names of others
+        check_plugin(plugin)
+    # the hook itself, as the core asks it: the rewards on offer passed in, the named ones built
+    answer = registry.pm.hook.vlft_objective(objective="grpo", config=RunConfig(objective="grpo", reward=["exact"]),
+                                             rewards=registry.rewards)
+    assert answer.options["rewards"] == ["exact"] and "reward_exact" not in answer.figures  # one reward: no split
+    assert registry.pm.hook.vlft_objective(objective="kto", config=RunConfig(), rewards={}) is None
+    zero = registry.objective_for(RunConfig(objective="grpo", beta=0.0, grpo_norm="sequence"))
+    assert zero.reference == "" and "kl" not in zero.figures  # beta 0: no reference pass
+    assert zero.average_over == "completions"
+
+
+def test_two_processes_sample_and_train(demo, sft_adapter, tmp_path):
+    """2 data-parallel processes of 1 prompt each: each samples its own prompt's G completions (with its own
+    sampler, so not the draws of one process of 2 prompts), the completion tokens counted over both for the
+    loss; the figures are finite and per process (4 completions a step each)."""
+    import os
+    import subprocess
+
+    from helpers import vlft_command
+
+    out = tmp_path / "two"
+    args = [str(a) for a in grpo_args(demo, sft_adapter, out)]
+    for flag, value in (("--batch-size", "1"), ("--steps", "2"), ("--eval-samples", "2")):
+        args[args.index(flag) + 1] = value
+    proc = subprocess.run([*vlft_command(), *args, "--nproc-per-node", "2"], capture_output=True, text=True,
+                          timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = logged(out)
+    assert [m["step"] for m in lines] == [1, 2]
+    for m in lines:
+        assert m["completions"] == 4 and all(math.isfinite(m[k]) for k in GRPO_FIGURES), m
+    assert lines[0]["kl"] == 0 and (out / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_the_chain_sft_dpo_grpo_runs_as_three_runs(demo, sft_adapter, tmp_path):
+    """README's chain: SFT (the session's adapter), then DPO from it, then GRPO from the DPO adapter, each with
+    --init-adapter; the GRPO run starts from the DPO adapter (its step-1 KL is 0: that adapter is its
+    reference) and trains."""
+    from vlft.data.demo import write_demo_preferences
+
+    pref = write_demo_preferences(tmp_path / "pref", n_train=8, n_val=2, seed=4)
+    common = ["--backend", "cpu", "--batch-size", "2", "--steps", "2", "--log-every", "1", "--eval-every", "0",
+              "--eval-samples", "2", "--max-new-tokens", "16", "--save-every", "0", "--adapter-opt",
+              "lora_dropout=0", "--quiet"]
+    dpo = tmp_path / "dpo"
+    code, output = cli_invoke("run", "--objective", "dpo", "--rpo-alpha", "1", "--init-adapter", sft_adapter,
+                              "--data", pref.train, "--val-data", pref.val, "--output", dpo, *common)
+    assert code == 0, output
+    out = tmp_path / "grpo"
+    code, output = cli_invoke("run", "--objective", "grpo", "--reward", "fields", "--init-adapter", dpo, "--data",
+                              demo.train, "--val-data", demo.val, "--output", out, *common)
+    assert code == 0, output
+    lines = logged(out)
+    assert [m["step"] for m in lines] == [1, 2] and lines[0]["kl"] == 0
+    assert json.loads((out / "plan.json").read_text())["init_adapter"] == str(dpo / "adapter")
+
+
+def test_no_hook_is_called_inside_a_grpo_step(demo, registry, tmp_path, monkeypatch):
+    """Sampling, rewards and the loss run inside the step from what the plan resolved: no hook is asked."""
+    from test_run import hook_calls_inside_steps
+
+    from vlft.config import build_config
+
+    config = build_config({}, dict(backend="cpu", objective="grpo", data=str(demo.train), val_data=str(demo.val),
+                                   output=str(tmp_path / "r"), steps=2, batch_size=1, num_generations=2,
+                                   max_new_tokens=4, eval_every=0, eval_samples=1, save_every=0))
+    assert hook_calls_inside_steps(registry, config, monkeypatch) == []
