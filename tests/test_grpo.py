@@ -246,6 +246,34 @@ def test_a_grpo_run_from_an_sft_adapter_logs_its_figures_and_trains(grpo_run, sf
     assert summary["objective"] == "grpo" and summary["status"] == "completed"
 
 
+def test_sequence_norm_unscaled_rewards_top_p_and_clip_options_reach_the_run(demo, sft_adapter, tmp_path):
+    """``--grpo-norm sequence --scale-rewards none --beta 0`` (with ``--top-p 0.9 --clip-epsilon 0.1``): the plan
+    holds each option, and every logged loss is 0 while the adapter still moves. That is what these options
+    promise together: each completion is one batch's pass over its own sampling (ratio 1), unscaled advantages
+    ``r - mean`` sum to 0 in each group, and the per-sequence mean weighs each completion once, so the loss (not
+    its gradient, ``A * grad log p``) vanishes; under the default token normalisation longer completions weigh
+    more and it does not (the first test's run)."""
+    out = tmp_path / "sequence"
+    args = grpo_args(demo, sft_adapter, out, "--top-p", "0.9", "--clip-epsilon", "0.1", "--scale-rewards", "none",
+                     "--grpo-norm", "sequence", "--beta", "0")
+    for flag, value in (("--steps", "2"), ("--save-every", "0"), ("--eval-samples", "0")):
+        args[args.index(flag) + 1] = value
+    code, output = cli_invoke(*args)
+    assert code == 0, output
+    plan = json.loads((out / "plan.json").read_text())["objective"]["options"]
+    assert (plan["top_p"], plan["clip_epsilon"], plan["scale_rewards"], plan["norm"], plan["beta"]) == (
+        0.9, 0.1, "none", "sequence", 0.0)
+    lines = logged(out)
+    assert [m["step"] for m in lines] == [1, 2]
+    assert any(m["reward_std"] > 0 for m in lines)  # advantages not all 0: the zero below is not trivial
+    for m in lines:
+        assert m["loss"] == pytest.approx(0.0, abs=1e-6), m
+    from safetensors.torch import load_file
+
+    start, trained = (load_file(str(p / "adapter" / "adapter_model.safetensors")) for p in (sft_adapter, out))
+    assert any(not torch.equal(start[k], trained[k]) for k in start)
+
+
 def test_a_step_moves_the_policy_toward_the_better_completions(demo, sft_adapter, registry, tmp_path):
     """The loss's sign: one small gradient step on a rolled-out batch raises the log-probability of the
     completions with positive advantages against those with negative ones (sum of A_i x the change of
