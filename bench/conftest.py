@@ -38,6 +38,9 @@ def pytest_addoption(parser):
     group.addoption("--bench-threads", type=int, default=None,
                     help=f"torch CPU threads for the benchmarks (default: the usable cores, at most 8; "
                          f"{_default_threads()} here).")
+    group.addoption("--bench-large", action="store_true",
+                    help="also run the memory group on the large model (a 2-step session per variant; past "
+                         "make bench's 15 minutes on 2 cores, so on request).")
     group.addoption("--columnar-scales", default="10000,30000",
                     help="record counts of the columnar group's Parquet sets, comma-separated, each checked in "
                          "a process of its own (default 10000,30000: within make bench's 15 minutes on 2 cores; "

@@ -20,9 +20,10 @@ Figures (real tokens/s, the same samples in every variant):
 - packed/grouped: packing against the other way to pad less (target > 1).
 
 Padding lengthens only the text model's rows: the vision tower encodes each image's patches alone in every
-variant. So the figures also give the ceiling weighted by time: the padded run's vision seconds (its tower's
-forward and backward, clocked in the run by ``VisionClock``) stay, the rest shrinks by real/padded positions.
-No way of isolating samples can pass it; packed/padded is reported as a share of it too.
+variant. The share of a padded step its forward and backward take (clocked in the run by ``VisionClock``) is
+reported beside the figures. A ceiling weighted by it (vision seconds kept, the rest shrunk by real/padded
+positions) was tried and dropped: packed beat it (1.39x against 1.25x), because attention over a padded row
+costs more than its positions (its square), so no linear model of the rest bounds packing.
 """
 
 from __future__ import annotations
@@ -142,11 +143,6 @@ def _rates(steps: list[dict]) -> dict:
             "vision_seconds": sum(m["vision_s"] for m in kept)}
 
 
-def time_weighted_ceiling(padded: dict) -> float:
-    """Padded time over the time it would take if only the text model's positions shrank to the real tokens."""
-    rest = padded["seconds"] - padded["vision_seconds"]
-    return padded["seconds"] / (padded["vision_seconds"] + rest * padded["real_tokens"] / padded["positions"])
-
 
 @pytest.mark.benchmark(group="packing")
 def test_packing(benchmark, env, tmp_path, varied_train):
@@ -170,14 +166,11 @@ def test_packing(benchmark, env, tmp_path, varied_train):
     assert seen["packed"][0]["positions"] == pytest.approx(seen["packed"][0]["real_tokens"])  # one row, no pad
     assert seen["packed"][0]["real_tokens"] == pytest.approx(padded["real_tokens"])  # the same samples
     packed = ratio("packed", "padded")
-    weighted = statistics.median(time_weighted_ceiling(r) for r in seen["padded"])
     vision_share = statistics.median(r["vision_seconds"] / r["seconds"] for r in seen["padded"])
     figures = {"packed/padded real tokens/s": figure(packed),
                "padding-free ceiling (padded/real positions)": figure(ceiling),
                "packed/padded as a share of the ceiling": figure(packed / ceiling, ">= 0.9"),
-               "vision tower's share of a padded step": figure(vision_share, unit=""),
-               "padding-free ceiling weighted by time (vision tower unpadded)": figure(weighted),
-               "packed/padded as a share of the time-weighted ceiling": figure(packed / weighted, ">= 0.9")}
+               "vision tower's share of a padded step": figure(vision_share, unit="")}
     if "grouped" in seen:
         figures["packed/grouped real tokens/s"] = figure(ratio("packed", "grouped"), ">= 1")
         figures["grouped/padded real tokens/s"] = figure(ratio("grouped", "padded"))
