@@ -12,12 +12,15 @@ must be installed: ``pip install trl -c constraints`` with the project's torch a
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as `python bench/<this>.py`
+    sys.path.insert(1, str(REPO))
+
+from bench.support.versus import interleaved, options  # noqa: E402 - after the repository is on the path
 
 
 def vlft_stepper(objective: str, data, registry):
@@ -91,11 +94,7 @@ def trl_stepper(pairs, registry, folder: Path):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20, help="steps per timing")
-    parser.add_argument("--rounds", type=int, default=3, help="timings of each, in turns")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    opts = parser.parse_args(argv)
+    opts = options(__doc__.splitlines()[0], 20, argv)
     import torch
 
     from vlft.data.demo import write_demo_preferences
@@ -112,15 +111,7 @@ def main(argv=None) -> int:
         runs["trl dpo"] = trl_stepper((ds.train, ds.val), registry, folder)
     except ImportError as e:
         print(f"trl not installed ({e}); timing vlft only", file=sys.stderr)
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for steps in runs.values():
-        steps(2)  # warm-up: first-step allocations, AdamW state
-    for _ in range(opts.rounds):
-        for name, steps in runs.items():
-            t0 = time.perf_counter()
-            steps(opts.steps)
-            times[name].append((time.perf_counter() - t0) / opts.steps)
-    median = {name: statistics.median(t) for name, t in times.items()}
+    times, _, median = interleaved(runs, opts.rounds, opts.steps)
     print(f"threads {torch.get_num_threads()}, {opts.rounds} rounds of {opts.steps} steps, batch 4")
     for name, t in times.items():
         print(f"{name:9} {median[name]:.4f} s/step (rounds: {', '.join(f'{x:.4f}' for x in t)})")

@@ -14,12 +14,17 @@ transformers, peft, accelerate and datasets pinned (trl 1.16 installs beside tra
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as `python bench/<this>.py`
+    sys.path.insert(1, str(REPO))
+
+from bench.support.versus import interleaved, options  # noqa: E402 - after the repository is on the path
 
 G, PROMPTS, NEW_TOKENS, BETA = 4, 4, 16, 0.04
 
@@ -118,11 +123,7 @@ def trl_stepper(data, registry, folder: Path):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10, help="steps per timing")
-    parser.add_argument("--rounds", type=int, default=3, help="timings of each, in turns")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    opts = parser.parse_args(argv)
+    opts = options(__doc__.splitlines()[0], 10, argv)
     import torch
 
     from vlft.data.demo import write_demo_dataset
@@ -138,17 +139,7 @@ def main(argv=None) -> int:
         runs["trl grpo"] = trl_stepper((ds.train, ds.val), registry, folder)
     except ImportError as e:
         print(f"trl not installed ({e}); timing vlft only", file=sys.stderr)
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    generating: dict[str, list[float]] = {name: [] for name in runs}
-    for steps in runs.values():
-        steps(2)  # warm-up: first-step allocations, AdamW state
-    for _ in range(opts.rounds):
-        for name, steps in runs.items():
-            t0 = time.perf_counter()
-            gen = steps(opts.steps)
-            times[name].append((time.perf_counter() - t0) / opts.steps)
-            generating[name].append(gen / opts.steps)
-    median = {name: statistics.median(t) for name, t in times.items()}
+    times, generating, median = interleaved(runs, opts.rounds, opts.steps)
     print(f"threads {torch.get_num_threads()}, {opts.rounds} rounds of {opts.steps} steps, {PROMPTS} prompts x G={G}, "
           f"{NEW_TOKENS} new tokens")
     for name, t in times.items():
