@@ -220,6 +220,27 @@ def test_rows_are_read_lazily_with_images_decoded_once(hub_sets, monkeypatch):
     assert trl[3].where == "trl/data-00000-of-00001.arrow: row 3"
 
 
+def test_measuring_checked_rows_reads_each_images_size_as_the_check_decoded_it(hub_sets, processor):
+    """A check measures its rows after reading them: a worker reads a run of rows together and each distinct
+    image's size from its header (not the pixels). Lengths and grids come out as on the records the check
+    built with every image decoded (images of three shapes, 56x56, 84x56, 56x112: a swapped width and height
+    changes the grid), in any order the run's held-out split and weighting leave the rows in."""
+    from vlft.data.encoding import SampleEncoder
+    from vlft.data.lazy import read_compact
+
+    encoder = SampleEncoder(processor)
+    for name in ("onevision", "cauldron", "trl"):
+        rows, problems = read_compact(hub_sets[name])
+        assert not problems.items
+        checked = read_records(hub_sets[name])
+        order = [4, 0, 1, 3, 2, 2][:len(checked)] if len(checked) >= 5 else list(range(len(checked)))[::-1]
+        for records, expected in ((rows, checked), (rows.take(order), [checked[i] for i in order])):
+            read = list(records)
+            assert [r.where for r in read] == [r.where for r in expected]
+            assert [r.image_sizes for r in read] == [r.image_sizes for r in expected]
+            assert [encoder.measure_labelled(r) for r in read] == [encoder.measure_labelled(r) for r in expected]
+
+
 def test_a_folder_of_shards_and_a_glob_read_as_one_set(hub_sets, tmp_path):
     """Shards in a folder (sorted by name) and a glob over them: every row once, each named by its shard."""
     rows = _onevision_rows()

@@ -233,3 +233,38 @@ def test_an_axolotl_base64_image_part_is_read_and_a_part_without_a_source_names_
     with pytest.raises(DataError) as err:
         read_records(path)
     assert "an image part without a source (keys found: 'b64_json', 'type'; a source is one of 'image', " in str(err.value)
+
+
+def _bos_tokenizer():
+    """A fast tokenizer whose special tokens add a BOS (the embedded Qwen tokenizer adds none), built with
+    ``tokenizers`` (a word-level vocabulary, a template post-processor) and wrapped as transformers wraps one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<s>", "<unk>", "<pad>", "<img>", "hello", "world", "the", "reply", "\n"]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", unk_token="<unk>",
+                                   pad_token="<pad>", additional_special_tokens=["<img>"])
+
+
+def test_piece_ids_equal_the_tokenizers_own_calls(processor):
+    """``tokenize_pieces`` (the Rust backend's batch call, which a data check makes for every record) gives the
+    ids of the tokenizer's own two calls: special tokens on the first piece only, added tokens kept whole,
+    empty pieces empty. A tokenizer whose backend was left set to truncate goes through its own call (which
+    truncates nothing unless asked), not the backend (which would)."""
+    from vlft import tokenize_pieces
+
+    qwen = processor.tokenizer
+    bos = _bos_tokenizer()
+    cases = [(qwen, ["<|im_start|>user\n<|vision_start|>" + "<|image_pad|>" * 5 + "<|vision_end|>hi<|im_end|>\n",
+                     " the reply<|im_end|>", "\n", "", "  two  spaces"]),
+             (bos, ["hello <img> <img> world", "the reply", "", "hello"]), (bos, ["hello"]), (bos, [])]
+    for tok, texts in cases:
+        own = (tok(texts[:1], add_special_tokens=True)["input_ids"]
+               + (tok(texts[1:], add_special_tokens=False)["input_ids"] if len(texts) > 1 else [])) if texts else []
+        assert tokenize_pieces(tok, texts) == own
+    assert tokenize_pieces(bos, ["hello world", "hello"]) == [[0, 4, 5], [4]]  # one BOS, on the first piece
+    bos.backend_tokenizer.enable_truncation(max_length=2)
+    assert tokenize_pieces(bos, ["hello world the", "hello"]) == [[0, 4, 5, 6], [4]]  # the tokenizer's own call

@@ -132,7 +132,7 @@ class QwenVision:
     def write(self, processor, texts: list[str], prepared: dict):
         import torch
 
-        from vlft import Written
+        from vlft import Written, tokenize_pieces
 
         merge_length = getattr(processor.image_processor, "merge_size", 1) ** 2
 
@@ -143,10 +143,7 @@ class QwenVision:
         counts = {image_token: tokens(prepared["image_grids"]), video_token: tokens(prepared["video_grids"])}
         pads = re.compile("|".join(re.escape(t) for t in counts if t))
         texts = [pads.sub(lambda m: m.group(0) * next(counts[m.group(0)]), text) for text in texts]
-        # one tokenizer call for the first piece (special tokens) and one for the rest: the same ids as a call each
-        ids = processor.tokenizer(texts[:1], add_special_tokens=True)["input_ids"] if texts else []
-        if len(texts) > 1:
-            ids += processor.tokenizer(texts[1:], add_special_tokens=False)["input_ids"]
+        ids = tokenize_pieces(processor.tokenizer, texts)
         flat = torch.tensor([i for piece in ids for i in piece], dtype=torch.long)
         # 1 image, 2 video: the 3-D rotary positions space video tokens out in time
         types = (flat == processor.image_token_id).long()

@@ -11,7 +11,7 @@ bytes is a path, resolved as JSON paths are.
 Arrow files are memory-mapped (their buffers are read in place); Parquet files are read a row group at a
 time, and a sample's image reads the row group's image column (the last few kept per process). A run
 keeps only each checked row's place (``data.lazy``) and builds the sample's record again from its row
-(``read_row``; the row group's columns kept the same way).
+(``read_rows``; the row group's columns kept the same way).
 
 Imports inside functions: pyarrow loads only when a columnar file is read (``vlft --help`` and JSON runs
 never pay for it).
@@ -184,13 +184,15 @@ def iter_rows(path: Path, label: str, columns: dict[str, str] | None = None) -> 
             yield _where(label, group, row), _row_object(cells, read, shapes, file, row), row
 
 
-def read_row(path: Path, row: int, label: str, columns: dict[str, str] | None = None) -> tuple[str, dict]:
-    """(where, record dict) of one row, as ``iter_rows`` gives it: a training sample built from its row (its
-    row group is read once and kept, ``KEEP_GROUPS`` of them per process)."""
+def read_rows(path: Path, rows, label: str, columns: dict[str, str] | None = None) -> list[tuple[str, dict]]:
+    """(where, record dict) of each of ``rows``, in that order, as ``iter_rows`` gives them: training samples or
+    a check's measuring built from their rows (a Parquet row group read once and kept, ``KEEP_GROUPS`` of them
+    per process; the rows of one group converted together)."""
     table = _opened(path)
     read, shapes = _row_plan(table, label, columns)
-    group, cells = table.row(list(read), row)
-    return _where(label, group, row), _row_object(cells, read, shapes, str(Path(path).resolve()), row)
+    file = str(Path(path).resolve())
+    return [(_where(label, group, row), _row_object(cells, read, shapes, file, row))
+            for row, group, cells in table.rows(list(read), [int(r) for r in rows])]
 
 
 def _row_plan(table: "_Table", label: str, columns: dict[str, str] | None) -> tuple[dict[str, str], dict]:
@@ -272,14 +274,27 @@ class _Table:
                 raise DataError(f"{label}: row group {group} cannot be read as Parquet ({e}); the file is "
                                 f"damaged: download or export it again") from None
 
-    def row(self, names: list[str], row: int) -> tuple[int | None, dict]:
-        """(row group or None, {column: value}) of one row; a Parquet row group's columns are read once and
-        kept (the last ``KEEP_GROUPS``), so samples drawn from one group cost one read."""
-        if self.format != "parquet":
-            return None, self.table.select(names).slice(row, 1).to_pylist()[0]
-        group = self._group_of(row)
-        rows = self._kept((group, tuple(names)), lambda: self.parquet.read_row_group(group, columns=names))
-        return group, rows.slice(row - self.group_starts[group], 1).to_pylist()[0]
+    def rows(self, names: list[str], rows: list[int]) -> list[tuple[int, int | None, dict]]:
+        """(row, row group or None, {column: value}) of each row, in order; a Parquet row group's columns are
+        read once and kept (the last ``KEEP_GROUPS``), so samples drawn from one group cost one read, and
+        a stretch of consecutive rows is converted in one call (slices: ``take`` would load pyarrow.compute,
+        and with it pandas, in every check worker)."""
+        out = []
+        start = 0
+        while start < len(rows):  # stretches of consecutive rows within one row group
+            if self.format == "parquet":
+                group = self._group_of(rows[start])
+                lo, hi = self.group_starts[group], self.group_starts[group + 1]
+                table = self._kept((group, tuple(names)), lambda: self.parquet.read_row_group(group, columns=names))
+            else:
+                group, lo, hi, table = None, 0, self.table.num_rows, self.table.select(names)
+            end = start + 1
+            while end < len(rows) and rows[end] == rows[end - 1] + 1 and rows[end] < hi:
+                end += 1
+            cells = table.slice(rows[start] - lo, end - start).to_pylist()
+            out += [(row, group, c) for row, c in zip(rows[start:end], cells)]
+            start = end
+        return out
 
     def _group_of(self, row: int) -> int:
         from bisect import bisect_right  # only Parquet rows are found through their row group

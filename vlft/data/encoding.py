@@ -32,6 +32,7 @@ from vlft.data.records import IGNORE_INDEX, IMAGE_PLACEHOLDER, Record, Turn, ima
 from vlft.data.video import VideoError, read_frames
 from vlft.errors import ConfigError, DataError
 from vlft.policies import Media, Written
+from vlft.tokens import tokenize_pieces
 
 
 class _NotPrefix(Exception):
@@ -175,10 +176,7 @@ class SampleEncoder:
         """(input_ids, labels, the sample's extra model inputs, grids) of rendered pieces over prepared media."""
         texts = [text for text, _ in pieces]
         if self.images is None:
-            ids = self.tokenizer(texts[:1], add_special_tokens=True)["input_ids"] if texts else []
-            if len(texts) > 1:
-                ids += self.tokenizer(texts[1:], add_special_tokens=False)["input_ids"]
-            written = Written(ids)
+            written = Written(tokenize_pieces(self.tokenizer, texts))
         else:
             written = self.family.call("image_inputs.write", self.images.write, self.processor, texts, prepared)
         input_ids: list[int] = []

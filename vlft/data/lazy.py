@@ -4,7 +4,7 @@ A checked JSON record is a ``Record`` in a list (the file was read whole anyway)
 million rows, and a ``Record`` costs about 3 KB of Python objects, so a run keeps of each checked row only its
 place: the file (an int32 into the set's file list) and the row (an int64). ``ColumnarRecords`` is a
 ``Sequence`` over those places: ``records[i]`` reads row i again through pyarrow (its row group kept, see
-``columnar.read_row``) and builds its ``Record`` when the sample is encoded; ``records[idx]`` with a slice or
+``columnar.read_rows``) and builds its ``Record`` when the sample is encoded; ``records[idx]`` with a slice or
 a list of indices is another such sequence, sharing the file list. It pickles as its arrays, so the checked
 -data cache and DataLoader workers carry 12 bytes per record.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from vlft.data.columnar import close, data_files, file_format
-from vlft.data.records import Record, read_records_collecting, record_at
+from vlft.data.records import Record, read_records_collecting, record_at, records_at
 
 
 class ColumnarRecords(Sequence):
@@ -51,6 +51,20 @@ class ColumnarRecords(Sequence):
             raise IndexError(index)
         path, label = self.files[self.file_of[index]]
         return record_at(Path(path), int(self.rows[index]), label, **self.reading)
+
+    def __iter__(self):
+        """The records in order, read a run of rows of one file at a time (``records_at``: a row group's rows
+        converted together, each distinct image's size read once): how a check's workers measure their share."""
+        n, run = len(self), 1024
+        start = 0
+        while start < n:
+            f = self.file_of[start]
+            end = start + 1
+            while end < n and end - start < run and self.file_of[end] == f:
+                end += 1
+            path, label = self.files[f]
+            yield from records_at(Path(path), self.rows[start:end], label, **self.reading)
+            start = end
 
     def take(self, indices) -> ColumnarRecords:
         idx = np.asarray(indices, dtype=np.int64)

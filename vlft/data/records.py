@@ -41,7 +41,7 @@ from vlft.data.columnar import (
     data_files,
     file_format,
     iter_rows,
-    read_row,
+    read_rows,
 )
 from vlft.data.formats import FormatProblem, parse_record, stray_marker
 from vlft.data.safety import image_file_problem, open_image, read_text_file
@@ -302,21 +302,33 @@ def record_at(file: Path, row: int, label: str, image_root: str | Path | None = 
               add_placeholders: bool = False, columns: dict[str, str] | None = None, parse=None) -> Record:
     """The record of one row of a columnar file that was checked before, built again from the row (its
     images stay places in the file, decoded when the sample is encoded)."""
-    where, obj = read_row(file, row, label, check_column_map(columns))
-    problems = _Problems(file)
+    return records_at(file, [row], label, image_root, add_placeholders, columns, parse, sizing=False)[0]
+
+
+def records_at(file: Path, rows, label: str, image_root: str | Path | None = None, add_placeholders: bool = False,
+               columns: dict[str, str] | None = None, parse=None, sizing: bool = True) -> list[Record]:
+    """``record_at`` of several rows of one file, read together (a row group's rows in one conversion, not one
+    each) and, with ``sizing``, each image's size read from its header, once per distinct image: measuring a
+    checked set's rows needs the sizes, not the pixels."""
     root = Path(image_root) if image_root is not None else None
-    record = _record(where, obj, file.parent, _ImageChecker(root, check=False), add_placeholders, problems, parse)
-    if record is None:
-        raise DataError(f"{problems.items[0]}\n{file} changed after it was checked; run again to check it anew")
-    return record
+    images = _ImageChecker(root, check=False, sizing=sizing)
+    out = []
+    for where, obj in read_rows(file, rows, label, check_column_map(columns)):
+        problems = _Problems(file)
+        record = _record(where, obj, file.parent, images, add_placeholders, problems, parse)
+        if record is None:
+            raise DataError(f"{problems.items[0]}\n{file} changed after it was checked; run again to check it anew")
+        out.append(record)
+    return out
 
 
 class _ImageChecker:
     """Resolves and decodes a read's images: a path named by many records is resolved once, and an image
     (file or bytes) decoded once however many records name it."""
 
-    def __init__(self, root: Path | None, check: bool):
+    def __init__(self, root: Path | None, check: bool, sizing: bool = False):
         self.root, self.check = root, check
+        self.sizing = sizing and not check  # unchecked, but each image's size read from its header
         self.resolved: dict[tuple, tuple] = {}  # (folder, path) -> (source, problem)
         self.sizes: dict[bytes, tuple[int, int] | Exception] = {}  # digest of embedded bytes -> size or problem
 
@@ -333,6 +345,9 @@ class _ImageChecker:
         else:
             source, problem = _resolve_image(value, base_dir, self.root)
         size = None
+        if problem is None and self.sizing:
+            with Image.open(image_file_or_bytes(source)) as img:
+                size = img.size
         if problem is None and self.check:
             try:
                 size = checked_image_size(source)
@@ -342,10 +357,13 @@ class _ImageChecker:
         return source, size, problem
 
     def _embedded(self, image: EmbeddedImage) -> tuple[tuple[int, int] | None, str | None]:
-        if not self.check:
+        if not (self.check or self.sizing):
             return None, None
         key = hashlib.blake2b(image.data, digest_size=16).digest()
         found = self.sizes.get(key)
+        if found is None and self.sizing:  # checked before: its header says its size
+            with Image.open(io.BytesIO(image.data)) as img:
+                found = self.sizes[key] = img.size
         if found is None:
             try:
                 found = load_image(image.data).size
@@ -402,7 +420,8 @@ def _record(where: str, obj: Any, base_dir: Path, images: _ImageChecker, add_pla
         videos.append(source)
     rejected = [Turn(ROLE_ALIASES[t.role], t.text, t.loss is not False) for t in parsed.rejected] \
         if parsed.rejected is not None else None
-    return Record(turns, sources, where, obj.get("id"), sizes if images.check else None, videos, parsed.layout,
+    return Record(turns, sources, where, obj.get("id"), sizes if images.check or images.sizing else None, videos,
+                  parsed.layout,
                   rejected)
 
 
