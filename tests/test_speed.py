@@ -613,3 +613,24 @@ def test_the_loss_reads_each_rows_positions_from_either_transformers_layout():
     assert OldLayout()(batch["logit_positions"]).logits.dim() == 4
     for model in (NewLayout(), OldLayout()):
         torch.testing.assert_close(batch_loss_sum(model, {}, batch), want)
+
+
+def test_the_sampler_draws_the_seeded_shuffle_from_an_array_not_a_list_per_epoch():
+    """The epoch's order is an int64 array (a list of Python ints holds 36 bytes a sample for the epoch: at a
+    million rows more than the rows' places); iterating it, its length and ``indices()`` are the seeded
+    shuffle's share as the list gave it, for every rank, offset and with --group-by-length."""
+    import numpy as np
+
+    from vlft.data.order import EpochSampler
+
+    lengths = _lengths(n=103)
+    for n, world, start, grouped in [(103, 1, 0, False), (103, 2, 5, False), (103, 3, 7, True), (10, 4, 0, False)]:
+        for rank in range(world):
+            s = EpochSampler(n, 7, 2, rank, world, start=start, lengths=lengths[:n] if grouped else None,
+                             batch_size=2)
+            assert isinstance(s.order(), np.ndarray) and s.order().dtype == np.int64
+            assert list(s) == s.indices() and len(s) == len(s.indices())
+            if not grouped:
+                usable = n - n % world
+                shuffle = torch.randperm(n, generator=torch.Generator().manual_seed(7 + 2)).tolist()
+                assert s.indices() == shuffle[rank:usable:world][start:]
