@@ -388,6 +388,13 @@ def test_bad_data_and_options_stop_before_step_1(demo, tmp_path):
     assert code != 0 and not out.exists()
     assert "train.jsonl:1: reward 'numeric' cannot score this record's reference 'colour: " in output
     assert "holds no number" in output and "56 problem(s) for the grpo objective" in output  # 48 + 8 records
+    # vlft data check finds the same before any run: the objective's layout and its rewards' check
+    code, output = cli_invoke("data", "check", "--objective", "grpo", "--reward", "numeric", demo.train)
+    assert code != 0 and "48 problem(s) found" in output, output
+    assert "train.jsonl:1: reward 'numeric' cannot score this record's reference 'colour: " in output
+    code, output = cli_invoke("data", "check", "--objective", "grpo", data)
+    assert code != 0 and "bad-grpo.jsonl:2: the last turn must be the assistant's reply" in output, output
+    assert cli_invoke("data", "check", "--objective", "grpo", "--reward", "fields", demo.train)[0] == 0
     for flags, said in ((["--reward", "nosuch"], "--reward nosuch: no plugin offers a reward 'nosuch'"),
                         (["--reward", "format=("], "--reward format=(: not a regular expression"),
                         (["--num-generations", "1"], "--num-generations must be at least 2"),

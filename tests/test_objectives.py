@@ -254,6 +254,17 @@ def test_bad_preference_data_stops_before_step_1_with_file_and_line(pref, tmp_pa
                         (7, "a preference record needs its prompt beside 'chosen' and 'rejected'")):
         assert f"bad.jsonl:{where}: {said}" in output, (where, output)
     assert "5 problem(s)" in output and "bad.jsonl:5" not in output and "bad.jsonl:6" not in output
+    # vlft data check reads the objective's layout too: the same problems, and the good pairs counted as such
+    code, output = cli_invoke("data", "check", "--objective", "dpo", data)
+    assert code != 0 and "5 problem(s) found" in output, output
+    for where in (1, 2, 3, 4, 7):
+        assert f"bad.jsonl:{where}: " in output, (where, output)
+    code, output = cli_invoke("data", "check", "--objective", "dpo", "--json", pref.train)
+    assert code == 0, output
+    [entry] = json.loads(output)["files"]
+    assert entry["records"] == 16 and entry["problems"] == 0 and entry["images"] == 16
+    assert all(layout.startswith("preference") for layout in entry["layouts"]), entry
+    assert cli_invoke("data", "check", pref.train)[0] != 0  # read as conversations, a pair has no reply
     # the good records of both layouts read the same: one prompt and image, the two replies
     records, problems = read_records_collecting(data, parse=parse_preference)
     assert problems.count == 5 and [r.where for r in records] == ["bad.jsonl:5", "bad.jsonl:6"]

@@ -31,17 +31,23 @@ def data():
 @click.option("--max-pixels", type=int, default=None, help="As `vlft run --max-pixels`.")
 @click.option("--video-fps", type=float, default=2.0, show_default=True)
 @click.option("--video-max-frames", type=int, default=16, show_default=True)
+@click.option("--objective", default="sft", show_default=True,
+              help="As `vlft run --objective`: the records are read and checked in its layout (dpo: chosen and "
+                   "rejected; see `vlft objectives`).")
+@click.option("--reward", "rewards", multiple=True, metavar="NAME|MODULE:FUNCTION",
+              help="As `vlft run --reward` (grpo): each reward must score every record's reference.")
 @click.option("--longest", default=5, show_default=True, help="How many of the longest records to list.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @user_errors
-def check(files, model, image_root, add_placeholders, columns, max_pixels, video_fps, video_max_frames, longest, as_json):
+def check(files, model, image_root, add_placeholders, columns, max_pixels, video_fps, video_max_frames, objective,
+          rewards, longest, as_json):
     """Validate FILE... (records, turns, images, videos, token lengths) with the messages `vlft run` gives.
 
     A FILE is JSON, JSONL, Parquet or Arrow, a saved `datasets` folder, a folder of shards or a glob.
     Exits non-zero when any record has a problem."""
     from tqdm.auto import tqdm
 
-    from vlft.config import parse_columns
+    from vlft.config import RunConfig, parse_columns
     from vlft.data.columnar import unread_columns
     from vlft.data.encoding import SampleEncoder
     from vlft.data.lengths import measure_all
@@ -52,11 +58,16 @@ def check(files, model, image_root, add_placeholders, columns, max_pixels, video
         model_config_and_family,
         resolve_model_path,
     )
+    from vlft.registry import get_registry
 
+    # the objective as a run resolves it: its layout reader, its samples' encoder, its own checks
+    chosen = get_registry().objective_for(RunConfig(objective=objective, reward=list(rewards) or None))
     path = resolve_model_path(model)
     _, family = model_config_and_family(path)
     encoder = SampleEncoder(load_processor(path, family), max_pixels=max_pixels, video_fps=video_fps,
                             video_max_frames=video_max_frames, family=family)
+    if chosen.encoder is not None:
+        encoder = chosen.encoder(encoder)
     mapping = parse_columns(columns)
     report = {"files": [], "problems": [], "notes": []}
     measured = []
@@ -64,7 +75,8 @@ def check(files, model, image_root, add_placeholders, columns, max_pixels, video
         entry = {"file": name}
         try:
             records, problems = read_records_collecting(Path(name), image_root=image_root,
-                                                        add_placeholders=add_placeholders, columns=mapping)
+                                                        add_placeholders=add_placeholders, columns=mapping,
+                                                        parse=chosen.parse)
             unread = unread_columns(name, mapping)
         except DataError as e:
             report["problems"].append(str(e))
@@ -84,6 +96,8 @@ def check(files, model, image_root, add_placeholders, columns, max_pixels, video
                 report["problems"].append(str(result))
                 continue
             measured.append((result[0], f"{Path(name).parent / r.where}"))
+        if chosen.check is not None:  # the objective's own problems (DPO: identical sides; GRPO: unscorable)
+            report["problems"] += chosen.check(records)
         report["notes"] += [f"{file}: columns not read: {', '.join(cols)} (--columns OURS=THEIRS reads one as a "
                             f"key vlft knows)" for file, cols in unread.items()]
         entry.update(records=len(records), problems=problems.count, layouts=layouts, unread_columns=unread,
