@@ -12,8 +12,9 @@ scale the same set converted to JSON Lines (``vlft data convert``, images writte
 the rate JSON Lines gives on the same records.
 
 Larger scales are left to ``--columnar-scales``: ``make bench`` must finish within 15 minutes on 2 cores, and
-10^5 records add about 5 minutes (381 records/s measured on 2 shared cores), 10^6 about 45; the growth per
-record between the two default scales says what more records would hold.
+10^5 records add about 2 minutes (922 records/s measured on 2 cores), 10^6 about 15 (1,274 records/s: 13 min
+5 s cold, plus writing the set); the growth per record between the two default scales says what more records
+would hold.
 
 Figures: records/s cold at each scale (target: JSON Lines' own rate on the same records), records/s from
 the cache, MiB resident at the peak and held after the check, bytes held per record, MiB resident at the
