@@ -230,7 +230,8 @@ def test_a_grpo_run_from_an_sft_adapter_logs_its_figures_and_trains(grpo_run, sf
     plan = json.loads((out / "plan.json").read_text())
     assert plan["objective"]["options"] == {"num_generations": 4, "temperature": 0.7, "top_p": 1.0,
                                             "max_new_tokens": 16, "rewards": ["fields"], "beta": 0.04,
-                                            "clip_epsilon": 0.2, "scale_rewards": "group", "norm": "token"}
+                                            "clip_epsilon": 0.2, "num_iterations": 1, "scale_rewards": "group",
+                                            "norm": "token"}
     assert plan["objective"]["generation"] == {"sequences_per_record": 4, "new_tokens": 16}
     assert plan["memory"]["generation_bytes"] > 0 and plan["memory"]["batch"]["samples"] == 8
     assert "generation (before the trained pass, not beside it): KV cache" in output
@@ -338,6 +339,163 @@ def test_killed_and_resumed_it_draws_the_same_completions(grpo_run, demo, sft_ad
     for a, b in zip(logged(grpo_run[0]), logged(again), strict=True):
         for key in ("loss", "reward", "kl", "completion_tokens"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (key, a, b)
+
+
+# -- --num-iterations: each rollout trained on over N steps ------------------------------------------------------
+
+def test_the_data_order_draws_each_rollouts_prompts_for_n_steps_and_resumes_inside_one():
+    """``DataOrder.repeat``: every group of batches N times in a row (the same list, which the kept rollout
+    trains on again), an epoch N times the steps, resumed inside a group for the steps it has left; naming a
+    step's records and the memory plan's batches follow the same order."""
+    from vlft.data.order import DataOrder, batches, run_micro_batches, step_indices, total_steps_for
+
+    def collate(samples):
+        return samples
+
+    dataset, n = list(range(10)), 3
+    once, repeated = DataOrder(batch_size=2, grad_accum=1, seed=3), DataOrder(batch_size=2, grad_accum=1, seed=3,
+                                                                              repeat=n)
+    straight = batches(dataset, collate, once, 0)
+    groups = [next(straight) for _ in range(7)]  # more than an epoch (5 steps)
+    drawn = batches(dataset, collate, repeated, 0)
+    steps = [next(drawn) for _ in range(7 * n)]
+    assert steps == [g for g in groups for _ in range(n)]
+    assert all(steps[k] is steps[k - k % n] for k in range(len(steps)))  # one list per rollout
+    resumed = batches(dataset, collate, repeated, 4)  # inside the second group: its last 2 steps, then on
+    assert [next(resumed) for _ in range(8)] == steps[4:12]
+    for k in (1, 3, 4, 16, 21):
+        assert step_indices(len(dataset), repeated, k) == [j for b in steps[k - 1] for j in b]
+    assert total_steps_for(len(dataset), None, 1.0, 2, 1, 1, repeat=n) == 5 * n
+    assert list(run_micro_batches(len(dataset), repeated, 5 * n)) == list(run_micro_batches(len(dataset), once, 5))
+
+
+def test_a_kept_rollout_samples_on_each_rollouts_first_step_and_after_a_resume_inside_one():
+    from vlft.training.rollouts import KeptRollout
+
+    sampled = []
+
+    def rollout(model, host_batches, device, autocast):
+        sampled.append(host_batches)
+        return [{"rollout": len(sampled)}], len(sampled)
+
+    kept = KeptRollout(rollout, iterations=3, start_step=0)
+    got = [kept(None, [f"prompts {k // 3}"], None, None)[1] for k in range(7)]
+    assert got == [1, 1, 1, 2, 2, 2, 3] and sampled == [["prompts 0"], ["prompts 1"], ["prompts 2"]]
+    sampled.clear()
+    resumed = KeptRollout(rollout, iterations=3, start_step=4)  # a checkpoint of step 4: inside a rollout
+    assert [resumed(None, [k], None, None)[1] for k in range(4)] == [1, 1, 2, 2]
+
+
+def iterations_args(demo, sft, out, *extra) -> list:
+    """``grpo_args`` with ``--num-iterations 2`` and a clip narrow enough for one update to leave it:
+    rollouts sampled at steps 1 and 3, trained on again at 2 and 4; a checkpoint at each step, the last 3 kept
+    (the resume test resumes from step 2's and step 3's)."""
+    args = grpo_args(demo, sft, out, "--num-iterations", "2", "--clip-epsilon", ITERATIONS_EPSILON,
+                     "--keep-checkpoints", "3", *extra)
+    args[args.index("--save-every") + 1] = "1"
+    return args
+
+
+ITERATIONS_EPSILON = "0.001"
+
+
+@pytest.fixture(scope="session")
+def iterations_run(demo, sft_adapter, tmp_path_factory):
+    out = tmp_path_factory.mktemp("grpo-iterations") / "run"
+    code, output = cli_invoke(*iterations_args(demo, sft_adapter, out))
+    assert code == 0, output
+    return out, output
+
+
+SAME_COMPLETIONS = ("reward", "reward_std", "completion_length", "completions", "completion_tokens")
+
+
+def test_num_iterations_trains_each_rollout_over_n_steps_and_the_clip_acts(grpo_run, iterations_run):
+    """``--num-iterations 2``: step 1 is the N = 1 run's step 1 to the bit (the same rollout, trained under the
+    weights that sampled it: ratio 1, nothing clipped); step 2 trains on step 1's completions again (the same
+    rewards and lengths, no sampling time) against step 1's log-probabilities, so the updated policy's ratio
+    leaves [1 - e, 1 + e] and ``clip_fraction`` is above 0, and its loss is not the N = 1 run's (which sampled
+    new completions); step 3 samples again (ratio 1) and step 4 clips again. The plan shows the option."""
+    out, output = iterations_run
+    once, twice = logged(grpo_run[0]), logged(out)
+    assert [m["step"] for m in twice] == [1, 2, 3, 4]
+    assert {k: twice[0][k] for k in ("loss", *GRPO_FIGURES) if "time" not in k} == \
+        {k: once[0][k] for k in ("loss", *GRPO_FIGURES) if "time" not in k}
+    for first, again in ((twice[0], twice[1]), (twice[2], twice[3])):
+        assert first["clip_fraction"] == 0 and first["generation_time_s"] > 0
+        assert again["clip_fraction"] > 0, again
+        assert {k: again[k] for k in SAME_COMPLETIONS} == {k: first[k] for k in SAME_COMPLETIONS}
+        assert again["generation_time_s"] == 0 and again["reward_time_s"] == 0
+    assert twice[1]["loss"] != once[1]["loss"]
+    plan = json.loads((out / "plan.json").read_text())["objective"]
+    assert plan["options"]["num_iterations"] == 2 and plan["options"]["clip_epsilon"] == float(ITERATIONS_EPSILON)
+    assert "the first of every 2 steps samples (--num-iterations 2)" in output
+
+
+def test_num_iterations_resumes_exactly_at_a_rollouts_end_and_samples_again_inside_one(
+        iterations_run, demo, sft_adapter, tmp_path):
+    """The N = 2 run resumed from its step-2 checkpoint (a rollout's end: nothing kept is lost) draws and trains
+    what it did uninterrupted; resumed from step 3's (inside the second rollout, whose kept completions no
+    checkpoint holds) it says so and samples step 4's prompts again: a fresh rollout, ratio 1, nothing clipped.
+    Each resume starts from a copy of the finished run with the newer checkpoints removed, as a run stopped
+    after that checkpoint would have left it (the resume truncates metrics.jsonl to the checkpoint's step)."""
+    import shutil
+
+    uninterrupted = logged(iterations_run[0])
+
+    def resumed_from(step: int) -> tuple[Path, str]:
+        out = tmp_path / f"from-{step}"
+        shutil.copytree(iterations_run[0], out)
+        for checkpoint in (out / "checkpoints").glob("step-*"):
+            if int(checkpoint.name.rpartition("-")[2]) > step:
+                shutil.rmtree(checkpoint)
+        code, output = cli_invoke(*iterations_args(demo, sft_adapter, out, "--resume"))
+        assert code == 0, output
+        assert f"resumed      from step {step}" in output and [m["step"] for m in logged(out)] == [1, 2, 3, 4]
+        return out, output
+
+    at_end, output = resumed_from(2)
+    assert "resumed inside a rollout" not in output
+    for a, b in zip(uninterrupted, logged(at_end), strict=True):
+        assert {k: b[k] for k in ("loss", *GRPO_FIGURES) if "time" not in k} == \
+            {k: a[k] for k in ("loss", *GRPO_FIGURES) if "time" not in k}, (a, b)
+
+    inside, output = resumed_from(3)
+    assert "resumed inside a rollout (--num-iterations 2): the prompts of step 4 are sampled again" in output
+    last = logged(inside)[3]
+    assert last["clip_fraction"] == 0 and last["generation_time_s"] > 0  # a fresh rollout
+    assert uninterrupted[3]["clip_fraction"] > 0
+
+
+PLOTTED = ("reward", "reward_std", "kl", "clip_fraction", "completion_length", "generation_time_s")
+
+
+def test_the_report_plots_grpos_figures_for_one_and_two_iterations(grpo_run, iterations_run, tmp_path):
+    """``vlft report`` on the N = 1 and N = 2 runs: a chart per GRPO figure under the objective's heading
+    (reward, its spread, KL, clip fraction, completion length, generation time and the rest the plan names),
+    both runs on each, drawn from their metrics.jsonl: the clip fraction 0 at every step of one, above 0 at the
+    second and fourth of the other."""
+    from PIL import Image
+
+    from vlft.commands.report import read_run, series
+
+    out = tmp_path / "report"
+    code, output = cli_invoke("report", grpo_run[0], iterations_run[0], "--output", out)
+    assert code == 0, output
+    md = (out / "report.md").read_text()
+    figures = json.loads((grpo_run[0] / "plan.json").read_text())["objective"]["figures"]
+    assert set(PLOTTED) <= set(figures) and "## grpo figures" in md
+    for figure in figures:
+        assert f"![{figure} (grpo)]({figure}.png)" in md and f"{figure}.png: no run logged" not in md
+        with Image.open(out / f"{figure}.png") as img:
+            img.verify()
+    assert (out / "report.html").read_text().count('src="data:image/png;base64,') == 5 + len(figures)
+    runs = [read_run(grpo_run[0], "once"), read_run(iterations_run[0], "twice")]
+    for figure in PLOTTED:
+        assert series(runs, figure) == [(name, [1, 2, 3, 4], [m[figure] for m in logged(path)])
+                                        for name, path in (("once", grpo_run[0]), ("twice", iterations_run[0]))]
+    (_, _, once), (_, _, twice) = series(runs, "clip_fraction")
+    assert once == [0, 0, 0, 0] and twice[0] == twice[2] == 0 and twice[1] > 0 and twice[3] > 0
 
 
 def always_raises(completions, references, **context):

@@ -104,6 +104,33 @@ def test_a_dpo_run_trains_saves_resumes_and_evaluates(dpo_run, pref, tmp_path, m
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (key, a, b)
 
 
+def test_the_report_plots_dpos_figures_in_training_and_validation(dpo_run, tmp_path):
+    """``vlft report`` on the DPO run: a chart per DPO figure (rewards, margin, preference accuracy, log-probs)
+    under the objective's heading, each drawn from the run's metrics.jsonl: the training values at every
+    logged step, the validation's (``val_<figure>``) at steps 2 and 4."""
+    from PIL import Image
+
+    from vlft.commands.report import read_run, series
+
+    run, out = dpo_run[0], tmp_path / "report"
+    code, output = cli_invoke("report", run, "--output", out)
+    assert code == 0, output
+    md = (out / "report.md").read_text()
+    assert "## dpo figures" in md
+    for figure in DPO_FIGURES:
+        assert f"![{figure} (dpo)]({figure}.png)" in md and f"{figure}.png: no run logged" not in md
+        with Image.open(out / f"{figure}.png") as img:
+            img.verify()
+    assert (out / "report.html").read_text().count('src="data:image/png;base64,') == 5 + len(DPO_FIGURES)
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    data = [read_run(run, "dpo")]
+    for figure in ("reward_margin", "preference_accuracy", "reward_chosen", "reward_rejected"):
+        for key in (figure, f"val_{figure}"):
+            logged_here = [m for m in metrics if key in m]
+            assert series(data, key) == [("dpo", [m["step"] for m in logged_here], [m[key] for m in logged_here])]
+    assert [m["step"] for m in metrics if "val_reward_margin" in m] == [2, 4]
+
+
 def test_the_dry_run_and_vlft_objectives_show_the_objective(pref, tmp_path, registry):
     code, output = cli_invoke("run", "--objective", "dpo", "--beta", "0.3", "--backend", "cpu", "--data", pref.train,
                               "--val-data", pref.val, "--dry-run")

@@ -36,6 +36,7 @@ RUN_OPTION_TESTS = {
     "--temperature": "test_grpo.py::test_a_grpo_run_from_an_sft_adapter_logs_its_figures_and_trains",
     "--top-p": "test_grpo.py::test_sequence_norm_unscaled_rewards_top_p_and_clip_options_reach_the_run",
     "--clip-epsilon": "test_grpo.py::test_sequence_norm_unscaled_rewards_top_p_and_clip_options_reach_the_run",
+    "--num-iterations": "test_grpo.py::test_num_iterations_trains_each_rollout_over_n_steps_and_the_clip_acts",
     "--scale-rewards": "test_grpo.py::test_sequence_norm_unscaled_rewards_top_p_and_clip_options_reach_the_run",
     "--grpo-norm": "test_grpo.py::test_sequence_norm_unscaled_rewards_top_p_and_clip_options_reach_the_run",
     "--model": "test_family_runs.py::test_every_family_trains_on_mixed_data",

@@ -54,6 +54,10 @@ class RunConfig:
     temperature: float = opt(1.0, "GRPO: sampling temperature of the completions.")
     top_p: float = opt(1.0, "GRPO: nucleus sampling of the completions (1: off; no top-k either).")
     clip_epsilon: float = opt(0.2, "GRPO: the policy ratio is clipped to [1 - e, 1 + e] (PPO's clip).")
+    num_iterations: int = opt(1, "GRPO: optimizer steps trained on each rollout (TRL's num_iterations, the GRPO "
+                                 "paper's mu): the prompts of N consecutive steps are sampled once, their "
+                                 "completions trained on N times against the sampling policy's log-probabilities, "
+                                 "so the ratio leaves 1 and --clip-epsilon clips (1: each rollout once).")
     scale_rewards: str = opt("group", "GRPO advantages: (r - group mean) divided by the group's reward std (group), "
                                       "the batch's (batch), or not at all (none: Dr. GRPO).",
                              choices=("group", "batch", "none"))

@@ -796,6 +796,11 @@ class Objective:
                 "before the loss, once per step over all its micro-batches (GRPO: sample completions with the "
                 "model and score them), and this process's count of the units the loss is averaged over (known "
                 "only then: GRPO's completion tokens). None: the batches move to the device as they are."})
+    iterations: int = field(default=1, metadata={
+        "help": "Steps each rollout is trained on (GRPO's --num-iterations): the data order draws a step's "
+                "prompts for that many steps in a row and the step reuses the rollout's batches, sampled once, "
+                "so the loss sees the same batch dicts again (GRPO keeps its first pass's log-probabilities on "
+                "them as the old policy's). A run resumed inside a rollout samples its prompts afresh."})
     figure_units: dict = field(default_factory=dict, compare=False, metadata={
         "help": "{figure: what its mean is over}: another figure that counts its units (GRPO's 'reward' over "
                 "'completions'), or 'steps' (per process and step: a count, a time); figures not named are "

@@ -1,9 +1,10 @@
 """grpo: group relative policy optimisation (Shao et al., 2024, DeepSeekMath) on sampled completions and
 their rewards.
 
-Each step, for every prompt of its micro-batches, G completions are sampled from the policy (the adapted
-model, in evaluation mode, without gradients, with the KV cache; ``--num-generations``, ``--temperature``,
-``--top-p``, ``--max-new-tokens``), all prompts of a micro-batch in one ``generate`` call. Each completion is
+Each step (with ``--num-iterations N``, the first of every N), for every prompt of its micro-batches, G
+completions are sampled from the policy (the adapted model, in evaluation mode, without gradients, with the KV
+cache; ``--num-generations``, ``--temperature``, ``--top-p``, ``--max-new-tokens``), all prompts of a
+micro-batch in one ``generate`` call. Each completion is
 scored by the reward functions (``--reward``: the rewards add up) against its record's reference, the last
 assistant reply of an ordinary SFT record. The advantage of a completion is its reward against its group's:
 ``A = (r - mean_group) / (std_group + 1e-4)`` (``--scale-rewards group``; ``batch``: the batch's std; ``none``:
@@ -16,14 +17,26 @@ no division, Dr. GRPO). Per completion token, with ``ratio = exp(logp - logp_old
 completion token of the step (every micro-batch and process) and divides by their number (DAPO; Dr. GRPO
 and TRL's ``loss_type="dapo"`` do the same), so long completions weigh by their tokens; ``sequence`` takes
 each completion's token mean and averages over completions (the original GRPO). The completions are sampled
-by the weights being trained and trained on once, so ``logp_old`` is ``logp`` detached (TRL's
-``num_iterations=1``): the ratio is 1, nothing is clipped (``clip_fraction`` logs 0) and the gradient is the
-policy gradient ``-A grad logp``; the clip matters where old log-probabilities are given (``grpo_token_loss``).
+by the weights being trained. ``--num-iterations N`` (TRL's ``num_iterations``, the paper's mu) trains each
+rollout on N optimizer steps: the data order gives N consecutive steps the same prompts and the core keeps
+the rollout's batches for the N - 1 steps after the one that sampled them (``vlft.training.rollouts``). A
+rollout's first step trains under the weights that sampled it, so its ``logp`` detached is the sampling
+policy's ``logp_old``: the ratio is 1, nothing is clipped (``clip_fraction`` logs 0) and the gradient is the
+policy gradient ``-A grad logp``. That first pass keeps ``logp_old`` on the batch (from the trained pass, not
+from ``generate``'s scores, whose other kernels would move the ratio off 1 by rounding alone); steps 2..N
+compare the updated policy with it, so the ratio departs from 1 and the clip acts (``clip_fraction`` above
+0). With N = 1 (the default) every rollout is trained on once: the ratio is always 1, as before the option.
+The reference's log-probabilities are kept alike (the reference is frozen): one reference pass per rollout.
+A run resumed from a checkpoint inside a rollout samples its prompts afresh for the steps it has left (the
+kept batches are not checkpointed; see ``vlft.training.rollouts``); one resumed at a rollout's end draws what
+the uninterrupted run draws.
 
 Logged per step: ``reward`` (mean over completions) and ``reward_std`` (the mean of the groups' std), each
 reward function's mean (``reward_<name>``), ``kl`` and ``clip_fraction`` (means over completion tokens),
 ``completion_length`` (mean tokens), ``completions`` and ``completion_tokens`` (per process), and
-``generation_time_s`` and ``reward_time_s`` (per step; ``step_time_s`` holds them, the rest is training).
+``generation_time_s`` and ``reward_time_s`` (per step; ``step_time_s`` holds them, the rest is training; 0 on
+the steps that train on a kept rollout, which sample nothing). A kept rollout's steps log its reward again:
+the figures describe the completions trained on.
 
 A reward function that raises stops the run naming the reward, the record and the completion. Every reward
 runs on every record's reference before step 1 (``check``), so a reference it cannot score is a ``file:line``
@@ -59,6 +72,8 @@ HELP = {
                "numeric)",
     "beta": "--beta: weight of the KL term to the reference (0: no reference pass)",
     "clip_epsilon": "--clip-epsilon: the policy ratio is clipped to [1 - e, 1 + e]",
+    "num_iterations": "--num-iterations: optimizer steps trained on each rollout (TRL's num_iterations; above 1 "
+                      "the ratio leaves 1 and the clip acts)",
     "scale_rewards": "--scale-rewards: group (r - mean) / std per group, batch (the batch's std), none (Dr. GRPO)",
     "norm": "--grpo-norm: token (sum over the step's completion tokens / their number: DAPO) or sequence (each "
             "completion's token mean, averaged: original GRPO)",
@@ -68,6 +83,7 @@ EPS = 1e-4  # added to the std of the rewards (TRL's value)
 FIGURE_UNITS = {"reward": "completions", "reward_std": "completions", "completion_length": "completions",
                 "kl": "completion_tokens", "clip_fraction": "completion_tokens", "completions": "steps",
                 "completion_tokens": "steps", "generation_time_s": "steps", "reward_time_s": "steps"}
+SAMPLING_TIMES = ("generation_time_s", "reward_time_s")  # what a rollout's first step spends sampling and scoring
 GRPO = "grpo"  # the batch key of what the loss reads besides the rows (advantages, figures)
 
 
@@ -90,6 +106,9 @@ def vlft_objective(objective, config, rewards):
         raise ConfigError(f"--top-p must be in (0, 1], got {config.top_p}")
     if config.clip_epsilon <= 0:
         raise ConfigError(f"--clip-epsilon must be positive, got {config.clip_epsilon}")
+    if config.num_iterations < 1:
+        raise ConfigError(f"--num-iterations must be at least 1 (each rollout trained on once), got "
+                          f"{config.num_iterations}")
     specs = list(config.reward or ["fields"])
     chosen = resolve_rewards(specs, rewards)
     sampling = Sampling(g, config.temperature, config.top_p, config.max_new_tokens)
@@ -105,13 +124,14 @@ def vlft_objective(objective, config, rewards):
         NAME, DESCRIPTION, layout=LAYOUT, help=HELP,
         options={"num_generations": g, "temperature": config.temperature, "top_p": config.top_p,
                  "max_new_tokens": config.max_new_tokens, "rewards": specs, "beta": beta,
-                 "clip_epsilon": config.clip_epsilon, "scale_rewards": config.scale_rewards,
-                 "norm": config.grpo_norm},
+                 "clip_epsilon": config.clip_epsilon, "num_iterations": config.num_iterations,
+                 "scale_rewards": config.scale_rewards, "norm": config.grpo_norm},
         parse=parse_prompt, check=partial(check_references, rewards=chosen), encoder=rollout.encoder, collate=PromptCollator,
         rows_per_record=g,
         average_over="completion tokens" if config.grpo_norm == "token" else "completions",
         loss=partial(grpo_loss, epsilon=config.clip_epsilon, beta=beta, norm=config.grpo_norm),
-        rollout=rollout, figures=figures, figure_units=units, reference=reference,
+        rollout=rollout, iterations=config.num_iterations, figures=figures, figure_units=units,
+        reference=reference,
         generation={"sequences_per_record": g, "new_tokens": config.max_new_tokens},
         demo_epochs=0.1,  # 40 steps of 4 prompts on the demo set: GRPO refines an SFT adapter, it does not start one
         packing_refusal="the completions are sampled in the step and trained as padded rows; packed rows are not "
@@ -120,12 +140,23 @@ def vlft_objective(objective, config, rewards):
                          "reference pass switches the adapter off (or swaps in the --init-adapter weights); neither "
                          "is built for FSDP's sharded parameters (every decoding step would gather every block); "
                          "data parallel works: leave out --shard",
-        notes=(f"grpo: each step samples {g} completions per prompt (generate with the KV cache, one call per "
-               f"micro-batch), scores them, then trains on them once: the loss is "
-               + ("summed over completion tokens and divided by the step's count (DAPO)"
-                  if config.grpo_norm == "token" else "each completion's token mean, averaged over completions")
-               + "; the vision tower runs once per prompt in the trained pass (its features shared by the G rows)",),
+        notes=(plan_note(config, g),),
     )
+
+
+def plan_note(config, g: int) -> str:
+    """The plan's line on what a step samples and trains."""
+    n = config.num_iterations
+    when = "each step samples" if n == 1 else f"the first of every {n} steps samples (--num-iterations {n})"
+    trained = ("trains on them once" if n == 1 else
+               f"trains on them for {n} steps, the ratio to the sampling policy clipped to [1 - "
+               f"{config.clip_epsilon}, 1 + {config.clip_epsilon}] (a checkpoint at a multiple of {n} steps resumes "
+               f"exactly, another samples its rollout's prompts again)")
+    loss = ("summed over completion tokens and divided by the step's count (DAPO)" if config.grpo_norm == "token"
+            else "each completion's token mean, averaged over completions")
+    return (f"grpo: {when} {g} completions per prompt (generate with the KV cache, one call per micro-batch), "
+            f"scores them, then {trained}: the loss is {loss}; the vision tower runs once per prompt in the "
+            f"trained pass (its features shared by the G rows)")
 
 
 # -- rewards -----------------------------------------------------------------------------------------------
@@ -472,16 +503,16 @@ def reduce_loss(per_token, mask, norm: str):
 
 def grpo_loss(model, batch, autocast, reference, *, epsilon: float, beta: float, norm: str):
     """(the batch's summed loss, {figure: sum}) for a rolled-out batch (``Rollout``): summed over completion
-    tokens (``norm`` token) or over completions of their token means (``sequence``)."""
-    import torch
-
+    tokens (``norm`` token) or over completions of their token means (``sequence``). The batch's first pass
+    keeps its log-probabilities on it as the sampling policy's, and the reference's, for the steps that train
+    on it again (``--num-iterations``)."""
     from vlft.models.rows import row_inputs
 
     extra = batch[GRPO]
     rows = {k: v for k, v in batch.items() if k != GRPO}
     groups = extra["groups"]
-    ref = None
-    if beta and reference is not None:  # first, so its activations are gone before the trained pass's
+    ref = extra.get("ref_logps")
+    if ref is None and beta and reference is not None:  # first: its activations are gone before the trained pass's
         with reference() as ref_model:
             with autocast:
                 ref_inputs = row_inputs(ref_model, rows, groups)
@@ -489,13 +520,26 @@ def grpo_loss(model, batch, autocast, reference, *, epsilon: float, beta: float,
     with autocast:
         inputs = row_inputs(model, rows, groups)
     logps, mask = token_logps(model, inputs, rows, autocast)
-    old = extra.get("old_logps")
-    per_token, kl, clipped = grpo_token_loss(logps, logps.detach() if old is None else old, ref,
-                                             extra["advantages"], epsilon=epsilon, beta=beta)
+    first_pass = "old_logps" not in extra
+    old = logps.detach() if first_pass else extra["old_logps"]
+    per_token, kl, clipped = grpo_token_loss(logps, old, ref, extra["advantages"], epsilon=epsilon, beta=beta)
     m = mask.to(per_token.dtype)
     loss = reduce_loss(per_token, m, norm)
     figures = dict(extra["figures"])
     figures["clip_fraction"] = (clipped.to(m.dtype) * m).sum()
     if kl is not None:
         figures["kl"] = (kl.detach() * m).sum()
+    if first_pass:
+        keep_for_later_passes(extra, old, ref)
     return loss, figures
+
+
+def keep_for_later_passes(extra: dict, old_logps, ref_logps) -> None:
+    """What a kept rollout's later steps read on its batch: the sampling policy's log-probabilities (this first
+    pass ran under the weights that sampled), the reference's (frozen: the same on every pass), and its
+    sampling and scoring times as 0 (those steps sample nothing)."""
+    extra["old_logps"] = old_logps
+    if ref_logps is not None:
+        extra["ref_logps"] = ref_logps
+    figures = extra["figures"]
+    extra["figures"] = {**figures, **{k: figures[k].new_zeros(()) for k in SAMPLING_TIMES}}

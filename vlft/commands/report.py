@@ -1,5 +1,9 @@
 """``vlft report RUN [RUN ...]``: run folders to one comparison (report.md, a self-contained report.html, PNGs).
 
+Every run's loss, learning rate, step time and memory are plotted, and each objective's own figures (the ones
+its plan.json names and the metrics hold: DPO's rewards and preference accuracy, GRPO's reward, KL, clip
+fraction, completion length and generation time, a plugin objective's), training and validation on one chart.
+
 Each run folder is read as far as it goes: a missing or unreadable file becomes a note in the report
 (and a dash in the table), never a traceback. Only a path that is not a run folder at all is an error.
 Plots are drawn headless (matplotlib's Agg) and embedded in the HTML as data URIs, so the page needs
@@ -33,12 +37,25 @@ RUN_FILES = ("plan.json", "config.json", "metrics.jsonl", "eval.json", "summary.
 NOT_CHOICES = {"output", "resume", "dry_run", "local_rank", "rank"}
 
 
-PLOTS = (  # file, metric key, title, y label
-    ("loss.png", "loss", "Training loss", "loss"),
-    ("val_loss.png", "val_loss", "Validation loss", "loss"),
-    ("lr.png", "lr", "Learning rate", "learning rate"),
-    ("step_time.png", "step_time_s", "Step time", "seconds per step"),
-    ("peak_memory.png", "peak_memory_bytes", "Peak device memory", "GiB"),
+@dataclass(frozen=True)
+class Plot:
+    """One chart: ``key``'s values per step for every run (and, dashed, its validation ``val_<key>`` where
+    ``validation``), in ``file``."""
+
+    file: str
+    key: str
+    title: str
+    ylabel: str
+    validation: bool = False
+    scale: float = 1.0  # the logged value is divided by it (bytes to GiB)
+
+
+PLOTS = (  # every run's
+    Plot("loss.png", "loss", "Training loss", "loss"),
+    Plot("val_loss.png", "val_loss", "Validation loss", "loss"),
+    Plot("lr.png", "lr", "Learning rate", "learning rate"),
+    Plot("step_time.png", "step_time_s", "Step time", "seconds per step"),
+    Plot("peak_memory.png", "peak_memory_bytes", "Peak device memory", "GiB", scale=2**30),
 )
 
 
@@ -200,38 +217,62 @@ def config_differences(runs: list[RunData]) -> list[tuple[str, list[str]]]:
     return diffs
 
 
-def draw_plots(runs: list[RunData], folder: Path) -> dict[str, str]:
-    """One PNG per metric, every run on one chart; returns {file: note} for charts with no data."""
+def objective_plots(runs: list[RunData]) -> list[tuple[str, list[Plot]]]:
+    """[(objective, its plots)]: one chart per figure each run's objective logs (its plan.json names them:
+    DPO's reward margin and preference accuracy, GRPO's reward, KL and clip fraction, a plugin's own), with the
+    validation's ``val_<figure>`` beside the training one, for the figures some run's metrics hold."""
+    taken = {plot.key for plot in PLOTS}
+    out: dict[str, list[Plot]] = {}
+    for r in runs:
+        name = _get(r.plan, "objective", "name")
+        for figure in _get(r.plan, "objective", "figures") or []:
+            plots = out.setdefault(name, [])
+            if figure in taken or not any(figure in m for run in runs for m in run.metrics):
+                continue
+            taken.add(figure)
+            plots.append(Plot(f"{figure}.png", figure, f"{figure} ({name})", figure, validation=True))
+    return [(name, plots) for name, plots in out.items() if plots]
+
+
+def series(runs: list[RunData], key: str, scale: float = 1.0) -> list[tuple[str, list, list]]:
+    """[(run name, steps, values)] of ``key`` in each run's metrics that logs it."""
+    out = []
+    for r in runs:
+        points = [(m["step"], m[key] / scale) for m in r.metrics if m.get(key) is not None and "step" in m]
+        if points:
+            xs, ys = zip(*points)
+            out.append((r.name, list(xs), list(ys)))
+    return out
+
+
+def draw_plots(runs: list[RunData], plots: list[Plot], folder: Path) -> dict[str, str]:
+    """One PNG per plot, every run on one chart; returns {file: note} for charts with no data."""
     import matplotlib
 
     matplotlib.use("Agg")  # headless: no display, same pixels everywhere
     import matplotlib.pyplot as plt
 
     empty = {}
-    for file, key, title, ylabel in PLOTS:
+    for plot in plots:
         fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-        drawn = 0
-        for r in runs:
-            points = [(m["step"], m[key]) for m in r.metrics if m.get(key) is not None and "step" in m]
-            if not points:
-                continue
-            xs, ys = zip(*points)
-            if key == "peak_memory_bytes":
-                ys = [y / 2**30 for y in ys]
-            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=r.name)
-            drawn += 1
-        ax.set_title(title)
+        lines = [(name, xs, ys, "-") for name, xs, ys in series(runs, plot.key, plot.scale)]
+        if plot.validation:
+            lines += [(f"{name} (validation)", xs, ys, "--")
+                      for name, xs, ys in series(runs, f"val_{plot.key}", plot.scale)]
+        for name, xs, ys, style in lines:
+            ax.plot(xs, ys, style, marker="o" if len(xs) < 30 else None, markersize=3, label=name)
+        ax.set_title(plot.title)
         ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
+        ax.set_ylabel(plot.ylabel)
         ax.grid(alpha=0.3)
-        if drawn:
+        if lines:
             ax.legend()
         else:
-            note = f"no run logged {key}" + (" (set --eval-every)" if key == "val_loss" else "")
+            note = f"no run logged {plot.key}" + (" (set --eval-every)" if plot.key == "val_loss" else "")
             ax.text(0.5, 0.5, note, ha="center", va="center", transform=ax.transAxes, color="gray")
-            empty[file] = note
+            empty[plot.file] = note
         fig.tight_layout()
-        fig.savefig(folder / file, format="png")
+        fig.savefig(folder / plot.file, format="png")
         plt.close(fig)
     return empty
 
@@ -256,28 +297,29 @@ def write_report(runs: list[RunData], output: Path) -> Path:
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}-", dir=output.parent))
     try:
-        empty = draw_plots(runs, tmp)
+        sections = [("Plots", list(PLOTS)), *[(f"{name} figures", plots) for name, plots in objective_plots(runs)]]
+        empty = draw_plots(runs, [plot for _, plots in sections for plot in plots], tmp)
         notes = [f"{r.name} ({r.path}): {n}" for r in runs for n in r.notes]
         notes += [f"{file}: {note}" for file, note in empty.items()]
         diff_header = ["setting", *[r.name for r in runs]]
         diff_rows = [[k, *vals] for k, vals in diffs]
         sources = ", ".join(f"{r.name} = {r.path}" for r in runs)
-        plot_titles = [(file, title) for file, _, title, _ in PLOTS]
 
         md = ["# vlft report", "", f"Runs: {sources}", "", "## Comparison", "", _md_table(header, rows), "",
               "Median step time and samples/s leave out the first logged window (start-up); "
-              "accuracy / F1 are per field, after training.", "", "## Plots", ""]
-        md += [f"![{title}]({file})" for file, title in plot_titles]
+              "accuracy / F1 are per field, after training."]
+        for heading, plots in sections:
+            md += ["", f"## {heading}", ""] + [f"![{plot.title}]({plot.file})" for plot in plots]
         md += ["", "## What differs between the runs", ""]
         md += [_md_table(diff_header, diff_rows) if diff_rows else "Nothing: the runs have the same settings."]
         if notes:
             md += ["", "## Notes", ""] + [f"- {n}" for n in notes]
         (tmp / "report.md").write_text("\n".join(md) + "\n")
 
-        figures = "".join(
-            f'<figure><img alt="{html.escape(title)}" src="data:image/png;base64,'
-            f'{base64.b64encode((tmp / file).read_bytes()).decode()}"><figcaption>{html.escape(title)}'
-            f"</figcaption></figure>" for file, title in plot_titles)
+        figures = "".join(f"<h2>{html.escape(heading)}</h2>" + "".join(
+            f'<figure><img alt="{html.escape(plot.title)}" src="data:image/png;base64,'
+            f'{base64.b64encode((tmp / plot.file).read_bytes()).decode()}"><figcaption>{html.escape(plot.title)}'
+            f"</figcaption></figure>" for plot in plots) for heading, plots in sections)
         page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>vlft report</title>
 <style>
@@ -290,7 +332,7 @@ figure{{display:inline-block;margin:0.5em}} img{{max-width:640px}} .note{{color:
 <h2>Comparison</h2>{_html_table(header, rows)}
 <p>Median step time and samples/s leave out the first logged window (start-up); accuracy / F1 are per field,
 after training.</p>
-<h2>Plots</h2>{figures}
+{figures}
 <h2>What differs between the runs</h2>
 {_html_table(diff_header, diff_rows) if diff_rows else "<p>Nothing: the runs have the same settings.</p>"}
 {"<h2>Notes</h2><ul>" + "".join(f'<li class="note">{html.escape(n)}</li>' for n in notes) + "</ul>" if notes else ""}
@@ -320,7 +362,8 @@ def run_names(paths: list[str]) -> list[str]:
               help="The report folder to write (new or empty).")
 @user_errors
 def report(runs, output):
-    """Compare run folders: a table, loss/LR/step-time/memory plots and the settings that differ."""
+    """Compare run folders: a table, loss/LR/step-time/memory plots, each objective's figures (DPO's reward
+    margin, GRPO's reward and clip fraction, ...) and the settings that differ."""
     out = Path(output)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--output {output} already exists and is not empty; choose a new folder")

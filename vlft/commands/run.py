@@ -211,6 +211,12 @@ class _Job:
         if s.checkpoint is not None:
             self.metrics.truncate_after(s.start_step)
             log(f"resumed      from step {s.start_step} ({s.checkpoint})", self.rank)
+            iterations = s.plan.objective.iterations
+            if s.start_step % iterations:  # the kept rollout is not checkpointed (training.rollouts says why)
+                first, last = s.start_step + 1, s.start_step - s.start_step % iterations + iterations
+                log(f"resumed inside a rollout (--num-iterations {iterations}): the prompts of "
+                    f"{f'step {first}' if first == last else f'steps {first}-{last}'} are sampled again by the "
+                    f"resumed weights (a checkpoint at a multiple of {iterations} steps resumes exactly)", self.rank)
             eval_path = self.output / "eval.json"
             before = json.loads(eval_path.read_text()).get("before") if eval_path.exists() else None
             if before is not None:

@@ -35,6 +35,9 @@ class DataOrder:
     loader_kwargs: dict = field(default_factory=dict)  # the backend's DataLoader options (pin_memory, workers)
     # --group-by-length: each sample's length (tokens), which groups samples of similar length into batches
     lengths: list[int] | None = None
+    # consecutive steps that draw each group of batches: an objective that trains on one rollout over several
+    # updates (GRPO's --num-iterations) draws its prompts once per rollout, so an epoch takes that many more steps
+    repeat: int = 1
 
 
 class EpochSampler(torch.utils.data.Sampler):
@@ -101,9 +104,20 @@ def steps_per_epoch(n_samples: int, batch_size: int, grad_accum: int, world_size
 
 
 def batches(dataset, collate, settings: DataOrder, start_step: int):
-    """Yield lists of ``grad_accum`` micro-batches from ``start_step`` on, epoch after epoch."""
+    """Yield lists of ``grad_accum`` micro-batches from ``start_step`` on, epoch after epoch: each group
+    ``settings.repeat`` times in a row (the same list), a run resumed inside a group's repeats drawing it for
+    the steps it has left."""
+    group_index, drawn = divmod(start_step, settings.repeat)
+    for group in _groups(dataset, collate, settings, group_index):
+        for _ in range(settings.repeat - drawn):
+            yield group
+        drawn = 0
+
+
+def _groups(dataset, collate, settings: DataOrder, start_group: int):
+    """Lists of ``grad_accum`` micro-batches from the ``start_group``-th on, epoch after epoch."""
     per_epoch = steps_per_epoch(len(dataset), settings.batch_size, settings.grad_accum, settings.world_size)
-    epoch, step_in_epoch = divmod(start_step, per_epoch)
+    epoch, step_in_epoch = divmod(start_group, per_epoch)
     micro = settings.batch_size
     # fewer samples per process than one step: keep the incomplete batch, or an epoch would yield nothing
     short = len(dataset) // settings.world_size < micro * settings.grad_accum
@@ -139,10 +153,11 @@ DEFAULT_EPOCHS = 3
 
 
 def total_steps_for(n_samples: int, steps: int | None, epochs: float | None, batch_size: int, grad_accum: int,
-                    world_size: int) -> int:
+                    world_size: int, repeat: int = 1) -> int:
+    """``steps``, or the steps of ``epochs`` passes (each group of batches drawn for ``repeat`` steps)."""
     if steps is not None:
         return steps
-    per_epoch = steps_per_epoch(n_samples, batch_size, grad_accum, world_size)
+    per_epoch = steps_per_epoch(n_samples, batch_size, grad_accum, world_size) * repeat
     return max(1, math.ceil(per_epoch * (epochs if epochs is not None else DEFAULT_EPOCHS)))
 
 
@@ -150,7 +165,7 @@ def step_indices(n_samples: int, settings: DataOrder, step: int) -> list[int]:
     """The dataset indices this process trained on in optimizer step ``step`` (1-based): the same order
     ``batches`` draws, recomputed on the host so naming a batch needs nothing from the device."""
     per_epoch = steps_per_epoch(n_samples, settings.batch_size, settings.grad_accum, settings.world_size)
-    epoch, step_in_epoch = divmod(step - 1, per_epoch)
+    epoch, step_in_epoch = divmod((step - 1) // settings.repeat, per_epoch)
     span = settings.batch_size * settings.grad_accum
     order = EpochSampler(n_samples, settings.seed, epoch, settings.rank, settings.world_size,
                          lengths=settings.lengths, batch_size=settings.batch_size).indices()
@@ -160,9 +175,11 @@ def step_indices(n_samples: int, settings: DataOrder, step: int) -> list[int]:
 def run_micro_batches(n_samples: int, settings: DataOrder, total_steps: int, max_epochs: int = 64):
     """Every micro-batch (sample indices) every process draws in a run of ``total_steps``, epoch by epoch (at
     most ``max_epochs``: beyond a few no new batch shapes appear). The sampler is seeded, so this is what the
-    run will draw; for planning (memory, packing) before the first step."""
+    run will draw; for planning (memory, packing) before the first step. A group of batches trained on for
+    several steps (``settings.repeat``) is drawn once."""
     per_epoch = steps_per_epoch(n_samples, settings.batch_size, settings.grad_accum, settings.world_size)
-    for epoch in range(min(math.ceil(total_steps / per_epoch), max_epochs)):
+    groups = math.ceil(total_steps / settings.repeat)
+    for epoch in range(min(math.ceil(groups / per_epoch), max_epochs)):
         for rank in range(settings.world_size):
             order = EpochSampler(n_samples, settings.seed, epoch, rank, settings.world_size,
                                  lengths=settings.lengths, batch_size=settings.batch_size).indices()

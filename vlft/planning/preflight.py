@@ -10,6 +10,7 @@ plan says the run cannot fit.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -273,9 +274,9 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
     if epochs is None and config.steps is None and not config.data:
         epochs = objective.demo_epochs or RECOMMENDED_EPOCHS
     total_steps = total_steps_for(len(train), config.steps, epochs, config.batch_size, config.grad_accum,
-                                  config.world_size)
+                                  config.world_size, objective.iterations)
     order = DataOrder(config.batch_size, config.grad_accum, config.seed, world_size=config.world_size,
-                      lengths=lengths.lengths if config.group_by_length else None)
+                      lengths=lengths.lengths if config.group_by_length else None, repeat=objective.iterations)
     plan.packing = settle_auto(plan.packing, config.packing, padding_ratio(  # auto: packs where the data pads
         lengths.lengths, list(run_micro_batches(len(train), order, total_steps))))
 
@@ -294,7 +295,8 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
     if config.device_memory:
         total, source = parse_bytes(config.device_memory, "--device-memory"), f"--device-memory {config.device_memory}"
     shapes = memory.largest_batches(lengths.lengths, lengths.grids, config.batch_size, config.grad_accum,
-                                    config.world_size, config.seed, total_steps,
+                                    config.world_size, config.seed,
+                                    math.ceil(total_steps / objective.iterations),  # the steps drawing batches
                                     labelled=lengths.labelled, grouped=config.group_by_length)
     if objective.rows_per_record > 1:  # every record runs as that many rows (its images once: models.rows)
         shapes = [dataclasses.replace(shape, samples=shape.samples * objective.rows_per_record) for shape in shapes]

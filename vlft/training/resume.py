@@ -49,7 +49,7 @@ def model_identity(path: str | None) -> dict:
 
 
 SAMPLING_FIELDS = ("reward", "num_generations", "temperature", "top_p", "max_new_tokens", "clip_epsilon",
-                   "scale_rewards", "grpo_norm")
+                   "scale_rewards", "grpo_norm", "num_iterations")
 
 
 def run_identity(config) -> dict:

@@ -43,6 +43,7 @@ from vlft.registry import Registry
 from vlft.training.checkpoints import restore_training_state, saved_reference
 from vlft.training.fsdp import full_trainable_state, materialized_adapter, shard_model
 from vlft.training.loop import LoopSettings
+from vlft.training.rollouts import KeptRollout
 from vlft.training.step import StepPolicy, cosine_with_warmup, seed_everything
 
 
@@ -157,7 +158,8 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
     policy = StepPolicy(device, autocast_dtype, scaler, config.max_grad_norm, config.grad_accum, config.world_size,
                         flags_on_host=device.type == "cpu", fused_optimizer=fused_optimizer(plan),
                         loss=objective.loss, per_record=objective.average_over != "label tokens",
-                        reference=reference, rollout=objective.rollout, figure_units=dict(objective.figure_units))
+                        reference=reference, rollout=_step_rollout(objective, start_step),
+                        figure_units=dict(objective.figure_units))
     settings = _loop_settings(config, plan, planned.total_steps)
     settings.peak_flops, settings.flops_per_token = plan.peak_flops, model_flops_per_token(model)
     if config.group_by_length:
@@ -279,11 +281,19 @@ def model_flops_per_token(model) -> float:
     return 4.0 * sum(p.numel() for p in model.parameters())
 
 
+def _step_rollout(objective, start_step: int):
+    """What the step runs before the loss: the objective's rollout, kept for the steps that train on it again
+    (``Objective.iterations`` above 1), or None."""
+    if objective.rollout is None or objective.iterations == 1:
+        return objective.rollout
+    return KeptRollout(objective.rollout, objective.iterations, start_step)
+
+
 def _loop_settings(config: RunConfig, plan: RunPlan, total_steps: int) -> LoopSettings:
     return LoopSettings(
         total_steps=total_steps, batch_size=config.batch_size, grad_accum=config.grad_accum, seed=config.seed,
         rank=config.rank, world_size=config.world_size, log_every=config.log_every, eval_every=config.eval_every,
         save_every=config.save_every, keep_checkpoints=config.keep_checkpoints,
         early_stopping_patience=config.early_stopping_patience, loader_kwargs=plan.dataloader.loader_kwargs(),
-        max_skipped_steps=config.max_skipped_steps,
+        max_skipped_steps=config.max_skipped_steps, repeat=plan.objective.iterations,
     )
