@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from helpers import vlft_command
 
 from vlft import ConfigError, RunConfig
-from vlft.testing import check_plugin, registry_with, run, tiny_run_config
+from vlft.testing import check_family, check_plugin, registry_with, run, tiny_run_config
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "vlft-example-plugin"
 ENTRY_POINTS = {"cpu-bf16": "vlft_example_plugin.backend", "loha": "vlft_example_plugin.loha",
@@ -57,6 +57,12 @@ def test_vlft_plugins_lists_the_example_backend_and_method():
     assert backends["cpu-bf16"]["plugin"] == "cpu-bf16" and backends["cpu-bf16"]["available"]
     assert backends["cpu-bf16"]["fsdp"] is False and "not been tried with FSDP2" in backends["cpu-bf16"]["fsdp_reason"]
     assert {m["name"]: m["plugin"] for m in listed["methods"]}.get("loha") == "loha"
+    # the plugin behind each model family: the example's entry point for gemma3, the built-ins' for the others
+    families = {f["name"]: f["plugin"] for f in listed["model_families"]}
+    assert families.get("gemma3") == "gemma3" and families.get("qwen2.5-vl") == "models", families
+    text = CliRunner().invoke(cli, ["plugins"]).output
+    assert any(line.strip().startswith("gemma3 ") and line.endswith("(plugin gemma3)") for line in text.splitlines()), \
+        text
 
 
 @needs_install
@@ -216,3 +222,14 @@ def test_the_example_registers_its_command():
     result = CliRunner().invoke(group, ["bf16-speed", "--size", "32", "--repeat", "1"])
     assert result.exit_code == 0, result.output
     assert "per 32x32 product" in result.output
+
+
+def test_the_gemma3_family_passes_vlft_testing_check_family(tmp_path):
+    """The family contract on its real tiny model, as the example's author tests it (registered by hand): every
+    check passes but those for capabilities Gemma 3 lacks, each skipped with its reason; errors would name the
+    plugin (here the module, as registry_with registers it)."""
+    report = check_family("gemma3", tmp_path, registry=registry_with(gemma3, entry_points=False))
+    assert report.family == f"family 'gemma3' (plugin {gemma3.__name__})"
+    assert {c.name for c in report.of("passed")} == {"targets", "image_tokens", "adapter", "mixed_step"}, str(report)
+    skipped = {c.name: c.detail for c in report.of("skipped")}
+    assert skipped.keys() == {"positions", "packing"} and "refuses packing: its token_type_ids" in skipped["packing"]
