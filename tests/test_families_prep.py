@@ -203,14 +203,14 @@ def test_family_token_count_equals_the_processors(tiny, name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_check_family_passes_on_each_tiny_model(name, tmp_path):
+def test_check_family_passes_on_each_tiny_model(tiny, name, tmp_path):
     """vlft.testing.check_family, as a third party's tests call it: targets found, image tokens per image equal
     the processor's, the rope index equals the model's own positions, packed and padded losses equal, the
     adapter reloads with plain PEFT to the same logits, a 2-step run on mixed text-only and image data.
     Only what a family declares it lacks is skipped."""
     from vlft.testing import check_family
 
-    report = check_family(name, tmp_path)
+    report = check_family(str(tiny[name][0]), tmp_path)  # the folder built above: no second tiny build
     assert "(plugin models)" in report.family, report.family
     skipped = {c.name: c.detail for c in report.of("skipped")}
     refusal = _family(name).packing.refusal

@@ -408,11 +408,15 @@ def _loss(model, batch: dict) -> float:
 
 
 def _float64_rtol(model, fam, tokens: int) -> float:
-    """How far two summation orders of the same float64 forward may leave the loss apart: a sum of n terms in
-    another order differs by at most n roundings of 2**-53 relative to its terms (the classic bound, n * eps / 2),
-    the longest sum in the forward being a Linear's input width, a softmax over the vocabulary or over the
-    row's tokens; one such sum per layer in series (vision blocks, decoder layers, the head), each at most
-    doubling the error before it, so (layers + 1) * 2 * n * eps."""
+    """How far two summation orders of one float64 forward may leave the loss apart, relative to it.
+
+    Reordering a sum of n terms moves it by at most about n * eps relative to the terms' magnitudes (each of the
+    n - 1 additions rounds by at most eps / 2, in either order). The longest sums here are a Linear's input
+    width, a softmax over the vocabulary or over a row's tokens; there is one such sum per layer in series (the
+    vision blocks, the decoder layers, the head), and a layer of these small random models passes its input's
+    error on about unamplified: (layers + 1) * n * eps, doubled for margin. Measured on the built-in tiny
+    models: 0 or 1 ulp (1e-16) against bounds near 2e-12; samples attending across a packed boundary move the
+    loss by 1e-2."""
     import torch
 
     from vlft.models.families import resolve_module  # the dotted-path reader of the family's paths
