@@ -422,9 +422,11 @@ def test_the_guide_shows_check_family_as_vlft_testing_has_it():
 
 def test_a_check_family_section_that_drifts_is_reported():
     text = PLUGINS_DOC.read_text(encoding="utf-8")
-    assert any("the check table lists" in p for p in check_family_doc_problems(text.replace("| `packing` |", "| `pack` |")))
+    renamed = text.replace("| `packing` |", "| `pack` |")
+    assert any("the check table lists" in p for p in check_family_doc_problems(renamed))
     drifted = text.replace('skip={"packing":', 'skips={"packing":')
     assert any("signature does not allow" in p for p in check_family_doc_problems(drifted))
-    assert any("which is no check" in p for p in check_family_doc_problems(text.replace('skip={"packing":', 'skip={"pack":')))
+    unknown = text.replace('skip={"packing":', 'skip={"pack":')
+    assert any("which is no check" in p for p in check_family_doc_problems(unknown))
     assert any("does not export" in p for p in check_family_doc_problems(
         text.replace("from vlft.testing import check_family,", "from vlft.testing import check_families,")))

@@ -19,6 +19,7 @@ from click.testing import CliRunner
 from helpers import vlft_command
 
 from vlft import ConfigError, RunConfig
+from vlft import hookimpl as vlft_hookimpl
 from vlft.testing import check_family, check_plugin, registry_with, run, tiny_run_config
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "vlft-example-plugin"
@@ -233,3 +234,48 @@ def test_the_gemma3_family_passes_vlft_testing_check_family(tmp_path):
     assert {c.name for c in report.of("passed")} == {"targets", "image_tokens", "adapter", "mixed_step"}, str(report)
     skipped = {c.name: c.detail for c in report.of("skipped")}
     assert skipped.keys() == {"positions", "packing"} and "refuses packing: its token_type_ids" in skipped["packing"]
+
+
+class _OffByOne:
+    """Gemma 3 with one image token too many written for each image: a family whose count drifted from its
+    processor's."""
+
+    __name__ = "vlft_off_by_one"
+
+    @staticmethod
+    def write(processor, texts, prepared):
+        written = gemma3.FAMILY.image_inputs.write(processor, texts, prepared)
+        token = processor.tokenizer.convert_tokens_to_ids("<image_soft_token>")
+        for ids in written.ids:
+            if token in ids:
+                ids.insert(ids.index(token), token)
+        return written
+
+    @vlft_hookimpl
+    def vlft_model_families(self):
+        from dataclasses import replace
+
+        return [replace(gemma3.FAMILY, image_inputs=replace(gemma3.FAMILY.image_inputs, write=self.write))]
+
+    @vlft_hookimpl
+    def vlft_model_family(self, model_type):
+        return self.vlft_model_families()[0] if gemma3.FAMILY.owns(model_type) else None
+
+
+def test_check_family_names_the_plugin_and_what_differed_and_skips_only_with_a_reason(tmp_path):
+    from vlft.testing import FamilyCheckError
+
+    registry = registry_with(_OffByOne(), entry_points=False)
+    why = "this test is about image tokens"
+    with pytest.raises(FamilyCheckError) as failed:
+        check_family("gemma3", tmp_path, registry=registry,
+                     skip={"adapter": why, "mixed_step": why})
+    message = str(failed.value)
+    assert message.startswith("family 'gemma3' (plugin vlft_off_by_one): 1 of 6 checks failed"), message
+    assert "image_tokens: failed: train.jsonl:2: the family's image_inputs wrote 47 tokens, the processor 46" in message
+    assert "<image_soft_token> per image: the family [5], the processor [4]" in message, message
+    assert f"adapter: skipped: {why}" in message and "targets: passed" in message
+    with pytest.raises(ValueError, match="skipping adapter needs a reason"):
+        check_family("gemma3", tmp_path, registry=registry, skip={"adapter": ""})
+    with pytest.raises(ValueError, match="no check called tokens"):
+        check_family("gemma3", tmp_path, registry=registry, skip={"tokens": why})

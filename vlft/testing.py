@@ -27,6 +27,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -38,8 +39,8 @@ from vlft.config import RunConfig, build_config
 from vlft.policies import DataLoaderOptions
 from vlft.registry import Registry, load_registry
 
-__all__ = ["FAMILY_CHECKS", "FamilyCheckError", "FamilyReport", "check_family", "check_plugin", "registry_with", "run",
-           "tiny_dataset", "tiny_run_config"]
+__all__ = ["FAMILY_CHECKS", "FamilyCheck", "FamilyCheckError", "FamilyReport", "check_family", "check_plugin",
+           "registry_with", "run", "tiny_dataset", "tiny_run_config"]
 
 UNKNOWN = "vlft-testing-unknown-name"  # a backend, method and objective name no plugin owns
 # what a run needs besides the plugin under test: a backend to run a method on, a method to run a backend with,
@@ -297,39 +298,50 @@ def _each_layer(model, fam, relative: str):
 
 
 def _check_image_tokens(s: _Subject) -> str:
-    """Per image, the tokens the family's ``image_inputs`` write equal those the processor writes given the same
-    rendered conversation and images; and measuring a record (sizes alone, as the length check does) counts
-    what encoding it gives."""
-    from vlft.data.records import load_image  # the images as the encoder decodes them
-
-    image_token = getattr(s.processor, "image_token", None)
-    if not image_token:
-        return (f"the processor ({type(s.processor).__name__}) has no image_token to count; skip this check with "
-                "a reason (skip={'image_tokens': '...'})")
-    token = s.processor.tokenizer.convert_tokens_to_ids(image_token)
+    """The ids the family's ``image_inputs`` write for each record equal those the processor writes itself for the
+    same rendered conversation and images (so each image's token count does too); and measuring a record (from
+    its image sizes alone, as the length check does) counts what encoding it gives."""
     problems = []
     for record, sample in zip(s.records, s.samples):
-        measured = s.encoder.measure(record)[0]
-        if measured != len(sample["input_ids"]):
+        measured, encoded = s.encoder.measure(record)[0], len(sample["input_ids"])
+        if measured != encoded:
             problems.append(f"{record.where}: measured at {measured} tokens (image_inputs.prepare on the sizes "
-                            f"alone), encoded at {len(sample['input_ids'])}")
-        if not record.images:
-            continue
-        images = [load_image(x) for x in record.images]
-        text = s.encoder.render(record.turns, add_generation_prompt=False)
-        own = s.processor(text=[text], images=[images], return_tensors="pt")["input_ids"][0]
-        mine, theirs = _runs(sample["input_ids"], token), _runs(own, token)
+                            f"alone), encoded at {encoded}")
+        mine, theirs, plain = sample["input_ids"].tolist(), *_processor_ids(s, record)
         if mine != theirs:
-            sizes = ", ".join(f"{w}x{h}" for w, h in (im.size for im in images))
-            problems.append(f"{record.where}: images {sizes}: {image_token} per image: the family's image_inputs "
-                            f"wrote {mine}, the processor {theirs}")
+            problems.append(f"{record.where}: {_first_difference(s.processor.tokenizer, mine, theirs, plain)}")
     return "; ".join(problems)
 
 
-def _runs(ids, token: int) -> list[int]:
+def _processor_ids(s: _Subject, record) -> tuple[list[int], list[int]]:
+    """(the processor's ids for the record's rendered conversation and images, the tokenizer's for the text
+    alone)."""
+    from vlft.data.records import load_image  # the images as the encoder decodes them
+
+    text = s.encoder.render(record.turns, add_generation_prompt=False)
+    images = {"images": [[load_image(x) for x in record.images]]} if record.images else {}
+    own = s.processor(text=[text], return_tensors="pt", **images)["input_ids"][0].tolist()
+    return own, s.processor.tokenizer(text)["input_ids"]
+
+
+def _first_difference(tokenizer, mine: list[int], theirs: list[int], plain: list[int]) -> str:
+    """Where the family's ids part from the processor's, with each image's count of the token the processor
+    writes in for images (the one it adds most of that the text alone lacks, else the one it adds most of)."""
+    at = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+    names = tokenizer.convert_ids_to_tokens
+    said = (f"the family's image_inputs wrote {len(mine)} tokens, the processor {len(theirs)}; from token {at} "
+            f"the family wrote {names(mine[at:at + 4])}, the processor {names(theirs[at:at + 4])}")
+    added = Counter(theirs) - Counter(plain)
+    if not added:
+        return said
+    token = max(added, key=lambda t: (t not in plain, added[t]))
+    return f"{said}; {names(token)} per image: the family {_runs(mine, token)}, the processor {_runs(theirs, token)}"
+
+
+def _runs(ids: list[int], token: int) -> list[int]:
     """The lengths of the runs of ``token`` in ``ids``: one run per image."""
     runs, length = [], 0
-    for t in [*ids.tolist(), None]:
+    for t in [*ids, None]:
         if t == token:
             length += 1
         elif length:
@@ -519,8 +531,8 @@ def check_family(model: str, folder: str | Path, *, registry: Registry | None = 
     reason} for checks that do not apply to the model at hand (each needs a reason; the report keeps it).
 
     The checks (``FAMILY_CHECKS``), each skipped with the reason where the family lacks the capability:
-    ``targets`` (every target name found on the model), ``image_tokens`` (per image, the tokens the family's
-    ``image_inputs`` write equal the processor's), ``positions`` (``rope_index`` equals the positions the model
+    ``targets`` (every target name found on the model), ``image_tokens`` (the ids the family's ``image_inputs``
+    write equal the processor's own, each image's token count with them), ``positions`` (``rope_index`` equals the positions the model
     computes), ``packing`` (packed and padded losses equal in float64), ``adapter`` (saved, and loaded with
     plain ``peft.PeftModel.from_pretrained``: the same logits), ``mixed_step`` (a 2-step ``vlft run`` on
     text-only and image records). Returns the ``FamilyReport`` when none fails.
@@ -595,8 +607,9 @@ def _write_mixed_data(folder: Path, with_images: bool = True) -> Path:
         messages = []
         for t in range(turns):
             placeholders = "<image>\n" * len(images) if t == 0 else ""
+            answer = answer_for(rng.choice(list(COLOURS)), rng.choice(list(DEFECTS)))
             messages += [{"role": "user", "content": placeholders + QUESTIONS[t % len(QUESTIONS)]},
-                         {"role": "assistant", "content": answer_for(rng.choice(list(COLOURS)), rng.choice(list(DEFECTS)))}]
+                         {"role": "assistant", "content": answer}]
         lines.append(json.dumps({"messages": messages, "images": images}))
     path = folder / "train.jsonl"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
