@@ -532,8 +532,8 @@ def check_family(model: str, folder: str | Path, *, registry: Registry | None = 
 
     The checks (``FAMILY_CHECKS``), each skipped with the reason where the family lacks the capability:
     ``targets`` (every target name found on the model), ``image_tokens`` (the ids the family's ``image_inputs``
-    write equal the processor's own, each image's token count with them), ``positions`` (``rope_index`` equals the positions the model
-    computes), ``packing`` (packed and padded losses equal in float64), ``adapter`` (saved, and loaded with
+    write equal the processor's own, each image's token count with them), ``positions`` (``rope_index`` equals
+    the positions the model computes), ``packing`` (packed and padded losses equal in float64), ``adapter`` (saved, and loaded with
     plain ``peft.PeftModel.from_pretrained``: the same logits), ``mixed_step`` (a 2-step ``vlft run`` on
     text-only and image records). Returns the ``FamilyReport`` when none fails.
     """
