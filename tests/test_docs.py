@@ -368,3 +368,65 @@ def test_the_model_family_rule_catches_a_family_name():
     assert family_offenders("from transformers import Qwen2VLImageProcessor\nx = m.visual.blocks\n", "x.py")
     assert family_offenders("from t.qwen2_vl.image_processing_qwen2_vl import smart_resize\n", "x.py")
     assert not family_offenders('"""Qwen2.5-VL in a docstring is prose."""\nmsg = "a Qwen model"\n', "x.py")
+
+
+# -- docs/writing-plugins.md: testing a family with vlft.testing.check_family -----------------------------------
+
+PLUGINS_DOC = ROOT / "docs" / "writing-plugins.md"
+CHECK_FAMILY_HEADING = "### Testing a family: `vlft.testing.check_family`"
+
+
+def check_family_doc_problems(text: str, where: str = "docs/writing-plugins.md") -> list[str]:
+    """The guide's check_family section: its table names every check vlft.testing runs (and no other), and its
+    code block compiles, imports only what vlft.testing offers, and calls check_family as its signature allows,
+    skipping only checks that exist."""
+    from vlft import testing
+
+    if CHECK_FAMILY_HEADING not in text:
+        return [f"{where}: no section '{CHECK_FAMILY_HEADING}'"]
+    section = text.split(CHECK_FAMILY_HEADING, 1)[1].split("\n## ", 1)[0]
+    problems = []
+    listed = re.findall(r"^\| `(\w+)` \|", section, re.M)
+    if listed != list(testing.FAMILY_CHECKS):
+        problems.append(f"{where}: the check table lists {listed}; vlft.testing.FAMILY_CHECKS has "
+                        f"{list(testing.FAMILY_CHECKS)}")
+    block = re.search(r"```python\n(.*?)```", section, re.S)
+    if block is None:
+        return problems + [f"{where}: the check_family section has no python code block"]
+    try:
+        tree = ast.parse(block.group(1))
+    except SyntaxError as e:
+        return problems + [f"{where}: the check_family example does not compile: {e}"]
+    signature = inspect.signature(testing.check_family)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "vlft.testing":
+            problems += [f"{where}: imports {a.name}, which vlft.testing does not export" for a in node.names
+                         if a.name not in testing.__all__]
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "check_family":
+            try:
+                signature.bind(*node.args, **{k.arg: k.value for k in node.keywords})
+            except TypeError as e:
+                problems.append(f"{where}: check_family called as the signature does not allow: {e}")
+            skip = next((k.value for k in node.keywords if k.arg == "skip"), None)
+            if isinstance(skip, ast.Dict):
+                problems += [f"{where}: skips '{k.value}', which is no check" for k in skip.keys
+                             if isinstance(k, ast.Constant) and k.value not in testing.FAMILY_CHECKS]
+    if "check_family(" not in block.group(1):
+        problems.append(f"{where}: the check_family example never calls check_family")
+    return problems
+
+
+def test_the_guide_shows_check_family_as_vlft_testing_has_it():
+    assert check_family_doc_problems(PLUGINS_DOC.read_text(encoding="utf-8")) == []
+
+
+def test_a_check_family_section_that_drifts_is_reported():
+    text = PLUGINS_DOC.read_text(encoding="utf-8")
+    renamed = text.replace("| `packing` |", "| `pack` |")
+    assert any("the check table lists" in p for p in check_family_doc_problems(renamed))
+    drifted = text.replace('skip={"packing":', 'skips={"packing":')
+    assert any("signature does not allow" in p for p in check_family_doc_problems(drifted))
+    unknown = text.replace('skip={"packing":', 'skip={"pack":')
+    assert any("which is no check" in p for p in check_family_doc_problems(unknown))
+    assert any("does not export" in p for p in check_family_doc_problems(
+        text.replace("from vlft.testing import check_family,", "from vlft.testing import check_families,")))

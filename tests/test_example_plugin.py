@@ -19,7 +19,8 @@ from click.testing import CliRunner
 from helpers import vlft_command
 
 from vlft import ConfigError, RunConfig
-from vlft.testing import check_plugin, registry_with, run, tiny_run_config
+from vlft import hookimpl as vlft_hookimpl
+from vlft.testing import check_family, check_plugin, registry_with, run, tiny_run_config
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "vlft-example-plugin"
 ENTRY_POINTS = {"cpu-bf16": "vlft_example_plugin.backend", "loha": "vlft_example_plugin.loha",
@@ -57,6 +58,12 @@ def test_vlft_plugins_lists_the_example_backend_and_method():
     assert backends["cpu-bf16"]["plugin"] == "cpu-bf16" and backends["cpu-bf16"]["available"]
     assert backends["cpu-bf16"]["fsdp"] is False and "not been tried with FSDP2" in backends["cpu-bf16"]["fsdp_reason"]
     assert {m["name"]: m["plugin"] for m in listed["methods"]}.get("loha") == "loha"
+    # the plugin behind each model family: the example's entry point for gemma3, the built-ins' for the others
+    families = {f["name"]: f["plugin"] for f in listed["model_families"]}
+    assert families.get("gemma3") == "gemma3" and families.get("qwen2.5-vl") == "models", families
+    text = CliRunner().invoke(cli, ["plugins"]).output
+    assert any(line.strip().startswith("gemma3 ") and line.endswith("(plugin gemma3)") for line in text.splitlines()), \
+        text
 
 
 @needs_install
@@ -216,3 +223,59 @@ def test_the_example_registers_its_command():
     result = CliRunner().invoke(group, ["bf16-speed", "--size", "32", "--repeat", "1"])
     assert result.exit_code == 0, result.output
     assert "per 32x32 product" in result.output
+
+
+def test_the_gemma3_family_passes_vlft_testing_check_family(tmp_path):
+    """The family contract on its real tiny model, as the example's author tests it (registered by hand): every
+    check passes but those for capabilities Gemma 3 lacks, each skipped with its reason; errors would name the
+    plugin (here the module, as registry_with registers it)."""
+    report = check_family("gemma3", tmp_path, registry=registry_with(gemma3, entry_points=False))
+    assert report.family == f"family 'gemma3' (plugin {gemma3.__name__})"
+    assert {c.name for c in report.of("passed")} == {"targets", "image_tokens", "adapter", "mixed_step"}, str(report)
+    skipped = {c.name: c.detail for c in report.of("skipped")}
+    assert skipped.keys() == {"positions", "packing"} and "refuses packing: its token_type_ids" in skipped["packing"]
+
+
+class _OffByOne:
+    """Gemma 3 with one image token too many written for each image: a family whose count drifted from its
+    processor's."""
+
+    __name__ = "vlft_off_by_one"
+
+    @staticmethod
+    def write(processor, texts, prepared):
+        written = gemma3.FAMILY.image_inputs.write(processor, texts, prepared)
+        token = processor.tokenizer.convert_tokens_to_ids("<image_soft_token>")
+        for ids in written.ids:
+            if token in ids:
+                ids.insert(ids.index(token), token)
+        return written
+
+    @vlft_hookimpl
+    def vlft_model_families(self):
+        from dataclasses import replace
+
+        return [replace(gemma3.FAMILY, image_inputs=replace(gemma3.FAMILY.image_inputs, write=self.write))]
+
+    @vlft_hookimpl
+    def vlft_model_family(self, model_type):
+        return self.vlft_model_families()[0] if gemma3.FAMILY.owns(model_type) else None
+
+
+def test_check_family_names_the_plugin_and_what_differed_and_skips_only_with_a_reason(tmp_path):
+    from vlft.testing import FamilyCheckError
+
+    registry = registry_with(_OffByOne(), entry_points=False)
+    why = "this test is about image tokens"
+    with pytest.raises(FamilyCheckError) as failed:
+        check_family("gemma3", tmp_path, registry=registry,
+                     skip={"adapter": why, "mixed_step": why})
+    message = str(failed.value)
+    assert message.startswith("family 'gemma3' (plugin vlft_off_by_one): 1 of 6 checks failed"), message
+    assert "image_tokens: failed: train.jsonl:2: the family's image_inputs wrote 47 tokens, the processor 46" in message
+    assert "<image_soft_token> per image: the family [5], the processor [4]" in message, message
+    assert f"adapter: skipped: {why}" in message and "targets: passed" in message
+    with pytest.raises(ValueError, match="skipping adapter needs a reason"):
+        check_family("gemma3", tmp_path, registry=registry, skip={"adapter": ""})
+    with pytest.raises(ValueError, match="no check called tokens"):
+        check_family("gemma3", tmp_path, registry=registry, skip={"tokens": why})

@@ -62,8 +62,11 @@ FAMILY = qwen_family(
     router_modules=("mlp.gate",),
     **{**{f: getattr(dense.FAMILY, f) for f in (
         "vision_tower", "vision_blocks", "vision_mergers", "decoder_layers", "lm_head",
-        "vision_attention", "vision_mlp", "text_attention", "text_mlp",
+        "vision_attention", "vision_mlp", "text_attention",
         "box_coordinates", "processor_class", "load_processor", "bundled_processor", "vision_stem")}},
+    # no dense MLP and no shared expert in its decoder layers: the fused experts are the MLP (expert_parameters);
+    # the dense family's names matched nothing (vlft.testing.check_family's targets check found it)
+    text_mlp=(),
     name=NAME,
     model_types=("qwen3_vl_moe",),
     description="Qwen3-VL MoE (30B-A3B/235B-A22B): attention adapters; fused experts via target_parameters",
