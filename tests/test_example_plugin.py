@@ -114,6 +114,9 @@ def test_the_gemma3_family_trains_through_its_entry_point_and_saves_a_plain_peft
     result = run(tiny_run_config(tmp_path, model="embedded:gemma3", steps=8, batch_size=4, lr=3e-3))
     plan = json.loads((result.output / "plan.json").read_text())
     assert plan["model_family"]["name"] == "gemma3", plan.get("model_family")
+    # its processor writes the image tokens and the family gives no grid: the plan says what it did not count
+    assert "not traced, counted as 0: vision activations of the gemma3 family (its image inputs give no patch " \
+           "grids: ImageInputs.grid; the plan counts 0 image patches)" in plan["notes"], plan["notes"]
     losses = [m["loss"] for m in result.metrics if "loss" in m]
     assert len(losses) == 8 and sum(losses[-3:]) / 3 < 0.9 * sum(losses[:3]) / 3, losses
     folder = embedded_family_dir(gemma3.FAMILY)  # the folder the run trained on (built once, cached)
@@ -131,8 +134,11 @@ def test_gemma3_samples_are_encoded_as_its_own_processor_encodes_them(tmp_path):
     """processor_expands_placeholders: the encoder's input_ids and token_type_ids equal Gemma3Processor's on
     the whole rendered conversation; only the reply (to <end_of_turn>) is trained; the batch carries
     token_type_ids and no Qwen keys."""
+    import dataclasses
+
     import torch
 
+    from vlft import processor_image_inputs
     from vlft.data.batching import collator_for
     from vlft.data.demo import write_demo_dataset
     from vlft.data.encoding import SampleEncoder
@@ -155,6 +161,12 @@ def test_gemma3_samples_are_encoded_as_its_own_processor_encodes_them(tmp_path):
     trained = processor.tokenizer.decode(sample["input_ids"][sample["labels"] != IGNORE_INDEX])
     assert trained == rec.turns[-1].text + family.reply_end_token, trained
     assert encoder.measure(rec)[0] == len(sample["input_ids"])
+    assert encoder.measure(rec)[1] == []  # its processor writes no grid, nor does the family give one
+    # a family that gives ImageInputs.grid gets a grid per image, from the image's own size, for the memory plan
+    gridded = dataclasses.replace(family, image_inputs=processor_image_inputs(
+        dict(family.image_inputs.batch_inputs), grid=lambda h, w, cap: (1, h // 8, w // 8)))
+    width, height = load_image(rec.images[0]).size
+    assert SampleEncoder(processor, family=gridded).measure(rec)[1] == [(1, height // 8, width // 8)] * len(rec.images)
     batch = collator_for(processor, family)([encoder.encode(r) for r in records])
     assert set(batch) == {"input_ids", "attention_mask", "labels", "token_type_ids", "pixel_values"}
     assert batch["token_type_ids"].shape == batch["input_ids"].shape

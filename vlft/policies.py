@@ -422,8 +422,10 @@ def processor_image_inputs(batch_inputs: dict, pixels: str = "pixel_values", siz
     processor is called once per rendered piece with that piece's images (those of its ``processor.image_token``
     placeholders), and the outputs ``batch_inputs`` names are kept: 'sequence' ones laid end to end over the
     pieces (0 where a piece has none), 'concat' ones joined along dim 0. Measuring processes blank images of
-    the recorded sizes (no pixels decoded)."""
-    return ImageInputs(prepare=_processor_prepare, write=partial(_processor_write, dict(batch_inputs)),
+    the recorded sizes (no pixels decoded). ``grid(height, width, None)``, where given, is each image's patch
+    grid (the processor writes none): the memory plan counts its patches and, with ``trace``, traces the tower;
+    without it the plan says it counted no vision activations."""
+    return ImageInputs(prepare=_processor_prepare, write=partial(_processor_write, dict(batch_inputs), grid),
                        batch_inputs=dict(batch_inputs), pixels=pixels, size_cap=size_cap, grid=grid,
                        patch_size=patch_size, patches_per_token=patches_per_token, trace=trace)
 
@@ -435,7 +437,7 @@ def _processor_prepare(processor, media: Media, max_pixels=None):
     return images, media.where
 
 
-def _processor_write(wanted: dict, processor, texts: list[str], prepared) -> Written:
+def _processor_write(wanted: dict, grid, processor, texts: list[str], prepared) -> Written:
     import torch
 
     from vlft.errors import DataError
@@ -462,7 +464,8 @@ def _processor_write(wanted: dict, processor, texts: list[str], prepared) -> Wri
     if left:
         raise DataError(f"{where}: {len(left)} image(s) have no placeholder in the rendered conversation")
     extra = {key: torch.cat(parts) for key, parts in (*sequences.items(), *stacked.items()) if parts}
-    return Written(ids_per_text, extra)
+    grids = [tuple(grid(img.size[1], img.size[0], None)) for img in prepared[0]] if grid is not None else []
+    return Written(ids_per_text, extra, grids)
 
 
 CAPABILITIES = {"image_inputs": ImageInputs, "video_inputs": VideoInputs, "positions": Positions,

@@ -29,6 +29,7 @@ from vlft.data.packing import padding_ratio, settle_auto
 from vlft.data.records import MAX_REPORTED_PROBLEMS
 from vlft.data.lazy import concat, read_compact, take, weighted
 from vlft.data.lazy import media_files as lazy_media
+from vlft.data.lazy import modalities as lazy_modalities
 from vlft.errors import ConfigError, DataError
 from vlft.models.adapting import compute_adapters_in_autocast_dtype
 from vlft.models.bundled import is_bundled
@@ -165,6 +166,12 @@ def _read_validation(path: Path, config: RunConfig, objective=None):
     if not records:
         raise DataError(f"{path} holds no records")
     return records
+
+
+def _any_grid(grids) -> bool:
+    """Whether any sample has an image grid (a columnar set's grids are flat arrays: no walk of every sample)."""
+    flat = getattr(grids, "flat", None)
+    return len(flat) > 0 if flat is not None else any(grids)
 
 
 def _parse(objective):
@@ -326,6 +333,11 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
     fixes.decide(plan.memory, config.grad_checkpointing, skeleton, model_config, plan.precision.autocast_dtype,
                   config.batch_size, config.grad_accum, config.max_pixels,
                   can_shard=bool(plan.distributed and plan.distributed.fsdp), family=family)
+    if family.image_inputs is not None and not _any_grid(lengths.grids) and "image" in lazy_modalities(train):
+        # a processor-writes-the-tokens family without ImageInputs.grid: no grid, so no tower to trace
+        plan.memory.activations.untraced.append(
+            f"vision activations of the {family.name} family (its image inputs give no patch grids: "
+            "ImageInputs.grid; the plan counts 0 image patches)")
     plan.notes += [f"not traced, counted as 0: {what}" for what in plan.memory.activations.untraced]
     plan.model_counts = count_parameters(skeleton, family)
     if init_source is not None:
