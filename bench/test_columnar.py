@@ -1,6 +1,6 @@
 """Group ``columnar``: a run's data check on a hub-shaped Parquet set (``bench.support.data.write_parquet_set``:
 LLaVA-OneVision's columns, shards of 10,000 rows in row groups of 1,000, JPEG bytes of 224x224 drawn from a
-pool of distinct images, one per ten records up to 10,000), at 10^4 and 3 x 10^4 records by default
+pool of distinct images, one per ten records up to 10,000), at 5 x 10^3 and 2 x 10^4 records by default
 (``--columnar-scales``, e.g. ``10000,100000``; 200 with --benchmark-disable). Each scale runs in a process of its own (``bench/support/columnar_check.py``):
 ``planning.preflight.load_and_check_data`` cold (every row read and checked, each distinct image decoded
 once, every record measured by the parallel workers), then again from the cache, then a 2-step ``vlft run``
