@@ -26,9 +26,8 @@ import re
 from collections.abc import Sequence
 
 import torch
-from PIL import Image
 
-from vlft.data.records import IGNORE_INDEX, IMAGE_PLACEHOLDER, Record, Turn, image_file_or_bytes, load_image
+from vlft.data.records import IGNORE_INDEX, IMAGE_PLACEHOLDER, Record, Turn, header_size, load_image
 from vlft.data.video import VideoError, read_frames
 from vlft.errors import ConfigError, DataError
 from vlft.policies import Media, Written
@@ -152,7 +151,7 @@ class SampleEncoder:
             sizes = [img.size for img in images]
         else:  # measuring: the sizes alone (recorded, or read from the file headers)
             images = None
-            sizes = record.image_sizes if record.image_sizes is not None else [_size_of(s) for s in record.images]
+            sizes = record.image_sizes if record.image_sizes is not None else [header_size(s) for s in record.images]
         return Media(list(sizes), images, self._clips(record), record.where)
 
     def _clips(self, record: Record) -> list:
@@ -217,11 +216,6 @@ class SampleEncoder:
         prompt = self.render(record.turns[:last], add_generation_prompt=True)
         input_ids, _, extra, _ = self._write([(prompt, False)], self._prepare(self._media(record, decode=True)))
         return {"input_ids": torch.tensor(input_ids), **extra}
-
-
-def _size_of(source) -> tuple[int, int]:
-    with Image.open(image_file_or_bytes(source)) as img:
-        return img.size
 
 
 def family_of_processor(processor):

@@ -249,11 +249,13 @@ def load_image(source: str | bytes | StoredImage) -> Image.Image:
     return open_image(source.read() if isinstance(source, StoredImage) else source)
 
 
-def image_file_or_bytes(source: str | bytes | StoredImage) -> str | io.BytesIO:
-    """What ``Image.open`` reads a source from (the header alone, for its size)."""
+def header_size(source: str | bytes | StoredImage) -> tuple[int, int]:
+    """(width, height) of an image from its header alone (no pixels decoded): measuring a record that was
+    checked before."""
     if isinstance(source, StoredImage):
         source = source.read()
-    return io.BytesIO(source) if isinstance(source, bytes) else source
+    with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as img:
+        return img.size
 
 
 def read_records(path: str | Path, check_images: bool = True, image_root: str | Path | None = None,
@@ -329,7 +331,7 @@ class _ImageChecker:
     def __init__(self, root: Path | None, check: bool, sizing: bool = False):
         self.root, self.check = root, check
         self.sizing = sizing and not check  # unchecked, but each image's size read from its header
-        self.resolved: dict[tuple, tuple] = {}  # (folder, path) -> (source, problem)
+        self.resolved: dict[tuple, tuple] = {}  # (folder, path) -> (source, problem); ("size", path) -> size
         self.sizes: dict[bytes, tuple[int, int] | Exception] = {}  # digest of embedded bytes -> size or problem
 
     def source(self, value: Any, base_dir: Path) -> tuple[str | bytes | StoredImage | None, tuple | None,
@@ -345,9 +347,13 @@ class _ImageChecker:
         else:
             source, problem = _resolve_image(value, base_dir, self.root)
         size = None
-        if problem is None and self.sizing:
-            with Image.open(image_file_or_bytes(source)) as img:
-                size = img.size
+        if problem is None and self.sizing:  # a path named by many rows: its header read once
+            key = ("size", source) if isinstance(source, str) else None
+            size = self.resolved.get(key) if key else None
+            if size is None:
+                size = header_size(source)
+                if key:
+                    self.resolved[key] = size
         if problem is None and self.check:
             try:
                 size = checked_image_size(source)
@@ -362,8 +368,7 @@ class _ImageChecker:
         key = hashlib.blake2b(image.data, digest_size=16).digest()
         found = self.sizes.get(key)
         if found is None and self.sizing:  # checked before: its header says its size
-            with Image.open(io.BytesIO(image.data)) as img:
-                found = self.sizes[key] = img.size
+            found = self.sizes[key] = header_size(image.data)
         if found is None:
             try:
                 found = load_image(image.data).size
