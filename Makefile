@@ -42,8 +42,12 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/vlft run
 
+# The suite in TEST_WORKERS processes (pytest-xdist), a test file per worker (--dist loadfile: a file's shared
+# runs, its module fixtures, are built once); tests/conftest.py gives each worker its share of the threads.
+# TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 	PYTHONPATH=$(abspath $(QLORA_SITE)) VLFT_REQUIRE_QLORA=1 $(PY) -m pytest -q tests/test_qlora.py \
 	    bench/test_memory.py -k 'qlora or nf4'
 

@@ -21,6 +21,13 @@ SESSION_DIR = Path(tempfile.mkdtemp(prefix="vlft-test-"))
 os.environ["TMPDIR"] = str(SESSION_DIR / "tmp")
 os.environ.setdefault("VLFT_CACHE", str(SESSION_DIR / "cache"))  # a cache the caller chose is kept
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Under pytest-xdist (`make test` runs two workers) the workers share the cores: each worker, and every
+# process it starts (a `vlft run` subprocess inherits the variable), takes its share of the threads, or two
+# processes of two threads fight over two cores and both run slower than one after the other.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS = max(1, min(2, (os.cpu_count() or 1) // _WORKERS))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 
 # The built-in plugin packages (vlft_models, vlft_cuda, ...) from this checkout, for the tests that import them
 # by name: where vlft is not installed (a device machine's Python runs the suite from the checkout) nothing
@@ -32,7 +39,7 @@ serve_checkout()
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+torch.set_num_threads(THREADS)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -325,6 +325,58 @@ def test_a_step_moves_the_policy_toward_the_better_completions(demo, sft_adapter
     assert float((advantages.double() * change.double()).sum()) > 0, (advantages, change)
 
 
+def test_the_trained_log_probabilities_are_those_of_the_sampling_distribution(demo, sft_adapter, registry,
+                                                                               tmp_path, monkeypatch):
+    """At --temperature 0.7 the completions are drawn from softmax(logits / 0.7): the log-probabilities the loss
+    trains (the ratio's numerator, and ``old_logps`` on a rollout's first pass) are those, token by token, as
+    generate's own sampling scores give them (TRL divides by the temperature likewise); at temperature 1 they
+    would differ by far more than rounding."""
+    from contextlib import nullcontext
+
+    from vlft.config import build_config
+    from vlft.models.rows import row_inputs
+    from vlft.training.session import prepare
+
+    config = build_config({}, dict(backend="cpu", objective="grpo", data=str(demo.train), val_data=str(demo.val),
+                                   output=str(tmp_path / "r"), steps=1, batch_size=2, init_adapter=str(sft_adapter),
+                                   num_generations=3, max_new_tokens=8, temperature=0.7, reward=["fields"],
+                                   adapter={"lora_dropout": 0.0}))
+    s = prepare(registry, config)
+    scores = []
+    generate = type(s.model).generate
+
+    def generate_keeping_scores(self, *args, **kwargs):  # the real generate, asked for its sampling scores
+        out = generate(self, *args, **kwargs, output_scores=True, return_dict_in_generate=True)
+        scores.append(out.scores)
+        return out.sequences
+
+    monkeypatch.setattr(type(s.model), "generate", generate_keeping_scores)
+    torch.manual_seed(0)
+    host = s.collate([s.dataset[i] for i in range(2)])
+    (batch,), _ = s.policy.rollout(s.model, [host], s.device, nullcontext())
+    rows = {k: v for k, v in batch.items() if k != grpo.GRPO}
+    (steps,) = scores
+    b, g = 2, 3
+    length = rows["input_ids"].shape[1] - len(steps)
+    sampled = rows["input_ids"][:, length:]  # group-major rows: row j * b + i is prompt i's j-th completion
+    prompt_major = torch.stack([torch.log_softmax(step.float(), -1) for step in steps], 1)  # [b * g, T, V]
+    order = torch.tensor([i * g + j for j in range(g) for i in range(b)])
+    expected = prompt_major[order].gather(-1, sampled.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        inputs = row_inputs(s.model, rows, g)
+        got, mask = grpo.token_logps(s.model, inputs, rows, nullcontext(), 0.7)
+        at_one, _ = grpo.token_logps(s.model, inputs, rows, nullcontext())
+    assert int(mask.sum()) > 0
+    got, at_one, expected = (t[:, -len(steps):] for t in (got, at_one, expected))  # labelled positions sit last
+    m = mask[:, -len(steps):]
+    # Two computations of the same fp32 logits, generate's (a prefill, then one token at a time against the KV
+    # cache) and the trained pass's (the whole row at once), differ in summation order: measured up to 2.2e-3
+    # on a log-probability here (1.5e-3 with one prompt, no padding), while leaving the temperature out moves
+    # them by more than 1 (1.06 measured). 1e-2 separates the two by 5x on either side.
+    assert (got[m] - expected[m]).abs().max() < 1e-2, (got[m] - expected[m]).abs().max()
+    assert (at_one[m] - expected[m]).abs().max() > 5e-2
+
+
 def test_killed_and_resumed_it_draws_the_same_completions(grpo_run, demo, sft_adapter, tmp_path, monkeypatch):
     """Stopped during step 3 (after the step-2 checkpoint) and resumed: the sampler's state comes back with the
     checkpoint, so steps 3 and 4 draw and score the same completions and give the same losses; the reference is

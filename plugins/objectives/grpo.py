@@ -129,7 +129,8 @@ def vlft_objective(objective, config, rewards):
         parse=parse_prompt, check=partial(check_references, rewards=chosen), encoder=rollout.encoder, collate=PromptCollator,
         rows_per_record=g,
         average_over="completion tokens" if config.grpo_norm == "token" else "completions",
-        loss=partial(grpo_loss, epsilon=config.clip_epsilon, beta=beta, norm=config.grpo_norm),
+        loss=partial(grpo_loss, epsilon=config.clip_epsilon, beta=beta, norm=config.grpo_norm,
+                     temperature=config.temperature),
         rollout=rollout, iterations=config.num_iterations, figures=figures, figure_units=units,
         reference=reference,
         generation={"sequences_per_record": g, "new_tokens": config.max_new_tokens},
@@ -478,8 +479,11 @@ def grpo_token_loss(logps, old_logps, ref_logps, advantages, *, epsilon: float, 
     return per_token, kl, clipped
 
 
-def token_logps(model, inputs: dict, batch: dict, autocast):
-    """(per-token log-probabilities ``[n, P]`` at the batch's labelled positions, their mask)."""
+def token_logps(model, inputs: dict, batch: dict, autocast, temperature: float = 1.0):
+    """(per-token log-probabilities ``[n, P]`` at the batch's labelled positions, their mask), under the
+    distribution the completions were drawn from: the logits divided by the sampling ``temperature`` (as TRL's
+    GRPOTrainer does), so the ratio and the policy gradient are those of the sampling policy, not of the
+    temperature-1 model."""
     import torch
 
     from vlft.data.records import IGNORE_INDEX
@@ -487,6 +491,8 @@ def token_logps(model, inputs: dict, batch: dict, autocast):
 
     logits, targets = labelled_logits(model, inputs, batch, autocast)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if temperature != 1.0:
+        logits = logits / temperature
     mask = targets != IGNORE_INDEX
     logps = torch.log_softmax(logits, -1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return logps * mask, mask
@@ -501,9 +507,11 @@ def reduce_loss(per_token, mask, norm: str):
     return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum()
 
 
-def grpo_loss(model, batch, autocast, reference, *, epsilon: float, beta: float, norm: str):
+def grpo_loss(model, batch, autocast, reference, *, epsilon: float, beta: float, norm: str,
+              temperature: float = 1.0):
     """(the batch's summed loss, {figure: sum}) for a rolled-out batch (``Rollout``): summed over completion
-    tokens (``norm`` token) or over completions of their token means (``sequence``). The batch's first pass
+    tokens (``norm`` token) or over completions of their token means (``sequence``); log-probabilities of the
+    policy and the reference at the sampling ``temperature`` (``token_logps``). The batch's first pass
     keeps its log-probabilities on it as the sampling policy's, and the reference's, for the steps that train
     on it again (``--num-iterations``)."""
     from vlft.models.rows import row_inputs
@@ -516,10 +524,10 @@ def grpo_loss(model, batch, autocast, reference, *, epsilon: float, beta: float,
         with reference() as ref_model:
             with autocast:
                 ref_inputs = row_inputs(ref_model, rows, groups)
-            ref, _ = token_logps(ref_model, ref_inputs, rows, autocast)
+            ref, _ = token_logps(ref_model, ref_inputs, rows, autocast, temperature)
     with autocast:
         inputs = row_inputs(model, rows, groups)
-    logps, mask = token_logps(model, inputs, rows, autocast)
+    logps, mask = token_logps(model, inputs, rows, autocast, temperature)
     first_pass = "old_logps" not in extra
     old = logps.detach() if first_pass else extra["old_logps"]
     per_token, kl, clipped = grpo_token_loss(logps, old, ref, extra["advantages"], epsilon=epsilon, beta=beta)
