@@ -71,6 +71,12 @@ def test_image_tokens_per_image_equal_the_processors_with_and_without_max_pixels
             assert out["pixel_values"].shape[1] == tiles, (w, h, cap)
             seen.add(tiles)
     assert seen == {1, 3, 5}, seen  # one tile, 1 x 2 + global, 2 x 2 + global: the cap changes the count
+    # what --max-pixels means: the longest edge at the largest whole number of 32 px tiles whose square fits
+    # (never below one tile, never above the processor's own 64): 112 px -> 2 x 2 + 1 tiles, or 1
+    expected = {None: 5, 31 * 31: 1, 32 * 32: 1, 63 * 63: 1, 64 * 64: 5, 10 ** 6: 5}
+    assert {cap: smolvlm.tiles_of(processor, 112, 112, cap) for cap in expected} == expected
+    assert smolvlm.longest_edge(processor, 63 * 63) == {"size": {"longest_edge": 32}}
+    assert smolvlm.longest_edge(processor, None) == smolvlm.longest_edge(processor, 64 * 64) == {}
 
 
 def test_max_pixels_lowers_the_tile_count_through_the_encoder_and_measuring_agrees(tiny, tmp_path):
