@@ -125,10 +125,9 @@ def test_a_collated_batch_gives_the_logits_of_the_processors_own_padded_batch(ti
     assert (ours[mask] - swapped[mask]).abs().max() > 1e-3
 
 
-def test_the_memory_plan_counts_and_traces_the_vision_tower(tmp_path, monkeypatch):
+def test_the_memory_plan_counts_and_traces_the_vision_tower(tmp_path):
     from helpers import cli_invoke
 
-    monkeypatch.setenv("VLFT_CACHE", str(tmp_path / "cache"))
     code, output = cli_invoke("run", "--model", "embedded:smolvlm", "--backend", "cpu", "--dry-run", "--json",
                               "--output", tmp_path / "run")
     assert code == 0, output
