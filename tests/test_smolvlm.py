@@ -128,8 +128,12 @@ def test_a_collated_batch_gives_the_logits_of_the_processors_own_padded_batch(ti
 def test_the_memory_plan_counts_and_traces_the_vision_tower(tmp_path):
     from helpers import cli_invoke
 
+    # data of its own (the checked-data cache is keyed by the data files, not by the family's code)
+    code, output = cli_invoke("demo-data", tmp_path / "demo", "--train", "8", "--val", "4")
+    assert code == 0, output
     code, output = cli_invoke("run", "--model", "embedded:smolvlm", "--backend", "cpu", "--dry-run", "--json",
-                              "--output", tmp_path / "run")
+                              "--data", tmp_path / "demo" / "train.jsonl", "--val-data",
+                              tmp_path / "demo" / "val.jsonl", "--output", tmp_path / "run")
     assert code == 0, output
     plan = json.loads(output[output.index("{"):])
     batch = plan["memory"]["batch"]
