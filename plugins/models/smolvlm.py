@@ -38,9 +38,10 @@ from vlft import Packing, Sharding, VisionWarmup, processor_image_inputs
 from . import _tiny
 from .family import ModelFamily
 
-# transformers' DEFAULT_CHAT_TEMPLATE of processing_smolvlm.py (5.24), the SmolVLM2 checkpoints' template
-# ("the correct chat template to be used for videos after #38105"): User:/Assistant: turns closed by
-# <end_of_utterance>, images as <image>.
+# The tiny model's template is transformers' DEFAULT_CHAT_TEMPLATE of processing_smolvlm.py (5.24; "the correct
+# chat template to be used for videos after #38105", which the processor itself falls back to): <|im_start|>, then
+# "User:"/"Assistant:" turns closed by <end_of_utterance>\n, images as <image>. A real checkpoint brings its own.
+# The special tokens below are the ones it and the processor write.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<end_of_utterance>", "<image>", "<fake_token_around_image>",
                   "<global-img>", "<video>"]
 GRID_TOKENS = [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]  # as the checkpoints' 6 x 6
@@ -89,28 +90,26 @@ def _image_seq_len(r: dict) -> int:
 
 
 def make_processor(kind: str, tokenizer, r: dict):
+    """The family's processor for the tiny model: tiles of ``r['tile']`` px, images resized to a
+    ``r['longest_edge']`` px longest edge, mean/std 0.5, transformers' SmolVLM chat template (note 6 of
+    NOTES.md section 8: a real Idefics3 checkpoint brings its own)."""
+    from transformers.models.smolvlm.processing_smolvlm import DEFAULT_CHAT_TEMPLATE
+
+    sizes = dict(size={"longest_edge": r["longest_edge"]}, max_image_size={"longest_edge": r["tile"]},
+                 image_mean=IMAGE_MEAN, image_std=IMAGE_STD)
     if kind == "idefics3":
         from transformers import Idefics3ImageProcessor, Idefics3Processor
 
-        ip = Idefics3ImageProcessor(size={"longest_edge": r["longest_edge"]}, max_image_size={"longest_edge": r["tile"]},
-                                    image_mean=IMAGE_MEAN, image_std=IMAGE_STD)
-        return Idefics3Processor(image_processor=ip, tokenizer=tokenizer, image_seq_len=_image_seq_len(r),
-                                 chat_template=_chat_template(kind))
+        return Idefics3Processor(image_processor=Idefics3ImageProcessor(**sizes), tokenizer=tokenizer,
+                                 image_seq_len=_image_seq_len(r), chat_template=DEFAULT_CHAT_TEMPLATE)
     _allow_without_num2words()
     from transformers import SmolVLMImageProcessor, SmolVLMProcessor, SmolVLMVideoProcessor
 
-    ip = SmolVLMImageProcessor(size={"longest_edge": r["longest_edge"]}, max_image_size={"longest_edge": r["tile"]},
-                               image_mean=IMAGE_MEAN, image_std=IMAGE_STD)
-    vp = SmolVLMVideoProcessor(size={"longest_edge": r["tile"]}, max_image_size={"longest_edge": r["tile"]},
-                               image_mean=IMAGE_MEAN, image_std=IMAGE_STD)
-    return SmolVLMProcessor(image_processor=ip, tokenizer=tokenizer, video_processor=vp,
-                            image_seq_len=_image_seq_len(r), chat_template=_chat_template(kind))
-
-
-def _chat_template(kind: str) -> str:
-    from transformers.models.smolvlm.processing_smolvlm import DEFAULT_CHAT_TEMPLATE
-
-    return DEFAULT_CHAT_TEMPLATE
+    video = SmolVLMVideoProcessor(size={"longest_edge": r["tile"]}, max_image_size={"longest_edge": r["tile"]},
+                                  image_mean=IMAGE_MEAN, image_std=IMAGE_STD)
+    return SmolVLMProcessor(image_processor=SmolVLMImageProcessor(**sizes), tokenizer=tokenizer,
+                            video_processor=video, image_seq_len=_image_seq_len(r),
+                            chat_template=DEFAULT_CHAT_TEMPLATE)
 
 
 def build_tiny(kind: str, path: Path, recipe: dict | None = None, corpus=None) -> None:
