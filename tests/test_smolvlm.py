@@ -21,15 +21,15 @@ PROMPT = "What colour is the product?"
 ANSWER = "The product is red and has a scratch."
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+@pytest.fixture(scope="module", params=["smolvlm", "idefics3"])
+def tiny(request, tmp_path_factory):
     from transformers import AutoModelForImageTextToText
 
     from vlft_models import smolvlm
 
     registry = load_registry()
-    family = smolvlm.FAMILIES[0]
-    path = tmp_path_factory.mktemp("smolvlm") / "tiny"
+    family = next(f for f in smolvlm.FAMILIES if f.name == request.param)
+    path = tmp_path_factory.mktemp(request.param) / "tiny"
     family.build_tiny(path)
     model = AutoModelForImageTextToText.from_pretrained(path).eval()
     return family, load_processor(str(path), family, registry), model
