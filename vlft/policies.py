@@ -423,7 +423,7 @@ def processor_image_inputs(batch_inputs: dict, pixels: str = "pixel_values", siz
     processor is called once per rendered piece with that piece's images (those of its ``processor.image_token``
     placeholders), and the outputs ``batch_inputs`` names are kept: 'sequence' ones laid end to end over the
     pieces (0 where a piece has none), 'concat' ones joined along dim 0. Measuring processes blank images of
-    the recorded sizes (no pixels decoded). ``grid(height, width, None)``, where given, is each image's patch
+    the recorded sizes (no pixels decoded). ``grid(height, width, max_pixels)``, where given, is each image's patch
     grid (the processor writes none): the memory plan counts its patches and, with ``trace``, traces the tower;
     without it the plan says it counted no vision activations.
 
