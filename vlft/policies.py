@@ -416,33 +416,43 @@ class Experts:
 # --- a family whose processor writes each image's tokens itself -------------------------------------------------
 
 def processor_image_inputs(batch_inputs: dict, pixels: str = "pixel_values", size_cap: str = "", grid=None,
-                           patch_size: int = 0, patches_per_token: int = 1, trace=None) -> ImageInputs:
+                           patch_size: int = 0, patches_per_token: int = 1, trace=None, processor_kwargs=None,
+                           reshape=None, image_grids=None) -> ImageInputs:
     """``ImageInputs`` for a family whose processor writes each image's token sequence into the text
     (``processor(text=, images=)``, e.g. Gemma 3's ``<start_of_image><image_soft_token>*N<end_of_image>``): the
     processor is called once per rendered piece with that piece's images (those of its ``processor.image_token``
     placeholders), and the outputs ``batch_inputs`` names are kept: 'sequence' ones laid end to end over the
     pieces (0 where a piece has none), 'concat' ones joined along dim 0. Measuring processes blank images of
-    the recorded sizes (no pixels decoded). ``grid(height, width, None)``, where given, is each image's patch
+    the recorded sizes (no pixels decoded). ``grid(height, width, max_pixels)``, where given, is each image's patch
     grid (the processor writes none): the memory plan counts its patches and, with ``trace``, traces the tower;
-    without it the plan says it counted no vision activations."""
-    return ImageInputs(prepare=_processor_prepare, write=partial(_processor_write, dict(batch_inputs), grid),
+    without it the plan says it counted no vision activations.
+
+    Three optional callables for a processor that needs more: ``processor_kwargs(processor, max_pixels) -> dict``,
+    the keyword arguments of every processor call under ``--max-pixels`` (the family's own cap, as its processor
+    takes it; give ``size_cap`` with it); ``reshape(name, tensor) -> tensor``, each kept output as the batch joins
+    it (SmolVLM's ``[1, tiles, ...]`` pixels as ``[tiles, 1, ...]``, so 'concat' joins samples of any tile count);
+    ``image_grids(processor, sizes, max_pixels) -> [(t, h, w), ...]``, each image's grid from the processor's own
+    numbers, where ``grid`` (which has no processor) cannot give it."""
+    return ImageInputs(prepare=partial(_processor_prepare, processor_kwargs),
+                       write=partial(_processor_write, dict(batch_inputs), grid, reshape, image_grids),
                        batch_inputs=dict(batch_inputs), pixels=pixels, size_cap=size_cap, grid=grid,
                        patch_size=patch_size, patches_per_token=patches_per_token, trace=trace)
 
 
-def _processor_prepare(processor, media: Media, max_pixels=None):
+def _processor_prepare(processor_kwargs, processor, media: Media, max_pixels=None):
     from PIL import Image
 
     images = media.images if media.images is not None else [Image.new("RGB", size) for size in media.sizes]
-    return images, media.where
+    kwargs = dict(processor_kwargs(processor, max_pixels)) if processor_kwargs is not None else {}
+    return images, media.where, max_pixels, kwargs
 
 
-def _processor_write(wanted: dict, grid, processor, texts: list[str], prepared) -> Written:
+def _processor_write(wanted: dict, grid, reshape, image_grids, processor, texts: list[str], prepared) -> Written:
     import torch
 
     from vlft.errors import DataError
 
-    left, where = list(prepared[0]), prepared[1]
+    left, where, max_pixels, kwargs = list(prepared[0]), prepared[1], prepared[2], prepared[3]
     placeholder = processor.image_token or ""
     ids_per_text: list[list[int]] = []
     sequences: dict[str, list] = {k: [] for k, how in wanted.items() if how == "sequence"}
@@ -453,18 +463,23 @@ def _processor_write(wanted: dict, grid, processor, texts: list[str], prepared) 
             raise DataError(f"{where}: the rendered conversation has more image placeholders than images")
         mine, left = left[:n], left[n:]
         out = processor(text=[text], images=[mine] if mine else None, add_special_tokens=(k == 0),
-                        return_tensors="pt")
+                        return_tensors="pt", **(kwargs if mine else {}))
         ids = out["input_ids"][0].tolist()
         ids_per_text.append(ids)
         for key, parts in sequences.items():
             parts.append(out[key][0] if key in out else torch.zeros(len(ids), dtype=torch.long))
         for key, parts in stacked.items():
             if key in out:
-                parts.append(out[key])
+                parts.append(reshape(key, out[key]) if reshape is not None else out[key])
     if left:
         raise DataError(f"{where}: {len(left)} image(s) have no placeholder in the rendered conversation")
     extra = {key: torch.cat(parts) for key, parts in (*sequences.items(), *stacked.items()) if parts}
-    grids = [tuple(grid(img.size[1], img.size[0], None)) for img in prepared[0]] if grid is not None else []
+    if image_grids is not None:
+        grids = [tuple(g) for g in image_grids(processor, [img.size for img in prepared[0]], max_pixels)]
+    elif grid is not None:
+        grids = [tuple(grid(img.size[1], img.size[0], max_pixels)) for img in prepared[0]]
+    else:
+        grids = []
     return Written(ids_per_text, extra, grids)
 
 
