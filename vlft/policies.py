@@ -280,7 +280,7 @@ class MetricSink:
 # them when the plugin's families are first asked for (``vlft.models.families``), naming plugin and field.
 
 FAMILY_TOWERS = ("vision", "text", "both")
-BATCH_JOINS = ("concat", "sequence")
+BATCH_JOINS = ("concat", "sequence", "concat_padded")
 
 
 @dataclass
@@ -331,7 +331,10 @@ class ImageInputs:
         "help": "The model inputs `write` gives besides input_ids/labels, and how a batch joins each: 'concat' "
                 "(along dim 0 over the samples that have it: pixel tensors, grids) or 'sequence' (one value per "
                 "token, padded with 0 like input_ids and laid end to end by packing: Qwen's modality type per "
-                "token, Gemma 3's token_type_ids)."})
+                "token, Gemma 3's token_type_ids) or 'concat_padded' (joined along dim 0 like 'concat', each "
+                "tensor first padded with 0 at the end of its other dims to the batch's largest: LLaVA-OneVision's "
+                "pixels [images, tiles, 3, H, W], whose tile count differs by image size, the model reading only "
+                "each image's own tiles)."})
     pixels: str = field(default="pixel_values", metadata={
         "help": "The batch input holding an image's pixels: a batch without it has no image (the mixed-data "
                 "warm-up runs the tower on a dummy then)."})
