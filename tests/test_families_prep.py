@@ -418,6 +418,27 @@ def test_llava_onevision_vision_dummy_runs_the_tower_and_reaches_every_vision_bl
                            for n, p in peft_model.named_parameters() if p.requires_grad)
 
 
+def test_llava_onevision_memory_plan_traces_every_tile_through_the_siglip_layers(tiny):
+    """The plan's vision activations: the family's tracer runs the SigLIP layers on every tile of every image
+    ((tiles, S/p, S/p) grids), so twice the tiles save more, and nothing is left untraced."""
+    from vlft.planning.trace import BatchShape, skeleton, trace_activations
+    from vlft.policies import AttentionPolicy
+
+    _, _, model = tiny[LLAVA_OV]
+    f = _family(LLAVA_OV)
+    traced = {}
+    for attention in ("eager", "sdpa"):
+        sk = skeleton(model.config, AttentionPolicy(attention, attention), torch.float32)
+        for name, p in sk.named_parameters():  # as an adapter on the vision blocks would: the tower on the path
+            p.requires_grad_(".encoder.layers." in name)
+        for tiles in (5, 10):
+            acts = trace_activations(sk, BatchShape(1, 120, [(tiles, 4, 4)]), f)
+            assert acts.untraced == []
+            traced[attention, tiles] = acts.full
+        text_only = trace_activations(sk, BatchShape(1, 120, []), f).full
+        assert text_only < traced[attention, 5] < traced[attention, 10], (attention, text_only, traced)
+
+
 # --- bundled planning configs -------------------------------------------------------------------------------
 
 PUBLISHED = {k: v for k, v in json.loads((vm.CONFIGS / "published.json").read_text()).items() if not k.startswith("_")}
