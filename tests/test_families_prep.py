@@ -358,17 +358,41 @@ def test_llava_onevision_image_tokens_and_tiles_equal_the_processors_and_the_mod
         model(input_ids=torch.tensor(written.ids), **written.inputs)
 
 
+def test_llava_onevision_image_tokens_past_anyres_max_9_are_downsampled_as_the_processor_counts(tiny):
+    """Pinpoints up to 4 x 4 tiles (16 > anyres_max_9's 9): the model interpolates the tiles' features down and
+    the processor counts fewer tokens; the family's write agrees with both (the tiny recipe's 2 x 2 never gets
+    there, a real checkpoint's 6 x 6 does)."""
+    _, processor, model = tiny[LLAVA_OV]
+    side = model.config.vision_config.image_size
+    big = [[side * i, side * j] for i in range(1, 5) for j in range(1, 5)]
+    saved = processor.image_processor.image_grid_pinpoints, model.config.image_grid_pinpoints
+    processor.image_processor.image_grid_pinpoints = model.config.image_grid_pinpoints = big
+    try:
+        for sizes in ([(224, 224)], [(230, 100)], [(90, 300)]):
+            text, written = _llava_written(processor, sizes)
+            own = processor(text=[text], images=[[_image(w, h) for w, h in sizes]], return_tensors="pt")
+            assert written.ids[0] == own["input_ids"][0].tolist(), sizes
+            with torch.no_grad():
+                model(input_ids=torch.tensor(written.ids), **written.inputs)
+        _, square = _llava_written(processor, [(224, 224)])
+        assert square.grids == [(17, 4, 4)]  # 4 x 4 tiles + the base
+        # 16 x 16 features over 9 x 16 allowed: ratio 4/3, so 12 x 12 + 12 newlines, after the base tile's 16
+        assert square.ids[0].count(model.config.image_token_id) == 16 + 12 * 12 + 12
+    finally:
+        processor.image_processor.image_grid_pinpoints, model.config.image_grid_pinpoints = saved
+
+
 def test_llava_onevision_max_pixels_scales_an_image_down_to_fewer_tiles_and_tokens(tiny):
     _, processor, _ = tiny[LLAVA_OV]
     f = _family(LLAVA_OV)
     assert f.image_inputs.size_cap
     _, full = _llava_written(processor, [(112, 112)])
-    _, capped = _llava_written(processor, [(112, 112)], max_pixels=32 * 32)
-    assert capped.grids == [(2, 4, 4)] and full.grids == [(5, 4, 4)]  # the 32 x 32 pinpoint: 1 tile + the base
-    text, _ = _llava_written(processor, [(32, 32)])
-    own = processor(text=[text], images=[[_image(32, 32)]], return_tensors="pt")  # what the model sees
+    _, capped = _llava_written(processor, [(112, 112)], max_pixels=56 * 56)
+    assert capped.grids == [(2, 4, 4)] and full.grids == [(5, 4, 4)]  # the 56 x 56 pinpoint: 1 tile + the base
+    text, _ = _llava_written(processor, [(56, 56)])
+    own = processor(text=[text], images=[[_image(56, 56)]], return_tensors="pt")  # what the model sees
     assert capped.ids[0] == own["input_ids"][0].tolist() and len(capped.ids[0]) < len(full.ids[0])
-    assert _llava_written(processor, [(112, 112)], images=False, max_pixels=32 * 32)[1].ids == capped.ids
+    assert _llava_written(processor, [(112, 112)], images=False, max_pixels=56 * 56)[1].ids == capped.ids
 
 
 def test_llava_onevision_batch_of_different_tile_counts_gives_each_sample_its_own_logits(tiny):

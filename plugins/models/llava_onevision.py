@@ -45,8 +45,10 @@ from .family import ModelFamily
 NAME = "llava-onevision"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"]
 
-# 32 px tiles of 8 px patches (16 tokens a tile); pinpoints up to 2 x 2 tiles, so the demo's 112 px images
-# become 4 tiles + the base tile: 16 + 8 x 8 + 8 newlines = 88 tokens
+# 56 px tiles of 14 px patches (16 tokens a tile); pinpoints up to 2 x 2 tiles, so the demo's 112 px images
+# become 4 tiles + the base tile at full resolution: 16 + 8 x 8 + 8 newlines = 88 tokens. Measured on the demo
+# task (300 steps, LoRA lr 3e-3): defect accuracy 31.5% against 20% with 32 px tiles of 8 px patches (the
+# 112 px image then shrunk to 64 px); colour 100% with both
 RECIPE = {
     "version": 1,
     "family": NAME,
@@ -54,9 +56,9 @@ RECIPE = {
     "vocab_size": 512,
     "text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=4096, rope_theta=10000.0),
-    "vision": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=8,
-                   image_size=32, vision_use_head=False),
-    "image_grid_pinpoints": [[32, 32], [32, 64], [64, 32], [64, 64]],
+    "vision": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=14,
+                   image_size=56, vision_use_head=False),
+    "image_grid_pinpoints": [[56, 56], [56, 112], [112, 56], [112, 112]],
     "vision_feature_layer": -1,
     "vision_feature_select_strategy": "full",
     "embedding_row_norm": 1.0,
