@@ -540,8 +540,9 @@ class ModelFamily:
         "help": "Extra keyword arguments for apply_chat_template (Qwen3.5: enable_thinking=False, so prompt "
                 "and reply split cleanly)."})
     box_coordinates: str = field(default="absolute", metadata={
-        "help": "Grounding convention: 'absolute' pixels of the resized image (Qwen2.5-VL) or 'relative-1000' "
-                "(Qwen3-VL, Qwen3.5). vlft never converts silently."})
+        "help": "Grounding convention: 'absolute' pixels of the resized image (Qwen2.5-VL), 'relative-1000' "
+                "(Qwen3-VL, Qwen3.5) or 'relative-1' (fractions of the image: LLaVA's). vlft never converts "
+                "silently."})
 
     # --- loading and kernels ----------------------------------------------------------------------------
     load_kwargs: Callable[[str], dict] | None = field(default=None, compare=False, metadata={
