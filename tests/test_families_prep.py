@@ -463,6 +463,27 @@ def test_llava_onevision_memory_plan_traces_every_tile_through_the_siglip_layers
         assert text_only < traced[attention, 5] < traced[attention, 10], (attention, text_only, traced)
 
 
+def test_llava_onevision_dry_run_plans_its_images_tiles_and_max_pixels_cuts_them(small_data, tmp_path):
+    """`vlft run --dry-run` (the plan) on the embedded model: the largest batch's images with their tiles' patches
+    (5 tiles of 4 x 4 for a 112 px demo image), no vision activations left untraced; --max-pixels 3136 (56 x 56)
+    plans 2 tiles an image and fewer tokens."""
+    from helpers import cli_invoke
+
+    train, val = small_data
+    plans = {}
+    for cap in (None, 3136):
+        args = ["run", "--model", "embedded:llava-onevision", "--backend", "cpu", "--data", str(train), "--val-data",
+                str(val), "--output", str(tmp_path / str(cap)), "--batch-size", "2", "--dry-run", "--json"]
+        code, output = cli_invoke(*args, *(["--max-pixels", str(cap)] if cap else []))
+        assert code == 0, output
+        plans[cap] = json.loads(output[output.index("{"):])
+    batch = plans[None]["memory"]["batch"]
+    assert batch["images"] == 2 and batch["image_patches"] == 2 * 5 * 16, batch
+    assert not any("not traced" in n for n in plans[None]["notes"]), plans[None]["notes"]
+    capped = plans[3136]["memory"]["batch"]
+    assert capped["image_patches"] == 2 * 2 * 16 and capped["tokens_per_sample"] < batch["tokens_per_sample"]
+
+
 # --- bundled planning configs -------------------------------------------------------------------------------
 
 PUBLISHED = {k: v for k, v in json.loads((vm.CONFIGS / "published.json").read_text()).items() if not k.startswith("_")}
