@@ -110,7 +110,7 @@ def prepare(processor, media, max_pixels=None) -> dict:
     import torch
 
     sizes = [capped_size(w, h, max_pixels) for w, h in media.sizes]
-    out = {"inputs": {}, "sizes": [(h, w) for w, h in sizes]}
+    out = {"inputs": {}, "sizes": [(h, w) for w, h in sizes], "where": media.where}
     if media.images:
         images = [img if img.size == size else img.resize(size) for img, size in zip(media.images, sizes)]
         done = processor.image_processor(images=[images], return_tensors="pt")
@@ -123,8 +123,7 @@ def prepare(processor, media, max_pixels=None) -> dict:
 def write(processor, texts: list[str], prepared: dict):
     """Each ``<image>`` repeated by its image's token count (in placeholder order over the pieces), the pieces
     tokenized; the record's pixels, sizes and image count; one grid per image: (tiles, S/p, S/p)."""
-    from vlft import Written, tokenize_pieces
-    from vlft.errors import DataError
+    from vlft import DataError, Written, tokenize_pieces
 
     sizes = prepared["sizes"]
     several = len(sizes) > 1
@@ -137,12 +136,11 @@ def write(processor, texts: list[str], prepared: dict):
             out.append("".join(p + (token * next(counts) if i < len(pieces) - 1 else "")
                                for i, p in enumerate(pieces)))
         except StopIteration:
-            raise DataError("the rendered conversation has more image placeholders than images") from None
+            raise DataError(f"{prepared['where']}: the rendered conversation has more image placeholders than "
+                            "images") from None
     if next(counts, None) is not None:
-        raise DataError("some images have no placeholder in the rendered conversation")
-    side = _tile_side(processor) // processor.image_processor.patch_size \
-        if hasattr(processor.image_processor, "patch_size") else None
-    per_tile = int(math.isqrt(processor.num_image_tokens)) if side is None else side
+        raise DataError(f"{prepared['where']}: some images have no placeholder in the rendered conversation")
+    per_tile = math.isqrt(processor.num_image_tokens)  # a tile's patches a side: (S/p)^2 tokens a tile
     grids = [(_tiles(processor, h, w, several), per_tile, per_tile) for h, w in sizes]
     return Written(tokenize_pieces(processor.tokenizer, out), dict(prepared["inputs"]), grids)
 
