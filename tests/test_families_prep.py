@@ -45,8 +45,9 @@ from vlft_models import qwen3_5  # noqa: E402
 
 FAMILIES = vm.families()
 NAMES = [f.name for f in FAMILIES]
-# the families on the Qwen processors (QwenVision image inputs, <|image_pad|>, mRoPE); the others (SmolVLM,
-# Idefics3: the processor writes each image's tokens) have their own processor checks in test_smolvlm.py
+# the Qwen families (their image inputs are a QwenVision's: grids, merge size, mRoPE); the others (the processor
+# writes each image's tokens) have tests of their own (below, test_smolvlm.py), and every family goes through
+# check_family and the adapter test
 QWEN = [f.name for f in FAMILIES if isinstance(getattr(f.image_inputs.prepare, "__self__", None), fam_mod.QwenVision)]
 PROMPT = "What colour is the product?"
 ANSWER = "The product is red and has a scratch."
@@ -111,13 +112,15 @@ def test_every_field_has_help_and_every_family_is_consistent():
     owned = [t for f in FAMILIES for t in f.model_types]
     assert len(owned) == len(set(owned)), "two families claim one model_type"
     assert set(owned) == {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "smolvlm",
-                          "idefics3"}
+                          "idefics3", "llava_onevision"}
+    assert set(NAMES) - set(QWEN) == {"smolvlm", "idefics3", "llava-onevision"}
 
 
 def test_the_hook_answers_by_model_type():
     assert vm.vlft_model_family(model_type="qwen3_vl_moe").name == "qwen3-vl-moe"
     assert vm.vlft_model_family(model_type="qwen3_5").name == "qwen3.5"
     assert vm.vlft_model_family(model_type="llava") is None
+    assert vm.vlft_model_family(model_type="llava_onevision").name == "llava-onevision"
     assert {f.name for f in vm.vlft_model_families()} == set(NAMES)
 
 
@@ -145,20 +148,19 @@ def test_tiny_model_builds_offline_small_and_of_the_family(tiny, name):
     f = _family(name)
     assert model.config.model_type in f.model_types
     assert type(processor).__name__ == f.processor_class
-    if name in QWEN:
-        v = fam_mod.vision_of(f)
-        assert processor.image_processor.patch_size == v.patch_size == f.image_inputs.patch_size
-        assert processor.image_processor.merge_size == v.merge_size and \
-            f.image_inputs.patches_per_token == v.merge_size ** 2
     weights = sum(p.stat().st_size for p in path.glob("*.safetensors"))
     assert weights < 8e6, f"{name} tiny weights are {weights / 1e6:.1f} MB"
     for dotted in (f.vision_tower, f.vision_blocks, f.decoder_layers, f.lm_head, *f.vision_mergers):
         fam_mod.resolve_module(model, dotted)
     assert set(f.sharding.no_split_modules) <= set(model._no_split_modules)
+    assert processor.tokenizer.convert_tokens_to_ids(processor.image_token) == model.config.image_token_id
     if name not in QWEN:
-        assert set(f.sharding.no_split_modules) == set(model._no_split_modules)
-        assert processor.tokenizer.convert_tokens_to_ids(processor.image_token) == model.config.image_token_id
+        if name != "llava-onevision":  # its sharding units are a subset of the model's set, which lists more
+            assert set(f.sharding.no_split_modules) == set(model._no_split_modules)
         return
+    v = fam_mod.vision_of(f)
+    assert processor.image_processor.patch_size == v.patch_size == f.image_inputs.patch_size
+    assert processor.image_processor.merge_size == v.merge_size and f.image_inputs.patches_per_token == v.merge_size ** 2
     for token in (IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END):
         assert token in processor.tokenizer.get_vocab(), token
     assert processor.image_token == IMAGE_PAD and processor.video_token == VIDEO_PAD
@@ -224,10 +226,10 @@ def test_check_family_passes_on_each_tiny_model(tiny, name, tmp_path):
     assert "(plugin models)" in report.family, report.family
     skipped = {c.name: c.detail for c in report.of("skipped")}
     refusal = _family(name).packing.refusal
-    lacks = {"packing": f"the family refuses packing: {refusal}"} if refusal else {}
-    if _family(name).positions is None:  # SmolVLM, Idefics3: Llama's 1-D RoPE
-        lacks["positions"] = "the family has no positions (plain 1-D positions, which the model computes alone)"
-    assert skipped == lacks, str(report)
+    expected = {"packing": f"the family refuses packing: {refusal}"} if refusal else {}
+    if _family(name).positions is None:  # SmolVLM, Idefics3, LLaVA-OneVision: plain 1-D positions
+        expected["positions"] = "the family has no positions (plain 1-D positions, which the model computes alone)"
+    assert skipped == expected, str(report)
 
 
 @pytest.mark.parametrize("name", QWEN)
@@ -273,6 +275,7 @@ def test_lora_on_default_targets_trains_every_adapter_weight_and_no_router(tiny,
     assert targets.vision_blocks == [targets.vision_depth - 2, targets.vision_depth - 1]
     names = set(targets.modules)
     assert not any("merger" in n for n in names), "mergers (deepstack included) are not default targets"
+    assert not any(n.startswith(m + ".") for m in f.vision_mergers for n in names), "nor are projectors"
     assert all(isinstance(fam_mod.resolve_module(model, n), torch.nn.Linear) for n in names)
     if f.text_linear_attention:  # Qwen3.5: both layer kinds adapted, the per-head gates not
         assert any(".linear_attn.in_proj_qkv" in n for n in names) and any(".self_attn.q_proj" in n for n in names)
@@ -303,6 +306,185 @@ def test_lora_on_default_targets_trains_every_adapter_weight_and_no_router(tiny,
         losses.append(loss.item())
     assert missing == [], missing[:5]
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+# --- LLaVA-OneVision: any-resolution tiles, its own image inputs ---------------------------------------------
+
+LLAVA_OV = "llava-onevision"
+# one image: wide, tall, square, smaller than a tile, larger than the largest pinpoint; several: each 1 tile
+LLAVA_SIZES = [[(100, 75)], [(60, 130)], [(112, 112)], [(20, 90)], [(300, 40)], [(60, 130), (47, 33)],
+               [(112, 112), (28, 96), (64, 64)]]
+
+
+def _llava_written(processor, sizes, images=True, max_pixels=None):
+    from vlft.policies import Media
+
+    f = _family(LLAVA_OV)
+    chat = [{"role": "user", "content": [{"type": "image"}] * len(sizes) + [{"type": "text", "text": PROMPT}]},
+            {"role": "assistant", "content": [{"type": "text", "text": ANSWER}]}]
+    text = processor.apply_chat_template(chat, tokenize=False)
+    media = Media(list(sizes), [_image(w, h) for w, h in sizes] if images else None)
+    prepared = f.image_inputs.prepare(processor, media, max_pixels)
+    return text, f.image_inputs.write(processor, [text], prepared)
+
+
+def test_llava_onevision_chat_splits_at_the_reply_and_ends_it_with_im_end(tiny):
+    _, processor, _ = tiny[LLAVA_OV]
+    f = _family(LLAVA_OV)
+    prompt = processor.apply_chat_template(_chat(False), tokenize=False, add_generation_prompt=True)
+    full = processor.apply_chat_template(_chat(), tokenize=False)
+    assert full.startswith(prompt) and full[len(prompt):].startswith(ANSWER)
+    assert full[len(prompt):].rstrip("\n").endswith(f.reply_end_token) and f.reply_end_token == "<|im_end|>"
+    assert prompt.count(processor.image_token) == 1
+
+
+@pytest.mark.parametrize("sizes", LLAVA_SIZES, ids=lambda s: "+".join(f"{w}x{h}" for w, h in s))
+def test_llava_onevision_image_tokens_and_tiles_equal_the_processors_and_the_models(tiny, sizes):
+    """The family's ids equal LlavaOnevisionProcessor's for the whole conversation (a record of several images
+    is tiled as several: one tile, (S/p)^2 + 1 tokens each); measured from the sizes alone, the same; each
+    image's grid (tiles, S/p, S/p) has the tiles the model cuts out of pixel_values for it."""
+    from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
+
+    _, processor, model = tiny[LLAVA_OV]
+    text, written = _llava_written(processor, sizes)
+    own = processor(text=[text], images=[[_image(w, h) for w, h in sizes]], return_tensors="pt")
+    assert written.ids[0] == own["input_ids"][0].tolist()
+    assert _llava_written(processor, sizes, images=False)[1].ids == written.ids
+    assert torch.equal(written.inputs["pixel_values"], own["pixel_values"])
+    assert written.inputs["batch_num_images"].tolist() == [len(sizes)]
+    side = model.config.vision_config.image_size
+    tiles = [image_size_to_num_patches((h, w), model.config.image_grid_pinpoints, side) if len(sizes) == 1 else 1
+             for w, h in sizes]
+    per_side = side // model.config.vision_config.patch_size
+    assert written.grids == [(t, per_side, per_side) for t in tiles]
+    with torch.no_grad():  # the model takes them: one feature per image token
+        model(input_ids=torch.tensor(written.ids), **written.inputs)
+
+
+def test_llava_onevision_image_tokens_past_anyres_max_9_are_downsampled_as_the_processor_counts(tiny):
+    """Pinpoints up to 4 x 4 tiles (16 > anyres_max_9's 9): the model interpolates the tiles' features down and
+    the processor counts fewer tokens; the family's write agrees with both (the tiny recipe's 2 x 2 never gets
+    there, a real checkpoint's 6 x 6 does)."""
+    _, processor, model = tiny[LLAVA_OV]
+    side = model.config.vision_config.image_size
+    big = [[side * i, side * j] for i in range(1, 5) for j in range(1, 5)]
+    saved = processor.image_processor.image_grid_pinpoints, model.config.image_grid_pinpoints
+    processor.image_processor.image_grid_pinpoints = model.config.image_grid_pinpoints = big
+    try:
+        for sizes in ([(224, 224)], [(230, 100)], [(90, 300)]):
+            text, written = _llava_written(processor, sizes)
+            own = processor(text=[text], images=[[_image(w, h) for w, h in sizes]], return_tensors="pt")
+            assert written.ids[0] == own["input_ids"][0].tolist(), sizes
+            with torch.no_grad():
+                model(input_ids=torch.tensor(written.ids), **written.inputs)
+        _, square = _llava_written(processor, [(224, 224)])
+        assert square.grids == [(17, 4, 4)]  # 4 x 4 tiles + the base
+        # 16 x 16 features over 9 x 16 allowed: ratio 4/3, so 12 x 12 + 12 newlines, after the base tile's 16
+        assert square.ids[0].count(model.config.image_token_id) == 16 + 12 * 12 + 12
+    finally:
+        processor.image_processor.image_grid_pinpoints, model.config.image_grid_pinpoints = saved
+
+
+def test_llava_onevision_max_pixels_scales_an_image_down_to_fewer_tiles_and_tokens(tiny):
+    _, processor, _ = tiny[LLAVA_OV]
+    f = _family(LLAVA_OV)
+    assert f.image_inputs.size_cap
+    _, full = _llava_written(processor, [(112, 112)])
+    _, capped = _llava_written(processor, [(112, 112)], max_pixels=56 * 56)
+    assert capped.grids == [(2, 4, 4)] and full.grids == [(5, 4, 4)]  # the 56 x 56 pinpoint: 1 tile + the base
+    text, _ = _llava_written(processor, [(56, 56)])
+    own = processor(text=[text], images=[[_image(56, 56)]], return_tensors="pt")  # what the model sees
+    assert capped.ids[0] == own["input_ids"][0].tolist() and len(capped.ids[0]) < len(full.ids[0])
+    assert _llava_written(processor, [(112, 112)], images=False, max_pixels=56 * 56)[1].ids == capped.ids
+
+
+def test_llava_onevision_batch_of_different_tile_counts_gives_each_sample_its_own_logits(tiny):
+    """A 5-tile image beside a record of two 1-tile images, joined 'concat_padded' (pixel_values padded with zero
+    tiles): each sample's logits in the padded batch are those it gets alone; and batch_num_images must reach the
+    model (without it the model tiles the two-image record's images as single ones: features != tokens)."""
+    from vlft.data.batching import collator_for, model_inputs
+
+    _, processor, model = tiny[LLAVA_OV]
+    f = _family(LLAVA_OV)
+    samples = []
+    for sizes in ([(100, 75)], [(60, 130), (47, 33)]):
+        _, w = _llava_written(processor, sizes)
+        ids = torch.tensor(w.ids[0])
+        samples.append({"input_ids": ids, "labels": ids.clone(), **w.inputs})
+    assert samples[0]["pixel_values"].shape[1] == 5 and samples[1]["pixel_values"].shape[1] == 1
+    batch = collator_for(processor, f)(samples)
+    assert batch["pixel_values"].shape[:2] == (3, 5) and not batch["pixel_values"][1:, 1:].any()
+    model.eval()
+    with torch.no_grad():
+        together = model(**model_inputs(batch)).logits
+        for i, s in enumerate(samples):
+            alone = model(**model_inputs(collator_for(processor, f)([s]))).logits[0]
+            n = len(s["input_ids"])
+            assert torch.allclose(together[i, :n], alone, atol=1e-5), i
+        without = {k: v for k, v in model_inputs(batch).items() if k != "batch_num_images"}
+        with pytest.raises(Exception, match="do not match|tokens"):
+            model(**without)
+
+
+def test_llava_onevision_vision_dummy_runs_the_tower_and_reaches_every_vision_block(tiny):
+    from peft import LoraConfig, get_peft_model
+
+    path, _, _ = tiny[LLAVA_OV]
+    from transformers import AutoModelForImageTextToText
+
+    f = _family(LLAVA_OV)
+    model = AutoModelForImageTextToText.from_pretrained(path)
+    targets = fam_mod.select_target_modules(model, f, "vision", 10)
+    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=targets.modules, init_lora_weights=False))
+    warmup = f.vision_dummy(peft_model, "image")
+    assert f.vision_dummy(peft_model, "video") is None
+    out = getattr(warmup.module, warmup.method)(**warmup.inputs)
+    sum(t.sum() for t in out.pooler_output).backward()
+    trained = [n for n, p in peft_model.named_parameters() if p.requires_grad]
+    assert trained and all(p.grad is not None and p.grad.abs().sum() > 0
+                           for n, p in peft_model.named_parameters() if p.requires_grad)
+
+
+def test_llava_onevision_memory_plan_traces_every_tile_through_the_siglip_layers(tiny):
+    """The plan's vision activations: the family's tracer runs the SigLIP layers on every tile of every image
+    ((tiles, S/p, S/p) grids), so twice the tiles save more, and nothing is left untraced."""
+    from vlft.planning.trace import BatchShape, skeleton, trace_activations
+    from vlft.policies import AttentionPolicy
+
+    _, _, model = tiny[LLAVA_OV]
+    f = _family(LLAVA_OV)
+    traced = {}
+    for attention in ("eager", "sdpa"):
+        sk = skeleton(model.config, AttentionPolicy(attention, attention), torch.float32)
+        for name, p in sk.named_parameters():  # as an adapter on the vision blocks would: the tower on the path
+            p.requires_grad_(".encoder.layers." in name)
+        for tiles in (5, 10):
+            acts = trace_activations(sk, BatchShape(1, 120, [(tiles, 4, 4)]), f)
+            assert acts.untraced == []
+            traced[attention, tiles] = acts.full
+        text_only = trace_activations(sk, BatchShape(1, 120, []), f).full
+        assert text_only < traced[attention, 5] < traced[attention, 10], (attention, text_only, traced)
+
+
+def test_llava_onevision_dry_run_plans_its_images_tiles_and_max_pixels_cuts_them(small_data, tmp_path):
+    """`vlft run --dry-run` (the plan) on the embedded model: the largest batch's images with their tiles' patches
+    (5 tiles of 4 x 4 for a 112 px demo image), no vision activations left untraced; --max-pixels 3136 (56 x 56)
+    plans 2 tiles an image and fewer tokens."""
+    from helpers import cli_invoke
+
+    train, val = small_data
+    plans = {}
+    for cap in (None, 3136):
+        args = ["run", "--model", "embedded:llava-onevision", "--backend", "cpu", "--data", str(train), "--val-data",
+                str(val), "--output", str(tmp_path / str(cap)), "--batch-size", "2", "--dry-run", "--json"]
+        code, output = cli_invoke(*args, *(["--max-pixels", str(cap)] if cap else []))
+        assert code == 0, output
+        plans[cap] = json.loads(output[output.index("{"):])
+    batch = plans[None]["memory"]["batch"]
+    assert batch["images"] == 2 and batch["image_patches"] == 2 * 5 * 16, batch
+    assert not any("not traced" in n for n in plans[None]["notes"]), plans[None]["notes"]
+    capped = plans[3136]["memory"]["batch"]
+    assert capped["image_patches"] == 2 * 2 * 16 and capped["tokens_per_sample"] < batch["tokens_per_sample"]
 
 
 # --- bundled planning configs -------------------------------------------------------------------------------

@@ -174,6 +174,33 @@ def test_the_batch_joins_what_the_family_declares_and_nothing_else(processor, re
     assert set(collator_for(processor, fewer)(samples)) == {"input_ids", "attention_mask", "labels", "pixel_values"}
 
 
+def test_concat_padded_joins_tensors_of_different_second_dims_padding_with_zero_padded_and_packed():
+    """'concat_padded' (LLaVA-OneVision's pixel_values [images, tiles, 3, H, W], tiles differing by image): each
+    sample's tensor padded with 0 at the end of its other dims to the batch's largest, then joined along dim 0,
+    padded and packed alike; 'concat' of the same tensors cannot join them."""
+    import torch
+
+    from vlft.data.batching import Collator
+    from vlft.data.packing import PackingCollator, PackingPlan
+
+    one = torch.arange(1 * 5 * 3 * 2 * 2, dtype=torch.float32).reshape(1, 5, 3, 2, 2) + 1
+    two = torch.arange(2 * 1 * 3 * 2 * 2, dtype=torch.float32).reshape(2, 1, 3, 2, 2) + 1
+    samples = [{"input_ids": torch.tensor([5, 6, 7]), "pix": one, "n": torch.tensor([1])},
+               {"input_ids": torch.tensor([5, 6]), "n": torch.tensor([0])},
+               {"input_ids": torch.tensor([8]), "pix": two, "n": torch.tensor([2])}]
+    joins = {"pix": "concat_padded", "n": "concat"}
+    padded = Collator(0, joins)(samples)
+    packed = PackingCollator(PackingPlan(True, "segments"), None, None, joins)(samples)
+    for batch in (padded, packed):
+        assert batch["pix"].shape == (3, 5, 3, 2, 2) and batch["n"].tolist() == [1, 0, 2]
+        assert torch.equal(batch["pix"][:1], one) and torch.equal(batch["pix"][1:, :1], two)
+        assert not batch["pix"][1:, 1:].any()
+    with pytest.raises(RuntimeError, match="Sizes of tensors must match"):
+        Collator(0, {"pix": "concat"})(samples)
+    joins = {**_qwen().image_inputs.batch_inputs, "pixel_values": "concat_padded"}
+    assert check_family(replace(_qwen(), image_inputs=replace(_qwen().image_inputs, batch_inputs=joins))) == []
+
+
 # --- the guide ------------------------------------------------------------------------------------------
 
 def _family_section() -> str:

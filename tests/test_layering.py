@@ -391,7 +391,7 @@ def test_the_plugin_rules_catch_a_new_private_import_a_cross_import_and_a_core_i
 FAMILY_INPUT_KEYS = ("image_grid_thw", "video_grid_thw", "merge_size", "spatial_merge_size", "temporal_patch_size",
                      "second_per_grid_ts", "mm_token_type_ids", "token_type_ids", "pixel_values_videos",
                      "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
-                     "mm_tokens_per_image")
+                     "mm_tokens_per_image", "batch_num_images", "image_grid_pinpoints")
 INPUT_KEYS_EXEMPT = {"vlft/models/embedded.py"}
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 

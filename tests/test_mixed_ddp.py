@@ -77,3 +77,24 @@ def test_qwen3_vl_trains_under_two_process_ddp_on_mixed_data(ddp_run):
     weights = load_file(str(ddp_run / "adapter" / "adapter_model.safetensors"))
     vision_b = [v for k, v in weights.items() if "lora_B" in k and ".visual." in k]
     assert vision_b and max(float(v.abs().max()) for v in vision_b) > 0
+
+
+def test_llava_onevision_trains_under_two_process_ddp_with_a_text_only_process(two_records, tmp_path):
+    """The same two records on LLaVA-OneVision (SigLIP on any-resolution tiles, the projector and image_newline
+    beside the tower): the text-only process runs the family's dummy tile, or DDP stops at the second step on
+    parameters that took no part in the first step's loss."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    args = ["run", "--nproc-per-node", "2", "--quiet", "--backend", "cpu", "--model", "embedded:llava-onevision",
+            "--data", str(two_records), "--val-data", str(two_records), "--output", str(out), "--steps", "2",
+            "--batch-size", "2", "--log-every", "1", "--eval-every", "0", "--eval-samples", "1",
+            "--max-new-tokens", "1", "--save-every", "0", "--lr", "3e-3", "--seed", "2"]
+    proc = subprocess.run([*vlft_command(), *args], capture_output=True, text=True, env=ENV, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert json.loads((out / "config.json").read_text())["world_size"] == 2
+    assert summary["status"] == "completed" and summary["steps"] == 2
+    weights = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    vision_b = [v for k, v in weights.items() if "lora_B" in k and ".vision_tower." in k]
+    assert vision_b and max(float(v.abs().max()) for v in vision_b) > 0

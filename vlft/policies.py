@@ -280,7 +280,7 @@ class MetricSink:
 # them when the plugin's families are first asked for (``vlft.models.families``), naming plugin and field.
 
 FAMILY_TOWERS = ("vision", "text", "both")
-BATCH_JOINS = ("concat", "sequence")
+BATCH_JOINS = ("concat", "sequence", "concat_padded")
 
 
 @dataclass
@@ -331,7 +331,10 @@ class ImageInputs:
         "help": "The model inputs `write` gives besides input_ids/labels, and how a batch joins each: 'concat' "
                 "(along dim 0 over the samples that have it: pixel tensors, grids) or 'sequence' (one value per "
                 "token, padded with 0 like input_ids and laid end to end by packing: Qwen's modality type per "
-                "token, Gemma 3's token_type_ids)."})
+                "token, Gemma 3's token_type_ids) or 'concat_padded' (joined along dim 0 like 'concat', each "
+                "tensor first padded with 0 at the end of its other dims to the batch's largest: LLaVA-OneVision's "
+                "pixels [images, tiles, 3, H, W], whose tile count differs by image size, the model reading only "
+                "each image's own tiles)."})
     pixels: str = field(default="pixel_values", metadata={
         "help": "The batch input holding an image's pixels: a batch without it has no image (the mixed-data "
                 "warm-up runs the tower on a dummy then)."})
@@ -552,8 +555,9 @@ class ModelFamily:
         "help": "Extra keyword arguments for apply_chat_template (Qwen3.5: enable_thinking=False, so prompt "
                 "and reply split cleanly)."})
     box_coordinates: str = field(default="absolute", metadata={
-        "help": "Grounding convention: 'absolute' pixels of the resized image (Qwen2.5-VL) or 'relative-1000' "
-                "(Qwen3-VL, Qwen3.5). vlft never converts silently."})
+        "help": "Grounding convention: 'absolute' pixels of the resized image (Qwen2.5-VL), 'relative-1000' "
+                "(Qwen3-VL, Qwen3.5) or 'relative-1' (fractions of the image: LLaVA's). vlft never converts "
+                "silently."})
 
     # --- loading and kernels ----------------------------------------------------------------------------
     load_kwargs: Callable[[str], dict] | None = field(default=None, compare=False, metadata={

@@ -142,8 +142,10 @@ def plugins(as_json):
     for o in data["objectives"]:
         click.echo(f"  {o['name']:<8} {o['description']} (plugin {o['plugin']})")
     click.echo("model families (--model DIR of that model_type, or --model embedded:<name> for a tiny offline one):")
+    names = max([13, *(len(f["name"]) for f in data["model_families"])])
+    types = max([14, *(len(", ".join(f["model_types"])) for f in data["model_families"])])
     for f in data["model_families"]:
-        click.echo(f"  {f['name']:<13} {', '.join(f['model_types']):<14} boxes {f['box_coordinates']:<14} "
+        click.echo(f"  {f['name']:<{names}} {', '.join(f['model_types']):<{types}} boxes {f['box_coordinates']:<14} "
                    f"{f['description']} (plugin {f['plugin']})")
     click.echo("bundled configs (--model NAME --dry-run plans offline): " + ", ".join(data["bundled_configs"]))
     if registry.broken:

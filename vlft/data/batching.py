@@ -13,7 +13,8 @@ from vlft.data.records import IGNORE_INDEX
 class Collator:
     """Pads a batch to its own longest sample and joins the samples' other model inputs as the family
     declares them (``ImageInputs.batch_inputs``): 'sequence' inputs padded like input_ids (with 0), 'concat'
-    inputs joined along dim 0 over the samples that have them.
+    inputs joined along dim 0 over the samples that have them ('concat_padded' ones padded with 0 to the
+    largest in their other dims first).
 
     ``padding_side`` is "right" for training and "left" for generation.
     """
@@ -61,11 +62,27 @@ class Collator:
                     fill = torch.zeros(length - len(row), dtype=row.dtype)
                     rows.append(torch.cat([fill, row] if left else [row, fill]))
                 batch[key] = torch.stack(rows)
-            elif how == "concat":
-                batch[key] = torch.cat([s[key] for s in have])
+            elif how in ("concat", "concat_padded"):
+                batch[key] = join_images([s[key] for s in have], how)
             else:
-                raise ValueError(f"batch_inputs[{key!r}] is {how!r}: 'sequence' or 'concat'")
+                raise ValueError(f"batch_inputs[{key!r}] is {how!r}: 'sequence', 'concat' or 'concat_padded'")
         return batch
+
+
+def join_images(parts: list[torch.Tensor], how: str) -> torch.Tensor:
+    """The samples' tensors of one 'concat' or 'concat_padded' input (``ImageInputs.batch_inputs``) joined along
+    dim 0; 'concat_padded' first pads each with 0 at the end of its other dims to the largest among them (a
+    per-image count of tiles that differs by image, the model reading only each image's own)."""
+    if how == "concat_padded" and len(parts) > 1:
+        shape = [max(p.shape[d] for p in parts) for d in range(1, parts[0].dim())]
+        padded = []
+        for p in parts:
+            grow = [0] * (2 * (p.dim() - 1))  # F.pad's order: the last dim first, (before, after) each
+            for d, size in enumerate(shape, start=1):
+                grow[2 * (p.dim() - 1 - d) + 1] = size - p.shape[d]
+            padded.append(torch.nn.functional.pad(p, grow) if any(grow) else p)
+        parts = padded
+    return torch.cat(parts)
 
 
 def collator_for(processor, family=None, padding_side: str = "right", pad_to: int | None = None) -> Collator:

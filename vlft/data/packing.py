@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vlft.data.batching import join_images
 from vlft.data.records import IGNORE_INDEX
 from vlft.errors import ConfigError
 
@@ -143,6 +144,6 @@ class PackingCollator:
             batch["labels"] = torch.cat(labels)[None]
         for key, how in self.batch_inputs.items():  # images in the order their tokens appear
             parts = [s[key] for s in samples if key in s]
-            if how == "concat" and parts:
-                batch[key] = torch.cat(parts)
+            if how in ("concat", "concat_padded") and parts:
+                batch[key] = join_images(parts, how)
         return batch
