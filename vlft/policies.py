@@ -416,7 +416,8 @@ class Experts:
 # --- a family whose processor writes each image's tokens itself -------------------------------------------------
 
 def processor_image_inputs(batch_inputs: dict, pixels: str = "pixel_values", size_cap: str = "", grid=None,
-                           patch_size: int = 0, patches_per_token: int = 1, trace=None) -> ImageInputs:
+                           patch_size: int = 0, patches_per_token: int = 1, trace=None,
+                           size_kwargs=None) -> ImageInputs:
     """``ImageInputs`` for a family whose processor writes each image's token sequence into the text
     (``processor(text=, images=)``, e.g. Gemma 3's ``<start_of_image><image_soft_token>*N<end_of_image>``): the
     processor is called once per rendered piece with that piece's images (those of its ``processor.image_token``
@@ -424,17 +425,24 @@ def processor_image_inputs(batch_inputs: dict, pixels: str = "pixel_values", siz
     pieces (0 where a piece has none), 'concat' ones joined along dim 0. Measuring processes blank images of
     the recorded sizes (no pixels decoded). ``grid(height, width, None)``, where given, is each image's patch
     grid (the processor writes none): the memory plan counts its patches and, with ``trace``, traces the tower;
-    without it the plan says it counted no vision activations."""
-    return ImageInputs(prepare=_processor_prepare, write=partial(_processor_write, dict(batch_inputs), grid),
+    without it the plan says it counted no vision activations. ``size_kwargs(processor, max_pixels) -> dict``,
+    where the family has a size cap (``size_cap``): the keyword arguments that make the processor resize each
+    image under ``--max-pixels`` (passed to every processor call of a record with images; ``grid`` then gets
+    ``max_pixels`` too)."""
+    if size_kwargs is not None and not size_cap:
+        raise ValueError("processor_image_inputs: size_kwargs needs size_cap (what --max-pixels means, in words)")
+    return ImageInputs(prepare=partial(_processor_prepare, size_kwargs),
+                       write=partial(_processor_write, dict(batch_inputs), grid),
                        batch_inputs=dict(batch_inputs), pixels=pixels, size_cap=size_cap, grid=grid,
                        patch_size=patch_size, patches_per_token=patches_per_token, trace=trace)
 
 
-def _processor_prepare(processor, media: Media, max_pixels=None):
+def _processor_prepare(size_kwargs, processor, media: Media, max_pixels=None):
     from PIL import Image
 
     images = media.images if media.images is not None else [Image.new("RGB", size) for size in media.sizes]
-    return images, media.where
+    capped = size_kwargs is not None and max_pixels is not None
+    return images, media.where, (size_kwargs(processor, max_pixels) if capped else {}), (max_pixels if capped else None)
 
 
 def _processor_write(wanted: dict, grid, processor, texts: list[str], prepared) -> Written:
@@ -442,7 +450,7 @@ def _processor_write(wanted: dict, grid, processor, texts: list[str], prepared) 
 
     from vlft.errors import DataError
 
-    left, where = list(prepared[0]), prepared[1]
+    left, where, size, max_pixels = list(prepared[0]), prepared[1], prepared[2], prepared[3]
     placeholder = processor.image_token or ""
     ids_per_text: list[list[int]] = []
     sequences: dict[str, list] = {k: [] for k, how in wanted.items() if how == "sequence"}
@@ -453,7 +461,7 @@ def _processor_write(wanted: dict, grid, processor, texts: list[str], prepared) 
             raise DataError(f"{where}: the rendered conversation has more image placeholders than images")
         mine, left = left[:n], left[n:]
         out = processor(text=[text], images=[mine] if mine else None, add_special_tokens=(k == 0),
-                        return_tensors="pt")
+                        return_tensors="pt", **(size if mine else {}))
         ids = out["input_ids"][0].tolist()
         ids_per_text.append(ids)
         for key, parts in sequences.items():
@@ -464,7 +472,7 @@ def _processor_write(wanted: dict, grid, processor, texts: list[str], prepared) 
     if left:
         raise DataError(f"{where}: {len(left)} image(s) have no placeholder in the rendered conversation")
     extra = {key: torch.cat(parts) for key, parts in (*sequences.items(), *stacked.items()) if parts}
-    grids = [tuple(grid(img.size[1], img.size[0], None)) for img in prepared[0]] if grid is not None else []
+    grids = [tuple(grid(img.size[1], img.size[0], max_pixels)) for img in prepared[0]] if grid is not None else []
     return Written(ids_per_text, extra, grids)
 
 
@@ -533,6 +541,12 @@ class ModelFamily:
     reply_end_token: str = field(default="", metadata={
         "help": "The token that closes an assistant turn in the template (the trained reply ends there). Qwen: "
                 "<|im_end|> (= the tokenizer's eos). Gemma 3: <end_of_turn>, while its eos is <eos>."})
+    reply_end_appended: bool = field(default=False, metadata={
+        "help": "The chat template leaves each assistant reply open: the turn ends where the next turn's role token "
+                "begins, and generation stops on it (GLM-4.1V: `<|user|>`, one of its generation eos ids). True: the "
+                "core trains `reply_end_token` as each reply's last token, that of the next turn's start where one "
+                "follows (the ids then equal the template's render) and appended after the last reply, so the model "
+                "learns to stop. False: the template writes the reply end itself (Qwen's <|im_end|>)."})
     chat_template_kwargs: dict = field(default_factory=dict, compare=False, metadata={
         "help": "Extra keyword arguments for apply_chat_template (Qwen3.5: enable_thinking=False, so prompt "
                 "and reply split cleanly)."})
