@@ -18,8 +18,8 @@ from vlft import ConfigError
 # The MoE families run on the CPU in fp32 through their load_kwargs (experts_implementation="eager": transformers'
 # default torch._grouped_mm takes 16-bit weights only). Qwen3-VL MoE trains its fused experts too
 # (target_experts=true, PEFT target_parameters); Qwen3.5 MoE keeps the default (attention only). Shorter runs.
-FAMILY_RUNS = ["qwen3-vl", "qwen3.5", "qwen3-vl-moe", "qwen3.5-moe"]
-STEPS = {"qwen3-vl": 30, "qwen3.5": 30, "qwen3-vl-moe": 16, "qwen3.5-moe": 16}
+FAMILY_RUNS = ["qwen3-vl", "qwen3.5", "qwen3-vl-moe", "qwen3.5-moe", "glm4.1v"]
+STEPS = {"qwen3-vl": 30, "qwen3.5": 30, "qwen3-vl-moe": 16, "qwen3.5-moe": 16, "glm4.1v": 30}
 ADAPTER = {"qwen3-vl-moe": {"target_experts": True}}
 
 
