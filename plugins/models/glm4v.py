@@ -62,18 +62,20 @@ CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 RECIPE = {
-    "version": 1,
+    # version 2: the towers widened (version 1, text 64 / vision 32 wide, 2 blocks, reached 28.5% exact match on
+    # the demo task with the defaults; this one 96.5%, the colour 100% in both)
+    "version": 2,
     "family": "glm4.1v",
     "seed": 1234,
     "vocab_size": 512,
-    # head_dim 16, partial rotary 0.5 (as the checkpoints): 8 rotary dims, 4 frequencies split 2/1/1 over t/h/w
-    "text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    # head_dim 32, partial rotary 0.5 (as the checkpoints): 16 rotary dims, 8 frequencies split 4/2/2 over t/h/w
+    "text": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=4096,
-                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
                                   "partial_rotary_factor": 0.5}),
     # out_hidden_size = the text width (the merger keeps it); intermediate_size is the merger's inner width;
     # image_size 56: a 4x4 learned position table, interpolated to each grid
-    "vision": dict(depth=2, hidden_size=32, num_heads=2, out_hidden_size=64, intermediate_size=64, image_size=56,
+    "vision": dict(depth=4, hidden_size=64, num_heads=4, out_hidden_size=128, intermediate_size=128, image_size=56,
                    patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL),
     # 112x112 images: 8x8 patches of 14 px, merged 2x2 into 16 tokens (budgets over the 2-frame clip)
     "min_pixels": 2 * 56 * 56,
@@ -220,7 +222,7 @@ def _build(path: Path, recipe: dict, corpus, glm46: bool) -> None:
 
 
 def build_tiny(path: Path, recipe: dict | None = None, corpus=None) -> None:
-    """A tiny random GLM-4.1V (about 0.3 MB of fp32 weights) with tokenizer, template and processor."""
+    """A tiny random GLM-4.1V (about 3 MB of fp32 weights) with tokenizer, template and processor."""
     _build(path, recipe or RECIPE, corpus, glm46=False)
 
 
