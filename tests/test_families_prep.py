@@ -49,6 +49,8 @@ NAMES = [f.name for f in FAMILIES]
 # writes each image's tokens) have tests of their own (below, test_smolvlm.py), and every family goes through
 # check_family and the adapter test
 QWEN = [f.name for f in FAMILIES if isinstance(getattr(f.image_inputs.prepare, "__self__", None), fam_mod.QwenVision)]
+
+GLM_NAMES = ["glm4.1v", "glm4.6v"]  # QwenVision's batch-input kinds, written by their processor
 PROMPT = "What colour is the product?"
 ANSWER = "The product is red and has a scratch."
 
@@ -112,8 +114,8 @@ def test_every_field_has_help_and_every_family_is_consistent():
     owned = [t for f in FAMILIES for t in f.model_types]
     assert len(owned) == len(set(owned)), "two families claim one model_type"
     assert set(owned) == {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "smolvlm",
-                          "idefics3", "llava_onevision"}
-    assert set(NAMES) - set(QWEN) == {"smolvlm", "idefics3", "llava-onevision"}
+                          "idefics3", "llava_onevision", "glm4v", "glm46v"}
+    assert set(NAMES) - set(QWEN) == {"smolvlm", "idefics3", "llava-onevision", *GLM_NAMES}
 
 
 def test_the_hook_answers_by_model_type():
@@ -485,6 +487,97 @@ def test_llava_onevision_dry_run_plans_its_images_tiles_and_max_pixels_cuts_them
     assert not any("not traced" in n for n in plans[None]["notes"]), plans[None]["notes"]
     capped = plans[3136]["memory"]["batch"]
     assert capped["image_patches"] == 2 * 2 * 16 and capped["tokens_per_sample"] < batch["tokens_per_sample"]
+
+
+# --- GLM-4.1V / GLM-4.6V: the processor writes the image tokens, the template leaves replies open -------------
+
+@pytest.mark.parametrize("name", GLM_NAMES)
+def test_glm_tiny_model_builds_offline_small_and_of_the_family(tiny, name):
+    from vlft_models import glm4v
+
+    path, processor, model = tiny[name]
+    f = _family(name)
+    assert model.config.model_type in f.model_types and type(processor).__name__ == f.processor_class
+    ip = processor.image_processor
+    assert (ip.patch_size, ip.merge_size, ip.temporal_patch_size) == (glm4v.PATCH, glm4v.MERGE, glm4v.TEMPORAL)
+    assert f.image_inputs.patch_size == glm4v.PATCH and f.image_inputs.patches_per_token == glm4v.MERGE ** 2
+    assert sum(p.stat().st_size for p in path.glob("*.safetensors")) < 8e6
+    for dotted in (f.vision_tower, f.vision_blocks, f.decoder_layers, f.lm_head, *f.vision_mergers):
+        fam_mod.resolve_module(model, dotted)
+    assert set(f.sharding.no_split_modules) == set(model._no_split_modules)
+    assert processor.image_token == "<|image|>"
+    assert processor.tokenizer.convert_tokens_to_ids("<|image|>") == model.config.image_token_id
+    stops = {processor.tokenizer.convert_tokens_to_ids(t) for t in glm4v.STOP_TOKENS}
+    assert set(model.generation_config.eos_token_id) == stops
+    assert processor.tokenizer.convert_tokens_to_ids(f.reply_end_token) in stops
+
+
+@pytest.mark.parametrize("name", GLM_NAMES)
+def test_glm_replies_are_trained_to_end_with_the_next_turns_role_token(tiny, name):
+    """The template leaves a reply open; the encoder trains <|user|> as its last token: in a 2-turn record the
+    ids equal the processor's for the template's render (the first reply's end is the next turn's start), and
+    the last reply gets it appended."""
+    from vlft.data.encoding import SampleEncoder
+    from vlft.data.records import Record, Turn
+
+    _, processor, model = tiny[name]
+    f = _family(name)
+    prompt = processor.apply_chat_template(_chat(False), tokenize=False, add_generation_prompt=True)
+    full = processor.apply_chat_template(_chat(), tokenize=False)
+    assert full.startswith(prompt) and full[len(prompt):] == ANSWER, "GLM's template writes no reply end"
+    assert "<|begin_of_image|><|image|><|end_of_image|>" in prompt
+    turns = [Turn("user", "What colour is the product?"), Turn("assistant", "red"),
+             Turn("user", "What defect does the product have?"), Turn("assistant", "a scratch")]
+    encoder = SampleEncoder(processor, family=f)
+    pieces = encoder.pieces(turns)
+    assert [trained for _, trained in pieces] == [False, True, False, True]
+    assert pieces[1][0] == "red<|user|>" and pieces[3][0] == "a scratch<|user|>"
+    sample = encoder.encode(Record(turns=turns, images=[], where="t:1"))
+    ids, labels = sample["input_ids"].tolist(), sample["labels"].tolist()
+    user = processor.tokenizer.convert_tokens_to_ids("<|user|>")
+    rendered = encoder.render(turns, add_generation_prompt=False)
+    assert ids == processor.tokenizer(rendered)["input_ids"] + [user]
+    assert ids[-1] == labels[-1] == user
+    assert sum(1 for i, l in zip(ids, labels) if i == user and l == user) == 2  # each reply's end, trained
+
+
+@pytest.mark.parametrize("name", GLM_NAMES)
+def test_glm_grid_and_max_pixels_equal_the_processors(tiny, name):
+    """The restated resize rule equals transformers'; the family's grid equals the processor's at the tiny and
+    the class-default budgets; under --max-pixels the encoder's images have at most that many pixels and the
+    grid the plan uses is theirs."""
+    from transformers.models.glm4v.image_processing_glm4v import smart_resize as tf_resize
+
+    from vlft.data.encoding import SampleEncoder
+    from vlft.data.records import Record, Turn
+    from vlft_models import glm4v
+
+    _, processor, _ = tiny[name]
+    f = _family(name)
+    ip = processor.image_processor
+    sizes = [(75, 100), (33, 47), (128, 128), (300, 200), (17, 260), (513, 97), (1080, 1920)]
+    for h, w in sizes:
+        for lo, hi in [(glm4v.IMAGE_MIN_PIXELS, glm4v.IMAGE_MAX_PIXELS), (6272, 25088), (100, 2 * 200 * 200)]:
+            assert glm4v.smart_resize(2, h, w, 2, 28, lo, hi) == tf_resize(2, h, w, 2, 28, lo, hi), (h, w, lo, hi)
+    images = [_image(w, h) for h, w in sizes]
+    tiny_grids = ip(images=images, return_tensors="pt")["image_grid_thw"]
+    default = ip(images=images, size={"shortest_edge": glm4v.IMAGE_MIN_PIXELS,
+                                      "longest_edge": glm4v.IMAGE_MAX_PIXELS}, return_tensors="pt")["image_grid_thw"]
+    for (h, w), small, big in zip(sizes, tiny_grids, default):
+        assert glm4v.image_grid(h, w, ip.size["shortest_edge"], ip.size["longest_edge"]) == tuple(small.tolist())
+        assert tuple(f.image_inputs.grid(h, w)) == tuple(big.tolist())
+    cap = 56 * 84
+    turns = [Turn("user", "<image>\nWhat colour is the product?"), Turn("assistant", "red")]
+    for h, w in [(300, 200), (75, 100)]:
+        path = tiny[name][0].parent / f"{name}-{w}x{h}.png"
+        _image(w, h).save(path)
+        record = Record(turns=turns, images=[str(path)], where="t:1")
+        sample = SampleEncoder(processor, max_pixels=cap, family=f).encode(record)
+        t, gh, gw = sample["image_grid_thw"][0].tolist()
+        assert gh * gw * glm4v.PATCH ** 2 <= cap
+        assert (t, gh, gw) == f.image_inputs.grid(h, w, cap)
+        n = int((sample["input_ids"] == processor.image_token_id).sum())
+        assert n == gh * gw // glm4v.MERGE ** 2
 
 
 # --- bundled planning configs -------------------------------------------------------------------------------

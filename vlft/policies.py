@@ -431,11 +431,14 @@ def processor_image_inputs(batch_inputs: dict, pixels: str = "pixel_values", siz
     without it the plan says it counted no vision activations.
 
     Three optional callables for a processor that needs more: ``processor_kwargs(processor, max_pixels) -> dict``,
-    the keyword arguments of every processor call under ``--max-pixels`` (the family's own cap, as its processor
-    takes it; give ``size_cap`` with it); ``reshape(name, tensor) -> tensor``, each kept output as the batch joins
+    the keyword arguments of every processor call of a record with images under ``--max-pixels`` (the family's own
+    cap, as its processor takes it: SmolVLM's tile edge, GLM-4.1V's pixel budget; it needs ``size_cap``, and
+    ``grid`` then gets ``max_pixels`` too); ``reshape(name, tensor) -> tensor``, each kept output as the batch joins
     it (SmolVLM's ``[1, tiles, ...]`` pixels as ``[tiles, 1, ...]``, so 'concat' joins samples of any tile count);
     ``image_grids(processor, sizes, max_pixels) -> [(t, h, w), ...]``, each image's grid from the processor's own
     numbers, where ``grid`` (which has no processor) cannot give it."""
+    if processor_kwargs is not None and not size_cap:
+        raise ValueError("processor_image_inputs: processor_kwargs needs size_cap (what --max-pixels means, in words)")
     return ImageInputs(prepare=partial(_processor_prepare, processor_kwargs),
                        write=partial(_processor_write, dict(batch_inputs), grid, reshape, image_grids),
                        batch_inputs=dict(batch_inputs), pixels=pixels, size_cap=size_cap, grid=grid,
@@ -446,8 +449,9 @@ def _processor_prepare(processor_kwargs, processor, media: Media, max_pixels=Non
     from PIL import Image
 
     images = media.images if media.images is not None else [Image.new("RGB", size) for size in media.sizes]
-    kwargs = dict(processor_kwargs(processor, max_pixels)) if processor_kwargs is not None else {}
-    return images, media.where, max_pixels, kwargs
+    capped = processor_kwargs is not None and max_pixels is not None
+    return images, media.where, (max_pixels if capped else None), \
+        (dict(processor_kwargs(processor, max_pixels)) if capped else {})
 
 
 def _processor_write(wanted: dict, grid, reshape, image_grids, processor, texts: list[str], prepared) -> Written:
@@ -551,6 +555,12 @@ class ModelFamily:
     reply_end_token: str = field(default="", metadata={
         "help": "The token that closes an assistant turn in the template (the trained reply ends there). Qwen: "
                 "<|im_end|> (= the tokenizer's eos). Gemma 3: <end_of_turn>, while its eos is <eos>."})
+    reply_end_appended: bool = field(default=False, metadata={
+        "help": "The chat template leaves each assistant reply open: the turn ends where the next turn's role token "
+                "begins, and generation stops on it (GLM-4.1V: `<|user|>`, one of its generation eos ids). True: the "
+                "core trains `reply_end_token` as each reply's last token, that of the next turn's start where one "
+                "follows (the ids then equal the template's render) and appended after the last reply, so the model "
+                "learns to stop. False: the template writes the reply end itself (Qwen's <|im_end|>)."})
     chat_template_kwargs: dict = field(default_factory=dict, compare=False, metadata={
         "help": "Extra keyword arguments for apply_chat_template (Qwen3.5: enable_thinking=False, so prompt "
                 "and reply split cleanly)."})

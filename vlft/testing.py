@@ -319,6 +319,8 @@ def _processor_ids(s: _Subject, record) -> tuple[list[int], list[int]]:
     from vlft.data.records import load_image  # the images as the encoder decodes them
 
     text = s.encoder.render(record.turns, add_generation_prompt=False)
+    if s.family.reply_end_appended and record.turns[-1].role == "assistant" and not text.endswith(s.encoder.eos_text):
+        text += s.encoder.eos_text  # the last reply's end, which the template leaves out and training adds
     images = {"images": [[load_image(x) for x in record.images]]} if record.images else {}
     own = s.processor(text=[text], return_tensors="pt", **images)["input_ids"][0].tolist()
     return own, s.processor.tokenizer(text)["input_ids"]

@@ -75,6 +75,8 @@ class SampleEncoder:
         self.tokenizer = processor.tokenizer
         self.video_fps, self.video_max_frames = video_fps, video_max_frames
         self.eos_text = self.family.reply_end_token or self.tokenizer.eos_token
+        # the template leaves replies open (ModelFamily.reply_end_appended): each trained reply ends with eos_text
+        self.append_end = bool(self.family.reply_end_appended and self.eos_text)
         self.images = self.family.image_inputs
         if max_pixels is not None and self.images is not None and not self.images.size_cap:
             raise ConfigError(f"--max-pixels: the {self.family.name} family has no image size cap "
@@ -130,6 +132,12 @@ class SampleEncoder:
             pieces.append((prompt[len(done):], False))
             reply = full[len(prompt):]
             end = reply.find(self.eos_text) if self.eos_text else -1
+            if end < 0 and self.append_end:
+                # the reply ends where the next turn's role token begins: trained here, left out of the next
+                # prompt piece (a next prompt that does not begin with it fails the prefix test above)
+                pieces.append((reply + self.eos_text, t.trained))
+                done = full + self.eos_text
+                continue
             cut = end + len(self.eos_text) if end >= 0 else len(reply)
             pieces.append((reply[:cut], t.trained))
             if reply[cut:]:
