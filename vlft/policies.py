@@ -416,7 +416,8 @@ class Experts:
 # --- a family whose processor writes each image's tokens itself -------------------------------------------------
 
 def processor_image_inputs(batch_inputs: dict, pixels: str = "pixel_values", size_cap: str = "", grid=None,
-                           patch_size: int = 0, patches_per_token: int = 1, trace=None) -> ImageInputs:
+                           patch_size: int = 0, patches_per_token: int = 1, trace=None, processor_kwargs=None,
+                           processor_grid=None) -> ImageInputs:
     """``ImageInputs`` for a family whose processor writes each image's token sequence into the text
     (``processor(text=, images=)``, e.g. Gemma 3's ``<start_of_image><image_soft_token>*N<end_of_image>``): the
     processor is called once per rendered piece with that piece's images (those of its ``processor.image_token``
@@ -424,25 +425,35 @@ def processor_image_inputs(batch_inputs: dict, pixels: str = "pixel_values", siz
     pieces (0 where a piece has none), 'concat' ones joined along dim 0. Measuring processes blank images of
     the recorded sizes (no pixels decoded). ``grid(height, width, None)``, where given, is each image's patch
     grid (the processor writes none): the memory plan counts its patches and, with ``trace``, traces the tower;
-    without it the plan says it counted no vision activations."""
-    return ImageInputs(prepare=_processor_prepare, write=partial(_processor_write, dict(batch_inputs), grid),
+    without it the plan says it counted no vision activations. ``processor_kwargs(processor, max_pixels)``, where
+    given, is the extra keyword arguments of each processor call for the run's ``--max-pixels`` (None when not
+    set): how the family's own budget caps an image (give ``size_cap`` too, saying it in words); it raises
+    ``vlft.errors.ConfigError`` for a cap the family cannot meet. ``processor_grid(processor, height, width,
+    max_pixels)``, where given, is each image's grid from the processor actually loaded (its own patch size and
+    budget, a tiny model's differing from a checkpoint's) and wins over ``grid`` for the written grids."""
+    if size_cap and processor_kwargs is None:
+        raise ValueError("processor_image_inputs: a size_cap needs processor_kwargs (how the cap reaches the processor)")
+    return ImageInputs(prepare=partial(_processor_prepare, processor_kwargs),
+                       write=partial(_processor_write, dict(batch_inputs), grid, processor_grid),
                        batch_inputs=dict(batch_inputs), pixels=pixels, size_cap=size_cap, grid=grid,
                        patch_size=patch_size, patches_per_token=patches_per_token, trace=trace)
 
 
-def _processor_prepare(processor, media: Media, max_pixels=None):
+def _processor_prepare(processor_kwargs, processor, media: Media, max_pixels=None):
     from PIL import Image
 
     images = media.images if media.images is not None else [Image.new("RGB", size) for size in media.sizes]
-    return images, media.where
+    extra = dict(processor_kwargs(processor, max_pixels)) if processor_kwargs is not None else {}
+    return images, media.where, extra, max_pixels
 
 
-def _processor_write(wanted: dict, grid, processor, texts: list[str], prepared) -> Written:
+def _processor_write(wanted: dict, grid, processor_grid, processor, texts: list[str], prepared) -> Written:
     import torch
 
     from vlft.errors import DataError
 
     left, where = list(prepared[0]), prepared[1]
+    extra_kwargs, max_pixels = (prepared[2], prepared[3]) if len(prepared) > 2 else ({}, None)
     placeholder = processor.image_token or ""
     ids_per_text: list[list[int]] = []
     sequences: dict[str, list] = {k: [] for k, how in wanted.items() if how == "sequence"}
@@ -453,7 +464,7 @@ def _processor_write(wanted: dict, grid, processor, texts: list[str], prepared) 
             raise DataError(f"{where}: the rendered conversation has more image placeholders than images")
         mine, left = left[:n], left[n:]
         out = processor(text=[text], images=[mine] if mine else None, add_special_tokens=(k == 0),
-                        return_tensors="pt")
+                        return_tensors="pt", **(extra_kwargs if mine else {}))
         ids = out["input_ids"][0].tolist()
         ids_per_text.append(ids)
         for key, parts in sequences.items():
@@ -464,7 +475,10 @@ def _processor_write(wanted: dict, grid, processor, texts: list[str], prepared) 
     if left:
         raise DataError(f"{where}: {len(left)} image(s) have no placeholder in the rendered conversation")
     extra = {key: torch.cat(parts) for key, parts in (*sequences.items(), *stacked.items()) if parts}
-    grids = [tuple(grid(img.size[1], img.size[0], None)) for img in prepared[0]] if grid is not None else []
+    if processor_grid is not None:
+        grids = [tuple(processor_grid(processor, img.size[1], img.size[0], max_pixels)) for img in prepared[0]]
+    else:
+        grids = [tuple(grid(img.size[1], img.size[0], None)) for img in prepared[0]] if grid is not None else []
     return Written(ids_per_text, extra, grids)
 
 

@@ -1,5 +1,5 @@
 """vlft_models: the built-in model-family plugins (Qwen2-VL, Qwen2.5-VL, Qwen3-VL dense and MoE, Qwen3.5
-dense and MoE), registered as entry point ``models = "vlft_models"`` in group "vlft" (package-dir
+dense and MoE, Gemma 4), registered as entry point ``models = "vlft_models"`` in group "vlft" (package-dir
 ``vlft_models = "plugins/models"``). NOTES.md has the facts and traps per family.
 
 Importing this package imports neither torch nor transformers.
@@ -21,9 +21,9 @@ DEFAULT_FAMILY = "qwen2.5-vl"
 
 
 def _families() -> tuple[ModelFamily, ...]:
-    from . import qwen2_vl, qwen3_5, qwen3_vl, qwen3_vl_moe
+    from . import gemma4, qwen2_vl, qwen3_5, qwen3_vl, qwen3_vl_moe
 
-    return (*qwen2_vl.FAMILIES, qwen3_vl.FAMILY, qwen3_vl_moe.FAMILY, *qwen3_5.FAMILIES)
+    return (*qwen2_vl.FAMILIES, qwen3_vl.FAMILY, qwen3_vl_moe.FAMILY, *qwen3_5.FAMILIES, gemma4.FAMILY)
 
 
 def families() -> tuple[ModelFamily, ...]:
