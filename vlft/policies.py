@@ -578,6 +578,14 @@ class ModelFamily:
                 "and gathers the same blocks (FSDP), and 1 process trains as N. None: a multi-process run on data "
                 "that mixes text-only and image records may fail there."})
 
+    trace_layer_kwargs: Callable[..., dict] | None = field(default=None, compare=False, metadata={
+        "help": "trace_layer_kwargs(text_model, hidden) -> dict: extra keyword arguments each decoder layer takes "
+                "when the memory plan runs the text layers one by one on the meta device (called once per trace, "
+                "the answer shared by the layers; `hidden` is the [samples, tokens, width] meta input), for what "
+                "the text model hands its layers besides hidden states, mask and rotary tables (Gemma 4: the "
+                "shared_kv_states dict every layer writes, and per_layer_input where the config has per-layer "
+                "embeddings). None: no extra arguments."})
+
     # --- capabilities (None: the family lacks it; see CAPABILITIES) -------------------------------------
     image_inputs: ImageInputs | None = field(default=None, compare=False, metadata={
         "help": "How an image becomes model inputs (vlft.ImageInputs). None: the family trains on text only, "
@@ -695,7 +703,8 @@ def check_family(family: Any) -> list[str]:
     for m in family.vision_mergers:  # a projector may live outside the tower (Gemma 3, LLaVA): still vision side
         need(_dotted(m), "vision_mergers", f"entry {m!r} must be a dotted module path")
     need(family.default_targets in FAMILY_TOWERS, "default_targets", f"must be one of {FAMILY_TOWERS}")
-    for name in ("load_processor", "bundled_processor", "load_kwargs", "vision_dummy", "build_tiny"):
+    for name in ("load_processor", "bundled_processor", "load_kwargs", "vision_dummy", "build_tiny",
+                 "trace_layer_kwargs"):
         v = getattr(family, name)
         need(v is None or callable(v), name, f"must be callable or None, not {type(v).__name__}")
     for cap, cls in CAPABILITIES.items():

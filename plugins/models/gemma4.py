@@ -157,6 +157,19 @@ def trace_vision(tower, grids, dtype, run_block):
     return hidden
 
 
+def trace_layer_kwargs(text, hidden) -> dict:
+    """What Gemma4TextModel hands each decoder layer besides hidden states, mask and rotary tables: the
+    ``shared_kv_states`` dict (every config has layers that store their keys and values there, KV-shared layers
+    read them back) and, with per-layer embeddings (PLE, E2B/E4B), a ``per_layer_input`` of the PLE width."""
+    import torch
+
+    out = {"shared_kv_states": {}}
+    width = int(getattr(text.config, "hidden_size_per_layer_input", 0) or 0)
+    if width:
+        out["per_layer_input"] = torch.empty(*hidden.shape[:2], width, device=hidden.device, dtype=hidden.dtype)
+    return out
+
+
 IMAGE_INPUTS: ImageInputs = processor_image_inputs(
     {"pixel_values": "concat", "image_position_ids": "concat", "mm_token_type_ids": "sequence"},
     size_cap="the image processor's soft-token budget (max_soft_tokens, one of 70/140/280/560/1120): --max-pixels "
@@ -291,6 +304,7 @@ FAMILY = ModelFamily(
     sharding=Sharding(("Gemma4TextDecoderLayer", "Gemma4VisionEncoderLayer", "Gemma4VisionPatchEmbedder",
                        "Gemma4AudioLayer")),
     vision_dummy=vision_dummy,
+    trace_layer_kwargs=trace_layer_kwargs,
     build_tiny=build_tiny,
     tiny_recipe=RECIPE,
 )
