@@ -4,7 +4,8 @@ predict``, ``vlft eval`` and ``vlft export`` on the run, the merged model checke
 
 One vision tower of each kind trains under 2 processes (``vlft run --nproc-per-node 2``), where a warm-up
 that went wrong stops the run (a collective mismatch, an unused parameter): Qwen2-VL's and Gemma 3's
-(SigLIP; from the example plugin, which ``make test`` installs) data parallel, Qwen3-VL's (deepstack)
+(SigLIP; from the example plugin, which ``make test`` installs) and Gemma 4's (2-D rotary positions, k x k pooled
+patches padded to the image budget) data parallel, Qwen3-VL's (deepstack)
 sharded (``--shard fsdp``, whose gathers and reductions must run in the same order on every process). The families
 that share Qwen3-VL's tower (Qwen3-VL MoE, Qwen3.5, Qwen3.5 MoE) train in one process through the CLI, with
 the same warm-up (it runs on one process too). The default family (Qwen2.5-VL) has these runs in
@@ -23,8 +24,8 @@ import torch
 from helpers import cli_invoke, export_logits, vlft_command
 
 
-FAMILIES = ["qwen2-vl", "qwen3-vl", "qwen3-vl-moe", "qwen3.5", "qwen3.5-moe", "gemma3"]
-TWO_PROCESSES = {"qwen2-vl", "qwen3-vl", "gemma3"}  # one of each vision tower
+FAMILIES = ["qwen2-vl", "qwen3-vl", "qwen3-vl-moe", "qwen3.5", "qwen3.5-moe", "gemma3", "gemma4"]
+TWO_PROCESSES = {"qwen2-vl", "qwen3-vl", "gemma3", "gemma4"}  # one of each vision tower
 SHARDED = {"qwen3-vl"}
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
