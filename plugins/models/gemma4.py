@@ -137,24 +137,32 @@ def processor_kwargs(processor, max_pixels: int | None) -> dict:
     return {"max_soft_tokens": soft_token_budget(max_pixels, patch, pooling, default)}
 
 
+def padded_patches(patches: int, pooling: int) -> int:
+    """The patch count the processor pads an image of ``patches`` patches to: its budget's ``max_soft_tokens``
+    x pooling^2. The resize fills the budget (it scales small images up), so the budget is the smallest
+    supported one that holds the patches."""
+    return next((b * pooling ** 2 for b in SOFT_TOKEN_BUDGETS if b * pooling ** 2 >= patches),
+                -(-patches // pooling ** 2) * pooling ** 2)
+
+
 def trace_vision(tower, grids, dtype, run_block):
-    """The vision tower on the meta device for the memory plan, as ``Gemma4VisionModel.forward`` runs it: every
-    image padded to the largest grid's patch count (the processor pads each to its budget's; the plan's grids
-    give no budget, so this counts the patches the grids have), 2-D rotary positions, then the pooler."""
+    """The vision tower on the meta device for the memory plan, as ``Gemma4VisionModel.forward`` runs it: each
+    image padded to its budget's patch count (``padded_patches``), the patch embedder, the encoder layers with
+    their 2-D rotary tables, then the pooler (k x k patches into one soft token, by their positions). The
+    projector (``model.embed_vision``, outside the tower: a scale-less norm and one linear) is not traced."""
     import torch
 
-    n = max(h * w for _, h, w in grids)
     pool = int(tower.config.pooling_kernel_size)
-    n = -(-n // pool ** 2) * pool ** 2
+    n = max(padded_patches(h * w, pool) for _, h, w in grids)
     pixels = torch.empty(len(grids), n, 3 * int(tower.config.patch_size) ** 2, device="meta", dtype=dtype)
     pos = torch.zeros(len(grids), n, 2, dtype=torch.long, device="meta")
-    hidden = run_block(tower.patch_embedder, lambda: tower.patch_embedder(
-        pixels, pos, torch.zeros(len(grids), n, dtype=torch.bool, device="meta")))
+    padding = torch.zeros(len(grids), n, dtype=torch.bool, device="meta")
+    hidden = run_block(tower.patch_embedder, lambda: tower.patch_embedder(pixels, pos, padding))
     pe = tower.encoder.rotary_emb(hidden, pos)
     for layer in tower.encoder.layers:
         hidden = run_block(layer, lambda lay=layer, h=hidden: lay(h, attention_mask=None, position_embeddings=pe,
                                                                    position_ids=pos), hidden)
-    return hidden
+    return run_block(tower.pooler, lambda h=hidden: tower.pooler(h, pos, padding, n // pool ** 2)[0])
 
 
 def trace_layer_kwargs(text, hidden) -> dict:
