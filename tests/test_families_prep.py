@@ -333,6 +333,12 @@ def test_gemma4_tiny_model_and_template():
     assert torch.equal(batch["mm_token_type_ids"][0], (ids == model.config.image_token_id).long())
     with torch.no_grad():
         assert torch.isfinite(model(**batch, labels=batch["input_ids"]).loss)
+        # the tiny tower tells colours apart (with transformers' all-ones position table it did not: cosine 0.997)
+        red, blue = (processor.image_processor(images=[_image(64, 64, c)], return_tensors="pt")
+                     for c in ((200, 30, 30), (30, 30, 200)))
+        red, blue = (model.model.get_image_features(b["pixel_values"], b["image_position_ids"]).pooler_output[0]
+                     .mean(0) for b in (red, blue))
+    assert float(torch.nn.functional.cosine_similarity(red, blue, dim=0)) < 0.9
 
 
 def test_gemma4_token_counts_and_max_pixels_equal_the_processors():

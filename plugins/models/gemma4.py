@@ -55,7 +55,7 @@ SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
 PATCH_SIZE, POOLING, MAX_SOFT_TOKENS = 16, 3, 280
 
 RECIPE = {
-    "version": 1, "family": NAME, "seed": 1234, "vocab_size": 512,
+    "version": 2, "family": NAME,  # 2: the vision position table drawn, not ones "seed": 1234, "vocab_size": 512,
     # patch 4, pooling 3: the smallest budget (70 soft tokens) is 630 patches of 48 values, about 100 x 100 px
     "image": dict(patch_size=4, pooling_kernel_size=POOLING, max_soft_tokens=70),
     "text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -243,7 +243,12 @@ def build_tiny(path: Path, recipe: dict | None = None, corpus=None) -> None:
         boa_token_id=ids("<|audio>"), eoa_token_index=ids("<audio|>"), initializer_range=r["initializer_range"])
     torch.manual_seed(r["seed"])
     model = Gemma4ForConditionalGeneration(config)
-    with torch.no_grad():  # unit-norm embedding rows, as the other tiny models (_tiny.initialise)
+    with torch.no_grad():
+        # transformers initialises the patch embedder's position table to ones (a checkpoint overwrites it): every
+        # patch then gets the same +2 in each width, which swamps the tiny tower's patch projection (std 0.02), so
+        # a red and a blue image gave image features of cosine 0.997 and the demo task could not be learned
+        model.model.vision_tower.patch_embedder.position_embedding_table.normal_(0.0, r["vision_initializer_range"])
+        # unit-norm embedding rows, as the other tiny models (_tiny.initialise)
         emb = model.get_input_embeddings().weight
         emb.normal_()
         emb.mul_(r["embedding_row_norm"] / emb.norm(dim=-1, keepdim=True))
