@@ -55,7 +55,7 @@ SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
 PATCH_SIZE, POOLING, MAX_SOFT_TOKENS = 16, 3, 280
 
 RECIPE = {
-    "version": 2, "family": NAME,  # 2: the vision position table drawn, not ones "seed": 1234, "vocab_size": 512,
+    "version": 2, "family": NAME, "seed": 1234, "vocab_size": 512,  # 2: the vision position table drawn
     # patch 4, pooling 3: the smallest budget (70 soft tokens) is 630 patches of 48 values, about 100 x 100 px
     "image": dict(patch_size=4, pooling_kernel_size=POOLING, max_soft_tokens=70),
     "text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
