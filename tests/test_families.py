@@ -18,11 +18,12 @@ from vlft import ConfigError
 # The MoE families run on the CPU in fp32 through their load_kwargs (experts_implementation="eager": transformers'
 # default torch._grouped_mm takes 16-bit weights only). Qwen3-VL MoE trains its fused experts too
 # (target_experts=true, PEFT target_parameters); Qwen3.5 MoE keeps the default (attention only). Shorter runs.
-FAMILY_RUNS = ["qwen3-vl", "qwen3.5", "qwen3-vl-moe", "qwen3.5-moe", "smolvlm", "llava-onevision", "glm4.1v"]
+FAMILY_RUNS = ["qwen3-vl", "qwen3.5", "qwen3-vl-moe", "qwen3.5-moe", "smolvlm", "llava-onevision", "glm4.1v", "gemma4"]
 STEPS = {"qwen3-vl": 30, "qwen3.5": 30, "qwen3-vl-moe": 16, "qwen3.5-moe": 16, "smolvlm": 30, "llava-onevision": 30,
-         "glm4.1v": 30}
-# the Qwen3 and GLM families: relative-1000; LLaVA's boxes are fractions of the image; SmolVLM has no grounding format
-BOXES = {"smolvlm": "absolute", "llava-onevision": "relative-1"}
+         "glm4.1v": 30, "gemma4": 30}
+# the Qwen3 and GLM families: relative-1000; LLaVA's boxes are fractions of the image; SmolVLM has no grounding
+# format; Gemma 4: absolute pixels of the resized image
+BOXES = {"smolvlm": "absolute", "llava-onevision": "relative-1", "gemma4": "absolute"}
 ADAPTER = {"qwen3-vl-moe": {"target_experts": True}}
 
 

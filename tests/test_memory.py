@@ -348,3 +348,33 @@ def test_when_no_single_fix_fits_the_plan_names_the_fewest_that_fit_together(tmp
     from vlft.planning.plan import format_plan
 
     assert f"fix          {combined[0]}" in format_plan(plan).splitlines()
+
+
+def test_gemma4_traced_activations_are_what_a_real_step_saves(registry, small_data, tmp_path):
+    """Gemma 4's vision tracer (its processor pads every image to the budget's patches, then k x k pooling) with
+    the text layers run through the family's trace_layer_kwargs: the meta-device trace against the tensors
+    autograd saves in a real fp32 eager step on the tiny model, LoRA on both towers."""
+    from vlft.data.batching import model_inputs
+    from vlft.measure import SavedTensorMeter
+    from vlft.models.loss import token_loss_sum
+    from vlft.planning.memory import plan_memory
+    from vlft.planning.preflight import plan_run, plan_targets
+    from vlft.planning.trace import BatchShape, skeleton
+
+    config = _cfg(small_data, tmp_path / "r", model="embedded:gemma4")
+    planned = plan_run(registry, config)
+    plan = planned.plan
+    _, _, s = _steps(registry, config, 1)
+    batch = next(iter(torch.utils.data.DataLoader(s.dataset, batch_size=4, collate_fn=s.collate)))
+    real = (batch["image_position_ids"] != -1).all(-1)
+    grids = [(1, int(p[m][:, 1].max()) + 1, int(p[m][:, 0].max()) + 1)
+             for p, m in zip(batch["image_position_ids"], real)]
+    shape = BatchShape(4, batch["input_ids"].shape[1], grids)
+    sk = plan_targets(registry, plan, skeleton(planned.model_config, plan.attention, torch.float32))
+    estimate = plan_memory(sk, planned.model_config, "float32", None, shape, 0, None, "")
+    assert estimate.activations.untraced == []
+    meter = SavedTensorMeter(s.model)
+    s.model.train()
+    with meter.hooks():
+        token_loss_sum(s.model(**model_inputs(batch)).logits, batch["labels"])
+    assert estimate.activations.full == pytest.approx(meter.bytes, rel=0.02)  # measured: 51.16 MB against 51.11

@@ -432,13 +432,15 @@ def processor_image_inputs(batch_inputs: dict, pixels: str = "pixel_values", siz
 
     Three optional callables for a processor that needs more: ``processor_kwargs(processor, max_pixels) -> dict``,
     the keyword arguments of every processor call of a record with images under ``--max-pixels`` (the family's own
-    cap, as its processor takes it: SmolVLM's tile edge, GLM-4.1V's pixel budget; it needs ``size_cap``, and
-    ``grid`` then gets ``max_pixels`` too); ``reshape(name, tensor) -> tensor``, each kept output as the batch joins
+    cap, as its processor takes it: SmolVLM's tile edge, GLM-4.1V's pixel budget, Gemma 4's soft-token budget; it
+    comes with ``size_cap``, the cap in words, and may raise ``vlft.errors.ConfigError`` for a cap the family cannot
+    meet; ``grid`` then gets ``max_pixels`` too); ``reshape(name, tensor) -> tensor``, each kept output as the batch joins
     it (SmolVLM's ``[1, tiles, ...]`` pixels as ``[tiles, 1, ...]``, so 'concat' joins samples of any tile count);
     ``image_grids(processor, sizes, max_pixels) -> [(t, h, w), ...]``, each image's grid from the processor's own
     numbers, where ``grid`` (which has no processor) cannot give it."""
-    if processor_kwargs is not None and not size_cap:
-        raise ValueError("processor_image_inputs: processor_kwargs needs size_cap (what --max-pixels means, in words)")
+    if (processor_kwargs is None) != (not size_cap):
+        raise ValueError("processor_image_inputs: size_cap (what --max-pixels means, in words) and processor_kwargs "
+                         "(how the cap reaches the processor) come together")
     return ImageInputs(prepare=partial(_processor_prepare, processor_kwargs),
                        write=partial(_processor_write, dict(batch_inputs), grid, reshape, image_grids),
                        batch_inputs=dict(batch_inputs), pixels=pixels, size_cap=size_cap, grid=grid,
@@ -593,6 +595,14 @@ class ModelFamily:
                 "and gathers the same blocks (FSDP), and 1 process trains as N. None: a multi-process run on data "
                 "that mixes text-only and image records may fail there."})
 
+    trace_layer_kwargs: Callable[..., dict] | None = field(default=None, compare=False, metadata={
+        "help": "trace_layer_kwargs(text_model, hidden) -> dict: extra keyword arguments each decoder layer takes "
+                "when the memory plan runs the text layers one by one on the meta device (called once per trace, "
+                "the answer shared by the layers; `hidden` is the [samples, tokens, width] meta input), for what "
+                "the text model hands its layers besides hidden states, mask and rotary tables (Gemma 4: the "
+                "shared_kv_states dict every layer writes, and per_layer_input where the config has per-layer "
+                "embeddings). None: no extra arguments."})
+
     # --- capabilities (None: the family lacks it; see CAPABILITIES) -------------------------------------
     image_inputs: ImageInputs | None = field(default=None, compare=False, metadata={
         "help": "How an image becomes model inputs (vlft.ImageInputs). None: the family trains on text only, "
@@ -710,7 +720,8 @@ def check_family(family: Any) -> list[str]:
     for m in family.vision_mergers:  # a projector may live outside the tower (Gemma 3, LLaVA): still vision side
         need(_dotted(m), "vision_mergers", f"entry {m!r} must be a dotted module path")
     need(family.default_targets in FAMILY_TOWERS, "default_targets", f"must be one of {FAMILY_TOWERS}")
-    for name in ("load_processor", "bundled_processor", "load_kwargs", "vision_dummy", "build_tiny"):
+    for name in ("load_processor", "bundled_processor", "load_kwargs", "vision_dummy", "build_tiny",
+                 "trace_layer_kwargs"):
         v = getattr(family, name)
         need(v is None or callable(v), name, f"must be callable or None, not {type(v).__name__}")
     for cap, cls in CAPABILITIES.items():

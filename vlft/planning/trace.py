@@ -249,12 +249,14 @@ def trace_activations(model, batch: BatchShape, family=None) -> Activations:
         rows = (family.positions.rows,) if family.positions is not None else ()
         pos = torch.zeros(*rows, batch.samples, batch.tokens, dtype=torch.long, device="meta")
         pes = _position_embeddings(text, hidden, pos)
+        extra = family.call("trace_layer_kwargs", family.trace_layer_kwargs, text, hidden) \
+            if family.trace_layer_kwargs is not None else {}
         for i, layer in enumerate(text.layers):
             if grad or _trainable(layer):
                 inputs.append(hidden.numel() * hidden.element_size())
             pe = pes[i]
             hidden = run_layer(layer, lambda lay=layer, h=hidden, pe=pe: lay(h, attention_mask=None,
-                                                                                position_embeddings=pe))
+                                                                                position_embeddings=pe, **extra))
         # the head runs at the labelled positions only (``models.loss.batch_loss_sum``)
         kept = batch.logit_positions
         labels = torch.zeros(batch.samples, kept, dtype=torch.long, device="meta")
