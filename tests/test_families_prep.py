@@ -145,7 +145,7 @@ def test_smart_resize_restated_matches_transformers():
 
 # --- per family ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", QWEN)
+@pytest.mark.parametrize("name", NAMES)
 def test_tiny_model_builds_offline_small_and_of_the_family(tiny, name):
     path, processor, model = tiny[name]
     f = _family(name)
