@@ -43,7 +43,7 @@ from vlft import Packing, Positions, Sharding, processor_image_inputs
 
 from . import _tiny
 from ._warmup import qwen_vision_dummy
-from .family import ModelFamily, rope_index_from_class
+from .family import ModelFamily, rope_index_from_class, video_smart_resize_qwen3
 
 SPECIAL_TOKENS = [
     "<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>", "<|assistant|>",
@@ -92,28 +92,10 @@ RECIPE_46 = dict(RECIPE, family="glm4.6v")
 def smart_resize(num_frames: int, height: int, width: int, temporal_factor: int = TEMPORAL,
                  factor: int = PATCH * MERGE, min_pixels: int = IMAGE_MIN_PIXELS,
                  max_pixels: int = IMAGE_MAX_PIXELS) -> tuple[int, int]:
-    """transformers.models.glm4v.image_processing_glm4v.smart_resize (5.24), restated so the plan needs no
-    transformers import (a test checks it against transformers'): sides under ``factor`` scaled up first, the
-    budget over ``t_bar * h * w``; ``round`` is Python's banker's rounding, as there."""
-    if num_frames < temporal_factor:
-        raise ValueError(f"t:{num_frames} must be larger than temporal_factor:{temporal_factor}")
-    if height < factor or width < factor:
-        scale = max(factor / height, factor / width)
-        height, width = int(height * scale), int(width * scale)
-    if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    t_bar = round(num_frames / temporal_factor) * temporal_factor
-    if t_bar * h_bar * w_bar > max_pixels:
-        beta = math.sqrt((num_frames * height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (num_frames * height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+    """transformers.models.glm4v.image_processing_glm4v.smart_resize (5.24), with these defaults: the rule of
+    Qwen3-VL's video resize to the letter (sides under ``factor`` scaled up first, the budget over
+    ``t_bar * h * w``), so the plan needs no transformers import (a test checks it against transformers')."""
+    return video_smart_resize_qwen3(num_frames, height, width, temporal_factor, factor, min_pixels, max_pixels)
 
 
 @lru_cache(maxsize=4096)
