@@ -179,10 +179,13 @@ def test_gradient_accumulation_computes_what_one_big_batch_computes(small_data, 
     more. In float64 the rounding is ~1e-16, below AdamW's eps (1e-8) by far, so nothing amplifies it: the
     tolerances below are 1e-9, and the bug (shown in ``test_the_accumulation_check_sees_a_per_micro_batch_mean``)
     is 5 orders of magnitude beyond them."""
+    from helpers import torch_threads
+
     data = str(_varied_replies(small_data[0], tmp_path / "varied.jsonl"))
-    big, wb = _step_figures(small_data, tmp_path / "big", data=data, batch_size=4, steps=6, float64=True)
-    acc, wa = _step_figures(small_data, tmp_path / "acc", data=data, batch_size=2, grad_accum=2, steps=6,
-                            float64=True)
+    with torch_threads(2):  # the float32 parts of a "float64" model split alike at 2 threads (helpers.torch_threads)
+        big, wb = _step_figures(small_data, tmp_path / "big", data=data, batch_size=4, steps=6, float64=True)
+        acc, wa = _step_figures(small_data, tmp_path / "acc", data=data, batch_size=2, grad_accum=2, steps=6,
+                                float64=True)
     assert all(w.dtype == torch.float64 for w in wa.values())
     _assert_same_training(big, wb, acc, wa)
     assert big[-1][0] < big[0][0]  # the adapter moved
