@@ -350,6 +350,41 @@ def test_when_no_single_fix_fits_the_plan_names_the_fewest_that_fit_together(tmp
     assert f"fix          {combined[0]}" in format_plan(plan).splitlines()
 
 
+def test_gemma3_traced_activations_are_what_a_real_step_saves(registry, small_data, tmp_path):
+    """The example plugin's Gemma 3 (its processor writes the image tokens): its image_grids give the plan one
+    grid per image and its tracer runs SigLIP's layers on the tower's own patch count, so the plan counts the
+    vision activations (no "not traced" note) and they are what autograd saves in a real fp32 eager step, LoRA on
+    both towers."""
+    gemma3 = pytest.importorskip("vlft_example_plugin.gemma3", reason="the example plugin (make test installs it)")
+    from vlft.data.batching import model_inputs
+    from vlft.measure import SavedTensorMeter
+    from vlft.models.loss import token_loss_sum
+    from vlft.planning.memory import plan_memory
+    from vlft.planning.preflight import plan_run, plan_targets
+    from vlft.planning.trace import BatchShape, skeleton
+
+    config = _cfg(small_data, tmp_path / "r", model="embedded:gemma3")
+    planned = plan_run(registry, config)
+    plan = planned.plan
+    assert not [n for n in plan.notes if "not traced" in n], plan.notes
+    _, _, s = _steps(registry, config, 1)
+    batch = next(iter(torch.utils.data.DataLoader(s.dataset, batch_size=4, collate_fn=s.collate)))
+    images = batch["pixel_values"].shape[0]
+    grids = gemma3.image_grids(s.processor, [(32, 32)] * images, None)
+    shape = BatchShape(4, batch["input_ids"].shape[1], grids)
+    sk = plan_targets(registry, plan, skeleton(planned.model_config, plan.attention, torch.float32))
+    estimate = plan_memory(sk, planned.model_config, "float32", None, shape, 0, None, "")
+    assert estimate.activations.untraced == []
+    without_images = plan_memory(sk, planned.model_config, "float32", None, BatchShape(4, shape.tokens, []), 0,
+                                 None, "")
+    assert estimate.activations.full > without_images.activations.full  # the tower's share is counted
+    meter = SavedTensorMeter(s.model)
+    s.model.train()
+    with meter.hooks():
+        token_loss_sum(s.model(**model_inputs(batch)).logits, batch["labels"])
+    assert estimate.activations.full == pytest.approx(meter.bytes, rel=0.02)
+
+
 def test_gemma4_traced_activations_are_what_a_real_step_saves(registry, small_data, tmp_path):
     """Gemma 4's vision tracer (its processor pads every image to the budget's patches, then k x k pooling) with
     the text layers run through the family's trace_layer_kwargs: the meta-device trace against the tensors

@@ -179,6 +179,32 @@ def vision_dummy(model, modality: str):
     return VisionWarmup(inner, "get_image_features", {"pixel_values": pixels})
 
 
+def image_grids(processor, sizes, max_pixels):
+    """Each image's grid for the memory plan: Gemma3Processor resizes every image to its one square size and
+    pools it to ``image_seq_length`` tokens, so every image is (1, s, s) with s x s = that count (pooled patches,
+    one per token: the processor does not know the tower's patch size; ``trace_vision`` reads it from the
+    tower)."""
+    import math
+
+    side = math.isqrt(int(processor.image_seq_length))
+    return [(1, side, side) for _ in sizes]
+
+
+def trace_vision(tower, grids, dtype, run_block):
+    """SigLIP's encoder layers on the meta device, for the memory plan: one sequence of (image_size /
+    patch_size)^2 patches per image (the tower's own numbers), then the post-layernorm. The projector (an
+    average pool and one projection) lives outside the tower and is not traced."""
+    import torch
+
+    vc = tower.config
+    patches = (int(vc.image_size) // int(vc.patch_size)) ** 2
+    hidden = torch.empty(len(grids), patches, int(vc.hidden_size), device="meta", dtype=dtype)
+    for layer in tower.encoder.layers:
+        hidden = run_block(layer, lambda m=layer, h=hidden: m(h, attention_mask=None), hidden)
+        hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+    return run_block(tower.post_layernorm, lambda h=hidden: tower.post_layernorm(h))
+
+
 def token_type_ids(input_ids, image_token_id: int):
     """What Gemma3Processor returns and the model needs in training: 1 on image tokens, else 0."""
     return (input_ids == image_token_id).long()
@@ -204,8 +230,10 @@ FAMILY = ModelFamily(
     reply_end_token="<end_of_turn>",
     # Gemma3Processor writes <start_of_image><image_soft_token>*N<end_of_image> itself, and returns
     # token_type_ids (1 on image tokens: they attend both ways) beside the pixels. Without pan-and-scan every
-    # image is resized to the processor's square size: no size cap for --max-pixels to set.
-    image_inputs=processor_image_inputs({"pixel_values": "concat", "token_type_ids": "sequence"}),
+    # image is resized to the processor's square size: no size cap for --max-pixels to set. The plan counts each
+    # image's pooled patches and traces the SigLIP layers (image_grids, trace_vision).
+    image_inputs=processor_image_inputs({"pixel_values": "concat", "token_type_ids": "sequence"},
+                                        image_grids=image_grids, trace=trace_vision),
     # no video_inputs: Gemma 3 has no video tower; no positions: plain 1-D positions
     packing=Packing(refusal="its token_type_ids make image tokens attend both ways, and vlft has not checked "
                             "that Gemma 3 keeps that bidirectional attention inside each packed sample"),
