@@ -7,8 +7,10 @@ folder and register them by hand, with the helpers of ``vlft.testing`` a plugin 
 
 from __future__ import annotations
 
+
 import importlib.metadata
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -162,7 +164,9 @@ def test_gemma3_samples_are_encoded_as_its_own_processor_encodes_them(tmp_path):
     trained = processor.tokenizer.decode(sample["input_ids"][sample["labels"] != IGNORE_INDEX])
     assert trained == rec.turns[-1].text + family.reply_end_token, trained
     assert encoder.measure(rec)[0] == len(sample["input_ids"])
-    assert encoder.measure(rec)[1] == []  # its processor writes no grid, nor does the family give one
+    # its processor writes no grid; the family's image_grids gives one per image: (1, s, s), s x s = its tokens
+    side = math.isqrt(processor.image_seq_length)
+    assert encoder.measure(rec)[1] == [(1, side, side)] * len(rec.images)
     # a family that gives ImageInputs.grid gets a grid per image, from the image's own size, for the memory plan
     gridded = dataclasses.replace(family, image_inputs=processor_image_inputs(
         dict(family.image_inputs.batch_inputs), grid=lambda h, w, cap: (1, h // 8, w // 8)))
