@@ -139,6 +139,30 @@ def test_an_error_inside_a_family_function_names_the_plugin_and_the_field(proces
         SampleEncoder(processor, family=fam).encode(next(r for r in records if r.images))
 
 
+def test_an_error_inside_a_familys_rope_index_while_packing_names_the_plugin(processor, records):
+    """The packing collator builds positions in the data stage (a DataLoader worker, where there is one), with
+    the family's rope_index resolved at plan time: an error there names the family and its plugin as the
+    collator the run builds (session.training_collator) says it."""
+    from vlft.data.encoding import SampleEncoder
+    from vlft.data.packing import PackingPlan
+    from vlft.models.embedded import embedded_model_dir
+    from vlft.models.loading import load_model_config
+    from types import SimpleNamespace
+
+    from vlft.training.session import training_collator
+
+    def rope_index(model_config, sample):
+        raise IndexError("grid and image tokens disagree")
+
+    fam = replace(_qwen(), positions=replace(_qwen().positions, rope_index=rope_index), plugin="vlft_mine")
+    samples = [SampleEncoder(processor, family=fam).encode(r) for r in records[:2]]
+    plan = SimpleNamespace(packing=PackingPlan(True, "segments"), family=fam)  # what training_collator reads
+    collate = training_collator(plan, load_model_config(str(embedded_model_dir())), processor)
+    with pytest.raises(PluginError, match=r"family 'qwen2.5-vl' \(plugin vlft_mine\): positions.rope_index raised "
+                                          r"IndexError: grid and image tokens disagree"):
+        collate(samples)
+
+
 def test_what_a_family_lacks_is_refused_with_the_reason(processor, records):
     from vlft.data.encoding import SampleEncoder
     from vlft.data.packing import resolve_packing

@@ -31,7 +31,7 @@ import torch
 
 from vlft.data.batching import join_images
 from vlft.data.records import IGNORE_INDEX
-from vlft.errors import ConfigError
+from vlft.errors import ConfigError, PluginError, VlftError
 
 PACKING_MODES = ("auto", "on", "off")
 
@@ -99,14 +99,20 @@ def settle_auto(plan: PackingPlan, mode: str, ratio: float) -> PackingPlan:
                                             f"positions per real token (expected {gain:.2f}x padding's speed)")
 
 
-def sample_positions(sample: dict, positions, model_config) -> torch.Tensor:
+def sample_positions(sample: dict, positions, model_config, owner: str = "") -> torch.Tensor:
     """One sample's positions: ``[1 + rows, L]`` (text row, then the family's rows, e.g. 3 mRoPE rows), or
-    ``[1, L]`` for a family with plain 1-D positions (``positions`` None)."""
+    ``[1, L]`` for a family with plain 1-D positions (``positions`` None). An error inside the family's
+    ``rope_index`` is raised as a PluginError naming ``owner`` (the family and its plugin, ``ModelFamily.label``)."""
     ids = sample["input_ids"]
     text = torch.arange(len(ids), dtype=torch.long).unsqueeze(0)
     if positions is None:
         return text
-    rope = positions.rope_index(model_config, sample)
+    try:
+        rope = positions.rope_index(model_config, sample)
+    except VlftError:
+        raise
+    except Exception as e:
+        raise PluginError(f"{owner or 'the model family'}: positions.rope_index raised {type(e).__name__}: {e}") from e
     return torch.cat([text, rope.reshape(positions.rows, -1).to(torch.long)])
 
 
@@ -118,9 +124,11 @@ class PackingCollator:
     positions are built here, in the data stage (a DataLoader worker, where there is one), not in the
     training step. ``batch_inputs`` is how the family's inputs join (``ImageInputs.batch_inputs``)."""
 
-    def __init__(self, plan: PackingPlan, positions, model_config, batch_inputs: dict | None = None):
+    def __init__(self, plan: PackingPlan, positions, model_config, batch_inputs: dict | None = None,
+                 owner: str = ""):
         self.plan, self.positions, self.model_config = plan, positions, model_config
         self.batch_inputs = dict(batch_inputs or {})
+        self.owner = owner  # how errors name the family (a string: the collator goes to DataLoader workers)
 
     def __call__(self, samples: list[dict]) -> dict:
         # one row, no padding: both paths attend sample by sample (module docstring)
@@ -131,7 +139,7 @@ class PackingCollator:
                 lab = s["labels"].clone().long()
                 lab[0] = IGNORE_INDEX  # the previous sample's last token must not predict it (module doc)
                 labels.append(lab)
-            pos.append(sample_positions(s, self.positions, self.model_config))
+            pos.append(sample_positions(s, self.positions, self.model_config, self.owner))
         input_ids = torch.cat(ids)[None]
         positions = torch.cat(pos, dim=1)[:, None]  # [4, 1, L] (or [1, 1, L]: plain positions)
         batch = {"input_ids": input_ids, "position_ids": positions[0] if self.positions is None else positions}

@@ -183,7 +183,7 @@ def training_collator(plan: RunPlan, model_config, processor):
     if plan.packing is not None and plan.packing.enabled:
         images = plan.family.image_inputs
         return PackingCollator(plan.packing, plan.family.positions, model_config,
-                               images.batch_inputs if images is not None else {})
+                               images.batch_inputs if images is not None else {}, owner=plan.family.label())
     return collator_for(processor, plan.family)
 
 
