@@ -178,7 +178,10 @@ def test_gradient_accumulation_computes_what_one_big_batch_computes(small_data, 
     (each micro-batch divided by its own label count instead of the step's) moves most weights by 1e-4 and
     more. In float64 the rounding is ~1e-16, below AdamW's eps (1e-8) by far, so nothing amplifies it: the
     tolerances below are 1e-9, and the bug (shown in ``test_the_accumulation_check_sees_a_per_micro_batch_mean``)
-    is 5 orders of magnitude beyond them."""
+    is 5 orders of magnitude beyond them. Not all of the model is float64: transformers keeps Qwen2.5-VL's
+    RMSNorms, eager softmax and rotary cos/sin in float32, whose reductions split alike for the two batch shapes
+    at 2 threads (the count this was derived at) and not at 1 (7e-8 apart on the loss): both runs take 2 threads
+    (``helpers.torch_threads``)."""
     from helpers import torch_threads
 
     data = str(_varied_replies(small_data[0], tmp_path / "varied.jsonl"))
