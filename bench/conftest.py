@@ -2,7 +2,7 @@
 
 ``make bench`` runs these with pytest-benchmark enabled; the default
 ``make test`` collects them with ``--benchmark-disable`` (each benchmark body
-runs once, on a reduced workload) so they cannot rot.
+runs once, on a reduced workload, on the embedded model only) so they cannot rot.
 """
 
 from __future__ import annotations
@@ -88,7 +88,8 @@ def wide_size():
 
 @pytest.fixture(params=["embedded", "wide"])
 def size(request):
-    """Each benchmark runs on both model sizes."""
+    """Each benchmark runs on both model sizes (under `make test`'s --benchmark-disable, the embedded one only)."""
+    skip_under_benchmark_disable(request, request.param)  # decided before the wide model is built
     return request.getfixturevalue(f"{request.param}_size")
 
 
@@ -114,8 +115,7 @@ def skip_under_benchmark_disable(request, size_name: str) -> None:
 @pytest.fixture(params=["embedded", "wide", "qwen3-vl"])
 def family_size(request):
     """train_step and loop_overhead: both sizes and the Qwen3-VL family's embedded model (issue 20's figures)."""
-    if request.param == "qwen3-vl":
-        skip_under_benchmark_disable(request, request.param)  # decided before its model is built
+    skip_under_benchmark_disable(request, request.param)  # decided before its model is built
     return request.getfixturevalue(f"{request.param.replace('-', '_')}_size")
 
 
