@@ -39,14 +39,26 @@ from ._warmup import qwen_vision_dummy
 QWEN_BATCH_INPUTS = {"pixel_values": "concat", "image_grid_thw": "concat", "pixel_values_videos": "concat",
                      "video_grid_thw": "concat", "second_per_grid_ts": "concat", "mm_token_type_ids": "sequence"}
 
-# The module paths every Qwen family starts from; each family module adds its own on top.
-QWEN_DEFAULTS = dict(
+# Target leaf names several families share (module paths within a block): a Llama-style text attention and
+# gated MLP, and SigLIP's vision attention and MLP.
+TEXT_ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+GATED_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+SIGLIP_ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj")
+SIGLIP_MLP = ("mlp.fc1", "mlp.fc2")
+
+# The module tree of Qwen's towers (model.visual + model.language_model), which GLM-4.1V shares too.
+QWEN_LAYOUT = dict(
     vision_tower="model.visual",
     vision_blocks="model.visual.blocks",
     vision_mergers=("model.visual.merger",),
     decoder_layers="model.language_model.layers",
     lm_head="lm_head",
     vision_attention=("attn.qkv", "attn.proj"),
+)
+
+# The module paths every Qwen family starts from; each family module adds its own on top.
+QWEN_DEFAULTS = dict(
+    QWEN_LAYOUT,
     reply_end_token="<|im_end|>",
     vision_stem="model.visual.patch_embed",
 )

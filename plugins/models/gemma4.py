@@ -44,7 +44,7 @@ from pathlib import Path
 from vlft.policies import ImageInputs, Packing, Sharding, VisionWarmup, processor_image_inputs
 
 from . import _tiny
-from .family import ModelFamily
+from .family import GATED_MLP, TEXT_ATTENTION, ModelFamily
 
 NAME = "gemma4"
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>",
@@ -307,8 +307,8 @@ FAMILY = ModelFamily(
     vision_attention=("self_attn.q_proj.linear", "self_attn.k_proj.linear", "self_attn.v_proj.linear",
                       "self_attn.o_proj.linear"),
     vision_mlp=("mlp.gate_proj.linear", "mlp.up_proj.linear", "mlp.down_proj.linear"),
-    text_attention=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
-    text_mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+    text_attention=TEXT_ATTENTION,
+    text_mlp=GATED_MLP,
     default_targets="both",
     box_coordinates="absolute",
     processor_class="Gemma4Processor",

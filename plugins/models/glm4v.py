@@ -43,7 +43,7 @@ from vlft import Packing, Positions, Sharding, processor_image_inputs
 
 from . import _tiny
 from ._warmup import qwen_vision_dummy
-from .family import ModelFamily, rope_index_from_class, video_smart_resize_qwen3
+from .family import QWEN_LAYOUT, TEXT_ATTENTION, ModelFamily, rope_index_from_class, video_smart_resize_qwen3
 
 SPECIAL_TOKENS = [
     "<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>", "<|assistant|>",
@@ -247,14 +247,9 @@ def _family(name: str, model_types: tuple, model_class: str, description: str, b
         name=name,
         model_types=model_types,
         description=description,
-        vision_tower="model.visual",
-        vision_blocks="model.visual.blocks",
-        vision_mergers=("model.visual.merger",),
-        decoder_layers="model.language_model.layers",
-        lm_head="lm_head",
-        vision_attention=("attn.qkv", "attn.proj"),
-        vision_mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
-        text_attention=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
+        **QWEN_LAYOUT,
+        vision_mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),  # the vision blocks' own, not the text MLP's
+        text_attention=TEXT_ATTENTION,
         text_mlp=("mlp.gate_up_proj", "mlp.down_proj"),
         processor_class=processor_class,
         load_processor=load_processor,

@@ -40,7 +40,7 @@ import math
 from pathlib import Path
 
 from . import _tiny
-from .family import ModelFamily
+from .family import GATED_MLP, SIGLIP_ATTENTION, SIGLIP_MLP, TEXT_ATTENTION, ModelFamily
 
 NAME = "llava-onevision"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"]
@@ -269,10 +269,10 @@ def _family() -> ModelFamily:
         vision_mergers=("model.multi_modal_projector",),
         decoder_layers="model.language_model.layers",
         lm_head="lm_head",
-        vision_attention=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"),
-        vision_mlp=("mlp.fc1", "mlp.fc2"),
-        text_attention=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
-        text_mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+        vision_attention=SIGLIP_ATTENTION,
+        vision_mlp=SIGLIP_MLP,
+        text_attention=TEXT_ATTENTION,
+        text_mlp=GATED_MLP,
         default_targets="both",
         processor_class="LlavaOnevisionProcessor",
         load_processor=load_processor,

@@ -36,7 +36,7 @@ from functools import partial
 from pathlib import Path
 
 from . import _tiny
-from .family import QwenVision, qwen_family
+from .family import GATED_MLP, QWEN_LAYOUT, TEXT_ATTENTION, QwenVision, qwen_family
 
 SPECIAL_TOKENS = _tiny.BASE_SPECIAL_TOKENS
 # Qwen2-VL / Qwen2.5-VL preprocessor_config.json (vlft/model_configs/SOURCES.md): min 3136, max 12845056
@@ -149,14 +149,9 @@ VISION = QwenVision(patch_size=14, merge_size=2, temporal_patch_size=2, image_mi
                     video_rule="qwen2")  # Qwen2VLVideoProcessor: each frame resized by the image rule
 
 _COMMON = dict(
-    vision_tower="model.visual",
-    vision_blocks="model.visual.blocks",
-    vision_mergers=("model.visual.merger",),
-    decoder_layers="model.language_model.layers",
-    lm_head="lm_head",
-    vision_attention=("attn.qkv", "attn.proj"),
-    text_attention=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
-    text_mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+    QWEN_LAYOUT,
+    text_attention=TEXT_ATTENTION,
+    text_mlp=GATED_MLP,
     load_processor=load_processor,
     vision_stem="model.visual.patch_embed",
 )

@@ -36,7 +36,7 @@ from pathlib import Path
 from vlft import Packing, Sharding, VisionWarmup, processor_image_inputs
 
 from . import _tiny
-from .family import ModelFamily
+from .family import GATED_MLP, SIGLIP_ATTENTION, SIGLIP_MLP, TEXT_ATTENTION, ModelFamily
 
 # The tiny model's template is transformers' DEFAULT_CHAT_TEMPLATE of processing_smolvlm.py (5.24; "the correct
 # chat template to be used for videos after #38105", which the processor itself falls back to): <|im_start|>, then
@@ -237,10 +237,10 @@ def _family(kind: str) -> ModelFamily:
         vision_mergers=("model.connector",),
         decoder_layers="model.text_model.layers",
         lm_head="lm_head",
-        vision_attention=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"),
-        vision_mlp=("mlp.fc1", "mlp.fc2"),
-        text_attention=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
-        text_mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+        vision_attention=SIGLIP_ATTENTION,
+        vision_mlp=SIGLIP_MLP,
+        text_attention=TEXT_ATTENTION,
+        text_mlp=GATED_MLP,
         default_targets="both",
         box_coordinates="absolute",
         processor_class=f"{prefix}Processor",
