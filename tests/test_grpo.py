@@ -665,20 +665,28 @@ def test_two_processes_sample_and_train(demo, sft_adapter, tmp_path):
     assert lines[0]["kl"] == 0 and (out / "adapter" / "adapter_model.safetensors").is_file()
 
 
-def test_the_chain_sft_dpo_grpo_runs_as_three_runs(demo, sft_adapter, tmp_path):
-    """README's chain: SFT (the session's adapter), then DPO from it, then GRPO from the DPO adapter, each with
-    --init-adapter; the GRPO run starts from the DPO adapter (its step-1 KL is 0: that adapter is its
-    reference) and trains."""
+def test_the_chain_sft_dpo_grpo_runs_as_three_runs(demo, tmp_path):
+    """README's chain at the default LoRA dropout (0.05): SFT, then DPO from it, then GRPO from the DPO
+    adapter, each with --init-adapter. DPO and GRPO train with dropout off (``Objective.dropout``), so each run's
+    step 1 computes its policy exactly as its reference: DPO's rewards are 0 and its loss log 2, GRPO's KL is 0.
+    With dropout left on in the trained pass, DPO's step-1 chosen reward was -0.005 and GRPO's KL above 0."""
     from vlft.data.demo import write_demo_preferences
 
     pref = write_demo_preferences(tmp_path / "pref", n_train=8, n_val=2, seed=4)
     common = ["--backend", "cpu", "--batch-size", "2", "--steps", "2", "--log-every", "1", "--eval-every", "0",
-              "--eval-samples", "2", "--max-new-tokens", "16", "--save-every", "0", "--adapter-opt",
-              "lora_dropout=0", "--quiet"]
+              "--eval-samples", "2", "--max-new-tokens", "16", "--save-every", "0", "--quiet"]
+    sft = tmp_path / "sft"
+    code, output = cli_invoke("run", "--data", demo.train, "--val-data", demo.val, "--output", sft, "--lr", "2e-3",
+                              *common)
+    assert code == 0, output
     dpo = tmp_path / "dpo"
-    code, output = cli_invoke("run", "--objective", "dpo", "--rpo-alpha", "1", "--init-adapter", sft_adapter,
+    code, output = cli_invoke("run", "--objective", "dpo", "--rpo-alpha", "1", "--init-adapter", sft,
                               "--data", pref.train, "--val-data", pref.val, "--output", dpo, *common)
     assert code == 0, output
+    assert "dropout: off in every pass" in output
+    first = logged(dpo)[0]
+    assert first["reward_chosen"] == 0 and first["reward_rejected"] == 0, first
+    assert first["loss"] - first["nll_chosen"] == pytest.approx(math.log(2), abs=1e-6)
     out = tmp_path / "grpo"
     code, output = cli_invoke("run", "--objective", "grpo", "--reward", "fields", "--init-adapter", dpo, "--data",
                               demo.train, "--val-data", demo.val, "--output", out, *common)
@@ -686,6 +694,7 @@ def test_the_chain_sft_dpo_grpo_runs_as_three_runs(demo, sft_adapter, tmp_path):
     lines = logged(out)
     assert [m["step"] for m in lines] == [1, 2] and lines[0]["kl"] == 0
     assert json.loads((out / "plan.json").read_text())["init_adapter"] == str(dpo / "adapter")
+    assert json.loads((out / "plan.json").read_text())["objective"]["dropout"] is False
 
 
 def test_no_hook_is_called_inside_a_grpo_step(demo, registry, tmp_path, monkeypatch):

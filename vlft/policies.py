@@ -848,6 +848,12 @@ class Objective:
         "help": "{figure: what its mean is over}: another figure that counts its units (GRPO's 'reward' over "
                 "'completions'), or 'steps' (per process and step: a count, a time); figures not named are "
                 "means over the loss's units."})
+    dropout: bool = field(default=True, metadata={
+        "help": "Whether the trained pass keeps the model's dropout (the adapter's lora_dropout). False: every "
+                "dropout layer is off for the whole run (TRL's disable_dropout), so the trained pass computes what "
+                "the reference pass and generation compute (both in evaluation mode): for DPO and GRPO, whose "
+                "losses compare the trained pass with those, step 1's KL to an --init-adapter reference is 0 and "
+                "GRPO's gradient is that of the policy that sampled."})
     generation: dict = field(default_factory=dict, compare=False, metadata={
         "help": "What the step generates, for the memory plan: {'sequences_per_record': G, 'new_tokens': T} "
                 "({} none): the plan counts the KV cache of the step's G x batch sequences."})
@@ -862,6 +868,7 @@ class Objective:
         return {"name": self.name, "description": self.description, "options": dict(self.options),
                 "layout": self.layout, "rows_per_record": self.rows_per_record, "average_over": self.average_over,
                 "figures": list(self.figures), "reference": self.reference, "notes": list(self.notes),
+                "dropout": self.dropout,
                 **({"generation": dict(self.generation)} if self.generation else {})}
 
 

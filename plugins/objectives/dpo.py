@@ -76,6 +76,7 @@ def vlft_objective(objective, config):
         parse=parse_preference, encoder=PairEncoder, collate=PairCollator, rows_per_record=2,
         average_over="records", figures=FIGURES + (("nll_chosen",) if config.rpo_alpha else ()),
         reference=reference,
+        dropout=False,  # TRL's DPOConfig default (disable_dropout): the policy pass computes what the reference's does
         loss=partial(dpo_loss, beta=beta, kind=config.dpo_loss, smoothing=config.label_smoothing,
                      rpo_alpha=config.rpo_alpha),
         demo_data=_demo, demo_epochs=2,

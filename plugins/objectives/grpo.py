@@ -133,6 +133,7 @@ def vlft_objective(objective, config, rewards):
                      temperature=config.temperature),
         rollout=rollout, iterations=config.num_iterations, figures=figures, figure_units=units,
         reference=reference,
+        dropout=False,  # sampled in evaluation mode, so trained without dropout: the policy gradient is the sampler's
         generation={"sequences_per_record": g, "new_tokens": config.max_new_tokens},
         demo_epochs=0.1,  # 40 steps of 4 prompts on the demo set: GRPO refines an SFT adapter, it does not start one
         packing_refusal="the completions are sampled in the step and trained as padded rows; packed rows are not "
@@ -351,7 +352,7 @@ class Rollout:
         net = unwrapped(model)  # generate is the PEFT model's, not DDP's
         t0 = time.perf_counter()
         was_training = net.training
-        net.eval()  # no dropout while sampling (the trained pass runs in training mode)
+        net.eval()  # no dropout while sampling (nor in the trained pass: Objective.dropout)
         try:
             with torch.no_grad(), autocast:
                 sampled = [self._sample(net, b, device) for b in host_batches]

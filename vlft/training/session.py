@@ -154,6 +154,8 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
         start_step = restore_training_state(resume_from, optimizer, scheduler, scaler, device,
                                             model=model if plan.sharding.enabled else None)
     objective = plan.objective
+    if not objective.dropout:
+        disable_dropout(model)
     reference = _reference(model, plan, resume_from, device) if objective.reference else None
     policy = StepPolicy(device, autocast_dtype, scaler, config.max_grad_norm, config.grad_accum, config.world_size,
                         flags_on_host=device.type == "cpu", fused_optimizer=fused_optimizer(plan),
@@ -240,6 +242,14 @@ def _adapted(registry: Registry, plan: RunPlan, config: RunConfig, model, resume
     if plan.precision.autocast_dtype:
         compute_adapters_in_autocast_dtype(model)
     return model, notes
+
+
+def disable_dropout(model) -> None:
+    """Every dropout layer off (``Objective.dropout`` False; TRL's ``disable_dropout_in_model``): p 0 rather than
+    evaluation mode, so training mode keeps what else it means (gradient checkpointing)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
 
 
 def _reference(model, plan: RunPlan, resume_from: Path | None, device) -> Reference:
