@@ -3,9 +3,11 @@ their rewards.
 
 Each step (with ``--num-iterations N``, the first of every N), for every prompt of its micro-batches, G
 completions are sampled from the policy (the adapted model, in evaluation mode, without gradients, with the KV
-cache; ``--num-generations``, ``--temperature``, ``--top-p``, ``--max-new-tokens``), all prompts of a
-micro-batch in one ``generate`` call. Each completion is
-scored by the reward functions (``--reward``: the rewards add up) against its record's reference, the last
+cache; ``--num-generations``, ``--temperature``, ``--top-p``, ``--max-new-tokens``; image and video tokens
+suppressed), all prompts of a micro-batch in one ``generate`` call. Every log-probability below (policy, old
+policy, reference) is taken under that sampling distribution: the logits divided by the temperature, the
+suppressed tokens out of the softmax (``token_logps``); dropout is off in every pass (``Objective.dropout``).
+Each completion is scored by the reward functions (``--reward``: the rewards add up) against its record's reference, the last
 assistant reply of an ordinary SFT record. The advantage of a completion is its reward against its group's:
 ``A = (r - mean_group) / (std_group + 1e-4)`` (``--scale-rewards group``; ``batch``: the batch's std; ``none``:
 no division, Dr. GRPO). Per completion token, with ``ratio = exp(logp - logp_old)``:
@@ -130,7 +132,7 @@ def vlft_objective(objective, config, rewards):
         rows_per_record=g,
         average_over="completion tokens" if config.grpo_norm == "token" else "completions",
         loss=partial(grpo_loss, epsilon=config.clip_epsilon, beta=beta, norm=config.grpo_norm,
-                     temperature=config.temperature),
+                     temperature=config.temperature, suppressed=rollout.suppress),
         rollout=rollout, iterations=config.num_iterations, figures=figures, figure_units=units,
         reference=reference,
         dropout=False,  # sampled in evaluation mode, so trained without dropout: the policy gradient is the sampler's
@@ -334,13 +336,14 @@ class Rollout:
 
     def __init__(self, sampling: Sampling, rewards, scale: str, norm: str):
         self.sampling, self.rewards, self.scale, self.norm = sampling, rewards, scale, norm
+        # filled in place when the encoder is known (the loss holds this list: what sampling cannot draw)
         self.tokenizer, self.suppress = None, []
 
     def encoder(self, sample_encoder):
         self.tokenizer = sample_encoder.tokenizer
         processor = sample_encoder.processor
         # a sampled image or video token would ask the model for pictures the row does not have
-        self.suppress = [t for t in (getattr(processor, "image_token_id", None),
+        self.suppress[:] = [t for t in (getattr(processor, "image_token_id", None),
                                      getattr(processor, "video_token_id", None)) if t is not None]
         return PromptEncoder(sample_encoder, self.sampling.new_tokens)
 
@@ -480,11 +483,12 @@ def grpo_token_loss(logps, old_logps, ref_logps, advantages, *, epsilon: float, 
     return per_token, kl, clipped
 
 
-def token_logps(model, inputs: dict, batch: dict, autocast, temperature: float = 1.0):
+def token_logps(model, inputs: dict, batch: dict, autocast, temperature: float = 1.0, suppressed=()):
     """(per-token log-probabilities ``[n, P]`` at the batch's labelled positions, their mask), under the
     distribution the completions were drawn from: the logits divided by the sampling ``temperature`` (as TRL's
-    GRPOTrainer does), so the ratio and the policy gradient are those of the sampling policy, not of the
-    temperature-1 model."""
+    GRPOTrainer does) and the ``suppressed`` tokens (image and video tokens, which sampling never draws) left
+    out of the normalisation, so the ratio and the policy gradient are those of the sampling policy, not of the
+    temperature-1 model over the whole vocabulary."""
     import torch
 
     from vlft.data.records import IGNORE_INDEX
@@ -494,9 +498,11 @@ def token_logps(model, inputs: dict, batch: dict, autocast, temperature: float =
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if temperature != 1.0:
         logits = logits / temperature
+    if len(suppressed):
+        logits = logits.index_fill(-1, torch.tensor(list(suppressed), device=logits.device), float("-inf"))
     mask = targets != IGNORE_INDEX
     logps = torch.log_softmax(logits, -1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return logps * mask, mask
+    return logps.masked_fill(~mask, 0.0), mask  # not a product: an ignored position may gather a suppressed -inf
 
 
 def reduce_loss(per_token, mask, norm: str):
@@ -509,12 +515,12 @@ def reduce_loss(per_token, mask, norm: str):
 
 
 def grpo_loss(model, batch, autocast, reference, *, epsilon: float, beta: float, norm: str,
-              temperature: float = 1.0):
+              temperature: float = 1.0, suppressed=()):
     """(the batch's summed loss, {figure: sum}) for a rolled-out batch (``Rollout``): summed over completion
     tokens (``norm`` token) or over completions of their token means (``sequence``); log-probabilities of the
-    policy and the reference at the sampling ``temperature`` (``token_logps``). The batch's first pass
-    keeps its log-probabilities on it as the sampling policy's, and the reference's, for the steps that train
-    on it again (``--num-iterations``)."""
+    policy and the reference under the sampling distribution (``temperature``, ``suppressed``:
+    ``token_logps``). The batch's first pass keeps its log-probabilities on it as the sampling policy's, and
+    the reference's, for the steps that train on it again (``--num-iterations``)."""
     from vlft.models.rows import row_inputs
 
     extra = batch[GRPO]
@@ -525,10 +531,10 @@ def grpo_loss(model, batch, autocast, reference, *, epsilon: float, beta: float,
         with reference() as ref_model:
             with autocast:
                 ref_inputs = row_inputs(ref_model, rows, groups)
-            ref, _ = token_logps(ref_model, ref_inputs, rows, autocast, temperature)
+            ref, _ = token_logps(ref_model, ref_inputs, rows, autocast, temperature, suppressed)
     with autocast:
         inputs = row_inputs(model, rows, groups)
-    logps, mask = token_logps(model, inputs, rows, autocast, temperature)
+    logps, mask = token_logps(model, inputs, rows, autocast, temperature, suppressed)
     first_pass = "old_logps" not in extra
     old = logps.detach() if first_pass else extra["old_logps"]
     per_token, kl, clipped = grpo_token_loss(logps, old, ref, extra["advantages"], epsilon=epsilon, beta=beta)
