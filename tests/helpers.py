@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 
 
 def base_model(model_dir, attn="eager"):
@@ -101,19 +100,3 @@ def export_logits(run, merged, records, *, attn: str = "eager", rounded=None, **
     return out
 
 
-@contextmanager
-def torch_threads(n: int):
-    """torch's intra-op threads set to ``n`` inside, restored after. For the float64 comparisons of two runs
-    that differ in batch shape (packed against padded, one batch of 4 against two of 2): transformers computes
-    parts of a float64 model in float32 whatever its dtype (Qwen2.5-VL's RMSNorms, eager attention's softmax,
-    the rotary cos/sin), and how those float32 reductions split depends on the thread count. At the 2 threads
-    the comparisons were derived with, the two runs split them alike and agree to float64 rounding; at 1 (a
-    pytest-xdist worker on 2 cores) they were seen 7e-8 apart on the loss and 2e-8 on the gradient norm."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)

@@ -20,7 +20,7 @@ from pathlib import Path
 import float64_reference
 import pytest
 from float64_reference import LOGGED_RTOL
-from helpers import torch_threads, die_at_step as dying
+from helpers import die_at_step as dying
 from helpers import run_flags, vlft_command
 
 from vlft.config import build_config
@@ -101,14 +101,12 @@ def _plan(out: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def padded(varied, tmp_path_factory) -> Path:
-    with torch_threads(2):  # compared with ``packed`` at float64 rounding: see helpers.torch_threads
-        return _run(_values(varied, tmp_path_factory.mktemp("padded") / "run", packing="off"))
+    return _run(_values(varied, tmp_path_factory.mktemp("padded") / "run", packing="off"))
 
 
 @pytest.fixture(scope="module")
 def packed(varied, tmp_path_factory) -> Path:
-    with torch_threads(2):
-        return _run(_values(varied, tmp_path_factory.mktemp("packed") / "run", packing="on"))
+    return _run(_values(varied, tmp_path_factory.mktemp("packed") / "run", packing="on"))
 
 
 def test_auto_packs_where_the_data_pads_and_pads_where_it_does_not(varied, tmp_path):

@@ -142,7 +142,9 @@ def _step_figures(small_data, out, float64=False, **over):
 
     s = prepare(get_registry(), build_config({}, _cfg(small_data, out, adapter={"lora_dropout": 0.0}, **over)))
     if float64:
-        s.model.double()
+        from float64_reference import float64_throughout
+
+        float64_throughout(s.model.double())
     figures = []
     s.model.train()
     for group in batches(s.dataset, s.collate, s.settings, 0):
@@ -178,17 +180,13 @@ def test_gradient_accumulation_computes_what_one_big_batch_computes(small_data, 
     (each micro-batch divided by its own label count instead of the step's) moves most weights by 1e-4 and
     more. In float64 the rounding is ~1e-16, below AdamW's eps (1e-8) by far, so nothing amplifies it: the
     tolerances below are 1e-9, and the bug (shown in ``test_the_accumulation_check_sees_a_per_micro_batch_mean``)
-    is 5 orders of magnitude beyond them. Not all of the model is float64: transformers keeps Qwen2.5-VL's
-    RMSNorms, eager softmax and rotary cos/sin in float32, whose reductions split alike for the two batch shapes
-    at 2 threads (the count this was derived at) and not at 1 (7e-8 apart on the loss): both runs take 2 threads
-    (``helpers.torch_threads``)."""
-    from helpers import torch_threads
-
+    is 5 orders of magnitude beyond them. transformers keeps Qwen2.5-VL's RMSNorms and eager softmax in
+    float32 whatever the model's dtype, and those float32 reductions split by batch shape and thread count (7e-8
+    apart on the loss at 1 thread): ``float64_reference.float64_throughout`` computes them in float64."""
     data = str(_varied_replies(small_data[0], tmp_path / "varied.jsonl"))
-    with torch_threads(2):  # the float32 parts of a "float64" model split alike at 2 threads (helpers.torch_threads)
-        big, wb = _step_figures(small_data, tmp_path / "big", data=data, batch_size=4, steps=6, float64=True)
-        acc, wa = _step_figures(small_data, tmp_path / "acc", data=data, batch_size=2, grad_accum=2, steps=6,
-                                float64=True)
+    big, wb = _step_figures(small_data, tmp_path / "big", data=data, batch_size=4, steps=6, float64=True)
+    acc, wa = _step_figures(small_data, tmp_path / "acc", data=data, batch_size=2, grad_accum=2, steps=6,
+                            float64=True)
     assert all(w.dtype == torch.float64 for w in wa.values())
     _assert_same_training(big, wb, acc, wa)
     assert big[-1][0] < big[0][0]  # the adapter moved
