@@ -12,6 +12,11 @@ STAMP  := $(VENV)/.installed
 # 4-bit tests (tests/test_qlora.py) in a second pass with it on PYTHONPATH.
 QLORA_SITE := $(VENV)/qlora-site
 QLORA_PKGS ?= bitsandbytes>=0.48
+# trl, for the side-by-side checks against TRL only (tests/test_dpo_trl.py, bench/test_objectives.py), in a folder
+# of its own without its dependencies: the venv's torch, transformers, peft, accelerate and datasets stay as
+# they are, and vlft never imports it.
+TRL_SITE := $(VENV)/trl-site
+TRL_PKGS ?= trl==1.16.*
 
 # The device check runs on a machine with an accelerator and that machine's own Python (with torch,
 # transformers, peft, pluggy, click and pytest installed); here it uses the venv and stops where it
@@ -35,6 +40,8 @@ $(STAMP): pyproject.toml Makefile examples/vlft-example-plugin/pyproject.toml
 	$(PY) -m pip install --quiet -e examples/vlft-example-plugin
 	rm -rf $(QLORA_SITE)
 	$(PY) -m pip install --quiet --no-deps --target $(QLORA_SITE) '$(QLORA_PKGS)'
+	rm -rf $(TRL_SITE)
+	$(PY) -m pip install --quiet --no-deps --target $(TRL_SITE) '$(TRL_PKGS)'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -50,6 +57,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 	PYTHONPATH=$(abspath $(QLORA_SITE)) VLFT_REQUIRE_QLORA=1 $(PY) -m pytest -q tests/test_qlora.py \
 	    bench/test_memory.py -k 'qlora or nf4'
+	PYTHONPATH=$(abspath $(TRL_SITE)) VLFT_REQUIRE_TRL=1 $(PY) -m pytest -q tests/test_dpo_trl.py \
+	    bench/test_objectives.py
 
 # LoRA against OFT on the embedded default, trained to convergence (make run's settings), in one report:
 # the table of the field report this project starts from. COMPARE_BACKEND=cuda (or ascend) on a device
@@ -64,7 +73,7 @@ compare: $(STAMP)
 
 bench: $(STAMP)
 	mkdir -p bench/results
-	$(PY) -m pytest bench -q --benchmark-enable --benchmark-only \
+	PYTHONPATH=$(abspath $(TRL_SITE)) $(PY) -m pytest bench -q --benchmark-enable --benchmark-only \
 	    --benchmark-json=bench/results/latest.json -p no:randomly
 	PYTHONPATH=$(abspath $(QLORA_SITE)) $(PY) -m pytest bench/test_memory.py -k nf4 -q --benchmark-enable \
 	    --benchmark-only --benchmark-json=bench/results/nf4.json -p no:randomly

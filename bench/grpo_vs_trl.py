@@ -71,7 +71,7 @@ def trl_stepper(data, registry, folder: Path):
     plan = planned.plan
     model = registry.first("vlft_apply_adapter", method="lora",
                            model=load_model(plan.model_path, plan.attention, plan.precision, family=plan.family),
-                           targets=plan.targets, config=config, target_parameters=[])
+                           targets=plan.targets, config=config, target_parameters=[], family=plan.family)
 
     def messages(turns):
         return [{"role": t.role, "content": [{"type": "image"} if part == "<image>" else {"type": "text", "text": part}
