@@ -635,7 +635,7 @@ def test_vlft_objectives_lists_grpo_its_options_and_the_rewards(registry):
     code, output = cli_invoke("objectives")
     assert code == 0, output
     assert "grpo: group relative policy optimisation" in output
-    assert "  num_generations = 4  # --num-generations" in output and "  norm = 'token'  # --grpo-norm" in output
+    assert "  num_generations = 8  # --num-generations" in output and "  norm = 'token'  # --grpo-norm" in output
     assert "logs: reward, reward_std, kl, clip_fraction, completion_length" in output
     assert "format=REGEX: 1 if the whole completion matches the regex" in output
     assert {"fields", "exact", "format", "numeric"} <= set(registry.rewards)

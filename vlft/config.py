@@ -49,7 +49,7 @@ class RunConfig:
                                     "NAME=ARGUMENT (built in: fields, exact, format=REGEX, numeric; see `vlft "
                                     "objectives`) or your MODULE:FUNCTION; default: fields.",
                               multiple=True, metavar="NAME[=ARG]|MODULE:FUNCTION")
-    num_generations: int = opt(4, "GRPO: completions sampled per prompt (the group whose rewards are compared), "
+    num_generations: int = opt(8, "GRPO: completions sampled per prompt (the group whose rewards are compared), "
                                   "at least 2.")
     temperature: float = opt(1.0, "GRPO: sampling temperature of the completions.")
     top_p: float = opt(1.0, "GRPO: nucleus sampling of the completions (1: off; no top-k either).")
