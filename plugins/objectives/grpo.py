@@ -1,14 +1,14 @@
 """grpo: group relative policy optimisation (Shao et al., 2024, DeepSeekMath) on sampled completions and
 their rewards.
 
-Each step (with ``--num-iterations N``, the first of every N), for every prompt of its micro-batches, G
-completions are sampled from the policy (the adapted model, in evaluation mode, without gradients, with the KV
-cache; ``--num-generations``, ``--temperature``, ``--top-p``, ``--max-new-tokens``; image and video tokens
-suppressed), all prompts of a micro-batch in one ``generate`` call. Every log-probability below (policy, old
-policy, reference) is taken under that sampling distribution: the logits divided by the temperature, the
-suppressed tokens out of the softmax (``token_logps``); dropout is off in every pass (``Objective.dropout``).
-Each completion is scored by the reward functions (``--reward``: the rewards add up) against its record's reference, the last
-assistant reply of an ordinary SFT record. The advantage of a completion is its reward against its group's:
+Each step (with ``--num-iterations N``, the first of every N), for every prompt of its micro-batches, G completions
+are sampled from the policy (the adapted model, in evaluation mode, without gradients, with the KV cache;
+``--num-generations``, ``--temperature``, ``--top-p``, ``--max-new-tokens``; image and video tokens suppressed),
+all prompts of a micro-batch in one ``generate`` call. Every log-probability below (policy, old policy, reference)
+is taken under that sampling distribution: the logits divided by the temperature, the suppressed tokens out of the
+softmax (``token_logps``); dropout is off in every pass (``Objective.dropout``). Each completion is scored by the
+reward functions (``--reward``: the rewards add up) against its record's reference, the last assistant reply of an
+ordinary SFT record. The advantage of a completion is its reward against its group's:
 ``A = (r - mean_group) / (std_group + 1e-4)`` (``--scale-rewards group``; ``batch``: the batch's std; ``none``:
 no division, Dr. GRPO). Per completion token, with ``ratio = exp(logp - logp_old)``:
 
@@ -344,7 +344,7 @@ class Rollout:
         processor = sample_encoder.processor
         # a sampled image or video token would ask the model for pictures the row does not have
         self.suppress[:] = [t for t in (getattr(processor, "image_token_id", None),
-                                     getattr(processor, "video_token_id", None)) if t is not None]
+                                        getattr(processor, "video_token_id", None)) if t is not None]
         return PromptEncoder(sample_encoder, self.sampling.new_tokens)
 
     def __call__(self, model, host_batches: list[dict], device, autocast):
