@@ -7,7 +7,6 @@ folder and register them by hand, with the helpers of ``vlft.testing`` a plugin 
 
 from __future__ import annotations
 
-
 import importlib.metadata
 import json
 import math

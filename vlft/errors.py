@@ -24,3 +24,14 @@ class BackendUnavailable(VlftError):
 class PluginError(VlftError):
     """A plugin's answer breaks its contract (a model family's field, or an error inside one of its functions);
     the message names the plugin and the field."""
+
+
+def call_plugin(owner: str, what: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, one of a plugin's functions (``what``: its field, ``owner``: the plugin in words),
+    an error inside it raised as a PluginError naming both; vlft's own errors (a bad record) pass as they are."""
+    try:
+        return fn(*args, **kwargs)
+    except VlftError:
+        raise
+    except Exception as e:
+        raise PluginError(f"{owner}: {what} raised {type(e).__name__}: {e}") from e

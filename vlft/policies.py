@@ -655,14 +655,9 @@ class ModelFamily:
     def call(self, what: str, fn: Callable[..., Any], *args, **kwargs):
         """``fn`` (one of this family's functions, ``what`` its field), an error inside it raised as a PluginError
         naming the family, its plugin and the field; vlft's own errors (a bad record) pass as they are."""
-        from vlft.errors import PluginError, VlftError
+        from vlft.errors import call_plugin
 
-        try:
-            return fn(*args, **kwargs)
-        except VlftError:
-            raise
-        except Exception as e:
-            raise PluginError(f"{self.label()}: {what} raised {type(e).__name__}: {e}") from e
+        return call_plugin(self.label(), what, fn, *args, **kwargs)
 
     def vision_side(self) -> tuple[str, ...]:
         """The roots of every vision-side module: the tower and any projector outside it."""

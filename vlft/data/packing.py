@@ -31,7 +31,7 @@ import torch
 
 from vlft.data.batching import join_images
 from vlft.data.records import IGNORE_INDEX
-from vlft.errors import ConfigError, PluginError, VlftError
+from vlft.errors import ConfigError, call_plugin
 
 PACKING_MODES = ("auto", "on", "off")
 
@@ -107,12 +107,8 @@ def sample_positions(sample: dict, positions, model_config, owner: str = "") -> 
     text = torch.arange(len(ids), dtype=torch.long).unsqueeze(0)
     if positions is None:
         return text
-    try:
-        rope = positions.rope_index(model_config, sample)
-    except VlftError:
-        raise
-    except Exception as e:
-        raise PluginError(f"{owner or 'the model family'}: positions.rope_index raised {type(e).__name__}: {e}") from e
+    rope = call_plugin(owner or "the model family", "positions.rope_index", positions.rope_index, model_config,
+                       sample)
     return torch.cat([text, rope.reshape(positions.rows, -1).to(torch.long)])
 
 

@@ -389,7 +389,7 @@ def _objective_lines(obj: dict | None, init_adapter: str | None) -> list[str]:
              + (f"; {obj['rows_per_record']} sequences per record" if obj["rows_per_record"] > 1 else "")]
     if obj["reference"]:
         lines.append(f"             reference: {obj['reference']}, without gradients, before the trained pass")
-    if not obj.get("dropout", True):  # plan.json files written before the field read as dropout kept
+    if not obj["dropout"]:
         lines.append("             dropout: off in every pass (the trained pass computes what the reference and "
                      "generation compute)")
     if obj["figures"]:
