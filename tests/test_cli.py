@@ -105,3 +105,25 @@ def test_torchrun_gets_its_port_from_its_own_rendezvous_on_one_machine(opts, has
     cmd = torchrun_command(LaunchOptions(**opts), ["run"])
     assert all(a in cmd for a in has) and not any(a.startswith(tuple(lacks)) for a in cmd), cmd
     assert cmd[-3:] == ["-m", "vlft", "run"]
+
+
+@pytest.mark.parametrize("joined", [True, False])
+@pytest.mark.parametrize("args, code", [(["--version"], 0), (["run", "--no-such-option"], 2)])
+def test_a_torchrun_worker_ends_with_os_exit_and_its_command_s_code(monkeypatch, joined, args, code):
+    """A process that joined a group of several processes leaves through ``os._exit`` with the command's exit
+    code, skipping the finalization that can abort a finished gloo job (``launch.end_worker``); any other
+    process exits as usual, through SystemExit."""
+    import vlft.training.launch as launch
+    from vlft.cli import main
+
+    class Exited(Exception):
+        pass
+
+    def fake_exit(c):
+        raise Exited(c)
+
+    monkeypatch.setattr(launch, "_IN_GROUP", [True] if joined else [])
+    monkeypatch.setattr(launch.os, "_exit", fake_exit)
+    with pytest.raises(Exited if joined else SystemExit) as raised:
+        main(args)
+    assert (raised.value.args[0] if joined else raised.value.code) == code

@@ -42,14 +42,14 @@ from vlft.planning.preflight import check_fits, fused_optimizer, plan_run
 from vlft.registry import Registry
 from vlft.training.checkpoints import restore_training_state, saved_reference
 from vlft.training.fsdp import full_trainable_state, materialized_adapter, shard_model
+from vlft.training.launch import joined_group
 from vlft.training.loop import LoopSettings
 from vlft.training.rollouts import KeptRollout
 from vlft.training.step import StepPolicy, cosine_with_warmup, seed_everything
 
 
 def _init_distributed(plan: RunPlan, device) -> None:
-
-
+    """Join the run's process group (torchrun's environment, or an in-memory one for one sharded process)."""
     dist = plan.distributed
     for key, value in dist.env.items():
         os.environ.setdefault(key, value)
@@ -62,6 +62,8 @@ def _init_distributed(plan: RunPlan, device) -> None:
             backend=dist.process_group_backend, timeout=datetime.timedelta(seconds=dist.timeout_s),
             device_id=device if device.type != "cpu" else None, **extra,
         )
+        if plan.config.world_size > 1:
+            joined_group()
 
 
 @dataclass
