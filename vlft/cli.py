@@ -126,13 +126,7 @@ def as_arguments(flags: dict) -> list[str]:
 
 
 def main(argv=None):
-    try:
-        return cli.main(args=argv, prog_name="vlft")
-    except SystemExit as e:
-        from vlft.training.launch import end_worker
-
-        end_worker(e.code)  # a torchrun worker exits here, without finalization (end_worker says why)
-        raise
+    return cli.main(args=argv, prog_name="vlft")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -40,7 +40,7 @@ def run(ctx, config_file, as_json, verbose, quiet, nproc_per_node, nnodes, node_
     """Fine-tune a model with an adapter method on a backend, evaluate it before and after, save the adapter."""
     from vlft.commands.run import execute
     from vlft.planning.plan import format_plan
-    from vlft.training.launch import LaunchOptions, relaunch
+    from vlft.training.launch import LaunchOptions, end_worker, relaunch
 
     file_values = load_config_file(config_file) if config_file else {}
     flags = given_flags(ctx, params)
@@ -57,12 +57,17 @@ def run(ctx, config_file, as_json, verbose, quiet, nproc_per_node, nnodes, node_
     if launch.wanted:
         config.world_size = nproc_per_node * nnodes
     registry = get_registry()
-    result = execute(registry, config, progress=not quiet)
+    try:
+        result = execute(registry, config, progress=not quiet)
+    except SystemExit as stop:  # interrupted, its checkpoint written: a torchrun worker leaves as below
+        end_worker(stop.code)
+        raise
     if config.dry_run:
         desc = result.description
         click.echo(json.dumps(desc, indent=2, default=str) if as_json else format_plan(desc, verbose=verbose))
         if desc["memory"] and desc["memory"]["fits"] is False and not config.no_memory_check:
             raise click.ClickException("this run will not fit its device; the memory plan above names the fixes")
+    end_worker(0)  # a torchrun worker leaves here, its run done and written (launch.end_worker says why)
 
 
 def check_sharding(registry, config) -> None:

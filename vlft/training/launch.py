@@ -4,7 +4,7 @@
 ``torchrun -m vlft run ...`` works directly too. torchrun's elastic agent
 stops every process when one fails and reports the failing rank.
 
-A worker ends with ``os._exit`` once its command has returned (``end_worker``): see there for why.
+A worker ends with ``os._exit`` once its run is done (``end_worker``): see there for why.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ def joined_group() -> None:
 
 
 def end_worker(code) -> None:
-    """Exit now with ``code`` (a ``SystemExit`` code) if this process joined a group of several processes.
+    """Exit now with ``code`` (a ``SystemExit`` code) if this process joined a group of several processes
+    (``vlft run`` calls it once the run is done, or interrupted with its checkpoint written).
 
     Such a worker skips the interpreter's finalization, which can abort a run that finished well: the gloo
     group outlives ``destroy_process_group`` (FSDP's device mesh holds it), and a gloo worker thread that
@@ -66,7 +67,8 @@ def end_worker(code) -> None:
     collective) takes the GIL; during finalization that ends the thread mid-C++ and the process dies with
     SIGABRT, "terminate called without an active exception" (pytorch/pytorch#190489). A late thread needs a
     busy machine: 3 of 30 two-process gloo jobs that ended this way aborted beside two busy cores, none of 70
-    with this exit. Every output is written and closed by then; only the standard streams need flushing."""
+    with this exit. Every output is written and closed by then; only the standard streams need flushing.
+    A run that fails exits non-zero through its error as before."""
     if not _IN_GROUP:
         return
     if code is not None and not isinstance(code, int):
