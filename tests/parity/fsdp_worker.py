@@ -69,4 +69,7 @@ def non_finite_step_is_not_applied(s, batch) -> dict:
 
 
 if __name__ == "__main__":
+    from vlft.training.launch import end_worker
+
     main(*sys.argv[1:4])
+    end_worker(0)  # as vlft run's workers leave: without the finalization that can abort a finished gloo job
