@@ -90,6 +90,22 @@ def wide_size():
     return _built_size("wide", wide_recipe())
 
 
+@pytest.fixture(scope="session")
+def qwen_vocab_size():
+    """The embedded recipe with Qwen2.5-VL's 151,936-row vocabulary (the head group's third size)."""
+    from bench.support.models import qwen_vocab_recipe
+
+    return _built_size("qwen-vocab", qwen_vocab_recipe())
+
+
+@pytest.fixture(params=["embedded", "wide", "qwen-vocab"])
+def head_size(request):
+    """The head group: both sizes, and the embedded model with a real vocabulary's width, where the logits the
+    labels-only head leaves out are what they are in a real step (the tiny models' 440 are not)."""
+    skip_under_benchmark_disable(request, request.param)  # decided before its model is built
+    return request.getfixturevalue(f"{request.param.replace('-', '_')}_size")
+
+
 @pytest.fixture(params=["embedded", "wide"])
 def size(request):
     """Each benchmark runs on both model sizes (under `make test`'s --benchmark-disable, the embedded one only)."""

@@ -30,8 +30,10 @@ def _labels_only(host: dict) -> dict:
 
 
 @pytest.mark.benchmark(group="head")
-def test_head(benchmark, env, size, mixed_records):
+def test_head(benchmark, env, head_size, mixed_records):
     from vlft.measure import LiveTensorMeter
+
+    size = head_size
 
     records = mixed_records[:BATCH_SIZE]
     host = encode_batches(size, records)[0]
@@ -53,7 +55,10 @@ def test_head(benchmark, env, size, mixed_records):
     kept = int(_labels_only(host)["logit_positions"].shape[1])
     record(benchmark, env, size, "head",
            {"labels-only/full-head step time": timer.ratio_figure("labels", "full"),
-            "labels-only/full-head peak memory": figure(peaks["labels"] / peaks["full"], "<= 0.6")}, summary,
+            # the target where the head is as wide as a real one: at the tiny models' 440 rows the logits are a
+            # sliver of the step's memory, which no head can change
+            "labels-only/full-head peak memory": figure(peaks["labels"] / peaks["full"],
+                                                        "<= 0.6" if size.name == "qwen-vocab" else None)}, summary,
            notes=[f"batch of {BATCH_SIZE} x {host['input_ids'].shape[1]} tokens, logits at {kept} positions per "
                   f"sample; vocab {size.model_config.text_config.vocab_size}"])
 

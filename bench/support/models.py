@@ -25,6 +25,17 @@ def wide_recipe() -> dict:
     return recipe
 
 
+def qwen_vocab_recipe() -> dict:
+    """The embedded recipe with Qwen2.5-VL's vocabulary width (151,936 rows of embedding and head; the tokenizer's
+    440 ids among them): the head group's size, where the logits weigh what they weigh in a real step."""
+    from vlft_models.qwen2_vl import RECIPE_2_5
+
+    recipe = copy.deepcopy(RECIPE_2_5)
+    recipe["padded_vocab_size"] = 151_936
+    recipe["bench"] = "qwen-vocab"
+    return recipe
+
+
 def large_recipe() -> dict:
     """A third size for the memory plan's calibration: text hidden 1024, vision hidden 512 (about 80 M parameters)."""
     recipe = wide_recipe()

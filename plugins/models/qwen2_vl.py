@@ -100,7 +100,10 @@ def _build(path: Path, recipe: dict, config_cls_name: str, model_cls_name: str, 
     tokenizer = _tiny.build_tokenizer(recipe["vocab_size"], SPECIAL_TOKENS, (), corpus)
     ids = tokenizer.convert_tokens_to_ids
     config = getattr(transformers, config_cls_name)(
-        text_config=dict(recipe["text"], vocab_size=len(tokenizer), bos_token_id=ids("<|endoftext|>"),
+        # a recipe's padded_vocab_size widens the embedding and head past the tokenizer's ids, as real checkpoints
+        # do (Qwen2.5-VL pads 151,665 ids to 151,936 rows); the embedded default has none
+        text_config=dict(recipe["text"], vocab_size=max(len(tokenizer), recipe.get("padded_vocab_size", 0)),
+                         bos_token_id=ids("<|endoftext|>"),
                          eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>")),
         vision_config=dict(recipe["vision"]),
         image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
