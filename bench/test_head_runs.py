@@ -1,0 +1,96 @@
+"""Group ``head-runs``: the labels-only head through the run's own loop, as a user runs it.
+
+Each variant is a real ``vlft run`` (``vlft.testing.run``: data check, plan, collator, loop, step) over one
+epoch of a variable-length set (``vlft.data.demo.write_varied_dataset``: 0-2 images capped at 224x224, 1-3
+turns, answers of 3-90 words), LoRA, fp32, on ``qwen-vocab``: the embedded recipe with Qwen2.5-VL's 151,936
+rows of head, where the logits weigh what they weigh in a real step (``bench/README.md``). The figures come
+from each run's ``metrics.jsonl`` (step times with their data loading, the first step left out), variants
+interleaved round by round.
+
+- ``labels``: the run as it is (``StepPolicy.labels_only``: the lm_head and the fp32 logits only at the
+  labelled positions);
+- ``full``: the same run with that one policy field off (no option turns it off: the bench builds the step
+  policy with ``labels_only=False``), the head over every position.
+
+The peak memory of the two is the ``head`` group's (one step under the live-tensor meter): a run's CPU memory
+reader sees the process's resident set, which only grows.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import statistics
+
+import pytest
+
+from bench.support.figures import figure, record
+
+ROUNDS = 3
+RECORDS = 16  # 4 steps of 4: one epoch per variant and round
+BATCH = 4
+MAX_PIXELS = 224 * 224
+
+
+@pytest.fixture(scope="module")
+def head_data(tmp_path_factory):
+    from vlft.data.demo import write_varied_dataset
+
+    return write_varied_dataset(tmp_path_factory.mktemp("bench-head-runs"), n=RECORDS, seed=11, max_images=2,
+                                max_side=448, answer_words=(3, 90))
+
+
+@pytest.fixture(params=["embedded", "qwen-vocab"])
+def run_size(request):
+    """``qwen-vocab`` carries the figure; the embedded model is what ``make test``'s smoke run takes."""
+    disabled = request.config.getoption("benchmark_disable") and not request.config.getoption("benchmark_enable")
+    if disabled and request.param != "embedded":  # decided before its model is built
+        pytest.skip(f"under --benchmark-disable this group runs on the embedded model only (not {request.param})")
+    return request.getfixturevalue(f"{request.param.replace('-', '_')}_size")
+
+
+def _run(env, size, data, folder, steps: int, full_head: bool, monkeypatch) -> list[dict]:
+    """One ``vlft run``; its per-step metrics. ``full_head``: the step policy built with ``labels_only=False``."""
+    import vlft.training.session
+    from vlft.config import build_config
+    from vlft.testing import run
+    from vlft.training.step import StepPolicy
+
+    config = build_config({}, dict(backend=env.backend, method="lora", model=str(size.path), data=str(data),
+                                   output=str(folder), steps=steps, batch_size=BATCH, log_every=1, eval_every=0,
+                                   eval_samples=0, save_every=0, max_pixels=MAX_PIXELS, seed=0))
+    with monkeypatch.context() as patch:
+        if full_head:
+            patch.setattr(vlft.training.session, "StepPolicy", functools.partial(StepPolicy, labels_only=False))
+        result = run(config, env.registry)
+    lines = [json.loads(x) for x in (result.output / "metrics.jsonl").read_text().splitlines()]
+    metrics = [m for m in lines if "step_time_s" in m]
+    assert len(metrics) == steps, len(metrics)
+    return metrics
+
+
+def _real_tokens_per_s(steps: list[dict]) -> float:
+    kept = steps[1:]  # the first step warms the allocator
+    return sum(m["effective_tokens_per_s"] * m["step_time_s"] for m in kept) / sum(m["step_time_s"] for m in kept)
+
+
+@pytest.mark.benchmark(group="head-runs")
+def test_head_runs(benchmark, env, run_size, head_data, tmp_path, monkeypatch):
+    rounds, steps = (1, 2) if benchmark.disabled else (ROUNDS, RECORDS // BATCH)
+    seen: dict[str, list[float]] = {"labels": [], "full": []}
+
+    def one_round():
+        for name in seen:
+            folder = tmp_path / f"{name}-{len(seen[name])}"
+            seen[name].append(_real_tokens_per_s(_run(env, run_size, head_data, folder, steps, name == "full",
+                                                      monkeypatch)))
+
+    benchmark.pedantic(one_round, rounds=rounds, iterations=1)
+    ratio = statistics.median(a / b for a, b in zip(seen["labels"], seen["full"]))
+    record(benchmark, env, run_size, "head-runs",
+           {"labels-only/full-head real tokens/s in runs": figure(ratio)},
+           {name: {"real_tokens_per_s": values} for name, values in seen.items()},
+           notes=[f"{RECORDS} varied records (0-2 images capped at {MAX_PIXELS} px, 1-3 turns, answers 3-90 words), "
+                  f"micro-batches of {BATCH}, one epoch per variant and round, {rounds} round(s); real `vlft run`s "
+                  f"(LoRA, fp32), step times from each run's metrics, the first step left out; full: the step "
+                  f"policy's labels_only off"])
