@@ -43,9 +43,9 @@ def pytest_addoption(parser):
                     help=f"torch CPU threads for the benchmarks (default: the usable cores, at most 8; "
                          f"{_default_threads()} here).")
     group.addoption("--bench-large", action="store_true",
-                    help="also run the memory group's slow cases: the large model, the wide model with SDPA "
-                         "(145 s) and with nf4 base weights (557 s, bitsandbytes' 4-bit matmuls on the CPU); past "
-                         "make bench's 15 minutes on 2 cores, so on request.")
+                    help="also run the memory group's slow cases: the large model, and the wide model with nf4 "
+                         "base weights (557 s, bitsandbytes' 4-bit matmuls on the CPU); past make bench's 15 "
+                         "minutes on 2 cores, so on request.")
     group.addoption("--columnar-scales", default="5000,20000",
                     help="record counts of the columnar group's Parquet sets, comma-separated, each checked in "
                          "a process of its own (default 5000,20000: within make bench's 15 minutes on 2 cores; "

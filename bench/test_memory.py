@@ -39,9 +39,9 @@ def mem_case(request):
     disabled = request.config.getoption("benchmark_disable") and not request.config.getoption("benchmark_enable")
     if disabled and size != "embedded":
         pytest.skip("under --benchmark-disable the memory group runs on the embedded model only")
-    if (size == "large" or attn == "sdpa") and not request.config.getoption("--bench-large"):
-        pytest.skip("on request (--bench-large): the large model, and SDPA on the wide model (145 s), would take "
-                    "make bench past its 15 minutes on 2 cores")
+    if size == "large" and not request.config.getoption("--bench-large"):
+        pytest.skip("on request (--bench-large): the large model would take make bench past its 15 minutes on "
+                    "2 cores")
     return request.getfixturevalue(f"{size.replace('-', '_')}_size"), attn
 
 
