@@ -102,15 +102,13 @@ def qwen_vocab_size():
 def head_size(request):
     """The head group: both sizes, and the embedded model with a real vocabulary's width, where the logits the
     labels-only head leaves out are what they are in a real step (the tiny models' 440 are not)."""
-    skip_under_benchmark_disable(request, request.param)  # decided before its model is built
-    return request.getfixturevalue(f"{request.param.replace('-', '_')}_size")
+    return size_named(request)
 
 
 @pytest.fixture(params=["embedded", "wide"])
 def size(request):
     """Each benchmark runs on both model sizes (under `make test`'s --benchmark-disable, the embedded one only)."""
-    skip_under_benchmark_disable(request, request.param)  # decided before the wide model is built
-    return request.getfixturevalue(f"{request.param}_size")
+    return size_named(request)
 
 
 @pytest.fixture(scope="session")
@@ -125,6 +123,19 @@ def qwen3_vl_size(env):
     return model_size("qwen3-vl", str(embedded_family_dir(family)), family)
 
 
+def size_named(request):
+    """The model size a size fixture's parameter names (``qwen-vocab``: ``qwen_vocab_size``), skipped under
+    ``--benchmark-disable`` unless it is the embedded one: decided before its model is built."""
+    skip_under_benchmark_disable(request, request.param)
+    return request.getfixturevalue(f"{request.param.replace('-', '_')}_size")
+
+
+@pytest.fixture(params=["embedded", "qwen-vocab"])
+def head_runs_size(request):
+    """The head-runs group: ``qwen-vocab`` carries its figure; the embedded model is make test's smoke run."""
+    return size_named(request)
+
+
 def skip_under_benchmark_disable(request, size_name: str) -> None:
     """`make test` collects bench/ with --benchmark-disable: there the groups run on the embedded model only."""
     disabled = request.config.getoption("benchmark_disable") and not request.config.getoption("benchmark_enable")
@@ -135,8 +146,7 @@ def skip_under_benchmark_disable(request, size_name: str) -> None:
 @pytest.fixture(params=["embedded", "wide", "qwen3-vl"])
 def family_size(request):
     """train_step and loop_overhead: both sizes and the Qwen3-VL family's embedded model (issue 20's figures)."""
-    skip_under_benchmark_disable(request, request.param)  # decided before its model is built
-    return request.getfixturevalue(f"{request.param.replace('-', '_')}_size")
+    return size_named(request)
 
 
 @pytest.fixture(scope="session")

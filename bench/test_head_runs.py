@@ -19,12 +19,12 @@ reader sees the process's resident set, which only grows.
 from __future__ import annotations
 
 import functools
-import json
 import statistics
 
 import pytest
 
 from bench.support.figures import figure, record
+from bench.support.runs import rates, run_steps
 
 ROUNDS = 3
 RECORDS = 16  # 4 steps of 4: one epoch per variant and round
@@ -40,54 +40,32 @@ def head_data(tmp_path_factory):
                                 max_side=448, answer_words=(3, 90))
 
 
-@pytest.fixture(params=["embedded", "qwen-vocab"])
-def run_size(request):
-    """``qwen-vocab`` carries the figure; the embedded model is what ``make test``'s smoke run takes."""
-    disabled = request.config.getoption("benchmark_disable") and not request.config.getoption("benchmark_enable")
-    if disabled and request.param != "embedded":  # decided before its model is built
-        pytest.skip(f"under --benchmark-disable this group runs on the embedded model only (not {request.param})")
-    return request.getfixturevalue(f"{request.param.replace('-', '_')}_size")
-
-
 def _run(env, size, data, folder, steps: int, full_head: bool, monkeypatch) -> list[dict]:
     """One ``vlft run``; its per-step metrics. ``full_head``: the step policy built with ``labels_only=False``."""
     import vlft.training.session
-    from vlft.config import build_config
-    from vlft.testing import run
     from vlft.training.step import StepPolicy
 
-    config = build_config({}, dict(backend=env.backend, method="lora", model=str(size.path), data=str(data),
-                                   output=str(folder), steps=steps, batch_size=BATCH, log_every=1, eval_every=0,
-                                   eval_samples=0, save_every=0, max_pixels=MAX_PIXELS, seed=0))
     with monkeypatch.context() as patch:
         if full_head:
             patch.setattr(vlft.training.session, "StepPolicy", functools.partial(StepPolicy, labels_only=False))
-        result = run(config, env.registry)
-    lines = [json.loads(x) for x in (result.output / "metrics.jsonl").read_text().splitlines()]
-    metrics = [m for m in lines if "step_time_s" in m]
-    assert len(metrics) == steps, len(metrics)
-    return metrics
-
-
-def _real_tokens_per_s(steps: list[dict]) -> float:
-    kept = steps[1:]  # the first step warms the allocator
-    return sum(m["effective_tokens_per_s"] * m["step_time_s"] for m in kept) / sum(m["step_time_s"] for m in kept)
+        return run_steps(env.registry, steps, backend=env.backend, model=str(size.path), data=str(data),
+                         output=str(folder), batch_size=BATCH, max_pixels=MAX_PIXELS)
 
 
 @pytest.mark.benchmark(group="head-runs")
-def test_head_runs(benchmark, env, run_size, head_data, tmp_path, monkeypatch):
+def test_head_runs(benchmark, env, head_runs_size, head_data, tmp_path, monkeypatch):
     rounds, steps = (1, 2) if benchmark.disabled else (ROUNDS, RECORDS // BATCH)
     seen: dict[str, list[float]] = {"labels": [], "full": []}
 
     def one_round():
         for name in seen:
             folder = tmp_path / f"{name}-{len(seen[name])}"
-            seen[name].append(_real_tokens_per_s(_run(env, run_size, head_data, folder, steps, name == "full",
-                                                      monkeypatch)))
+            seen[name].append(rates(_run(env, head_runs_size, head_data, folder, steps, name == "full",
+                                           monkeypatch))["real_tokens_per_s"])
 
     benchmark.pedantic(one_round, rounds=rounds, iterations=1)
     ratio = statistics.median(a / b for a, b in zip(seen["labels"], seen["full"]))
-    record(benchmark, env, run_size, "head-runs",
+    record(benchmark, env, head_runs_size, "head-runs",
            {"labels-only/full-head real tokens/s in runs": figure(ratio)},
            {name: {"real_tokens_per_s": values} for name, values in seen.items()},
            notes=[f"{RECORDS} varied records (0-2 images capped at {MAX_PIXELS} px, 1-3 turns, answers 3-90 words), "

@@ -28,12 +28,12 @@ costs more than its positions (its square), so no linear model of the rest bound
 
 from __future__ import annotations
 
-import json
 import statistics
 
 import pytest
 
 from bench.support.figures import figure, record
+from bench.support.runs import rates, run_steps
 from vlft.hookspecs import hookimpl
 
 ROUNDS = 3
@@ -117,31 +117,19 @@ class VisionClock:
 
 def _run(backend: str, folder, data, steps: int, **options) -> list[dict]:
     """One ``vlft run``; its per-step metrics, each with the seconds its vision tower took (``vision_s``)."""
-    from vlft.config import build_config
     from vlft.registry import load_registry
-    from vlft.testing import run
 
-    config = build_config({}, dict(backend=backend, method="lora", data=str(data),
-                                   output=str(folder), steps=steps, batch_size=BATCH, log_every=1, eval_every=0,
-                                   eval_samples=0, save_every=0, max_pixels=MAX_PIXELS, seed=0, **options))
     clock = VisionClock()
-    result = run(config, load_registry(plugins=(clock,)))
-    lines = [json.loads(x) for x in (result.output / "metrics.jsonl").read_text().splitlines()]
-    metrics = [m for m in lines if "step_time_s" in m]
+    metrics = run_steps(load_registry(plugins=(clock,)), steps, backend=backend, data=str(data), output=str(folder),
+                        batch_size=BATCH, max_pixels=MAX_PIXELS, **options)
     vision = clock.finish()
-    assert len(vision) == len(metrics) == steps, (len(vision), len(metrics))  # one tower pass a step
+    assert len(vision) == steps, len(vision)  # one tower pass a step
     return [{**m, "vision_s": v} for m, v in zip(metrics, vision)]
 
 
 def _rates(steps: list[dict]) -> dict:
-    """Real tokens/s, positions and real tokens over the steps after the first."""
-    kept = steps[1:]
-    seconds = sum(m["step_time_s"] for m in kept)
-    real = sum(m["effective_tokens_per_s"] * m["step_time_s"] for m in kept)
-    positions = sum(m["tokens_per_s"] * m["step_time_s"] for m in kept)
-    return {"seconds": seconds, "real_tokens": real, "positions": positions, "real_tokens_per_s": real / seconds,
-            "vision_seconds": sum(m["vision_s"] for m in kept)}
-
+    """``rates`` over the steps after the first, with the vision tower's seconds in them."""
+    return {**rates(steps), "vision_seconds": sum(m["vision_s"] for m in steps[1:])}
 
 
 @pytest.mark.benchmark(group="packing")

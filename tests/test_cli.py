@@ -107,7 +107,6 @@ def test_torchrun_gets_its_port_from_its_own_rendezvous_on_one_machine(opts, has
     assert cmd[-3:] == ["-m", "vlft", "run"]
 
 
-
 @pytest.mark.parametrize("joined", [True, False])
 def test_a_torchrun_worker_leaves_vlft_run_through_os_exit_once_its_output_is_out(monkeypatch, capfd, joined):
     """A process that joined a group of several processes leaves ``vlft run`` through ``os._exit(0)``, after its
