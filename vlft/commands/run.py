@@ -25,6 +25,7 @@ from vlft.evaluation.generation import evaluate_generation
 from vlft.evaluation.inference import write_atomically
 from vlft.evaluation.scoring import format_table
 from vlft.evaluation.validation import objective_validation, validation_loss
+from vlft.models.patching import KernelPatchLost, PatchWatch
 from vlft.planning.memory import gib
 from vlft.planning.plan import RunPlan, choose_backend, format_plan, require_available
 from vlft.planning.preflight import plan_run
@@ -258,7 +259,7 @@ class _Job:
                 train_model, s.optimizer, s.scheduler, s.policy, s.dataset, s.collate, s.settings, self.store,
                 self.metrics, s.memory_reader, evaluate=self.evaluate if config.eval_every else None,
                 on_best=self.save_best if config.early_stopping_patience else None, start_step=s.start_step,
-                progress=self.progress, skips=self.skips))
+                progress=self.progress, skips=self.skips, patches=PatchWatch(self.model)))
         except Interrupted as e:
             command = resume_command(sys.argv, self.output, config.world_size)
             self.stopped_summary("interrupted", e.step, t0, signal=e.signum,
@@ -269,6 +270,10 @@ class _Job:
             if s.distributed:
                 torch.distributed.destroy_process_group()
             raise SystemExit(e.exit_code) from None
+        except KernelPatchLost as e:
+            self.stopped_summary("stopped: kernel patch lost", None, t0, error=str(e))
+            self.metrics.close()
+            raise
         except NonFiniteStop:
             newest = self.store.newest()
             self.stopped_summary("stopped: non-finite steps", None, t0, checkpoint=str(newest) if newest else None)

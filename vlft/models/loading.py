@@ -128,7 +128,11 @@ def load_model(path: str, attention, precision, device=None, trust_pickle: bool 
         model = AutoModelForImageTextToText.from_pretrained(
             path, dtype=getattr(torch, precision.param_dtype),
             attn_implementation=attention.as_attn_implementation(),
-            use_safetensors=None if trust_pickle else True, **extra,
+            use_safetensors=None if trust_pickle else True,
+            # no hub kernels: transformers 5.25 turns them on by default, fetches their code from the hub (none
+            # here, nor on an offline cluster) and re-kernelizes at every train()/eval(); the backend's kernel
+            # patches (--kernels) are the run's kernels, each in the plan
+            use_kernels=False, **extra,
             **family_load_kwargs(family, precision.param_dtype),
         )
     except ImportError as e:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from vlft.config import RunConfig, parse_attn, parse_kernels
 from vlft.errors import ConfigError
+from vlft.models.patching import pin_patch
 from vlft.policies import AttentionPolicy, KernelPatch
 
 
@@ -94,13 +95,17 @@ def with_kernel_attention(policy: AttentionPolicy, choice: KernelChoice) -> Atte
 
 
 def apply_kernels(choice: KernelChoice | None, model) -> list[str]:
-    """Run each chosen patch's ``apply`` on the loaded base model; one line per patch, for the plan."""
+    """Run each chosen patch's ``apply`` on the loaded base model, pinning the forwards it binds and the modules
+    it puts in place (``models.patching``: so ``train()``/``eval()`` cannot undo them, and the loop can see
+    them run); one line per patch, for the plan."""
     lines = []
     for k in (choice.chosen if choice else []):
         if k.apply is None:
             continue
-        line = k.apply(model)
-        lines.append(f"kernel {k.name}: {line}" if line else f"kernel {k.name}")
+        line, pinned = pin_patch(model, k.name, k.apply)
+        line = f"kernel {k.name}: {line}" if line else f"kernel {k.name}"
+        lines.append(line + (f" [{pinned} module(s) pinned, checked at step 1 and after each evaluation]"
+                             if pinned else ""))
     return lines
 
 

@@ -77,6 +77,9 @@ class Training:
     start_step: int = 0
     progress: bool = True
     skips: SkipLog = field(default_factory=SkipLog)
+    # the applied kernel patches (models.patching.PatchWatch), checked at the first step and the first after
+    # each evaluation (whose eval()/train() is what can undo one); None or empty: nothing to check
+    patches: Any = None
 
 
 def run_training(training: Training) -> list[dict]:
@@ -205,6 +208,7 @@ class Trainer:
         self.early_stop = False
         self.saved_step: int | None = None
         self.records: list[dict] = []
+        self.check_patches = "the first step" if training.patches else None  # where the next check is due
 
     def run(self) -> list[dict]:
         """Step, log, evaluate, save and heed a stop request, step after step; then the final checkpoint."""
@@ -215,8 +219,14 @@ class Trainer:
         for group in batches(t.dataset, t.collate, settings, t.start_step):
             if self.step >= settings.total_steps or self.early_stop:
                 break
+            checking = self.check_patches
+            if checking:
+                t.patches.before_step()
             out = train_step_on(t.model, t.optimizer, t.scheduler, group, t.policy, non_blocking)
             self.step += 1
+            if checking:
+                t.patches.after_step(self.step, checking)
+                self.check_patches = None
             self.pending.append((self.step, out["skipped"], out["backoff"]))
             self.window.add(out, group, settings.world_size)
             bar.update(1)
@@ -253,7 +263,7 @@ class Trainer:
         if self.wants_eval and (self.step % settings.eval_every == 0 or last):
             figures, record["eval_time_s"] = self.window.timed(t.evaluate)
             record.update(figures)
-            t.model.train()
+            self._back_to_training()
             self.early_stop, saved_s = self._patience(record["val_loss"])
             if saved_s is not None:
                 record["checkpoint_time_s"] = saved_s
@@ -273,7 +283,7 @@ class Trainer:
     def _evaluate_between_logs(self) -> None:
         t = self.t
         figures, eval_s = self.window.timed(t.evaluate)
-        t.model.train()
+        self._back_to_training()
         self.early_stop, saved_s = self._patience(figures["val_loss"])
         line = {"step": self.step, **figures, "eval_time_s": eval_s,
                 **({"checkpoint_time_s": saved_s} if saved_s is not None else {}),
@@ -282,6 +292,11 @@ class Trainer:
             self.records.append(line)
         if self.is_main:
             t.metrics.write(line)
+
+    def _back_to_training(self) -> None:
+        self.t.model.train()
+        if self.t.patches:
+            self.check_patches = f"the first step after the evaluation at step {self.step}"
 
     def _record(self, out: dict) -> dict:
         """One line of metrics.jsonl for the window ending at this step."""
