@@ -47,6 +47,23 @@ def pytest_collection_modifyitems(config, items):
         items.reverse()
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The versions under test, beside the results (under -q too): `make test-latest` runs on whatever the
+    registry has newest, and a failure there should name what changed (constraints.txt holds the pins)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def found(name):
+        try:
+            return f"{name} {version(name)}"
+        except PackageNotFoundError:
+            return f"{name} (not installed)"
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    terminalreporter.write_line("vlft stack: " + ", ".join(
+        found(n) for n in ("torch", "transformers", "peft", "kernels", "accelerate", "pluggy", "click", "numpy")))
+
+
 def pytest_unconfigure(config):
     shutil.rmtree(SESSION_DIR, ignore_errors=True)
 

@@ -61,14 +61,15 @@ def pin_forward(module, forward: Callable, kernel: str, classes: dict | None = N
 def pin_patch(model, kernel: str, apply: Callable[[Any], str]) -> tuple[str, int]:
     """Run ``apply(model)`` and pin each forward it bound on an instance and each module it put in place (the
     topmost of a new subtree); (its line, the modules pinned)."""
-    before = {id(m): m.__dict__.get("forward") for m in model.modules()}
+    # the modules themselves are held, so none replaced by the patch frees an id a new module could take
+    before = {id(m): (m, m.__dict__.get("forward")) for m in model.modules()}
     line = apply(model)
     classes: dict = {}
     pinned = 0
     for name, module in model.named_modules():
         bound = module.__dict__.get("forward")
         if id(module) in before:
-            if bound is None or bound is before[id(module)]:
+            if bound is None or bound is before[id(module)][1]:
                 continue
             pin_forward(module, bound, kernel, classes)
         else:
