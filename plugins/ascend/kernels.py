@@ -187,7 +187,9 @@ def _is_silu(act) -> bool:
 
 def apply_module_forward(model, classes: tuple[str, ...], make_forward, accept=lambda m: True) -> tuple[int, int]:
     """Bind ``make_forward``'s forward to every module of ``model`` whose class is in ``classes`` (instances,
-    not the classes: other models in the process are untouched). Returns (patched, skipped)."""
+    not the classes: other models in the process are untouched). Returns (patched, skipped). vlft pins each
+    forward bound here once ``apply`` returns, so transformers' ``train()``/``eval()`` cannot drop it, and
+    checks in the run that it is called."""
     patched = skipped = 0
     for module in model.modules():
         if type(module).__name__ not in classes:
