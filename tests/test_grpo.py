@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -253,32 +254,154 @@ def test_a_grpo_run_from_an_sft_adapter_logs_its_figures_and_trains(grpo_run, sf
 ZERO_LOSS_ATOL = (16 + 8 + 4 + 2) * 2.0 ** -24
 
 
-def test_sequence_norm_unscaled_rewards_top_p_and_clip_options_reach_the_run(demo, sft_adapter, tmp_path):
-    """``--grpo-norm sequence --scale-rewards none --beta 0`` (with ``--top-p 0.9 --clip-epsilon 0.1``): the plan
-    holds each option, and every logged loss is 0 while the adapter still moves. That is what these options
-    promise together: each completion is one batch's pass over its own sampling (ratio 1), unscaled advantages
-    ``r - mean`` sum to 0 in each group, and the per-sequence mean weighs each completion once, so the loss (not
-    its gradient, ``A * grad log p``) vanishes; under the default token normalisation longer completions weigh
-    more and it does not (the first test's run)."""
+class SamplingSpy:
+    """What a run's GRPO sampled and trained on, seen from inside the run (in this process, ``cli_invoke``):
+    each sampling ``generate`` call's raw logits, sequences and prompt length (asked of the real ``generate``
+    with ``output_logits``, which changes nothing it samples), each trained batch's rewards as the reward
+    functions scored them (``grpo.score``) and the advantages its loss received (``grpo.grpo_loss``).
+    Validation (run without gradients) is left out."""
+
+    def __init__(self, monkeypatch):
+        from transformers.generation.utils import GenerationMixin
+
+        self.calls, self.rewards, self.advantages = [], [], []
+        generate, score, loss = GenerationMixin.generate, grpo.score, grpo.grpo_loss
+
+        def spied_generate(model, *args, **kwargs):
+            if not kwargs.get("do_sample"):
+                return generate(model, *args, **kwargs)
+            out = generate(model, *args, **kwargs, output_logits=True, return_dict_in_generate=True)
+            self.calls.append({"logits": torch.stack(out.logits, 1), "sequences": out.sequences,
+                               "length": kwargs["input_ids"].shape[1], "suppressed": kwargs.get("suppress_tokens")})
+            return out.sequences
+
+        def spied_score(*args, **kwargs):
+            totals, parts = score(*args, **kwargs)
+            if torch.is_grad_enabled():
+                self.rewards.append(list(totals))
+            return totals, parts
+
+        def spied_loss(model, batch, *args, **kwargs):
+            if torch.is_grad_enabled():
+                extra = batch[grpo.GRPO]
+                self.advantages.append((extra["advantages"].detach().clone(), extra["groups"]))
+            return loss(model, batch, *args, **kwargs)
+
+        monkeypatch.setattr(GenerationMixin, "generate", spied_generate)
+        monkeypatch.setattr(grpo, "score", spied_score)
+        monkeypatch.setattr(grpo, "grpo_loss", spied_loss)
+
+
+def nucleus_positions(call: dict, temperature: float, top_p: float) -> tuple[list[float], float, float]:
+    """For each sampled completion token of a ``SamplingSpy`` call (up to its end token), the probability mass of
+    the tokens more probable than it under the sampling distribution (the logits over the temperature, the
+    suppressed tokens out), in float64: top-p keeps the smallest set of most probable tokens whose mass reaches
+    p, so a token is in it exactly when the mass above it is below p. Also the mass outside the ``top_p`` nucleus
+    summed over those positions (how many tokens a draw from the whole distribution would put outside it, on
+    average), and the rounding generate's own float32 top-p decision may differ from ours by: it divides each
+    float32 logit z by T in float32 (a move of at most 2^-24 |z| / T, which moves a probability by at most
+    twice that, relatively), takes the softmax (a few roundings of 2^-24 each) and sums the V sorted
+    probabilities (V roundings of at most 2^-24 of a sum <= 1): at most (2 max|z| / T + V + 4) 2^-24 in all."""
+    logits = call["logits"].double() / temperature  # [rows, steps, V]
+    if call["suppressed"]:
+        logits[..., list(call["suppressed"])] = float("-inf")
+    probs = torch.softmax(logits, -1)
+    new = call["sequences"][:, call["length"]:]
+    ends = set(_ends())
+    above, outside = [], 0.0
+    for row in range(new.shape[0]):
+        for t, token in enumerate(new[row].tolist()):
+            p = probs[row, t]
+            above.append(float(p[p > p[token]].sum()))
+            ranked = p.sort(descending=True).values
+            outside += float(ranked[(ranked.cumsum(0) - ranked) >= top_p].sum())
+            if token in ends:
+                break
+    finite = call["logits"][torch.isfinite(call["logits"])]
+    vocab = call["logits"].shape[-1]
+    return above, outside, (2 * float(finite.abs().max()) / temperature + vocab + 4) * 2.0 ** -24
+
+
+def _ends() -> list[int]:
+    """The embedded tokenizer's end tokens: its eos and pad ids (generate pads finished rows with pad)."""
+    from transformers import AutoTokenizer
+
+    from vlft.models.embedded import embedded_model_dir
+
+    tok = AutoTokenizer.from_pretrained(str(embedded_model_dir()))
+    return [i for i in (tok.eos_token_id, tok.pad_token_id) if i is not None]
+
+
+SEQUENCE_TOP_P = 0.9
+
+
+def test_sequence_norm_unscaled_rewards_top_p_and_clip_options_reach_the_run(demo, sft_adapter, tmp_path,
+                                                                          monkeypatch):
+    """``--grpo-norm sequence --scale-rewards none --beta 0 --top-p 0.9 --clip-epsilon 0.1``, each seen to act:
+
+    - ``--top-p 0.9``: every sampled token lies in the 0.9 nucleus of the sampling distribution (the probability
+      mass of the tokens more probable than it is below 0.9), read from the raw logits generate computed; drawn
+      from the whole distribution (top-p 1), some tokens of the same run fall outside it;
+    - ``--scale-rewards none``: the advantages the loss receives are ``r - mean`` of each group's rewards (those
+      the reward scored, whose mean is the logged ``reward``), not the default's ``(r - mean) / (std + 1e-4)``;
+    - ``--grpo-norm sequence`` with unscaled advantages and ``--beta 0``: each completion is one batch's pass over
+      its own sampling (ratio 1), ``r - mean`` sums to 0 in each group and the per-sequence mean weighs each
+      completion once, so every logged loss is 0 (not its gradient, ``A * grad log p``: the adapter moves); under
+      the default token normalisation longer completions weigh more and it is not (the first test's run);
+    - ``--clip-epsilon 0.1``: in the plan; at ratio 1 nothing is clipped whatever the epsilon (``clip_fraction``
+      0): the clip's effect is asserted where the ratio leaves 1,
+      ``test_num_iterations_trains_each_rollout_over_n_steps_and_the_clip_acts``."""
     out = tmp_path / "sequence"
-    args = grpo_args(demo, sft_adapter, out, "--top-p", "0.9", "--clip-epsilon", "0.1", "--scale-rewards", "none",
-                     "--grpo-norm", "sequence", "--beta", "0")
+    args = grpo_args(demo, sft_adapter, out, "--top-p", str(SEQUENCE_TOP_P), "--clip-epsilon", "0.1",
+                     "--scale-rewards", "none", "--grpo-norm", "sequence", "--beta", "0")
     for flag, value in (("--steps", "2"), ("--save-every", "0"), ("--eval-samples", "0")):
         args[args.index(flag) + 1] = value
+    spy = SamplingSpy(monkeypatch)
     code, output = cli_invoke(*args)
     assert code == 0, output
+    monkeypatch.undo()
     plan = json.loads((out / "plan.json").read_text())["objective"]["options"]
     assert (plan["top_p"], plan["clip_epsilon"], plan["scale_rewards"], plan["norm"], plan["beta"]) == (
-        0.9, 0.1, "none", "sequence", 0.0)
+        SEQUENCE_TOP_P, 0.1, "none", "sequence", 0.0)
     lines = logged(out)
     assert [m["step"] for m in lines] == [1, 2]
     assert any(m["reward_std"] > 0 for m in lines)  # advantages not all 0: the zero below is not trivial
     for m in lines:
         assert m["loss"] == pytest.approx(0.0, abs=ZERO_LOSS_ATOL), m
+        assert m["clip_fraction"] == 0, m
     from safetensors.torch import load_file
 
     start, trained = (load_file(str(p / "adapter" / "adapter_model.safetensors")) for p in (sft_adapter, out))
     assert any(not torch.equal(start[k], trained[k]) for k in start)
+
+    # --top-p: every sampled token inside the nucleus
+    assert spy.calls
+    outside = 0.0
+    for call in spy.calls:
+        above, out_of_nucleus, rounding = nucleus_positions(call, 0.7, SEQUENCE_TOP_P)
+        assert max(above) < SEQUENCE_TOP_P + rounding, (max(above), rounding)
+        outside += out_of_nucleus
+    # and the check can fail: drawn from the whole distribution (top-p ignored), each position would put its mass
+    # outside the nucleus there; summed, about this many tokens would fall outside (29.7 here), none with
+    # probability below e^-10
+    assert outside > 10, outside
+
+    # --scale-rewards none: each trained batch's advantages, by hand from its rewards
+    assert len(spy.rewards) == len(spy.advantages) == 2  # one micro-batch a step
+    for m, rewards, (advantages, g) in zip(lines, spy.rewards, spy.advantages, strict=True):
+        assert m["reward"] == sum(rewards) / len(rewards)  # the rewards the run logged
+        groups = [rewards[i:i + g] for i in range(0, len(rewards), g)]  # prompt-major, as scored
+        unscaled = [[r - sum(grp) / g for r in grp] for grp in groups]
+        got = advantages.reshape(g, -1).T.tolist()  # the loss's rows are group-major
+        # rewards are multiples of 1/2 (the fields reward of 2 fields) and a group's mean a multiple of 1/8:
+        # exact in float32, so the advantages are equal, not close
+        assert got == unscaled, (got, rewards)
+    spread = [grp for rs in spy.rewards for grp in (rs[i:i + 4] for i in range(0, len(rs), 4))
+              if statistics.stdev(grp) > 0]
+    assert spread  # where a group's rewards differ, the default would have divided by their std
+    for grp in spread:
+        mean, std = sum(grp) / 4, statistics.stdev(grp)
+        assert [(r - mean) / (std + grpo.EPS) for r in grp] != [r - mean for r in grp]
 
 
 def test_a_step_moves_the_policy_toward_the_better_completions(demo, sft_adapter, registry, tmp_path):
