@@ -257,9 +257,9 @@ ZERO_LOSS_ATOL = (16 + 8 + 4 + 2) * 2.0 ** -24
 class SamplingSpy:
     """What a run's GRPO sampled and trained on, seen from inside the run (in this process, ``cli_invoke``):
     each sampling ``generate`` call's raw logits, sequences and prompt length (asked of the real ``generate``
-    with ``output_logits``, which changes nothing it samples), each trained batch's rewards as the reward
-    functions scored them (``grpo.score``) and the advantages its loss received (``grpo.grpo_loss``).
-    Validation (run without gradients) is left out."""
+    with ``output_logits``, which changes nothing it samples; the validation's calls too), and each trained
+    batch's rewards as the reward functions scored them (``grpo.score``) and the advantages its loss received
+    (``grpo.grpo_loss``), the validation's (run without gradients) left out."""
 
     def __init__(self, monkeypatch):
         from transformers.generation.utils import GenerationMixin
@@ -340,8 +340,8 @@ def test_sequence_norm_unscaled_rewards_top_p_and_clip_options_reach_the_run(dem
     """``--grpo-norm sequence --scale-rewards none --beta 0 --top-p 0.9 --clip-epsilon 0.1``, each seen to act:
 
     - ``--top-p 0.9``: every sampled token lies in the 0.9 nucleus of the sampling distribution (the probability
-      mass of the tokens more probable than it is below 0.9), read from the raw logits generate computed; drawn
-      from the whole distribution (top-p 1), some tokens of the same run fall outside it;
+      mass of the tokens more probable than it is below 0.9), read from the raw logits generate computed; the
+      nucleus leaves out enough that drawn from the whole distribution (top-p ignored) some would fall outside;
     - ``--scale-rewards none``: the advantages the loss receives are ``r - mean`` of each group's rewards (those
       the reward scored, whose mean is the logged ``reward``), not the default's ``(r - mean) / (std + 1e-4)``;
     - ``--grpo-norm sequence`` with unscaled advantages and ``--beta 0``: each completion is one batch's pass over
@@ -377,17 +377,19 @@ def test_sequence_norm_unscaled_rewards_top_p_and_clip_options_reach_the_run(dem
     # --top-p: every sampled token inside the nucleus
     assert spy.calls
     outside = 0.0
+    temperature = float(args[args.index("--temperature") + 1])
     for call in spy.calls:
-        above, out_of_nucleus, rounding = nucleus_positions(call, 0.7, SEQUENCE_TOP_P)
+        above, out_of_nucleus, rounding = nucleus_positions(call, temperature, SEQUENCE_TOP_P)
         assert max(above) < SEQUENCE_TOP_P + rounding, (max(above), rounding)
         outside += out_of_nucleus
-    # and the check can fail: drawn from the whole distribution (top-p ignored), each position would put its mass
-    # outside the nucleus there; summed, about this many tokens would fall outside (29.7 here), none with
-    # probability below e^-10
+    # and the check can fail: drawn from the whole distribution (top-p ignored), position i would fall outside
+    # the nucleus with probability m_i, its mass outside; none would with probability prod(1 - m_i) <=
+    # exp(-sum m_i) < e^-10 (the sum was 29.7 when written)
     assert outside > 10, outside
 
     # --scale-rewards none: each trained batch's advantages, by hand from its rewards
     assert len(spy.rewards) == len(spy.advantages) == 2  # one micro-batch a step
+    spread = []
     for m, rewards, (advantages, g) in zip(lines, spy.rewards, spy.advantages, strict=True):
         assert m["reward"] == sum(rewards) / len(rewards)  # the rewards the run logged
         groups = [rewards[i:i + g] for i in range(0, len(rewards), g)]  # prompt-major, as scored
@@ -396,11 +398,10 @@ def test_sequence_norm_unscaled_rewards_top_p_and_clip_options_reach_the_run(dem
         # rewards are multiples of 1/2 (the fields reward of 2 fields) and a group's mean a multiple of 1/8:
         # exact in float32, so the advantages are equal, not close
         assert got == unscaled, (got, rewards)
-    spread = [grp for rs in spy.rewards for grp in (rs[i:i + 4] for i in range(0, len(rs), 4))
-              if statistics.stdev(grp) > 0]
-    assert spread  # where a group's rewards differ, the default would have divided by their std
+        spread += [grp for grp in groups if statistics.stdev(grp) > 0]
+    assert spread  # where a group's rewards differ, the default would have divided by their std, != 1
     for grp in spread:
-        mean, std = sum(grp) / 4, statistics.stdev(grp)
+        mean, std = statistics.mean(grp), statistics.stdev(grp)
         assert [(r - mean) / (std + grpo.EPS) for r in grp] != [r - mean for r in grp]
 
 
@@ -591,13 +592,33 @@ ITERATIONS_EPSILON = "0.001"
 
 @pytest.fixture(scope="session")
 def iterations_run(demo, sft_adapter, tmp_path_factory):
+    """The N = 2 run: its folder, its output, and for each trained pass (validation left out) the per-token
+    log-probabilities of the policy and of the sampling policy and the advantages its loss compared
+    (``grpo.grpo_token_loss``'s inputs, seen from inside the run)."""
     out = tmp_path_factory.mktemp("grpo-iterations") / "run"
-    code, output = cli_invoke(*iterations_args(demo, sft_adapter, out))
+    passes, token_loss = [], grpo.grpo_token_loss
+
+    def spied_token_loss(logps, old_logps, ref_logps, advantages, **kwargs):
+        if torch.is_grad_enabled():
+            passes.append((logps.detach().clone(), old_logps.detach().clone(), advantages.detach().clone()))
+        return token_loss(logps, old_logps, ref_logps, advantages, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(grpo, "grpo_token_loss", spied_token_loss)
+        code, output = cli_invoke(*iterations_args(demo, sft_adapter, out))
     assert code == 0, output
-    return out, output
+    return out, output, passes
 
 
 SAME_COMPLETIONS = ("reward", "reward_std", "completion_length", "completions", "completion_tokens")
+
+
+def clipped_tokens(logps, old_logps, advantages, epsilon: float) -> int:
+    """The completion tokens where the clip decides at ``epsilon``: ratio above 1 + e with A > 0, below 1 - e with
+    A < 0 (TRL's count); the ratio ``exp(logp - logp_old)`` as the loss computes it, in its dtype. Positions that
+    are not completion tokens hold 0 in both log-probabilities: ratio 1, never counted."""
+    ratio, a = torch.exp(logps - old_logps), advantages.unsqueeze(1)
+    return int((((ratio > 1 + epsilon) & (a > 0)) | ((ratio < 1 - epsilon) & (a < 0))).sum())
 
 
 def test_num_iterations_trains_each_rollout_over_n_steps_and_the_clip_acts(grpo_run, iterations_run):
@@ -605,8 +626,13 @@ def test_num_iterations_trains_each_rollout_over_n_steps_and_the_clip_acts(grpo_
     weights that sampled it: ratio 1, nothing clipped); step 2 trains on step 1's completions again (the same
     rewards and lengths, no sampling time) against step 1's log-probabilities, so the updated policy's ratio
     leaves [1 - e, 1 + e] and ``clip_fraction`` is above 0, and its loss is not the N = 1 run's (which sampled
-    new completions); step 3 samples again (ratio 1) and step 4 clips again. The plan shows the option."""
-    out, output = iterations_run
+    new completions); step 3 samples again (ratio 1) and step 4 clips again. The plan shows the option.
+
+    ``--clip-epsilon 0.001`` acts: each step's logged ``clip_fraction`` is the share of its completion tokens that
+    the clip decides at e = 0.001, counted from the ratios and advantages the loss compared; at the default
+    0.2 the count on steps 2 and 4 differs (fewer tokens leave the wider band), so a run that ignored the
+    option would log another fraction."""
+    out, output, passes = iterations_run
     once, twice = logged(grpo_run[0]), logged(out)
     assert [m["step"] for m in twice] == [1, 2, 3, 4]
     assert {k: twice[0][k] for k in ("loss", *GRPO_FIGURES) if "time" not in k} == \
@@ -620,6 +646,16 @@ def test_num_iterations_trains_each_rollout_over_n_steps_and_the_clip_acts(grpo_
     plan = json.loads((out / "plan.json").read_text())["objective"]
     assert plan["options"]["num_iterations"] == 2 and plan["options"]["clip_epsilon"] == float(ITERATIONS_EPSILON)
     assert "the first of every 2 steps samples (--num-iterations 2)" in output
+    # --clip-epsilon: one trained pass a step (one micro-batch); the logged fraction is a float32 count of whole
+    # tokens (exact below 2^24) over the step's completion tokens, the same division as here: equal, not close
+    assert len(passes) == 4
+    default = json.loads((grpo_run[0] / "plan.json").read_text())["objective"]["options"]["clip_epsilon"]
+    for m, (logps, old_logps, advantages) in zip(twice, passes, strict=True):
+        named = clipped_tokens(logps, old_logps, advantages, float(ITERATIONS_EPSILON))
+        assert m["clip_fraction"] == named / m["completion_tokens"], (m, named)
+    for m, (logps, old_logps, advantages) in ((twice[k], passes[k]) for k in (1, 3)):  # 11 and 12 against 3 and 2
+        assert clipped_tokens(logps, old_logps, advantages, default) != \
+            clipped_tokens(logps, old_logps, advantages, float(ITERATIONS_EPSILON)), m
 
 
 def test_num_iterations_resumes_exactly_at_a_rollouts_end_and_samples_again_inside_one(
