@@ -817,26 +817,66 @@ def test_vlft_objectives_lists_grpo_its_options_and_the_rewards(registry):
 
 
 def test_two_processes_sample_and_train(demo, sft_adapter, tmp_path):
-    """2 data-parallel processes of 1 prompt each: each samples its own prompt's G completions (with its own
-    sampler, so not the draws of one process of 2 prompts), the completion tokens counted over both for the
-    loss; the figures are finite and per process (4 completions a step each)."""
+    """2 data-parallel processes of 1 prompt each, on a set of one demo record written 4 times: each process
+    draws its own line (records differ by place only), so both sample the same prompt, from the same weights.
+    Their completions differ (each process samples on its own random stream: with one stream for both they
+    were the same, token for token), and the logged figures count both processes' completions: each step's
+    ``completions`` and ``completion_tokens`` (per process) are the two processes' sums halved, its
+    ``completion_length`` and ``reward`` their means over all 8 completions, as the test plugin
+    ``grpo_samples`` saw each process's ``generate`` return them (the tokens counted up to the first end token,
+    the rewards scored here with the fields reward)."""
     import os
     import subprocess
 
     from helpers import vlft_command
 
-    out = tmp_path / "two"
-    args = [str(a) for a in grpo_args(demo, sft_adapter, out)]
-    for flag, value in (("--batch-size", "1"), ("--steps", "2"), ("--eval-samples", "2")):
+    record = json.loads(Path(demo.train).read_text().splitlines()[0])
+    data = Path(demo.root) / "one-record.jsonl"  # beside the demo's imgs/
+    data.write_text((json.dumps(record) + "\n") * 4)
+    out, samples = tmp_path / "two", tmp_path / "samples"
+    samples.mkdir()
+    args = [str(a) for a in grpo_args(demo, sft_adapter, out, "--eval-batches", "0")]  # no validation rollouts
+    for flag, value in (("--batch-size", "1"), ("--steps", "2"), ("--eval-samples", "0"), ("--data", str(data))):
         args[args.index(flag) + 1] = value
+    tests = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLFT_PLUGINS": "grpo_samples", "VLFT_TEST_SAMPLES": str(samples),
+           "PYTHONPATH": os.pathsep.join([tests, *filter(None, [os.environ.get("PYTHONPATH")])])}
     proc = subprocess.run([*vlft_command(), *args, "--nproc-per-node", "2"], capture_output=True, text=True,
-                          timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = logged(out)
     assert [m["step"] for m in lines] == [1, 2]
     for m in lines:
-        assert m["completions"] == 4 and all(math.isfinite(m[k]) for k in GRPO_FIGURES), m
+        assert all(math.isfinite(m[k]) for k in GRPO_FIGURES), m
     assert lines[0]["kl"] == 0 and (out / "adapter" / "adapter_model.safetensors").is_file()
+
+    ends = set(_ends())
+    fields = offered()["fields"].build(None)
+    reference = record["conversations"][-1]["value"]
+    from transformers import AutoTokenizer
+
+    from vlft.models.embedded import embedded_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(str(embedded_model_dir()))
+
+    def completion(tokens: list[int]) -> list[int]:  # up to and including the first end token
+        n = next((i + 1 for i, t in enumerate(tokens) if t in ends), len(tokens))
+        return tokens[:n]
+
+    ranks = [[json.loads(x) for x in (samples / f"rank-{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+    assert [len(r) for r in ranks] == [2, 2]  # one sampling call a step on each process
+    for m, zero, one in zip(lines, *ranks, strict=True):
+        assert zero["prompt"] == one["prompt"]  # the same record, the same weights
+        assert zero["new"] != one["new"]  # drawn apart
+        drawn = [completion(t) for t in zero["new"] + one["new"]]
+        assert len(drawn) == 8
+        texts = [t.strip() for t in tokenizer.batch_decode(drawn, skip_special_tokens=True)]
+        rewards = fields(texts, [reference] * 8)
+        tokens = sum(len(t) for t in drawn)
+        # counts are whole numbers and rewards multiples of 1/2: their sums are exact in float32, the halving and
+        # the division by 8 exact too, so each figure equals its hand value
+        assert (m["completions"], m["completion_tokens"]) == (8 / 2, tokens / 2), (m, tokens)
+        assert (m["completion_length"], m["reward"]) == (tokens / 8, sum(rewards) / 8), (m, rewards)
 
 
 def test_the_chain_sft_dpo_grpo_runs_as_three_runs(demo, tmp_path):
