@@ -832,7 +832,7 @@ def test_vlft_objectives_lists_grpo_its_options_and_the_rewards(registry):
 
 def test_two_processes_sample_and_train(demo, sft_adapter, tmp_path):
     """2 data-parallel processes of 1 prompt each, on a set of one demo record written 4 times: each process
-    draws its own line (records differ by place only), so both sample the same prompt, from the same weights.
+    takes its own lines (the data order shards them), so both sample the same prompt, from the same weights.
     Their completions differ (each process samples on its own random stream: with one stream for both they
     were the same, token for token), and the logged figures count both processes' completions: each step's
     ``completions`` and ``completion_tokens`` (per process) are the two processes' sums halved, its
@@ -843,6 +843,9 @@ def test_two_processes_sample_and_train(demo, sft_adapter, tmp_path):
     import subprocess
 
     from helpers import vlft_command
+    from transformers import AutoTokenizer
+
+    from vlft.models.embedded import embedded_model_dir
 
     record = json.loads(Path(demo.train).read_text().splitlines()[0])
     data = Path(demo.root) / "one-record.jsonl"  # beside the demo's imgs/
@@ -867,10 +870,6 @@ def test_two_processes_sample_and_train(demo, sft_adapter, tmp_path):
     ends = set(_ends())
     fields = offered()["fields"].build(None)
     reference = record["conversations"][-1]["value"]
-    from transformers import AutoTokenizer
-
-    from vlft.models.embedded import embedded_model_dir
-
     tokenizer = AutoTokenizer.from_pretrained(str(embedded_model_dir()))
 
     def completion(tokens: list[int]) -> list[int]:  # up to and including the first end token
