@@ -30,6 +30,10 @@ ROUNDS = 3
 RECORDS = 16  # 4 steps of 4: one epoch per variant and round
 BATCH = 4
 MAX_PIXELS = 224 * 224
+# the target where the head is as wide as a real one (qwen-vocab; at the tiny models' 440 rows the head saves
+# nothing and the figure is about 0.92, so no target): five runs on 2 cores (docs/bench-cpu-2cores.md) measured 1.40
+# to 2.05 and the head group's one step 2.8; a run that computed the full head anyway would be at 1
+TARGET = ">= 1.3"
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +70,8 @@ def test_head_runs(benchmark, env, head_runs_size, head_data, tmp_path, monkeypa
     benchmark.pedantic(one_round, rounds=rounds, iterations=1)
     ratio = statistics.median(a / b for a, b in zip(seen["labels"], seen["full"]))
     record(benchmark, env, head_runs_size, "head-runs",
-           {"labels-only/full-head real tokens/s in runs": figure(ratio)},
+           {"labels-only/full-head real tokens/s in runs": figure(
+               ratio, TARGET if head_runs_size.name == "qwen-vocab" else None)},
            {name: {"real_tokens_per_s": values} for name, values in seen.items()},
            notes=[f"{RECORDS} varied records (0-2 images capped at {MAX_PIXELS} px, 1-3 turns, answers 3-90 words), "
                   f"micro-batches of {BATCH}, one epoch per variant and round, {rounds} round(s); real `vlft run`s "

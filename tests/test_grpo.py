@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -34,27 +35,34 @@ def offered() -> dict:
 
 def test_group_advantages_by_hand():
     """(r - group mean) / (group std + 1e-4), the std unbiased (n - 1) as TRL's; a group of equal rewards gets
-    0 everywhere; 'none' only centres (Dr. GRPO); 'batch' divides by the whole batch's std."""
+    0 everywhere; 'none' only centres (Dr. GRPO); 'batch' divides by the whole batch's std.
+
+    Equal, not close: the rewards are multiples of 1/2, so every mean (of 4, of 8), deviation, square and sum is
+    exact in float64 in any order; what rounds (the division by n - 1, the square root, adding 1e-4, the
+    division) is one correctly rounded IEEE operation on the same operands on both sides."""
     r = [1.0, 0.0, 0.5, 0.5, 1.0, 1.0, 1.0, 1.0]
     rewards = torch.tensor(r, dtype=torch.float64)
     adv, spread = grpo.group_advantages(rewards, 4, "group")
     std = math.sqrt((0.5 ** 2 + 0.5 ** 2 + 0 + 0) / 3)
     want = [(x - 0.5) / (std + 1e-4) for x in r[:4]] + [0.0] * 4
-    assert adv.tolist() == pytest.approx(want, rel=1e-12, abs=1e-12)
-    assert spread.tolist() == pytest.approx([std] * 4 + [0.0] * 4, rel=1e-12)
+    assert adv.tolist() == want
+    assert spread.tolist() == [std] * 4 + [0.0] * 4
     adv, _ = grpo.group_advantages(rewards, 4, "none")
-    assert adv.tolist() == pytest.approx([0.5, -0.5, 0, 0, 0, 0, 0, 0], abs=1e-12)
+    assert adv.tolist() == [0.5, -0.5, 0, 0, 0, 0, 0, 0]
     mean = sum(r) / 8
     batch_std = math.sqrt(sum((x - mean) ** 2 for x in r) / 7)
     adv, _ = grpo.group_advantages(rewards, 4, "batch")
-    assert adv.tolist() == pytest.approx([(x - 0.5) / (batch_std + 1e-4) for x in r[:4]] + [0.0] * 4, rel=1e-12)
+    assert adv.tolist() == [(x - 0.5) / (batch_std + 1e-4) for x in r[:4]] + [0.0] * 4
     # groups are consecutive: the same rewards as 2 groups of 4 are not 4 groups of 2
-    assert grpo.group_advantages(rewards, 2, "none")[0].tolist() == pytest.approx([.5, -.5, 0, 0, 0, 0, 0, 0])
+    assert grpo.group_advantages(rewards, 2, "none")[0].tolist() == [.5, -.5, 0, 0, 0, 0, 0, 0]
 
 
 def test_the_token_loss_clip_and_kl_by_hand():
     """Per token: -min(ratio A, clip(ratio, 1 - e, 1 + e) A) + beta (exp(ref - logp) - (ref - logp) - 1), with
-    the tokens where the clip decides counted; checked against plain Python arithmetic."""
+    the tokens where the clip decides counted; checked against plain Python arithmetic, within what the two
+    sides' rounding allows: torch's exp and math.exp are each within 1 ulp (2^-52 relative) of the true value,
+    and each side rounds its few multiplications, additions and subtractions (at most 2^-53 of each result):
+    the KL terms at most 8 x 2^-53 (e^|d| + |d| + 1) apart, the surrogates 8 x 2^-53 |ratio A|."""
     logp = [[-1.0, -2.0, -0.5], [-0.3, -1.5, -2.5]]
     old = [[-1.5, -2.0, -0.1], [-0.3, -1.0, -3.0]]  # ratios e^0.5 (clipped for A > 0), 1, e^-0.4; 1, e^-0.5, e^0.5
     ref = [[-1.2, -1.8, -0.5], [-0.2, -1.5, -2.0]]
@@ -70,8 +78,10 @@ def test_the_token_loss_clip_and_kl_by_hand():
             surrogate = min(ratio * a, min(max(ratio, 1 - eps), 1 + eps) * a)
             d = ref[i][t] - logp[i][t]
             k = math.exp(d) - d - 1
-            assert float(per_token[i, t]) == pytest.approx(-surrogate + beta * k, rel=1e-12, abs=1e-15), (i, t)
-            assert float(kl[i, t]) == pytest.approx(k, rel=1e-12, abs=1e-15)
+            kl_rounding = 8 * 2.0 ** -53 * (math.exp(abs(d)) + abs(d) + 1)
+            rounding = 8 * 2.0 ** -53 * abs(ratio * a) + beta * kl_rounding
+            assert abs(float(per_token[i, t]) - (-surrogate + beta * k)) <= rounding, (i, t)
+            assert abs(float(kl[i, t]) - k) <= kl_rounding, (i, t)
             want_clipped = (ratio > 1 + eps and a > 0) or (ratio < 1 - eps and a < 0)
             assert bool(clipped[i, t]) == want_clipped, (i, t)
     assert clipped.tolist() == [[True, False, False], [False, True, False]]
@@ -80,7 +90,9 @@ def test_the_token_loss_clip_and_kl_by_hand():
     plain, none, _ = grpo.grpo_token_loss(torch.tensor(logp, dtype=torch.float64),
                                           torch.tensor(old, dtype=torch.float64), None,
                                           torch.tensor(adv, dtype=torch.float64), epsilon=eps, beta=beta)
-    assert none is None and torch.allclose(plain, per_token - beta * kl, rtol=0, atol=1e-15)
+    # per_token is plain + beta kl rounded once, and taking beta kl off rounds once more
+    assert none is None and bool(((plain - (per_token - beta * kl)).abs()
+                                  <= 2.0 ** -53 * (per_token.abs() + plain.abs())).all())
 
 
 def test_token_and_sequence_normalisation_by_hand():
@@ -88,8 +100,9 @@ def test_token_and_sequence_normalisation_by_hand():
     core divides); sequence: each completion's token mean, summed (the core divides by completions)."""
     per_token = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 9.0, 9.0, 9.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.float64)
-    assert float(grpo.reduce_loss(per_token, mask, "token")) == pytest.approx(1 + 2 + 3 + 4)
-    assert float(grpo.reduce_loss(per_token, mask, "sequence")) == pytest.approx((1 + 2 + 3) / 3 + 4 / 1)
+    # whole numbers and 6 / 3: exact in float64
+    assert float(grpo.reduce_loss(per_token, mask, "token")) == 1 + 2 + 3 + 4
+    assert float(grpo.reduce_loss(per_token, mask, "sequence")) == (1 + 2 + 3) / 3 + 4 / 1
 
 
 # -- rewards -------------------------------------------------------------------------------------------------
@@ -221,7 +234,7 @@ def test_a_grpo_run_from_an_sft_adapter_logs_its_figures_and_trains(grpo_run, sf
         assert all(math.isfinite(m[k]) for k in GRPO_FIGURES), m
         assert 0 <= m["reward"] <= 1 and m["reward_std"] >= 0 and m["kl"] >= 0 and m["clip_fraction"] == 0
         assert m["completions"] == 8 and 8 <= m["completion_tokens"] <= 8 * 16
-        assert m["completion_length"] == pytest.approx(m["completion_tokens"] / 8)
+        assert m["completion_length"] == m["completion_tokens"] / 8  # a whole count over 8: exact
         assert 0 < m["generation_time_s"] < m["step_time_s"]
     assert lines[0]["kl"] == 0  # the policy starts as its reference
     assert any(m["kl"] > 0 for m in lines[1:])  # and leaves it
@@ -253,32 +266,155 @@ def test_a_grpo_run_from_an_sft_adapter_logs_its_figures_and_trains(grpo_run, sf
 ZERO_LOSS_ATOL = (16 + 8 + 4 + 2) * 2.0 ** -24
 
 
-def test_sequence_norm_unscaled_rewards_top_p_and_clip_options_reach_the_run(demo, sft_adapter, tmp_path):
-    """``--grpo-norm sequence --scale-rewards none --beta 0`` (with ``--top-p 0.9 --clip-epsilon 0.1``): the plan
-    holds each option, and every logged loss is 0 while the adapter still moves. That is what these options
-    promise together: each completion is one batch's pass over its own sampling (ratio 1), unscaled advantages
-    ``r - mean`` sum to 0 in each group, and the per-sequence mean weighs each completion once, so the loss (not
-    its gradient, ``A * grad log p``) vanishes; under the default token normalisation longer completions weigh
-    more and it does not (the first test's run)."""
+class SamplingSpy:
+    """What a run's GRPO sampled and trained on, seen from inside the run (in this process, ``cli_invoke``):
+    each sampling ``generate`` call's raw logits, sequences and prompt length (asked of the real ``generate``
+    with ``output_logits``, which changes nothing it samples; the validation's calls too), and each trained
+    batch's rewards as the reward functions scored them (``grpo.score``) and the advantages its loss received
+    (``grpo.grpo_loss``), the validation's (run without gradients) left out."""
+
+    def __init__(self, monkeypatch):
+        from transformers.generation.utils import GenerationMixin
+
+        self.calls, self.rewards, self.advantages = [], [], []
+        generate, score, loss = GenerationMixin.generate, grpo.score, grpo.grpo_loss
+
+        def spied_generate(model, *args, **kwargs):
+            if not kwargs.get("do_sample"):
+                return generate(model, *args, **kwargs)
+            out = generate(model, *args, **kwargs, output_logits=True, return_dict_in_generate=True)
+            self.calls.append({"logits": torch.stack(out.logits, 1), "sequences": out.sequences,
+                               "length": kwargs["input_ids"].shape[1], "suppressed": kwargs.get("suppress_tokens")})
+            return out.sequences
+
+        def spied_score(*args, **kwargs):
+            totals, parts = score(*args, **kwargs)
+            if torch.is_grad_enabled():
+                self.rewards.append(list(totals))
+            return totals, parts
+
+        def spied_loss(model, batch, *args, **kwargs):
+            if torch.is_grad_enabled():
+                extra = batch[grpo.GRPO]
+                self.advantages.append((extra["advantages"].detach().clone(), extra["groups"]))
+            return loss(model, batch, *args, **kwargs)
+
+        monkeypatch.setattr(GenerationMixin, "generate", spied_generate)
+        monkeypatch.setattr(grpo, "score", spied_score)
+        monkeypatch.setattr(grpo, "grpo_loss", spied_loss)
+
+
+def nucleus_positions(call: dict, temperature: float, top_p: float) -> tuple[list[float], float, float]:
+    """For each sampled completion token of a ``SamplingSpy`` call (up to its end token), the probability mass of
+    the tokens more probable than it under the sampling distribution (the logits over the temperature, the
+    suppressed tokens out), in float64: top-p keeps the smallest set of most probable tokens whose mass reaches
+    p, so a token is in it exactly when the mass above it is below p. Also the mass outside the ``top_p`` nucleus
+    summed over those positions (how many tokens a draw from the whole distribution would put outside it, on
+    average), and the rounding generate's own float32 top-p decision may differ from ours by: it divides each
+    float32 logit z by T in float32 (a move of at most 2^-24 |z| / T, which moves a probability by at most
+    twice that, relatively), takes the softmax (a few roundings of 2^-24 each) and sums the V sorted
+    probabilities (V roundings of at most 2^-24 of a sum <= 1): at most (2 max|z| / T + V + 4) 2^-24 in all."""
+    logits = call["logits"].double() / temperature  # [rows, steps, V]
+    if call["suppressed"]:
+        logits[..., list(call["suppressed"])] = float("-inf")
+    probs = torch.softmax(logits, -1)
+    new = call["sequences"][:, call["length"]:]
+    ends = set(_ends())
+    above, outside = [], 0.0
+    for row in range(new.shape[0]):
+        for t, token in enumerate(new[row].tolist()):
+            p = probs[row, t]
+            above.append(float(p[p > p[token]].sum()))
+            ranked = p.sort(descending=True).values
+            outside += float(ranked[(ranked.cumsum(0) - ranked) >= top_p].sum())
+            if token in ends:
+                break
+    finite = call["logits"][torch.isfinite(call["logits"])]
+    vocab = call["logits"].shape[-1]
+    return above, outside, (2 * float(finite.abs().max()) / temperature + vocab + 4) * 2.0 ** -24
+
+
+def _ends() -> list[int]:
+    """The embedded tokenizer's end tokens: its eos and pad ids (generate pads finished rows with pad)."""
+    from transformers import AutoTokenizer
+
+    from vlft.models.embedded import embedded_model_dir
+
+    tok = AutoTokenizer.from_pretrained(str(embedded_model_dir()))
+    return [i for i in (tok.eos_token_id, tok.pad_token_id) if i is not None]
+
+
+SEQUENCE_TOP_P = 0.9
+
+
+def test_sequence_norm_unscaled_rewards_top_p_and_clip_options_reach_the_run(demo, sft_adapter, tmp_path,
+                                                                          monkeypatch):
+    """``--grpo-norm sequence --scale-rewards none --beta 0 --top-p 0.9 --clip-epsilon 0.1``, each seen to act:
+
+    - ``--top-p 0.9``: every sampled token lies in the 0.9 nucleus of the sampling distribution (the probability
+      mass of the tokens more probable than it is below 0.9), read from the raw logits generate computed; the
+      nucleus leaves out enough that drawn from the whole distribution (top-p ignored) some would fall outside;
+    - ``--scale-rewards none``: the advantages the loss receives are ``r - mean`` of each group's rewards (those
+      the reward scored, whose mean is the logged ``reward``), not the default's ``(r - mean) / (std + 1e-4)``;
+    - ``--grpo-norm sequence`` with unscaled advantages and ``--beta 0``: each completion is one batch's pass over
+      its own sampling (ratio 1), ``r - mean`` sums to 0 in each group and the per-sequence mean weighs each
+      completion once, so every logged loss is 0 (not its gradient, ``A * grad log p``: the adapter moves); under
+      the default token normalisation longer completions weigh more and it is not (the first test's run);
+    - ``--clip-epsilon 0.1``: in the plan; at ratio 1 nothing is clipped whatever the epsilon (``clip_fraction``
+      0): the clip's effect is asserted where the ratio leaves 1,
+      ``test_num_iterations_trains_each_rollout_over_n_steps_and_the_clip_acts``."""
     out = tmp_path / "sequence"
-    args = grpo_args(demo, sft_adapter, out, "--top-p", "0.9", "--clip-epsilon", "0.1", "--scale-rewards", "none",
-                     "--grpo-norm", "sequence", "--beta", "0")
+    args = grpo_args(demo, sft_adapter, out, "--top-p", str(SEQUENCE_TOP_P), "--clip-epsilon", "0.1",
+                     "--scale-rewards", "none", "--grpo-norm", "sequence", "--beta", "0")
     for flag, value in (("--steps", "2"), ("--save-every", "0"), ("--eval-samples", "0")):
         args[args.index(flag) + 1] = value
+    spy = SamplingSpy(monkeypatch)
     code, output = cli_invoke(*args)
     assert code == 0, output
+    monkeypatch.undo()
     plan = json.loads((out / "plan.json").read_text())["objective"]["options"]
     assert (plan["top_p"], plan["clip_epsilon"], plan["scale_rewards"], plan["norm"], plan["beta"]) == (
-        0.9, 0.1, "none", "sequence", 0.0)
+        SEQUENCE_TOP_P, 0.1, "none", "sequence", 0.0)
     lines = logged(out)
     assert [m["step"] for m in lines] == [1, 2]
     assert any(m["reward_std"] > 0 for m in lines)  # advantages not all 0: the zero below is not trivial
     for m in lines:
         assert m["loss"] == pytest.approx(0.0, abs=ZERO_LOSS_ATOL), m
+        assert m["clip_fraction"] == 0, m
     from safetensors.torch import load_file
 
     start, trained = (load_file(str(p / "adapter" / "adapter_model.safetensors")) for p in (sft_adapter, out))
     assert any(not torch.equal(start[k], trained[k]) for k in start)
+
+    # --top-p: every sampled token inside the nucleus
+    assert spy.calls
+    outside = 0.0
+    temperature = float(args[args.index("--temperature") + 1])
+    for call in spy.calls:
+        above, out_of_nucleus, rounding = nucleus_positions(call, temperature, SEQUENCE_TOP_P)
+        assert max(above) < SEQUENCE_TOP_P + rounding, (max(above), rounding)
+        outside += out_of_nucleus
+    # and the check can fail: drawn from the whole distribution (top-p ignored), position i would fall outside
+    # the nucleus with probability m_i, its mass outside; none would with probability prod(1 - m_i) <=
+    # exp(-sum m_i) < e^-10 (the sum was 29.7 when written)
+    assert outside > 10, outside
+
+    # --scale-rewards none: each trained batch's advantages, by hand from its rewards
+    assert len(spy.rewards) == len(spy.advantages) == 2  # one micro-batch a step
+    spread = []
+    for m, rewards, (advantages, g) in zip(lines, spy.rewards, spy.advantages, strict=True):
+        assert m["reward"] == sum(rewards) / len(rewards)  # the rewards the run logged
+        groups = [rewards[i:i + g] for i in range(0, len(rewards), g)]  # prompt-major, as scored
+        unscaled = [[r - sum(grp) / g for r in grp] for grp in groups]
+        got = advantages.reshape(g, -1).T.tolist()  # the loss's rows are group-major
+        # rewards are multiples of 1/2 (the fields reward of 2 fields) and a group's mean a multiple of 1/8:
+        # exact in float32, so the advantages are equal, not close
+        assert got == unscaled, (got, rewards)
+        spread += [grp for grp in groups if statistics.stdev(grp) > 0]
+    assert spread  # where a group's rewards differ, the default would have divided by their std, != 1
+    for grp in spread:
+        mean, std = statistics.mean(grp), statistics.stdev(grp)
+        assert [(r - mean) / (std + grpo.EPS) for r in grp] != [r - mean for r in grp]
 
 
 def test_a_step_moves_the_policy_toward_the_better_completions(demo, sft_adapter, registry, tmp_path):
@@ -395,7 +531,9 @@ def test_the_trained_log_probabilities_are_those_of_the_sampling_distribution(de
 def test_killed_and_resumed_it_draws_the_same_completions(grpo_run, demo, sft_adapter, tmp_path, monkeypatch):
     """Stopped during step 3 (after the step-2 checkpoint) and resumed: the sampler's state comes back with the
     checkpoint, so steps 3 and 4 draw and score the same completions and give the same losses; the reference is
-    still the SFT adapter (kept in the checkpoint)."""
+    still the SFT adapter (kept in the checkpoint). Equal, not close: the checkpoint holds the adapter, the
+    optimizer and the generators bit for bit, and this process computes the same operations on the same
+    threads (as the N = 2 run's resume test asserts of every figure)."""
     again = tmp_path / "again"
     die_at_step(monkeypatch, 3)
     code, _ = cli_invoke(*grpo_args(demo, sft_adapter, again))
@@ -405,7 +543,7 @@ def test_killed_and_resumed_it_draws_the_same_completions(grpo_run, demo, sft_ad
     assert code == 0, output
     for a, b in zip(logged(grpo_run[0]), logged(again), strict=True):
         for key in ("loss", "reward", "kl", "completion_tokens"):
-            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (key, a, b)
+            assert b[key] == a[key], (key, a, b)
 
 
 # -- --num-iterations: each rollout trained on over N steps ------------------------------------------------------
@@ -468,13 +606,33 @@ ITERATIONS_EPSILON = "0.001"
 
 @pytest.fixture(scope="session")
 def iterations_run(demo, sft_adapter, tmp_path_factory):
+    """The N = 2 run: its folder, its output, and for each trained pass (validation left out) the per-token
+    log-probabilities of the policy and of the sampling policy and the advantages its loss compared
+    (``grpo.grpo_token_loss``'s inputs, seen from inside the run)."""
     out = tmp_path_factory.mktemp("grpo-iterations") / "run"
-    code, output = cli_invoke(*iterations_args(demo, sft_adapter, out))
+    passes, token_loss = [], grpo.grpo_token_loss
+
+    def spied_token_loss(logps, old_logps, ref_logps, advantages, **kwargs):
+        if torch.is_grad_enabled():
+            passes.append((logps.detach().clone(), old_logps.detach().clone(), advantages.detach().clone()))
+        return token_loss(logps, old_logps, ref_logps, advantages, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(grpo, "grpo_token_loss", spied_token_loss)
+        code, output = cli_invoke(*iterations_args(demo, sft_adapter, out))
     assert code == 0, output
-    return out, output
+    return out, output, passes
 
 
 SAME_COMPLETIONS = ("reward", "reward_std", "completion_length", "completions", "completion_tokens")
+
+
+def clipped_tokens(logps, old_logps, advantages, epsilon: float) -> int:
+    """The completion tokens where the clip decides at ``epsilon``: ratio above 1 + e with A > 0, below 1 - e with
+    A < 0 (TRL's count); the ratio ``exp(logp - logp_old)`` as the loss computes it, in its dtype. Positions that
+    are not completion tokens hold 0 in both log-probabilities: ratio 1, never counted."""
+    ratio, a = torch.exp(logps - old_logps), advantages.unsqueeze(1)
+    return int((((ratio > 1 + epsilon) & (a > 0)) | ((ratio < 1 - epsilon) & (a < 0))).sum())
 
 
 def test_num_iterations_trains_each_rollout_over_n_steps_and_the_clip_acts(grpo_run, iterations_run):
@@ -482,8 +640,13 @@ def test_num_iterations_trains_each_rollout_over_n_steps_and_the_clip_acts(grpo_
     weights that sampled it: ratio 1, nothing clipped); step 2 trains on step 1's completions again (the same
     rewards and lengths, no sampling time) against step 1's log-probabilities, so the updated policy's ratio
     leaves [1 - e, 1 + e] and ``clip_fraction`` is above 0, and its loss is not the N = 1 run's (which sampled
-    new completions); step 3 samples again (ratio 1) and step 4 clips again. The plan shows the option."""
-    out, output = iterations_run
+    new completions); step 3 samples again (ratio 1) and step 4 clips again. The plan shows the option.
+
+    ``--clip-epsilon 0.001`` acts: each step's logged ``clip_fraction`` is the share of its completion tokens that
+    the clip decides at e = 0.001, counted from the ratios and advantages the loss compared; at the default
+    0.2 the count on steps 2 and 4 differs (fewer tokens leave the wider band), so a run that ignored the
+    option would log another fraction."""
+    out, output, passes = iterations_run
     once, twice = logged(grpo_run[0]), logged(out)
     assert [m["step"] for m in twice] == [1, 2, 3, 4]
     assert {k: twice[0][k] for k in ("loss", *GRPO_FIGURES) if "time" not in k} == \
@@ -497,6 +660,16 @@ def test_num_iterations_trains_each_rollout_over_n_steps_and_the_clip_acts(grpo_
     plan = json.loads((out / "plan.json").read_text())["objective"]
     assert plan["options"]["num_iterations"] == 2 and plan["options"]["clip_epsilon"] == float(ITERATIONS_EPSILON)
     assert "the first of every 2 steps samples (--num-iterations 2)" in output
+    # --clip-epsilon: one trained pass a step (one micro-batch); the logged fraction is a float32 count of whole
+    # tokens (exact below 2^24) over the step's completion tokens, the same division as here: equal, not close
+    assert len(passes) == 4
+    default = json.loads((grpo_run[0] / "plan.json").read_text())["objective"]["options"]["clip_epsilon"]
+    for m, (logps, old_logps, advantages) in zip(twice, passes, strict=True):
+        named = clipped_tokens(logps, old_logps, advantages, float(ITERATIONS_EPSILON))
+        assert m["clip_fraction"] == named / m["completion_tokens"], (m, named)
+    for m, (logps, old_logps, advantages) in ((twice[k], passes[k]) for k in (1, 3)):  # 11 and 12 against 3 and 2
+        assert clipped_tokens(logps, old_logps, advantages, default) != \
+            clipped_tokens(logps, old_logps, advantages, float(ITERATIONS_EPSILON)), m
 
 
 def test_num_iterations_resumes_exactly_at_a_rollouts_end_and_samples_again_inside_one(
@@ -658,26 +831,65 @@ def test_vlft_objectives_lists_grpo_its_options_and_the_rewards(registry):
 
 
 def test_two_processes_sample_and_train(demo, sft_adapter, tmp_path):
-    """2 data-parallel processes of 1 prompt each: each samples its own prompt's G completions (with its own
-    sampler, so not the draws of one process of 2 prompts), the completion tokens counted over both for the
-    loss; the figures are finite and per process (4 completions a step each)."""
+    """2 data-parallel processes of 1 prompt each, on a set of one demo record written 4 times: each process
+    takes its own lines (the data order shards them), so both sample the same prompt, from the same weights.
+    Their completions differ (each process samples on its own random stream: with one stream for both they
+    were the same, token for token), and the logged figures count both processes' completions: each step's
+    ``completions`` and ``completion_tokens`` (per process) are the two processes' sums halved, its
+    ``completion_length`` and ``reward`` their means over all 8 completions, as the test plugin
+    ``grpo_samples`` saw each process's ``generate`` return them (the tokens counted up to the first end token,
+    the rewards scored here with the fields reward)."""
     import os
     import subprocess
 
     from helpers import vlft_command
+    from transformers import AutoTokenizer
 
-    out = tmp_path / "two"
-    args = [str(a) for a in grpo_args(demo, sft_adapter, out)]
-    for flag, value in (("--batch-size", "1"), ("--steps", "2"), ("--eval-samples", "2")):
+    from vlft.models.embedded import embedded_model_dir
+
+    record = json.loads(Path(demo.train).read_text().splitlines()[0])
+    data = Path(demo.root) / "one-record.jsonl"  # beside the demo's imgs/
+    data.write_text((json.dumps(record) + "\n") * 4)
+    out, samples = tmp_path / "two", tmp_path / "samples"
+    samples.mkdir()
+    args = [str(a) for a in grpo_args(demo, sft_adapter, out, "--eval-batches", "0")]  # no validation rollouts
+    for flag, value in (("--batch-size", "1"), ("--steps", "2"), ("--eval-samples", "0"), ("--data", str(data))):
         args[args.index(flag) + 1] = value
+    tests = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLFT_PLUGINS": "grpo_samples", "VLFT_TEST_SAMPLES": str(samples),
+           "PYTHONPATH": os.pathsep.join([tests, *filter(None, [os.environ.get("PYTHONPATH")])])}
     proc = subprocess.run([*vlft_command(), *args, "--nproc-per-node", "2"], capture_output=True, text=True,
-                          timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = logged(out)
     assert [m["step"] for m in lines] == [1, 2]
     for m in lines:
-        assert m["completions"] == 4 and all(math.isfinite(m[k]) for k in GRPO_FIGURES), m
+        assert all(math.isfinite(m[k]) for k in GRPO_FIGURES), m
     assert lines[0]["kl"] == 0 and (out / "adapter" / "adapter_model.safetensors").is_file()
+
+    ends = set(_ends())
+    fields = offered()["fields"].build(None)
+    reference = record["conversations"][-1]["value"]
+    tokenizer = AutoTokenizer.from_pretrained(str(embedded_model_dir()))
+
+    def completion(tokens: list[int]) -> list[int]:  # up to and including the first end token
+        n = next((i + 1 for i, t in enumerate(tokens) if t in ends), len(tokens))
+        return tokens[:n]
+
+    ranks = [[json.loads(x) for x in (samples / f"rank-{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+    assert [len(r) for r in ranks] == [2, 2]  # one sampling call a step on each process
+    for m, zero, one in zip(lines, *ranks, strict=True):
+        assert zero["prompt"] == one["prompt"]  # the same record, the same weights
+        assert zero["new"] != one["new"]  # drawn apart
+        drawn = [completion(t) for t in zero["new"] + one["new"]]
+        assert len(drawn) == 8
+        texts = [t.strip() for t in tokenizer.batch_decode(drawn, skip_special_tokens=True)]
+        rewards = fields(texts, [reference] * 8)
+        tokens = sum(len(t) for t in drawn)
+        # counts are whole numbers and rewards multiples of 1/2: their sums are exact in float32, the halving and
+        # the division by 8 exact too, so each figure equals its hand value
+        assert (m["completions"], m["completion_tokens"]) == (8 / 2, tokens / 2), (m, tokens)
+        assert (m["completion_length"], m["reward"]) == (tokens / 8, sum(rewards) / 8), (m, rewards)
 
 
 def test_the_chain_sft_dpo_grpo_runs_as_three_runs(demo, tmp_path):

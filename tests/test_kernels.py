@@ -111,6 +111,19 @@ def _asks_for_the_backends_own_attention(offers, policy) -> dict[str, list[str]]
             for k in offers.values() if k.available and k.attention}
 
 
+def removed_flash_attn_vision(config) -> KernelPatch:
+    """CUDA's ``flash-attn-vision`` as it was before its removal (898eef2): flash-attention 2 for the vision
+    tower, offered where flash-attn imports, the GPU is 8.0 or newer (or none is visible) and the precision is
+    not fp32, read through the plugin's own probes (``cuda_offers`` sets what they answer)."""
+    from vlft_cuda.probing import BF16_CAPABILITY, capability, flash_attn_status
+
+    cap = capability(config)
+    available = flash_attn_status()[0] and (cap is None or cap >= BF16_CAPABILITY) and config.precision != "fp32"
+    return KernelPatch(name="removed-flash-attn-vision", replaces="sdpa in the vision tower", why="FA2 varlen",
+                       condition="flash-attn, capability >= 8.0, fp16/bf16", available=available,
+                       attention={"vision": "flash_attention_2"}, backend="cuda")
+
+
 @pytest.mark.parametrize("fa, cap, precision", [((True, "flash-attn 2.7.4"), (9, 0), "auto"),
                                                 ((True, "flash-attn 2.7.4"), None, "auto"),
                                                 ((False, "the flash-attn package is not installed"), (9, 0), "auto"),
@@ -118,10 +131,20 @@ def _asks_for_the_backends_own_attention(offers, policy) -> dict[str, list[str]]
                                                 ((True, "flash-attn 2.7.4"), (9, 0), "fp32")])
 def test_no_cuda_attention_patch_asks_for_what_the_backend_already_loads(monkeypatch, fa, cap, precision):
     """An attention patch must differ from the backend's own choice wherever it is offered (the removed
-    flash-attn-vision asked for flash-attention 2 exactly where the backend already loads it)."""
+    flash-attn-vision asked for flash-attention 2 exactly where the backend already loads it).
+
+    CUDA offers no attention patch today, so the check runs over what it offers and over that removed patch,
+    planted beside them: exactly the planted one is flagged, wherever it would be offered (2 of these 5
+    conditions), and nothing where it would not. A CUDA patch that asks for what the backend loads (the removed
+    one put back, say) fails it, and so does a check that no longer sees the clash."""
     offers = cuda_offers(monkeypatch, fa=fa, cap=cap, precision=precision)
-    policy = vlft_cuda.vlft_attention_implementation("cuda", RunConfig(backend="cuda", precision=precision), None)
-    assert {n: towers for n, towers in _asks_for_the_backends_own_attention(offers, policy).items() if towers} == {}
+    config = RunConfig(backend="cuda", precision=precision)
+    planted = removed_flash_attn_vision(config)
+    policy = vlft_cuda.vlft_attention_implementation("cuda", config, None)
+    asked = _asks_for_the_backends_own_attention({**offers, planted.name: planted}, policy)
+    assert {n for n, towers in asked.items() if towers} == ({planted.name} if planted.available else set())
+    if planted.available:
+        assert asked[planted.name] == ["vision"]
 
 
 def test_no_ascend_attention_patch_asks_for_what_the_backend_already_loads(stand_in):

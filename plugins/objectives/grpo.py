@@ -4,13 +4,15 @@ their rewards.
 Each step (with ``--num-iterations N``, the first of every N), for every prompt of its micro-batches, G completions
 are sampled from the policy (the adapted model, in evaluation mode, without gradients, with the KV cache;
 ``--num-generations``, ``--temperature``, ``--top-p``, ``--max-new-tokens``; image and video tokens suppressed),
-all prompts of a micro-batch in one ``generate`` call. Every log-probability below (policy, old policy, reference)
-is taken under that sampling distribution: the logits divided by the temperature, the suppressed tokens out of the
-softmax (``token_logps``); dropout is off in every pass (``Objective.dropout``). Each completion is scored by the
-reward functions (``--reward``: the rewards add up) against its record's reference, the last assistant reply of an
-ordinary SFT record. The advantage of a completion is its reward against its group's:
-``A = (r - mean_group) / (std_group + 1e-4)`` (``--scale-rewards group``; ``batch``: the batch's std; ``none``:
-no division, Dr. GRPO). Per completion token, with ``ratio = exp(logp - logp_old)``:
+all prompts of a micro-batch in one ``generate`` call, each data-parallel process on a random stream of its
+own (``process_stream``: two processes given the same prompt draw different completions). Every log-probability
+below (policy, old policy, reference) is taken under that sampling distribution: the logits divided by the
+temperature, the suppressed tokens out of the softmax (``token_logps``); dropout is off in every pass
+(``Objective.dropout``). Each completion is scored by the reward functions (``--reward``: the rewards add up)
+against its record's reference, the last assistant reply of an ordinary SFT record. The advantage of a
+completion is its reward against its group's: ``A = (r - mean_group) / (std_group + 1e-4)`` (``--scale-rewards
+group``; ``batch``: the batch's std; ``none``: no division, Dr. GRPO). Per completion token, with
+``ratio = exp(logp - logp_old)``:
 
     loss_t = -min(ratio A, clip(ratio, 1 - e, 1 + e) A) + beta KL_t,   KL_t = exp(ref - logp) - (ref - logp) - 1
 
@@ -56,6 +58,7 @@ import math
 import os
 import sys
 import time
+from contextlib import contextmanager
 from functools import partial
 
 from vlft import ConfigError, Objective, ObjectiveInfo, VlftError, hookimpl
@@ -357,7 +360,7 @@ class Rollout:
         was_training = net.training
         net.eval()  # no dropout while sampling (nor in the trained pass: Objective.dropout)
         try:
-            with torch.no_grad(), autocast:
+            with torch.no_grad(), autocast, process_stream(device):
                 sampled = [self._sample(net, b, device) for b in host_batches]
         finally:
             net.train(was_training)
@@ -436,6 +439,38 @@ class Rollout:
                    "reward_time_s": torch.tensor(reward_s, device=rewards.device)}
         batch[GRPO] = {"advantages": group_major(advantages), "groups": g, "figures": figures}
         return batch, (n_tokens if self.norm == "token" else b * g)
+
+
+@contextmanager
+def process_stream(device):
+    """Sampling on this process's own random stream. Every process seeds the run's generators alike
+    (``--seed``), so two data-parallel processes would draw with the same random numbers (two given the same
+    prompt would sample the same completions; TRL's GRPOTrainer seeds each device apart for the same reason).
+    Rank 0 (and a single process) samples on the run's generators, as it always has; every other process on
+    generators seeded with one number drawn from the run's CPU generator plus its rank, the run's generators
+    put back after. Only rank 0's generator state is checkpointed: resumed, rank 0 draws what it drew
+    uninterrupted, the others draw afresh (their generators followed their own completions' lengths before
+    too)."""
+    import torch
+
+    dist = torch.distributed
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if rank == 0:
+        yield
+        return
+    seed = int(torch.randint(0, 2 ** 62, (1,))) + rank
+    module = None if device.type == "cpu" else torch.get_device_module(device.type)
+    cpu_state = torch.get_rng_state()
+    device_state = module.get_rng_state() if module is not None else None
+    try:
+        torch.manual_seed(seed)
+        if module is not None:
+            module.manual_seed(seed)
+        yield
+    finally:
+        torch.set_rng_state(cpu_state)
+        if module is not None:
+            module.set_rng_state(device_state)
 
 
 def _eos_ids(tokenizer) -> list[int]:
