@@ -18,6 +18,7 @@ import transformers
 from helpers import cli_invoke
 
 import vlft.models.loading
+import vlft.registry
 import vlft.training.loop
 from vlft.models.patching import KERNEL, patch_states
 
@@ -29,6 +30,7 @@ def kernel_plugin(monkeypatch):
     import kernel_patch_plugin
 
     monkeypatch.setenv("VLFT_PLUGINS", "kernel_patch_plugin")
+    monkeypatch.setattr(vlft.registry, "_default", None)  # the CLI's registry is loaded anew, with the plugin
     kernel_patch_plugin.OP_CALLS[0] = 0
     return kernel_patch_plugin
 
