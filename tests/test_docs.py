@@ -174,6 +174,140 @@ def test_the_readme_lists_every_hook():
     assert not problems, "\n".join(problems)
 
 
+# -- the README fits on a few screens, and every relative link of the docs resolves -------------------------
+
+README_MAX_LINES = 300
+DOCS = ROOT / "docs"
+
+
+def readme_length_problems(text: str, limit: int = README_MAX_LINES) -> list[str]:
+    """The README stays an overview: under ``limit`` lines, the detail in the guides under docs/."""
+    lines = len(text.splitlines())
+    return [f"README.md has {lines} lines; keep it under {limit} (move the detail to a guide in docs/)"] \
+        if lines >= limit else []
+
+
+def test_the_readme_fits_on_a_few_screens():
+    problems = readme_length_problems(README.read_text(encoding="utf-8"))
+    assert not problems, "\n".join(problems)
+
+
+INLINE_LINK = re.compile(r"!?\[(?:[^\]\\]|\\.)*\]\(\s*<?([^)\s>]*)>?(?:\s+\"[^\"]*\")?\s*\)")
+REFERENCE_LINK = re.compile(r"^ {0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+.*)?$")
+CODE_SPAN = re.compile(r"(`+).+?\1")
+HEADING_LINE = re.compile(r"^ {0,3}#{1,6}\s+(.*?)\s*#*\s*$")
+SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:|^//")
+
+
+def prose_lines(text: str, code_spans: bool = False):
+    """(line number, line) outside fenced code blocks, with inline code spans taken out unless ``code_spans``."""
+    fence = None
+    for number, line in enumerate(text.splitlines(), 1):
+        stripped = line.lstrip()
+        if fence is None and stripped.startswith(("```", "~~~")):
+            fence = stripped[:3]
+        elif fence is not None and stripped.startswith(fence):
+            fence = None
+        elif fence is None:
+            yield number, line if code_spans else CODE_SPAN.sub("", line)
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    anchors, seen = set(), {}
+    for _, line in prose_lines(text, code_spans=True):
+        if m := HEADING_LINE.match(line):
+            title = INLINE_LINK.sub(lambda link: link.group(0)[1:link.group(0).index("]")], m.group(1))
+            title = title.replace("`", "")
+            slug = re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+            anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+            seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def link_problems(text: str, path: Path) -> list[str]:
+    """Every relative link of the markdown file ``path`` (its text: ``text``) names a file or folder that
+    exists, and a heading of the page where it names one (``page.md#heading``, ``#heading``)."""
+    problems = []
+    for number, line in prose_lines(text):
+        targets = INLINE_LINK.findall(line) + ([m.group(1)] if (m := REFERENCE_LINK.match(line)) else [])
+        for target in targets:
+            if not target or SCHEME.match(target):
+                continue
+            file, _, anchor = target.partition("#")
+            linked = (path.parent / file).resolve() if file else path
+            where = f"{rel(path)}:{number}"
+            if not linked.exists():
+                problems.append(f"{where}: the link ({target}) names {rel(linked)}, which does not exist")
+            elif anchor and linked.suffix == ".md" and anchor not in heading_anchors(
+                    linked.read_text(encoding="utf-8")):
+                problems.append(f"{where}: the link ({target}) names a heading {rel(linked)} does not have")
+    return problems
+
+
+def markdown_files() -> list[Path]:
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
+def test_every_relative_link_in_the_readme_and_the_guides_resolves():
+    problems = [p for path in markdown_files() for p in link_problems(path.read_text(encoding="utf-8"), path)]
+    assert not problems, "\n".join(problems)
+
+
+# -- docs/options.md: the flags and defaults of `vlft run` ----------------------------------------------------
+
+OPTIONS_DOC = DOCS / "options.md"
+FLAG = re.compile(r"--[a-z][a-z0-9-]*")
+NO_DEFAULT = object()
+
+
+def run_flags() -> dict[str, object]:
+    """Every flag of `vlft run`, with its default where a RunConfig field holds it (NO_DEFAULT otherwise)."""
+    import dataclasses
+
+    from vlft.builtin.commands import run
+    from vlft.config import user_fields
+
+    defaults = {f.metadata.get("cli", "--" + f.name.replace("_", "-")): f.default for f in user_fields()
+                if f.default is not dataclasses.MISSING}
+    return {opt: defaults.get(opt, NO_DEFAULT) for param in run.params
+            for opt in [*param.opts, *param.secondary_opts] if opt.startswith("--")}
+
+
+def options_problems(text: str, flags: dict[str, object], where: str = "docs/options.md") -> list[str]:
+    """Each row of the options table names flags `vlft run` has. A default cell that writes a value in backticks
+    gives one value per flag of its row (in order, comma-separated), and each value in backticks is that
+    flag's default (a flag in backticks, `--lr`, says the default is that flag's value)."""
+    problems = []
+    for line in text.splitlines():
+        if not line.startswith("| `--"):
+            continue
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+        named = FLAG.findall(cells[0])
+        problems += [f"{where}: the row of {cells[0]} names {flag}, which `vlft run` does not have"
+                     for flag in named if flag not in flags]
+        values = [v.strip() for v in cells[1].split(", ")]
+        if "`" not in cells[1]:
+            continue
+        if len(values) != len(named):
+            problems.append(f"{where}: the row of {cells[0]} gives {len(values)} default(s) for "
+                            f"{len(named)} flag(s); give one per flag, in order")
+            continue
+        for flag, value in zip(named, values):
+            if re.fullmatch(r"`[^`-][^`]*`", value) and flags.get(flag, NO_DEFAULT) is not NO_DEFAULT \
+                    and value.strip("`") != str(flags[flag]):
+                problems.append(f"{where}: says {flag} defaults to {value}; `vlft run` defaults it to "
+                                f"{flags[flag]!r}")
+    return problems
+
+
+def test_the_options_guide_names_the_flags_and_defaults_of_vlft_run():
+    text = OPTIONS_DOC.read_text(encoding="utf-8")
+    assert text.count("| `--") >= 20  # the table is there and read
+    problems = options_problems(text, run_flags())
+    assert not problems, "\n".join(problems)
+
+
 # -- the core names no vendor -------------------------------------------------------------------------------
 #
 # The rule: split every identifier (variable, attribute, argument, function, class, import) into words
@@ -294,6 +428,45 @@ def test_a_hook_missing_from_the_readme_is_reported():
     assert readme_problems(spec_functions(), readme.replace("`vlft_seed`", "`vlft_sed`")) == [
         "README.md, section Plugins: does not list `vlft_seed`",
         "README.md, section Plugins: lists `vlft_sed`, which vlft/hookspecs.py does not define"]
+
+
+def test_a_readme_grown_past_a_few_screens_is_reported():
+    assert readme_length_problems("line\n" * 299) == []
+    assert readme_length_problems("line\n" * 300) == [
+        "README.md has 300 lines; keep it under 300 (move the detail to a guide in docs/)"]
+
+
+def test_a_dead_link_or_a_missing_heading_is_reported():
+    readme = README.read_text(encoding="utf-8")
+    assert link_problems(readme, README) == []
+    broken = readme + ("\nSee [the guide](docs/no-such-guide.md), [packing](docs/packing.md#no-such-heading),"
+                       " [this page](#nowhere) and [a folder](examples/no-such-plugin).\n")
+    where = f"README.md:{len(broken.splitlines())}"
+    assert link_problems(broken, README) == [
+        f"{where}: the link (docs/no-such-guide.md) names docs/no-such-guide.md, which does not exist",
+        f"{where}: the link (docs/packing.md#no-such-heading) names a heading docs/packing.md does not have",
+        f"{where}: the link (#nowhere) names a heading README.md does not have",
+        f"{where}: the link (examples/no-such-plugin) names examples/no-such-plugin, which does not exist"]
+    # links in code, to other sites and to a heading that exists are fine
+    fine = ("`[a](gone.md)`\n```\n[b](gone.md)\n```\n[c](https://example.org/x.md) [d](mailto:a@b.c)\n"
+            "[e](docs/packing.md#how-it-works) [f](#plugins) [g]: docs/data.md\n")
+    assert link_problems(readme + fine, README) == []
+    assert link_problems("[h]: docs/gone.md\n", README) == [
+        "README.md:1: the link (docs/gone.md) names docs/gone.md, which does not exist"]
+
+
+def test_the_options_rule_catches_a_renamed_flag_and_a_wrong_default():
+    text = OPTIONS_DOC.read_text(encoding="utf-8")
+    assert "| `--shard` | `none` |" in text and "| `--group-by-length` |" in text
+    drifted = text.replace("| `--shard` | `none` |", "| `--shard` | `fsdp` |").replace(
+        "| `--group-by-length` |", "| `--group-by-len` |")
+    assert options_problems(drifted, run_flags()) == [
+        "docs/options.md: the row of `--group-by-len` names --group-by-len, which `vlft run` does not have",
+        "docs/options.md: says --shard defaults to `fsdp`; `vlft run` defaults it to 'none'"]
+    short = text.replace("| `--targets`, `--vision-last-n` | `both`, `6` |", "| `--targets`, `--vision-last-n` | `both` |")
+    assert options_problems(short, run_flags()) == [
+        "docs/options.md: the row of `--targets`, `--vision-last-n` gives 1 default(s) for 2 flag(s); give one "
+        "per flag, in order"]
 
 
 VENDOR_SAMPLE = '''"""Module docstring: works on CUDA and Ascend alike."""
