@@ -155,31 +155,107 @@ BASE = ("run", "--quiet", "--backend", "cpu", "--batch-size", "2", "--log-every"
         "--eval-samples", "1", "--max-new-tokens", "2", "--save-every", "0", "--seed", "4")
 
 
-def test_training_options_take_effect_in_a_real_run(demo, tmp_path):
+class _RunSpies:
+    """What a run does while it trains, seen from inside it: each attention call (which function ran, for which
+    tower, with the deterministic switches as they were then) and each DataLoader worker started (its pid and
+    what ``get_worker_info`` says there; written to ``workers`` by the worker process)."""
+
+    def __init__(self, monkeypatch, workers: Path):
+        import vlft.data.order as order
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl  # the embedded default's modelling
+
+        self.attention: set[tuple[str, str, bool, bool]] = set()
+        self.workers = workers
+
+        def spied(kind, fn):
+            def attend(module, *args, **kwargs):
+                tower = "vision" if "Vision" in type(module).__name__ else "text"
+                self.attention.add((tower, kind, torch.are_deterministic_algorithms_enabled(),
+                                    torch.is_deterministic_algorithms_warn_only_enabled()))
+                return fn(module, *args, **kwargs)
+            return attend
+
+        # the functions the attention modules call (whichever way a transformers version dispatches to them)
+        monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", spied("sdpa", ALL_ATTENTION_FUNCTIONS["sdpa"]))
+        monkeypatch.setattr(modeling_qwen2_5_vl, "eager_attention_forward",
+                            spied("eager", modeling_qwen2_5_vl.eager_attention_forward))
+        seeded = order.worker_init
+
+        def worker_init(worker_id: int) -> None:  # runs in the worker process
+            import os
+
+            info = torch.utils.data.get_worker_info()
+            with open(workers, "a") as f:
+                f.write(json.dumps({"pid": os.getpid(), "id": info.id, "of": info.num_workers}) + "\n")
+            seeded(worker_id)
+
+        monkeypatch.setattr(order, "worker_init", worker_init)
+
+    def started_workers(self) -> list[dict]:
+        return [json.loads(line) for line in self.workers.read_text().splitlines()] if self.workers.exists() else []
+
+    def ran(self, tower: str) -> set[str]:
+        return {kind for t, kind, *_ in self.attention if t == tower}
+
+    def switches(self) -> set[tuple[bool, bool]]:
+        return {(on, warn_only) for *_, on, warn_only in self.attention}
+
+
+@pytest.fixture
+def deterministic_off():
+    """torch's deterministic switch off before, and as found after (a run with --deterministic sets it for the
+    process, and leaves it so)."""
+    found = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(False)
+    yield
+    torch.use_deterministic_algorithms(found[0], warn_only=found[1])
+
+
+def test_training_options_take_effect_in_a_real_run(demo, tmp_path, monkeypatch, deterministic_off):
     """One run with --epochs, --vision-last-n and --weight-decay (from a --config file), --max-grad-norm
     (tiny), --num-workers, --deterministic, --attn, and --no-memory-check beside a --device-memory it cannot
-    fit: each checked against what it promises."""
+    fit: each checked against what it promises, the last three seen inside the run: the attention functions
+    its forward passes called per tower, torch's deterministic switches then, and the worker processes."""
+    import os
+
     from safetensors.torch import load_file
+
+    from vlft.registry import get_registry
 
     train, val = demo
     out = tmp_path / "run"
     config_file = tmp_path / "run.yaml"
     config_file.write_text("vision-last-n: 2\nweight_decay: 0.1\nepochs: 0.5\n")
+    spies = _RunSpies(monkeypatch, tmp_path / "workers.jsonl")
     code, output = cli_invoke(*BASE, "--data", train, "--val-data", val, "--output", out, "--config", config_file,
                          "--max-grad-norm", "1e-12",
-                         "--num-workers", "1", "--deterministic", "--attn", "vision=sdpa,text=eager",
+                         "--num-workers", "2", "--deterministic", "--attn", "vision=sdpa,text=eager",
                          "--device-memory", "1MiB", "--no-memory-check", "--lr", "3e-3")
     assert code == 0, output
     plan = json.loads((out / "plan.json").read_text())
+    # --attn: the vision blocks' forward called SDPA and the decoder layers' eager attention, nothing else
+    assert spies.ran("vision") == {"sdpa"} and spies.ran("text") == {"eager"}, (
+        f"attention the run's forwards called: vision {spies.ran('vision')}, text {spies.ran('text')}")
+    assert plan["attention"]["vision"] == "sdpa" and plan["attention"]["text"] == "eager"
+    # --deterministic: the CPU seed hook switched torch to deterministic algorithms (warning only where an op
+    # has none) before the first forward; unasked, it leaves them off
+    assert spies.switches() == {(True, True)}, f"deterministic, warn-only during the run's forwards: {spies.switches()}"
+    assert json.loads((out / "config.json").read_text())["deterministic"] is True
+    torch.use_deterministic_algorithms(False)
+    get_registry().hook.vlft_seed(backend="cpu", seed=4, deterministic=False)
+    assert not torch.are_deterministic_algorithms_enabled()
+    # --num-workers 2: two worker processes (not this one) started, and torch told each it is one of 2
+    workers = spies.started_workers()
+    assert sorted(w["id"] for w in workers) == [0, 1] and {w["of"] for w in workers} == {2}, (
+        f"DataLoader workers the run started: {workers or 'none'}")
+    assert len({w["pid"] for w in workers}) == 2 and os.getpid() not in {w["pid"] for w in workers}
+    assert plan["dataloader"]["num_workers"] == 2
     assert [m["step"] for m in _metrics(out) if "loss" in m] == [1, 2, 3, 4]  # half of 16 records, 2 a step
     assert plan["targets"]["vision_blocks"] == [6, 7]  # the last 2 of the embedded model's 8
-    assert plan["dataloader"]["num_workers"] == 1
-    assert plan["attention"]["vision"] == "sdpa" and plan["attention"]["text"] == "eager"
     assert plan["memory"]["fits"] is False  # planned for 1 MiB, trained anyway
     state = torch.load(out / "checkpoints" / "step-000004" / "state.pt", weights_only=False)
     assert {g["weight_decay"] for g in state["optimizer"]["param_groups"]} == {0.1}
-    config = json.loads((out / "config.json").read_text())
-    assert config["deterministic"] is True
     # clipped to a norm of 1e-12, AdamW's steps (g / (|g| + 1e-8)) leave LoRA B, which starts at 0, at ~0;
     # unclipped, three steps at lr 3e-3 move it by ~1e-2 (test_run's runs)
     b = [v for k, v in load_file(str(out / "adapter" / "adapter_model.safetensors")).items() if "lora_B" in k]
