@@ -290,15 +290,15 @@ def test_resume_refuses_a_changed_run_unless_forced(demo, tmp_path, monkeypatch)
     assert json.loads((out / "summary.json").read_text())["steps"] == 6
 
 
-def _video(path: Path, frames: int = 8, fps: int = 4) -> None:
+def _video(path: Path, frames: int = 8, fps: int = 4, side: int = 64) -> None:
     import av
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with av.open(str(path), "w") as container:
         stream = container.add_stream("mpeg4", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = 64, 64, "yuv420p"
+        stream.width, stream.height, stream.pix_fmt = side, side, "yuv420p"
         for i in range(frames):
-            frame = av.VideoFrame.from_ndarray(np.full((64, 64, 3), (i * 30) % 256, dtype=np.uint8), format="rgb24")
+            frame = av.VideoFrame.from_ndarray(np.full((side, side, 3), (i * 30) % 256, dtype=np.uint8), format="rgb24")
             for packet in stream.encode(frame):
                 container.mux(packet)
         for packet in stream.encode():
@@ -307,23 +307,25 @@ def _video(path: Path, frames: int = 8, fps: int = 4) -> None:
 
 def test_data_options_reach_the_samples_a_run_trains_on(demo, tmp_path):
     """--image-root (paths start there, not at the data file), --add-placeholders (records without <image>),
-    --max-pixels (fewer image tokens), --video-fps and --video-max-frames (fewer frames): a 2-step run on
-    such records, its plan's longest sample against the same records encoded without the options."""
+    --max-pixels (fewer image tokens), --video-fps and --video-max-frames (each alone: fewer frames): 2-step runs
+    on such records, one option each, their plans' median (an image record) and longest sample (the video)
+    against the same records encoded without the options."""
     train, _ = demo
     media = tmp_path / "media"
     shutil.copytree(Path(train).parent / "imgs", media / "imgs")
-    _video(media / "clips" / "a.mp4", frames=8, fps=4)
+    _video(media / "clips" / "a.mp4", frames=16, fps=4, side=112)  # 4 s of 112 x 112: 8 x 8 patches of 14
     records = [json.loads(line) for line in Path(train).read_text().splitlines()][:6]
     for r in records[::2]:  # half without the placeholder
         r["conversations"][0]["value"] = r["conversations"][0]["value"].replace("<image>\n", "")
+    answer = "it brightens from black to white, a step every quarter of a second, over the whole clip"
     video = {"video": "clips/a.mp4", "conversations": [{"from": "human", "value": "<video>\nWhat happens?"},
-                                                        {"from": "gpt", "value": "it brightens"}]}
+                                                        {"from": "gpt", "value": answer}]}
     data = tmp_path / "data" / "train.jsonl"  # the images are not beside it: --image-root says where
     data.parent.mkdir()
     data.write_text("".join(json.dumps(r) + "\n" for r in [*records, video]))
 
-    def lengths(*flags) -> dict:
-        out = tmp_path / f"run{len(flags)}"
+    def lengths(name, *flags) -> dict:
+        out = tmp_path / name
         code, output = cli_invoke(*BASE, "--data", data, "--val-data", data, "--output", out, "--steps", "2",
                              "--image-root", media, "--add-placeholders", *flags)
         assert code == 0, output
@@ -333,12 +335,16 @@ def test_data_options_reach_the_samples_a_run_trains_on(demo, tmp_path):
     code, output = cli_invoke(*BASE, "--data", data, "--val-data", data, "--output", tmp_path / "no", "--steps", "2")
     assert code != 0 and "--image-root" in output  # without it the images are not found, nothing is written
     assert not (tmp_path / "no").exists()
-    full = lengths()
-    capped = lengths("--max-pixels", "3136", "--video-fps", "1", "--video-max-frames", "2")
+    full = lengths("full")
     # the image records (the median): 112 x 112 pixels are 16 image tokens, 56 x 56 are 4
-    assert full["median"] - capped["median"] == 12
-    # the video (the longest): 8 frames at 4 fps give 4 frames at 2 fps (2 temporal patches), 2 at 1 fps (1)
-    assert capped["longest"] < full["longest"]
+    assert full["median"] - lengths("pixels", "--max-pixels", "3136")["median"] == 12
+    # the video (the longest sample, by its long answer, in every run): 2 frames make a temporal patch of 16 tokens
+    # (8 x 8 patches, merged 2 x 2); its 16 frames at 4 fps give 8 frames at the default 2 fps (4 patches), 4 at
+    # --video-fps 1 (2 patches) and 2 with --video-max-frames 2 (1 patch)
+    longest = {"full": full["longest"], "fps": lengths("fps", "--video-fps", "1")["longest"],
+               "frames": lengths("frames", "--video-max-frames", "2")["longest"]}
+    assert (longest["full"] - longest["fps"], longest["full"] - longest["frames"]) == (2 * 16, 3 * 16), (
+        f"the video's length by run (default, --video-fps 1, --video-max-frames 2): {longest}")
 
 
 def test_grouped_batches_under_two_processes_pad_less(tmp_path):
