@@ -402,11 +402,47 @@ def test_a_parquet_run_killed_mid_way_resumes_at_the_exact_sample(hub_sets, unin
     assert len(uninterrupted) == 4 and _losses(tmp_path / "run") == uninterrupted
 
 
-def test_a_dataloader_worker_reads_the_rows_and_images_itself(hub_sets, uninterrupted, tmp_path):
+@pytest.fixture
+def reads(tmp_path, monkeypatch):
+    """Each row a ``ColumnarRecords`` builds and each stored image's bytes read from its file, noted with the
+    process that read it and whether torch called it a DataLoader worker (a log file: workers are processes)."""
+    import os
+
+    import torch
+
+    import vlft.data.columnar as columnar
+    import vlft.data.lazy as lazy
+
+    log = tmp_path / "reads.jsonl"
+
+    def noted(what, fn, where):
+        def read(*args, **kwargs):
+            with open(log, "a") as f:
+                f.write(json.dumps({"what": what, "pid": os.getpid(), "where": where(*args),
+                                    "worker": torch.utils.data.get_worker_info() is not None}) + "\n")
+            return fn(*args, **kwargs)
+        return read
+
+    monkeypatch.setattr(lazy, "record_at", noted("row", lazy.record_at, lambda file, row, *_: [Path(file).name, row]))
+    monkeypatch.setattr(columnar, "read_image_bytes", noted("image", columnar.read_image_bytes,
+                                                            lambda ref: [Path(ref.file).name, ref.row]))
+    return lambda: [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_a_dataloader_worker_reads_the_rows_and_images_itself(hub_sets, uninterrupted, tmp_path, reads):
     """``--num-workers 1``: the records travel to the worker as (file, row) places and the worker reads rows and
-    image bytes from the Parquet file itself; its samples are the main process's, so the losses are equal."""
+    image bytes from the Parquet file itself (seen there: another process, which torch calls a worker); its
+    samples are the main process's, so the losses are equal."""
+    import os
+
     out = _execute(**_short_run(hub_sets, tmp_path / "run", steps=2, num_workers=1))
     assert json.loads((out / "plan.json").read_text())["dataloader"]["num_workers"] == 1
+    train = [r for r in reads() if r["where"][0] == "onevision.parquet"]  # the validation set is the cauldron's
+    by = {(r["what"], r["worker"], r["pid"] != os.getpid()) for r in train}
+    assert by == {("row", True, True), ("image", True, True)}, (
+        f"reads of the training file (what, in a DataLoader worker, in another process): {sorted(by) or 'none'}")
+    assert len({r["where"][1] for r in train if r["what"] == "row"}) >= 4  # 2 steps of 2 samples, and prefetched
+    assert len({r["pid"] for r in train}) == 1  # one worker
     assert _losses(out) == uninterrupted[:2]
 
 

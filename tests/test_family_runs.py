@@ -92,16 +92,62 @@ def test_every_family_trains_on_mixed_data(family_run, mixed):
     assert vision_b and max(float(v.abs().max()) for v in vision_b) > 0
 
 
-def test_predict_and_eval_read_every_familys_run(family_run, mixed, tmp_path):
-    _, out = family_run
+@pytest.fixture
+def prompt_logits(monkeypatch) -> list:
+    """For each model ``vlft predict`` / ``vlft eval`` load in this process, in order: the logits of its first
+    forward pass (the prompts' prefill in ``generate``) at the last prompt position, ``[records, vocab]``."""
+    import vlft.evaluation.inference as inference
+
+    seen: list = []
+    load = inference.load_for_inference
+
+    def loading(*args, **kwargs):
+        loaded = load(*args, **kwargs)
+        model = loaded.model.get_base_model() if hasattr(loaded.model, "get_base_model") else loaded.model
+        mine = len(seen)
+
+        def keep(module, inputs, output):
+            if len(seen) == mine:
+                seen.append(output.logits[:, -1].detach().float().clone())
+
+        model.register_forward_hook(keep)
+        return loaded
+
+    monkeypatch.setattr(inference, "load_for_inference", loading)
+    return seen
+
+
+def test_predict_and_eval_read_every_familys_run(family_run, mixed, tmp_path, prompt_logits):
+    """``vlft predict`` and ``vlft eval`` answer with the run's adapter: the model they run gives other logits on
+    the prompts than the base model (``vlft predict --model``, no adapter), and the two give the same logits and
+    so the same answers. (Logits, not answers: two greedy tokens of a tiny model often stay the base's, and the
+    Gemma models answer blank lines either way.)"""
+    family, out = family_run
     _, val = mixed
-    predictions = tmp_path / "p.jsonl"
-    _vlft("predict", "--adapter", out, "--data", val, "--output", predictions, "--max-new-tokens", "2", "--quiet")
-    lines = [json.loads(line) for line in predictions.read_text().splitlines()]
-    assert len(lines) == 4 and all(isinstance(line["prediction"], str) for line in lines)
+
+    def predicted(*source) -> list[str]:
+        path = tmp_path / f"p{len(prompt_logits)}.jsonl"
+        _vlft("predict", *source, "--data", val, "--output", path, "--max-new-tokens", "2", "--quiet")
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        assert len(lines) == 4 and all(isinstance(line["prediction"], str) for line in lines)
+        return [line["prediction"] for line in lines]
+
+    adapted = predicted("--adapter", out)
+    predicted("--model", f"embedded:{family}")  # the base the run trained, without the adapter
     scores = tmp_path / "e.json"
     quiet = _vlft("eval", "--adapter", out, "--data", val, "--output", scores, "--max-new-tokens", "2", "--quiet")
-    assert json.loads(scores.read_text())["samples"] == 4
+    result = json.loads(scores.read_text())
+    assert result["samples"] == 4
+    scored = [e["prediction"] for e in result["scores"]["examples"]]  # every record (the first 5 are kept)
+    assert len(prompt_logits) == 3
+    with_adapter, without, evaluated = prompt_logits
+    # the same weights, prompts, batch and arithmetic: equal; with the adapter off they would equal the base's too,
+    # while three steps at lr 3e-3 move the logits by more than 1e-2 (the export test's bound, on these runs)
+    assert torch.equal(evaluated, with_adapter), f"{family}: vlft eval and vlft predict ran different models"
+    difference = float((with_adapter - without).abs().max())
+    assert difference > 1e-2, (f"{family}: vlft predict --adapter gave the base model's logits (largest difference "
+                               f"{difference:.2e}): the adapter was not loaded")
+    assert scored == adapted, f"{family}: vlft eval scored {scored}, vlft predict answered {adapted}"
     shown = _vlft("eval", "--adapter", out, "--data", val, "--output", tmp_path / "e2.json", "--max-new-tokens", "2")
     assert "eval: 100%" in shown and "4/4" in shown  # the progress bar, which --quiet leaves out
     assert "eval:" not in quiet

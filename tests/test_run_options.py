@@ -155,31 +155,107 @@ BASE = ("run", "--quiet", "--backend", "cpu", "--batch-size", "2", "--log-every"
         "--eval-samples", "1", "--max-new-tokens", "2", "--save-every", "0", "--seed", "4")
 
 
-def test_training_options_take_effect_in_a_real_run(demo, tmp_path):
+class _RunSpies:
+    """What a run does while it trains, seen from inside it: each attention call (which function ran, for which
+    tower, with the deterministic switches as they were then) and each DataLoader worker started (its pid and
+    what ``get_worker_info`` says there; written to ``workers`` by the worker process)."""
+
+    def __init__(self, monkeypatch, workers: Path):
+        import vlft.data.order as order
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl  # the embedded default's modelling
+
+        self.attention: set[tuple[str, str, bool, bool]] = set()
+        self.workers = workers
+
+        def spied(kind, fn):
+            def attend(module, *args, **kwargs):
+                tower = "vision" if "Vision" in type(module).__name__ else "text"
+                self.attention.add((tower, kind, torch.are_deterministic_algorithms_enabled(),
+                                    torch.is_deterministic_algorithms_warn_only_enabled()))
+                return fn(module, *args, **kwargs)
+            return attend
+
+        # the functions the attention modules call (whichever way a transformers version dispatches to them)
+        monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", spied("sdpa", ALL_ATTENTION_FUNCTIONS["sdpa"]))
+        monkeypatch.setattr(modeling_qwen2_5_vl, "eager_attention_forward",
+                            spied("eager", modeling_qwen2_5_vl.eager_attention_forward))
+        seeded = order.worker_init
+
+        def worker_init(worker_id: int) -> None:  # runs in the worker process
+            import os
+
+            info = torch.utils.data.get_worker_info()
+            with open(workers, "a") as f:
+                f.write(json.dumps({"pid": os.getpid(), "id": info.id, "of": info.num_workers}) + "\n")
+            seeded(worker_id)
+
+        monkeypatch.setattr(order, "worker_init", worker_init)
+
+    def started_workers(self) -> list[dict]:
+        return [json.loads(line) for line in self.workers.read_text().splitlines()] if self.workers.exists() else []
+
+    def ran(self, tower: str) -> set[str]:
+        return {kind for t, kind, *_ in self.attention if t == tower}
+
+    def switches(self) -> set[tuple[bool, bool]]:
+        return {(on, warn_only) for *_, on, warn_only in self.attention}
+
+
+@pytest.fixture
+def deterministic_off():
+    """torch's deterministic switch off before, and as found after (a run with --deterministic sets it for the
+    process, and leaves it so)."""
+    found = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(False)
+    yield
+    torch.use_deterministic_algorithms(found[0], warn_only=found[1])
+
+
+def test_training_options_take_effect_in_a_real_run(demo, tmp_path, monkeypatch, deterministic_off):
     """One run with --epochs, --vision-last-n and --weight-decay (from a --config file), --max-grad-norm
     (tiny), --num-workers, --deterministic, --attn, and --no-memory-check beside a --device-memory it cannot
-    fit: each checked against what it promises."""
+    fit: each checked against what it promises, the last three seen inside the run: the attention functions
+    its forward passes called per tower, torch's deterministic switches then, and the worker processes."""
+    import os
+
     from safetensors.torch import load_file
+
+    from vlft.registry import get_registry
 
     train, val = demo
     out = tmp_path / "run"
     config_file = tmp_path / "run.yaml"
     config_file.write_text("vision-last-n: 2\nweight_decay: 0.1\nepochs: 0.5\n")
+    spies = _RunSpies(monkeypatch, tmp_path / "workers.jsonl")
     code, output = cli_invoke(*BASE, "--data", train, "--val-data", val, "--output", out, "--config", config_file,
                          "--max-grad-norm", "1e-12",
-                         "--num-workers", "1", "--deterministic", "--attn", "vision=sdpa,text=eager",
+                         "--num-workers", "2", "--deterministic", "--attn", "vision=sdpa,text=eager",
                          "--device-memory", "1MiB", "--no-memory-check", "--lr", "3e-3")
     assert code == 0, output
     plan = json.loads((out / "plan.json").read_text())
+    # --attn: the vision blocks' forward called SDPA and the decoder layers' eager attention, nothing else
+    assert spies.ran("vision") == {"sdpa"} and spies.ran("text") == {"eager"}, (
+        f"attention the run's forwards called: vision {spies.ran('vision')}, text {spies.ran('text')}")
+    assert plan["attention"]["vision"] == "sdpa" and plan["attention"]["text"] == "eager"
+    # --deterministic: the CPU seed hook switched torch to deterministic algorithms (warning only where an op
+    # has none) before the first forward; unasked, it leaves them off
+    assert spies.switches() == {(True, True)}, f"deterministic, warn-only during the run's forwards: {spies.switches()}"
+    assert json.loads((out / "config.json").read_text())["deterministic"] is True
+    torch.use_deterministic_algorithms(False)
+    get_registry().hook.vlft_seed(backend="cpu", seed=4, deterministic=False)
+    assert not torch.are_deterministic_algorithms_enabled()
+    # --num-workers 2: two worker processes (not this one) started, and torch told each it is one of 2
+    workers = spies.started_workers()
+    assert sorted(w["id"] for w in workers) == [0, 1] and {w["of"] for w in workers} == {2}, (
+        f"DataLoader workers the run started: {workers or 'none'}")
+    assert len({w["pid"] for w in workers}) == 2 and os.getpid() not in {w["pid"] for w in workers}
+    assert plan["dataloader"]["num_workers"] == 2
     assert [m["step"] for m in _metrics(out) if "loss" in m] == [1, 2, 3, 4]  # half of 16 records, 2 a step
     assert plan["targets"]["vision_blocks"] == [6, 7]  # the last 2 of the embedded model's 8
-    assert plan["dataloader"]["num_workers"] == 1
-    assert plan["attention"]["vision"] == "sdpa" and plan["attention"]["text"] == "eager"
     assert plan["memory"]["fits"] is False  # planned for 1 MiB, trained anyway
     state = torch.load(out / "checkpoints" / "step-000004" / "state.pt", weights_only=False)
     assert {g["weight_decay"] for g in state["optimizer"]["param_groups"]} == {0.1}
-    config = json.loads((out / "config.json").read_text())
-    assert config["deterministic"] is True
     # clipped to a norm of 1e-12, AdamW's steps (g / (|g| + 1e-8)) leave LoRA B, which starts at 0, at ~0;
     # unclipped, three steps at lr 3e-3 move it by ~1e-2 (test_run's runs)
     b = [v for k, v in load_file(str(out / "adapter" / "adapter_model.safetensors")).items() if "lora_B" in k]
@@ -214,15 +290,15 @@ def test_resume_refuses_a_changed_run_unless_forced(demo, tmp_path, monkeypatch)
     assert json.loads((out / "summary.json").read_text())["steps"] == 6
 
 
-def _video(path: Path, frames: int = 8, fps: int = 4) -> None:
+def _video(path: Path, frames: int = 8, fps: int = 4, side: int = 64) -> None:
     import av
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with av.open(str(path), "w") as container:
         stream = container.add_stream("mpeg4", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = 64, 64, "yuv420p"
+        stream.width, stream.height, stream.pix_fmt = side, side, "yuv420p"
         for i in range(frames):
-            frame = av.VideoFrame.from_ndarray(np.full((64, 64, 3), (i * 30) % 256, dtype=np.uint8), format="rgb24")
+            frame = av.VideoFrame.from_ndarray(np.full((side, side, 3), (i * 30) % 256, dtype=np.uint8), format="rgb24")
             for packet in stream.encode(frame):
                 container.mux(packet)
         for packet in stream.encode():
@@ -231,23 +307,25 @@ def _video(path: Path, frames: int = 8, fps: int = 4) -> None:
 
 def test_data_options_reach_the_samples_a_run_trains_on(demo, tmp_path):
     """--image-root (paths start there, not at the data file), --add-placeholders (records without <image>),
-    --max-pixels (fewer image tokens), --video-fps and --video-max-frames (fewer frames): a 2-step run on
-    such records, its plan's longest sample against the same records encoded without the options."""
+    --max-pixels (fewer image tokens), --video-fps and --video-max-frames (each alone: fewer frames): 2-step runs
+    on such records, one option each, their plans' median (an image record) and longest sample (the video)
+    against the same records encoded without the options."""
     train, _ = demo
     media = tmp_path / "media"
     shutil.copytree(Path(train).parent / "imgs", media / "imgs")
-    _video(media / "clips" / "a.mp4", frames=8, fps=4)
+    _video(media / "clips" / "a.mp4", frames=16, fps=4, side=112)  # 4 s of 112 x 112: 8 x 8 patches of 14
     records = [json.loads(line) for line in Path(train).read_text().splitlines()][:6]
     for r in records[::2]:  # half without the placeholder
         r["conversations"][0]["value"] = r["conversations"][0]["value"].replace("<image>\n", "")
+    answer = "it brightens from black to white, a step every quarter of a second, over the whole clip"
     video = {"video": "clips/a.mp4", "conversations": [{"from": "human", "value": "<video>\nWhat happens?"},
-                                                        {"from": "gpt", "value": "it brightens"}]}
+                                                        {"from": "gpt", "value": answer}]}
     data = tmp_path / "data" / "train.jsonl"  # the images are not beside it: --image-root says where
     data.parent.mkdir()
     data.write_text("".join(json.dumps(r) + "\n" for r in [*records, video]))
 
-    def lengths(*flags) -> dict:
-        out = tmp_path / f"run{len(flags)}"
+    def lengths(name, *flags) -> dict:
+        out = tmp_path / name
         code, output = cli_invoke(*BASE, "--data", data, "--val-data", data, "--output", out, "--steps", "2",
                              "--image-root", media, "--add-placeholders", *flags)
         assert code == 0, output
@@ -257,12 +335,16 @@ def test_data_options_reach_the_samples_a_run_trains_on(demo, tmp_path):
     code, output = cli_invoke(*BASE, "--data", data, "--val-data", data, "--output", tmp_path / "no", "--steps", "2")
     assert code != 0 and "--image-root" in output  # without it the images are not found, nothing is written
     assert not (tmp_path / "no").exists()
-    full = lengths()
-    capped = lengths("--max-pixels", "3136", "--video-fps", "1", "--video-max-frames", "2")
+    full = lengths("full")
     # the image records (the median): 112 x 112 pixels are 16 image tokens, 56 x 56 are 4
-    assert full["median"] - capped["median"] == 12
-    # the video (the longest): 8 frames at 4 fps give 4 frames at 2 fps (2 temporal patches), 2 at 1 fps (1)
-    assert capped["longest"] < full["longest"]
+    assert full["median"] - lengths("pixels", "--max-pixels", "3136")["median"] == 12
+    # the video (the longest sample, by its long answer, in every run): 2 frames make a temporal patch of 16 tokens
+    # (8 x 8 patches, merged 2 x 2); its 16 frames at 4 fps give 8 frames at the default 2 fps (4 patches), 4 at
+    # --video-fps 1 (2 patches) and 2 with --video-max-frames 2 (1 patch)
+    longest = {"full": full["longest"], "fps": lengths("fps", "--video-fps", "1")["longest"],
+               "frames": lengths("frames", "--video-max-frames", "2")["longest"]}
+    assert (longest["full"] - longest["fps"], longest["full"] - longest["frames"]) == (2 * 16, 3 * 16), (
+        f"the video's length by run (default, --video-fps 1, --video-max-frames 2): {longest}")
 
 
 def test_grouped_batches_under_two_processes_pad_less(tmp_path):

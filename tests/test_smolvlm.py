@@ -144,10 +144,23 @@ def test_the_memory_plan_counts_and_traces_the_vision_tower(tmp_path):
 
 
 def test_the_processor_loads_without_num2words_and_a_video_prompt_says_what_is_missing(tiny):
-    from transformers.models.smolvlm import processing_smolvlm
+    """Without ``num2words`` the family's processor loads (the fixture) and encodes images (the tests above); a
+    video prompt, which spells its frame count in words, stops with the package to install. Idefics3's processor
+    takes no video and needs no num2words."""
+    import numpy as np
     from transformers.utils import is_num2words_available
 
     if is_num2words_available():
         pytest.skip("num2words is installed here: SmolVLMProcessor needs no stand-in")
-    with pytest.raises(ImportError, match="num2words"):
-        processing_smolvlm.num2words(3)
+    family, processor, _ = tiny
+    if family.name == "idefics3":
+        assert getattr(processor, "video_processor", None) is None
+        return
+    chat = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": PROMPT}]}]
+    prompt = processor.apply_chat_template(chat, add_generation_prompt=True)
+    assert processor.video_token in prompt
+    frames = np.full((4, 64, 64, 3), 128, dtype=np.uint8)  # 4 frames at 2 fps
+    metadata = {"fps": 2.0, "total_num_frames": 4, "duration": 2.0, "frames_indices": [0, 1, 2, 3]}
+    with pytest.raises(ImportError, match=r"video prompt spells the frame count with the `num2words` package: "
+                                          r"pip install num2words"):
+        processor(text=[prompt], videos=[frames], video_metadata=[metadata], return_tensors="pt")
