@@ -14,7 +14,7 @@ import json
 
 import click
 
-from vlft.cli import as_arguments, config_options, given_flags, user_errors
+from vlft.cli import as_arguments, config_options, given_flags, record_options, user_errors
 from vlft.config import RunConfig, build_config, load_config_file
 from vlft.hookspecs import hookimpl
 from vlft.registry import DISABLE_ENV, get_registry
@@ -40,6 +40,7 @@ def run(ctx, config_file, as_json, verbose, quiet, nproc_per_node, nnodes, node_
     """Fine-tune a model with an adapter method on a backend, evaluate it before and after, save the adapter."""
     from vlft.training.launch import LaunchOptions, end_worker, relaunch
 
+    record_options(ctx)
     file_values = load_config_file(config_file) if config_file else {}
     flags = given_flags(ctx, params)
     config = build_config(file_values, flags)
