@@ -17,6 +17,7 @@ Tests that did not run here (another file, ``-k``) are not checked.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import json
 import os
@@ -31,6 +32,7 @@ import pytest
 LOG_ENV = "VLFT_OPTION_LOG"  # vlft.cli.OPTION_LOG_ENV (not imported: loading this plugin imports no vlft)
 INDEX_MODULE = "test_run_options"  # the module holding RUN_OPTION_TESTS, imported from sys.path
 FOLDER_KEY = "vlft_option_records"  # the records folder, as xdist hands it to each worker
+PARAMETRIZED = re.compile(r"\[.*\]$")  # test_y[cpu]: any parametrization's runs count for test_y
 
 
 def pytest_configure(config):
@@ -162,7 +164,7 @@ def index_key(nodeid: str, root: Path, home: Path) -> str | None:
         where = (root / path).resolve().relative_to(home).as_posix()
     except ValueError:
         return None
-    return f"{where}::{re.sub(r'\[.*\]$', '', name)}"
+    return f"{where}::{PARAMETRIZED.sub('', name)}"
 
 
 
@@ -171,3 +173,14 @@ def missing_credit(index: dict[str, str], passed: set, credit: dict[str, set]) -
     return [f"{option}: {test} passed, but none of its `vlft run`s set {option} on the command line "
             f"(naming it in a string, a keyword or a folder, or a run through execute(), sets nothing)"
             for option, test in index.items() if test in passed and option not in credit.get(test, ())]
+
+
+def defined_tests(home: Path) -> set[str]:
+    """Every test function of the test files under ``home``, as RUN_OPTION_TESTS names them (read, not
+    imported): a misspelt name there would never run, so never be checked."""
+    found = set()
+    for path in home.rglob("test_*.py"):
+        tree = ast.parse(path.read_text())
+        found |= {f"{path.relative_to(home).as_posix()}::{node.name}" for node in tree.body
+                  if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
+    return found
