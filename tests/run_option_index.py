@@ -1,7 +1,7 @@
 """The option index's evidence: which ``vlft run`` options the runs of each test set on their command line.
 
 ``vlft run`` appends a JSON line naming the options its command line set (click's parameter source: not a
-default, not a ``--config`` file) to the file ``VLFT_OPTION_LOG`` names (``vlft.cli.record_options``). This
+default) and those its ``--config`` file set to the file ``VLFT_OPTION_LOG`` names (``vlft.cli.record_options``). This
 plugin (tests/conftest.py loads it) gives each pytest process, the controller or an xdist worker, a file of
 its own in one folder of the session. What is appended while a test runs is that test's, whether its run
 was in this process (``cli_invoke``, ``CliRunner``) or a subprocess (the ``vlft`` script, torchrun's
@@ -11,7 +11,7 @@ is the fixture's, and counts for every test that uses it (a module's shared run)
 At the end of the session the controller reads ``RUN_OPTION_TESTS`` (test_run_options.py: option -> the test
 that asserts its effect) and fails the session for each option whose named test passed here but none of
 whose runs set it, naming both. A test that names an option in a string, a keyword argument or a folder
-name, or runs without the CLI (``execute``, ``vlft.testing.run``), earns nothing: only a command line does.
+name, or runs without the CLI (``execute``, ``vlft.testing.run``), earns nothing: only a run's input does.
 Tests that did not run here (another file, ``-k``) are not checked.
 """
 
@@ -85,8 +85,8 @@ class Recorder:
         self.offset += len(whole)
         for line in whole.splitlines():
             record = json.loads(line)
-            if self.owners and record["command"] == "run":
-                self.options[self.owners[-1]].update(record["options"])
+            if self.owners and record["command"] == "run":  # set on the command line or in its --config file
+                self.options[self.owners[-1]].update(record["options"], record["config_file"])
 
     @pytest.hookimpl(wrapper=True)
     def pytest_fixture_setup(self, fixturedef):
@@ -170,8 +170,8 @@ def index_key(nodeid: str, root: Path, home: Path) -> str | None:
 
 def missing_credit(index: dict[str, str], passed: set, credit: dict[str, set]) -> list[str]:
     """One line per option of ``index`` whose test passed but whose runs never set it."""
-    return [f"{option}: {test} passed, but none of its `vlft run`s set {option} on the command line "
-            f"(naming it in a string, a keyword or a folder, or a run through execute(), sets nothing)"
+    return [f"{option}: {test} passed, but none of its `vlft run`s set {option} (on the command line or in a "
+            f"--config file; naming it in a string, a keyword or a folder, or a run through execute(), sets nothing)"
             for option, test in index.items() if test in passed and option not in credit.get(test, ())]
 
 

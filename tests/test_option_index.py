@@ -1,7 +1,7 @@
 """The option index (run_option_index.py) credits an option only to a test whose `vlft run` set it on the
-command line: a planted session of tests that name options in a string, a keyword argument or a folder name
-fails at its end, naming each option and its test; the runs that set theirs (in the test's process, in a
-subprocess, in a fixture another test set up first) are accepted. Each planted run stops at once (an lr of 0
+command line or in its --config file: a planted session of tests that name options in a string, a keyword
+argument or a folder name fails at its end, naming each option and its test; the runs that set theirs (in the
+test's process, in a subprocess, in a fixture another test set up first, in a --config file) are accepted. Each planted run stops at once (an lr of 0
 is refused before anything loads), so the session takes seconds."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ RUN_OPTION_TESTS = {
     "--train-merger": "test_planted.py::test_sets_it_in_a_subprocess",
     "--lr": "test_planted.py::test_uses_a_fixture_that_set_it",
     "--seed": "test_planted.py::test_sets_it_in_this_process",
+    "--epochs": "test_planted.py::test_sets_it_in_its_config_file",
     "--steps": "test_planted.py::test_fails",
 }
 '''
@@ -81,6 +82,11 @@ def test_sets_it_in_this_process():
     refused("--seed", 3)
 
 
+def test_sets_it_in_its_config_file(tmp_path):
+    (tmp_path / "run.yaml").write_text("epochs: 2")
+    refused("--config", tmp_path / "run.yaml")
+
+
 def test_fails():
     refused("--steps", 2)
     assert False
@@ -99,7 +105,7 @@ def test_the_index_refuses_options_a_test_only_names_and_accepts_those_its_runs_
     """Under two xdist workers (the records of both, and of the subprocesses they start, reach the check):
     every test passes, and the session fails for the three options no run of their tests set."""
     result = planted_session(pytester, monkeypatch, "-n", "2", "-k", "not test_fails")
-    result.assert_outcomes(passed=7)
+    result.assert_outcomes(passed=8)
     assert result.ret == 1
     refused = {line.split(":", 1)[0]: line for line in result.outlines if line.startswith("--")}
     assert sorted(refused) == ["--lr-merger", "--lr-vision", "--warmup-ratio"], result.outlines
@@ -110,8 +116,8 @@ def test_the_index_refuses_options_a_test_only_names_and_accepts_those_its_runs_
 def test_only_the_named_tests_that_ran_and_passed_are_checked(pytester, monkeypatch):
     """One process, the tests whose runs set their options and one that fails: nothing refused. The failed
     test is not held to its option (its failure fails the session), nor are the tests that did not run."""
-    result = planted_session(pytester, monkeypatch, "-k", "subprocess or fixture or this_process or fails")
-    result.assert_outcomes(passed=4, failed=1)
+    result = planted_session(pytester, monkeypatch, "-k", "subprocess or fixture or this_process or config or fails")
+    result.assert_outcomes(passed=5, failed=1)
     assert not any(line.startswith("--") for line in result.outlines), result.outlines
 
 

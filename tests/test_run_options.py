@@ -3,10 +3,10 @@
 ``RUN_OPTION_TESTS`` names, for each option click knows, the test that does so; the first test reads the
 options from click itself, so adding an option without naming its test fails here, naming the option, and a
 named test must exist. That the named test's runs set the option is read from evidence, not from its text:
-every ``vlft run`` records the options its command line set, and a session in which a named test passed but
-none of its runs (its own, or its fixtures') set the option fails at its end, naming both
-(run_option_index.py; tests/test_option_index.py shows it refusing a test that only names an option). The
-runs below cover the options no other module's run used.
+every ``vlft run`` records the options its command line (or its --config file) set, and a session in which a
+named test passed but none of its runs (its own, or its fixtures') set the option fails at its end, naming
+both (run_option_index.py; tests/test_option_index.py shows it refusing a test that only names an option).
+The runs below cover the options no other module's run used.
 """
 
 from __future__ import annotations

@@ -68,22 +68,24 @@ def given_flags(ctx: click.Context, params: dict) -> dict:
 OPTION_LOG_ENV = "VLFT_OPTION_LOG"
 
 
-def record_options(ctx: click.Context) -> None:
-    """With ``VLFT_OPTION_LOG=FILE`` set, append to FILE one JSON line naming the options this command line
-    set (click's parameter source: not a default, not the config file): ``{"command": "run", "options":
-    ["--lr", ...]}``. The test suite reads it as evidence of which runs set which option; unset, nothing is
-    written."""
+def record_options(ctx: click.Context, file_values: dict) -> None:
+    """With ``VLFT_OPTION_LOG=FILE`` set, append to FILE one JSON line naming the options this run was given:
+    ``{"command": "run", "options": ["--lr", ...], "config_file": ["--epochs", ...]}``, those its command line
+    set (click's parameter source, so not a default) and those its ``--config`` file set (``file_values``).
+    The test suite reads it as evidence of which runs set which option; unset, nothing is written."""
     path = os.environ.get(OPTION_LOG_ENV)
     if not path:
         return
-    given = sorted(max(p.opts, key=len) for p in ctx.command.params
-                   if isinstance(p, click.Option) and ctx.get_parameter_source(p.name) is ParameterSource.COMMANDLINE
-                   and ctx.params.get(p.name) != ())  # older clicks call an unused multiple option given
-    line = json.dumps({"command": ctx.info_name, "options": given}) + "\n"
+    options = {p.name: max(p.opts, key=len) for p in ctx.command.params if isinstance(p, click.Option)}
+    given = sorted(flag for name, flag in options.items()
+                   if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
+                   and ctx.params.get(name) != ())  # older clicks call an unused multiple option given
+    record = {"command": ctx.info_name, "options": given,
+              "config_file": sorted(options[name] for name in file_values if name in options)}
     # one write in append mode: lines from concurrent processes (torchrun's workers) do not interleave
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, line.encode())
+        os.write(fd, (json.dumps(record) + "\n").encode())
     finally:
         os.close(fd)
 

@@ -40,8 +40,8 @@ def run(ctx, config_file, as_json, verbose, quiet, nproc_per_node, nnodes, node_
     """Fine-tune a model with an adapter method on a backend, evaluate it before and after, save the adapter."""
     from vlft.training.launch import LaunchOptions, end_worker, relaunch
 
-    record_options(ctx)
     file_values = load_config_file(config_file) if config_file else {}
+    record_options(ctx, file_values)
     flags = given_flags(ctx, params)
     config = build_config(file_values, flags)
     launch = LaunchOptions(nproc_per_node, nnodes, node_rank, master_addr, master_port)
