@@ -488,6 +488,17 @@ def test_hostile_config_and_pickled_weights_exit_non_zero_and_write_nothing(tmp_
         proc.stderr[-2000:]
     assert not out.exists()
 
+    # --trust-pickle: the same folder holding the model's real weights, pickled (tensors only), trains
+    from safetensors.torch import load_file
+
+    weights = {k: v for f in sorted(Path(model_dir).glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    torch.save(weights, pickled / "pytorch_model.bin")
+    code, output = cli_invoke("run", "--quiet", "--backend", "cpu", "--model", pickled, "--data", train, "--val-data",
+                              val, "--output", out, "--steps", 1, "--batch-size", 2, "--eval-every", 0,
+                              "--eval-samples", 0, "--save-every", 0, "--trust-pickle")
+    assert code == 0, output
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+
 
 def test_the_end_of_a_run_saves_first_and_a_failed_evaluation_keeps_the_adapter(registry, small_data, tmp_path,
                                                                                  monkeypatch, capsys):
