@@ -91,6 +91,7 @@ class Recorder:
     @pytest.hookimpl(wrapper=True)
     def pytest_fixture_setup(self, fixturedef):
         self._take()
+        self.options[fixturedef] = set()  # this execution's runs only: a test is given the newest value
         self.owners.append(fixturedef)
         try:
             return (yield)
@@ -114,8 +115,9 @@ class Recorder:
         given = self.options.pop(item, set())
         info = getattr(item, "_fixtureinfo", None)  # a python test's fixture closure; other items have none
         for name in item.fixturenames if info else ():
-            for fixturedef in info.name2fixturedefs.get(name, ()):
-                given |= self.options.get(fixturedef, set())
+            defs = info.name2fixturedefs.get(name)
+            if defs:  # the definition that applies here (an override, not the fixture it overrides)
+                given |= self.options.get(defs[-1], set())
         if given:
             with self.credit.open("a") as f:
                 f.write(json.dumps({"test": item.nodeid, "options": sorted(given)}) + "\n")
