@@ -466,7 +466,8 @@ def test_a_run_with_a_kernel_calls_no_hook_inside_a_step(tmp_path, monkeypatch):
         train, val = tiny_dataset(tmp_path)
         code, output = cli_invoke("run", "--quiet", "--backend", "cpu", "--data", train, "--val-data", val,
                                   "--output", out, "--steps", 2, "--batch-size", 2, "--eval-every", 0,
-                                  "--eval-samples", 0, "--save-every", 0, *flags, registry=registry_with(CpuPatchEmbed()))
+                                  "--eval-samples", 0, "--save-every", 0, *flags,
+                                  registry=registry_with(CpuPatchEmbed()))
         assert code == 0, output
         return json.loads((out / "plan.json").read_text())["model_patches"]
 

@@ -1,8 +1,8 @@
-"""The option index (run_option_index.py) credits an option only to a test whose `vlft run` set it on the
-command line or in its --config file: a planted session of tests that name options in a string, a keyword
-argument or a folder name fails at its end, naming each option and its test; the runs that set theirs (in the
-test's process, in a subprocess, in a fixture another test set up first, in a --config file) are accepted. Each planted run stops at once (an lr of 0
-is refused before anything loads), so the session takes seconds."""
+"""The option index (run_option_index.py) credits an option only to a test whose `vlft run` set it on the command
+line or in its --config file: a planted session of tests that name options in a string, a keyword argument or a
+folder name fails at its end, naming each option and its test; the runs that set theirs (in the test's process,
+in a subprocess, in a fixture another test set up first, in a --config file) are accepted. Each planted run
+stops at once (an lr of 0 is refused before anything loads), so the session takes seconds."""
 
 from __future__ import annotations
 

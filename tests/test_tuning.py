@@ -220,7 +220,8 @@ def test_seed_draws_the_adapter_initialisation(tower_run, warmup_run, small_data
     """--seed: LoRA A is drawn from it (its gradient is 0 while B is, so a first step leaves it as drawn): the
     two runs of seed 1 drew the same A, a run of seed 2 another."""
     other = _cli_run(small_data, tmp_path / "run", "--steps", 1, "--seed", 2, "--warmup-ratio", 0, *TOWER_FLAGS)
-    drawn = [{k: v for k, v in _checkpoint(run, 1)[1].items() if "lora_A" in k} for run in (tower_run, warmup_run, other)]
+    drawn = [{k: v for k, v in _checkpoint(run, 1)[1].items() if "lora_A" in k}
+             for run in (tower_run, warmup_run, other)]
     assert drawn[0] and drawn[0].keys() == drawn[1].keys() == drawn[2].keys()
     assert all(torch.equal(v, drawn[1][k]) for k, v in drawn[0].items())
     assert not any(torch.equal(v, drawn[2][k]) for k, v in drawn[0].items())
