@@ -41,6 +41,9 @@ import torch  # noqa: E402
 
 torch.set_num_threads(THREADS)
 
+# the option index's evidence: which `vlft run` options each test's runs set (run_option_index.py)
+pytest_plugins = ["run_option_index"]
+
 
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("VLFT_TEST_ORDER") == "reverse":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 
 
 def base_model(model_dir, attn="eager"):
@@ -22,10 +23,13 @@ def vlft_command() -> list[str]:
 
 
 def run_flags(values: dict) -> list[str]:
-    """``vlft run`` flags for config ``values`` (``adapter`` as repeated ``--adapter-opt KEY=VALUE``)."""
+    """``vlft run`` flags for config ``values`` (``adapter`` as repeated ``--adapter-opt KEY=VALUE``; a switch
+    such as ``resume=True`` as its bare flag, left out when False)."""
     args = []
     for key, value in values.items():
-        if key == "adapter":
+        if isinstance(value, bool):
+            args += [f"--{key.replace('_', '-')}"] if value else []
+        elif key == "adapter":
             args += [x for k, v in value.items() for x in ("--adapter-opt", f"{k}={v}")]
         else:
             args += [f"--{key.replace('_', '-')}", str(value)]
@@ -48,17 +52,40 @@ def die_at_step(monkeypatch, n: int) -> None:
     monkeypatch.setattr(vlft.training.step, "train_step", dying_step)
 
 
-def cli_invoke(*args) -> tuple[int, str]:
+def cli_invoke(*args, registry=None) -> tuple[int, str]:
     """``vlft ARGS`` in this process through click (exit code, output); an exception other than click's exit
-    is raised as it is."""
+    is raised as it is. ``registry``: the one the command uses (``process_registry``)."""
+    result = cli_result(*args, registry=registry)
+    return result.exit_code, result.output
+
+
+def cli_result(*args, registry=None):
+    """``cli_invoke``'s click result, for a test that reads stdout and stderr apart."""
     from click.testing import CliRunner
 
     from vlft.cli import cli
 
-    result = CliRunner().invoke(cli, [str(a) for a in args])
+    with process_registry(registry):
+        result = CliRunner().invoke(cli, [str(a) for a in args])
     if result.exception and not isinstance(result.exception, SystemExit):
         raise result.exception
-    return result.exit_code, result.output
+    return result
+
+
+@contextlib.contextmanager
+def process_registry(registry=None):
+    """``registry`` (a test's plugins beside vlft's: ``vlft.testing.registry_with``) as the process-wide one
+    while the block runs, so a `vlft` command run in this process uses it; the previous one put back after.
+    None: the process-wide registry as it is."""
+    import vlft.registry
+
+    saved = vlft.registry._default
+    if registry is not None:
+        vlft.registry._default = registry
+    try:
+        yield
+    finally:
+        vlft.registry._default = saved
 
 
 def export_logits(run, merged, records, *, attn: str = "eager", rounded=None, **load) -> dict:

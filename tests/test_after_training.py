@@ -5,8 +5,6 @@ One short LoRA run and one short OFT run are made per test session and shared by
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import re
 import subprocess
@@ -16,7 +14,7 @@ from typing import ClassVar
 
 import pytest
 from click.testing import CliRunner
-from helpers import cli_invoke
+from helpers import cli_invoke, cli_result, run_flags
 
 from vlft import hookimpl
 from vlft.cli import cli
@@ -54,8 +52,8 @@ class RecordingSinkPlugin:
 
 
 def _short_run(tmp_path_factory, tiny_data, method, **over):
-    from vlft.commands.run import execute
-    from vlft.config import build_config
+    """`vlft run` in this process (its progress bar on), with RecordingSinkPlugin beside the installed plugins:
+    (run folder, its stderr, its stdout)."""
     from vlft.testing import registry_with
 
     train, val = tiny_data
@@ -65,10 +63,9 @@ def _short_run(tmp_path_factory, tiny_data, method, **over):
                   batch_size=2, log_every=1, eval_every=0, eval_samples=1, max_new_tokens=4, save_every=0,
                   seed=1, lr=3e-3)
     values.update(over)
-    err, stdout = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(stdout):
-        execute(registry_with(RecordingSinkPlugin()), build_config({}, values), progress=True)
-    return out, err.getvalue(), stdout.getvalue()
+    result = cli_result("run", *run_flags(values), registry=registry_with(RecordingSinkPlugin()))
+    assert result.exit_code == 0, result.output
+    return out, result.stderr, result.stdout
 
 
 @pytest.fixture(scope="session")

@@ -472,10 +472,12 @@ class CpuPatchEmbed:
 
 
 def test_a_run_with_a_kernel_calls_no_hook_inside_a_step(tmp_path, monkeypatch):
+    import json
+
     import vlft.training.step
-    from vlft.commands.run import execute
+    from helpers import cli_invoke
     from vlft.measure import HookCallCounter
-    from vlft.testing import registry_with, tiny_run_config
+    from vlft.testing import registry_with, tiny_dataset
 
     hooks, real_step = HookCallCounter(), vlft.training.step.train_step
 
@@ -483,14 +485,20 @@ def test_a_run_with_a_kernel_calls_no_hook_inside_a_step(tmp_path, monkeypatch):
         with hooks:
             return real_step(*args, **kwargs)
 
+    def model_patches(out, *flags) -> list[str]:  # a 2-step `vlft run` offered the kernel: what set-up patched
+        train, val = tiny_dataset(tmp_path)
+        code, output = cli_invoke("run", "--quiet", "--backend", "cpu", "--data", train, "--val-data", val,
+                                  "--output", out, "--steps", 2, "--batch-size", 2, "--eval-every", 0,
+                                  "--eval-samples", 0, "--save-every", 0, *flags,
+                                  registry=registry_with(CpuPatchEmbed()))
+        assert code == 0, output
+        return json.loads((out / "plan.json").read_text())["model_patches"]
+
     monkeypatch.setattr(vlft.training.step, "train_step", watched_step)
-    result = execute(registry_with(CpuPatchEmbed()), tiny_run_config(tmp_path, eval_samples=0), progress=False)
-    assert any(p.startswith("kernel linear-patch-embed") for p in result.description["model_patches"])
+    assert any(p.startswith("kernel linear-patch-embed") for p in model_patches(tmp_path / "run"))
     assert hooks.calls == []
     # --kernels none: the same run with the model as transformers builds it
-    plain = execute(registry_with(CpuPatchEmbed()), tiny_run_config(tmp_path / "none", kernels="none",
-                                                                       eval_samples=0), progress=False)
-    assert not any(p.startswith("kernel ") for p in plain.description["model_patches"])
+    assert not any(p.startswith("kernel ") for p in model_patches(tmp_path / "none", "--kernels", "none"))
 
 
 def test_each_backend_offers_kernels_only_for_itself(no_torch_npu):

@@ -8,19 +8,23 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import cli_invoke, run_flags
 
 from vlft.cli import cli
 from vlft.config import build_config
-from vlft.errors import DataError
 
 
-def _cfg(small_data, out, **over):
+def _values(small_data, out, **over) -> dict:
     train, val = small_data
     values = dict(backend="cpu", method="lora", data=str(train), val_data=str(val), output=str(out), steps=5,
                   batch_size=4, log_every=1, eval_every=0, eval_samples=2, max_new_tokens=4, save_every=0, seed=1,
                   warmup_ratio=0.0, lr=2e-3)
     values.update(over)
-    return build_config({}, values)
+    return values
+
+
+def _cfg(small_data, out, **over):
+    return build_config({}, _values(small_data, out, **over))
 
 
 def _steps(registry, config, n):
@@ -141,31 +145,28 @@ def test_measured_length_equals_the_encoded_length(processor, small_data):
         assert [list(g) for g in grids] == enc["image_grid_thw"].tolist()
 
 
-def test_too_long_samples_stop_the_run_with_their_lines_and_write_nothing(registry, small_data, tmp_path):
-    from vlft.commands.run import execute
-
-    with pytest.raises(DataError) as e:
-        execute(registry, _cfg(small_data, tmp_path / "r", max_length=40))
-    msg = str(e.value)
+def test_too_long_samples_stop_the_run_with_their_lines_and_write_nothing(small_data, tmp_path):
+    code, msg = cli_invoke("run", *run_flags(_values(small_data, tmp_path / "r", max_length=40)))
+    assert code != 0
     assert "longer than --max-length 40" in msg and "train.jsonl:1: " in msg and "tokens" in msg
     assert "--skip-too-long" in msg
     assert not (tmp_path / "r").exists()
 
 
-def test_skipped_samples_are_counted_and_listed(registry, small_data, tmp_path, processor):
+def test_skipped_samples_are_counted_and_listed(small_data, tmp_path, processor):
     from vlft.data.encoding import SampleEncoder
     from vlft.data.records import read_records
-    from vlft.planning.preflight import plan_run
 
     encoder = SampleEncoder(processor)
     lengths = sorted(encoder.measure(r)[0] for r in read_records(small_data[0]))
     limit = lengths[len(lengths) // 2]
     over = sum(n > limit for n in lengths)
     assert 0 < over < len(lengths)
-    plan = plan_run(registry, _cfg(small_data, tmp_path / "r", max_length=limit, skip_too_long=True)).plan
-    assert plan.lengths["skipped"] >= over  # validation samples over the limit are listed too
-    assert all(s["length"] > limit and ".jsonl:" in s["where"] for s in plan.lengths["skipped_samples"])
-    assert plan.lengths["longest"] <= limit
+    result, plan = dry_json(*run_flags(_values(small_data, tmp_path / "r", max_length=limit, skip_too_long=True)))
+    assert result.exit_code == 0, result.output
+    assert plan["lengths"]["skipped"] >= over  # validation samples over the limit are listed too
+    assert all(s["length"] > limit and ".jsonl:" in s["where"] for s in plan["lengths"]["skipped_samples"])
+    assert plan["lengths"]["longest"] <= limit
 
 
 # -- the memory plan --------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from helpers import cli_invoke, run_flags
 
 from vlft.cli import cli
 from vlft.config import build_config
@@ -16,13 +17,18 @@ from vlft.policies import AdapterDefaults, BackendInfo, MethodInfo
 from vlft.registry import load_registry
 
 
-def short_config(small_data, output, **over):
+def short_values(small_data, output, **over) -> dict:
+    """The flag values of the short runs here (``vlft run`` flags through ``helpers.run_flags``)."""
     train, val = small_data
     values = dict(backend="cpu", method="lora", data=str(train), val_data=str(val), output=str(output), steps=6,
                   batch_size=4, log_every=1, eval_every=3, eval_batches=1, eval_samples=4, max_new_tokens=12,
                   save_every=3, seed=1, lr=3e-3)
     values.update(over)
-    return build_config({}, values)
+    return values
+
+
+def short_config(small_data, output, **over):
+    return build_config({}, short_values(small_data, output, **over))
 
 
 def read_metrics(output: Path) -> list[dict]:
@@ -35,13 +41,12 @@ def logged_losses(output: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("method", ["lora", "oft"])
-def test_short_run_writes_adapter_metrics_and_eval(registry, small_data, tmp_path, method):
-    from vlft.commands.run import execute
-
+def test_short_run_writes_adapter_metrics_and_eval(small_data, tmp_path, method):
     out = tmp_path / "run"
     # a checkpoint every step, two kept: the last step's too (the final checkpoint, before the evaluation)
-    result = execute(registry, short_config(small_data, out, method=method, save_every=1, keep_checkpoints=2),
-                     progress=False)
+    code, output = cli_invoke("run", "--quiet", *run_flags(short_values(small_data, out, method=method, save_every=1,
+                                                                        keep_checkpoints=2)))
+    assert code == 0, output
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics if "loss" in m] == [1, 2, 3, 4, 5, 6]
     for key in ("loss", "lr", "grad_norm", "step_time_s", "samples_per_s", "peak_memory_bytes"):
@@ -56,7 +61,7 @@ def test_short_run_writes_adapter_metrics_and_eval(registry, small_data, tmp_pat
     kept = sorted((out / "checkpoints").iterdir())
     assert [p.name for p in kept] == ["step-000005", "step-000006"]
     assert all((p / "state.pt").is_file() and (p / "adapter" / "adapter_model.safetensors").is_file() for p in kept)
-    assert result.after is not None and json.loads((out / "summary.json").read_text())["method"] == method
+    assert json.loads((out / "summary.json").read_text())["method"] == method
 
 
 def test_resume_continues_with_the_same_losses(registry, small_data, tmp_path, monkeypatch, straight_run):
@@ -82,8 +87,9 @@ def test_resume_continues_with_the_same_losses(registry, small_data, tmp_path, m
                 progress=False)
     monkeypatch.setattr(vlft.training.step, "train_step", real_step)
     assert [m["step"] for m in logged_losses(interrupted)] == [1, 2, 3, 4, 5]
-    execute(registry, short_config(small_data, interrupted, steps=8, save_every=4, eval_every=0, resume=True),
-            progress=False)
+    code, output = cli_invoke("run", "--quiet", *run_flags(short_values(small_data, interrupted, steps=8, save_every=4,
+                                                                        eval_every=0, resume=True)))
+    assert code == 0, output
 
     a, b = logged_losses(straight), logged_losses(interrupted)
     assert [m["step"] for m in b] == list(range(1, 9))

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import vlft_command
-from test_run import logged_losses, read_metrics, short_config
+from helpers import cli_invoke, run_flags, vlft_command
+from test_run import logged_losses, read_metrics, short_config, short_values
 
 from vlft.cli import cli
 from vlft.errors import ConfigError, DataError, VlftError
@@ -51,11 +51,9 @@ def logged_steps(output: Path) -> list[int]:
 
 # -- 1. non-finite steps -----------------------------------------------------------------------------
 
-def test_non_finite_steps_are_not_applied_and_too_many_stop_the_run(registry, small_data, tmp_path, monkeypatch):
+def test_non_finite_steps_are_not_applied_and_too_many_stop_the_run(small_data, tmp_path, monkeypatch):
     import vlft.data.encoding
     import vlft.training.step
-    from vlft.commands.run import execute
-    from vlft.training.signals import NonFiniteStop
 
     # steps 2, 4 and 5 produce a NaN loss (a patched loss)
     nan_steps = {2, 4, 5}
@@ -87,10 +85,10 @@ def test_non_finite_steps_are_not_applied_and_too_many_stop_the_run(registry, sm
     monkeypatch.setattr(vlft.training.step, "train_step", watched_step)
     monkeypatch.setattr(vlft.data.encoding.EncodedDataset, "__getitem__", watched_get)
     out = tmp_path / "run"
-    config = short_config(small_data, out, steps=8, save_every=1, eval_every=0, eval_samples=1, max_new_tokens=2,
+    values = short_values(small_data, out, steps=8, save_every=1, eval_every=0, eval_samples=1, max_new_tokens=2,
                           max_skipped_steps=2)
-    with pytest.raises(NonFiniteStop, match=r"2 consecutive steps .* \(steps 4, 5;"):
-        execute(registry, config, progress=False)
+    code, output = cli_invoke("run", "--quiet", *run_flags(values))
+    assert code != 0 and re.search(r"2 consecutive steps .* \(steps 4, 5;", output), output
 
     before, after, state_before, state_after = weights[2]
     assert all(torch.equal(a, b) for a, b in zip(before, after)), "the NaN step changed the weights"
@@ -490,6 +488,17 @@ def test_hostile_config_and_pickled_weights_exit_non_zero_and_write_nothing(tmp_
         proc.stderr[-2000:]
     assert not out.exists()
 
+    # --trust-pickle: the same folder holding the model's real weights, pickled (tensors only), trains
+    from safetensors.torch import load_file
+
+    weights = {k: v for f in sorted(Path(model_dir).glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    torch.save(weights, pickled / "pytorch_model.bin")
+    code, output = cli_invoke("run", "--quiet", "--backend", "cpu", "--model", pickled, "--data", train, "--val-data",
+                              val, "--output", out, "--steps", 1, "--batch-size", 2, "--eval-every", 0,
+                              "--eval-samples", 0, "--save-every", 0, "--trust-pickle")
+    assert code == 0, output
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+
 
 def test_the_end_of_a_run_saves_first_and_a_failed_evaluation_keeps_the_adapter(registry, small_data, tmp_path,
                                                                                  monkeypatch, capsys):
@@ -536,15 +545,13 @@ def test_the_end_of_a_run_saves_first_and_a_failed_evaluation_keeps_the_adapter(
     assert (out / "metrics.jsonl").read_text() == metrics
 
 
-def test_fp16_scaler_back_offs_at_the_start_do_not_stop_the_run_and_a_nan_loss_still_does(registry, small_data,
-                                                                                           tmp_path, monkeypatch):
+def test_fp16_scaler_back_offs_at_the_start_do_not_stop_the_run_and_a_nan_loss_still_does(small_data, tmp_path,
+                                                                                           monkeypatch):
     """fp16 on the CPU with a loss scale of 2**28 to start (the backend's 2**16 does not overflow the embedded
     model; 2**28 does, for real, in its fp16 gradients): the scaler backs off step after step, more often than
     --max-skipped-steps, and the run completes; those steps are counted as back-offs, not as skipped steps.
     Then a NaN loss (a patched loss) is not explained by the scaler: it stops the run."""
     import vlft.training.step
-    from vlft.commands.run import execute
-    from vlft.training.signals import NonFiniteStop
 
     class StartsHigh(torch.amp.GradScaler):  # the CPU backend's scaler, started at 2**28
         def __init__(self, device="cpu", init_scale=2.0 ** 16, **kwargs):
@@ -558,7 +565,8 @@ def test_fp16_scaler_back_offs_at_the_start_do_not_stop_the_run_and_a_nan_loss_s
 
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        execute(registry, short_config(small_data, out, **values), progress=False)
+        code, output = cli_invoke("run", "--quiet", *run_flags(short_values(small_data, out, **values)))
+    assert code == 0, output
     # a back-off advances the schedule, by design: torch's warning about it would only alarm the user
     assert not [w for w in said if "lr_scheduler.step()" in str(w.message)]
     summary = json.loads((out / "summary.json").read_text())
@@ -571,8 +579,8 @@ def test_fp16_scaler_back_offs_at_the_start_do_not_stop_the_run_and_a_nan_loss_s
 
     real_loss = vlft.training.step.batch_loss_sum
     monkeypatch.setattr(vlft.training.step, "batch_loss_sum", lambda *a, **k: real_loss(*a, **k) * float("nan"))
-    with pytest.raises(NonFiniteStop, match="3 consecutive steps"):
-        execute(registry, short_config(small_data, tmp_path / "nan", **values), progress=False)
+    code, output = cli_invoke("run", "--quiet", *run_flags(short_values(small_data, tmp_path / "nan", **values)))
+    assert code != 0 and "3 consecutive steps" in output, output
 
 
 class _RunsCodeWhenUnpickled:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import base_model
+from helpers import base_model, cli_invoke, run_flags
 
 from vlft.config import build_config
 
@@ -123,6 +123,108 @@ def test_learning_rates_must_be_positive(small_data, tmp_path):
 
     with pytest.raises(ConfigError, match="--lr-vision must be positive"):
         _cfg(small_data, tmp_path, lr_vision=0.0)
+
+
+# -- the same options through `vlft run` ---------------------------------------------------------------
+
+LRS = {"text": 2e-3, "vision": 1e-3, "merger": 5e-4}  # --lr, --lr-vision, --lr-merger below
+TOWER_FLAGS = ("--lr", LRS["text"], "--lr-vision", LRS["vision"], "--lr-merger", LRS["merger"], "--train-merger")
+
+
+def _cli_run(small_data, out, *flags):
+    """A short `vlft run` with a checkpoint at every step (its adapter and optimizer state), no evaluation."""
+    train, val = small_data
+    code, output = cli_invoke("run", "--quiet", "--backend", "cpu", "--data", train, "--val-data", val,
+                              "--output", out, "--batch-size", 2, "--log-every", 1, "--eval-every", 0,
+                              "--eval-samples", 0, "--save-every", 1, "--keep-checkpoints", 4, *flags)
+    assert code == 0, output
+    return out
+
+
+@pytest.fixture(scope="module")
+def tower_run(small_data, tmp_path_factory):
+    """2 steps with a learning rate per tower and the merger trained in full, no warm-up: the first step is
+    taken at each group's peak."""
+    out = tmp_path_factory.mktemp("tower-cli") / "run"
+    return _cli_run(small_data, out, "--steps", 2, "--seed", 1, "--warmup-ratio", 0, *TOWER_FLAGS)
+
+
+@pytest.fixture(scope="module")
+def warmup_run(small_data, tmp_path_factory):
+    """The same options over 4 steps, half of them warming up."""
+    out = tmp_path_factory.mktemp("warmup-cli") / "run"
+    return _cli_run(small_data, out, "--steps", 4, "--seed", 1, "--warmup-ratio", 0.5, *TOWER_FLAGS)
+
+
+def _checkpoint(run, step: int) -> tuple[dict, dict]:
+    """(the optimizer's param groups by name, the adapter's tensors) of the checkpoint after ``step``."""
+    from safetensors.torch import load_file
+
+    folder = run / "checkpoints" / f"step-{step:06d}"
+    state = torch.load(folder / "state.pt", weights_only=False)
+    groups = {g["name"]: g for g in state["optimizer"]["param_groups"]}
+    return groups, load_file(str(folder / "adapter" / "adapter_model.safetensors"))
+
+
+def _merger(tensors: dict) -> dict:
+    """The merger's own weights in an adapter folder (``modules_to_save``), by their name in the merger."""
+    return {k.split(".merger.", 1)[1]: v for k, v in tensors.items() if ".merger." in k and "lora_" not in k}
+
+
+def test_each_towers_learning_rate_moves_its_own_parameters_in_a_real_run(tower_run):
+    """AdamW's first step moves each parameter by lr x g / (|g| + eps): by its group's peak lr wherever the
+    gradient is well above eps. LoRA B starts at 0, so after step 1 its largest entry is the lr of its tower:
+    text at --lr, the vision blocks at --lr-vision, and the merger's own weights move by --lr-merger."""
+    groups, tensors = _checkpoint(tower_run, 1)
+    assert {n: g["initial_lr"] for n, g in groups.items()} == LRS
+    lora_b = {tower: [v for k, v in tensors.items() if "lora_B" in k and (".visual." in k) == (tower == "vision")]
+              for tower in ("text", "vision")}
+    for tower, tensors_b in lora_b.items():
+        assert tensors_b and max(float(v.abs().max()) for v in tensors_b) == pytest.approx(LRS[tower], rel=1e-3), tower
+    base = {n: p.detach() for n, p in base_model_merger().named_parameters()}
+    moved = max(float((v - base[n]).abs().max()) for n, v in _merger(tensors).items())
+    assert moved == pytest.approx(LRS["merger"], rel=1e-3)
+
+
+def base_model_merger():
+    from vlft.models.embedded import embedded_model_dir
+
+    return base_model(str(embedded_model_dir())).model.visual.merger
+
+
+def test_train_merger_trains_the_merger_in_full_and_saves_it(tower_run):
+    """--train-merger: every weight of the merger is in the saved adapter (PEFT's modules_to_save), trained:
+    moved from the base's after 2 steps; the LoRA layers around it are saved as well."""
+    from safetensors.torch import load_file
+
+    config = json.loads((tower_run / "adapter" / "adapter_config.json").read_text())
+    assert config["modules_to_save"] == ["model.visual.merger"]
+    saved = _merger(load_file(str(tower_run / "adapter" / "adapter_model.safetensors")))
+    base = dict(base_model_merger().named_parameters())
+    assert saved.keys() == base.keys()
+    assert all(not torch.equal(saved[n], p.detach()) for n, p in base.items() if p.dim() > 1)
+
+
+def test_warmup_ratio_warms_every_group_up_over_its_share_of_the_steps(warmup_run):
+    """--warmup-ratio 0.5 of 4 steps: 2 warm-up steps, the lr rising linearly from 0, then the cosine down to 0.
+    Logged after each step: 1/2, 1, then 0.5 (1 + cos(pi/2)) and 0.5 (1 + cos(pi)) of the peak (without
+    warm-up, 0.85, 0.5, 0.15, 0). The first step is taken at lr 0: nothing moves; every group warms alike."""
+    logged = [m["lr"] for m in map(json.loads, (warmup_run / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
+    assert logged == pytest.approx([LRS["text"] * f for f in (0.5, 1.0, 0.5, 0.0)], abs=1e-12)
+    groups, tensors = _checkpoint(warmup_run, 1)
+    assert {n: g["lr"] for n, g in groups.items()} == pytest.approx({n: lr / 2 for n, lr in LRS.items()})
+    assert all(not v.any() for k, v in tensors.items() if "lora_B" in k)
+
+
+def test_seed_draws_the_adapter_initialisation(tower_run, warmup_run, small_data, tmp_path):
+    """--seed: LoRA A is drawn from it (its gradient is 0 while B is, so a first step leaves it as drawn): the
+    two runs of seed 1 drew the same A, a run of seed 2 another."""
+    other = _cli_run(small_data, tmp_path / "run", "--steps", 1, "--seed", 2, "--warmup-ratio", 0, *TOWER_FLAGS)
+    drawn = [{k: v for k, v in _checkpoint(run, 1)[1].items() if "lora_A" in k}
+             for run in (tower_run, warmup_run, other)]
+    assert drawn[0] and drawn[0].keys() == drawn[1].keys() == drawn[2].keys()
+    assert all(torch.equal(v, drawn[1][k]) for k, v in drawn[0].items())
+    assert not any(torch.equal(v, drawn[2][k]) for k, v in drawn[0].items())
 
 
 # -- DoRA and rsLoRA ----------------------------------------------------------------------------------
@@ -274,7 +376,7 @@ def test_a_merger_trained_in_full_under_fsdp_is_exported_whole(small_data, tmp_p
     import subprocess
 
     from click.testing import CliRunner
-    from helpers import run_flags, vlft_command
+    from helpers import vlft_command
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
@@ -285,9 +387,8 @@ def test_a_merger_trained_in_full_under_fsdp_is_exported_whole(small_data, tmp_p
     values = dict(backend="cpu", data=str(train), val_data=str(val), output=str(out), steps=3, batch_size=2,
                   log_every=1, eval_every=0, eval_samples=1, max_new_tokens=2, save_every=0, seed=1, lr=2e-3,
                   shard="fsdp", train_merger=True)
-    flags = [f for f in run_flags(values) if f not in ("--train-merger", "True")] + ["--train-merger"]
-    proc = subprocess.run([*vlft_command(), "run", "--quiet", "--nproc-per-node", "2", *flags], capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run([*vlft_command(), "run", "--quiet", "--nproc-per-node", "2", *run_flags(values)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     saved = load_file(str(out / "adapter" / "adapter_model.safetensors"))
     trained = {k.split("merger.", 1)[1]: v for k, v in saved.items() if ".merger." in k and "lora" not in k}

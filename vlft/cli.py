@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import sys
 
 import click
@@ -62,6 +63,31 @@ def given_flags(ctx: click.Context, params: dict) -> dict:
                     continue
             out[f.name] = parse_adapter_options(value) if f.name == "adapter" else value
     return out
+
+
+OPTION_LOG_ENV = "VLFT_OPTION_LOG"
+
+
+def record_options(ctx: click.Context, file_values: dict) -> None:
+    """With ``VLFT_OPTION_LOG=FILE`` set, append to FILE one JSON line naming the options this run was given:
+    ``{"command": "run", "options": ["--lr", ...], "config_file": ["--epochs", ...]}``, those its command line
+    set (click's parameter source, so not a default) and those its ``--config`` file set (``file_values``).
+    The test suite reads it as evidence of which runs set which option; unset, nothing is written."""
+    path = os.environ.get(OPTION_LOG_ENV)
+    if not path:
+        return
+    options = {p.name: max(p.opts, key=len) for p in ctx.command.params if isinstance(p, click.Option)}
+    given = sorted(flag for name, flag in options.items()
+                   if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
+                   and ctx.params.get(name) != ())  # older clicks call an unused multiple option given
+    record = {"command": ctx.info_name, "options": given,
+              "config_file": sorted(options[name] for name in file_values if name in options)}
+    # one write in append mode: lines from concurrent processes (torchrun's workers) do not interleave
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(record) + "\n").encode())
+    finally:
+        os.close(fd)
 
 
 class PluginGroup(click.Group):

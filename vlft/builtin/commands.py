@@ -14,7 +14,7 @@ import json
 
 import click
 
-from vlft.cli import as_arguments, config_options, given_flags, user_errors
+from vlft.cli import as_arguments, config_options, given_flags, record_options, user_errors
 from vlft.config import RunConfig, build_config, load_config_file
 from vlft.hookspecs import hookimpl
 from vlft.registry import DISABLE_ENV, get_registry
@@ -41,6 +41,7 @@ def run(ctx, config_file, as_json, verbose, quiet, nproc_per_node, nnodes, node_
     from vlft.training.launch import LaunchOptions, end_worker, relaunch
 
     file_values = load_config_file(config_file) if config_file else {}
+    record_options(ctx, file_values)
     flags = given_flags(ctx, params)
     config = build_config(file_values, flags)
     launch = LaunchOptions(nproc_per_node, nnodes, node_rank, master_addr, master_port)
