@@ -128,6 +128,10 @@ def plugins(as_json):
             for f in installed_families(registry)
         ],
         "bundled_configs": bundled_names(registry),
+        "scorers": [
+            {"name": c.name, "description": c.description, "plugin": registry.owners[("scorer", c.name)]}
+            for c in sorted(registry.scorers.values(), key=lambda c: c.name)
+        ],
     }
     if as_json:
         click.echo(json.dumps(data, indent=2))
@@ -148,6 +152,9 @@ def plugins(as_json):
     click.echo("objectives:")
     for o in data["objectives"]:
         click.echo(f"  {o['name']:<8} {o['description']} (plugin {o['plugin']})")
+    click.echo("scorers (--scorer on run and eval; each is a --reward too):")
+    for c in data["scorers"]:
+        click.echo(f"  {c['name']:<8} {c['description']} (plugin {c['plugin']})")
     click.echo("model families (--model DIR of that model_type, or --model embedded:<name> for a tiny offline one):")
     names = max([13, *(len(f["name"]) for f in data["model_families"])])
     types = max([14, *(len(", ".join(f["model_types"])) for f in data["model_families"])])
@@ -203,6 +210,18 @@ def objectives():
                        + f": {reward.description} ({registry.owners[('reward', reward.name)]})")
 
 
+@click.command()
+@user_errors
+def scorers():
+    """List the scorers (--scorer on `vlft run` and `vlft eval`; each is a --reward too) and what auto picks."""
+    registry = get_registry()
+    for c in sorted(registry.scorers.values(), key=lambda c: c.name):
+        click.echo(f"{c.name}: {c.description} ({registry.owners[('scorer', c.name)]})")
+        click.echo("  auto: " + ("picks it where the references take its form" if c.fits is not None else
+                                 "only when named")
+                   + (f"; lower is better: {', '.join(c.lower_is_better)}" if c.lower_is_better else ""))
+
+
 @click.command("demo-data")
 @click.argument("out", type=click.Path(file_okay=False))
 @click.option("--train", "n_train", default=1600, show_default=True, help="Training samples.")
@@ -228,6 +247,6 @@ def vlft_register_commands(cli):
     from vlft.commands.report import report
 
     data.add_command(convert)
-    for command in (run, plugins, methods, objectives, demo_data, data, doctor, parity, parity_worker, predict,
+    for command in (run, plugins, methods, objectives, scorers, demo_data, data, doctor, parity, parity_worker, predict,
                     eval_command, export, report):
         cli.add_command(command)
