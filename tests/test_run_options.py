@@ -65,6 +65,7 @@ RUN_OPTION_TESTS = {
     "--eval-batches": "test_after_training.py::test_progress_bar_writes_no_line_per_logged_step_when_stderr_is_not_a_terminal",
     "--eval-samples": "test_run.py::test_short_run_writes_adapter_metrics_and_eval",
     "--max-new-tokens": "test_run.py::test_short_run_writes_adapter_metrics_and_eval",
+    "--scorer": "test_scorer_runs.py::test_a_run_scores_with_auto_and_named_scorers_and_the_figures_rise",
     "--save-every": "test_run.py::test_short_run_writes_adapter_metrics_and_eval",
     "--keep-checkpoints": "test_run.py::test_short_run_writes_adapter_metrics_and_eval",
     "--resume": "test_run.py::test_resume_continues_with_the_same_losses",

@@ -227,12 +227,22 @@ def scorers():
 @click.option("--train", "n_train", default=1600, show_default=True, help="Training samples.")
 @click.option("--val", "n_val", default=400, show_default=True, help="Validation samples.")
 @click.option("--seed", default=0, show_default=True)
+@click.option("--task", type=click.Choice(["inspection", "counting", "grounding"]), default="inspection",
+              show_default=True, help="inspection: the embedded product set (fields); counting: discs to count "
+              "(relaxed accuracy); grounding: a square's box (IoU), in --box-coordinates.")
+@click.option("--box-coordinates", type=click.Choice(["absolute", "relative-1000", "relative-1"]),
+              default="absolute", show_default=True,
+              help="grounding: the convention of the model family you train (`vlft plugins` lists each family's); "
+                   "absolute suits the embedded Qwen2.5-VL.")
 @user_errors
-def demo_data(out, n_train, n_val, seed):
-    """Write the embedded product-inspection data set (JSONL + images) to OUT."""
+def demo_data(out, n_train, n_val, seed, task, box_coordinates):
+    """Write a synthetic data set (JSONL + images) to OUT: the embedded product-inspection set, or a counting or
+    grounding set for the scorers (docs/scorers.md)."""
     from vlft.data.demo import write_demo_dataset
+    from vlft.data.demo_tasks import write_task_dataset
 
-    ds = write_demo_dataset(out, n_train=n_train, n_val=n_val, seed=seed)
+    ds = (write_demo_dataset(out, n_train=n_train, n_val=n_val, seed=seed) if task == "inspection" else
+          write_task_dataset(out, task, n_train=n_train, n_val=n_val, seed=seed, box_coordinates=box_coordinates))
     click.echo(f"wrote {n_train} training and {n_val} validation samples: {ds.train}, {ds.val}")
 
 
