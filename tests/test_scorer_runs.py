@@ -16,13 +16,15 @@ from helpers import cli_invoke
 
 from vlft import Scorer, hookimpl
 
-STEPS = 40  # 40 steps of 4 at lr 3e-3: the embedded model learns the answers' form (about 5 s of training here)
+# steps of 4 at lr 3e-3: on counting the embedded model learns the answers' form (a count; about 5 s of training on
+# 2 cores), on grounding where the square is (one of 9 places; about 15 s)
+STEPS = {"counting": 40, "grounding": 100}
 
 
-def short_run(data, out, *flags):
+def short_run(data, out, *flags, steps=STEPS["counting"]):
     train, val = data
     return cli_invoke("run", "--backend", "cpu", "--data", train, "--val-data", val, "--output", out,
-                      "--steps", STEPS, "--batch-size", 4, "--lr", "3e-3", "--eval-every", 0, "--save-every", 0,
+                      "--steps", steps, "--batch-size", 4, "--lr", "3e-3", "--eval-every", 0, "--save-every", 0,
                       "--eval-samples", 12, "--seed", 1, *flags)
 
 
@@ -91,11 +93,11 @@ def test_a_grounding_run_picks_iou_in_the_familys_convention_and_it_rises(tmp_pa
     from vlft.data.demo_tasks import write_task_dataset
 
     ds = write_task_dataset(tmp_path / "set", "grounding", n_train=120, n_val=12, seed=3)
-    code, output = short_run((ds.train, ds.val), tmp_path / "run", "--max-new-tokens", 20)
+    code, output = short_run((ds.train, ds.val), tmp_path / "run", "--max-new-tokens", 24, steps=STEPS["grounding"])
     assert code == 0, output
     assert "iou (auto: every reference holds a box (absolute, the family's convention))" in output
     ev = json.loads((tmp_path / "run" / "eval.json").read_text())
-    assert ev["before"]["iou"] == 0.0 and ev["after"]["iou"] > 0.2
+    assert ev["before"]["iou"] == 0.0 and ev["after"]["iou"] > 0.5 and ev["after"]["iou_accuracy"] > 0.5
     assert "iou accuracy" in output
     # the writer follows the convention asked (a refusal of a box outside the family's range: test_scorers.py)
     one = write_task_dataset(tmp_path / "fractions", "grounding", n_train=8, n_val=4, seed=3,

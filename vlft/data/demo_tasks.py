@@ -3,13 +3,13 @@ product-inspection set is (JSONL with relative image paths, ``imgs/``, determini
 
 - ``counting``: one to three bold discs on a light background; "How many discs are there?" is answered with the
   number alone (``2``), so ``--scorer auto`` picks relaxed accuracy.
-- ``grounding``: one coloured square; "Where is the square?" is answered with its box ``[x1, y1, x2, y2]`` in the
+- ``grounding``: one coloured square (64 pixels, in one of 9 places); "Where is the square?" is answered with its box ``[x1, y1, x2, y2]`` in the
   model family's coordinate convention (``absolute``: pixels of the 112-pixel image, which Qwen2.5-VL's processor
   keeps at that size; ``relative-1000``; ``relative-1``), so ``auto`` picks IoU.
 
-The embedded model starts from random weights: in a few dozen steps it learns the answer's form and where the
-answers lie on the whole (the commonest count, a box near the middle), which is what a short run's before/after
-shows moving; reading each image takes it far longer (the product set's defects take about 3,200 steps).
+The embedded model starts from random weights: in 100 steps of 4 it learns where the square is (IoU 0.0 to 1.0 on
+12 validation records); in 40 it learns to answer counting with a count (relaxed accuracy 0 to a third: the same
+count for every image), reading the discs takes it longer.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from vlft.data.demo import IMAGE_SIZE, DemoDataset
 
 TASKS = ("counting", "grounding")
 COUNTS = (1, 2, 3)
-SIDES = (52, 76)  # the square's side in pixels: large, so a box near the middle overlaps most answers
+SIDE = 64  # the square's side in pixels: large, so a box near the middle overlaps most answers
+CORNERS = (8, 24, 40)  # where its top-left corner lies, on each axis: 9 places
 
 
 def _background(rng: random.Random) -> Image.Image:
@@ -50,9 +51,8 @@ def draw_discs(n: int, rng: random.Random) -> Image.Image:
 def draw_square(rng: random.Random) -> tuple[Image.Image, tuple[int, int, int, int]]:
     """A coloured square somewhere in the image, and its box in pixels."""
     img = _background(rng)
-    side = rng.randint(*SIDES)
-    x1, y1 = rng.randint(4, IMAGE_SIZE - side - 4), rng.randint(4, IMAGE_SIZE - side - 4)
-    box = (x1, y1, x1 + side, y1 + side)
+    x1, y1 = rng.choice(CORNERS), rng.choice(CORNERS)
+    box = (x1, y1, x1 + SIDE, y1 + SIDE)
     ImageDraw.Draw(img).rectangle(box, fill=(200, 40, 40), outline=(60, 60, 60), width=2)
     return img, box
 
