@@ -63,13 +63,14 @@ def _question(reference="B"):
 
 
 def test_choice_reads_the_letter_the_option_text_or_the_named_option():
-    predictions = ["B", "(B)", "B. dog", "dog", "The answer is B", "A", "A cat", "C", ""]
+    # "Bird" is the option C's text, not the letter B its first capital is; "A cat" starts with an article
+    predictions = ["B", "(B)", "B. dog", "dog", "The answer is B", "A", "A cat", "C", "", "Bird"]
     records = [_question()] * len(predictions)
     got = values("choice", predictions, ["B"] * len(predictions), records=records)
-    assert got == [1, 1, 1, 1, 1, 0, 0, 0, 0]
+    assert got == [1, 1, 1, 1, 1, 0, 0, 0, 0, 0]
     # a reference written as the option's text is that option's letter
     assert values("choice", ["B", "A"], ["dog", "dog"], records=[_question("dog")] * 2) == [1.0, 0.0]
-    assert figures(["choice"], predictions, ["B"] * 9, records=records)["choice_accuracy"] == pytest.approx(5 / 9)
+    assert figures(["choice"], predictions, ["B"] * 10, records=records)["choice_accuracy"] == pytest.approx(5 / 10)
     # as a reward there are no records: the letters alone
     assert values("choice", ["B.", "C"], ["B", "B"]) == [1.0, 0.0]
     with pytest.raises(ValueError, match="names no option"):
