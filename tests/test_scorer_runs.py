@@ -89,20 +89,57 @@ def test_eval_scores_the_runs_adapter_with_the_scorers_asked(counting_run, count
     assert f"{after['relaxed_accuracy']:.1%}" in md
 
 
-def test_a_grounding_run_picks_iou_in_the_familys_convention_and_it_rises(tmp_path):
+@pytest.fixture(scope="module")
+def grounding(tmp_path_factory):
     from vlft.data.demo_tasks import write_task_dataset
 
-    ds = write_task_dataset(tmp_path / "set", "grounding", n_train=120, n_val=12, seed=3)
-    code, output = short_run((ds.train, ds.val), tmp_path / "run", "--max-new-tokens", 24, steps=STEPS["grounding"])
+    ds = write_task_dataset(tmp_path_factory.mktemp("grounding") / "set", "grounding", n_train=120, n_val=12, seed=3)
+    return ds.train, ds.val
+
+
+@pytest.fixture(scope="module")
+def grounding_run(grounding, tmp_path_factory):
+    out = tmp_path_factory.mktemp("grounding-run") / "run"
+    code, output = short_run(grounding, out, "--max-new-tokens", 24, "--adapter-opt", "lora_dropout=0",
+                             steps=STEPS["grounding"])
     assert code == 0, output
+    return out, output
+
+
+def test_a_grounding_run_picks_iou_in_the_familys_convention_and_it_rises(grounding_run, tmp_path):
+    from vlft.data.demo_tasks import write_task_dataset
+
+    out, output = grounding_run
     assert "iou (auto: every reference holds a box (absolute, the family's convention))" in output
-    ev = json.loads((tmp_path / "run" / "eval.json").read_text())
+    ev = json.loads((out / "eval.json").read_text())
     assert ev["before"]["iou"] == 0.0 and ev["after"]["iou"] > 0.5 and ev["after"]["iou_accuracy"] > 0.5
     assert "iou accuracy" in output
     # the writer follows the convention asked (a refusal of a box outside the family's range: test_scorers.py)
     one = write_task_dataset(tmp_path / "fractions", "grounding", n_train=8, n_val=4, seed=3,
                              box_coordinates="relative-1")
     assert json.loads(one.val.read_text().splitlines()[0])["conversations"][1]["value"].startswith("[0.")
+
+
+def test_grpo_rewards_with_scorers(grounding, grounding_run, tmp_path):
+    """`--reward iou --reward anls`: two scorers as GRPO's rewards, from the grounding adapter (4 steps of 2 prompts
+    x 4 completions): each logged, in [0, 1], adding up to the reward."""
+    train, val = grounding
+    out = tmp_path / "grpo"
+    code, output = cli_invoke("run", "--objective", "grpo", "--reward", "iou", "--reward", "anls", "--init-adapter",
+                              grounding_run[0], "--backend", "cpu", "--data", train, "--val-data", val, "--output",
+                              out, "--steps", 4, "--batch-size", 2, "--num-generations", 4, "--max-new-tokens", 24,
+                              "--temperature", "0.7", "--lr", "3e-4", "--log-every", 1, "--eval-every", 0,
+                              "--eval-samples", 4, "--save-every", 0, "--seed", 1, "--adapter-opt", "lora_dropout=0",
+                              "--quiet")
+    assert code == 0, output
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in steps if "loss" in m]
+    assert len(steps) == 4
+    for m in steps:
+        assert 0 <= m["reward_iou"] <= 1 and 0 <= m["reward_anls"] <= 1
+        assert m["reward"] == pytest.approx(m["reward_iou"] + m["reward_anls"])
+    assert max(m["reward_iou"] for m in steps) > 0.5  # the adapter finds the square: its samples overlap it
+    assert "iou" in json.loads((out / "eval.json").read_text())["after"]  # auto scores the validation too
 
 
 # -- every built-in figure through `vlft eval`, the answers fixed ------------------------------------------------
