@@ -199,6 +199,31 @@ def test_eval_writes_every_built_in_figure_equal_to_its_hand_computation(sink_se
         assert any(line.startswith(label) for line in output.splitlines()), label
 
 
+def test_records_with_several_answers_score_the_best_of_them(counting, tmp_path, monkeypatch):
+    """A record's ``answers`` (DocVQA's several acceptable answers): ANLS and exact match take the best."""
+    import vlft.evaluation.generation as generation
+
+    train, _ = counting
+    image = str((train.parent / json.loads(train.read_text().splitlines()[0])["image"]).resolve())
+
+    def record(reply, answers):
+        return json.dumps({"image": image, "answers": answers, "conversations": [
+            {"from": "user", "value": "<image>\nWhat is the total?"}, {"from": "assistant", "value": reply}]})
+
+    data = tmp_path / "docvqa.jsonl"
+    data.write_text(record("$12.00", ["12", "twelve dollars"]) + "\n" + record("kitten", ["kitten"]) + "\n")
+    monkeypatch.setattr(generation, "generate_answers", lambda m, e, records, *a, **k: ["12", "sitting"][:len(records)])
+    out = tmp_path / "scores.json"
+    code, output = cli_invoke("eval", "--data", data, "--scorer", "exact,anls", "--output", out)
+    assert code == 0, output
+    got = json.loads(out.read_text())["scores"]
+    # "12" is one of the first record's answers: 1 for both; "sitting" against "kitten": ANLS 4/7, not exact
+    assert got["exact_match"] == 0.5 and got["anls"] == pytest.approx((1 + 4 / 7) / 2)
+    data.write_text(record("12", "12") + "\n")
+    code, output = cli_invoke("eval", "--data", data, "--output", out)
+    assert code == 1 and "docvqa.jsonl:1: 'answers' must be a list of strings" in output
+
+
 # -- a third party's scorer --------------------------------------------------------------------------------------
 
 def shortness(predictions, references, **context):

@@ -180,10 +180,10 @@ def eval_command(adapter, model, backend, precision, param_dtype, attn, max_pixe
     """Score an adapter, a base or a merged model on a data file with the chosen scorers (--scorer): exact match,
     per-field accuracy and F1, ANLS, relaxed accuracy, IoU, BLEU, ... (`vlft scorers`)."""
     from vlft.data.records import read_records
-    from vlft.evaluation.generation import evaluate_generation, scoring_context
+    from vlft.evaluation.generation import evaluate_generation
     from vlft.evaluation.inference import write_atomically
     from vlft.evaluation.scoring import format_table
-    from vlft.planning.scorers import choose_scorers, describe_line
+    from vlft.planning.scorers import choose_scorers, describe_line, scoring_context
     from vlft.registry import get_registry
 
     _check_positive(batch_size=batch_size, max_new_tokens=max_new_tokens, samples=samples)

@@ -15,7 +15,7 @@ from vlft.data.batching import collator_for, to_device
 from vlft.data.encoding import SampleEncoder
 from vlft.data.records import Record
 from vlft.evaluation.scoring import score
-from vlft.planning.scorers import choose_scorers
+from vlft.planning.scorers import choose_scorers, scoring_context
 from vlft.models.loss import autocast_context
 from vlft.training.fsdp import root_gathered
 
@@ -83,9 +83,3 @@ def evaluate_generation(model, encoder, records, device, max_new_tokens=32, auto
     ]
     return result
 
-
-def scoring_context(records, family) -> dict:
-    """What a scorer is told besides the answers: each record's place, the records (prompts, images) and the
-    family's box convention."""
-    return {"where": [r.where for r in records], "records": list(records),
-            "box_coordinates": family.box_coordinates if family is not None else None}

@@ -133,9 +133,20 @@ def check_references(chosen: list[tuple[str, Scorer]], references: list[str], co
     return problems
 
 
+def scoring_context(records, family) -> dict:
+    """What a scorer is told besides the answers: each record's place, the records (prompts, images), the
+    family's box convention and, where records list them (``"answers": [...]``), every acceptable answer (the
+    reference first)."""
+    context = {"where": [r.where for r in records], "records": list(records),
+               "box_coordinates": family.box_coordinates if family is not None else None}
+    if any(getattr(r, "answers", None) for r in records):
+        context["answers"] = [[r.reference, *[a for a in (getattr(r, "answers", None) or []) if a != r.reference]]
+                              for r in records]
+    return context
+
+
 def scorers_for_run(registry, config, val_records, family) -> ScorerChoice:
     """``--scorer`` of a run, on the validation records the before/after test scores (``--eval-samples``)."""
     records = list(val_records[:config.eval_samples] if config.eval_samples else val_records)
     return choose_scorers(registry.scorers, config.scorer, [r.reference for r in records],
-                          where=[r.where for r in records], records=records,
-                          box_coordinates=family.box_coordinates if family is not None else None)
+                          **scoring_context(records, family))
