@@ -46,8 +46,9 @@ class RunConfig:
                                 "each pair's loss (RPO; TRL's rpo_alpha, LLaMA-Factory's pref_ftx): keeps the chosen "
                                 "answers likely while the margin grows (0: plain DPO).")
     reward: list | None = opt(None, "GRPO: a reward function, repeatable (the rewards add up): a plugin's NAME or "
-                                    "NAME=ARGUMENT (built in: fields, exact, format=REGEX, numeric; see `vlft "
-                                    "objectives`) or your MODULE:FUNCTION; default: fields.",
+                                    "NAME=ARGUMENT (built in: format=REGEX, numeric, and every scorer: fields, "
+                                    "exact, anls, relaxed, iou, ...; see `vlft objectives`) or your "
+                                    "MODULE:FUNCTION; default: fields.",
                               multiple=True, metavar="NAME[=ARG]|MODULE:FUNCTION")
     num_generations: int = opt(8, "GRPO: completions sampled per prompt (the group whose rewards are compared), "
                                   "at least 2.")

@@ -287,9 +287,9 @@ def vlft_objective(objective: str, config: RunConfig, rewards: dict[str, Reward]
 
     Asked once at plan time, before any data is read; ``config`` holds its options (``--beta``, ...): check
     them here and raise ``ConfigError`` naming a bad one. ``rewards``: every reward function the plugins offer
-    (``vlft_rewards``), by name, for an objective that scores generations (GRPO); an implementation that does
-    not need it leaves the argument out. The training step calls the answer's callables and no hook. First
-    answer wins.
+    (``vlft_rewards``, and each scorer of ``vlft_scorers``), by name, for an objective that scores generations
+    (GRPO); an implementation that does not need it leaves the argument out. The training step calls the
+    answer's callables and no hook. First answer wins.
     """
 
 
