@@ -82,7 +82,7 @@ def test_vlft_methods_shows_hyperparameters_with_help_lr_and_targets(registry):
 
 def test_vlft_demo_data_writes_a_readable_data_set(tmp_path):
     from vlft.data.records import read_records
-    from vlft.evaluation.scoring import parse_fields
+    from vlft_scorers.fields import parse_fields
 
     proc = vlft("demo-data", str(tmp_path / "demo"), "--train", "6", "--val", "2", "--seed", "4")
     assert proc.returncode == 0, proc.stderr

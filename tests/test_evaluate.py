@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import pytest
+from vlft_scorers.fields import parse_fields
 
-from vlft.evaluation.scoring import parse_fields, score
+from vlft.evaluation import scoring
+from vlft.registry import load_registry
+
+SCORERS = load_registry(load_entry_points=False, builtins=True).scorers
+
+
+def score(predictions, references):
+    """exact match and fields, as `--scorer exact,fields` chooses them."""
+    return scoring.score(predictions, references, [(n, SCORERS[n]) for n in ("exact", "fields")])
 
 REFERENCES = ["colour: red, defect: none", "colour: red, defect: scratch",
               "colour: blue, defect: crack", "colour: blue, defect: none"]

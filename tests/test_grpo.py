@@ -28,7 +28,9 @@ GRPO_FIGURES = ("reward", "reward_std", "kl", "clip_fraction", "completion_lengt
 
 
 def offered() -> dict:
-    return {r.name: r for r in vlft_rewards()}
+    from vlft.registry import load_registry  # the rewards and the scorers (each a reward) of the built-ins
+
+    return {**load_registry(load_entry_points=False, builtins=True).rewards, **{r.name: r for r in vlft_rewards()}}
 
 
 # -- the loss, by hand (float64) ---------------------------------------------------------------------------
@@ -140,7 +142,8 @@ def test_reward_specs_resolve_plugins_and_user_functions():
     assert [label for label, _ in chosen] == ["fields", "format", "user_reward"]
     assert chosen[1][1](["colour: red, defect: none"], [""]) == [1.0]
     assert chosen[2][1] is user_reward
-    with pytest.raises(ConfigError, match="no plugin offers a reward 'nosuch'; offered: exact, fields, format, numeric"):
+    with pytest.raises(ConfigError, match="no plugin offers a reward 'nosuch'; offered: anls, bleu, cer, choice, "
+                                         "exact, fields, format, iou, json, numeric, relaxed, rouge"):
         grpo.resolve_rewards(["nosuch"], offered())
     with pytest.raises(ConfigError, match="cannot import no_such_module"):
         grpo.resolve_rewards(["no_such_module:f"], offered())

@@ -64,9 +64,6 @@ PRIVATE_IMPORTS = {
         "labelled_logits: the logits at labelled positions only, shared with the supervised loss (issue 30)",
     ("vlft_objectives.grpo", "vlft.models.rows"):
         "row_inputs, unwrapped: the G rows of a prompt sharing one vision pass; the model DDP wraps (issue 30)",
-    ("vlft_objectives.rewards", "vlft.evaluation.scoring"):
-        "parse_fields, normalise: vlft eval's answer scorer, so the fields and exact rewards agree with it "
-        "(issue 30)",
     ("vlft_models.family", "vlft.models.families"):
         "FamilyTargets, frozen_router_parameters, resolve_module, select_target_modules, "
         "vision_parameter_names: the target-selection helpers, re-exported for family plugins (issue 30)",

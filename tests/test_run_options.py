@@ -69,6 +69,7 @@ RUN_OPTION_TESTS = {
     "--eval-batches": PACK + "test_two_data_parallel_processes_packed_train_as_one_padded_process",
     "--eval-samples": "test_run.py::test_short_run_writes_adapter_metrics_and_eval",
     "--max-new-tokens": "test_run.py::test_short_run_writes_adapter_metrics_and_eval",
+    "--scorer": "test_scorer_runs.py::test_a_run_scores_with_auto_and_named_scorers_and_the_figures_rise",
     "--save-every": "test_run.py::test_short_run_writes_adapter_metrics_and_eval",
     "--keep-checkpoints": "test_run.py::test_short_run_writes_adapter_metrics_and_eval",
     "--resume": "test_run.py::test_resume_continues_with_the_same_losses",

@@ -44,6 +44,7 @@ from vlft.policies import (
     Sharding,
     VideoInputs,
     Reward,
+    Scorer,
     VisionWarmup,
     Written,
     processor_image_inputs,
@@ -56,6 +57,6 @@ __all__ = [
     "DataError", "DataLoaderOptions", "DeviceCapacity", "DeviceSetup", "DistributedOptions", "DoctorCheck",
     "Experts", "ImageInputs", "KernelPatch", "Media", "MemoryStats", "MethodInfo", "MetricSink", "ModelFamily",
     "Objective", "ObjectiveInfo", "Packing", "Positions", "PrecisionPolicy", "ProbeResult", "Reward",
-    "RunConfig", "Sharding", "VideoInputs", "VisionWarmup", "Written", "VlftError", "hookimpl", "hookimpl_for",
+    "RunConfig", "Scorer", "Sharding", "VideoInputs", "VisionWarmup", "Written", "VlftError", "hookimpl", "hookimpl_for",
     "parse_attn", "processor_image_inputs", "tokenize_pieces",
 ]

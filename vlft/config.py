@@ -46,8 +46,9 @@ class RunConfig:
                                 "each pair's loss (RPO; TRL's rpo_alpha, LLaMA-Factory's pref_ftx): keeps the chosen "
                                 "answers likely while the margin grows (0: plain DPO).")
     reward: list | None = opt(None, "GRPO: a reward function, repeatable (the rewards add up): a plugin's NAME or "
-                                    "NAME=ARGUMENT (built in: fields, exact, format=REGEX, numeric; see `vlft "
-                                    "objectives`) or your MODULE:FUNCTION; default: fields.",
+                                    "NAME=ARGUMENT (built in: format=REGEX, numeric, and every scorer: fields, "
+                                    "exact, anls, relaxed, iou, ...; see `vlft objectives`) or your "
+                                    "MODULE:FUNCTION; default: fields.",
                               multiple=True, metavar="NAME[=ARG]|MODULE:FUNCTION")
     num_generations: int = opt(8, "GRPO: completions sampled per prompt (the group whose rewards are compared), "
                                   "at least 2.")
@@ -112,6 +113,11 @@ class RunConfig:
     eval_batches: int = opt(8, "Validation batches per periodic evaluation.")
     eval_samples: int = opt(200, "Validation samples for the before/after generation test (0: all).")
     max_new_tokens: int = opt(32, "Longest generated answer in evaluation, and (GRPO) of each sampled completion.")
+    scorer: str = opt("auto", "How the before/after test scores the answers: scorers by name, comma-separated "
+                              "(built in: exact, fields, anls, relaxed, choice, iou, bleu, rouge, cer, json; see `vlft "
+                              "scorers`), auto (exact match, plus fields, relaxed, iou or json where every validation "
+                              "reference takes that form; the plan says which) or your MODULE:FUNCTION.",
+                      metavar="NAME[,NAME]")
     save_every: int = opt(200, "Checkpoint every N steps (0: only at the end).")
     keep_checkpoints: int = opt(2, "Checkpoints kept; older ones are deleted.")
     resume: bool = opt(False, "Continue from the newest checkpoint in --output.", flag=True)

@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # annotations only: importing this module loads neither torch
         PrecisionPolicy,
         ProbeResult,
         Reward,
+        Scorer,
     )
 
 hookspec = pluggy.HookspecMarker("vlft")
@@ -286,9 +287,9 @@ def vlft_objective(objective: str, config: RunConfig, rewards: dict[str, Reward]
 
     Asked once at plan time, before any data is read; ``config`` holds its options (``--beta``, ...): check
     them here and raise ``ConfigError`` naming a bad one. ``rewards``: every reward function the plugins offer
-    (``vlft_rewards``), by name, for an objective that scores generations (GRPO); an implementation that does
-    not need it leaves the argument out. The training step calls the answer's callables and no hook. First
-    answer wins.
+    (``vlft_rewards``, and each scorer of ``vlft_scorers``), by name, for an objective that scores generations
+    (GRPO); an implementation that does not need it leaves the argument out. The training step calls the
+    answer's callables and no hook. First answer wins.
     """
 
 
@@ -297,6 +298,17 @@ def vlft_rewards() -> list[Reward]:
     """Return a list of ``Reward`` for the reward functions this plugin offers (``--reward NAME[=ARGUMENT]``).
 
     Every plugin's answer is collected; two plugins offering one name is an error.
+    """
+
+
+@hookspec
+def vlft_scorers() -> list[Scorer]:
+    """Return a list of ``Scorer`` for the ways of scoring answers this plugin offers (``--scorer NAME`` on ``vlft
+    run`` and ``vlft eval``: the before/after table, ``eval.json``, ``vlft report``).
+
+    Every scorer is also a reward (``--reward NAME``): the core offers each as one beside the answers of
+    ``vlft_rewards``. Every plugin's answer is collected; two plugins offering one name (a scorer, or a scorer
+    and a reward) is an error.
     """
 
 

@@ -1,4 +1,4 @@
-"""The plugin manager: plugins in, backends, methods, objectives and reward functions out.
+"""The plugin manager: plugins in, backends, methods, objectives, reward functions and scorers out.
 
 The built-in plugins (``vlft.plugins``) register directly, so a checkout that is not
 installed has them; third-party plugins register through the ``vlft`` entry-point group. A plugin that
@@ -23,7 +23,7 @@ import pluggy
 from vlft import hookspecs
 from vlft.errors import ConfigError, VlftError
 from vlft.plugins import builtin_plugins, serve_checkout
-from vlft.policies import BackendInfo, MethodInfo, ObjectiveInfo, Reward
+from vlft.policies import BackendInfo, MethodInfo, ObjectiveInfo, Reward, Scorer
 
 if TYPE_CHECKING:
     from vlft.policies import Objective
@@ -45,7 +45,8 @@ class Registry:
     backends: dict[str, BackendInfo] = field(default_factory=dict)
     methods: dict[str, MethodInfo] = field(default_factory=dict)
     objectives: dict[str, ObjectiveInfo] = field(default_factory=dict)
-    rewards: dict[str, Reward] = field(default_factory=dict)  # reward functions (``vlft_rewards``) by name
+    rewards: dict[str, Reward] = field(default_factory=dict)  # reward functions (``vlft_rewards``, scorers) by name
+    scorers: dict[str, Scorer] = field(default_factory=dict)  # scorers (``vlft_scorers``) by name
     owners: dict[tuple[str, str], str] = field(default_factory=dict)  # (kind, name) -> plugin
 
     @property
@@ -53,17 +54,20 @@ class Registry:
         return self.pm.hook
 
     def refresh(self) -> "Registry":
-        """Collect backend, method, objective and reward names; two plugins claiming one name is an error."""
+        """Collect backend, method, objective, reward and scorer names; two plugins claiming one name is an
+        error. Every scorer is a reward too (``Scorer.as_reward``), so a scorer and a reward of one name clash."""
         self.backends.clear()
         self.methods.clear()
         self.objectives.clear()
         self.rewards.clear()
+        self.scorers.clear()
         self.owners.clear()
         for kind, caller, table in (
             ("backend", self.pm.hook.vlft_backends, self.backends),
             ("method", self.pm.hook.vlft_methods, self.methods),
             ("objective", self.pm.hook.vlft_objectives, self.objectives),
             ("reward", self.pm.hook.vlft_rewards, self.rewards),
+            ("scorer", self.pm.hook.vlft_scorers, self.scorers),
         ):
             for impl in caller.get_hookimpls():
                 for info in impl.function() or []:
@@ -76,6 +80,15 @@ class Registry:
                         )
                     self.owners[key] = impl.plugin_name
                     table[info.name] = info
+        for name, scorer in self.scorers.items():  # one function seen twice: every scorer is a reward
+            owner = self.owners[("scorer", name)]
+            if name in self.rewards:
+                raise VlftError(
+                    f"two plugins offer the reward '{name}': '{self.owners[('reward', name)]}' (a reward) and "
+                    f"'{owner}' (a scorer, which is a reward too). Uninstall one, or block it with "
+                    f"{DISABLE_ENV}={owner}")
+            self.rewards[name] = scorer.as_reward()
+            self.owners[("reward", name)] = owner
         return self
 
     def backend(self, name: str) -> BackendInfo:

@@ -73,8 +73,8 @@ HELP = {
     "temperature": "--temperature: sampling temperature",
     "top_p": "--top-p: nucleus sampling (1: off; no top-k)",
     "max_new_tokens": "--max-new-tokens: longest completion",
-    "rewards": "--reward NAME[=ARG] or MODULE:FUNCTION, repeatable, summed (built in: fields, exact, format=REGEX, "
-               "numeric)",
+    "rewards": "--reward NAME[=ARG] or MODULE:FUNCTION, repeatable, summed (built in: format=REGEX, numeric and "
+               "every scorer: fields, exact, anls, relaxed, iou, ...)",
     "beta": "--beta: weight of the KL term to the reference (0: no reference pass)",
     "clip_epsilon": "--clip-epsilon: the policy ratio is clipped to [1 - e, 1 + e]",
     "num_iterations": "--num-iterations: optimizer steps trained on each rollout (TRL's num_iterations; above 1 "

@@ -4,17 +4,12 @@ offered through ``vlft_rewards`` as a third party would offer its own.
 Each function scores completions against their record's reference (the assistant reply of the data), one
 number per completion:
 
-- ``fields``: the share of the reference's ``field: value`` pairs the completion names with the same value,
-  read as ``vlft eval``'s field scorer reads answers (``colour: red, defect: none``); a reference without
-  such pairs cannot be scored (an error before step 1: use ``exact``);
-- ``exact``: 1 where the completion equals the reference after trimming and collapsing white space
-  (``vlft eval``'s exact match), else 0;
 - ``format=REGEX``: 1 where the whole (trimmed) completion matches REGEX, else 0;
 - ``numeric`` (``numeric=TOL``): 1 where the last number in the completion equals the last number in the
   reference within relative tolerance TOL (default 1e-6), else 0; a reference without a number is an error.
 
-Imports inside functions: the core's answer scorer (``vlft.evaluation.scoring``) loads when a reward is
-built, at plan time, so listing the plugins stays light.
+Every scorer (``vlft_scorers``: ``fields``, ``exact``, ``anls``, ``relaxed``, ``iou``, ...) is a reward too: the
+core offers each one as ``--reward NAME`` beside these, so a reward and ``vlft eval``'s figure are one function.
 """
 
 from __future__ import annotations
@@ -30,42 +25,10 @@ NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 @hookimpl
 def vlft_rewards():
     return [
-        Reward("fields", "share of the reference's 'field: value' pairs the completion gets right (vlft eval's "
-                         "field scorer)", _plain("fields", fields_reward)),
-        Reward("exact", "1 if the completion equals the reference (white space collapsed), else 0",
-               _plain("exact", exact_reward)),
         Reward("format", "1 if the whole completion matches the regex, else 0", _format, argument="REGEX"),
         Reward("numeric", "1 if the completion's last number equals the reference's (relative tolerance, default "
                           "1e-6), else 0", _numeric, argument="TOLERANCE (optional)"),
     ]
-
-
-def _plain(name, function):
-    def build(argument):
-        if argument is not None:
-            raise ConfigError(f"--reward {name}={argument}: the {name} reward takes no argument")
-        return function
-    return build
-
-
-def fields_reward(completions, references, **context):
-    from vlft.evaluation.scoring import parse_fields  # the field reader of vlft eval, so the two agree
-
-    out = []
-    for completion, reference in zip(completions, references):
-        wanted = parse_fields(reference)
-        if not wanted:
-            raise ValueError(f"the reference {reference!r} holds no 'field: value' pairs; score it with "
-                             f"--reward exact (or another reward)")
-        got = parse_fields(completion)
-        out.append(sum(got.get(k) == v for k, v in wanted.items()) / len(wanted))
-    return out
-
-
-def exact_reward(completions, references, **context):
-    from vlft.evaluation.scoring import normalise  # vlft eval's exact match, so the two agree
-
-    return [float(normalise(c) == normalise(r)) for c, r in zip(completions, references)]
 
 
 def _format(argument):

@@ -129,6 +129,10 @@ def plugins(as_json):
             for f in installed_families(registry)
         ],
         "bundled_configs": bundled_names(registry),
+        "scorers": [
+            {"name": c.name, "description": c.description, "plugin": registry.owners[("scorer", c.name)]}
+            for c in sorted(registry.scorers.values(), key=lambda c: c.name)
+        ],
     }
     if as_json:
         click.echo(json.dumps(data, indent=2))
@@ -149,6 +153,9 @@ def plugins(as_json):
     click.echo("objectives:")
     for o in data["objectives"]:
         click.echo(f"  {o['name']:<8} {o['description']} (plugin {o['plugin']})")
+    click.echo("scorers (--scorer on run and eval; each is a --reward too):")
+    for c in data["scorers"]:
+        click.echo(f"  {c['name']:<8} {c['description']} (plugin {c['plugin']})")
     click.echo("model families (--model DIR of that model_type, or --model embedded:<name> for a tiny offline one):")
     names = max([13, *(len(f["name"]) for f in data["model_families"])])
     types = max([14, *(len(", ".join(f["model_types"])) for f in data["model_families"])])
@@ -204,17 +211,39 @@ def objectives():
                        + f": {reward.description} ({registry.owners[('reward', reward.name)]})")
 
 
+@click.command()
+@user_errors
+def scorers():
+    """List the scorers (--scorer on `vlft run` and `vlft eval`; each is a --reward too) and what auto picks."""
+    registry = get_registry()
+    for c in sorted(registry.scorers.values(), key=lambda c: c.name):
+        click.echo(f"{c.name}: {c.description} ({registry.owners[('scorer', c.name)]})")
+        click.echo("  auto: " + ("picks it where the references take its form" if c.fits is not None else
+                                 "only when named")
+                   + (f"; lower is better: {', '.join(c.lower_is_better)}" if c.lower_is_better else ""))
+
+
 @click.command("demo-data")
 @click.argument("out", type=click.Path(file_okay=False))
 @click.option("--train", "n_train", default=1600, show_default=True, help="Training samples.")
 @click.option("--val", "n_val", default=400, show_default=True, help="Validation samples.")
 @click.option("--seed", default=0, show_default=True)
+@click.option("--task", type=click.Choice(["inspection", "counting", "grounding"]), default="inspection",
+              show_default=True, help="inspection: the embedded product set (fields); counting: discs to count "
+              "(relaxed accuracy); grounding: a square's box (IoU), in --box-coordinates.")
+@click.option("--box-coordinates", type=click.Choice(["absolute", "relative-1000", "relative-1"]),
+              default="absolute", show_default=True,
+              help="grounding: the convention of the model family you train (`vlft plugins` lists each family's); "
+                   "absolute suits the embedded Qwen2.5-VL.")
 @user_errors
-def demo_data(out, n_train, n_val, seed):
-    """Write the embedded product-inspection data set (JSONL + images) to OUT."""
+def demo_data(out, n_train, n_val, seed, task, box_coordinates):
+    """Write a synthetic data set (JSONL + images) to OUT: the embedded product-inspection set, or a counting or
+    grounding set for the scorers (docs/scorers.md)."""
     from vlft.data.demo import write_demo_dataset
+    from vlft.data.demo_tasks import write_task_dataset
 
-    ds = write_demo_dataset(out, n_train=n_train, n_val=n_val, seed=seed)
+    ds = (write_demo_dataset(out, n_train=n_train, n_val=n_val, seed=seed) if task == "inspection" else
+          write_task_dataset(out, task, n_train=n_train, n_val=n_val, seed=seed, box_coordinates=box_coordinates))
     click.echo(f"wrote {n_train} training and {n_val} validation samples: {ds.train}, {ds.val}")
 
 
@@ -229,6 +258,6 @@ def vlft_register_commands(cli):
     from vlft.commands.report import report
 
     data.add_command(convert)
-    for command in (run, plugins, methods, objectives, demo_data, data, doctor, parity, parity_worker, predict,
+    for command in (run, plugins, methods, objectives, scorers, demo_data, data, doctor, parity, parity_worker, predict,
                     eval_command, export, report):
         cli.add_command(command)

@@ -169,15 +169,22 @@ def eval_output(output: str | None, source, data: str) -> Path:
               help="Scores JSON; default: eval-<data file name>.json in the run folder of --adapter (beside the "
                    "run's own eval.json, which is never overwritten), else here.")
 @click.option("--compare-base", is_flag=True, help="Also score the base model (adapter off) on the same records.")
+@click.option("--scorer", default="auto", show_default=True, metavar="NAME[,NAME]",
+              help="Scorers by name, comma-separated (see `vlft scorers`; built in: exact, fields, anls, relaxed, "
+                   "choice, iou, bleu, rouge, cer, json), auto (exact match, plus fields, relaxed, iou or json where "
+                   "every reference takes that form) or your MODULE:FUNCTION, as `vlft run --scorer`.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @user_errors
 def eval_command(adapter, model, backend, precision, param_dtype, attn, max_pixels, batch_size, max_new_tokens, data,
-                 samples, output, compare_base, quiet):
-    """Score an adapter, a base or a merged model on a data file: exact match, per-field accuracy and F1."""
+                 samples, output, compare_base, scorer, quiet):
+    """Score an adapter, a base or a merged model on a data file with the chosen scorers (--scorer): exact match,
+    per-field accuracy and F1, ANLS, relaxed accuracy, IoU, BLEU, ... (`vlft scorers`)."""
     from vlft.data.records import read_records
     from vlft.evaluation.generation import evaluate_generation
     from vlft.evaluation.inference import write_atomically
     from vlft.evaluation.scoring import format_table
+    from vlft.planning.scorers import choose_scorers, describe_line, scoring_context
+    from vlft.registry import get_registry
 
     _check_positive(batch_size=batch_size, max_new_tokens=max_new_tokens, samples=samples)
     if compare_base and adapter is None:
@@ -185,8 +192,14 @@ def eval_command(adapter, model, backend, precision, param_dtype, attn, max_pixe
     records = read_records(data)
     if samples:
         records = records[:samples]
+    references = [r.reference for r in records]
+    offered = get_registry().scorers
+    # the names and the references are checked before any weight loads; the family's box convention after
+    choose_scorers(offered, scorer, references, **scoring_context(records, None))
     loaded = _load(adapter, model, backend, precision, param_dtype, attn, max_pixels)
     out = eval_output(output, loaded.source, data)
+    chosen = choose_scorers(offered, scorer, references, **scoring_context(records, loaded.plan.family))
+    click.echo(f"scorers: {describe_line(chosen.describe())}", err=True)
 
     from tqdm.auto import tqdm
 
@@ -194,7 +207,7 @@ def eval_command(adapter, model, backend, precision, param_dtype, attn, max_pixe
         with tqdm(total=len(records), desc=desc, unit="record", disable=quiet,
                   mininterval=0.2 if sys.stderr.isatty() else 15.0) as bar:
             return evaluate_generation(m, loaded.encoder, records, loaded.device, max_new_tokens,
-                                       loaded.autocast_dtype, on_batch=bar.update)
+                                       loaded.autocast_dtype, on_batch=bar.update, scorers=chosen.chosen)
 
     before = None
     if compare_base:
@@ -205,7 +218,7 @@ def eval_command(adapter, model, backend, precision, param_dtype, attn, max_pixe
               "adapter": str(loaded.source.adapter_dir) if loaded.source else None,
               "method": loaded.source.method if loaded.source else None,
               "backend": loaded.plan.backend.info.name, "precision": loaded.plan.precision.describe(),
-              "max_new_tokens": max_new_tokens, "base": before, "scores": after}
+              "max_new_tokens": max_new_tokens, "scorers": chosen.describe(), "base": before, "scores": after}
     write_atomically(out, json.dumps(result, indent=2, default=str))
     click.echo(format_table(before, after))
     click.echo("(before: the base model, adapter off; after: " + _what(loaded) + ")")

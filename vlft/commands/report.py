@@ -134,6 +134,8 @@ def table_rows(runs: list[RunData]) -> tuple[list[str], list[list[str]]]:
               "median step time", "eval time", "checkpoint time", "samples/s", "tokens/s", "effective tokens/s", "MFU",
               "peak memory", "exact match before", "exact match after"]
     header += [f"{f} acc / F1 after" for f in fields]
+    figures = scorer_figures(runs)
+    header += [f"{f} before / after" for f in figures]
     rows = []
     for r in runs:
         logged = [m for m in r.metrics if "loss" in m]
@@ -174,8 +176,24 @@ def table_rows(runs: list[RunData]) -> tuple[list[str], list[list[str]]]:
         for f in fields:
             m = _get(r.eval, "after", "fields", f)
             row.append(f"{m['accuracy']:.1%} / {m['f1']:.1%}" if m else "-")
+        for f in figures:
+            row.append(f"{_pct(_number(_get(r.eval, 'before', f)))} / {_pct(_number(_get(r.eval, 'after', f)))}")
         rows.append(row)
     return header, rows
+
+
+def scorer_figures(runs: list[RunData]) -> list[str]:
+    """The figures of the runs' scorers (``--scorer``) beyond exact match and the fields' table, in the order
+    the runs' eval.json lists them: ANLS, relaxed accuracy, IoU, BLEU, ..."""
+    out: list[str] = []
+    for r in runs:
+        for keys in (_get(r.eval, "after", "scorers") or _get(r.eval, "before", "scorers") or {}).values():
+            out += [k for k in keys if k not in ("exact_match", "fields") and k not in out]
+    return out
+
+
+def _number(v):
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
 def _flatten(d, prefix="") -> dict:

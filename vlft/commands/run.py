@@ -189,7 +189,8 @@ class _Job:
         s, config = self.s, self.config
         return evaluate_generation(model, s.encoder, self.eval_records, self.device, config.max_new_tokens,
                                    s.autocast_dtype, rank=self.rank, world_size=config.world_size,
-                                   synced=s.sharded, batch_size=eval_batch_size(config))
+                                   synced=s.sharded, batch_size=eval_batch_size(config),
+                                   scorers=s.plan.scorers.chosen if s.plan.scorers else None)
 
     def evaluate(self) -> dict:
         """The validation figures: ``val_loss`` (the objective's loss) and the objective's ``val_<figure>``."""
@@ -348,8 +349,8 @@ class _Job:
             "init_adapter": plan.init_adapter, "steps": total_steps,
             "resumed_from": s.start_step, "train_time_s": self.train_time,
             "final_loss": records[-1]["loss"] if records else None, "peak_memory_bytes": mem.peak_bytes,
-            "exact_match_before": before["exact_match"],
-            "exact_match_after": after["exact_match"] if after is not None else None, "eval_error": eval_error,
+            "exact_match_before": before.get("exact_match"),
+            "exact_match_after": after.get("exact_match") if after is not None else None, "eval_error": eval_error,
             "adapter": str(output / "adapter"),
             "param_dtype": plan.precision.param_dtype, "checkpointing": plan.checkpointing,
             "memory_estimate_bytes": plan.memory.total_bytes() if plan.memory else None,

@@ -85,6 +85,9 @@ class Record:
     # a preference record (``data.preferences``): the same prompt with the reply ranked lower; ``turns`` hold the
     # chosen conversation
     rejected: list[Turn] | None = None
+    # every acceptable answer, where the record lists them (DocVQA's ``answers``): scorers take the best over these
+    # and the reference
+    answers: list[str] | None = None
 
     @property
     def reference(self) -> str:
@@ -425,9 +428,13 @@ def _record(where: str, obj: Any, base_dir: Path, images: _ImageChecker, add_pla
         videos.append(source)
     rejected = [Turn(ROLE_ALIASES[t.role], t.text, t.loss is not False) for t in parsed.rejected] \
         if parsed.rejected is not None else None
+    answers = obj.get("answers")
+    if answers is not None and (not isinstance(answers, list) or not all(isinstance(a, str) for a in answers)):
+        problems.add(where, f"'answers' must be a list of strings (every acceptable answer), got {answers!r}")
+        return None
     return Record(turns, sources, where, obj.get("id"), sizes if images.check or images.sizing else None, videos,
                   parsed.layout,
-                  rejected)
+                  rejected, answers or None)
 
 
 def _check_turns(parsed) -> str | None:

@@ -1,4 +1,4 @@
-"""Greedy generation on validation records, and its scores (exact match, per-field accuracy and F1).
+"""Greedy generation on validation records, and its scores (the chosen scorers: ``vlft.planning.scorers``).
 
 Under ``--shard fsdp`` every forward pass gathers every block, so every
 process takes the same number of passes: the shares are padded to one length
@@ -15,6 +15,7 @@ from vlft.data.batching import collator_for, to_device
 from vlft.data.encoding import SampleEncoder
 from vlft.data.records import Record
 from vlft.evaluation.scoring import score
+from vlft.planning.scorers import choose_scorers, scoring_context
 from vlft.models.loss import autocast_context
 from vlft.training.fsdp import root_gathered
 
@@ -48,9 +49,10 @@ def generate_answers(model, encoder: SampleEncoder, records: list[Record], devic
 
 def evaluate_generation(model, encoder, records, device, max_new_tokens=32, autocast_dtype=None,
                         rank: int = 0, world_size: int = 1, synced: bool = False, batch_size: int = 16,
-                        on_batch=None) -> dict:
+                        on_batch=None, scorers=None) -> dict:
     """Score greedy answers on ``records``; with several processes each does a share and rank 0 gathers.
-    ``on_batch(n)`` is told after each batch of ``n`` answers (a progress bar).
+    ``on_batch(n)`` is told after each batch of ``n`` answers (a progress bar). ``scorers``: ``[(label,
+    Scorer)]`` as ``choose_scorers`` chose them (None: ``auto`` on these records, from the installed plugins).
 
     ``synced`` (a sharded model, whose every forward pass gathers weights from all processes): the shares
     are padded to the same length with repeats of a record, whose answers are dropped, and every process
@@ -68,9 +70,16 @@ def evaluate_generation(model, encoder, records, device, max_new_tokens=32, auto
         torch.distributed.all_gather_object(gathered, pairs)
         pairs = sorted(p for part in gathered for p in part)
     predictions = [a for _, a in pairs]
-    references = [records[i].reference for i, _ in pairs]
-    result = score(predictions, references)
+    scored = [records[i] for i, _ in pairs]
+    references = [r.reference for r in scored]
+    context = scoring_context(scored, getattr(encoder, "family", None))
+    if scorers is None:
+        from vlft.registry import get_registry  # the process's plugins, for a caller that chose none
+
+        scorers = choose_scorers(get_registry().scorers, "auto", references, **context).chosen
+    result = score(predictions, references, scorers, **context)
     result["examples"] = [
         {"where": records[i].where, "reference": records[i].reference, "prediction": a} for i, a in pairs[:5]
     ]
     return result
+

@@ -1,84 +1,88 @@
-"""Evaluation: greedy generation on the validation split, and validation loss.
+"""Evaluation's figures: the chosen scorers (``vlft.planning.scorers``) on the answers, and the before/after table.
 
-Scores: exact match (after trimming and collapsing white space) and, for
-answers made of ``field: value`` pairs (``colour: red, defect: none``),
-per-field accuracy and macro F1 over the values each field takes.
+The result (``eval.json``'s ``before`` and ``after``, ``vlft eval``'s ``scores``) holds ``samples``, every chosen
+scorer's figures at the top level (``exact_match``, ``fields``: ``{field: {"accuracy", "f1"}}``, ``anls``, ``iou``
+and ``iou_accuracy``, ...), ``scorers`` (``{scorer: [its figures]}``, the table's order) and, where some are,
+``lower_is_better`` (the character error rate).
 """
 
 from __future__ import annotations
 
-import re
-from collections import defaultdict
+from vlft.errors import VlftError
+from vlft.planning.scorers import finite
 
-FIELD = re.compile(r"^\s*([A-Za-z][\w \-]*?)\s*:\s*(.*?)\s*$")
-
-
-def normalise(text: str) -> str:
-    return " ".join(text.strip().split())
+RESERVED = ("samples", "scorers", "lower_is_better", "examples", "validation")
+LEGACY = {"exact": ["exact_match"], "fields": ["fields"]}  # what a result written before scorers holds
 
 
-def parse_fields(text: str) -> dict[str, str]:
-    """``"colour: red, defect: none"`` -> ``{"colour": "red", "defect": "none"}`` ({} when not in that form)."""
-    out: dict[str, str] = {}
-    for part in re.split(r"[,\n;]", text):
-        if not part.strip():
-            continue
-        m = FIELD.match(part)
-        if not m:
-            return {}
-        out[m.group(1).strip().lower()] = m.group(2).strip().lower()
-    return out
-
-
-def macro_f1(pairs: list[tuple[str | None, str]]) -> float:
-    """Macro F1 over the reference values; a missing prediction counts as wrong."""
-    labels = sorted({ref for _, ref in pairs})
-    scores = []
-    for label in labels:
-        tp = sum(1 for p, r in pairs if p == label and r == label)
-        fp = sum(1 for p, r in pairs if p == label and r != label)
-        fn = sum(1 for p, r in pairs if p != label and r == label)
-        scores.append(2 * tp / (2 * tp + fp + fn) if tp else 0.0)
-    return sum(scores) / len(scores) if scores else 0.0
-
-
-def score(predictions: list[str], references: list[str]) -> dict:
+def score(predictions: list[str], references: list[str], scorers, **context) -> dict:
+    """Every scorer's figures on ``predictions`` against ``references``; ``scorers``: ``[(label, Scorer)]``."""
     n = len(references)
-    exact = sum(normalise(p) == normalise(r) for p, r in zip(predictions, references))
-    fields: dict[str, list[tuple[str | None, str]]] = defaultdict(list)
-    for pred, ref in zip(predictions, references):
-        ref_fields = parse_fields(ref)
-        pred_fields = parse_fields(pred)
-        for name, value in ref_fields.items():
-            fields[name].append((pred_fields.get(name), value))
-    return {
-        "samples": n,
-        "exact_match": exact / n if n else 0.0,
-        "fields": {
-            name: {"accuracy": sum(p == r for p, r in pairs) / len(pairs), "f1": macro_f1(pairs)}
-            for name, pairs in sorted(fields.items())
-        },
-    }
+    result: dict = {"samples": n}
+    figures_of: dict[str, list[str]] = {}
+    lower: list[str] = []
+    for label, scorer in scorers if n else []:
+        values = list(scorer.score(predictions, references, **context))
+        if len(values) != n or not all(finite(v) for v in values):
+            raise VlftError(f"scorer '{label}' answered {values!r} for {n} answers, not one finite number each")
+        figures = (scorer.figures(predictions, references, values, **context) if scorer.figures is not None
+                   else {label: sum(values) / n})
+        for key, value in figures.items():
+            if key in RESERVED or key in result:
+                raise VlftError(f"scorer '{label}' reports the figure '{key}', which "
+                                + ("another scorer reports too" if key in result else "the result keeps for itself"))
+            result[key] = value
+        figures_of[label] = list(figures)
+        lower += [f for f in scorer.lower_is_better if f in figures]
+    result["scorers"] = figures_of
+    if lower:
+        result["lower_is_better"] = lower
+    return result
+
+
+def figure_rows(result: dict) -> list[tuple[str, tuple]]:
+    """(label, path in the result) of each figure, in the scorers' order; nested figures (fields) one row per
+    leaf: ``colour accuracy``, ``colour F1``."""
+    order = result.get("scorers") or {k: v for k, v in LEGACY.items() if v[0] in result}
+    lower = set(result.get("lower_is_better", ()))
+    rows = []
+    for keys in order.values():
+        for key in keys:
+            value = result.get(key)
+            if isinstance(value, dict):
+                for sub, inner in value.items():
+                    if isinstance(inner, dict):
+                        rows += [(f"{sub} {_words(k)}", (key, sub, k)) for k in inner]
+                    else:
+                        rows.append((f"{_words(key)} {sub}", (key, sub)))
+            else:
+                rows.append((_words(key) + (" (lower is better)" if key in lower else ""), (key,)))
+    return rows
+
+
+def _words(key: str) -> str:
+    return "F1" if key == "f1" else key.replace("_", " ")
+
+
+def figure(result: dict | None, path: tuple):
+    for key in path:
+        if not isinstance(result, dict) or key not in result:
+            return None
+        result = result[key]
+    return result
 
 
 def format_table(before: dict | None, after: dict) -> str:
-    """A short before/after table for the terminal."""
-    rows = [("exact match", "exact_match", None)]
-    for name in after.get("fields", {}):
-        rows.append((f"{name} accuracy", name, "accuracy"))
-        rows.append((f"{name} F1", name, "f1"))
+    """A short before/after table for the terminal: every chosen scorer's figures."""
+    rows = figure_rows(after) or [("exact match", ("exact_match",))]
 
-    def value(result, key, sub):
-        if result is None:
-            return "-"
-        if sub is None:
-            return f"{result[key]:.1%}"
-        f = result.get("fields", {}).get(key)
-        return f"{f[sub]:.1%}" if f else "-"
+    def value(result, path):
+        v = figure(result, path)
+        return f"{v:.1%}" if isinstance(v, (int, float)) else "-"
 
     width = max(len(r[0]) for r in rows)
     lines = [f"{'metric'.ljust(width)}  {'before':>8}  {'after':>8}", "-" * (width + 20)]
-    for label, key, sub in rows:
-        lines.append(f"{label.ljust(width)}  {value(before, key, sub):>8}  {value(after, key, sub):>8}")
+    for label, path in rows:
+        lines.append(f"{label.ljust(width)}  {value(before, path):>8}  {value(after, path):>8}")
     lines.append(f"({after['samples']} validation samples, greedy decoding)")
     return "\n".join(lines)

@@ -20,6 +20,7 @@ from vlft.planning.kernels import (
     with_kernel_attention,
 )
 from vlft.planning.memory import format_memory
+from vlft.planning.scorers import describe_line
 from vlft.planning.sharding import resolve_sharding
 from vlft.policies import (
     AdapterDefaults,
@@ -72,6 +73,7 @@ class RunPlan:
     peak_flops: float | None = None  # the device's peak FLOP/s where the backend knows it (DeviceCapacity)
     objective: Objective | None = None  # what is optimised (--objective), resolved once here
     init_adapter: str | None = None  # --init-adapter: the adapter folder the run starts from
+    scorers: Any = None  # scorers.ScorerChoice: what scores the before/after answers (--scorer)
 
     @property
     def checkpointing(self) -> bool:
@@ -137,6 +139,7 @@ class RunPlan:
             "lengths": self.lengths,
             "memory": self.memory.describe() if self.memory else None,
             "notes": self.notes,
+            "scorers": self.scorers.describe() if self.scorers else None,
             "training": {
                 k: getattr(self.config, k)
                 for k in ("steps", "epochs", "batch_size", "grad_accum", "weight_decay", "warmup_ratio",
@@ -470,6 +473,8 @@ def format_plan(desc: dict, verbose: bool = False) -> str:
 
         lines += format_memory(desc["memory"])
     lines += format_kernels(desc.get("kernels"))
+    if desc.get("scorers"):
+        lines.append(f"scorers      {describe_line(desc['scorers'])}")
     lines += [f"note         {n}" for n in desc["notes"]]
     if desc.get("model_patches"):
         lines += ["patches      " + "; ".join(desc["model_patches"])]

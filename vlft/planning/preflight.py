@@ -50,6 +50,7 @@ from vlft.models.targets import select_targets
 from vlft.planning import checked, fixes, memory, trace
 from vlft.planning.init_adapter import check_init_adapter, init_adapter_source
 from vlft.planning.plan import RunPlan, resolve_plan
+from vlft.planning.scorers import scorers_for_run
 from vlft.planning.sharding import count_blocks
 from vlft.policies import DeviceCapacity
 from vlft.registry import Registry
@@ -272,6 +273,7 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
     init_source = init_adapter_source(registry, config)
     train, val, lengths = load_and_check_data(config, encoder, objective)
     check_for_objective(objective, train, val)
+    plan.scorers = scorers_for_run(registry, config, val, family)  # --scorer, on the references it will score
     plan.lengths = lengths.describe(config.max_length)
     plan.notes += unread_column_notes(config)
     if is_bundled(model_path, registry):
