@@ -63,7 +63,7 @@ def trl_stepper(data, registry, folder: Path):
     from vlft.data.records import read_records
     from vlft.models.loading import load_model
     from vlft.planning.preflight import plan_run
-    from vlft_objectives.rewards import fields_reward
+    from vlft_scorers.fields import fields_score  # the fields reward vlft GRPO uses (a scorer, seen as a reward)
 
     config = build_config({}, dict(backend="cpu", objective="grpo", data=str(data[0]), val_data=str(data[1]),
                                    output=tempfile.mkdtemp(), steps=1, batch_size=PROMPTS))
@@ -83,7 +83,7 @@ def trl_stepper(data, registry, folder: Path):
 
     def fields(prompts, completions, reference, **kwargs):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return fields_reward([t.strip() for t in texts], reference)
+        return fields_score([t.strip() for t in texts], reference)
 
     args = GRPOConfig(output_dir=str(folder / "trl"), per_device_train_batch_size=PROMPTS * G, num_generations=G,
                       max_completion_length=NEW_TOKENS, temperature=1.0, top_k=0, beta=BETA, loss_type="dapo",
