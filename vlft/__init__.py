@@ -16,6 +16,7 @@ imports it stays cheap to load (probing happens inside the hooks).
 from vlft.backend import BackendHookimpl, hookimpl_for
 from vlft.config import RunConfig, parse_attn
 from vlft.tokens import tokenize_pieces
+from vlft.userspec import user_attribute
 from vlft.errors import BackendUnavailable, ConfigError, DataError, VlftError
 from vlft.hookspecs import hookimpl
 from vlft.policies import (
@@ -58,5 +59,5 @@ __all__ = [
     "Experts", "ImageInputs", "KernelPatch", "Media", "MemoryStats", "MethodInfo", "MetricSink", "ModelFamily",
     "Objective", "ObjectiveInfo", "Packing", "Positions", "PrecisionPolicy", "ProbeResult", "Reward",
     "RunConfig", "Scorer", "Sharding", "VideoInputs", "VisionWarmup", "Written", "VlftError", "hookimpl", "hookimpl_for",
-    "parse_attn", "processor_image_inputs", "tokenize_pieces",
+    "parse_attn", "processor_image_inputs", "tokenize_pieces", "user_attribute",
 ]

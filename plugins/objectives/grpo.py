@@ -53,15 +53,12 @@ planned or steps, so listing the objectives (``vlft objectives``) stays light.
 from __future__ import annotations
 
 import copy
-import importlib
 import math
-import os
-import sys
 import time
 from contextlib import contextmanager
 from functools import partial
 
-from vlft import ConfigError, Objective, ObjectiveInfo, VlftError, hookimpl
+from vlft import ConfigError, Objective, ObjectiveInfo, VlftError, hookimpl, user_attribute
 
 NAME = "grpo"
 DESCRIPTION = ("group relative policy optimisation: G sampled completions per prompt, rewarded against the "
@@ -194,18 +191,7 @@ def resolve_rewards(specs: list[str], offered: dict) -> list[tuple[str, object]]
 
 
 def _user_function(spec: str):
-    module_name, _, attr = spec.rpartition(":")
-    try:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name != module_name.split(".")[0] or os.getcwd() in sys.path:
-                raise
-            sys.path.insert(0, os.getcwd())  # a module beside the user, as `python -m` would find it
-            module = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 - any import failure is the user's module's: say so, with the error
-        raise ConfigError(f"--reward {spec}: cannot import {module_name} ({e.__class__.__name__}: {e})") from None
-    function = getattr(module, attr, None)
+    module_name, attr, function = user_attribute(spec, "--reward")
     if not callable(function):
         raise ConfigError(f"--reward {spec}: {module_name} has no function '{attr}'")
     return function

@@ -124,14 +124,21 @@ def write_demo_dataset(out: str | os.PathLike, n_train: int = 1600, n_val: int =
     out = Path(out)
     if (out / "train.jsonl").exists() and (out / "val.jsonl").exists():
         return DemoDataset(out, out / "train.jsonl", out / "val.jsonl")
+    return write_splits(out, _records, n_train, n_val, seed)
+
+
+def write_splits(out: Path, records, n_train: int, n_val: int, seed: int, prefix: str = ".demo-data-") -> DemoDataset:
+    """``train.jsonl`` and ``val.jsonl`` of ``records(n, rng, split, imgs_folder)`` (one seeded ``rng`` for
+    both), with ``imgs/``, written into a temporary folder beside ``out`` and renamed into place, so an
+    interrupted write never leaves a half-written data set behind."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".demo-data-", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
     try:
         (tmp / "imgs").mkdir()
         rng = random.Random(seed)
         for split, n in (("train", n_train), ("val", n_val)):
             with open(tmp / f"{split}.jsonl", "w", encoding="utf-8") as f:
-                for rec in _records(n, rng, split, tmp / "imgs"):
+                for rec in records(n, rng, split, tmp / "imgs"):
                     f.write(json.dumps(rec) + "\n")
         if out.exists():
             shutil.rmtree(out)

@@ -14,16 +14,13 @@ count for every image), reading the discs takes it longer.
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from vlft.data.demo import IMAGE_SIZE, DemoDataset
+from vlft.data.demo import IMAGE_SIZE, DemoDataset, write_splits
 
 TASKS = ("counting", "grounding")
 COUNTS = (1, 2, 3)
@@ -93,20 +90,5 @@ def write_task_dataset(out: str | os.PathLike, task: str, n_train: int = 400, n_
     place, as the product set is)."""
     if task not in TASKS:
         raise ValueError(f"unknown demo task {task!r}; one of {', '.join(TASKS)}")
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".demo-task-", dir=out.parent))
-    try:
-        (tmp / "imgs").mkdir()
-        rng = random.Random(seed)
-        for split, n in (("train", n_train), ("val", n_val)):
-            with open(tmp / f"{split}.jsonl", "w", encoding="utf-8") as f:
-                for rec in _records(task, n, rng, split, tmp / "imgs", box_coordinates):
-                    f.write(json.dumps(rec) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return DemoDataset(out, out / "train.jsonl", out / "val.jsonl")
+    return write_splits(Path(out), lambda n, rng, split, imgs: _records(task, n, rng, split, imgs, box_coordinates),
+                        n_train, n_val, seed, prefix=".demo-task-")

@@ -12,12 +12,10 @@ reference one cannot read stops the run here, naming its records (``file:line``)
 
 from __future__ import annotations
 
-import importlib
 import math
-import os
-import sys
 from dataclasses import dataclass, field
 
+from vlft.userspec import user_attribute
 from vlft.errors import ConfigError
 from vlft.policies import Scorer
 
@@ -78,18 +76,7 @@ def choose_scorers(offered: dict[str, Scorer], spec: str | None, references: lis
 def user_scorer(spec: str) -> Scorer:
     """``MODULE:NAME``: a ``Scorer``, or a function scored by its mean (a module beside the user is found as
     ``python -m`` would find it)."""
-    module_name, _, attr = spec.rpartition(":")
-    try:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name != module_name.split(".")[0] or os.getcwd() in sys.path:
-                raise
-            sys.path.insert(0, os.getcwd())
-            module = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 - any import failure is the user's module's: say so, with the error
-        raise ConfigError(f"--scorer {spec}: cannot import {module_name} ({e.__class__.__name__}: {e})") from None
-    found = getattr(module, attr, None)
+    module_name, attr, found = user_attribute(spec, "--scorer")
     if isinstance(found, Scorer):
         return found
     if not callable(found):
