@@ -17,6 +17,24 @@ from vlft.backend import BackendHookimpl, hookimpl_for
 from vlft.config import RunConfig, parse_attn
 from vlft.tokens import tokenize_pieces
 from vlft.userspec import user_attribute
+from vlft.contracts.objective import (
+    OWN,
+    PER_STEP,
+    SHARED,
+    Average,
+    Generation,
+    Layout,
+    Objective,
+    ObjectiveInfo,
+    PairedPreference,
+    Passes,
+    Prepared,
+    Reward,
+    Side,
+    non_negative,
+    option,
+    positive,
+)
 from vlft.errors import BackendUnavailable, ConfigError, DataError, VlftError
 from vlft.hookspecs import hookimpl
 from vlft.policies import (
@@ -36,15 +54,12 @@ from vlft.policies import (
     MethodInfo,
     MetricSink,
     ModelFamily,
-    Objective,
-    ObjectiveInfo,
     Packing,
     Positions,
     PrecisionPolicy,
     ProbeResult,
     Sharding,
     VideoInputs,
-    Reward,
     Scorer,
     VisionWarmup,
     Written,
@@ -60,4 +75,7 @@ __all__ = [
     "Objective", "ObjectiveInfo", "Packing", "Positions", "PrecisionPolicy", "ProbeResult", "Reward",
     "RunConfig", "Scorer", "Sharding", "VideoInputs", "VisionWarmup", "Written", "VlftError", "hookimpl", "hookimpl_for",
     "parse_attn", "processor_image_inputs", "tokenize_pieces", "user_attribute",
+    # the objective contract (vlft/contracts/objective.py)
+    "Average", "Generation", "Layout", "OWN", "PER_STEP", "PairedPreference", "Passes", "Prepared", "SHARED", "Side",
+    "non_negative", "option", "positive",
 ]

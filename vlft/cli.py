@@ -52,8 +52,58 @@ def config_options(fn):
     return fn
 
 
+OBJECTIVE_PARAM = "objective_option__"  # the click name of an objective option's flag: this prefix + its name
+
+
+def objective_flags(registry, taken: set[str]) -> list[click.Option]:
+    """One click option per option the installed objectives declare (``Registry.objective_options``), each
+    defaulting to None so the config file can fill it and the objective's own default applies otherwise; a
+    flag several objectives declare is one flag (``--beta``), its help one line per objective. A flag that
+    clashes with one of ``taken`` (vlft run's own), or is declared with two types, is the plugin's error."""
+    params = []
+    for name, declared in registry.objective_options().items():
+        spec, owners = declared[0][1], [o for o, _ in declared]
+        if spec.flag in taken:
+            raise VlftError(f"the {', '.join(owners)} objective declares the option {spec.flag}, which vlft run has "
+                            f"itself; its plugin must name it otherwise")
+        kinds = {s.type for _, s in declared}
+        if len(kinds) > 1:
+            raise VlftError(f"objectives {', '.join(owners)} declare {spec.flag} with different types "
+                            f"({', '.join(sorted(getattr(k, '__name__', str(k)) for k in kinds))}); one flag takes "
+                            f"one type")
+        help_text = " ".join(f"{o}: {s.help}" + (f" [default: {s.default}]" if s.default not in (None, []) else "")
+                             for o, s in declared)
+        choices = {s.choices for _, s in declared}
+        if spec.type is list:
+            params.append(click.Option([spec.flag, OBJECTIVE_PARAM + name], multiple=True,
+                                       metavar=spec.metavar or None, help=help_text))
+            continue
+        kind = click.Choice(spec.choices) if len(choices) == 1 and spec.choices else \
+            {int: click.INT, float: click.FLOAT, bool: click.BOOL}.get(spec.type, click.STRING)
+        params.append(click.Option([spec.flag, OBJECTIVE_PARAM + name], type=kind, default=None,
+                                   metavar=spec.metavar or None, help=help_text))
+    return params
+
+
+class RunCommand(click.Command):
+    """A command taking the RunConfig flags and, read from the installed objectives when it parses or shows
+    its help, each objective's declared options (``objective_flags``)."""
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        params = super().get_params(ctx)
+        taken = {opt for p in params for opt in [*p.opts, *p.secondary_opts]}
+        return [*params, *objective_flags(get_registry(), taken)]
+
+
 def given_flags(ctx: click.Context, params: dict) -> dict:
     out = {}
+    objective = {}
+    for name, value in params.items():
+        if name.startswith(OBJECTIVE_PARAM) and value not in (None, ()) and \
+                ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
+            objective[name[len(OBJECTIVE_PARAM):]] = list(value) if isinstance(value, tuple) else value
+    if objective:
+        out["objective_options"] = objective
     for f in user_fields():
         if ctx.get_parameter_source(f.name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
             value = params[f.name]
@@ -76,12 +126,13 @@ def record_options(ctx: click.Context, file_values: dict) -> None:
     path = os.environ.get(OPTION_LOG_ENV)
     if not path:
         return
-    options = {p.name: max(p.opts, key=len) for p in ctx.command.params if isinstance(p, click.Option)}
+    options = {p.name: max(p.opts, key=len) for p in ctx.command.get_params(ctx) if isinstance(p, click.Option)}
     given = sorted(flag for name, flag in options.items()
                    if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
                    and ctx.params.get(name) != ())  # older clicks call an unused multiple option given
     record = {"command": ctx.info_name, "options": given,
-              "config_file": sorted(options[name] for name in file_values if name in options)}
+              "config_file": sorted([options[name] for name in file_values if name in options]
+                                    + ["--" + n.replace("_", "-") for n in file_values.get("objective_options", {})])}
     # one write in append mode: lines from concurrent processes (torchrun's workers) do not interleave
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -133,6 +184,9 @@ def cli():
 def as_arguments(flags: dict) -> list[str]:
     """Flag values back into command-line arguments (for torchrun's processes)."""
     args: list[str] = []
+    for name, value in flags.get("objective_options", {}).items():
+        flag = "--" + name.replace("_", "-")
+        args += [x for v in value for x in (flag, str(v))] if isinstance(value, list) else [flag, str(value)]
     for f in user_fields():
         if f.name not in flags:
             continue

@@ -30,44 +30,13 @@ def opt(default, help: str, **extra):
 class RunConfig:
     backend: str = opt("auto", "Backend plugin to run on; 'auto' picks the best available (see `vlft plugins`).")
     method: str = opt("lora", "Adapter method plugin (see `vlft methods`).")
-    objective: str = opt("sft", "What is optimised: sft (the next-token loss on the assistant replies), dpo "
-                                "(direct preference optimisation on chosen and rejected replies) or grpo (group "
-                                "relative policy optimisation on sampled completions and their rewards); plugins "
-                                "add more (see `vlft objectives`).")
-    beta: float | None = opt(None, "DPO: the strength of the pull toward the reference model (the implicit reward "
-                                   "is beta x the log-ratio of policy to reference; default 0.1). GRPO: the weight "
-                                   "of the KL term to the reference (default 0.04; 0 skips the reference pass).")
-    dpo_loss: str = opt("sigmoid", "DPO loss: sigmoid (-log sigmoid(beta x margin)), ipo (squared distance of the "
-                                   "per-token margin to 1/(2 beta)) or hinge (relu(1 - beta x margin)).",
-                        choices=("sigmoid", "ipo", "hinge"))
-    label_smoothing: float = opt(0.0, "DPO, sigmoid loss: the share of pairs taken as mislabelled (conservative "
-                                      "DPO), in [0, 0.5).")
-    rpo_alpha: float = opt(0.0, "DPO: weight of the chosen reply's mean token negative log-likelihood, added to "
-                                "each pair's loss (RPO; TRL's rpo_alpha, LLaMA-Factory's pref_ftx): keeps the chosen "
-                                "answers likely while the margin grows (0: plain DPO).")
-    reward: list | None = opt(None, "GRPO: a reward function, repeatable (the rewards add up): a plugin's NAME or "
-                                    "NAME=ARGUMENT (built in: format=REGEX, numeric, and every scorer: fields, "
-                                    "exact, anls, relaxed, iou, ...; see `vlft objectives`) or your "
-                                    "MODULE:FUNCTION; default: fields.",
-                              multiple=True, metavar="NAME[=ARG]|MODULE:FUNCTION")
-    num_generations: int = opt(8, "GRPO: completions sampled per prompt (the group whose rewards are compared), "
-                                  "at least 2.")
-    temperature: float = opt(1.0, "GRPO: sampling temperature of the completions.")
-    top_p: float = opt(1.0, "GRPO: nucleus sampling of the completions (1: off; no top-k either).")
-    clip_epsilon: float = opt(0.2, "GRPO: the policy ratio is clipped to [1 - e, 1 + e] (PPO's clip).")
-    num_iterations: int = opt(1, "GRPO: optimizer steps trained on each rollout (TRL's num_iterations, the GRPO "
-                                 "paper's mu): the prompts of N consecutive steps are sampled once, their "
-                                 "completions trained on N times against the sampling policy's log-probabilities, "
-                                 "so the ratio leaves 1 and --clip-epsilon clips (1: each rollout once).")
-    scale_rewards: str = opt("group", "GRPO advantages: (r - group mean) divided by the group's reward std (group), "
-                                      "the batch's (batch), or not at all (none: Dr. GRPO).",
-                             choices=("group", "batch", "none"))
-    grpo_norm: str = opt("token", "GRPO loss normalisation: token (the sum over every completion token of the "
-                                  "step, divided by their number: DAPO, Dr. GRPO, TRL's 'dapo') or sequence (each "
-                                  "completion's token mean, averaged over completions: the original GRPO).",
-                         choices=("token", "sequence"))
+    objective: str = opt("sft", "What is optimised: sft (the next-token loss on the assistant replies), dpo, "
+                                "orpo or simpo (preference pairs), kto (replies marked desirable or not) or grpo "
+                                "(sampled completions and their rewards); plugins add more. Each declares its own "
+                                "options (see `vlft objectives`).")
     init_adapter: str | None = opt(None, "Start from this adapter (a run folder or an adapter folder, e.g. an sft "
-                                         "run's) instead of a fresh one; a DPO run then takes it as its reference.")
+                                         "run's) instead of a fresh one; an objective with a reference (dpo, kto, "
+                                         "grpo) then takes it as its reference.")
     model: str | None = opt(None, "Model directory (any family a plugin offers: `vlft plugins`), a bundled config "
                                   "name (plans offline), or embedded:FAMILY (a tiny model built here); default: "
                                   "the embedded Qwen2.5-VL.")
@@ -169,6 +138,9 @@ class RunConfig:
     adapter: dict = opt({}, "Method hyper-parameters, as KEY=VALUE (repeatable) or a mapping in the config file.",
                         cli="--adapter-opt")
     dry_run: bool = opt(False, "Resolve and print every policy, then stop without training.", flag=True)
+    # the objective's own options, by name ({"beta": 0.2}), as their flags and the config file gave them: the
+    # objective's plugin declares them (``ObjectiveInfo.options``) and the plan checks and completes them
+    objective_options: dict = field(default_factory=dict, metadata={"internal": True})
     # set from the environment by torchrun, not by users
     local_rank: int = field(default=0, metadata={"internal": True})
     rank: int = field(default=0, metadata={"internal": True})
@@ -231,8 +203,10 @@ def _key_lines(text: str) -> dict[str, int]:
     return {str(k.value): k.start_mark.line + 1 for k, _ in node.value}
 
 
-def load_config_file(path: str | os.PathLike) -> dict:
-    """Read a YAML config file into canonical keys; unknown keys are an error."""
+def load_config_file(path: str | os.PathLike, objective_options: tuple[str, ...] = ()) -> dict:
+    """Read a YAML config file into canonical keys; unknown keys are an error. A key naming one of the
+    installed objectives' ``objective_options`` goes, as written, under ``objective_options`` (the objective
+    checks its value when the run is planned)."""
     import yaml
 
     path = Path(path)
@@ -248,11 +222,14 @@ def load_config_file(path: str | os.PathLike) -> dict:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of flag names to values")
     known = {f.name: f for f in user_fields() if f.name not in ("dry_run",)}
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in raw.items():
         name = _canonical(str(key))
+        if name in objective_options and name not in known:
+            out.setdefault("objective_options", {})[name] = value
+            continue
         if name not in known:
-            valid = ", ".join(sorted(n.replace("_", "-") for n in known))
+            valid = ", ".join(sorted(n.replace("_", "-") for n in [*known, *objective_options]))
             raise ConfigError(f"{path}: unknown key '{key}'. Valid keys: {valid}")
         out[name] = _coerce(known[name], value, f"{path}:{_key_lines(text).get(str(key), '?')}")
     # relative paths in a config file are relative to the file
@@ -324,8 +301,8 @@ def build_config(file_values: dict, flag_values: dict) -> RunConfig:
     """Merge defaults < file < flags (flags that were actually given) and check the result."""
     values = {**file_values}
     for key, value in flag_values.items():
-        if key == "adapter":
-            values["adapter"] = {**values.get("adapter", {}), **value}
+        if key in ("adapter", "objective_options"):
+            values[key] = {**values.get(key, {}), **value}
         else:
             values[key] = value
     cfg = RunConfig(**values)
@@ -377,12 +354,6 @@ def validate(cfg: RunConfig) -> None:
     if cfg.video_fps <= 0 or cfg.video_max_frames < 2:
         raise ConfigError("--video-fps must be positive and --video-max-frames at least 2 (a temporal patch is "
                           f"2 frames), got {cfg.video_fps} and {cfg.video_max_frames}")
-    if cfg.beta is not None and cfg.beta < 0:
-        raise ConfigError(f"--beta must not be negative, got {cfg.beta}")
-    if cfg.rpo_alpha < 0:
-        raise ConfigError(f"--rpo-alpha must not be negative, got {cfg.rpo_alpha}")
-    if not 0 <= cfg.label_smoothing < 0.5:
-        raise ConfigError(f"--label-smoothing must be in [0, 0.5), got {cfg.label_smoothing}")
     if cfg.early_stopping_patience < 0:
         raise ConfigError(f"--early-stopping-patience must not be negative, got {cfg.early_stopping_patience}")
     if cfg.early_stopping_patience and not cfg.eval_every:

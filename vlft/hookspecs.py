@@ -14,7 +14,7 @@ training step calls none of them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import pluggy
 
@@ -40,13 +40,11 @@ if TYPE_CHECKING:  # annotations only: importing this module loads neither torch
         MethodInfo,
         MetricSink,
         ModelFamily,
-        Objective,
-        ObjectiveInfo,
         PrecisionPolicy,
         ProbeResult,
-        Reward,
         Scorer,
     )
+    from vlft.contracts.objective import Objective, ObjectiveInfo, Reward
 
 hookspec = pluggy.HookspecMarker("vlft")
 hookimpl = pluggy.HookimplMarker("vlft")
@@ -281,15 +279,18 @@ def vlft_objectives() -> list[ObjectiveInfo]:
 
 
 @hookspec(firstresult=True)
-def vlft_objective(objective: str, config: RunConfig, rewards: dict[str, Reward]) -> Objective | None:
-    """Return the ``Objective`` for ``objective`` (its data layout and checks, batches, loss, figures, what the
-    memory plan counts), or None for a name this plugin does not offer.
+def vlft_objective(objective: str, config: RunConfig, options: Any, rewards: dict[str, Reward]) -> Objective | None:
+    """Return the ``Objective`` for ``objective`` (what it reads, how it prepares batches, its loss and figures,
+    what the memory plan counts), or None for a name this plugin does not offer.
 
-    Asked once at plan time, before any data is read; ``config`` holds its options (``--beta``, ...): check
-    them here and raise ``ConfigError`` naming a bad one. ``rewards``: every reward function the plugins offer
-    (``vlft_rewards``, and each scorer of ``vlft_scorers``), by name, for an objective that scores generations
-    (GRPO); an implementation that does not need it leaves the argument out. The training step calls the
-    answer's callables and no hook. First answer wins.
+    Asked once at plan time, before any data is read. ``options``: an instance of the options class its
+    ``ObjectiveInfo`` declares, built from the flags and the config file and checked (type, each option's
+    ``check``, the class's ``__post_init__``); None where it declares none. ``config``: the rest of the run
+    (``--init-adapter``, ``--max-new-tokens``, ...); raise ``ConfigError`` naming what does not fit.
+    ``rewards``: every reward function the plugins offer (``vlft_rewards``, and each scorer of
+    ``vlft_scorers``), by name, for an objective that scores generations (GRPO). An implementation leaves out
+    the arguments it does not need. The training step calls the answer's methods and no hook. First answer
+    wins.
     """
 
 

@@ -23,10 +23,11 @@ import pluggy
 from vlft import hookspecs
 from vlft.errors import ConfigError, VlftError
 from vlft.plugins import builtin_plugins, serve_checkout
-from vlft.policies import BackendInfo, MethodInfo, ObjectiveInfo, Reward, Scorer
+from vlft.contracts.objective import ObjectiveInfo, OptionSpec, Reward, option_specs, resolve_options
+from vlft.policies import BackendInfo, MethodInfo, Scorer
 
 if TYPE_CHECKING:
-    from vlft.policies import Objective
+    from vlft.contracts.objective import Objective
 
 ENTRY_POINT_GROUP = "vlft"
 
@@ -113,9 +114,22 @@ class Registry:
         return self.objectives[name]
 
     def objective_for(self, config) -> "Objective":
-        """The ``Objective`` of ``config.objective`` (asked of its plugin, with the reward functions on offer)."""
+        """The ``Objective`` of ``config.objective``: its options built from ``config.objective_options`` and
+        checked, then asked of its plugin with the reward functions on offer."""
         info = self.objective(config.objective)
-        return self.first("vlft_objective", objective=info.name, config=config, rewards=dict(self.rewards))
+        owners = {name: [o for o, _ in declared] for name, declared in self.objective_options().items()}
+        options = resolve_options(info.name, info.options, config.objective_options, owners)
+        return self.first("vlft_objective", objective=info.name, config=config, options=options,
+                          rewards=dict(self.rewards))
+
+    def objective_options(self) -> dict[str, list[tuple[str, OptionSpec]]]:
+        """{option name: [(objective, its declaration)]} over every objective on offer: one ``vlft run`` flag
+        and config-file key per name, which several objectives may share (``--beta``)."""
+        out: dict[str, list[tuple[str, OptionSpec]]] = {}
+        for info in sorted(self.objectives.values(), key=lambda i: i.name):
+            for spec in option_specs(info.options):
+                out.setdefault(spec.name, []).append((info.name, spec))
+        return out
 
     def _broken_hint(self) -> str:
         if not self.broken:

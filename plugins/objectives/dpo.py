@@ -23,115 +23,83 @@ Logged (means over the pairs): the loss, ``reward_chosen`` and ``reward_rejected
 the policy still equals the reference) and the policy's ``logps_chosen`` and ``logps_rejected``; validation
 logs each as ``val_<name>``.
 
-Imports inside functions: the core's preference data, pairs, loss and torch load when a run is planned or
-steps, so listing the objectives (``vlft objectives``, ``vlft plugins``) stays light.
+The core reads the pairs, runs both rows on one vision pass and the reference's pass before the policy's
+(``vlft.PairedPreference``); this module writes the loss of a pair. torch is imported inside it: listing the
+objectives (``vlft objectives``, ``vlft plugins``) stays light.
 """
 
 from __future__ import annotations
 
-from functools import partial
+from dataclasses import dataclass
 
-from vlft import ConfigError, Objective, ObjectiveInfo, hookimpl
+from vlft import ConfigError, ObjectiveInfo, PairedPreference, Side, hookimpl, non_negative, option, positive
 
 NAME = "dpo"
 DESCRIPTION = ("direct preference optimisation: the chosen reply over the rejected one, against a reference (the "
                "adapter off, or the --init-adapter weights)")
 FIGURES = ("reward_chosen", "reward_rejected", "reward_margin", "preference_accuracy", "logps_chosen",
            "logps_rejected")
-HELP = {
-    "beta": "--beta: how strongly the policy is held to the reference (the reward is beta x the log-ratio)",
-    "loss": "--dpo-loss: sigmoid, ipo or hinge",
-    "label_smoothing": "--label-smoothing: sigmoid only, the share of pairs taken as mislabelled (cDPO)",
-    "rpo_alpha": "--rpo-alpha: weight of the chosen reply's mean token NLL added to each pair's loss (RPO)",
-}
-LAYOUT = ("preferences: a prompt and its images with a chosen and a rejected reply (LLaMA-Factory: "
-          "conversations/messages + chosen + rejected + images; TRL: prompt + chosen + rejected + images)")
+
+
+@dataclass(frozen=True)
+class DpoOptions:
+    beta: float = option(0.1, "how strongly the policy is held to the reference (the implicit reward is beta x "
+                              "the log-ratio of policy to reference)", check=positive)
+    dpo_loss: str = option("sigmoid", "sigmoid (-log sigmoid(beta x margin)), ipo (squared distance of the "
+                                      "per-token margin to 1/(2 beta)) or hinge (relu(1 - beta x margin))",
+                           choices=("sigmoid", "ipo", "hinge"))
+    label_smoothing: float = option(0.0, "sigmoid loss only: the share of pairs taken as mislabelled "
+                                         "(conservative DPO), in [0, 0.5)",
+                                    check=lambda v: "" if 0 <= v < 0.5 else "must be in [0, 0.5)")
+    rpo_alpha: float = option(0.0, "weight of the chosen reply's mean token negative log-likelihood added to each "
+                                   "pair's loss (RPO; TRL's rpo_alpha, LLaMA-Factory's pref_ftx): keeps the chosen "
+                                   "answers likely while the margin grows (0: plain DPO)", check=non_negative)
+
+    def __post_init__(self):
+        if self.label_smoothing and self.dpo_loss != "sigmoid":
+            raise ConfigError(f"--label-smoothing applies to --dpo-loss sigmoid (conservative DPO); {self.dpo_loss} "
+                              f"takes none")
+
+
+@dataclass(frozen=True)
+class Dpo(PairedPreference):
+    def pair_loss(self, chosen: Side, rejected: Side):
+        import torch  # the step runs torch already; the plugin module itself stays light
+        import torch.nn.functional as F
+
+        o = self.options
+        c, r = chosen.logps - chosen.reference, rejected.logps - rejected.reference
+        if o.dpo_loss == "ipo":
+            margin = c / chosen.tokens.clamp(min=1) - r / rejected.tokens.clamp(min=1)
+            losses = (margin - 1 / (2 * o.beta)) ** 2
+        elif o.dpo_loss == "hinge":
+            losses = torch.relu(1 - o.beta * (c - r))
+        else:
+            margin = o.beta * (c - r)
+            losses = -(1 - o.label_smoothing) * F.logsigmoid(margin) - o.label_smoothing * F.logsigmoid(-margin)
+        reward_c, reward_r = o.beta * c.detach(), o.beta * r.detach()
+        figures = {"reward_chosen": reward_c, "reward_rejected": reward_r, "reward_margin": reward_c - reward_r,
+                   "preference_accuracy": (reward_c > reward_r).to(reward_c.dtype),
+                   "logps_chosen": chosen.logps.detach(), "logps_rejected": rejected.logps.detach()}
+        if o.rpo_alpha:
+            nll = -chosen.mean_logps
+            losses = losses + o.rpo_alpha * nll
+            figures["nll_chosen"] = nll.detach()
+        return losses, figures
 
 
 @hookimpl
 def vlft_objectives():
-    return [ObjectiveInfo(NAME, DESCRIPTION)]
+    return [ObjectiveInfo(NAME, DESCRIPTION, DpoOptions)]
 
 
 @hookimpl
-def vlft_objective(objective, config):
+def vlft_objective(objective, options):
     if objective != NAME:
         return None
-    beta = 0.1 if config.beta is None else config.beta  # --beta's DPO default
-    if beta <= 0:
-        raise ConfigError(f"--beta must be positive for dpo (the margin is scaled by it), got {beta}")
-    if config.label_smoothing and config.dpo_loss != "sigmoid":
-        raise ConfigError(f"--label-smoothing applies to --dpo-loss sigmoid (conservative DPO); {config.dpo_loss} "
-                          f"takes none")
-    # the core's preference data and pairs (imported here, when a run is planned: the module stays light)
-    from vlft.data.pairs import PairCollator, PairEncoder
-    from vlft.data.preferences import parse_preference
-
-    reference = ("the adapter as --init-adapter loaded it (kept frozen)" if config.init_adapter
-                 else "the base model (the adapter switched off)")
-    return Objective(
-        NAME, DESCRIPTION, layout=LAYOUT, help=HELP,
-        options={"beta": beta, "loss": config.dpo_loss, "label_smoothing": config.label_smoothing,
-                 "rpo_alpha": config.rpo_alpha},
-        parse=parse_preference, encoder=PairEncoder, collate=PairCollator, rows_per_record=2,
-        average_over="records", figures=FIGURES + (("nll_chosen",) if config.rpo_alpha else ()),
-        reference=reference,
-        dropout=False,  # TRL's DPOConfig default (disable_dropout): the policy pass computes what the reference's does
-        loss=partial(dpo_loss, beta=beta, kind=config.dpo_loss, smoothing=config.label_smoothing,
-                     rpo_alpha=config.rpo_alpha),
-        demo_data=_demo, demo_epochs=2,
-        packing_refusal="the chosen and rejected rows of a pair are scored row by row; packed rows are not "
-                        "built for them",
-        sharding_refusal="the reference pass switches the adapter off (or swaps in the --init-adapter weights) "
-                         "and the shared vision pass calls the vision tower outside the sharded root's forward; "
-                         "neither is built for FSDP's sharded parameters yet (data parallel works: leave out "
-                         "--shard)",
-        notes=("each image is encoded once per pass: one vision pass feeds the chosen and the rejected row "
-               "(where the model takes precomputed features), once for the policy and once for the reference",),
-    )
-
-
-def _demo(folder):
-    """The demo task as preference pairs: chosen the right answer, rejected a wrong colour or defect."""
-    from vlft.data.demo import write_demo_preferences  # the core's data floor, loaded when a run needs it
-
-    ds = write_demo_preferences(folder)
-    return ds.train, ds.val
-
-
-def dpo_loss(model, batch, autocast, reference, *, beta: float, kind: str, smoothing: float, rpo_alpha: float = 0.0):
-    """(the pairs' summed loss, {figure: sum over the pairs}) for a batch of pairs on the device: the B chosen
-    rows, then the B rejected rows (``data.pairs``)."""
-    import torch  # the step runs torch already; the plugin module itself stays light
-    import torch.nn.functional as F
-
-    from vlft.models.loss import sequence_logps
-    from vlft.models.rows import row_inputs
-
-    n = batch["input_ids"].shape[0] // 2
-    with reference() as ref:
-        with autocast:
-            ref_inputs = row_inputs(ref, batch, 2)
-        ref_logps, _ = sequence_logps(ref, ref_inputs, batch, autocast)
-    with autocast:
-        inputs = row_inputs(model, batch, 2)
-    logps, tokens = sequence_logps(model, inputs, batch, autocast)
-    chosen, rejected = logps[:n] - ref_logps[:n], logps[n:] - ref_logps[n:]
-    if kind == "ipo":
-        margin = chosen / tokens[:n].clamp(min=1) - rejected / tokens[n:].clamp(min=1)
-        losses = (margin - 1 / (2 * beta)) ** 2
-    elif kind == "hinge":
-        losses = torch.relu(1 - beta * (chosen - rejected))
-    else:
-        margin = beta * (chosen - rejected)
-        losses = -(1 - smoothing) * F.logsigmoid(margin) - smoothing * F.logsigmoid(-margin)
-    reward_c, reward_r = beta * chosen.detach(), beta * rejected.detach()
-    figures = {"reward_chosen": reward_c.sum(), "reward_rejected": reward_r.sum(),
-               "reward_margin": (reward_c - reward_r).sum(),
-               "preference_accuracy": (reward_c > reward_r).to(reward_c.dtype).sum(),
-               "logps_chosen": logps[:n].detach().sum(), "logps_rejected": logps[n:].detach().sum()}
-    if rpo_alpha:
-        nll = -logps[:n] / tokens[:n].clamp(min=1)
-        losses = losses + rpo_alpha * nll
-        figures["nll_chosen"] = nll.detach().sum()
-    return losses.sum(), figures
+    return Dpo(NAME, DESCRIPTION, options=options, reference=True,
+               figures=FIGURES + (("nll_chosen",) if options.rpo_alpha else ()),
+               sharding_refusal="the reference pass switches the adapter off (or swaps in the --init-adapter "
+                                "weights) and the shared vision pass calls the vision tower outside the sharded "
+                                "root's forward; neither is built for FSDP's sharded parameters yet (data "
+                                "parallel works: leave out --shard)")

@@ -7,7 +7,7 @@ are sampled from the policy (the adapted model, in evaluation mode, without grad
 all prompts of a micro-batch in one ``generate`` call, each data-parallel process on a random stream of its
 own (``process_stream``: two processes given the same prompt draw different completions). Every log-probability
 below (policy, old policy, reference) is taken under that sampling distribution: the logits divided by the
-temperature, the suppressed tokens out of the softmax (``token_logps``); dropout is off in every pass
+temperature, the suppressed tokens out of the softmax (``Passes.token_logps``); dropout is off in every pass
 (``Objective.dropout``). Each completion is scored by the reward functions (``--reward``: the rewards add up)
 against its record's reference, the last assistant reply of an ordinary SFT record. The advantage of a
 completion is its reward against its group's: ``A = (r - mean_group) / (std_group + 1e-4)`` (``--scale-rewards
@@ -24,13 +24,15 @@ each completion's token mean and averages over completions (the original GRPO). 
 by the weights being trained. ``--num-iterations N`` (TRL's ``num_iterations``, the paper's mu) trains each
 rollout on N optimizer steps: the data order gives N consecutive steps the same prompts and the core keeps
 the rollout's batches for the N - 1 steps after the one that sampled them (``vlft.training.rollouts``). A
-rollout's first step trains under the weights that sampled it, so its ``logp`` detached is the sampling
-policy's ``logp_old``: the ratio is 1, nothing is clipped (``clip_fraction`` logs 0) and the gradient is the
-policy gradient ``-A grad logp``. That first pass keeps ``logp_old`` on the batch (from the trained pass, not
-from ``generate``'s scores, whose other kernels would move the ratio off 1 by rounding alone); steps 2..N
-compare the updated policy with it, so the ratio departs from 1 and the clip acts (``clip_fraction`` above
-0). With N = 1 (the default) every rollout is trained on once: the ratio is always 1, as before the option.
-The reference's log-probabilities are kept alike (the reference is frozen): one reference pass per rollout.
+rollout's first step trains under the weights that sampled it, so the sampling policy's ``logp_old`` is the
+model's own: the ratio is 1, nothing is clipped (``clip_fraction`` logs 0) and the gradient is the policy
+gradient ``-A grad logp``. With N above 1 the rollout takes ``logp_old`` once, in a pass without gradients of
+the same model and inputs as the trained pass (as TRL's GRPOTrainer does; not ``generate``'s scores, whose
+other kernels would move the ratio off 1 by rounding alone); steps 2..N compare the updated policy with it, so
+the ratio departs from 1 and the clip acts (``clip_fraction`` above 0). With N = 1 (the default) every rollout
+is trained on once and ``logp_old`` is the trained pass's own, detached: the ratio is always 1. The reference's
+log-probabilities are taken in the rollout too (the reference is frozen): one reference pass per rollout. The
+rollout builds each batch whole, and the loss only reads it.
 A run resumed from a checkpoint inside a rollout samples its prompts afresh for the steps it has left (the
 kept batches are not checkpointed; see ``vlft.training.rollouts``); one resumed at a rollout's end draws what
 the uninterrupted run draws.
@@ -46,7 +48,7 @@ A reward function that raises stops the run naming the reward, the record and th
 runs on every record's reference before step 1 (``check``), so a reference it cannot score is a ``file:line``
 error before anything is written.
 
-Imports inside functions: torch, transformers and the core's batch, row and loss helpers load when a run is
+Imports inside functions: torch, transformers and the core's batch and row helpers load when a run is
 planned or steps, so listing the objectives (``vlft objectives``) stays light.
 """
 
@@ -56,87 +58,92 @@ import copy
 import math
 import time
 from contextlib import contextmanager
-from functools import partial
+from dataclasses import dataclass, field
 
-from vlft import ConfigError, Objective, ObjectiveInfo, VlftError, hookimpl, user_attribute
+from vlft import (
+    OWN,
+    PER_STEP,
+    SHARED,
+    Average,
+    ConfigError,
+    Generation,
+    Objective,
+    ObjectiveInfo,
+    Prepared,
+    VlftError,
+    hookimpl,
+    non_negative,
+    option,
+    positive,
+    user_attribute,
+)
 
 NAME = "grpo"
 DESCRIPTION = ("group relative policy optimisation: G sampled completions per prompt, rewarded against the "
                "record's reply, pushed toward the better ones of their group")
 LAYOUT = ("conversations (the SFT layouts): the prompt up to the last assistant reply, which is the reference "
           "the rewards read")
-HELP = {
-    "num_generations": "--num-generations: completions sampled per prompt (the group)",
-    "temperature": "--temperature: sampling temperature",
-    "top_p": "--top-p: nucleus sampling (1: off; no top-k)",
-    "max_new_tokens": "--max-new-tokens: longest completion",
-    "rewards": "--reward NAME[=ARG] or MODULE:FUNCTION, repeatable, summed (built in: format=REGEX, numeric and "
-               "every scorer: fields, exact, anls, relaxed, iou, ...)",
-    "beta": "--beta: weight of the KL term to the reference (0: no reference pass)",
-    "clip_epsilon": "--clip-epsilon: the policy ratio is clipped to [1 - e, 1 + e]",
-    "num_iterations": "--num-iterations: optimizer steps trained on each rollout (TRL's num_iterations; above 1 "
-                      "the ratio leaves 1 and the clip acts)",
-    "scale_rewards": "--scale-rewards: group (r - mean) / std per group, batch (the batch's std), none (Dr. GRPO)",
-    "norm": "--grpo-norm: token (sum over the step's completion tokens / their number: DAPO) or sequence (each "
-            "completion's token mean, averaged: original GRPO)",
-}
+
+
+@dataclass(frozen=True)
+class GrpoOptions:
+    reward: list[str] = option(["fields"], "a reward function, repeatable (the rewards add up): a plugin's NAME or "
+                                           "NAME=ARGUMENT (built in: format=REGEX, numeric, and every scorer: fields, "
+                                           "exact, anls, relaxed, iou, ...; see `vlft objectives`) or your "
+                                           "MODULE:FUNCTION", metavar="NAME[=ARG]|MODULE:FUNCTION")
+    num_generations: int = option(8, "completions sampled per prompt (the group whose rewards are compared), at "
+                                     "least 2", check=lambda v: "" if v >= 2 else "must be at least 2 (a group's "
+                                                                                   "rewards are compared)")
+    temperature: float = option(1.0, "sampling temperature of the completions", check=positive)
+    top_p: float = option(1.0, "nucleus sampling of the completions (1: off; no top-k either)",
+                          check=lambda v: "" if 0 < v <= 1 else "must be in (0, 1]")
+    beta: float = option(0.04, "the weight of the KL term to the reference (DeepSeekMath's; 0 skips the reference "
+                               "pass)", check=non_negative)
+    clip_epsilon: float = option(0.2, "the policy ratio is clipped to [1 - e, 1 + e] (PPO's clip)", check=positive)
+    num_iterations: int = option(1, "optimizer steps trained on each rollout (TRL's num_iterations, the GRPO "
+                                    "paper's mu): the prompts of N consecutive steps are sampled once, their "
+                                    "completions trained on N times against the sampling policy's "
+                                    "log-probabilities, so the ratio leaves 1 and --clip-epsilon clips (1: each "
+                                    "rollout once)",
+                                 check=lambda v: "" if v >= 1 else "must be at least 1 (each rollout trained on once)")
+    scale_rewards: str = option("group", "advantages: (r - group mean) divided by the group's reward std (group), "
+                                         "the batch's (batch), or not at all (none: Dr. GRPO)",
+                                choices=("group", "batch", "none"))
+    grpo_norm: str = option("token", "loss normalisation: token (the sum over every completion token of the step, "
+                                     "divided by their number: DAPO, Dr. GRPO, TRL's 'dapo') or sequence (each "
+                                     "completion's token mean, averaged over completions: the original GRPO)",
+                            choices=("token", "sequence"))
+
+
 EPS = 1e-4  # added to the std of the rewards (TRL's value)
 # what each logged figure is a mean over (the loss's own unit, completion tokens or completions, is not used)
 FIGURE_UNITS = {"reward": "completions", "reward_std": "completions", "completion_length": "completions",
-                "kl": "completion_tokens", "clip_fraction": "completion_tokens", "completions": "steps",
-                "completion_tokens": "steps", "generation_time_s": "steps", "reward_time_s": "steps"}
-SAMPLING_TIMES = ("generation_time_s", "reward_time_s")  # what a rollout's first step spends sampling and scoring
-GRPO = "grpo"  # the batch key of what the loss reads besides the rows (advantages, figures)
+                "kl": "completion_tokens", "clip_fraction": "completion_tokens", "completions": PER_STEP,
+                "completion_tokens": PER_STEP, "generation_time_s": PER_STEP, "reward_time_s": PER_STEP}
 
 
 @hookimpl
 def vlft_objectives():
-    return [ObjectiveInfo(NAME, DESCRIPTION)]
+    return [ObjectiveInfo(NAME, DESCRIPTION, GrpoOptions)]
 
 
 @hookimpl
-def vlft_objective(objective, config, rewards):
+def vlft_objective(objective, config, options, rewards):
     if objective != NAME:
         return None
-    beta = 0.04 if config.beta is None else config.beta  # --beta's GRPO default (DeepSeekMath's)
-    g = config.num_generations
-    if g < 2:
-        raise ConfigError(f"--num-generations must be at least 2 (a group's rewards are compared), got {g}")
-    if config.temperature <= 0:
-        raise ConfigError(f"--temperature must be positive (grpo samples), got {config.temperature}")
-    if not 0 < config.top_p <= 1:
-        raise ConfigError(f"--top-p must be in (0, 1], got {config.top_p}")
-    if config.clip_epsilon <= 0:
-        raise ConfigError(f"--clip-epsilon must be positive, got {config.clip_epsilon}")
-    if config.num_iterations < 1:
-        raise ConfigError(f"--num-iterations must be at least 1 (each rollout trained on once), got "
-                          f"{config.num_iterations}")
-    specs = list(config.reward or ["fields"])
-    chosen = resolve_rewards(specs, rewards)
-    sampling = Sampling(g, config.temperature, config.top_p, config.max_new_tokens)
-    rollout = Rollout(sampling, chosen, config.scale_rewards, config.grpo_norm)
-    reference = "" if beta == 0 else (
-        "the adapter as --init-adapter loaded it (kept frozen)" if config.init_adapter
-        else "the base model (the adapter switched off)")
+    o = options
+    chosen = tuple(resolve_rewards(list(o.reward), rewards))
     figures = ("reward", "reward_std", *[f"reward_{label}" for label, _ in chosen if len(chosen) > 1],
-               *(("kl",) if beta else ()), "clip_fraction", "completion_length", "completions",
+               *(("kl",) if o.beta else ()), "clip_fraction", "completion_length", "completions",
                "completion_tokens", "generation_time_s", "reward_time_s")
     units = {**FIGURE_UNITS, **{f"reward_{label}": "completions" for label, _ in chosen}}
-    return Objective(
-        NAME, DESCRIPTION, layout=LAYOUT, help=HELP,
-        options={"num_generations": g, "temperature": config.temperature, "top_p": config.top_p,
-                 "max_new_tokens": config.max_new_tokens, "rewards": specs, "beta": beta,
-                 "clip_epsilon": config.clip_epsilon, "num_iterations": config.num_iterations,
-                 "scale_rewards": config.scale_rewards, "norm": config.grpo_norm},
-        parse=parse_prompt, check=partial(check_references, rewards=chosen), encoder=rollout.encoder, collate=PromptCollator,
-        rows_per_record=g,
-        average_over="completion tokens" if config.grpo_norm == "token" else "completions",
-        loss=partial(grpo_loss, epsilon=config.clip_epsilon, beta=beta, norm=config.grpo_norm,
-                     temperature=config.temperature, suppressed=rollout.suppress),
-        rollout=rollout, iterations=config.num_iterations, figures=figures, figure_units=units,
-        reference=reference,
+    return Grpo(
+        NAME, DESCRIPTION, options=o, layout=PromptRecords(config.max_new_tokens),
+        rows_per_record=o.num_generations,
+        average_over=Average.COMPLETION_TOKENS if o.grpo_norm == "token" else Average.COMPLETIONS,
+        iterations=o.num_iterations, figures=figures, figure_units=units, reference=bool(o.beta),
         dropout=False,  # sampled in evaluation mode, so trained without dropout: the policy gradient is the sampler's
-        generation={"sequences_per_record": g, "new_tokens": config.max_new_tokens},
+        generation=Generation(o.num_generations, config.max_new_tokens),
         demo_epochs=1.25,  # 500 steps of 4 prompts x G 8 on the demo set: what raised the reward from an SFT adapter
         packing_refusal="the completions are sampled in the step and trained as padded rows; packed rows are not "
                         "built for them",
@@ -144,19 +151,19 @@ def vlft_objective(objective, config, rewards):
                          "reference pass switches the adapter off (or swaps in the --init-adapter weights); neither "
                          "is built for FSDP's sharded parameters (every decoding step would gather every block); "
                          "data parallel works: leave out --shard",
-        notes=(plan_note(config, g),),
+        notes=(plan_note(o, o.num_generations),), new_tokens=config.max_new_tokens, rewards=chosen,
     )
 
 
-def plan_note(config, g: int) -> str:
+def plan_note(o: GrpoOptions, g: int) -> str:
     """The plan's line on what a step samples and trains."""
-    n = config.num_iterations
+    n = o.num_iterations
     when = "each step samples" if n == 1 else f"the first of every {n} steps samples (--num-iterations {n})"
     trained = ("trains on them once" if n == 1 else
                f"trains on them for {n} steps, the ratio to the sampling policy clipped to [1 - "
-               f"{config.clip_epsilon}, 1 + {config.clip_epsilon}] (a checkpoint at a multiple of {n} steps resumes "
+               f"{o.clip_epsilon}, 1 + {o.clip_epsilon}] (a checkpoint at a multiple of {n} steps resumes "
                f"exactly, another samples its rollout's prompts again)")
-    loss = ("summed over completion tokens and divided by the step's count (DAPO)" if config.grpo_norm == "token"
+    loss = ("summed over completion tokens and divided by the step's count (DAPO)" if o.grpo_norm == "token"
             else "each completion's token mean, averaged over completions")
     return (f"grpo: {when} {g} completions per prompt (generate with the KV cache, one call per micro-batch), "
             f"scores them, then {trained}: the loss is {loss}; the vision tower runs once per prompt in the "
@@ -314,83 +321,104 @@ class PromptCollator:
 
 # -- the rollout: sample, score, advantages, the rows to train -------------------------------------------------
 
-class Sampling:
-    def __init__(self, groups: int, temperature: float, top_p: float, new_tokens: int):
-        self.groups, self.temperature, self.top_p, self.new_tokens = groups, temperature, top_p, new_tokens
+@dataclass(frozen=True)
+class PromptRecords:
+    """GRPO's record layout (``vlft.contracts.objective.RecordFormat``): the SFT layouts read as prompts with
+    their reference replies, encoded for generation and measured with ``new_tokens`` sampled tokens."""
 
+    new_tokens: int
+    description: str = LAYOUT
 
-class Rollout:
-    """``Objective.rollout``: the step's completions, sampled and scored, laid out as rows to train (see the
-    module docstring). It decodes with the tokenizer of the encoder the core hands ``encoder`` at plan time."""
-
-    def __init__(self, sampling: Sampling, rewards, scale: str, norm: str):
-        self.sampling, self.rewards, self.scale, self.norm = sampling, rewards, scale, norm
-        # filled in place when the encoder is known (the loss holds this list: what sampling cannot draw)
-        self.tokenizer, self.suppress = None, []
+    def parse(self, obj, add_placeholders=False):
+        return parse_prompt(obj, add_placeholders)
 
     def encoder(self, sample_encoder):
-        self.tokenizer = sample_encoder.tokenizer
-        processor = sample_encoder.processor
-        # a sampled image or video token would ask the model for pictures the row does not have
-        self.suppress[:] = [t for t in (getattr(processor, "image_token_id", None),
-                                        getattr(processor, "video_token_id", None)) if t is not None]
-        return PromptEncoder(sample_encoder, self.sampling.new_tokens)
+        return PromptEncoder(sample_encoder, self.new_tokens)
 
-    def __call__(self, model, host_batches: list[dict], device, autocast):
+    def collate(self, row_collator):
+        return PromptCollator(row_collator)
+
+
+def suppressed_tokens(processor) -> tuple[int, ...]:
+    """The image and video tokens: a sampled one would ask the model for pictures the row does not have."""
+    return tuple(t for t in (getattr(processor, "image_token_id", None), getattr(processor, "video_token_id", None))
+                 if t is not None)
+
+
+@dataclass(frozen=True)
+class Grpo(Objective):
+    """GRPO on the objective contract: ``prepare`` is the rollout (sample, score, the rows to train, and what
+    the loss compares with), ``loss`` the clipped policy-gradient loss on its rows (see the module docstring)."""
+
+    new_tokens: int = 32
+    rewards: tuple = field(default=(), compare=False)  # ((label, function), ...), resolved at plan time
+
+    def check(self, records) -> list[str]:
+        return check_references(records, rewards=self.rewards)
+
+    def prepare(self, model, host_batches: list[dict], passes) -> Prepared:
+        """The step's completions, sampled and scored (every micro-batch's prompts, one ``generate`` call
+        each), laid out as rows to train, with the reference's log-probabilities (``--beta`` above 0) and, for a
+        rollout trained on over several steps, the sampling policy's; and the units the loss is averaged over."""
         import torch  # the step runs torch already; the plugin module itself stays light
 
         from vlft.models.rows import unwrapped
 
         net = unwrapped(model)  # generate is the PEFT model's, not DDP's
+        tokenizer, suppress = passes.encoder.tokenizer, suppressed_tokens(passes.encoder.processor)
         t0 = time.perf_counter()
         was_training = net.training
         net.eval()  # no dropout while sampling (nor in the trained pass: Objective.dropout)
         try:
-            with torch.no_grad(), autocast, process_stream(device):
-                sampled = [self._sample(net, b, device) for b in host_batches]
+            with torch.no_grad(), passes.autocast, process_stream(passes.device):
+                sampled = [self._sample(net, b, passes.device, tokenizer, suppress) for b in host_batches]
         finally:
             net.train(was_training)
         generation_s = time.perf_counter() - t0  # the decoding below waited for the device
-        out, units = [], 0
-        for k, (host, prompt, sequences) in enumerate(sampled):
-            batch, n = self._rows(host, prompt, sequences, generation_s if k == 0 else 0.0)
-            out.append(batch)
+        batches, units, reward_s = [], 0, 0.0
+        for host, prompt, sequences in sampled:
+            batch, n, seconds = self._rows(host, prompt, sequences, tokenizer, suppress)
+            reward_s += seconds
+            batches.append(self._compared(net, batch, passes))
             units += n
-        return out, units
+        device = batches[0]["input_ids"].device
+        return Prepared(batches, units, {"generation_time_s": torch.tensor(generation_s, device=device),
+                                         "reward_time_s": torch.tensor(reward_s, device=device)})
 
-    def _sample(self, net, host: dict, device):
+    def _sample(self, net, host: dict, device, tokenizer, suppress):
         from vlft.data.batching import to_device
 
-        s, tok = self.sampling, self.tokenizer
+        o = self.options
         prompt = to_device(host, device)  # the references and places stay on the host
-        sequences = net.generate(**prompt, do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=0,
-                                 max_new_tokens=s.new_tokens, num_return_sequences=s.groups,
-                                 pad_token_id=tok.pad_token_id, use_cache=True,
-                                 **({"suppress_tokens": self.suppress} if self.suppress else {}))
+        sequences = net.generate(**prompt, do_sample=True, temperature=o.temperature, top_p=o.top_p, top_k=0,
+                                 max_new_tokens=self.new_tokens, num_return_sequences=o.num_generations,
+                                 pad_token_id=tokenizer.pad_token_id, use_cache=True,
+                                 **({"suppress_tokens": list(suppress)} if suppress else {}))
         return host, prompt, sequences
 
-    def _rows(self, host: dict, prompt: dict, sequences, generation_s: float):
+    def _rows(self, host: dict, prompt: dict, sequences, tokenizer, suppress):
+        """(the rows of one micro-batch's completions with their advantages and figures, its units, the seconds
+        decoding and scoring them took)."""
         import torch
 
         from vlft.data.batching import with_label_positions
-        from vlft.data.pairs import SHARED
         from vlft.data.records import IGNORE_INDEX
 
-        g, b = self.sampling.groups, host["records"]
+        g, b = self.options.num_generations, host["records"]
         length = prompt["input_ids"].shape[1]
         completion = sequences[:, length:]  # [b * g, T], prompt-major (generate's order)
-        eos = torch.tensor(_eos_ids(self.tokenizer), device=completion.device)
+        eos = torch.tensor(_eos_ids(tokenizer), device=completion.device)
         is_eos = torch.isin(completion, eos)
         mask = (torch.cumsum(is_eos, 1) - is_eos.long()) == 0  # up to and including the first end token
         t0 = time.perf_counter()
         ids = [row[m].tolist() for row, m in zip(completion, mask)]
-        texts = [t.strip() for t in self.tokenizer.batch_decode(ids, skip_special_tokens=True)]
+        texts = [t.strip() for t in tokenizer.batch_decode(ids, skip_special_tokens=True)]
         references = [r for r in host["references"] for _ in range(g)]
         where = [w for w in host["where"] for _ in range(g)]
         totals, per_reward = score(self.rewards, texts, references, where)
         reward_s = time.perf_counter() - t0
         rewards = torch.tensor(totals, dtype=torch.float32, device=completion.device)
-        advantages, spread = group_advantages(rewards, g, self.scale)
+        advantages, spread = group_advantages(rewards, g, self.options.scale_rewards)
 
         def group_major(t):  # prompt-major [b * g, ...] -> [g * b, ...]: row j * b + i is prompt i's j-th
             return t.reshape(b, g, *t.shape[1:]).transpose(0, 1).reshape(b * g, *t.shape[1:])
@@ -406,7 +434,7 @@ class Rollout:
                 tail = torch.zeros((b * g, completion.shape[1], *value.shape[2:]), dtype=value.dtype,
                                    device=value.device)
                 rows[key] = torch.cat([value.repeat(g, *[1] * (value.dim() - 1)), tail], 1)
-            else:  # the prompts' images, given once (models.rows repeats their features for the g groups)
+            else:  # the prompts' images, given once (the core repeats their features for the g groups)
                 shared[key] = value
         labels = torch.full_like(rows["input_ids"], IGNORE_INDEX)
         labels[:, length:] = torch.where(mask, completion, torch.full_like(completion, IGNORE_INDEX))
@@ -420,11 +448,43 @@ class Rollout:
                       if len(per_reward) > 1 else {}),
                    "completion_length": lengths.sum().float(),
                    "completions": torch.tensor(float(b * g), device=rewards.device),
-                   "completion_tokens": torch.tensor(float(n_tokens), device=rewards.device),
-                   "generation_time_s": torch.tensor(generation_s, device=rewards.device),
-                   "reward_time_s": torch.tensor(reward_s, device=rewards.device)}
-        batch[GRPO] = {"advantages": group_major(advantages), "groups": g, "figures": figures}
-        return batch, (n_tokens if self.norm == "token" else b * g)
+                   "completion_tokens": torch.tensor(float(n_tokens), device=rewards.device)}
+        batch[OWN] = {"advantages": group_major(advantages), "groups": g, "suppressed": suppress,
+                      "figures": figures}
+        return batch, (n_tokens if self.options.grpo_norm == "token" else b * g), reward_s
+
+    def _compared(self, net, batch: dict, passes) -> dict:
+        """``batch`` with what the loss compares the trained pass with, taken once per rollout without
+        gradients: the reference's log-probabilities (``--beta`` above 0), and the sampling policy's where the
+        rollout is trained on over several steps (the weights that sampled it are the model's now)."""
+        import torch
+
+        o, own = self.options, batch[OWN]
+        kept = {}
+        with torch.no_grad():
+            if o.beta and passes.has_reference:
+                kept["ref_logps"], _ = passes.reference_token_logps(batch, own["groups"], o.temperature,
+                                                                    own["suppressed"])
+            if self.iterations > 1:
+                kept["old_logps"], _ = passes.token_logps(net, batch, own["groups"], o.temperature,
+                                                          own["suppressed"])
+        return {**batch, OWN: {**own, **kept}}
+
+    def loss(self, model, batch: dict, passes):
+        """(the batch's summed loss, {figure: sum}) for a rolled-out batch: summed over completion tokens
+        (``--grpo-norm token``) or over completions of their token means (``sequence``), the log-probabilities
+        under the sampling distribution (``Passes.token_logps``)."""
+        o, own = self.options, batch[OWN]
+        logps, mask = passes.token_logps(model, batch, own["groups"], o.temperature, own["suppressed"])
+        old = own["old_logps"] if "old_logps" in own else logps.detach()  # a rollout's only pass: the sampler's
+        per_token, kl, clipped = grpo_token_loss(logps, old, own.get("ref_logps"), own["advantages"],
+                                                 epsilon=o.clip_epsilon, beta=o.beta)
+        m = mask.to(per_token.dtype)
+        figures = dict(own["figures"])
+        figures["clip_fraction"] = (clipped.to(m.dtype) * m).sum()
+        if kl is not None:
+            figures["kl"] = (kl.detach() * m).sum()
+        return reduce_loss(per_token, m, o.grpo_norm), figures
 
 
 @contextmanager
@@ -504,28 +564,6 @@ def grpo_token_loss(logps, old_logps, ref_logps, advantages, *, epsilon: float, 
     return per_token, kl, clipped
 
 
-def token_logps(model, inputs: dict, batch: dict, autocast, temperature: float = 1.0, suppressed=()):
-    """(per-token log-probabilities ``[n, P]`` at the batch's labelled positions, their mask), under the
-    distribution the completions were drawn from: the logits divided by the sampling ``temperature`` (as TRL's
-    GRPOTrainer does) and the ``suppressed`` tokens (image and video tokens, which sampling never draws) left
-    out of the normalisation, so the ratio and the policy gradient are those of the sampling policy, not of the
-    temperature-1 model over the whole vocabulary."""
-    import torch
-
-    from vlft.data.records import IGNORE_INDEX
-    from vlft.models.loss import labelled_logits
-
-    logits, targets = labelled_logits(model, inputs, batch, autocast)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    if temperature != 1.0:
-        logits = logits / temperature
-    if len(suppressed):
-        logits = logits.index_fill(-1, torch.tensor(list(suppressed), device=logits.device), float("-inf"))
-    mask = targets != IGNORE_INDEX
-    logps = torch.log_softmax(logits, -1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return logps.masked_fill(~mask, 0.0), mask  # not a product: an ignored position may gather a suppressed -inf
-
-
 def reduce_loss(per_token, mask, norm: str):
     """The batch's summed loss from per-token losses ``[n, T]`` and their mask: over every completion token
     (``token``: the core then divides by the step's completion tokens) or over completions of each one's token
@@ -533,49 +571,3 @@ def reduce_loss(per_token, mask, norm: str):
     if norm == "token":
         return (per_token * mask).sum()
     return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum()
-
-
-def grpo_loss(model, batch, autocast, reference, *, epsilon: float, beta: float, norm: str,
-              temperature: float = 1.0, suppressed=()):
-    """(the batch's summed loss, {figure: sum}) for a rolled-out batch (``Rollout``): summed over completion
-    tokens (``norm`` token) or over completions of their token means (``sequence``); log-probabilities of the
-    policy and the reference under the sampling distribution (``temperature``, ``suppressed``:
-    ``token_logps``). The batch's first pass keeps its log-probabilities on it as the sampling policy's, and
-    the reference's, for the steps that train on it again (``--num-iterations``)."""
-    from vlft.models.rows import row_inputs
-
-    extra = batch[GRPO]
-    rows = {k: v for k, v in batch.items() if k != GRPO}
-    groups = extra["groups"]
-    ref = extra.get("ref_logps")
-    if ref is None and beta and reference is not None:  # first: its activations are gone before the trained pass's
-        with reference() as ref_model:
-            with autocast:
-                ref_inputs = row_inputs(ref_model, rows, groups)
-            ref, _ = token_logps(ref_model, ref_inputs, rows, autocast, temperature, suppressed)
-    with autocast:
-        inputs = row_inputs(model, rows, groups)
-    logps, mask = token_logps(model, inputs, rows, autocast, temperature, suppressed)
-    first_pass = "old_logps" not in extra
-    old = logps.detach() if first_pass else extra["old_logps"]
-    per_token, kl, clipped = grpo_token_loss(logps, old, ref, extra["advantages"], epsilon=epsilon, beta=beta)
-    m = mask.to(per_token.dtype)
-    loss = reduce_loss(per_token, m, norm)
-    figures = dict(extra["figures"])
-    figures["clip_fraction"] = (clipped.to(m.dtype) * m).sum()
-    if kl is not None:
-        figures["kl"] = (kl.detach() * m).sum()
-    if first_pass:
-        keep_for_later_passes(extra, old, ref)
-    return loss, figures
-
-
-def keep_for_later_passes(extra: dict, old_logps, ref_logps) -> None:
-    """What a kept rollout's later steps read on its batch: the sampling policy's log-probabilities (this first
-    pass ran under the weights that sampled), the reference's (frozen: the same on every pass), and its
-    sampling and scoring times as 0 (those steps sample nothing)."""
-    extra["old_logps"] = old_logps
-    if ref_logps is not None:
-        extra["ref_logps"] = ref_logps
-    figures = extra["figures"]
-    extra["figures"] = {**figures, **{k: figures[k].new_zeros(()) for k in SAMPLING_TIMES}}

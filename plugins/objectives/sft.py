@@ -2,8 +2,8 @@
 
 The objective every run had before objectives were plugins: conversation records, one row each, the
 cross-entropy summed over the replies' tokens and averaged over the step's label tokens (over every
-micro-batch and process). Its ``Objective`` leaves every callable None, which is the core's own supervised
-path (``vlft.models.loss``), so its numbers are those of before, bit for bit.
+micro-batch and process). Its ``Objective`` is the base class as it is, the core's own supervised path, so its
+numbers are those of before, bit for bit.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def vlft_objectives():
 
 
 @hookimpl
-def vlft_objective(objective, config):
+def vlft_objective(objective):
     if objective != NAME:
         return None
     return Objective(NAME, DESCRIPTION)

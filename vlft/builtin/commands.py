@@ -14,13 +14,13 @@ import json
 
 import click
 
-from vlft.cli import as_arguments, config_options, given_flags, record_options, user_errors
+from vlft.cli import RunCommand, as_arguments, config_options, given_flags, record_options, user_errors
 from vlft.config import RunConfig, build_config, load_config_file
 from vlft.hookspecs import hookimpl
 from vlft.registry import DISABLE_ENV, get_registry
 
 
-@click.command()
+@click.command(cls=RunCommand)
 @config_options
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="YAML file of flag values.")
 @click.option("--json", "as_json", is_flag=True, help="With --dry-run: print the plan as JSON.")
@@ -40,7 +40,7 @@ def run(ctx, config_file, as_json, verbose, quiet, nproc_per_node, nnodes, node_
     """Fine-tune a model with an adapter method on a backend, evaluate it before and after, save the adapter."""
     from vlft.training.launch import LaunchOptions, end_worker, relaunch
 
-    file_values = load_config_file(config_file) if config_file else {}
+    file_values = load_config_file(config_file, tuple(get_registry().objective_options())) if config_file else {}
     record_options(ctx, file_values)
     flags = given_flags(ctx, params)
     config = build_config(file_values, flags)
@@ -188,17 +188,20 @@ def methods():
 @user_errors
 def objectives():
     """List training objectives (--objective) with their data layout, options and logged figures."""
+    from vlft.contracts.objective import option_specs, reference_description
+
     registry = get_registry()
     for info in sorted(registry.objectives.values(), key=lambda o: o.name):
         o = registry.objective_for(RunConfig(objective=info.name))
         click.echo(f"{info.name}: {info.description}")
-        click.echo(f"  data: {o.layout}")
-        click.echo(f"  loss averaged over {o.average_over}" + (f"; {o.rows_per_record} sequences per record"
-                                                             if o.rows_per_record > 1 else ""))
+        click.echo(f"  data: {o.layout.description}")
+        click.echo(f"  loss averaged over {o.average_over.value}" + (f"; {o.rows_per_record} sequences per record"
+                                                                   if o.rows_per_record > 1 else ""))
         if o.reference:
-            click.echo(f"  reference: {o.reference}")
-        for key, value in o.options.items():
-            click.echo(f"  {key} = {value!r}" + (f"  # {o.help[key]}" if o.help.get(key) else ""))
+            click.echo(f"  reference: {reference_description(False)} (with --init-adapter: "
+                       f"{reference_description(True)})")
+        for spec in option_specs(info.options):
+            click.echo(f"  {spec.flag} {spec.default!r}  # {spec.help}")
         if o.figures:
             click.echo(f"  logs: {', '.join(o.figures)} (validation: val_ of each)")
         for reason, what in ((o.packing_refusal, "--packing"), (o.sharding_refusal, "--shard fsdp")):

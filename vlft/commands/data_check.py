@@ -50,6 +50,7 @@ def check(files, model, image_root, add_placeholders, columns, max_pixels, video
     from vlft.config import RunConfig, parse_columns
     from vlft.data.columnar import unread_columns
     from vlft.data.encoding import SampleEncoder
+    from vlft.data.layouts import record_format
     from vlft.data.lengths import measure_all
     from vlft.data.records import read_records_collecting
     from vlft.errors import DataError
@@ -61,13 +62,14 @@ def check(files, model, image_root, add_placeholders, columns, max_pixels, video
     from vlft.registry import get_registry
 
     # the objective as a run resolves it: its layout reader, its samples' encoder, its own checks
-    chosen = get_registry().objective_for(RunConfig(objective=objective, reward=list(rewards) or None))
+    config = RunConfig(objective=objective, objective_options={"reward": list(rewards)} if rewards else {})
+    chosen = get_registry().objective_for(config)
+    layout = record_format(chosen.layout)
     path = resolve_model_path(model)
     _, family = model_config_and_family(path)
     encoder = SampleEncoder(load_processor(path, family), max_pixels=max_pixels, video_fps=video_fps,
                             video_max_frames=video_max_frames, family=family)
-    if chosen.encoder is not None:
-        encoder = chosen.encoder(encoder)
+    encoder = layout.encoder(encoder)
     mapping = parse_columns(columns)
     report = {"files": [], "problems": [], "notes": []}
     measured = []
@@ -76,7 +78,7 @@ def check(files, model, image_root, add_placeholders, columns, max_pixels, video
         try:
             records, problems = read_records_collecting(Path(name), image_root=image_root,
                                                         add_placeholders=add_placeholders, columns=mapping,
-                                                        parse=chosen.parse)
+                                                        parse=layout.parse)
             unread = unread_columns(name, mapping)
         except DataError as e:
             report["problems"].append(str(e))
@@ -96,8 +98,7 @@ def check(files, model, image_root, add_placeholders, columns, max_pixels, video
                 report["problems"].append(str(result))
                 continue
             measured.append((result[0], f"{Path(name).parent / r.where}"))
-        if chosen.check is not None:  # the objective's own problems (DPO: identical sides; GRPO: unscorable)
-            report["problems"] += chosen.check(records)
+        report["problems"] += chosen.check(records)  # the objective's own problems (GRPO: unscorable references)
         report["notes"] += [f"{file}: columns not read: {', '.join(cols)} (--columns OURS=THEIRS reads one as a "
                             f"key vlft knows)" for file, cols in unread.items()]
         entry.update(records=len(records), problems=problems.count, layouts=layouts, unread_columns=unread,

@@ -89,7 +89,7 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
     require_available(choice)
     output = run_folder(config, choice)
     sink_factories = metric_sinks(registry, config)
-    identity = run_identity(config)
+    identity = run_identity(config, registry.objective_for(config).describe()["options"])
     resume_from = _checkpoint_to_resume(config, output, identity)
     complete = _completed(output, resume_from, config)
     if complete is not None:
@@ -196,8 +196,7 @@ class _Job:
         """The validation figures: ``val_loss`` (the objective's loss) and the objective's ``val_<figure>``."""
         if self.objective.supervised:
             return {"val_loss": validation_loss(self.model, self.val_batches, self.device, self.s.autocast_dtype)}
-        return objective_validation(self.model, self.val_batches, self.device, self.s.autocast_dtype,
-                                    self.objective, self.s.reference)
+        return objective_validation(self.model, self.val_batches, self.s.policy.passes(), self.objective)
 
     def validation_figures(self) -> dict | None:
         """The objective's validation figures now (for before and after training), where it has figures."""

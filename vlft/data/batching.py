@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from vlft.contracts.objective import OWN
 from vlft.data.encoding import family_of_processor
 from vlft.data.records import IGNORE_INDEX
 
@@ -147,7 +148,8 @@ def model_inputs(batch: dict) -> dict:
     return {**{k: v for k, v in batch.items() if k not in LOSS_KEYS + HOST_KEYS}, "use_cache": False}
 
 
-LOSS_KEYS = ("labels", "logit_positions", "kept_labels")  # what the loss reads, not the model
+# what the loss reads, not the model (``OWN``: what only an objective's loss reads, KTO's flags and KL rows)
+LOSS_KEYS = ("labels", "logit_positions", "kept_labels", OWN)
 # what the loop counts on the host (``batch_counts``), never moved to a device
 # (a prompt batch's reference answers and their records' places: GRPO's rewards read them on the host)
 HOST_KEYS = ("sample_lengths", "records", "references", "where")

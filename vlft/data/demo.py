@@ -187,6 +187,35 @@ def write_demo_preferences(out: str | os.PathLike, n_train: int = 1600, n_val: i
     return DemoDataset(ds.root, paths[0], paths[1])
 
 
+UNPAIRED_FILES = ("unpaired-train.jsonl", "unpaired-val.jsonl")
+
+
+def write_demo_unpaired(out: str | os.PathLike, n_train: int = 1600, n_val: int = 400, seed: int = 0) -> DemoDataset:
+    """The demo task as unpaired preferences (KTO's), from the preference pairs beside it (written first if
+    missing): each record's question with one reply, in LLaMA-Factory's KTO layout (``messages`` and ``label``):
+    the pair's chosen answer (desirable) for records 0, 1, 4, 5, ..., its rejected one (undesirable: a wrong
+    colour, then a wrong defect) for records 2, 3, 6, 7, ...; half of each, every prompt once."""
+    ds = write_demo_preferences(out, n_train=n_train, n_val=n_val, seed=seed)
+    paths = []
+    for source, name in zip((ds.train, ds.val), UNPAIRED_FILES):
+        target = ds.root / name
+        paths.append(target)
+        if target.exists():
+            continue
+        lines = []
+        for i, line in enumerate(source.read_text(encoding="utf-8").splitlines()):
+            rec = json.loads(line)
+            desirable = (i // 2) % 2 == 0
+            reply = rec["chosen" if desirable else "rejected"]
+            messages = [{"role": t["from"], "content": t["value"]} for t in [*rec["conversations"], reply]]
+            lines.append(json.dumps({"id": rec["id"], "images": rec["images"], "messages": messages,
+                                     "label": desirable}))
+        tmp = target.with_name(f".{name}.{os.getpid()}.tmp")
+        tmp.write_text("".join(x + "\n" for x in lines), encoding="utf-8")
+        os.replace(tmp, target)
+    return DemoDataset(ds.root, paths[0], paths[1])
+
+
 WORDS = ("the", "product", "box", "surface", "left", "right", "corner", "edge", "colour", "scratch", "crack", "stain",
          "hole", "small", "large", "near", "top", "bottom", "visible", "clean", "worn", "label", "seal", "panel")
 

@@ -63,6 +63,7 @@ class Parsed:
     images: list[Any] = field(default_factory=list)
     videos: list[Any] = field(default_factory=list)
     rejected: list[RawTurn] | None = None  # a preference record: the rejected conversation (data.preferences)
+    desirable: bool | None = None  # an unpaired preference record: whether its reply is desirable
 
 
 class _Media:

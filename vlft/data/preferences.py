@@ -1,4 +1,5 @@
-"""Preference records: one prompt with a chosen and a rejected reply, both under the prompt's images.
+"""Preference records: one prompt with a chosen and a rejected reply, both under the prompt's images; and
+unpaired ones (KTO's): one prompt with one reply marked desirable or not.
 
 Two layouts, as a JSON array or JSON Lines (README "Data", preference layouts):
 
@@ -10,6 +11,13 @@ Two layouts, as a JSON array or JSON Lines (README "Data", preference layouts):
   strings, ``images`` beside: ``{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text",
   "text": "What is wrong?"}]}], "chosen": [{"role": "assistant", "content": "a crack"}], "rejected": [...],
   "images": ["a.png"]}``
+
+Unpaired, as KTO reads them (``parse_unpaired``):
+
+- LLaMA-Factory: a conversation (``messages`` or ``conversations``) ending with the assistant's reply, its
+  ``kto_tag`` column (LLaMA-Factory's demo names it ``label``) true for a desirable reply, false for an
+  undesirable one, ``images`` beside;
+- TRL: ``prompt`` and ``completion`` (message lists or strings) and ``label``, ``images`` beside.
 
 ``parse_preference`` reads one JSON object into the chosen conversation (a ``formats.Parsed``) with the
 rejected conversation in its ``rejected`` turns; ``records.read_records_collecting(..., parse=parse_preference)``
@@ -100,3 +108,41 @@ def _prompt_replies_untrained(parsed: Parsed, n_prompt: int) -> None:
     for t in parsed.turns[:n_prompt + system]:
         if ROLE_ALIASES.get(t.role) == "assistant":
             t.loss = False
+
+
+UNPAIRED_TAGS = ("label", "kto_tag")  # TRL's and LLaMA-Factory demo's name; LLaMA-Factory's column name
+
+
+def parse_unpaired(obj: dict, add_placeholders: bool = False) -> Parsed:
+    """The conversation up to and with its reply, ``desirable`` its tag; ``FormatProblem`` says what to fix."""
+    tag = next((k for k in UNPAIRED_TAGS if k in obj), None)
+    if tag is None:
+        raise FormatProblem("an unpaired preference record needs 'label' (or LLaMA-Factory's 'kto_tag'): true for "
+                            f"a desirable reply, false for an undesirable one (its keys: {', '.join(sorted(map(str, obj)))})")
+    if not isinstance(obj[tag], bool):
+        raise FormatProblem(f"'{tag}' must be true (a desirable reply) or false (an undesirable one), got {obj[tag]!r}")
+    rest = {k: v for k, v in obj.items() if k not in UNPAIRED_TAGS}
+    if "prompt" in obj or "completion" in obj:  # TRL
+        if obj.get("prompt") in (None, "", []) or obj.get("completion") in (None, "", []):
+            raise FormatProblem("TRL's unpaired layout needs both 'prompt' and 'completion'")
+        prompt = _turns(obj["prompt"], "user", "messages", "prompt")
+        reply = _turns(obj["completion"], "assistant", "messages", "completion")
+        for i, turn in enumerate(reply):
+            if ROLE_ALIASES.get(turn.get("role", turn.get("from"))) != "assistant":
+                raise FormatProblem(f"completion: turn {i} has role {turn.get('role', turn.get('from'))!r}; a "
+                                    "completion holds assistant turns only")
+        rest = {k: v for k, v in rest.items() if k not in ("prompt", "completion")}
+        parsed = parse_record({**rest, "messages": [*prompt, *reply]}, add_placeholders)
+        _prompt_replies_untrained(parsed, len(prompt))
+        layout = "unpaired (trl)"
+    else:
+        parsed = parse_record(rest, add_placeholders)
+        if not parsed.turns or ROLE_ALIASES.get(parsed.turns[-1].role) != "assistant":
+            raise FormatProblem("the last turn must be the assistant's reply: it is what the tag marks desirable "
+                                "or not")
+        layout = f"unpaired ({parsed.layout})"
+    problem = _check_turns(parsed)
+    if problem:
+        raise FormatProblem(problem)
+    parsed.layout, parsed.desirable = layout, obj[tag]
+    return parsed

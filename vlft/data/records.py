@@ -85,6 +85,8 @@ class Record:
     # a preference record (``data.preferences``): the same prompt with the reply ranked lower; ``turns`` hold the
     # chosen conversation
     rejected: list[Turn] | None = None
+    # an unpaired preference record (``data.preferences.parse_unpaired``, KTO's): whether its reply is desirable
+    desirable: bool | None = None
     # every acceptable answer, where the record lists them (DocVQA's ``answers``): scorers take the best over these
     # and the reference
     answers: list[str] | None = None
@@ -434,7 +436,7 @@ def _record(where: str, obj: Any, base_dir: Path, images: _ImageChecker, add_pla
         return None
     return Record(turns, sources, where, obj.get("id"), sizes if images.check or images.sizing else None, videos,
                   parsed.layout,
-                  rejected, answers or None)
+                  rejected, desirable=parsed.desirable, answers=answers or None)
 
 
 def _check_turns(parsed) -> str | None:

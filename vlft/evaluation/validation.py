@@ -6,13 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from vlft.data.batching import (
-    batch_counts,
-    label_count,
-    model_inputs,
-    to_device,
-    with_label_positions,
-)
+from vlft.data.batching import label_count, model_inputs, to_device, with_label_positions
 from vlft.models.loss import autocast_context, batch_loss_sum
 from vlft.training.loop import figure_means
 
@@ -32,24 +26,23 @@ def validation_loss(model, loader_batches: list[dict], device, autocast_dtype=No
 
 
 @torch.no_grad()
-def objective_validation(model, loader_batches: list[dict], device, autocast_dtype, objective, reference) -> dict:
-    """``val_loss`` and ``val_<figure>`` of ``objective``'s loss over fixed validation batches, averaged over its
-    units (label tokens or records) as in training, in evaluation mode."""
+def objective_validation(model, loader_batches: list[dict], passes, objective) -> dict:
+    """``val_loss`` and ``val_<figure>`` of ``objective``'s loss over fixed validation batches, each prepared as
+    in training (``Objective.prepare``: GRPO samples and scores its completions) and averaged over the same
+    units, in evaluation mode; ``passes``: the run's (``StepPolicy.passes``)."""
     was_training = model.training
     model.eval()
     total, units, sums = 0.0, 0, {}
-    autocast = autocast_context(device, autocast_dtype)
     for host_batch in loader_batches:
-        if objective.rollout is not None:  # GRPO: completions sampled and scored, then its loss on them
-            batches, n = objective.rollout(model, [host_batch], device, autocast)
-            units += n
-        else:
-            units += batch_counts(host_batch)[0] if objective.average_over == "records" else label_count(host_batch)
-            batches = [to_device(with_label_positions(host_batch), device)]
-        for batch in batches:
-            loss_sum, figures = objective.loss(model, batch, autocast, reference)
+        prepared = objective.prepare(model, [host_batch], passes)
+        units += prepared.units
+        figures = [dict(prepared.figures)]
+        for batch in prepared.batches:
+            loss_sum, parts = objective.loss(model, batch, passes)
             total += float(loss_sum)
-            for name, value in figures.items():
+            figures.append(parts)
+        for part in figures:
+            for name, value in part.items():
                 sums[name] = sums.get(name, 0.0) + float(value)
     model.train(was_training)
     means = figure_means(sums, objective.figure_units, units, len(loader_batches))

@@ -15,7 +15,7 @@ import inspect
 import torch
 
 from vlft.data.batching import HOST_KEYS, LOSS_KEYS
-from vlft.data.pairs import SHARED
+from vlft.contracts.objective import SHARED
 from vlft.models.families import base_model
 
 # fields of a vision output the language model does not read (the tower's unmerged states)

@@ -30,10 +30,10 @@ from vlft.policies import (
     DistributedOptions,
     MethodInfo,
     ModelFamily,
-    Objective,
     PrecisionPolicy,
     ProbeResult,
 )
+from vlft.contracts.objective import Objective, reference_description
 from vlft.registry import Registry
 
 
@@ -89,6 +89,14 @@ class RunPlan:
                 "layers": len({p.rpartition(".")[0] for p in self.target_parameters}),
                 "adapter_parameters": on_experts, "routers": list(self.family.router_modules), "routers_frozen": True}
 
+    def objective_description(self) -> dict | None:
+        """The objective as the plan shows it, its reference (if it takes one) in words."""
+        if self.objective is None:
+            return None
+        desc = self.objective.describe()
+        desc["reference"] = reference_description(bool(self.init_adapter)) if desc["reference"] else ""
+        return desc
+
     def describe(self) -> dict:
         """Everything resolved, as JSON-ready data."""
         return {
@@ -108,7 +116,7 @@ class RunPlan:
             "dataloader": dataclasses.asdict(self.dataloader),
             "distributed": dataclasses.asdict(self.distributed),
             "sharding": self.sharding.describe() if self.sharding else None,
-            "objective": self.objective.describe() if self.objective else None,
+            "objective": self.objective_description(),
             "init_adapter": self.init_adapter,
             "method": {
                 "name": self.method.name,

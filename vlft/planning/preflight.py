@@ -23,6 +23,7 @@ from vlft.config import RunConfig, parse_bytes, parse_columns, split_data_spec
 from vlft.data.columnar import data_files, unread_columns
 from vlft.data.demo import RECOMMENDED_EPOCHS, write_demo_dataset
 from vlft.data.encoding import SampleEncoder
+from vlft.data.layouts import demo_files, record_format
 from vlft.data.lengths import LengthReport, check_lengths
 from vlft.data.order import DataOrder, run_micro_batches, total_steps_for
 from vlft.data.packing import padding_ratio, settle_auto
@@ -60,12 +61,12 @@ DEFAULT_DATA_DIR_NAME = "demo-data"
 
 def resolve_data_paths(config: RunConfig, objective=None) -> tuple[list[tuple[Path, float]], Path | None]:
     """[(training file, sampling weight)], and the validation file or None. Without --data: the embedded demo
-    set, in the objective's layout (``Objective.demo_data``)."""
+    set, in the objective's layout (``data.layouts.demo_files``)."""
 
     if not config.data:
         folder = cache_root() / DEFAULT_DATA_DIR_NAME
-        if objective is not None and objective.demo_data is not None:
-            train, val = objective.demo_data(folder)
+        if objective is not None:
+            train, val = demo_files(objective, folder)
         else:
             ds = write_demo_dataset(folder)
             train, val = ds.train, ds.val
@@ -82,7 +83,7 @@ def read_training_files(config: RunConfig, objective=None) -> tuple[list, Path |
 
 def read_training_files_unweighted(config: RunConfig, objective=None) -> tuple[list[tuple[list, float]], Path | None]:
     """[(a training file's records, its weight)] (all files' problems reported together), and the
-    validation path. Records are read in the objective's layout (``Objective.parse``)."""
+    validation path. Records are read in the objective's layout (``Objective.layout``)."""
 
     files, val_path = resolve_data_paths(config, objective)
     train, messages = [], []
@@ -176,8 +177,8 @@ def _any_grid(grids) -> bool:
 
 
 def _parse(objective):
-    """The objective's record layout reader (``Objective.parse``); None: the supervised layouts."""
-    return objective.parse if objective is not None else None
+    """The reader of the objective's record layout; None: the supervised layouts."""
+    return record_format(objective.layout).parse if objective is not None else None
 
 
 def unread_column_notes(config: RunConfig) -> list[str]:
@@ -267,8 +268,7 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
     encoder = SampleEncoder(processor, max_pixels=config.max_pixels, video_fps=config.video_fps,
                             video_max_frames=config.video_max_frames, family=family)
     objective = plan.objective
-    if objective.encoder is not None:  # the objective's samples (DPO: chosen and rejected sharing images)
-        encoder = objective.encoder(encoder)
+    encoder = record_format(objective.layout).encoder(encoder)  # DPO's: chosen and rejected sharing the images
     plan.notes += list(objective.notes)
     init_source = init_adapter_source(registry, config)
     train, val, lengths = load_and_check_data(config, encoder, objective)
@@ -323,9 +323,9 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
         plan.memory.generation_bytes = memory.generation_bytes(model_config, compute, worst.samples,
                                                                worst.tokens)
         plan.memory.generation_shape = (f"{worst.samples} sequences ({config.batch_size} prompts x "
-                                        f"{objective.generation['sequences_per_record']}) x "
+                                        f"{objective.generation.sequences_per_record}) x "
                                         f"{worst.tokens} tokens (prompt + "
-                                        f"{objective.generation['new_tokens']} new)")
+                                        f"{objective.generation.new_tokens} new)")
     if objective.reference and init_source is not None:  # the reference keeps the adapter the run started from
         plan.memory.reference_bytes = 4 * plan.memory.adapter_parameters
     if objective.reference:
@@ -353,8 +353,6 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
 
 def check_for_objective(objective, train, val) -> None:
     """The objective's own check of the records (``Objective.check``), every run: its problems, as file:line."""
-    if objective.check is None:
-        return
     problems = objective.check([*train, *val])
     if problems:
         shown = problems[:MAX_REPORTED_PROBLEMS]

@@ -48,26 +48,19 @@ def model_identity(path: str | None) -> dict:
     return {"config": file_identity(str(p / "config.json")), "weights": weights}
 
 
-SAMPLING_FIELDS = ("reward", "num_generations", "temperature", "top_p", "max_new_tokens", "clip_epsilon",
-                   "scale_rewards", "grpo_norm", "num_iterations")
-
-
-def run_identity(config) -> dict:
-    """What defines the training of ``config``: two runs with equal identities follow the same trajectory."""
+def run_identity(config, objective_options: dict | None = None) -> dict:
+    """What defines the training of ``config``: two runs with equal identities follow the same trajectory.
+    ``objective_options``: the objective's options as resolved (its defaults included), so a run given an
+    option's default compares equal with one given none."""
     ident = {name: getattr(config, name) for name in TRAJECTORY_FIELDS}
     ident["model"] = model_identity(config.model)
     ident["data"] = data_identity(config.data)
     ident["val_data"] = file_identity(config.val_data)
     if config.objective != "sft":  # keys only where they are not the default, so older checkpoints still compare
-        ident["objective"] = {k: getattr(config, k) for k in ("objective", "beta", "dpo_loss", "label_smoothing",
-                                                            "rpo_alpha")}
-        # the sampling objectives' options (GRPO's), each only where it is not the default: the checkpoints of
-        # objectives that ignore them compare as before
-        defaults = type(config)()
-        for k in SAMPLING_FIELDS:
-            value = getattr(config, k)
-            if value != getattr(defaults, k):
-                ident["objective"][k] = list(value) if isinstance(value, tuple) else value  # as JSON reads it back
+        options = objective_options or {}
+        # as JSON reads them back (a tuple as a list)
+        ident["objective"] = {"objective": config.objective,
+                              **{k: list(v) if isinstance(v, tuple) else v for k, v in options.items()}}
     if config.init_adapter:
         ident["init_adapter"] = adapter_identity(config.init_adapter)
     return ident

@@ -22,6 +22,7 @@ from vlft.config import RunConfig
 from vlft.errors import VlftError
 from vlft.data.batching import collator_for
 from vlft.data.encoding import EncodedDataset, SampleEncoder
+from vlft.data.layouts import record_format
 from vlft.data.lazy import modalities
 from vlft.data.packing import PackingCollator
 from vlft.models.adapting import (
@@ -161,17 +162,15 @@ def prepare(registry: Registry, config: RunConfig, resume_from: Path | None = No
     reference = _reference(model, plan, resume_from, device) if objective.reference else None
     policy = StepPolicy(device, autocast_dtype, scaler, config.max_grad_norm, config.grad_accum, config.world_size,
                         flags_on_host=device.type == "cpu", fused_optimizer=fused_optimizer(plan),
-                        loss=objective.loss, per_record=objective.average_over != "label tokens",
-                        reference=reference, rollout=_step_rollout(objective, start_step),
-                        figure_units=dict(objective.figure_units))
+                        objective=objective, reference=reference, encoder=planned.encoder,
+                        prepare=_step_prepare(objective, start_step))
     settings = _loop_settings(config, plan, planned.total_steps)
     settings.peak_flops, settings.flops_per_token = plan.peak_flops, model_flops_per_token(model)
     if config.group_by_length:
         settings.lengths = planned.train_lengths
     processor = planned.processor
-    collate = training_collator(plan, planned.model_config, processor)
-    if objective.collate is not None:  # the objective's batches (DPO: chosen and rejected rows, images once)
-        collate = objective.collate(collate)
+    # the objective's batches (DPO: chosen and rejected rows, images once)
+    collate = record_format(objective.layout).collate(training_collator(plan, planned.model_config, processor))
 
     def save_adapter(m, path):
         registry.first("vlft_save_adapter", method=plan.method.name, model=m, path=path)
@@ -293,12 +292,12 @@ def model_flops_per_token(model) -> float:
     return 4.0 * sum(p.numel() for p in model.parameters())
 
 
-def _step_rollout(objective, start_step: int):
-    """What the step runs before the loss: the objective's rollout, kept for the steps that train on it again
-    (``Objective.iterations`` above 1), or None."""
-    if objective.rollout is None or objective.iterations == 1:
-        return objective.rollout
-    return KeptRollout(objective.rollout, objective.iterations, start_step)
+def _step_prepare(objective, start_step: int):
+    """What prepares a step's batches: the objective's ``prepare``, kept for the steps that train on it again
+    (``Objective.iterations`` above 1)."""
+    if objective.iterations == 1:
+        return objective.prepare
+    return KeptRollout(objective.prepare, objective.iterations, start_step)
 
 
 def _loop_settings(config: RunConfig, plan: RunPlan, total_steps: int) -> LoopSettings:

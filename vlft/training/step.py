@@ -4,9 +4,10 @@ The step reads only plain objects resolved at set-up (``StepPolicy``); it
 calls no plugin hooks. Loss is the sum of token losses over the whole
 optimizer step (all micro-batches, all processes) divided by that step's
 number of label tokens, so accumulation and data parallelism give exactly
-the loss and gradients of one big batch. An objective with its own loss
-(``StepPolicy.loss``: DPO's) sums it over its units the same way, divided by
-the step's label tokens or, ``per_record``, its records (DPO's pairs).
+the loss and gradients of one big batch. The objective (``StepPolicy.objective``)
+prepares the step's batches and counts their units (``Objective.prepare``: label
+tokens, DPO's pairs, GRPO's sampled completion tokens) and sums its loss over
+them the same way.
 
 A step whose loss or gradient norm is not finite is not applied, in every
 precision, without a host-device sync: on an accelerator the update is masked
@@ -28,14 +29,8 @@ import numpy as np
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
-from vlft.data.batching import (
-    batch_counts,
-    label_count,
-    model_inputs,
-    to_device,
-    with_label_positions,
-)
-from vlft.models.loss import autocast_context, batch_loss_sum
+from vlft.contracts.objective import Average, Objective
+from vlft.models.passes import StepPasses
 from vlft.planning.sharding import local
 from vlft.training.signals import host_all_reduce
 
@@ -58,17 +53,35 @@ class StepPolicy:
     fused_optimizer: bool = False
     # the lm_head and the fp32 logits at labelled positions only (``models.loss.batch_loss_sum``)
     labels_only: bool = True
-    # the objective's loss (``Objective.loss``), None for the next-token loss over label tokens; with
-    # ``per_record`` it is averaged over the step's records (a pair batch's ``records``), not label tokens;
-    # ``reference`` gives the objective its reference model (``models.reference.Reference``)
-    loss: Any = None
-    per_record: bool = False
+    # the objective (``vlft.Objective``): its batch preparation, which validation shares, and its loss; None:
+    # the next-token loss over label tokens (sft). ``reference``: its reference model (``models.reference``)
+    # where it takes one; ``encoder``: the run's sample encoder (GRPO decodes with its tokenizer);
+    # ``prepare``: what prepares a step, where not the objective's own (``training.rollouts.KeptRollout``)
+    objective: Any = None
     reference: Any = None
-    # the objective's rollout (``Objective.rollout``: GRPO samples and scores completions), run on the step's
-    # batches before the loss; it also counts the units the loss is averaged over (completion tokens), which
-    # only exist once it ran. ``figure_units``: what each logged figure is a mean over (``Objective``)
-    rollout: Any = None
-    figure_units: dict = field(default_factory=dict)
+    encoder: Any = None
+    prepare: Any = None
+
+    def __post_init__(self):
+        if self.objective is None:
+            self.objective = Objective("sft")
+        if self.prepare is None:
+            self.prepare = self.objective.prepare
+
+    @property
+    def figure_units(self) -> dict:
+        """What each logged figure is a mean over (``Objective.figure_units``)."""
+        return dict(self.objective.figure_units)
+
+    @property
+    def per_record(self) -> bool:
+        """The loss is averaged over something other than label tokens (DPO's pairs)."""
+        return self.objective.average_over is not Average.LABEL_TOKENS
+
+    def passes(self, non_blocking: bool = False) -> StepPasses:
+        """What the objective's ``prepare`` and ``loss`` run through (``vlft.Passes``)."""
+        return StepPasses(self.device, self.autocast_dtype, self.reference, self.encoder, self.labels_only,
+                          non_blocking)
 
 
 def seed_everything(seed: int) -> None:
@@ -96,30 +109,17 @@ def global_label_count(count: int, world_size: int, device: torch.device | None 
     return start_global_label_count(count, world_size)()
 
 
-def objective_loss(model, batch: dict, policy: StepPolicy, autocast) -> tuple[torch.Tensor, dict]:
-    """The batch's summed loss and the objective's figures (sums): the next-token loss over label tokens, or
-    the objective's own (``StepPolicy.loss``)."""
-    if policy.loss is None:
-        return batch_loss_sum(model, model_inputs(batch), batch, autocast), {}
-    return policy.loss(model, batch, autocast, policy.reference)
-
-
-def loss_units(batch: dict, policy: StepPolicy) -> int:
-    """What the step's loss is averaged over in a host batch: its label tokens, or its records."""
-    return batch_counts(batch)[0] if policy.per_record else label_count(batch)
-
-
 def train_step(model, optimizer, scheduler, micro_batches: list[dict], policy: StepPolicy,
-               local_tokens: int, global_tokens: float | None = None) -> dict:
+               local_tokens: int, global_tokens: float | None = None, passes: StepPasses | None = None) -> dict:
     """One optimizer step over ``micro_batches`` (already on the device). Returns device tensors.
 
-    ``local_tokens`` is this process's count of what the loss is averaged over (label tokens, or records:
-    ``loss_units``), counted on the host before the batches moved, so the step needs no device sync for it.
+    ``local_tokens`` is this process's count of what the loss is averaged over (label tokens, records, ...:
+    ``Objective.prepare``), counted on the host before the batches moved, so the step needs no device sync for it.
     """
     n_tokens = global_tokens if global_tokens is not None else global_label_count(local_tokens, policy.world_size)
     # DDP and FSDP average gradients over processes; scale back up so the result is sum / global tokens
     scale = policy.world_size / n_tokens
-    autocast = autocast_context(policy.device, policy.autocast_dtype)
+    passes = passes if passes is not None else policy.passes()
     total = torch.zeros((), device=policy.device)
     figures: dict[str, torch.Tensor] = {}
     last = len(micro_batches) - 1
@@ -130,7 +130,7 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], policy: S
         elif hasattr(model, "set_requires_gradient_sync") and last:
             model.set_requires_gradient_sync(i == last)  # FSDP: reduce-scatter only on the last one
         with sync:
-            loss_sum, parts = objective_loss(model, batch, policy, autocast)
+            loss_sum, parts = policy.objective.loss(model, batch, passes)
             loss = loss_sum * scale
             (policy.scaler.scale(loss) if policy.scaler is not None else loss).backward()
         total += loss_sum.detach()
@@ -244,19 +244,15 @@ def settle_step_counters(optimizer, skipped: int, device: torch.device) -> None:
 
 def train_step_on(model, optimizer, scheduler, host_batches: list[dict], policy: StepPolicy,
                   non_blocking: bool = False) -> dict:
-    """``train_step`` on batches still on the host: count their label tokens (or records) there, then move them.
-    An objective with a rollout (GRPO) turns them into its batches on the device first, counting its units."""
-    if policy.rollout is not None:
-        batches_on_device, local_units = policy.rollout(model, host_batches, policy.device,
-                                                        autocast_context(policy.device, policy.autocast_dtype))
-        global_units = start_global_label_count(local_units, policy.world_size)()
-        return train_step(model, optimizer, scheduler, batches_on_device, policy, local_units, global_units)
-    local_tokens = sum(loss_units(b, policy) for b in host_batches)
-    global_tokens = start_global_label_count(local_tokens, policy.world_size)  # on the host, while batches move
-    if policy.labels_only:
-        host_batches = [with_label_positions(b) for b in host_batches]
-    batches_on_device = [to_device(b, policy.device, non_blocking) for b in host_batches]
-    return train_step(model, optimizer, scheduler, batches_on_device, policy, local_tokens, global_tokens())
+    """``train_step`` on batches still on the host: the objective prepares them (``Objective.prepare``: counted
+    on the host and moved, or GRPO's completions sampled and scored), then its units are summed over processes
+    (a host reduction) and the step runs; what preparing measured joins the step's figures."""
+    passes = policy.passes(non_blocking)
+    prepared = policy.prepare(model, host_batches, passes)
+    global_units = start_global_label_count(prepared.units, policy.world_size)()
+    out = train_step(model, optimizer, scheduler, prepared.batches, policy, prepared.units, global_units, passes)
+    out["figures"].update(prepared.figures)
+    return out
 
 
 def cosine_with_warmup(optimizer, warmup: int, total: int):

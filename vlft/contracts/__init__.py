@@ -1,0 +1,5 @@
+"""The contracts between vlft and its plugins, one module per plugin kind: what a backend (``backend``), an
+adapter method (``method``), a model family (``family``), a scorer (``scorer``), a metric sink (``sinks``) and
+a training objective (``objective``) answer. Plugins import these from ``vlft``; the modules are where the core
+reads them from.
+"""

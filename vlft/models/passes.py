@@ -1,0 +1,101 @@
+"""The passes the core runs for an objective (``vlft.Passes``): a batch moved to the device, the next-token
+loss, and the log-probabilities of its rows under the model or its reference, on the run's device and under
+its autocast. Training and validation hand an objective's ``prepare`` and ``loss`` one of these, so a plugin
+computes what it needs through it and imports nothing else of vlft.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from vlft.contracts.objective import Average
+from vlft.data.batching import (
+    batch_counts,
+    label_count,
+    model_inputs,
+    to_device,
+    with_label_positions,
+)
+from vlft.data.records import IGNORE_INDEX
+from vlft.models.loss import autocast_context, batch_loss_sum, labelled_logits, sequence_logps
+from vlft.models.rows import row_inputs
+
+
+class StepPasses:
+    """``vlft.Passes`` for one run: its device and autocast, its reference model (``models.reference.Reference``;
+    None where the objective takes none), its sample encoder, and how batches move (``labels_only``: each row
+    batch carries its labelled positions, so the head runs there only; ``non_blocking`` copies)."""
+
+    def __init__(self, device, autocast_dtype=None, reference=None, encoder=None, labels_only: bool = True,
+                 non_blocking: bool = False):
+        self.device, self.reference, self.encoder = device, reference, encoder
+        self.autocast = autocast_context(device, autocast_dtype) if device is not None else nullcontext()
+        self.labels_only, self.non_blocking = labels_only, non_blocking
+
+    @property
+    def has_reference(self) -> bool:
+        return self.reference is not None
+
+    def count(self, host_batch: dict, average: Average) -> int:
+        if average is Average.RECORDS:
+            return batch_counts(host_batch)[0]
+        if average is Average.LABEL_TOKENS:
+            return label_count(host_batch)
+        raise ValueError(f"an objective averaging over {average.value} counts them in its own prepare")
+
+    def to_device(self, host_batch: dict) -> dict:
+        return to_device(self._positions(host_batch), self.device, self.non_blocking)
+
+    def _positions(self, batch: dict) -> dict:
+        """``batch`` and every row batch nested in it (KTO's KL rows) with their labelled positions."""
+        if not self.labels_only:
+            return batch
+        nested = {k: self._positions(v) for k, v in batch.items() if isinstance(v, dict)}
+        return {**(with_label_positions(batch) if "labels" in batch else batch), **nested}
+
+    def token_loss_sum(self, model, batch: dict):
+        return batch_loss_sum(model, model_inputs(batch), batch, self.autocast)
+
+    def sequence_logps(self, model, batch: dict, groups: int = 1):
+        with self.autocast:
+            inputs = row_inputs(model, batch, groups)
+        return sequence_logps(model, inputs, batch, self.autocast)
+
+    def reference_sequence_logps(self, batch: dict, groups: int = 1):
+        with self._reference() as ref:
+            return self.sequence_logps(ref, batch, groups)
+
+    def token_logps(self, model, batch: dict, groups: int = 1, temperature: float = 1.0, suppressed=()):
+        with self.autocast:
+            inputs = row_inputs(model, batch, groups)
+        return token_logps(model, inputs, batch, self.autocast, temperature, suppressed)
+
+    def reference_token_logps(self, batch: dict, groups: int = 1, temperature: float = 1.0, suppressed=()):
+        with self._reference() as ref:
+            return self.token_logps(ref, batch, groups, temperature, suppressed)
+
+    def _reference(self):
+        if self.reference is None:
+            raise ValueError("this run keeps no reference model: the objective must say it takes one "
+                             "(Objective.reference)")
+        return self.reference()
+
+
+def token_logps(model, inputs: dict, batch: dict, autocast: Any, temperature: float = 1.0, suppressed=()):
+    """(per-token log-probabilities ``[n, P]`` at the batch's labelled positions, their mask), under a
+    sampler's distribution: the logits divided by ``temperature`` (as TRL's GRPOTrainer does) and the
+    ``suppressed`` tokens (image and video tokens, which sampling never draws) left out of the normalisation,
+    so a ratio or a policy gradient is the sampling policy's, not the temperature-1 model's over the whole
+    vocabulary."""
+    logits, targets = labelled_logits(model, inputs, batch, autocast)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if temperature != 1.0:
+        logits = logits / temperature
+    if len(suppressed):
+        logits = logits.index_fill(-1, torch.tensor(list(suppressed), device=logits.device), float("-inf"))
+    mask = targets != IGNORE_INDEX
+    logps = torch.log_softmax(logits, -1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return logps.masked_fill(~mask, 0.0), mask  # not a product: an ignored position may gather a suppressed -inf
