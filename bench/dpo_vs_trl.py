@@ -49,6 +49,7 @@ def trl_stepper(pairs, registry, folder: Path):
     from trl import DPOConfig, DPOTrainer
 
     from vlft.config import build_config
+    from vlft.data.layouts import record_format
     from vlft.data.records import read_records
     from vlft.models.loading import load_model
     from vlft.planning.preflight import plan_run
@@ -68,7 +69,7 @@ def trl_stepper(pairs, registry, folder: Path):
 
     rows = [{"images": [Image.open(r.images[0]).convert("RGB")], "prompt": messages(r.turns[:-1]),
              "chosen": messages(r.turns[-1:]), "rejected": messages(r.rejected[-1:])}
-            for r in read_records(pairs[0], parse=plan.objective.parse)]
+            for r in read_records(pairs[0], parse=record_format(plan.objective.layout).parse)]
     args = DPOConfig(output_dir=str(folder / "trl"), per_device_train_batch_size=4, max_steps=100_000,
                      learning_rate=plan.lr, report_to=[], save_strategy="no", use_cpu=True, bf16=False,
                      fp16=False, gradient_checkpointing=False, logging_steps=1_000_000, disable_tqdm=True,

@@ -39,8 +39,9 @@ def vlft_stepper(data, registry):
     train, val = data
     config = build_config({}, dict(backend="cpu", objective="grpo", data=str(train), val_data=str(val),
                                    output=tempfile.mkdtemp(), steps=100_000, batch_size=PROMPTS,
-                                   num_generations=G, max_new_tokens=NEW_TOKENS, temperature=1.0, beta=BETA,
-                                   reward=["fields"]))
+                                   max_new_tokens=NEW_TOKENS,
+                                   objective_options=dict(num_generations=G, temperature=1.0, beta=BETA,
+                                                          reward=["fields"])))
     s = prepare(registry, config)
     groups = batches(s.dataset, s.collate, s.settings, 0)
 

@@ -262,15 +262,18 @@ NO_DEFAULT = object()
 
 
 def run_flags() -> dict[str, object]:
-    """Every flag of `vlft run`, with its default where a RunConfig field holds it (NO_DEFAULT otherwise)."""
+    """Every flag of `vlft run` (its own and the installed objectives'), with its default where a RunConfig
+    field holds it (NO_DEFAULT otherwise: an objective's option has one default per objective)."""
     import dataclasses
+
+    import click
 
     from vlft.builtin.commands import run
     from vlft.config import user_fields
 
     defaults = {f.metadata.get("cli", "--" + f.name.replace("_", "-")): f.default for f in user_fields()
                 if f.default is not dataclasses.MISSING}
-    return {opt: defaults.get(opt, NO_DEFAULT) for param in run.params
+    return {opt: defaults.get(opt, NO_DEFAULT) for param in run.get_params(click.Context(run))
             for opt in [*param.opts, *param.secondary_opts] if opt.startswith("--")}
 
 

@@ -62,7 +62,7 @@ def both(tmp_path_factory):
     registry = load_registry()
     config = build_config({}, dict(backend="cpu", objective="dpo", data=str(ds.train), val_data=str(ds.val),
                                    output=str(tmp / "run"), steps=STEPS, batch_size=4, lr=LR, warmup_ratio=0.0,
-                                   beta=BETA, adapter={"lora_dropout": 0.0}, seed=0))
+                                   objective_options={"beta": BETA}, adapter={"lora_dropout": 0.0}, seed=0))
     s = prepare(registry, config)
     initial = {n: p.detach().clone() for n, p in s.model.named_parameters() if p.requires_grad}
     host = s.collate([s.dataset[i] for i in range(4)])
@@ -129,14 +129,13 @@ def test_a_trained_adapters_loss_against_the_base_equals_trls(both):
     base model (reference, the adapter off in vlft, TRL's frozen copy of the zero-initialised adapter) on the
     same batch, a margin far from 0."""
     from vlft.data.batching import to_device, with_label_positions
-    from vlft.models.loss import autocast_context
+    from vlft.models.passes import StepPasses
     from vlft.models.reference import Reference
 
     s, trainer, host, _, _, _ = both
     batch = to_device(with_label_positions(host), s.device)
-    dpo = s.plan.objective.loss
     with torch.no_grad():
-        mine, figures = dpo(s.model.eval(), batch, autocast_context(s.device, None), Reference(s.model))
+        mine, figures = s.plan.objective.loss(s.model.eval(), batch, StepPasses(s.device, None, Reference(s.model)))
         theirs = trainer._compute_loss(trainer.model.eval(), _trl_layout(host), False)
     print(f"trained adapter against the base: vlft {float(mine) / 4:.9f}, TRL {float(theirs):.9f}, mean margin "
           f"{float(figures['reward_margin']) / 4:.4f}")

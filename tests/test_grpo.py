@@ -20,7 +20,7 @@ import torch
 from helpers import cli_invoke, die_at_step
 
 import vlft_objectives.grpo as grpo
-from vlft import ConfigError
+from vlft import Average, ConfigError
 from vlft_objectives.rewards import vlft_rewards
 
 GRPO_FIGURES = ("reward", "reward_std", "kl", "clip_fraction", "completion_length", "completions",
@@ -244,10 +244,9 @@ def test_a_grpo_run_from_an_sft_adapter_logs_its_figures_and_trains(grpo_run, sf
     # the SFT adapter answers in fields: rewards are neither all 0 nor all 1 (advantages are not all 0)
     assert 0 < sum(m["reward"] for m in lines) / 4 < 1 and any(m["reward_std"] > 0 for m in lines)
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["objective"]["options"] == {"num_generations": 4, "temperature": 0.7, "top_p": 1.0,
-                                            "max_new_tokens": 16, "rewards": ["fields"], "beta": 0.04,
-                                            "clip_epsilon": 0.2, "num_iterations": 1, "scale_rewards": "group",
-                                            "norm": "token"}
+    assert plan["objective"]["options"] == {"reward": ["fields"], "num_generations": 4, "temperature": 0.7,
+                                            "top_p": 1.0, "beta": 0.04, "clip_epsilon": 0.2, "num_iterations": 1,
+                                            "scale_rewards": "group", "grpo_norm": "token"}
     assert plan["objective"]["generation"] == {"sequences_per_record": 4, "new_tokens": 16}
     assert plan["memory"]["generation_bytes"] > 0 and plan["memory"]["batch"]["samples"] == 8
     assert "generation (before the trained pass, not beside it): KV cache" in output
@@ -274,13 +273,13 @@ class SamplingSpy:
     each sampling ``generate`` call's raw logits, sequences and prompt length (asked of the real ``generate``
     with ``output_logits``, which changes nothing it samples; the validation's calls too), and each trained
     batch's rewards as the reward functions scored them (``grpo.score``) and the advantages its loss received
-    (``grpo.grpo_loss``), the validation's (run without gradients) left out."""
+    (``grpo.Grpo.loss``), the validation's (run without gradients) left out."""
 
     def __init__(self, monkeypatch):
         from transformers.generation.utils import GenerationMixin
 
         self.calls, self.rewards, self.advantages = [], [], []
-        generate, score, loss = GenerationMixin.generate, grpo.score, grpo.grpo_loss
+        generate, score, loss = GenerationMixin.generate, grpo.score, grpo.Grpo.loss
 
         def spied_generate(model, *args, **kwargs):
             if not kwargs.get("do_sample"):
@@ -296,15 +295,15 @@ class SamplingSpy:
                 self.rewards.append(list(totals))
             return totals, parts
 
-        def spied_loss(model, batch, *args, **kwargs):
+        def spied_loss(objective, model, batch, *args, **kwargs):
             if torch.is_grad_enabled():
-                extra = batch[grpo.GRPO]
+                extra = batch[grpo.OWN]
                 self.advantages.append((extra["advantages"].detach().clone(), extra["groups"]))
-            return loss(model, batch, *args, **kwargs)
+            return loss(objective, model, batch, *args, **kwargs)
 
         monkeypatch.setattr(GenerationMixin, "generate", spied_generate)
         monkeypatch.setattr(grpo, "score", spied_score)
-        monkeypatch.setattr(grpo, "grpo_loss", spied_loss)
+        monkeypatch.setattr(grpo.Grpo, "loss", spied_loss)
 
 
 def nucleus_positions(call: dict, temperature: float, top_p: float) -> tuple[list[float], float, float]:
@@ -376,7 +375,7 @@ def test_sequence_norm_unscaled_rewards_top_p_and_clip_options_reach_the_run(dem
     assert code == 0, output
     monkeypatch.undo()
     plan = json.loads((out / "plan.json").read_text())["objective"]["options"]
-    assert (plan["top_p"], plan["clip_epsilon"], plan["scale_rewards"], plan["norm"], plan["beta"]) == (
+    assert (plan["top_p"], plan["clip_epsilon"], plan["scale_rewards"], plan["grpo_norm"], plan["beta"]) == (
         SEQUENCE_TOP_P, 0.1, "none", "sequence", 0.0)
     lines = logged(out)
     assert [m["step"] for m in lines] == [1, 2]
@@ -425,35 +424,34 @@ def test_a_step_moves_the_policy_toward_the_better_completions(demo, sft_adapter
     completions with positive advantages against those with negative ones (sum of A_i x the change of
     completion i's log-probability > 0), as the policy gradient must; at the start the policy is its
     reference, so the KL term neither adds to the loss nor pulls."""
-    from contextlib import nullcontext
-
+    from vlft import OWN
     from vlft.config import build_config
-    from vlft.models.rows import row_inputs
     from vlft.training.session import prepare
 
     config = build_config({}, dict(backend="cpu", objective="grpo", data=str(demo.train), val_data=str(demo.val),
                                    output=str(tmp_path / "r"), steps=1, batch_size=4, init_adapter=str(sft_adapter),
-                                   num_generations=4, max_new_tokens=16, reward=["fields"],
-                                   adapter={"lora_dropout": 0.0}))
+                                   max_new_tokens=16, adapter={"lora_dropout": 0.0},
+                                   objective_options=dict(num_generations=4, reward=["fields"])))
     s = prepare(registry, config)
     host = s.collate([s.dataset[i] for i in range(4)])
+    passes = s.policy.passes()
     for seed in range(10):  # a draw where some group's rewards differ (else every advantage is 0)
         torch.manual_seed(seed)
-        (batch,), units = s.policy.rollout(s.model, [host], s.device, nullcontext())
-        advantages = batch[grpo.GRPO]["advantages"]
+        prepared = s.plan.objective.prepare(s.model, [host], passes)
+        (batch,), units = prepared.batches, prepared.units
+        advantages = batch[OWN]["advantages"]
         if bool((advantages != 0).any()):
             break
     assert bool((advantages != 0).any()), "no draw gave the rewards a spread"
-    rows = {k: v for k, v in batch.items() if k != grpo.GRPO}
-    assert units == int((rows["kept_labels"] != -100).sum())  # token norm: the step's completion tokens
+    assert units == int((batch["kept_labels"] != -100).sum())  # token norm: the step's completion tokens
 
     def sequence_logps():
         with torch.no_grad():
-            logps, _ = grpo.token_logps(s.model, row_inputs(s.model, rows, 4), rows, nullcontext())
+            logps, _ = passes.token_logps(s.model, batch, 4)
         return logps.sum(1)
 
     before = sequence_logps()
-    loss, figures = s.plan.objective.loss(s.model, batch, nullcontext(), s.reference)
+    loss, figures = s.plan.objective.loss(s.model, batch, passes)
     assert float(figures["kl"]) == 0
     loss.backward()
     with torch.no_grad():
@@ -475,17 +473,19 @@ def test_the_trained_log_probabilities_are_those_of_the_sampling_distribution(de
     from contextlib import nullcontext
 
     import float64_reference
+    from vlft import OWN
     from vlft.config import build_config
+    from vlft.models.passes import token_logps
     from vlft.models.rows import row_inputs
     from vlft.registry import load_registry
     from vlft.training.session import prepare
 
     config = build_config({}, dict(backend="cpu", objective="grpo", data=str(demo.train), val_data=str(demo.val),
                                    output=str(tmp_path / "r"), steps=1, batch_size=2, init_adapter=str(sft_adapter),
-                                   num_generations=3, max_new_tokens=8, temperature=0.7, reward=["fields"],
-                                   adapter={"lora_dropout": 0.0}))
+                                   max_new_tokens=8, adapter={"lora_dropout": 0.0},
+                                   objective_options=dict(num_generations=3, temperature=0.7, reward=["fields"])))
     s = prepare(load_registry(plugins=(float64_reference,)), config)
-    suppressed = s.plan.objective.loss.keywords["suppressed"]
+    suppressed = grpo.suppressed_tokens(s.processor)
     assert suppressed  # the image and video tokens of the embedded processor
     scores = []
     generate = type(s.model).generate
@@ -504,8 +504,9 @@ def test_the_trained_log_probabilities_are_those_of_the_sampling_distribution(de
     pair = next(ids[:2] for ids in by_length.values() if len(ids) > 1)
     torch.manual_seed(0)
     host = s.collate([s.dataset[i] for i in pair])
-    (batch,), _ = s.policy.rollout(s.model, [host], s.device, nullcontext())
-    rows = {k: v for k, v in batch.items() if k != grpo.GRPO}
+    (batch,) = s.plan.objective.prepare(s.model, [host], s.policy.passes()).batches
+    assert batch[OWN]["suppressed"] == suppressed
+    rows = {k: v for k, v in batch.items() if k != OWN}
     (steps,) = scores
     b, g = 2, 3
     length = rows["input_ids"].shape[1] - len(steps)
@@ -515,9 +516,9 @@ def test_the_trained_log_probabilities_are_those_of_the_sampling_distribution(de
     expected = torch.log_softmax(processed, -1)[order].gather(-1, sampled.unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():
         inputs = row_inputs(s.model, rows, g)
-        got, mask = grpo.token_logps(s.model, inputs, rows, nullcontext(), 0.7, suppressed)
-        whole, _ = grpo.token_logps(s.model, inputs, rows, nullcontext(), 0.7)
-        at_one, _ = grpo.token_logps(s.model, inputs, rows, nullcontext(), 1.0, suppressed)
+        got, mask = token_logps(s.model, inputs, rows, nullcontext(), 0.7, suppressed)
+        whole, _ = token_logps(s.model, inputs, rows, nullcontext(), 0.7)
+        at_one, _ = token_logps(s.model, inputs, rows, nullcontext(), 1.0, suppressed)
     assert got.dtype == torch.float64 and int(mask.sum()) > 0
     got, whole, at_one, expected = (t[:, -len(steps):] for t in (got, whole, at_one, expected))  # labelled last
     m = mask[:, -len(steps):]
@@ -578,20 +579,24 @@ def test_the_data_order_draws_each_rollouts_prompts_for_n_steps_and_resumes_insi
 
 
 def test_a_kept_rollout_samples_on_each_rollouts_first_step_and_after_a_resume_inside_one():
+    """``KeptRollout`` prepares on a rollout's first step and hands its batches out again after, the time its
+    preparing took (``Prepared.figures``) 0 on the steps that prepared nothing."""
+    from vlft import Prepared
     from vlft.training.rollouts import KeptRollout
 
     sampled = []
 
-    def rollout(model, host_batches, device, autocast):
+    def prepare(model, host_batches, passes):
         sampled.append(host_batches)
-        return [{"rollout": len(sampled)}], len(sampled)
+        return Prepared([{"rollout": len(sampled)}], len(sampled), {"generation_time_s": torch.tensor(1.5)})
 
-    kept = KeptRollout(rollout, iterations=3, start_step=0)
-    got = [kept(None, [f"prompts {k // 3}"], None, None)[1] for k in range(7)]
-    assert got == [1, 1, 1, 2, 2, 2, 3] and sampled == [["prompts 0"], ["prompts 1"], ["prompts 2"]]
+    kept = KeptRollout(prepare, iterations=3, start_step=0)
+    got = [kept(None, [f"prompts {k // 3}"], None) for k in range(7)]
+    assert [p.units for p in got] == [1, 1, 1, 2, 2, 2, 3] and sampled == [["prompts 0"], ["prompts 1"], ["prompts 2"]]
+    assert [float(p.figures["generation_time_s"]) for p in got] == [1.5, 0, 0, 1.5, 0, 0, 1.5]
     sampled.clear()
-    resumed = KeptRollout(rollout, iterations=3, start_step=4)  # a checkpoint of step 4: inside a rollout
-    assert [resumed(None, [k], None, None)[1] for k in range(4)] == [1, 1, 2, 2]
+    resumed = KeptRollout(prepare, iterations=3, start_step=4)  # a checkpoint of step 4: inside a rollout
+    assert [resumed(None, [k], None).units for k in range(4)] == [1, 1, 2, 2]
 
 
 def iterations_args(demo, sft, out, *extra) -> list:
@@ -824,13 +829,13 @@ def test_vlft_objectives_lists_grpo_its_options_and_the_rewards(registry):
     for plugin in (grpo, vlft_objectives.rewards):  # answers None for the names of others
         check_plugin(plugin)
     # the hook itself, as the core asks it: the rewards on offer passed in, the named ones built
-    answer = registry.pm.hook.vlft_objective(objective="grpo", config=RunConfig(objective="grpo", reward=["exact"]),
-                                             rewards=registry.rewards)
-    assert answer.options["rewards"] == ["exact"] and "reward_exact" not in answer.figures  # one reward: no split
-    assert registry.pm.hook.vlft_objective(objective="kto", config=RunConfig(), rewards={}) is None
-    zero = registry.objective_for(RunConfig(objective="grpo", beta=0.0, grpo_norm="sequence"))
-    assert zero.reference == "" and "kl" not in zero.figures  # beta 0: no reference pass
-    assert zero.average_over == "completions"
+    answer = registry.pm.hook.vlft_objective(objective="grpo", config=RunConfig(objective="grpo"),
+                                             options=grpo.GrpoOptions(reward=["exact"]), rewards=registry.rewards)
+    assert answer.options.reward == ["exact"] and "reward_exact" not in answer.figures  # one reward: no split
+    assert registry.pm.hook.vlft_objective(objective="ppo", config=RunConfig(), options=None, rewards={}) is None
+    zero = registry.objective_for(RunConfig(objective="grpo", objective_options={"beta": 0.0, "grpo_norm": "sequence"}))
+    assert zero.reference is False and "kl" not in zero.figures  # beta 0: no reference pass
+    assert zero.average_over is Average.COMPLETIONS
 
 
 def test_two_processes_sample_and_train(demo, sft_adapter, tmp_path):
@@ -938,6 +943,6 @@ def test_no_hook_is_called_inside_a_grpo_step(demo, registry, tmp_path, monkeypa
     from vlft.config import build_config
 
     config = build_config({}, dict(backend="cpu", objective="grpo", data=str(demo.train), val_data=str(demo.val),
-                                   output=str(tmp_path / "r"), steps=2, batch_size=1, num_generations=2,
-                                   max_new_tokens=4, eval_every=0, eval_samples=1, save_every=0))
+                                   output=str(tmp_path / "r"), steps=2, batch_size=1, max_new_tokens=4, eval_every=0,
+                                   eval_samples=1, save_every=0, objective_options={"num_generations": 2}))
     assert hook_calls_inside_steps(registry, config, monkeypatch) == []

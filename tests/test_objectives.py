@@ -14,13 +14,14 @@ import json
 import math
 import os
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import cli_invoke, die_at_step, vlft_command
 
-from vlft import ConfigError, Objective, ObjectiveInfo, hookimpl
+from vlft import Average, ConfigError, Objective, ObjectiveInfo, hookimpl
 
 LN2 = math.log(2)
 DPO_FIGURES = ("reward_chosen", "reward_rejected", "reward_margin", "preference_accuracy", "logps_chosen",
@@ -85,7 +86,7 @@ def test_a_dpo_run_trains_saves_resumes_and_evaluates(dpo_run, pref, tmp_path, m
     assert ev["after"]["samples"] == 2 and [e["reference"] for e in ev["after"]["examples"]] == chosen[:2]
     plan = json.loads((out / "plan.json").read_text())
     assert plan["objective"]["name"] == "dpo" and plan["objective"]["rows_per_record"] == 2
-    assert plan["objective"]["options"] == {"beta": 0.1, "loss": "sigmoid", "label_smoothing": 0.0,
+    assert plan["objective"]["options"] == {"beta": 0.1, "dpo_loss": "sigmoid", "label_smoothing": 0.0,
                                             "rpo_alpha": 0.0}
     assert plan["memory"]["batch"]["samples"] == 4  # 2 pairs, 2 rows each
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
@@ -135,7 +136,7 @@ def test_the_dry_run_and_vlft_objectives_show_the_objective(pref, tmp_path, regi
     code, output = cli_invoke("run", "--objective", "dpo", "--beta", "0.3", "--backend", "cpu", "--data", pref.train,
                               "--val-data", pref.val, "--dry-run")
     assert code == 0, output
-    assert "objective    dpo beta=0.3 loss=sigmoid label_smoothing=0.0" in output
+    assert "objective    dpo beta=0.3 dpo_loss=sigmoid label_smoothing=0.0 rpo_alpha=0.0" in output
     assert "reference: the base model (the adapter switched off)" in output
     code, output = cli_invoke("objectives")
     assert code == 0 and "dpo: direct preference optimisation" in output and "sft: supervised" in output
@@ -145,8 +146,12 @@ def test_the_dry_run_and_vlft_objectives_show_the_objective(pref, tmp_path, regi
     from vlft.config import RunConfig
 
     assert registry.objective_for(RunConfig()).supervised
-    with pytest.raises(ConfigError, match="unknown objective 'kto'; valid objectives: dpo, grpo, sft"):
-        registry.objective("kto")
+    with pytest.raises(ConfigError, match="unknown objective 'ppo'; valid objectives: dpo, grpo, kto, orpo, simpo, "
+                                          "sft"):
+        registry.objective("ppo")
+    # an option the objective does not declare is refused before anything loads, naming whose it is
+    code, output = cli_invoke("run", "--objective", "sft", "--beta", "0.3", "--dry-run")
+    assert code != 0 and "--beta is not an option of the sft objective (dpo, grpo, kto and simpo take it); its options: none" in output
 
 
 def test_sft_then_dpo_from_its_adapter(pref, tmp_path, monkeypatch):
@@ -235,6 +240,8 @@ def test_dpo_loss_options_take_effect(pref, tmp_path):
     code, output = cli_invoke("run", "--objective", "dpo", "--dpo-loss", "ipo", "--label-smoothing", "0.1",
                               "--output", tmp_path / "no", "--dry-run")
     assert code != 0 and "--label-smoothing applies to --dpo-loss sigmoid" in output
+    code, output = cli_invoke("run", "--objective", "dpo", "--beta", "0", "--output", tmp_path / "no", "--dry-run")
+    assert code != 0 and "--beta (dpo) must be positive, got 0.0" in output
 
 
 BAD = [
@@ -333,7 +340,8 @@ def test_one_vision_pass_feeds_both_rows_and_every_adapter_gets_a_gradient(pref,
     from vlft.config import build_config
     from vlft.data.batching import to_device, with_label_positions
     from vlft.models.families import base_model
-    from vlft.models.loss import autocast_context, sequence_logps
+    from vlft.models.loss import sequence_logps
+    from vlft.models.passes import StepPasses
     from vlft.models.reference import Reference
     from vlft.models.rows import row_inputs
     from vlft.training.session import prepare
@@ -359,7 +367,7 @@ def test_one_vision_pass_feeds_both_rows_and_every_adapter_gets_a_gradient(pref,
     n = int(batch["shared"]["image_grid_thw"].prod(-1).sum())
     assert patches == [n, 2 * n]
     torch.testing.assert_close(once, twice, rtol=0, atol=1e-5)
-    loss, _ = s.plan.objective.loss(s.model, batch, autocast_context(s.device, None), Reference(s.model))
+    loss, _ = s.plan.objective.loss(s.model, batch, StepPasses(s.device, None, Reference(s.model)))
     loss.backward()
     grads = {name: p.grad for name, p in s.model.named_parameters() if p.requires_grad}
     assert grads and all(g is not None and bool(g.abs().sum() > 0) and bool(torch.isfinite(g).all())
@@ -378,30 +386,29 @@ def test_no_hook_is_called_inside_a_dpo_step(pref, registry, tmp_path, monkeypat
     assert hook_calls_inside_steps(registry, config, monkeypatch) == []
 
 
-# -- a third party's objective, as docs/writing-plugins.md writes it -----------------------------------------
+# -- a third party's objective -----------------------------------------------------------------------------
 
-def per_record_loss(model, batch, autocast, reference):
-    from vlft.models.loss import sequence_logps
-    from vlft.models.rows import row_inputs
+@dataclass(frozen=True)
+class PerRecord(Objective):
+    """``sft-per-record``: each record's mean token loss, averaged over records."""
 
-    logps, tokens = sequence_logps(model, row_inputs(model, batch, 1), batch, autocast)
-    return (-logps / tokens.clamp(min=1)).sum(), {"label_tokens": tokens.sum().float()}
+    def loss(self, model, batch, passes):
+        logps, tokens = passes.sequence_logps(model, batch)
+        return (-logps / tokens.clamp(min=1)).sum(), {"label_tokens": tokens.sum().float()}
 
 
 class PerRecordPlugin:
-    """``sft-per-record``: each record's mean token loss, averaged over records."""
-
     @hookimpl
     def vlft_objectives(self):
         return [ObjectiveInfo("sft-per-record", "supervised loss, each record's mean over its tokens, averaged "
                                                 "over records")]
 
     @hookimpl
-    def vlft_objective(self, objective, config):
+    def vlft_objective(self, objective):
         if objective != "sft-per-record":
             return None
-        return Objective("sft-per-record", "supervised loss averaged per record", average_over="records",
-                         loss=per_record_loss, figures=("label_tokens",))
+        return PerRecord("sft-per-record", "supervised loss averaged per record", average_over=Average.RECORDS,
+                         figures=("label_tokens",))
 
 
 def test_a_third_party_objective_trains_through_its_plugin(pref, tmp_path):

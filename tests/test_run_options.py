@@ -34,6 +34,10 @@ RUN_OPTION_TESTS = {
     "--dpo-loss": "test_objectives.py::test_dpo_loss_options_take_effect",
     "--label-smoothing": "test_objectives.py::test_dpo_loss_options_take_effect",
     "--rpo-alpha": "test_objectives.py::test_dpo_loss_options_take_effect",
+    "--orpo-lambda": "test_preference_objectives.py::test_the_guides_orpo_plugin_adds_its_option_and_trains",
+    "--simpo-gamma": "test_preference_objectives.py::test_simpo_and_kto_options_take_effect",
+    "--desirable-weight": "test_preference_objectives.py::test_simpo_and_kto_options_take_effect",
+    "--undesirable-weight": "test_preference_objectives.py::test_simpo_and_kto_options_take_effect",
     "--init-adapter": "test_objectives.py::test_sft_then_dpo_from_its_adapter",
     "--reward": "test_grpo.py::test_a_grpo_run_from_an_sft_adapter_logs_its_figures_and_trains",
     "--num-generations": "test_grpo.py::test_a_grpo_run_from_an_sft_adapter_logs_its_figures_and_trains",
@@ -111,8 +115,9 @@ RUN_OPTION_TESTS = {
 
 
 def _run_options() -> dict[str, click.Parameter]:
+    """Every option of ``vlft run``: its own and the installed objectives' (``vlft.cli.RunCommand``)."""
     run = cli.get_command(click.Context(cli), "run")
-    return {max(p.opts, key=len): p for p in run.params if isinstance(p, click.Option)}
+    return {max(p.opts, key=len): p for p in run.get_params(click.Context(run)) if isinstance(p, click.Option)}
 
 
 def test_every_run_option_names_the_test_that_shows_it():

@@ -255,8 +255,8 @@ def test_a_plugins_scorer_is_listed_scored_with_and_a_reward(sink_set, tmp_path,
     from vlft.config import RunConfig
 
     registry = vlft.registry.get_registry()
-    objective = registry.objective_for(RunConfig(objective="grpo", reward=["shortness"]))
-    assert objective.options["rewards"] == ["shortness"]
+    objective = registry.objective_for(RunConfig(objective="grpo", objective_options={"reward": ["shortness"]}))
+    assert objective.options.reward == ["shortness"]
     assert registry.rewards["shortness"].build(None) is shortness
     monkeypatch.setattr(vlft.registry, "_default", None)
 

@@ -5,4 +5,4 @@ Importing them imports neither torch nor transformers: the core's helpers they b
 the hooks, at plan time.
 """
 
-PLUGIN_MODULES = ("sft", "dpo", "grpo", "rewards")
+PLUGIN_MODULES = ("sft", "dpo", "orpo", "simpo", "kto", "grpo", "rewards")

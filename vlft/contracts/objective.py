@@ -95,8 +95,10 @@ def resolve_options(objective: str, options: type | None, given: Mapping[str, An
         if name not in specs:
             flag = "--" + name.replace("_", "-")
             others = [o for o in owners.get(name, []) if o != objective]
+            takers = ", ".join(others[:-1]) + (" and " if len(others) > 1 else "") + (others[-1] if others else "")
             raise ConfigError(f"{flag} is not an option of the {objective} objective"
-                              + (f" (it is {', '.join(others)}'s)" if others else "") + "; its options: "
+                              + (f" ({takers} take{'s' if len(others) == 1 else ''} it)" if others else "")
+                              + "; its options: "
                               + (", ".join(s.flag for s in specs.values()) or "none") + " (`vlft objectives`)")
     if options is None:
         return None

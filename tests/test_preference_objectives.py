@@ -1,0 +1,278 @@
+"""ORPO, KTO and SimPO (``--objective orpo|kto|simpo``) end to end through the CLI on the embedded model: each
+trains on the demo task and raises its own validation figure, resumes with the uninterrupted losses, starts
+from another run's adapter (``--init-adapter``) and trains under two data-parallel processes; their options
+take effect; ORPO is the guide's third-party plugin, registered from the guide's own text.
+
+The runs are chained and shared (module scope), a few steps each: ORPO from a fresh adapter (the guide's
+plugin, one pair a step so each step's loss can be recomputed from its logged figures), KTO from ORPO's
+adapter (its reference: step 1's loss is exactly the weights' mean of 0.5), SimPO from KTO's. A resumed run is
+the finished run's folder cut back to its step-2 checkpoint (as tests/parity does), continued with
+``--resume``: it must log the same steps 3 and 4.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from helpers import cli_invoke, process_registry, vlft_command
+
+ROOT = Path(__file__).resolve().parents[1]
+GUIDE = ROOT / "docs" / "writing-plugins.md"
+ORPO_MODULE = ROOT / "plugins" / "objectives" / "orpo.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """The demo task as 16 + 4 preference pairs and, from them, 16 + 4 unpaired records (half desirable)."""
+    from vlft.data.demo import write_demo_unpaired
+
+    unpaired = write_demo_unpaired(tmp_path_factory.mktemp("prefs") / "demo", n_train=16, n_val=4, seed=5)
+    return types.SimpleNamespace(pairs=(unpaired.root / "preferences-train.jsonl",
+                                        unpaired.root / "preferences-val.jsonl"),
+                                 unpaired=(unpaired.train, unpaired.val))
+
+
+def args_for(objective: str, data: tuple, out, *extra, steps: int = 4, batch: int = 2) -> list:
+    """A short run: ``steps`` steps of ``batch`` records, checkpoints and validation every 2 steps; LoRA
+    dropout 0, so runs over other numbers of processes draw the same computation."""
+    return ["run", "--objective", objective, "--backend", "cpu", "--data", data[0], "--val-data", data[1],
+            "--output", out, "--steps", str(steps), "--batch-size", str(batch), "--log-every", "1",
+            "--eval-every", "2", "--eval-batches", "1", "--eval-samples", "2", "--max-new-tokens", "4",
+            "--save-every", "2", "--seed", "1", "--lr", "3e-3", "--adapter-opt", "lora_dropout=0", "--quiet", *extra]
+
+
+def logged(out: Path) -> list[dict]:
+    return [m for m in (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
+
+
+def resumed_from_step_2(run: Path, args: list, tmp_path: Path) -> Path:
+    """``run`` cut back to its step-2 checkpoint and continued with ``--resume`` (``args`` made it)."""
+    out = tmp_path / f"{run.name}-resumed"
+    shutil.copytree(run, out)
+    for name in ("adapter", "summary.json", "eval.json", "checkpoints/step-000004"):
+        shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
+    argv = [str(a) for a in args]
+    argv[argv.index("--output") + 1] = str(out)
+    code, output = cli_invoke(*argv, "--resume")
+    assert code == 0, output
+    assert "resumed      from step 2" in output
+    return out
+
+
+def two_processes(args: list, out: Path, batch: int) -> list[dict]:
+    """The run of ``args`` under torchrun, two processes of ``batch`` records each, written to ``out``."""
+    argv = [str(a) for a in args]
+    argv[argv.index("--output") + 1], argv[argv.index("--batch-size") + 1] = str(out), str(batch)
+    proc = subprocess.run([*vlft_command(), *argv, "--nproc-per-node", "2"], capture_output=True, text=True,
+                          timeout=900, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((out / "config.json").read_text())["world_size"] == 2
+    return logged(out)
+
+
+def guide_plugin():
+    """The guide's objective example, made a module from the guide's text (section "An objective plugin")."""
+    text = GUIDE.read_text(encoding="utf-8")
+    section = text[text.index("## 10. An objective plugin"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    module = types.ModuleType("guide_orpo")
+    sys.modules[module.__name__] = module  # dataclasses resolve the options' types through it
+    exec(compile(code, str(GUIDE), "exec"), module.__dict__)
+    return code, module
+
+
+@pytest.fixture(scope="module")
+def orpo_run(demo, tmp_path_factory):
+    """ORPO as a third party installs it: the guide's plugin beside the built-ins, the built-in orpo blocked;
+    one pair a step, ``--orpo-lambda 0.2``."""
+    from vlft.testing import registry_with
+
+    _, module = guide_plugin()
+    out = tmp_path_factory.mktemp("orpo") / "run"
+    args = args_for("orpo", demo.pairs, out, "--orpo-lambda", "0.2", batch=1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLFT_DISABLE_PLUGINS", "orpo")
+        registry = registry_with(module)
+    assert registry.owners[("objective", "orpo")] == "guide_orpo"
+    with process_registry(registry):
+        code, output = cli_invoke(*args)
+        listing = cli_invoke("objectives")
+        helped = cli_invoke("run", "--help")
+    assert code == 0, output
+    return out, args, listing, helped
+
+
+@pytest.fixture(scope="module")
+def kto_run(demo, orpo_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("kto") / "run"
+    args = args_for("kto", demo.unpaired, out, "--init-adapter", orpo_run[0], "--desirable-weight", "1.5",
+                    "--undesirable-weight", "0.5")
+    code, output = cli_invoke(*args)
+    assert code == 0, output
+    return out, args
+
+
+@pytest.fixture(scope="module")
+def simpo_run(demo, kto_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("simpo") / "run"
+    args = args_for("simpo", demo.pairs, out, "--init-adapter", kto_run[0], "--beta", "2.5", "--simpo-gamma",
+                    "0.5", batch=1)
+    code, output = cli_invoke(*args)
+    assert code == 0, output
+    return out, args
+
+
+def logsigmoid(x: float) -> float:
+    return -math.log1p(math.exp(-x)) if x > 0 else x - math.log1p(math.exp(x))
+
+
+def validation(out: Path) -> tuple[dict, dict]:
+    summary = json.loads((out / "summary.json").read_text())
+    return summary["validation_before"], summary["validation_after"]
+
+
+def test_the_guides_orpo_plugin_adds_its_option_and_trains(orpo_run):
+    """The guide's code is the built-in plugin's, imports only ``vlft``, and registered as a third party it
+    adds ``--orpo-lambda`` to `vlft run` and `vlft objectives`; its run's loss is ORPO's at every step
+    (``nll - 0.2 log sigmoid(log odds ratio)``, one pair a step) and raises the validation log odds."""
+    code, _ = guide_plugin()
+    assert code == ORPO_MODULE.read_text(encoding="utf-8")
+    imports = re.findall(r"^\s*(?:from|import) ([\w.]+)", code, re.M)
+    assert set(imports) <= {"__future__", "dataclasses", "vlft", "torch", "torch.nn.functional"}, imports
+    out, _, (code, listing), (_, helped) = orpo_run
+    assert code == 0 and "orpo: odds ratio preference optimisation" in listing
+    assert "--orpo-lambda 0.1  # weight of the odds-ratio term" in listing
+    assert "--orpo-lambda FLOAT" in helped and "orpo: weight of the odds-ratio term" in helped
+    plan = json.loads((out / "plan.json").read_text())["objective"]
+    assert plan["options"] == {"orpo_lambda": 0.2} and plan["reference"] == "" and plan["rows_per_record"] == 2
+    lines = logged(out)
+    assert [m["step"] for m in lines] == [1, 2, 3, 4]
+    for m in lines:
+        want = m["nll_chosen"] - 0.2 * logsigmoid(m["log_odds_ratio"])
+        assert m["loss"] == pytest.approx(want, rel=1e-5), m
+    before, after = validation(out)
+    assert after["val_log_odds_ratio"] > before["val_log_odds_ratio"], (before, after)
+    assert after["val_loss"] < before["val_loss"]
+
+
+def test_orpo_resumes_and_trains_under_two_processes_from_another_adapter(orpo_run, simpo_run, demo, tmp_path):
+    """Cut back to step 2 and resumed: steps 3 and 4 as uninterrupted. Two processes starting from SimPO's
+    adapter (``--init-adapter``): their "before" answers are SimPO's "after" ones, and they train."""
+    out, args, _, _ = orpo_run
+    from vlft.testing import registry_with
+
+    _, module = guide_plugin()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLFT_DISABLE_PLUGINS", "orpo")
+        registry = registry_with(module)
+    with process_registry(registry):
+        again = resumed_from_step_2(out, args, tmp_path)
+    for a, b in zip(logged(out), logged(again), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a, b)
+    ddp = tmp_path / "ddp"
+    lines = two_processes(args_for("orpo", demo.pairs, ddp, "--init-adapter", simpo_run[0], steps=2), ddp, 1)
+    assert [m["step"] for m in lines] == [1, 2] and all(math.isfinite(m["loss"]) for m in lines)
+    before = json.loads((ddp / "eval.json").read_text())["before"]
+    simpo_after = json.loads((simpo_run[0] / "eval.json").read_text())["after"]
+    assert [e["prediction"] for e in before["examples"]] == [e["prediction"] for e in simpo_after["examples"]]
+
+
+def test_kto_trains_from_an_adapter_as_its_reference_and_resumes(kto_run, tmp_path):
+    """KTO from ORPO's adapter, which is its reference: at step 1 every reward is 0, so each record's loss is
+    its weight x 0.5 (desirable 1.5, undesirable 0.5); training separates the rewards of desirable and
+    undesirable validation replies (0 and 0 before); resumed at step 2, the reference is still ORPO's adapter
+    (kept in the checkpoint) and steps 3 and 4 are the uninterrupted ones."""
+    out, args = kto_run
+    lines = logged(out)
+    first = lines[0]
+    assert first["kl"] == 0 and first["reward_desirable"] == 0 and first["reward_undesirable"] == 0
+    d, u = first["desirable"], first["undesirable"]
+    assert d + u == 2 and first["loss"] == pytest.approx(0.5 * (1.5 * d + 0.5 * u) / 2, abs=1e-7)
+    plan = json.loads((out / "plan.json").read_text())["objective"]
+    assert plan["options"] == {"beta": 0.1, "desirable_weight": 1.5, "undesirable_weight": 0.5}
+    assert plan["reference"].startswith("the adapter as --init-adapter loaded it")
+    before, after = validation(out)
+    assert before["val_reward_desirable"] == 0 and before["val_reward_undesirable"] == 0
+    assert after["val_reward_desirable"] > after["val_reward_undesirable"], after
+    again = resumed_from_step_2(out, args, tmp_path)
+    for a, b in zip(lines, logged(again), strict=True):
+        for key in ("loss", "kl", "reward_desirable", "reward_undesirable"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (key, a, b)
+
+
+def test_kto_trains_under_two_processes(kto_run, demo, tmp_path):
+    """Two processes of 2 records each (each estimates its KL point on its own pair of records): step 1 is
+    the weights' mean of 0.5 over both processes' records, and the steps train."""
+    out = tmp_path / "ddp"
+    args = args_for("kto", demo.unpaired, out, "--init-adapter", kto_run[0], "--desirable-weight", "1.5",
+                    "--undesirable-weight", "0.5", steps=2)
+    lines = two_processes(args, out, 2)
+    d, u = lines[0]["desirable"], lines[0]["undesirable"]  # per process: the two processes' counts halved
+    assert d + u == 2 and lines[0]["loss"] == pytest.approx(0.5 * (1.5 * d + 0.5 * u) / 2, abs=1e-7)
+    assert lines[1]["loss"] != lines[0]["loss"]
+
+
+def test_simpo_and_kto_options_take_effect(simpo_run, kto_run, tmp_path):
+    """SimPO, one pair a step: the loss is ``-log sigmoid(margin - gamma)`` of the logged reward margin
+    (``beta`` 2.5 x the per-token mean log-probabilities), its validation margin rises; resumed, the same
+    steps. KTO's weights: see its step 1 above (``kto_run``). Bad values stop before anything is written."""
+    out, args = simpo_run
+    lines = logged(out)
+    for m in lines:
+        assert m["loss"] == pytest.approx(-logsigmoid(m["reward_margin"] - 0.5), rel=1e-5), m
+    assert json.loads((out / "plan.json").read_text())["objective"]["options"] == {"beta": 2.5, "simpo_gamma": 0.5}
+    before, after = validation(out)
+    assert after["val_reward_margin"] > before["val_reward_margin"], (before, after)
+    again = resumed_from_step_2(out, args, tmp_path)
+    for a, b in zip(lines, logged(again), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a, b)
+    code, output = cli_invoke("run", "--objective", "kto", "--batch-size", "1", "--output", tmp_path / "no",
+                              "--dry-run")
+    assert code != 0 and "--objective kto needs --batch-size 2 or more" in output
+    code, output = cli_invoke("run", "--objective", "kto", "--desirable-weight", "-1", "--output", tmp_path / "no",
+                              "--dry-run")
+    assert code != 0 and "--desirable-weight (kto) must not be negative" in output
+    code, output = cli_invoke("run", "--objective", "simpo", "--simpo-gamma", "x", "--dry-run")
+    assert code != 0 and "'x' is not a valid float" in output
+    assert not (tmp_path / "no").exists()
+
+
+def test_bad_unpaired_records_stop_before_step_1_with_file_and_line(demo, tmp_path):
+    """KTO's layouts, LLaMA-Factory's (messages + kto_tag or label) and TRL's (prompt + completion + label),
+    read alike; a record without a tag, with a tag that is not a boolean, or whose last turn is not the
+    assistant's is named by its line."""
+    from vlft.data.preferences import parse_unpaired
+    from vlft.data.records import read_records_collecting
+
+    root = Path(demo.unpaired[0]).parent
+    good_lf = {"messages": [{"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "red"}],
+               "kto_tag": True, "images": ["imgs/train_00000.png"]}
+    good_trl = {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}],
+                "completion": [{"role": "assistant", "content": "red"}], "label": False,
+                "images": ["imgs/train_00000.png"]}
+    bad = [good_lf, good_trl, {**good_lf, "kto_tag": "yes"}, {k: v for k, v in good_trl.items() if k != "label"},
+           {**good_lf, "messages": good_lf["messages"][:1]}]
+    data = root / "bad-unpaired.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in bad))
+    records, problems = read_records_collecting(data, parse=parse_unpaired)
+    assert [r.where for r in records] == ["bad-unpaired.jsonl:1", "bad-unpaired.jsonl:2"]
+    assert [(r.desirable, [(t.role, t.text) for t in r.turns]) for r in records] == [
+        (True, [("user", "<image>Colour?"), ("assistant", "red")]),
+        (False, [("user", "<image>Colour?"), ("assistant", "red")])]
+    assert problems.count == 3
+    code, output = cli_invoke("data", "check", "--objective", "kto", data)
+    assert code != 0 and "3 problem(s) found" in output, output
+    for line, said in ((3, "'kto_tag' must be true (a desirable reply) or false (an undesirable one), got 'yes'"),
+                       (4, "an unpaired preference record needs 'label' (or LLaMA-Factory's 'kto_tag')"),
+                       (5, "the last turn must be the assistant's reply")):
+        assert f"bad-unpaired.jsonl:{line}: {said}" in output, (line, output)
