@@ -803,8 +803,8 @@ def test_bad_data_and_options_stop_before_step_1(demo, tmp_path):
     assert cli_invoke("data", "check", "--objective", "grpo", "--reward", "fields", demo.train)[0] == 0
     for flags, said in ((["--reward", "nosuch"], "--reward nosuch: no plugin offers a reward 'nosuch'"),
                         (["--reward", "format=("], "--reward format=(: not a regular expression"),
-                        (["--num-generations", "1"], "--num-generations must be at least 2"),
-                        (["--top-p", "0"], "--top-p must be in (0, 1]"),
+                        (["--num-generations", "1"], "--num-generations (grpo) must be at least 2"),
+                        (["--top-p", "0"], "--top-p (grpo) must be in (0, 1]"),
                         (["--shard", "fsdp", "--nproc-per-node", "2"],
                          "--shard fsdp: the grpo objective cannot run sharded: the completions are sampled"),
                         (["--packing", "on"], "--packing on: the grpo objective cannot pack")):
@@ -816,7 +816,8 @@ def test_vlft_objectives_lists_grpo_its_options_and_the_rewards(registry):
     code, output = cli_invoke("objectives")
     assert code == 0, output
     assert "grpo: group relative policy optimisation" in output
-    assert "  num_generations = 8  # --num-generations" in output and "  norm = 'token'  # --grpo-norm" in output
+    assert "  --num-generations 8  # completions sampled per prompt" in output
+    assert "  --grpo-norm 'token'  # loss normalisation" in output
     assert "logs: reward, reward_std, kl, clip_fraction, completion_length" in output
     assert "format=REGEX: 1 if the whole completion matches the regex" in output
     assert {"fields", "exact", "format", "numeric"} <= set(registry.rewards)

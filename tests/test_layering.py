@@ -40,30 +40,15 @@ REASON_WORDS = 3
 # Every import of a private vlft module (a floor above the face) by a plugin, with the reason it has one
 # today. Issue 30 gives plugins a public surface for these; until then each is listed, and a new one fails.
 PRIVATE_IMPORTS = {
-    ("vlft_objectives.dpo", "vlft.data.demo"):
-        "write_demo_preferences: the demo preference pairs a run without --data trains on (issue 30)",
-    ("vlft_objectives.dpo", "vlft.data.pairs"):
-        "PairCollator, PairEncoder: a record's chosen and rejected rows, its images encoded once (issue 30)",
-    ("vlft_objectives.dpo", "vlft.data.preferences"):
-        "parse_preference: the preference layouts and their checks, read by the core's data check (issue 30)",
-    ("vlft_objectives.dpo", "vlft.models.loss"):
-        "sequence_logps: each row's summed log-probability of its reply, shared with the supervised loss "
-        "(issue 30)",
-    ("vlft_objectives.dpo", "vlft.models.rows"):
-        "row_inputs: the rows of one forward that share a vision pass (issue 30)",
     ("vlft_objectives.grpo", "vlft.data.batching"):
         "to_device, with_label_positions: the prompts moved for sampling, the completions' labelled positions "
         "(issue 30)",
     ("vlft_objectives.grpo", "vlft.data.formats"):
         "FormatProblem, parse_record: the SFT layouts, checked further for what GRPO reads (issue 30)",
-    ("vlft_objectives.grpo", "vlft.data.pairs"):
-        "SHARED: the batch key of the images given once for every group of rows (issue 30)",
     ("vlft_objectives.grpo", "vlft.data.records"):
         "IGNORE_INDEX, ROLE_ALIASES: the label that counts nothing, the role names of the layouts (issue 30)",
-    ("vlft_objectives.grpo", "vlft.models.loss"):
-        "labelled_logits: the logits at labelled positions only, shared with the supervised loss (issue 30)",
     ("vlft_objectives.grpo", "vlft.models.rows"):
-        "row_inputs, unwrapped: the G rows of a prompt sharing one vision pass; the model DDP wraps (issue 30)",
+        "unwrapped: the model DDP wraps, whose generate samples (issue 30)",
     ("vlft_models.family", "vlft.models.families"):
         "FamilyTargets, frozen_router_parameters, resolve_module, select_target_modules, "
         "vision_parameter_names: the target-selection helpers, re-exported for family plugins (issue 30)",

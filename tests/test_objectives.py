@@ -138,6 +138,17 @@ def test_the_dry_run_and_vlft_objectives_show_the_objective(pref, tmp_path, regi
     assert code == 0, output
     assert "objective    dpo beta=0.3 dpo_loss=sigmoid label_smoothing=0.0 rpo_alpha=0.0" in output
     assert "reference: the base model (the adapter switched off)" in output
+    # a --config file names an objective's options by their flags' names, as the flags do
+    config = tmp_path / "dpo.yaml"
+    config.write_text(f"objective: dpo\nbeta: 0.3\ndpo-loss: hinge\ndata: {pref.train}\nval-data: {pref.val}\n")
+    code, output = cli_invoke("run", "--config", config, "--backend", "cpu", "--rpo-alpha", "0.5", "--dry-run")
+    assert code == 0 and "objective    dpo beta=0.3 dpo_loss=hinge label_smoothing=0.0 rpo_alpha=0.5" in output
+    config.write_text("objective: dpo\nbeta: strong\n")
+    code, output = cli_invoke("run", "--config", config, "--dry-run")
+    assert code != 0 and "--beta (dpo) expects float, got 'strong'" in output
+    config.write_text("objective: dpo\nbetta: 0.3\n")
+    code, output = cli_invoke("run", "--config", config, "--dry-run")
+    assert code != 0 and "unknown key 'betta'" in output and "beta, " in output  # the valid keys listed
     code, output = cli_invoke("objectives")
     assert code == 0 and "dpo: direct preference optimisation" in output and "sft: supervised" in output
     assert "no --shard fsdp:" in output

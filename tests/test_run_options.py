@@ -117,7 +117,8 @@ RUN_OPTION_TESTS = {
 def _run_options() -> dict[str, click.Parameter]:
     """Every option of ``vlft run``: its own and the installed objectives' (``vlft.cli.RunCommand``)."""
     run = cli.get_command(click.Context(cli), "run")
-    return {max(p.opts, key=len): p for p in run.get_params(click.Context(run)) if isinstance(p, click.Option)}
+    return {max(p.opts, key=len): p for p in run.get_params(click.Context(run))
+            if isinstance(p, click.Option) and p.name != "help"}
 
 
 def test_every_run_option_names_the_test_that_shows_it():

@@ -272,7 +272,9 @@ def vlft_merge_adapter(method: str, model: torch.nn.Module) -> torch.nn.Module |
 
 @hookspec
 def vlft_objectives() -> list[ObjectiveInfo]:
-    """Return a list of ``ObjectiveInfo`` for the training objectives this plugin offers (``--objective``).
+    """Return a list of ``ObjectiveInfo`` for the training objectives this plugin offers (``--objective``):
+    each one's name, one line, and the class of its options (``option(...)`` fields), from which ``vlft run``
+    builds a flag and a config-file key per option.
 
     Every plugin's answer is collected; two plugins offering one name is an error.
     """

@@ -24,8 +24,10 @@ the policy still equals the reference) and the policy's ``logps_chosen`` and ``l
 logs each as ``val_<name>``.
 
 The core reads the pairs, runs both rows on one vision pass and the reference's pass before the policy's
-(``vlft.PairedPreference``); this module writes the loss of a pair. torch is imported inside it: listing the
-objectives (``vlft objectives``, ``vlft plugins``) stays light.
+(``vlft.PairedPreference``); this module writes the loss of a pair.
+
+Imports inside functions: torch loads when a step runs, so listing the objectives (``vlft objectives``, ``vlft
+plugins``) stays light.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ Logged: ``kl`` (``z``, a mean over the records), ``reward_desirable`` and ``rewa
 means over the desirable and the undesirable records), ``logps_desirable`` and ``logps_undesirable`` (the
 policy's), and ``desirable`` and ``undesirable`` (per step, the records of each). While the policy is the
 reference, every reward is 0 and the loss is 0.5 (with both weights 1).
+
+Imports inside functions: torch loads when a step runs, so listing the objectives stays light.
 """
 
 from __future__ import annotations

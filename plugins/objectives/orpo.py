@@ -14,7 +14,9 @@ share of pairs whose chosen reply has the higher mean token log-probability).
 This module is the guide's example of an objective plugin (docs/writing-plugins.md, "An objective plugin"): it
 imports only ``vlft`` and declares an option of its own. The core reads the preference layouts, runs both rows
 of a pair on one vision pass and averages over pairs (``vlft.PairedPreference``); the plugin writes one pair's
-loss. torch is imported inside it, so listing the objectives stays light.
+loss.
+
+Imports inside functions: torch loads when a step runs, so listing the objectives stays light.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ TRL's CPOTrainer with ``loss_type="simpo"`` and ``cpo_alpha=0`` computes the sam
 ``gamma``). ``--beta`` (2.0) and ``--simpo-gamma`` (1.0: the paper's gamma / beta of 0.5). Averaged over the
 step's pairs. Logged as DPO logs them: ``reward_chosen``, ``reward_rejected``, ``reward_margin``,
 ``preference_accuracy`` (the share of pairs whose chosen reward is strictly higher).
+
+Imports inside functions: torch loads when a step runs, so listing the objectives stays light.
 """
 
 from __future__ import annotations

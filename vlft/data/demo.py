@@ -193,8 +193,9 @@ UNPAIRED_FILES = ("unpaired-train.jsonl", "unpaired-val.jsonl")
 def write_demo_unpaired(out: str | os.PathLike, n_train: int = 1600, n_val: int = 400, seed: int = 0) -> DemoDataset:
     """The demo task as unpaired preferences (KTO's), from the preference pairs beside it (written first if
     missing): each record's question with one reply, in LLaMA-Factory's KTO layout (``messages`` and ``label``):
-    the pair's chosen answer (desirable) for records 0, 1, 4, 5, ..., its rejected one (undesirable: a wrong
-    colour, then a wrong defect) for records 2, 3, 6, 7, ...; half of each, every prompt once."""
+    the pair's chosen answer (desirable) for records 0, 3, 4, 7, ..., its rejected one (undesirable: a wrong
+    defect for records 1, 5, ..., a wrong colour for 2, 6, ...) for the others; half of each, every prompt once,
+    and one of each kind in every two records in a row (a validation batch of 2 holds both)."""
     ds = write_demo_preferences(out, n_train=n_train, n_val=n_val, seed=seed)
     paths = []
     for source, name in zip((ds.train, ds.val), UNPAIRED_FILES):
@@ -205,7 +206,7 @@ def write_demo_unpaired(out: str | os.PathLike, n_train: int = 1600, n_val: int 
         lines = []
         for i, line in enumerate(source.read_text(encoding="utf-8").splitlines()):
             rec = json.loads(line)
-            desirable = (i // 2) % 2 == 0
+            desirable = i % 4 in (0, 3)
             reply = rec["chosen" if desirable else "rejected"]
             messages = [{"role": t["from"], "content": t["value"]} for t in [*rec["conversations"], reply]]
             lines.append(json.dumps({"id": rec["id"], "images": rec["images"], "messages": messages,
