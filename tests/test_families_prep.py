@@ -320,7 +320,7 @@ LLAVA_SIZES = [[(100, 75)], [(60, 130)], [(112, 112)], [(20, 90)], [(300, 40)], 
 
 
 def _llava_written(processor, sizes, images=True, max_pixels=None):
-    from vlft.policies import Media
+    from vlft.contracts.family import Media
 
     f = _family(LLAVA_OV)
     chat = [{"role": "user", "content": [{"type": "image"}] * len(sizes) + [{"type": "text", "text": PROMPT}]},

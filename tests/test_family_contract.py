@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 import vlft
+from vlft.contracts.family import CAPABILITIES, ModelFamily, model_family_help
 from vlft.errors import ConfigError, DataError, PluginError
-from vlft.policies import CAPABILITIES, ModelFamily, check_family, model_family_help
+from vlft.models.families import check_family
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "writing-plugins.md"

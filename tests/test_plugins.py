@@ -13,9 +13,10 @@ from pathlib import Path
 import pluggy
 import pytest
 
+from vlft.contracts.backend import BackendInfo
+from vlft.contracts.method import MethodInfo
 from vlft.errors import ConfigError, VlftError
 from vlft.hookspecs import hookimpl
-from vlft.policies import BackendInfo, MethodInfo
 from vlft.plugins import builtin_packages, builtin_plugins
 from vlft.registry import ENTRY_POINT_GROUP, load_registry, new_plugin_manager
 

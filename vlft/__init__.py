@@ -19,39 +19,41 @@ from vlft.tokens import tokenize_pieces
 from vlft.userspec import user_attribute
 from vlft.errors import BackendUnavailable, ConfigError, DataError, VlftError
 from vlft.hookspecs import hookimpl
-from vlft.policies import (
-    AdapterDefaults,
-    AttentionPolicy,
+from vlft.contracts.backend import (
     BackendInfo,
-    DataLoaderOptions,
     DeviceCapacity,
     DeviceSetup,
-    DistributedOptions,
     DoctorCheck,
+    KernelPatch,
+    MemoryStats,
+    ProbeResult,
+)
+from vlft.contracts.family import (
     Experts,
     ImageInputs,
-    KernelPatch,
     Media,
-    MemoryStats,
-    MethodInfo,
-    MetricSink,
     ModelFamily,
-    Objective,
-    ObjectiveInfo,
     Packing,
     Positions,
-    PrecisionPolicy,
-    ProbeResult,
     Sharding,
     VideoInputs,
-    Reward,
-    Scorer,
     VisionWarmup,
     Written,
-    processor_image_inputs,
 )
-
-__version__ = "0.1.0"
+from vlft.contracts.method import AdapterDefaults, MethodInfo
+from vlft.contracts.scorer import Scorer
+from vlft.contracts.sinks import MetricSink
+from vlft.data.processor_inputs import processor_image_inputs
+from vlft.policies import (
+    AttentionPolicy,
+    DataLoaderOptions,
+    DistributedOptions,
+    Objective,
+    ObjectiveInfo,
+    PrecisionPolicy,
+    Reward,
+)
+from vlft.version import __version__
 
 __all__ = [
     "AdapterDefaults", "AttentionPolicy", "BackendHookimpl", "BackendInfo", "BackendUnavailable", "ConfigError",

@@ -26,26 +26,27 @@ if TYPE_CHECKING:  # annotations only: importing this module loads neither torch
     import transformers
 
     from vlft.config import RunConfig
-    from vlft.policies import (
-        AdapterDefaults,
-        AttentionPolicy,
+    from vlft.contracts.backend import (
         BackendInfo,
-        DataLoaderOptions,
         DeviceCapacity,
         DeviceSetup,
-        DistributedOptions,
         DoctorCheck,
         KernelPatch,
         MemoryStats,
-        MethodInfo,
-        MetricSink,
-        ModelFamily,
+        ProbeResult,
+    )
+    from vlft.contracts.family import ModelFamily
+    from vlft.contracts.method import AdapterDefaults, MethodInfo
+    from vlft.contracts.scorer import Scorer
+    from vlft.contracts.sinks import MetricSink
+    from vlft.policies import (
+        AttentionPolicy,
+        DataLoaderOptions,
+        DistributedOptions,
         Objective,
         ObjectiveInfo,
         PrecisionPolicy,
-        ProbeResult,
         Reward,
-        Scorer,
     )
 
 hookspec = pluggy.HookspecMarker("vlft")

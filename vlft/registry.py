@@ -21,9 +21,12 @@ from typing import TYPE_CHECKING
 import pluggy
 
 from vlft import hookspecs
+from vlft.contracts.backend import BackendInfo
+from vlft.contracts.method import MethodInfo
+from vlft.contracts.scorer import Scorer
 from vlft.errors import ConfigError, VlftError
 from vlft.plugins import builtin_plugins, serve_checkout
-from vlft.policies import BackendInfo, MethodInfo, ObjectiveInfo, Reward, Scorer
+from vlft.policies import ObjectiveInfo, Reward
 
 if TYPE_CHECKING:
     from vlft.policies import Objective

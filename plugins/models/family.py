@@ -27,9 +27,9 @@ from functools import lru_cache
 from types import SimpleNamespace
 from typing import Any, Callable
 
-from vlft.policies import ModelFamily
-from vlft.policies import check_family as _check_family
-from vlft.policies import model_family_help
+from vlft import ModelFamily
+from vlft.contracts.family import model_family_help
+from vlft.models.families import check_family as _check_family
 
 from . import _trace
 from ._warmup import qwen_vision_dummy

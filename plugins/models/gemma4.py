@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from vlft.policies import ImageInputs, Packing, Sharding, VisionWarmup, processor_image_inputs
+from vlft import ImageInputs, Packing, Sharding, VisionWarmup, processor_image_inputs
 
 from . import _tiny
 from .family import GATED_MLP, TEXT_ATTENTION, ModelFamily

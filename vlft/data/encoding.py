@@ -27,10 +27,10 @@ from collections.abc import Sequence
 
 import torch
 
+from vlft.contracts.family import Media, Written
 from vlft.data.records import IGNORE_INDEX, IMAGE_PLACEHOLDER, Record, Turn, header_size, load_image
 from vlft.data.video import VideoError, read_frames
 from vlft.errors import ConfigError, DataError
-from vlft.policies import Media, Written
 from vlft.tokens import tokenize_pieces
 
 

@@ -10,17 +10,18 @@ Imports inside functions: torch, only when a helper runs on a model (the plugin 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
+from vlft.contracts.family import BATCH_JOINS, CAPABILITIES, FAMILY_TOWERS, ModelFamily
 from vlft.errors import ConfigError, PluginError
-from vlft.policies import FAMILY_TOWERS, ModelFamily, check_family
 
 EMBEDDED_PREFIX = "embedded:"
 
 
 def installed_families(registry) -> list[ModelFamily]:
     """Every family the installed plugins offer, in plugin order, first offer of a name wins; each checked
-    against the contract (``policies.check_family``) and stamped with the plugin that offered it."""
+    against the contract (``check_family``) and stamped with the plugin that offered it."""
     seen: dict[str, ModelFamily] = {}
     # pluggy calls the implementations last-registered first: the order the hook's answers came in before
     for impl in reversed(registry.hook.vlft_model_families.get_hookimpls()):
@@ -38,6 +39,77 @@ def loaded_family(fam, plugin: str) -> ModelFamily:
         name = getattr(fam, "name", None) or "?"
         raise PluginError(f"family '{name}' (plugin {plugin}): " + "; ".join(problems))
     return fam if fam.plugin == plugin else replace(fam, plugin=plugin)
+
+
+_PATH_STEP = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_"
+
+
+def _dotted(path: str) -> bool:
+    return bool(path) and all(step and not step[0].isdigit() and all(c in _PATH_STEP for c in step)
+                              for step in path.split("."))
+
+
+def check_family(family: Any) -> list[str]:
+    """What is wrong with a family's answer, field by field ('image_inputs.write must be callable ...'), with
+    no model: called when a plugin's families are first asked for; an empty list when all is well."""
+    if not isinstance(family, ModelFamily):
+        return [f"is a {type(family).__name__}, not a vlft.ModelFamily"]
+    problems = []
+
+    def need(ok: bool, field_name: str, what: str):
+        if not ok:
+            problems.append(f"{field_name} {what}")
+
+    need(isinstance(family.name, str) and bool(family.name), "name", "must be a non-empty string")
+    need(isinstance(family.model_types, tuple) and bool(family.model_types)
+         and all(isinstance(t, str) for t in family.model_types), "model_types", "must be a non-empty tuple of str")
+    for name in ("decoder_layers", "lm_head"):
+        need(_dotted(getattr(family, name)), name, "must be a dotted module path")
+    if family.vision_tower or family.vision_blocks:
+        need(_dotted(family.vision_tower), "vision_tower", "must be a dotted module path")
+        need(family.vision_blocks.startswith(family.vision_tower + ".") and _dotted(family.vision_blocks),
+             "vision_blocks", "must be a dotted module path under vision_tower")
+    for m in family.vision_mergers:  # a projector may live outside the tower (Gemma 3, LLaVA): still vision side
+        need(_dotted(m), "vision_mergers", f"entry {m!r} must be a dotted module path")
+    need(family.default_targets in FAMILY_TOWERS, "default_targets", f"must be one of {FAMILY_TOWERS}")
+    for name in ("load_processor", "bundled_processor", "load_kwargs", "vision_dummy", "build_tiny",
+                 "trace_layer_kwargs"):
+        v = getattr(family, name)
+        need(v is None or callable(v), name, f"must be callable or None, not {type(v).__name__}")
+    for cap, cls in CAPABILITIES.items():
+        v = getattr(family, cap)
+        if v is None:
+            continue
+        if not isinstance(v, cls):
+            problems.append(f"{cap} must be a vlft.{cls.__name__} or None, not {type(v).__name__}")
+            continue
+        for f in fields(cls):
+            x = getattr(v, f.name)
+            if "Callable" in str(f.type):
+                need(callable(x) or (x is None and "None" in str(f.type)), f"{cap}.{f.name}",
+                     f"must be callable{' or None' if 'None' in str(f.type) else ''}, not {type(x).__name__}")
+    def given(cap):  # the capability, where it is one (a wrong type was reported above)
+        v = getattr(family, cap)
+        return v if isinstance(v, CAPABILITIES[cap]) else None
+
+    images = given("image_inputs")
+    if images is not None:
+        joins = images.batch_inputs
+        need(isinstance(joins, dict) and all(h in BATCH_JOINS for h in joins.values()), "image_inputs.batch_inputs",
+             f"must map each input name to one of {BATCH_JOINS}")
+        need(isinstance(joins, dict) and images.pixels in joins, "image_inputs.pixels",
+             "must be one of image_inputs.batch_inputs")
+        need(images.grid is None or images.patch_size > 0, "image_inputs.patch_size", "must be > 0 with a grid")
+    video = given("video_inputs")
+    if video is not None:
+        need(images is not None, "video_inputs", "needs image_inputs (its prepare receives the clips)")
+        need(images is None or not isinstance(images.batch_inputs, dict) or video.pixels in images.batch_inputs,
+             "video_inputs.pixels", "must be one of image_inputs.batch_inputs")
+    sharding = given("sharding")
+    if sharding is not None:
+        need(isinstance(sharding.no_split_modules, tuple) and all(isinstance(c, str) for c in sharding.no_split_modules),
+             "sharding.no_split_modules", "must be a tuple of class names")
+    return problems
 
 
 def how_to_add() -> str:

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vlft.config import RunConfig
+from vlft.contracts.backend import BackendInfo, ProbeResult
+from vlft.contracts.family import ModelFamily
+from vlft.contracts.method import AdapterDefaults, MethodInfo
 from vlft.data.packing import PackingPlan, resolve_packing
 from vlft.errors import BackendUnavailable, ConfigError
 from vlft.planning.kernels import (
@@ -22,18 +25,7 @@ from vlft.planning.kernels import (
 from vlft.planning.memory import format_memory
 from vlft.planning.scorers import describe_line
 from vlft.planning.sharding import resolve_sharding
-from vlft.policies import (
-    AdapterDefaults,
-    AttentionPolicy,
-    BackendInfo,
-    DataLoaderOptions,
-    DistributedOptions,
-    MethodInfo,
-    ModelFamily,
-    Objective,
-    PrecisionPolicy,
-    ProbeResult,
-)
+from vlft.policies import AttentionPolicy, DataLoaderOptions, DistributedOptions, Objective, PrecisionPolicy
 from vlft.registry import Registry
 
 

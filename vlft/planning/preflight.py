@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from vlft.config import RunConfig, parse_bytes, parse_columns, split_data_spec
+from vlft.contracts.backend import DeviceCapacity
 from vlft.data.columnar import data_files, unread_columns
 from vlft.data.demo import RECOMMENDED_EPOCHS, write_demo_dataset
 from vlft.data.encoding import SampleEncoder
@@ -52,7 +53,6 @@ from vlft.planning.init_adapter import check_init_adapter, init_adapter_source
 from vlft.planning.plan import RunPlan, resolve_plan
 from vlft.planning.scorers import scorers_for_run
 from vlft.planning.sharding import count_blocks
-from vlft.policies import DeviceCapacity
 from vlft.registry import Registry
 
 DEFAULT_DATA_DIR_NAME = "demo-data"
