@@ -367,7 +367,7 @@ def test_patch_model_finds_the_vision_tower_where_the_family_says_not_by_its_nam
     model.model = torch.nn.Module()
     model.model.vision_tower = holding(Config())
     model.model.language_model = holding(Config())
-    family = SimpleNamespace(name="stand-in", vision_tower="model.vision_tower", vision_mergers=())
+    family = SimpleNamespace(name="stand-in", towers=SimpleNamespace(vision="model.vision_tower", vision_mergers=()))
     patched = ascend.vlft_patch_model(backend="ascend", model=model, config=cfg(), family=family,
                                       attention=AttentionPolicy(vision="eager", text="sdpa"))
     assert patched == ["model.vision_tower (vision): sdpa attention -> eager"]

@@ -149,7 +149,7 @@ def test_expert_lora_on_the_tiny_moe_trains_the_experts_and_never_the_router(sma
     config = short_config(small_data, tmp_path / "run", model="embedded:qwen3-vl-moe",
                           adapter={"target_experts": True, "r": 4})
     plan = plan_run(registry, config).plan
-    assert plan.target_parameters and all(p.endswith(plan.family.expert_parameters) for p in plan.target_parameters)
+    assert plan.target_parameters and all(p.endswith(plan.family.experts.parameters) for p in plan.target_parameters)
     model = load_model(plan.model_path, plan.attention, plan.precision, family=plan.family)
     assert model.get_experts_implementation()["text_config"] == "eager"  # fp32 on the CPU: the family's rule
     model = registry.first("vlft_apply_adapter", method="lora", model=model, targets=plan.targets, config=config,
@@ -196,8 +196,8 @@ def test_multi_turn_qwen3_5_records_split_at_each_reply():
              Turn("user", "What defect does the product have?"), Turn("assistant", "a scratch")]
     trained = [text for text, t in enc.pieces(turns) if t]
     assert len(trained) == 2
-    assert trained[0].startswith("red") and trained[0].endswith(family.reply_end_token)
-    assert "a scratch" in trained[1] and trained[1].endswith(family.reply_end_token)
+    assert trained[0].startswith("red") and trained[0].endswith(family.chat.reply_end_token)
+    assert "a scratch" in trained[1] and trained[1].endswith(family.chat.reply_end_token)
 
 
 def test_every_bundled_config_counts_within_one_percent_of_its_published_count_through_the_wired_path():

@@ -24,7 +24,7 @@ import vlft_cuda
 import vlft_cuda.kernels as cuda_kernels
 from test_ascend_plugin import no_torch_npu, stand_in  # noqa: F401 - the stand-in torch_npu fixtures
 
-from vlft import KernelPatch, hookimpl
+from vlft import KernelPatch, Kernels, hookimpl
 from vlft.config import RunConfig, build_config
 from vlft.errors import ConfigError
 from vlft.planning.kernels import (
@@ -182,7 +182,7 @@ def test_cuda_linear_patch_embedding_follows_the_family(monkeypatch):
     for family in (QWEN2_5_VL, QWEN3_VL):
         k = cuda_offers(monkeypatch, family=family)["linear-patch-embed"]
         assert k.available and k.default and "model.visual.patch_embed" in k.reason
-    bare = dataclasses.replace(QWEN2_5_VL, vision_stem="")
+    bare = dataclasses.replace(QWEN2_5_VL, kernels=dataclasses.replace(QWEN2_5_VL.kernels, vision_stem=""))
     k = cuda_offers(monkeypatch, family=bare)["linear-patch-embed"]
     assert not k.available and "names no patch embedding" in k.reason
 
@@ -227,13 +227,13 @@ def test_liger_with_a_stand_in_is_opt_in_and_its_fused_loss_stays_off(monkeypatc
 
 
 def test_liger_follows_the_familys_kernel_targets_not_a_table_of_model_types(monkeypatch):
-    """A family the CUDA plugin has never heard of gets each Liger part its ``kernel_targets`` names, where
+    """A family the CUDA plugin has never heard of gets each Liger part its ``kernels.targets`` names, where
     Liger has an entry point for its model type; a part whose role the family does not name is declined."""
     from vlft_models.qwen2_vl import QWEN2_5_VL
 
     stand_in_liger(monkeypatch, "newvlm")
     family = dataclasses.replace(QWEN2_5_VL, name="newvlm", model_types=("newvlm",),
-                                 kernel_targets={"rms_norm": ("NewVLMRMSNorm",)})
+                                 kernels=Kernels(targets={"rms_norm": ("NewVLMRMSNorm",)}))
     offers = cuda_offers(monkeypatch, model_type="newvlm", family=family)
     assert offers["liger-rms-norm"].available and "apply_liger_kernel_to_newvlm" in offers["liger-rms-norm"].reason
     assert not offers["liger-swiglu"].available and "names no 'gated_mlp' kernel target" in offers["liger-swiglu"].reason
@@ -283,7 +283,7 @@ def test_ascend_fused_ops_need_the_op_and_the_familys_targets(stand_in):
     offers = ascend_offers(family=QWEN2_5_VL)
     for name in ("npu-rms-norm", "npu-swiglu", "npu-rotary"):
         assert offers[name].available and not offers[name].default
-    bare = dataclasses.replace(QWEN2_5_VL, kernel_targets={})
+    bare = dataclasses.replace(QWEN2_5_VL, kernels=dataclasses.replace(QWEN2_5_VL.kernels, targets={}))
     assert "names no rms_norm" in ascend_offers(family=bare)["npu-rms-norm"].reason
 
 

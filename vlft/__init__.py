@@ -11,6 +11,9 @@ internal and may change between releases.
 
 Importing it loads no torch and no vendor extension, so a plugin module that
 imports it stays cheap to load (probing happens inside the hooks).
+
+The contracts carry a version, ``PLUGIN_API``: a plugin may say which one it was written for
+(``VLFT_PLUGIN_API = 3`` in its module), and docs/plugin-api-changes.md lists what changed between them.
 """
 
 from vlft.backend import BackendHookimpl, hookimpl_for
@@ -28,14 +31,20 @@ from vlft.contracts.backend import (
     MemoryStats,
     ProbeResult,
 )
+from vlft.contracts import PLUGIN_API, ContractChanged
 from vlft.contracts.family import (
+    Chat,
     Experts,
     ImageInputs,
+    Kernels,
     Media,
     ModelFamily,
     Packing,
     Positions,
     Sharding,
+    Targets,
+    Tiny,
+    Towers,
     VideoInputs,
     VisionWarmup,
     Written,
@@ -56,10 +65,11 @@ from vlft.policies import (
 from vlft.version import __version__
 
 __all__ = [
-    "AdapterDefaults", "AttentionPolicy", "BackendHookimpl", "BackendInfo", "BackendUnavailable", "ConfigError",
-    "DataError", "DataLoaderOptions", "DeviceCapacity", "DeviceSetup", "DistributedOptions", "DoctorCheck",
-    "Experts", "ImageInputs", "KernelPatch", "Media", "MemoryStats", "MethodInfo", "MetricSink", "ModelFamily",
-    "Objective", "ObjectiveInfo", "Packing", "Positions", "PrecisionPolicy", "ProbeResult", "Reward",
-    "RunConfig", "Scorer", "Sharding", "VideoInputs", "VisionWarmup", "Written", "VlftError", "hookimpl", "hookimpl_for",
-    "parse_attn", "processor_image_inputs", "tokenize_pieces", "user_attribute",
+    "PLUGIN_API", "AdapterDefaults", "AttentionPolicy", "BackendHookimpl", "BackendInfo", "BackendUnavailable",
+    "Chat", "ConfigError", "ContractChanged", "DataError", "DataLoaderOptions", "DeviceCapacity", "DeviceSetup",
+    "DistributedOptions", "DoctorCheck", "Experts", "ImageInputs", "KernelPatch", "Kernels", "Media",
+    "MemoryStats", "MethodInfo", "MetricSink", "ModelFamily", "Objective", "ObjectiveInfo", "Packing", "Positions",
+    "PrecisionPolicy", "ProbeResult", "Reward", "RunConfig", "Scorer", "Sharding", "Targets", "Tiny", "Towers",
+    "VideoInputs", "VisionWarmup", "Written", "VlftError", "hookimpl", "hookimpl_for", "parse_attn",
+    "processor_image_inputs", "tokenize_pieces", "user_attribute",
 ]

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable
 
+from vlft.contracts import changed
+
 
 @dataclass(frozen=True)
 class ObjectiveInfo:
@@ -244,3 +246,18 @@ class Reward:
 def objective_help() -> dict[str, str]:
     """Each ``Objective`` field's help (docs/plugin-hooks.md lists them; a docs test checks)."""
     return {f.name: f.metadata.get("help", "") for f in fields(Objective)}
+
+
+# What a plugin imported from here before plugin API 3, when this module held every contract: now in
+# vlft.contracts, re-exported by vlft. An old import is told where, not left with "cannot import name".
+_MOVED = frozenset({
+    "BackendInfo", "ProbeResult", "DeviceSetup", "MemoryStats", "DeviceCapacity", "KernelPatch", "DoctorCheck",
+    "MethodInfo", "AdapterDefaults", "MetricSink", "Scorer", "Media", "Written", "ImageInputs", "VideoInputs",
+    "Positions", "Packing", "Sharding", "Experts", "ModelFamily", "VisionWarmup", "processor_image_inputs",
+})
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        raise ImportError(changed("import", "vlft.policies.<contract>").line().replace("<contract>", name), name=name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,7 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from vlft.contracts import contract
 
+
+@contract
 @dataclass(frozen=True)
 class BackendInfo:
     """What ``vlft_backends()`` answers: one entry per backend a plugin offers."""
@@ -18,6 +21,7 @@ class BackendInfo:
     priority: int = 0  # ``--backend auto`` takes the available backend with the highest priority
 
 
+@contract
 @dataclass
 class ProbeResult:
     """Whether a backend can run here; ``reason`` says why not, with the fix."""
@@ -29,6 +33,7 @@ class ProbeResult:
     warnings: list[str] = field(default_factory=list)
 
 
+@contract
 @dataclass
 class DeviceSetup:
     """The device a process trains on, and the environment set for it."""
@@ -38,6 +43,7 @@ class DeviceSetup:
     env: dict[str, str] = field(default_factory=dict)
 
 
+@contract
 @dataclass
 class MemoryStats:
     """Device memory figures in bytes, for reports; None where the device cannot tell."""
@@ -46,6 +52,7 @@ class MemoryStats:
     current_bytes: int | None = None
 
 
+@contract
 @dataclass
 class DeviceCapacity:
     """How much memory one process's device offers, for the memory plan.
@@ -64,6 +71,7 @@ class DeviceCapacity:
     peak_flops: float | None = None
 
 
+@contract
 @dataclass(frozen=True)
 class KernelPatch:
     """One faster kernel a backend offers for a model (``vlft_kernel_patches``): declared at plan time,
@@ -95,6 +103,7 @@ class KernelPatch:
                                               "default", "attention", "check", "backend")}
 
 
+@contract
 @dataclass
 class DoctorCheck:
     """One line of ``vlft doctor``: what was checked, whether it is fine, and the one-line fix when not.

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
+from vlft.contracts import contract
+
 
 # -- model families --------------------------------------------------------------------------------------
 #
@@ -18,6 +20,7 @@ FAMILY_TOWERS = ("vision", "text", "both")
 BATCH_JOINS = ("concat", "sequence", "concat_padded")
 
 
+@contract
 @dataclass
 class Media:
     """A record's images and clips as a family's image inputs receive them (``ImageInputs.prepare``).
@@ -33,6 +36,7 @@ class Media:
     where: str = ""  # the record's file:line, for errors
 
 
+@contract
 @dataclass
 class Written:
     """What ``ImageInputs.write`` answers: each text's token ids with its images' tokens written in, and
@@ -45,6 +49,7 @@ class Written:
     grids: list = field(default_factory=list)
 
 
+@contract
 @dataclass(frozen=True)
 class ImageInputs:
     """How an image becomes model inputs. Two calls per record: ``prepare`` once (its images, and its clips
@@ -92,6 +97,7 @@ class ImageInputs:
                 "vision activations are not traced, and the plan says so."})
 
 
+@contract
 @dataclass(frozen=True)
 class VideoInputs:
     """A family that takes video clips: its ``image_inputs.prepare`` then receives them in ``Media.videos``.
@@ -106,6 +112,7 @@ class VideoInputs:
                 "processor)."})
 
 
+@contract
 @dataclass(frozen=True)
 class Positions:
     """A family whose model computes positions from more than the token index (Qwen's 3-D mRoPE): packing
@@ -118,6 +125,7 @@ class Positions:
     rows: int = field(default=3, metadata={"help": "Rows of `rope_index`'s answer (3 for mRoPE)."})
 
 
+@contract
 @dataclass(frozen=True)
 class Packing:
     """A family whose samples can be laid end to end in one row (``--packing``): the attention keeps them
@@ -129,6 +137,7 @@ class Packing:
                 "(Qwen3.5: its Gated DeltaNet layers carry state along the row unless run with varlen kernels)."})
 
 
+@contract
 @dataclass(frozen=True)
 class Sharding:
     """How ``--shard fsdp`` cuts the model."""
@@ -137,6 +146,7 @@ class Sharding:
         "help": "Block classes FSDP shards as units (the model class's `_no_split_modules`)."})
 
 
+@contract
 @dataclass(frozen=True)
 class Experts:
     """A mixture-of-experts family's fused expert weights and routers."""
@@ -151,27 +161,13 @@ class Experts:
                 "hidden->1 that a leaf-name 'gate' match would otherwise catch)."})
 
 
-CAPABILITIES = {"image_inputs": ImageInputs, "video_inputs": VideoInputs, "positions": Positions,
-                "packing": Packing, "sharding": Sharding, "experts": Experts}
-
-
+@contract
 @dataclass(frozen=True)
-class ModelFamily:
-    """Everything vlft needs to know about one model family (one or more ``model_type`` values): a required
-    core, then optional capabilities (``CAPABILITIES``), each None where the family lacks it."""
+class Towers:
+    """Where the model's parts are: dotted attribute paths from the loaded ``*ForConditionalGeneration`` model
+    (not a PEFT wrapper; the core resolves them on ``model.get_base_model()``)."""
 
-    # --- identity -------------------------------------------------------------------------------------
-    name: str = field(metadata={"help": "Short name, used in `--model embedded:<name>` and `vlft plugins`, "
-                                        "e.g. 'qwen3-vl'."})
-    model_types: tuple[str, ...] = field(metadata={"help": "The `config.model_type` values this family owns, "
-                                                           "e.g. ('qwen3_vl',)."})
-    description: str = field(default="", metadata={"help": "One line for `vlft plugins`."})
-    plugin: str = field(default="", compare=False, metadata={
-        "help": "Leave it empty: vlft fills it in when it loads the family (the plugin that offered it), so "
-                "errors and `vlft plugins` name the plugin."})
-
-    # --- towers (dotted paths from the *ForConditionalGeneration model) --------------------------------
-    vision_tower: str = field(default="", metadata={
+    vision: str = field(default="", metadata={
         "help": "The vision encoder module; everything under it (blocks, mergers, patch embedding) is the "
                 "vision side for freezing, memory accounting and dtype policies."})
     vision_blocks: str = field(default="", metadata={
@@ -184,10 +180,16 @@ class ModelFamily:
         "help": "The nn.ModuleList of text decoder layers."})
     lm_head: str = field(default="lm_head", metadata={"help": "The output head (logits)."})
 
-    # --- what --targets / --vision-last-n select (leaf names of nn.Linear modules) ---------------------
+
+@contract
+@dataclass(frozen=True)
+class Targets:
+    """What ``--targets`` and ``--vision-last-n`` select: the nn.Linear modules inside each vision block and
+    decoder layer, as paths relative to it (the leaf name alone is ambiguous: Qwen2.5-VL's vision MLP and text
+    MLP share names). Adapters take the attention ones; the MLP ones where a caller asks for them."""
+
     vision_attention: tuple[str, ...] = field(default=(), metadata={
-        "help": "Linear modules inside each vision block for attention, as paths relative to the block "
-                "(the leaf name alone is ambiguous: Qwen2.5-VL's vision MLP and text MLP share names)."})
+        "help": "Linear modules inside each vision block for attention, relative to the block."})
     vision_mlp: tuple[str, ...] = field(default=(), metadata={
         "help": "Linear modules inside each vision block for the MLP, relative to the block."})
     text_attention: tuple[str, ...] = field(default=("self_attn.q_proj", "self_attn.k_proj",
@@ -198,13 +200,15 @@ class ModelFamily:
                 "are targets. Layers of the other type simply lack them."})
     text_mlp: tuple[str, ...] = field(default=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"), metadata={
         "help": "Linear modules inside each decoder layer for the dense MLP (or a MoE's shared expert)."})
-    default_targets: str = field(default="both", metadata={"help": "What `--targets auto` means: vision, text "
-                                                                      "or both (a method's own default wins)."})
-    default_parts: tuple[str, ...] = field(default=("attention",), metadata={
-        "help": "Which module groups an adapter takes by default: 'attention' (today's behaviour: "
-                "q/k/v/o and the vision qkv/proj, plus linear attention), 'mlp', or both."})
+    default: str = field(default="both", metadata={
+        "help": "What `--targets auto` means: vision, text or both (a method's own default wins)."})
 
-    # --- processor and template ------------------------------------------------------------------------
+
+@contract
+@dataclass(frozen=True)
+class Chat:
+    """The processor, its chat template and the model's conventions in text."""
+
     processor_class: str = field(default="", metadata={
         "help": "transformers processor class name (a helper outside a run finds a processor's family by it)."})
     load_processor: Callable[[str], Any] | None = field(default=None, compare=False, metadata={
@@ -222,7 +226,7 @@ class ModelFamily:
                 "core trains `reply_end_token` as each reply's last token, that of the next turn's start where one "
                 "follows (the ids then equal the template's render) and appended after the last reply, so the model "
                 "learns to stop. False: the template writes the reply end itself (Qwen's <|im_end|>)."})
-    chat_template_kwargs: dict = field(default_factory=dict, compare=False, metadata={
+    template_kwargs: dict = field(default_factory=dict, compare=False, metadata={
         "help": "Extra keyword arguments for apply_chat_template (Qwen3.5: enable_thinking=False, so prompt "
                 "and reply split cleanly)."})
     box_coordinates: str = field(default="absolute", metadata={
@@ -230,7 +234,64 @@ class ModelFamily:
                 "(Qwen3-VL, Qwen3.5) or 'relative-1' (fractions of the image: LLaVA's). vlft never converts "
                 "silently."})
 
-    # --- loading and kernels ----------------------------------------------------------------------------
+
+@contract
+@dataclass(frozen=True)
+class Kernels:
+    """What backends' kernel patches (``vlft_kernel_patches``) may rewrite in this family's model."""
+
+    vision_stem: str = field(default="", metadata={
+        "help": "The vision patch embedding module (its `proj` a Conv3d whose kernel equals its stride, for "
+                "Qwen2-VL to Qwen3.5: `model.visual.patch_embed`); a backend's kernel patch may replace the "
+                "convolution with an equal matmul. Empty: no such patch is offered."})
+    targets: dict = field(default_factory=dict, compare=False, metadata={
+        "help": "What fused-op kernel patches may replace, by role: 'rms_norm' and 'gated_mlp' (module class "
+                "names, a gated MLP being `down_proj(act(gate_proj(x)) * up_proj(x))`), 'rotary' "
+                "('module:function' names of q/k rotary functions `f(q, k, cos, sin, ...)`). Empty: none."})
+
+
+@contract
+@dataclass(frozen=True)
+class Tiny:
+    """The family's tiny embedded model (``--model embedded:<name>``), built offline on first use."""
+
+    build: Callable[..., None] = field(compare=False, metadata={
+        "help": "build(path, corpus=None): writes a tiny random model of the family + processor there "
+                "(offline), its tokenizer trained on `corpus` (a list of strings, the demo task's words) where "
+                "given."})
+    recipe: dict = field(default_factory=dict, compare=False, metadata={
+        "help": "The tiny model's recipe; its hash names the cache folder."})
+
+
+CAPABILITIES = {"image_inputs": ImageInputs, "video_inputs": VideoInputs, "positions": Positions,
+                "packing": Packing, "sharding": Sharding, "experts": Experts, "tiny": Tiny}
+GROUPS = {"towers": Towers, "targets": Targets, "chat": Chat, "kernels": Kernels}
+
+
+@contract
+@dataclass(frozen=True)
+class ModelFamily:
+    """Everything vlft needs to know about one model family (one or more ``model_type`` values): a required
+    core (name, model types, towers), groups with defaults (``GROUPS``: targets, chat, kernels), then optional
+    capabilities (``CAPABILITIES``), each None where the family lacks it."""
+
+    name: str = field(metadata={"help": "Short name, used in `--model embedded:<name>` and `vlft plugins`, "
+                                        "e.g. 'qwen3-vl'."})
+    model_types: tuple[str, ...] = field(metadata={"help": "The `config.model_type` values this family owns, "
+                                                           "e.g. ('qwen3_vl',)."})
+    towers: Towers = field(metadata={"help": "Where the towers are (vlft.Towers): module paths."})
+    description: str = field(default="", metadata={"help": "One line for `vlft plugins`."})
+    plugin: str = field(default="", compare=False, metadata={
+        "help": "Leave it empty: vlft fills it in when it loads the family (the plugin that offered it), so "
+                "errors and `vlft plugins` name the plugin."})
+    targets: Targets = field(default_factory=Targets, metadata={
+        "help": "What --targets and --vision-last-n select (vlft.Targets)."})
+    chat: Chat = field(default_factory=Chat, compare=False, metadata={
+        "help": "The processor, the chat template and the grounding convention (vlft.Chat)."})
+    kernels: Kernels = field(default_factory=Kernels, compare=False, metadata={
+        "help": "What backends' kernel patches may rewrite (vlft.Kernels)."})
+
+    # --- loading and running -----------------------------------------------------------------------------
     load_kwargs: Callable[[str], dict] | None = field(default=None, compare=False, metadata={
         "help": "load_kwargs(param_dtype) -> extra keyword arguments for transformers' from_pretrained/from_config "
                 "(the run's model, its meta-device plan copy and evaluation), given the parameter dtype the "
@@ -238,14 +299,6 @@ class ModelFamily:
                 "{'experts_implementation': 'eager'} for float32: transformers 5.2x runs fused experts with "
                 "torch._grouped_mm, which takes only 16-bit weights (its meta-device and CUDA kernels refuse "
                 "fp32). None: no extra arguments."})
-    vision_stem: str = field(default="", metadata={
-        "help": "The vision patch embedding module (its `proj` a Conv3d whose kernel equals its stride, for "
-                "Qwen2-VL to Qwen3.5: `model.visual.patch_embed`); a backend's kernel patch may replace the "
-                "convolution with an equal matmul. Empty: no such patch is offered."})
-    kernel_targets: dict = field(default_factory=dict, compare=False, metadata={
-        "help": "What backends' fused-op kernel patches may replace, by role: 'rms_norm' and 'gated_mlp' (module "
-                "class names, a gated MLP being `down_proj(act(gate_proj(x)) * up_proj(x))`), 'rotary' "
-                "('module:function' names of q/k rotary functions `f(q, k, cos, sin, ...)`). Empty: none."})
     vision_dummy: Callable[..., Any] | None = field(default=None, compare=False, metadata={
         "help": "vision_dummy(model, modality) -> VisionWarmup or None: the smallest input the vision tower takes "
                 "for 'image' or 'video' (the module with the features method, the method's name and its keyword "
@@ -253,7 +306,6 @@ class ModelFamily:
                 "it (and, sharded, on evaluation's first pass), so every process uses the same parameters (DDP) "
                 "and gathers the same blocks (FSDP), and 1 process trains as N. None: a multi-process run on data "
                 "that mixes text-only and image records may fail there."})
-
     trace_layer_kwargs: Callable[..., dict] | None = field(default=None, compare=False, metadata={
         "help": "trace_layer_kwargs(text_model, hidden) -> dict: extra keyword arguments each decoder layer takes "
                 "when the memory plan runs the text layers one by one on the meta device (called once per trace, "
@@ -277,32 +329,8 @@ class ModelFamily:
         "help": "FSDP's units (vlft.Sharding). None: the model class's own `_no_split_modules`."})
     experts: Experts | None = field(default=None, compare=False, metadata={
         "help": "Fused expert weights and routers of a mixture-of-experts family (vlft.Experts). None: dense."})
-
-    # --- embedded tiny model -----------------------------------------------------------------------------
-    build_tiny: Callable[..., None] | None = field(default=None, compare=False, metadata={
-        "help": "build_tiny(path, corpus=None): writes a tiny random model of the family + processor there "
-                "(offline), its tokenizer trained on `corpus` (a list of strings, the demo task's words) where "
-                "given. None: no `--model embedded:<name>`."})
-    tiny_recipe: dict = field(default_factory=dict, compare=False, metadata={
-        "help": "The tiny model's recipe; its hash names the cache folder."})
-
-    # --- derived views ------------------------------------------------------------------------------------
-    @property
-    def expert_parameters(self) -> tuple[str, ...]:
-        return self.experts.parameters if self.experts is not None else ()
-
-    @property
-    def router_modules(self) -> tuple[str, ...]:
-        return self.experts.routers if self.experts is not None else ()
-
-    def vision_targets(self) -> tuple[str, ...]:
-        parts = self.default_parts
-        return (self.vision_attention if "attention" in parts else ()) + (self.vision_mlp if "mlp" in parts else ())
-
-    def text_targets(self) -> tuple[str, ...]:
-        parts = self.default_parts
-        out = (self.text_attention + self.text_linear_attention) if "attention" in parts else ()
-        return out + (self.text_mlp if "mlp" in parts else ())
+    tiny: Tiny | None = field(default=None, compare=False, metadata={
+        "help": "The family's tiny embedded model (vlft.Tiny). None: no `--model embedded:<name>`."})
 
     def owns(self, model_type: str) -> bool:
         return model_type in self.model_types
@@ -320,10 +348,12 @@ class ModelFamily:
 
     def vision_side(self) -> tuple[str, ...]:
         """The roots of every vision-side module: the tower and any projector outside it."""
-        return (self.vision_tower, *(m for m in self.vision_mergers if not m.startswith(self.vision_tower + ".")))
+        towers = self.towers
+        return (towers.vision, *(m for m in towers.vision_mergers if not m.startswith(towers.vision + ".")))
 
     def describe(self) -> dict:
-        """Plain-data view (callables by name, capabilities as dicts) for `vlft plugins --json` and the plan."""
+        """Plain-data view (callables by name, groups and capabilities as dicts) for `vlft plugins --json` and
+        the plan."""
         def plain(v):
             if callable(v):
                 return getattr(v, "__qualname__", repr(v))
@@ -335,14 +365,15 @@ class ModelFamily:
 
 
 def model_family_help() -> dict[str, str]:
-    """Each ``ModelFamily`` field's help, capabilities' fields as ``capability.field`` (docs/plugin-hooks.md
+    """Each ``ModelFamily`` field's help, a group's or capability's fields as ``towers.vision`` (docs/plugin-hooks.md
     and docs/writing-plugins.md list them; a docs test checks)."""
     out = {f.name: f.metadata.get("help", "") for f in fields(ModelFamily)}
-    for cap, cls in CAPABILITIES.items():
+    for cap, cls in {**GROUPS, **CAPABILITIES}.items():
         out.update({f"{cap}.{f.name}": f.metadata.get("help", "") for f in fields(cls)})
     return out
 
 
+@contract
 @dataclass
 class VisionWarmup:
     """How to run one modality's tower on a dummy input (``ModelFamily.vision_dummy``): the module holding

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from vlft.contracts import contract
 
+
+@contract
 @dataclass(frozen=True)
 class MethodInfo:
     """What ``vlft_methods()`` answers: one entry per adapter method a plugin offers."""
@@ -14,6 +17,7 @@ class MethodInfo:
     description: str
 
 
+@contract
 @dataclass
 class AdapterDefaults:
     """A method's hyper-parameters and where it adapts by default.
@@ -29,7 +33,7 @@ class AdapterDefaults:
     text_modules: tuple[str, ...] = ()
     vision_modules: tuple[str, ...] = ()
     default_targets: str = "both"  # what ``--targets auto`` means for this method
-    # the method also adapts a mixture-of-experts family's fused expert weights (ModelFamily.expert_parameters):
+    # the method also adapts a mixture-of-experts family's fused expert weights (ModelFamily.experts.parameters):
     # the core then passes them to vlft_apply_adapter as ``target_parameters`` (routers stay frozen)
     target_experts: bool = False
     help: dict[str, str] = field(default_factory=dict)

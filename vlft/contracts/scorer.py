@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from vlft.contracts import contract
 from vlft.errors import ConfigError
 from vlft.policies import Reward
 
 
+@contract
 @dataclass(frozen=True)
 class Scorer:
     """What ``vlft_scorers()`` answers: one way of scoring answers against their references (``--scorer NAME``

@@ -71,12 +71,12 @@ class SampleEncoder:
                  family=None):
         self.processor = processor
         self.family = family if family is not None else family_of_processor(processor)
-        self.template_kwargs = dict(self.family.chat_template_kwargs)
+        self.template_kwargs = dict(self.family.chat.template_kwargs)
         self.tokenizer = processor.tokenizer
         self.video_fps, self.video_max_frames = video_fps, video_max_frames
-        self.eos_text = self.family.reply_end_token or self.tokenizer.eos_token
+        self.eos_text = self.family.chat.reply_end_token or self.tokenizer.eos_token
         # the template leaves replies open (ModelFamily.reply_end_appended): each trained reply ends with eos_text
-        self.append_end = bool(self.family.reply_end_appended and self.eos_text)
+        self.append_end = bool(self.family.chat.reply_end_appended and self.eos_text)
         self.images = self.family.image_inputs
         if max_pixels is not None and self.images is not None and not self.images.size_cap:
             raise ConfigError(f"--max-pixels: the {self.family.name} family has no image size cap "
@@ -234,7 +234,7 @@ def family_of_processor(processor):
     name = type(processor).__name__
     for answer in get_registry().hook.vlft_model_families():
         for fam in answer or []:
-            if fam.processor_class == name:
+            if fam.chat.processor_class == name:
                 return fam
     raise ConfigError(f"no installed model family has processor class {name}: pass the family")
 

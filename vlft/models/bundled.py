@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from vlft.errors import ConfigError
-from vlft.models.families import bundled_configs, installed_families
+from vlft.models.families import bundled_configs
 
 
 def _registry(registry):
@@ -46,11 +46,9 @@ def bundled_names(registry=None) -> list[str]:
     return sorted(bundled_configs(_registry(registry)), key=key)
 
 
-def bundled_by_family(registry=None) -> dict[str, list[str]]:
-    """{family name: its bundled config names}: a config belongs to the installed family that owns the
+def bundled_by_family(registry, families) -> dict[str, list[str]]:
+    """{family name: its bundled config names}: a config belongs to the family of ``families`` that owns the
     ``model_type`` in its config.json (one source: the ``vlft_bundled_model_configs`` hook)."""
-    registry = _registry(registry)
-    families = installed_families(registry)
     out: dict[str, list[str]] = {f.name: [] for f in families}
     configs = bundled_configs(registry)
     for name in bundled_names(registry):

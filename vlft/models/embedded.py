@@ -71,11 +71,11 @@ def embedded_family_dir(family) -> Path:
     """``--model embedded:<family>``: the family's tiny random model, built offline on first use with the demo
     task's tokenizer corpus and cached under a name hashed from the family's recipe and the corpus (a change
     rebuilds it)."""
-    if family.build_tiny is None:
+    if family.tiny is None:
         raise ConfigError(f"--model embedded:{family.name}: the {family.name} family offers no tiny embedded model")
     corpus = tokenizer_corpus()
-    digest = hashlib.sha256(json.dumps([family.tiny_recipe, corpus], sort_keys=True, default=str).encode())
+    digest = hashlib.sha256(json.dumps([family.tiny.recipe, corpus], sort_keys=True, default=str).encode())
     path = cache_root() / f"embedded-{family.name}-{digest.hexdigest()[:12]}"
     if not (path / "config.json").exists():
-        family.build_tiny(path, corpus=corpus)
+        family.tiny.build(path, corpus=corpus)
     return path

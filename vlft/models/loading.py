@@ -76,15 +76,15 @@ def load_processor(path: str, family=None, registry=None):
     if family is None:
         family = resolve_family(_registry(registry), read_model_config(path), where=str(path))
     if is_bundled(path, registry):
-        if family.bundled_processor is None:
+        if family.chat.bundled_processor is None:
             raise ConfigError(f"{path}: the {family.name} family cannot build a processor for a bundled config")
         # the embedded default's tokenizer, whatever the family: the family's own tiny tokenizer would be
         # closer (Qwen3's added tokens) but means building its tiny model on a dry run (issue 30)
         tokenizer = AutoProcessor.from_pretrained(embedded_model_dir(registry)).tokenizer
-        return family.call("bundled_processor", family.bundled_processor, path, tokenizer)
+        return family.call("bundled_processor", family.chat.bundled_processor, path, tokenizer)
 
     try:
-        return (family.load_processor or AutoProcessor.from_pretrained)(path)
+        return (family.chat.load_processor or AutoProcessor.from_pretrained)(path)
     except Exception as e:  # noqa: BLE001
         raise ConfigError(f"cannot load the processor (tokenizer, image processor) from {path}: {e}") from None
 

@@ -208,7 +208,7 @@ def quantized_weights(model, skip: tuple[str, ...]) -> set[int]:
 def four_bit_skip(family) -> tuple[str, ...]:
     """What stays unquantized under nf4: the output head and the merger(s) (small; trained in full with
     --train-merger, which needs float weights)."""
-    return (family.lm_head, *family.vision_mergers)
+    return (family.towers.lm_head, *family.towers.vision_mergers)
 
 
 def weight_bytes(model, param_dtype, family, quantization: str | None = None,

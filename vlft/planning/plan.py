@@ -74,12 +74,13 @@ class RunPlan:
     def experts_adapted(self) -> dict | None:
         """For a mixture-of-experts family: whether its fused expert weights are adapted, which (relative to a
         decoder layer), the adapter parameters on them, and the routers, which never train. None: no experts."""
-        if self.family is None or not self.family.expert_parameters:
+        experts = self.family.experts if self.family is not None else None
+        if experts is None:
             return None
         on_experts = sum(n for m, n in self.target_params.items() if m not in self.targets)
-        return {"adapted": bool(self.target_parameters), "parameters": list(self.family.expert_parameters),
+        return {"adapted": bool(self.target_parameters), "parameters": list(experts.parameters),
                 "layers": len({p.rpartition(".")[0] for p in self.target_parameters}),
-                "adapter_parameters": on_experts, "routers": list(self.family.router_modules), "routers_frozen": True}
+                "adapter_parameters": on_experts, "routers": list(experts.routers), "routers_frozen": True}
 
     def describe(self) -> dict:
         """Everything resolved, as JSON-ready data."""
@@ -110,7 +111,7 @@ class RunPlan:
             },
             "model": self.model_path,
             "model_family": ({"name": self.family.name, "model_types": list(self.family.model_types),
-                              "box_coordinates": self.family.box_coordinates, "parameters": self.model_counts}
+                              "box_coordinates": self.family.chat.box_coordinates, "parameters": self.model_counts}
                              if self.family else None),
             "targets": {
                 **self.target_summary,

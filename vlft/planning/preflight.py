@@ -204,7 +204,7 @@ def plan_targets(registry: Registry, plan: RunPlan, model):
     """Adapt ``model`` (real or on 'meta'); fill the plan's target list and per-module adapter parameter counts."""
 
     experts = plan.adapter.target_experts
-    if experts and not plan.family.expert_parameters:
+    if experts and plan.family.experts is None:
         raise ConfigError(f"{plan.method.name}: target_experts=true, but the {plan.family.name} family has no fused "
                           f"expert weights (not a mixture-of-experts model)")
     tp = select_targets(model, plan.adapter, plan.config.targets, plan.config.vision_last_n, plan.family,

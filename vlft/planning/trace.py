@@ -158,9 +158,9 @@ def skeleton(model_config, attention, dtype, load_kwargs=None):
 def _parts(model, family):
     """(vision tower or None, text model, lm_head), by the family's paths, PEFT-wrapped or not."""
     base = base_model(model)
-    tower = resolve_module(base, family.vision_tower) if family.vision_tower else None
-    text = resolve_module(base, family.decoder_layers.rpartition(".")[0])
-    return tower, text, resolve_module(base, family.lm_head)
+    tower = resolve_module(base, family.towers.vision) if family.towers.vision else None
+    text = resolve_module(base, family.towers.decoder_layers.rpartition(".")[0])
+    return tower, text, resolve_module(base, family.towers.lm_head)
 
 
 def _trainable(module) -> bool:
@@ -228,7 +228,8 @@ def trace_activations(model, batch: BatchShape, family=None) -> Activations:
 
     with meter.hooks(), _autocast_accepts_meta():
         image_features = None
-        blocks = set(map(id, resolve_module(base_model(model), family.vision_blocks))) if tower is not None else set()
+        blocks = (set(map(id, resolve_module(base_model(model), family.towers.vision_blocks))) if tower is not None
+                  else set())
 
         def run_vision(module, fn, block_input=None):
             """The tracer's wrapper per block/merger; a block's input is what a checkpoint keeps."""
