@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
-from helpers import vlft_command
+from helpers import installed, vlft_command
 
 from vlft import ConfigError, RunConfig
 from vlft import hookimpl as vlft_hookimpl
@@ -149,7 +149,7 @@ def test_gemma3_samples_are_encoded_as_its_own_processor_encodes_them(tmp_path):
     from vlft.models.loading import load_processor
 
     family = gemma3.FAMILY
-    processor = load_processor(embedded_family_dir(family), family)
+    processor = load_processor(embedded_family_dir(family), family, installed())
     encoder = SampleEncoder(processor, family=family)
     records = read_records(write_demo_dataset(tmp_path / "data", n_train=2, n_val=1).train)
     rec = records[0]

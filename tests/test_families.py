@@ -13,6 +13,8 @@ import pytest
 import torch
 from test_run import read_metrics, short_config
 
+from helpers import installed
+
 from vlft import ConfigError
 
 # The MoE families run on the CPU in fp32 through their load_kwargs (experts_implementation="eager": transformers'
@@ -86,7 +88,7 @@ def test_a_qwen3_vl_folder_written_by_plain_transformers_trains_and_peft_loads_i
     from vlft.models.loading import resolve_model_path
     from vlft.registry import load_registry
 
-    tiny = resolve_model_path("embedded:qwen3-vl")
+    tiny = resolve_model_path("embedded:qwen3-vl", installed())
     folder = tmp_path / "qwen3-vl-plain"
     AutoModelForImageTextToText.from_pretrained(tiny).save_pretrained(folder)
     AutoProcessor.from_pretrained(tiny).save_pretrained(folder)
@@ -174,7 +176,7 @@ def test_an_unknown_model_type_names_the_installed_families_and_how_to_add_one(t
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava"}))
     with pytest.raises(ConfigError) as e:
-        load_model_config(str(tmp_path))
+        load_model_config(str(tmp_path), installed())
     text = str(e.value)
     assert "'llava'" in text and "qwen3-vl" in text and "qwen2.5-vl" in text and "vlft_model_family" in text
 
@@ -189,9 +191,9 @@ def test_multi_turn_qwen3_5_records_split_at_each_reply():
         resolve_model_path,
     )
 
-    path = resolve_model_path("embedded:qwen3.5")
-    _, family = model_config_and_family(path)
-    enc = SampleEncoder(load_processor(path, family), family=family)
+    path = resolve_model_path("embedded:qwen3.5", installed())
+    _, family = model_config_and_family(path, installed())
+    enc = SampleEncoder(load_processor(path, family, installed()), family=family)
     turns = [Turn("user", "What colour is the product?"), Turn("assistant", "red"),
              Turn("user", "What defect does the product have?"), Turn("assistant", "a scratch")]
     trained = [text for text, t in enc.pieces(turns) if t]

@@ -10,6 +10,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
+from helpers import embedded_family, installed
 
 import vlft
 from vlft.contracts.family import CAPABILITIES, GROUPS, ModelFamily, model_family_help
@@ -211,7 +212,7 @@ def processor():
     from vlft.models.embedded import embedded_model_dir
     from vlft.models.loading import load_processor
 
-    return load_processor(str(embedded_model_dir()))
+    return load_processor(str(embedded_model_dir(installed())), embedded_family(), installed())
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +253,7 @@ def test_an_error_inside_a_familys_rope_index_while_packing_names_the_plugin(pro
     fam = replace(_qwen(), positions=replace(_qwen().positions, rope_index=rope_index), plugin="vlft_mine")
     samples = [SampleEncoder(processor, family=fam).encode(r) for r in records[:2]]
     plan = SimpleNamespace(packing=PackingPlan(True, "segments"), family=fam)  # what training_collator reads
-    collate = training_collator(plan, load_model_config(str(embedded_model_dir())), processor)
+    collate = training_collator(plan, load_model_config(str(embedded_model_dir(installed())), installed()), processor)
     with pytest.raises(PluginError, match=r"family 'qwen2.5-vl' \(plugin vlft_mine\): positions.rope_index raised "
                                           r"IndexError: grid and image tokens disagree"):
         collate(samples)

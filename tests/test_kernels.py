@@ -22,6 +22,7 @@ import vlft_ascend as ascend
 import vlft_ascend.kernels as ascend_kernels
 import vlft_cuda
 import vlft_cuda.kernels as cuda_kernels
+from helpers import embedded_family
 from test_ascend_plugin import no_torch_npu, stand_in  # noqa: F401 - the stand-in torch_npu fixtures
 
 from vlft import KernelPatch, Kernels, hookimpl
@@ -315,7 +316,7 @@ def test_ascend_fused_rms_norm_and_swiglu_wiring_with_stand_in_ops(stand_in, mod
         return torch.nn.functional.silu(a) * b
 
     npu.npu_rms_norm, npu.npu_swiglu = rms_norm, swiglu
-    model = load_model(model_dir, AttentionPolicy("sdpa", "sdpa"), PrecisionPolicy("fp32")).eval()
+    model = load_model(model_dir, AttentionPolicy("sdpa", "sdpa"), PrecisionPolicy("fp32"), family=embedded_family()).eval()
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
     with torch.no_grad():
         before = model(input_ids=ids).logits
@@ -349,7 +350,7 @@ def test_cu_seqlens_reach_the_host_once_per_forward(model_dir, monkeypatch):
 
     seen = []
     monkeypatch.setattr(npu_fa, "npu_flash_attn_varlen_func", lambda q, k, v, cq, ck, *a, **kw: seen.append(cq))
-    model = load_model(model_dir, AttentionPolicy("eager", "eager"), PrecisionPolicy("fp32")).eval()
+    model = load_model(model_dir, AttentionPolicy("eager", "eager"), PrecisionPolicy("fp32"), family=embedded_family()).eval()
     line = ascend_kernels.apply_cu_seqlens_once(model, "model.visual")
     assert "once per model.visual forward" in line
     cu = StandInDeviceTensor()
@@ -431,7 +432,7 @@ def test_kernels_none_gives_todays_model_exactly_and_auto_the_same_weights(cuda_
 
     fp32 = PrecisionPolicy("fp32")
     policy = AttentionPolicy("sdpa", "sdpa")
-    today, none, auto = (load_model(model_dir, policy, fp32).eval() for _ in range(3))
+    today, none, auto = (load_model(model_dir, policy, fp32, family=embedded_family()).eval() for _ in range(3))
     assert apply_kernels(cuda_plans["none"].kernels, none) == []
     assert cuda_plans["none"].describe()["kernels"]["chosen"] == []
     lines = apply_kernels(cuda_plans["auto"].kernels, auto)

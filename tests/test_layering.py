@@ -365,6 +365,42 @@ def test_the_guides_code_imports_only_vlft_and_vlft_testing(tmp_path):
     assert guide_private_imports([planted]) == {(str(planted), "vlft.contracts.family")}
 
 
+# -- no hidden process-wide state in the stages ---------------------------------------------------------------------
+#
+# The stages below the commands take the registry and the model family they work with as arguments: nothing in
+# data/, models/ or planning/ reaches for the process-wide registry (vlft.registry.get_registry) or defaults a
+# `registry` or `family` parameter to None to fall back on it.
+
+def hidden_state(source: str, where: str) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module == "vlft.registry" and \
+                any(a.name == "get_registry" for a in node.names):
+            found.append(f"{where}:{node.lineno}: imports get_registry")
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            params = a.posonlyargs + a.args
+            defaults = dict(zip([p.arg for p in params[len(params) - len(a.defaults):]], a.defaults))
+            defaults.update({p.arg: d for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None})
+            for name in ("registry", "family"):
+                if isinstance(defaults.get(name), ast.Constant) and defaults[name].value is None:
+                    found.append(f"{where}:{node.lineno}: {node.name}({name}=None)")
+    return found
+
+
+def test_the_stages_take_the_registry_and_the_family_as_arguments():
+    found = [o for folder in ("data", "models", "planning") for p in sorted((VLFT / folder).rglob("*.py"))
+             for o in hidden_state(p.read_text(encoding="utf-8"), str(p.relative_to(ROOT)))]
+    assert found == []
+
+
+def test_the_hidden_state_rule_catches_a_fallback():
+    source = ("def f(model, family=None, *, registry=None):\n"
+              "    from vlft.registry import get_registry\n    return registry or get_registry()\n")
+    assert hidden_state(source, "x.py") == ["x.py:1: f(registry=None)", "x.py:1: f(family=None)",
+                                            "x.py:2: imports get_registry"]
+
+
 @pytest.mark.parametrize("comment, reason", [
     ("#", False), ("# noqa: E402", False), ("# noqa: E402,F401", False), ("# type: ignore[import]", False),
     ("# TODO", False), ("# lazy", False), ("# noqa: F401 - the stand-in fixtures", True),

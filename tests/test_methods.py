@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import base_model
+from helpers import base_model, embedded_family
 
 from vlft.config import RunConfig
 from vlft.data.batching import collator_for
@@ -17,9 +17,9 @@ from vlft.models.targets import select_targets
 
 @pytest.fixture(scope="module")
 def batch(small_data, processor):
-    enc = SampleEncoder(processor)
+    enc = SampleEncoder(processor, embedded_family())
     records = read_records(small_data[0])[:2]
-    return collator_for(processor)([enc.encode(r) for r in records])
+    return collator_for(processor, embedded_family())([enc.encode(r) for r in records])
 
 
 def _inputs(batch):

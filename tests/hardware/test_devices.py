@@ -270,8 +270,8 @@ def test_npu_patch_reroutes_a_model_loaded_with_sdpa_to_eager_on_the_device(mode
     assert patched, "nothing was patched, though both towers were loaded with sdpa"
     observer = Observer()
     observer.watch(model)
-    enc = SampleEncoder(processor)
-    batch = collator_for(processor)(
+    enc = SampleEncoder(processor, family)
+    batch = collator_for(processor, family)(
         [enc.encode(r) for r in read_records(data[0])[:2]])
     model.train()
     with observer.counting_sdpa(), autocast_context(device, torch.float16):

@@ -61,16 +61,15 @@ class SampleEncoder:
     """Turns a Record into model inputs with assistant-only labels.
 
     ``processor`` is a transformers multimodal processor (a tokenizer, an
-    image processor and a chat template). ``max_pixels`` caps each image by
-    the family's own rule (``ImageInputs.size_cap``). ``family`` None: the
-    installed family whose ``processor_class`` is the processor's (helpers and
-    tests outside a run).
+    image processor and a chat template); ``family`` the model family it
+    encodes for (the plan's). ``max_pixels`` caps each image by the family's
+    own rule (``ImageInputs.size_cap``).
     """
 
-    def __init__(self, processor, max_pixels: int | None = None, video_fps: float = 2.0, video_max_frames: int = 16,
-                 family=None):
+    def __init__(self, processor, family, max_pixels: int | None = None, video_fps: float = 2.0,
+                 video_max_frames: int = 16):
         self.processor = processor
-        self.family = family if family is not None else family_of_processor(processor)
+        self.family = family
         self.template_kwargs = dict(self.family.chat.template_kwargs)
         self.tokenizer = processor.tokenizer
         self.video_fps, self.video_max_frames = video_fps, video_max_frames
@@ -224,19 +223,6 @@ class SampleEncoder:
         prompt = self.render(record.turns[:last], add_generation_prompt=True)
         input_ids, _, extra, _ = self._write([(prompt, False)], self._prepare(self._media(record, decode=True)))
         return {"input_ids": torch.tensor(input_ids), **extra}
-
-
-def family_of_processor(processor):
-    """The installed family whose ``processor_class`` is ``processor``'s, for helpers outside a run (a run passes
-    its plan's family). Asks the process-wide registry."""
-    from vlft.registry import get_registry  # the process-wide registry, only where no family is given
-
-    name = type(processor).__name__
-    for answer in get_registry().hook.vlft_model_families():
-        for fam in answer or []:
-            if fam.chat.processor_class == name:
-                return fam
-    raise ConfigError(f"no installed model family has processor class {name}: pass the family")
 
 
 class EncodedDataset(torch.utils.data.Dataset):

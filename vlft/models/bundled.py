@@ -13,37 +13,27 @@ from vlft.errors import ConfigError
 from vlft.models.families import bundled_configs
 
 
-def _registry(registry):
-    if registry is not None:
-        return registry
-    from vlft.registry import (
-        get_registry,  # the process-wide registry where the caller has none at hand
-    )
-
-    return get_registry()
-
-
 def _key(name: str) -> str:
     """``Owner/Name-Instruct`` and ``name`` alike: lower case, no owner, no ``-instruct``."""
     key = name.strip().lower().rsplit("/", 1)[-1]
     return re.sub(r"-instruct$", "", key)
 
 
-def bundled_config(name: str, registry=None) -> Path | None:
+def bundled_config(name: str, registry) -> Path | None:
     """The bundled config folder for a name like ``qwen3-vl-8b`` or ``Owner/Name-8B-Instruct``."""
     if name.count("/") > 1:
         return None
-    configs = bundled_configs(_registry(registry))
+    configs = bundled_configs(registry)
     path = configs.get(_key(name))
     return Path(path) if path is not None and (Path(path) / "config.json").is_file() else None
 
 
-def bundled_names(registry=None) -> list[str]:
+def bundled_names(registry) -> list[str]:
     def key(n):
         m = re.match(r"(.*?)-(\d+(?:\.\d+)?)b", n)
         return (m.group(1), float(m.group(2))) if m else (n, 0.0)
 
-    return sorted(bundled_configs(_registry(registry)), key=key)
+    return sorted(bundled_configs(registry), key=key)
 
 
 def bundled_by_family(registry, families) -> dict[str, list[str]]:
@@ -62,12 +52,12 @@ def bundled_by_family(registry, families) -> dict[str, list[str]]:
     return out
 
 
-def is_bundled(path: str, registry=None) -> bool:
+def is_bundled(path: str, registry) -> bool:
     here = Path(path).resolve()
-    return any(Path(p).resolve() == here for p in bundled_configs(_registry(registry)).values())
+    return any(Path(p).resolve() == here for p in bundled_configs(registry).values())
 
 
-def require_weights(path: str, asked: str | None, registry=None) -> None:
+def require_weights(path: str, asked: str | None, registry) -> None:
     """A real run needs weights; a bundled config has none: say where to put them."""
     if not is_bundled(path, registry):
         return

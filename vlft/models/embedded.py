@@ -37,23 +37,12 @@ def tokenizer_corpus() -> list[str]:
     return lines
 
 
-def _registry(registry):
-    if registry is not None:
-        return registry
-    from vlft.registry import (
-        get_registry,  # the process-wide registry where the caller has none at hand
-    )
-
-    return get_registry()
-
-
-def default_family(registry=None):
+def default_family(registry):
     """The family whose tiny model is the embedded default: the one a plugin names (first answer wins)."""
     from vlft.models.families import (
         family_named,  # the family lookup, only when the default is asked for
     )
 
-    registry = _registry(registry)
     name = registry.hook.vlft_default_model_family()
     if name is None:
         raise ConfigError("no installed plugin names a default model family (vlft_default_model_family), so "
@@ -62,7 +51,7 @@ def default_family(registry=None):
     return family_named(registry, name)
 
 
-def embedded_model_dir(registry=None) -> Path:
+def embedded_model_dir(registry) -> Path:
     """The embedded default's folder: the default family's tiny model, written on first use."""
     return embedded_family_dir(default_family(registry))
 

@@ -331,20 +331,14 @@ def count_parameters(model, family: ModelFamily) -> dict[str, int]:
             "expert_adapter": expert_adapter}
 
 
-def family_of_model(model, registry=None) -> ModelFamily:
-    """The family of a loaded (or meta) model, for helpers called outside a plan (tests, bench scripts); a
-    run passes the plan's family instead."""
-    if registry is None:
-        from vlft.registry import (
-            get_registry,  # the process-wide registry, only where none is given
-        )
-
-        registry = get_registry()
+def family_of_model(model, registry) -> ModelFamily:
+    """The family of a loaded (or meta) model among ``registry``'s, for helpers called outside a plan (tests,
+    bench scripts); a run passes the plan's family instead."""
     return resolve_family(registry, base_model(model).config)
 
 
 def family_load_kwargs(family, param_dtype: str) -> dict:
     """The family's extra from_pretrained/from_config arguments for this parameter dtype (``load_kwargs``)."""
-    if family is None or family.load_kwargs is None:
+    if family.load_kwargs is None:
         return {}
     return dict(family.call("load_kwargs", family.load_kwargs, param_dtype))

@@ -18,7 +18,7 @@ from vlft.planning.trace import BatchShape
 
 
 def decide(plan: MemoryPlan, asked: str, model, model_config, compute_dtype, batch_size: int, grad_accum: int,
-           max_pixels: int | None, can_shard: bool = False, family=None) -> None:
+           max_pixels: int | None, *, family, can_shard: bool = False) -> None:
     """Settle checkpointing (``asked``: on, off, auto) and, when the run does not fit, list what would."""
     _settle_checkpointing(plan, asked)
     if plan.fits() is not False:
@@ -67,8 +67,8 @@ def _replanner(plan: MemoryPlan, model, model_config, compute_dtype, family):
     """The same plan for another batch shape (re-estimated, not scaled)."""
     def replan(shape: BatchShape) -> MemoryPlan:
         return plan_memory(model, model_config, plan.base_dtype, compute_dtype, shape, plan.reserved_bytes,
-                           plan.capacity_bytes, plan.capacity_source, plan.shard_world, plan.gathered_bytes, family,
-                           guard_copy=bool(plan.guard_copy_bytes))
+                           plan.capacity_bytes, plan.capacity_source, plan.shard_world, plan.gathered_bytes,
+                           family=family, guard_copy=bool(plan.guard_copy_bytes))
     return replan
 
 
@@ -127,7 +127,7 @@ def _fewer_pixels_shape(batch: BatchShape, family) -> BatchShape:
 
 
 def _fix_combined(plan: MemoryPlan, model, model_config, compute_dtype, ckpt: bool, batch_size: int,
-                  grad_accum: int, max_pixels: int | None, family=None) -> str | None:
+                  grad_accum: int, max_pixels: int | None, family) -> str | None:
     """When no single fix fits: the fewest of them that fit together, each combination re-estimated by
     ``plan_memory`` (checkpointing, bf16 base weights, a smaller micro-batch with the accumulation that keeps
     the step, 448x448 images), tried two at a time, then three, then all four; within one size in that order
@@ -155,7 +155,7 @@ def _fix_combined(plan: MemoryPlan, model, model_config, compute_dtype, ckpt: bo
             dtype = "bfloat16" if "half" in chosen else plan.base_dtype
             plans[key] = plan_memory(model, model_config, dtype, compute_dtype, shape, plan.reserved_bytes,
                                      plan.capacity_bytes, plan.capacity_source, plan.shard_world,
-                                     plan.gathered_bytes, family, guard_copy=bool(plan.guard_copy_bytes))
+                                     plan.gathered_bytes, family=family, guard_copy=bool(plan.guard_copy_bytes))
         return plans[key].total_bytes(ckpt or "checkpointing" in chosen)
 
     for size in range(2, len(options) + 1):
@@ -182,7 +182,7 @@ def _fix_combined(plan: MemoryPlan, model, model_config, compute_dtype, ckpt: bo
     return None
 
 
-def _fix_sharding(plan: MemoryPlan, model, compute_dtype, ckpt: bool, family=None) -> str | None:
+def _fix_sharding(plan: MemoryPlan, model, compute_dtype, ckpt: bool, family) -> str | None:
     """The fewest processes FSDP2 would need for the run to fit."""
     gathered = fsdp_gathered_bytes(model, compute_dtype, family)
     for n in (2, 4, 8, 16, 32, 64):

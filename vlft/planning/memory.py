@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vlft.data.order import DataOrder, run_micro_batches
-from vlft.models.families import base_model, family_of_model
+from vlft.models.families import base_model
 from vlft.planning.sharding import working_set_bytes
 from vlft.planning.trace import Activations, BatchShape, trace_activations
 
@@ -220,7 +220,6 @@ def weight_bytes(model, param_dtype, family, quantization: str | None = None,
     itemsize = torch.empty((), dtype=param_dtype).element_size()
     towers = {"vision": 0, "text": 0}
     trainable = 0
-    family = family or family_of_model(model)
     roots = tuple(r + "." for r in family.vision_side() if r)
     four_bit = quantized_weights(model, four_bit_skip(family)) if quantization == "nf4" else set()
     for name, p in base_model(model).named_parameters():
@@ -234,13 +233,12 @@ def weight_bytes(model, param_dtype, family, quantization: str | None = None,
 
 def plan_memory(model, model_config, param_dtype: str, compute_dtype: str | None, batch: BatchShape,
                 reserved_bytes: int, capacity_bytes: int | None, capacity_source: str, shard_world: int = 1,
-                gathered_bytes: int = 0, family=None, quantization: str | None = None,
+                gathered_bytes: int = 0, *, family, quantization: str | None = None,
                 double_quant: bool = False, guard_copy: bool = False) -> MemoryPlan:
     """The plan for ``model`` (adapted, on the meta device) at ``batch``; checkpointing still undecided.
     ``shard_world`` > 1: sharded with FSDP over that many processes, ``gathered_bytes`` gathered at a time."""
 
     pdtype = getattr(torch, param_dtype)
-    family = family or family_of_model(model)
     towers, trainable = weight_bytes(model, pdtype, family, quantization, double_quant)
     acts = trace_activations(model, batch, family)
     vocab = model_config.text_config.vocab_size if hasattr(model_config, "text_config") else model_config.vocab_size
@@ -258,7 +256,7 @@ def plan_memory(model, model_config, param_dtype: str, compute_dtype: str | None
     )
 
 
-def fsdp_gathered_bytes(model, compute_dtype: str | None, family=None) -> int:
+def fsdp_gathered_bytes(model, compute_dtype: str | None, family) -> int:
     """What FSDP holds whole at one time: the root's parameters and two blocks (the one running and the next,
     prefetched), at the dtype they are gathered in."""
 
@@ -308,11 +306,12 @@ def largest_batches(lengths: list[int], grids: list[list], batch_size: int, grad
 
 
 def worst_plan(model, model_config, param_dtype, compute_dtype, shapes: list[BatchShape], reserved: int,
-               capacity: int | None, source: str, shard_world: int = 1, gathered_bytes: int = 0,
-               family=None, quantization: str | None = None, double_quant: bool = False,
+               capacity: int | None, source: str, shard_world: int = 1, gathered_bytes: int = 0, *,
+               family, quantization: str | None = None, double_quant: bool = False,
                guard_copy: bool = False) -> MemoryPlan:
     plans = [plan_memory(model, model_config, param_dtype, compute_dtype, s, reserved, capacity, source,
-                         shard_world, gathered_bytes, family, quantization, double_quant, guard_copy)
+                         shard_world, gathered_bytes, family=family, quantization=quantization,
+                         double_quant=double_quant, guard_copy=guard_copy)
              for s in shapes]
     return max(plans, key=lambda p: p.total_bytes(False))
 

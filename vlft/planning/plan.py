@@ -217,7 +217,7 @@ def _four_bit_precision(registry: Registry, backend: str, config: RunConfig):
 
 
 def resolve_plan(registry: Registry, config: RunConfig, model_path: str, model_config,
-                 backend: BackendChoice | None = None, family: ModelFamily | None = None) -> RunPlan:
+                 backend: BackendChoice | None = None, *, family: ModelFamily) -> RunPlan:
     """Ask the plugins once for every policy. A real run passes the ``backend`` it has already
     set up the device for, so policies that read device properties see the right device."""
     backend = backend or choose_backend(registry, config.backend)

@@ -32,6 +32,7 @@ from vlft.data.lazy import concat, read_compact, take, weighted
 from vlft.data.lazy import media_files as lazy_media
 from vlft.data.lazy import modalities as lazy_modalities
 from vlft.errors import ConfigError, DataError
+from vlft.floors import require_torch
 from vlft.models.adapting import compute_adapters_in_autocast_dtype
 from vlft.models.bundled import is_bundled
 from vlft.models.embedded import cache_root
@@ -258,11 +259,11 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
     Order: backend, method, model config, data (lengths included), policies, targets on a weightless
     copy of the model, then the memory plan against the device's capacity.
     """
-
-
+    require_torch()  # the training stage's torch, before anything of the run is loaded
     model_path = resolve_model_path(config.model, registry)
     model_config, family = model_config_and_family(model_path, registry)  # the family: asked once, here
-    plan = resolve_plan(registry, config, model_path, model_config, choice, family)  # checks method, --adapter-opt
+    # checks the method and --adapter-opt
+    plan = resolve_plan(registry, config, model_path, model_config, choice, family=family)
     processor = load_processor(model_path, family, registry)
     encoder = SampleEncoder(processor, max_pixels=config.max_pixels, video_fps=config.video_fps,
                             video_max_frames=config.video_max_frames, family=family)
@@ -316,8 +317,8 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
         shard_world, gathered = config.world_size, memory.fsdp_gathered_bytes(skeleton, compute, family)
     plan.memory = memory.worst_plan(skeleton, model_config, plan.precision.param_dtype,
                                     plan.precision.autocast_dtype, shapes, capacity.reserved_bytes, total, source,
-                                    shard_world, gathered, family, plan.precision.quantization,
-                                    plan.precision.double_quant, guard_copies(plan))
+                                    shard_world, gathered, family=family, quantization=plan.precision.quantization,
+                                    double_quant=plan.precision.double_quant, guard_copy=guard_copies(plan))
     if objective.generation:  # the step samples (GRPO): its KV cache, in the compute dtype
         worst = max(shapes, key=lambda shape: shape.samples * shape.tokens)
         plan.memory.generation_bytes = memory.generation_bytes(model_config, compute, worst.samples,

@@ -20,7 +20,7 @@ import torch
 from transformers import AttentionInterface, AutoModelForImageTextToText
 
 from vlft.measure import SavedTensorMeter
-from vlft.models.families import base_model, family_of_model, resolve_module
+from vlft.models.families import base_model, resolve_module
 from vlft.models.loss import kept_loss_sum
 
 if TYPE_CHECKING:
@@ -198,14 +198,13 @@ def _position_embeddings(text, hidden, pos) -> list:
     return [tables[t] for t in types[:n]]
 
 
-def trace_activations(model, batch: BatchShape, family=None) -> Activations:
+def trace_activations(model, batch: BatchShape, family) -> Activations:
     """Run the adapted meta model's layers once on ``batch``'s shapes and count what autograd saves.
 
     The vision tower runs through the family's ``trace_vision`` (a family without one: its vision
     activations are not counted, and ``Activations.untraced`` says so); the text layers and the head run
     here, with 3-row positions where the family has a multimodal rope index."""
 
-    family = family or family_of_model(model)
     tower, text, lm_head = _parts(model, family)
     dtype = next(text.parameters()).dtype
     meter = SavedTensorMeter(model)
