@@ -148,7 +148,7 @@ def run(backend: str, out: Path, steps: int, methods: list[str], model_name: str
                 step_out = train_step(model, optimizer, scheduler, [batch], policy, tokens)
                 sync()
                 times.append(time.perf_counter() - t)
-                losses.append(float(step_out["loss_sum"]) / tokens)
+                losses.append(float(step_out.loss_sum) / tokens)
             if meter is not None:
                 meter.__exit__(None, None, None)
             peak = meter.peak if meter is not None else int(module.max_memory_allocated(device))

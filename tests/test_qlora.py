@@ -29,9 +29,9 @@ def test_nf4_on_cpu_trains_and_the_plan_counts_the_stored_4bit_tensors(small_dat
     """A real 4-bit run, and the plan's weight bytes equal to the bytes of the tensors bitsandbytes keeps
     (packed weights and quantization constants)."""
     from vlft.registry import load_registry
-    from vlft.training.session import prepare
+    from vlft.training.trainer import build_trainer
 
-    s = prepare(load_registry(), _cfg(small_data, tmp_path / "run", param_dtype="nf4", double_quant=True,
+    s = build_trainer(load_registry(), _cfg(small_data, tmp_path / "run", param_dtype="nf4", double_quant=True,
                                       steps=2, warmup_ratio=0.0))
     assert s.plan.precision.quantization == "nf4" and s.plan.precision.autocast_dtype == "bfloat16"
     base = s.model.get_base_model()

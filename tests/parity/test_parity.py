@@ -135,21 +135,19 @@ def _step_figures(small_data, out, float64=False, **over):
 
     ``float64``: the prepared model (base and adapter) is cast to float64 before the first step (AdamW's
     state is created at that step, so it follows the parameters)."""
-    from vlft.data.order import batches
     from vlft.registry import get_registry
-    from vlft.training.session import prepare
-    from vlft.training.step import train_step_on
+    from vlft.training.trainer import build_trainer
 
-    s = prepare(get_registry(), build_config({}, _cfg(small_data, out, adapter={"lora_dropout": 0.0}, **over)))
+    s = build_trainer(get_registry(), build_config({}, _cfg(small_data, out, adapter={"lora_dropout": 0.0}, **over)))
     if float64:
         from float64_reference import float64_throughout
 
         float64_throughout(s.model.double())
     figures = []
     s.model.train()
-    for group in batches(s.dataset, s.collate, s.settings, 0):
-        r = train_step_on(s.model, s.optimizer, s.scheduler, group, s.policy)
-        figures.append((float(r["loss_sum"]) / r["global_tokens"], float(r["grad_norm"])))
+    for group in s.batches():
+        r = s.train_step(group)
+        figures.append((r.loss, float(r.grad_norm)))
         if len(figures) == s.settings.total_steps:
             break
     return figures, {n: p.detach().clone() for n, p in s.model.named_parameters() if p.requires_grad}

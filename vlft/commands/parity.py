@@ -59,35 +59,33 @@ def run_worker(backend: str, method: str, steps: int, precision: str, batch_size
                model: str | None, data: str | None, attn: str | None) -> dict:
     """Train ``steps`` steps on ``backend`` and return the per-step figures (in this process)."""
     from vlft.config import build_config
-    from vlft.data.order import batches
     from vlft.errors import BackendUnavailable
     from vlft.registry import get_registry
-    from vlft.training.session import prepare
-    from vlft.training.step import train_step_on
+    from vlft.training.trainer import build_trainer
 
-    # a session writes nothing: no run folder is needed
+    # a trainer without a run folder writes nothing
     values = dict(backend=backend, method=method, steps=steps, precision=precision, batch_size=batch_size,
                   seed=seed, model=model, data=data, attn=attn, eval_every=0, save_every=0, warmup_ratio=0.0)
     config = build_config({}, {k: v for k, v in values.items() if v is not None})
     try:
-        s = prepare(get_registry(), config)
+        trainer = build_trainer(get_registry(), config)
     except BackendUnavailable as e:
         return {"backend": backend, "available": False, "reason": str(e).split("\n")[0]}
-    plan = s.plan
+    plan = trainer.plan
     records = []
-    s.model.train()
-    for step, group in enumerate(batches(s.dataset, s.collate, s.settings, 0), start=1):
-        out = train_step_on(s.model, s.optimizer, s.scheduler, group, s.policy)
+    trainer.model.train()
+    for group in trainer.batches():
+        result = trainer.train_step(group)
         records.append({
-            "step": step,
-            "loss": float(out["loss_sum"]) / out["global_tokens"],
-            "grad_norm": float(out["grad_norm"]),
-            "weights": weight_digest(s.model, plan.targets),
+            "step": trainer.step,
+            "loss": result.loss,
+            "grad_norm": float(result.grad_norm),
+            "weights": weight_digest(trainer.model, plan.targets),
         })
-        if step >= steps:
+        if trainer.step >= steps:
             break
     return {"backend": backend, "available": True, "precision": plan.precision.name,
-            "device": str(s.device), "attention": asdict(plan.attention), "steps": records}
+            "device": str(trainer.device), "attention": asdict(plan.attention), "steps": records}
 
 
 def rel_diff(a: float, b: float) -> float:

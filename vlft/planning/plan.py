@@ -7,6 +7,7 @@ after this module asks a plugin about a policy again.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +75,15 @@ class RunPlan:
     objective: Objective | None = None  # what is optimised (--objective), resolved once here
     init_adapter: str | None = None  # --init-adapter: the adapter folder the run starts from
     scorers: Any = None  # scorers.ScorerChoice: what scores the before/after answers (--scorer)
+    # what the data and the model's shape decided (``preflight.plan_run``), kept for the run that trains from it
+    model_config: Any = None
+    processor: Any = None
+    encoder: Any = None  # data.encoding.SampleEncoder, or the objective's (DPO: chosen and rejected rows)
+    train_records: Sequence = ()  # a list, or columnar rows (data.lazy.ColumnarRecords)
+    val_records: Sequence = ()
+    train_lengths: list | None = None  # each training sample's tokens (--group-by-length batches by them)
+    total_steps: int = 0
+    skeleton: Any = None  # the adapted model on 'meta' the plan was made on (--shard fsdp saves through it)
 
     @property
     def checkpointing(self) -> bool:

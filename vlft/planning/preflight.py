@@ -12,8 +12,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -237,22 +235,7 @@ def plan_targets(registry: Registry, plan: RunPlan, model):
     return adapted
 
 
-@dataclass
-class Planned:
-    """A run resolved and checked before any weight is loaded: policies, data, targets, memory."""
-
-    plan: RunPlan
-    model_config: object
-    processor: object
-    encoder: SampleEncoder
-    train_records: Sequence  # a list, or columnar rows (data.lazy.ColumnarRecords)
-    val_records: Sequence
-    total_steps: int
-    skeleton: object = None  # the adapted model on 'meta' the plan was made on (--shard fsdp saves through it)
-    train_lengths: list | None = None  # each training sample's tokens (--group-by-length batches by them)
-
-
-def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
+def plan_run(registry: Registry, config: RunConfig, choice=None) -> RunPlan:
     """Everything a run decides before loading weights; ``--dry-run`` stops after this.
 
     Order: backend, method, model config, data (lengths included), policies, targets on a weightless
@@ -348,7 +331,10 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
         plan.notes.append(f"--shard fsdp: rank 0 alone reads the base weights, into its host memory "
                           f"({memory.gib(sum(plan.memory.base_weights.values()))}); the other processes build "
                           f"the model without weights and receive their 1/{config.world_size} shares from it")
-    return Planned(plan, model_config, processor, encoder, train, val, total_steps, skeleton, lengths.lengths)
+    plan.model_config, plan.processor, plan.encoder = model_config, processor, encoder
+    plan.train_records, plan.val_records, plan.train_lengths = train, val, lengths.lengths
+    plan.total_steps, plan.skeleton = total_steps, skeleton
+    return plan
 
 
 def check_for_objective(objective, train, val) -> None:

@@ -1,5 +1,5 @@
-"""The training stage: the session (device, model, adapter, optimizer), the step, the loop, metrics,
-checkpoints and resume, signals, FSDP2, torchrun.
+"""The training stage: the trainer that owns a run (model, adapter, optimizer, data order, checkpoints, metrics,
+the loop and validation), how its parts are set up, the step, checkpoints and resume, signals, FSDP2, torchrun.
 """
 
 import torch as _torch
