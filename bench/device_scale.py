@@ -65,7 +65,7 @@ def run(backend: str, out: Path, steps: int, methods: list[str], model_name: str
     from vlft.config import build_config
     from vlft.models.adapting import compute_adapters_in_autocast_dtype, enable_checkpointing, upcast_trainable
     from vlft.models.loading import load_model_config, resolve_model_path
-    from vlft.planning.plan import choose_backend, require_available, resolve_plan
+    from vlft.planning.plan import choose_backend, require_available, resolve_policies
     from vlft.registry import load_registry
     from vlft.planning.preflight import plan_targets
     from vlft.training.step import StepPolicy, train_step
@@ -88,11 +88,11 @@ def run(backend: str, out: Path, steps: int, methods: list[str], model_name: str
                                        "grad_checkpointing": ckpt})
             setup = registry.first("vlft_setup_device", backend=choice.info.name, config=config)
             device = setup.device
-            plan = resolve_plan(registry, config, path, model_config, choice)
+            plan = resolve_policies(registry, config, path, model_config, choice)
             compute = getattr(torch, plan.precision.autocast_dtype or plan.precision.param_dtype)
             host, grids = synthetic_batch(model_config, text=text, side=side)
             shape = trace.BatchShape(BATCH, host["input_ids"].shape[1], grids)
-            sk = plan_targets(registry, plan, trace.skeleton(model_config, plan.attention, compute))
+            sk, _ = plan_targets(registry, plan, trace.skeleton(model_config, plan.attention, compute))
             if plan.precision.autocast_dtype:
                 sk.to(compute)
                 compute_adapters_in_autocast_dtype(sk)
@@ -112,7 +112,7 @@ def run(backend: str, out: Path, steps: int, methods: list[str], model_name: str
                     attn_implementation=plan.attention.as_attn_implementation())
             registry.hook.vlft_patch_model(backend=choice.info.name, model=base, config=config,
                                            attention=plan.attention, family=plan.family)
-            model = plan_targets(registry, plan, base).to(device)
+            model = plan_targets(registry, plan, base)[0].to(device)
             upcast_trainable(model)
             if ckpt == "on":
                 enable_checkpointing(model, vision_adapted=True)

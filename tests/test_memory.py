@@ -183,7 +183,7 @@ def test_traced_activations_equal_what_a_real_step_saves(registry, small_data, t
     _, _, s = _steps(registry, config, 1)
     batch = next(iter(torch.utils.data.DataLoader(s.dataset, batch_size=4, collate_fn=s.collate)))
     shape = BatchShape(4, batch["input_ids"].shape[1], [tuple(g) for g in batch["image_grid_thw"].tolist()])
-    sk = plan_targets(registry, plan, skeleton(plan.model_config, plan.attention, torch.float32))
+    sk, _ = plan_targets(registry, plan, skeleton(plan.model_config, plan.attention, torch.float32))
     estimate = plan_memory(sk, plan.model_config, "float32", None, shape, 0, None, "")
     meter = SavedTensorMeter(s.model)
     s.model.train()
@@ -369,7 +369,7 @@ def test_gemma3_traced_activations_are_what_a_real_step_saves(registry, small_da
     images = batch["pixel_values"].shape[0]
     grids = gemma3.image_grids(s.plan.processor, [(32, 32)] * images, None)
     shape = BatchShape(4, batch["input_ids"].shape[1], grids)
-    sk = plan_targets(registry, plan, skeleton(plan.model_config, plan.attention, torch.float32))
+    sk, _ = plan_targets(registry, plan, skeleton(plan.model_config, plan.attention, torch.float32))
     estimate = plan_memory(sk, plan.model_config, "float32", None, shape, 0, None, "")
     assert estimate.activations.untraced == []
     without_images = plan_memory(sk, plan.model_config, "float32", None, BatchShape(4, shape.tokens, []), 0,
@@ -401,7 +401,7 @@ def test_gemma4_traced_activations_are_what_a_real_step_saves(registry, small_da
     grids = [(1, int(p[m][:, 1].max()) + 1, int(p[m][:, 0].max()) + 1)
              for p, m in zip(batch["image_position_ids"], real)]
     shape = BatchShape(4, batch["input_ids"].shape[1], grids)
-    sk = plan_targets(registry, plan, skeleton(plan.model_config, plan.attention, torch.float32))
+    sk, _ = plan_targets(registry, plan, skeleton(plan.model_config, plan.attention, torch.float32))
     estimate = plan_memory(sk, plan.model_config, "float32", None, shape, 0, None, "")
     assert estimate.activations.untraced == []
     meter = SavedTensorMeter(s.model)

@@ -85,7 +85,7 @@ def test_the_memory_plan_counts_the_logits_at_labelled_positions_only(session, r
     kept = label_positions(host["labels"])[0].shape[1]
     grids = [tuple(g) for g in host["image_grid_thw"].tolist()]
     tokens = host["input_ids"].shape[1]
-    sk = plan_targets(registry, plan, skeleton(plan.model_config, plan.attention, torch.float32))
+    sk, _ = plan_targets(registry, plan, skeleton(plan.model_config, plan.attention, torch.float32))
     full = plan_memory(sk, plan.model_config, "float32", None, BatchShape(4, tokens, grids), 0, None, "")
     only = plan_memory(sk, plan.model_config, "float32", None, BatchShape(4, tokens, grids, kept), 0, None, "")
     assert only.logits_bytes * tokens == full.logits_bytes * kept
@@ -231,7 +231,7 @@ def test_the_guards_copy_is_in_the_estimate(session, registry, small_data, tmp_p
     from vlft.planning.trace import BatchShape, skeleton
 
     plan = plan_run(registry, _cfg(small_data, tmp_path / "r", batch_size=3))
-    sk = plan_targets(registry, plan, skeleton(plan.model_config, plan.attention, torch.float32))
+    sk, _ = plan_targets(registry, plan, skeleton(plan.model_config, plan.attention, torch.float32))
     shape = BatchShape(1, 64, [], 8)
     bare = plan_memory(sk, plan.model_config, "float32", None, shape, 0, None, "")
     est = plan_memory(sk, plan.model_config, "float32", None, shape, 0, None, "", guard_copy=copies)

@@ -478,7 +478,7 @@ def compare_each_patch(backend: str, registry=None,
     from vlft.data.records import read_records
     from vlft.models.embedded import embedded_model_dir
     from vlft.models.loading import load_processor, model_config_and_family, tower_attention
-    from vlft.planning.plan import resolve_plan
+    from vlft.planning.plan import resolve_policies
     from vlft.registry import load_registry
     from vlft.training.setup import base_model
 
@@ -490,7 +490,7 @@ def compare_each_patch(backend: str, registry=None,
 
     def plan_for(kernels: str):
         config = dataclasses.replace(base, kernels=kernels)
-        return resolve_plan(registry, config, model_dir, model_config, family=family), config
+        return resolve_policies(registry, config, model_dir, model_config, family=family), config
 
     unpatched_plan, none_config = plan_for("none")
     offered = [k for ks in registry.hook.vlft_kernel_patches(backend=backend, config=base, model_config=model_config,

@@ -29,7 +29,7 @@ from vlft.models.loading import (
 )
 from vlft.planning.kernels import apply_kernels
 from vlft.planning.memory import four_bit_skip
-from vlft.planning.plan import choose_backend, require_available, resolve_plan
+from vlft.planning.plan import choose_backend, require_available, resolve_policies
 from vlft.registry import Registry
 
 
@@ -95,7 +95,7 @@ def load_for_inference(registry: Registry, adapter: str | AdapterSource | None, 
             os.environ.setdefault(key, value)
         device = setup.device
     model_config, family = model_config_and_family(model_path, registry)
-    plan = resolve_plan(registry, config, model_path, model_config, choice, family)
+    plan = resolve_policies(registry, config, model_path, model_config, choice, family)
     require_weights(model_path, model, registry)
     processor = load_processor(model_path, family, registry)
     quantized = plan.precision.quantization is not None  # 4-bit weights are made on their device, while loading

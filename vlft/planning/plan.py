@@ -45,8 +45,12 @@ class BackendChoice:
     reason: str
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunPlan:
+    """Everything a run decided before any weight is loaded: the plugins' policies (``resolve_policies``), then
+    what the data and the model's shape decided (``preflight.plan_run``, which builds the whole plan once).
+    Frozen: nothing after planning changes it."""
+
     config: RunConfig
     backend: BackendChoice
     precision: PrecisionPolicy
@@ -63,7 +67,7 @@ class RunPlan:
     target_parameters: list[str] = field(default_factory=list)  # fused expert weights (PEFT target_parameters)
     memory: Any = None  # memory.MemoryPlan, once the data and the model's shape are known
     lengths: dict[str, Any] = field(default_factory=dict)  # sample lengths: longest, skipped, limit
-    notes: list[str] = field(default_factory=list)
+    notes: tuple[str, ...] = ()
     sharding: Any = None  # sharding.ShardingPlan: how the processes hold the model (--shard)
     family: ModelFamily | None = None  # the checkpoint's model family, resolved once here
     model_counts: dict[str, int] = field(default_factory=dict)  # parameters: total, vision, experts, ...
@@ -148,7 +152,7 @@ class RunPlan:
                               "reason": self.memory.checkpointing_reason if self.memory else ""},
             "lengths": self.lengths,
             "memory": self.memory.describe() if self.memory else None,
-            "notes": self.notes,
+            "notes": list(self.notes),
             "scorers": self.scorers.describe() if self.scorers else None,
             "training": {
                 k: getattr(self.config, k)
@@ -233,10 +237,11 @@ def _four_bit_precision(registry: Registry, backend: str, config: RunConfig):
     return policy
 
 
-def resolve_plan(registry: Registry, config: RunConfig, model_path: str, model_config,
-                 backend: BackendChoice | None = None, family: ModelFamily | None = None) -> RunPlan:
-    """Ask the plugins once for every policy. A real run passes the ``backend`` it has already
-    set up the device for, so policies that read device properties see the right device."""
+def resolve_policies(registry: Registry, config: RunConfig, model_path: str, model_config,
+                     backend: BackendChoice | None = None, family: ModelFamily | None = None) -> RunPlan:
+    """Ask the plugins once for every policy: a plan of the policies alone (``preflight.plan_run`` adds what the
+    data and the model's shape decide). A real run passes the ``backend`` it has already set up the device for,
+    so policies that read device properties see the right device."""
     backend = backend or choose_backend(registry, config.backend)
     name = backend.info.name
     method = registry.method(config.method)
