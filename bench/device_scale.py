@@ -97,10 +97,10 @@ def run(backend: str, out: Path, steps: int, methods: list[str], model_name: str
                 sk.to(compute)
                 compute_adapters_in_autocast_dtype(sk)
             capacity = registry.hook.vlft_device_capacity(backend=choice.info.name, config=config)
-            est = memory.plan_memory(sk, model_config, plan.precision.param_dtype, plan.precision.autocast_dtype,
-                                     shape, capacity.reserved_bytes if capacity else 0,
-                                     capacity.total_bytes if capacity else None,
-                                     capacity.source if capacity else "")
+            est = memory.plan_memory(memory.MemoryBasis(
+                sk, model_config, plan.precision.param_dtype, plan.precision.autocast_dtype,
+                capacity.reserved_bytes if capacity else 0, capacity.total_bytes if capacity else None,
+                capacity.source if capacity else ""), shape)
             est.checkpointing = ckpt == "on"
             del sk
 

@@ -3,6 +3,7 @@ the memory plan and the bundled configs of models that are not on this disk."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -174,17 +175,19 @@ def test_traced_activations_equal_what_a_real_step_saves(registry, small_data, t
     from vlft.data.batching import model_inputs
     from vlft.measure import SavedTensorMeter
     from vlft.models.loss import token_loss_sum
-    from vlft.planning.memory import plan_memory
+    from vlft.planning.memory import MemoryBasis, plan_memory
     from vlft.planning.preflight import plan_run, plan_targets
     from vlft.planning.trace import BatchShape, skeleton
 
     config = _cfg(small_data, tmp_path / "r")
     plan = plan_run(registry, config)
+    with pytest.raises(dataclasses.FrozenInstanceError):  # the plan is not changed after planning
+        plan.notes = ()
     _, _, s = _steps(registry, config, 1)
     batch = next(iter(torch.utils.data.DataLoader(s.dataset, batch_size=4, collate_fn=s.collate)))
     shape = BatchShape(4, batch["input_ids"].shape[1], [tuple(g) for g in batch["image_grid_thw"].tolist()])
     sk, _ = plan_targets(registry, plan, skeleton(plan.model_config, plan.attention, torch.float32))
-    estimate = plan_memory(sk, plan.model_config, "float32", None, shape, 0, None, "")
+    estimate = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None), shape)
     meter = SavedTensorMeter(s.model)
     s.model.train()
     with meter.hooks():
@@ -357,7 +360,7 @@ def test_gemma3_traced_activations_are_what_a_real_step_saves(registry, small_da
     from vlft.data.batching import model_inputs
     from vlft.measure import SavedTensorMeter
     from vlft.models.loss import token_loss_sum
-    from vlft.planning.memory import plan_memory
+    from vlft.planning.memory import MemoryBasis, plan_memory
     from vlft.planning.preflight import plan_run, plan_targets
     from vlft.planning.trace import BatchShape, skeleton
 
@@ -370,10 +373,10 @@ def test_gemma3_traced_activations_are_what_a_real_step_saves(registry, small_da
     grids = gemma3.image_grids(s.plan.processor, [(32, 32)] * images, None)
     shape = BatchShape(4, batch["input_ids"].shape[1], grids)
     sk, _ = plan_targets(registry, plan, skeleton(plan.model_config, plan.attention, torch.float32))
-    estimate = plan_memory(sk, plan.model_config, "float32", None, shape, 0, None, "")
+    estimate = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None), shape)
     assert estimate.activations.untraced == []
-    without_images = plan_memory(sk, plan.model_config, "float32", None, BatchShape(4, shape.tokens, []), 0,
-                                 None, "")
+    without_images = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None),
+                                 BatchShape(4, shape.tokens, []))
     assert estimate.activations.full > without_images.activations.full  # the tower's share is counted
     meter = SavedTensorMeter(s.model)
     s.model.train()
@@ -389,7 +392,7 @@ def test_gemma4_traced_activations_are_what_a_real_step_saves(registry, small_da
     from vlft.data.batching import model_inputs
     from vlft.measure import SavedTensorMeter
     from vlft.models.loss import token_loss_sum
-    from vlft.planning.memory import plan_memory
+    from vlft.planning.memory import MemoryBasis, plan_memory
     from vlft.planning.preflight import plan_run, plan_targets
     from vlft.planning.trace import BatchShape, skeleton
 
@@ -402,7 +405,7 @@ def test_gemma4_traced_activations_are_what_a_real_step_saves(registry, small_da
              for p, m in zip(batch["image_position_ids"], real)]
     shape = BatchShape(4, batch["input_ids"].shape[1], grids)
     sk, _ = plan_targets(registry, plan, skeleton(plan.model_config, plan.attention, torch.float32))
-    estimate = plan_memory(sk, plan.model_config, "float32", None, shape, 0, None, "")
+    estimate = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None), shape)
     assert estimate.activations.untraced == []
     meter = SavedTensorMeter(s.model)
     s.model.train()

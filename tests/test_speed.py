@@ -75,7 +75,7 @@ def test_the_memory_plan_counts_the_logits_at_labelled_positions_only(session, r
     from vlft.data.batching import label_positions, model_inputs, with_label_positions
     from vlft.measure import SavedTensorMeter
     from vlft.models.loss import batch_loss_sum
-    from vlft.planning.memory import plan_memory
+    from vlft.planning.memory import MemoryBasis, plan_memory
     from vlft.planning.preflight import plan_run, plan_targets
     from vlft.planning.trace import BatchShape, skeleton
 
@@ -86,8 +86,8 @@ def test_the_memory_plan_counts_the_logits_at_labelled_positions_only(session, r
     grids = [tuple(g) for g in host["image_grid_thw"].tolist()]
     tokens = host["input_ids"].shape[1]
     sk, _ = plan_targets(registry, plan, skeleton(plan.model_config, plan.attention, torch.float32))
-    full = plan_memory(sk, plan.model_config, "float32", None, BatchShape(4, tokens, grids), 0, None, "")
-    only = plan_memory(sk, plan.model_config, "float32", None, BatchShape(4, tokens, grids, kept), 0, None, "")
+    full = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None), BatchShape(4, tokens, grids))
+    only = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None), BatchShape(4, tokens, grids, kept))
     assert only.logits_bytes * tokens == full.logits_bytes * kept
     meter = SavedTensorMeter(s.model)
     s.model.train()
@@ -226,15 +226,15 @@ def test_the_memory_plan_counts_the_guards_copy_only_where_fused_adamw_does_not_
 
 @pytest.mark.parametrize("copies", [False, True])
 def test_the_guards_copy_is_in_the_estimate(session, registry, small_data, tmp_path, copies):
-    from vlft.planning.memory import plan_memory
+    from vlft.planning.memory import MemoryBasis, plan_memory
     from vlft.planning.preflight import plan_run, plan_targets
     from vlft.planning.trace import BatchShape, skeleton
 
     plan = plan_run(registry, _cfg(small_data, tmp_path / "r", batch_size=3))
     sk, _ = plan_targets(registry, plan, skeleton(plan.model_config, plan.attention, torch.float32))
     shape = BatchShape(1, 64, [], 8)
-    bare = plan_memory(sk, plan.model_config, "float32", None, shape, 0, None, "")
-    est = plan_memory(sk, plan.model_config, "float32", None, shape, 0, None, "", guard_copy=copies)
+    bare = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None), shape)
+    est = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None, guard_copy=copies), shape)
     assert est.total_bytes() - bare.total_bytes() == (12 * est.adapter_parameters if copies else 0)
     assert est.describe()["guard_copy_bytes"] == (12 * est.adapter_parameters if copies else 0)
 

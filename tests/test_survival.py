@@ -531,7 +531,7 @@ def test_the_end_of_a_run_saves_first_and_a_failed_evaluation_keeps_the_adapter(
     config = dict(steps=4, save_every=3, eval_every=0, eval_samples=2, max_new_tokens=2, batch_size=2)
     run.execute(registry, short_config(small_data, out, **config), progress=False)
     assert seen == {"adapter": True, "checkpoints": ["step-000003", "step-000004"], "optimizer_state": 0}
-    assert [c["batch_size"] for c in calls] == [2, 2]  # the training micro-batch, not 16
+    assert [c["decoding"].batch_size for c in calls] == [2, 2]  # the training micro-batch, not 16
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["exact_match_after"] is None
     assert summary["eval_error"].startswith("OutOfMemoryError: out of memory (injected)")

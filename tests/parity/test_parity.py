@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlft.commands.parity import TOLERANCES, compare, run_worker, tolerance_for
+from vlft.commands.parity import TOLERANCES, WorkerOptions, compare, run_worker, tolerance_for
 from vlft.config import build_config
 from vlft.data.batching import collator_for
 from vlft.data.encoding import SampleEncoder
@@ -80,11 +80,10 @@ def test_eager_and_sdpa_give_the_same_logits_and_gradients(model_dir, batch):
         torch.testing.assert_close(gs[name], ge[name], rtol=1e-3, atol=1e-5, msg=name)
 
 
-def _worker(small_data, **over):
-    values = dict(backend="cpu", method="lora", steps=3, precision="fp32", batch_size=4, seed=7, model=None,
-                  data=str(small_data[0]), attn=None)
+def _worker(small_data, backend="cpu", precision="fp32", **over):
+    values = dict(method="lora", steps=3, batch_size=4, seed=7, model=None, data=str(small_data[0]), attn=None)
     values.update(over)
-    return run_worker(**values)
+    return run_worker(backend, precision, WorkerOptions(**values))
 
 
 def test_seed_parity_same_seed_identical_other_seed_different(small_data):

@@ -19,7 +19,7 @@ import torch
 
 from vlft.config import RunConfig
 from vlft.errors import ConfigError
-from vlft.evaluation.generation import evaluate_generation
+from vlft.evaluation.generation import Decoding, evaluate_generation
 from vlft.evaluation.inference import write_atomically
 from vlft.evaluation.scoring import format_table
 from vlft.models.patching import KernelPatchLost
@@ -151,9 +151,10 @@ def generation_eval(trainer: Trainer) -> dict:
     """The greedy answers' scores on the first ``--eval-samples`` validation records."""
     config, plan = trainer.config, trainer.plan
     records = plan.val_records[: config.eval_samples] if config.eval_samples else plan.val_records
-    return evaluate_generation(trainer.model, plan.encoder, records, trainer.device, config.max_new_tokens,
-                               trainer.autocast_dtype, rank=config.rank, world_size=config.world_size,
-                               synced=trainer.sharded, batch_size=eval_batch_size(config),
+    decoding = Decoding(config.max_new_tokens, eval_batch_size(config), trainer.autocast_dtype,
+                        synced=trainer.sharded)
+    return evaluate_generation(trainer.model, plan.encoder, records, trainer.device, decoding=decoding,
+                               share=(config.rank, config.world_size),
                                scorers=plan.scorers.chosen if plan.scorers else None)
 
 

@@ -354,18 +354,20 @@ def _memory_plan(policies: RunPlan, skeleton, model_config, data: _Data, capacit
     if config.device_memory:
         total, source = parse_bytes(config.device_memory, "--device-memory"), f"--device-memory {config.device_memory}"
     lengths = data.lengths
-    shapes = memory.largest_batches(lengths.lengths, lengths.grids, config.batch_size, config.grad_accum,
-                                    config.world_size, config.seed,
+    order = DataOrder(config.batch_size, config.grad_accum, config.seed, world_size=config.world_size,
+                      lengths=lengths.lengths if config.group_by_length else None)
+    shapes = memory.largest_batches(lengths.lengths, lengths.grids, order,
                                     math.ceil(data.total_steps / objective.iterations),  # the steps drawing batches
-                                    labelled=lengths.labelled, grouped=config.group_by_length)
+                                    labelled=lengths.labelled)
     if objective.rows_per_record > 1:  # every record runs as that many rows (its images once: models.rows)
         shapes = [dataclasses.replace(shape, samples=shape.samples * objective.rows_per_record) for shape in shapes]
     shard_world, gathered = 1, 0
     if policies.sharding.enabled:
         shard_world, gathered = config.world_size, memory.fsdp_gathered_bytes(skeleton, compute, family)
-    planned = memory.worst_plan(skeleton, model_config, precision.param_dtype, precision.autocast_dtype, shapes,
-                                capacity.reserved_bytes, total, source, shard_world, gathered, family,
-                                precision.quantization, precision.double_quant, guard_copies(policies))
+    basis = memory.MemoryBasis(skeleton, model_config, precision.param_dtype, precision.autocast_dtype,
+                               capacity.reserved_bytes, total, source, shard_world, gathered, family,
+                               precision.quantization, precision.double_quant, guard_copies(policies))
+    planned = memory.worst_plan(basis, shapes)
     if objective.generation:  # the step samples (GRPO): its KV cache, in the compute dtype
         worst = max(shapes, key=lambda shape: shape.samples * shape.tokens)
         planned.generation_bytes = memory.generation_bytes(model_config, compute, worst.samples, worst.tokens)
@@ -375,9 +377,7 @@ def _memory_plan(policies: RunPlan, skeleton, model_config, data: _Data, capacit
                                     f"{objective.generation['new_tokens']} new)")
     if objective.reference and init_adapter:  # the reference keeps the adapter the run started from
         planned.reference_bytes = 4 * planned.adapter_parameters
-    fixes.decide(planned, config.grad_checkpointing, skeleton, model_config, precision.autocast_dtype,
-                 config.batch_size, config.grad_accum, config.max_pixels,
-                 can_shard=bool(policies.distributed and policies.distributed.fsdp), family=family)
+    fixes.decide(planned, basis, config, can_shard=bool(policies.distributed and policies.distributed.fsdp))
     if family.image_inputs is not None and not _any_grid(lengths.grids) and "image" in lazy_modalities(data.train):
         # a processor-writes-the-tokens family without ImageInputs.grid: no grid, so no tower to trace
         planned.activations.untraced.append(

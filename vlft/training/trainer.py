@@ -169,6 +169,7 @@ class Trainer:
                                   [open_sink(self.output) for open_sink in output.sinks] if main else None)
         # what training builds up
         self.skips = SkipLog()
+        self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, skipped, back-off) not yet read
         self.best: dict = {}
         self.train_time = 0.0
         self.records: list[dict] = []
@@ -234,7 +235,6 @@ class Trainer:
         settings = self.settings
         bar = progress_bar(settings, self.start_step, self.progress)
         self.window = Window(self.device, self.policy.figure_units)
-        self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, skipped, back-off) not yet read
         self.patience = EarlyStopping(settings.early_stopping_patience,
                                       self._save_best if self.config.early_stopping_patience else None)
         self.wants_eval = bool(settings.eval_every)
