@@ -171,7 +171,6 @@ def evaluate_before(trainer: Trainer) -> dict:
     plan, rank, output = trainer.plan, trainer.config.rank, trainer.output
     if trainer.checkpoint is not None:
         start = trainer.start_step
-        trainer.metrics.truncate_after(start)
         log(f"resumed      from step {start} ({trainer.checkpoint})", rank)
         iterations = plan.objective.iterations
         if start % iterations:  # the kept rollout is not checkpointed (training.rollouts says why)

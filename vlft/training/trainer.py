@@ -167,6 +167,8 @@ class Trainer:
         main = config.rank == 0 and output is not None
         self.metrics = MetricsLog(self.output / "metrics.jsonl" if main else None,
                                   [open_sink(self.output) for open_sink in output.sinks] if main else None)
+        if resume_from is not None:
+            self.metrics.truncate_after(self.start_step)  # the lines past the checkpoint are written again
         # what training builds up
         self.skips = SkipLog()
         self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, skipped, back-off) not yet read
