@@ -92,16 +92,20 @@ def _restore_math_flags():
 
 @pytest.fixture(scope="session")
 def model_dir() -> str:
+    from helpers import installed
+
     from vlft.models.embedded import embedded_model_dir
 
-    return str(embedded_model_dir())
+    return str(embedded_model_dir(installed()))
 
 
 @pytest.fixture(scope="session")
 def processor(model_dir):
+    from helpers import embedded_family, installed
+
     from vlft.models.loading import load_processor
 
-    return load_processor(model_dir)
+    return load_processor(model_dir, embedded_family(), installed())
 
 
 @pytest.fixture(scope="session")

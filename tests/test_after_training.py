@@ -210,7 +210,7 @@ def test_export_loads_with_plain_transformers_and_gives_the_adapter_logits(lora_
     loaded = load_for_inference(load_registry(), str(run), None,
                                 LoadOptions(backend="cpu", precision="fp32", param_dtype="fp32"))
     records = read_records(val)[:2]
-    collate = collator_for(loaded.processor)
+    collate = collator_for(loaded.processor, loaded.encoder.family)
     batch = collate([loaded.encoder.encode(r) for r in records])
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     torch.save(inputs, tmp_path / "inputs.pt")

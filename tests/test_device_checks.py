@@ -23,8 +23,9 @@ from hardware.checks import (
     prepared,
 )
 
+from vlft.contracts.backend import DeviceSetup, MemoryStats
 from vlft.hookspecs import hookimpl
-from vlft.policies import AttentionPolicy, DeviceSetup, MemoryStats, PrecisionPolicy
+from vlft.policies import AttentionPolicy, PrecisionPolicy
 
 ASKED = {"precision": "bf16", "attn": "vision=sdpa,text=eager"}
 ASKED_TOWERS = {"vision": "sdpa", "text": "eager"}
@@ -244,7 +245,7 @@ class CpuKernelOffers:
 
         import vlft_cuda.kernels as cuda_kernels
 
-        from vlft.policies import KernelPatch
+        from vlft.contracts.backend import KernelPatch
 
         def offer(name, **kw):
             return KernelPatch(name=name, replaces="-", why="-", condition="-", available=True, reason="-",

@@ -13,6 +13,8 @@ import pytest
 import torch
 from test_run import read_metrics, short_config
 
+from helpers import installed
+
 from vlft import ConfigError
 
 # The MoE families run on the CPU in fp32 through their load_kwargs (experts_implementation="eager": transformers'
@@ -86,7 +88,7 @@ def test_a_qwen3_vl_folder_written_by_plain_transformers_trains_and_peft_loads_i
     from vlft.models.loading import resolve_model_path
     from vlft.registry import load_registry
 
-    tiny = resolve_model_path("embedded:qwen3-vl")
+    tiny = resolve_model_path("embedded:qwen3-vl", installed())
     folder = tmp_path / "qwen3-vl-plain"
     AutoModelForImageTextToText.from_pretrained(tiny).save_pretrained(folder)
     AutoProcessor.from_pretrained(tiny).save_pretrained(folder)
@@ -149,7 +151,7 @@ def test_expert_lora_on_the_tiny_moe_trains_the_experts_and_never_the_router(sma
     config = short_config(small_data, tmp_path / "run", model="embedded:qwen3-vl-moe",
                           adapter={"target_experts": True, "r": 4})
     plan = plan_run(registry, config)
-    assert plan.target_parameters and all(p.endswith(plan.family.expert_parameters) for p in plan.target_parameters)
+    assert plan.target_parameters and all(p.endswith(plan.family.experts.parameters) for p in plan.target_parameters)
     model = load_model(plan.model_path, plan.attention, plan.precision, family=plan.family)
     assert model.get_experts_implementation()["text_config"] == "eager"  # fp32 on the CPU: the family's rule
     model = registry.first("vlft_apply_adapter", method="lora", model=model, targets=plan.targets, config=config,
@@ -174,7 +176,7 @@ def test_an_unknown_model_type_names_the_installed_families_and_how_to_add_one(t
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava"}))
     with pytest.raises(ConfigError) as e:
-        load_model_config(str(tmp_path))
+        load_model_config(str(tmp_path), installed())
     text = str(e.value)
     assert "'llava'" in text and "qwen3-vl" in text and "qwen2.5-vl" in text and "vlft_model_family" in text
 
@@ -189,15 +191,15 @@ def test_multi_turn_qwen3_5_records_split_at_each_reply():
         resolve_model_path,
     )
 
-    path = resolve_model_path("embedded:qwen3.5")
-    _, family = model_config_and_family(path)
-    enc = SampleEncoder(load_processor(path, family), family=family)
+    path = resolve_model_path("embedded:qwen3.5", installed())
+    _, family = model_config_and_family(path, installed())
+    enc = SampleEncoder(load_processor(path, family, installed()), family=family)
     turns = [Turn("user", "What colour is the product?"), Turn("assistant", "red"),
              Turn("user", "What defect does the product have?"), Turn("assistant", "a scratch")]
     trained = [text for text, t in enc.pieces(turns) if t]
     assert len(trained) == 2
-    assert trained[0].startswith("red") and trained[0].endswith(family.reply_end_token)
-    assert "a scratch" in trained[1] and trained[1].endswith(family.reply_end_token)
+    assert trained[0].startswith("red") and trained[0].endswith(family.chat.reply_end_token)
+    assert "a scratch" in trained[1] and trained[1].endswith(family.chat.reply_end_token)
 
 
 def test_every_bundled_config_counts_within_one_percent_of_its_published_count_through_the_wired_path():

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import cli_invoke, die_at_step
+from helpers import cli_invoke, die_at_step, installed
 
 import vlft_objectives.grpo as grpo
 from vlft import ConfigError
@@ -343,7 +343,7 @@ def _ends() -> list[int]:
 
     from vlft.models.embedded import embedded_model_dir
 
-    tok = AutoTokenizer.from_pretrained(str(embedded_model_dir()))
+    tok = AutoTokenizer.from_pretrained(str(embedded_model_dir(installed())))
     return [i for i in (tok.eos_token_id, tok.pad_token_id) if i is not None]
 
 
@@ -873,7 +873,7 @@ def test_two_processes_sample_and_train(demo, sft_adapter, tmp_path):
     ends = set(_ends())
     fields = offered()["fields"].build(None)
     reference = record["conversations"][-1]["value"]
-    tokenizer = AutoTokenizer.from_pretrained(str(embedded_model_dir()))
+    tokenizer = AutoTokenizer.from_pretrained(str(embedded_model_dir(installed())))
 
     def completion(tokens: list[int]) -> list[int]:  # up to and including the first end token
         n = next((i + 1 for i, t in enumerate(tokens) if t in ends), len(tokens))

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import cli_invoke, run_flags
+from helpers import cli_invoke, embedded_family, installed, run_flags
 
 from vlft.cli import cli
 from vlft.config import build_config
@@ -136,7 +136,7 @@ def test_measured_length_equals_the_encoded_length(processor, small_data):
     from vlft.data.encoding import SampleEncoder
     from vlft.data.records import read_records
 
-    encoder = SampleEncoder(processor, max_pixels=56 * 56)
+    encoder = SampleEncoder(processor, embedded_family(), max_pixels=56 * 56)
     for rec in read_records(small_data[0])[:8]:
         n, grids = encoder.measure(rec)
         enc = encoder.encode(rec)
@@ -156,7 +156,7 @@ def test_skipped_samples_are_counted_and_listed(small_data, tmp_path, processor)
     from vlft.data.encoding import SampleEncoder
     from vlft.data.records import read_records
 
-    encoder = SampleEncoder(processor)
+    encoder = SampleEncoder(processor, embedded_family())
     lengths = sorted(encoder.measure(r)[0] for r in read_records(small_data[0]))
     limit = lengths[len(lengths) // 2]
     over = sum(n > limit for n in lengths)
@@ -187,7 +187,7 @@ def test_traced_activations_equal_what_a_real_step_saves(registry, small_data, t
     batch = next(iter(torch.utils.data.DataLoader(s.dataset, batch_size=4, collate_fn=s.collate)))
     shape = BatchShape(4, batch["input_ids"].shape[1], [tuple(g) for g in batch["image_grid_thw"].tolist()])
     sk, _ = plan_targets(registry, plan, skeleton(plan.model_config, plan.attention, torch.float32))
-    estimate = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None), shape)
+    estimate = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None, plan.family), shape)
     meter = SavedTensorMeter(s.model)
     s.model.train()
     with meter.hooks():
@@ -301,7 +301,7 @@ def test_bundled_configs_have_the_published_parameter_counts(name, total):
     from vlft.models.loading import load_model_config, resolve_model_path
 
     with torch.device("meta"):
-        model = AutoModelForImageTextToText.from_config(load_model_config(resolve_model_path(name)))
+        model = AutoModelForImageTextToText.from_config(load_model_config(resolve_model_path(name, installed()), installed()))
     assert sum(p.numel() for p in model.parameters()) == total
 
 
@@ -373,9 +373,9 @@ def test_gemma3_traced_activations_are_what_a_real_step_saves(registry, small_da
     grids = gemma3.image_grids(s.plan.processor, [(32, 32)] * images, None)
     shape = BatchShape(4, batch["input_ids"].shape[1], grids)
     sk, _ = plan_targets(registry, plan, skeleton(plan.model_config, plan.attention, torch.float32))
-    estimate = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None), shape)
+    estimate = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None, plan.family), shape)
     assert estimate.activations.untraced == []
-    without_images = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None),
+    without_images = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None, plan.family),
                                  BatchShape(4, shape.tokens, []))
     assert estimate.activations.full > without_images.activations.full  # the tower's share is counted
     meter = SavedTensorMeter(s.model)
@@ -405,7 +405,7 @@ def test_gemma4_traced_activations_are_what_a_real_step_saves(registry, small_da
              for p, m in zip(batch["image_position_ids"], real)]
     shape = BatchShape(4, batch["input_ids"].shape[1], grids)
     sk, _ = plan_targets(registry, plan, skeleton(plan.model_config, plan.attention, torch.float32))
-    estimate = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None), shape)
+    estimate = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None, plan.family), shape)
     assert estimate.activations.untraced == []
     meter = SavedTensorMeter(s.model)
     s.model.train()

@@ -81,7 +81,7 @@ def probe(nf4_run, tiny_data):  # noqa: F811
     # the CPU backend keeps them off bitsandbytes' packed inference path (on AVX512-BF16 CPUs it asserts on
     # these shapes, and rounds differently from training)
     assert four_bit and not any(m.support_avx512bf16_for_cpu for m in four_bit)
-    collate = collator_for(loaded.processor)
+    collate = collator_for(loaded.processor, loaded.encoder.family)
     batch = collate([loaded.encoder.encode(r) for r in read_records(tiny_data[1])[:2]])
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
+from helpers import embedded_family, installed
 from test_memory import _cfg
 
 
@@ -86,8 +87,9 @@ def test_the_memory_plan_counts_the_logits_at_labelled_positions_only(session, r
     grids = [tuple(g) for g in host["image_grid_thw"].tolist()]
     tokens = host["input_ids"].shape[1]
     sk, _ = plan_targets(registry, plan, skeleton(plan.model_config, plan.attention, torch.float32))
-    full = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None), BatchShape(4, tokens, grids))
-    only = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None), BatchShape(4, tokens, grids, kept))
+    basis = MemoryBasis(sk, plan.model_config, "float32", None, plan.family)
+    full = plan_memory(basis, BatchShape(4, tokens, grids))
+    only = plan_memory(basis, BatchShape(4, tokens, grids, kept))
     assert only.logits_bytes * tokens == full.logits_bytes * kept
     meter = SavedTensorMeter(s.model)
     s.model.train()
@@ -233,8 +235,8 @@ def test_the_guards_copy_is_in_the_estimate(session, registry, small_data, tmp_p
     plan = plan_run(registry, _cfg(small_data, tmp_path / "r", batch_size=3))
     sk, _ = plan_targets(registry, plan, skeleton(plan.model_config, plan.attention, torch.float32))
     shape = BatchShape(1, 64, [], 8)
-    bare = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None), shape)
-    est = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None, guard_copy=copies), shape)
+    bare = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None, plan.family), shape)
+    est = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None, plan.family, guard_copy=copies), shape)
     assert est.total_bytes() - bare.total_bytes() == (12 * est.adapter_parameters if copies else 0)
     assert est.describe()["guard_copy_bytes"] == (12 * est.adapter_parameters if copies else 0)
 
@@ -338,12 +340,12 @@ def test_measuring_images_by_size_runs_no_image_processor(model_dir, monkeypatch
     from vlft.data.encoding import SampleEncoder
     from vlft.models.loading import load_processor
 
-    processor = load_processor(model_dir)
+    processor = load_processor(model_dir, embedded_family(), installed())
     ip = processor.image_processor
     expected = {size: tuple(int(x) for x in ip(images=[Image.new("RGB", size)], return_tensors="pt")["image_grid_thw"][0])
                 for size in ((448, 448), (300, 200))}
     calls = _counting(monkeypatch, type(ip), "__call__")
-    encoder = SampleEncoder(processor)
+    encoder = SampleEncoder(processor, embedded_family())
     sizes = [(448, 448)] * 5 + [(300, 200)] * 3
     prepared = encoder.family.image_inputs.prepare(processor, Media(sizes), None)
     written = encoder.family.image_inputs.write(processor, ["<|image_pad|>" * len(sizes)], prepared)
@@ -370,8 +372,9 @@ from PIL import Image
 from vlft.data import lengths
 from vlft.data.encoding import SampleEncoder
 from vlft.data.records import read_records
-from vlft.models.embedded import embedded_model_dir
+from vlft.models.embedded import default_family, embedded_model_dir
 from vlft.models.loading import load_processor
+from vlft.registry import load_registry
 
 folder = Path(sys.argv[1])
 Image.new("RGB", (448, 448), (200, 30, 30)).save(folder / "a.jpg")
@@ -379,7 +382,9 @@ record = {"messages": [{"role": "user", "content": "<image>What?"}, {"role": "as
           "images": [str(folder / "a.jpg")]}
 (folder / "t.jsonl").write_text("\\n".join(json.dumps(record) for _ in range(4)) + "\\n")
 records = read_records(folder / "t.jsonl")
-encoder = SampleEncoder(load_processor(str(embedded_model_dir())))
+registry = load_registry()
+family = default_family(registry)
+encoder = SampleEncoder(load_processor(str(embedded_model_dir(registry)), family, registry), family)
 torch.set_num_threads(2)
 torch.ones(1 << 22).mul_(2)  # the parent's OpenMP team exists from here, as after a training step
 lengths.PARALLEL_FROM = 1
@@ -423,7 +428,8 @@ def test_the_checked_data_is_reused_while_the_files_are_unchanged(own_data, monk
     from vlft.planning import preflight
 
     config = _cfg(own_data, tmp_path / "r")
-    encoder = SampleEncoder(load_processor(str(embedded_model_dir())))
+    encoder = SampleEncoder(load_processor(str(embedded_model_dir(installed())), embedded_family(), installed()),
+                            embedded_family())
     checks = _counting(monkeypatch, preflight, "_load_and_check_data")
     first = preflight.load_and_check_data(config, encoder)
     again = preflight.load_and_check_data(config, encoder)  # a resume, a later run
@@ -457,7 +463,8 @@ def test_under_torchrun_the_other_processes_take_local_rank_0s_check(own_data, m
     from vlft.planning import preflight
 
     config = replace(_cfg(own_data, tmp_path / "r"), world_size=2, rank=1)
-    encoder = SampleEncoder(load_processor(str(embedded_model_dir())))
+    encoder = SampleEncoder(load_processor(str(embedded_model_dir(installed())), embedded_family(), installed()),
+                            embedded_family())
     monkeypatch.setattr(checked, "POLL_S", 0.05)
     monkeypatch.setenv("LOCAL_RANK", "0")
     result = preflight._load_and_check_data(config, encoder)  # what rank 0 will have found

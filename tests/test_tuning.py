@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import base_model, cli_invoke, run_flags
+from helpers import base_model, cli_invoke, installed, run_flags
 
 from vlft.config import build_config
 
@@ -113,7 +113,7 @@ def test_a_method_that_ignores_train_merger_is_refused(registry, model_dir):
     model = base_model(model_dir)
     adapted = get_peft_model(model, LoraConfig(target_modules=["q_proj"]))  # no modules_to_save
     with pytest.raises(ConfigError, match="did not make the merger trainable"):
-        check_merger_trained(adapted, family_of_model(adapted), "stand-in")
+        check_merger_trained(adapted, family_of_model(adapted, installed()), "stand-in")
 
 
 def test_learning_rates_must_be_positive(small_data, tmp_path):
@@ -187,7 +187,7 @@ def test_each_towers_learning_rate_moves_its_own_parameters_in_a_real_run(tower_
 def base_model_merger():
     from vlft.models.embedded import embedded_model_dir
 
-    return base_model(str(embedded_model_dir())).model.visual.merger
+    return base_model(str(embedded_model_dir(installed()))).model.visual.merger
 
 
 def test_train_merger_trains_the_merger_in_full_and_saves_it(tower_run):
@@ -292,7 +292,7 @@ def test_exported_adapter_names_are_the_models_modules_as_vllm_parses_them(regis
     parsed = {k[len("base_model.model."):].rsplit(".", 2)[0] for k in keys}
     linear = {n for n, m in base_model(model_dir).named_modules() if isinstance(m, torch.nn.Linear)}
     assert parsed == set(chosen) and parsed <= linear
-    check = check_against_base(tmp_path / "out", model_dir)
+    check = check_against_base(tmp_path / "out", model_dir, installed())
     assert check.servable and set(check.vision) == {m for m in chosen if ".visual." in m} and check.vision
     assert "--enable-tower-connector-lora" in result.output
     assert "--enable-tower-connector-lora" in (tmp_path / "out" / "README.md").read_text()
@@ -304,7 +304,7 @@ def test_text_only_adapters_need_no_tower_flag_and_foreign_names_are_caught(regi
     from vlft.models.serving import check_against_base
 
     _lora_folder(registry, model_dir, tmp_path / "adapter", targets="text")
-    check = check_against_base(tmp_path / "adapter", model_dir)
+    check = check_against_base(tmp_path / "adapter", model_dir, installed())
     assert check.servable and not check.vision
     assert not any("tower-connector" in line for line in check.lines())
     # a name that is no module of this model (another layout, another model) is named
@@ -312,7 +312,7 @@ def test_text_only_adapters_need_no_tower_flag_and_foreign_names_are_caught(regi
     key = next(iter(tensors))
     tensors[key.replace("model.language_model.layers", "model.layers")] = tensors.pop(key)
     save_file(tensors, str(tmp_path / "adapter" / "adapter_model.safetensors"))
-    check = check_against_base(tmp_path / "adapter", model_dir)
+    check = check_against_base(tmp_path / "adapter", model_dir, installed())
     assert check.missing and check.missing[0].startswith("model.layers.") and not check.servable
 
 
@@ -321,7 +321,7 @@ def test_a_trained_merger_is_reported_as_what_vllm_refuses(tower_session, model_
 
     s = tower_session[0]
     s.save_adapter(tmp_path / "adapter")
-    check = check_against_base(tmp_path / "adapter", model_dir)
+    check = check_against_base(tmp_path / "adapter", model_dir, installed())
     assert not check.servable and any("modules_to_save" in b for b in check.blockers)
     assert "merged model" in check.lines()[0]
 

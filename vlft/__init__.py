@@ -11,6 +11,9 @@ internal and may change between releases.
 
 Importing it loads no torch and no vendor extension, so a plugin module that
 imports it stays cheap to load (probing happens inside the hooks).
+
+The contracts carry a version, ``PLUGIN_API``: a plugin may say which one it was written for
+(``VLFT_PLUGIN_API = 3`` in its module), and docs/plugin-api-changes.md lists what changed between them.
 """
 
 from vlft.backend import BackendHookimpl, hookimpl_for
@@ -19,45 +22,54 @@ from vlft.tokens import tokenize_pieces
 from vlft.userspec import user_attribute
 from vlft.errors import BackendUnavailable, ConfigError, DataError, VlftError
 from vlft.hookspecs import hookimpl
-from vlft.policies import (
-    AdapterDefaults,
-    AttentionPolicy,
+from vlft.contracts.backend import (
     BackendInfo,
-    DataLoaderOptions,
     DeviceCapacity,
     DeviceSetup,
-    DistributedOptions,
     DoctorCheck,
+    KernelPatch,
+    MemoryStats,
+    ProbeResult,
+)
+from vlft.contracts import PLUGIN_API, ContractChanged
+from vlft.contracts.family import (
+    Chat,
     Experts,
     ImageInputs,
-    KernelPatch,
+    Kernels,
     Media,
-    MemoryStats,
-    MethodInfo,
-    MetricSink,
     ModelFamily,
-    Objective,
-    ObjectiveInfo,
     Packing,
     Positions,
-    PrecisionPolicy,
-    ProbeResult,
     Sharding,
+    Targets,
+    Tiny,
+    Towers,
     VideoInputs,
-    Reward,
-    Scorer,
     VisionWarmup,
     Written,
-    processor_image_inputs,
 )
-
-__version__ = "0.1.0"
+from vlft.contracts.method import AdapterDefaults, MethodInfo
+from vlft.contracts.scorer import Scorer
+from vlft.contracts.sinks import MetricSink
+from vlft.data.processor_inputs import processor_image_inputs
+from vlft.policies import (
+    AttentionPolicy,
+    DataLoaderOptions,
+    DistributedOptions,
+    Objective,
+    ObjectiveInfo,
+    PrecisionPolicy,
+    Reward,
+)
+from vlft.version import __version__
 
 __all__ = [
-    "AdapterDefaults", "AttentionPolicy", "BackendHookimpl", "BackendInfo", "BackendUnavailable", "ConfigError",
-    "DataError", "DataLoaderOptions", "DeviceCapacity", "DeviceSetup", "DistributedOptions", "DoctorCheck",
-    "Experts", "ImageInputs", "KernelPatch", "Media", "MemoryStats", "MethodInfo", "MetricSink", "ModelFamily",
-    "Objective", "ObjectiveInfo", "Packing", "Positions", "PrecisionPolicy", "ProbeResult", "Reward",
-    "RunConfig", "Scorer", "Sharding", "VideoInputs", "VisionWarmup", "Written", "VlftError", "hookimpl", "hookimpl_for",
-    "parse_attn", "processor_image_inputs", "tokenize_pieces", "user_attribute",
+    "PLUGIN_API", "AdapterDefaults", "AttentionPolicy", "BackendHookimpl", "BackendInfo", "BackendUnavailable",
+    "Chat", "ConfigError", "ContractChanged", "DataError", "DataLoaderOptions", "DeviceCapacity", "DeviceSetup",
+    "DistributedOptions", "DoctorCheck", "Experts", "ImageInputs", "KernelPatch", "Kernels", "Media",
+    "MemoryStats", "MethodInfo", "MetricSink", "ModelFamily", "Objective", "ObjectiveInfo", "Packing", "Positions",
+    "PrecisionPolicy", "ProbeResult", "Reward", "RunConfig", "Scorer", "Sharding", "Targets", "Tiny", "Towers",
+    "VideoInputs", "VisionWarmup", "Written", "VlftError", "hookimpl", "hookimpl_for", "parse_attn",
+    "processor_image_inputs", "tokenize_pieces", "user_attribute",
 ]

@@ -26,26 +26,27 @@ if TYPE_CHECKING:  # annotations only: importing this module loads neither torch
     import transformers
 
     from vlft.config import RunConfig
-    from vlft.policies import (
-        AdapterDefaults,
-        AttentionPolicy,
+    from vlft.contracts.backend import (
         BackendInfo,
-        DataLoaderOptions,
         DeviceCapacity,
         DeviceSetup,
-        DistributedOptions,
         DoctorCheck,
         KernelPatch,
         MemoryStats,
-        MethodInfo,
-        MetricSink,
-        ModelFamily,
+        ProbeResult,
+    )
+    from vlft.contracts.family import ModelFamily
+    from vlft.contracts.method import AdapterDefaults, MethodInfo
+    from vlft.contracts.scorer import Scorer
+    from vlft.contracts.sinks import MetricSink
+    from vlft.policies import (
+        AttentionPolicy,
+        DataLoaderOptions,
+        DistributedOptions,
         Objective,
         ObjectiveInfo,
         PrecisionPolicy,
-        ProbeResult,
         Reward,
-        Scorer,
     )
 
 hookspec = pluggy.HookspecMarker("vlft")
@@ -77,18 +78,10 @@ def vlft_model_families() -> list[ModelFamily]:
     """Return a list of ``ModelFamily`` for the model families this plugin offers.
 
     Every plugin's answer is collected: ``vlft plugins`` lists them, ``--model embedded:<name>`` looks a
-    family up by its name, and the error for a checkpoint no family owns names them.
-    """
-
-
-@hookspec(firstresult=True)
-def vlft_model_family(model_type: str, model_config: transformers.PretrainedConfig) -> ModelFamily | None:
-    """Return the ``ModelFamily`` that owns this checkpoint, or None.
-
-    ``model_type`` is ``model_config.model_type`` (as transformers reads it from ``config.json``). Asked
-    once at plan time, after the config is read and before the processor and the model load; the answer
-    is kept in the ``RunPlan`` and the training step asks nothing again. First answer wins: a plugin can
-    take over a family another plugin offers with ``tryfirst=True``.
+    family up by its name, and a checkpoint belongs to the first family whose ``model_types`` holds its
+    ``config.model_type`` (asked once at plan time, kept in the ``RunPlan``), the error for one no family
+    owns naming them all. Plugins are asked last-registered first: a plugin takes over a family another
+    offers (the same name, or the same model type) by registering after it or with ``tryfirst=True``.
     """
 
 
@@ -97,7 +90,7 @@ def vlft_default_model_family() -> str | None:
     """Return the name of the model family whose tiny model is the embedded default (``vlft run`` with no
     ``--model``, ``--model embedded``), or None.
 
-    The family must offer a tiny builder (``build_tiny``). First answer wins: a plugin can make another
+    The family must offer a tiny model (``tiny``). First answer wins: a plugin can make another
     family the default with ``tryfirst=True``.
     """
 
@@ -202,7 +195,7 @@ def vlft_patch_model(backend: str, model: torch.nn.Module, config: RunConfig,
     """Rewrite parts of a loaded model that ``backend`` cannot run as they are.
 
     ``attention`` is the resolved ``AttentionPolicy`` the model was loaded with; ``family`` is the model's
-    ``ModelFamily``: its module paths (``vision_tower``, ...) say where each tower is, so a patch never
+    ``ModelFamily``: its module paths (``towers.vision``, ...) say where each tower is, so a patch never
     guesses them from module names.
 
     Return a list of one-line descriptions of what was patched (or None).
@@ -218,7 +211,7 @@ def vlft_kernel_patches(backend: str, config: RunConfig, model_config: transform
 
     Asked once at plan time (dry runs too, where the device may be absent: never raise, decline with the
     reason); ``--kernels`` chooses among the answers, and the chosen patches' ``apply`` run once on the loaded
-    base model. ``family`` gives the module paths (``vision_stem``, ``kernel_targets``). Every plugin is
+    base model. ``family`` gives the module paths (``kernels.vision_stem``, ``kernels.targets``). Every plugin is
     called; each answers for backends it owns (a third party may add patches to another's backend).
     """
 
@@ -244,7 +237,7 @@ def vlft_apply_adapter(method: str, model: torch.nn.Module, targets: list[str],
     ``target_parameters`` are full names of fused 3-D expert weights (PEFT's ``target_parameters``); it is
     empty unless the method's ``AdapterDefaults.target_experts`` asked for them, so a method that never sets
     it may leave the argument out of its implementation. ``family`` is the model's ``ModelFamily`` (its
-    module paths: ``vision_mergers`` for ``--train-merger``, ...); a method that needs none may leave it out.
+    module paths: ``towers.vision_mergers`` for ``--train-merger``, ...); a method that needs none may leave it out.
 
     Raise ``ConfigError`` when the method cannot adapt a target (say, no
     block size divides its width). First answer wins.

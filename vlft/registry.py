@@ -21,9 +21,13 @@ from typing import TYPE_CHECKING
 import pluggy
 
 from vlft import hookspecs
+from vlft.contracts import CHANGES_DOC, PLUGIN_API, changed, changes_since
+from vlft.contracts.backend import BackendInfo
+from vlft.contracts.method import MethodInfo
+from vlft.contracts.scorer import Scorer
 from vlft.errors import ConfigError, VlftError
 from vlft.plugins import builtin_plugins, serve_checkout
-from vlft.policies import BackendInfo, MethodInfo, ObjectiveInfo, Reward, Scorer
+from vlft.policies import ObjectiveInfo, Reward
 
 if TYPE_CHECKING:
     from vlft.policies import Objective
@@ -48,6 +52,8 @@ class Registry:
     rewards: dict[str, Reward] = field(default_factory=dict)  # reward functions (``vlft_rewards``, scorers) by name
     scorers: dict[str, Scorer] = field(default_factory=dict)  # scorers (``vlft_scorers``) by name
     owners: dict[tuple[str, str], str] = field(default_factory=dict)  # (kind, name) -> plugin
+    # plugin -> what it should know about the plugin API: written for another version, a hook that is gone
+    notes: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def hook(self):
@@ -153,7 +159,34 @@ def load_registry(load_entry_points: bool = True, plugins: tuple = (), builtins:
     for plugin in plugins:
         # a readable name for messages: the module's or the class's
         pm.register(plugin, name=getattr(plugin, "__name__", None) or type(plugin).__name__)
+    registry.notes = api_notes(pm)
     return registry.refresh()
+
+
+def api_notes(pm: pluggy.PluginManager) -> dict[str, list[str]]:
+    """{plugin: lines} for plugins written for another plugin API: one that declares an older or newer version
+    (``VLFT_PLUGIN_API = N`` in its module), one that answers a hook this vlft no longer has (pluggy would
+    ignore it without a word). ``vlft plugins`` shows them; what breaks on an old field says so itself."""
+    notes: dict[str, list[str]] = {}
+    for name, plugin in pm.list_name_plugin():
+        lines = []
+        declared = getattr(plugin, "VLFT_PLUGIN_API", None)
+        if isinstance(declared, int) and declared < PLUGIN_API:
+            since = sorted({c.api for c in changes_since(declared)})
+            lines.append(f"written for plugin API {declared}; this vlft's is {PLUGIN_API}: see "
+                         + ", ".join(f"{CHANGES_DOC}#plugin-api-{v}" for v in since) + " for what changed")
+        elif isinstance(declared, int) and declared > PLUGIN_API:
+            lines.append(f"written for plugin API {declared}, newer than this vlft's ({PLUGIN_API}): upgrade vlft")
+        for caller in pm.get_hookcallers(plugin) or []:
+            if caller.has_spec():
+                continue
+            gone = changed("hook", caller.name)
+            lines.append(gone.line() if gone is not None else
+                         f"answers {caller.name}, which is no hook of plugin API {PLUGIN_API} (docs/plugin-hooks.md "
+                         f"lists them)")
+        if lines:
+            notes[name or repr(plugin)] = lines
+    return notes
 
 
 def _load_builtins(pm: pluggy.PluginManager, registry: Registry) -> None:

@@ -253,11 +253,15 @@ def _check_targets(s: _Subject) -> str:
     tower paths, experts and routers resolve."""
     import torch
 
-    from vlft.models.families import resolve_module, select_target_modules  # what a run's plan selects with
+    from vlft.models.families import (  # what a run's plan selects with
+        resolve_module,
+        select_target_modules,
+        target_names,
+    )
 
     fam, model = s.family, s.model()
     problems = []
-    for path in (fam.vision_tower, *fam.vision_mergers, fam.decoder_layers, fam.lm_head):
+    for path in (fam.towers.vision, *fam.towers.vision_mergers, fam.towers.decoder_layers, fam.towers.lm_head):
         if path:
             try:
                 resolve_module(model, path)
@@ -265,10 +269,10 @@ def _check_targets(s: _Subject) -> str:
                 problems.append(str(e))
     if problems:
         return "; ".join(problems)
-    found = select_target_modules(model, fam, "both", 10 ** 6, experts=fam.experts is not None,
-                                  parts=("attention", "mlp"))
-    towers = {"vision": (fam.vision_blocks, fam.vision_attention + fam.vision_mlp),
-              "text": (fam.decoder_layers, fam.text_attention + fam.text_linear_attention + fam.text_mlp)}
+    parts = ("attention", "mlp")
+    found = select_target_modules(model, fam, "both", 10 ** 6, experts=fam.experts is not None, parts=parts)
+    towers = {"vision": (fam.towers.vision_blocks, target_names(fam, "vision", parts)),
+              "text": (fam.towers.decoder_layers, target_names(fam, "text", parts))}
     for tower, (container, names) in towers.items():
         if not container:
             continue
@@ -279,9 +283,10 @@ def _check_targets(s: _Subject) -> str:
         bare = [i for i in range(count) if not any(h.startswith(f"{container}.{i}.") for h in hits)]
         if bare:
             problems.append(f"{container} entries {bare} have no target at all")
-    problems += [f"experts.parameters '{name}' is a Parameter in no decoder layer" for name in fam.expert_parameters
+    experts = fam.experts.parameters if fam.experts is not None else ()
+    problems += [f"experts.parameters '{name}' is a Parameter in no decoder layer" for name in experts
                  if not any(p.endswith("." + name) for p in found.parameters)]
-    for name in fam.router_modules:
+    for name in fam.experts.routers if fam.experts is not None else ():
         if not any(isinstance(m, torch.nn.Module) for m in _each_layer(model, fam, name)):
             problems.append(f"experts.routers '{name}' is a module in no decoder layer")
     return "; ".join(problems)
@@ -290,9 +295,9 @@ def _check_targets(s: _Subject) -> str:
 def _each_layer(model, fam, relative: str):
     from vlft.models.families import resolve_module  # the dotted-path reader of the family's paths
 
-    for i in range(len(resolve_module(model, fam.decoder_layers))):
+    for i in range(len(resolve_module(model, fam.towers.decoder_layers))):
         try:
-            yield resolve_module(model, f"{fam.decoder_layers}.{i}.{relative}")
+            yield resolve_module(model, f"{fam.towers.decoder_layers}.{i}.{relative}")
         except AttributeError:
             continue
 
@@ -319,7 +324,8 @@ def _processor_ids(s: _Subject, record) -> tuple[list[int], list[int]]:
     from vlft.data.records import load_image  # the images as the encoder decodes them
 
     text = s.encoder.render(record.turns, add_generation_prompt=False)
-    if s.family.reply_end_appended and record.turns[-1].role == "assistant" and not text.endswith(s.encoder.eos_text):
+    if (s.family.chat.reply_end_appended and record.turns[-1].role == "assistant"
+            and not text.endswith(s.encoder.eos_text)):
         text += s.encoder.eos_text  # the last reply's end, which the template leaves out and training adds
     images = {"images": [[load_image(x) for x in record.images]]} if record.images else {}
     own = s.processor(text=[text], return_tensors="pt", **images)["input_ids"][0].tolist()
@@ -362,7 +368,7 @@ def _check_positions(s: _Subject) -> str:
 
     fam, model = s.family, s.model()
     batch = s.batch()
-    text_model = resolve_module(model, fam.decoder_layers.rpartition(".")[0])
+    text_model = resolve_module(model, fam.towers.decoder_layers.rpartition(".")[0])
     seen = []
     hook = text_model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs.get("position_ids")),
                                                 with_kwargs=True)
@@ -372,7 +378,8 @@ def _check_positions(s: _Subject) -> str:
     finally:
         hook.remove()
     if not seen or seen[0] is None:
-        return f"the text model ({fam.decoder_layers.rpartition('.')[0]}) was not given position_ids to compare with"
+        text = fam.towers.decoder_layers.rpartition(".")[0]
+        return f"the text model ({text}) was not given position_ids to compare with"
     rows, problems = fam.positions.rows, []
     for i, (record, sample) in enumerate(zip(s.records, s.samples)):
         n = len(sample["input_ids"])
@@ -437,9 +444,9 @@ def _float64_rtol(model, fam, tokens: int) -> float:
 
     widths = [m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear)]
     n = max([tokens, model.get_output_embeddings().out_features, *widths])
-    layers = len(resolve_module(model, fam.decoder_layers))
-    if fam.vision_blocks:
-        layers += len(resolve_module(model, fam.vision_blocks))
+    layers = len(resolve_module(model, fam.towers.decoder_layers))
+    if fam.towers.vision_blocks:
+        layers += len(resolve_module(model, fam.towers.vision_blocks))
     return (layers + 1) * 2 * n * torch.finfo(torch.float64).eps
 
 

@@ -56,7 +56,7 @@ def _count(rank: int, world: int, method: str, records) -> dict:
     from vlft.training.signals import StopRequest
 
     env = resolve_env("cpu", 1)
-    size = model_size("embedded", str(embedded_model_dir()))
+    size = model_size("embedded", str(embedded_model_dir(env.registry)), env.registry)
     model = adapted_model(env, size, method)[0]
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     tr = trainer(env, ddp, as_on_a_device=True)

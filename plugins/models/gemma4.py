@@ -41,10 +41,22 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from vlft.policies import ImageInputs, Packing, Sharding, VisionWarmup, processor_image_inputs
+from vlft import (
+    Chat,
+    ConfigError,
+    ImageInputs,
+    ModelFamily,
+    Packing,
+    Sharding,
+    Targets,
+    Tiny,
+    Towers,
+    VisionWarmup,
+    processor_image_inputs,
+)
 
 from . import _tiny
-from .family import GATED_MLP, TEXT_ATTENTION, ModelFamily
+from .family import GATED_MLP, TEXT_ATTENTION
 
 NAME = "gemma4"
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>",
@@ -99,8 +111,6 @@ def soft_token_budget(max_pixels: int | None, patch: int, pooling: int, default:
     per_token = pooling ** 2 * patch ** 2
     fits = [s for s in SOFT_TOKEN_BUDGETS if s * per_token <= max_pixels]
     if not fits:
-        from vlft.errors import ConfigError
-
         raise ConfigError(f"--max-pixels {max_pixels}: Gemma 4's smallest image budget is {SOFT_TOKEN_BUDGETS[0]} "
                           f"soft tokens = {SOFT_TOKEN_BUDGETS[0] * per_token} pixels at patch {patch} and pooling "
                           f"{pooling} x {pooling}; give at least that")
@@ -299,21 +309,15 @@ FAMILY = ModelFamily(
     model_types=("gemma4",),
     description="Gemma 4 (E2B/E4B/26B-A4B/31B): 2-D rotary vision encoder, k x k pooled soft tokens, images and "
                 "text (audio and video not wired)",
-    vision_tower="model.vision_tower",
-    vision_blocks="model.vision_tower.encoder.layers",
-    vision_mergers=("model.embed_vision",),
-    decoder_layers="model.language_model.layers",
-    lm_head="lm_head",
-    vision_attention=("self_attn.q_proj.linear", "self_attn.k_proj.linear", "self_attn.v_proj.linear",
-                      "self_attn.o_proj.linear"),
-    vision_mlp=("mlp.gate_proj.linear", "mlp.up_proj.linear", "mlp.down_proj.linear"),
-    text_attention=TEXT_ATTENTION,
-    text_mlp=GATED_MLP,
-    default_targets="both",
-    box_coordinates="absolute",
-    processor_class="Gemma4Processor",
-    load_processor=load_processor,
-    reply_end_token="<turn|>",
+    towers=Towers(vision="model.vision_tower", vision_blocks="model.vision_tower.encoder.layers",
+                  vision_mergers=("model.embed_vision",), decoder_layers="model.language_model.layers",
+                  lm_head="lm_head"),
+    targets=Targets(vision_attention=("self_attn.q_proj.linear", "self_attn.k_proj.linear", "self_attn.v_proj.linear",
+                                      "self_attn.o_proj.linear"),
+                    vision_mlp=("mlp.gate_proj.linear", "mlp.up_proj.linear", "mlp.down_proj.linear"),
+                    text_attention=TEXT_ATTENTION, text_mlp=GATED_MLP, default="both"),
+    chat=Chat(processor_class="Gemma4Processor", load_processor=load_processor, reply_end_token="<turn|>",
+              box_coordinates="absolute"),
     image_inputs=IMAGE_INPUTS,
     packing=Packing(refusal="Gemma 4's checkpoints with use_bidirectional_attention='vision' let each image's "
                             "tokens attend both ways (blocks found from mm_token_type_ids), and vlft has not "
@@ -323,6 +327,5 @@ FAMILY = ModelFamily(
                        "Gemma4AudioLayer")),
     vision_dummy=vision_dummy,
     trace_layer_kwargs=trace_layer_kwargs,
-    build_tiny=build_tiny,
-    tiny_recipe=RECIPE,
+    tiny=Tiny(build_tiny, RECIPE),
 )

@@ -39,11 +39,11 @@ import math
 from functools import lru_cache
 from pathlib import Path
 
-from vlft import Packing, Positions, Sharding, processor_image_inputs
+from vlft import Chat, ModelFamily, Packing, Positions, Sharding, Targets, Tiny, processor_image_inputs
 
 from . import _tiny
 from ._warmup import qwen_vision_dummy
-from .family import QWEN_LAYOUT, TEXT_ATTENTION, ModelFamily, rope_index_from_class, video_smart_resize_qwen3
+from .family import QWEN_TOWERS, QWEN_VISION_ATTENTION, TEXT_ATTENTION, rope_index_from_class, video_smart_resize_qwen3
 
 SPECIAL_TOKENS = [
     "<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>", "<|assistant|>",
@@ -247,22 +247,19 @@ def _family(name: str, model_types: tuple, model_class: str, description: str, b
         name=name,
         model_types=model_types,
         description=description,
-        **QWEN_LAYOUT,
-        vision_mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),  # the vision blocks' own, not the text MLP's
-        text_attention=TEXT_ATTENTION,
-        text_mlp=("mlp.gate_up_proj", "mlp.down_proj"),
-        processor_class=processor_class,
-        load_processor=load_processor,
-        reply_end_token=REPLY_END,
-        reply_end_appended=True,
-        box_coordinates="relative-1000",  # GLM-4.1V/4.5V grounding: [x1, y1, x2, y2] normalised to 0-1000
+        towers=QWEN_TOWERS,
+        targets=Targets(vision_attention=QWEN_VISION_ATTENTION,
+                        vision_mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),  # the vision blocks' own
+                        text_attention=TEXT_ATTENTION, text_mlp=("mlp.gate_up_proj", "mlp.down_proj")),
+        chat=Chat(processor_class=processor_class, load_processor=load_processor, reply_end_token=REPLY_END,
+                  reply_end_appended=True,
+                  box_coordinates="relative-1000"),  # GLM-4.1V/4.5V grounding: [x1, y1, x2, y2] normalised to 0-1000
         vision_dummy=qwen_vision_dummy,  # the same tower inputs as Qwen's: patches [merge^2, C*T*P*P], grid (1, m, m)
         image_inputs=IMAGE_INPUTS,
         positions=Positions(SampleRopeIndex(rope_index_from_class(model_class))),
         packing=Packing(refusal=""),
         sharding=Sharding(("Glm4vTextDecoderLayer", "Glm4vVisionBlock")),
-        build_tiny=build,
-        tiny_recipe=recipe,
+        tiny=Tiny(build, recipe),
     )
 
 

@@ -39,8 +39,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from vlft import Chat, ModelFamily, Packing, Sharding, Targets, Tiny, Towers
+
 from . import _tiny
-from .family import GATED_MLP, SIGLIP_ATTENTION, SIGLIP_MLP, TEXT_ATTENTION, ModelFamily
+from .family import GATED_MLP, SIGLIP_ATTENTION, SIGLIP_MLP, TEXT_ATTENTION
 
 NAME = "llava-onevision"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"]
@@ -258,34 +260,24 @@ def _image_inputs():
 
 
 def _family() -> ModelFamily:
-    from vlft import Packing, Sharding
-
     return ModelFamily(
         name=NAME,
         model_types=("llava_onevision",),
         description="LLaVA-OneVision (0.5B/7B/72B): SigLIP + Qwen2, any-resolution tiles by grid pinpoints",
-        vision_tower="model.vision_tower",
-        vision_blocks="model.vision_tower.encoder.layers",
-        vision_mergers=("model.multi_modal_projector",),
-        decoder_layers="model.language_model.layers",
-        lm_head="lm_head",
-        vision_attention=SIGLIP_ATTENTION,
-        vision_mlp=SIGLIP_MLP,
-        text_attention=TEXT_ATTENTION,
-        text_mlp=GATED_MLP,
-        default_targets="both",
-        processor_class="LlavaOnevisionProcessor",
-        load_processor=load_processor,
-        reply_end_token="<|im_end|>",
-        box_coordinates="relative-1",
+        towers=Towers(vision="model.vision_tower", vision_blocks="model.vision_tower.encoder.layers",
+                      vision_mergers=("model.multi_modal_projector",), decoder_layers="model.language_model.layers",
+                      lm_head="lm_head"),
+        targets=Targets(vision_attention=SIGLIP_ATTENTION, vision_mlp=SIGLIP_MLP, text_attention=TEXT_ATTENTION,
+                        text_mlp=GATED_MLP, default="both"),
+        chat=Chat(processor_class="LlavaOnevisionProcessor", load_processor=load_processor,
+                  reply_end_token="<|im_end|>", box_coordinates="relative-1"),
         image_inputs=_image_inputs(),
         # plain 1-D positions and causal attention everywhere (image tokens too): the segments attention keeps
         # packed samples apart, the images joined in sample order (check_family's packing check: equal losses)
         packing=Packing(),
         sharding=Sharding(("Qwen2DecoderLayer", "SiglipEncoderLayer")),
         vision_dummy=vision_dummy,
-        build_tiny=build_tiny,
-        tiny_recipe=RECIPE,
+        tiny=Tiny(build_tiny, RECIPE),
     )
 
 

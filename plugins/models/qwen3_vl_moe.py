@@ -20,9 +20,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dataclasses import replace
+
+from vlft import Experts, Kernels, Tiny
+
 from . import _tiny
 from . import qwen3_vl as dense
-from .family import fused_experts_load_kwargs, qwen_family
+from .family import QWEN_VISION_STEM, fused_experts_load_kwargs, qwen_family
 
 NAME = "qwen3-vl-moe"
 
@@ -58,19 +62,16 @@ FAMILY = qwen_family(
     dense.VISION,
     "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe.Qwen3VLMoeModel",
     ("Qwen3VLMoeTextDecoderLayer", "Qwen3VLMoeVisionBlock"),
-    expert_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
-    router_modules=("mlp.gate",),
-    **{**{f: getattr(dense.FAMILY, f) for f in (
-        "vision_tower", "vision_blocks", "vision_mergers", "decoder_layers", "lm_head",
-        "vision_attention", "vision_mlp", "text_attention",
-        "box_coordinates", "processor_class", "load_processor", "bundled_processor", "vision_stem")}},
-    # no dense MLP and no shared expert in its decoder layers: the fused experts are the MLP (expert_parameters);
+    experts=Experts(parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"), routers=("mlp.gate",)),
+    towers=dense.TOWERS,
+    # no dense MLP and no shared expert in its decoder layers: the fused experts are the MLP (experts.parameters);
     # the dense family's names matched nothing (vlft.testing.check_family's targets check found it)
-    text_mlp=(),
+    targets=replace(dense.TARGETS, text_mlp=()),
+    chat=dense.CHAT,
+    kernels=Kernels(vision_stem=QWEN_VISION_STEM),
     name=NAME,
     model_types=("qwen3_vl_moe",),
     description="Qwen3-VL MoE (30B-A3B/235B-A22B): attention adapters; fused experts via target_parameters",
     load_kwargs=fused_experts_load_kwargs,
-    build_tiny=build_tiny,
-    tiny_recipe=RECIPE,
+    tiny=Tiny(build_tiny, RECIPE),
 )

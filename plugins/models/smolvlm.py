@@ -33,10 +33,10 @@ import math
 from functools import partial
 from pathlib import Path
 
-from vlft import Packing, Sharding, VisionWarmup, processor_image_inputs
+from vlft import Chat, ModelFamily, Packing, Sharding, Targets, Tiny, Towers, VisionWarmup, processor_image_inputs
 
 from . import _tiny
-from .family import GATED_MLP, SIGLIP_ATTENTION, SIGLIP_MLP, TEXT_ATTENTION, ModelFamily
+from .family import GATED_MLP, SIGLIP_ATTENTION, SIGLIP_MLP, TEXT_ATTENTION
 
 # The tiny model's template is transformers' DEFAULT_CHAT_TEMPLATE of processing_smolvlm.py (5.24; "the correct
 # chat template to be used for videos after #38105", which the processor itself falls back to): <|im_start|>, then
@@ -232,28 +232,19 @@ def _family(kind: str) -> ModelFamily:
         model_types=(kind,),
         description=(f"{'SmolVLM / SmolVLM2 (256M/500M/2.2B)' if kind == 'smolvlm' else 'Idefics3 (8B)'}: SigLIP "
                      f"on tiles + a global image, pixel-shuffle connector, Llama text model"),
-        vision_tower="model.vision_model",
-        vision_blocks="model.vision_model.encoder.layers",
-        vision_mergers=("model.connector",),
-        decoder_layers="model.text_model.layers",
-        lm_head="lm_head",
-        vision_attention=SIGLIP_ATTENTION,
-        vision_mlp=SIGLIP_MLP,
-        text_attention=TEXT_ATTENTION,
-        text_mlp=GATED_MLP,
-        default_targets="both",
-        box_coordinates="absolute",
-        processor_class=f"{prefix}Processor",
-        load_processor=load_processor,
-        reply_end_token="<end_of_utterance>",
+        towers=Towers(vision="model.vision_model", vision_blocks="model.vision_model.encoder.layers",
+                      vision_mergers=("model.connector",), decoder_layers="model.text_model.layers", lm_head="lm_head"),
+        targets=Targets(vision_attention=SIGLIP_ATTENTION, vision_mlp=SIGLIP_MLP, text_attention=TEXT_ATTENTION,
+                        text_mlp=GATED_MLP, default="both"),
+        chat=Chat(processor_class=f"{prefix}Processor", load_processor=load_processor,
+                  reply_end_token="<end_of_utterance>", box_coordinates="absolute"),
         image_inputs=processor_image_inputs(
             {"pixel_values": "concat", "pixel_attention_mask": "concat"}, size_cap=SIZE_CAP,
             processor_kwargs=longest_edge, reshape=per_tile, image_grids=image_grids, trace=trace_vision),
         packing=Packing(),
         sharding=Sharding(("LlamaDecoderLayer", f"{prefix}VisionAttention")),  # the instance's _no_split_modules
         vision_dummy=vision_dummy,
-        build_tiny=partial(build_tiny, kind),
-        tiny_recipe=RECIPES[kind],
+        tiny=Tiny(partial(build_tiny, kind), RECIPES[kind]),
     )
 
 

@@ -483,7 +483,7 @@ def compare_each_patch(backend: str, registry=None,
     from vlft.training.setup import base_model
 
     registry = registry or load_registry()
-    model_dir = str(embedded_model_dir())
+    model_dir = str(embedded_model_dir(registry))
     base = RunConfig(backend=backend, **config_values)
     device = registry.first("vlft_setup_device", backend=backend, config=base).device
     model_config, family = model_config_and_family(model_dir, registry)
@@ -503,7 +503,7 @@ def compare_each_patch(backend: str, registry=None,
     processor = load_processor(model_dir, family, registry)
     encoder = SampleEncoder(processor, family=family)
     ds = write_demo_dataset(tempfile.mkdtemp(prefix="kernels-"), 8, 2)
-    batch = collator_for(processor)(
+    batch = collator_for(processor, family)(
         [encoder.encode(r) for r in read_records(ds.train)[:2]])
     dtype_name = unpatched_plan.precision.autocast_dtype
     dtype = getattr(torch, dtype_name) if dtype_name else None

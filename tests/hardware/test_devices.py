@@ -255,6 +255,7 @@ def test_npu_patch_reroutes_a_model_loaded_with_sdpa_to_eager_on_the_device(mode
     from vlft.data.batching import collator_for, model_inputs, to_device
     from vlft.data.encoding import SampleEncoder
     from vlft.data.records import read_records
+    from vlft.models.families import resolve_family
     from vlft.models.loss import autocast_context
     from vlft.registry import load_registry
 
@@ -263,14 +264,14 @@ def test_npu_patch_reroutes_a_model_loaded_with_sdpa_to_eager_on_the_device(mode
     device = registry.first("vlft_setup_device", backend="ascend", config=config).device
     policy = registry.first("vlft_attention_implementation", backend="ascend", config=config, model_config=None)
     model = base_model(model_dir, attn="sdpa").to(device)  # as a torch_npu-unaware loader would leave it
-    family = registry.first("vlft_model_family", model_type=model.config.model_type, model_config=model.config)
+    family = resolve_family(registry, model.config)
     patched = [p for ps in registry.hook.vlft_patch_model(backend="ascend", model=model, config=config,
                                                           attention=policy, family=family) if ps for p in ps]
     assert patched, "nothing was patched, though both towers were loaded with sdpa"
     observer = Observer()
     observer.watch(model)
-    enc = SampleEncoder(processor)
-    batch = collator_for(processor)(
+    enc = SampleEncoder(processor, family)
+    batch = collator_for(processor, family)(
         [enc.encode(r) for r in read_records(data[0])[:2]])
     model.train()
     with observer.counting_sdpa(), autocast_context(device, torch.float16):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import embedded_family
 
 from vlft.commands.parity import TOLERANCES, WorkerOptions, compare, run_worker, tolerance_for
 from vlft.config import build_config
@@ -47,9 +48,9 @@ def test_a_failing_rank_stops_the_others_with_a_clear_message(small_data, tmp_pa
 
 @pytest.fixture(scope="module")
 def batch(small_data, processor):
-    enc = SampleEncoder(processor)
+    enc = SampleEncoder(processor, embedded_family())
     records = read_records(small_data[0])[:4]
-    return collator_for(processor)([enc.encode(r) for r in records])
+    return collator_for(processor, embedded_family())([enc.encode(r) for r in records])
 
 
 def _loss_and_grads(model, batch):

@@ -61,10 +61,11 @@ def check(files, model, image_root, add_placeholders, columns, max_pixels, video
     from vlft.registry import get_registry
 
     # the objective as a run resolves it: its layout reader, its samples' encoder, its own checks
-    chosen = get_registry().objective_for(RunConfig(objective=objective, reward=list(rewards) or None))
-    path = resolve_model_path(model)
-    _, family = model_config_and_family(path)
-    encoder = SampleEncoder(load_processor(path, family), max_pixels=max_pixels, video_fps=video_fps,
+    registry = get_registry()
+    chosen = registry.objective_for(RunConfig(objective=objective, reward=list(rewards) or None))
+    path = resolve_model_path(model, registry)
+    _, family = model_config_and_family(path, registry)
+    encoder = SampleEncoder(load_processor(path, family, registry), max_pixels=max_pixels, video_fps=video_fps,
                             video_max_frames=video_max_frames, family=family)
     if chosen.encoder is not None:
         encoder = chosen.encoder(encoder)

@@ -206,7 +206,7 @@ def export(adapter, model, output, dtype, adapter_only, merge_into):
         if dtype == "auto" and merge_base == "dequantized":
             target = "bfloat16"  # the dequantized base weights are bf16 values: fp32 would double the file
         else:
-            target = DTYPES.get(dtype) or str(getattr(load_model_config(loaded.model_path), "dtype", None)
+            target = DTYPES.get(dtype) or str(getattr(load_model_config(loaded.model_path, registry), "dtype", None)
                                                or "float32").replace("torch.", "")
         merged = merged.to(getattr(torch, target))
         merged.save_pretrained(tmp, safe_serialization=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from vlft.config import RunConfig
+from vlft.contracts.backend import MemoryStats
 from vlft.errors import ConfigError
 from vlft.evaluation.generation import Decoding, evaluate_generation
 from vlft.evaluation.inference import write_atomically
@@ -27,7 +28,6 @@ from vlft.planning.memory import gib
 from vlft.planning.plan import RunPlan, choose_backend, format_plan, require_available
 from vlft.planning.preflight import plan_run
 from vlft.planning.sharding import base_bytes
-from vlft.policies import MemoryStats
 from vlft.registry import Registry
 from vlft.training.checkpoints import RUN_IDENTITY, CheckpointWriteError, newest_checkpoint
 from vlft.training.resume import check_same_run, resume_command, run_identity

@@ -47,13 +47,13 @@ class Loaded:
     source: AdapterSource | None
 
 
-def _base_model_path(source: AdapterSource | None, model: str | None) -> str:
+def _base_model_path(source: AdapterSource | None, model: str | None, registry) -> str:
 
     if model is not None or source is None:
-        return resolve_model_path(model)
+        return resolve_model_path(model, registry)
     base = source.base_model
     if base and Path(base).is_dir():
-        return resolve_model_path(base)
+        return resolve_model_path(base, registry)
     if base and not base.startswith((".", "/", "~")) and base.count("/") == 1:
         return base  # a hub id
     where = source.run_dir or source.adapter_dir
@@ -89,7 +89,7 @@ def load_for_inference(registry: Registry, adapter: str | AdapterSource | None, 
     max_pixels, double_quant = options.max_pixels, options.double_quant
 
     source = adapter if isinstance(adapter, AdapterSource) or adapter is None else locate_adapter(registry, adapter)
-    model_path = _base_model_path(source, model)
+    model_path = _base_model_path(source, model, registry)
     run_cfg = source.run_config if source else {}
     if max_pixels is None:
         max_pixels = run_cfg.get("max_pixels")  # encode images as the adapter saw them in training
@@ -108,7 +108,7 @@ def load_for_inference(registry: Registry, adapter: str | AdapterSource | None, 
             os.environ.setdefault(key, value)
         device = setup.device
     model_config, family = model_config_and_family(model_path, registry)
-    plan = resolve_policies(registry, config, model_path, model_config, choice, family)
+    plan = resolve_policies(registry, config, model_path, model_config, choice, family=family)
     require_weights(model_path, model, registry)
     processor = load_processor(model_path, family, registry)
     quantized = plan.precision.quantization is not None  # 4-bit weights are made on their device, while loading

@@ -190,7 +190,7 @@ def _fix_combined(plan: MemoryPlan, basis: MemoryBasis, ckpt: bool, config: RunC
     return None
 
 
-def _fix_sharding(plan: MemoryPlan, model, compute_dtype, ckpt: bool, family=None) -> str | None:
+def _fix_sharding(plan: MemoryPlan, model, compute_dtype, ckpt: bool, family) -> str | None:
     """The fewest processes FSDP2 would need for the run to fit."""
     gathered = fsdp_gathered_bytes(model, compute_dtype, family)
     for n in (2, 4, 8, 16, 32, 64):

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from vlft.data.order import DataOrder, run_micro_batches
-from vlft.models.families import base_model, family_of_model
+from vlft.models.families import base_model
 from vlft.planning.sharding import working_set_bytes
 from vlft.planning.trace import Activations, BatchShape, trace_activations
 
@@ -209,7 +209,7 @@ def quantized_weights(model, skip: tuple[str, ...]) -> set[int]:
 def four_bit_skip(family) -> tuple[str, ...]:
     """What stays unquantized under nf4: the output head and the merger(s) (small; trained in full with
     --train-merger, which needs float weights)."""
-    return (family.lm_head, *family.vision_mergers)
+    return (family.towers.lm_head, *family.towers.vision_mergers)
 
 
 def weight_bytes(model, param_dtype, family, quantization: str | None = None,
@@ -221,7 +221,6 @@ def weight_bytes(model, param_dtype, family, quantization: str | None = None,
     itemsize = torch.empty((), dtype=param_dtype).element_size()
     towers = {"vision": 0, "text": 0}
     trainable = 0
-    family = family or family_of_model(model)
     roots = tuple(r + "." for r in family.vision_side() if r)
     four_bit = quantized_weights(model, four_bit_skip(family)) if quantization == "nf4" else set()
     for name, p in base_model(model).named_parameters():
@@ -242,12 +241,12 @@ class MemoryBasis:
     model_config: Any
     param_dtype: str
     compute_dtype: str | None
+    family: Any  # the model's family (contracts.family.ModelFamily), resolved once at plan time
     reserved_bytes: int = 0
     capacity_bytes: int | None = None
     capacity_source: str = ""
     shard_world: int = 1  # > 1: sharded with FSDP over that many processes, ``gathered_bytes`` gathered at a time
     gathered_bytes: int = 0
-    family: Any = None
     quantization: str | None = None
     double_quant: bool = False
     guard_copy: bool = False  # the adapter's weights and AdamW moments cloned before each step (``guarded_step``)
@@ -258,7 +257,7 @@ def plan_memory(basis: MemoryBasis, batch: BatchShape) -> MemoryPlan:
 
     model, param_dtype, compute_dtype = basis.model, basis.param_dtype, basis.compute_dtype
     pdtype = getattr(torch, param_dtype)
-    family = basis.family or family_of_model(model)
+    family = basis.family
     towers, trainable = weight_bytes(model, pdtype, family, basis.quantization, basis.double_quant)
     acts = trace_activations(model, batch, family)
     model_config = basis.model_config
@@ -277,7 +276,7 @@ def plan_memory(basis: MemoryBasis, batch: BatchShape) -> MemoryPlan:
     )
 
 
-def fsdp_gathered_bytes(model, compute_dtype: str | None, family=None) -> int:
+def fsdp_gathered_bytes(model, compute_dtype: str | None, family) -> int:
     """What FSDP holds whole at one time: the root's parameters and two blocks (the one running and the next,
     prefetched), at the dtype they are gathered in."""
 

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vlft.config import RunConfig
+from vlft.contracts.backend import BackendInfo, ProbeResult
+from vlft.contracts.family import ModelFamily
+from vlft.contracts.method import AdapterDefaults, MethodInfo
 from vlft.data.packing import PackingPlan, resolve_packing
 from vlft.errors import BackendUnavailable, ConfigError
 from vlft.planning.kernels import (
@@ -23,18 +26,7 @@ from vlft.planning.kernels import (
 from vlft.planning.memory import format_memory
 from vlft.planning.scorers import describe_line
 from vlft.planning.sharding import resolve_sharding
-from vlft.policies import (
-    AdapterDefaults,
-    AttentionPolicy,
-    BackendInfo,
-    DataLoaderOptions,
-    DistributedOptions,
-    MethodInfo,
-    ModelFamily,
-    Objective,
-    PrecisionPolicy,
-    ProbeResult,
-)
+from vlft.policies import AttentionPolicy, DataLoaderOptions, DistributedOptions, Objective, PrecisionPolicy
 from vlft.registry import Registry
 
 
@@ -96,12 +88,13 @@ class RunPlan:
     def experts_adapted(self) -> dict | None:
         """For a mixture-of-experts family: whether its fused expert weights are adapted, which (relative to a
         decoder layer), the adapter parameters on them, and the routers, which never train. None: no experts."""
-        if self.family is None or not self.family.expert_parameters:
+        experts = self.family.experts if self.family is not None else None
+        if experts is None:
             return None
         on_experts = sum(n for m, n in self.target_params.items() if m not in self.targets)
-        return {"adapted": bool(self.target_parameters), "parameters": list(self.family.expert_parameters),
+        return {"adapted": bool(self.target_parameters), "parameters": list(experts.parameters),
                 "layers": len({p.rpartition(".")[0] for p in self.target_parameters}),
-                "adapter_parameters": on_experts, "routers": list(self.family.router_modules), "routers_frozen": True}
+                "adapter_parameters": on_experts, "routers": list(experts.routers), "routers_frozen": True}
 
     def describe(self) -> dict:
         """Everything resolved, as JSON-ready data."""
@@ -132,7 +125,7 @@ class RunPlan:
             },
             "model": self.model_path,
             "model_family": ({"name": self.family.name, "model_types": list(self.family.model_types),
-                              "box_coordinates": self.family.box_coordinates, "parameters": self.model_counts}
+                              "box_coordinates": self.family.chat.box_coordinates, "parameters": self.model_counts}
                              if self.family else None),
             "targets": {
                 **self.target_summary,
@@ -238,7 +231,7 @@ def _four_bit_precision(registry: Registry, backend: str, config: RunConfig):
 
 
 def resolve_policies(registry: Registry, config: RunConfig, model_path: str, model_config,
-                     backend: BackendChoice | None = None, family: ModelFamily | None = None) -> RunPlan:
+                     backend: BackendChoice | None = None, *, family: ModelFamily) -> RunPlan:
     """Ask the plugins once for every policy: a plan of the policies alone (``preflight.plan_run`` adds what the
     data and the model's shape decide). A real run passes the ``backend`` it has already set up the device for,
     so policies that read device properties see the right device."""

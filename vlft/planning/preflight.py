@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from vlft.config import RunConfig, parse_bytes, parse_columns, split_data_spec
+from vlft.contracts.backend import DeviceCapacity
 from vlft.data.columnar import data_files, unread_columns
 from vlft.data.demo import RECOMMENDED_EPOCHS, write_demo_dataset
 from vlft.data.encoding import SampleEncoder
@@ -31,6 +32,7 @@ from vlft.data.lazy import concat, read_compact, take, weighted
 from vlft.data.lazy import media_files as lazy_media
 from vlft.data.lazy import modalities as lazy_modalities
 from vlft.errors import ConfigError, DataError
+from vlft.floors import require_torch
 from vlft.models.adapting import compute_adapters_in_autocast_dtype
 from vlft.models.bundled import is_bundled
 from vlft.models.embedded import cache_root
@@ -52,7 +54,6 @@ from vlft.planning.init_adapter import check_init_adapter, init_adapter_source
 from vlft.planning.plan import RunPlan, resolve_policies
 from vlft.planning.scorers import scorers_for_run
 from vlft.planning.sharding import count_blocks
-from vlft.policies import DeviceCapacity
 from vlft.registry import Registry
 
 DEFAULT_DATA_DIR_NAME = "demo-data"
@@ -217,7 +218,7 @@ def plan_targets(registry: Registry, plan: RunPlan, model) -> tuple[object, Targ
     their adapter parameter counts."""
 
     experts = plan.adapter.target_experts
-    if experts and not plan.family.expert_parameters:
+    if experts and plan.family.experts is None:
         raise ConfigError(f"{plan.method.name}: target_experts=true, but the {plan.family.name} family has no fused "
                           f"expert weights (not a mixture-of-experts model)")
     tp = select_targets(model, plan.adapter, plan.config.targets, plan.config.vision_last_n, plan.family,
@@ -265,9 +266,11 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> RunPlan:
     Order: backend, method, model config, data (lengths included), policies, targets on a weightless
     copy of the model, then the memory plan against the device's capacity.
     """
+    require_torch()  # the training stage's torch, before anything of the run is loaded
     model_path = resolve_model_path(config.model, registry)
     model_config, family = model_config_and_family(model_path, registry)  # the family: asked once, here
-    policies = resolve_policies(registry, config, model_path, model_config, choice, family)  # checks --adapter-opt
+    # checks the method and --adapter-opt
+    policies = resolve_policies(registry, config, model_path, model_config, choice, family=family)
     processor, encoder = _encoder(registry, policies, model_path)
     init_source = init_adapter_source(registry, config)
     data = _read_data(registry, policies, model_path, encoder)
@@ -364,9 +367,10 @@ def _memory_plan(policies: RunPlan, skeleton, model_config, data: _Data, capacit
     shard_world, gathered = 1, 0
     if policies.sharding.enabled:
         shard_world, gathered = config.world_size, memory.fsdp_gathered_bytes(skeleton, compute, family)
-    basis = memory.MemoryBasis(skeleton, model_config, precision.param_dtype, precision.autocast_dtype,
-                               capacity.reserved_bytes, total, source, shard_world, gathered, family,
-                               precision.quantization, precision.double_quant, guard_copies(policies))
+    basis = memory.MemoryBasis(skeleton, model_config, precision.param_dtype, precision.autocast_dtype, family,
+                               reserved_bytes=capacity.reserved_bytes, capacity_bytes=total, capacity_source=source,
+                               shard_world=shard_world, gathered_bytes=gathered, quantization=precision.quantization,
+                               double_quant=precision.double_quant, guard_copy=guard_copies(policies))
     planned = memory.worst_plan(basis, shapes)
     if objective.generation:  # the step samples (GRPO): its KV cache, in the compute dtype
         worst = max(shapes, key=lambda shape: shape.samples * shape.tokens)
