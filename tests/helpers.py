@@ -120,11 +120,11 @@ def export_logits(run, merged, records, *, attn: str = "eager", rounded=None, **
     from transformers import AutoModelForImageTextToText
 
     from vlft.data.batching import collator_for, model_inputs, to_device
-    from vlft.evaluation.inference import load_for_inference
+    from vlft.evaluation.inference import LoadOptions, load_for_inference
     from vlft.models.loss import autocast_context
     from vlft.registry import load_registry
 
-    loaded = load_for_inference(load_registry(), str(run), None, **load)
+    loaded = load_for_inference(load_registry(), str(run), None, LoadOptions(**load))
     batch = collator_for(loaded.processor, loaded.encoder.family)([loaded.encoder.encode(r) for r in records])
     inputs = model_inputs(to_device(batch, loaded.device))
     real = batch["attention_mask"].bool().to(loaded.device)  # padding positions' logits are nobody's answer

@@ -197,7 +197,7 @@ def test_export_loads_with_plain_transformers_and_gives_the_adapter_logits(lora_
 
     from vlft.data.batching import collator_for
     from vlft.data.records import read_records
-    from vlft.evaluation.inference import load_for_inference
+    from vlft.evaluation.inference import LoadOptions, load_for_inference
     from vlft.registry import load_registry
 
     run, _, _ = lora_run
@@ -207,7 +207,8 @@ def test_export_loads_with_plain_transformers_and_gives_the_adapter_logits(lora_
     assert code == 0, output
     assert (out / "model.safetensors").is_file() and (out / "chat_template.jinja").is_file()
 
-    loaded = load_for_inference(load_registry(), str(run), None, backend="cpu", precision="fp32", param_dtype="fp32")
+    loaded = load_for_inference(load_registry(), str(run), None,
+                                LoadOptions(backend="cpu", precision="fp32", param_dtype="fp32"))
     records = read_records(val)[:2]
     collate = collator_for(loaded.processor, loaded.encoder.family)
     batch = collate([loaded.encoder.encode(r) for r in records])

@@ -150,7 +150,7 @@ def test_expert_lora_on_the_tiny_moe_trains_the_experts_and_never_the_router(sma
     registry = load_registry()
     config = short_config(small_data, tmp_path / "run", model="embedded:qwen3-vl-moe",
                           adapter={"target_experts": True, "r": 4})
-    plan = plan_run(registry, config).plan
+    plan = plan_run(registry, config)
     assert plan.target_parameters and all(p.endswith(plan.family.experts.parameters) for p in plan.target_parameters)
     model = load_model(plan.model_path, plan.attention, plan.precision, family=plan.family)
     assert model.get_experts_implementation()["text_config"] == "eager"  # fp32 on the CPU: the family's rule

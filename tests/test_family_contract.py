@@ -238,14 +238,14 @@ def test_an_error_inside_a_family_function_names_the_plugin_and_the_field(proces
 def test_an_error_inside_a_familys_rope_index_while_packing_names_the_plugin(processor, records):
     """The packing collator builds positions in the data stage (a DataLoader worker, where there is one), with
     the family's rope_index resolved at plan time: an error there names the family and its plugin as the
-    collator the run builds (session.training_collator) says it."""
+    collator the run builds (setup.training_collator) says it."""
     from types import SimpleNamespace
 
     from vlft.data.encoding import SampleEncoder
     from vlft.data.packing import PackingPlan
     from vlft.models.embedded import embedded_model_dir
     from vlft.models.loading import load_model_config
-    from vlft.training.session import training_collator
+    from vlft.training.setup import training_collator
 
     def rope_index(model_config, sample):
         raise IndexError("grid and image tokens disagree")

@@ -429,13 +429,13 @@ def test_a_step_moves_the_policy_toward_the_better_completions(demo, sft_adapter
 
     from vlft.config import build_config
     from vlft.models.rows import row_inputs
-    from vlft.training.session import prepare
+    from vlft.training.trainer import build_trainer
 
     config = build_config({}, dict(backend="cpu", objective="grpo", data=str(demo.train), val_data=str(demo.val),
                                    output=str(tmp_path / "r"), steps=1, batch_size=4, init_adapter=str(sft_adapter),
                                    num_generations=4, max_new_tokens=16, reward=["fields"],
                                    adapter={"lora_dropout": 0.0}))
-    s = prepare(registry, config)
+    s = build_trainer(registry, config)
     host = s.collate([s.dataset[i] for i in range(4)])
     for seed in range(10):  # a draw where some group's rewards differ (else every advantage is 0)
         torch.manual_seed(seed)
@@ -478,13 +478,13 @@ def test_the_trained_log_probabilities_are_those_of_the_sampling_distribution(de
     from vlft.config import build_config
     from vlft.models.rows import row_inputs
     from vlft.registry import load_registry
-    from vlft.training.session import prepare
+    from vlft.training.trainer import build_trainer
 
     config = build_config({}, dict(backend="cpu", objective="grpo", data=str(demo.train), val_data=str(demo.val),
                                    output=str(tmp_path / "r"), steps=1, batch_size=2, init_adapter=str(sft_adapter),
                                    num_generations=3, max_new_tokens=8, temperature=0.7, reward=["fields"],
                                    adapter={"lora_dropout": 0.0}))
-    s = prepare(load_registry(plugins=(float64_reference,)), config)
+    s = build_trainer(load_registry(plugins=(float64_reference,)), config)
     suppressed = s.plan.objective.loss.keywords["suppressed"]
     assert suppressed  # the image and video tokens of the embedded processor
     scores = []

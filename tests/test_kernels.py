@@ -411,13 +411,13 @@ def test_a_conv_that_is_not_a_matmul_is_refused(kw, why):
 @pytest.fixture(scope="module")
 def cuda_plans(model_dir):
     from vlft.models.loading import model_config_and_family
-    from vlft.planning.plan import resolve_plan
+    from vlft.planning.plan import resolve_policies
     from vlft.registry import load_registry
 
     registry = load_registry()
     model_config, family = model_config_and_family(model_dir, registry)
-    return {asked: resolve_plan(registry, RunConfig(backend="cuda", kernels=asked), model_dir, model_config,
-                                family=family) for asked in ("none", "auto")}
+    return {asked: resolve_policies(registry, RunConfig(backend="cuda", kernels=asked), model_dir, model_config,
+                                    family=family) for asked in ("none", "auto")}
 
 
 def _inputs(model):

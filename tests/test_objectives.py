@@ -336,11 +336,11 @@ def test_one_vision_pass_feeds_both_rows_and_every_adapter_gets_a_gradient(pref,
     from vlft.models.loss import autocast_context, sequence_logps
     from vlft.models.reference import Reference
     from vlft.models.rows import row_inputs
-    from vlft.training.session import prepare
+    from vlft.training.trainer import build_trainer
 
     config = build_config({}, dict(backend="cpu", objective="dpo", data=str(pref.train), val_data=str(pref.val),
                                    output=str(tmp_path / "r"), steps=1, batch_size=2, adapter={"lora_dropout": 0.0}))
-    s = prepare(registry, config)
+    s = build_trainer(registry, config)
     with torch.no_grad():  # a trained-looking adapter: every part of it in the computation
         for p in s.model.parameters():
             if p.requires_grad:

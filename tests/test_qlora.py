@@ -29,9 +29,9 @@ def test_nf4_on_cpu_trains_and_the_plan_counts_the_stored_4bit_tensors(small_dat
     """A real 4-bit run, and the plan's weight bytes equal to the bytes of the tensors bitsandbytes keeps
     (packed weights and quantization constants)."""
     from vlft.registry import load_registry
-    from vlft.training.session import prepare
+    from vlft.training.trainer import build_trainer
 
-    s = prepare(load_registry(), _cfg(small_data, tmp_path / "run", param_dtype="nf4", double_quant=True,
+    s = build_trainer(load_registry(), _cfg(small_data, tmp_path / "run", param_dtype="nf4", double_quant=True,
                                       steps=2, warmup_ratio=0.0))
     assert s.plan.precision.quantization == "nf4" and s.plan.precision.autocast_dtype == "bfloat16"
     base = s.model.get_base_model()
@@ -72,11 +72,11 @@ def probe(nf4_run, tiny_data):  # noqa: F811
     4-bit base with the adapter on top, computing in bf16 as in training."""
     from vlft.data.batching import collator_for
     from vlft.data.records import read_records
-    from vlft.evaluation.inference import load_for_inference
+    from vlft.evaluation.inference import LoadOptions, load_for_inference
     from vlft.registry import load_registry
 
-    loaded = load_for_inference(load_registry(), str(nf4_run), None, backend="cpu", param_dtype="nf4",
-                                double_quant=True)
+    loaded = load_for_inference(load_registry(), str(nf4_run), None,
+                                LoadOptions(backend="cpu", param_dtype="nf4", double_quant=True))
     four_bit = [m for m in loaded.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     # the CPU backend keeps them off bitsandbytes' packed inference path (on AVX512-BF16 CPUs it asserts on
     # these shapes, and rounds differently from training)
@@ -135,13 +135,13 @@ def test_the_dequantized_merge_is_the_4bit_weight_plus_the_update(nf4_run, tmp_p
     4-bit weight plus the LoRA update (B A scaled), to fp32 rounding."""
     from transformers import AutoModelForImageTextToText
 
-    from vlft.evaluation.inference import load_for_inference
+    from vlft.evaluation.inference import LoadOptions, load_for_inference
     from vlft.registry import load_registry
 
     assert vlft("export", "--adapter", nf4_run, "--output", tmp_path / "deq", "--dtype", "fp32")[0] == 0
     merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "deq", dtype=torch.float32).state_dict()
-    loaded = load_for_inference(load_registry(), str(nf4_run), None, backend="cpu", param_dtype="nf4",
-                                double_quant=True)
+    loaded = load_for_inference(load_registry(), str(nf4_run), None,
+                                LoadOptions(backend="cpu", param_dtype="nf4", double_quant=True))
     checked = 0
     for name, module in loaded.model.named_modules():
         if not (hasattr(module, "lora_A") and isinstance(module.base_layer, bnb.nn.Linear4bit)):

@@ -15,9 +15,9 @@ from test_memory import _cfg
 @pytest.fixture(scope="module")
 def session(small_data, tmp_path_factory):
     from vlft.registry import load_registry
-    from vlft.training.session import prepare
+    from vlft.training.trainer import build_trainer
 
-    return prepare(load_registry(), _cfg(small_data, tmp_path_factory.mktemp("speed") / "r", batch_size=3))
+    return build_trainer(load_registry(), _cfg(small_data, tmp_path_factory.mktemp("speed") / "r", batch_size=3))
 
 
 def _loss_and_grads(s, host, labels_only: bool):
@@ -76,23 +76,20 @@ def test_the_memory_plan_counts_the_logits_at_labelled_positions_only(session, r
     from vlft.data.batching import label_positions, model_inputs, with_label_positions
     from vlft.measure import SavedTensorMeter
     from vlft.models.loss import batch_loss_sum
-    from vlft.planning.memory import plan_memory
+    from vlft.planning.memory import MemoryBasis, plan_memory
     from vlft.planning.preflight import plan_run, plan_targets
     from vlft.planning.trace import BatchShape, skeleton
 
-    planned = plan_run(registry, _cfg(small_data, tmp_path / "r", batch_size=3))
-    plan = planned.plan
+    plan = plan_run(registry, _cfg(small_data, tmp_path / "r", batch_size=3))
     s = session
     host = with_label_positions(s.collate([s.dataset[i] for i in range(4)]))
     kept = label_positions(host["labels"])[0].shape[1]
     grids = [tuple(g) for g in host["image_grid_thw"].tolist()]
     tokens = host["input_ids"].shape[1]
-    sk = plan_targets(registry, plan, skeleton(planned.model_config, plan.attention, torch.float32))
-    family = planned.plan.family
-    full = plan_memory(sk, planned.model_config, "float32", None, BatchShape(4, tokens, grids), 0, None, "",
-                       family=family)
-    only = plan_memory(sk, planned.model_config, "float32", None, BatchShape(4, tokens, grids, kept), 0, None, "",
-                       family=family)
+    sk, _ = plan_targets(registry, plan, skeleton(plan.model_config, plan.attention, torch.float32))
+    basis = MemoryBasis(sk, plan.model_config, "float32", None, plan.family)
+    full = plan_memory(basis, BatchShape(4, tokens, grids))
+    only = plan_memory(basis, BatchShape(4, tokens, grids, kept))
     assert only.logits_bytes * tokens == full.logits_bytes * kept
     meter = SavedTensorMeter(s.model)
     s.model.train()
@@ -107,8 +104,8 @@ def test_sample_lengths_report_each_samples_label_tokens(session):
     from vlft.data.lengths import check_lengths
 
     s = session
-    records = s.train_records[:5]
-    _, report = check_lengths(records, s.encoder, None, False)
+    records = s.plan.train_records[:5]
+    _, report = check_lengths(records, s.plan.encoder, None, False)
     assert report.labelled == [label_count(s.collate([s.dataset[i]])) for i in range(5)]
 
 
@@ -194,7 +191,7 @@ def test_a_step_as_on_a_device_with_fused_adamw_skips_without_counting_the_step(
     policy = replace(s.policy, flags_on_host=False, fused_optimizer=True)
     host = [s.collate([s.dataset[i] for i in range(3)])]
     out = train_step_on(s.model, optimizer, scheduler, host, policy)
-    assert not bool(out["skipped"])
+    assert not bool(out.skipped)
     steps = {float(st["step"]) for st in optimizer.state.values()}
     weights = {n: p.detach().clone() for n, p in s.model.named_parameters() if p.requires_grad}
     first = next(p for p in s.model.parameters() if p.requires_grad)
@@ -203,7 +200,7 @@ def test_a_step_as_on_a_device_with_fused_adamw_skips_without_counting_the_step(
         out = train_step_on(s.model, optimizer, scheduler, host, policy)
     finally:
         hook.remove()
-    assert bool(out["skipped"])
+    assert bool(out.skipped)
     assert {float(st["step"]) for st in optimizer.state.values()} == steps == {1.0}
     for n, p in s.model.named_parameters():
         if p.requires_grad:
@@ -231,16 +228,15 @@ def test_the_memory_plan_counts_the_guards_copy_only_where_fused_adamw_does_not_
 
 @pytest.mark.parametrize("copies", [False, True])
 def test_the_guards_copy_is_in_the_estimate(session, registry, small_data, tmp_path, copies):
-    from vlft.planning.memory import plan_memory
+    from vlft.planning.memory import MemoryBasis, plan_memory
     from vlft.planning.preflight import plan_run, plan_targets
     from vlft.planning.trace import BatchShape, skeleton
 
-    planned = plan_run(registry, _cfg(small_data, tmp_path / "r", batch_size=3))
-    sk = plan_targets(registry, planned.plan, skeleton(planned.model_config, planned.plan.attention, torch.float32))
+    plan = plan_run(registry, _cfg(small_data, tmp_path / "r", batch_size=3))
+    sk, _ = plan_targets(registry, plan, skeleton(plan.model_config, plan.attention, torch.float32))
     shape = BatchShape(1, 64, [], 8)
-    bare = plan_memory(sk, planned.model_config, "float32", None, shape, 0, None, "", family=planned.plan.family)
-    est = plan_memory(sk, planned.model_config, "float32", None, shape, 0, None, "", family=planned.plan.family,
-                      guard_copy=copies)
+    bare = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None, plan.family), shape)
+    est = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None, plan.family, guard_copy=copies), shape)
     assert est.total_bytes() - bare.total_bytes() == (12 * est.adapter_parameters if copies else 0)
     assert est.describe()["guard_copy_bytes"] == (12 * est.adapter_parameters if copies else 0)
 
@@ -362,10 +358,10 @@ def test_parallel_measuring_gives_the_serial_answers(session, monkeypatch):
 
     s = session
     monkeypatch.setattr(lengths, "PARALLEL_FROM", 1)
-    serial = lengths.measure_all(s.train_records, s.encoder, workers=1)
+    serial = lengths.measure_all(s.plan.train_records, s.plan.encoder, workers=1)
     done = []
-    parallel = lengths.measure_all(s.train_records, s.encoder, done.append, workers=2)
-    assert parallel == serial and sum(done) == len(s.train_records)
+    parallel = lengths.measure_all(s.plan.train_records, s.plan.encoder, done.append, workers=2)
+    assert parallel == serial and sum(done) == len(s.plan.train_records)
 
 
 FORK_AFTER_TORCH = """
@@ -588,11 +584,11 @@ def test_a_resumed_grouped_run_continues_exactly():
 
 
 def test_group_by_length_gives_the_sampler_each_training_samples_length(registry, small_data, tmp_path):
-    from vlft.training.session import prepare
+    from vlft.training.trainer import build_trainer
 
-    s = prepare(registry, _cfg(small_data, tmp_path / "r", group_by_length=True))
-    assert s.settings.lengths == [s.encoder.measure(r)[0] for r in s.train_records]
-    plain = prepare(registry, _cfg(small_data, tmp_path / "p"))
+    s = build_trainer(registry, _cfg(small_data, tmp_path / "r", group_by_length=True))
+    assert s.settings.lengths == [s.plan.encoder.measure(r)[0] for r in s.plan.train_records]
+    plain = build_trainer(registry, _cfg(small_data, tmp_path / "p"))
     assert plain.settings.lengths is None
 
 

@@ -22,14 +22,12 @@ def _cfg(small_data, out, **over):
 
 
 def _train(session, n):
-    from vlft.data.order import batches
-    from vlft.training.step import train_step_on
 
     session.model.train()
     losses = []
-    for group in batches(session.dataset, session.collate, session.settings, 0):
-        out = train_step_on(session.model, session.optimizer, session.scheduler, group, session.policy)
-        losses.append(float(out["loss_sum"]) / out["global_tokens"])
+    for group in session.batches():
+        out = session.train_step(group)
+        losses.append(out.loss)
         if len(losses) == n:
             return losses
     return losses
@@ -38,11 +36,11 @@ def _train(session, n):
 @pytest.fixture(scope="module")
 def tower_session(small_data, tmp_path_factory):
     from vlft.registry import load_registry
-    from vlft.training.session import prepare
+    from vlft.training.trainer import build_trainer
 
     cfg = _cfg(small_data, tmp_path_factory.mktemp("towers") / "run", lr_vision=1e-3, lr_merger=5e-4,
                train_merger=True)
-    s = prepare(load_registry(), cfg)
+    s = build_trainer(load_registry(), cfg)
     merger = s.model.get_base_model().model.visual.merger
     before = {n: p.detach().clone() for n, p in merger.original_module.named_parameters()}
     losses = _train(s, 2)
@@ -96,7 +94,7 @@ def test_the_trained_merger_is_saved_so_plain_peft_loads_it(tower_session, model
     assert changed, "the merger was not updated"
     for n, p in wrapper.original_module.named_parameters():  # the frozen original is left alone
         assert torch.equal(p, before[n])
-    s.save_adapter(s.model, tmp_path / "adapter")
+    s.save_adapter(tmp_path / "adapter")
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["modules_to_save"] == ["model.visual.merger"]
     plain = PeftModel.from_pretrained(base_model(model_dir), str(tmp_path / "adapter"))
@@ -234,9 +232,9 @@ def test_lora_variant_trains_saves_and_loads_with_plain_peft(small_data, tmp_pat
     from peft import PeftModel
 
     from vlft.registry import load_registry
-    from vlft.training.session import prepare
+    from vlft.training.trainer import build_trainer
 
-    s = prepare(load_registry(), _cfg(small_data, tmp_path / "run", steps=3, warmup_ratio=0.0,
+    s = build_trainer(load_registry(), _cfg(small_data, tmp_path / "run", steps=3, warmup_ratio=0.0,
                                       adapter={option: True, "r": 8}))
     assert s.plan.adapter.hyperparameters[option] is True
     if option == "use_dora":
@@ -249,9 +247,9 @@ def test_lora_variant_trains_saves_and_loads_with_plain_peft(small_data, tmp_pat
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
     moved = [n for n, p in s.model.named_parameters() if p.requires_grad and not torch.equal(p, start[n])]
     assert moved
-    s.save_adapter(s.model, tmp_path / "adapter")
+    s.save_adapter(tmp_path / "adapter")
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())[option] is True
-    batch = s.collate([s.encoder.encode(r) for r in s.train_records[:2]])
+    batch = s.collate([s.plan.encoder.encode(r) for r in s.plan.train_records[:2]])
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     s.model.eval()
     plain = PeftModel.from_pretrained(base_model(model_dir), str(tmp_path / "adapter")).eval()
@@ -322,7 +320,7 @@ def test_a_trained_merger_is_reported_as_what_vllm_refuses(tower_session, model_
     from vlft.models.serving import check_against_base
 
     s = tower_session[0]
-    s.save_adapter(s.model, tmp_path / "adapter")
+    s.save_adapter(tmp_path / "adapter")
     check = check_against_base(tmp_path / "adapter", model_dir, installed())
     assert not check.servable and any("modules_to_save" in b for b in check.blockers)
     assert "merged model" in check.lines()[0]

@@ -76,11 +76,11 @@ def model_size(name: str, path: str, registry, family=None) -> ModelSize:
 
 
 def plan_for(env: BenchEnv, size: ModelSize, method: str):
-    from vlft.planning.plan import resolve_plan
+    from vlft.planning.plan import resolve_policies
 
     # after the device is set up, as a run does, so policies reading device properties see it
-    return resolve_plan(env.registry, env.config(method=method), size.path, size.model_config, env.choice,
-                        family=size.family)
+    return resolve_policies(env.registry, env.config(method=method), size.path, size.model_config, env.choice,
+                            family=size.family)
 
 
 def load_base(env: BenchEnv, size: ModelSize):

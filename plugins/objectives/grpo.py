@@ -535,6 +535,7 @@ def reduce_loss(per_token, mask, norm: str):
     return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum()
 
 
+# params: the objective's loss arguments, then its own options, bound once by partial
 def grpo_loss(model, batch, autocast, reference, *, epsilon: float, beta: float, norm: str,
               temperature: float = 1.0, suppressed=()):
     """(the batch's summed loss, {figure: sum}) for a rolled-out batch (``Rollout``): summed over completion

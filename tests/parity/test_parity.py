@@ -19,7 +19,7 @@ import pytest
 import torch
 from helpers import embedded_family
 
-from vlft.commands.parity import TOLERANCES, compare, run_worker, tolerance_for
+from vlft.commands.parity import TOLERANCES, WorkerOptions, compare, run_worker, tolerance_for
 from vlft.config import build_config
 from vlft.data.batching import collator_for
 from vlft.data.encoding import SampleEncoder
@@ -81,11 +81,10 @@ def test_eager_and_sdpa_give_the_same_logits_and_gradients(model_dir, batch):
         torch.testing.assert_close(gs[name], ge[name], rtol=1e-3, atol=1e-5, msg=name)
 
 
-def _worker(small_data, **over):
-    values = dict(backend="cpu", method="lora", steps=3, precision="fp32", batch_size=4, seed=7, model=None,
-                  data=str(small_data[0]), attn=None)
+def _worker(small_data, backend="cpu", precision="fp32", **over):
+    values = dict(method="lora", steps=3, batch_size=4, seed=7, model=None, data=str(small_data[0]), attn=None)
     values.update(over)
-    return run_worker(**values)
+    return run_worker(backend, precision, WorkerOptions(**values))
 
 
 def test_seed_parity_same_seed_identical_other_seed_different(small_data):
@@ -136,21 +135,19 @@ def _step_figures(small_data, out, float64=False, **over):
 
     ``float64``: the prepared model (base and adapter) is cast to float64 before the first step (AdamW's
     state is created at that step, so it follows the parameters)."""
-    from vlft.data.order import batches
     from vlft.registry import get_registry
-    from vlft.training.session import prepare
-    from vlft.training.step import train_step_on
+    from vlft.training.trainer import build_trainer
 
-    s = prepare(get_registry(), build_config({}, _cfg(small_data, out, adapter={"lora_dropout": 0.0}, **over)))
+    s = build_trainer(get_registry(), build_config({}, _cfg(small_data, out, adapter={"lora_dropout": 0.0}, **over)))
     if float64:
         from float64_reference import float64_throughout
 
         float64_throughout(s.model.double())
     figures = []
     s.model.train()
-    for group in batches(s.dataset, s.collate, s.settings, 0):
-        r = train_step_on(s.model, s.optimizer, s.scheduler, group, s.policy)
-        figures.append((float(r["loss_sum"]) / r["global_tokens"], float(r["grad_norm"])))
+    for group in s.batches():
+        r = s.train_step(group)
+        figures.append((r.loss, float(r.grad_norm)))
         if len(figures) == s.settings.total_steps:
             break
     return figures, {n: p.detach().clone() for n, p in s.model.named_parameters() if p.requires_grad}

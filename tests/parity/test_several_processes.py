@@ -240,10 +240,10 @@ def test_two_torchrun_agents_resume_a_sharded_run_with_the_uninterrupted_losses(
 
 def test_a_sharded_checkpoint_is_not_resumed_without_sharding(sharded):
     from vlft.errors import VlftError
-    from vlft.training.checkpoints import restore_training_state
+    from vlft.training.checkpoints import read_checkpoint
 
     with pytest.raises(VlftError, match="was written with --shard fsdp; resume it with --shard fsdp"):
-        restore_training_state(sharded / "checkpoints" / "step-000005", None, None, None, torch.device("cpu"))
+        read_checkpoint(sharded / "checkpoints" / "step-000005", sharded=False)
 
 
 def test_a_backend_without_sharding_is_refused_before_any_process_group(small_data, tmp_path):

@@ -35,7 +35,7 @@ from vlft.registry import DISABLE_ENV, get_registry
               help="Rendezvous port (torchrun); default: on one machine torchrun's own rendezvous on a free port, "
                    "on several 29500.")
 @click.pass_context
-@user_errors
+@user_errors  # params: click passes each option as an argument of its own
 def run(ctx, config_file, as_json, verbose, quiet, nproc_per_node, nnodes, node_rank, master_addr, master_port, **params):
     """Fine-tune a model with an adapter method on a backend, evaluate it before and after, save the adapter."""
     from vlft.training.launch import LaunchOptions, end_worker, relaunch

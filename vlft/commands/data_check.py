@@ -38,7 +38,7 @@ def data():
               help="As `vlft run --reward` (grpo): each reward must score every record's reference.")
 @click.option("--longest", default=5, show_default=True, help="How many of the longest records to list.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@user_errors
+@user_errors  # params: click passes each option as an argument of its own
 def check(files, model, image_root, add_placeholders, columns, max_pixels, video_fps, video_max_frames, objective,
           rewards, longest, as_json):
     """Validate FILE... (records, turns, images, videos, token lengths) with the messages `vlft run` gives.

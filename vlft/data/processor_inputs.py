@@ -12,6 +12,7 @@ from vlft.contracts.family import ImageInputs, Media, Written
 from vlft.errors import DataError
 
 
+# params: a builder of ImageInputs, every optional part of which a family names by keyword
 def processor_image_inputs(batch_inputs: dict, pixels: str = "pixel_values", size_cap: str = "", grid=None,
                            patch_size: int = 0, patches_per_token: int = 1, trace=None, processor_kwargs=None,
                            reshape=None, image_grids=None) -> ImageInputs:

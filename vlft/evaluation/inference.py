@@ -29,7 +29,7 @@ from vlft.models.loading import (
 )
 from vlft.planning.kernels import apply_kernels
 from vlft.planning.memory import four_bit_skip
-from vlft.planning.plan import choose_backend, require_available, resolve_plan
+from vlft.planning.plan import choose_backend, require_available, resolve_policies
 from vlft.registry import Registry
 
 
@@ -61,19 +61,32 @@ def _base_model_path(source: AdapterSource | None, model: str | None, registry) 
                       "the base model's folder")
 
 
-def load_for_inference(registry: Registry, adapter: str | AdapterSource | None, model: str | None, *,
-                       backend: str = "auto",
-                       precision: str = "auto", param_dtype: str = "auto", attn: str | None = None,
-                       max_pixels: int | None = None, on_device: bool = True, double_quant: bool = False,
-                       dequantize: bool = False) -> Loaded:
+@dataclass(frozen=True)
+class LoadOptions:
+    """How ``load_for_inference`` loads: the policies' options as ``vlft run`` takes them (``max_pixels`` None: as
+    the adapter's run encoded its images). ``on_device=False`` keeps the model on the CPU (export merges there,
+    in fp32). ``param_dtype`` "nf4" loads the base in 4-bit as the run trained it (double quantization as it
+    did, or ``double_quant``); with ``dequantize`` those weights come back as plain fp32 linears before the
+    adapter goes on (what export merges into)."""
+
+    backend: str = "auto"
+    precision: str = "auto"
+    param_dtype: str = "auto"
+    attn: str | None = None
+    max_pixels: int | None = None
+    on_device: bool = True
+    double_quant: bool = False
+    dequantize: bool = False
+
+
+def load_for_inference(registry: Registry, adapter: str | AdapterSource | None, model: str | None,
+                       options: LoadOptions = LoadOptions()) -> Loaded:
     """Resolve the policies as ``vlft run`` does, load the base (or merged) model and the adapter on it.
 
     ``adapter``: a run or adapter folder, or the ``AdapterSource`` the caller located already.
-    ``on_device=False`` keeps the model on the CPU (export merges there, in fp32). ``param_dtype`` "nf4"
-    loads the base in 4-bit as the run trained it (double quantization as it did, or ``double_quant``); with
-    ``dequantize`` those weights come back as plain fp32 linears before the adapter goes on (what export
-    merges into).
     """
+    backend, precision, param_dtype, attn = options.backend, options.precision, options.param_dtype, options.attn
+    max_pixels, double_quant = options.max_pixels, options.double_quant
 
     source = adapter if isinstance(adapter, AdapterSource) or adapter is None else locate_adapter(registry, adapter)
     model_path = _base_model_path(source, model, registry)
@@ -89,19 +102,19 @@ def load_for_inference(registry: Registry, adapter: str | AdapterSource | None, 
     require_available(choice)
     name = choice.info.name
     device = torch.device("cpu")
-    if on_device:
+    if options.on_device:
         setup = registry.first("vlft_setup_device", backend=name, config=config)
         for key, value in setup.env.items():
             os.environ.setdefault(key, value)
         device = setup.device
     model_config, family = model_config_and_family(model_path, registry)
-    plan = resolve_plan(registry, config, model_path, model_config, choice, family=family)
+    plan = resolve_policies(registry, config, model_path, model_config, choice, family=family)
     require_weights(model_path, model, registry)
     processor = load_processor(model_path, family, registry)
     quantized = plan.precision.quantization is not None  # 4-bit weights are made on their device, while loading
     net = load_model(model_path, plan.attention, plan.precision, device=device if quantized else None,
                      family=family, keep_float=four_bit_skip(family))
-    if dequantize and quantized:
+    if options.dequantize and quantized:
         net = dequantized(net)
     registry.hook.vlft_patch_model(backend=name, model=net, config=config, attention=plan.attention, family=family)
     apply_kernels(plan.kernels, net)

@@ -7,6 +7,7 @@ after this module asks a plugin about a policy again.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,8 +37,12 @@ class BackendChoice:
     reason: str
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunPlan:
+    """Everything a run decided before any weight is loaded: the plugins' policies (``resolve_policies``), then
+    what the data and the model's shape decided (``preflight.plan_run``, which builds the whole plan once).
+    Frozen: nothing after planning changes it."""
+
     config: RunConfig
     backend: BackendChoice
     precision: PrecisionPolicy
@@ -54,7 +59,7 @@ class RunPlan:
     target_parameters: list[str] = field(default_factory=list)  # fused expert weights (PEFT target_parameters)
     memory: Any = None  # memory.MemoryPlan, once the data and the model's shape are known
     lengths: dict[str, Any] = field(default_factory=dict)  # sample lengths: longest, skipped, limit
-    notes: list[str] = field(default_factory=list)
+    notes: tuple[str, ...] = ()
     sharding: Any = None  # sharding.ShardingPlan: how the processes hold the model (--shard)
     family: ModelFamily | None = None  # the checkpoint's model family, resolved once here
     model_counts: dict[str, int] = field(default_factory=dict)  # parameters: total, vision, experts, ...
@@ -66,6 +71,15 @@ class RunPlan:
     objective: Objective | None = None  # what is optimised (--objective), resolved once here
     init_adapter: str | None = None  # --init-adapter: the adapter folder the run starts from
     scorers: Any = None  # scorers.ScorerChoice: what scores the before/after answers (--scorer)
+    # what the data and the model's shape decided (``preflight.plan_run``), kept for the run that trains from it
+    model_config: Any = None
+    processor: Any = None
+    encoder: Any = None  # data.encoding.SampleEncoder, or the objective's (DPO: chosen and rejected rows)
+    train_records: Sequence = ()  # a list, or columnar rows (data.lazy.ColumnarRecords)
+    val_records: Sequence = ()
+    train_lengths: list | None = None  # each training sample's tokens (--group-by-length batches by them)
+    total_steps: int = 0
+    skeleton: Any = None  # the adapted model on 'meta' the plan was made on (--shard fsdp saves through it)
 
     @property
     def checkpointing(self) -> bool:
@@ -131,7 +145,7 @@ class RunPlan:
                               "reason": self.memory.checkpointing_reason if self.memory else ""},
             "lengths": self.lengths,
             "memory": self.memory.describe() if self.memory else None,
-            "notes": self.notes,
+            "notes": list(self.notes),
             "scorers": self.scorers.describe() if self.scorers else None,
             "training": {
                 k: getattr(self.config, k)
@@ -216,10 +230,11 @@ def _four_bit_precision(registry: Registry, backend: str, config: RunConfig):
     return policy
 
 
-def resolve_plan(registry: Registry, config: RunConfig, model_path: str, model_config,
-                 backend: BackendChoice | None = None, *, family: ModelFamily) -> RunPlan:
-    """Ask the plugins once for every policy. A real run passes the ``backend`` it has already
-    set up the device for, so policies that read device properties see the right device."""
+def resolve_policies(registry: Registry, config: RunConfig, model_path: str, model_config,
+                     backend: BackendChoice | None = None, *, family: ModelFamily) -> RunPlan:
+    """Ask the plugins once for every policy: a plan of the policies alone (``preflight.plan_run`` adds what the
+    data and the model's shape decide). A real run passes the ``backend`` it has already set up the device for,
+    so policies that read device properties see the right device."""
     backend = backend or choose_backend(registry, config.backend)
     name = backend.info.name
     method = registry.method(config.method)
