@@ -69,8 +69,8 @@ def _session(env, size, data, tmp_path, param_dtype, ckpt, attn):
 @pytest.mark.benchmark(group="memory")
 def test_memory(benchmark, env, mem_case, longest_batch_data, tmp_path):
     mem_size, attn = mem_case
-    from vlft.training.step import train_step_on
     from vlft.data.order import batches
+    from vlft.training.step import train_step_on
 
     sessions, groups = {}, {}
     for name, (dtype, ckpt) in VARIANTS.items():

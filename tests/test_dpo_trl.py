@@ -29,7 +29,6 @@ import torch
 if os.environ.get("VLFT_REQUIRE_TRL") != "1":
     pytest.importorskip("trl", reason="trl is not importable here; `make test` runs this module again with it "
                                       "(.venv/trl-site)")
-import trl  # noqa: E402
 
 LR, BETA, STEPS = 1e-3, 0.1, 3
 

@@ -4,8 +4,9 @@ loading, processes. The training step reads them; it calls no hooks. What each p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Callable
+from typing import Any
 
 from vlft.contracts import changed
 

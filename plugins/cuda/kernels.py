@@ -23,7 +23,6 @@ from importlib.metadata import PackageNotFoundError, version
 
 from vlft import KernelPatch
 
-
 DEVICE_TEST = ("tests/hardware/test_kernels_on_device.py::"
                "test_cuda_kernel_patches_take_effect_and_match_the_unpatched_model")
 # Liger names its entry points after transformers' model_type (apply_liger_kernel_to_qwen2_5_vl); which parts

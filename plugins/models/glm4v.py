@@ -35,7 +35,6 @@ built or loaded; the plugin registers, and plans offline, without them.
 
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 from pathlib import Path
 

@@ -28,9 +28,8 @@ is built or loaded; the plugin registers, and plans offline, without them.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from dataclasses import replace
+from pathlib import Path
 
 from vlft import Chat, Experts, Kernels, Targets, Tiny
 

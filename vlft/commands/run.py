@@ -33,9 +33,9 @@ from vlft.planning.preflight import plan_run
 from vlft.planning.sharding import base_bytes
 from vlft.registry import Registry
 from vlft.training.checkpoints import (
-    CheckpointWriteError,
     RUN_IDENTITY,
     CheckpointStore,
+    CheckpointWriteError,
     newest_checkpoint,
 )
 from vlft.training.loop import SkipLog, Training, run_training
@@ -323,7 +323,7 @@ class _Job:
             if validation is not None:
                 after["validation"] = validation
             return after, None
-        except Exception as e:  # noqa: BLE001 - an out-of-memory or any bug: the trained adapter is kept
+        except Exception as e:
             if self.s.distributed:
                 raise  # the other processes wait in the evaluation's collectives: stop them all
             error = f"{e.__class__.__name__}: {e}"

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable
+from typing import Any
 
 from vlft.contracts import contract
-
 
 # -- model families --------------------------------------------------------------------------------------
 #

@@ -18,7 +18,7 @@ import torch
 from vlft.config import build_config
 from vlft.data.encoding import SampleEncoder
 from vlft.errors import ConfigError, VlftError
-from vlft.models.adapter_folders import AdapterSource, locate_adapter  # noqa: F401 - importable from here as before
+from vlft.models.adapter_folders import AdapterSource, locate_adapter
 from vlft.models.bundled import require_weights
 from vlft.models.loading import (
     dequantized,

@@ -357,7 +357,7 @@ def group_modules(modules: dict[str, int | None], summary: dict) -> list[str]:
         leaves = {r.rsplit(".", 1)[-1] for r in rests}
         short = len(leaves) == len(rests)  # the leaf names are enough when no two modules share one
 
-        def kinds(names):
+        def kinds(names, short=short):
             return tuple((r.rsplit(".", 1)[-1] if short else r) for r in (_split_name(n)[2] for n in names))
 
         runs: list[list[int]] = []

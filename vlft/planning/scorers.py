@@ -16,8 +16,8 @@ import math
 from dataclasses import dataclass, field
 
 from vlft.contracts.scorer import Scorer
-from vlft.userspec import user_attribute
 from vlft.errors import ConfigError
+from vlft.userspec import user_attribute
 
 AUTO = "auto"
 MAX_NAMED = 5  # records named in an error about references a scorer cannot read

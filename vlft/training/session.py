@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 
 from vlft.config import RunConfig
-from vlft.errors import VlftError
 from vlft.data.batching import collator_for
 from vlft.data.encoding import EncodedDataset, SampleEncoder
 from vlft.data.lazy import modalities
 from vlft.data.packing import PackingCollator
+from vlft.errors import VlftError
 from vlft.models.adapting import (
     compute_adapters_in_autocast_dtype,
     enable_checkpointing,
