@@ -69,7 +69,7 @@ def probe() -> ProbeResult:
     """Can this process train on an NVIDIA GPU? Never raises."""
     import torch
 
-    versions = {"torch": torch.__version__}
+    versions: dict[str, str] = {"torch": str(torch.__version__)}
     warnings: list[str] = []
     if torch.version.cuda:
         versions["cuda_runtime"] = torch.version.cuda
@@ -122,6 +122,6 @@ def capability(config=None) -> tuple[int, int] | None:
             return None
         count = torch.cuda.device_count()
         index = getattr(config, "local_rank", 0) if config is not None else 0
-        return tuple(torch.cuda.get_device_capability(index if index < count else 0))
+        return torch.cuda.get_device_capability(index if index < count else 0)
     except Exception:  # noqa: BLE001 - no readable capability means none known
         return None

@@ -24,6 +24,7 @@ import statistics
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -105,7 +106,7 @@ def read_run(path: str | os.PathLike, name: str) -> RunData:
     return run
 
 
-def _get(d: dict | None, *keys, default=None):
+def _get(d: Any, *keys, default=None) -> Any:
     for k in keys:
         if not isinstance(d, dict) or k not in d:
             return default

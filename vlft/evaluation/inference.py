@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,7 +30,7 @@ from vlft.models.loading import (
 )
 from vlft.planning.kernels import apply_kernels
 from vlft.planning.memory import four_bit_skip
-from vlft.planning.plan import choose_backend, require_available, resolve_plan
+from vlft.planning.plan import RunPlan, choose_backend, require_available, resolve_plan
 from vlft.registry import Registry
 
 
@@ -37,12 +38,12 @@ from vlft.registry import Registry
 class Loaded:
     """A model ready for inference, with everything needed to encode inputs and report what ran."""
 
-    model: object
-    processor: object
-    encoder: object
-    device: object
-    autocast_dtype: object
-    plan: object  # plan.RunPlan: backend, precision, attention as resolved
+    model: Any  # a transformers model, or the PEFT model that wraps it
+    processor: Any  # the checkpoint's transformers processor
+    encoder: SampleEncoder
+    device: torch.device
+    autocast_dtype: torch.dtype | None
+    plan: RunPlan  # backend, precision, attention as resolved
     model_path: str
     source: AdapterSource | None
 
