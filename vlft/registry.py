@@ -76,7 +76,7 @@ class Registry:
             ("scorer", self.pm.hook.vlft_scorers, self.scorers),
         ):
             for impl in caller.get_hookimpls():
-                for info in impl.function() or []:
+                for info in impl.function() or []:  # pyright: ignore[reportGeneralTypeIssues]  # pluggy types results as object
                     key = (kind, info.name)
                     if key in self.owners:
                         raise VlftError(

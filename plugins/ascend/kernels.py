@@ -28,7 +28,6 @@ import importlib.util
 import sys
 import types
 import weakref
-from collections.abc import Callable
 
 from vlft import KernelPatch
 
@@ -242,7 +241,7 @@ def _fused(family, npu, name: str, op: str, role: str, replaces: str) -> KernelP
         ok, why = False, f"model family {family.name if family else '(none)'} names no {role} modules"
     else:
         ok, why = True, f"torch_npu.{op} on {', '.join(t.rsplit(':', 1)[-1] for t in targets)}"
-    apply: Callable[..., str] | None = None
+    apply = None  # pyright: ignore[reportAssignmentType]  # no patch unless a branch below defines one
     if ok and role == "rms_norm":
         def apply(model, _t=targets):
             n, _ = apply_module_forward(model, _t, _rms_norm_forward(npu))

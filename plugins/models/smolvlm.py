@@ -65,12 +65,12 @@ def _allow_without_num2words() -> None:
     where it is missing, put a stand-in that says so if a video prompt is ever built."""
     from transformers.models.smolvlm import processing_smolvlm
 
-    if processing_smolvlm.num2words is None:
+    if processing_smolvlm.num2words is None:  # pyright: ignore[reportPrivateImportUsage]  # None where it is missing
         def num2words(n, *args, **kwargs):
             raise ImportError("SmolVLM's video prompt spells the frame count with the `num2words` package: "
                               "pip install num2words (vlft's smolvlm family trains on images only)")
 
-        processing_smolvlm.num2words = num2words
+        processing_smolvlm.num2words = num2words  # pyright: ignore[reportPrivateImportUsage]  # the stand-in
 
 
 def _tokenizer(r: dict, corpus=None):
@@ -130,10 +130,10 @@ def build_tiny(kind: str, path: Path, recipe: dict | None = None, corpus=None) -
     else:
         from transformers import SmolVLMConfig as Config
         from transformers import SmolVLMForConditionalGeneration as Model
-    config = Config(text_config=text, vision_config=vision, scale_factor=r["scale_factor"],
+    config = Config(text_config=text, vision_config=vision, scale_factor=r["scale_factor"],  # pyright: ignore[reportCallIssue]  # pad_token_id: a PretrainedConfig keyword
                     image_token_id=ids("<image>"), pad_token_id=ids("<|endoftext|>"), tie_word_embeddings=False)
     torch.manual_seed(r["seed"])
-    model = Model(config)
+    model = Model(config)  # pyright: ignore[reportArgumentType]  # both classes chosen by kind: they match
     with torch.no_grad():  # the embedded default's measured init (_tiny.initialise), on this tree
         for module in model.model.vision_model.modules():
             if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):

@@ -150,7 +150,7 @@ def table_rows(runs: list[RunData]) -> tuple[list[str], list[list[str]]]:
         tps = _median([m.get("tokens_per_s") for m in steady])
         eff = _median([m.get("effective_tokens_per_s") for m in steady])
         mfu = _median([m.get("mfu") for m in steady])
-        peaks = [m.get("peak_memory_bytes") for m in r.metrics if m.get("peak_memory_bytes") is not None]
+        peaks = [p for p in (m.get("peak_memory_bytes") for m in r.metrics) if p is not None]
         peak = _get(r.summary, "peak_memory_bytes") or (max(peaks) if peaks else None)
         backend = _get(r.plan, "backend", "name") or _get(r.summary, "backend") or "-"
         devtype, count = _get(r.plan, "backend", "device_type"), _get(r.plan, "backend", "device_count")

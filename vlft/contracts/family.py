@@ -332,7 +332,7 @@ class ModelFamily:
     tiny: Tiny | None = field(default=None, compare=False, metadata={
         "help": "The family's tiny embedded model (vlft.Tiny). None: no `--model embedded:<name>`."})
 
-    def owns(self, model_type: str) -> bool:
+    def owns(self, model_type: str | None) -> bool:
         return model_type in self.model_types
 
     def label(self) -> str:

@@ -119,7 +119,7 @@ def load_for_inference(registry: Registry, adapter: str | AdapterSource | None, 
                 f"({e.__class__.__name__}: {first[:300]}). It was trained on {source.base_model}; "
                 "pass that model with --model"
             ) from None
-    net.to(device)
+    net.to(device)  # pyright: ignore[reportArgumentType]  # transformers' to() overloads misread a model
     net.eval()
     autocast = getattr(torch, plan.precision.autocast_dtype) if plan.precision.autocast_dtype else None
     encoder = SampleEncoder(processor, max_pixels=config.max_pixels, family=family)

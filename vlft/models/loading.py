@@ -159,7 +159,7 @@ def four_bit_config(precision, keep_float=()):
                               llm_int8_skip_modules=list(keep_float) or None)
 
 
-def tower_attention(model) -> dict[str, str]:
+def tower_attention(model) -> dict[str, str | None]:
     """The attention implementation each tower actually uses, read back from the loaded model."""
     cfg = model.config
     return {
