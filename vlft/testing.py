@@ -277,7 +277,7 @@ def _check_targets(s: _Subject) -> str:
     for tower, (container, names) in towers.items():
         if not container:
             continue
-        count = len(resolve_module(model, container))
+        count = len(resolve_module(model, container))  # pyright: ignore[reportArgumentType]  # a ModuleList, typed Module
         hits = [n for n in found.modules if n.startswith(container + ".")]
         problems += [f"{tower} target '{name}' is an nn.Linear in none of the {count} {container} entries"
                      for name in names if not any(h.endswith("." + name) for h in hits)]

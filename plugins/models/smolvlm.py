@@ -130,8 +130,9 @@ def build_tiny(kind: str, path: Path, recipe: dict | None = None, corpus=None) -
     else:
         from transformers import SmolVLMConfig as Config
         from transformers import SmolVLMForConditionalGeneration as Model
-    config = Config(text_config=text, vision_config=vision, scale_factor=r["scale_factor"],  # pyright: ignore[reportCallIssue]  # pad_token_id: a PretrainedConfig keyword
-                    image_token_id=ids("<image>"), pad_token_id=ids("<|endoftext|>"), tie_word_embeddings=False)
+    config = Config(text_config=text, vision_config=vision, scale_factor=r["scale_factor"],
+                    image_token_id=ids("<image>"), pad_token_id=ids("<|endoftext|>"),  # pyright: ignore[reportCallIssue]  # a PretrainedConfig keyword
+                    tie_word_embeddings=False)
     torch.manual_seed(r["seed"])
     model = Model(config)  # pyright: ignore[reportArgumentType]  # both classes chosen by kind: they match
     with torch.no_grad():  # the embedded default's measured init (_tiny.initialise), on this tree

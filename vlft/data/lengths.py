@@ -20,7 +20,7 @@ class LengthReport:
     """Sample lengths in tokens (image tokens included), found when the data is checked."""
 
     lengths: MutableSequence[int]  # a list, or compact_report's int array
-    grids: MutableSequence[list[tuple[int, int, int]]]
+    grids: list[list[tuple[int, int, int]]] | PackedGrids
     skipped: list[dict] = field(default_factory=list)  # {"where", "length"} of samples over --max-length
     labelled: MutableSequence[int] = field(default_factory=list)  # label tokens per sample: the positions the head runs at
 
@@ -95,7 +95,7 @@ def _measured(encoder: SampleEncoder, record: Record):
         return e
 
 
-def _measure_chunk(chunk: list[Record]) -> list:
+def _measure_chunk(chunk: Sequence[Record]) -> list:
     return [_measured(_WORKER_ENCODER[0], rec) for rec in chunk]
 
 
@@ -132,8 +132,8 @@ def iter_measured(records: Sequence[Record], encoder: SampleEncoder, progress=No
         _WORKER_ENCODER.clear()
 
 
-def check_lengths(records: list[Record], encoder: SampleEncoder, max_length: int | None, skip: bool,
-                  what: str = "data", progress=None) -> tuple[list[Record], LengthReport]:
+def check_lengths(records: Sequence[Record], encoder: SampleEncoder, max_length: int | None, skip: bool,
+                  what: str = "data", progress=None) -> tuple[Sequence[Record], LengthReport]:
     """Measure every record; over ``max_length`` is an error naming each one, or with ``skip`` is dropped.
 
     Samples are never truncated: a cut could fall inside an image's tokens, which the model cannot read.
