@@ -48,7 +48,7 @@ from vlft.training.signals import Interrupted, NonFiniteStop
 @dataclass
 class RunResult:
     output: Path | None
-    plan: RunPlan
+    plan: RunPlan | None  # None: --resume found the run complete
     before: dict | None = None
     after: dict | None = None
     metrics: list | None = None

@@ -81,7 +81,7 @@ def user_scorer(spec: str) -> Scorer:
         return found
     if not callable(found):
         raise ConfigError(f"--scorer {spec}: {module_name} has no function '{attr}'")
-    return Scorer(attr, f"{spec} (your function: its mean)", found)
+    return Scorer(attr, f"{spec} (your function: its mean)", found)  # pyright: ignore[reportArgumentType]  # checked callable
 
 
 def finite(v) -> bool:
