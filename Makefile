@@ -58,7 +58,7 @@ run: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/pyright --pythonpath $(PY)
+	$(VENV)/bin/pyright -p pyproject.toml --pythonpath $(PY)
 
 # The suite in TEST_WORKERS processes (pytest-xdist), a test file per worker (--dist loadfile: a file's shared
 # runs, its module fixtures, are built once); tests/conftest.py gives each worker its share of the threads.
