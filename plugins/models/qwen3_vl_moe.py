@@ -8,7 +8,7 @@ expert. Layers listed in ``mlp_only_layers`` (none in the published configs) kee
 ``Qwen3VLMoeTextMLP`` with gate/up/down_proj.
 
 Adapters go on attention by default. Expert LoRA is opt-in through PEFT's ``target_parameters`` (the
-names in ``expert_parameters``); the router never trains. transformers 5.2x does compute a
+names in ``experts.parameters``); the router never trains. transformers 5.2x does compute a
 load-balancing loss when ``output_router_logits=True`` (off by default); with a frozen router it only
 pushes the adapters upstream of the router, so vlft should leave it off.
 

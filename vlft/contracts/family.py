@@ -8,13 +8,12 @@ from typing import Any
 
 from vlft.contracts import contract
 
-# -- model families --------------------------------------------------------------------------------------
-#
-# A family is a small required core (name, model types, tower paths, target names, the processor and its
-# template) plus capabilities it fills only when it has them: image inputs, video inputs, positions,
-# packing, sharding, experts. Each capability is a small frozen dataclass the core reads; a family leaves
-# one None where it lacks it, and the core then refuses what needs it, saying why. ``check_family`` checks
-# them when the plugin's families are first asked for (``vlft.models.families``), naming plugin and field.
+
+# A family is a small required core (name, model types, towers), groups with defaults (targets, chat, kernels)
+# and capabilities it fills only when it has them: image inputs, video inputs, positions, packing, sharding,
+# experts, a tiny model. Each is a small frozen dataclass the core reads; a family leaves a capability None
+# where it lacks it, and the core then refuses what needs it, saying why. ``check_family``
+# (``vlft.models.families``) checks them when the plugin's families are first asked for, naming plugin and field.
 
 FAMILY_TOWERS = ("vision", "text", "both")
 BATCH_JOINS = ("concat", "sequence", "concat_padded")
@@ -351,22 +350,10 @@ class ModelFamily:
         towers = self.towers
         return (towers.vision, *(m for m in towers.vision_mergers if not m.startswith(towers.vision + ".")))
 
-    def describe(self) -> dict:
-        """Plain-data view (callables by name, groups and capabilities as dicts) for `vlft plugins --json` and
-        the plan."""
-        def plain(v):
-            if callable(v):
-                return getattr(v, "__qualname__", repr(v))
-            if hasattr(v, "__dataclass_fields__"):
-                return {f.name: plain(getattr(v, f.name)) for f in fields(v)}
-            return v
-
-        return {f.name: plain(getattr(self, f.name)) for f in fields(self)}
-
 
 def model_family_help() -> dict[str, str]:
-    """Each ``ModelFamily`` field's help, a group's or capability's fields as ``towers.vision`` (docs/plugin-hooks.md
-    and docs/writing-plugins.md list them; a docs test checks)."""
+    """Each ``ModelFamily`` field's help, a group's or capability's fields as ``towers.vision`` (the guide's
+    family section names them all; tests/test_family_contract.py checks)."""
     out = {f.name: f.metadata.get("help", "") for f in fields(ModelFamily)}
     for cap, cls in {**GROUPS, **CAPABILITIES}.items():
         out.update({f"{cap}.{f.name}": f.metadata.get("help", "") for f in fields(cls)})
