@@ -8,7 +8,6 @@ from typing import Any
 
 from vlft.contracts import contract
 
-
 # A family is a small required core (name, model types, towers), groups with defaults (targets, chat, kernels)
 # and capabilities it fills only when it has them: image inputs, video inputs, positions, packing, sharding,
 # experts, a tiny model. Each is a small frozen dataclass the core reads; a family leaves a capability None
