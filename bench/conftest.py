@@ -17,7 +17,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # OpenMP's wait policy is left as it is: PASSIVE keeps a busy machine's figures usable but doubles a
 # quiet machine's step time (measured: 0.055 s -> 0.107 s per embedded LoRA step on 2 cores), which
 # would misstate every absolute figure. Run `make bench` on a quiet machine.
-import pytest  # noqa: E402
+import pytest
 
 
 def _default_threads() -> int:

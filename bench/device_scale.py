@@ -61,15 +61,15 @@ def run(backend: str, out: Path, steps: int, methods: list[str], model_name: str
     from transformers import AutoModelForImageTextToText
 
     from vlft import measure
-    from vlft.planning import memory, trace
     from vlft.config import build_config
+    from vlft.data.batching import label_count, to_device
     from vlft.models.adapting import compute_adapters_in_autocast_dtype, enable_checkpointing, upcast_trainable
     from vlft.models.loading import model_config_and_family, resolve_model_path
+    from vlft.planning import memory, trace
     from vlft.planning.plan import choose_backend, require_available, resolve_policies
-    from vlft.registry import load_registry
     from vlft.planning.preflight import plan_targets
+    from vlft.registry import load_registry
     from vlft.training.step import StepPolicy, train_step
-    from vlft.data.batching import label_count, to_device
 
     registry = load_registry()
     choice = choose_backend(registry, backend)

@@ -14,8 +14,8 @@ from typing import ClassVar
 
 import pytest
 from click.testing import CliRunner
-from helpers import cli_invoke, cli_result, run_flags
 
+from helpers import cli_invoke, cli_result, run_flags
 from vlft import hookimpl
 from vlft.cli import cli
 

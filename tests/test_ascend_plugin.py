@@ -19,10 +19,9 @@ import types
 
 import pytest
 import torch
+
 import vlft_ascend as ascend
-
 from helpers import embedded_family
-
 from vlft.config import RunConfig
 from vlft.errors import ConfigError
 from vlft.policies import DataLoaderOptions

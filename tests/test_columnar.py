@@ -24,9 +24,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import cli_invoke, embedded_family
 from PIL import Image
 
+from helpers import cli_invoke, embedded_family
 from vlft.data.columnar import StoredImage
 from vlft.data.records import load_image, read_records
 from vlft.errors import DataError
@@ -106,7 +106,7 @@ def _own_names_rows(folder: Path) -> list[dict]:
     (folder / "pics").mkdir(parents=True, exist_ok=True)
     (folder / "pics" / "g.png").write_bytes(PNG["green"])
     rows = []
-    for i, name in enumerate(("red", "green", "blue")):
+    for name in ("red", "green", "blue"):
         pic = {"bytes": None, "path": "pics/g.png"} if name == "green" else {"bytes": PNG[name], "path": None}
         rows.append({"conv": [{"role": "user", "content": "<image>What colour?"},
                               {"role": "assistant", "content": name}], "pics": [pic]})

@@ -12,7 +12,6 @@ import torch
 from PIL import Image
 
 from helpers import embedded_family
-
 from vlft.data.batching import collator_for
 from vlft.data.encoding import SampleEncoder
 from vlft.data.records import IGNORE_INDEX, read_records

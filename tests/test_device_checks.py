@@ -210,7 +210,7 @@ def _scaled_norms(model) -> str:
 
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
     for m in norms:
-        m.forward = types.MethodType(lambda self, x, _real=type(m).forward: _real(self, x) * 1.1, m)
+        m.forward = types.MethodType(lambda self, x, _real=type(m).forward: _real(self, x) * 1.1, m)  # noqa: B008 - binds each module's own forward
     return f"{len(norms)} RMSNorms scaled"
 
 
@@ -244,7 +244,6 @@ class CpuKernelOffers:
         import dataclasses
 
         import vlft_cuda.kernels as cuda_kernels
-
         from vlft.contracts.backend import KernelPatch
 
         def offer(name, **kw):

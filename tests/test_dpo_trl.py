@@ -29,7 +29,6 @@ import torch
 if os.environ.get("VLFT_REQUIRE_TRL") != "1":
     pytest.importorskip("trl", reason="trl is not importable here; `make test` runs this module again with it "
                                       "(.venv/trl-site)")
-import trl  # noqa: E402
 
 LR, BETA, STEPS = 1e-3, 0.1, 3
 
@@ -54,8 +53,8 @@ def both(tmp_path_factory):
     from vlft.data.demo import write_demo_preferences
     from vlft.models.loading import load_model
     from vlft.registry import load_registry
-    from vlft.training.trainer import build_trainer
     from vlft.training.step import seed_everything
+    from vlft.training.trainer import build_trainer
 
     tmp = tmp_path_factory.mktemp("trl")
     ds = write_demo_preferences(tmp / "demo", n_train=8, n_val=4, seed=11)

@@ -17,8 +17,9 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
-from helpers import installed, vlft_command
 
+from helpers import installed as installed_registry
+from helpers import vlft_command
 from vlft import ConfigError, RunConfig
 from vlft import hookimpl as vlft_hookimpl
 from vlft.testing import check_family, check_plugin, registry_with, run, tiny_run_config
@@ -149,7 +150,7 @@ def test_gemma3_samples_are_encoded_as_its_own_processor_encodes_them(tmp_path):
     from vlft.models.loading import load_processor
 
     family = gemma3.FAMILY
-    processor = load_processor(embedded_family_dir(family), family, installed())
+    processor = load_processor(embedded_family_dir(family), family, installed_registry())
     encoder = SampleEncoder(processor, family=family)
     records = read_records(write_demo_dataset(tmp_path / "data", n_train=2, n_val=1).train)
     rec = records[0]

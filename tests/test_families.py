@@ -11,10 +11,9 @@ import sys
 
 import pytest
 import torch
-from test_run import read_metrics, short_config
 
 from helpers import installed
-
+from test_run import read_metrics, short_config
 from vlft import ConfigError
 
 # The MoE families run on the CPU in fp32 through their load_kwargs (experts_implementation="eager": transformers'
@@ -206,14 +205,13 @@ def test_every_bundled_config_counts_within_one_percent_of_its_published_count_t
     """What `vlft run --model NAME --dry-run` counts (the registry's bundled configs, the family the hook
     answers, the plan's meta copy with the family's load arguments, count_parameters) against
     plugins/models/configs/published.json, for every bundled config the installed plugins offer."""
-    from vlft_models import CONFIGS, qwen3_5
-
     from vlft.models.bundled import bundled_names
     from vlft.models.families import count_parameters, family_load_kwargs
     from vlft.models.loading import model_config_and_family, resolve_model_path
     from vlft.planning import trace
     from vlft.policies import AttentionPolicy
     from vlft.registry import load_registry
+    from vlft_models import CONFIGS, qwen3_5
 
     registry = load_registry()
     published = {k: v for k, v in json.loads((CONFIGS / "published.json").read_text()).items() if not k.startswith("_")}

@@ -22,11 +22,11 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the network
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from vlft.contracts.family import model_family_help  # noqa: E402
-from vlft.models.families import (  # noqa: E402
+from vlft.contracts.family import model_family_help
+from vlft.models.families import (
     check_family,
     frozen_router_parameters,
     resolve_module,
@@ -48,8 +48,8 @@ def _load_package():
 
 
 vm = _load_package()
-from vlft_models import family as fam_mod  # noqa: E402
-from vlft_models import qwen3_5  # noqa: E402
+from vlft_models import family as fam_mod  # noqa: E402 - after _load_package() makes vlft_models importable
+from vlft_models import qwen3_5  # noqa: E402 - after _load_package()
 
 FAMILIES = vm.families()
 NAMES = [f.name for f in FAMILIES]
@@ -558,7 +558,7 @@ def test_glm_replies_are_trained_to_end_with_the_next_turns_role_token(tiny, nam
     rendered = encoder.render(turns, add_generation_prompt=False)
     assert ids == processor.tokenizer(rendered)["input_ids"] + [user]
     assert ids[-1] == labels[-1] == user
-    assert sum(1 for i, l in zip(ids, labels) if i == user and l == user) == 2  # each reply's end, trained
+    assert sum(1 for i, label in zip(ids, labels) if i == user and label == user) == 2  # each reply's end, trained
 
 
 @pytest.mark.parametrize("name", GLM_NAMES)

@@ -10,9 +10,9 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
-from helpers import embedded_family, installed
 
 import vlft
+from helpers import embedded_family, installed
 from vlft.contracts.family import CAPABILITIES, GROUPS, ModelFamily, model_family_help
 from vlft.errors import ConfigError, DataError, PluginError
 from vlft.models.families import check_family, offered_families
@@ -168,7 +168,6 @@ def test_vlft_plugins_tells_a_planted_old_plugin_what_changed(tmp_path, monkeypa
     family at import, one when asked and answers the removed vlft_model_family hook. `vlft plugins` lists both
     broken with the field, its replacement and the changelog section, and notes what the second declares."""
     from helpers import cli_invoke
-
     from vlft.registry import load_registry
 
     (tmp_path / "vlft_old_internvl.py").write_text(OLD_INTERNVL)

@@ -30,7 +30,6 @@ import torch
 from PIL import Image
 
 from helpers import embedded_family
-
 from vlft.data.encoding import SampleEncoder
 from vlft.data.records import read_records
 from vlft.errors import DataError
@@ -174,7 +173,7 @@ def test_loss_false_keeps_a_reply_in_the_context_and_out_of_the_loss(tmp_path, p
     enc = SampleEncoder(processor, embedded_family())
     a, b = enc.encode(both), enc.encode(first_off)
     assert torch.equal(a["input_ids"], b["input_ids"])
-    trained = lambda e: processor.tokenizer.decode(e["input_ids"][e["labels"] != -100])  # noqa: E731
+    trained = lambda e: processor.tokenizer.decode(e["input_ids"][e["labels"] != -100])  # noqa: E731 - a one-line helper
     assert "hello there" in trained(a) and "hello there" not in trained(b) and A in trained(b)
 
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import cli_invoke, die_at_step, installed
 
 import vlft_objectives.grpo as grpo
+from helpers import cli_invoke, die_at_step, installed
 from vlft import ConfigError
 from vlft_objectives.rewards import vlft_rewards
 
@@ -475,6 +475,7 @@ def test_the_trained_log_probabilities_are_those_of_the_sampling_distribution(de
     from contextlib import nullcontext
 
     import float64_reference
+
     from vlft.config import build_config
     from vlft.models.rows import row_inputs
     from vlft.registry import load_registry
@@ -815,11 +816,9 @@ def test_vlft_objectives_lists_grpo_its_options_and_the_rewards(registry):
     assert "logs: reward, reward_std, kl, clip_fraction, completion_length" in output
     assert "format=REGEX: 1 if the whole completion matches the regex" in output
     assert {"fields", "exact", "format", "numeric"} <= set(registry.rewards)
-    from vlft.config import RunConfig
-
-    from vlft.testing import check_plugin
-
     import vlft_objectives.rewards
+    from vlft.config import RunConfig
+    from vlft.testing import check_plugin
 
     for plugin in (grpo, vlft_objectives.rewards):  # answers None for the names of others
         check_plugin(plugin)
@@ -845,9 +844,9 @@ def test_two_processes_sample_and_train(demo, sft_adapter, tmp_path):
     import os
     import subprocess
 
-    from helpers import vlft_command
     from transformers import AutoTokenizer
 
+    from helpers import vlft_command
     from vlft.models.embedded import embedded_model_dir
 
     record = json.loads(Path(demo.train).read_text().splitlines()[0])
@@ -934,7 +933,6 @@ def test_the_chain_sft_dpo_grpo_runs_as_three_runs(demo, tmp_path):
 def test_no_hook_is_called_inside_a_grpo_step(demo, registry, tmp_path, monkeypatch):
     """Sampling, rewards and the loss run inside the step from what the plan resolved: no hook is asked."""
     from test_run import hook_calls_inside_steps
-
     from vlft.config import build_config
 
     config = build_config({}, dict(backend="cpu", objective="grpo", data=str(demo.train), val_data=str(demo.val),

@@ -15,11 +15,11 @@ import types
 
 import pytest
 import transformers
-from helpers import cli_invoke
 
 import vlft.models.loading
 import vlft.registry
 import vlft.training.trainer
+from helpers import cli_invoke
 from vlft.models.patching import KERNEL, patch_states
 
 KERNELS = ("npu-rms-norm", "linear-patch-embed")

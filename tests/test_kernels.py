@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
+
 import vlft_ascend as ascend
 import vlft_ascend.kernels as ascend_kernels
 import vlft_cuda
 import vlft_cuda.kernels as cuda_kernels
 from helpers import embedded_family
 from test_ascend_plugin import no_torch_npu, stand_in  # noqa: F401 - the stand-in torch_npu fixtures
-
 from vlft import KernelPatch, Kernels, hookimpl
 from vlft.config import RunConfig, build_config
 from vlft.errors import ConfigError
@@ -298,9 +298,8 @@ def test_ascend_fp32_before_fsdp_only_where_bf16_is_sharded(no_torch_npu, shard,
 def test_ascend_fused_rms_norm_and_swiglu_wiring_with_stand_in_ops(stand_in, model_dir):
     """STAND-IN npu_rms_norm / npu_swiglu (the documented formulas in torch): the patch binds them to the
     family's modules and the model's output stays the same. It shows the wiring, not the NPU kernels."""
-    from vlft_models.qwen2_vl import QWEN2_5_VL
-
     from vlft.models.loading import load_model
+    from vlft_models.qwen2_vl import QWEN2_5_VL
 
     npu = sys.modules["torch_npu"]
     used = []
@@ -447,7 +446,7 @@ def test_kernels_none_gives_todays_model_exactly_and_auto_the_same_weights(cuda_
     with torch.no_grad():
         out = {n: m.model.visual(pixels, grid_thw=grid) for n, m in (("today", today), ("none", none),
                                                                       ("auto", auto))}
-    first = lambda o: o.pooler_output if hasattr(o, "pooler_output") else o[0]  # noqa: E731
+    first = lambda o: o.pooler_output if hasattr(o, "pooler_output") else o[0]  # noqa: E731 - a one-line helper
     assert torch.equal(first(out["none"]), first(out["today"]))
     torch.testing.assert_close(first(out["auto"]), first(out["today"]), rtol=1e-5, atol=1e-5)
 
@@ -504,7 +503,6 @@ def test_a_run_with_a_kernel_calls_no_hook_inside_a_step(tmp_path, monkeypatch):
 
 def test_each_backend_offers_kernels_only_for_itself(no_torch_npu):
     import vlft_cuda as cuda
-
     from vlft.registry import load_registry
 
     cfg = RunConfig()

@@ -18,7 +18,7 @@ code examples (``docs/*.md``), read the same way.
 
 A function-local import outside the face gives its reason: a comment on its line(s) or directly above it, or
 once for the module in its docstring (a paragraph starting with ``Imports inside functions:``). A reason is
-at least three words once tool directives (``noqa``, ``type: ignore``, ``pragma``) are taken out: a bare
+at least three words once tool directives (``noqa``, ``type: ignore``, ``pyright: ignore``, ``pragma``) are taken out: a bare
 ``#`` or ``# noqa: E402`` says nothing about why.
 """
 
@@ -38,7 +38,7 @@ ENTRY = {"vlft.__main__", "vlft.testing"}
 # tests, vlft.testing; not the modules behind the package (vlft.policies, vlft.errors, vlft.contracts.family)
 PUBLIC_MODULES = ("vlft", "vlft.testing")
 MODULE_REASON = "Imports inside functions:"
-DIRECTIVE = re.compile(r"\b(noqa|type:\s*ignore|pragma|isort|fmt|pylint)\b(:\s*[\w,\[\]-]+(\s*,\s*[\w\[\]-]+)*)?", re.I)
+DIRECTIVE = re.compile(r"\b(noqa|type:\s*ignore|pyright:\s*ignore|pragma|isort|fmt|pylint)\b(:\s*[\w,\[\]-]+(\s*,\s*[\w\[\]-]+)*)?", re.I)
 WORD = re.compile(r"[A-Za-z][A-Za-z'-]*")
 REASON_WORDS = 3
 
@@ -404,6 +404,7 @@ def test_the_hidden_state_rule_catches_a_fallback():
 @pytest.mark.parametrize("comment, reason", [
     ("#", False), ("# noqa: E402", False), ("# noqa: E402,F401", False), ("# type: ignore[import]", False),
     ("# TODO", False), ("# lazy", False), ("# noqa: F401 - the stand-in fixtures", True),
+    ("# pyright: ignore[reportMissingImports]", False), ("# pyright: ignore[reportX]  # the liger extra, opt-in", True),
     ("# only when a MoE plan traces its experts", True), ("# optional: PyAV is needed only for video records", True),
 ])
 def test_a_reason_is_three_words_besides_tool_directives(comment, reason):

@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import cli_invoke, embedded_family, installed, run_flags
 
+from helpers import cli_invoke, embedded_family, installed, run_flags
 from vlft.cli import cli
 from vlft.config import build_config
 

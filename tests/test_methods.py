@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import base_model, embedded_family
 
+from helpers import base_model, embedded_family
 from vlft.config import RunConfig
 from vlft.data.batching import collator_for
 from vlft.data.encoding import SampleEncoder

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import cli_invoke, die_at_step, vlft_command
 
+from helpers import cli_invoke, die_at_step, vlft_command
 from vlft import ConfigError, Objective, ObjectiveInfo, hookimpl
 
 LN2 = math.log(2)
@@ -369,7 +369,6 @@ def test_one_vision_pass_feeds_both_rows_and_every_adapter_gets_a_gradient(pref,
 
 def test_no_hook_is_called_inside_a_dpo_step(pref, registry, tmp_path, monkeypatch):
     from test_run import hook_calls_inside_steps
-
     from vlft.config import build_config
 
     config = build_config({}, dict(backend="cpu", objective="dpo", data=str(pref.train), val_data=str(pref.val),

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from helpers import installed
-
 from vlft.data.batching import collator_for, label_count, model_inputs
 from vlft.data.packing import PackingCollator, PackingPlan, resolve_packing
 from vlft.data.records import IGNORE_INDEX
@@ -157,7 +156,7 @@ def test_packed_under_sdpa_matches_padding(qwen25):
 def test_segments_leave_padded_batches_and_generation_as_they_were(qwen25):
     """A model loaded for packing also validates on padded batches and generates with a cache: there the
     segments implementation hands the mask to the plain one, so it computes what the plain model computes."""
-    ((plain, segments), _, _, processor, encoder), records = qwen25
+    ((plain, segments), _, family, processor, encoder), records = qwen25
     samples = [encoder.encode(r) for r in records[:3]]
     batch = collator_for(processor, family)(samples)
     assert (batch["attention_mask"] == 0).any()  # really padded

@@ -240,14 +240,14 @@ def test_a_warning_silenced_in_a_forward_leaves_the_process_filters_as_they_were
             return x * 2
 
     root = Root()
-    root.register_forward_hook(lambda m, a, out: warnings.warn("FSDP2-wrapped module (Root) returned a view tensor"))
+    root.register_forward_hook(lambda m, a, out: warnings.warn("FSDP2-wrapped module (Root) returned a view tensor", stacklevel=1))
     before = list(warnings.filters)
     quiet_during_forward(root, r"FSDP2-wrapped module .* returned a view tensor")
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         root(torch.ones(2))
         assert seen == []
-        warnings.warn("FSDP2-wrapped module (Root) returned a view tensor")
+        warnings.warn("FSDP2-wrapped module (Root) returned a view tensor", stacklevel=1)
         assert len(seen) == 1
     assert warnings.filters == before
     root.fail = True

@@ -16,13 +16,14 @@ import os
 
 import pytest
 import torch
+
 from test_after_training import tiny_data, vlft  # noqa: F401 - tiny_data is a fixture
 from test_tuning import _cfg, _train
 
 if os.environ.get("VLFT_REQUIRE_QLORA") != "1":
     pytest.importorskip("bitsandbytes", reason="bitsandbytes is not importable here; `make test` runs this module "
                                                "again with it (.venv/qlora-site)")
-import bitsandbytes as bnb  # noqa: E402
+import bitsandbytes as bnb
 
 
 def test_nf4_on_cpu_trains_and_the_plan_counts_the_stored_4bit_tensors(small_data, tmp_path):
@@ -67,7 +68,7 @@ def nf4_run(tmp_path_factory, tiny_data):  # noqa: F811 - the fixture imported a
 
 
 @pytest.fixture(scope="module")
-def probe(nf4_run, tiny_data):  # noqa: F811
+def probe(nf4_run, tiny_data):  # noqa: F811 - pytest passes the imported tiny_data fixture by name
     """Two validation records encoded as the run encodes them, and the trained model's logits on them: the
     4-bit base with the adapter on top, computing in bf16 as in training."""
     from vlft.data.batching import collator_for
@@ -109,7 +110,7 @@ def test_export_merges_into_the_dequantized_nf4_weights_it_trained_on(nf4_run, p
     from safetensors import safe_open
 
     with safe_open(tmp_path / "merged" / "model.safetensors", "pt") as f:
-        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}  # noqa: SIM118 - safe_open has no iter
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
 
     # the two merges in fp32, against the trained 4-bit model: the default merge differs from it by bf16
     # compute rounding only; a merge into the checkpoint's own weights adds the 4-bit rounding the adapter
@@ -171,7 +172,7 @@ def test_a_bare_adapter_folder_cannot_be_merged_as_dequantized(nf4_run, tmp_path
     assert not (tmp_path / "m").exists() and not list(tmp_path.glob(".m-*"))
 
 
-def test_eval_scores_the_trained_4bit_model_quantized_as_the_run_was(nf4_run, tiny_data, tmp_path):  # noqa: F811
+def test_eval_scores_the_trained_4bit_model_quantized_as_the_run_was(nf4_run, tiny_data, tmp_path):  # noqa: F811 - the imported fixture
     """`vlft eval --param-dtype nf4` loads the base in 4-bit with the run's double quantization, and says so."""
     out = tmp_path / "scores.json"
     code, output = vlft("eval", "--adapter", nf4_run, "--data", tiny_data[1], "--param-dtype", "nf4", "--backend",
@@ -182,15 +183,15 @@ def test_eval_scores_the_trained_4bit_model_quantized_as_the_run_was(nf4_run, ti
     assert json.loads(out.read_text())["scores"]["samples"] == 4
 
 
-def test_predict_answers_every_record_with_the_trained_adapter_on_the_4bit_base(nf4_run, probe, tiny_data,  # noqa: F811
+def test_predict_answers_every_record_with_the_trained_adapter_on_the_4bit_base(nf4_run, probe, tiny_data,  # noqa: F811 - the imported fixture
                                                                                   tmp_path, monkeypatch):
     """`vlft predict --param-dtype nf4`: one prediction per record, in the data's order, made by the model the
     run trained: bitsandbytes' 4-bit linears under the LoRA layers, the saved adapter's weights on them, and
     the trained 4-bit model's logits (the ``probe``'s)."""
-    import vlft.evaluation.generation as generation
     from peft import get_peft_model_state_dict
     from safetensors.torch import load_file
 
+    import vlft.evaluation.generation as generation
     from vlft.data.records import read_records
 
     used = []  # the model predict generated with (watched, not replaced: the real generation runs)

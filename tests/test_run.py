@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from helpers import cli_invoke, run_flags
 
+from helpers import cli_invoke, run_flags
 from vlft.cli import cli
 from vlft.config import build_config
 from vlft.contracts.backend import BackendInfo

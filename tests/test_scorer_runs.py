@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import cli_invoke
 
+from helpers import cli_invoke
 from vlft import Scorer, hookimpl
 
 # steps of 4 at lr 3e-3: on counting the embedded model learns the answers' form (a count; about 5 s of training on

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
+
 from helpers import embedded_family, installed
 from test_memory import _cfg
 

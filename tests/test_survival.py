@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+
 from helpers import cli_invoke, run_flags, vlft_command
 from test_run import logged_losses, read_metrics, short_config, short_values
-
 from vlft.cli import cli
 from vlft.errors import ConfigError, DataError, VlftError
 from vlft.training.checkpoints import (

@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-from helpers import base_model, cli_invoke, installed, run_flags
 
+from helpers import base_model, cli_invoke, installed, run_flags
 from vlft.config import build_config
 
 
@@ -374,10 +374,10 @@ def test_a_merger_trained_in_full_under_fsdp_is_exported_whole(small_data, tmp_p
     import subprocess
 
     from click.testing import CliRunner
-    from helpers import vlft_command
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
+    from helpers import vlft_command
     from vlft.cli import cli
 
     train, val = small_data

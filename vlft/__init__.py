@@ -18,10 +18,7 @@ The contracts carry a version, ``PLUGIN_API``: a plugin may say which one it was
 
 from vlft.backend import BackendHookimpl, hookimpl_for
 from vlft.config import RunConfig, parse_attn
-from vlft.tokens import tokenize_pieces
-from vlft.userspec import user_attribute
-from vlft.errors import BackendUnavailable, ConfigError, DataError, VlftError
-from vlft.hookspecs import hookimpl
+from vlft.contracts import PLUGIN_API, ContractChanged
 from vlft.contracts.backend import (
     BackendInfo,
     DeviceCapacity,
@@ -31,7 +28,6 @@ from vlft.contracts.backend import (
     MemoryStats,
     ProbeResult,
 )
-from vlft.contracts import PLUGIN_API, ContractChanged
 from vlft.contracts.family import (
     Chat,
     Experts,
@@ -53,6 +49,8 @@ from vlft.contracts.method import AdapterDefaults, MethodInfo
 from vlft.contracts.scorer import Scorer
 from vlft.contracts.sinks import MetricSink
 from vlft.data.processor_inputs import processor_image_inputs
+from vlft.errors import BackendUnavailable, ConfigError, DataError, VlftError
+from vlft.hookspecs import hookimpl
 from vlft.policies import (
     AttentionPolicy,
     DataLoaderOptions,
@@ -62,7 +60,9 @@ from vlft.policies import (
     PrecisionPolicy,
     Reward,
 )
-from vlft.version import __version__
+from vlft.tokens import tokenize_pieces
+from vlft.userspec import user_attribute
+from vlft.version import __version__ as __version__  # re-exported: vlft.__version__
 
 __all__ = [
     "PLUGIN_API", "AdapterDefaults", "AttentionPolicy", "BackendHookimpl", "BackendInfo", "BackendUnavailable",

@@ -19,7 +19,7 @@ from typing import Any
 from vlft.errors import ConfigError
 
 
-def opt(default, help: str, **extra):
+def opt(default, help: str, **extra) -> Any:  # a dataclass field: Any, so each field keeps its own annotation
     """A config field with help text (shown by ``vlft run --help``)."""
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help, **extra})

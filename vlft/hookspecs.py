@@ -14,7 +14,8 @@ training step calls none of them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import pluggy
 
@@ -61,6 +62,7 @@ def vlft_backends() -> list[BackendInfo]:
 
     Every plugin's answer is collected; two plugins offering one name is an error.
     """
+    ...
 
 
 @hookspec
@@ -69,6 +71,7 @@ def vlft_methods() -> list[MethodInfo]:
 
     Every plugin's answer is collected; two plugins offering one name is an error.
     """
+    ...
 
 
 # -- backends ----------------------------------------------------------------
@@ -83,6 +86,7 @@ def vlft_model_families() -> list[ModelFamily]:
     owns naming them all. Plugins are asked last-registered first: a plugin takes over a family another
     offers (the same name, or the same model type) by registering after it or with ``tryfirst=True``.
     """
+    ...
 
 
 @hookspec(firstresult=True)
@@ -93,6 +97,7 @@ def vlft_default_model_family() -> str | None:
     The family must offer a tiny model (``tiny``). First answer wins: a plugin can make another
     family the default with ``tryfirst=True``.
     """
+    ...
 
 
 @hookspec
@@ -103,6 +108,7 @@ def vlft_bundled_model_configs() -> dict[str, Path]:
     ``vlft run --model NAME --dry-run`` plans it offline (``--model NAME`` without ``--dry-run`` says where
     to put the weights). Every plugin's answer is collected; the first plugin to offer a name wins.
     """
+    ...
 
 
 @hookspec(firstresult=True)
@@ -112,6 +118,7 @@ def vlft_probe_backend(backend: str) -> ProbeResult | None:
     First answer wins. Must never raise, and a plugin module must import
     nothing heavy (no vendor extension) at module import: probe inside here.
     """
+    ...
 
 
 @hookspec(firstresult=True)
@@ -121,6 +128,7 @@ def vlft_setup_device(backend: str, config: RunConfig) -> DeviceSetup | None:
     Sets the current device for the local rank (``config.local_rank``) and
     any environment the device needs. First answer wins.
     """
+    ...
 
 
 @hookspec(firstresult=True)
@@ -131,6 +139,7 @@ def vlft_attention_implementation(backend: str, config: RunConfig,
     ``config.attn`` carries the user's request (None for the default).
     First answer wins.
     """
+    ...
 
 
 @hookspec(firstresult=True)
@@ -140,6 +149,7 @@ def vlft_precision_policy(backend: str, config: RunConfig) -> PrecisionPolicy | 
     ``config.precision`` is "auto" or the user's choice; a backend that
     cannot honour the choice raises ``ConfigError`` saying why. First answer wins.
     """
+    ...
 
 
 @hookspec
@@ -149,6 +159,7 @@ def vlft_dataloader_options(backend: str, config: RunConfig, options: DataLoader
     Every plugin is called, so several may add to it (the owner first; use
     ``trylast`` to refine after it).
     """
+    ...
 
 
 @hookspec(firstresult=True)
@@ -159,6 +170,7 @@ def vlft_distributed_options(backend: str, config: RunConfig) -> DistributedOpti
     Also asked before torchrun starts when sharding is requested, so a backend without it is refused
     before any process starts. First answer wins.
     """
+    ...
 
 
 @hookspec
@@ -168,6 +180,7 @@ def vlft_seed(backend: str, seed: int, deterministic: bool) -> None:
     The core has already seeded Python, NumPy and torch's CPU generator.
     Every plugin is called; each acts only for backends it owns.
     """
+    ...
 
 
 @hookspec(firstresult=True)
@@ -177,6 +190,7 @@ def vlft_memory_reader(backend: str, device: torch.device) -> Callable[[], Memor
     Resolved once at set-up, so reports read memory without calling hooks.
     First answer wins.
     """
+    ...
 
 
 @hookspec(firstresult=True)
@@ -187,6 +201,7 @@ def vlft_device_capacity(backend: str, config: RunConfig) -> DeviceCapacity | No
     called where the device is absent (a dry run): answer
     ``DeviceCapacity(None, ...)`` then, never raise. First answer wins.
     """
+    ...
 
 
 @hookspec
@@ -201,6 +216,7 @@ def vlft_patch_model(backend: str, model: torch.nn.Module, config: RunConfig,
     Return a list of one-line descriptions of what was patched (or None).
     Every plugin is called.
     """
+    ...
 
 
 @hookspec
@@ -214,6 +230,7 @@ def vlft_kernel_patches(backend: str, config: RunConfig, model_config: transform
     base model. ``family`` gives the module paths (``kernels.vision_stem``, ``kernels.targets``). Every plugin is
     called; each answers for backends it owns (a third party may add patches to another's backend).
     """
+    ...
 
 
 # -- adapter methods -----------------------------------------------------------
@@ -226,6 +243,7 @@ def vlft_adapter_defaults(method: str, config: RunConfig) -> AdapterDefaults | N
     method's options and raise ``ConfigError`` naming an unknown or ill-typed
     one. First answer wins.
     """
+    ...
 
 
 @hookspec(firstresult=True)
@@ -242,11 +260,13 @@ def vlft_apply_adapter(method: str, model: torch.nn.Module, targets: list[str],
     Raise ``ConfigError`` when the method cannot adapt a target (say, no
     block size divides its width). First answer wins.
     """
+    ...
 
 
 @hookspec(firstresult=True)
 def vlft_save_adapter(method: str, model: torch.nn.Module, path: str) -> bool | None:
     """Save the adapter so that ``peft.PeftModel.from_pretrained(base, path)`` loads it. First answer wins."""
+    ...
 
 
 @hookspec(firstresult=True)
@@ -256,11 +276,13 @@ def vlft_load_adapter(method: str, model: torch.nn.Module, path: str,
 
     Used by ``--resume`` (``trainable`` True) and by predict, eval and export. First answer wins.
     """
+    ...
 
 
 @hookspec(firstresult=True)
 def vlft_merge_adapter(method: str, model: torch.nn.Module) -> torch.nn.Module | None:
     """Fold the adapter into the base weights; return the plain merged model. First answer wins."""
+    ...
 
 
 # -- objectives ----------------------------------------------------------------------------------------------
@@ -271,6 +293,7 @@ def vlft_objectives() -> list[ObjectiveInfo]:
 
     Every plugin's answer is collected; two plugins offering one name is an error.
     """
+    ...
 
 
 @hookspec(firstresult=True)
@@ -284,6 +307,7 @@ def vlft_objective(objective: str, config: RunConfig, rewards: dict[str, Reward]
     (GRPO); an implementation that does not need it leaves the argument out. The training step calls the
     answer's callables and no hook. First answer wins.
     """
+    ...
 
 
 @hookspec
@@ -292,6 +316,7 @@ def vlft_rewards() -> list[Reward]:
 
     Every plugin's answer is collected; two plugins offering one name is an error.
     """
+    ...
 
 
 @hookspec
@@ -303,6 +328,7 @@ def vlft_scorers() -> list[Scorer]:
     ``vlft_rewards``. Every plugin's answer is collected; two plugins offering one name (a scorer, or a scorer
     and a reward) is an error.
     """
+    ...
 
 
 # -- logging -------------------------------------------------------------------
@@ -317,6 +343,7 @@ def vlft_metric_sink(name: str, config: RunConfig) -> Callable[[Path], MetricSin
     called once, on rank 0, when the run folder exists; the training loop then calls only the sink's
     ``write(record)`` (the same dicts as ``metrics.jsonl``) and, at the end, ``close()``. First answer wins.
     """
+    ...
 
 
 # -- command line ---------------------------------------------------------------
@@ -324,6 +351,7 @@ def vlft_metric_sink(name: str, config: RunConfig) -> Callable[[Path], MetricSin
 @hookspec
 def vlft_register_commands(cli: click.Group) -> None:
     """Add click commands to the ``vlft`` command group ``cli``. Every plugin is called."""
+    ...
 
 
 # -- diagnosis --------------------------------------------------------------------
@@ -336,3 +364,4 @@ def vlft_doctor_checks(backend: str) -> list[DoctorCheck] | None:
     answer None for backends you know nothing about. Must never raise, and
     like probing it imports vendor extensions only inside the call.
     """
+    ...

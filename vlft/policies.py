@@ -4,8 +4,9 @@ loading, processes. The training step reads them; it calls no hooks. What each p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Callable
+from typing import Any
 
 from vlft.contracts import changed
 
@@ -259,5 +260,7 @@ _MOVED = frozenset({
 
 def __getattr__(name: str):
     if name in _MOVED:
-        raise ImportError(changed("import", "vlft.policies.<contract>").line().replace("<contract>", name), name=name)
+        change = changed("import", "vlft.policies.<contract>")
+        assert change is not None  # CHANGES lists the move
+        raise ImportError(change.line().replace("<contract>", name), name=name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

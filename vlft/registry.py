@@ -59,7 +59,7 @@ class Registry:
     def hook(self):
         return self.pm.hook
 
-    def refresh(self) -> "Registry":
+    def refresh(self) -> Registry:
         """Collect backend, method, objective, reward and scorer names; two plugins claiming one name is an
         error. Every scorer is a reward too (``Scorer.as_reward``), so a scorer and a reward of one name clash."""
         self.backends.clear()
@@ -76,7 +76,7 @@ class Registry:
             ("scorer", self.pm.hook.vlft_scorers, self.scorers),
         ):
             for impl in caller.get_hookimpls():
-                for info in impl.function() or []:
+                for info in impl.function() or []:  # pyright: ignore[reportGeneralTypeIssues]  # pluggy types results as object
                     key = (kind, info.name)
                     if key in self.owners:
                         raise VlftError(
@@ -118,7 +118,7 @@ class Registry:
                               + self._broken_hint())
         return self.objectives[name]
 
-    def objective_for(self, config) -> "Objective":
+    def objective_for(self, config) -> Objective:
         """The ``Objective`` of ``config.objective`` (asked of its plugin, with the reward functions on offer)."""
         info = self.objective(config.objective)
         return self.first("vlft_objective", objective=info.name, config=config, rewards=dict(self.rewards))

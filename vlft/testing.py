@@ -28,9 +28,10 @@ import inspect
 import json
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pluggy
 
@@ -276,7 +277,7 @@ def _check_targets(s: _Subject) -> str:
     for tower, (container, names) in towers.items():
         if not container:
             continue
-        count = len(resolve_module(model, container))
+        count = len(resolve_module(model, container))  # pyright: ignore[reportArgumentType]  # a ModuleList, typed Module
         hits = [n for n in found.modules if n.startswith(container + ".")]
         problems += [f"{tower} target '{name}' is an nn.Linear in none of the {count} {container} entries"
                      for name in names if not any(h.endswith("." + name) for h in hits)]
@@ -472,7 +473,7 @@ def _check_adapter(s: _Subject) -> str:
                         target_parameters=targets.parameters or None, init_lora_weights=False)
     adapted = get_peft_model(model, config).eval()
     folder = s.folder / "adapter"
-    adapted.save_pretrained(folder)
+    adapted.save_pretrained(str(folder))
     reloaded = PeftModel.from_pretrained(s.model(), folder).eval()
     with torch.no_grad():
         mine, theirs = adapted(**inputs).logits, reloaded(**inputs).logits
@@ -501,7 +502,7 @@ def _check_mixed_step(s: _Subject) -> str:
     losses = [m["loss"] for m in result.metrics or [] if "loss" in m]
     if len(losses) != 2 or not all(math.isfinite(x) for x in losses):
         return f"the run logged losses {losses}, not 2 finite ones"
-    if not (result.output / "adapter" / "adapter_model.safetensors").is_file():
+    if result.output is None or not (result.output / "adapter" / "adapter_model.safetensors").is_file():
         return "the run wrote no adapter"
     return ""
 

@@ -241,7 +241,7 @@ def _fused(family, npu, name: str, op: str, role: str, replaces: str) -> KernelP
         ok, why = False, f"model family {family.name if family else '(none)'} names no {role} modules"
     else:
         ok, why = True, f"torch_npu.{op} on {', '.join(t.rsplit(':', 1)[-1] for t in targets)}"
-    apply = None
+    apply = None  # pyright: ignore[reportAssignmentType]  # no patch unless a branch below defines one
     if ok and role == "rms_norm":
         def apply(model, _t=targets):
             n, _ = apply_module_forward(model, _t, _rms_norm_forward(npu))

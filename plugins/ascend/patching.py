@@ -33,8 +33,8 @@ def patch_attention(model, policy: AttentionPolicy, family=None) -> list[str]:
         if want != "eager" or current in (None, "eager"):
             continue
         if isinstance(getattr(type(cfg), "_attn_implementation", None), property):
-            cfg._attn_implementation = {"": "eager"}  # transformers' setter: this config only, not its sub-configs
+            cfg._attn_implementation = {"": "eager"}  # pyright: ignore[reportAttributeAccessIssue]  # a config; transformers' setter: this config only, not its sub-configs
         else:
-            cfg._attn_implementation = "eager"
+            cfg._attn_implementation = "eager"  # pyright: ignore[reportAttributeAccessIssue]  # a transformers config
         patched.append(f"{name} ({tower}): {current} attention -> eager")
     return patched

@@ -23,7 +23,6 @@ from importlib.metadata import PackageNotFoundError, version
 
 from vlft import KernelPatch
 
-
 DEVICE_TEST = ("tests/hardware/test_kernels_on_device.py::"
                "test_cuda_kernel_patches_take_effect_and_match_the_unpatched_model")
 # Liger names its entry points after transformers' model_type (apply_liger_kernel_to_qwen2_5_vl); which parts
@@ -142,7 +141,7 @@ def _liger_status(model_config, family) -> tuple[bool, str, str | None]:
                        "(kernels.targets), so Liger's patches are not offered for it"), None
     fn = LIGER_ENTRY.format(model_type=model_type)
     try:
-        import liger_kernel.transformers as lt
+        import liger_kernel.transformers as lt  # pyright: ignore[reportMissingImports]  # the liger extra, opt-in
 
         if not hasattr(lt, fn):
             return False, f"this liger_kernel has no {fn}", None
@@ -160,7 +159,7 @@ def _version(dist: str) -> str:
 
 def _apply_liger(fn: str, switch: str):
     def apply(model) -> str:
-        import liger_kernel.transformers as lt
+        import liger_kernel.transformers as lt  # pyright: ignore[reportMissingImports]  # the liger extra, opt-in
 
         flags = {"rope": False, "rms_norm": False, "swiglu": False, "cross_entropy": False,
                  "fused_linear_cross_entropy": False, switch: True}
@@ -187,7 +186,7 @@ def _liger(model_config, family) -> list[KernelPatch]:
             condition=f"liger_kernel installed (the vlft[liger] extra) with {LIGER_ENTRY}, and the model family "
                       f"names its '{role}' kernel target",
             available=part_ok, default=False, reason=part_why,
-            apply=_apply_liger(fn, switch) if part_ok else None,
+            apply=_apply_liger(fn, switch) if part_ok and fn is not None else None,
             check=DEVICE_TEST,
         ))
     flce_why = why if not ok else (

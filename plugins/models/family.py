@@ -14,10 +14,11 @@ from __future__ import annotations
 import importlib
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 from vlft import (
     Experts,

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 from vlft import Chat, ModelFamily, Packing, Sharding, Targets, Tiny, Towers
 
@@ -52,7 +53,7 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<vi
 # task (`vlft run --model embedded:llava-onevision --steps 300 --lr 3e-3`): loss 6.06 -> 0.54, exact match 62%
 # (colour 100%, defect 62%), against exact match 20% (defect 20%) with 32 px tiles of 8 px patches (the 112 px
 # image then shrunk to 64 px)
-RECIPE = {
+RECIPE: dict[str, Any] = {
     "version": 1,
     "family": NAME,
     "seed": 1234,
@@ -215,7 +216,7 @@ def build_tiny(path: Path, recipe: dict | None = None, corpus=None) -> None:
 
     r = recipe or RECIPE
     tokenizer = _tiny.build_tokenizer(r["vocab_size"], SPECIAL_TOKENS, (), corpus)
-    ids = tokenizer.convert_tokens_to_ids
+    ids = _tiny.token_ids(tokenizer)
     config = LlavaOnevisionConfig(
         text_config=dict(r["text"], model_type="qwen2", vocab_size=len(tokenizer), bos_token_id=ids("<|endoftext|>"),
                          eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
@@ -235,8 +236,8 @@ def build_tiny(path: Path, recipe: dict | None = None, corpus=None) -> None:
                 if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)):
                     m.weight.normal_(0.0, r["vision_initializer_range"])
         emb = model.get_input_embeddings().weight
-        emb.normal_()
-        emb.mul_(r["embedding_row_norm"] / emb.norm(dim=-1, keepdim=True))
+        emb.normal_()  # pyright: ignore[reportCallIssue]  # a module's attribute, typed Tensor | Module
+        emb.mul_(r["embedding_row_norm"] / emb.norm(dim=-1, keepdim=True))  # pyright: ignore[reportCallIssue]  # as above
     _tiny.finish_generation_config(model, tokenizer)
     _tiny.save_atomically(path, model, make_processor(tokenizer, r), r)
 

@@ -28,9 +28,9 @@ is built or loaded; the plugin registers, and plans offline, without them.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 from vlft import Chat, Experts, Kernels, Targets, Tiny
 
@@ -97,7 +97,7 @@ def _build(path: Path, recipe: dict, moe: bool, corpus=None) -> None:
                  else transformers.Qwen3_5ForConditionalGeneration)
     config = cfg_cls(**_tiny.qwen3_config_kwargs(recipe, tokenizer, tie_word_embeddings=True))
     torch.manual_seed(recipe["seed"])
-    model = model_cls(config)
+    model = model_cls(config)  # pyright: ignore[reportArgumentType]  # both classes chosen by moe: they match
     _tiny.initialise(model, recipe["seed"], recipe["vision_initializer_range"], recipe["embedding_row_norm"])
     if moe:
         with torch.no_grad():
@@ -142,7 +142,7 @@ TARGETS = Targets(
     # linear_attn.in_proj_a / in_proj_b (per-head gates, hidden -> num_value_heads) exist but are no targets
     text_mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
 )
-_COMMON = dict(
+_COMMON: dict[str, Any] = dict(
     packing_refusal=PACKING_REFUSAL,  # qwen_family makes it the family's Packing capability's refusal
     towers=QWEN_TOWERS,
     chat=Chat(processor_class="Qwen3VLProcessor", load_processor=q3vl.load_processor,

@@ -13,6 +13,7 @@ is built or loaded; the plugin registers, and plans offline, without them.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from vlft import Chat, Kernels, ModelFamily, Targets, Tiny, Towers
 
@@ -27,7 +28,7 @@ IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS = 65536, 16777216
 VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS = 4096, 25165824
 IMAGE_MEAN = IMAGE_STD = [0.5, 0.5, 0.5]
 
-RECIPE = {
+RECIPE: dict[str, Any] = {
     "version": 1,
     "family": NAME,
     "seed": 1234,
@@ -61,7 +62,7 @@ def make_processor(tokenizer, recipe: dict | None = None, image_processor=None, 
 
     r = recipe or RECIPE
     v = r.get("vision", {})
-    common = dict(patch_size=v.get("patch_size", 16), merge_size=v.get("spatial_merge_size", 2),
+    common: dict[str, Any] = dict(patch_size=v.get("patch_size", 16), merge_size=v.get("spatial_merge_size", 2),
                   temporal_patch_size=v.get("temporal_patch_size", 2), image_mean=IMAGE_MEAN, image_std=IMAGE_STD)
     if image_processor is None:
         image_processor = Qwen2VLImageProcessor(

@@ -18,9 +18,9 @@ is built or loaded; the plugin registers, and plans offline, without them.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 from vlft import Experts, Kernels, Tiny
 
@@ -30,7 +30,7 @@ from .family import QWEN_VISION_STEM, fused_experts_load_kwargs, qwen_family
 
 NAME = "qwen3-vl-moe"
 
-RECIPE = dict(dense.RECIPE, version=1, family=NAME,
+RECIPE: dict[str, Any] = dict(dense.RECIPE, version=1, family=NAME,
               text=dict(dense.RECIPE["text"], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                         decoder_sparse_step=1, mlp_only_layers=[]))
 

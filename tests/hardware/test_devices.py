@@ -194,8 +194,8 @@ def test_cuda_nf4_trains_on_4bit_weights_and_exports_merged_into_them(tmp_path, 
     are the trained 4-bit model's (base + adapter) to bf16 rounding, and not the base's."""
     pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes: pip install 'vlft[qlora]'")
     import bitsandbytes as bnb
-    from helpers import cli_invoke, export_logits
 
+    from helpers import cli_invoke, export_logits
     from vlft.data.records import read_records
 
     if capability() < (8, 0):
@@ -249,8 +249,8 @@ def test_npu_default_policy_is_fp16_with_loss_scaling_and_eager_attention(method
 @pytest.mark.npu
 def test_npu_patch_reroutes_a_model_loaded_with_sdpa_to_eager_on_the_device(model_dir, processor, data):
     from hardware.checks import Observer
-    from helpers import base_model
 
+    from helpers import base_model
     from vlft.config import RunConfig
     from vlft.data.batching import collator_for, model_inputs, to_device
     from vlft.data.encoding import SampleEncoder

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import embedded_family
 
+from helpers import embedded_family
 from vlft.commands.parity import TOLERANCES, WorkerOptions, compare, run_worker, tolerance_for
 from vlft.config import build_config
 from vlft.data.batching import collator_for
@@ -238,9 +238,9 @@ def test_vlft_parity_command_prints_the_table_and_exits_1_beyond_tolerance(small
     that second verdict replays the first call's worker results through the command in this process (a
     stand-in for the workers, which already ran for real), rather than training the same steps again."""
     from click.testing import CliRunner
-    from helpers import vlft_command
 
     import vlft.commands.parity
+    from helpers import vlft_command
     from vlft.cli import cli
 
     tight_path = tmp_path / "tight.json"

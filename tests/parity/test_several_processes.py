@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import base_model, run_flags, vlft_command
 
+from helpers import base_model, run_flags, vlft_command
 from vlft.config import build_config
 
 HERE = Path(__file__).resolve().parent
@@ -249,7 +249,6 @@ def test_a_sharded_checkpoint_is_not_resumed_without_sharding(sharded):
 def test_a_backend_without_sharding_is_refused_before_any_process_group(small_data, tmp_path):
     """ToyPlugin's backend answers DistributedOptions("gloo") and says nothing of FSDP."""
     from test_run import ToyPlugin
-
     from vlft.builtin.commands import check_sharding
     from vlft.commands.run import execute
     from vlft.errors import ConfigError

@@ -67,6 +67,7 @@ def run(ctx, config_file, as_json, verbose, quiet, nproc_per_node, nnodes, node_
         raise
     if config.dry_run:
         desc = result.description
+        assert desc is not None  # a dry run's result describes its plan
         click.echo(json.dumps(desc, indent=2, default=str) if as_json else format_plan(desc, verbose=verbose))
         if desc["memory"] and desc["memory"]["fits"] is False and not config.no_memory_check:
             raise click.ClickException("this run will not fit its device; the memory plan above names the fixes")

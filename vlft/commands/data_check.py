@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -70,7 +71,7 @@ def check(files, model, image_root, add_placeholders, columns, max_pixels, video
     if chosen.encoder is not None:
         encoder = chosen.encoder(encoder)
     mapping = parse_columns(columns)
-    report = {"files": [], "problems": [], "notes": []}
+    report: dict[str, Any] = {"files": [], "problems": [], "notes": []}
     measured = []
     for name in files:
         entry = {"file": name}

@@ -38,7 +38,7 @@ from vlft.training.trainer import RunOutput, Trainer, build_trainer
 @dataclass
 class RunResult:
     output: Path | None
-    plan: RunPlan
+    plan: RunPlan | None  # None: --resume found the run complete
     before: dict | None = None
     after: dict | None = None
     metrics: list | None = None
@@ -252,7 +252,7 @@ def evaluate_after(trainer: Trainer) -> tuple[dict | None, str | None]:
         if validation is not None:
             after["validation"] = validation
         return after, None
-    except Exception as e:  # noqa: BLE001 - an out-of-memory or any bug: the trained adapter is kept
+    except Exception as e:
         if trainer.distributed:
             raise  # the other processes wait in the evaluation's collectives: stop them all
         error = f"{e.__class__.__name__}: {e}"

@@ -4,8 +4,9 @@ diagnosis lines and kernel patches. The run's policies (attention, precision, da
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from vlft.contracts import contract
 

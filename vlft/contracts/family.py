@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable
+from typing import Any
 
 from vlft.contracts import contract
-
 
 # A family is a small required core (name, model types, towers), groups with defaults (targets, chat, kernels)
 # and capabilities it fills only when it has them: image inputs, video inputs, positions, packing, sharding,
@@ -330,7 +330,7 @@ class ModelFamily:
     tiny: Tiny | None = field(default=None, compare=False, metadata={
         "help": "The family's tiny embedded model (vlft.Tiny). None: no `--model embedded:<name>`."})
 
-    def owns(self, model_type: str) -> bool:
+    def owns(self, model_type: str | None) -> bool:
         return model_type in self.model_types
 
     def label(self) -> str:

@@ -46,9 +46,9 @@ def _processor_prepare(processor_kwargs, processor, media: Media, max_pixels=Non
     from PIL import Image
 
     images = media.images if media.images is not None else [Image.new("RGB", size) for size in media.sizes]
-    capped = processor_kwargs is not None and max_pixels is not None
-    return images, media.where, (max_pixels if capped else None), \
-        (dict(processor_kwargs(processor, max_pixels)) if capped else {})
+    if processor_kwargs is None or max_pixels is None:
+        return images, media.where, None, {}
+    return images, media.where, max_pixels, dict(processor_kwargs(processor, max_pixels))
 
 
 def _processor_write(wanted: dict, grid, reshape, image_grids, processor, texts: list[str], prepared) -> Written:

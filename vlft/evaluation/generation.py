@@ -16,8 +16,8 @@ from vlft.data.batching import collator_for, to_device
 from vlft.data.encoding import SampleEncoder
 from vlft.data.records import Record
 from vlft.evaluation.scoring import score
-from vlft.planning.scorers import choose_scorers, scoring_context
 from vlft.models.loss import autocast_context
+from vlft.planning.scorers import choose_scorers, scoring_context
 from vlft.training.fsdp import root_gathered
 
 

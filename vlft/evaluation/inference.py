@@ -12,13 +12,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from vlft.config import build_config
 from vlft.data.encoding import SampleEncoder
 from vlft.errors import ConfigError, VlftError
-from vlft.models.adapter_folders import AdapterSource, locate_adapter  # noqa: F401 - importable from here as before
+from vlft.models.adapter_folders import AdapterSource, locate_adapter
 from vlft.models.bundled import require_weights
 from vlft.models.loading import (
     dequantized,
@@ -29,7 +30,7 @@ from vlft.models.loading import (
 )
 from vlft.planning.kernels import apply_kernels
 from vlft.planning.memory import four_bit_skip
-from vlft.planning.plan import choose_backend, require_available, resolve_policies
+from vlft.planning.plan import RunPlan, choose_backend, require_available, resolve_policies
 from vlft.registry import Registry
 
 
@@ -37,12 +38,12 @@ from vlft.registry import Registry
 class Loaded:
     """A model ready for inference, with everything needed to encode inputs and report what ran."""
 
-    model: object
-    processor: object
-    encoder: object
-    device: object
-    autocast_dtype: object
-    plan: object  # plan.RunPlan: backend, precision, attention as resolved
+    model: Any  # a transformers model, or the PEFT model that wraps it
+    processor: Any  # the checkpoint's transformers processor
+    encoder: SampleEncoder
+    device: torch.device
+    autocast_dtype: torch.dtype | None
+    plan: RunPlan  # backend, precision, attention as resolved
     model_path: str
     source: AdapterSource | None
 
@@ -131,7 +132,7 @@ def load_for_inference(registry: Registry, adapter: str | AdapterSource | None, 
                 f"({e.__class__.__name__}: {first[:300]}). It was trained on {source.base_model}; "
                 "pass that model with --model"
             ) from None
-    net.to(device)
+    net.to(device)  # pyright: ignore[reportArgumentType]  # transformers' to() overloads misread a model
     net.eval()
     autocast = getattr(torch, plan.precision.autocast_dtype) if plan.precision.autocast_dtype else None
     encoder = SampleEncoder(processor, max_pixels=config.max_pixels, family=family)

@@ -20,6 +20,7 @@ from pathlib import Path
 from vlft.data import demo as demo_data
 from vlft.errors import ConfigError
 
+
 def cache_root() -> Path:
     return Path(os.environ.get("VLFT_CACHE", Path.home() / ".cache" / "vlft"))
 

@@ -83,7 +83,7 @@ def load_processor(path: str, family, registry):
 
     try:
         return (family.chat.load_processor or AutoProcessor.from_pretrained)(path)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - a processor's loader raises many classes; each becomes a ConfigError
         raise ConfigError(f"cannot load the processor (tokenizer, image processor) from {path}: {e}") from None
 
 
@@ -159,7 +159,7 @@ def four_bit_config(precision, keep_float=()):
                               llm_int8_skip_modules=list(keep_float) or None)
 
 
-def tower_attention(model) -> dict[str, str]:
+def tower_attention(model) -> dict[str, str | None]:
     """The attention implementation each tower actually uses, read back from the loaded model."""
     cfg = model.config
     return {

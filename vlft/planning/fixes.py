@@ -60,6 +60,7 @@ def _settle_checkpointing(plan: MemoryPlan, asked: str) -> None:
 
 
 def _usable(plan: MemoryPlan) -> float:
+    assert plan.capacity_bytes is not None  # asked only where the device's capacity is known
     return plan.capacity_bytes * (1 - HEADROOM)
 
 

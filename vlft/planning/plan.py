@@ -350,6 +350,12 @@ def _tower_names(stacks: dict[str, set[int]], summary: dict) -> dict[str, str]:
     return names
 
 
+def _rest(name: str) -> str:
+    split = _split_name(name)
+    assert split is not None  # a name grouped under a layer has its number
+    return split[2]
+
+
 def group_modules(modules: dict[str, int | None], summary: dict) -> list[str]:
     """The adapted modules, one line per tower and layer range: ``vision blocks 26-31: qkv, proj (12 modules,
     1.8 M)``. The layer is the first number segment of each dotted name and the stack the path before it,
@@ -368,12 +374,12 @@ def group_modules(modules: dict[str, int | None], summary: dict) -> list[str]:
     for stack, layers in stacks.items():
         container = stack.rsplit(".", 1)[-1]
         label = f"{towers[stack]} {container}" if stack in towers else stack
-        rests = {_split_name(n)[2] for names in layers.values() for n in names}
+        rests = {_rest(n) for names in layers.values() for n in names}
         leaves = {r.rsplit(".", 1)[-1] for r in rests}
         short = len(leaves) == len(rests)  # the leaf names are enough when no two modules share one
 
-        def kinds(names):
-            return tuple((r.rsplit(".", 1)[-1] if short else r) for r in (_split_name(n)[2] for n in names))
+        def kinds(names, short=short):
+            return tuple((r.rsplit(".", 1)[-1] if short else r) for r in (_rest(n) for n in names))
 
         runs: list[list[int]] = []
         for index in sorted(layers):

@@ -24,13 +24,13 @@ from vlft.contracts.backend import DeviceCapacity
 from vlft.data.columnar import data_files, unread_columns
 from vlft.data.demo import RECOMMENDED_EPOCHS, write_demo_dataset
 from vlft.data.encoding import SampleEncoder
+from vlft.data.lazy import concat, read_compact, take, weighted
+from vlft.data.lazy import media_files as lazy_media
+from vlft.data.lazy import modalities as lazy_modalities
 from vlft.data.lengths import LengthReport, check_lengths
 from vlft.data.order import DataOrder, run_micro_batches, total_steps_for
 from vlft.data.packing import padding_ratio, settle_auto
 from vlft.data.records import MAX_REPORTED_PROBLEMS
-from vlft.data.lazy import concat, read_compact, take, weighted
-from vlft.data.lazy import media_files as lazy_media
-from vlft.data.lazy import modalities as lazy_modalities
 from vlft.errors import ConfigError, DataError
 from vlft.floors import require_torch
 from vlft.models.adapting import compute_adapters_in_autocast_dtype

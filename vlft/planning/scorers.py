@@ -16,8 +16,8 @@ import math
 from dataclasses import dataclass, field
 
 from vlft.contracts.scorer import Scorer
-from vlft.userspec import user_attribute
 from vlft.errors import ConfigError
+from vlft.userspec import user_attribute
 
 AUTO = "auto"
 MAX_NAMED = 5  # records named in an error about references a scorer cannot read
@@ -81,7 +81,7 @@ def user_scorer(spec: str) -> Scorer:
         return found
     if not callable(found):
         raise ConfigError(f"--scorer {spec}: {module_name} has no function '{attr}'")
-    return Scorer(attr, f"{spec} (your function: its mean)", found)
+    return Scorer(attr, f"{spec} (your function: its mean)", found)  # pyright: ignore[reportArgumentType]  # checked callable
 
 
 def finite(v) -> bool:

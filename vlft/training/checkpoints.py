@@ -21,8 +21,9 @@ import pickle
 import random
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -240,7 +241,8 @@ def remove_partial(root: Path) -> list[Path]:
 def rng_state(device: torch.device) -> dict:
     """Plain values and tensors only, so that ``state.pt`` loads with ``weights_only=True``."""
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    numpy_state = [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]
+    numpy_state = [name, torch.from_numpy(keys.astype(np.int64)),  # pyright: ignore[reportAttributeAccessIssue]  # legacy tuple form
+                   int(pos), int(has_gauss), float(cached)]
     state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if device.type != "cpu":
         state["device"] = torch.get_device_module(device.type).get_rng_state()
@@ -284,7 +286,7 @@ def load_state(path: Path) -> dict:
 
     allowed = [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
     multiarray = getattr(np, "_core", None) or np.core
-    allowed.append(multiarray.multiarray._reconstruct)
+    allowed.append(multiarray.multiarray._reconstruct)  # pyright: ignore[reportAttributeAccessIssue]  # numpy 1's np.core
     try:
         with torch.serialization.safe_globals(allowed):
             return torch.load(path, map_location="cpu", weights_only=True)

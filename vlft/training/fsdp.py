@@ -152,7 +152,7 @@ OPTIMIZER_DIR = "optimizer"
 def save_optimizer(model, optimizer, folder) -> None:
     """Each process writes its shard of the optimizer state under ``folder`` (collective)."""
 
-    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(folder))
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(folder))  # pyright: ignore[reportPrivateImportUsage]  # torch re-exports it without __all__
 
 
 def load_optimizer(model, optimizer, folder) -> None:
@@ -160,5 +160,5 @@ def load_optimizer(model, optimizer, folder) -> None:
     than the one that wrote it is re-sharded by torch.distributed.checkpoint."""
 
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, checkpoint_id=str(folder))
+    dcp.load(state, checkpoint_id=str(folder))  # pyright: ignore[reportPrivateImportUsage]  # torch re-exports it without __all__
     set_optimizer_state_dict(model, optimizer, state["optimizer"])

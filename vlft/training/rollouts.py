@@ -14,7 +14,8 @@ rollout, and resuming from it continues exactly as the uninterrupted run.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class KeptRollout:

@@ -164,7 +164,7 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], policy: S
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
     grad_norm = grad_norm.detach()
     if hasattr(grad_norm, "full_tensor"):  # sharded gradients: the norm over all shards, the same on every process
-        grad_norm = grad_norm.full_tensor()
+        grad_norm = grad_norm.full_tensor()  # pyright: ignore[reportAttributeAccessIssue]  # a DTensor, from sharded gradients
     # gradients are all-reduced, the loss is not: with several processes only the gradient decides, so
     # every rank skips the same steps
     finite = torch.isfinite(grad_norm)
