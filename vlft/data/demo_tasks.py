@@ -33,14 +33,17 @@ def _background(rng: random.Random) -> Image.Image:
 
 
 def draw_discs(n: int, rng: random.Random) -> Image.Image:
-    """``n`` dark discs of radius 10 to 13 in separate cells of a 2 x 2 grid (so none overlap)."""
+    """``n`` dark discs of radius 19 to 23 near the middles of separate cells of a 2 x 2 grid: each darkens most of
+    its cell (about 12% of the image a disc), so the count shows in how much of the image is dark. Discs of
+    radius 10 to 13 anywhere in their cells darkened too little of it: in 100 steps the embedded model answered
+    one count for every image."""
     img = _background(rng)
     d = ImageDraw.Draw(img)
     half = IMAGE_SIZE // 2
     for cell in rng.sample(range(4), n):
-        r = rng.randint(10, 13)
-        cx = (cell % 2) * half + rng.randint(r + 4, half - r - 4)
-        cy = (cell // 2) * half + rng.randint(r + 4, half - r - 4)
+        r = rng.randint(19, 23)
+        cx = (cell % 2) * half + half // 2 + rng.randint(-3, 3)
+        cy = (cell // 2) * half + half // 2 + rng.randint(-3, 3)
         d.ellipse((cx - r, cy - r, cx + r, cy + r), fill=(30, 30, 30))
     return img
 
