@@ -150,23 +150,25 @@ def test_a_grounding_run_picks_iou_in_the_familys_convention_and_it_rises(ground
 
 
 def test_grpo_with_the_iou_scorer_as_reward_raises_the_validation_iou(grounding, grounding_run, tmp_path):
-    """`--reward iou` from the grounding adapter: 16 steps of 2 prompts x 4 completions (temperature 0.7, lr
+    """`--reward iou` from the grounding adapter: 12 steps of 4 prompts x 8 completions (temperature 0.7, lr
     3e-4, the KL to the adapter it starts from at beta 0.04) raise the greedy answers' IoU on the validation
-    records; the reward, in [0, 1], is logged each step."""
+    records (measured: 66.7% to 82.5%; seed 2, to 79.8%); the reward, in [0, 1], is logged each step. With 2
+    prompts x 4 completions a step the figure moved both ways with the seed and the step count (docs/scorers.md)."""
     train, val = grounding
     out = tmp_path / "grpo"
     code, output = cli_invoke("run", "--objective", "grpo", "--reward", "iou", "--init-adapter", grounding_run[0],
-                              "--backend", "cpu", "--data", train, "--val-data", val, "--output", out, "--steps", 16,
-                              "--batch-size", 2, "--num-generations", 4, "--max-new-tokens", 24, "--temperature",
+                              "--backend", "cpu", "--data", train, "--val-data", val, "--output", out, "--steps", 12,
+                              "--batch-size", 4, "--num-generations", 8, "--max-new-tokens", 24, "--temperature",
                               "0.7", "--lr", "3e-4", "--log-every", 1, "--eval-every", 0, "--eval-samples", 12,
                               "--save-every", 0, "--seed", 1, "--adapter-opt", "lora_dropout=0")
     assert code == 0, output
     steps = [m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
-    assert len(steps) == 16 and all(0 <= m["reward"] <= 1 for m in steps)
+    assert len(steps) == 12 and all(0 <= m["reward"] <= 1 for m in steps)
     ev = json.loads((out / "eval.json").read_text())
     # before: the adapter it starts from, the grounding run's after
     assert ev["before"]["iou"] == json.loads((grounding_run[0] / "eval.json").read_text())["after"]["iou"]
     assert ev["after"]["iou"] > ev["before"]["iou"] + 0.05
+    assert ev["after"]["iou_accuracy"] > ev["before"]["iou_accuracy"]
     row = next(line for line in output.splitlines() if line.startswith("iou "))
     assert row.split()[-2:] == [f"{ev['before']['iou']:.1%}", f"{ev['after']['iou']:.1%}"]
 

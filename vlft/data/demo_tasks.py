@@ -1,15 +1,15 @@
 """Synthetic sets for the scorers' kinds of task (``vlft demo-data OUT --task counting|grounding``), written as the
 product-inspection set is (JSONL with relative image paths, ``imgs/``, deterministic for a seed).
 
-- ``counting``: one to three bold discs on a light background; "How many discs are there?" is answered with the
-  number alone (``2``), so ``--scorer auto`` picks relaxed accuracy.
-- ``grounding``: one coloured square (64 pixels, in one of 9 places); "Where is the square?" is answered with its box ``[x1, y1, x2, y2]`` in the
-  model family's coordinate convention (``absolute``: pixels of the 112-pixel image, which Qwen2.5-VL's processor
-  keeps at that size; ``relative-1000``; ``relative-1``), so ``auto`` picks IoU.
+- ``counting``: one to three large dark discs on a light background; "How many discs are there?" is answered
+  with the number alone (``2``), so ``--scorer auto`` picks relaxed accuracy.
+- ``grounding``: one coloured square (64 pixels, in one of 9 places); "Where is the square?" is answered with its
+  box ``[x1, y1, x2, y2]`` in the model family's coordinate convention (``absolute``: pixels of the 112-pixel
+  image, which Qwen2.5-VL's processor keeps at that size; ``relative-1000``; ``relative-1``), so ``auto`` picks IoU.
 
-The embedded model starts from random weights: in 100 steps of 4 it learns where the square is (IoU 0.0 to 1.0 on
-12 validation records); in 40 it learns to answer counting with a count (relaxed accuracy 0 to a third: the same
-count for every image), reading the discs takes it longer.
+The embedded model starts from random weights: in 40 steps of 4 it learns to count the discs (relaxed accuracy
+0 to 1.0 on 12 validation records); in 60 it learns where the square is for most images (IoU 0 to 0.67), and
+GRPO with ``--reward iou`` raises that (docs/scorers.md has the figures).
 """
 
 from __future__ import annotations
