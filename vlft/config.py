@@ -114,8 +114,8 @@ class RunConfig:
     eval_samples: int = opt(200, "Validation samples for the before/after generation test (0: all).")
     max_new_tokens: int = opt(32, "Longest generated answer in evaluation, and (GRPO) of each sampled completion.")
     scorer: str = opt("auto", "How the before/after test scores the answers: scorers by name, comma-separated "
-                              "(built in: exact, fields, anls, relaxed, choice, iou, bleu, rouge, cer, json; see `vlft "
-                              "scorers`), auto (exact match, plus fields, relaxed, iou or json where every validation "
+                              "(built in: exact, fields, anls, relaxed, choice, iou, bleu, rouge, cider, cer, json; see "
+                              "`vlft scorers`), auto (exact match, plus fields, relaxed, iou or json where every validation "
                               "reference takes that form; the plan says which) or your MODULE:FUNCTION.",
                       metavar="NAME[,NAME]")
     save_every: int = opt(200, "Checkpoint every N steps (0: only at the end).")

@@ -172,7 +172,7 @@ def eval_output(output: str | None, source, data: str) -> Path:
 @click.option("--compare-base", is_flag=True, help="Also score the base model (adapter off) on the same records.")
 @click.option("--scorer", default="auto", show_default=True, metavar="NAME[,NAME]",
               help="Scorers by name, comma-separated (see `vlft scorers`; built in: exact, fields, anls, relaxed, "
-                   "choice, iou, bleu, rouge, cer, json), auto (exact match, plus fields, relaxed, iou or json where "
+                   "choice, iou, bleu, rouge, cider, cer, json), auto (exact match, plus fields, relaxed, iou or json where "
                    "every reference takes that form) or your MODULE:FUNCTION, as `vlft run --scorer`.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @user_errors  # params: click passes each option as an argument of its own
