@@ -17,7 +17,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # OpenMP's wait policy is left as it is: PASSIVE keeps a busy machine's figures usable but doubles a
 # quiet machine's step time (measured: 0.055 s -> 0.107 s per embedded LoRA step on 2 cores), which
 # would misstate every absolute figure. Run `make bench` on a quiet machine.
-import pytest  # noqa: E402
+import pytest
 
 
 def _default_threads() -> int:
@@ -65,21 +65,24 @@ def env(request):
 def embedded_size():
     from bench.support.models import model_size
     from vlft.models.embedded import embedded_model_dir
+    from vlft.registry import load_registry
 
-    return model_size("embedded", str(embedded_model_dir()))
+    registry = load_registry()
+    return model_size("embedded", str(embedded_model_dir(registry)), registry)
 
 
 def _built_size(name: str, recipe: dict):
     """A bench model size built once from ``recipe`` into VLFT_CACHE (folder named by the recipe's hash)."""
     from bench.support.models import model_size
     from vlft.models.embedded import cache_root, tokenizer_corpus
+    from vlft.registry import load_registry
     from vlft_models._tiny import recipe_hash
     from vlft_models.qwen2_vl import build_tiny_2_5
 
     path = cache_root() / f"bench-{name}-qwen2_5_vl-{recipe_hash(recipe)}"
     if not (path / "config.json").exists():
         build_tiny_2_5(path, recipe, corpus=tokenizer_corpus())
-    return model_size(name, str(path))
+    return model_size(name, str(path), load_registry())
 
 
 @pytest.fixture(scope="session")
@@ -120,7 +123,7 @@ def qwen3_vl_size(env):
     from vlft.models.families import family_named
 
     family = family_named(env.registry, "qwen3-vl")
-    return model_size("qwen3-vl", str(embedded_family_dir(family)), family)
+    return model_size("qwen3-vl", str(embedded_family_dir(family)), env.registry, family)
 
 
 def size_named(request):

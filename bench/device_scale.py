@@ -61,21 +61,21 @@ def run(backend: str, out: Path, steps: int, methods: list[str], model_name: str
     from transformers import AutoModelForImageTextToText
 
     from vlft import measure
-    from vlft.planning import memory, trace
     from vlft.config import build_config
-    from vlft.models.adapting import compute_adapters_in_autocast_dtype, enable_checkpointing, upcast_trainable
-    from vlft.models.loading import load_model_config, resolve_model_path
-    from vlft.planning.plan import choose_backend, require_available, resolve_plan
-    from vlft.registry import load_registry
-    from vlft.planning.preflight import plan_targets
-    from vlft.training.step import StepPolicy, train_step
     from vlft.data.batching import label_count, to_device
+    from vlft.models.adapting import compute_adapters_in_autocast_dtype, enable_checkpointing, upcast_trainable
+    from vlft.models.loading import model_config_and_family, resolve_model_path
+    from vlft.planning import memory, trace
+    from vlft.planning.plan import choose_backend, require_available, resolve_policies
+    from vlft.planning.preflight import plan_targets
+    from vlft.registry import load_registry
+    from vlft.training.step import StepPolicy, train_step
 
     registry = load_registry()
     choice = choose_backend(registry, backend)
     require_available(choice)
-    path = resolve_model_path(model_name)
-    model_config = load_model_config(path)
+    path = resolve_model_path(model_name, registry)
+    model_config, family = model_config_and_family(path, registry)
     results = {"backend": choice.info.name, "versions": choice.probe.versions, "model": model_name,
                "settings": {"batch": BATCH, "text_tokens": text, "image": f"{side}x{side}",
                             "targets": f"text attention + last {VISION_LAST_N} vision blocks"}, "runs": []}
@@ -88,19 +88,20 @@ def run(backend: str, out: Path, steps: int, methods: list[str], model_name: str
                                        "grad_checkpointing": ckpt})
             setup = registry.first("vlft_setup_device", backend=choice.info.name, config=config)
             device = setup.device
-            plan = resolve_plan(registry, config, path, model_config, choice)
+            plan = resolve_policies(registry, config, path, model_config, choice, family=family)
             compute = getattr(torch, plan.precision.autocast_dtype or plan.precision.param_dtype)
             host, grids = synthetic_batch(model_config, text=text, side=side)
             shape = trace.BatchShape(BATCH, host["input_ids"].shape[1], grids)
-            sk = plan_targets(registry, plan, trace.skeleton(model_config, plan.attention, compute))
+            sk, _ = plan_targets(registry, plan, trace.skeleton(model_config, plan.attention, compute))
             if plan.precision.autocast_dtype:
                 sk.to(compute)
                 compute_adapters_in_autocast_dtype(sk)
             capacity = registry.hook.vlft_device_capacity(backend=choice.info.name, config=config)
-            est = memory.plan_memory(sk, model_config, plan.precision.param_dtype, plan.precision.autocast_dtype,
-                                     shape, capacity.reserved_bytes if capacity else 0,
-                                     capacity.total_bytes if capacity else None,
-                                     capacity.source if capacity else "")
+            est = memory.plan_memory(memory.MemoryBasis(
+                sk, model_config, plan.precision.param_dtype, plan.precision.autocast_dtype, plan.family,
+                reserved_bytes=capacity.reserved_bytes if capacity else 0,
+                capacity_bytes=capacity.total_bytes if capacity else None,
+                capacity_source=capacity.source if capacity else ""), shape)
             est.checkpointing = ckpt == "on"
             del sk
 
@@ -112,10 +113,10 @@ def run(backend: str, out: Path, steps: int, methods: list[str], model_name: str
                     attn_implementation=plan.attention.as_attn_implementation())
             registry.hook.vlft_patch_model(backend=choice.info.name, model=base, config=config,
                                            attention=plan.attention, family=plan.family)
-            model = plan_targets(registry, plan, base).to(device)
+            model = plan_targets(registry, plan, base)[0].to(device)
             upcast_trainable(model)
             if ckpt == "on":
-                enable_checkpointing(model, vision_adapted=True)
+                enable_checkpointing(model, vision_adapted=True, family=plan.family)
             if plan.precision.autocast_dtype:
                 compute_adapters_in_autocast_dtype(model)
             build_s = time.perf_counter() - t0
@@ -148,7 +149,7 @@ def run(backend: str, out: Path, steps: int, methods: list[str], model_name: str
                 step_out = train_step(model, optimizer, scheduler, [batch], policy, tokens)
                 sync()
                 times.append(time.perf_counter() - t)
-                losses.append(float(step_out["loss_sum"]) / tokens)
+                losses.append(float(step_out.loss_sum) / tokens)
             if meter is not None:
                 meter.__exit__(None, None, None)
             peak = meter.peak if meter is not None else int(module.max_memory_allocated(device))

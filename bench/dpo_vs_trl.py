@@ -26,19 +26,17 @@ from bench.support.versus import interleaved, options  # noqa: E402 - after the 
 def vlft_stepper(objective: str, data, registry):
     """A function taking ``n`` steps of a prepared vlft run (data included)."""
     from vlft.config import build_config
-    from vlft.data.order import batches
-    from vlft.training.session import prepare
-    from vlft.training.step import train_step_on
+    from vlft.training.trainer import build_trainer
 
     train, val = data
     config = build_config({}, dict(backend="cpu", objective=objective, data=str(train), val_data=str(val),
                                    output=tempfile.mkdtemp(), steps=100_000, batch_size=4))
-    s = prepare(registry, config)
-    groups = batches(s.dataset, s.collate, s.settings, 0)
+    s = build_trainer(registry, config)
+    groups = s.batches()
 
     def steps(n: int) -> None:
         for _ in range(n):
-            train_step_on(s.model, s.optimizer, s.scheduler, next(groups), s.policy)
+            s.train_step(next(groups))
     return steps
 
 
@@ -56,8 +54,7 @@ def trl_stepper(pairs, registry, folder: Path):
 
     config = build_config({}, dict(backend="cpu", objective="dpo", data=str(pairs[0]), val_data=str(pairs[1]),
                                    output=tempfile.mkdtemp(), steps=1, batch_size=4))
-    planned = plan_run(registry, config)
-    plan = planned.plan
+    plan = plan_run(registry, config)
     model = registry.first("vlft_apply_adapter", method="lora",
                            model=load_model(plan.model_path, plan.attention, plan.precision, family=plan.family),
                            targets=plan.targets, config=config, target_parameters=[], family=plan.family)
@@ -75,7 +72,7 @@ def trl_stepper(pairs, registry, folder: Path):
                      fp16=False, gradient_checkpointing=False, logging_steps=1_000_000, disable_tqdm=True,
                      dataloader_num_workers=0)
     trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
-                         processing_class=planned.processor)
+                         processing_class=plan.processor)
     trainer.create_optimizer_and_scheduler(num_training_steps=100_000)
     trainer.current_gradient_accumulation_steps = 1  # what train() sets before its steps
     model.train()

@@ -32,9 +32,7 @@ G, PROMPTS, NEW_TOKENS, BETA = 4, 4, 16, 0.04
 def vlft_stepper(data, registry):
     """A function taking ``n`` steps of a prepared vlft GRPO run; returns the generation seconds among them."""
     from vlft.config import build_config
-    from vlft.data.order import batches
-    from vlft.training.session import prepare
-    from vlft.training.step import train_step_on
+    from vlft.training.trainer import build_trainer
 
     train, val = data
     config = build_config({}, dict(backend="cpu", objective="grpo", data=str(train), val_data=str(val),
@@ -42,14 +40,14 @@ def vlft_stepper(data, registry):
                                    max_new_tokens=NEW_TOKENS,
                                    objective_options=dict(num_generations=G, temperature=1.0, beta=BETA,
                                                           reward=["fields"])))
-    s = prepare(registry, config)
-    groups = batches(s.dataset, s.collate, s.settings, 0)
+    s = build_trainer(registry, config)
+    groups = s.batches()
 
     def steps(n: int) -> float:
         generating = 0.0
         for _ in range(n):
-            out = train_step_on(s.model, s.optimizer, s.scheduler, next(groups), s.policy)
-            generating += float(out["figures"]["generation_time_s"])
+            out = s.train_step(next(groups))
+            generating += float(out.figures["generation_time_s"])
         return generating
     return steps
 
@@ -68,8 +66,7 @@ def trl_stepper(data, registry, folder: Path):
 
     config = build_config({}, dict(backend="cpu", objective="grpo", data=str(data[0]), val_data=str(data[1]),
                                    output=tempfile.mkdtemp(), steps=1, batch_size=PROMPTS))
-    planned = plan_run(registry, config)
-    plan = planned.plan
+    plan = plan_run(registry, config)
     model = registry.first("vlft_apply_adapter", method="lora",
                            model=load_model(plan.model_path, plan.attention, plan.precision, family=plan.family),
                            targets=plan.targets, config=config, target_parameters=[], family=plan.family)
@@ -92,7 +89,7 @@ def trl_stepper(data, registry, folder: Path):
                       bf16=False, fp16=False, gradient_checkpointing=False, logging_steps=1_000_000,
                       disable_tqdm=True, dataloader_num_workers=0)
     trainer = GRPOTrainer(model=model, reward_funcs=[fields], args=args, train_dataset=Dataset.from_list(rows),
-                          processing_class=planned.processor)
+                          processing_class=plan.processor)
     trainer.create_optimizer_and_scheduler(num_training_steps=100_000)
     trainer.current_gradient_accumulation_steps = 1  # what train() sets before its steps
     model.train()

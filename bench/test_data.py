@@ -31,8 +31,8 @@ SAMPLES = 32  # records in the pipeline's file (8 with --benchmark-disable)
 
 @pytest.mark.benchmark(group="data")
 def test_data(benchmark, env, size, demo_data, tmp_path):
-    from vlft.data.records import read_records
     from vlft.data.encoding import EncodedDataset
+    from vlft.data.records import read_records
 
     n = BATCH_SIZE * 2 if benchmark.disabled else SAMPLES
     data = tmp_path / "data.jsonl"

@@ -41,7 +41,7 @@ def counted_step(env, size, records, method) -> dict:
     # there but would be a sync on a device, and syncs are counted as they would be on a device
     tr = trainer(env, adapted_model(env, size, method)[0], as_on_a_device=True)
     tr.step(host, dev)  # first step: lazy initialisation (optimizer state) out of the way
-    tokens = label_count(host)  # on the host, before the step, as run_training does
+    tokens = label_count(host)  # on the host, before the step, as the trainer's step does
     counter = sync_counter(env.device, host_tensors=tr.host_state())
     with HookCallCounter() as hooks, counter:
         tr.step_counted(tokens, dev)

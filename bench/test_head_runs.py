@@ -46,12 +46,12 @@ def head_data(tmp_path_factory):
 
 def _run(env, size, data, folder, steps: int, full_head: bool, monkeypatch) -> list[dict]:
     """One ``vlft run``; its per-step metrics. ``full_head``: the step policy built with ``labels_only=False``."""
-    import vlft.training.session
+    import vlft.training.trainer
     from vlft.training.step import StepPolicy
 
     with monkeypatch.context() as patch:
         if full_head:
-            patch.setattr(vlft.training.session, "StepPolicy", functools.partial(StepPolicy, labels_only=False))
+            patch.setattr(vlft.training.trainer, "StepPolicy", functools.partial(StepPolicy, labels_only=False))
         return run_steps(env.registry, steps, backend=env.backend, model=str(size.path), data=str(data),
                          output=str(folder), batch_size=BATCH, max_pixels=MAX_PIXELS)
 

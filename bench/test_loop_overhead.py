@@ -4,7 +4,7 @@ Both variants drive the very same LoRA model, optimizer (AdamW), scheduler
 (cosine) and device batch, alternately, under the backend's precision
 policy (autocast and loss scaling where it has them):
 
-- vlft: what ``vlft.train.run_training`` does per step: count the label
+- vlft: what ``vlft.training.trainer.Trainer.train_step`` does per step: count the label
   tokens on the host batch (``label_count``), then ``train_step``;
 - plain: the tutorial loop: ``model(**batch, labels=...).loss.backward()``,
   ``clip_grad_norm_``, ``optimizer.step()``, ``scheduler.step()``,

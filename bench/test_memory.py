@@ -57,27 +57,26 @@ def longest_batch_data(mixed_records, mixed_data, tmp_path_factory, embedded_siz
 
 
 def _session(env, size, data, tmp_path, param_dtype, ckpt, attn):
-    from vlft.training.session import prepare
+    from vlft.training.trainer import build_trainer
 
     precision = env.asked_precision if param_dtype in ("bf16", "nf4") else "fp32"
     config = env.config(model=size.path, data=str(data), val_data=str(data), output=str(tmp_path / "unused"),
                         steps=2, param_dtype=param_dtype, grad_checkpointing=ckpt, precision=precision,
                         warmup_ratio=0.0, attn=attn)
-    return prepare(env.registry, config)
+    return build_trainer(env.registry, config)
 
 
 @pytest.mark.benchmark(group="memory")
 def test_memory(benchmark, env, mem_case, longest_batch_data, tmp_path):
     mem_size, attn = mem_case
     from vlft.training.step import train_step_on
-    from vlft.data.order import batches
 
     sessions, groups = {}, {}
     for name, (dtype, ckpt) in VARIANTS.items():
         s = _session(env, mem_size, longest_batch_data, tmp_path / name, dtype, ckpt, attn)
         s.model.train()
-        groups[name] = next(batches(s.dataset, s.collate, s.settings, 0))
-        train_step_on(s.model, s.optimizer, s.scheduler, groups[name], s.policy)  # AdamW state exists from here
+        groups[name] = next(s.batches())
+        s.train_step(groups[name])  # AdamW state exists from here
         sessions[name] = s
 
     memory = {}
@@ -151,7 +150,6 @@ def _four_bit_constants(model) -> list:
 @pytest.mark.benchmark(group="memory")
 def test_memory_nf4(benchmark, env, nf4_size, longest_batch_data, tmp_path):
     """nf4 against bf16 base weights: peak of one step, each beside the plan's estimate."""
-    from vlft.data.order import batches
     from vlft.measure import LiveTensorMeter
     from vlft.training.step import train_step_on
 
@@ -159,8 +157,8 @@ def test_memory_nf4(benchmark, env, nf4_size, longest_batch_data, tmp_path):
     for name, (dtype, ckpt) in NF4_VARIANTS.items():
         s = _session(env, nf4_size, longest_batch_data, tmp_path / name, dtype, ckpt, None)
         s.model.train()
-        groups[name] = next(batches(s.dataset, s.collate, s.settings, 0))
-        train_step_on(s.model, s.optimizer, s.scheduler, groups[name], s.policy)
+        groups[name] = next(s.batches())
+        s.train_step(groups[name])
         sessions[name] = s
 
     memory = {}
@@ -169,7 +167,7 @@ def test_memory_nf4(benchmark, env, nf4_size, longest_batch_data, tmp_path):
             resident = [*s.model.parameters(), *s.model.buffers(), *_four_bit_constants(s.model),
                         *(v for st in s.optimizer.state.values() for v in st.values())]
             with LiveTensorMeter(resident) as meter:
-                train_step_on(s.model, s.optimizer, s.scheduler, groups[name], s.policy)
+                s.train_step(groups[name])
             m = {"measure": "live tensor storages, followed through the dispatcher", "peak_bytes": meter.peak,
                  "step_bytes": meter.peak - meter.start_bytes, "resident_bytes": meter.start_bytes}
         else:

@@ -36,8 +36,8 @@ from vlft.plugins import serve_checkout  # noqa: E402 - after TMPDIR, before any
 
 serve_checkout()
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest  # noqa: E402 - with torch, below the set-up above
+import torch  # noqa: E402 - after the thread settings above
 
 torch.set_num_threads(THREADS)
 
@@ -92,16 +92,18 @@ def _restore_math_flags():
 
 @pytest.fixture(scope="session")
 def model_dir() -> str:
+    from helpers import installed
     from vlft.models.embedded import embedded_model_dir
 
-    return str(embedded_model_dir())
+    return str(embedded_model_dir(installed()))
 
 
 @pytest.fixture(scope="session")
 def processor(model_dir):
+    from helpers import embedded_family, installed
     from vlft.models.loading import load_processor
 
-    return load_processor(model_dir)
+    return load_processor(model_dir, embedded_family(), installed())
 
 
 @pytest.fixture(scope="session")
@@ -124,7 +126,6 @@ def registry():
 def straight_run(small_data, tmp_path_factory) -> Path:
     """An uninterrupted 8-step run that resumed runs are compared with (``test_run.short_config`` values)."""
     from test_run import short_config
-
     from vlft.commands.run import execute
     from vlft.registry import load_registry
 

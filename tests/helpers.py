@@ -3,6 +3,23 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+
+
+@functools.cache
+def installed():
+    """The installed plugins, loaded once per test process: what a test outside a run passes where vlft asks
+    for a registry (a run passes its own; nothing in vlft falls back to a process-wide one)."""
+    from vlft.registry import load_registry
+
+    return load_registry()
+
+
+def embedded_family():
+    """The embedded default's model family (the installed plugins' default), for the embedded model's samples."""
+    from vlft.models.embedded import default_family
+
+    return default_family(installed())
 
 
 def base_model(model_dir, attn="eager"):
@@ -10,7 +27,7 @@ def base_model(model_dir, attn="eager"):
     from vlft.models.loading import load_model
     from vlft.policies import AttentionPolicy, PrecisionPolicy
 
-    return load_model(model_dir, AttentionPolicy(attn, attn), PrecisionPolicy("fp32"))
+    return load_model(model_dir, AttentionPolicy(attn, attn), PrecisionPolicy("fp32"), family=embedded_family())
 
 
 def vlft_command() -> list[str]:
@@ -103,11 +120,11 @@ def export_logits(run, merged, records, *, attn: str = "eager", rounded=None, **
     from transformers import AutoModelForImageTextToText
 
     from vlft.data.batching import collator_for, model_inputs, to_device
-    from vlft.evaluation.inference import load_for_inference
+    from vlft.evaluation.inference import LoadOptions, load_for_inference
     from vlft.models.loss import autocast_context
     from vlft.registry import load_registry
 
-    loaded = load_for_inference(load_registry(), str(run), None, **load)
+    loaded = load_for_inference(load_registry(), str(run), None, LoadOptions(**load))
     batch = collator_for(loaded.processor, loaded.encoder.family)([loaded.encoder.encode(r) for r in records])
     inputs = model_inputs(to_device(batch, loaded.device))
     real = batch["attention_mask"].bool().to(loaded.device)  # padding positions' logits are nobody's answer

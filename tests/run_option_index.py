@@ -25,6 +25,7 @@ import re
 import shutil
 import tempfile
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -88,26 +89,29 @@ class Recorder:
             if self.owners and record["command"] == "run":  # set on the command line or in its --config file
                 self.options[self.owners[-1]].update(record["options"], record["config_file"])
 
-    @pytest.hookimpl(wrapper=True)
-    def pytest_fixture_setup(self, fixturedef):
+    @contextmanager
+    def _owning(self, owner):
+        """The runs recorded inside are ``owner``'s; those before it, whoever ran then."""
         self._take()
-        self.options[fixturedef] = set()  # this execution's runs only: a test is given the newest value
-        self.owners.append(fixturedef)
+        self.owners.append(owner)
         try:
-            return (yield)
+            yield
         finally:
             self._take()
             self.owners.pop()
 
     @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_protocol(self, item):
-        self._take()
-        self.owners.append(item)
-        try:
+    def pytest_fixture_setup(self, fixturedef):
+        self.options[fixturedef] = set()  # this execution's runs only: a test is given the newest value
+        with self._owning(fixturedef):
             return (yield)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(self, item):
+        try:
+            with self._owning(item):
+                return (yield)
         finally:
-            self._take()
-            self.owners.pop()
             self._credit(item)
 
     def _credit(self, item) -> None:

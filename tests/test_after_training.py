@@ -14,8 +14,8 @@ from typing import ClassVar
 
 import pytest
 from click.testing import CliRunner
-from helpers import cli_invoke, cli_result, run_flags
 
+from helpers import cli_invoke, cli_result, run_flags
 from vlft import hookimpl
 from vlft.cli import cli
 
@@ -197,7 +197,7 @@ def test_export_loads_with_plain_transformers_and_gives_the_adapter_logits(lora_
 
     from vlft.data.batching import collator_for
     from vlft.data.records import read_records
-    from vlft.evaluation.inference import load_for_inference
+    from vlft.evaluation.inference import LoadOptions, load_for_inference
     from vlft.registry import load_registry
 
     run, _, _ = lora_run
@@ -207,9 +207,10 @@ def test_export_loads_with_plain_transformers_and_gives_the_adapter_logits(lora_
     assert code == 0, output
     assert (out / "model.safetensors").is_file() and (out / "chat_template.jinja").is_file()
 
-    loaded = load_for_inference(load_registry(), str(run), None, backend="cpu", precision="fp32", param_dtype="fp32")
+    loaded = load_for_inference(load_registry(), str(run), None,
+                                LoadOptions(backend="cpu", precision="fp32", param_dtype="fp32"))
     records = read_records(val)[:2]
-    collate = collator_for(loaded.processor)
+    collate = collator_for(loaded.processor, loaded.encoder.family)
     batch = collate([loaded.encoder.encode(r) for r in records])
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     torch.save(inputs, tmp_path / "inputs.pt")

@@ -19,8 +19,9 @@ import types
 
 import pytest
 import torch
-import vlft_ascend as ascend
 
+import vlft_ascend as ascend
+from helpers import embedded_family
 from vlft.config import RunConfig
 from vlft.errors import ConfigError
 from vlft.policies import DataLoaderOptions
@@ -367,7 +368,7 @@ def test_patch_model_finds_the_vision_tower_where_the_family_says_not_by_its_nam
     model.model = torch.nn.Module()
     model.model.vision_tower = holding(Config())
     model.model.language_model = holding(Config())
-    family = SimpleNamespace(name="stand-in", vision_tower="model.vision_tower", vision_mergers=())
+    family = SimpleNamespace(name="stand-in", towers=SimpleNamespace(vision="model.vision_tower", vision_mergers=()))
     patched = ascend.vlft_patch_model(backend="ascend", model=model, config=cfg(), family=family,
                                       attention=AttentionPolicy(vision="eager", text="sdpa"))
     assert patched == ["model.vision_tower (vision): sdpa attention -> eager"]
@@ -380,7 +381,7 @@ def test_patch_model_reroutes_sdpa_to_eager(model_dir, monkeypatch):
     from vlft.policies import AttentionPolicy, PrecisionPolicy
     from vlft_models.qwen2_vl import QWEN2_5_VL
 
-    model = load_model(model_dir, AttentionPolicy("sdpa", "sdpa"), PrecisionPolicy("fp32")).eval()
+    model = load_model(model_dir, AttentionPolicy("sdpa", "sdpa"), PrecisionPolicy("fp32"), family=embedded_family()).eval()
     vc = model.config.vision_config
     patch, merge = vc.patch_size, vc.spatial_merge_size
     grid = torch.tensor([[1, 2 * merge, 2 * merge]])

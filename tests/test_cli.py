@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from helpers import vlft_command
 
 

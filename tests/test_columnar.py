@@ -24,9 +24,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import cli_invoke
 from PIL import Image
 
+from helpers import cli_invoke, embedded_family
 from vlft.data.columnar import StoredImage
 from vlft.data.records import load_image, read_records
 from vlft.errors import DataError
@@ -106,7 +106,7 @@ def _own_names_rows(folder: Path) -> list[dict]:
     (folder / "pics").mkdir(parents=True, exist_ok=True)
     (folder / "pics" / "g.png").write_bytes(PNG["green"])
     rows = []
-    for i, name in enumerate(("red", "green", "blue")):
+    for name in ("red", "green", "blue"):
         pic = {"bytes": None, "path": "pics/g.png"} if name == "green" else {"bytes": PNG[name], "path": None}
         rows.append({"conv": [{"role": "user", "content": "<image>What colour?"},
                               {"role": "assistant", "content": name}], "pics": [pic]})
@@ -228,7 +228,7 @@ def test_measuring_checked_rows_reads_each_images_size_as_the_check_decoded_it(h
     from vlft.data.encoding import SampleEncoder
     from vlft.data.lazy import read_compact
 
-    encoder = SampleEncoder(processor)
+    encoder = SampleEncoder(processor, embedded_family())
     for name in ("onevision", "cauldron", "trl"):
         rows, problems = read_compact(hub_sets[name])
         assert not problems.items
@@ -452,7 +452,7 @@ def _checked(data: str, processor) -> tuple:
     from vlft.data.encoding import SampleEncoder
     from vlft.planning.preflight import load_and_check_data
 
-    return load_and_check_data(RunConfig(data=[data], seed=0), SampleEncoder(processor))
+    return load_and_check_data(RunConfig(data=[data], seed=0), SampleEncoder(processor, embedded_family()))
 
 
 def test_a_run_holds_parquet_rows_as_places_with_the_records_of_json_lines(tmp_path, processor, monkeypatch):

@@ -16,8 +16,8 @@ import types
 
 import pytest
 import torch
-import vlft_cuda as cuda
 
+import vlft_cuda as cuda
 from vlft.config import RunConfig
 from vlft.errors import ConfigError
 from vlft.policies import DataLoaderOptions
@@ -156,7 +156,6 @@ def test_auto_takes_the_gpu_when_there_is_no_npu(gpu, monkeypatch):
 def test_auto_asks_the_npu_first_when_transfer_to_npu_makes_cuda_lie(gpu, monkeypatch):
     """A stand-in torch_npu with one NPU, transfer_to_npu loaded, torch.cuda claiming a device: ascend wins."""
     import vlft_ascend
-
     from vlft.planning.plan import choose_backend
     from vlft.registry import load_registry
 

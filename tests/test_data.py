@@ -11,6 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
+from helpers import embedded_family
 from vlft.data.batching import collator_for
 from vlft.data.encoding import SampleEncoder
 from vlft.data.records import IGNORE_INDEX, read_records
@@ -109,7 +110,7 @@ def _multi_turn(tmp_path) -> Path:
 
 def test_labels_cover_exactly_the_assistant_replies_token_by_token(tmp_path, processor):
     [rec] = read_records(_multi_turn(tmp_path))
-    enc = SampleEncoder(processor)
+    enc = SampleEncoder(processor, embedded_family())
     out = enc.encode(rec)
     ids, labels = out["input_ids"].tolist(), out["labels"].tolist()
     tok = processor.tokenizer
@@ -135,7 +136,7 @@ def test_labels_cover_exactly_the_assistant_replies_token_by_token(tmp_path, pro
 
 def test_encoding_matches_the_processor_on_the_whole_conversation(tmp_path, processor):
     [rec] = read_records(_multi_turn(tmp_path))
-    enc = SampleEncoder(processor)
+    enc = SampleEncoder(processor, embedded_family())
     out = enc.encode(rec)
     full_text = enc.render(rec.turns, add_generation_prompt=False)
     from vlft.data.records import load_image
@@ -147,26 +148,26 @@ def test_encoding_matches_the_processor_on_the_whole_conversation(tmp_path, proc
 
 
 def test_batches_pad_to_their_own_longest_sample(small_data, processor):
-    enc = SampleEncoder(processor)
+    enc = SampleEncoder(processor, embedded_family())
     records = read_records(small_data[0])[:3]
     samples = [enc.encode(r) for r in records]
     samples[1]["input_ids"] = samples[1]["input_ids"][:-2]
     samples[1]["labels"] = samples[1]["labels"][:-2]
-    col = collator_for(processor)
+    col = collator_for(processor, embedded_family())
     batch = col(samples)
     longest = max(len(s["input_ids"]) for s in samples)
     assert batch["input_ids"].shape == (3, longest)
     assert batch["attention_mask"][1].sum() == longest - 2
     assert (batch["labels"][1, -2:] == IGNORE_INDEX).all()
     assert batch["mm_token_type_ids"].sum() == (batch["input_ids"] == processor.image_token_id).sum() > 0
-    left = collator_for(processor, padding_side="left")(samples)
+    left = collator_for(processor, embedded_family(), padding_side="left")(samples)
     assert left["attention_mask"][1, :2].sum() == 0
 
 
 def test_max_pixels_caps_the_image_tokens(small_data, processor):
     rec = read_records(small_data[0])[0]
-    full = SampleEncoder(processor).encode(rec)
-    capped = SampleEncoder(processor, max_pixels=56 * 56).encode(rec)
+    full = SampleEncoder(processor, embedded_family()).encode(rec)
+    capped = SampleEncoder(processor, embedded_family(), max_pixels=56 * 56).encode(rec)
     assert int(full["image_grid_thw"].prod()) == 64  # 112x112 -> 8x8 patches
     assert int(capped["image_grid_thw"].prod()) == 16  # 56x56 -> 4x4 patches
     assert len(capped["input_ids"]) == len(full["input_ids"]) - 12
@@ -179,7 +180,7 @@ def test_without_validation_data_a_seeded_tenth_is_held_out(tmp_path, processor)
 
     ds = write_demo_dataset(tmp_path / "demo", n_train=40, n_val=1, seed=2)
     everything = [r.where for r in read_records(ds.train)]
-    enc = SampleEncoder(processor)
+    enc = SampleEncoder(processor, embedded_family())
 
     def split(seed):
         train, val, _ = load_and_check_data(RunConfig(data=str(ds.train), seed=seed), enc)
@@ -202,7 +203,7 @@ def test_weighted_copies_never_land_in_both_the_training_set_and_the_hold_out(tm
     from vlft.planning.preflight import load_and_check_data
 
     ds = write_demo_dataset(tmp_path / "demo", n_train=40, n_val=1, seed=2)
-    train, val, _ = load_and_check_data(RunConfig(data=[f"{ds.train}:3"], seed=0), SampleEncoder(processor))
+    train, val, _ = load_and_check_data(RunConfig(data=[f"{ds.train}:3"], seed=0), SampleEncoder(processor, embedded_family()))
     held, trained = {r.where for r in val}, [r.where for r in train]
     assert len(held) == len(val) == 4 and not held & set(trained)
     assert len(trained) == 3 * 36 and all(trained.count(w) == 3 for w in set(trained))

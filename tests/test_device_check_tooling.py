@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # bench/ is a package of the repository, not an installed one
     sys.path.insert(0, str(ROOT))
 
-from bench import device_check, device_report  # noqa: E402
+from bench import device_check, device_report  # noqa: E402 - after the repository is on sys.path
 
 
 def test_the_checkout_way_imports_vlft_from_this_checkout_and_writes_no_metadata():

@@ -23,8 +23,9 @@ from hardware.checks import (
     prepared,
 )
 
+from vlft.contracts.backend import DeviceSetup, MemoryStats
 from vlft.hookspecs import hookimpl
-from vlft.policies import AttentionPolicy, DeviceSetup, MemoryStats, PrecisionPolicy
+from vlft.policies import AttentionPolicy, PrecisionPolicy
 
 ASKED = {"precision": "bf16", "attn": "vision=sdpa,text=eager"}
 ASKED_TOWERS = {"vision": "sdpa", "text": "eager"}
@@ -209,7 +210,7 @@ def _scaled_norms(model) -> str:
 
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
     for m in norms:
-        m.forward = types.MethodType(lambda self, x, _real=type(m).forward: _real(self, x) * 1.1, m)
+        m.forward = types.MethodType(lambda self, x, _real=type(m).forward: _real(self, x) * 1.1, m)  # noqa: B008 - binds each module's own forward
     return f"{len(norms)} RMSNorms scaled"
 
 
@@ -243,8 +244,7 @@ class CpuKernelOffers:
         import dataclasses
 
         import vlft_cuda.kernels as cuda_kernels
-
-        from vlft.policies import KernelPatch
+        from vlft.contracts.backend import KernelPatch
 
         def offer(name, **kw):
             return KernelPatch(name=name, replaces="-", why="-", condition="-", available=True, reason="-",

@@ -507,7 +507,7 @@ def test_prose_comments_and_lookalike_words_are_not_reported():
 #
 # The same reading as the vendor rule (identifiers and one-word strings; prose, docstrings and comments
 # allowed): no family name and none of one family's own module or token names. What a family is lives in
-# its plugin (plugins/models, answering vlft_model_family), the embedded default's recipe too (the default
+# its plugin (plugins/models, answering vlft_model_families), the embedded default's recipe too (the default
 # family's tiny model, named by vlft_default_model_family). One module is exempt, on purpose:
 # vlft/data/formats.py reads dataset files written for other tools, whose inline placeholder tokens it
 # turns into vlft's <image>/<video>: a data-format fact, not how any model runs.

@@ -29,7 +29,6 @@ import torch
 if os.environ.get("VLFT_REQUIRE_TRL") != "1":
     pytest.importorskip("trl", reason="trl is not importable here; `make test` runs this module again with it "
                                       "(.venv/trl-site)")
-import trl  # noqa: E402
 
 LR, BETA, STEPS = 1e-3, 0.1, 3
 
@@ -54,8 +53,8 @@ def both(tmp_path_factory):
     from vlft.data.demo import write_demo_preferences
     from vlft.models.loading import load_model
     from vlft.registry import load_registry
-    from vlft.training.session import prepare
-    from vlft.training.step import seed_everything, train_step_on
+    from vlft.training.step import seed_everything
+    from vlft.training.trainer import build_trainer
 
     tmp = tmp_path_factory.mktemp("trl")
     ds = write_demo_preferences(tmp / "demo", n_train=8, n_val=4, seed=11)
@@ -63,7 +62,7 @@ def both(tmp_path_factory):
     config = build_config({}, dict(backend="cpu", objective="dpo", data=str(ds.train), val_data=str(ds.val),
                                    output=str(tmp / "run"), steps=STEPS, batch_size=4, lr=LR, warmup_ratio=0.0,
                                    objective_options={"beta": BETA}, adapter={"lora_dropout": 0.0}, seed=0))
-    s = prepare(registry, config)
+    s = build_trainer(registry, config)
     initial = {n: p.detach().clone() for n, p in s.model.named_parameters() if p.requires_grad}
     host = s.collate([s.dataset[i] for i in range(4)])
 
@@ -78,8 +77,8 @@ def both(tmp_path_factory):
 
     ours = []
     for _ in range(STEPS):
-        out = train_step_on(s.model, s.optimizer, s.scheduler, [host], s.policy)
-        ours.append(float(out["loss_sum"]) / 4)
+        out = s.train_step([host])
+        ours.append(float(out.loss_sum) / 4)
 
     pairs = {int(i): s.dataset[int(i)] for i in range(4)}
 
@@ -98,7 +97,7 @@ def both(tmp_path_factory):
                      max_grad_norm=1.0, beta=BETA, loss_type=["sigmoid"], logging_steps=1, report_to=[],
                      save_strategy="no", seed=0, use_cpu=True, bf16=False, fp16=False, optim="adamw_torch",
                      gradient_checkpointing=False, remove_unused_columns=False, dataloader_num_workers=0)
-    trainer = Recording(model=model, args=args, train_dataset=rows, processing_class=s.processor,
+    trainer = Recording(model=model, args=args, train_dataset=rows, processing_class=s.plan.processor,
                         data_collator=lambda batch: _trl_layout(s.collate([pairs[r["idx"]] for r in batch])))
     trainer.train()
     return s, trainer, host, ours, list(Recording.losses), initial

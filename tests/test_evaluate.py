@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from vlft_scorers.fields import parse_fields
 
 from vlft.evaluation import scoring
 from vlft.registry import load_registry
+from vlft_scorers.fields import parse_fields
 
 SCORERS = load_registry(load_entry_points=False, builtins=True).scorers
 

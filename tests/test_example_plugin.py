@@ -17,8 +17,9 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
-from helpers import vlft_command
 
+from helpers import installed as installed_registry
+from helpers import vlft_command
 from vlft import ConfigError, RunConfig
 from vlft import hookimpl as vlft_hookimpl
 from vlft.testing import check_family, check_plugin, registry_with, run, tiny_run_config
@@ -149,7 +150,7 @@ def test_gemma3_samples_are_encoded_as_its_own_processor_encodes_them(tmp_path):
     from vlft.models.loading import load_processor
 
     family = gemma3.FAMILY
-    processor = load_processor(embedded_family_dir(family), family)
+    processor = load_processor(embedded_family_dir(family), family, installed_registry())
     encoder = SampleEncoder(processor, family=family)
     records = read_records(write_demo_dataset(tmp_path / "data", n_train=2, n_val=1).train)
     rec = records[0]
@@ -161,7 +162,7 @@ def test_gemma3_samples_are_encoded_as_its_own_processor_encodes_them(tmp_path):
         == len(rec.images) * processor.image_seq_length
     assert torch.equal(sample["pixel_values"], own["pixel_values"])
     trained = processor.tokenizer.decode(sample["input_ids"][sample["labels"] != IGNORE_INDEX])
-    assert trained == rec.turns[-1].text + family.reply_end_token, trained
+    assert trained == rec.turns[-1].text + family.chat.reply_end_token, trained
     assert encoder.measure(rec)[0] == len(sample["input_ids"])
     # its processor writes no grid; the family's image_grids gives one per image: (1, s, s), s x s = its tokens
     side = math.isqrt(processor.image_seq_length)
@@ -272,10 +273,6 @@ class _OffByOne:
         from dataclasses import replace
 
         return [replace(gemma3.FAMILY, image_inputs=replace(gemma3.FAMILY.image_inputs, write=self.write))]
-
-    @vlft_hookimpl
-    def vlft_model_family(self, model_type):
-        return self.vlft_model_families()[0] if gemma3.FAMILY.owns(model_type) else None
 
 
 def test_check_family_names_the_plugin_and_what_differed_and_skips_only_with_a_reason(tmp_path):

@@ -11,8 +11,9 @@ import sys
 
 import pytest
 import torch
-from test_run import read_metrics, short_config
 
+from helpers import installed
+from test_run import read_metrics, short_config
 from vlft import ConfigError
 
 # The MoE families run on the CPU in fp32 through their load_kwargs (experts_implementation="eager": transformers'
@@ -86,7 +87,7 @@ def test_a_qwen3_vl_folder_written_by_plain_transformers_trains_and_peft_loads_i
     from vlft.models.loading import resolve_model_path
     from vlft.registry import load_registry
 
-    tiny = resolve_model_path("embedded:qwen3-vl")
+    tiny = resolve_model_path("embedded:qwen3-vl", installed())
     folder = tmp_path / "qwen3-vl-plain"
     AutoModelForImageTextToText.from_pretrained(tiny).save_pretrained(folder)
     AutoProcessor.from_pretrained(tiny).save_pretrained(folder)
@@ -148,8 +149,8 @@ def test_expert_lora_on_the_tiny_moe_trains_the_experts_and_never_the_router(sma
     registry = load_registry()
     config = short_config(small_data, tmp_path / "run", model="embedded:qwen3-vl-moe",
                           adapter={"target_experts": True, "r": 4})
-    plan = plan_run(registry, config).plan
-    assert plan.target_parameters and all(p.endswith(plan.family.expert_parameters) for p in plan.target_parameters)
+    plan = plan_run(registry, config)
+    assert plan.target_parameters and all(p.endswith(plan.family.experts.parameters) for p in plan.target_parameters)
     model = load_model(plan.model_path, plan.attention, plan.precision, family=plan.family)
     assert model.get_experts_implementation()["text_config"] == "eager"  # fp32 on the CPU: the family's rule
     model = registry.first("vlft_apply_adapter", method="lora", model=model, targets=plan.targets, config=config,
@@ -174,7 +175,7 @@ def test_an_unknown_model_type_names_the_installed_families_and_how_to_add_one(t
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava"}))
     with pytest.raises(ConfigError) as e:
-        load_model_config(str(tmp_path))
+        load_model_config(str(tmp_path), installed())
     text = str(e.value)
     assert "'llava'" in text and "qwen3-vl" in text and "qwen2.5-vl" in text and "vlft_model_family" in text
 
@@ -189,29 +190,28 @@ def test_multi_turn_qwen3_5_records_split_at_each_reply():
         resolve_model_path,
     )
 
-    path = resolve_model_path("embedded:qwen3.5")
-    _, family = model_config_and_family(path)
-    enc = SampleEncoder(load_processor(path, family), family=family)
+    path = resolve_model_path("embedded:qwen3.5", installed())
+    _, family = model_config_and_family(path, installed())
+    enc = SampleEncoder(load_processor(path, family, installed()), family=family)
     turns = [Turn("user", "What colour is the product?"), Turn("assistant", "red"),
              Turn("user", "What defect does the product have?"), Turn("assistant", "a scratch")]
     trained = [text for text, t in enc.pieces(turns) if t]
     assert len(trained) == 2
-    assert trained[0].startswith("red") and trained[0].endswith(family.reply_end_token)
-    assert "a scratch" in trained[1] and trained[1].endswith(family.reply_end_token)
+    assert trained[0].startswith("red") and trained[0].endswith(family.chat.reply_end_token)
+    assert "a scratch" in trained[1] and trained[1].endswith(family.chat.reply_end_token)
 
 
 def test_every_bundled_config_counts_within_one_percent_of_its_published_count_through_the_wired_path():
     """What `vlft run --model NAME --dry-run` counts (the registry's bundled configs, the family the hook
     answers, the plan's meta copy with the family's load arguments, count_parameters) against
     plugins/models/configs/published.json, for every bundled config the installed plugins offer."""
-    from vlft_models import CONFIGS, qwen3_5
-
     from vlft.models.bundled import bundled_names
     from vlft.models.families import count_parameters, family_load_kwargs
     from vlft.models.loading import model_config_and_family, resolve_model_path
     from vlft.planning import trace
     from vlft.policies import AttentionPolicy
     from vlft.registry import load_registry
+    from vlft_models import CONFIGS, qwen3_5
 
     registry = load_registry()
     published = {k: v for k, v in json.loads((CONFIGS / "published.json").read_text()).items() if not k.startswith("_")}

@@ -22,8 +22,16 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the network
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
+
+from vlft.contracts.family import model_family_help
+from vlft.models.families import (
+    check_family,
+    frozen_router_parameters,
+    resolve_module,
+    select_target_modules,
+)
 
 ROOT = Path(__file__).resolve().parent.parent / "plugins" / "models"
 
@@ -40,8 +48,8 @@ def _load_package():
 
 
 vm = _load_package()
-from vlft_models import family as fam_mod  # noqa: E402
-from vlft_models import qwen3_5  # noqa: E402
+from vlft_models import family as fam_mod  # noqa: E402 - after _load_package() makes vlft_models importable
+from vlft_models import qwen3_5  # noqa: E402 - after _load_package()
 
 FAMILIES = vm.families()
 NAMES = [f.name for f in FAMILIES]
@@ -66,13 +74,23 @@ def tiny(tmp_path_factory):
     out = {}
     for f in FAMILIES:
         path = root / f.name
-        f.build_tiny(path)
+        f.tiny.build(path)
         out[f.name] = (path, AutoProcessor.from_pretrained(path), AutoModelForImageTextToText.from_pretrained(path))
     return out
 
 
 def _family(name):
     return vm.family_named(name)
+
+
+def _tower_paths(family) -> tuple[str, ...]:
+    t = family.towers
+    return (t.vision, t.vision_blocks, t.decoder_layers, t.lm_head, *t.vision_mergers)
+
+
+def _vision(family) -> fam_mod.QwenVision:
+    """The Qwen numbers behind a Qwen family's image inputs."""
+    return family.image_inputs.prepare.__self__
 
 
 # the Qwen processors' placeholder and frame tokens (the template writes them; the family's image inputs repeat
@@ -94,7 +112,7 @@ def _chat(with_answer=True):
 
 
 def _batch(family, processor, images=None, videos=None, texts=None):
-    texts = texts or [processor.apply_chat_template(_chat(), tokenize=False, **family.chat_template_kwargs)]
+    texts = texts or [processor.apply_chat_template(_chat(), tokenize=False, **family.chat.template_kwargs)]
     kw = dict(text=texts, return_tensors="pt", padding=True)
     if images is not None:
         kw["images"] = images
@@ -107,9 +125,9 @@ def _batch(family, processor, images=None, videos=None, texts=None):
 # --- the interface ---------------------------------------------------------------------------------------
 
 def test_every_field_has_help_and_every_family_is_consistent():
-    helps = fam_mod.help_text()
+    helps = model_family_help()
     assert all(helps.values()), [k for k, v in helps.items() if not v]
-    problems = [p for f in FAMILIES for p in fam_mod.check_family(f)]
+    problems = [p for f in FAMILIES for p in check_family(f)]
     assert problems == []
     owned = [t for f in FAMILIES for t in f.model_types]
     assert len(owned) == len(set(owned)), "two families claim one model_type"
@@ -118,12 +136,12 @@ def test_every_field_has_help_and_every_family_is_consistent():
     assert set(NAMES) - set(QWEN) == {"smolvlm", "idefics3", "llava-onevision", *GLM_NAMES, "gemma4"}
 
 
-def test_the_hook_answers_by_model_type():
-    assert vm.vlft_model_family(model_type="qwen3_vl_moe").name == "qwen3-vl-moe"
-    assert vm.vlft_model_family(model_type="qwen3_5").name == "qwen3.5"
-    assert vm.vlft_model_family(model_type="gemma4").name == "gemma4"
-    assert vm.vlft_model_family(model_type="llava") is None
-    assert vm.vlft_model_family(model_type="llava_onevision").name == "llava-onevision"
+def test_each_model_type_has_its_family():
+    assert vm.family_for("qwen3_vl_moe").name == "qwen3-vl-moe"
+    assert vm.family_for("qwen3_5").name == "qwen3.5"
+    assert vm.family_for("gemma4").name == "gemma4"
+    assert vm.family_for("llava") is None
+    assert vm.family_for("llava_onevision").name == "llava-onevision"
     assert {f.name for f in vm.vlft_model_families()} == set(NAMES)
 
 
@@ -150,18 +168,18 @@ def test_tiny_model_builds_offline_small_and_of_the_family(tiny, name):
     path, processor, model = tiny[name]
     f = _family(name)
     assert model.config.model_type in f.model_types
-    assert type(processor).__name__ == f.processor_class
+    assert type(processor).__name__ == f.chat.processor_class
     weights = sum(p.stat().st_size for p in path.glob("*.safetensors"))
     assert weights < 8e6, f"{name} tiny weights are {weights / 1e6:.1f} MB"
-    for dotted in (f.vision_tower, f.vision_blocks, f.decoder_layers, f.lm_head, *f.vision_mergers):
-        fam_mod.resolve_module(model, dotted)
+    for dotted in _tower_paths(f):
+        resolve_module(model, dotted)
     assert set(f.sharding.no_split_modules) <= set(model._no_split_modules)
     assert processor.tokenizer.convert_tokens_to_ids(processor.image_token) == model.config.image_token_id
     if name not in QWEN:
         if name != "llava-onevision":  # its sharding units are a subset of the model's set, which lists more
             assert set(f.sharding.no_split_modules) == set(model._no_split_modules)
         return
-    v = fam_mod.vision_of(f)
+    v = _vision(f)
     assert processor.image_processor.patch_size == v.patch_size == f.image_inputs.patch_size
     assert processor.image_processor.merge_size == v.merge_size and f.image_inputs.patches_per_token == v.merge_size ** 2
     for token in (IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END):
@@ -175,8 +193,8 @@ def test_processor_round_trips_a_chat_through_the_template(tiny, name):
     _, processor, model = tiny[name]
     f = _family(name)
     prompt = processor.apply_chat_template(_chat(False), tokenize=False, add_generation_prompt=True,
-                                           **f.chat_template_kwargs)
-    full = processor.apply_chat_template(_chat(), tokenize=False, **f.chat_template_kwargs)
+                                           **f.chat.template_kwargs)
+    full = processor.apply_chat_template(_chat(), tokenize=False, **f.chat.template_kwargs)
     assert full.startswith(prompt), "prompt and reply must split prefix by prefix (label masking)"
     reply = full[len(prompt):]
     assert reply.startswith(ANSWER) and reply.rstrip("\n").endswith(processor.tokenizer.eos_token), repr(reply)
@@ -196,7 +214,7 @@ def test_family_token_count_equals_the_processors(tiny, name):
 
     _, processor, model = tiny[name]
     f = _family(name)
-    v = fam_mod.vision_of(f)
+    v = _vision(f)
     ip, vp = processor.image_processor, processor.video_processor
     sizes = [(75, 100), (33, 47), (128, 128), (300, 200), (17, 260), (513, 97)]
     images = [_image(w, h) for h, w in sizes]
@@ -250,7 +268,7 @@ def test_rope_index_of_a_video_gives_the_positions_the_model_computes(tiny, name
         vchat = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": PROMPT}]},
                  {"role": "assistant", "content": [{"type": "text", "text": ANSWER}]}]
         vbatch = _batch(f, processor, videos=[clip],
-                        texts=[processor.apply_chat_template(vchat, tokenize=False, **f.chat_template_kwargs)])
+                        texts=[processor.apply_chat_template(vchat, tokenize=False, **f.chat.template_kwargs)])
         with torch.no_grad():
             model(**vbatch)
     finally:
@@ -273,17 +291,17 @@ def test_lora_on_default_targets_trains_every_adapter_weight_and_no_router(tiny,
     f = _family(name)
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_pretrained(path)
-    experts = bool(f.expert_parameters)
-    targets = fam_mod.select_target_modules(model, f, "auto", 2, experts=experts)
+    experts = f.experts is not None
+    targets = select_target_modules(model, f, "auto", 2, experts=experts)
     assert targets.vision_blocks == [targets.vision_depth - 2, targets.vision_depth - 1]
     names = set(targets.modules)
     assert not any("merger" in n for n in names), "mergers (deepstack included) are not default targets"
-    assert not any(n.startswith(m + ".") for m in f.vision_mergers for n in names), "nor are projectors"
-    assert all(isinstance(fam_mod.resolve_module(model, n), torch.nn.Linear) for n in names)
-    if f.text_linear_attention:  # Qwen3.5: both layer kinds adapted, the per-head gates not
+    assert not any(n.startswith(m + ".") for m in f.towers.vision_mergers for n in names), "nor are projectors"
+    assert all(isinstance(resolve_module(model, n), torch.nn.Linear) for n in names)
+    if f.targets.text_linear_attention:  # Qwen3.5: both layer kinds adapted, the per-head gates not
         assert any(".linear_attn.in_proj_qkv" in n for n in names) and any(".self_attn.q_proj" in n for n in names)
         assert not any(n.endswith(("in_proj_a", "in_proj_b")) for n in names)
-    routers = fam_mod.frozen_router_parameters(model, f)
+    routers = frozen_router_parameters(model, f)
     assert bool(routers) == experts
     assert not any(n.rsplit(".", 1)[0] in names for n in routers)
 
@@ -320,7 +338,7 @@ LLAVA_SIZES = [[(100, 75)], [(60, 130)], [(112, 112)], [(20, 90)], [(300, 40)], 
 
 
 def _llava_written(processor, sizes, images=True, max_pixels=None):
-    from vlft.policies import Media
+    from vlft.contracts.family import Media
 
     f = _family(LLAVA_OV)
     chat = [{"role": "user", "content": [{"type": "image"}] * len(sizes) + [{"type": "text", "text": PROMPT}]},
@@ -337,7 +355,8 @@ def test_llava_onevision_chat_splits_at_the_reply_and_ends_it_with_im_end(tiny):
     prompt = processor.apply_chat_template(_chat(False), tokenize=False, add_generation_prompt=True)
     full = processor.apply_chat_template(_chat(), tokenize=False)
     assert full.startswith(prompt) and full[len(prompt):].startswith(ANSWER)
-    assert full[len(prompt):].rstrip("\n").endswith(f.reply_end_token) and f.reply_end_token == "<|im_end|>"
+    reply_end = f.chat.reply_end_token
+    assert full[len(prompt):].rstrip("\n").endswith(reply_end) and reply_end == "<|im_end|>"
     assert prompt.count(processor.image_token) == 1
 
 
@@ -437,7 +456,7 @@ def test_llava_onevision_vision_dummy_runs_the_tower_and_reaches_every_vision_bl
 
     f = _family(LLAVA_OV)
     model = AutoModelForImageTextToText.from_pretrained(path)
-    targets = fam_mod.select_target_modules(model, f, "vision", 10)
+    targets = select_target_modules(model, f, "vision", 10)
     peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=targets.modules, init_lora_weights=False))
     warmup = f.vision_dummy(peft_model, "image")
     assert f.vision_dummy(peft_model, "video") is None
@@ -498,19 +517,19 @@ def test_glm_tiny_model_builds_offline_small_and_of_the_family(tiny, name):
 
     path, processor, model = tiny[name]
     f = _family(name)
-    assert model.config.model_type in f.model_types and type(processor).__name__ == f.processor_class
+    assert model.config.model_type in f.model_types and type(processor).__name__ == f.chat.processor_class
     ip = processor.image_processor
     assert (ip.patch_size, ip.merge_size, ip.temporal_patch_size) == (glm4v.PATCH, glm4v.MERGE, glm4v.TEMPORAL)
     assert f.image_inputs.patch_size == glm4v.PATCH and f.image_inputs.patches_per_token == glm4v.MERGE ** 2
     assert sum(p.stat().st_size for p in path.glob("*.safetensors")) < 8e6
-    for dotted in (f.vision_tower, f.vision_blocks, f.decoder_layers, f.lm_head, *f.vision_mergers):
-        fam_mod.resolve_module(model, dotted)
+    for dotted in _tower_paths(f):
+        resolve_module(model, dotted)
     assert set(f.sharding.no_split_modules) == set(model._no_split_modules)
     assert processor.image_token == "<|image|>"
     assert processor.tokenizer.convert_tokens_to_ids("<|image|>") == model.config.image_token_id
     stops = {processor.tokenizer.convert_tokens_to_ids(t) for t in glm4v.STOP_TOKENS}
     assert set(model.generation_config.eos_token_id) == stops
-    assert processor.tokenizer.convert_tokens_to_ids(f.reply_end_token) in stops
+    assert processor.tokenizer.convert_tokens_to_ids(f.chat.reply_end_token) in stops
 
 
 @pytest.mark.parametrize("name", GLM_NAMES)
@@ -539,7 +558,7 @@ def test_glm_replies_are_trained_to_end_with_the_next_turns_role_token(tiny, nam
     rendered = encoder.render(turns, add_generation_prompt=False)
     assert ids == processor.tokenizer(rendered)["input_ids"] + [user]
     assert ids[-1] == labels[-1] == user
-    assert sum(1 for i, l in zip(ids, labels) if i == user and l == user) == 2  # each reply's end, trained
+    assert sum(1 for i, label in zip(ids, labels) if i == user and label == user) == 2  # each reply's end, trained
 
 
 @pytest.mark.parametrize("name", GLM_NAMES)
@@ -600,15 +619,15 @@ def test_gemma4_tiny_model_and_template():
         model = AutoModelForImageTextToText.from_pretrained(Path(tmp) / "g4")
         weights = sum(p.stat().st_size for p in (Path(tmp) / "g4").glob("*.safetensors"))
     assert weights < 8e6 and model.model.audio_tower is None
-    assert type(processor).__name__ == f.processor_class and model.config.model_type in f.model_types
-    for dotted in (f.vision_tower, f.vision_blocks, f.decoder_layers, f.lm_head, *f.vision_mergers):
-        fam_mod.resolve_module(model, dotted)
+    assert type(processor).__name__ == f.chat.processor_class and model.config.model_type in f.model_types
+    for dotted in _tower_paths(f):
+        resolve_module(model, dotted)
     assert set(f.sharding.no_split_modules) == set(model._no_split_modules)
     prompt = processor.apply_chat_template(_chat(False), tokenize=False, add_generation_prompt=True)
     full = processor.apply_chat_template(_chat(), tokenize=False)
     assert full.startswith(prompt) and prompt.endswith("<|turn>model\n") and "<|turn>user\n<|image|>" in prompt
     reply = full[len(prompt):]
-    assert reply.startswith(ANSWER) and reply.rstrip("\n").endswith(f.reply_end_token)
+    assert reply.startswith(ANSWER) and reply.rstrip("\n").endswith(f.chat.reply_end_token)
     assert processor.tokenizer.eos_token not in reply
     batch = processor(text=[full], images=[[_image(100, 75)]], return_tensors="pt")
     assert set(batch) - {"input_ids", "attention_mask", "num_soft_tokens_per_image"} == set(f.image_inputs.batch_inputs)
@@ -711,7 +730,7 @@ def test_bundled_config_counts_within_one_percent_of_published(name):
     assert family is not None and name.startswith(family.name.split("-moe")[0])
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config)
-    counted = fam_mod.count_parameters(model)["total"]
+    counted = sum(p.numel() for p in model.parameters())  # tied weights once
     if PUBLISHED[name]["includes_mtp"]:
         counted += qwen3_5.mtp_parameters(model)
     published = PUBLISHED[name]["params"]
@@ -720,7 +739,7 @@ def test_bundled_config_counts_within_one_percent_of_published(name):
         assert counted == published
     # the planning processor builds from the bundled preprocessor configs with the family's numbers
     ip = json.loads((folder / "preprocessor_config.json").read_text())
-    v = fam_mod.vision_of(family)
+    v = _vision(family)
     assert (ip["patch_size"], ip["merge_size"]) == (v.patch_size, v.merge_size)
     size = ip.get("size") or {"shortest_edge": ip["min_pixels"], "longest_edge": ip["max_pixels"]}  # Qwen2.5-VL's
     assert (size["shortest_edge"], size["longest_edge"]) == (v.image_min_pixels, v.image_max_pixels)
@@ -745,7 +764,7 @@ def test_example_gemma3_family_trains_through_the_family_alone(tmp_path):
     gemma = _example_gemma3()
 
     f = gemma.FAMILY
-    assert fam_mod.check_family(f) == [] and f.positions is None and f.video_inputs is None
+    assert check_family(f) == [] and f.positions is None and f.video_inputs is None
     gemma.build_tiny(tmp_path / "g3")
     processor = AutoProcessor.from_pretrained(tmp_path / "g3")
     model = AutoModelForImageTextToText.from_pretrained(tmp_path / "g3")
@@ -753,13 +772,13 @@ def test_example_gemma3_family_trains_through_the_family_alone(tmp_path):
     prompt = processor.apply_chat_template(_chat(False), tokenize=False, add_generation_prompt=True)
     full = processor.apply_chat_template(_chat(), tokenize=False)
     assert full.startswith(prompt) and full[len(prompt):].startswith(ANSWER)
-    assert f.reply_end_token in full[len(prompt):] and processor.tokenizer.eos_token not in full[len(prompt):]
+    assert f.chat.reply_end_token in full[len(prompt):] and processor.tokenizer.eos_token not in full[len(prompt):]
     batch = processor(text=[full], images=[[_image(100, 75)]], return_tensors="pt")
     assert set(batch) - {"input_ids", "attention_mask"} == set(f.image_inputs.batch_inputs)
     image_id = processor.tokenizer.convert_tokens_to_ids("<image_soft_token>")
     assert int((batch["input_ids"] == image_id).sum()) == model.config.mm_tokens_per_image
     assert torch.equal(batch["token_type_ids"], gemma.token_type_ids(batch["input_ids"], image_id))
-    targets = fam_mod.select_target_modules(model, f, "both", 1)
+    targets = select_target_modules(model, f, "both", 1)
     assert targets.vision_blocks == [targets.vision_depth - 1] and targets.text_layers == 2
     peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets.modules))
     opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)

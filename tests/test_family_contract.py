@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 import vlft
+from helpers import embedded_family, installed
+from vlft.contracts.family import CAPABILITIES, GROUPS, ModelFamily, model_family_help
 from vlft.errors import ConfigError, DataError, PluginError
-from vlft.policies import CAPABILITIES, ModelFamily, check_family, model_family_help
+from vlft.models.families import check_family, offered_families
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "writing-plugins.md"
@@ -28,10 +30,6 @@ def _registry_with(*families, name="vlft_broken_family"):
         @vlft.hookimpl
         def vlft_model_families(self):
             return list(families)
-
-        @vlft.hookimpl
-        def vlft_model_family(self, model_type):
-            return next((f for f in families if model_type in f.model_types), None)
 
     return load_registry(load_entry_points=False, plugins=(Plugin(),))
 
@@ -51,9 +49,15 @@ def test_fields_no_run_reads_are_gone_and_every_field_has_help():
             "image_tokens", "video_tokens", "bundled_configs", "processor_expands_placeholders", "batch_inputs",
             "rope_index", "packing_refusal", "image_grid", "trace_vision", "no_split_modules", "patch_size",
             "merge_size", "temporal_patch_size", "image_min_pixels", "image_max_pixels", "video_min_pixels",
-            "video_max_pixels", "embed_tokens", "text_linear_attention_optional"}
+            "video_max_pixels", "embed_tokens", "text_linear_attention_optional",
+            # plugin API 3: grouped (towers, targets, chat, kernels, tiny) or removed (default_parts)
+            "vision_tower", "vision_blocks", "vision_mergers", "decoder_layers", "lm_head", "vision_attention",
+            "vision_mlp", "text_attention", "text_linear_attention", "text_mlp", "default_targets", "default_parts",
+            "processor_class", "load_processor", "bundled_processor", "reply_end_token", "reply_end_appended",
+            "chat_template_kwargs", "box_coordinates", "vision_stem", "kernel_targets", "build_tiny", "tiny_recipe"}
     assert names & gone == set()
-    assert set(CAPABILITIES) <= names
+    assert set(CAPABILITIES) | set(GROUPS) <= names and len(names) <= 18
+    assert not hasattr(ModelFamily, "expert_parameters") and not hasattr(ModelFamily, "router_modules")
     helps = model_family_help()
     assert all(helps.values()), [k for k, v in helps.items() if not v]
     assert {f"image_inputs.{f.name}" for f in fields(vlft.ImageInputs)} <= set(helps)
@@ -61,13 +65,13 @@ def test_fields_no_run_reads_are_gone_and_every_field_has_help():
 
 def test_build_tiny_is_called_as_its_help_says():
     """The core calls ``build_tiny(path, corpus=...)``; the help and every installed family agree."""
-    assert "build_tiny(path, corpus=None)" in model_family_help()["build_tiny"]
+    assert "build(path, corpus=None)" in model_family_help()["tiny.build"]
     from vlft.models.families import installed_families
     from vlft.registry import get_registry
 
     for fam in installed_families(get_registry()):
-        if fam.build_tiny is not None:
-            inspect.signature(fam.build_tiny).bind(Path("x"), corpus=["a"])
+        if fam.tiny is not None:
+            inspect.signature(fam.tiny.build).bind(Path("x"), corpus=["a"])
 
 
 def test_every_installed_family_passes_the_load_time_check_and_names_its_plugin():
@@ -85,8 +89,8 @@ def test_every_installed_family_passes_the_load_time_check_and_names_its_plugin(
      "image_inputs.batch_inputs"),
     (lambda f: replace(f, positions=vlft.Positions(rope_index=None)), "positions.rope_index"),
     (lambda f: replace(f, sharding=("Block",)), "sharding"),
-    (lambda f: replace(f, vision_blocks="elsewhere.blocks"), "vision_blocks"),
-    (lambda f: replace(f, build_tiny="later"), "build_tiny"),
+    (lambda f: replace(f, towers=replace(f.towers, vision_blocks="elsewhere.blocks")), "towers.vision_blocks"),
+    (lambda f: replace(f, tiny=replace(f.tiny, build="later")), "tiny.build"),
 ])
 def test_a_broken_family_stops_at_load_naming_the_plugin_and_the_field(change, field):
     from vlft.models.families import installed_families
@@ -109,6 +113,97 @@ def test_a_broken_family_stops_the_run_s_lookup_by_model_type_too():
         resolve_family(_registry_with(broken), SimpleNamespace(model_type="broken"))
 
 
+# --- the plugin API version: an old plugin is told what changed ----------------------------------------------
+
+def test_a_field_removed_or_renamed_names_what_replaced_it_and_the_changelog_section():
+    with pytest.raises(vlft.ContractChanged) as e:
+        vlft.ModelFamily(name="old", model_types=("old",), vision_tower="model.vision_tower",
+                         embed_tokens="model.embed_tokens", default_parts=("attention",), colour="red")
+    message = str(e.value)
+    assert isinstance(e.value, TypeError)  # what the bare call raised before, for a caller that catches it
+    assert "ModelFamily(vision_tower=...) changed in plugin API 3: use towers=vlft.Towers(vision=...);" in message
+    assert message.endswith("(see docs/plugin-api-changes.md#plugin-api-3, docs/plugin-api-changes.md#plugin-api-2, "
+                            "docs/plugin-api-changes.md)")
+    assert "ModelFamily(embed_tokens=...) changed in plugin API 2: removed, as no run read it" in message
+    assert "ModelFamily(default_parts=...) changed in plugin API 3: removed" in message
+    assert "ModelFamily(colour=...): no such field in plugin API 3" in message and "towers" in message
+    with pytest.raises(ImportError, match=r"vlft.policies.ModelFamily changed in plugin API 3: import it from vlft"):
+        from vlft.policies import ModelFamily  # noqa: F401 - the import is what is tested
+
+
+OLD_INTERNVL = """
+from vlft import ModelFamily, hookimpl
+
+VLFT_PLUGIN_API = 2  # written from the guide of plugin API 2
+
+INTERNVL = ModelFamily(name="internvl", model_types=("internvl",), vision_tower="model.vision_tower",
+                       vision_blocks="model.vision_tower.encoder.layer",
+                       embed_tokens="model.language_model.embed_tokens")
+
+
+@hookimpl
+def vlft_model_families():
+    return [INTERNVL]
+"""
+
+OLD_LAZY = """
+from vlft import ModelFamily, Towers, hookimpl
+
+VLFT_PLUGIN_API = 2
+
+
+@hookimpl
+def vlft_model_families():  # built when asked, as the built-in families are
+    return [ModelFamily(name="lazyvl", model_types=("lazyvl",), towers=Towers(), default_parts=("mlp",))]
+
+
+@hookimpl
+def vlft_model_family(model_type):
+    return None
+"""
+
+
+def test_vlft_plugins_tells_a_planted_old_plugin_what_changed(tmp_path, monkeypatch):
+    """Two plugins written for plugin API 2, planted beside the installed ones (VLFT_PLUGINS): one builds its
+    family at import, one when asked and answers the removed vlft_model_family hook. `vlft plugins` lists both
+    broken with the field, its replacement and the changelog section, and notes what the second declares."""
+    from helpers import cli_invoke
+    from vlft.registry import load_registry
+
+    (tmp_path / "vlft_old_internvl.py").write_text(OLD_INTERNVL)
+    (tmp_path / "vlft_old_lazy.py").write_text(OLD_LAZY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("VLFT_PLUGINS", "vlft_old_internvl,vlft_old_lazy")
+    registry = load_registry()
+    code, out = cli_invoke("plugins", registry=registry)
+    assert code == 0, out
+    lines = out.splitlines()
+    internvl = next(line for line in lines if line.lstrip().startswith("vlft_old_internvl"))
+    assert "broken" in internvl and "ContractChanged" in internvl
+    assert "ModelFamily(vision_tower=...) changed in plugin API 3: use towers=vlft.Towers(vision=...)" in internvl
+    assert "ModelFamily(embed_tokens=...) changed in plugin API 2" in internvl
+    assert "docs/plugin-api-changes.md#plugin-api-2" in internvl
+    lazy = lines.index(next(line for line in lines if line.lstrip().startswith("vlft_old_lazy")))
+    assert "broken" in lines[lazy] and "ModelFamily(default_parts=...) changed in plugin API 3" in lines[lazy]
+    notes = " ".join(lines[lazy + 1:lazy + 3])
+    assert "written for plugin API 2; this vlft's is 3: see docs/plugin-api-changes.md#plugin-api-3" in notes
+    assert "the hook vlft_model_family changed in plugin API 3: removed, nothing asks it" in notes
+    assert any(f.name == "qwen2.5-vl" for f in offered_families(registry)[0])  # the others still listed
+
+
+def test_the_changelog_lists_every_change_under_its_version():
+    """docs/plugin-api-changes.md has a section per plugin API version whose table is vlft.contracts.CHANGES'
+    rows of that version, in order: what a ContractChanged message points a plugin author to exists."""
+    from vlft.contracts import CHANGES, PLUGIN_API
+
+    doc = (ROOT / "docs" / "plugin-api-changes.md").read_text(encoding="utf-8")
+    for api in range(2, PLUGIN_API + 1):
+        section = doc.split(f"## Plugin API {api}\n", 1)[1].split("\n## ", 1)[0]
+        rows = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:]
+        assert rows == [f"| {c.contract} | `{c.old}` | {c.now} |" for c in CHANGES if c.api == api], api
+    assert f"`vlft.PLUGIN_API` (this vlft: {PLUGIN_API})" in doc
+
+
 # --- the core reads the capabilities ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -116,7 +211,7 @@ def processor():
     from vlft.models.embedded import embedded_model_dir
     from vlft.models.loading import load_processor
 
-    return load_processor(str(embedded_model_dir()))
+    return load_processor(str(embedded_model_dir(installed())), embedded_family(), installed())
 
 
 @pytest.fixture(scope="module")
@@ -142,14 +237,14 @@ def test_an_error_inside_a_family_function_names_the_plugin_and_the_field(proces
 def test_an_error_inside_a_familys_rope_index_while_packing_names_the_plugin(processor, records):
     """The packing collator builds positions in the data stage (a DataLoader worker, where there is one), with
     the family's rope_index resolved at plan time: an error there names the family and its plugin as the
-    collator the run builds (session.training_collator) says it."""
+    collator the run builds (setup.training_collator) says it."""
     from types import SimpleNamespace
 
     from vlft.data.encoding import SampleEncoder
     from vlft.data.packing import PackingPlan
     from vlft.models.embedded import embedded_model_dir
     from vlft.models.loading import load_model_config
-    from vlft.training.session import training_collator
+    from vlft.training.setup import training_collator
 
     def rope_index(model_config, sample):
         raise IndexError("grid and image tokens disagree")
@@ -157,7 +252,7 @@ def test_an_error_inside_a_familys_rope_index_while_packing_names_the_plugin(pro
     fam = replace(_qwen(), positions=replace(_qwen().positions, rope_index=rope_index), plugin="vlft_mine")
     samples = [SampleEncoder(processor, family=fam).encode(r) for r in records[:2]]
     plan = SimpleNamespace(packing=PackingPlan(True, "segments"), family=fam)  # what training_collator reads
-    collate = training_collator(plan, load_model_config(str(embedded_model_dir())), processor)
+    collate = training_collator(plan, load_model_config(str(embedded_model_dir(installed())), installed()), processor)
     with pytest.raises(PluginError, match=r"family 'qwen2.5-vl' \(plugin vlft_mine\): positions.rope_index raised "
                                           r"IndexError: grid and image tokens disagree"):
         collate(samples)
@@ -239,8 +334,8 @@ def test_the_guide_s_family_passes_the_load_time_check_and_names_every_capabilit
     exec(compile(code, str(DOC), "exec"), scope)
     family = scope["MYVLM"]
     assert check_family(family) == []
-    for cap, cls in CAPABILITIES.items():
+    for cap, cls in {**GROUPS, **CAPABILITIES}.items():
         assert f"`{cap}`" in section, cap
         for f in fields(cls):
             assert re.search(rf"\b{f.name}\b", section), f"{cap}.{f.name}"
-    assert "build_tiny(path, corpus=None)" in section and "PluginError" in section
+    assert "build(path, corpus=None)" in section and "PluginError" in section and "ContractChanged" in section

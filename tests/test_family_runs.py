@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import cli_invoke, export_logits, vlft_command
 
+from helpers import cli_invoke, export_logits, vlft_command
 
 FAMILIES = ["qwen2-vl", "qwen3-vl", "qwen3-vl-moe", "qwen3.5", "qwen3.5-moe", "gemma3", "smolvlm", "llava-onevision",
             "glm4.1v", "gemma4"]

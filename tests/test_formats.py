@@ -29,6 +29,7 @@ import pytest
 import torch
 from PIL import Image
 
+from helpers import embedded_family
 from vlft.data.encoding import SampleEncoder
 from vlft.data.records import read_records
 from vlft.errors import DataError
@@ -88,7 +89,7 @@ def test_each_layout_reads_as_its_plain_messages_equivalent_token_for_token(tmp_
     [rec] = read_records(_write(tmp_path / "other.jsonl", [LAYOUTS[layout]]))
     assert [(t.role, t.text, t.trained) for t in rec.turns] == [(t.role, t.text, t.trained) for t in plain.turns]
     assert rec.images == plain.images
-    enc = SampleEncoder(processor)
+    enc = SampleEncoder(processor, embedded_family())
     a, b = enc.encode(plain), enc.encode(rec)
     assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"])
 
@@ -169,10 +170,10 @@ def test_loss_false_keeps_a_reply_in_the_context_and_out_of_the_loss(tmp_path, p
     off = json.loads(json.dumps(msgs))
     off[1]["loss"] = False
     both, first_off = read_records(_write(tmp_path / "t.jsonl", [{"messages": msgs}, {"messages": off}]))
-    enc = SampleEncoder(processor)
+    enc = SampleEncoder(processor, embedded_family())
     a, b = enc.encode(both), enc.encode(first_off)
     assert torch.equal(a["input_ids"], b["input_ids"])
-    trained = lambda e: processor.tokenizer.decode(e["input_ids"][e["labels"] != -100])  # noqa: E731
+    trained = lambda e: processor.tokenizer.decode(e["input_ids"][e["labels"] != -100])  # noqa: E731 - a one-line helper
     assert "hello there" in trained(a) and "hello there" not in trained(b) and A in trained(b)
 
 
@@ -182,7 +183,7 @@ def test_system_turns_follow_the_qwen25vl_template(tmp_path, processor):
         {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": Q},
                       {"role": "assistant", "content": A}]},
         {"messages": [{"role": "user", "content": Q}, {"role": "assistant", "content": A}]}]))
-    enc = SampleEncoder(processor)
+    enc = SampleEncoder(processor, embedded_family())
     assert enc.render(with_sys.turns, False).startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user")
     assert enc.render(without.turns, False).startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>")
 
@@ -213,7 +214,7 @@ def test_video_goes_through_the_processors_video_path(tmp_path, processor):
     with pytest.raises(DataError, match=r"v.jsonl:2: video 'clips/bad.mp4' cannot be read"):
         read_records(path)
     [rec] = read_records(_write(tmp_path / "v1.jsonl", [good]))
-    enc = SampleEncoder(processor, video_fps=2.0, video_max_frames=16)
+    enc = SampleEncoder(processor, embedded_family(), video_fps=2.0, video_max_frames=16)
     out = enc.encode(rec)
     grid = out["video_grid_thw"][0]
     assert int(grid[0]) == 2  # 8 frames at 4 fps over 2 s, sampled at 2 fps: 4 frames, 2 temporal patches

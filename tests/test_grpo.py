@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import cli_invoke, die_at_step
 
 import vlft_objectives.grpo as grpo
+from helpers import cli_invoke, die_at_step, installed
 from vlft import Average, ConfigError
 from vlft_objectives.rewards import vlft_rewards
 
@@ -342,7 +342,7 @@ def _ends() -> list[int]:
 
     from vlft.models.embedded import embedded_model_dir
 
-    tok = AutoTokenizer.from_pretrained(str(embedded_model_dir()))
+    tok = AutoTokenizer.from_pretrained(str(embedded_model_dir(installed())))
     return [i for i in (tok.eos_token_id, tok.pad_token_id) if i is not None]
 
 
@@ -426,13 +426,13 @@ def test_a_step_moves_the_policy_toward_the_better_completions(demo, sft_adapter
     reference, so the KL term neither adds to the loss nor pulls."""
     from vlft import OWN
     from vlft.config import build_config
-    from vlft.training.session import prepare
+    from vlft.training.trainer import build_trainer
 
     config = build_config({}, dict(backend="cpu", objective="grpo", data=str(demo.train), val_data=str(demo.val),
                                    output=str(tmp_path / "r"), steps=1, batch_size=4, init_adapter=str(sft_adapter),
                                    max_new_tokens=16, adapter={"lora_dropout": 0.0},
                                    objective_options=dict(num_generations=4, reward=["fields"])))
-    s = prepare(registry, config)
+    s = build_trainer(registry, config)
     host = s.collate([s.dataset[i] for i in range(4)])
     passes = s.policy.passes()
     for seed in range(10):  # a draw where some group's rewards differ (else every advantage is 0)
@@ -473,19 +473,20 @@ def test_the_trained_log_probabilities_are_those_of_the_sampling_distribution(de
     from contextlib import nullcontext
 
     import float64_reference
+
     from vlft import OWN
     from vlft.config import build_config
     from vlft.models.passes import token_logps
     from vlft.models.rows import row_inputs
     from vlft.registry import load_registry
-    from vlft.training.session import prepare
+    from vlft.training.trainer import build_trainer
 
     config = build_config({}, dict(backend="cpu", objective="grpo", data=str(demo.train), val_data=str(demo.val),
                                    output=str(tmp_path / "r"), steps=1, batch_size=2, init_adapter=str(sft_adapter),
                                    max_new_tokens=8, adapter={"lora_dropout": 0.0},
                                    objective_options=dict(num_generations=3, temperature=0.7, reward=["fields"])))
-    s = prepare(load_registry(plugins=(float64_reference,)), config)
-    suppressed = grpo.suppressed_tokens(s.processor)
+    s = build_trainer(load_registry(plugins=(float64_reference,)), config)
+    suppressed = grpo.suppressed_tokens(s.plan.processor)
     assert suppressed  # the image and video tokens of the embedded processor
     scores = []
     generate = type(s.model).generate
@@ -821,11 +822,9 @@ def test_vlft_objectives_lists_grpo_its_options_and_the_rewards(registry):
     assert "logs: reward, reward_std, kl, clip_fraction, completion_length" in output
     assert "format=REGEX: 1 if the whole completion matches the regex" in output
     assert {"fields", "exact", "format", "numeric"} <= set(registry.rewards)
-    from vlft.config import RunConfig
-
-    from vlft.testing import check_plugin
-
     import vlft_objectives.rewards
+    from vlft.config import RunConfig
+    from vlft.testing import check_plugin
 
     for plugin in (grpo, vlft_objectives.rewards):  # answers None for the names of others
         check_plugin(plugin)
@@ -851,9 +850,9 @@ def test_two_processes_sample_and_train(demo, sft_adapter, tmp_path):
     import os
     import subprocess
 
-    from helpers import vlft_command
     from transformers import AutoTokenizer
 
+    from helpers import vlft_command
     from vlft.models.embedded import embedded_model_dir
 
     record = json.loads(Path(demo.train).read_text().splitlines()[0])
@@ -879,7 +878,7 @@ def test_two_processes_sample_and_train(demo, sft_adapter, tmp_path):
     ends = set(_ends())
     fields = offered()["fields"].build(None)
     reference = record["conversations"][-1]["value"]
-    tokenizer = AutoTokenizer.from_pretrained(str(embedded_model_dir()))
+    tokenizer = AutoTokenizer.from_pretrained(str(embedded_model_dir(installed())))
 
     def completion(tokens: list[int]) -> list[int]:  # up to and including the first end token
         n = next((i + 1 for i, t in enumerate(tokens) if t in ends), len(tokens))
@@ -940,7 +939,6 @@ def test_the_chain_sft_dpo_grpo_runs_as_three_runs(demo, tmp_path):
 def test_no_hook_is_called_inside_a_grpo_step(demo, registry, tmp_path, monkeypatch):
     """Sampling, rewards and the loss run inside the step from what the plan resolved: no hook is asked."""
     from test_run import hook_calls_inside_steps
-
     from vlft.config import build_config
 
     config = build_config({}, dict(backend="cpu", objective="grpo", data=str(demo.train), val_data=str(demo.val),

@@ -15,11 +15,11 @@ import types
 
 import pytest
 import transformers
-from helpers import cli_invoke
 
 import vlft.models.loading
 import vlft.registry
-import vlft.training.loop
+import vlft.training.trainer
+from helpers import cli_invoke
 from vlft.models.patching import KERNEL, patch_states
 
 KERNELS = ("npu-rms-norm", "linear-patch-embed")
@@ -55,7 +55,7 @@ def steps_seen(monkeypatch):
     counters, and the stand-in op's own count)."""
     import kernel_patch_plugin
 
-    real_step, seen = vlft.training.loop.train_step_on, []
+    real_step, seen = vlft.training.trainer.train_step_on, []
 
     def watched_step(model, *args, **kwargs):
         root = getattr(model, "module", model)
@@ -68,7 +68,7 @@ def steps_seen(monkeypatch):
                      "op_calls": kernel_patch_plugin.OP_CALLS[0] - op_before})
         return out
 
-    monkeypatch.setattr(vlft.training.loop, "train_step_on", watched_step)
+    monkeypatch.setattr(vlft.training.trainer, "train_step_on", watched_step)
     return seen
 
 
@@ -100,7 +100,7 @@ def _undo_after(monkeypatch, steps: int):
     """Once ``steps`` training steps have run, each ``train()`` of the model binds each RMSNorm's own class
     forward on the instance afterwards, as ``kernelize`` does where it finds a hub kernel for the layer: what
     a patch bound before is no longer called."""
-    real_train, real_step, done = transformers.PreTrainedModel.train, vlft.training.loop.train_step_on, [0]
+    real_train, real_step, done = transformers.PreTrainedModel.train, vlft.training.trainer.train_step_on, [0]
 
     def counted_step(*args, **kwargs):
         done[0] += 1
@@ -115,7 +115,7 @@ def _undo_after(monkeypatch, steps: int):
                     module.forward = types.MethodType(original.forward, module)
         return result
 
-    monkeypatch.setattr(vlft.training.loop, "train_step_on", counted_step)
+    monkeypatch.setattr(vlft.training.trainer, "train_step_on", counted_step)
     monkeypatch.setattr(transformers.PreTrainedModel, "train", train)
 
 

@@ -18,13 +18,14 @@ from pathlib import Path
 
 import pytest
 import torch
+
 import vlft_ascend as ascend
 import vlft_ascend.kernels as ascend_kernels
 import vlft_cuda
 import vlft_cuda.kernels as cuda_kernels
+from helpers import embedded_family
 from test_ascend_plugin import no_torch_npu, stand_in  # noqa: F401 - the stand-in torch_npu fixtures
-
-from vlft import KernelPatch, hookimpl
+from vlft import KernelPatch, Kernels, hookimpl
 from vlft.config import RunConfig, build_config
 from vlft.errors import ConfigError
 from vlft.planning.kernels import (
@@ -182,7 +183,7 @@ def test_cuda_linear_patch_embedding_follows_the_family(monkeypatch):
     for family in (QWEN2_5_VL, QWEN3_VL):
         k = cuda_offers(monkeypatch, family=family)["linear-patch-embed"]
         assert k.available and k.default and "model.visual.patch_embed" in k.reason
-    bare = dataclasses.replace(QWEN2_5_VL, vision_stem="")
+    bare = dataclasses.replace(QWEN2_5_VL, kernels=dataclasses.replace(QWEN2_5_VL.kernels, vision_stem=""))
     k = cuda_offers(monkeypatch, family=bare)["linear-patch-embed"]
     assert not k.available and "names no patch embedding" in k.reason
 
@@ -227,13 +228,13 @@ def test_liger_with_a_stand_in_is_opt_in_and_its_fused_loss_stays_off(monkeypatc
 
 
 def test_liger_follows_the_familys_kernel_targets_not_a_table_of_model_types(monkeypatch):
-    """A family the CUDA plugin has never heard of gets each Liger part its ``kernel_targets`` names, where
+    """A family the CUDA plugin has never heard of gets each Liger part its ``kernels.targets`` names, where
     Liger has an entry point for its model type; a part whose role the family does not name is declined."""
     from vlft_models.qwen2_vl import QWEN2_5_VL
 
     stand_in_liger(monkeypatch, "newvlm")
     family = dataclasses.replace(QWEN2_5_VL, name="newvlm", model_types=("newvlm",),
-                                 kernel_targets={"rms_norm": ("NewVLMRMSNorm",)})
+                                 kernels=Kernels(targets={"rms_norm": ("NewVLMRMSNorm",)}))
     offers = cuda_offers(monkeypatch, model_type="newvlm", family=family)
     assert offers["liger-rms-norm"].available and "apply_liger_kernel_to_newvlm" in offers["liger-rms-norm"].reason
     assert not offers["liger-swiglu"].available and "names no 'gated_mlp' kernel target" in offers["liger-swiglu"].reason
@@ -283,7 +284,7 @@ def test_ascend_fused_ops_need_the_op_and_the_familys_targets(stand_in):
     offers = ascend_offers(family=QWEN2_5_VL)
     for name in ("npu-rms-norm", "npu-swiglu", "npu-rotary"):
         assert offers[name].available and not offers[name].default
-    bare = dataclasses.replace(QWEN2_5_VL, kernel_targets={})
+    bare = dataclasses.replace(QWEN2_5_VL, kernels=dataclasses.replace(QWEN2_5_VL.kernels, targets={}))
     assert "names no rms_norm" in ascend_offers(family=bare)["npu-rms-norm"].reason
 
 
@@ -297,9 +298,8 @@ def test_ascend_fp32_before_fsdp_only_where_bf16_is_sharded(no_torch_npu, shard,
 def test_ascend_fused_rms_norm_and_swiglu_wiring_with_stand_in_ops(stand_in, model_dir):
     """STAND-IN npu_rms_norm / npu_swiglu (the documented formulas in torch): the patch binds them to the
     family's modules and the model's output stays the same. It shows the wiring, not the NPU kernels."""
-    from vlft_models.qwen2_vl import QWEN2_5_VL
-
     from vlft.models.loading import load_model
+    from vlft_models.qwen2_vl import QWEN2_5_VL
 
     npu = sys.modules["torch_npu"]
     used = []
@@ -315,7 +315,7 @@ def test_ascend_fused_rms_norm_and_swiglu_wiring_with_stand_in_ops(stand_in, mod
         return torch.nn.functional.silu(a) * b
 
     npu.npu_rms_norm, npu.npu_swiglu = rms_norm, swiglu
-    model = load_model(model_dir, AttentionPolicy("sdpa", "sdpa"), PrecisionPolicy("fp32")).eval()
+    model = load_model(model_dir, AttentionPolicy("sdpa", "sdpa"), PrecisionPolicy("fp32"), family=embedded_family()).eval()
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
     with torch.no_grad():
         before = model(input_ids=ids).logits
@@ -349,7 +349,7 @@ def test_cu_seqlens_reach_the_host_once_per_forward(model_dir, monkeypatch):
 
     seen = []
     monkeypatch.setattr(npu_fa, "npu_flash_attn_varlen_func", lambda q, k, v, cq, ck, *a, **kw: seen.append(cq))
-    model = load_model(model_dir, AttentionPolicy("eager", "eager"), PrecisionPolicy("fp32")).eval()
+    model = load_model(model_dir, AttentionPolicy("eager", "eager"), PrecisionPolicy("fp32"), family=embedded_family()).eval()
     line = ascend_kernels.apply_cu_seqlens_once(model, "model.visual")
     assert "once per model.visual forward" in line
     cu = StandInDeviceTensor()
@@ -410,13 +410,13 @@ def test_a_conv_that_is_not_a_matmul_is_refused(kw, why):
 @pytest.fixture(scope="module")
 def cuda_plans(model_dir):
     from vlft.models.loading import model_config_and_family
-    from vlft.planning.plan import resolve_plan
+    from vlft.planning.plan import resolve_policies
     from vlft.registry import load_registry
 
     registry = load_registry()
     model_config, family = model_config_and_family(model_dir, registry)
-    return {asked: resolve_plan(registry, RunConfig(backend="cuda", kernels=asked), model_dir, model_config,
-                                family=family) for asked in ("none", "auto")}
+    return {asked: resolve_policies(registry, RunConfig(backend="cuda", kernels=asked), model_dir, model_config,
+                                    family=family) for asked in ("none", "auto")}
 
 
 def _inputs(model):
@@ -431,7 +431,7 @@ def test_kernels_none_gives_todays_model_exactly_and_auto_the_same_weights(cuda_
 
     fp32 = PrecisionPolicy("fp32")
     policy = AttentionPolicy("sdpa", "sdpa")
-    today, none, auto = (load_model(model_dir, policy, fp32).eval() for _ in range(3))
+    today, none, auto = (load_model(model_dir, policy, fp32, family=embedded_family()).eval() for _ in range(3))
     assert apply_kernels(cuda_plans["none"].kernels, none) == []
     assert cuda_plans["none"].describe()["kernels"]["chosen"] == []
     lines = apply_kernels(cuda_plans["auto"].kernels, auto)
@@ -446,7 +446,7 @@ def test_kernels_none_gives_todays_model_exactly_and_auto_the_same_weights(cuda_
     with torch.no_grad():
         out = {n: m.model.visual(pixels, grid_thw=grid) for n, m in (("today", today), ("none", none),
                                                                       ("auto", auto))}
-    first = lambda o: o.pooler_output if hasattr(o, "pooler_output") else o[0]  # noqa: E731
+    first = lambda o: o.pooler_output if hasattr(o, "pooler_output") else o[0]  # noqa: E731 - a one-line helper
     assert torch.equal(first(out["none"]), first(out["today"]))
     torch.testing.assert_close(first(out["auto"]), first(out["today"]), rtol=1e-5, atol=1e-5)
 
@@ -503,7 +503,6 @@ def test_a_run_with_a_kernel_calls_no_hook_inside_a_step(tmp_path, monkeypatch):
 
 def test_each_backend_offers_kernels_only_for_itself(no_torch_npu):
     import vlft_cuda as cuda
-
     from vlft.registry import load_registry
 
     cfg = RunConfig()

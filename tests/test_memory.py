@@ -3,13 +3,14 @@ the memory plan and the bundled configs of models that are not on this disk."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import cli_invoke, run_flags
 
+from helpers import cli_invoke, embedded_family, installed, run_flags
 from vlft.cli import cli
 from vlft.config import build_config
 
@@ -29,17 +30,15 @@ def _cfg(small_data, out, **over):
 
 def _steps(registry, config, n):
     """``n`` optimizer steps through vlft's own set-up and step; (losses, grad norms, model)."""
-    from vlft.data.order import batches
-    from vlft.training.session import prepare
-    from vlft.training.step import train_step_on
+    from vlft.training.trainer import build_trainer
 
-    s = prepare(registry, config)
+    s = build_trainer(registry, config)
     s.model.train()
     losses, norms = [], []
-    for group in batches(s.dataset, s.collate, s.settings, 0):
-        out = train_step_on(s.model, s.optimizer, s.scheduler, group, s.policy)
-        losses.append(float(out["loss_sum"]) / out["global_tokens"])
-        norms.append(float(out["grad_norm"]))
+    for group in s.batches():
+        out = s.train_step(group)
+        losses.append(out.loss)
+        norms.append(float(out.grad_norm))
         if len(losses) == n:
             break
     return losses, norms, s
@@ -137,7 +136,7 @@ def test_measured_length_equals_the_encoded_length(processor, small_data):
     from vlft.data.encoding import SampleEncoder
     from vlft.data.records import read_records
 
-    encoder = SampleEncoder(processor, max_pixels=56 * 56)
+    encoder = SampleEncoder(processor, embedded_family(), max_pixels=56 * 56)
     for rec in read_records(small_data[0])[:8]:
         n, grids = encoder.measure(rec)
         enc = encoder.encode(rec)
@@ -157,7 +156,7 @@ def test_skipped_samples_are_counted_and_listed(small_data, tmp_path, processor)
     from vlft.data.encoding import SampleEncoder
     from vlft.data.records import read_records
 
-    encoder = SampleEncoder(processor)
+    encoder = SampleEncoder(processor, embedded_family())
     lengths = sorted(encoder.measure(r)[0] for r in read_records(small_data[0]))
     limit = lengths[len(lengths) // 2]
     over = sum(n > limit for n in lengths)
@@ -176,18 +175,19 @@ def test_traced_activations_equal_what_a_real_step_saves(registry, small_data, t
     from vlft.data.batching import model_inputs
     from vlft.measure import SavedTensorMeter
     from vlft.models.loss import token_loss_sum
-    from vlft.planning.memory import plan_memory
+    from vlft.planning.memory import MemoryBasis, plan_memory
     from vlft.planning.preflight import plan_run, plan_targets
     from vlft.planning.trace import BatchShape, skeleton
 
     config = _cfg(small_data, tmp_path / "r")
-    planned = plan_run(registry, config)
-    plan = planned.plan
+    plan = plan_run(registry, config)
+    with pytest.raises(dataclasses.FrozenInstanceError):  # the plan is not changed after planning
+        plan.notes = ()
     _, _, s = _steps(registry, config, 1)
     batch = next(iter(torch.utils.data.DataLoader(s.dataset, batch_size=4, collate_fn=s.collate)))
     shape = BatchShape(4, batch["input_ids"].shape[1], [tuple(g) for g in batch["image_grid_thw"].tolist()])
-    sk = plan_targets(registry, plan, skeleton(planned.model_config, plan.attention, torch.float32))
-    estimate = plan_memory(sk, planned.model_config, "float32", None, shape, 0, None, "")
+    sk, _ = plan_targets(registry, plan, skeleton(plan.model_config, plan.attention, torch.float32))
+    estimate = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None, plan.family), shape)
     meter = SavedTensorMeter(s.model)
     s.model.train()
     with meter.hooks():
@@ -195,7 +195,7 @@ def test_traced_activations_equal_what_a_real_step_saves(registry, small_data, t
     assert estimate.activations.full == pytest.approx(meter.bytes, rel=0.02)
     assert estimate.adapter_parameters == sum(p.numel() for p in s.model.parameters() if p.requires_grad)
     # backward's working space: at least the gradient of eager attention's [B, heads, T, T] probabilities
-    heads = planned.model_config.text_config.num_attention_heads
+    heads = plan.model_config.text_config.num_attention_heads
     probabilities = shape.samples * heads * shape.tokens ** 2 * 4
     assert probabilities <= estimate.activations.backward_transient < estimate.activations.full / 2
     assert estimate.total_bytes() == (estimate.counted_bytes() + estimate.activations.backward_transient
@@ -301,7 +301,7 @@ def test_bundled_configs_have_the_published_parameter_counts(name, total):
     from vlft.models.loading import load_model_config, resolve_model_path
 
     with torch.device("meta"):
-        model = AutoModelForImageTextToText.from_config(load_model_config(resolve_model_path(name)))
+        model = AutoModelForImageTextToText.from_config(load_model_config(resolve_model_path(name, installed()), installed()))
     assert sum(p.numel() for p in model.parameters()) == total
 
 
@@ -360,24 +360,23 @@ def test_gemma3_traced_activations_are_what_a_real_step_saves(registry, small_da
     from vlft.data.batching import model_inputs
     from vlft.measure import SavedTensorMeter
     from vlft.models.loss import token_loss_sum
-    from vlft.planning.memory import plan_memory
+    from vlft.planning.memory import MemoryBasis, plan_memory
     from vlft.planning.preflight import plan_run, plan_targets
     from vlft.planning.trace import BatchShape, skeleton
 
     config = _cfg(small_data, tmp_path / "r", model="embedded:gemma3")
-    planned = plan_run(registry, config)
-    plan = planned.plan
+    plan = plan_run(registry, config)
     assert not [n for n in plan.notes if "not traced" in n], plan.notes
     _, _, s = _steps(registry, config, 1)
     batch = next(iter(torch.utils.data.DataLoader(s.dataset, batch_size=4, collate_fn=s.collate)))
     images = batch["pixel_values"].shape[0]
-    grids = gemma3.image_grids(s.processor, [(32, 32)] * images, None)
+    grids = gemma3.image_grids(s.plan.processor, [(32, 32)] * images, None)
     shape = BatchShape(4, batch["input_ids"].shape[1], grids)
-    sk = plan_targets(registry, plan, skeleton(planned.model_config, plan.attention, torch.float32))
-    estimate = plan_memory(sk, planned.model_config, "float32", None, shape, 0, None, "")
+    sk, _ = plan_targets(registry, plan, skeleton(plan.model_config, plan.attention, torch.float32))
+    estimate = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None, plan.family), shape)
     assert estimate.activations.untraced == []
-    without_images = plan_memory(sk, planned.model_config, "float32", None, BatchShape(4, shape.tokens, []), 0,
-                                 None, "")
+    without_images = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None, plan.family),
+                                 BatchShape(4, shape.tokens, []))
     assert estimate.activations.full > without_images.activations.full  # the tower's share is counted
     meter = SavedTensorMeter(s.model)
     s.model.train()
@@ -393,21 +392,20 @@ def test_gemma4_traced_activations_are_what_a_real_step_saves(registry, small_da
     from vlft.data.batching import model_inputs
     from vlft.measure import SavedTensorMeter
     from vlft.models.loss import token_loss_sum
-    from vlft.planning.memory import plan_memory
+    from vlft.planning.memory import MemoryBasis, plan_memory
     from vlft.planning.preflight import plan_run, plan_targets
     from vlft.planning.trace import BatchShape, skeleton
 
     config = _cfg(small_data, tmp_path / "r", model="embedded:gemma4")
-    planned = plan_run(registry, config)
-    plan = planned.plan
+    plan = plan_run(registry, config)
     _, _, s = _steps(registry, config, 1)
     batch = next(iter(torch.utils.data.DataLoader(s.dataset, batch_size=4, collate_fn=s.collate)))
     real = (batch["image_position_ids"] != -1).all(-1)
     grids = [(1, int(p[m][:, 1].max()) + 1, int(p[m][:, 0].max()) + 1)
              for p, m in zip(batch["image_position_ids"], real)]
     shape = BatchShape(4, batch["input_ids"].shape[1], grids)
-    sk = plan_targets(registry, plan, skeleton(planned.model_config, plan.attention, torch.float32))
-    estimate = plan_memory(sk, planned.model_config, "float32", None, shape, 0, None, "")
+    sk, _ = plan_targets(registry, plan, skeleton(plan.model_config, plan.attention, torch.float32))
+    estimate = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None, plan.family), shape)
     assert estimate.activations.untraced == []
     meter = SavedTensorMeter(s.model)
     s.model.train()

@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import base_model
 
+from helpers import base_model, embedded_family
 from vlft.config import RunConfig
 from vlft.data.batching import collator_for
 from vlft.data.encoding import SampleEncoder
 from vlft.data.records import read_records
 from vlft.errors import ConfigError
-from vlft.models.families import family_of_model
+from vlft.models.families import family_of_model, resolve_family
 from vlft.models.targets import select_targets
 
 
 @pytest.fixture(scope="module")
 def batch(small_data, processor):
-    enc = SampleEncoder(processor)
+    enc = SampleEncoder(processor, embedded_family())
     records = read_records(small_data[0])[:2]
-    return collator_for(processor)([enc.encode(r) for r in records])
+    return collator_for(processor, embedded_family())([enc.encode(r) for r in records])
 
 
 def _inputs(batch):
@@ -143,7 +143,7 @@ def test_the_vision_warmup_runs_the_tower_on_a_text_only_batch_and_adds_exactly_
         # dropout off: the dummy pass draws dropout masks too, which would shift the text layers' masks
         cfg = RunConfig(method="lora", adapter={"lora_dropout": 0.0})
         d = registry.first("vlft_adapter_defaults", method="lora", config=cfg)
-        family = registry.first("vlft_model_family", model_type=model.config.model_type, model_config=model.config)
+        family = resolve_family(registry, model.config)
         targets = select_targets(model, d, "both", 6, family).modules
         torch.manual_seed(0)
         adapted = registry.first("vlft_apply_adapter", method="lora", model=model, targets=targets, config=cfg,

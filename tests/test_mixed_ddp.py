@@ -17,6 +17,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from helpers import vlft_command
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import cli_invoke, die_at_step, vlft_command
 
+from helpers import cli_invoke, die_at_step, vlft_command
 from vlft import Average, ConfigError, Objective, ObjectiveInfo, hookimpl
 
 LN2 = math.log(2)
@@ -355,11 +355,11 @@ def test_one_vision_pass_feeds_both_rows_and_every_adapter_gets_a_gradient(pref,
     from vlft.models.passes import StepPasses
     from vlft.models.reference import Reference
     from vlft.models.rows import row_inputs
-    from vlft.training.session import prepare
+    from vlft.training.trainer import build_trainer
 
     config = build_config({}, dict(backend="cpu", objective="dpo", data=str(pref.train), val_data=str(pref.val),
                                    output=str(tmp_path / "r"), steps=1, batch_size=2, adapter={"lora_dropout": 0.0}))
-    s = prepare(registry, config)
+    s = build_trainer(registry, config)
     with torch.no_grad():  # a trained-looking adapter: every part of it in the computation
         for p in s.model.parameters():
             if p.requires_grad:
@@ -388,7 +388,6 @@ def test_one_vision_pass_feeds_both_rows_and_every_adapter_gets_a_gradient(pref,
 
 def test_no_hook_is_called_inside_a_dpo_step(pref, registry, tmp_path, monkeypatch):
     from test_run import hook_calls_inside_steps
-
     from vlft.config import build_config
 
     config = build_config({}, dict(backend="cpu", objective="dpo", data=str(pref.train), val_data=str(pref.val),

@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 
+from helpers import installed
 from vlft.data.batching import collator_for, label_count, model_inputs
 from vlft.data.packing import PackingCollator, PackingPlan, resolve_packing
 from vlft.data.records import IGNORE_INDEX
@@ -50,7 +51,7 @@ def _setup(model_name: str, attn: str):
     processor = load_processor(path, family, registry)
     models = []
     for text in (attn, segments_name(attn)):
-        model = load_model(path, AttentionPolicy(attn, text), PrecisionPolicy("fp32"))
+        model = load_model(path, AttentionPolicy(attn, text), PrecisionPolicy("fp32"), family=family)
         models.append(model.requires_grad_(True))
     return models, config, family, processor, SampleEncoder(processor, family=family)
 
@@ -141,8 +142,8 @@ def test_packed_under_sdpa_matches_padding(qwen25):
     from vlft.models.loading import load_model, resolve_model_path
     from vlft.policies import PrecisionPolicy
 
-    plain, segments = (load_model(resolve_model_path("embedded"), AttentionPolicy("sdpa", text),
-                                  PrecisionPolicy("fp32")).requires_grad_(True)
+    plain, segments = (load_model(resolve_model_path("embedded", installed()), AttentionPolicy("sdpa", text),
+                                  PrecisionPolicy("fp32"), family=family).requires_grad_(True)
                        for text in ("sdpa", segments_name("sdpa")))
     micro = _micro_batches(encoder, records, steps=1, per_step=1, size=6)
     padded, packed = _collators(processor, config, family)
@@ -155,9 +156,9 @@ def test_packed_under_sdpa_matches_padding(qwen25):
 def test_segments_leave_padded_batches_and_generation_as_they_were(qwen25):
     """A model loaded for packing also validates on padded batches and generates with a cache: there the
     segments implementation hands the mask to the plain one, so it computes what the plain model computes."""
-    ((plain, segments), _, _, processor, encoder), records = qwen25
+    ((plain, segments), _, family, processor, encoder), records = qwen25
     samples = [encoder.encode(r) for r in records[:3]]
-    batch = collator_for(processor)(samples)
+    batch = collator_for(processor, family)(samples)
     assert (batch["attention_mask"] == 0).any()  # really padded
     with torch.no_grad():
         a, b = (m(**model_inputs(batch)).logits for m in (plain, segments))
@@ -182,7 +183,7 @@ def test_no_label_predicts_across_a_sample_boundary(qwen25):
     assert (batch["position_ids"][0, 0, starts] == 0).all()  # the text row restarts at each sample
     assert label_count(batch) == sum(len(s["input_ids"]) - 1 for s in samples)
     with torch.no_grad():
-        own = sum(token_loss_sum(plain(**model_inputs(collator_for(processor)([s]))).logits,
+        own = sum(token_loss_sum(plain(**model_inputs(collator_for(processor, family)([s]))).logits,
                                  s["labels"][None]).item() for s in samples)
         together = token_loss_sum(model(**model_inputs(batch)).logits, batch["labels"]).item()
     assert abs(together - own) <= RTOL * own, (together, own)

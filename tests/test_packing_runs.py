@@ -14,15 +14,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import float64_reference
 import pytest
 from float64_reference import LOGGED_RTOL
+
 from helpers import die_at_step as dying
 from helpers import run_flags, vlft_command
-
 from vlft.config import build_config
 
 HERE = Path(__file__).resolve().parent

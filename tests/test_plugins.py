@@ -13,9 +13,10 @@ from pathlib import Path
 import pluggy
 import pytest
 
+from vlft.contracts.backend import BackendInfo
+from vlft.contracts.method import MethodInfo
 from vlft.errors import ConfigError, VlftError
 from vlft.hookspecs import hookimpl
-from vlft.policies import BackendInfo, MethodInfo
 from vlft.plugins import builtin_packages, builtin_plugins
 from vlft.registry import ENTRY_POINT_GROUP, load_registry, new_plugin_manager
 
@@ -195,9 +196,10 @@ def test_a_fresh_manager_with_only_test_plugins():
 
 
 def test_a_torch_older_than_the_floor_is_refused_with_a_clear_message():
-    """``get_total_norm`` and the public ``fully_shard`` need torch 2.6: the training stage refuses an older
-    torch at import, and ``vlft doctor`` fails its torch check (the version string stands in for an old
-    install: a subprocess that sets ``torch.__version__`` before importing vlft)."""
+    """``get_total_norm`` and the public ``fully_shard`` need torch 2.6: a run's plan refuses an older torch
+    before anything is loaded, importing the training stage does not fail, and ``vlft doctor`` fails its torch
+    check (the version string stands in for an old install: a subprocess that sets ``torch.__version__``
+    before importing vlft)."""
     import subprocess
     import sys
 
@@ -207,8 +209,48 @@ def test_a_torch_older_than_the_floor_is_refused_with_a_clear_message():
     assert torch_too_old("2.14.1+cu130") is None and torch_too_old("2.6.0") is None
     assert "torch 2.5.1+cpu is older than vlft needs (2.6)" in torch_too_old("2.5.1+cpu")
     code = ("import torch; torch.__version__ = '2.4.1'\n"
-            "try:\n    import vlft.training.step\nexcept ImportError as e:\n    print('refused:', e)\n"
+            "import vlft.training, vlft.training.step, vlft.training.fsdp\nprint('imported')\n"
+            "from vlft.config import RunConfig\nfrom vlft.planning.preflight import plan_run\n"
+            "from vlft.registry import load_registry\n"
+            "try:\n    plan_run(load_registry(), RunConfig(dry_run=True))\n"
+            "except Exception as e:\n    print('refused:', type(e).__name__, e)\n"
             "from vlft.commands.doctor import torch_check\nc = torch_check('2.4.1')\nprint('doctor:', c.ok, c.fix)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "refused: torch 2.4.1 is older than vlft needs (2.6)" in proc.stdout, proc.stderr[-2000:]
+    assert "imported" in proc.stdout, proc.stderr[-2000:]
+    assert "refused: ConfigError torch 2.4.1 is older than vlft needs (2.6)" in proc.stdout, proc.stderr[-2000:]
     assert "doctor: False pip install 'torch>=2.6'" in proc.stdout
+
+
+def test_a_warning_silenced_in_a_forward_leaves_the_process_filters_as_they_were():
+    """``shard_model`` silences FSDP2's view warning of the root for the root's forward only
+    (``quiet_during_forward``): a module whose post-forward hook warns is quiet inside its forward, the same
+    warning raised after it is seen, and the process's filters are unchanged, a forward that fails too."""
+    import warnings
+
+    import torch
+
+    from vlft.training.fsdp import quiet_during_forward
+
+    class Root(torch.nn.Module):
+        fail = False
+
+        def forward(self, x):
+            if self.fail:
+                raise RuntimeError("a forward that fails")
+            return x * 2
+
+    root = Root()
+    root.register_forward_hook(lambda m, a, out: warnings.warn("FSDP2-wrapped module (Root) returned a view tensor", stacklevel=1))
+    before = list(warnings.filters)
+    quiet_during_forward(root, r"FSDP2-wrapped module .* returned a view tensor")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        root(torch.ones(2))
+        assert seen == []
+        warnings.warn("FSDP2-wrapped module (Root) returned a view tensor", stacklevel=1)
+        assert len(seen) == 1
+    assert warnings.filters == before
+    root.fail = True
+    with pytest.raises(RuntimeError, match="a forward that fails"):
+        root(torch.ones(2))
+    assert warnings.filters == before

@@ -25,6 +25,7 @@ import types
 from pathlib import Path
 
 import pytest
+
 from helpers import cli_invoke, process_registry, vlft_command
 
 ROOT = Path(__file__).resolve().parents[1]

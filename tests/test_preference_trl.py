@@ -33,7 +33,7 @@ import torch
 if os.environ.get("VLFT_REQUIRE_TRL") != "1":
     pytest.importorskip("trl", reason="trl is not importable here; `make test` runs this module again with it "
                                       "(.venv/trl-site)")
-import trl  # noqa: E402 - after the skip: trl is optional
+import trl  # noqa: F401 - after the skip: trl is optional, imported to fail loudly under VLFT_REQUIRE_TRL
 
 NOISE = 0.05
 
@@ -60,7 +60,8 @@ def setup(tmp_path_factory):
     from vlft.data.layouts import record_format
     from vlft.data.records import read_records
     from vlft.registry import load_registry
-    from vlft.training.session import prepare, training_collator
+    from vlft.training.setup import training_collator
+    from vlft.training.trainer import build_trainer
 
     tmp = tmp_path_factory.mktemp("trl-prefs")
     ds = write_demo_unpaired(tmp / "demo", n_train=8, n_val=4, seed=11)
@@ -68,14 +69,14 @@ def setup(tmp_path_factory):
                                    output=str(tmp / "run"), steps=1, batch_size=4, adapter={"lora_dropout": 0.0},
                                    objective_options={"desirable_weight": 1.5, "undesirable_weight": 0.5}, seed=0))
     registry = load_registry()
-    s = prepare(registry, config)
+    s = build_trainer(registry, config)
     noise = _noise(s.model)
     _add(s.model, noise)
     host = s.collate([s.dataset[i] for i in range(4)])
     pairs_format = record_format(Layout.PREFERENCE_PAIRS)
     pair_records = read_records(ds.root / "preferences-train.jsonl", parse=pairs_format.parse)[:4]
-    encoder = pairs_format.encoder(s.encoder.base)
-    pair_host = pairs_format.collate(training_collator(s.plan, None, s.processor))(
+    encoder = pairs_format.encoder(s.plan.encoder.base)
+    pair_host = pairs_format.collate(training_collator(s.plan, None, s.plan.processor))(
         [encoder.encode(r) for r in pair_records])
     return types.SimpleNamespace(s=s, registry=registry, host=host, pair_host=pair_host, noise=noise,
                                  config=config)
@@ -143,7 +144,7 @@ def test_ktos_loss_equals_trls_ktotrainer(setup, tmp_path):
     from trl import KTOConfig, KTOTrainer
 
     from vlft import OWN, SHARED
-    from vlft.data.batching import to_device, with_label_positions
+    from vlft.data.batching import to_device
     from vlft.models.loading import load_model
     from vlft.models.passes import StepPasses
     from vlft.models.reference import Reference
@@ -174,7 +175,7 @@ def test_ktos_loss_equals_trls_ktotrainer(setup, tmp_path):
                      fp16=False, gradient_checkpointing=False, remove_unused_columns=False,
                      dataloader_num_workers=0)
     rows = Dataset.from_list([{"images": [], "prompt": "", "completion": "", "label": True}] * 4)
-    trainer = KTOTrainer(model=model, args=args, train_dataset=rows, processing_class=s.processor,
+    trainer = KTOTrainer(model=model, args=args, train_dataset=rows, processing_class=s.plan.processor,
                          data_collator=lambda _: layout)
     with torch.no_grad():
         theirs = float(trainer._compute_loss(trainer.model.eval(), layout, False))

@@ -16,22 +16,23 @@ import os
 
 import pytest
 import torch
+
 from test_after_training import tiny_data, vlft  # noqa: F401 - tiny_data is a fixture
 from test_tuning import _cfg, _train
 
 if os.environ.get("VLFT_REQUIRE_QLORA") != "1":
     pytest.importorskip("bitsandbytes", reason="bitsandbytes is not importable here; `make test` runs this module "
                                                "again with it (.venv/qlora-site)")
-import bitsandbytes as bnb  # noqa: E402
+import bitsandbytes as bnb
 
 
 def test_nf4_on_cpu_trains_and_the_plan_counts_the_stored_4bit_tensors(small_data, tmp_path):
     """A real 4-bit run, and the plan's weight bytes equal to the bytes of the tensors bitsandbytes keeps
     (packed weights and quantization constants)."""
     from vlft.registry import load_registry
-    from vlft.training.session import prepare
+    from vlft.training.trainer import build_trainer
 
-    s = prepare(load_registry(), _cfg(small_data, tmp_path / "run", param_dtype="nf4", double_quant=True,
+    s = build_trainer(load_registry(), _cfg(small_data, tmp_path / "run", param_dtype="nf4", double_quant=True,
                                       steps=2, warmup_ratio=0.0))
     assert s.plan.precision.quantization == "nf4" and s.plan.precision.autocast_dtype == "bfloat16"
     base = s.model.get_base_model()
@@ -67,21 +68,21 @@ def nf4_run(tmp_path_factory, tiny_data):  # noqa: F811 - the fixture imported a
 
 
 @pytest.fixture(scope="module")
-def probe(nf4_run, tiny_data):  # noqa: F811
+def probe(nf4_run, tiny_data):  # noqa: F811 - pytest passes the imported tiny_data fixture by name
     """Two validation records encoded as the run encodes them, and the trained model's logits on them: the
     4-bit base with the adapter on top, computing in bf16 as in training."""
     from vlft.data.batching import collator_for
     from vlft.data.records import read_records
-    from vlft.evaluation.inference import load_for_inference
+    from vlft.evaluation.inference import LoadOptions, load_for_inference
     from vlft.registry import load_registry
 
-    loaded = load_for_inference(load_registry(), str(nf4_run), None, backend="cpu", param_dtype="nf4",
-                                double_quant=True)
+    loaded = load_for_inference(load_registry(), str(nf4_run), None,
+                                LoadOptions(backend="cpu", param_dtype="nf4", double_quant=True))
     four_bit = [m for m in loaded.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     # the CPU backend keeps them off bitsandbytes' packed inference path (on AVX512-BF16 CPUs it asserts on
     # these shapes, and rounds differently from training)
     assert four_bit and not any(m.support_avx512bf16_for_cpu for m in four_bit)
-    collate = collator_for(loaded.processor)
+    collate = collator_for(loaded.processor, loaded.encoder.family)
     batch = collate([loaded.encoder.encode(r) for r in read_records(tiny_data[1])[:2]])
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -109,7 +110,7 @@ def test_export_merges_into_the_dequantized_nf4_weights_it_trained_on(nf4_run, p
     from safetensors import safe_open
 
     with safe_open(tmp_path / "merged" / "model.safetensors", "pt") as f:
-        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}  # noqa: SIM118 - safe_open has no iter
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
 
     # the two merges in fp32, against the trained 4-bit model: the default merge differs from it by bf16
     # compute rounding only; a merge into the checkpoint's own weights adds the 4-bit rounding the adapter
@@ -135,13 +136,13 @@ def test_the_dequantized_merge_is_the_4bit_weight_plus_the_update(nf4_run, tmp_p
     4-bit weight plus the LoRA update (B A scaled), to fp32 rounding."""
     from transformers import AutoModelForImageTextToText
 
-    from vlft.evaluation.inference import load_for_inference
+    from vlft.evaluation.inference import LoadOptions, load_for_inference
     from vlft.registry import load_registry
 
     assert vlft("export", "--adapter", nf4_run, "--output", tmp_path / "deq", "--dtype", "fp32")[0] == 0
     merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "deq", dtype=torch.float32).state_dict()
-    loaded = load_for_inference(load_registry(), str(nf4_run), None, backend="cpu", param_dtype="nf4",
-                                double_quant=True)
+    loaded = load_for_inference(load_registry(), str(nf4_run), None,
+                                LoadOptions(backend="cpu", param_dtype="nf4", double_quant=True))
     checked = 0
     for name, module in loaded.model.named_modules():
         if not (hasattr(module, "lora_A") and isinstance(module.base_layer, bnb.nn.Linear4bit)):
@@ -171,7 +172,7 @@ def test_a_bare_adapter_folder_cannot_be_merged_as_dequantized(nf4_run, tmp_path
     assert not (tmp_path / "m").exists() and not list(tmp_path.glob(".m-*"))
 
 
-def test_eval_scores_the_trained_4bit_model_quantized_as_the_run_was(nf4_run, tiny_data, tmp_path):  # noqa: F811
+def test_eval_scores_the_trained_4bit_model_quantized_as_the_run_was(nf4_run, tiny_data, tmp_path):  # noqa: F811 - the imported fixture
     """`vlft eval --param-dtype nf4` loads the base in 4-bit with the run's double quantization, and says so."""
     out = tmp_path / "scores.json"
     code, output = vlft("eval", "--adapter", nf4_run, "--data", tiny_data[1], "--param-dtype", "nf4", "--backend",
@@ -182,15 +183,15 @@ def test_eval_scores_the_trained_4bit_model_quantized_as_the_run_was(nf4_run, ti
     assert json.loads(out.read_text())["scores"]["samples"] == 4
 
 
-def test_predict_answers_every_record_with_the_trained_adapter_on_the_4bit_base(nf4_run, probe, tiny_data,  # noqa: F811
+def test_predict_answers_every_record_with_the_trained_adapter_on_the_4bit_base(nf4_run, probe, tiny_data,  # noqa: F811 - the imported fixture
                                                                                   tmp_path, monkeypatch):
     """`vlft predict --param-dtype nf4`: one prediction per record, in the data's order, made by the model the
     run trained: bitsandbytes' 4-bit linears under the LoRA layers, the saved adapter's weights on them, and
     the trained 4-bit model's logits (the ``probe``'s)."""
-    import vlft.evaluation.generation as generation
     from peft import get_peft_model_state_dict
     from safetensors.torch import load_file
 
+    import vlft.evaluation.generation as generation
     from vlft.data.records import read_records
 
     used = []  # the model predict generated with (watched, not replaced: the real generation runs)

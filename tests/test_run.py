@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from helpers import cli_invoke, run_flags
 
+from helpers import cli_invoke, run_flags
 from vlft.cli import cli
 from vlft.config import build_config
+from vlft.contracts.backend import BackendInfo
+from vlft.contracts.method import AdapterDefaults, MethodInfo
 from vlft.errors import ConfigError
 from vlft.hookspecs import hookimpl
-from vlft.policies import AdapterDefaults, BackendInfo, MethodInfo
 from vlft.registry import load_registry
 
 
@@ -173,7 +174,7 @@ class ToyPlugin:
 
     @hookimpl
     def vlft_probe_backend(self, backend):
-        from vlft.policies import ProbeResult
+        from vlft.contracts.backend import ProbeResult
 
         return ProbeResult(True, device_count=1) if backend == "toycpu" else None
 
@@ -181,7 +182,7 @@ class ToyPlugin:
     def vlft_setup_device(self, backend, config):
         import torch
 
-        from vlft.policies import DeviceSetup
+        from vlft.contracts.backend import DeviceSetup
 
         return DeviceSetup(torch.device("cpu")) if backend == "toycpu" else None
 
@@ -205,7 +206,7 @@ class ToyPlugin:
 
     @hookimpl
     def vlft_memory_reader(self, backend, device):
-        from vlft.policies import MemoryStats
+        from vlft.contracts.backend import MemoryStats
 
         return (lambda: MemoryStats(peak_bytes=1)) if backend == "toycpu" else None
 

@@ -18,10 +18,10 @@ from pathlib import Path
 import click
 import numpy as np
 import pytest
-import torch
 import run_option_index
-from helpers import cli_invoke
+import torch
 
+from helpers import cli_invoke
 from vlft.cli import cli
 
 PACK = "test_packing_runs.py::"
@@ -157,9 +157,10 @@ class _RunSpies:
     what ``get_worker_info`` says there; written to ``workers`` by the worker process)."""
 
     def __init__(self, monkeypatch, workers: Path):
-        import vlft.data.order as order
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
         from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl  # the embedded default's modelling
+
+        import vlft.data.order as order
 
         self.attention: set[tuple[str, str, bool, bool]] = set()
         self.workers = workers
@@ -351,7 +352,6 @@ def test_grouped_batches_under_two_processes_pad_less(tmp_path):
     import subprocess
 
     from helpers import vlft_command
-
     from vlft.data.demo import write_varied_dataset
 
     data = write_varied_dataset(tmp_path / "varied", n=32, seed=3, min_side=28, max_side=96, max_images=1,

@@ -1,6 +1,7 @@
 """Scorers (``--scorer``; each a ``--reward`` too): every built-in one against hand-computed figures that a wrong
 implementation misses (ANLS's 0.5 threshold, relaxed accuracy's 5%, IoU at 0.5, BLEU's clipping, brevity penalty
-and corpus pooling, ROUGE-L's subsequence), ``auto``'s choice, the plugin kind, and the user's MODULE:FUNCTION.
+and corpus pooling, ROUGE-L's subsequence, CIDEr-D's idf, clipping and length penalty), ``auto``'s choice, the
+plugin kind, and the user's MODULE:FUNCTION.
 
 The real runs (``vlft run --scorer``, ``vlft eval --scorer``) are in tests/test_scorer_runs.py.
 """
@@ -134,6 +135,30 @@ def test_rouge_l_is_the_f_measure_of_the_longest_common_subsequence():
     assert figures(["rouge"], ["police kill the gunman", "x"], [ref, "y"])["rouge_l"] == pytest.approx(0.375)
 
 
+# -- CIDEr-D (pycocoevalcap) ----------------------------------------------------------------------------------
+
+def test_cider_weighs_ngrams_by_their_rarity_over_the_references_and_penalises_length():
+    """CIDEr-D by hand (Vedantam et al., 2015, as pycocoevalcap computes it). Two images: an n-gram's idf is
+    log(2 / the images whose references hold it), so 'a', in both, weighs 0. "A cat." against "a cat sat" (case
+    and punctuation dropped): the unigram cosine (cat) and the bigram one (a cat) are L^2 / (L * L sqrt 2) =
+    1 / sqrt 2 (L = log 2), there are no 3- or 4-grams: the mean over n = 1..4 is (2 / sqrt 2) / 4; its length
+    (pycocoevalcap counts bigrams) is 1 against 2: the penalty exp(-1 / (2 * 6^2)); times 10. "a dog" against
+    "A dog!": cosines 1, 1, 0, 0: 10 * 2 / 4 = 5."""
+    first = 10 * (2 / math.sqrt(2)) / 4 * math.exp(-1 / 72)  # 3.4868 (no clipping or penalty: 3.5355)
+    predictions, references = ["A cat.", "a dog"], ["a cat sat", "A dog!"]
+    assert values("cider", predictions, references) == pytest.approx([first, 5.0])
+    assert figures(["cider"], predictions, references)["cider"] == pytest.approx((first + 5) / 2)
+    # clipped: "cat cat" against "a cat" counts 'cat' once, its unigram term min(2L, L) L / (2L L) = 1/2 (unclipped,
+    # 1); its bigram 'cat cat' is in no reference: 10 * (1/2) / 4
+    assert values("cider", ["cat cat", ""], ["a cat", "a dog"]) == pytest.approx([1.25, 0.0])
+    # a record's answers are its image's references (COCO's five captions): the similarities' mean over them, so
+    # a perfect match of one of two references scores half (the best of them would give 5)
+    assert values("cider", ["a cat", "x"], ["a cat", "a bird"], answers=[["a cat", "the dog"], ["a bird"]]) == \
+        pytest.approx([2.5, 0.0])
+    # one record: every n-gram is in every image's references, idf 0
+    assert values("cider", ["a cat"], ["a cat"]) == [0.0]
+
+
 # -- character error rate --------------------------------------------------------------------------------------
 
 def test_cer_is_the_edits_over_the_reference_characters_pooled_over_the_set():
@@ -163,7 +188,8 @@ def test_json_field_f1_matches_leaf_fields():
 # -- exact and fields: as before (tests/test_evaluate.py), and as rewards --------------------------------------
 
 def test_every_scorer_is_a_reward_and_the_built_in_list():
-    assert sorted(SCORERS) == ["anls", "bleu", "cer", "choice", "exact", "fields", "iou", "json", "relaxed", "rouge"]
+    assert sorted(SCORERS) == ["anls", "bleu", "cer", "choice", "cider", "exact", "fields", "iou", "json", "relaxed",
+                               "rouge"]
     rewards = REGISTRY.rewards
     assert set(SCORERS) <= set(rewards) and {"format", "numeric"} <= set(rewards)
     anls = rewards["anls"].build(None)

@@ -30,7 +30,7 @@ def tiny(request, tmp_path_factory):
     registry = load_registry()
     family = next(f for f in smolvlm.FAMILIES if f.name == request.param)
     path = tmp_path_factory.mktemp(request.param) / "tiny"
-    family.build_tiny(path)
+    family.tiny.build(path)
     model = AutoModelForImageTextToText.from_pretrained(path).eval()
     return family, load_processor(str(path), family, registry), model
 

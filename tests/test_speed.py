@@ -8,15 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
+
+from helpers import embedded_family, installed
 from test_memory import _cfg
 
 
 @pytest.fixture(scope="module")
 def session(small_data, tmp_path_factory):
     from vlft.registry import load_registry
-    from vlft.training.session import prepare
+    from vlft.training.trainer import build_trainer
 
-    return prepare(load_registry(), _cfg(small_data, tmp_path_factory.mktemp("speed") / "r", batch_size=3))
+    return build_trainer(load_registry(), _cfg(small_data, tmp_path_factory.mktemp("speed") / "r", batch_size=3))
 
 
 def _loss_and_grads(s, host, labels_only: bool):
@@ -75,20 +77,20 @@ def test_the_memory_plan_counts_the_logits_at_labelled_positions_only(session, r
     from vlft.data.batching import label_positions, model_inputs, with_label_positions
     from vlft.measure import SavedTensorMeter
     from vlft.models.loss import batch_loss_sum
-    from vlft.planning.memory import plan_memory
+    from vlft.planning.memory import MemoryBasis, plan_memory
     from vlft.planning.preflight import plan_run, plan_targets
     from vlft.planning.trace import BatchShape, skeleton
 
-    planned = plan_run(registry, _cfg(small_data, tmp_path / "r", batch_size=3))
-    plan = planned.plan
+    plan = plan_run(registry, _cfg(small_data, tmp_path / "r", batch_size=3))
     s = session
     host = with_label_positions(s.collate([s.dataset[i] for i in range(4)]))
     kept = label_positions(host["labels"])[0].shape[1]
     grids = [tuple(g) for g in host["image_grid_thw"].tolist()]
     tokens = host["input_ids"].shape[1]
-    sk = plan_targets(registry, plan, skeleton(planned.model_config, plan.attention, torch.float32))
-    full = plan_memory(sk, planned.model_config, "float32", None, BatchShape(4, tokens, grids), 0, None, "")
-    only = plan_memory(sk, planned.model_config, "float32", None, BatchShape(4, tokens, grids, kept), 0, None, "")
+    sk, _ = plan_targets(registry, plan, skeleton(plan.model_config, plan.attention, torch.float32))
+    basis = MemoryBasis(sk, plan.model_config, "float32", None, plan.family)
+    full = plan_memory(basis, BatchShape(4, tokens, grids))
+    only = plan_memory(basis, BatchShape(4, tokens, grids, kept))
     assert only.logits_bytes * tokens == full.logits_bytes * kept
     meter = SavedTensorMeter(s.model)
     s.model.train()
@@ -103,8 +105,8 @@ def test_sample_lengths_report_each_samples_label_tokens(session):
     from vlft.data.lengths import check_lengths
 
     s = session
-    records = s.train_records[:5]
-    _, report = check_lengths(records, s.encoder, None, False)
+    records = s.plan.train_records[:5]
+    _, report = check_lengths(records, s.plan.encoder, None, False)
     assert report.labelled == [label_count(s.collate([s.dataset[i]])) for i in range(5)]
 
 
@@ -190,7 +192,7 @@ def test_a_step_as_on_a_device_with_fused_adamw_skips_without_counting_the_step(
     policy = replace(s.policy, flags_on_host=False, fused_optimizer=True)
     host = [s.collate([s.dataset[i] for i in range(3)])]
     out = train_step_on(s.model, optimizer, scheduler, host, policy)
-    assert not bool(out["skipped"])
+    assert not bool(out.skipped)
     steps = {float(st["step"]) for st in optimizer.state.values()}
     weights = {n: p.detach().clone() for n, p in s.model.named_parameters() if p.requires_grad}
     first = next(p for p in s.model.parameters() if p.requires_grad)
@@ -199,7 +201,7 @@ def test_a_step_as_on_a_device_with_fused_adamw_skips_without_counting_the_step(
         out = train_step_on(s.model, optimizer, scheduler, host, policy)
     finally:
         hook.remove()
-    assert bool(out["skipped"])
+    assert bool(out.skipped)
     assert {float(st["step"]) for st in optimizer.state.values()} == steps == {1.0}
     for n, p in s.model.named_parameters():
         if p.requires_grad:
@@ -227,15 +229,15 @@ def test_the_memory_plan_counts_the_guards_copy_only_where_fused_adamw_does_not_
 
 @pytest.mark.parametrize("copies", [False, True])
 def test_the_guards_copy_is_in_the_estimate(session, registry, small_data, tmp_path, copies):
-    from vlft.planning.memory import plan_memory
+    from vlft.planning.memory import MemoryBasis, plan_memory
     from vlft.planning.preflight import plan_run, plan_targets
     from vlft.planning.trace import BatchShape, skeleton
 
-    planned = plan_run(registry, _cfg(small_data, tmp_path / "r", batch_size=3))
-    sk = plan_targets(registry, planned.plan, skeleton(planned.model_config, planned.plan.attention, torch.float32))
+    plan = plan_run(registry, _cfg(small_data, tmp_path / "r", batch_size=3))
+    sk, _ = plan_targets(registry, plan, skeleton(plan.model_config, plan.attention, torch.float32))
     shape = BatchShape(1, 64, [], 8)
-    bare = plan_memory(sk, planned.model_config, "float32", None, shape, 0, None, "")
-    est = plan_memory(sk, planned.model_config, "float32", None, shape, 0, None, "", guard_copy=copies)
+    bare = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None, plan.family), shape)
+    est = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None, plan.family, guard_copy=copies), shape)
     assert est.total_bytes() - bare.total_bytes() == (12 * est.adapter_parameters if copies else 0)
     assert est.describe()["guard_copy_bytes"] == (12 * est.adapter_parameters if copies else 0)
 
@@ -339,12 +341,12 @@ def test_measuring_images_by_size_runs_no_image_processor(model_dir, monkeypatch
     from vlft.data.encoding import SampleEncoder
     from vlft.models.loading import load_processor
 
-    processor = load_processor(model_dir)
+    processor = load_processor(model_dir, embedded_family(), installed())
     ip = processor.image_processor
     expected = {size: tuple(int(x) for x in ip(images=[Image.new("RGB", size)], return_tensors="pt")["image_grid_thw"][0])
                 for size in ((448, 448), (300, 200))}
     calls = _counting(monkeypatch, type(ip), "__call__")
-    encoder = SampleEncoder(processor)
+    encoder = SampleEncoder(processor, embedded_family())
     sizes = [(448, 448)] * 5 + [(300, 200)] * 3
     prepared = encoder.family.image_inputs.prepare(processor, Media(sizes), None)
     written = encoder.family.image_inputs.write(processor, ["<|image_pad|>" * len(sizes)], prepared)
@@ -357,10 +359,10 @@ def test_parallel_measuring_gives_the_serial_answers(session, monkeypatch):
 
     s = session
     monkeypatch.setattr(lengths, "PARALLEL_FROM", 1)
-    serial = lengths.measure_all(s.train_records, s.encoder, workers=1)
+    serial = lengths.measure_all(s.plan.train_records, s.plan.encoder, workers=1)
     done = []
-    parallel = lengths.measure_all(s.train_records, s.encoder, done.append, workers=2)
-    assert parallel == serial and sum(done) == len(s.train_records)
+    parallel = lengths.measure_all(s.plan.train_records, s.plan.encoder, done.append, workers=2)
+    assert parallel == serial and sum(done) == len(s.plan.train_records)
 
 
 FORK_AFTER_TORCH = """
@@ -371,8 +373,9 @@ from PIL import Image
 from vlft.data import lengths
 from vlft.data.encoding import SampleEncoder
 from vlft.data.records import read_records
-from vlft.models.embedded import embedded_model_dir
+from vlft.models.embedded import default_family, embedded_model_dir
 from vlft.models.loading import load_processor
+from vlft.registry import load_registry
 
 folder = Path(sys.argv[1])
 Image.new("RGB", (448, 448), (200, 30, 30)).save(folder / "a.jpg")
@@ -380,7 +383,9 @@ record = {"messages": [{"role": "user", "content": "<image>What?"}, {"role": "as
           "images": [str(folder / "a.jpg")]}
 (folder / "t.jsonl").write_text("\\n".join(json.dumps(record) for _ in range(4)) + "\\n")
 records = read_records(folder / "t.jsonl")
-encoder = SampleEncoder(load_processor(str(embedded_model_dir())))
+registry = load_registry()
+family = default_family(registry)
+encoder = SampleEncoder(load_processor(str(embedded_model_dir(registry)), family, registry), family)
 torch.set_num_threads(2)
 torch.ones(1 << 22).mul_(2)  # the parent's OpenMP team exists from here, as after a training step
 lengths.PARALLEL_FROM = 1
@@ -424,7 +429,8 @@ def test_the_checked_data_is_reused_while_the_files_are_unchanged(own_data, monk
     from vlft.planning import preflight
 
     config = _cfg(own_data, tmp_path / "r")
-    encoder = SampleEncoder(load_processor(str(embedded_model_dir())))
+    encoder = SampleEncoder(load_processor(str(embedded_model_dir(installed())), embedded_family(), installed()),
+                            embedded_family())
     checks = _counting(monkeypatch, preflight, "_load_and_check_data")
     first = preflight.load_and_check_data(config, encoder)
     again = preflight.load_and_check_data(config, encoder)  # a resume, a later run
@@ -458,7 +464,8 @@ def test_under_torchrun_the_other_processes_take_local_rank_0s_check(own_data, m
     from vlft.planning import preflight
 
     config = replace(_cfg(own_data, tmp_path / "r"), world_size=2, rank=1)
-    encoder = SampleEncoder(load_processor(str(embedded_model_dir())))
+    encoder = SampleEncoder(load_processor(str(embedded_model_dir(installed())), embedded_family(), installed()),
+                            embedded_family())
     monkeypatch.setattr(checked, "POLL_S", 0.05)
     monkeypatch.setenv("LOCAL_RANK", "0")
     result = preflight._load_and_check_data(config, encoder)  # what rank 0 will have found
@@ -578,11 +585,11 @@ def test_a_resumed_grouped_run_continues_exactly():
 
 
 def test_group_by_length_gives_the_sampler_each_training_samples_length(registry, small_data, tmp_path):
-    from vlft.training.session import prepare
+    from vlft.training.trainer import build_trainer
 
-    s = prepare(registry, _cfg(small_data, tmp_path / "r", group_by_length=True))
-    assert s.settings.lengths == [s.encoder.measure(r)[0] for r in s.train_records]
-    plain = prepare(registry, _cfg(small_data, tmp_path / "p"))
+    s = build_trainer(registry, _cfg(small_data, tmp_path / "r", group_by_length=True))
+    assert s.settings.lengths == [s.plan.encoder.measure(r)[0] for r in s.plan.train_records]
+    plain = build_trainer(registry, _cfg(small_data, tmp_path / "p"))
     assert plain.settings.lengths is None
 
 

@@ -1,7 +1,7 @@
 """Step times that mean what they say: evaluation and checkpoint saving are timed apart from training steps.
 
 A tiny run evaluates and saves at every step. The run's clock (``time.perf_counter`` in the two modules that
-time it, the loop and ``vlft run``) is replaced by one that moves only when this test says: each training
+time it, the trainer and its loop's window) is replaced by one that moves only when this test says: each training
 step, validation loss and checkpoint save moves it by its own known amount, and nothing else does. Every time
 the run reports is then an exact sum of those amounts, whatever the machine's speed and load: each is checked
 from both sides (a field that held another's time is too large, one that lost its own too small), with no
@@ -33,16 +33,16 @@ class RunClock:
 
 
 def test_step_time_leaves_out_evaluation_and_checkpoints_which_have_their_own_fields(tmp_path, monkeypatch):
-    import vlft.commands.run as run_command
     import vlft.training.loop as loop
+    import vlft.training.trainer as trainer
     from vlft.cli import cli
     from vlft.testing import run, tiny_run_config
     from vlft.training.checkpoints import CheckpointStore
 
     clock = RunClock()
-    for module in (loop, run_command):  # only perf_counter: any other use of `time` there fails loudly
+    for module in (loop, trainer):  # only perf_counter: any other use of `time` there fails loudly
         monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
-    real_step, real_loss, real_save = loop.train_step_on, run_command.validation_loss, CheckpointStore.save
+    real_step, real_loss, real_save = trainer.train_step_on, trainer.validation_loss, CheckpointStore.save
 
     def costed(real, seconds):
         def call(*args, **kwargs):
@@ -50,8 +50,8 @@ def test_step_time_leaves_out_evaluation_and_checkpoints_which_have_their_own_fi
             return real(*args, **kwargs)
         return call
 
-    monkeypatch.setattr(loop, "train_step_on", costed(real_step, STEP))
-    monkeypatch.setattr(run_command, "validation_loss", costed(real_loss, EVAL))
+    monkeypatch.setattr(trainer, "train_step_on", costed(real_step, STEP))
+    monkeypatch.setattr(trainer, "validation_loss", costed(real_loss, EVAL))
     monkeypatch.setattr(CheckpointStore, "save", costed(real_save, SAVE))
     # log every 2 steps, evaluate and save every step: each logged window holds evaluations and saves
     config = tiny_run_config(tmp_path, steps=4, log_every=2, eval_every=1, eval_batches=1, save_every=1,

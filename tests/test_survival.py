@@ -16,15 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+
 from helpers import cli_invoke, run_flags, vlft_command
 from test_run import logged_losses, read_metrics, short_config, short_values
-
 from vlft.cli import cli
 from vlft.errors import ConfigError, DataError, VlftError
 from vlft.training.checkpoints import (
     CheckpointStore,
     CheckpointWriteError,
     newest_checkpoint,
+    training_state,
 )
 
 
@@ -250,7 +251,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_none_left_is_one_error(tmp_p
     model, optimizer, scheduler = tiny_training_state()
     store = CheckpointStore(tmp_path / "checkpoints", 3, stand_in_save_adapter)
     for step in (2, 4):
-        store.save(step, model, optimizer, scheduler, None, torch.device("cpu"))
+        store.save(step, training_state(step, optimizer, scheduler, None, torch.device("cpu")), model)
     assert newest_checkpoint(store.root).name == "step-000004"
     state = store.root / "step-000004" / "state.pt"
     state.write_bytes(state.read_bytes()[:100])  # truncated
@@ -272,14 +273,14 @@ def test_a_full_disk_stops_the_save_and_keeps_the_previous_checkpoint(tmp_path, 
 
     model, optimizer, scheduler = tiny_training_state()
     store = CheckpointStore(tmp_path / "checkpoints", 2, stand_in_save_adapter)
-    store.save(1, model, optimizer, scheduler, None, torch.device("cpu"))
+    store.save(1, training_state(1, optimizer, scheduler, None, torch.device("cpu")), model)
 
     def full_disk(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(vlft.training.checkpoints.torch, "save", full_disk)
     with pytest.raises(CheckpointWriteError, match=r"step 2 .*the disk is full.*step-000001 is intact"):
-        store.save(2, model, optimizer, scheduler, None, torch.device("cpu"))
+        store.save(2, training_state(2, optimizer, scheduler, None, torch.device("cpu")), model)
     assert sorted(p.name for p in store.root.iterdir()) == ["step-000001"]
     assert newest_checkpoint(store.root).name == "step-000001"
 
@@ -364,7 +365,7 @@ vlft.training.checkpoints.torch.save = paused_save
 model, optimizer, scheduler = tiny_training_state()
 store = vlft.training.checkpoints.CheckpointStore(root, 2, stand_in_save_adapter)
 for step in (1, 2):
-    store.save(step, model, optimizer, scheduler, None, torch.device('cpu'))
+    store.save(step, vlft.training.checkpoints.training_state(step, optimizer, scheduler, None, torch.device('cpu')), model)
 """
 
 
@@ -385,7 +386,7 @@ def test_kill_during_a_checkpoint_write_leaves_the_previous_one_for_resume(tmp_p
     assert newest_checkpoint(root, report=said.append).name == "step-000001"
     assert said == ["resume: removed the half-written checkpoint folder .tmp-step-000002"]
     model, optimizer, scheduler = tiny_training_state()
-    CheckpointStore(root, 2, stand_in_save_adapter).save(2, model, optimizer, scheduler, None, torch.device("cpu"))
+    CheckpointStore(root, 2, stand_in_save_adapter).save(2, training_state(2, optimizer, scheduler, None, torch.device("cpu")), model)
     assert sorted(p.name for p in root.iterdir()) == ["step-000001", "step-000002"]
 
 
@@ -509,28 +510,28 @@ def test_the_end_of_a_run_saves_first_and_a_failed_evaluation_keeps_the_adapter(
     import vlft.commands.run as run
 
     out = tmp_path / "run"
-    sessions, calls, seen = [], [], {}
-    real_prepare, real_eval = run.prepare, run.evaluate_generation
+    trainers, calls, seen = [], [], {}
+    real_build, real_eval = run.build_trainer, run.evaluate_generation
 
-    def prepare(*args, **kwargs):
-        sessions.append(real_prepare(*args, **kwargs))
-        return sessions[-1]
+    def build_trainer(*args, **kwargs):
+        trainers.append(real_build(*args, **kwargs))
+        return trainers[-1]
 
     def evaluation(*args, **kwargs):
         calls.append(kwargs)
         if len(calls) == 2:  # after training
             seen.update(adapter=(out / "adapter" / "adapter_model.safetensors").is_file(),
                         checkpoints=sorted(p.name for p in (out / "checkpoints").iterdir()),
-                        optimizer_state=len(sessions[0].optimizer.state))
+                        optimizer_state=len(trainers[0].optimizer.state))
             raise torch.OutOfMemoryError("out of memory (injected): tried to allocate 2.00 GiB")
         return real_eval(*args, **kwargs)
 
-    monkeypatch.setattr(run, "prepare", prepare)
+    monkeypatch.setattr(run, "build_trainer", build_trainer)
     monkeypatch.setattr(run, "evaluate_generation", evaluation)
     config = dict(steps=4, save_every=3, eval_every=0, eval_samples=2, max_new_tokens=2, batch_size=2)
     run.execute(registry, short_config(small_data, out, **config), progress=False)
     assert seen == {"adapter": True, "checkpoints": ["step-000003", "step-000004"], "optimizer_state": 0}
-    assert [c["batch_size"] for c in calls] == [2, 2]  # the training micro-batch, not 16
+    assert [c["decoding"].batch_size for c in calls] == [2, 2]  # the training micro-batch, not 16
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["exact_match_after"] is None
     assert summary["eval_error"].startswith("OutOfMemoryError: out of memory (injected)")
@@ -541,7 +542,7 @@ def test_the_end_of_a_run_saves_first_and_a_failed_evaluation_keeps_the_adapter(
     capsys.readouterr()
     result = run.execute(registry, short_config(small_data, out, resume=True, **config), progress=False)
     assert "is complete (4 steps, checkpoint step-000004); nothing to train" in capsys.readouterr().err
-    assert len(sessions) == 1 and result.metrics == []  # nothing was set up, nothing trained
+    assert len(trainers) == 1 and result.metrics == []  # nothing was set up, nothing trained
     assert (out / "metrics.jsonl").read_text() == metrics
 
 
@@ -594,12 +595,12 @@ class _RunsCodeWhenUnpickled:
 def test_checkpoint_state_is_loaded_without_running_pickled_code(registry, small_data, tmp_path, straight_run):
     """state.pt is read with ``weights_only=True``: a real checkpoint restores (the RNG state included), and a
     state.pt carrying an object that runs code when unpickled is refused before that code runs."""
-    from vlft.training.checkpoints import restore_training_state
-    from vlft.training.session import prepare
+    from vlft.training.trainer import build_trainer
 
     checkpoint = straight_run / "checkpoints" / "step-000008"
-    s = prepare(registry, short_config(small_data, tmp_path / "unused", steps=8, save_every=4, eval_every=0))
-    assert restore_training_state(checkpoint, s.optimizer, s.scheduler, None, torch.device("cpu")) == 8
+    s = build_trainer(registry, short_config(small_data, tmp_path / "unused", steps=8, save_every=4, eval_every=0))
+    s.load_checkpoint(checkpoint)
+    assert s.step == 8
     assert s.optimizer.state  # the AdamW moments came back
 
     marker = tmp_path / "code-ran"
@@ -608,5 +609,5 @@ def test_checkpoint_state_is_loaded_without_running_pickled_code(registry, small
     state = torch.load(checkpoint / "state.pt", weights_only=False)  # the test's own file, to copy from
     torch.save({**state, "extra": _RunsCodeWhenUnpickled(marker)}, hostile / "state.pt")
     with pytest.raises(VlftError, match="state.pt .* not only tensors and plain values"):
-        restore_training_state(hostile, s.optimizer, s.scheduler, None, torch.device("cpu"))
+        s.load_checkpoint(hostile)
     assert not marker.exists()

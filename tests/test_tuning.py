@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-from helpers import base_model, cli_invoke, run_flags
 
+from helpers import base_model, cli_invoke, installed, run_flags
 from vlft.config import build_config
 
 
@@ -22,14 +22,12 @@ def _cfg(small_data, out, **over):
 
 
 def _train(session, n):
-    from vlft.data.order import batches
-    from vlft.training.step import train_step_on
 
     session.model.train()
     losses = []
-    for group in batches(session.dataset, session.collate, session.settings, 0):
-        out = train_step_on(session.model, session.optimizer, session.scheduler, group, session.policy)
-        losses.append(float(out["loss_sum"]) / out["global_tokens"])
+    for group in session.batches():
+        out = session.train_step(group)
+        losses.append(out.loss)
         if len(losses) == n:
             return losses
     return losses
@@ -38,11 +36,11 @@ def _train(session, n):
 @pytest.fixture(scope="module")
 def tower_session(small_data, tmp_path_factory):
     from vlft.registry import load_registry
-    from vlft.training.session import prepare
+    from vlft.training.trainer import build_trainer
 
     cfg = _cfg(small_data, tmp_path_factory.mktemp("towers") / "run", lr_vision=1e-3, lr_merger=5e-4,
                train_merger=True)
-    s = prepare(load_registry(), cfg)
+    s = build_trainer(load_registry(), cfg)
     merger = s.model.get_base_model().model.visual.merger
     before = {n: p.detach().clone() for n, p in merger.original_module.named_parameters()}
     losses = _train(s, 2)
@@ -96,7 +94,7 @@ def test_the_trained_merger_is_saved_so_plain_peft_loads_it(tower_session, model
     assert changed, "the merger was not updated"
     for n, p in wrapper.original_module.named_parameters():  # the frozen original is left alone
         assert torch.equal(p, before[n])
-    s.save_adapter(s.model, tmp_path / "adapter")
+    s.save_adapter(tmp_path / "adapter")
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["modules_to_save"] == ["model.visual.merger"]
     plain = PeftModel.from_pretrained(base_model(model_dir), str(tmp_path / "adapter"))
@@ -115,7 +113,7 @@ def test_a_method_that_ignores_train_merger_is_refused(registry, model_dir):
     model = base_model(model_dir)
     adapted = get_peft_model(model, LoraConfig(target_modules=["q_proj"]))  # no modules_to_save
     with pytest.raises(ConfigError, match="did not make the merger trainable"):
-        check_merger_trained(adapted, family_of_model(adapted), "stand-in")
+        check_merger_trained(adapted, family_of_model(adapted, installed()), "stand-in")
 
 
 def test_learning_rates_must_be_positive(small_data, tmp_path):
@@ -189,7 +187,7 @@ def test_each_towers_learning_rate_moves_its_own_parameters_in_a_real_run(tower_
 def base_model_merger():
     from vlft.models.embedded import embedded_model_dir
 
-    return base_model(str(embedded_model_dir())).model.visual.merger
+    return base_model(str(embedded_model_dir(installed()))).model.visual.merger
 
 
 def test_train_merger_trains_the_merger_in_full_and_saves_it(tower_run):
@@ -234,9 +232,9 @@ def test_lora_variant_trains_saves_and_loads_with_plain_peft(small_data, tmp_pat
     from peft import PeftModel
 
     from vlft.registry import load_registry
-    from vlft.training.session import prepare
+    from vlft.training.trainer import build_trainer
 
-    s = prepare(load_registry(), _cfg(small_data, tmp_path / "run", steps=3, warmup_ratio=0.0,
+    s = build_trainer(load_registry(), _cfg(small_data, tmp_path / "run", steps=3, warmup_ratio=0.0,
                                       adapter={option: True, "r": 8}))
     assert s.plan.adapter.hyperparameters[option] is True
     if option == "use_dora":
@@ -249,9 +247,9 @@ def test_lora_variant_trains_saves_and_loads_with_plain_peft(small_data, tmp_pat
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
     moved = [n for n, p in s.model.named_parameters() if p.requires_grad and not torch.equal(p, start[n])]
     assert moved
-    s.save_adapter(s.model, tmp_path / "adapter")
+    s.save_adapter(tmp_path / "adapter")
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())[option] is True
-    batch = s.collate([s.encoder.encode(r) for r in s.train_records[:2]])
+    batch = s.collate([s.plan.encoder.encode(r) for r in s.plan.train_records[:2]])
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     s.model.eval()
     plain = PeftModel.from_pretrained(base_model(model_dir), str(tmp_path / "adapter")).eval()
@@ -294,7 +292,7 @@ def test_exported_adapter_names_are_the_models_modules_as_vllm_parses_them(regis
     parsed = {k[len("base_model.model."):].rsplit(".", 2)[0] for k in keys}
     linear = {n for n, m in base_model(model_dir).named_modules() if isinstance(m, torch.nn.Linear)}
     assert parsed == set(chosen) and parsed <= linear
-    check = check_against_base(tmp_path / "out", model_dir)
+    check = check_against_base(tmp_path / "out", model_dir, installed())
     assert check.servable and set(check.vision) == {m for m in chosen if ".visual." in m} and check.vision
     assert "--enable-tower-connector-lora" in result.output
     assert "--enable-tower-connector-lora" in (tmp_path / "out" / "README.md").read_text()
@@ -306,7 +304,7 @@ def test_text_only_adapters_need_no_tower_flag_and_foreign_names_are_caught(regi
     from vlft.models.serving import check_against_base
 
     _lora_folder(registry, model_dir, tmp_path / "adapter", targets="text")
-    check = check_against_base(tmp_path / "adapter", model_dir)
+    check = check_against_base(tmp_path / "adapter", model_dir, installed())
     assert check.servable and not check.vision
     assert not any("tower-connector" in line for line in check.lines())
     # a name that is no module of this model (another layout, another model) is named
@@ -314,7 +312,7 @@ def test_text_only_adapters_need_no_tower_flag_and_foreign_names_are_caught(regi
     key = next(iter(tensors))
     tensors[key.replace("model.language_model.layers", "model.layers")] = tensors.pop(key)
     save_file(tensors, str(tmp_path / "adapter" / "adapter_model.safetensors"))
-    check = check_against_base(tmp_path / "adapter", model_dir)
+    check = check_against_base(tmp_path / "adapter", model_dir, installed())
     assert check.missing and check.missing[0].startswith("model.layers.") and not check.servable
 
 
@@ -322,8 +320,8 @@ def test_a_trained_merger_is_reported_as_what_vllm_refuses(tower_session, model_
     from vlft.models.serving import check_against_base
 
     s = tower_session[0]
-    s.save_adapter(s.model, tmp_path / "adapter")
-    check = check_against_base(tmp_path / "adapter", model_dir)
+    s.save_adapter(tmp_path / "adapter")
+    check = check_against_base(tmp_path / "adapter", model_dir, installed())
     assert not check.servable and any("modules_to_save" in b for b in check.blockers)
     assert "merged model" in check.lines()[0]
 
@@ -376,10 +374,10 @@ def test_a_merger_trained_in_full_under_fsdp_is_exported_whole(small_data, tmp_p
     import subprocess
 
     from click.testing import CliRunner
-    from helpers import vlft_command
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
+    from helpers import vlft_command
     from vlft.cli import cli
 
     train, val = small_data

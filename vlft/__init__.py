@@ -11,12 +11,41 @@ internal and may change between releases.
 
 Importing it loads no torch and no vendor extension, so a plugin module that
 imports it stays cheap to load (probing happens inside the hooks).
+
+The contracts carry a version, ``PLUGIN_API``: a plugin may say which one it was written for
+(``VLFT_PLUGIN_API = 3`` in its module), and docs/plugin-api-changes.md lists what changed between them.
 """
 
 from vlft.backend import BackendHookimpl, hookimpl_for
 from vlft.config import RunConfig, parse_attn
-from vlft.tokens import tokenize_pieces
-from vlft.userspec import user_attribute
+from vlft.contracts import PLUGIN_API, ContractChanged
+from vlft.contracts.backend import (
+    BackendInfo,
+    DeviceCapacity,
+    DeviceSetup,
+    DoctorCheck,
+    KernelPatch,
+    MemoryStats,
+    ProbeResult,
+)
+from vlft.contracts.family import (
+    Chat,
+    Experts,
+    ImageInputs,
+    Kernels,
+    Media,
+    ModelFamily,
+    Packing,
+    Positions,
+    Sharding,
+    Targets,
+    Tiny,
+    Towers,
+    VideoInputs,
+    VisionWarmup,
+    Written,
+)
+from vlft.contracts.method import AdapterDefaults, MethodInfo
 from vlft.contracts.objective import (
     OWN,
     PER_STEP,
@@ -35,46 +64,29 @@ from vlft.contracts.objective import (
     option,
     positive,
 )
+from vlft.contracts.scorer import Scorer
+from vlft.contracts.sinks import MetricSink
+from vlft.data.processor_inputs import processor_image_inputs
 from vlft.errors import BackendUnavailable, ConfigError, DataError, VlftError
 from vlft.hookspecs import hookimpl
 from vlft.policies import (
-    AdapterDefaults,
     AttentionPolicy,
-    BackendInfo,
     DataLoaderOptions,
-    DeviceCapacity,
-    DeviceSetup,
     DistributedOptions,
-    DoctorCheck,
-    Experts,
-    ImageInputs,
-    KernelPatch,
-    Media,
-    MemoryStats,
-    MethodInfo,
-    MetricSink,
-    ModelFamily,
-    Packing,
-    Positions,
     PrecisionPolicy,
-    ProbeResult,
-    Sharding,
-    VideoInputs,
-    Scorer,
-    VisionWarmup,
-    Written,
-    processor_image_inputs,
 )
-
-__version__ = "0.1.0"
+from vlft.tokens import tokenize_pieces
+from vlft.userspec import user_attribute
+from vlft.version import __version__ as __version__  # re-exported: vlft.__version__
 
 __all__ = [
-    "AdapterDefaults", "AttentionPolicy", "BackendHookimpl", "BackendInfo", "BackendUnavailable", "ConfigError",
-    "DataError", "DataLoaderOptions", "DeviceCapacity", "DeviceSetup", "DistributedOptions", "DoctorCheck",
-    "Experts", "ImageInputs", "KernelPatch", "Media", "MemoryStats", "MethodInfo", "MetricSink", "ModelFamily",
-    "Objective", "ObjectiveInfo", "Packing", "Positions", "PrecisionPolicy", "ProbeResult", "Reward",
-    "RunConfig", "Scorer", "Sharding", "VideoInputs", "VisionWarmup", "Written", "VlftError", "hookimpl", "hookimpl_for",
-    "parse_attn", "processor_image_inputs", "tokenize_pieces", "user_attribute",
+    "PLUGIN_API", "AdapterDefaults", "AttentionPolicy", "BackendHookimpl", "BackendInfo", "BackendUnavailable",
+    "Chat", "ConfigError", "ContractChanged", "DataError", "DataLoaderOptions", "DeviceCapacity", "DeviceSetup",
+    "DistributedOptions", "DoctorCheck", "Experts", "ImageInputs", "KernelPatch", "Kernels", "Media",
+    "MemoryStats", "MethodInfo", "MetricSink", "ModelFamily", "Objective", "ObjectiveInfo", "Packing", "Positions",
+    "PrecisionPolicy", "ProbeResult", "Reward", "RunConfig", "Scorer", "Sharding", "Targets", "Tiny", "Towers",
+    "VideoInputs", "VisionWarmup", "Written", "VlftError", "hookimpl", "hookimpl_for", "parse_attn",
+    "processor_image_inputs", "tokenize_pieces", "user_attribute",
     # the objective contract (vlft/contracts/objective.py)
     "Average", "Generation", "Layout", "OWN", "PER_STEP", "PairedPreference", "Passes", "Prepared", "SHARED", "Side",
     "non_negative", "option", "positive",

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from vlft.hookspecs import hookimpl
 

@@ -11,10 +11,10 @@ import sys
 import click
 from click.core import ParameterSource
 
-from vlft import __version__
 from vlft.config import parse_adapter_options, user_fields
 from vlft.errors import VlftError
 from vlft.registry import get_registry
+from vlft.version import __version__
 
 
 def user_errors(fn):

@@ -16,16 +16,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vlft.contracts import contract
 from vlft.errors import ConfigError
 
 
-def opt(default, help: str, **extra):
+def opt(default, help: str, **extra) -> Any:  # a dataclass field: Any, so each field keeps its own annotation
     """A config field with help text (shown by ``vlft run --help``)."""
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help, **extra})
     return field(default=default, metadata={"help": help, **extra})
 
 
+@contract  # a field that moved (an objective's option: beta, ...) is named with where it went
 @dataclass
 class RunConfig:
     backend: str = opt("auto", "Backend plugin to run on; 'auto' picks the best available (see `vlft plugins`).")
@@ -83,8 +85,8 @@ class RunConfig:
     eval_samples: int = opt(200, "Validation samples for the before/after generation test (0: all).")
     max_new_tokens: int = opt(32, "Longest generated answer in evaluation, and (GRPO) of each sampled completion.")
     scorer: str = opt("auto", "How the before/after test scores the answers: scorers by name, comma-separated "
-                              "(built in: exact, fields, anls, relaxed, choice, iou, bleu, rouge, cer, json; see `vlft "
-                              "scorers`), auto (exact match, plus fields, relaxed, iou or json where every validation "
+                              "(built in: exact, fields, anls, relaxed, choice, iou, bleu, rouge, cider, cer, json; see "
+                              "`vlft scorers`), auto (exact match, plus fields, relaxed, iou or json where every validation "
                               "reference takes that form; the plan says which) or your MODULE:FUNCTION.",
                       metavar="NAME[,NAME]")
     save_every: int = opt(200, "Checkpoint every N steps (0: only at the end).")

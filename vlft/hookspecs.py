@@ -14,7 +14,8 @@ training step calls none of them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -26,25 +27,26 @@ if TYPE_CHECKING:  # annotations only: importing this module loads neither torch
     import transformers
 
     from vlft.config import RunConfig
-    from vlft.policies import (
-        AdapterDefaults,
-        AttentionPolicy,
+    from vlft.contracts.backend import (
         BackendInfo,
-        DataLoaderOptions,
         DeviceCapacity,
         DeviceSetup,
-        DistributedOptions,
         DoctorCheck,
         KernelPatch,
         MemoryStats,
-        MethodInfo,
-        MetricSink,
-        ModelFamily,
-        PrecisionPolicy,
         ProbeResult,
-        Scorer,
     )
+    from vlft.contracts.family import ModelFamily
+    from vlft.contracts.method import AdapterDefaults, MethodInfo
     from vlft.contracts.objective import Objective, ObjectiveInfo, Reward
+    from vlft.contracts.scorer import Scorer
+    from vlft.contracts.sinks import MetricSink
+    from vlft.policies import (
+        AttentionPolicy,
+        DataLoaderOptions,
+        DistributedOptions,
+        PrecisionPolicy,
+    )
 
 hookspec = pluggy.HookspecMarker("vlft")
 hookimpl = pluggy.HookimplMarker("vlft")
@@ -58,6 +60,7 @@ def vlft_backends() -> list[BackendInfo]:
 
     Every plugin's answer is collected; two plugins offering one name is an error.
     """
+    ...
 
 
 @hookspec
@@ -66,6 +69,7 @@ def vlft_methods() -> list[MethodInfo]:
 
     Every plugin's answer is collected; two plugins offering one name is an error.
     """
+    ...
 
 
 # -- backends ----------------------------------------------------------------
@@ -75,19 +79,12 @@ def vlft_model_families() -> list[ModelFamily]:
     """Return a list of ``ModelFamily`` for the model families this plugin offers.
 
     Every plugin's answer is collected: ``vlft plugins`` lists them, ``--model embedded:<name>`` looks a
-    family up by its name, and the error for a checkpoint no family owns names them.
+    family up by its name, and a checkpoint belongs to the first family whose ``model_types`` holds its
+    ``config.model_type`` (asked once at plan time, kept in the ``RunPlan``), the error for one no family
+    owns naming them all. Plugins are asked last-registered first: a plugin takes over a family another
+    offers (the same name, or the same model type) by registering after it or with ``tryfirst=True``.
     """
-
-
-@hookspec(firstresult=True)
-def vlft_model_family(model_type: str, model_config: transformers.PretrainedConfig) -> ModelFamily | None:
-    """Return the ``ModelFamily`` that owns this checkpoint, or None.
-
-    ``model_type`` is ``model_config.model_type`` (as transformers reads it from ``config.json``). Asked
-    once at plan time, after the config is read and before the processor and the model load; the answer
-    is kept in the ``RunPlan`` and the training step asks nothing again. First answer wins: a plugin can
-    take over a family another plugin offers with ``tryfirst=True``.
-    """
+    ...
 
 
 @hookspec(firstresult=True)
@@ -95,9 +92,10 @@ def vlft_default_model_family() -> str | None:
     """Return the name of the model family whose tiny model is the embedded default (``vlft run`` with no
     ``--model``, ``--model embedded``), or None.
 
-    The family must offer a tiny builder (``build_tiny``). First answer wins: a plugin can make another
+    The family must offer a tiny model (``tiny``). First answer wins: a plugin can make another
     family the default with ``tryfirst=True``.
     """
+    ...
 
 
 @hookspec
@@ -108,6 +106,7 @@ def vlft_bundled_model_configs() -> dict[str, Path]:
     ``vlft run --model NAME --dry-run`` plans it offline (``--model NAME`` without ``--dry-run`` says where
     to put the weights). Every plugin's answer is collected; the first plugin to offer a name wins.
     """
+    ...
 
 
 @hookspec(firstresult=True)
@@ -117,6 +116,7 @@ def vlft_probe_backend(backend: str) -> ProbeResult | None:
     First answer wins. Must never raise, and a plugin module must import
     nothing heavy (no vendor extension) at module import: probe inside here.
     """
+    ...
 
 
 @hookspec(firstresult=True)
@@ -126,6 +126,7 @@ def vlft_setup_device(backend: str, config: RunConfig) -> DeviceSetup | None:
     Sets the current device for the local rank (``config.local_rank``) and
     any environment the device needs. First answer wins.
     """
+    ...
 
 
 @hookspec(firstresult=True)
@@ -136,6 +137,7 @@ def vlft_attention_implementation(backend: str, config: RunConfig,
     ``config.attn`` carries the user's request (None for the default).
     First answer wins.
     """
+    ...
 
 
 @hookspec(firstresult=True)
@@ -145,6 +147,7 @@ def vlft_precision_policy(backend: str, config: RunConfig) -> PrecisionPolicy | 
     ``config.precision`` is "auto" or the user's choice; a backend that
     cannot honour the choice raises ``ConfigError`` saying why. First answer wins.
     """
+    ...
 
 
 @hookspec
@@ -154,6 +157,7 @@ def vlft_dataloader_options(backend: str, config: RunConfig, options: DataLoader
     Every plugin is called, so several may add to it (the owner first; use
     ``trylast`` to refine after it).
     """
+    ...
 
 
 @hookspec(firstresult=True)
@@ -164,6 +168,7 @@ def vlft_distributed_options(backend: str, config: RunConfig) -> DistributedOpti
     Also asked before torchrun starts when sharding is requested, so a backend without it is refused
     before any process starts. First answer wins.
     """
+    ...
 
 
 @hookspec
@@ -173,6 +178,7 @@ def vlft_seed(backend: str, seed: int, deterministic: bool) -> None:
     The core has already seeded Python, NumPy and torch's CPU generator.
     Every plugin is called; each acts only for backends it owns.
     """
+    ...
 
 
 @hookspec(firstresult=True)
@@ -182,6 +188,7 @@ def vlft_memory_reader(backend: str, device: torch.device) -> Callable[[], Memor
     Resolved once at set-up, so reports read memory without calling hooks.
     First answer wins.
     """
+    ...
 
 
 @hookspec(firstresult=True)
@@ -192,6 +199,7 @@ def vlft_device_capacity(backend: str, config: RunConfig) -> DeviceCapacity | No
     called where the device is absent (a dry run): answer
     ``DeviceCapacity(None, ...)`` then, never raise. First answer wins.
     """
+    ...
 
 
 @hookspec
@@ -200,12 +208,13 @@ def vlft_patch_model(backend: str, model: torch.nn.Module, config: RunConfig,
     """Rewrite parts of a loaded model that ``backend`` cannot run as they are.
 
     ``attention`` is the resolved ``AttentionPolicy`` the model was loaded with; ``family`` is the model's
-    ``ModelFamily``: its module paths (``vision_tower``, ...) say where each tower is, so a patch never
+    ``ModelFamily``: its module paths (``towers.vision``, ...) say where each tower is, so a patch never
     guesses them from module names.
 
     Return a list of one-line descriptions of what was patched (or None).
     Every plugin is called.
     """
+    ...
 
 
 @hookspec
@@ -216,9 +225,10 @@ def vlft_kernel_patches(backend: str, config: RunConfig, model_config: transform
 
     Asked once at plan time (dry runs too, where the device may be absent: never raise, decline with the
     reason); ``--kernels`` chooses among the answers, and the chosen patches' ``apply`` run once on the loaded
-    base model. ``family`` gives the module paths (``vision_stem``, ``kernel_targets``). Every plugin is
+    base model. ``family`` gives the module paths (``kernels.vision_stem``, ``kernels.targets``). Every plugin is
     called; each answers for backends it owns (a third party may add patches to another's backend).
     """
+    ...
 
 
 # -- adapter methods -----------------------------------------------------------
@@ -231,6 +241,7 @@ def vlft_adapter_defaults(method: str, config: RunConfig) -> AdapterDefaults | N
     method's options and raise ``ConfigError`` naming an unknown or ill-typed
     one. First answer wins.
     """
+    ...
 
 
 @hookspec(firstresult=True)
@@ -242,16 +253,18 @@ def vlft_apply_adapter(method: str, model: torch.nn.Module, targets: list[str],
     ``target_parameters`` are full names of fused 3-D expert weights (PEFT's ``target_parameters``); it is
     empty unless the method's ``AdapterDefaults.target_experts`` asked for them, so a method that never sets
     it may leave the argument out of its implementation. ``family`` is the model's ``ModelFamily`` (its
-    module paths: ``vision_mergers`` for ``--train-merger``, ...); a method that needs none may leave it out.
+    module paths: ``towers.vision_mergers`` for ``--train-merger``, ...); a method that needs none may leave it out.
 
     Raise ``ConfigError`` when the method cannot adapt a target (say, no
     block size divides its width). First answer wins.
     """
+    ...
 
 
 @hookspec(firstresult=True)
 def vlft_save_adapter(method: str, model: torch.nn.Module, path: str) -> bool | None:
     """Save the adapter so that ``peft.PeftModel.from_pretrained(base, path)`` loads it. First answer wins."""
+    ...
 
 
 @hookspec(firstresult=True)
@@ -261,11 +274,13 @@ def vlft_load_adapter(method: str, model: torch.nn.Module, path: str,
 
     Used by ``--resume`` (``trainable`` True) and by predict, eval and export. First answer wins.
     """
+    ...
 
 
 @hookspec(firstresult=True)
 def vlft_merge_adapter(method: str, model: torch.nn.Module) -> torch.nn.Module | None:
     """Fold the adapter into the base weights; return the plain merged model. First answer wins."""
+    ...
 
 
 # -- objectives ----------------------------------------------------------------------------------------------
@@ -278,6 +293,7 @@ def vlft_objectives() -> list[ObjectiveInfo]:
 
     Every plugin's answer is collected; two plugins offering one name is an error.
     """
+    ...
 
 
 @hookspec(firstresult=True)
@@ -294,6 +310,7 @@ def vlft_objective(objective: str, config: RunConfig, options: Any, rewards: dic
     the arguments it does not need. The training step calls the answer's methods and no hook. First answer
     wins.
     """
+    ...
 
 
 @hookspec
@@ -302,6 +319,7 @@ def vlft_rewards() -> list[Reward]:
 
     Every plugin's answer is collected; two plugins offering one name is an error.
     """
+    ...
 
 
 @hookspec
@@ -313,6 +331,7 @@ def vlft_scorers() -> list[Scorer]:
     ``vlft_rewards``. Every plugin's answer is collected; two plugins offering one name (a scorer, or a scorer
     and a reward) is an error.
     """
+    ...
 
 
 # -- logging -------------------------------------------------------------------
@@ -327,6 +346,7 @@ def vlft_metric_sink(name: str, config: RunConfig) -> Callable[[Path], MetricSin
     called once, on rank 0, when the run folder exists; the training loop then calls only the sink's
     ``write(record)`` (the same dicts as ``metrics.jsonl``) and, at the end, ``close()``. First answer wins.
     """
+    ...
 
 
 # -- command line ---------------------------------------------------------------
@@ -334,6 +354,7 @@ def vlft_metric_sink(name: str, config: RunConfig) -> Callable[[Path], MetricSin
 @hookspec
 def vlft_register_commands(cli: click.Group) -> None:
     """Add click commands to the ``vlft`` command group ``cli``. Every plugin is called."""
+    ...
 
 
 # -- diagnosis --------------------------------------------------------------------
@@ -346,3 +367,4 @@ def vlft_doctor_checks(backend: str) -> list[DoctorCheck] | None:
     answer None for backends you know nothing about. Must never raise, and
     like probing it imports vendor extensions only inside the call.
     """
+    ...

@@ -17,6 +17,8 @@ imported inside the methods that need them.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class SavedTensorMeter:
     """Bytes autograd keeps for backward: each saved tensor's storage once, parameters and buffers excluded.
@@ -77,7 +79,7 @@ class LiveTensorMeter:
         from torch.multiprocessing.reductions import StorageWeakRef
 
         self._ref = StorageWeakRef
-        self.live: dict[int, tuple[object, int]] = {}
+        self.live: dict[int, tuple[Any, int]] = {}  # data pointer -> (a StorageWeakRef, bytes)
         for t in resident:
             self._add(t)
         self.start_bytes = self.current
@@ -156,6 +158,7 @@ class CopiedBytes:
         return self
 
     def __exit__(self, *exc):
+        assert self._mode is not None  # set by __enter__
         self._mode.__exit__(*exc)
         return False
 

@@ -21,10 +21,13 @@ from typing import TYPE_CHECKING
 import pluggy
 
 from vlft import hookspecs
+from vlft.contracts import CHANGES_DOC, PLUGIN_API, changed, changes_since
+from vlft.contracts.backend import BackendInfo
+from vlft.contracts.method import MethodInfo
+from vlft.contracts.objective import ObjectiveInfo, OptionSpec, Reward, option_specs, resolve_options
+from vlft.contracts.scorer import Scorer
 from vlft.errors import ConfigError, VlftError
 from vlft.plugins import builtin_plugins, serve_checkout
-from vlft.contracts.objective import ObjectiveInfo, OptionSpec, Reward, option_specs, resolve_options
-from vlft.policies import BackendInfo, MethodInfo, Scorer
 
 if TYPE_CHECKING:
     from vlft.contracts.objective import Objective
@@ -49,12 +52,14 @@ class Registry:
     rewards: dict[str, Reward] = field(default_factory=dict)  # reward functions (``vlft_rewards``, scorers) by name
     scorers: dict[str, Scorer] = field(default_factory=dict)  # scorers (``vlft_scorers``) by name
     owners: dict[tuple[str, str], str] = field(default_factory=dict)  # (kind, name) -> plugin
+    # plugin -> what it should know about the plugin API: written for another version, a hook that is gone
+    notes: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def hook(self):
         return self.pm.hook
 
-    def refresh(self) -> "Registry":
+    def refresh(self) -> Registry:
         """Collect backend, method, objective, reward and scorer names; two plugins claiming one name is an
         error. Every scorer is a reward too (``Scorer.as_reward``), so a scorer and a reward of one name clash."""
         self.backends.clear()
@@ -71,7 +76,7 @@ class Registry:
             ("scorer", self.pm.hook.vlft_scorers, self.scorers),
         ):
             for impl in caller.get_hookimpls():
-                for info in impl.function() or []:
+                for info in impl.function() or []:  # pyright: ignore[reportGeneralTypeIssues]  # pluggy types results as object
                     key = (kind, info.name)
                     if key in self.owners:
                         raise VlftError(
@@ -113,7 +118,7 @@ class Registry:
                               + self._broken_hint())
         return self.objectives[name]
 
-    def objective_for(self, config) -> "Objective":
+    def objective_for(self, config) -> Objective:
         """The ``Objective`` of ``config.objective``: its options built from ``config.objective_options`` and
         checked, then asked of its plugin with the reward functions on offer."""
         info = self.objective(config.objective)
@@ -167,7 +172,34 @@ def load_registry(load_entry_points: bool = True, plugins: tuple = (), builtins:
     for plugin in plugins:
         # a readable name for messages: the module's or the class's
         pm.register(plugin, name=getattr(plugin, "__name__", None) or type(plugin).__name__)
+    registry.notes = api_notes(pm)
     return registry.refresh()
+
+
+def api_notes(pm: pluggy.PluginManager) -> dict[str, list[str]]:
+    """{plugin: lines} for plugins written for another plugin API: one that declares an older or newer version
+    (``VLFT_PLUGIN_API = N`` in its module), one that answers a hook this vlft no longer has (pluggy would
+    ignore it without a word). ``vlft plugins`` shows them; what breaks on an old field says so itself."""
+    notes: dict[str, list[str]] = {}
+    for name, plugin in pm.list_name_plugin():
+        lines = []
+        declared = getattr(plugin, "VLFT_PLUGIN_API", None)
+        if isinstance(declared, int) and declared < PLUGIN_API:
+            since = sorted({c.api for c in changes_since(declared)})
+            lines.append(f"written for plugin API {declared}; this vlft's is {PLUGIN_API}: see "
+                         + ", ".join(f"{CHANGES_DOC}#plugin-api-{v}" for v in since) + " for what changed")
+        elif isinstance(declared, int) and declared > PLUGIN_API:
+            lines.append(f"written for plugin API {declared}, newer than this vlft's ({PLUGIN_API}): upgrade vlft")
+        for caller in pm.get_hookcallers(plugin) or []:
+            if caller.has_spec():
+                continue
+            gone = changed("hook", caller.name)
+            lines.append(gone.line() if gone is not None else
+                         f"answers {caller.name}, which is no hook of plugin API {PLUGIN_API} (docs/plugin-hooks.md "
+                         f"lists them)")
+        if lines:
+            notes[name or repr(plugin)] = lines
+    return notes
 
 
 def _load_builtins(pm: pluggy.PluginManager, registry: Registry) -> None:

@@ -28,9 +28,10 @@ import inspect
 import json
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pluggy
 
@@ -253,11 +254,15 @@ def _check_targets(s: _Subject) -> str:
     tower paths, experts and routers resolve."""
     import torch
 
-    from vlft.models.families import resolve_module, select_target_modules  # what a run's plan selects with
+    from vlft.models.families import (  # what a run's plan selects with
+        resolve_module,
+        select_target_modules,
+        target_names,
+    )
 
     fam, model = s.family, s.model()
     problems = []
-    for path in (fam.vision_tower, *fam.vision_mergers, fam.decoder_layers, fam.lm_head):
+    for path in (fam.towers.vision, *fam.towers.vision_mergers, fam.towers.decoder_layers, fam.towers.lm_head):
         if path:
             try:
                 resolve_module(model, path)
@@ -265,23 +270,24 @@ def _check_targets(s: _Subject) -> str:
                 problems.append(str(e))
     if problems:
         return "; ".join(problems)
-    found = select_target_modules(model, fam, "both", 10 ** 6, experts=fam.experts is not None,
-                                  parts=("attention", "mlp"))
-    towers = {"vision": (fam.vision_blocks, fam.vision_attention + fam.vision_mlp),
-              "text": (fam.decoder_layers, fam.text_attention + fam.text_linear_attention + fam.text_mlp)}
+    parts = ("attention", "mlp")
+    found = select_target_modules(model, fam, "both", 10 ** 6, experts=fam.experts is not None, parts=parts)
+    towers = {"vision": (fam.towers.vision_blocks, target_names(fam, "vision", parts)),
+              "text": (fam.towers.decoder_layers, target_names(fam, "text", parts))}
     for tower, (container, names) in towers.items():
         if not container:
             continue
-        count = len(resolve_module(model, container))
+        count = len(resolve_module(model, container))  # pyright: ignore[reportArgumentType]  # a ModuleList, typed Module
         hits = [n for n in found.modules if n.startswith(container + ".")]
         problems += [f"{tower} target '{name}' is an nn.Linear in none of the {count} {container} entries"
                      for name in names if not any(h.endswith("." + name) for h in hits)]
         bare = [i for i in range(count) if not any(h.startswith(f"{container}.{i}.") for h in hits)]
         if bare:
             problems.append(f"{container} entries {bare} have no target at all")
-    problems += [f"experts.parameters '{name}' is a Parameter in no decoder layer" for name in fam.expert_parameters
+    experts = fam.experts.parameters if fam.experts is not None else ()
+    problems += [f"experts.parameters '{name}' is a Parameter in no decoder layer" for name in experts
                  if not any(p.endswith("." + name) for p in found.parameters)]
-    for name in fam.router_modules:
+    for name in fam.experts.routers if fam.experts is not None else ():
         if not any(isinstance(m, torch.nn.Module) for m in _each_layer(model, fam, name)):
             problems.append(f"experts.routers '{name}' is a module in no decoder layer")
     return "; ".join(problems)
@@ -290,9 +296,9 @@ def _check_targets(s: _Subject) -> str:
 def _each_layer(model, fam, relative: str):
     from vlft.models.families import resolve_module  # the dotted-path reader of the family's paths
 
-    for i in range(len(resolve_module(model, fam.decoder_layers))):
+    for i in range(len(resolve_module(model, fam.towers.decoder_layers))):
         try:
-            yield resolve_module(model, f"{fam.decoder_layers}.{i}.{relative}")
+            yield resolve_module(model, f"{fam.towers.decoder_layers}.{i}.{relative}")
         except AttributeError:
             continue
 
@@ -319,7 +325,8 @@ def _processor_ids(s: _Subject, record) -> tuple[list[int], list[int]]:
     from vlft.data.records import load_image  # the images as the encoder decodes them
 
     text = s.encoder.render(record.turns, add_generation_prompt=False)
-    if s.family.reply_end_appended and record.turns[-1].role == "assistant" and not text.endswith(s.encoder.eos_text):
+    if (s.family.chat.reply_end_appended and record.turns[-1].role == "assistant"
+            and not text.endswith(s.encoder.eos_text)):
         text += s.encoder.eos_text  # the last reply's end, which the template leaves out and training adds
     images = {"images": [[load_image(x) for x in record.images]]} if record.images else {}
     own = s.processor(text=[text], return_tensors="pt", **images)["input_ids"][0].tolist()
@@ -362,7 +369,7 @@ def _check_positions(s: _Subject) -> str:
 
     fam, model = s.family, s.model()
     batch = s.batch()
-    text_model = resolve_module(model, fam.decoder_layers.rpartition(".")[0])
+    text_model = resolve_module(model, fam.towers.decoder_layers.rpartition(".")[0])
     seen = []
     hook = text_model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs.get("position_ids")),
                                                 with_kwargs=True)
@@ -372,7 +379,8 @@ def _check_positions(s: _Subject) -> str:
     finally:
         hook.remove()
     if not seen or seen[0] is None:
-        return f"the text model ({fam.decoder_layers.rpartition('.')[0]}) was not given position_ids to compare with"
+        text = fam.towers.decoder_layers.rpartition(".")[0]
+        return f"the text model ({text}) was not given position_ids to compare with"
     rows, problems = fam.positions.rows, []
     for i, (record, sample) in enumerate(zip(s.records, s.samples)):
         n = len(sample["input_ids"])
@@ -437,9 +445,9 @@ def _float64_rtol(model, fam, tokens: int) -> float:
 
     widths = [m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear)]
     n = max([tokens, model.get_output_embeddings().out_features, *widths])
-    layers = len(resolve_module(model, fam.decoder_layers))
-    if fam.vision_blocks:
-        layers += len(resolve_module(model, fam.vision_blocks))
+    layers = len(resolve_module(model, fam.towers.decoder_layers))
+    if fam.towers.vision_blocks:
+        layers += len(resolve_module(model, fam.towers.vision_blocks))
     return (layers + 1) * 2 * n * torch.finfo(torch.float64).eps
 
 
@@ -465,7 +473,7 @@ def _check_adapter(s: _Subject) -> str:
                         target_parameters=targets.parameters or None, init_lora_weights=False)
     adapted = get_peft_model(model, config).eval()
     folder = s.folder / "adapter"
-    adapted.save_pretrained(folder)
+    adapted.save_pretrained(str(folder))
     reloaded = PeftModel.from_pretrained(s.model(), folder).eval()
     with torch.no_grad():
         mine, theirs = adapted(**inputs).logits, reloaded(**inputs).logits
@@ -494,7 +502,7 @@ def _check_mixed_step(s: _Subject) -> str:
     losses = [m["loss"] for m in result.metrics or [] if "loss" in m]
     if len(losses) != 2 or not all(math.isfinite(x) for x in losses):
         return f"the run logged losses {losses}, not 2 finite ones"
-    if not (result.output / "adapter" / "adapter_model.safetensors").is_file():
+    if result.output is None or not (result.output / "adapter" / "adapter_model.safetensors").is_file():
         return "the run wrote no adapter"
     return ""
 

@@ -51,9 +51,11 @@ def main(model: str, data: str, val: str, cache: str) -> dict:
     os.environ["VLFT_CACHE"] = cache
     from vlft.data.encoding import SampleEncoder
     from vlft.models.loading import load_processor, model_config_and_family
+    from vlft.registry import load_registry
 
-    _, family = model_config_and_family(model)
-    return measure(SampleEncoder(load_processor(model, family), family=family), data, val, cache, model)
+    registry = load_registry()
+    _, family = model_config_and_family(model, registry)
+    return measure(SampleEncoder(load_processor(model, family, registry), family=family), data, val, cache, model)
 
 
 def measure(encoder, data: str, val: str, cache: str, model: str) -> dict:

@@ -112,7 +112,7 @@ def write_parquet_set(out: Path, n_records: int, n_images: int, shard_rows: int 
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     pool = []
-    for i in range(n_images):
+    for _ in range(n_images):
         colour = (rng.randrange(256), rng.randrange(256), rng.randrange(256))
         img = Image.new("RGB", (side, side), colour)
         img.paste((255 - colour[0], 80, 160), (rng.randrange(side // 2), rng.randrange(side // 2), side // 2 + 20,

@@ -56,7 +56,7 @@ def _count(rank: int, world: int, method: str, records) -> dict:
     from vlft.training.signals import StopRequest
 
     env = resolve_env("cpu", 1)
-    size = model_size("embedded", str(embedded_model_dir()))
+    size = model_size("embedded", str(embedded_model_dir(env.registry)), env.registry)
     model = adapted_model(env, size, method)[0]
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     tr = trainer(env, ddp, as_on_a_device=True)
@@ -67,11 +67,11 @@ def _count(rank: int, world: int, method: str, records) -> dict:
     stop = StopRequest()
     tr.step(host, dev)  # first step: lazy initialisation out of the way
     stop.agreed(world, env.device)
-    tokens = label_count(host)  # on the host, before the step, as run_training does
+    tokens = label_count(host)  # on the host, before the step, as the trainer's step does
     counter = sync_counter(env.device, host_tensors=tr.host_state())
     with counter:
         out = tr.step_counted(tokens, dev)
         agreed = stop.agreed(world, env.device)
     stop.__exit__(None, None, None)  # waits for the flag's reduction still in flight
-    return {"syncs": counter.summary(), "global_tokens": out["global_tokens"], "local_tokens": tokens,
+    return {"syncs": counter.summary(), "global_tokens": out.global_units, "local_tokens": tokens,
             "agreed": agreed}

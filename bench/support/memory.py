@@ -73,14 +73,13 @@ def measured_step_peak(env: BenchEnv, session, group: list[dict]) -> dict:
     (``vlft.measure.LiveTensorMeter``), with the resident weights and optimizer
     state counted from the start; transients inside the step are included.
     """
-    from vlft.training.step import train_step_on
 
     module = env.device_module()
     if module is not None and hasattr(module, "reset_peak_memory_stats"):
         env.synchronize()
         before = int(module.memory_allocated(env.device))
         module.reset_peak_memory_stats(env.device)
-        train_step_on(session.model, session.optimizer, session.scheduler, group, session.policy)
+        session.train_step(group)
         env.synchronize()
         peak = env.memory_reader().peak_bytes
         return {"measure": f"{env.device.type} allocator peak", "peak_bytes": peak, "step_bytes": peak - before,
@@ -88,6 +87,6 @@ def measured_step_peak(env: BenchEnv, session, group: list[dict]) -> dict:
     resident = [*session.model.parameters(), *session.model.buffers(),
                 *(v for st in session.optimizer.state.values() for v in st.values())]
     with LiveTensorMeter(resident) as meter:
-        train_step_on(session.model, session.optimizer, session.scheduler, group, session.policy)
+        session.train_step(group)
     return {"measure": "live tensor storages, followed through the dispatcher", "peak_bytes": meter.peak,
             "step_bytes": meter.peak - meter.start_bytes, "resident_bytes": meter.start_bytes}

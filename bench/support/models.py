@@ -60,25 +60,27 @@ class ModelSize:
     def collator(self, **kw):
         from vlft.data.batching import collator_for
 
-        return collator_for(self.processor, **kw)
+        return collator_for(self.processor, self.family, **kw)
 
 
-def model_size(name: str, path: str, family=None) -> ModelSize:
+def model_size(name: str, path: str, registry, family=None) -> ModelSize:
+    """The model at ``path`` with its processor and encoder; its family as ``registry``'s plugins answer it
+    (resolved as a run resolves it, so the encoder is the one a run uses) unless given."""
     from vlft.data.encoding import SampleEncoder
-    from vlft.models.loading import load_model_config, model_config_and_family, load_processor
+    from vlft.models.loading import load_processor, model_config_and_family
 
-    if family is None:  # resolved as a run resolves it, so the encoder is the one a run uses
-        family = model_config_and_family(path)[1]
-    processor = load_processor(path, family)
-    return ModelSize(name, path, processor, SampleEncoder(processor, family=family), load_model_config(path),
-                     family)
+    model_config, resolved = model_config_and_family(path, registry)
+    family = family or resolved
+    processor = load_processor(path, family, registry)
+    return ModelSize(name, path, processor, SampleEncoder(processor, family=family), model_config, family)
 
 
 def plan_for(env: BenchEnv, size: ModelSize, method: str):
-    from vlft.planning.plan import resolve_plan
+    from vlft.planning.plan import resolve_policies
 
     # after the device is set up, as a run does, so policies reading device properties see it
-    return resolve_plan(env.registry, env.config(method=method), size.path, size.model_config, env.choice)
+    return resolve_policies(env.registry, env.config(method=method), size.path, size.model_config, env.choice,
+                            family=size.family)
 
 
 def load_base(env: BenchEnv, size: ModelSize):
@@ -86,7 +88,7 @@ def load_base(env: BenchEnv, size: ModelSize):
     from vlft.models.loading import load_model
 
     plan = plan_for(env, size, "lora")
-    model = load_model(size.path, plan.attention, plan.precision)
+    model = load_model(size.path, plan.attention, plan.precision, family=size.family)
     env.registry.hook.vlft_patch_model(backend=env.backend, model=model, config=plan.config,
                                        attention=plan.attention, family=plan.family)
     return model

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from bench.support.env import BenchEnv
 from bench.support.figures import figure

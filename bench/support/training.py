@@ -38,13 +38,13 @@ class Trainer:
     scheduler: Any
     policy: Any
 
-    def step(self, host_batch: dict, device_batch: dict) -> dict:
+    def step(self, host_batch: dict, device_batch: dict):
         from vlft.data.batching import label_count
 
-        # as in vlft.train.run_training: labels counted on the host, before the batch moved
+        # as in vlft.training.trainer.Trainer.train_step: labels counted on the host, before the batch moved
         return self.step_counted(label_count(host_batch), device_batch)
 
-    def step_counted(self, local_tokens: int, device_batch: dict) -> dict:
+    def step_counted(self, local_tokens: int, device_batch: dict):
         from vlft.training.step import train_step
 
         return train_step(self.model, self.optimizer, self.scheduler, [device_batch], self.policy, local_tokens)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 def options(description: str, default_steps: int, argv=None) -> argparse.Namespace:

@@ -23,8 +23,8 @@ inside ``try``. ``torch_npu.contrib.transfer_to_npu`` is never imported.
 
 from __future__ import annotations
 
-import importlib.util
 import functools
+import importlib.util
 import os
 
 from vlft import (
@@ -170,7 +170,7 @@ def _precision(config):
 def _device_name(npu) -> str:
     try:
         return str(npu.get_device_name(0))
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - the name is only for display
         return "unknown NPU"
 
 

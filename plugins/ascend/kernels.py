@@ -10,7 +10,7 @@
   loads the vision tower on ``flash_attention_2`` itself (as ``npu-flash-attention-vision`` does): on eager,
   the path it changes never runs, so named alone it would do nothing.
 - ``npu-rms-norm``, ``npu-swiglu``, ``npu-rotary``: torch_npu's fused ``npu_rms_norm``, ``npu_swiglu`` and
-  ``npu_rotary_mul`` on the modules and functions the model family names (``kernel_targets``): peers do
+  ``npu_rotary_mul`` on the modules and functions the model family names (``kernels.targets``): peers do
   this for Qwen3 / Qwen3-VL / Qwen3.5 only. Off by default until the ``npu``-marked test has compared them
   with the unpatched model on a 910B.
 - ``fp32-before-fsdp``: ms-swift casts the model to fp32 before FSDP2 sharding on the NPU, because sharding
@@ -145,7 +145,7 @@ def _cu_seqlens(config, family) -> KernelPatch:
     source = _npu_fa_source()
     if ok and PER_CALL_HOST_COPY not in (source or ""):
         ok, why = False, "this transformers no longer copies cu_seqlens to the host per call"
-    tower = getattr(family, "vision_tower", "") if family else ""
+    tower = family.towers.vision if family else ""
     if ok and not tower:
         ok, why = False, "the model family names no vision tower"
     return KernelPatch(
@@ -232,7 +232,7 @@ def apply_rotary(targets: tuple[str, ...], npu) -> str:
 
 
 def _fused(family, npu, name: str, op: str, role: str, replaces: str) -> KernelPatch:
-    targets = tuple((getattr(family, "kernel_targets", None) or {}).get(role, ())) if family else ()
+    targets = tuple((family.kernels.targets or {}).get(role, ())) if family else ()
     if npu is None:
         ok, why = False, _short(probe().reason)
     elif not hasattr(npu, op):
@@ -241,7 +241,7 @@ def _fused(family, npu, name: str, op: str, role: str, replaces: str) -> KernelP
         ok, why = False, f"model family {family.name if family else '(none)'} names no {role} modules"
     else:
         ok, why = True, f"torch_npu.{op} on {', '.join(t.rsplit(':', 1)[-1] for t in targets)}"
-    apply = None
+    apply = None  # pyright: ignore[reportAssignmentType]  # no patch unless a branch below defines one
     if ok and role == "rms_norm":
         def apply(model, _t=targets):
             n, _ = apply_module_forward(model, _t, _rms_norm_forward(npu))

@@ -11,10 +11,10 @@ def patch_attention(model, policy: AttentionPolicy, family=None) -> list[str]:
     Attention layers read ``config._attn_implementation`` at each forward, so
     this reroutes them. A config is the vision tower's when it is the model's
     ``vision_config`` or belongs to a module under the family's vision side
-    (``vision_tower`` and any merger outside it): the family says where the
+    (``towers.vision`` and any merger outside it): the family says where the
     tower is, whatever its name. Returns one line per patched config.
     """
-    roots = [r for r in (getattr(family, "vision_tower", ""), *getattr(family, "vision_mergers", ())) if r]
+    roots = [r for r in (family.towers.vision, *family.towers.vision_mergers) if r] if family else []
     top = getattr(model, "config", None)
     vision_cfg = getattr(top, "vision_config", None)
     configs: dict[int, tuple[str, object]] = {}
@@ -33,8 +33,8 @@ def patch_attention(model, policy: AttentionPolicy, family=None) -> list[str]:
         if want != "eager" or current in (None, "eager"):
             continue
         if isinstance(getattr(type(cfg), "_attn_implementation", None), property):
-            cfg._attn_implementation = {"": "eager"}  # transformers' setter: this config only, not its sub-configs
+            cfg._attn_implementation = {"": "eager"}  # pyright: ignore[reportAttributeAccessIssue]  # a config; transformers' setter: this config only, not its sub-configs
         else:
-            cfg._attn_implementation = "eager"
+            cfg._attn_implementation = "eager"  # pyright: ignore[reportAttributeAccessIssue]  # a transformers config
         patched.append(f"{name} ({tower}): {current} attention -> eager")
     return patched

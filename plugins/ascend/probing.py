@@ -152,7 +152,7 @@ def _npu():
     import torch
 
     _import("torch_npu")
-    return torch.npu
+    return torch.npu  # pyright: ignore[reportAttributeAccessIssue]  # torch_npu adds torch.npu on import
 
 
 # -- CANN and driver versions, where they can be read ------------------------------------
@@ -184,7 +184,7 @@ def cann_version(torch_npu=None) -> tuple[str | None, str]:
     """(CANN version, where it was read), or (None, what was looked at)."""
     if torch_npu is not None:
         try:
-            from torch_npu.utils import get_cann_version  # CANN >= 8.1.RC1
+            from torch_npu.utils import get_cann_version  # pyright: ignore[reportMissingImports]  # CANN >= 8.1.RC1, on an NPU host only
 
             v = get_cann_version(module="CANN")
             if v:

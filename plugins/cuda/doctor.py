@@ -49,7 +49,7 @@ def doctor_checks() -> list[DoctorCheck]:
                 bf16 = "native bf16" if cap >= BF16_CAPABILITY else "no native bf16: fp16 with loss scaling"
                 detail = f"{torch.cuda.get_device_name(i)}, compute capability {cap[0]}.{cap[1]} ({bf16})"
                 checks.append(DoctorCheck(f"GPU {i}", True, detail))
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - the doctor reports a failing GPU and goes on
                 checks.append(DoctorCheck(f"GPU {i}", False, _first_line(e), "check `nvidia-smi`"))
     else:
         checks.append(DoctorCheck("GPUs", False, "none usable (see the reason above)",

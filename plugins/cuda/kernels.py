@@ -23,13 +23,12 @@ from importlib.metadata import PackageNotFoundError, version
 
 from vlft import KernelPatch
 
-
 DEVICE_TEST = ("tests/hardware/test_kernels_on_device.py::"
                "test_cuda_kernel_patches_take_effect_and_match_the_unpatched_model")
 # Liger names its entry points after transformers' model_type (apply_liger_kernel_to_qwen2_5_vl); which parts
-# a model has that such a kernel may replace is the family's to say (``kernel_targets``), not a table here
+# a model has that such a kernel may replace is the family's to say (``kernels.targets``), not a table here
 LIGER_ENTRY = "apply_liger_kernel_to_{model_type}"
-LIGER_PARTS = (  # (patch name, the liger switch, the family's kernel_targets role, what it replaces, why)
+LIGER_PARTS = (  # (patch name, the liger switch, the family's kernels.targets role, what it replaces, why)
     ("liger-rms-norm", "rms_norm", "rms_norm", "RMSNorm (text decoder)",
      "Liger's fused Triton RMSNorm: fewer kernel launches and less activation memory"),
     ("liger-swiglu", "swiglu", "gated_mlp", "gated MLP activation (text decoder)", "Liger's fused SiLU-multiply"),
@@ -119,7 +118,7 @@ def apply_linear_patch_embed(model, path: str) -> str:
 # -- the offers ------------------------------------------------------------------------------------------
 
 def _patch_embed(family) -> KernelPatch:
-    path = getattr(family, "vision_stem", "") if family else ""
+    path = family.kernels.vision_stem if family else ""
     return KernelPatch(
         name="linear-patch-embed", replaces="Conv3d patch embedding (kernel == stride)", backend="cuda",
         why="an equal Linear was 11-18x faster than cuDNN's Conv3d (sglang-omni #132); orders of magnitude on "
@@ -137,12 +136,12 @@ def _liger_status(model_config, family) -> tuple[bool, str, str | None]:
     model_type = getattr(model_config, "model_type", None)
     if importlib.util.find_spec("liger_kernel") is None:
         return False, "liger_kernel is not installed (pip install 'vlft[liger]')", None
-    if not getattr(family, "kernel_targets", None):
+    if not (family and family.kernels.targets):
         return False, (f"model family {family.name if family else '(none)'} names no fused-op kernel targets "
-                       "(kernel_targets), so Liger's patches are not offered for it"), None
+                       "(kernels.targets), so Liger's patches are not offered for it"), None
     fn = LIGER_ENTRY.format(model_type=model_type)
     try:
-        import liger_kernel.transformers as lt
+        import liger_kernel.transformers as lt  # pyright: ignore[reportMissingImports]  # the liger extra, opt-in
 
         if not hasattr(lt, fn):
             return False, f"this liger_kernel has no {fn}", None
@@ -160,7 +159,7 @@ def _version(dist: str) -> str:
 
 def _apply_liger(fn: str, switch: str):
     def apply(model) -> str:
-        import liger_kernel.transformers as lt
+        import liger_kernel.transformers as lt  # pyright: ignore[reportMissingImports]  # the liger extra, opt-in
 
         flags = {"rope": False, "rms_norm": False, "swiglu": False, "cross_entropy": False,
                  "fused_linear_cross_entropy": False, switch: True}
@@ -172,7 +171,7 @@ def _apply_liger(fn: str, switch: str):
 
 def _liger_part(family, role: str, ok: bool, why: str) -> tuple[bool, str]:
     """A part is offered where Liger has the model and the family names what the part replaces."""
-    if ok and not (family.kernel_targets or {}).get(role):
+    if ok and not (family.kernels.targets or {}).get(role):
         return False, f"model family {family.name} names no '{role}' kernel target"
     return ok, (why + "; opt-in until measured on this task") if ok else why
 
@@ -187,7 +186,7 @@ def _liger(model_config, family) -> list[KernelPatch]:
             condition=f"liger_kernel installed (the vlft[liger] extra) with {LIGER_ENTRY}, and the model family "
                       f"names its '{role}' kernel target",
             available=part_ok, default=False, reason=part_why,
-            apply=_apply_liger(fn, switch) if part_ok else None,
+            apply=_apply_liger(fn, switch) if part_ok and fn is not None else None,
             check=DEVICE_TEST,
         ))
     flce_why = why if not ok else (

@@ -69,7 +69,7 @@ def probe() -> ProbeResult:
     """Can this process train on an NVIDIA GPU? Never raises."""
     import torch
 
-    versions = {"torch": torch.__version__}
+    versions: dict[str, str] = {"torch": str(torch.__version__)}
     warnings: list[str] = []
     if torch.version.cuda:
         versions["cuda_runtime"] = torch.version.cuda
@@ -88,7 +88,7 @@ def probe() -> ProbeResult:
     try:
         available = bool(torch.cuda.is_available())
         count = int(torch.cuda.device_count()) if available else 0
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - a broken driver's error, whatever its class, is the probe's answer
         return ProbeResult(False, f"torch.cuda cannot query devices ({_first_line(e)})", versions=versions,
                            warnings=warnings)
     driver = driver_version()
@@ -106,7 +106,7 @@ def probe() -> ProbeResult:
         if cap < BF16_CAPABILITY:
             warnings.append(f"compute capability {cap[0]}.{cap[1]} < 8.0: no native bf16 and no flash-attention 2; "
                             "fp16 with loss scaling and sdpa")
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - an unreadable capability is a warning, not a failure
         warnings.append(f"cannot read the GPU's compute capability ({_first_line(e)})")
     return ProbeResult(True, device_count=count, versions=versions, warnings=warnings)
 
@@ -122,6 +122,6 @@ def capability(config=None) -> tuple[int, int] | None:
             return None
         count = torch.cuda.device_count()
         index = getattr(config, "local_rank", 0) if config is not None else 0
-        return tuple(torch.cuda.get_device_capability(index if index < count else 0))
-    except Exception:  # noqa: BLE001
+        return torch.cuda.get_device_capability(index if index < count else 0)
+    except Exception:  # noqa: BLE001 - no readable capability means none known
         return None

@@ -42,7 +42,7 @@ def modules_to_save(model, config, family) -> list[str] | None:
     import torch  # a run that adapts has loaded torch already
 
     names = []
-    for path in family.vision_mergers:
+    for path in family.towers.vision_mergers:
         module = model
         for step in path.split("."):
             if not hasattr(module, step):

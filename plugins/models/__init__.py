@@ -12,9 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlft import hookimpl
-
-from .family import ModelFamily
+from vlft import ModelFamily, hookimpl
 
 CONFIGS = Path(__file__).parent / "configs"
 DEFAULT_FAMILY = "qwen2.5-vl"
@@ -46,12 +44,6 @@ def bundled_config_dir(name: str) -> Path | None:
 
 
 # --- hook implementations (specs: vlft/hookspecs.py) ---------------------------------------------------------
-
-@hookimpl
-def vlft_model_family(model_type):
-    """firstresult: the family that owns ``model_type``, or None."""
-    return family_for(model_type)
-
 
 @hookimpl
 def vlft_model_families():

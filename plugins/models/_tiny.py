@@ -22,7 +22,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import cast
 
 TEMPLATES = Path(__file__).parent / "templates"
 
@@ -56,7 +58,12 @@ def cache_root() -> Path:
     return Path(os.environ.get("VLFT_CACHE", Path.home() / ".cache" / "vlft"))
 
 
-def build_tokenizer(vocab_size: int, special_tokens: list[str], extra_tokens: list[str] = (),
+def token_ids(tokenizer) -> Callable[[str], int]:
+    """The tokenizer's id of one token (convert_tokens_to_ids returns a list only when given one)."""
+    return lambda token: cast(int, tokenizer.convert_tokens_to_ids(token))
+
+
+def build_tokenizer(vocab_size: int, special_tokens: list[str], extra_tokens: Sequence[str] = (),
                     corpus: list[str] | None = None, eos: str = "<|im_end|>", pad: str = "<|endoftext|>",
                     max_length: int = 4096):
     """A byte-level BPE tokenizer trained on ``corpus``; special and extra tokens are single tokens."""
@@ -103,7 +110,7 @@ def initialise(model, seed: int, vision_std: float, embedding_row_norm: float, v
 def qwen3_config_kwargs(recipe: dict, tokenizer, **text_extra) -> dict:
     """The keyword arguments a Qwen3-generation config class (Qwen3-VL, its MoE, Qwen3.5) takes for a tiny
     model: the recipe's towers with the tokenizer's special-token ids, tied embeddings."""
-    ids = tokenizer.convert_tokens_to_ids
+    ids = token_ids(tokenizer)
     return dict(
         text_config=dict(recipe["text"], vocab_size=len(tokenizer), bos_token_id=ids("<|endoftext|>"),
                          eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
@@ -116,7 +123,7 @@ def qwen3_config_kwargs(recipe: dict, tokenizer, **text_extra) -> dict:
 
 
 def finish_generation_config(model, tokenizer) -> None:
-    ids = tokenizer.convert_tokens_to_ids
+    ids = token_ids(tokenizer)
     model.generation_config.eos_token_id = ids(tokenizer.eos_token)
     model.generation_config.pad_token_id = ids(tokenizer.pad_token)
     model.generation_config.do_sample = False

@@ -1,20 +1,12 @@
-"""What a model family tells the core: a plain dataclass, answered once at plan time.
-
-This is the interface proposal for issue 20. It lives here for now; it should move to
-``vlft/policies.py`` (beside ``BackendInfo``, ``MethodInfo``, ``AdapterDefaults``) so that the core and
-third-party family plugins import it as ``from vlft.policies import ModelFamily``.
-
-Imports inside functions: nothing in this module imports torch or transformers at import time (the face
-of the package stays light); the helpers that need them import lazily.
+"""What the built-in families share: the Qwen image and video numbers and functions (``QwenVision``), the
+Qwen resize rules restated, the per-sample rope index from a model class, ``qwen_family`` (a ``vlft.ModelFamily``
+with the Qwen towers and capabilities), and the target names several families use.
 
 A family answers for the ``model_type`` values it owns (``config.model_type`` of the checkpoint, as
-transformers writes it). Module paths are dotted attribute paths from the loaded
-``AutoModelForImageTextToText`` (the ``*ForConditionalGeneration`` class), not from a PEFT wrapper:
-the core resolves them on ``model.get_base_model()`` when the model is wrapped.
+transformers writes it); its contract is ``vlft.ModelFamily`` (docs/writing-plugins.md, 'A model family').
 
-Helpers at the bottom (``resolve_module``, ``select_target_modules``, ``smart_resize``, ``image_tokens``,
-``video_tokens_qwen3``, ``rope_index_from_class``) are what the core would call; they use only what the
-dataclass says, which is the point: a new family needs no core change.
+Imports inside functions: torch and transformers, only when a record is encoded or positions are computed
+(registering the plugin loads neither).
 """
 
 from __future__ import annotations
@@ -22,14 +14,24 @@ from __future__ import annotations
 import importlib
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
-from vlft.policies import ModelFamily
-from vlft.policies import check_family as _check_family
-from vlft.policies import model_family_help
+from vlft import (
+    Experts,
+    ImageInputs,
+    ModelFamily,
+    Packing,
+    Positions,
+    Sharding,
+    Towers,
+    VideoInputs,
+    Written,
+    tokenize_pieces,
+)
 
 from . import _trace
 from ._warmup import qwen_vision_dummy
@@ -46,22 +48,14 @@ GATED_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 SIGLIP_ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj")
 SIGLIP_MLP = ("mlp.fc1", "mlp.fc2")
 
-# The module tree of Qwen's towers (model.visual + model.language_model), which GLM-4.1V shares too.
-QWEN_LAYOUT = dict(
-    vision_tower="model.visual",
-    vision_blocks="model.visual.blocks",
-    vision_mergers=("model.visual.merger",),
-    decoder_layers="model.language_model.layers",
-    lm_head="lm_head",
-    vision_attention=("attn.qkv", "attn.proj"),
-)
-
-# The module paths every Qwen family starts from; each family module adds its own on top.
-QWEN_DEFAULTS = dict(
-    QWEN_LAYOUT,
-    reply_end_token="<|im_end|>",
-    vision_stem="model.visual.patch_embed",
-)
+# The module tree of Qwen's towers (model.visual + model.language_model), which GLM-4.1V shares too, and
+# what the Qwen vision blocks adapt, their patch embedding and the token that ends a Qwen reply.
+QWEN_TOWERS = Towers(vision="model.visual", vision_blocks="model.visual.blocks",
+                     vision_mergers=("model.visual.merger",), decoder_layers="model.language_model.layers",
+                     lm_head="lm_head")
+QWEN_VISION_ATTENTION = ("attn.qkv", "attn.proj")
+QWEN_VISION_STEM = "model.visual.patch_embed"
+QWEN_REPLY_END = "<|im_end|>"
 
 
 @dataclass(frozen=True)
@@ -144,8 +138,6 @@ class QwenVision:
     def write(self, processor, texts: list[str], prepared: dict):
         import torch
 
-        from vlft import Written, tokenize_pieces
-
         merge_length = getattr(processor.image_processor, "merge_size", 1) ** 2
 
         def tokens(grids):
@@ -168,8 +160,6 @@ class QwenVision:
 
     def capabilities(self, trace=None) -> dict:
         """The family's ``image_inputs`` and ``video_inputs``."""
-        from vlft import ImageInputs, VideoInputs
-
         return dict(
             image_inputs=ImageInputs(
                 prepare=self.prepare, write=self.write, batch_inputs=dict(QWEN_BATCH_INPUTS),
@@ -217,25 +207,16 @@ class SampleRopeIndex:
 
 
 def qwen_family(vision: QwenVision, rope_class: str, no_split_modules: tuple[str, ...], packing_refusal: str = "",
-                expert_parameters: tuple[str, ...] = (), router_modules: tuple[str, ...] = (),
-                **fields_) -> ModelFamily:
-    """A ModelFamily with the Qwen defaults, ``fields_`` on top, and its capabilities: image and video inputs by
-    ``vision``'s numbers (with the Qwen vision tracer for the memory plan), 3-D positions by ``rope_class``'s
-    ``get_rope_index``, packing (or its refusal), FSDP units and, given expert parameters, experts."""
-    from vlft import Experts, Packing, Positions, Sharding
-
-    base = dict(QWEN_DEFAULTS, vision_dummy=qwen_vision_dummy)
+                experts: Experts | None = None, **fields_) -> ModelFamily:
+    """A ModelFamily with the Qwen towers and warm-up, ``fields_`` on top, and its capabilities: image and video
+    inputs by ``vision``'s numbers (with the Qwen vision tracer for the memory plan), 3-D positions by
+    ``rope_class``'s ``get_rope_index``, packing (or its refusal), FSDP units and, for a MoE family, ``experts``."""
+    base = dict(towers=QWEN_TOWERS, vision_dummy=qwen_vision_dummy)
     base.update(fields_)
     return ModelFamily(
         **base, **vision.capabilities(trace=_trace.trace_qwen_vision),
         positions=Positions(SampleRopeIndex(rope_index_from_class(rope_class))),
-        packing=Packing(refusal=packing_refusal), sharding=Sharding(no_split_modules),
-        experts=Experts(expert_parameters, router_modules) if expert_parameters else None)
-
-
-def vision_of(family: ModelFamily) -> QwenVision:
-    """The Qwen numbers behind a Qwen family's image inputs (for the family tests)."""
-    return family.image_inputs.prepare.__self__
+        packing=Packing(refusal=packing_refusal), sharding=Sharding(no_split_modules), experts=experts)
 
 
 def fused_experts_load_kwargs(param_dtype: str) -> dict:
@@ -245,25 +226,6 @@ def fused_experts_load_kwargs(param_dtype: str) -> dict:
     weights take transformers' eager per-expert loop. The plan's meta copy and the run load alike."""
     return {} if param_dtype in ("bfloat16", "float16") else {"experts_implementation": "eager"}
 
-
-def help_text() -> dict[str, str]:
-    """Each field's help, for documentation and a docs test (every field documented)."""
-    return model_family_help()
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Helpers the core calls with a family. They rely on the dataclass alone.
-# ------------------------------------------------------------------------------------------------------------
-
-# resolve_module, select_target_modules, frozen_router_parameters, vision_parameter_names: the core's
-# (vlft.models.families), re-exported here for the family tests.
-from vlft.models.families import (  # noqa: E402,F401
-    FamilyTargets,
-    frozen_router_parameters,
-    resolve_module,
-    select_target_modules,
-    vision_parameter_names,
-)
 
 # --- the Qwen resize rule (transformers' qwen2_vl image processor smart_resize, restated) ------------------
 
@@ -362,21 +324,3 @@ def rope_index_from_class(model_class_path: str) -> Callable[..., Any]:
 
     rope_index.__qualname__ = f"rope_index[{cls_name}.get_rope_index]"
     return rope_index
-
-
-def check_family(family: ModelFamily) -> list[str]:
-    """Problems with a family's declared fields (no model needed): the core's load-time check."""
-    return [f"{family.name}: {p}" for p in _check_family(family)]
-
-
-def count_parameters(model) -> dict[str, int]:
-    """total / vision / experts parameter counts (tied tensors once), as the memory plan needs them."""
-    total = vision = experts = 0
-    for name, p in model.named_parameters():
-        n = p.numel()
-        total += n
-        if ".visual." in f".{name}":
-            vision += n
-        if ".experts." in name:
-            experts += n
-    return {"total": total, "vision": vision, "experts": experts, "text": total - vision}

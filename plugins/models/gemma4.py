@@ -40,11 +40,24 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
-from vlft.policies import ImageInputs, Packing, Sharding, VisionWarmup, processor_image_inputs
+from vlft import (
+    Chat,
+    ConfigError,
+    ImageInputs,
+    ModelFamily,
+    Packing,
+    Sharding,
+    Targets,
+    Tiny,
+    Towers,
+    VisionWarmup,
+    processor_image_inputs,
+)
 
 from . import _tiny
-from .family import GATED_MLP, TEXT_ATTENTION, ModelFamily
+from .family import GATED_MLP, TEXT_ATTENTION
 
 NAME = "gemma4"
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>",
@@ -54,7 +67,7 @@ SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
 # Gemma4ImageProcessor's class defaults, the checkpoints' (patch 16, pooling 3 x 3, 280 soft tokens per image)
 PATCH_SIZE, POOLING, MAX_SOFT_TOKENS = 16, 3, 280
 
-RECIPE = {
+RECIPE: dict[str, Any] = {
     "version": 2, "family": NAME, "seed": 1234, "vocab_size": 512,  # 2: the vision position table drawn
     # patch 4, pooling 3: the smallest budget (70 soft tokens) is 630 patches of 48 values, about 100 x 100 px
     "image": dict(patch_size=4, pooling_kernel_size=POOLING, max_soft_tokens=70),
@@ -99,8 +112,6 @@ def soft_token_budget(max_pixels: int | None, patch: int, pooling: int, default:
     per_token = pooling ** 2 * patch ** 2
     fits = [s for s in SOFT_TOKEN_BUDGETS if s * per_token <= max_pixels]
     if not fits:
-        from vlft.errors import ConfigError
-
         raise ConfigError(f"--max-pixels {max_pixels}: Gemma 4's smallest image budget is {SOFT_TOKEN_BUDGETS[0]} "
                           f"soft tokens = {SOFT_TOKEN_BUDGETS[0] * per_token} pixels at patch {patch} and pooling "
                           f"{pooling} x {pooling}; give at least that")
@@ -176,7 +187,7 @@ def trace_layer_kwargs(text, hidden) -> dict:
     read them back) and, with per-layer embeddings (PLE, E2B/E4B), a ``per_layer_input`` of the PLE width."""
     import torch
 
-    out = {"shared_kv_states": {}}
+    out: dict[str, Any] = {"shared_kv_states": {}}
     width = int(getattr(text.config, "hidden_size_per_layer_input", 0) or 0)
     if width:
         out["per_layer_input"] = torch.empty(*hidden.shape[:2], width, device=hidden.device, dtype=hidden.dtype)
@@ -234,7 +245,7 @@ def build_tiny(path: Path, recipe: dict | None = None, corpus=None) -> None:
 
     r = recipe or RECIPE
     tok = _tokenizer(r, corpus)
-    ids = tok.convert_tokens_to_ids
+    ids = _tiny.token_ids(tok)
     processor = make_processor(tok, r)
     config = Gemma4Config(
         text_config=dict(r["text"], vocab_size=len(tok), vocab_size_per_layer_input=len(tok),
@@ -252,11 +263,12 @@ def build_tiny(path: Path, recipe: dict | None = None, corpus=None) -> None:
         # transformers initialises the patch embedder's position table to ones (a checkpoint overwrites it): every
         # patch then gets the same +2 in each width, which swamps the tiny tower's patch projection (std 0.02), so
         # a red and a blue image gave image features of cosine 0.997 and the demo task could not be learned
-        model.model.vision_tower.patch_embedder.position_embedding_table.normal_(0.0, r["vision_initializer_range"])
+        tower = model.model.vision_tower
+        tower.patch_embedder.position_embedding_table.normal_(0.0, r["vision_initializer_range"])  # pyright: ignore[reportOptionalMemberAccess]  # the tiny model has one
         # unit-norm embedding rows, as the other tiny models (_tiny.initialise)
         emb = model.get_input_embeddings().weight
-        emb.normal_()
-        emb.mul_(r["embedding_row_norm"] / emb.norm(dim=-1, keepdim=True))
+        emb.normal_()  # pyright: ignore[reportCallIssue]  # a module's attribute, typed Tensor | Module
+        emb.mul_(r["embedding_row_norm"] / emb.norm(dim=-1, keepdim=True))  # pyright: ignore[reportCallIssue]  # as above
     model.generation_config.eos_token_id = ids("<turn|>")  # a reply ends there, not at <eos>
     model.generation_config.pad_token_id = ids("<pad>")
     model.generation_config.do_sample = False
@@ -299,21 +311,15 @@ FAMILY = ModelFamily(
     model_types=("gemma4",),
     description="Gemma 4 (E2B/E4B/26B-A4B/31B): 2-D rotary vision encoder, k x k pooled soft tokens, images and "
                 "text (audio and video not wired)",
-    vision_tower="model.vision_tower",
-    vision_blocks="model.vision_tower.encoder.layers",
-    vision_mergers=("model.embed_vision",),
-    decoder_layers="model.language_model.layers",
-    lm_head="lm_head",
-    vision_attention=("self_attn.q_proj.linear", "self_attn.k_proj.linear", "self_attn.v_proj.linear",
-                      "self_attn.o_proj.linear"),
-    vision_mlp=("mlp.gate_proj.linear", "mlp.up_proj.linear", "mlp.down_proj.linear"),
-    text_attention=TEXT_ATTENTION,
-    text_mlp=GATED_MLP,
-    default_targets="both",
-    box_coordinates="absolute",
-    processor_class="Gemma4Processor",
-    load_processor=load_processor,
-    reply_end_token="<turn|>",
+    towers=Towers(vision="model.vision_tower", vision_blocks="model.vision_tower.encoder.layers",
+                  vision_mergers=("model.embed_vision",), decoder_layers="model.language_model.layers",
+                  lm_head="lm_head"),
+    targets=Targets(vision_attention=("self_attn.q_proj.linear", "self_attn.k_proj.linear", "self_attn.v_proj.linear",
+                                      "self_attn.o_proj.linear"),
+                    vision_mlp=("mlp.gate_proj.linear", "mlp.up_proj.linear", "mlp.down_proj.linear"),
+                    text_attention=TEXT_ATTENTION, text_mlp=GATED_MLP, default="both"),
+    chat=Chat(processor_class="Gemma4Processor", load_processor=load_processor, reply_end_token="<turn|>",
+              box_coordinates="absolute"),
     image_inputs=IMAGE_INPUTS,
     packing=Packing(refusal="Gemma 4's checkpoints with use_bidirectional_attention='vision' let each image's "
                             "tokens attend both ways (blocks found from mm_token_type_ids), and vlft has not "
@@ -323,6 +329,5 @@ FAMILY = ModelFamily(
                        "Gemma4AudioLayer")),
     vision_dummy=vision_dummy,
     trace_layer_kwargs=trace_layer_kwargs,
-    build_tiny=build_tiny,
-    tiny_recipe=RECIPE,
+    tiny=Tiny(build_tiny, RECIPE),
 )

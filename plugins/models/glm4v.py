@@ -35,15 +35,15 @@ built or loaded; the plugin registers, and plans offline, without them.
 
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
-from vlft import Packing, Positions, Sharding, processor_image_inputs
+from vlft import Chat, ModelFamily, Packing, Positions, Sharding, Targets, Tiny, processor_image_inputs
 
 from . import _tiny
 from ._warmup import qwen_vision_dummy
-from .family import QWEN_LAYOUT, TEXT_ATTENTION, ModelFamily, rope_index_from_class, video_smart_resize_qwen3
+from .family import QWEN_TOWERS, QWEN_VISION_ATTENTION, TEXT_ATTENTION, rope_index_from_class, video_smart_resize_qwen3
 
 SPECIAL_TOKENS = [
     "<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>", "<|assistant|>",
@@ -61,7 +61,7 @@ IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS = 112 * 112, 28 * 28 * 15000
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
-RECIPE = {
+RECIPE: dict[str, Any] = {
     # version 2: the towers widened (version 1, text 64 / vision 32 wide, 2 blocks, reached 28.5% exact match on
     # the demo task with the defaults; this one 96.5%, the colour 100% in both)
     "version": 2,
@@ -181,7 +181,7 @@ def _build(path: Path, recipe: dict, corpus, glm46: bool) -> None:
     import transformers
 
     tokenizer = _tokenizer(recipe, corpus)
-    ids = tokenizer.convert_tokens_to_ids
+    ids = _tiny.token_ids(tokenizer)
     config_cls = transformers.Glm46VConfig if glm46 else transformers.Glm4vConfig
     config = config_cls(
         text_config=dict(recipe["text"], vocab_size=len(tokenizer), pad_token_id=ids("<|endoftext|>"),
@@ -195,7 +195,7 @@ def _build(path: Path, recipe: dict, corpus, glm46: bool) -> None:
     config.initializer_range = recipe["initializer_range"]
     torch.manual_seed(recipe["seed"])
     model_cls = transformers.Glm46VForConditionalGeneration if glm46 else transformers.Glm4vForConditionalGeneration
-    model = model_cls(config)
+    model = model_cls(config)  # pyright: ignore[reportArgumentType]  # both classes chosen by glm46: they match
     _tiny.initialise(model, recipe["seed"], recipe["vision_initializer_range"], recipe["embedding_row_norm"])
     model.generation_config.eos_token_id = [ids(t) for t in STOP_TOKENS]
     model.generation_config.pad_token_id = ids("<|endoftext|>")
@@ -247,22 +247,19 @@ def _family(name: str, model_types: tuple, model_class: str, description: str, b
         name=name,
         model_types=model_types,
         description=description,
-        **QWEN_LAYOUT,
-        vision_mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),  # the vision blocks' own, not the text MLP's
-        text_attention=TEXT_ATTENTION,
-        text_mlp=("mlp.gate_up_proj", "mlp.down_proj"),
-        processor_class=processor_class,
-        load_processor=load_processor,
-        reply_end_token=REPLY_END,
-        reply_end_appended=True,
-        box_coordinates="relative-1000",  # GLM-4.1V/4.5V grounding: [x1, y1, x2, y2] normalised to 0-1000
+        towers=QWEN_TOWERS,
+        targets=Targets(vision_attention=QWEN_VISION_ATTENTION,
+                        vision_mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),  # the vision blocks' own
+                        text_attention=TEXT_ATTENTION, text_mlp=("mlp.gate_up_proj", "mlp.down_proj")),
+        chat=Chat(processor_class=processor_class, load_processor=load_processor, reply_end_token=REPLY_END,
+                  reply_end_appended=True,
+                  box_coordinates="relative-1000"),  # GLM-4.1V/4.5V grounding: [x1, y1, x2, y2] normalised to 0-1000
         vision_dummy=qwen_vision_dummy,  # the same tower inputs as Qwen's: patches [merge^2, C*T*P*P], grid (1, m, m)
         image_inputs=IMAGE_INPUTS,
         positions=Positions(SampleRopeIndex(rope_index_from_class(model_class))),
         packing=Packing(refusal=""),
         sharding=Sharding(("Glm4vTextDecoderLayer", "Glm4vVisionBlock")),
-        build_tiny=build,
-        tiny_recipe=recipe,
+        tiny=Tiny(build, recipe),
     )
 
 

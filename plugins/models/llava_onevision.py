@@ -38,9 +38,12 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
+
+from vlft import Chat, ModelFamily, Packing, Sharding, Targets, Tiny, Towers
 
 from . import _tiny
-from .family import GATED_MLP, SIGLIP_ATTENTION, SIGLIP_MLP, TEXT_ATTENTION, ModelFamily
+from .family import GATED_MLP, SIGLIP_ATTENTION, SIGLIP_MLP, TEXT_ATTENTION
 
 NAME = "llava-onevision"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"]
@@ -50,7 +53,7 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<vi
 # task (`vlft run --model embedded:llava-onevision --steps 300 --lr 3e-3`): loss 6.06 -> 0.54, exact match 62%
 # (colour 100%, defect 62%), against exact match 20% (defect 20%) with 32 px tiles of 8 px patches (the 112 px
 # image then shrunk to 64 px)
-RECIPE = {
+RECIPE: dict[str, Any] = {
     "version": 1,
     "family": NAME,
     "seed": 1234,
@@ -213,7 +216,7 @@ def build_tiny(path: Path, recipe: dict | None = None, corpus=None) -> None:
 
     r = recipe or RECIPE
     tokenizer = _tiny.build_tokenizer(r["vocab_size"], SPECIAL_TOKENS, (), corpus)
-    ids = tokenizer.convert_tokens_to_ids
+    ids = _tiny.token_ids(tokenizer)
     config = LlavaOnevisionConfig(
         text_config=dict(r["text"], model_type="qwen2", vocab_size=len(tokenizer), bos_token_id=ids("<|endoftext|>"),
                          eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
@@ -233,8 +236,8 @@ def build_tiny(path: Path, recipe: dict | None = None, corpus=None) -> None:
                 if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)):
                     m.weight.normal_(0.0, r["vision_initializer_range"])
         emb = model.get_input_embeddings().weight
-        emb.normal_()
-        emb.mul_(r["embedding_row_norm"] / emb.norm(dim=-1, keepdim=True))
+        emb.normal_()  # pyright: ignore[reportCallIssue]  # a module's attribute, typed Tensor | Module
+        emb.mul_(r["embedding_row_norm"] / emb.norm(dim=-1, keepdim=True))  # pyright: ignore[reportCallIssue]  # as above
     _tiny.finish_generation_config(model, tokenizer)
     _tiny.save_atomically(path, model, make_processor(tokenizer, r), r)
 
@@ -258,34 +261,24 @@ def _image_inputs():
 
 
 def _family() -> ModelFamily:
-    from vlft import Packing, Sharding
-
     return ModelFamily(
         name=NAME,
         model_types=("llava_onevision",),
         description="LLaVA-OneVision (0.5B/7B/72B): SigLIP + Qwen2, any-resolution tiles by grid pinpoints",
-        vision_tower="model.vision_tower",
-        vision_blocks="model.vision_tower.encoder.layers",
-        vision_mergers=("model.multi_modal_projector",),
-        decoder_layers="model.language_model.layers",
-        lm_head="lm_head",
-        vision_attention=SIGLIP_ATTENTION,
-        vision_mlp=SIGLIP_MLP,
-        text_attention=TEXT_ATTENTION,
-        text_mlp=GATED_MLP,
-        default_targets="both",
-        processor_class="LlavaOnevisionProcessor",
-        load_processor=load_processor,
-        reply_end_token="<|im_end|>",
-        box_coordinates="relative-1",
+        towers=Towers(vision="model.vision_tower", vision_blocks="model.vision_tower.encoder.layers",
+                      vision_mergers=("model.multi_modal_projector",), decoder_layers="model.language_model.layers",
+                      lm_head="lm_head"),
+        targets=Targets(vision_attention=SIGLIP_ATTENTION, vision_mlp=SIGLIP_MLP, text_attention=TEXT_ATTENTION,
+                        text_mlp=GATED_MLP, default="both"),
+        chat=Chat(processor_class="LlavaOnevisionProcessor", load_processor=load_processor,
+                  reply_end_token="<|im_end|>", box_coordinates="relative-1"),
         image_inputs=_image_inputs(),
         # plain 1-D positions and causal attention everywhere (image tokens too): the segments attention keeps
         # packed samples apart, the images joined in sample order (check_family's packing check: equal losses)
         packing=Packing(),
         sharding=Sharding(("Qwen2DecoderLayer", "SiglipEncoderLayer")),
         vision_dummy=vision_dummy,
-        build_tiny=build_tiny,
-        tiny_recipe=RECIPE,
+        tiny=Tiny(build_tiny, RECIPE),
     )
 
 

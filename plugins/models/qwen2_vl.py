@@ -35,8 +35,18 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
+from vlft import Chat, Kernels, Targets, Tiny
+
 from . import _tiny
-from .family import GATED_MLP, QWEN_LAYOUT, TEXT_ATTENTION, QwenVision, qwen_family
+from .family import (
+    GATED_MLP,
+    QWEN_REPLY_END,
+    QWEN_VISION_ATTENTION,
+    QWEN_VISION_STEM,
+    TEXT_ATTENTION,
+    QwenVision,
+    qwen_family,
+)
 
 SPECIAL_TOKENS = _tiny.BASE_SPECIAL_TOKENS
 # Qwen2-VL / Qwen2.5-VL preprocessor_config.json (vlft/model_configs/SOURCES.md): min 3136, max 12845056
@@ -151,15 +161,6 @@ VISION = QwenVision(patch_size=14, merge_size=2, temporal_patch_size=2, image_mi
                     image_max_pixels=IMAGE_MAX_PIXELS, video_min_pixels=128 * 28 * 28, video_max_pixels=28 * 28 * 768,
                     video_rule="qwen2")  # Qwen2VLVideoProcessor: each frame resized by the image rule
 
-_COMMON = dict(
-    QWEN_LAYOUT,
-    text_attention=TEXT_ATTENTION,
-    text_mlp=GATED_MLP,
-    load_processor=load_processor,
-    vision_stem="model.visual.patch_embed",
-)
-
-
 QWEN2_5_VL = qwen_family(
     VISION,
     "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VLModel",
@@ -167,19 +168,18 @@ QWEN2_5_VL = qwen_family(
     name="qwen2.5-vl",
     model_types=("qwen2_5_vl",),
     description="Qwen2.5-VL (3B/7B/32B/72B): patch 14 x merge 2 (28 px), windowed vision attention",
-    vision_mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
-    box_coordinates="absolute",
-    processor_class="Qwen2_5_VLProcessor",
-    bundled_processor=bundled_processor,
-    kernel_targets={  # transformers 5.24 modeling_qwen2_5_vl: the vision MLP is gated too (hidden_act silu)
+    targets=Targets(vision_attention=QWEN_VISION_ATTENTION, vision_mlp=GATED_MLP,  # the vision MLP is gated too
+                    text_attention=TEXT_ATTENTION, text_mlp=GATED_MLP),
+    chat=Chat(processor_class="Qwen2_5_VLProcessor", load_processor=load_processor,
+              bundled_processor=bundled_processor, reply_end_token=QWEN_REPLY_END, box_coordinates="absolute"),
+    kernels=Kernels(vision_stem=QWEN_VISION_STEM, targets={
+        # transformers 5.24 modeling_qwen2_5_vl: the vision MLP is gated too (hidden_act silu)
         "rms_norm": ("Qwen2_5_VLRMSNorm", "Qwen2RMSNorm"),
         "gated_mlp": ("Qwen2_5_VLMLP", "Qwen2MLP"),
         "rotary": ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:apply_rotary_pos_emb",
                    "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:apply_rotary_pos_emb_vision"),
-    },
-    build_tiny=build_tiny_2_5,
-    tiny_recipe=RECIPE_2_5,
-    **_COMMON,
+    }),
+    tiny=Tiny(build_tiny_2_5, RECIPE_2_5),
 )
 
 QWEN2_VL = qwen_family(
@@ -189,13 +189,14 @@ QWEN2_VL = qwen_family(
     name="qwen2-vl",
     model_types=("qwen2_vl",),
     description="Qwen2-VL (2B/7B/72B): patch 14 x merge 2 (28 px)",
-    vision_mlp=("mlp.fc1", "mlp.fc2"),
-    box_coordinates="relative-1000",  # Qwen2-VL grounding used (0,1000) normalised boxes
-    processor_class="Qwen2VLProcessor",
-    bundled_processor=partial(bundled_processor, processor_cls_name="Qwen2VLProcessor"),
-    build_tiny=build_tiny_2,
-    tiny_recipe=RECIPE_2,
-    **_COMMON,
+    targets=Targets(vision_attention=QWEN_VISION_ATTENTION, vision_mlp=("mlp.fc1", "mlp.fc2"),
+                    text_attention=TEXT_ATTENTION, text_mlp=GATED_MLP),
+    chat=Chat(processor_class="Qwen2VLProcessor", load_processor=load_processor,
+              bundled_processor=partial(bundled_processor, processor_cls_name="Qwen2VLProcessor"),
+              reply_end_token=QWEN_REPLY_END,
+              box_coordinates="relative-1000"),  # Qwen2-VL grounding used (0,1000) normalised boxes
+    kernels=Kernels(vision_stem=QWEN_VISION_STEM),
+    tiny=Tiny(build_tiny_2, RECIPE_2),
 )
 
 FAMILIES = (QWEN2_5_VL, QWEN2_VL)

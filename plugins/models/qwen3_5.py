@@ -28,11 +28,22 @@ is built or loaded; the plugin registers, and plans offline, without them.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
+
+from vlft import Chat, Experts, Kernels, Targets, Tiny
 
 from . import _tiny
 from . import qwen3_vl as q3vl
-from .family import fused_experts_load_kwargs, qwen_family
+from .family import (
+    QWEN_REPLY_END,
+    QWEN_TOWERS,
+    QWEN_VISION_ATTENTION,
+    QWEN_VISION_STEM,
+    fused_experts_load_kwargs,
+    qwen_family,
+)
 
 SPECIAL_TOKENS = _tiny.BASE_SPECIAL_TOKENS
 
@@ -86,7 +97,7 @@ def _build(path: Path, recipe: dict, moe: bool, corpus=None) -> None:
                  else transformers.Qwen3_5ForConditionalGeneration)
     config = cfg_cls(**_tiny.qwen3_config_kwargs(recipe, tokenizer, tie_word_embeddings=True))
     torch.manual_seed(recipe["seed"])
-    model = model_cls(config)
+    model = model_cls(config)  # pyright: ignore[reportArgumentType]  # both classes chosen by moe: they match
     _tiny.initialise(model, recipe["seed"], recipe["vision_initializer_range"], recipe["embedding_row_norm"])
     if moe:
         with torch.no_grad():
@@ -123,24 +134,21 @@ PACKING_REFUSAL = ("its Gated DeltaNet linear-attention layers carry their recur
                    "restart it per sample, and vlft does not wire those yet; per-sample attention does not reach "
                    "those layers")
 
-_COMMON = dict(
-    packing_refusal=PACKING_REFUSAL,  # qwen_family makes it the family's Packing capability's refusal
-    vision_tower="model.visual",
-    vision_stem="model.visual.patch_embed",
-    vision_blocks="model.visual.blocks",
-    vision_mergers=("model.visual.merger",),
-    decoder_layers="model.language_model.layers",
-    lm_head="lm_head",
-    vision_attention=("attn.qkv", "attn.proj"),
+TARGETS = Targets(
+    vision_attention=QWEN_VISION_ATTENTION,
     vision_mlp=("mlp.linear_fc1", "mlp.linear_fc2"),
     text_attention=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
     text_linear_attention=("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.out_proj"),
     # linear_attn.in_proj_a / in_proj_b (per-head gates, hidden -> num_value_heads) exist but are no targets
-    box_coordinates="relative-1000",
-    processor_class="Qwen3VLProcessor",
-    load_processor=q3vl.load_processor,
-    bundled_processor=bundled_processor,
-    chat_template_kwargs={"enable_thinking": False},
+    text_mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+)
+_COMMON: dict[str, Any] = dict(
+    packing_refusal=PACKING_REFUSAL,  # qwen_family makes it the family's Packing capability's refusal
+    towers=QWEN_TOWERS,
+    chat=Chat(processor_class="Qwen3VLProcessor", load_processor=q3vl.load_processor,
+              bundled_processor=bundled_processor, reply_end_token=QWEN_REPLY_END, box_coordinates="relative-1000",
+              template_kwargs={"enable_thinking": False}),
+    kernels=Kernels(vision_stem=QWEN_VISION_STEM),
 )
 
 
@@ -151,9 +159,8 @@ QWEN3_5 = qwen_family(
     name="qwen3.5",
     model_types=("qwen3_5",),
     description="Qwen3.5 dense: Gated DeltaNet + gated attention (3:1), patch 16 x merge 2",
-    text_mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
-    build_tiny=build_tiny,
-    tiny_recipe=RECIPE,
+    targets=TARGETS,
+    tiny=Tiny(build_tiny, RECIPE),
     **_COMMON,
 )
 
@@ -164,12 +171,12 @@ QWEN3_5_MOE = qwen_family(
     name="qwen3.5-moe",
     model_types=("qwen3_5_moe",),
     description="Qwen3.5 MoE: hybrid layers, routed + shared experts; fused experts via target_parameters",
-    text_mlp=("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj"),
-    expert_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
-    router_modules=("mlp.gate", "mlp.shared_expert_gate"),
+    targets=replace(TARGETS, text_mlp=("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj",
+                                        "mlp.shared_expert.down_proj")),
+    experts=Experts(parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
+                    routers=("mlp.gate", "mlp.shared_expert_gate")),
     load_kwargs=fused_experts_load_kwargs,
-    build_tiny=build_tiny_moe,
-    tiny_recipe=RECIPE_MOE,
+    tiny=Tiny(build_tiny_moe, RECIPE_MOE),
     **_COMMON,
 )
 

@@ -13,9 +13,12 @@ is built or loaded; the plugin registers, and plans offline, without them.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
+
+from vlft import Chat, Kernels, ModelFamily, Targets, Tiny, Towers
 
 from . import _tiny
-from .family import ModelFamily, QwenVision, qwen_family
+from .family import QWEN_REPLY_END, QWEN_VISION_ATTENTION, QWEN_VISION_STEM, QwenVision, qwen_family
 
 NAME = "qwen3-vl"
 SPECIAL_TOKENS = _tiny.BASE_SPECIAL_TOKENS
@@ -25,7 +28,7 @@ IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS = 65536, 16777216
 VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS = 4096, 25165824
 IMAGE_MEAN = IMAGE_STD = [0.5, 0.5, 0.5]
 
-RECIPE = {
+RECIPE: dict[str, Any] = {
     "version": 1,
     "family": NAME,
     "seed": 1234,
@@ -59,7 +62,7 @@ def make_processor(tokenizer, recipe: dict | None = None, image_processor=None, 
 
     r = recipe or RECIPE
     v = r.get("vision", {})
-    common = dict(patch_size=v.get("patch_size", 16), merge_size=v.get("spatial_merge_size", 2),
+    common: dict[str, Any] = dict(patch_size=v.get("patch_size", 16), merge_size=v.get("spatial_merge_size", 2),
                   temporal_patch_size=v.get("temporal_patch_size", 2), image_mean=IMAGE_MEAN, image_std=IMAGE_STD)
     if image_processor is None:
         image_processor = Qwen2VLImageProcessor(
@@ -117,37 +120,32 @@ VISION = QwenVision(patch_size=16, merge_size=2, temporal_patch_size=2, image_mi
                     video_max_pixels=VIDEO_MAX_PIXELS, video_rule="qwen3")
 
 
-def _family(**overrides) -> ModelFamily:
-    base = dict(
-        name=NAME,
-        model_types=("qwen3_vl",),
-        description="Qwen3-VL dense (2B/4B/8B/32B): patch 16 x merge 2, deepstack mergers, interleaved mRoPE",
-        vision_tower="model.visual",
-        vision_blocks="model.visual.blocks",
-        vision_mergers=("model.visual.merger", "model.visual.deepstack_merger_list"),
-        decoder_layers="model.language_model.layers",
-        lm_head="lm_head",
-        vision_attention=("attn.qkv", "attn.proj"),
-        vision_mlp=("mlp.linear_fc1", "mlp.linear_fc2"),
-        text_attention=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
-        text_mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
-        box_coordinates="relative-1000",
-        processor_class="Qwen3VLProcessor",
-        load_processor=load_processor,
-        bundled_processor=bundled_processor,
-        vision_stem="model.visual.patch_embed",
-        kernel_targets={  # transformers 5.24 modeling_qwen3_vl: the vision MLP is not gated (linear_fc1/fc2)
-            "rms_norm": ("Qwen3VLTextRMSNorm",),
-            "gated_mlp": ("Qwen3VLTextMLP",),
-            "rotary": ("transformers.models.qwen3_vl.modeling_qwen3_vl:apply_rotary_pos_emb",
-                       "transformers.models.qwen3_vl.modeling_qwen3_vl:apply_rotary_pos_emb_vision"),
-        },
-        build_tiny=build_tiny,
-        tiny_recipe=RECIPE,
-    )
-    base.update(overrides)
-    return qwen_family(VISION, "transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLModel",
-                       ("Qwen3VLTextDecoderLayer", "Qwen3VLVisionBlock"), **base)
+# What the MoE family (qwen3_vl_moe) shares with the dense one: the towers with the deepstack mergers, the
+# vision targets, the processor and the patch embedding.
+TOWERS = Towers(vision="model.visual", vision_blocks="model.visual.blocks",
+                vision_mergers=("model.visual.merger", "model.visual.deepstack_merger_list"),
+                decoder_layers="model.language_model.layers", lm_head="lm_head")
+TARGETS = Targets(vision_attention=QWEN_VISION_ATTENTION, vision_mlp=("mlp.linear_fc1", "mlp.linear_fc2"),
+                  text_attention=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
+                  text_mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
+CHAT = Chat(processor_class="Qwen3VLProcessor", load_processor=load_processor, bundled_processor=bundled_processor,
+            reply_end_token=QWEN_REPLY_END, box_coordinates="relative-1000")
 
-
-FAMILY = _family()
+FAMILY: ModelFamily = qwen_family(
+    VISION, "transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLModel",
+    ("Qwen3VLTextDecoderLayer", "Qwen3VLVisionBlock"),
+    name=NAME,
+    model_types=("qwen3_vl",),
+    description="Qwen3-VL dense (2B/4B/8B/32B): patch 16 x merge 2, deepstack mergers, interleaved mRoPE",
+    towers=TOWERS,
+    targets=TARGETS,
+    chat=CHAT,
+    kernels=Kernels(vision_stem=QWEN_VISION_STEM, targets={
+        # transformers 5.24 modeling_qwen3_vl: the vision MLP is not gated (linear_fc1/fc2)
+        "rms_norm": ("Qwen3VLTextRMSNorm",),
+        "gated_mlp": ("Qwen3VLTextMLP",),
+        "rotary": ("transformers.models.qwen3_vl.modeling_qwen3_vl:apply_rotary_pos_emb",
+                   "transformers.models.qwen3_vl.modeling_qwen3_vl:apply_rotary_pos_emb_vision"),
+    }),
+    tiny=Tiny(build_tiny, RECIPE),
+)

@@ -8,7 +8,7 @@ expert. Layers listed in ``mlp_only_layers`` (none in the published configs) kee
 ``Qwen3VLMoeTextMLP`` with gate/up/down_proj.
 
 Adapters go on attention by default. Expert LoRA is opt-in through PEFT's ``target_parameters`` (the
-names in ``expert_parameters``); the router never trains. transformers 5.2x does compute a
+names in ``experts.parameters``); the router never trains. transformers 5.2x does compute a
 load-balancing loss when ``output_router_logits=True`` (off by default); with a frozen router it only
 pushes the adapters upstream of the router, so vlft should leave it off.
 
@@ -18,15 +18,19 @@ is built or loaded; the plugin registers, and plans offline, without them.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
+
+from vlft import Experts, Kernels, Tiny
 
 from . import _tiny
 from . import qwen3_vl as dense
-from .family import fused_experts_load_kwargs, qwen_family
+from .family import QWEN_VISION_STEM, fused_experts_load_kwargs, qwen_family
 
 NAME = "qwen3-vl-moe"
 
-RECIPE = dict(dense.RECIPE, version=1, family=NAME,
+RECIPE: dict[str, Any] = dict(dense.RECIPE, version=1, family=NAME,
               text=dict(dense.RECIPE["text"], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                         decoder_sparse_step=1, mlp_only_layers=[]))
 
@@ -58,19 +62,16 @@ FAMILY = qwen_family(
     dense.VISION,
     "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe.Qwen3VLMoeModel",
     ("Qwen3VLMoeTextDecoderLayer", "Qwen3VLMoeVisionBlock"),
-    expert_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
-    router_modules=("mlp.gate",),
-    **{**{f: getattr(dense.FAMILY, f) for f in (
-        "vision_tower", "vision_blocks", "vision_mergers", "decoder_layers", "lm_head",
-        "vision_attention", "vision_mlp", "text_attention",
-        "box_coordinates", "processor_class", "load_processor", "bundled_processor", "vision_stem")}},
-    # no dense MLP and no shared expert in its decoder layers: the fused experts are the MLP (expert_parameters);
+    experts=Experts(parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"), routers=("mlp.gate",)),
+    towers=dense.TOWERS,
+    # no dense MLP and no shared expert in its decoder layers: the fused experts are the MLP (experts.parameters);
     # the dense family's names matched nothing (vlft.testing.check_family's targets check found it)
-    text_mlp=(),
+    targets=replace(dense.TARGETS, text_mlp=()),
+    chat=dense.CHAT,
+    kernels=Kernels(vision_stem=QWEN_VISION_STEM),
     name=NAME,
     model_types=("qwen3_vl_moe",),
     description="Qwen3-VL MoE (30B-A3B/235B-A22B): attention adapters; fused experts via target_parameters",
     load_kwargs=fused_experts_load_kwargs,
-    build_tiny=build_tiny,
-    tiny_recipe=RECIPE,
+    tiny=Tiny(build_tiny, RECIPE),
 )

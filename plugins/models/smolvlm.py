@@ -32,11 +32,12 @@ from __future__ import annotations
 import math
 from functools import partial
 from pathlib import Path
+from typing import Any
 
-from vlft import Packing, Sharding, VisionWarmup, processor_image_inputs
+from vlft import Chat, ModelFamily, Packing, Sharding, Targets, Tiny, Towers, VisionWarmup, processor_image_inputs
 
 from . import _tiny
-from .family import GATED_MLP, SIGLIP_ATTENTION, SIGLIP_MLP, TEXT_ATTENTION, ModelFamily
+from .family import GATED_MLP, SIGLIP_ATTENTION, SIGLIP_MLP, TEXT_ATTENTION
 
 # The tiny model's template is transformers' DEFAULT_CHAT_TEMPLATE of processing_smolvlm.py (5.24; "the correct
 # chat template to be used for videos after #38105", which the processor itself falls back to): <|im_start|>, then
@@ -47,7 +48,7 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<end_of_utterance>", "<image
 GRID_TOKENS = [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]  # as the checkpoints' 6 x 6
 IMAGE_MEAN = IMAGE_STD = [0.5, 0.5, 0.5]
 
-RECIPE = {
+RECIPE: dict[str, Any] = {
     "version": 1, "family": "smolvlm", "seed": 1234, "vocab_size": 512,
     # 32 px tiles of 8 px patches (4 x 4), pixel-shuffled 2 x 2 into 4 tokens a tile; images resized to a
     # 64 px longest edge: up to 2 x 2 tiles + the global image = 5 tiles, 20 <image> tokens
@@ -64,12 +65,12 @@ def _allow_without_num2words() -> None:
     where it is missing, put a stand-in that says so if a video prompt is ever built."""
     from transformers.models.smolvlm import processing_smolvlm
 
-    if processing_smolvlm.num2words is None:
+    if processing_smolvlm.num2words is None:  # pyright: ignore[reportPrivateImportUsage]  # None where it is missing
         def num2words(n, *args, **kwargs):
             raise ImportError("SmolVLM's video prompt spells the frame count with the `num2words` package: "
                               "pip install num2words (vlft's smolvlm family trains on images only)")
 
-        processing_smolvlm.num2words = num2words
+        processing_smolvlm.num2words = num2words  # pyright: ignore[reportPrivateImportUsage]  # the stand-in
 
 
 def _tokenizer(r: dict, corpus=None):
@@ -95,7 +96,7 @@ def make_processor(kind: str, tokenizer, r: dict):
     NOTES.md section 8: a real Idefics3 checkpoint brings its own)."""
     from transformers.models.smolvlm.processing_smolvlm import DEFAULT_CHAT_TEMPLATE
 
-    sizes = dict(size={"longest_edge": r["longest_edge"]}, max_image_size={"longest_edge": r["tile"]},
+    sizes: dict[str, Any] = dict(size={"longest_edge": r["longest_edge"]}, max_image_size={"longest_edge": r["tile"]},
                  image_mean=IMAGE_MEAN, image_std=IMAGE_STD)
     if kind == "idefics3":
         from transformers import Idefics3ImageProcessor, Idefics3Processor
@@ -118,7 +119,7 @@ def build_tiny(kind: str, path: Path, recipe: dict | None = None, corpus=None) -
 
     r = recipe or RECIPES[kind]
     tok = _tokenizer(r, corpus)
-    ids = tok.convert_tokens_to_ids
+    ids = _tiny.token_ids(tok)
     text = dict(r["text"], model_type="llama", vocab_size=len(tok), bos_token_id=ids("<|im_start|>"),
                 eos_token_id=ids("<end_of_utterance>"), pad_token_id=ids("<|endoftext|>"),
                 initializer_range=r["initializer_range"])
@@ -130,9 +131,10 @@ def build_tiny(kind: str, path: Path, recipe: dict | None = None, corpus=None) -
         from transformers import SmolVLMConfig as Config
         from transformers import SmolVLMForConditionalGeneration as Model
     config = Config(text_config=text, vision_config=vision, scale_factor=r["scale_factor"],
-                    image_token_id=ids("<image>"), pad_token_id=ids("<|endoftext|>"), tie_word_embeddings=False)
+                    image_token_id=ids("<image>"), pad_token_id=ids("<|endoftext|>"),  # pyright: ignore[reportCallIssue]  # a PretrainedConfig keyword
+                    tie_word_embeddings=False)
     torch.manual_seed(r["seed"])
-    model = Model(config)
+    model = Model(config)  # pyright: ignore[reportArgumentType]  # both classes chosen by kind: they match
     with torch.no_grad():  # the embedded default's measured init (_tiny.initialise), on this tree
         for module in model.model.vision_model.modules():
             if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
@@ -232,28 +234,19 @@ def _family(kind: str) -> ModelFamily:
         model_types=(kind,),
         description=(f"{'SmolVLM / SmolVLM2 (256M/500M/2.2B)' if kind == 'smolvlm' else 'Idefics3 (8B)'}: SigLIP "
                      f"on tiles + a global image, pixel-shuffle connector, Llama text model"),
-        vision_tower="model.vision_model",
-        vision_blocks="model.vision_model.encoder.layers",
-        vision_mergers=("model.connector",),
-        decoder_layers="model.text_model.layers",
-        lm_head="lm_head",
-        vision_attention=SIGLIP_ATTENTION,
-        vision_mlp=SIGLIP_MLP,
-        text_attention=TEXT_ATTENTION,
-        text_mlp=GATED_MLP,
-        default_targets="both",
-        box_coordinates="absolute",
-        processor_class=f"{prefix}Processor",
-        load_processor=load_processor,
-        reply_end_token="<end_of_utterance>",
+        towers=Towers(vision="model.vision_model", vision_blocks="model.vision_model.encoder.layers",
+                      vision_mergers=("model.connector",), decoder_layers="model.text_model.layers", lm_head="lm_head"),
+        targets=Targets(vision_attention=SIGLIP_ATTENTION, vision_mlp=SIGLIP_MLP, text_attention=TEXT_ATTENTION,
+                        text_mlp=GATED_MLP, default="both"),
+        chat=Chat(processor_class=f"{prefix}Processor", load_processor=load_processor,
+                  reply_end_token="<end_of_utterance>", box_coordinates="absolute"),
         image_inputs=processor_image_inputs(
             {"pixel_values": "concat", "pixel_attention_mask": "concat"}, size_cap=SIZE_CAP,
             processor_kwargs=longest_edge, reshape=per_tile, image_grids=image_grids, trace=trace_vision),
         packing=Packing(),
         sharding=Sharding(("LlamaDecoderLayer", f"{prefix}VisionAttention")),  # the instance's _no_split_modules
         vision_dummy=vision_dummy,
-        build_tiny=partial(build_tiny, kind),
-        tiny_recipe=RECIPES[kind],
+        tiny=Tiny(partial(build_tiny, kind), RECIPES[kind]),
     )
 
 

@@ -211,7 +211,7 @@ def score(rewards, completions: list[str], references: list[str], where: list[st
     for label, function in rewards:
         try:
             values = list(function(completions, references, where=where))
-        except Exception as e:  # noqa: BLE001 - the user's code: found and named, whatever it raised
+        except Exception as e:
             raise _culprit(label, function, completions, references, where, e) from e
         bad = next((i for i, v in enumerate(values) if not _finite_number(v)), None)
         if len(values) != len(completions) or bad is not None:

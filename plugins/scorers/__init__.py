@@ -2,7 +2,7 @@
 through ``vlft_scorers`` as a third party would offer its own. docs/scorers.md says what each measures, with the
 paper or the reference implementation it follows.
 
-One module per kind of answer: ``text`` (exact match, ANLS, character error rate, BLEU, ROUGE-L), ``fields``
+One module per kind of answer: ``text`` (exact match, ANLS, character error rate, BLEU, ROUGE-L, CIDEr), ``fields``
 (``field: value`` answers), ``numbers`` (relaxed accuracy), ``choices`` (multiple choice), ``boxes`` (IoU) and
 ``structured`` (JSON-field F1). Importing them imports neither torch nor sacrebleu (BLEU loads it when it scores).
 """

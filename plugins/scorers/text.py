@@ -1,4 +1,4 @@
-"""Text answers: exact match, ANLS (DocVQA), character error rate (OCR), BLEU and ROUGE-L (captions).
+"""Text answers: exact match, ANLS (DocVQA), character error rate (OCR), BLEU, ROUGE-L and CIDEr (captions).
 
 - ``exact``: 1 where the answer equals the reference once both are trimmed and their white space collapsed.
 - ``anls``: average normalised Levenshtein similarity (Biten et al., ICCV 2019, the DocVQA and InfographicVQA
@@ -13,8 +13,15 @@
 - ``rouge``: ROUGE-L F1 (Lin, 2004): the longest common subsequence of words (lower-cased, split at what is
   not a letter or a digit, as Google's rouge-score does without stemming) over the answer's and the
   reference's lengths, the F-measure with beta 1; the best over the answers; the figure is the mean.
+- ``cider``: CIDEr-D (Vedantam et al., CVPR 2015) as pycocoevalcap, the MS-COCO caption evaluation, computes it:
+  1- to 4-gram tf-idf vectors, the idf over the set's references (each record's answers are one image's
+  references), clipped cosine similarity, a Gaussian length penalty (sigma 6), times 10. COCO's pipeline first
+  runs Stanford's PTB tokenizer (Java); here the words are ROUGE's (lower-cased, split at what is not a letter
+  or a digit), which agree with it on captions without contractions or hyphens. Each answer's value depends on
+  the whole set's references (the idf): as a reward, on the step's; a set of one record scores 0.
 
-Imports inside functions: sacrebleu loads when BLEU scores, so listing the plugins stays light.
+Imports inside functions: sacrebleu loads when BLEU scores, pycocoevalcap when CIDEr does, so listing the plugins
+stays light.
 """
 
 from __future__ import annotations
@@ -127,6 +134,19 @@ def rouge_figures(predictions, references, values, **context):
     return {"rouge_l": mean(values)}
 
 
+# -- CIDEr-D -------------------------------------------------------------------------------------------------------
+
+def cider_score(predictions, references, **context):
+    from pycocoevalcap.cider.cider_scorer import CiderScorer  # the reference implementation, loaded when CIDEr scores
+
+    scorer = CiderScorer(n=4, sigma=6.0)
+    for prediction, answers in zip(predictions, answers_of(references, context)):
+        scorer += (" ".join(words(prediction)), [" ".join(words(a)) for a in answers])
+    if not any(ngrams for refs in scorer.crefs for ngrams in refs):  # its idf needs at least one reference word
+        return [0.0] * len(predictions)
+    return [float(v) for v in scorer.compute_score()[1]]
+
+
 SCORERS = [
     Scorer("exact", "1 if the answer equals the reference (white space collapsed), else 0", exact_score,
            exact_figures, always),
@@ -138,4 +158,6 @@ SCORERS = [
            bleu_score, bleu_figures),
     Scorer("rouge", "ROUGE-L F1: the longest common word subsequence (captions, summaries)", rouge_score,
            rouge_figures),
+    Scorer("cider", "CIDEr-D as pycocoevalcap computes it (captions): tf-idf n-gram consensus with the references, "
+                    "0 to 10", cider_score),
 ]

@@ -185,13 +185,11 @@ def check_tf32_in_effect(device, expected_on: bool) -> None:
 def check_overflowing_step_is_skipped(session, tries: int = 5) -> None:
     """vlft's own ``train_step``: a step whose gradients overflow changes no weight and lowers the loss
     scale; a finite step after it trains."""
-    from vlft.data.order import batches
-    from vlft.training.step import train_step_on
 
     scaler = session.policy.scaler
     assert scaler is not None, "fp16 without a loss scaler: an overflowing step would write inf into the weights"
     params = [p for p in session.model.parameters() if p.requires_grad]
-    groups = batches(session.dataset, session.collate, session.settings, 0)
+    groups = session.batches()
     session.model.train()
 
     def snapshot():
@@ -201,7 +199,7 @@ def check_overflowing_step_is_skipped(session, tries: int = 5) -> None:
     # an overflow as fp16 produces it: one gradient turns infinite in the backward pass
     handle = params[0].register_hook(lambda g: torch.full_like(g, math.inf))
     try:
-        train_step_on(session.model, session.optimizer, session.scheduler, next(groups), session.policy)
+        session.train_step(next(groups))
     finally:
         handle.remove()
     moved = [i for i, (b, p) in enumerate(zip(before, params)) if not torch.equal(b, p.detach())]
@@ -209,7 +207,7 @@ def check_overflowing_step_is_skipped(session, tries: int = 5) -> None:
     assert float(scaler.get_scale()) < scale, f"loss scale {scaler.get_scale()} did not back off from {scale}"
     for _ in range(tries):  # fp16 may overflow on its own at a high scale; the scaler backs off each time
         before = snapshot()
-        train_step_on(session.model, session.optimizer, session.scheduler, next(groups), session.policy)
+        session.train_step(next(groups))
         if any(not torch.equal(b, p.detach()) for b, p in zip(before, params)):
             break
     else:
@@ -223,21 +221,20 @@ def check_non_finite_step_is_undone_on_the_device(session) -> None:
     trainable weight and the AdamW state come back bit for bit, the step counters (host tensors) once
     ``settle_step_counters`` has run as the loop runs it; the step reports itself skipped, and a finite
     step after it trains."""
-    from vlft.data.order import batches
     from vlft.training.step import settle_step_counters, train_step_on
 
     policy, optimizer = session.policy, session.optimizer
     assert policy.scaler is None, f"a loss scaler ({type(policy.scaler).__name__}): not the default path"
     assert not policy.flags_on_host, "the step reads its flag on the host: the device path is not taken"
     params = [p for p in session.model.parameters() if p.requires_grad]
-    groups = batches(session.dataset, session.collate, session.settings, 0)
+    groups = session.batches()
     session.model.train()
 
     def snapshot():
         return ([p.detach().clone() for p in params],
                 [{k: v.clone() if torch.is_tensor(v) else v for k, v in optimizer.state[p].items()} for p in params])
 
-    def step(poison: bool) -> dict:
+    def step(poison: bool):
         handle = params[0].register_hook(lambda g: torch.full_like(g, math.nan)) if poison else None
         try:
             out = train_step_on(session.model, optimizer, session.scheduler, next(groups), policy)
@@ -246,10 +243,10 @@ def check_non_finite_step_is_undone_on_the_device(session) -> None:
                 handle.remove()
         return out
 
-    assert not bool(step(False)["skipped"]), "a finite first step was skipped"  # the AdamW state exists now
+    assert not bool(step(False).skipped), "a finite first step was skipped"  # the AdamW state exists now
     before, state_before = snapshot()
     out = step(True)
-    assert bool(out["skipped"]), "a step with NaN gradients was not reported skipped"
+    assert bool(out.skipped), "a step with NaN gradients was not reported skipped"
     settle_step_counters(optimizer, 1, policy.device)
     after, state_after = snapshot()
     moved = [i for i, (b, a) in enumerate(zip(before, after)) if not torch.equal(b, a)]
@@ -258,7 +255,7 @@ def check_non_finite_step_is_undone_on_the_device(session) -> None:
         assert old.keys() == new.keys(), (i, sorted(old), sorted(new))
         changed = [k for k in old if not (torch.equal(old[k], new[k]) if torch.is_tensor(old[k]) else old[k] == new[k])]
         assert not changed, f"the NaN step changed the optimizer state {changed} of trainable tensor {i}"
-    assert not bool(step(False)["skipped"]), "the finite step after it was skipped"
+    assert not bool(step(False).skipped), "the finite step after it was skipped"
     assert any(not torch.equal(b, p.detach()) for b, p in zip(after, params)), "the finite step after it did not train"
     assert all(bool(torch.isfinite(p).all()) for p in params), "a trainable weight is not finite"
 
@@ -317,14 +314,14 @@ def observed_run(tmp_path, train, val, plugins=(), **values):
 
 
 def prepared(train, tmp_path, plugins=(), **values):
-    """A session set up by ``prepare`` (no step taken), for checks that drive the step themselves."""
+    """A trainer set up by ``build_trainer`` (no step taken), for checks that drive the step themselves."""
     from vlft.config import build_config
     from vlft.registry import load_registry
-    from vlft.training.session import prepare
+    from vlft.training.trainer import build_trainer
 
     config = build_config({}, {"steps": 8, "batch_size": 4, "eval_every": 0, "save_every": 0, "data": str(train),
                                "output": str(tmp_path / "session"), "warmup_ratio": 0.0, **values})
-    return prepare(load_registry(plugins=plugins), config)
+    return build_trainer(load_registry(plugins=plugins), config)
 
 
 # -- kernel patches --------------------------------------------------------------------------------------------
@@ -460,7 +457,7 @@ def _exact_step(model, batch) -> dict:
 def compare_each_patch(backend: str, registry=None,
                        **config_values) -> tuple[list[str], dict[str, list[str]], list[str]]:
     """Every kernel patch ``backend`` offers whose condition holds here (opt-in ones too), taken as a run takes
-    it (``--kernels NAME``: the plan lists it, ``_base_model`` applies it) and set against the run without it
+    it (``--kernels NAME``: the plan lists it, ``setup.base_model`` applies it) and set against the run without it
     (``--kernels none``) on the embedded model and one batch of the demo data: (report lines, {patch:
     failures}, the patches compared). A patch fails when
 
@@ -481,19 +478,19 @@ def compare_each_patch(backend: str, registry=None,
     from vlft.data.records import read_records
     from vlft.models.embedded import embedded_model_dir
     from vlft.models.loading import load_processor, model_config_and_family, tower_attention
-    from vlft.planning.plan import resolve_plan
+    from vlft.planning.plan import resolve_policies
     from vlft.registry import load_registry
-    from vlft.training.session import _base_model
+    from vlft.training.setup import base_model
 
     registry = registry or load_registry()
-    model_dir = str(embedded_model_dir())
+    model_dir = str(embedded_model_dir(registry))
     base = RunConfig(backend=backend, **config_values)
     device = registry.first("vlft_setup_device", backend=backend, config=base).device
     model_config, family = model_config_and_family(model_dir, registry)
 
     def plan_for(kernels: str):
         config = dataclasses.replace(base, kernels=kernels)
-        return resolve_plan(registry, config, model_dir, model_config, family=family), config
+        return resolve_policies(registry, config, model_dir, model_config, family=family), config
 
     unpatched_plan, none_config = plan_for("none")
     offered = [k for ks in registry.hook.vlft_kernel_patches(backend=backend, config=base, model_config=model_config,
@@ -506,11 +503,11 @@ def compare_each_patch(backend: str, registry=None,
     processor = load_processor(model_dir, family, registry)
     encoder = SampleEncoder(processor, family=family)
     ds = write_demo_dataset(tempfile.mkdtemp(prefix="kernels-"), 8, 2)
-    batch = collator_for(processor)(
+    batch = collator_for(processor, family)(
         [encoder.encode(r) for r in read_records(ds.train)[:2]])
     dtype_name = unpatched_plan.precision.autocast_dtype
     dtype = getattr(torch, dtype_name) if dtype_name else None
-    ref, _ = _base_model(registry, backend, unpatched_plan, none_config)
+    ref, _ = base_model(registry, unpatched_plan)
     ref = ref.to(device).train()
     compute = dtype or next(ref.parameters()).dtype
     u = torch.finfo(compute).eps / 2  # unit roundoff of the dtype the step computes in
@@ -537,7 +534,7 @@ def compare_each_patch(backend: str, registry=None,
             problems.append(f"--kernels {k.name}: the plan does not list it as chosen")
             continue
         try:
-            model, _ = _base_model(registry, backend, plan, config)
+            model, _ = base_model(registry, plan)
             model = model.to(device).train()
             observer = Observer()
             observer.watch(model)

@@ -194,8 +194,8 @@ def test_cuda_nf4_trains_on_4bit_weights_and_exports_merged_into_them(tmp_path, 
     are the trained 4-bit model's (base + adapter) to bf16 rounding, and not the base's."""
     pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes: pip install 'vlft[qlora]'")
     import bitsandbytes as bnb
-    from helpers import cli_invoke, export_logits
 
+    from helpers import cli_invoke, export_logits
     from vlft.data.records import read_records
 
     if capability() < (8, 0):
@@ -249,12 +249,13 @@ def test_npu_default_policy_is_fp16_with_loss_scaling_and_eager_attention(method
 @pytest.mark.npu
 def test_npu_patch_reroutes_a_model_loaded_with_sdpa_to_eager_on_the_device(model_dir, processor, data):
     from hardware.checks import Observer
-    from helpers import base_model
 
+    from helpers import base_model
     from vlft.config import RunConfig
     from vlft.data.batching import collator_for, model_inputs, to_device
     from vlft.data.encoding import SampleEncoder
     from vlft.data.records import read_records
+    from vlft.models.families import resolve_family
     from vlft.models.loss import autocast_context
     from vlft.registry import load_registry
 
@@ -263,14 +264,14 @@ def test_npu_patch_reroutes_a_model_loaded_with_sdpa_to_eager_on_the_device(mode
     device = registry.first("vlft_setup_device", backend="ascend", config=config).device
     policy = registry.first("vlft_attention_implementation", backend="ascend", config=config, model_config=None)
     model = base_model(model_dir, attn="sdpa").to(device)  # as a torch_npu-unaware loader would leave it
-    family = registry.first("vlft_model_family", model_type=model.config.model_type, model_config=model.config)
+    family = resolve_family(registry, model.config)
     patched = [p for ps in registry.hook.vlft_patch_model(backend="ascend", model=model, config=config,
                                                           attention=policy, family=family) if ps for p in ps]
     assert patched, "nothing was patched, though both towers were loaded with sdpa"
     observer = Observer()
     observer.watch(model)
-    enc = SampleEncoder(processor)
-    batch = collator_for(processor)(
+    enc = SampleEncoder(processor, family)
+    batch = collator_for(processor, family)(
         [enc.encode(r) for r in read_records(data[0])[:2]])
     model.train()
     with observer.counting_sdpa(), autocast_context(device, torch.float16):

@@ -15,28 +15,27 @@ import torch
 from vlft.config import build_config
 from vlft.data.batching import model_inputs, to_device
 from vlft.registry import get_registry
-from vlft.training.session import prepare
+from vlft.training.trainer import build_trainer
 
 
 def main(config_path: str, checkpoint: str, out: str) -> None:
     config = build_config({}, json.loads(Path(config_path).read_text()))
     if config.rank != 0:  # only rank 0 reads the weights; the others receive their shares from it
-        import vlft.training.session  # where prepare() finds load_model
+        import vlft.training.setup  # where the trainer finds load_model
 
         def refuse(*args, **kwargs):
             raise AssertionError(f"rank {config.rank} read the model's weights")
 
-        vlft.training.session.load_model = refuse
-    s = prepare(get_registry(), config, resume_from=Path(checkpoint))
+        vlft.training.setup.load_model = refuse
+    s = build_trainer(get_registry(), config, resume_from=Path(checkpoint))
     assert s.sharded and s.config.world_size == 2
-    batch = s.collate([s.encoder.encode(r) for r in s.val_records[:4]])
+    batch = s.collate([s.plan.encoder.encode(r) for r in s.plan.val_records[:4]])
     s.model.eval()
     with torch.no_grad():
         logits = s.model(**model_inputs(to_device(batch, s.device))).logits
-    to_save = s.adapter_to_save(s.model)  # collective
+    s.save_adapter(Path(out) / "adapter")  # collective: gathered on every process, written by rank 0
     skip = non_finite_step_is_not_applied(s, batch)
     if config.rank == 0:
-        s.save_adapter(to_save, Path(out) / "adapter")
         torch.save({"logits": logits, "batch": batch, "skip": skip}, Path(out) / "sharded.pt")
     torch.distributed.destroy_process_group()
 
@@ -62,7 +61,7 @@ def non_finite_step_is_not_applied(s, batch) -> dict:
     for on_host in (True, False):
         out = train_step_on(s.model, s.optimizer, s.scheduler, [poisoned],
                             dataclasses.replace(s.policy, flags_on_host=on_host))
-        skipped.append(bool(out["skipped"]))
+        skipped.append(bool(out.skipped))
     after = shards()
     same = all(torch.equal(a, b) for a, b in zip(before[0] + before[1], after[0] + after[1]))
     return {"skipped": all(skipped), "unchanged": same, "state_tensors": len(before[1])}

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlft.commands.parity import TOLERANCES, compare, run_worker, tolerance_for
+from helpers import embedded_family
+from vlft.commands.parity import TOLERANCES, WorkerOptions, compare, run_worker, tolerance_for
 from vlft.config import build_config
 from vlft.data.batching import collator_for
 from vlft.data.encoding import SampleEncoder
@@ -47,9 +48,9 @@ def test_a_failing_rank_stops_the_others_with_a_clear_message(small_data, tmp_pa
 
 @pytest.fixture(scope="module")
 def batch(small_data, processor):
-    enc = SampleEncoder(processor)
+    enc = SampleEncoder(processor, embedded_family())
     records = read_records(small_data[0])[:4]
-    return collator_for(processor)([enc.encode(r) for r in records])
+    return collator_for(processor, embedded_family())([enc.encode(r) for r in records])
 
 
 def _loss_and_grads(model, batch):
@@ -80,11 +81,10 @@ def test_eager_and_sdpa_give_the_same_logits_and_gradients(model_dir, batch):
         torch.testing.assert_close(gs[name], ge[name], rtol=1e-3, atol=1e-5, msg=name)
 
 
-def _worker(small_data, **over):
-    values = dict(backend="cpu", method="lora", steps=3, precision="fp32", batch_size=4, seed=7, model=None,
-                  data=str(small_data[0]), attn=None)
+def _worker(small_data, backend="cpu", precision="fp32", **over):
+    values = dict(method="lora", steps=3, batch_size=4, seed=7, model=None, data=str(small_data[0]), attn=None)
     values.update(over)
-    return run_worker(**values)
+    return run_worker(backend, precision, WorkerOptions(**values))
 
 
 def test_seed_parity_same_seed_identical_other_seed_different(small_data):
@@ -135,21 +135,19 @@ def _step_figures(small_data, out, float64=False, **over):
 
     ``float64``: the prepared model (base and adapter) is cast to float64 before the first step (AdamW's
     state is created at that step, so it follows the parameters)."""
-    from vlft.data.order import batches
     from vlft.registry import get_registry
-    from vlft.training.session import prepare
-    from vlft.training.step import train_step_on
+    from vlft.training.trainer import build_trainer
 
-    s = prepare(get_registry(), build_config({}, _cfg(small_data, out, adapter={"lora_dropout": 0.0}, **over)))
+    s = build_trainer(get_registry(), build_config({}, _cfg(small_data, out, adapter={"lora_dropout": 0.0}, **over)))
     if float64:
         from float64_reference import float64_throughout
 
         float64_throughout(s.model.double())
     figures = []
     s.model.train()
-    for group in batches(s.dataset, s.collate, s.settings, 0):
-        r = train_step_on(s.model, s.optimizer, s.scheduler, group, s.policy)
-        figures.append((float(r["loss_sum"]) / r["global_tokens"], float(r["grad_norm"])))
+    for group in s.batches():
+        r = s.train_step(group)
+        figures.append((r.loss, float(r.grad_norm)))
         if len(figures) == s.settings.total_steps:
             break
     return figures, {n: p.detach().clone() for n, p in s.model.named_parameters() if p.requires_grad}
@@ -240,9 +238,9 @@ def test_vlft_parity_command_prints_the_table_and_exits_1_beyond_tolerance(small
     that second verdict replays the first call's worker results through the command in this process (a
     stand-in for the workers, which already ran for real), rather than training the same steps again."""
     from click.testing import CliRunner
-    from helpers import vlft_command
 
     import vlft.commands.parity
+    from helpers import vlft_command
     from vlft.cli import cli
 
     tight_path = tmp_path / "tight.json"

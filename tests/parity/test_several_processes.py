@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import base_model, run_flags, vlft_command
 
+from helpers import base_model, run_flags, vlft_command
 from vlft.config import build_config
 
 HERE = Path(__file__).resolve().parent
@@ -240,16 +240,15 @@ def test_two_torchrun_agents_resume_a_sharded_run_with_the_uninterrupted_losses(
 
 def test_a_sharded_checkpoint_is_not_resumed_without_sharding(sharded):
     from vlft.errors import VlftError
-    from vlft.training.checkpoints import restore_training_state
+    from vlft.training.checkpoints import read_checkpoint
 
     with pytest.raises(VlftError, match="was written with --shard fsdp; resume it with --shard fsdp"):
-        restore_training_state(sharded / "checkpoints" / "step-000005", None, None, None, torch.device("cpu"))
+        read_checkpoint(sharded / "checkpoints" / "step-000005", sharded=False)
 
 
 def test_a_backend_without_sharding_is_refused_before_any_process_group(small_data, tmp_path):
     """ToyPlugin's backend answers DistributedOptions("gloo") and says nothing of FSDP."""
     from test_run import ToyPlugin
-
     from vlft.builtin.commands import check_sharding
     from vlft.commands.run import execute
     from vlft.errors import ConfigError

@@ -35,7 +35,7 @@ from vlft.registry import DISABLE_ENV, get_registry
               help="Rendezvous port (torchrun); default: on one machine torchrun's own rendezvous on a free port, "
                    "on several 29500.")
 @click.pass_context
-@user_errors
+@user_errors  # params: click passes each option as an argument of its own
 def run(ctx, config_file, as_json, verbose, quiet, nproc_per_node, nnodes, node_rank, master_addr, master_port, **params):
     """Fine-tune a model with an adapter method on a backend, evaluate it before and after, save the adapter."""
     from vlft.training.launch import LaunchOptions, end_worker, relaunch
@@ -67,6 +67,7 @@ def run(ctx, config_file, as_json, verbose, quiet, nproc_per_node, nnodes, node_
         raise
     if config.dry_run:
         desc = result.description
+        assert desc is not None  # a dry run's result describes its plan
         click.echo(json.dumps(desc, indent=2, default=str) if as_json else format_plan(desc, verbose=verbose))
         if desc["memory"] and desc["memory"]["fits"] is False and not config.no_memory_check:
             raise click.ClickException("this run will not fit its device; the memory plan above names the fixes")
@@ -94,16 +95,19 @@ def plugins(as_json):
         bundled_by_family,
         bundled_names,
     )
-    from vlft.models.families import installed_families
+    from vlft.models.families import offered_families
 
     registry = get_registry()
-    by_family = bundled_by_family(registry)
+    families, family_problems = offered_families(registry)  # a plugin whose families fail is listed broken
+    by_family = bundled_by_family(registry, families)
     names = sorted({n for n, _ in registry.pm.list_name_plugin() if n})
     probes = {name: registry.first("vlft_probe_backend", backend=name) for name in registry.backends}
     dist = {name: registry.first("vlft_distributed_options", backend=name, config=RunConfig())
             for name in registry.backends}
     data = {
-        "plugins": [{"name": n, "status": "loaded"} for n in names]
+        "plugins": [{"name": n, "status": "broken" if n in family_problems else "loaded",
+                     **({"error": family_problems[n]} if n in family_problems else {}),
+                     **({"notes": registry.notes[n]} if n in registry.notes else {})} for n in names]
         + [{"name": n, "status": "broken", "error": e} for n, e in sorted(registry.broken.items())]
         + [{"name": n, "status": "disabled"} for n in registry.disabled],
         "backends": [
@@ -124,9 +128,9 @@ def plugins(as_json):
         ],
         "model_families": [
             {"name": f.name, "model_types": list(f.model_types), "description": f.description, "plugin": f.plugin,
-             "box_coordinates": f.box_coordinates, "embedded": f"embedded:{f.name}" if f.build_tiny else None,
+             "box_coordinates": f.chat.box_coordinates, "embedded": f"embedded:{f.name}" if f.tiny else None,
              "bundled_configs": by_family.get(f.name, [])}
-            for f in installed_families(registry)
+            for f in families
         ],
         "bundled_configs": bundled_names(registry),
         "scorers": [
@@ -141,6 +145,8 @@ def plugins(as_json):
     for p in data["plugins"]:
         extra = f"  {p['error']}" if p.get("error") else ""
         click.echo(f"  {p['name']:<16} {p['status']}{extra}")
+        for note in p.get("notes", []):
+            click.echo(f"  {'':<16} note: {note}")
     click.echo("backends:")
     for b in data["backends"]:
         state = f"available ({b['device_count']} device(s))" if b["available"] else f"unavailable: {b['reason']}"
@@ -163,7 +169,7 @@ def plugins(as_json):
         click.echo(f"  {f['name']:<{names}} {', '.join(f['model_types']):<{types}} boxes {f['box_coordinates']:<14} "
                    f"{f['description']} (plugin {f['plugin']})")
     click.echo("bundled configs (--model NAME --dry-run plans offline): " + ", ".join(data["bundled_configs"]))
-    if registry.broken:
+    if registry.broken or family_problems:
         click.echo(f"(block a broken plugin with {DISABLE_ENV}=name)")
 
 

@@ -88,7 +88,7 @@ def vlft_patch_model(backend, model, config, attention):
 
     if "bitsandbytes" not in sys.modules:  # no 4-bit model can have been loaded
         return None
-    from bitsandbytes.nn import Linear4bit
+    from bitsandbytes.nn import Linear4bit  # pyright: ignore[reportMissingImports]  # the qlora extra, kept out of the venv
 
     packed = [m for m in model.modules() if isinstance(m, Linear4bit) and getattr(m, "support_avx512bf16_for_cpu", False)]
     for module in packed:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from vlft.contracts.sinks import MetricSink
 from vlft.errors import ConfigError
 from vlft.hookspecs import hookimpl
-from vlft.policies import MetricSink
 
 
 class TensorBoardSink(MetricSink):

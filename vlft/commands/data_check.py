@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -38,7 +39,7 @@ def data():
               help="As `vlft run --reward` (grpo): each reward must score every record's reference.")
 @click.option("--longest", default=5, show_default=True, help="How many of the longest records to list.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@user_errors
+@user_errors  # params: click passes each option as an argument of its own
 def check(files, model, image_root, add_placeholders, columns, max_pixels, video_fps, video_max_frames, objective,
           rewards, longest, as_json):
     """Validate FILE... (records, turns, images, videos, token lengths) with the messages `vlft run` gives.
@@ -62,16 +63,17 @@ def check(files, model, image_root, add_placeholders, columns, max_pixels, video
     from vlft.registry import get_registry
 
     # the objective as a run resolves it: its layout reader, its samples' encoder, its own checks
+    registry = get_registry()
     config = RunConfig(objective=objective, objective_options={"reward": list(rewards)} if rewards else {})
-    chosen = get_registry().objective_for(config)
+    chosen = registry.objective_for(config)
     layout = record_format(chosen.layout)
-    path = resolve_model_path(model)
-    _, family = model_config_and_family(path)
-    encoder = SampleEncoder(load_processor(path, family), max_pixels=max_pixels, video_fps=video_fps,
+    path = resolve_model_path(model, registry)
+    _, family = model_config_and_family(path, registry)
+    encoder = SampleEncoder(load_processor(path, family, registry), max_pixels=max_pixels, video_fps=video_fps,
                             video_max_frames=video_max_frames, family=family)
     encoder = layout.encoder(encoder)
     mapping = parse_columns(columns)
-    report = {"files": [], "problems": [], "notes": []}
+    report: dict[str, Any] = {"files": [], "problems": [], "notes": []}
     measured = []
     for name in files:
         entry = {"file": name}

@@ -19,9 +19,9 @@ import sys
 
 import click
 
+from vlft.contracts.backend import DoctorCheck
 from vlft.errors import VlftError
 from vlft.floors import TORCH_FLOOR, torch_too_old
-from vlft.policies import DoctorCheck
 
 COMMON_PACKAGES = ("torch", "transformers", "peft", "pluggy")
 

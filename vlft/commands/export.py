@@ -177,7 +177,7 @@ def export(adapter, model, output, dtype, adapter_only, merge_into):
     """Fold the adapter into the base weights and write a model folder that plain transformers loads."""
     import torch
 
-    from vlft.evaluation.inference import load_for_inference, locate_adapter
+    from vlft.evaluation.inference import LoadOptions, load_for_inference, locate_adapter
     from vlft.models.loading import load_model_config
     from vlft.registry import get_registry
 
@@ -193,11 +193,11 @@ def export(adapter, model, output, dtype, adapter_only, merge_into):
     caveat = four_bit_caveat(merge_base) if source.run_config.get("param_dtype") == "nf4" else None
     with _staged(out) as tmp:
         if merge_base == "dequantized":
-            loaded = load_for_inference(registry, source, model, backend="cpu", param_dtype="nf4",
-                                        on_device=False, dequantize=True)
+            loaded = load_for_inference(registry, source, model, LoadOptions(backend="cpu", param_dtype="nf4",
+                                                                             on_device=False, dequantize=True))
         else:
-            loaded = load_for_inference(registry, source, model, backend="cpu", precision="fp32",
-                                        param_dtype="fp32", on_device=False)
+            loaded = load_for_inference(registry, source, model, LoadOptions(backend="cpu", precision="fp32",
+                                                                             param_dtype="fp32", on_device=False))
         method = source.method
         merged = registry.pm.hook.vlft_merge_adapter(method=method, model=loaded.model)
         if merged is None:
@@ -206,7 +206,7 @@ def export(adapter, model, output, dtype, adapter_only, merge_into):
         if dtype == "auto" and merge_base == "dequantized":
             target = "bfloat16"  # the dequantized base weights are bf16 values: fp32 would double the file
         else:
-            target = DTYPES.get(dtype) or str(getattr(load_model_config(loaded.model_path), "dtype", None)
+            target = DTYPES.get(dtype) or str(getattr(load_model_config(loaded.model_path, registry), "dtype", None)
                                                or "float32").replace("torch.", "")
         merged = merged.to(getattr(torch, target))
         merged.save_pretrained(tmp, safe_serialization=True)

@@ -55,39 +55,49 @@ def weight_digest(model, targets: list[str]) -> dict[str, list[float]]:
     return out
 
 
-def run_worker(backend: str, method: str, steps: int, precision: str, batch_size: int, seed: int,
-               model: str | None, data: str | None, attn: str | None) -> dict:
-    """Train ``steps`` steps on ``backend`` and return the per-step figures (in this process)."""
+@dataclass(frozen=True)
+class WorkerOptions:
+    """What both sides of a comparison train with: the parity command's options but the backend and precision."""
+
+    method: str = "lora"
+    steps: int = 5
+    batch_size: int = 4
+    seed: int = 0
+    model: str | None = None
+    data: str | None = None
+    attn: str | None = None
+
+
+def run_worker(backend: str, precision: str, options: WorkerOptions) -> dict:
+    """Train ``options.steps`` steps on ``backend`` and return the per-step figures (in this process)."""
     from vlft.config import build_config
-    from vlft.data.order import batches
     from vlft.errors import BackendUnavailable
     from vlft.registry import get_registry
-    from vlft.training.session import prepare
-    from vlft.training.step import train_step_on
+    from vlft.training.trainer import build_trainer
 
-    # a session writes nothing: no run folder is needed
-    values = dict(backend=backend, method=method, steps=steps, precision=precision, batch_size=batch_size,
-                  seed=seed, model=model, data=data, attn=attn, eval_every=0, save_every=0, warmup_ratio=0.0)
+    # a trainer without a run folder writes nothing
+    values = dict(backend=backend, precision=precision, **asdict(options), eval_every=0, save_every=0,
+                  warmup_ratio=0.0)
     config = build_config({}, {k: v for k, v in values.items() if v is not None})
     try:
-        s = prepare(get_registry(), config)
+        trainer = build_trainer(get_registry(), config)
     except BackendUnavailable as e:
         return {"backend": backend, "available": False, "reason": str(e).split("\n")[0]}
-    plan = s.plan
+    plan = trainer.plan
     records = []
-    s.model.train()
-    for step, group in enumerate(batches(s.dataset, s.collate, s.settings, 0), start=1):
-        out = train_step_on(s.model, s.optimizer, s.scheduler, group, s.policy)
+    trainer.model.train()
+    for group in trainer.batches():
+        result = trainer.train_step(group)
         records.append({
-            "step": step,
-            "loss": float(out["loss_sum"]) / out["global_tokens"],
-            "grad_norm": float(out["grad_norm"]),
-            "weights": weight_digest(s.model, plan.targets),
+            "step": trainer.step,
+            "loss": result.loss,
+            "grad_norm": float(result.grad_norm),
+            "weights": weight_digest(trainer.model, plan.targets),
         })
-        if step >= steps:
+        if trainer.step >= options.steps:
             break
     return {"backend": backend, "available": True, "precision": plan.precision.name,
-            "device": str(s.device), "attention": asdict(plan.attention), "steps": records}
+            "device": str(trainer.device), "attention": asdict(plan.attention), "steps": records}
 
 
 def rel_diff(a: float, b: float) -> float:
@@ -160,6 +170,7 @@ def _spawn_worker(index: int, backend: str, precision: str, opts: dict, out: Pat
 @click.option("--output", "output", default=None, type=click.Path(dir_okay=False),
               help="Where to write the figures as JSON [default: parity.json in a new folder "
                    "runs/parity-<time>-A-B/].")
+# params: click passes each option as an argument of its own
 def parity(backends, method, steps, precision, tolerance, batch_size, seed, model, data, attn, output):
     """Run the same seeded steps on two backends and compare loss, gradient norm and adapter weights."""
     names = [b.strip() for b in backends.split(",") if b.strip()]
@@ -241,7 +252,7 @@ def parity(backends, method, steps, precision, tolerance, batch_size, seed, mode
 @click.option("--model", default=None)
 @click.option("--data", default=None)
 @click.option("--attn", default=None)
-@click.option("--probe-only", is_flag=True)
+@click.option("--probe-only", is_flag=True)  # params: click passes each option as an argument of its own
 def parity_worker(backend, precision, out, method, steps, batch_size, seed, model, data, attn, probe_only):
     """One side of `vlft parity` (run by it in a process of its own)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -253,5 +264,5 @@ def parity_worker(backend, precision, out, method, steps, batch_size, seed, mode
         result = {"backend": backend, "available": choice.probe.available,
                   "reason": f"backend '{backend}' is not available here: {choice.probe.reason}"}
     else:
-        result = run_worker(backend, method, steps, precision, batch_size, seed, model, data, attn)
+        result = run_worker(backend, precision, WorkerOptions(method, steps, batch_size, seed, model, data, attn))
     Path(out).write_text(json.dumps(result))

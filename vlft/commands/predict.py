@@ -46,11 +46,11 @@ def model_options(fn):
 
 
 def _load(adapter, model, backend, precision, param_dtype, attn, max_pixels):
-    from vlft.evaluation.inference import load_for_inference
+    from vlft.evaluation.inference import LoadOptions, load_for_inference
     from vlft.registry import get_registry
 
-    return load_for_inference(get_registry(), adapter, model, backend=backend, precision=precision,
-                              param_dtype=param_dtype, attn=attn, max_pixels=max_pixels)
+    return load_for_inference(get_registry(), adapter, model, LoadOptions(backend, precision, param_dtype, attn,
+                                                                          max_pixels))
 
 
 def _what(loaded) -> str:
@@ -105,12 +105,12 @@ def _prompt_text(record) -> str:
 @click.option("--top-p", type=float, default=None, help="Nucleus sampling threshold (default: greedy).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for sampling.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-@user_errors
+@user_errors  # params: click passes each option as an argument of its own
 def predict(adapter, model, backend, precision, param_dtype, attn, max_pixels, batch_size, max_new_tokens, data,
             output, images, prompt, temperature, top_p, seed, quiet):
     """Answer the records of a data file (to JSONL) or one --prompt with --image(s), with an adapter or a model."""
     from vlft.data.records import read_records
-    from vlft.evaluation.generation import generate_answers
+    from vlft.evaluation.generation import Decoding, generate_answers
     from vlft.evaluation.inference import write_atomically
 
     _check_positive(batch_size=batch_size, max_new_tokens=max_new_tokens)
@@ -129,8 +129,8 @@ def predict(adapter, model, backend, precision, param_dtype, attn, max_pixels, b
 
         torch.manual_seed(seed)
     if prompt is not None:
-        answer = generate_answers(loaded.model, loaded.encoder, records, loaded.device, 1, max_new_tokens,
-                                  loaded.autocast_dtype, sampling)[0]
+        answer = generate_answers(loaded.model, loaded.encoder, records, loaded.device,
+                                  Decoding(max_new_tokens, 1, loaded.autocast_dtype, sampling))[0]
         click.echo(answer)
         return
     from tqdm.auto import tqdm
@@ -139,8 +139,9 @@ def predict(adapter, model, backend, precision, param_dtype, attn, max_pixels, b
                f"on {loaded.plan.backend.info.name}", err=True)
     with tqdm(total=len(records), desc="predict", unit="record", disable=quiet,
               mininterval=0.2 if sys.stderr.isatty() else 15.0) as bar:
-        answers = generate_answers(loaded.model, loaded.encoder, records, loaded.device, batch_size,
-                                   max_new_tokens, loaded.autocast_dtype, sampling, on_batch=bar.update)
+        answers = generate_answers(loaded.model, loaded.encoder, records, loaded.device,
+                                   Decoding(max_new_tokens, batch_size, loaded.autocast_dtype, sampling),
+                                   on_batch=bar.update)
     lines = []
     for record, answer in zip(records, answers):
         reference = record.reference or None  # a record whose last reply is empty asks for an answer
@@ -171,16 +172,16 @@ def eval_output(output: str | None, source, data: str) -> Path:
 @click.option("--compare-base", is_flag=True, help="Also score the base model (adapter off) on the same records.")
 @click.option("--scorer", default="auto", show_default=True, metavar="NAME[,NAME]",
               help="Scorers by name, comma-separated (see `vlft scorers`; built in: exact, fields, anls, relaxed, "
-                   "choice, iou, bleu, rouge, cer, json), auto (exact match, plus fields, relaxed, iou or json where "
+                   "choice, iou, bleu, rouge, cider, cer, json), auto (exact match, plus fields, relaxed, iou or json where "
                    "every reference takes that form) or your MODULE:FUNCTION, as `vlft run --scorer`.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-@user_errors
+@user_errors  # params: click passes each option as an argument of its own
 def eval_command(adapter, model, backend, precision, param_dtype, attn, max_pixels, batch_size, max_new_tokens, data,
                  samples, output, compare_base, scorer, quiet):
     """Score an adapter, a base or a merged model on a data file with the chosen scorers (--scorer): exact match,
     per-field accuracy and F1, ANLS, relaxed accuracy, IoU, BLEU, ... (`vlft scorers`)."""
     from vlft.data.records import read_records
-    from vlft.evaluation.generation import evaluate_generation
+    from vlft.evaluation.generation import Decoding, evaluate_generation
     from vlft.evaluation.inference import write_atomically
     from vlft.evaluation.scoring import format_table
     from vlft.planning.scorers import choose_scorers, describe_line, scoring_context
@@ -206,8 +207,9 @@ def eval_command(adapter, model, backend, precision, param_dtype, attn, max_pixe
     def scores(m, desc: str):
         with tqdm(total=len(records), desc=desc, unit="record", disable=quiet,
                   mininterval=0.2 if sys.stderr.isatty() else 15.0) as bar:
-            return evaluate_generation(m, loaded.encoder, records, loaded.device, max_new_tokens,
-                                       loaded.autocast_dtype, on_batch=bar.update, scorers=chosen.chosen)
+            return evaluate_generation(m, loaded.encoder, records, loaded.device,
+                                       Decoding(max_new_tokens, autocast_dtype=loaded.autocast_dtype),
+                                       on_batch=bar.update, scorers=chosen.chosen)
 
     before = None
     if compare_base:

@@ -24,6 +24,7 @@ import statistics
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -105,7 +106,7 @@ def read_run(path: str | os.PathLike, name: str) -> RunData:
     return run
 
 
-def _get(d: dict | None, *keys, default=None):
+def _get(d: Any, *keys, default=None) -> Any:
     for k in keys:
         if not isinstance(d, dict) or k not in d:
             return default
@@ -149,7 +150,7 @@ def table_rows(runs: list[RunData]) -> tuple[list[str], list[list[str]]]:
         tps = _median([m.get("tokens_per_s") for m in steady])
         eff = _median([m.get("effective_tokens_per_s") for m in steady])
         mfu = _median([m.get("mfu") for m in steady])
-        peaks = [m.get("peak_memory_bytes") for m in r.metrics if m.get("peak_memory_bytes") is not None]
+        peaks = [p for p in (m.get("peak_memory_bytes") for m in r.metrics) if p is not None]
         peak = _get(r.summary, "peak_memory_bytes") or (max(peaks) if peaks else None)
         backend = _get(r.plan, "backend", "name") or _get(r.summary, "backend") or "-"
         devtype, count = _get(r.plan, "backend", "device_type"), _get(r.plan, "backend", "device_count")

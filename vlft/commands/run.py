@@ -11,44 +11,34 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-import shutil
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from vlft.config import RunConfig
+from vlft.contracts.backend import MemoryStats
 from vlft.errors import ConfigError
-from vlft.evaluation.generation import evaluate_generation
+from vlft.evaluation.generation import Decoding, evaluate_generation
 from vlft.evaluation.inference import write_atomically
 from vlft.evaluation.scoring import format_table
-from vlft.evaluation.validation import objective_validation, validation_loss
-from vlft.models.patching import KernelPatchLost, PatchWatch
+from vlft.models.patching import KernelPatchLost
 from vlft.planning.memory import gib
 from vlft.planning.plan import RunPlan, choose_backend, format_plan, require_available
 from vlft.planning.preflight import plan_run
 from vlft.planning.sharding import base_bytes
-from vlft.policies import MemoryStats
 from vlft.registry import Registry
-from vlft.training.checkpoints import (
-    CheckpointWriteError,
-    RUN_IDENTITY,
-    CheckpointStore,
-    newest_checkpoint,
-)
-from vlft.training.loop import SkipLog, Training, run_training
-from vlft.training.metrics import MetricsLog
+from vlft.training.checkpoints import RUN_IDENTITY, CheckpointWriteError, newest_checkpoint
 from vlft.training.resume import check_same_run, resume_command, run_identity
-from vlft.training.session import prepare
 from vlft.training.signals import Interrupted, NonFiniteStop
+from vlft.training.trainer import RunOutput, Trainer, build_trainer
 
 
 @dataclass
 class RunResult:
     output: Path | None
-    plan: RunPlan
+    plan: RunPlan | None  # None: --resume found the run complete
     before: dict | None = None
     after: dict | None = None
     metrics: list | None = None
@@ -83,7 +73,7 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
     """The whole job: checks -> folder -> resume -> set-up -> evaluate before -> train -> evaluate after ->
     adapter -> summary (see the module docstring for why checks come first)."""
     if config.dry_run:
-        plan = plan_run(registry, config).plan
+        plan = plan_run(registry, config)
         return RunResult(None, plan, description=plan.describe())
     choice = choose_backend(registry, config.backend)
     require_available(choice)
@@ -96,17 +86,21 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
         log(f"--resume: the run in {output} is complete ({complete['steps']} steps, checkpoint "
             f"{resume_from.name}); nothing to train. Its adapter: {complete.get('adapter')}", config.rank)
         return RunResult(output, None, metrics=[])
-    s = prepare(registry, config, resume_from=resume_from, choice=choice)
-    job = _Job(s, _shared_output(s, output), identity, sink_factories, progress)
-    job.write_plan()
-    before = job.evaluate_before()
-    records = job.train()  # ends with a checkpoint of the last step
-    job.save_adapter()  # before the evaluation: whatever it does, the trained adapter is kept
-    job.free_optimizer_state()
-    after, eval_error = job.evaluate_after()
-    job.write_summary(before, after, records, eval_error)
-    job.finish()
-    return RunResult(job.output, s.plan, before, after, records, job.description)
+    trainer = build_trainer(registry, config, resume_from=resume_from, choice=choice,
+                            output=RunOutput(output, identity, tuple(sink_factories)), progress=progress)
+    description = trainer.describe([
+        f"evaluation generates in batches of {eval_batch_size(config)} (the training micro-batch, at most 16), "
+        f"after training, once the adapter is saved and the optimizer state freed"])
+    sharding = sharding_figures(trainer) if trainer.sharded else None
+    write_plan(trainer, description)
+    before = evaluate_before(trainer)
+    records = train(trainer)  # ends with a checkpoint of the last step
+    trainer.save_adapter(trainer.output / "adapter")  # before the evaluation: whatever it does, the adapter is kept
+    trainer.free_optimizer_state()
+    after, eval_error = evaluate_after(trainer)
+    write_summary(trainer, before, after, records, eval_error, sharding)
+    trainer.close()
+    return RunResult(trainer.output, trainer.plan, before, after, records, description)
 
 
 def _completed(output: Path, resume_from: Path | None, config: RunConfig) -> dict | None:
@@ -139,244 +133,172 @@ def _checkpoint_to_resume(config: RunConfig, output: Path, identity: dict) -> Pa
     return resume_from
 
 
-def _shared_output(s, output: Path) -> Path:
-    """Every process writes under rank 0's folder (a default name carries a time stamp)."""
-    if not s.distributed:
-        return output
-    shared = [str(output)]
-    torch.distributed.broadcast_object_list(shared, src=0)
-    return Path(shared[0])
+def write_plan(trainer: Trainer, description: dict) -> None:
+    """plan.json and config.json, and the plan on stderr (rank 0)."""
+    config, output = trainer.config, trainer.output
+    if config.rank != 0:
+        return
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "plan.json").write_text(json.dumps(description, indent=2, default=str))
+    (output / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    log(format_plan(description))
+    log(f"data         {len(trainer.plan.train_records)} training and {len(trainer.plan.val_records)} validation "
+        f"records")
+    log(f"output       {output}")
 
 
-class _Job:
-    """One prepared run and what its steps share: the folder, metrics, checkpoints and evaluation data."""
+def generation_eval(trainer: Trainer) -> dict:
+    """The greedy answers' scores on the first ``--eval-samples`` validation records."""
+    config, plan = trainer.config, trainer.plan
+    records = plan.val_records[: config.eval_samples] if config.eval_samples else plan.val_records
+    decoding = Decoding(config.max_new_tokens, eval_batch_size(config), trainer.autocast_dtype,
+                        synced=trainer.sharded)
+    return evaluate_generation(trainer.model, plan.encoder, records, trainer.device, decoding=decoding,
+                               share=(config.rank, config.world_size),
+                               scorers=plan.scorers.chosen if plan.scorers else None)
 
-    def __init__(self, s, output: Path, identity: dict, sink_factories: list, progress: bool):
-        config = s.config
-        self.s, self.config, self.output, self.progress = s, config, output, progress
-        self.rank, self.model, self.device = config.rank, s.model, s.device
-        self.eval_records = s.val_records[: config.eval_samples] if config.eval_samples else s.val_records
-        self.val_batches = [s.collate([s.encoder.encode(r) for r in s.val_records[i:i + config.batch_size]])
-                            for i in range(0, min(len(s.val_records), config.eval_batches * config.batch_size),
-                                           config.batch_size)]
-        self.store = CheckpointStore(output / "checkpoints", config.keep_checkpoints, s.save_adapter)
-        self.store.run_identity = identity
-        self.store.collective, self.store.adapter_to_save = s.sharded, s.adapter_to_save
-        self.store.reference_state = s.reference.state if s.reference is not None else None
-        self.objective = s.plan.objective
-        self.sharding = sharding_figures(s) if s.sharded else None
-        self.metrics = MetricsLog(output / "metrics.jsonl" if self.rank == 0 else None,
-                                  [open_sink(output) for open_sink in sink_factories] if self.rank == 0 else None)
-        self.skips = SkipLog()
-        self.best: dict = {}
-        self.train_time = 0.0
-        self.description = s.describe([
-            f"evaluation generates in batches of {eval_batch_size(config)} (the training micro-batch, at most 16), "
-            f"after training, once the adapter is saved and the optimizer state freed"])
 
-    def write_plan(self) -> None:
-        s, output = self.s, self.output
-        if self.rank != 0:
-            return
-        output.mkdir(parents=True, exist_ok=True)
-        (output / "plan.json").write_text(json.dumps(self.description, indent=2, default=str))
-        (output / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
-        log(format_plan(self.description))
-        log(f"data         {len(s.train_records)} training and {len(s.val_records)} validation records")
-        log(f"output       {output}")
+def validation_figures(trainer: Trainer) -> dict | None:
+    """The objective's validation figures now (for before and after training), where it has figures."""
+    if trainer.plan.objective.supervised or not trainer.val_batches:
+        return None
+    return trainer.evaluate()
 
-    def generation_eval(self, model) -> dict:
-        s, config = self.s, self.config
-        return evaluate_generation(model, s.encoder, self.eval_records, self.device, config.max_new_tokens,
-                                   s.autocast_dtype, rank=self.rank, world_size=config.world_size,
-                                   synced=s.sharded, batch_size=eval_batch_size(config),
-                                   scorers=s.plan.scorers.chosen if s.plan.scorers else None)
 
-    def evaluate(self) -> dict:
-        """The validation figures: ``val_loss`` (the objective's loss) and the objective's ``val_<figure>``."""
-        if self.objective.supervised:
-            return {"val_loss": validation_loss(self.model, self.val_batches, self.device, self.s.autocast_dtype)}
-        return objective_validation(self.model, self.val_batches, self.s.policy.passes(), self.objective)
+def evaluate_before(trainer: Trainer) -> dict:
+    """The scores of the model training starts from: the base model, or the adapter --init-adapter loaded
+    (with the objective's validation figures, where it has them); a resumed run keeps those it wrote before."""
+    plan, rank, output = trainer.plan, trainer.config.rank, trainer.output
+    if trainer.checkpoint is not None:
+        start = trainer.start_step
+        log(f"resumed      from step {start} ({trainer.checkpoint})", rank)
+        iterations = plan.objective.iterations
+        if start % iterations:  # the kept rollout is not checkpointed (training.rollouts says why)
+            first, last = start + 1, start - start % iterations + iterations
+            log(f"resumed inside a rollout (--num-iterations {iterations}): the prompts of "
+                f"{f'step {first}' if first == last else f'steps {first}-{last}'} are sampled again by the "
+                f"resumed weights (a checkpoint at a multiple of {iterations} steps resumes exactly)", rank)
+        eval_path = output / "eval.json"
+        before = json.loads(eval_path.read_text()).get("before") if eval_path.exists() else None
+        if before is not None:
+            return before
+    if plan.init_adapter:
+        log(f"evaluating the adapter it starts from ({plan.init_adapter}) ...", rank)
+        before = generation_eval(trainer)
+    else:
+        log("evaluating the base model ...", rank)
+        with trainer.model.disable_adapter():
+            before = generation_eval(trainer)
+    validation = validation_figures(trainer)
+    if validation is not None:
+        before["validation"] = validation
+    if rank == 0:
+        _write_eval(output, before, None)
+    return before
 
-    def validation_figures(self) -> dict | None:
-        """The objective's validation figures now (for before and after training), where it has figures."""
-        if self.objective.supervised or not self.val_batches:
-            return None
-        return self.evaluate()
 
-    def evaluate_before(self) -> dict:
-        """The scores of the model training starts from: the base model, or the adapter --init-adapter loaded
-        (with the objective's validation figures, where it has them); a resumed run keeps those it wrote
-        before."""
-        s = self.s
-        if s.checkpoint is not None:
-            self.metrics.truncate_after(s.start_step)
-            log(f"resumed      from step {s.start_step} ({s.checkpoint})", self.rank)
-            iterations = s.plan.objective.iterations
-            if s.start_step % iterations:  # the kept rollout is not checkpointed (training.rollouts says why)
-                first, last = s.start_step + 1, s.start_step - s.start_step % iterations + iterations
-                log(f"resumed inside a rollout (--num-iterations {iterations}): the prompts of "
-                    f"{f'step {first}' if first == last else f'steps {first}-{last}'} are sampled again by the "
-                    f"resumed weights (a checkpoint at a multiple of {iterations} steps resumes exactly)", self.rank)
-            eval_path = self.output / "eval.json"
-            before = json.loads(eval_path.read_text()).get("before") if eval_path.exists() else None
-            if before is not None:
-                return before
-        if s.plan.init_adapter:
-            log(f"evaluating the adapter it starts from ({s.plan.init_adapter}) ...", self.rank)
-            before = self.generation_eval(self.model)
-        else:
-            log("evaluating the base model ...", self.rank)
-            with self.model.disable_adapter():
-                before = self.generation_eval(self.model)
-        validation = self.validation_figures()
-        if validation is not None:
-            before["validation"] = validation
-        if self.rank == 0:
-            _write_eval(self.output, before, None)
-        return before
-
-    def save_best(self, step: int, loss: float) -> None:
-        # beside adapter/ (the last), written whole before it replaces the previous best
-        to_save = self.s.adapter_to_save(self.model)  # every process: gathering a sharded adapter is collective
-        if self.rank == 0:
-            _save_adapter_atomically(self.s, to_save, self.output / "adapter-best")
-        self.best.update(step=step, val_loss=loss)
-
-    def train(self) -> list[dict]:
-        """The loop, under DDP when several processes hold the whole model; a stop writes its summary."""
-        s, config = self.s, self.config
-        train_model = self.model
-        if config.world_size > 1 and not s.sharded:
-            device = self.device
-            train_model = torch.nn.parallel.DistributedDataParallel(
-                self.model, device_ids=[device.index] if device.type != "cpu" and device.index is not None else None)
-        log(f"training     {s.settings.total_steps} steps of "
-            f"{config.batch_size * config.grad_accum * config.world_size} samples", self.rank)
-        t0 = time.perf_counter()
-        try:
-            records = run_training(Training(
-                train_model, s.optimizer, s.scheduler, s.policy, s.dataset, s.collate, s.settings, self.store,
-                self.metrics, s.memory_reader, evaluate=self.evaluate if config.eval_every else None,
-                on_best=self.save_best if config.early_stopping_patience else None, start_step=s.start_step,
-                progress=self.progress, skips=self.skips, patches=PatchWatch(self.model)))
-        except Interrupted as e:
-            command = resume_command(sys.argv, self.output, config.world_size)
-            self.stopped_summary("interrupted", e.step, t0, signal=e.signum,
-                                 checkpoint=str(e.checkpoint) if e.checkpoint else None, resume_command=command)
-            log(f"interrupted after step {e.step}; checkpoint {e.checkpoint}. Continue with:\n  {command}",
-                self.rank)
-            self.metrics.close()
-            if s.distributed:
-                torch.distributed.destroy_process_group()
-            raise SystemExit(e.exit_code) from None
-        except KernelPatchLost as e:
-            self.stopped_summary("stopped: kernel patch lost", None, t0, error=str(e))
-            self.metrics.close()
-            raise
-        except NonFiniteStop:
-            newest = self.store.newest()
-            self.stopped_summary("stopped: non-finite steps", None, t0, checkpoint=str(newest) if newest else None)
-            self.metrics.close()
-            raise
-        except CheckpointWriteError as e:
-            newest = self.store.newest()
-            self.stopped_summary("stopped: checkpoint write failed", None, t0, error=str(e),
-                                 checkpoint=str(newest) if newest else None,
-                                 resume_command=resume_command(sys.argv, self.output, config.world_size)
-                                 if newest else None)
-            self.metrics.close()
-            raise
-        self.train_time = time.perf_counter() - t0
-        self.metrics.close()
-        return records
-
-    def stopped_summary(self, status: str, step: int | None, t0: float, **extra) -> None:
-        if self.rank == 0:
-            summary = {"status": status, "step": step, "steps": self.s.settings.total_steps,
-                       "resumed_from": self.s.start_step, "train_time_s": time.perf_counter() - t0,
-                       "skipped_steps": self.skips.total, "skipped": self.skips.steps,
-                       "scaler_backoffs": self.skips.scaler_backoffs, **extra}
-            try:
-                write_atomically(self.output / "summary.json", json.dumps(summary, indent=2))
-            except OSError as e:  # the disk that stopped the run may not take this either: the error still prints
-                log(f"could not write {self.output / 'summary.json'} ({e})", self.rank)
-
-    def free_optimizer_state(self) -> None:
-        """The AdamW moments are not needed once the last checkpoint holds them: free them before the
-        evaluation generates, so it runs in what training used."""
-        self.s.optimizer.zero_grad(set_to_none=True)
-        self.s.optimizer.state.clear()
-        if self.device.type != "cpu":
-            module = getattr(torch, self.device.type, None)
-            if module is not None and hasattr(module, "empty_cache"):
-                module.empty_cache()
-
-    def evaluate_after(self) -> tuple[dict | None, str | None]:
-        """The adapted model's scores, or (None, the error) when the evaluation fails: the adapter and the
-        final checkpoint are already written, so the run is complete without it."""
-        log("evaluating the adapted model ...", self.rank)
-        try:
-            after = self.generation_eval(self.model)
-            validation = self.validation_figures()
-            if validation is not None:
-                after["validation"] = validation
-            return after, None
-        except Exception as e:  # noqa: BLE001 - an out-of-memory or any bug: the trained adapter is kept
-            if self.s.distributed:
-                raise  # the other processes wait in the evaluation's collectives: stop them all
-            error = f"{e.__class__.__name__}: {e}"
-            log(f"the evaluation after training failed ({error}); the adapter is saved in "
-                f"{self.output / 'adapter'}. Score it again with: vlft predict", self.rank)
-            return None, error
-
-    def save_adapter(self) -> None:
-        to_save = self.s.adapter_to_save(self.model)  # every process: gathering a sharded adapter is collective
-        if self.rank == 0:
-            _save_adapter_atomically(self.s, to_save, self.output / "adapter")
-
-    def write_summary(self, before: dict, after: dict | None, records: list[dict],
-                      eval_error: str | None = None) -> None:
-        if self.rank != 0:
-            return
-        s, plan, output, config = self.s, self.s.plan, self.output, self.config
-        total_steps = s.settings.total_steps
-        _write_eval(output, before, after)
-        mem: MemoryStats = s.memory_reader()
-        summary = {
-            "backend": plan.backend.info.name, "method": plan.method.name, "objective": plan.objective.name,
-            "init_adapter": plan.init_adapter, "steps": total_steps,
-            "resumed_from": s.start_step, "train_time_s": self.train_time,
-            "final_loss": records[-1]["loss"] if records else None, "peak_memory_bytes": mem.peak_bytes,
-            "exact_match_before": before.get("exact_match"),
-            "exact_match_after": after.get("exact_match") if after is not None else None, "eval_error": eval_error,
-            "adapter": str(output / "adapter"),
-            "param_dtype": plan.precision.param_dtype, "checkpointing": plan.checkpointing,
-            "memory_estimate_bytes": plan.memory.total_bytes() if plan.memory else None,
-            **_validation_summary(before, after),
-            "skipped_too_long": plan.lengths.get("skipped_samples", []),
-            "status": "completed", "skipped_steps": self.skips.total, "skipped": self.skips.steps,
-            "scaler_backoffs": self.skips.scaler_backoffs,
-            "sharding": self.sharding,
-        }
-        if config.early_stopping_patience:
-            best = self.best
-            summary["early_stopping"] = {"stopped_early": any(r.get("early_stop") for r in records),
-                                         "best_step": best.get("step"), "best_val_loss": best.get("val_loss"),
-                                         "best_adapter": str(output / "adapter-best") if best else None}
-        (output / "summary.json").write_text(json.dumps(summary, indent=2))
-        if after is not None:
-            print(format_table(before, after))
-        for name, value in (before.get("validation") or {}).items():
-            later = ((after or {}).get("validation") or {}).get(name)
-            print(f"{name:<28} {value:10.4f} -> " + (f"{later:.4f}" if later is not None else "-"))
-        print(f"adapter saved to {output / 'adapter'} ({total_steps - s.start_step} steps in {self.train_time:.0f} s)")
-        print(f"compare it with other runs: vlft report {output} [OTHER_RUN ...] --output {output}-report")
-
-    def finish(self) -> None:
-        if self.s.distributed:
-            torch.distributed.barrier()
+def train(trainer: Trainer) -> list[dict]:
+    """The trainer's loop; a stop writes its summary (and an interruption says how to continue)."""
+    config, output, rank = trainer.config, trainer.output, trainer.config.rank
+    log(f"training     {trainer.settings.total_steps} steps of "
+        f"{config.batch_size * config.grad_accum * config.world_size} samples", rank)
+    try:
+        return trainer.train()
+    except Interrupted as e:
+        command = resume_command(sys.argv, output, config.world_size)
+        stopped_summary(trainer, "interrupted", e.step, signal=e.signum,
+                        checkpoint=str(e.checkpoint) if e.checkpoint else None, resume_command=command)
+        log(f"interrupted after step {e.step}; checkpoint {e.checkpoint}. Continue with:\n  {command}", rank)
+        if trainer.distributed:
             torch.distributed.destroy_process_group()
+        raise SystemExit(e.exit_code) from None
+    except KernelPatchLost as e:
+        stopped_summary(trainer, "stopped: kernel patch lost", None, error=str(e))
+        raise
+    except NonFiniteStop:
+        newest = trainer.checkpoints.newest()
+        stopped_summary(trainer, "stopped: non-finite steps", None, checkpoint=str(newest) if newest else None)
+        raise
+    except CheckpointWriteError as e:
+        newest = trainer.checkpoints.newest()
+        stopped_summary(trainer, "stopped: checkpoint write failed", None, error=str(e),
+                        checkpoint=str(newest) if newest else None,
+                        resume_command=resume_command(sys.argv, output, config.world_size) if newest else None)
+        raise
+
+
+def stopped_summary(trainer: Trainer, status: str, step: int | None, **extra) -> None:
+    if trainer.config.rank != 0:
+        return
+    done = trainer.outcome()
+    summary = {"status": status, "step": step, "steps": done.steps, "resumed_from": done.resumed_from,
+               "train_time_s": done.train_time_s, "skipped_steps": done.skipped_steps, "skipped": done.skipped,
+               "scaler_backoffs": done.scaler_backoffs, **extra}
+    path = trainer.output / "summary.json"
+    try:
+        write_atomically(path, json.dumps(summary, indent=2))
+    except OSError as e:  # the disk that stopped the run may not take this either: the error still prints
+        log(f"could not write {path} ({e})", trainer.config.rank)
+
+
+def evaluate_after(trainer: Trainer) -> tuple[dict | None, str | None]:
+    """The adapted model's scores, or (None, the error) when the evaluation fails: the adapter and the final
+    checkpoint are already written, so the run is complete without it."""
+    rank = trainer.config.rank
+    log("evaluating the adapted model ...", rank)
+    try:
+        after = generation_eval(trainer)
+        validation = validation_figures(trainer)
+        if validation is not None:
+            after["validation"] = validation
+        return after, None
+    except Exception as e:
+        if trainer.distributed:
+            raise  # the other processes wait in the evaluation's collectives: stop them all
+        error = f"{e.__class__.__name__}: {e}"
+        log(f"the evaluation after training failed ({error}); the adapter is saved in "
+            f"{trainer.output / 'adapter'}. Score it again with: vlft predict", rank)
+        return None, error
+
+
+def write_summary(trainer: Trainer, before: dict, after: dict | None, records: list[dict],
+                  eval_error: str | None = None, sharding: dict | None = None) -> None:
+    config, plan, output = trainer.config, trainer.plan, trainer.output
+    if config.rank != 0:
+        return
+    done = trainer.outcome()
+    _write_eval(output, before, after)
+    mem: MemoryStats = trainer.memory_reader()
+    summary = {
+        "backend": plan.backend.info.name, "method": plan.method.name, "objective": plan.objective.name,
+        "init_adapter": plan.init_adapter, "steps": done.steps,
+        "resumed_from": done.resumed_from, "train_time_s": done.train_time_s,
+        "final_loss": records[-1]["loss"] if records else None, "peak_memory_bytes": mem.peak_bytes,
+        "exact_match_before": before.get("exact_match"),
+        "exact_match_after": after.get("exact_match") if after is not None else None, "eval_error": eval_error,
+        "adapter": str(output / "adapter"),
+        "param_dtype": plan.precision.param_dtype, "checkpointing": plan.checkpointing,
+        "memory_estimate_bytes": plan.memory.total_bytes() if plan.memory else None,
+        **_validation_summary(before, after),
+        "skipped_too_long": plan.lengths.get("skipped_samples", []),
+        "status": "completed", "skipped_steps": done.skipped_steps, "skipped": done.skipped,
+        "scaler_backoffs": done.scaler_backoffs,
+        "sharding": sharding,
+    }
+    if config.early_stopping_patience:
+        summary["early_stopping"] = {"stopped_early": any(r.get("early_stop") for r in records),
+                                     "best_step": done.best_step, "best_val_loss": done.best_val_loss,
+                                     "best_adapter": str(output / "adapter-best")
+                                     if done.best_step is not None else None}
+    (output / "summary.json").write_text(json.dumps(summary, indent=2))
+    if after is not None:
+        print(format_table(before, after))
+    for name, value in (before.get("validation") or {}).items():
+        later = ((after or {}).get("validation") or {}).get(name)
+        print(f"{name:<28} {value:10.4f} -> " + (f"{later:.4f}" if later is not None else "-"))
+    print(f"adapter saved to {output / 'adapter'} ({done.steps - done.resumed_from} steps in "
+          f"{done.train_time_s:.0f} s)")
+    print(f"compare it with other runs: vlft report {output} [OTHER_RUN ...] --output {output}-report")
 
 
 def eval_batch_size(config: RunConfig) -> int:
@@ -385,23 +307,16 @@ def eval_batch_size(config: RunConfig) -> int:
     return max(1, min(16, config.batch_size))
 
 
-def sharding_figures(s) -> dict:
+def sharding_figures(trainer: Trainer) -> dict:
     """Under --shard fsdp: the base weights each process holds, measured on its tensors (collective)."""
-    here, whole = base_bytes(s.model)
-    per_rank: list = [None] * s.config.world_size
+    config = trainer.config
+    here, whole = base_bytes(trainer.model)
+    per_rank: list = [None] * config.world_size
     torch.distributed.all_gather_object(per_rank, here)
     log(f"sharded      base weights per process {', '.join(gib(b) for b in per_rank)} of {gib(whole)} "
-        f"({len(per_rank)} process(es))", s.config.rank)
-    return {"strategy": "fsdp", "world_size": s.config.world_size, "base_bytes_per_process": per_rank,
-            "base_bytes_whole": whole, "wrapped": s.plan.sharding.wrapped}
-
-
-def _save_adapter_atomically(session, model, target: Path) -> None:
-    tmp = target.parent / f".{target.name}-tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    session.save_adapter(model, tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(tmp, target)
+        f"({len(per_rank)} process(es))", config.rank)
+    return {"strategy": "fsdp", "world_size": config.world_size, "base_bytes_per_process": per_rank,
+            "base_bytes_whole": whole, "wrapped": trainer.plan.sharding.wrapped}
 
 
 def metric_sinks(registry: Registry, config: RunConfig) -> list:

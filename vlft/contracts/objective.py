@@ -31,9 +31,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Protocol
 
+from vlft.contracts import ContractChanged, contract
 from vlft.errors import ConfigError
 
 SHARED = "shared"  # the batch key of inputs given once for every group of rows (a pair batch's images)
@@ -286,6 +288,7 @@ def _field(default: Any, help: str, compare: bool = True) -> Any:
     return field(default=default, compare=compare, metadata={"help": help})
 
 
+@contract
 @dataclass(frozen=True)
 class Objective:
     """What a run optimises (``--objective``), answered once at plan time by ``vlft_objective``; the module
@@ -325,6 +328,21 @@ class Objective:
     sharding_refusal: str = _field("", "Why --shard fsdp cannot run it ('' it can); the run stops before any "
                                        "process starts.")
     notes: tuple[str, ...] = _field((), "Lines for the plan.")
+
+    def __post_init__(self):
+        """A value of the contract before plugin API 3 (a string where an enum or a bool is read now) is named
+        with what replaced it, not left to fail inside a step."""
+        wrong = [(name, want) for name, want in (("average_over", Average), ("reference", bool), ("layout", None),
+                                                  ("generation", Generation))
+                 if not _fits(getattr(self, name), want)]
+        if wrong:
+            raise ContractChanged("; ".join(
+                f"Objective({name}={getattr(self, name)!r}): plugin API 3 takes "
+                + {"average_over": "a vlft.Average (Average.RECORDS, Average.LABEL_TOKENS, ...)",
+                   "reference": "a bool (True: the loss compares with a reference model)",
+                   "layout": "a vlft.Layout or a format with parse, encoder and collate methods",
+                   "generation": "a vlft.Generation(sequences_per_record, new_tokens) or None"}[name]
+                for name, _ in wrong) + " (see docs/plugin-api-changes.md#plugin-api-3)")
 
     @property
     def supervised(self) -> bool:
@@ -411,6 +429,14 @@ class PairedPreference(Objective):
     def pair_loss(self, chosen: Side, rejected: Side) -> tuple[Any, dict]:
         """(each pair's loss ``[pairs]``, {figure: each pair's value ``[pairs]``}); figures detached."""
         raise NotImplementedError(f"{type(self).__name__} must define pair_loss")
+
+
+def _fits(value: Any, want: type | None) -> bool:
+    if want is None:  # a layout: one of the core's, or a format of the objective's own
+        return isinstance(value, Layout) or all(hasattr(value, m) for m in ("parse", "encoder", "collate"))
+    if want is Generation:
+        return value is None or isinstance(value, Generation)
+    return isinstance(value, want)
 
 
 def reference_description(init_adapter: bool) -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 
 from vlft.contracts.objective import OWN
-from vlft.data.encoding import family_of_processor
 from vlft.data.records import IGNORE_INDEX
 
 
@@ -86,11 +85,8 @@ def join_images(parts: list[torch.Tensor], how: str) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def collator_for(processor, family=None, padding_side: str = "right", pad_to: int | None = None) -> Collator:
-    """The batch builder for ``processor``'s samples, joining the inputs the family's image inputs declare
-    (``family`` None: the installed family of the processor, for helpers outside a run)."""
-    if family is None:
-        family = family_of_processor(processor)
+def collator_for(processor, family, padding_side: str = "right", pad_to: int | None = None) -> Collator:
+    """The batch builder for ``processor``'s samples, joining the inputs ``family``'s image inputs declare."""
     joins = family.image_inputs.batch_inputs if family.image_inputs is not None else {}
     return Collator(processor.tokenizer.pad_token_id, joins, padding_side=padding_side, pad_to=pad_to)
 

@@ -23,9 +23,10 @@ import glob
 import json
 import os
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from vlft.data.formats import RECORD_KEYS
 from vlft.errors import DataError
@@ -195,7 +196,7 @@ def read_rows(path: Path, rows, label: str, columns: dict[str, str] | None = Non
             for row, group, cells in table.rows(list(read), [int(r) for r in rows])]
 
 
-def _row_plan(table: "_Table", label: str, columns: dict[str, str] | None) -> tuple[dict[str, str], dict]:
+def _row_plan(table: _Table, label: str, columns: dict[str, str] | None) -> tuple[dict[str, str], dict]:
     """({the file's column: the key it is read as}, {column: its image shape or None})."""
     read, _ = _reading_plan(table.schema.names, check_column_map(columns))
     if not read:
@@ -285,7 +286,7 @@ class _Table:
             if self.format == "parquet":
                 group = self._group_of(rows[start])
                 lo, hi = self.group_starts[group], self.group_starts[group + 1]
-                table = self._kept((group, tuple(names)), lambda: self.parquet.read_row_group(group, columns=names))
+                table = self._kept((group, tuple(names)), lambda group=group: self.parquet.read_row_group(group, columns=names))
             else:
                 group, lo, hi, table = None, 0, self.table.num_rows, self.table.select(names)
             end = start + 1

@@ -20,6 +20,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from PIL import Image
 
@@ -49,7 +50,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, image_root: str | No
         raise DataError(f"{out}: write to a .parquet or a .jsonl file")
     if out.exists():
         raise DataError(f"{out} already exists; choose another name (nothing was written)")
-    records = read_records(src, image_root=image_root, add_placeholders=add_placeholders, columns=columns)
+    records = read_records(Path(src), image_root=image_root, add_placeholders=add_placeholders, columns=columns)
     out.parent.mkdir(parents=True, exist_ok=True)
     if kind == "parquet":
         return _write_parquet(records, out)
@@ -59,7 +60,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, image_root: str | No
 def _messages(record: Record, with_loss: bool) -> list[dict]:
     messages = []
     for t in record.turns:
-        message = {"role": t.role, "content": t.text}
+        message: dict[str, Any] = {"role": t.role, "content": t.text}
         if with_loss:
             message["loss"] = None if t.trained else False
         messages.append(message)

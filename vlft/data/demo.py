@@ -245,7 +245,7 @@ def write_varied_dataset(out: str | os.PathLike, n: int = 64, seed: int = 0, min
             turns = rng.randint(1, max_turns)
             # the placeholders go into the user turns, spread over them
             spread = [[] for _ in range(turns)]
-            for k in range(len(images)):
+            for _ in images:
                 spread[rng.randrange(turns)].append("<image>")
             conv = []
             for t in range(turns):

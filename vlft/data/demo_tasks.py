@@ -1,15 +1,15 @@
 """Synthetic sets for the scorers' kinds of task (``vlft demo-data OUT --task counting|grounding``), written as the
 product-inspection set is (JSONL with relative image paths, ``imgs/``, deterministic for a seed).
 
-- ``counting``: one to three bold discs on a light background; "How many discs are there?" is answered with the
-  number alone (``2``), so ``--scorer auto`` picks relaxed accuracy.
-- ``grounding``: one coloured square (64 pixels, in one of 9 places); "Where is the square?" is answered with its box ``[x1, y1, x2, y2]`` in the
-  model family's coordinate convention (``absolute``: pixels of the 112-pixel image, which Qwen2.5-VL's processor
-  keeps at that size; ``relative-1000``; ``relative-1``), so ``auto`` picks IoU.
+- ``counting``: one to three large dark discs on a light background; "How many discs are there?" is answered
+  with the number alone (``2``), so ``--scorer auto`` picks relaxed accuracy.
+- ``grounding``: one coloured square (64 pixels, in one of 9 places); "Where is the square?" is answered with its
+  box ``[x1, y1, x2, y2]`` in the model family's coordinate convention (``absolute``: pixels of the 112-pixel
+  image, which Qwen2.5-VL's processor keeps at that size; ``relative-1000``; ``relative-1``), so ``auto`` picks IoU.
 
-The embedded model starts from random weights: in 100 steps of 4 it learns where the square is (IoU 0.0 to 1.0 on
-12 validation records); in 40 it learns to answer counting with a count (relaxed accuracy 0 to a third: the same
-count for every image), reading the discs takes it longer.
+The embedded model starts from random weights: in 40 steps of 4 it learns to count the discs (relaxed accuracy
+0 to 1.0 on 12 validation records); in 60 it learns where the square is for most images (IoU 0 to 0.67), and
+GRPO with ``--reward iou`` raises that (docs/scorers.md has the figures).
 """
 
 from __future__ import annotations
@@ -33,14 +33,17 @@ def _background(rng: random.Random) -> Image.Image:
 
 
 def draw_discs(n: int, rng: random.Random) -> Image.Image:
-    """``n`` dark discs of radius 10 to 13 in separate cells of a 2 x 2 grid (so none overlap)."""
+    """``n`` dark discs of radius 19 to 23 near the middles of separate cells of a 2 x 2 grid: each darkens most of
+    its cell (about 12% of the image a disc), so the count shows in how much of the image is dark. Discs of
+    radius 10 to 13 anywhere in their cells darkened too little of it: in 100 steps the embedded model answered
+    one count for every image."""
     img = _background(rng)
     d = ImageDraw.Draw(img)
     half = IMAGE_SIZE // 2
     for cell in rng.sample(range(4), n):
-        r = rng.randint(10, 13)
-        cx = (cell % 2) * half + rng.randint(r + 4, half - r - 4)
-        cy = (cell // 2) * half + rng.randint(r + 4, half - r - 4)
+        r = rng.randint(19, 23)
+        cx = (cell % 2) * half + half // 2 + rng.randint(-3, 3)
+        cy = (cell // 2) * half + half // 2 + rng.randint(-3, 3)
         d.ellipse((cx - r, cy - r, cx + r, cy + r), fill=(30, 30, 30))
     return img
 

@@ -27,10 +27,10 @@ from collections.abc import Sequence
 
 import torch
 
+from vlft.contracts.family import Media, Written
 from vlft.data.records import IGNORE_INDEX, IMAGE_PLACEHOLDER, Record, Turn, header_size, load_image
 from vlft.data.video import VideoError, read_frames
 from vlft.errors import ConfigError, DataError
-from vlft.policies import Media, Written
 from vlft.tokens import tokenize_pieces
 
 
@@ -61,22 +61,21 @@ class SampleEncoder:
     """Turns a Record into model inputs with assistant-only labels.
 
     ``processor`` is a transformers multimodal processor (a tokenizer, an
-    image processor and a chat template). ``max_pixels`` caps each image by
-    the family's own rule (``ImageInputs.size_cap``). ``family`` None: the
-    installed family whose ``processor_class`` is the processor's (helpers and
-    tests outside a run).
+    image processor and a chat template); ``family`` the model family it
+    encodes for (the plan's). ``max_pixels`` caps each image by the family's
+    own rule (``ImageInputs.size_cap``).
     """
 
-    def __init__(self, processor, max_pixels: int | None = None, video_fps: float = 2.0, video_max_frames: int = 16,
-                 family=None):
+    def __init__(self, processor, family, max_pixels: int | None = None, video_fps: float = 2.0,
+                 video_max_frames: int = 16):
         self.processor = processor
-        self.family = family if family is not None else family_of_processor(processor)
-        self.template_kwargs = dict(self.family.chat_template_kwargs)
+        self.family = family
+        self.template_kwargs = dict(self.family.chat.template_kwargs)
         self.tokenizer = processor.tokenizer
         self.video_fps, self.video_max_frames = video_fps, video_max_frames
-        self.eos_text = self.family.reply_end_token or self.tokenizer.eos_token
+        self.eos_text = self.family.chat.reply_end_token or self.tokenizer.eos_token
         # the template leaves replies open (ModelFamily.reply_end_appended): each trained reply ends with eos_text
-        self.append_end = bool(self.family.reply_end_appended and self.eos_text)
+        self.append_end = bool(self.family.chat.reply_end_appended and self.eos_text)
         self.images = self.family.image_inputs
         if max_pixels is not None and self.images is not None and not self.images.size_cap:
             raise ConfigError(f"--max-pixels: the {self.family.name} family has no image size cap "
@@ -224,19 +223,6 @@ class SampleEncoder:
         prompt = self.render(record.turns[:last], add_generation_prompt=True)
         input_ids, _, extra, _ = self._write([(prompt, False)], self._prepare(self._media(record, decode=True)))
         return {"input_ids": torch.tensor(input_ids), **extra}
-
-
-def family_of_processor(processor):
-    """The installed family whose ``processor_class`` is ``processor``'s, for helpers outside a run (a run passes
-    its plan's family). Asks the process-wide registry."""
-    from vlft.registry import get_registry  # the process-wide registry, only where no family is given
-
-    name = type(processor).__name__
-    for answer in get_registry().hook.vlft_model_families():
-        for fam in answer or []:
-            if fam.processor_class == name:
-                return fam
-    raise ConfigError(f"no installed model family has processor class {name}: pass the family")
 
 
 class EncodedDataset(torch.utils.data.Dataset):

@@ -7,8 +7,9 @@ through, so the stages that read, check and batch records ask one place.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from vlft.contracts.objective import Layout
 from vlft.data import demo

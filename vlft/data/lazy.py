@@ -80,7 +80,7 @@ class ColumnarRecords(Sequence):
         for part in parts:
             remap = np.array([where.setdefault(f, len(where)) for f in part.files] or [0], dtype=np.int32)
             file_of.append(remap[part.file_of])
-        files = sorted(where, key=where.get)
+        files = sorted(where, key=lambda f: where[f])
         media = {k: v for part in parts for k, v in part.media.items()}
         return ColumnarRecords(files, parts[0].reading if parts else {},
                                np.concatenate(file_of) if file_of else np.zeros(0, np.int32),
@@ -144,8 +144,9 @@ def take(records: Sequence, indices) -> Sequence:
 def concat(parts: list[Sequence]) -> Sequence:
     """The parts one after the other: a list of lists is a list, columnar parts stay places (a run mixing
     JSON and columnar files holds the columnar rows as Records: the rare case pays the objects)."""
-    if parts and all(isinstance(p, ColumnarRecords) for p in parts):
-        return ColumnarRecords.concat(parts)
+    columnar = [p for p in parts if isinstance(p, ColumnarRecords)]
+    if parts and len(columnar) == len(parts):
+        return ColumnarRecords.concat(columnar)
     return [r for p in parts for r in p]
 
 

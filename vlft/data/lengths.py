@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from array import array
-from collections.abc import Sequence
+from collections.abc import MutableSequence, Sequence
 from dataclasses import dataclass, field
 
 from vlft.data.encoding import SampleEncoder
@@ -19,10 +19,10 @@ from vlft.errors import DataError
 class LengthReport:
     """Sample lengths in tokens (image tokens included), found when the data is checked."""
 
-    lengths: list[int]
-    grids: list[list[tuple[int, int, int]]]
+    lengths: MutableSequence[int]  # a list, or compact_report's int array
+    grids: list[list[tuple[int, int, int]]] | PackedGrids
     skipped: list[dict] = field(default_factory=list)  # {"where", "length"} of samples over --max-length
-    labelled: list[int] = field(default_factory=list)  # label tokens per sample: the positions the head runs at
+    labelled: MutableSequence[int] = field(default_factory=list)  # label tokens per sample: the positions the head runs at
 
     def describe(self, limit: int | None) -> dict:
         ordered = sorted(self.lengths)
@@ -53,7 +53,7 @@ class PackedGrids(Sequence):
             raise IndexError(index)
         index %= len(self)
         a, b = self.starts[index], self.starts[index + 1]
-        return [tuple(self.flat[3 * k:3 * k + 3]) for k in range(a, b)]
+        return [(self.flat[3 * k], self.flat[3 * k + 1], self.flat[3 * k + 2]) for k in range(a, b)]
 
 
 def compact_report() -> LengthReport:
@@ -95,7 +95,7 @@ def _measured(encoder: SampleEncoder, record: Record):
         return e
 
 
-def _measure_chunk(chunk: list[Record]) -> list:
+def _measure_chunk(chunk: Sequence[Record]) -> list:
     return [_measured(_WORKER_ENCODER[0], rec) for rec in chunk]
 
 
@@ -132,8 +132,8 @@ def iter_measured(records: Sequence[Record], encoder: SampleEncoder, progress=No
         _WORKER_ENCODER.clear()
 
 
-def check_lengths(records: list[Record], encoder: SampleEncoder, max_length: int | None, skip: bool,
-                  what: str = "data", progress=None) -> tuple[list[Record], LengthReport]:
+def check_lengths(records: Sequence[Record], encoder: SampleEncoder, max_length: int | None, skip: bool,
+                  what: str = "data", progress=None) -> tuple[Sequence[Record], LengthReport]:
     """Measure every record; over ``max_length`` is an error naming each one, or with ``skip`` is dropped.
 
     Samples are never truncated: a cut could fall inside an image's tokens, which the model cannot read.

@@ -61,7 +61,7 @@ def resolve_packing(mode: str, attention, family) -> PackingPlan:
     else:
         refusal = family.packing.refusal
     path, why = attention.packing_path()
-    cannot = (f"the {family.name} family cannot pack: {refusal}" if refusal else
+    cannot = (f"the {family.name} family cannot pack: {refusal}" if refusal and family else
               "" if path else f"the text attention cannot keep packed samples apart: {why}")
     if cannot:
         if mode == "on":

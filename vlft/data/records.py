@@ -352,14 +352,14 @@ class _ImageChecker:
         else:
             source, problem = _resolve_image(value, base_dir, self.root)
         size = None
-        if problem is None and self.sizing:  # a path named by many rows: its header read once
+        if problem is None and source is not None and self.sizing:  # a path named by many rows: its header read once
             key = ("size", source) if isinstance(source, str) else None
             size = self.resolved.get(key) if key else None
             if size is None:
                 size = header_size(source)
                 if key:
                     self.resolved[key] = size
-        if problem is None and self.check:
+        if problem is None and source is not None and self.check:
             try:
                 size = checked_image_size(source)
             except (UnidentifiedImageError, OSError, ValueError) as e:
@@ -415,6 +415,7 @@ def _record(where: str, obj: Any, base_dir: Path, images: _ImageChecker, add_pla
         if problem:
             problems.add(where, problem)
             return None
+        assert source is not None  # found, as there is no problem
         sources.append(source)
         if size is not None:
             sizes.append(size)
@@ -422,11 +423,12 @@ def _record(where: str, obj: Any, base_dir: Path, images: _ImageChecker, add_pla
     for value in parsed.videos:
         source, problem = (_resolve_path(value, base_dir, images.root, "video") if isinstance(value, str) and value
                            else (None, f"video must be a path, got {value!r}"))
-        if problem is None and images.check:
+        if problem is None and source is not None and images.check:
             problem = video_problem(source, value)
         if problem:
             problems.add(where, problem)
             return None
+        assert source is not None  # found, as there is no problem
         videos.append(source)
     rejected = [Turn(ROLE_ALIASES[t.role], t.text, t.loss is not False) for t in parsed.rejected] \
         if parsed.rejected is not None else None

@@ -20,7 +20,7 @@ def _open(path: str):
         raise VideoError("video needs PyAV: pip install av") from None
     try:
         return av.open(path)
-    except Exception as e:  # PyAV raises its own FFmpeg error classes
+    except Exception as e:  # noqa: BLE001 - PyAV raises its own FFmpeg error classes; each becomes a VideoError
         raise VideoError(f"{e.__class__.__name__}: {e}") from None
 
 
@@ -33,7 +33,7 @@ def probe_video(path: str) -> None:
             next(container.decode(video=0))
         except StopIteration:
             raise VideoError("the video stream holds no frame") from None
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a bad stream's decoder errors, whatever their class
             raise VideoError(f"{e.__class__.__name__}: {e}") from None
 
 
@@ -49,7 +49,7 @@ def read_frames(path: str, fps: float, max_frames: int) -> tuple[np.ndarray, flo
             for frame in container.decode(video=0):
                 frames.append(frame.to_ndarray(format="rgb24"))
                 times.append(float(frame.time) if frame.time is not None else len(times) / fps)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a bad stream's decoder errors, whatever their class
             raise VideoError(f"{e.__class__.__name__}: {e}") from None
     if not frames:
         raise VideoError("the video stream holds no frame")

@@ -1,2 +1,2 @@
-"""Evaluation: scoring answers, generation, validation loss, and loading a trained adapter for inference.
+"""Evaluation: scoring answers, generation, and loading a trained adapter for inference.
 """

@@ -8,6 +8,7 @@ and generation runs with ``synced_gpus``.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 
@@ -15,18 +16,30 @@ from vlft.data.batching import collator_for, to_device
 from vlft.data.encoding import SampleEncoder
 from vlft.data.records import Record
 from vlft.evaluation.scoring import score
-from vlft.planning.scorers import choose_scorers, scoring_context
 from vlft.models.loss import autocast_context
+from vlft.planning.scorers import choose_scorers, scoring_context
 from vlft.training.fsdp import root_gathered
 
 
+@dataclass(frozen=True)
+class Decoding:
+    """How answers are generated: greedy unless ``sampling`` holds ``generate`` options such as
+    ``temperature``/``top_p``. ``synced``: the model is sharded, so every process keeps taking decoding steps
+    until all are done (``synced_gpus``)."""
+
+    max_new_tokens: int = 32
+    batch_size: int = 16
+    autocast_dtype: torch.dtype | None = None
+    sampling: dict | None = None
+    synced: bool = False
+
+
 @torch.no_grad()
-def generate_answers(model, encoder: SampleEncoder, records: list[Record], device, batch_size: int = 16,
-                     max_new_tokens: int = 32, autocast_dtype=None, sampling: dict | None = None,
-                     on_batch=None, synced: bool = False) -> list[str]:
-    """Answers to ``records`` (greedy unless ``sampling`` holds ``generate`` options such as
-    ``temperature``/``top_p``); ``on_batch(n)`` is told after each batch of ``n``. ``synced``: the model is
-    sharded, so every process keeps taking decoding steps until all are done (``synced_gpus``)."""
+def generate_answers(model, encoder: SampleEncoder, records: list[Record], device, decoding: Decoding = Decoding(),
+                     on_batch=None) -> list[str]:
+    """Answers to ``records``, as ``decoding`` says; ``on_batch(n)`` is told after each batch of ``n``."""
+    batch_size, max_new_tokens, sampling, synced = (decoding.batch_size, decoding.max_new_tokens, decoding.sampling,
+                                                    decoding.synced)
     tokenizer = encoder.tokenizer
     collate = collator_for(encoder.processor, encoder.family, padding_side="left")
     was_training = model.training
@@ -36,7 +49,7 @@ def generate_answers(model, encoder: SampleEncoder, records: list[Record], devic
         for i in range(0, len(records), batch_size):
             chunk = records[i:i + batch_size]
             batch = to_device(collate([encoder.encode_prompt(r) for r in chunk]), device)
-            with autocast_context(device, autocast_dtype):
+            with autocast_context(device, decoding.autocast_dtype):
                 out = model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                                      synced_gpus=synced,
                                      **(dict(do_sample=True, **sampling) if sampling else dict(do_sample=False)))
@@ -47,23 +60,23 @@ def generate_answers(model, encoder: SampleEncoder, records: list[Record], devic
     return [a.strip() for a in answers]
 
 
-def evaluate_generation(model, encoder, records, device, max_new_tokens=32, autocast_dtype=None,
-                        rank: int = 0, world_size: int = 1, synced: bool = False, batch_size: int = 16,
-                        on_batch=None, scorers=None) -> dict:
-    """Score greedy answers on ``records``; with several processes each does a share and rank 0 gathers.
-    ``on_batch(n)`` is told after each batch of ``n`` answers (a progress bar). ``scorers``: ``[(label,
-    Scorer)]`` as ``choose_scorers`` chose them (None: ``auto`` on these records, from the installed plugins).
+def evaluate_generation(model, encoder, records, device, decoding: Decoding = Decoding(),
+                        share: tuple[int, int] = (0, 1), on_batch=None, scorers=None) -> dict:
+    """Score greedy answers on ``records``; with several processes (``share``: this one's rank and their
+    number) each does a share and rank 0 gathers. ``on_batch(n)`` is told after each batch of ``n`` answers (a
+    progress bar). ``scorers``: ``[(label, Scorer)]`` as ``choose_scorers`` chose them (None: ``auto`` on these
+    records, from the installed plugins).
 
-    ``synced`` (a sharded model, whose every forward pass gathers weights from all processes): the shares
-    are padded to the same length with repeats of a record, whose answers are dropped, and every process
+    ``decoding.synced`` (a sharded model, whose every forward pass gathers weights from all processes): the
+    shares are padded to the same length with repeats of a record, whose answers are dropped, and every process
     decodes until all are done, so all take the same number of forward passes. Slower than unsharded
     generation (each decoding step gathers every block), but the same answers."""
+    rank, world_size = share
     mine = list(records[rank::world_size])  # this process's share, built (columnar rows: data.lazy)
     n_mine = len(mine)
-    if synced and records:
+    if decoding.synced and records:
         mine += [records[0]] * (-(-len(records) // world_size) - n_mine)
-    answers = generate_answers(model, encoder, mine, device, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                               autocast_dtype=autocast_dtype, synced=synced, on_batch=on_batch)[:n_mine]
+    answers = generate_answers(model, encoder, mine, device, decoding, on_batch=on_batch)[:n_mine]
     pairs = list(zip(range(rank, len(records), world_size), answers))
     if world_size > 1:
         gathered: list = [None] * world_size

@@ -12,13 +12,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from vlft.config import build_config
 from vlft.data.encoding import SampleEncoder
 from vlft.errors import ConfigError, VlftError
-from vlft.models.adapter_folders import AdapterSource, locate_adapter  # noqa: F401 - importable from here as before
+from vlft.models.adapter_folders import AdapterSource, locate_adapter
 from vlft.models.bundled import require_weights
 from vlft.models.loading import (
     dequantized,
@@ -29,7 +30,7 @@ from vlft.models.loading import (
 )
 from vlft.planning.kernels import apply_kernels
 from vlft.planning.memory import four_bit_skip
-from vlft.planning.plan import choose_backend, require_available, resolve_plan
+from vlft.planning.plan import RunPlan, choose_backend, require_available, resolve_policies
 from vlft.registry import Registry
 
 
@@ -37,23 +38,23 @@ from vlft.registry import Registry
 class Loaded:
     """A model ready for inference, with everything needed to encode inputs and report what ran."""
 
-    model: object
-    processor: object
-    encoder: object
-    device: object
-    autocast_dtype: object
-    plan: object  # plan.RunPlan: backend, precision, attention as resolved
+    model: Any  # a transformers model, or the PEFT model that wraps it
+    processor: Any  # the checkpoint's transformers processor
+    encoder: SampleEncoder
+    device: torch.device
+    autocast_dtype: torch.dtype | None
+    plan: RunPlan  # backend, precision, attention as resolved
     model_path: str
     source: AdapterSource | None
 
 
-def _base_model_path(source: AdapterSource | None, model: str | None) -> str:
+def _base_model_path(source: AdapterSource | None, model: str | None, registry) -> str:
 
     if model is not None or source is None:
-        return resolve_model_path(model)
+        return resolve_model_path(model, registry)
     base = source.base_model
     if base and Path(base).is_dir():
-        return resolve_model_path(base)
+        return resolve_model_path(base, registry)
     if base and not base.startswith((".", "/", "~")) and base.count("/") == 1:
         return base  # a hub id
     where = source.run_dir or source.adapter_dir
@@ -61,22 +62,35 @@ def _base_model_path(source: AdapterSource | None, model: str | None) -> str:
                       "the base model's folder")
 
 
-def load_for_inference(registry: Registry, adapter: str | AdapterSource | None, model: str | None, *,
-                       backend: str = "auto",
-                       precision: str = "auto", param_dtype: str = "auto", attn: str | None = None,
-                       max_pixels: int | None = None, on_device: bool = True, double_quant: bool = False,
-                       dequantize: bool = False) -> Loaded:
+@dataclass(frozen=True)
+class LoadOptions:
+    """How ``load_for_inference`` loads: the policies' options as ``vlft run`` takes them (``max_pixels`` None: as
+    the adapter's run encoded its images). ``on_device=False`` keeps the model on the CPU (export merges there,
+    in fp32). ``param_dtype`` "nf4" loads the base in 4-bit as the run trained it (double quantization as it
+    did, or ``double_quant``); with ``dequantize`` those weights come back as plain fp32 linears before the
+    adapter goes on (what export merges into)."""
+
+    backend: str = "auto"
+    precision: str = "auto"
+    param_dtype: str = "auto"
+    attn: str | None = None
+    max_pixels: int | None = None
+    on_device: bool = True
+    double_quant: bool = False
+    dequantize: bool = False
+
+
+def load_for_inference(registry: Registry, adapter: str | AdapterSource | None, model: str | None,
+                       options: LoadOptions = LoadOptions()) -> Loaded:
     """Resolve the policies as ``vlft run`` does, load the base (or merged) model and the adapter on it.
 
     ``adapter``: a run or adapter folder, or the ``AdapterSource`` the caller located already.
-    ``on_device=False`` keeps the model on the CPU (export merges there, in fp32). ``param_dtype`` "nf4"
-    loads the base in 4-bit as the run trained it (double quantization as it did, or ``double_quant``); with
-    ``dequantize`` those weights come back as plain fp32 linears before the adapter goes on (what export
-    merges into).
     """
+    backend, precision, param_dtype, attn = options.backend, options.precision, options.param_dtype, options.attn
+    max_pixels, double_quant = options.max_pixels, options.double_quant
 
     source = adapter if isinstance(adapter, AdapterSource) or adapter is None else locate_adapter(registry, adapter)
-    model_path = _base_model_path(source, model)
+    model_path = _base_model_path(source, model, registry)
     run_cfg = source.run_config if source else {}
     if max_pixels is None:
         max_pixels = run_cfg.get("max_pixels")  # encode images as the adapter saw them in training
@@ -89,19 +103,19 @@ def load_for_inference(registry: Registry, adapter: str | AdapterSource | None, 
     require_available(choice)
     name = choice.info.name
     device = torch.device("cpu")
-    if on_device:
+    if options.on_device:
         setup = registry.first("vlft_setup_device", backend=name, config=config)
         for key, value in setup.env.items():
             os.environ.setdefault(key, value)
         device = setup.device
     model_config, family = model_config_and_family(model_path, registry)
-    plan = resolve_plan(registry, config, model_path, model_config, choice, family)
+    plan = resolve_policies(registry, config, model_path, model_config, choice, family=family)
     require_weights(model_path, model, registry)
     processor = load_processor(model_path, family, registry)
     quantized = plan.precision.quantization is not None  # 4-bit weights are made on their device, while loading
     net = load_model(model_path, plan.attention, plan.precision, device=device if quantized else None,
                      family=family, keep_float=four_bit_skip(family))
-    if dequantize and quantized:
+    if options.dequantize and quantized:
         net = dequantized(net)
     registry.hook.vlft_patch_model(backend=name, model=net, config=config, attention=plan.attention, family=family)
     apply_kernels(plan.kernels, net)
@@ -118,7 +132,7 @@ def load_for_inference(registry: Registry, adapter: str | AdapterSource | None, 
                 f"({e.__class__.__name__}: {first[:300]}). It was trained on {source.base_model}; "
                 "pass that model with --model"
             ) from None
-    net.to(device)
+    net.to(device)  # pyright: ignore[reportArgumentType]  # transformers' to() overloads misread a model
     net.eval()
     autocast = getattr(torch, plan.precision.autocast_dtype) if plan.precision.autocast_dtype else None
     encoder = SampleEncoder(processor, max_pixels=config.max_pixels, family=family)

@@ -8,7 +8,7 @@ import torch
 from vlft.models.families import resolve_module
 
 
-def enable_checkpointing(model, vision_adapted: bool, family=None) -> None:
+def enable_checkpointing(model, vision_adapted: bool, family) -> None:
     """Non-reentrant activation checkpointing in both towers, through transformers' own switch.
 
     Non-reentrant checkpointing needs no input that requires grad (reentrant
@@ -16,7 +16,7 @@ def enable_checkpointing(model, vision_adapted: bool, family=None) -> None:
     hooks transformers adds for the reentrant case are removed again: they
     would make the frozen vision tower build an autograd graph. Vision blocks
     are checkpointed only when some are adapted; otherwise nothing there is
-    kept for backward anyway.
+    kept for backward anyway. ``family`` says where the vision tower is.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if hasattr(base, "activation_checkpointing_enable"):
@@ -28,7 +28,7 @@ def enable_checkpointing(model, vision_adapted: bool, family=None) -> None:
         if cfg is not None:
             cfg.use_cache = False  # a KV cache is useless in training and incompatible with recomputation
     if not vision_adapted:
-        roots = [resolve_module(base, r) for r in family.vision_side() if r] if family is not None else []
+        roots = [resolve_module(base, r) for r in family.vision_side() if r]
         for module in (m for root in roots for m in root.modules()):
             if hasattr(module, "gradient_checkpointing"):
                 module.gradient_checkpointing = False

@@ -10,17 +10,7 @@ import re
 from pathlib import Path
 
 from vlft.errors import ConfigError
-from vlft.models.families import bundled_configs, installed_families
-
-
-def _registry(registry):
-    if registry is not None:
-        return registry
-    from vlft.registry import (
-        get_registry,  # the process-wide registry where the caller has none at hand
-    )
-
-    return get_registry()
+from vlft.models.families import bundled_configs
 
 
 def _key(name: str) -> str:
@@ -29,28 +19,26 @@ def _key(name: str) -> str:
     return re.sub(r"-instruct$", "", key)
 
 
-def bundled_config(name: str, registry=None) -> Path | None:
+def bundled_config(name: str, registry) -> Path | None:
     """The bundled config folder for a name like ``qwen3-vl-8b`` or ``Owner/Name-8B-Instruct``."""
     if name.count("/") > 1:
         return None
-    configs = bundled_configs(_registry(registry))
+    configs = bundled_configs(registry)
     path = configs.get(_key(name))
     return Path(path) if path is not None and (Path(path) / "config.json").is_file() else None
 
 
-def bundled_names(registry=None) -> list[str]:
+def bundled_names(registry) -> list[str]:
     def key(n):
         m = re.match(r"(.*?)-(\d+(?:\.\d+)?)b", n)
         return (m.group(1), float(m.group(2))) if m else (n, 0.0)
 
-    return sorted(bundled_configs(_registry(registry)), key=key)
+    return sorted(bundled_configs(registry), key=key)
 
 
-def bundled_by_family(registry=None) -> dict[str, list[str]]:
-    """{family name: its bundled config names}: a config belongs to the installed family that owns the
+def bundled_by_family(registry, families) -> dict[str, list[str]]:
+    """{family name: its bundled config names}: a config belongs to the family of ``families`` that owns the
     ``model_type`` in its config.json (one source: the ``vlft_bundled_model_configs`` hook)."""
-    registry = _registry(registry)
-    families = installed_families(registry)
     out: dict[str, list[str]] = {f.name: [] for f in families}
     configs = bundled_configs(registry)
     for name in bundled_names(registry):
@@ -64,12 +52,12 @@ def bundled_by_family(registry=None) -> dict[str, list[str]]:
     return out
 
 
-def is_bundled(path: str, registry=None) -> bool:
+def is_bundled(path: str, registry) -> bool:
     here = Path(path).resolve()
-    return any(Path(p).resolve() == here for p in bundled_configs(_registry(registry)).values())
+    return any(Path(p).resolve() == here for p in bundled_configs(registry).values())
 
 
-def require_weights(path: str, asked: str | None, registry=None) -> None:
+def require_weights(path: str, asked: str | None, registry) -> None:
     """A real run needs weights; a bundled config has none: say where to put them."""
     if not is_bundled(path, registry):
         return

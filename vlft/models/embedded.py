@@ -20,6 +20,7 @@ from pathlib import Path
 from vlft.data import demo as demo_data
 from vlft.errors import ConfigError
 
+
 def cache_root() -> Path:
     return Path(os.environ.get("VLFT_CACHE", Path.home() / ".cache" / "vlft"))
 
@@ -37,23 +38,12 @@ def tokenizer_corpus() -> list[str]:
     return lines
 
 
-def _registry(registry):
-    if registry is not None:
-        return registry
-    from vlft.registry import (
-        get_registry,  # the process-wide registry where the caller has none at hand
-    )
-
-    return get_registry()
-
-
-def default_family(registry=None):
+def default_family(registry):
     """The family whose tiny model is the embedded default: the one a plugin names (first answer wins)."""
     from vlft.models.families import (
         family_named,  # the family lookup, only when the default is asked for
     )
 
-    registry = _registry(registry)
     name = registry.hook.vlft_default_model_family()
     if name is None:
         raise ConfigError("no installed plugin names a default model family (vlft_default_model_family), so "
@@ -62,7 +52,7 @@ def default_family(registry=None):
     return family_named(registry, name)
 
 
-def embedded_model_dir(registry=None) -> Path:
+def embedded_model_dir(registry) -> Path:
     """The embedded default's folder: the default family's tiny model, written on first use."""
     return embedded_family_dir(default_family(registry))
 
@@ -71,11 +61,11 @@ def embedded_family_dir(family) -> Path:
     """``--model embedded:<family>``: the family's tiny random model, built offline on first use with the demo
     task's tokenizer corpus and cached under a name hashed from the family's recipe and the corpus (a change
     rebuilds it)."""
-    if family.build_tiny is None:
+    if family.tiny is None:
         raise ConfigError(f"--model embedded:{family.name}: the {family.name} family offers no tiny embedded model")
     corpus = tokenizer_corpus()
-    digest = hashlib.sha256(json.dumps([family.tiny_recipe, corpus], sort_keys=True, default=str).encode())
+    digest = hashlib.sha256(json.dumps([family.tiny.recipe, corpus], sort_keys=True, default=str).encode())
     path = cache_root() / f"embedded-{family.name}-{digest.hexdigest()[:12]}"
     if not (path / "config.json").exists():
-        family.build_tiny(path, corpus=corpus)
+        family.tiny.build(path, corpus=corpus)
     return path

@@ -2,7 +2,7 @@
 helpers that read a ``ModelFamily`` (module paths, target selection, vision-side parameters).
 
 The knowledge of any one family (module names, token rules, processors, tiny models, bundled configs) is
-in the plugin that answers ``vlft_model_family``; nothing here names a family. Importing this module
+in the plugin that answers ``vlft_model_families``; nothing here names a family. Importing this module
 loads no torch (the helpers import it when called).
 
 Imports inside functions: torch, only when a helper runs on a model (the plugin surface stays light).
@@ -10,24 +10,44 @@ Imports inside functions: torch, only when a helper runs on a model (the plugin 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
+from vlft.contracts.family import BATCH_JOINS, CAPABILITIES, FAMILY_TOWERS, GROUPS, ModelFamily
 from vlft.errors import ConfigError, PluginError
-from vlft.policies import FAMILY_TOWERS, ModelFamily, check_family
 
 EMBEDDED_PREFIX = "embedded:"
 
 
 def installed_families(registry) -> list[ModelFamily]:
     """Every family the installed plugins offer, in plugin order, first offer of a name wins; each checked
-    against the contract (``policies.check_family``) and stamped with the plugin that offered it."""
+    against the contract (``check_family``) and stamped with the plugin that offered it. A plugin whose answer
+    fails stops here, a PluginError naming it and what is wrong."""
+    families, problems = offered_families(registry)
+    if problems:
+        raise PluginError(next(iter(problems.values())))
+    return families
+
+
+def offered_families(registry) -> tuple[list[ModelFamily], dict[str, str]]:
+    """The families of the plugins whose answer passes, and {plugin: what is wrong} for the others (``vlft
+    plugins`` lists both): a family failing the contract, or the plugin's own code raising while it builds its
+    answer (a family written for an older plugin API: ``ContractChanged`` says what changed)."""
     seen: dict[str, ModelFamily] = {}
+    problems: dict[str, str] = {}
     # pluggy calls the implementations last-registered first: the order the hook's answers came in before
     for impl in reversed(registry.hook.vlft_model_families.get_hookimpls()):
-        for fam in impl.function() or []:
-            fam = loaded_family(fam, impl.plugin_name)
+        try:
+            offered = [loaded_family(fam, impl.plugin_name) for fam in impl.function() or []]
+        except PluginError as e:
+            problems[impl.plugin_name] = str(e)
+            continue
+        except Exception as e:  # noqa: BLE001 - any failure of a plugin's answer is reported, naming the plugin
+            problems[impl.plugin_name] = f"plugin {impl.plugin_name}, vlft_model_families: {type(e).__name__}: {e}"
+            continue
+        for fam in offered:
             seen.setdefault(fam.name, fam)
-    return list(seen.values())
+    return list(seen.values()), problems
 
 
 def loaded_family(fam, plugin: str) -> ModelFamily:
@@ -40,23 +60,99 @@ def loaded_family(fam, plugin: str) -> ModelFamily:
     return fam if fam.plugin == plugin else replace(fam, plugin=plugin)
 
 
+_PATH_STEP = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_"
+
+
+def _dotted(path: str) -> bool:
+    return bool(path) and all(step and not step[0].isdigit() and all(c in _PATH_STEP for c in step)
+                              for step in path.split("."))
+
+
+def check_family(family: Any) -> list[str]:
+    """What is wrong with a family's answer, field by field ('image_inputs.write must be callable ...'), with
+    no model: called when a plugin's families are first asked for; an empty list when all is well."""
+    if not isinstance(family, ModelFamily):
+        return [f"is a {type(family).__name__}, not a vlft.ModelFamily"]
+    problems = []
+
+    def need(ok: bool, field_name: str, what: str):
+        if not ok:
+            problems.append(f"{field_name} {what}")
+
+    need(isinstance(family.name, str) and bool(family.name), "name", "must be a non-empty string")
+    need(isinstance(family.model_types, tuple) and bool(family.model_types)
+         and all(isinstance(t, str) for t in family.model_types), "model_types", "must be a non-empty tuple of str")
+    for name in ("load_kwargs", "vision_dummy", "trace_layer_kwargs"):
+        v = getattr(family, name)
+        need(v is None or callable(v), name, f"must be callable or None, not {type(v).__name__}")
+    for part, cls in {**GROUPS, **CAPABILITIES}.items():
+        v = getattr(family, part)
+        if v is None and part in CAPABILITIES:
+            continue
+        if not isinstance(v, cls):
+            problems.append(f"{part} must be a vlft.{cls.__name__}{' or None' if part in CAPABILITIES else ''}, "
+                            f"not {type(v).__name__}")
+            continue
+        for f in fields(cls):
+            x = getattr(v, f.name)
+            if "Callable" in str(f.type):
+                need(callable(x) or (x is None and "None" in str(f.type)), f"{part}.{f.name}",
+                     f"must be callable{' or None' if 'None' in str(f.type) else ''}, not {type(x).__name__}")
+    towers = family.towers if isinstance(family.towers, GROUPS["towers"]) else None
+    if towers is not None:
+        for name in ("decoder_layers", "lm_head"):
+            need(_dotted(getattr(towers, name)), f"towers.{name}", "must be a dotted module path")
+        if towers.vision or towers.vision_blocks:
+            need(_dotted(towers.vision), "towers.vision", "must be a dotted module path")
+            need(towers.vision_blocks.startswith(towers.vision + ".") and _dotted(towers.vision_blocks),
+                 "towers.vision_blocks", "must be a dotted module path under towers.vision")
+        for m in towers.vision_mergers:  # a projector may live outside the tower (Gemma 3, LLaVA): still vision side
+            need(_dotted(m), "towers.vision_mergers", f"entry {m!r} must be a dotted module path")
+    if isinstance(family.targets, GROUPS["targets"]):
+        need(family.targets.default in FAMILY_TOWERS, "targets.default", f"must be one of {FAMILY_TOWERS}")
+
+    def given(cap):  # the capability, where it is one (a wrong type was reported above)
+        v = getattr(family, cap)
+        return v if isinstance(v, CAPABILITIES[cap]) else None
+
+    images = given("image_inputs")
+    if images is not None:
+        joins = images.batch_inputs
+        need(isinstance(joins, dict) and all(h in BATCH_JOINS for h in joins.values()), "image_inputs.batch_inputs",
+             f"must map each input name to one of {BATCH_JOINS}")
+        need(isinstance(joins, dict) and images.pixels in joins, "image_inputs.pixels",
+             "must be one of image_inputs.batch_inputs")
+        need(images.grid is None or images.patch_size > 0, "image_inputs.patch_size", "must be > 0 with a grid")
+    video = given("video_inputs")
+    if video is not None:
+        need(images is not None, "video_inputs", "needs image_inputs (its prepare receives the clips)")
+        need(images is None or not isinstance(images.batch_inputs, dict) or video.pixels in images.batch_inputs,
+             "video_inputs.pixels", "must be one of image_inputs.batch_inputs")
+    sharding = given("sharding")
+    if sharding is not None:
+        need(isinstance(sharding.no_split_modules, tuple) and all(isinstance(c, str) for c in sharding.no_split_modules),
+             "sharding.no_split_modules", "must be a tuple of class names")
+    return problems
+
+
 def how_to_add() -> str:
-    return ("add one with a plugin that answers the vlft_model_family hook (see docs/writing-plugins.md, "
+    return ("add one with a plugin that answers the vlft_model_families hook (see docs/writing-plugins.md, "
             "'A model family')")
 
 
 def resolve_family(registry, model_config, where: str = "") -> ModelFamily:
-    """The family that owns ``model_config.model_type``: asked once, at plan time."""
+    """The family that owns ``model_config.model_type`` (the first installed one that lists it): asked once,
+    at plan time."""
     model_type = getattr(model_config, "model_type", None)
-    fam = registry.hook.vlft_model_family(model_type=model_type, model_config=model_config)
-    if fam is not None:  # the plugin that lists it (vlft_model_families) names it in errors
-        listed = {f.name: f.plugin for f in installed_families(registry)}
-        fam = loaded_family(fam, fam.plugin or listed.get(getattr(fam, "name", None), ""))
+    families = installed_families(registry)
+    fam = next((f for f in families if f.owns(model_type)), None)
     if fam is None:
-        names = [f"{f.name} ({', '.join(f.model_types)})" for f in installed_families(registry)]
+        names = [f"{f.name} ({', '.join(f.model_types)})" for f in families]
         raise ConfigError(
             f"{where + ' is ' if where else ''}a '{model_type}' model, which is not a model family vlft knows: "
-            f"installed families: {'; '.join(names) or 'none'}. To train it, {how_to_add()}")
+            f"installed families: {'; '.join(names) or 'none'}. To train it, {how_to_add()}"
+            + (f" (plugins that failed to load: {', '.join(sorted(registry.broken))}; see `vlft plugins`)"
+               if registry.broken else ""))
     return fam
 
 
@@ -104,8 +200,21 @@ class FamilyTargets:
     text_layers: int
 
 
+ADAPTED_PARTS = ("attention",)  # what a run adapts: the attention modules (the MLP ones only where asked)
+
+
+def target_names(family: ModelFamily, tower: str, parts: tuple[str, ...] = ADAPTED_PARTS) -> tuple[str, ...]:
+    """The family's target modules in one ``tower`` ("vision" or "text"), relative to a block or layer, for
+    ``parts`` ("attention": attention and linear attention; "mlp")."""
+    t = family.targets
+    if tower == "vision":
+        return (t.vision_attention if "attention" in parts else ()) + (t.vision_mlp if "mlp" in parts else ())
+    attention = t.text_attention + t.text_linear_attention if "attention" in parts else ()
+    return attention + (t.text_mlp if "mlp" in parts else ())
+
+
 def select_target_modules(model, family: ModelFamily, targets: str, vision_last_n: int,
-                          experts: bool = False, parts: tuple[str, ...] | None = None,
+                          experts: bool = False, parts: tuple[str, ...] = ADAPTED_PARTS,
                           leaves: dict[str, tuple[str, ...]] | None = None) -> FamilyTargets:
     """Full names of the nn.Linear modules (and, with ``experts``, fused expert parameters) to adapt.
 
@@ -119,13 +228,11 @@ def select_target_modules(model, family: ModelFamily, targets: str, vision_last_
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     prefix = "" if base is model else _prefix_of(model, base)
-    towers = family.default_targets if targets == "auto" else targets
+    towers = family.targets.default if targets == "auto" else targets
     if towers not in FAMILY_TOWERS:
         raise ValueError(f"targets must be one of {FAMILY_TOWERS} or auto, not {targets!r}")
-    if parts is not None:
-        family = _with_parts(family, parts)
-    blocks = resolve_module(base, family.vision_blocks)
-    layers = resolve_module(base, family.decoder_layers)
+    blocks = resolve_module(base, family.towers.vision_blocks)
+    layers = resolve_module(base, family.towers.decoder_layers)
     depth = len(blocks)
     chosen = list(range(depth))[-vision_last_n:] if vision_last_n else []
 
@@ -150,14 +257,14 @@ def select_target_modules(model, family: ModelFamily, targets: str, vision_last_
     modules: list[str] = []
     if towers in ("vision", "both"):
         for b in chosen:
-            modules += linear_names(family.vision_blocks, b, family.vision_targets(), "vision")
+            modules += linear_names(family.towers.vision_blocks, b, target_names(family, "vision", parts), "vision")
     params: list[str] = []
     if towers in ("text", "both"):
         for i in range(len(layers)):
-            modules += linear_names(family.decoder_layers, i, family.text_targets(), "text")
-            if experts:
-                for rel in family.expert_parameters:
-                    full = f"{family.decoder_layers}.{i}.{rel}"
+            modules += linear_names(family.towers.decoder_layers, i, target_names(family, "text", parts), "text")
+            if experts and family.experts is not None:
+                for rel in family.experts.parameters:
+                    full = f"{family.towers.decoder_layers}.{i}.{rel}"
                     try:
                         p = resolve_module(base, full)
                     except AttributeError:
@@ -171,14 +278,14 @@ def frozen_router_parameters(model, family: ModelFamily) -> list[str]:
     """Names of router parameters (must stay requires_grad=False, whatever the method does)."""
     names = []
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    layers = resolve_module(base, family.decoder_layers)
+    layers = resolve_module(base, family.towers.decoder_layers)
     for i in range(len(layers)):
-        for rel in family.router_modules:
+        for rel in family.experts.routers if family.experts is not None else ():
             try:
-                mod = resolve_module(base, f"{family.decoder_layers}.{i}.{rel}")
+                mod = resolve_module(base, f"{family.towers.decoder_layers}.{i}.{rel}")
             except AttributeError:
                 continue
-            names += [f"{family.decoder_layers}.{i}.{rel}.{n}" for n, _ in mod.named_parameters()]
+            names += [f"{family.towers.decoder_layers}.{i}.{rel}.{n}" for n, _ in mod.named_parameters()]
     return names
 
 
@@ -187,8 +294,8 @@ def vision_parameter_names(model, family: ModelFamily) -> list[str]:
     and any projector outside it (Gemma 3's multi_modal_projector)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     names = []
-    for root in (family.vision_tower, *family.vision_mergers):
-        if root.startswith(family.vision_tower + "."):
+    for root in (family.towers.vision, *family.towers.vision_mergers):
+        if root.startswith(family.towers.vision + "."):
             continue  # already under the tower
         names += [f"{root}.{n}" for n, _ in resolve_module(base, root).named_parameters()]
     return names
@@ -201,19 +308,12 @@ def _prefix_of(wrapper, base) -> str:
     return ""
 
 
-def _with_parts(family: ModelFamily, parts):
-
-    return replace(family, default_parts=tuple(parts))
-
-
-
-
 def count_parameters(model, family: ModelFamily) -> dict[str, int]:
     """Base-model parameters (adapters left out; tied tensors once): total, vision side, fused experts, and
     adapter parameters on the experts. Works on the meta device."""
     base = base_model(model)
     roots = tuple(r + "." for r in family.vision_side() if r)
-    experts = tuple("." + rel for rel in family.expert_parameters)
+    experts = tuple("." + rel for rel in family.experts.parameters) if family.experts is not None else ()
     total = vision = in_experts = expert_adapter = 0
     for name, p in base.named_parameters():
         n = p.numel()
@@ -231,20 +331,14 @@ def count_parameters(model, family: ModelFamily) -> dict[str, int]:
             "expert_adapter": expert_adapter}
 
 
-def family_of_model(model, registry=None) -> ModelFamily:
-    """The family of a loaded (or meta) model, for helpers called outside a plan (tests, bench scripts); a
-    run passes the plan's family instead."""
-    if registry is None:
-        from vlft.registry import (
-            get_registry,  # the process-wide registry, only where none is given
-        )
-
-        registry = get_registry()
+def family_of_model(model, registry) -> ModelFamily:
+    """The family of a loaded (or meta) model among ``registry``'s, for helpers called outside a plan (tests,
+    bench scripts); a run passes the plan's family instead."""
     return resolve_family(registry, base_model(model).config)
 
 
 def family_load_kwargs(family, param_dtype: str) -> dict:
     """The family's extra from_pretrained/from_config arguments for this parameter dtype (``load_kwargs``)."""
-    if family is None or family.load_kwargs is None:
+    if family.load_kwargs is None:
         return {}
     return dict(family.call("load_kwargs", family.load_kwargs, param_dtype))

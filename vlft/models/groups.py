@@ -1,7 +1,7 @@
 """What trains, and at which learning rate: the merger trained in full, and one AdamW group per tower.
 
-Towers come from the model family: the merger(s) are ``family.vision_mergers``, the vision tower is
-``family.vision_tower`` (less the mergers under it), the text side is everything else. ``--lr-vision``
+Towers come from the model family: the merger(s) are ``family.towers.vision_mergers``, the vision tower is
+``family.towers.vision`` (less the mergers under it), the text side is everything else. ``--lr-vision``
 and ``--lr-merger`` are absolute learning rates (as ms-swift's ``vit_lr``/``aligner_lr`` and the
 official Qwen scripts' ``vision_tower_lr``/``mm_projector_lr``), each defaulting to ``--lr``; the
 schedule (warm-up, cosine) scales every group by the same factor.
@@ -25,9 +25,9 @@ def _clean(name: str) -> str:
 def tower_of(name: str, family) -> str:
     """'merger', 'vision' or 'text' for a parameter name of the (PEFT-wrapped) model."""
     name = _clean(name)
-    if any(name == m or name.startswith(m + ".") for m in family.vision_mergers if m):
+    if any(name == m or name.startswith(m + ".") for m in family.towers.vision_mergers if m):
         return "merger"
-    if family.vision_tower and name.startswith(family.vision_tower + "."):
+    if family.towers.vision and name.startswith(family.towers.vision + "."):
         return "vision"
     return "text"
 

@@ -13,7 +13,7 @@ from transformers import (
 )
 
 from vlft.errors import ConfigError
-from vlft.models.bundled import _registry, bundled_config, bundled_names, is_bundled
+from vlft.models.bundled import bundled_config, bundled_names, is_bundled
 from vlft.models.embedded import embedded_family_dir, embedded_model_dir
 from vlft.models.families import (
     EMBEDDED_PREFIX,
@@ -25,14 +25,14 @@ from vlft.models.families import (
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 
 
-def resolve_model_path(model: str | None, registry=None) -> str:
+def resolve_model_path(model: str | None, registry) -> str:
     """The embedded default when ``model`` is None (or ``embedded``); a family's tiny embedded model for
     ``embedded:<family>``; a local directory; a bundled config name (``qwen3-vl-8b``: weightless, for
     planning); or a hub id, if reachable."""
     if model is None or model == EMBEDDED_PREFIX.rstrip(":"):
         return str(embedded_model_dir(registry))
     if model.startswith(EMBEDDED_PREFIX):
-        return str(embedded_family_dir(family_named(_registry(registry), model[len(EMBEDDED_PREFIX):])))
+        return str(embedded_family_dir(family_named(registry, model[len(EMBEDDED_PREFIX):])))
     path = Path(model).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
@@ -56,36 +56,34 @@ def read_model_config(path: str):
         raise ConfigError(f"cannot read the model config at {path}: {e}") from None
 
 
-def load_model_config(path: str, registry=None):
+def load_model_config(path: str, registry):
     """The checkpoint's config, refused unless an installed model family owns its ``model_type``."""
     config = read_model_config(path)
-    resolve_family(_registry(registry), config, where=str(path))
+    resolve_family(registry, config, where=str(path))
     return config
 
 
-def model_config_and_family(path: str, registry=None):
+def model_config_and_family(path: str, registry):
     """(config, ModelFamily) of a checkpoint: the family asked for once, here."""
     config = read_model_config(path)
-    return config, resolve_family(_registry(registry), config, where=str(path))
+    return config, resolve_family(registry, config, where=str(path))
 
 
-def load_processor(path: str, family=None, registry=None):
-    """The model's processor (the family's loader, else AutoProcessor); for a bundled config, the family's
-    processor from the folder's preprocessor configs with the embedded tokenizer as a stand-in (the real
-    tokenizer is not bundled, so text lengths are approximate; image tokens are exact)."""
-    if family is None:
-        family = resolve_family(_registry(registry), read_model_config(path), where=str(path))
+def load_processor(path: str, family, registry):
+    """The model's processor (``family``'s loader, else AutoProcessor); for a bundled config of ``registry``'s
+    plugins, the family's processor from the folder's preprocessor configs with the embedded tokenizer as a
+    stand-in (the real tokenizer is not bundled, so text lengths are approximate; image tokens are exact)."""
     if is_bundled(path, registry):
-        if family.bundled_processor is None:
+        if family.chat.bundled_processor is None:
             raise ConfigError(f"{path}: the {family.name} family cannot build a processor for a bundled config")
         # the embedded default's tokenizer, whatever the family: the family's own tiny tokenizer would be
         # closer (Qwen3's added tokens) but means building its tiny model on a dry run (issue 30)
         tokenizer = AutoProcessor.from_pretrained(embedded_model_dir(registry)).tokenizer
-        return family.call("bundled_processor", family.bundled_processor, path, tokenizer)
+        return family.call("bundled_processor", family.chat.bundled_processor, path, tokenizer)
 
     try:
-        return (family.load_processor or AutoProcessor.from_pretrained)(path)
-    except Exception as e:  # noqa: BLE001
+        return (family.chat.load_processor or AutoProcessor.from_pretrained)(path)
+    except Exception as e:  # noqa: BLE001 - a processor's loader raises many classes; each becomes a ConfigError
         raise ConfigError(f"cannot load the processor (tokenizer, image processor) from {path}: {e}") from None
 
 
@@ -108,8 +106,7 @@ def check_weight_format(path: str, trust_pickle: bool) -> None:
             f"(model.save_pretrained(dir) in a trusted session), or pass --trust-pickle if you trust the file.")
 
 
-def load_model(path: str, attention, precision, device=None, trust_pickle: bool = False, keep_float=(),
-               family=None):
+def load_model(path: str, attention, precision, device=None, trust_pickle: bool = False, keep_float=(), *, family):
     """The base model with the backend's attention per tower and parameter dtype, on ``device``; the
     family's ``load_kwargs`` on top (MoE families: the experts implementation the dtype allows).
 
@@ -162,7 +159,7 @@ def four_bit_config(precision, keep_float=()):
                               llm_int8_skip_modules=list(keep_float) or None)
 
 
-def tower_attention(model) -> dict[str, str]:
+def tower_attention(model) -> dict[str, str | None]:
     """The attention implementation each tower actually uses, read back from the loaded model."""
     cfg = model.config
     return {
@@ -171,7 +168,7 @@ def tower_attention(model) -> dict[str, str]:
     }
 
 
-def empty_model(path: str, attention, precision, family=None):
+def empty_model(path: str, attention, precision, *, family):
     """The base model as ``load_model`` builds it, on the 'meta' device: its structure without reading a
     weight. Under ``--shard fsdp`` every process but rank 0 starts from this and receives its share of the
     weights from rank 0 (``sharding.receive_from_rank0``)."""

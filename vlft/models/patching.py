@@ -18,8 +18,9 @@ every applied patch ran (``PatchWatch``), and name the one that did not.
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from vlft.errors import VlftError
 

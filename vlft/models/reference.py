@@ -45,6 +45,7 @@ class Reference:
 
     @contextmanager
     def _swapped(self, model):
+        assert self.initial is not None  # swapped only where the adapter's start was kept
         params = [(p, self.initial[n]) for n, p in model.named_parameters() if n in self.initial]
         for p, kept in params:
             p.data, kept.data = kept.data, p.data

@@ -14,8 +14,8 @@ import inspect
 
 import torch
 
-from vlft.data.batching import HOST_KEYS, LOSS_KEYS
 from vlft.contracts.objective import SHARED
+from vlft.data.batching import HOST_KEYS, LOSS_KEYS
 from vlft.models.families import base_model
 
 # fields of a vision output the language model does not read (the tower's unmerged states)
@@ -57,7 +57,7 @@ def _features(model, shared: dict, groups: int) -> dict | None:
         method = getattr(base, f"get_{modality}_features", None)
         accepted = inspect.signature(method).parameters if method is not None else {}
         key = next(iter(accepted), None)
-        if key is None or key not in shared:
+        if method is None or key is None or key not in shared:
             continue
         output = method(**{k: v for k, v in shared.items() if k in accepted}, return_dict=True)
         repeated = _repeated(output, groups)

@@ -96,7 +96,7 @@ def check_for_serving(adapter_dir: Path, model, family) -> ServingCheck:
     return check
 
 
-def check_against_base(adapter_dir: Path, model_path: str, registry=None) -> ServingCheck:
+def check_against_base(adapter_dir: Path, model_path: str, registry) -> ServingCheck:
     """``check_for_serving`` against the base model at ``model_path``, built on 'meta' (no weight read)."""
     config, family = model_config_and_family(model_path, registry)
     with torch.device("meta"):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vlft.errors import ConfigError
-from vlft.models.families import select_target_modules
+from vlft.models.families import select_target_modules, target_names
 
 
 @dataclass
@@ -35,8 +35,8 @@ def select_targets(model, defaults, targets: str, vision_last_n: int, family, ex
     if not ft.modules and not ft.parameters:
         raise ConfigError(
             f"no modules to adapt for --targets {towers} with --vision-last-n {vision_last_n}: the {family.name} "
-            f"model has {ft.vision_depth} vision blocks with {'/'.join(family.vision_targets()) or 'no'} layers "
-            f"and {ft.text_layers} text layers with {'/'.join(family.text_targets()) or '(none)'}"
+            f"model has {ft.vision_depth} vision blocks with {'/'.join(target_names(family, 'vision')) or 'no'} layers "
+            f"and {ft.text_layers} text layers with {'/'.join(target_names(family, 'text')) or '(none)'}"
         )
     return TargetPlan(ft.modules, towers, ft.vision_blocks, ft.vision_depth, ft.text_layers, ft.parameters)
 
@@ -47,8 +47,8 @@ def method_leaves(defaults, family) -> dict[str, tuple[str, ...]]:
     that asks for the family's attention projections, or for nothing, gets the family's full default set
     (which knows, say, a hybrid model's linear-attention projections)."""
     out = {}
-    for tower, names, default in (("text", defaults.text_modules, family.text_targets()),
-                                  ("vision", defaults.vision_modules, family.vision_targets())):
+    for tower, names, default in (("text", defaults.text_modules, target_names(family, "text")),
+                                  ("vision", defaults.vision_modules, target_names(family, "vision"))):
         family_leaves = {rel.rsplit(".", 1)[-1] for rel in default}
         if names and not set(names) <= family_leaves:
             out[tower] = tuple(names)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+from vlft.config import RunConfig
 from vlft.planning.memory import (
     HEADROOM,
+    MemoryBasis,
     MemoryPlan,
     fsdp_gathered_bytes,
     gib,
@@ -17,24 +19,26 @@ from vlft.planning.memory import (
 from vlft.planning.trace import BatchShape
 
 
-def decide(plan: MemoryPlan, asked: str, model, model_config, compute_dtype, batch_size: int, grad_accum: int,
-           max_pixels: int | None, can_shard: bool = False, family=None) -> None:
-    """Settle checkpointing (``asked``: on, off, auto) and, when the run does not fit, list what would."""
+def decide(plan: MemoryPlan, basis: MemoryBasis, config: RunConfig, can_shard: bool = False) -> None:
+    """Settle checkpointing (``--grad-checkpointing``: on, off, auto) and, when the run does not fit, list what
+    would (``basis``: what ``plan`` was made from)."""
+    asked = config.grad_checkpointing
     _settle_checkpointing(plan, asked)
     if plan.fits() is not False:
         return
     ckpt = plan.checkpointing or asked == "auto"
-    replan = _replanner(plan, model, model_config, compute_dtype, family)
+    replan = _replanner(plan, basis)
+    family = basis.family
     fixes = [
         _fix_checkpointing(plan),
         _fix_half_weights(plan),
-        _fix_smaller_batches(plan, replan, ckpt, batch_size, grad_accum),
-        _fix_fewer_pixels(plan, replan, ckpt, max_pixels, family),
-        _fix_sharding(plan, model, compute_dtype, ckpt, family) if can_shard and plan.shard_world == 1 else None,
+        _fix_smaller_batches(plan, replan, ckpt, config.batch_size, config.grad_accum),
+        _fix_fewer_pixels(plan, replan, ckpt, config.max_pixels, family),
+        _fix_sharding(plan, basis.model, basis.compute_dtype, ckpt, family)
+        if can_shard and plan.shard_world == 1 else None,
     ]
     if not any(f and f.endswith("(fits)") for f in fixes):
-        fixes.append(_fix_combined(plan, model, model_config, compute_dtype, ckpt, batch_size, grad_accum,
-                                   max_pixels, family))
+        fixes.append(_fix_combined(plan, basis, ckpt, config))
     fixes.append("--max-length N with --skip-too-long (leave out the longest samples), or fewer targets "
                  "(--targets text, a smaller --vision-last-n)")
     plan.fixes = [f for f in fixes if f]
@@ -56,6 +60,7 @@ def _settle_checkpointing(plan: MemoryPlan, asked: str) -> None:
 
 
 def _usable(plan: MemoryPlan) -> float:
+    assert plan.capacity_bytes is not None  # asked only where the device's capacity is known
     return plan.capacity_bytes * (1 - HEADROOM)
 
 
@@ -63,13 +68,19 @@ def _verdict(plan: MemoryPlan, n: int) -> str:
     return " (fits)" if n <= _usable(plan) else ""
 
 
-def _replanner(plan: MemoryPlan, model, model_config, compute_dtype, family):
+def _replanner(plan: MemoryPlan, basis: MemoryBasis):
     """The same plan for another batch shape (re-estimated, not scaled)."""
     def replan(shape: BatchShape) -> MemoryPlan:
-        return plan_memory(model, model_config, plan.base_dtype, compute_dtype, shape, plan.reserved_bytes,
-                           plan.capacity_bytes, plan.capacity_source, plan.shard_world, plan.gathered_bytes, family,
-                           guard_copy=bool(plan.guard_copy_bytes))
+        return plan_memory(_rebased(plan, basis, plan.base_dtype), shape)
     return replan
+
+
+def _rebased(plan: MemoryPlan, basis: MemoryBasis, param_dtype: str) -> MemoryBasis:
+    """``basis`` with ``plan``'s capacity, sharding and guard and the base weights in ``param_dtype``, unquantized."""
+    return dataclasses.replace(basis, param_dtype=param_dtype, reserved_bytes=plan.reserved_bytes,
+                               capacity_bytes=plan.capacity_bytes, capacity_source=plan.capacity_source,
+                               shard_world=plan.shard_world, gathered_bytes=plan.gathered_bytes,
+                               quantization=None, double_quant=False, guard_copy=bool(plan.guard_copy_bytes))
 
 
 def _fix_checkpointing(plan: MemoryPlan) -> str | None:
@@ -126,12 +137,12 @@ def _fewer_pixels_shape(batch: BatchShape, family) -> BatchShape:
     return shape
 
 
-def _fix_combined(plan: MemoryPlan, model, model_config, compute_dtype, ckpt: bool, batch_size: int,
-                  grad_accum: int, max_pixels: int | None, family=None) -> str | None:
+def _fix_combined(plan: MemoryPlan, basis: MemoryBasis, ckpt: bool, config: RunConfig) -> str | None:
     """When no single fix fits: the fewest of them that fit together, each combination re-estimated by
     ``plan_memory`` (checkpointing, bf16 base weights, a smaller micro-batch with the accumulation that keeps
     the step, 448x448 images), tried two at a time, then three, then all four; within one size in that order
     of preference, and with the largest micro-batch that fits."""
+    family, max_pixels = basis.family, config.max_pixels
     options = []
     if not ckpt:
         options.append("checkpointing")
@@ -153,9 +164,7 @@ def _fix_combined(plan: MemoryPlan, model, model_config, compute_dtype, ckpt: bo
             if "pixels" in chosen:
                 shape = _fewer_pixels_shape(shape, family)
             dtype = "bfloat16" if "half" in chosen else plan.base_dtype
-            plans[key] = plan_memory(model, model_config, dtype, compute_dtype, shape, plan.reserved_bytes,
-                                     plan.capacity_bytes, plan.capacity_source, plan.shard_world,
-                                     plan.gathered_bytes, family, guard_copy=bool(plan.guard_copy_bytes))
+            plans[key] = plan_memory(_rebased(plan, basis, dtype), shape)
         return plans[key].total_bytes(ckpt or "checkpointing" in chosen)
 
     for size in range(2, len(options) + 1):
@@ -175,14 +184,14 @@ def _fix_combined(plan: MemoryPlan, model, model_config, compute_dtype, ckpt: bo
                     if "half" in chosen:
                         flags.append("--param-dtype bf16")
                     if "batch" in chosen:
-                        flags.append(f"--batch-size {b} --grad-accum {grad_accum * batch_size // b}")
+                        flags.append(f"--batch-size {b} --grad-accum {config.grad_accum * config.batch_size // b}")
                     if "pixels" in chosen:
                         flags.append(f"--max-pixels {PIXELS}")
                     return f"together: {' '.join(flags)}: {gib(n)}" + _verdict(plan, n)
     return None
 
 
-def _fix_sharding(plan: MemoryPlan, model, compute_dtype, ckpt: bool, family=None) -> str | None:
+def _fix_sharding(plan: MemoryPlan, model, compute_dtype, ckpt: bool, family) -> str | None:
     """The fewest processes FSDP2 would need for the run to fit."""
     gathered = fsdp_gathered_bytes(model, compute_dtype, family)
     for n in (2, 4, 8, 16, 32, 64):

@@ -34,27 +34,27 @@ def matches(name: str, patterns: list[str]) -> bool:
     return name in patterns or any(name.endswith(f".{p}") for p in patterns)
 
 
-def check_init_adapter(plan, source: AdapterSource, module_names: list[str]) -> None:
-    """The adapter covers exactly the modules the plan adapts (``module_names``: every module of the model) and
-    was trained with this run's method options (where its run folder tells); ``plan.init_adapter`` names it."""
-    where = plan.config.init_adapter
+def check_init_adapter(config: RunConfig, targets: list[str], source: AdapterSource, module_names: list[str]) -> str:
+    """The adapter covers exactly the modules the plan adapts (``targets``; ``module_names``: every module of the
+    model) and was trained with this run's method options (where its run folder tells); its folder."""
+    where = config.init_adapter
     try:
         saved = json.loads((source.adapter_dir / "adapter_config.json").read_text()).get("target_modules")
     except (OSError, ValueError) as e:
         raise ConfigError(f"--init-adapter {where}: cannot read its adapter_config.json ({e})") from None
-    adapted = {n for n in module_names if matches(n, saved)} if isinstance(saved, list) else set(plan.targets)
-    if adapted != set(plan.targets):
-        extra, missing = sorted(adapted - set(plan.targets)), sorted(set(plan.targets) - adapted)
+    adapted = {n for n in module_names if matches(n, saved)} if isinstance(saved, list) else set(targets)
+    if adapted != set(targets):
+        extra, missing = sorted(adapted - set(targets)), sorted(set(targets) - adapted)
         raise ConfigError(
-            f"--init-adapter {where}: adapts {len(adapted)} modules, this run plans {len(plan.targets)}"
+            f"--init-adapter {where}: adapts {len(adapted)} modules, this run plans {len(targets)}"
             + (f" (only in the adapter: {extra[0]}, ...)" if extra else "")
             + (f" (only in the plan: {missing[0]}, ...)" if missing else "")
             + "; pass the --targets and --vision-last-n of the run that trained it")
     if source.run_config:
-        differ = [k for k in SHAPING if source.run_config.get(k) != getattr(plan.config, k)]
+        differ = [k for k in SHAPING if source.run_config.get(k) != getattr(config, k)]
         if differ:
             said = ", ".join(f"{k.replace('_', '-')} {source.run_config.get(k)!r} there, "
-                             f"{getattr(plan.config, k)!r} here" for k in differ)
+                             f"{getattr(config, k)!r} here" for k in differ)
             raise ConfigError(f"--init-adapter {where}: trained with other method options ({said}); pass the "
                               f"options of the run that trained it")
-    plan.init_adapter = str(source.adapter_dir)
+    return str(source.adapter_dir)

@@ -12,9 +12,10 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from vlft.config import RunConfig, parse_attn, parse_kernels
+from vlft.contracts.backend import KernelPatch
 from vlft.errors import ConfigError
 from vlft.models.patching import pin_patch
-from vlft.policies import AttentionPolicy, KernelPatch
+from vlft.policies import AttentionPolicy
 
 
 @dataclass

@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from vlft.data.order import DataOrder, run_micro_batches
-from vlft.models.families import base_model, family_of_model
+from vlft.models.families import base_model
 from vlft.planning.sharding import working_set_bytes
 from vlft.planning.trace import Activations, BatchShape, trace_activations
 
@@ -208,7 +209,7 @@ def quantized_weights(model, skip: tuple[str, ...]) -> set[int]:
 def four_bit_skip(family) -> tuple[str, ...]:
     """What stays unquantized under nf4: the output head and the merger(s) (small; trained in full with
     --train-merger, which needs float weights)."""
-    return (family.lm_head, *family.vision_mergers)
+    return (family.towers.lm_head, *family.towers.vision_mergers)
 
 
 def weight_bytes(model, param_dtype, family, quantization: str | None = None,
@@ -220,7 +221,6 @@ def weight_bytes(model, param_dtype, family, quantization: str | None = None,
     itemsize = torch.empty((), dtype=param_dtype).element_size()
     towers = {"vision": 0, "text": 0}
     trainable = 0
-    family = family or family_of_model(model)
     roots = tuple(r + "." for r in family.vision_side() if r)
     four_bit = quantized_weights(model, four_bit_skip(family)) if quantization == "nf4" else set()
     for name, p in base_model(model).named_parameters():
@@ -232,33 +232,51 @@ def weight_bytes(model, param_dtype, family, quantization: str | None = None,
     return towers, trainable
 
 
-def plan_memory(model, model_config, param_dtype: str, compute_dtype: str | None, batch: BatchShape,
-                reserved_bytes: int, capacity_bytes: int | None, capacity_source: str, shard_world: int = 1,
-                gathered_bytes: int = 0, family=None, quantization: str | None = None,
-                double_quant: bool = False, guard_copy: bool = False) -> MemoryPlan:
-    """The plan for ``model`` (adapted, on the meta device) at ``batch``; checkpointing still undecided.
-    ``shard_world`` > 1: sharded with FSDP over that many processes, ``gathered_bytes`` gathered at a time."""
+@dataclass(frozen=True)
+class MemoryBasis:
+    """What a batch's memory plan is made from: the adapted model (on 'meta') and its config, the base weights'
+    and the compute dtype, the device's capacity, and how the processes hold the model."""
 
+    model: Any
+    model_config: Any
+    param_dtype: str
+    compute_dtype: str | None
+    family: Any  # the model's family (contracts.family.ModelFamily), resolved once at plan time
+    reserved_bytes: int = 0
+    capacity_bytes: int | None = None
+    capacity_source: str = ""
+    shard_world: int = 1  # > 1: sharded with FSDP over that many processes, ``gathered_bytes`` gathered at a time
+    gathered_bytes: int = 0
+    quantization: str | None = None
+    double_quant: bool = False
+    guard_copy: bool = False  # the adapter's weights and AdamW moments cloned before each step (``guarded_step``)
+
+
+def plan_memory(basis: MemoryBasis, batch: BatchShape) -> MemoryPlan:
+    """The plan for ``basis.model`` at ``batch``; checkpointing still undecided."""
+
+    model, param_dtype, compute_dtype = basis.model, basis.param_dtype, basis.compute_dtype
     pdtype = getattr(torch, param_dtype)
-    family = family or family_of_model(model)
-    towers, trainable = weight_bytes(model, pdtype, family, quantization, double_quant)
+    family = basis.family
+    towers, trainable = weight_bytes(model, pdtype, family, basis.quantization, basis.double_quant)
     acts = trace_activations(model, batch, family)
+    model_config = basis.model_config
     vocab = model_config.text_config.vocab_size if hasattr(model_config, "text_config") else model_config.vocab_size
     logit_itemsize = torch.empty((), dtype=getattr(torch, compute_dtype or param_dtype)).element_size()
     # the logits stay alive through backward, and their fp32 gradient is made there; the head runs at the
     # labelled positions only (``batch.logit_positions``)
     logits = batch.samples * batch.logit_positions * vocab * (logit_itemsize + 4)
     return MemoryPlan(
-        base_weights=towers, base_dtype=f"nf4 linear + {param_dtype}" if quantization else param_dtype, adapter_parameters=trainable, adapter_bytes=4 * trainable,
+        base_weights=towers, base_dtype=f"nf4 linear + {param_dtype}" if basis.quantization else param_dtype,
+        adapter_parameters=trainable, adapter_bytes=4 * trainable,
         grad_bytes=4 * trainable, optimizer_bytes=8 * trainable, activations=acts, logits_bytes=logits,
-        reserved_bytes=reserved_bytes, batch=batch, capacity_bytes=capacity_bytes, capacity_source=capacity_source,
-        shard_world=shard_world, gathered_bytes=gathered_bytes,
-        # guard_copy: the adapter's weights and AdamW moments cloned before each step (``guarded_step``)
-        guard_copy_bytes=(4 + 8) * trainable if guard_copy else 0,
+        reserved_bytes=basis.reserved_bytes, batch=batch, capacity_bytes=basis.capacity_bytes,
+        capacity_source=basis.capacity_source, shard_world=basis.shard_world, gathered_bytes=basis.gathered_bytes,
+        guard_copy_bytes=(4 + 8) * trainable if basis.guard_copy else 0,
     )
 
 
-def fsdp_gathered_bytes(model, compute_dtype: str | None, family=None) -> int:
+def fsdp_gathered_bytes(model, compute_dtype: str | None, family) -> int:
     """What FSDP holds whole at one time: the root's parameters and two blocks (the one running and the next,
     prefetched), at the dtype they are gathered in."""
 
@@ -268,13 +286,13 @@ def fsdp_gathered_bytes(model, compute_dtype: str | None, family=None) -> int:
     return root + 2 * block
 
 
-def largest_batches(lengths: list[int], grids: list[list], batch_size: int, grad_accum: int, world_size: int,
-                    seed: int, total_steps: int, labelled: list[int] | None = None,
-                    grouped: bool = False) -> list[BatchShape]:
+def largest_batches(lengths: list[int], grids: list[list], order: DataOrder, total_steps: int,
+                    labelled: list[int] | None = None) -> list[BatchShape]:
     """The micro-batches with the most padded tokens, with the most image patches and (given ``labelled``,
     each sample's labelled tokens) with the most logit positions, over every process and every step the run
-    will take (the sampler is seeded, so this is exact). A packed micro-batch is planned as padded: packing
-    computes per sample what padding computes, less the padding, so the padded shape bounds it from above."""
+    will take in ``order`` (the sampler is seeded, so this is exact). A packed micro-batch is planned as padded:
+    packing computes per sample what padding computes, less the padding, so the padded shape bounds it from
+    above."""
 
     def most_labelled(idx) -> int | None:
         return max(labelled[j] for j in idx) if labelled else None
@@ -288,7 +306,6 @@ def largest_batches(lengths: list[int], grids: list[list], batch_size: int, grad
     best_tokens: BatchShape | None = None
     best_patches: BatchShape | None = None
     best_logits: BatchShape | None = None
-    order = DataOrder(batch_size, grad_accum, seed, world_size=world_size, lengths=lengths if grouped else None)
     for idx in run_micro_batches(n, order, total_steps):
         shape = shape_of(idx)
         if labelled and (best_logits is None or shape.samples * shape.logit_positions
@@ -307,13 +324,9 @@ def largest_batches(lengths: list[int], grids: list[list], batch_size: int, grad
     return shapes
 
 
-def worst_plan(model, model_config, param_dtype, compute_dtype, shapes: list[BatchShape], reserved: int,
-               capacity: int | None, source: str, shard_world: int = 1, gathered_bytes: int = 0,
-               family=None, quantization: str | None = None, double_quant: bool = False,
-               guard_copy: bool = False) -> MemoryPlan:
-    plans = [plan_memory(model, model_config, param_dtype, compute_dtype, s, reserved, capacity, source,
-                         shard_world, gathered_bytes, family, quantization, double_quant, guard_copy)
-             for s in shapes]
+def worst_plan(basis: MemoryBasis, shapes: list[BatchShape]) -> MemoryPlan:
+    """The plan of the largest of ``shapes`` (without checkpointing)."""
+    plans = [plan_memory(basis, s) for s in shapes]
     return max(plans, key=lambda p: p.total_bytes(False))
 
 

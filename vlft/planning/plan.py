@@ -7,10 +7,15 @@ after this module asks a plugin about a policy again.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from vlft.config import RunConfig
+from vlft.contracts.backend import BackendInfo, ProbeResult
+from vlft.contracts.family import ModelFamily
+from vlft.contracts.method import AdapterDefaults, MethodInfo
+from vlft.contracts.objective import Objective, reference_description
 from vlft.data.packing import PackingPlan, resolve_packing
 from vlft.errors import BackendUnavailable, ConfigError
 from vlft.planning.kernels import (
@@ -22,18 +27,7 @@ from vlft.planning.kernels import (
 from vlft.planning.memory import format_memory
 from vlft.planning.scorers import describe_line
 from vlft.planning.sharding import resolve_sharding
-from vlft.policies import (
-    AdapterDefaults,
-    AttentionPolicy,
-    BackendInfo,
-    DataLoaderOptions,
-    DistributedOptions,
-    MethodInfo,
-    ModelFamily,
-    PrecisionPolicy,
-    ProbeResult,
-)
-from vlft.contracts.objective import Objective, reference_description
+from vlft.policies import AttentionPolicy, DataLoaderOptions, DistributedOptions, PrecisionPolicy
 from vlft.registry import Registry
 
 
@@ -44,8 +38,12 @@ class BackendChoice:
     reason: str
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunPlan:
+    """Everything a run decided before any weight is loaded: the plugins' policies (``resolve_policies``), then
+    what the data and the model's shape decided (``preflight.plan_run``, which builds the whole plan once).
+    Frozen: nothing after planning changes it."""
+
     config: RunConfig
     backend: BackendChoice
     precision: PrecisionPolicy
@@ -62,7 +60,7 @@ class RunPlan:
     target_parameters: list[str] = field(default_factory=list)  # fused expert weights (PEFT target_parameters)
     memory: Any = None  # memory.MemoryPlan, once the data and the model's shape are known
     lengths: dict[str, Any] = field(default_factory=dict)  # sample lengths: longest, skipped, limit
-    notes: list[str] = field(default_factory=list)
+    notes: tuple[str, ...] = ()
     sharding: Any = None  # sharding.ShardingPlan: how the processes hold the model (--shard)
     family: ModelFamily | None = None  # the checkpoint's model family, resolved once here
     model_counts: dict[str, int] = field(default_factory=dict)  # parameters: total, vision, experts, ...
@@ -74,6 +72,15 @@ class RunPlan:
     objective: Objective | None = None  # what is optimised (--objective), resolved once here
     init_adapter: str | None = None  # --init-adapter: the adapter folder the run starts from
     scorers: Any = None  # scorers.ScorerChoice: what scores the before/after answers (--scorer)
+    # what the data and the model's shape decided (``preflight.plan_run``), kept for the run that trains from it
+    model_config: Any = None
+    processor: Any = None
+    encoder: Any = None  # data.encoding.SampleEncoder, or the objective's (DPO: chosen and rejected rows)
+    train_records: Sequence = ()  # a list, or columnar rows (data.lazy.ColumnarRecords)
+    val_records: Sequence = ()
+    train_lengths: list | None = None  # each training sample's tokens (--group-by-length batches by them)
+    total_steps: int = 0
+    skeleton: Any = None  # the adapted model on 'meta' the plan was made on (--shard fsdp saves through it)
 
     @property
     def checkpointing(self) -> bool:
@@ -82,12 +89,13 @@ class RunPlan:
     def experts_adapted(self) -> dict | None:
         """For a mixture-of-experts family: whether its fused expert weights are adapted, which (relative to a
         decoder layer), the adapter parameters on them, and the routers, which never train. None: no experts."""
-        if self.family is None or not self.family.expert_parameters:
+        experts = self.family.experts if self.family is not None else None
+        if experts is None:
             return None
         on_experts = sum(n for m, n in self.target_params.items() if m not in self.targets)
-        return {"adapted": bool(self.target_parameters), "parameters": list(self.family.expert_parameters),
+        return {"adapted": bool(self.target_parameters), "parameters": list(experts.parameters),
                 "layers": len({p.rpartition(".")[0] for p in self.target_parameters}),
-                "adapter_parameters": on_experts, "routers": list(self.family.router_modules), "routers_frozen": True}
+                "adapter_parameters": on_experts, "routers": list(experts.routers), "routers_frozen": True}
 
     def objective_description(self) -> dict | None:
         """The objective as the plan shows it, its reference (if it takes one) in words."""
@@ -126,7 +134,7 @@ class RunPlan:
             },
             "model": self.model_path,
             "model_family": ({"name": self.family.name, "model_types": list(self.family.model_types),
-                              "box_coordinates": self.family.box_coordinates, "parameters": self.model_counts}
+                              "box_coordinates": self.family.chat.box_coordinates, "parameters": self.model_counts}
                              if self.family else None),
             "targets": {
                 **self.target_summary,
@@ -146,7 +154,7 @@ class RunPlan:
                               "reason": self.memory.checkpointing_reason if self.memory else ""},
             "lengths": self.lengths,
             "memory": self.memory.describe() if self.memory else None,
-            "notes": self.notes,
+            "notes": list(self.notes),
             "scorers": self.scorers.describe() if self.scorers else None,
             "training": {
                 k: getattr(self.config, k)
@@ -231,10 +239,11 @@ def _four_bit_precision(registry: Registry, backend: str, config: RunConfig):
     return policy
 
 
-def resolve_plan(registry: Registry, config: RunConfig, model_path: str, model_config,
-                 backend: BackendChoice | None = None, family: ModelFamily | None = None) -> RunPlan:
-    """Ask the plugins once for every policy. A real run passes the ``backend`` it has already
-    set up the device for, so policies that read device properties see the right device."""
+def resolve_policies(registry: Registry, config: RunConfig, model_path: str, model_config,
+                     backend: BackendChoice | None = None, *, family: ModelFamily) -> RunPlan:
+    """Ask the plugins once for every policy: a plan of the policies alone (``preflight.plan_run`` adds what the
+    data and the model's shape decide). A real run passes the ``backend`` it has already set up the device for,
+    so policies that read device properties see the right device."""
     backend = backend or choose_backend(registry, config.backend)
     name = backend.info.name
     method = registry.method(config.method)
@@ -350,6 +359,12 @@ def _tower_names(stacks: dict[str, set[int]], summary: dict) -> dict[str, str]:
     return names
 
 
+def _rest(name: str) -> str:
+    split = _split_name(name)
+    assert split is not None  # a name grouped under a layer has its number
+    return split[2]
+
+
 def group_modules(modules: dict[str, int | None], summary: dict) -> list[str]:
     """The adapted modules, one line per tower and layer range: ``vision blocks 26-31: qkv, proj (12 modules,
     1.8 M)``. The layer is the first number segment of each dotted name and the stack the path before it,
@@ -368,12 +383,12 @@ def group_modules(modules: dict[str, int | None], summary: dict) -> list[str]:
     for stack, layers in stacks.items():
         container = stack.rsplit(".", 1)[-1]
         label = f"{towers[stack]} {container}" if stack in towers else stack
-        rests = {_split_name(n)[2] for names in layers.values() for n in names}
+        rests = {_rest(n) for names in layers.values() for n in names}
         leaves = {r.rsplit(".", 1)[-1] for r in rests}
         short = len(leaves) == len(rests)  # the leaf names are enough when no two modules share one
 
-        def kinds(names):
-            return tuple((r.rsplit(".", 1)[-1] if short else r) for r in (_split_name(n)[2] for n in names))
+        def kinds(names, short=short):
+            return tuple((r.rsplit(".", 1)[-1] if short else r) for r in (_rest(n) for n in names))
 
         runs: list[list[int]] = []
         for index in sorted(layers):

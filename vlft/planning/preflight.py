@@ -20,18 +20,20 @@ import numpy as np
 import torch
 
 from vlft.config import RunConfig, parse_bytes, parse_columns, split_data_spec
+from vlft.contracts.backend import DeviceCapacity
 from vlft.data.columnar import data_files, unread_columns
 from vlft.data.demo import RECOMMENDED_EPOCHS, write_demo_dataset
 from vlft.data.encoding import SampleEncoder
 from vlft.data.layouts import demo_files, record_format
+from vlft.data.lazy import concat, read_compact, take, weighted
+from vlft.data.lazy import media_files as lazy_media
+from vlft.data.lazy import modalities as lazy_modalities
 from vlft.data.lengths import LengthReport, check_lengths
 from vlft.data.order import DataOrder, run_micro_batches, total_steps_for
 from vlft.data.packing import padding_ratio, settle_auto
 from vlft.data.records import MAX_REPORTED_PROBLEMS
-from vlft.data.lazy import concat, read_compact, take, weighted
-from vlft.data.lazy import media_files as lazy_media
-from vlft.data.lazy import modalities as lazy_modalities
 from vlft.errors import ConfigError, DataError
+from vlft.floors import require_torch
 from vlft.models.adapting import compute_adapters_in_autocast_dtype
 from vlft.models.bundled import is_bundled
 from vlft.models.embedded import cache_root
@@ -50,10 +52,9 @@ from vlft.models.loading import (
 from vlft.models.targets import select_targets
 from vlft.planning import checked, fixes, memory, trace
 from vlft.planning.init_adapter import check_init_adapter, init_adapter_source
-from vlft.planning.plan import RunPlan, resolve_plan
+from vlft.planning.plan import RunPlan, resolve_policies
 from vlft.planning.scorers import scorers_for_run
 from vlft.planning.sharding import count_blocks
-from vlft.policies import DeviceCapacity
 from vlft.registry import Registry
 
 DEFAULT_DATA_DIR_NAME = "demo-data"
@@ -201,19 +202,28 @@ def check_enough_records(n_train: int, config: RunConfig) -> None:
             f"record. Add records or run on at most {max(n_train, 1)} process(es); nothing was written.")
 
 
-def plan_targets(registry: Registry, plan: RunPlan, model):
-    """Adapt ``model`` (real or on 'meta'); fill the plan's target list and per-module adapter parameter counts."""
+@dataclass(frozen=True)
+class TargetChoice:
+    """The modules (and fused expert weights) the adapter goes on, and what adapting them made trainable."""
+
+    modules: list[str]
+    parameters: list[str]  # fused expert weights (PEFT target_parameters)
+    summary: dict  # towers, vision blocks and depth, text layers
+    params: dict[str, int]  # module -> adapter parameters
+    merger_parameters: int  # --train-merger: merger parameters trained in full
+    param_groups: dict[str, dict]  # AdamW group -> {"lr", "parameters"}
+
+
+def plan_targets(registry: Registry, plan: RunPlan, model) -> tuple[object, TargetChoice]:
+    """Adapt ``model`` (real or on 'meta') as ``plan``'s policies say; the adapted model, and the targets with
+    their adapter parameter counts."""
 
     experts = plan.adapter.target_experts
-    if experts and not plan.family.expert_parameters:
+    if experts and plan.family.experts is None:
         raise ConfigError(f"{plan.method.name}: target_experts=true, but the {plan.family.name} family has no fused "
                           f"expert weights (not a mixture-of-experts model)")
     tp = select_targets(model, plan.adapter, plan.config.targets, plan.config.vision_last_n, plan.family,
                         experts=experts)
-    plan.targets = tp.modules
-    plan.target_parameters = tp.parameters
-    plan.target_summary = {"towers": tp.towers, "vision_blocks": tp.vision_blocks,
-                           "vision_depth": tp.vision_depth, "text_layers": tp.text_layers}
     adapted = registry.first("vlft_apply_adapter", method=plan.method.name, model=model, targets=tp.modules,
                              config=plan.config, target_parameters=tp.parameters, family=plan.family)
     # the fused experts' adapters sit on the experts module (PEFT names them experts[.base_layer].lora_*)
@@ -226,59 +236,92 @@ def plan_targets(registry: Registry, plan: RunPlan, model):
             if f"{target}." in name:
                 counts[target] = counts.get(target, 0) + p.numel()
                 break
-    plan.target_params = counts
-    if plan.config.train_merger:
-        plan.merger_parameters = check_merger_trained(adapted, plan.family, plan.method.name)
-    plan.param_groups = describe_groups(adapted, plan.family, plan.lr, plan.config)
+    merger = check_merger_trained(adapted, plan.family, plan.method.name) if plan.config.train_merger else 0
+    groups = describe_groups(adapted, plan.family, plan.lr, plan.config)
     routers = set(frozen_router_parameters(adapted, plan.family))
     training = [n for n, p in base_model(adapted).named_parameters() if p.requires_grad and n in routers]
     if training:
         raise ConfigError(f"method {plan.method.name} made router parameters trainable ({training[0]}, ...); "
                           f"routers must stay frozen")
-    return adapted
+    summary = {"towers": tp.towers, "vision_blocks": tp.vision_blocks, "vision_depth": tp.vision_depth,
+               "text_layers": tp.text_layers}
+    return adapted, TargetChoice(tp.modules, tp.parameters, summary, counts, merger, groups)
 
 
-@dataclass
-class Planned:
-    """A run resolved and checked before any weight is loaded: policies, data, targets, memory."""
+@dataclass(frozen=True)
+class _Data:
+    """The run's records, checked, and what reading them decided."""
 
-    plan: RunPlan
-    model_config: object
-    processor: object
-    encoder: SampleEncoder
-    train_records: Sequence  # a list, or columnar rows (data.lazy.ColumnarRecords)
-    val_records: Sequence
+    train: Sequence
+    val: Sequence
+    lengths: LengthReport
     total_steps: int
-    skeleton: object = None  # the adapted model on 'meta' the plan was made on (--shard fsdp saves through it)
-    train_lengths: list | None = None  # each training sample's tokens (--group-by-length batches by them)
+    packing: object  # data.packing.PackingPlan, auto settled against the data's padding
+    notes: list[str]
 
 
-def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
-    """Everything a run decides before loading weights; ``--dry-run`` stops after this.
+def plan_run(registry: Registry, config: RunConfig, choice=None) -> RunPlan:
+    """Everything a run decides before loading weights; ``--dry-run`` stops after this. The plan is built once,
+    here, and not changed after.
 
     Order: backend, method, model config, data (lengths included), policies, targets on a weightless
     copy of the model, then the memory plan against the device's capacity.
     """
-
-
+    require_torch()  # the training stage's torch, before anything of the run is loaded
     model_path = resolve_model_path(config.model, registry)
     model_config, family = model_config_and_family(model_path, registry)  # the family: asked once, here
-    plan = resolve_plan(registry, config, model_path, model_config, choice, family)  # checks method, --adapter-opt
+    # checks the method and --adapter-opt
+    policies = resolve_policies(registry, config, model_path, model_config, choice, family=family)
+    processor, encoder = _encoder(registry, policies, model_path)
+    init_source = init_adapter_source(registry, config)
+    data = _read_data(registry, policies, model_path, encoder)
+    scorers = scorers_for_run(registry, config, data.val, family)  # --scorer, on the references it will score
+    skeleton, targets = _adapted_skeleton(registry, policies, model_config)
+    sharding = policies.sharding
+    if sharding.enabled:
+        sharding = dataclasses.replace(sharding, wrapped=count_blocks(skeleton, family))
+    capacity = registry.hook.vlft_device_capacity(backend=policies.backend.info.name, config=config) or \
+        DeviceCapacity(None, 0, f"backend {policies.backend.info.name} does not report its memory")
+    memory_plan = _memory_plan(policies, skeleton, model_config, data, capacity, init_source is not None)
+    notes = [*data.notes, *_memory_notes(policies, memory_plan)]
+    init_adapter = None
+    if init_source is not None:
+        init_adapter = check_init_adapter(config, targets.modules, init_source,
+                                          [n for n, _ in base_model(skeleton).named_modules()])
+    if sharding.enabled:
+        notes.append(f"--shard fsdp: rank 0 alone reads the base weights, into its host memory "
+                     f"({memory.gib(sum(memory_plan.base_weights.values()))}); the other processes build "
+                     f"the model without weights and receive their 1/{config.world_size} shares from it")
+    return dataclasses.replace(
+        policies, targets=targets.modules, target_parameters=targets.parameters, target_summary=targets.summary,
+        target_params=targets.params, merger_parameters=targets.merger_parameters, param_groups=targets.param_groups,
+        packing=data.packing, sharding=sharding, memory=memory_plan, lengths=data.lengths.describe(config.max_length),
+        notes=tuple(notes), model_counts=count_parameters(skeleton, family), peak_flops=capacity.peak_flops,
+        init_adapter=init_adapter, scorers=scorers, model_config=model_config, processor=processor,
+        encoder=encoder, train_records=data.train, val_records=data.val, train_lengths=data.lengths.lengths,
+        total_steps=data.total_steps, skeleton=skeleton)
+
+
+def _encoder(registry: Registry, policies: RunPlan, model_path: str):
+    """The processor, and the encoder of the objective's samples."""
+    config, family, objective = policies.config, policies.family, policies.objective
     processor = load_processor(model_path, family, registry)
     encoder = SampleEncoder(processor, max_pixels=config.max_pixels, video_fps=config.video_fps,
                             video_max_frames=config.video_max_frames, family=family)
-    objective = plan.objective
     encoder = record_format(objective.layout).encoder(encoder)  # DPO's: chosen and rejected sharing the images
-    plan.notes += list(objective.notes)
-    init_source = init_adapter_source(registry, config)
+    return processor, encoder
+
+
+def _read_data(registry: Registry, policies: RunPlan, model_path: str, encoder) -> _Data:
+    """Every record read and checked (lengths included); the steps they make, and packing settled where it was
+    left to the data (``--packing auto``)."""
+    config, objective = policies.config, policies.objective
     train, val, lengths = load_and_check_data(config, encoder, objective)
     check_for_objective(objective, train, val)
-    plan.scorers = scorers_for_run(registry, config, val, family)  # --scorer, on the references it will score
-    plan.lengths = lengths.describe(config.max_length)
-    plan.notes += unread_column_notes(config)
+    notes = [*objective.notes, *unread_column_notes(config)]
     if is_bundled(model_path, registry):
-        plan.notes.append("bundled config without weights: text lengths counted with the embedded tokenizer "
-                          "(a stand-in; image tokens are exact)")
+        notes.append("bundled config without weights: text lengths counted with the embedded tokenizer "
+                     "(a stand-in; image tokens are exact)")
     epochs = config.epochs
     if epochs is None and config.steps is None and not config.data:
         epochs = objective.demo_epochs or RECOMMENDED_EPOCHS
@@ -286,69 +329,75 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> Planned:
                                   config.world_size, objective.iterations)
     order = DataOrder(config.batch_size, config.grad_accum, config.seed, world_size=config.world_size,
                       lengths=lengths.lengths if config.group_by_length else None, repeat=objective.iterations)
-    plan.packing = settle_auto(plan.packing, config.packing, padding_ratio(  # auto: packs where the data pads
+    packing = settle_auto(policies.packing, config.packing, padding_ratio(  # auto: packs where the data pads
         lengths.lengths, list(run_micro_batches(len(train), order, total_steps))))
+    return _Data(train, val, lengths, total_steps, packing, notes)
 
-    # targets and memory on a weightless copy, in the dtype the layers will compute in
-    compute = plan.precision.autocast_dtype or plan.precision.param_dtype
-    skeleton = plan_targets(registry, plan, trace.skeleton(model_config, plan.attention, getattr(torch, compute),
-                                                           family_load_kwargs(family, plan.precision.param_dtype)))
-    if plan.precision.autocast_dtype:  # under autocast the adapters compute in its dtype too (see model.py)
 
+def _adapted_skeleton(registry: Registry, policies: RunPlan, model_config) -> tuple[object, TargetChoice]:
+    """The targets chosen and adapted on a weightless copy, in the dtype the layers will compute in."""
+    precision = policies.precision
+    compute = precision.autocast_dtype or precision.param_dtype
+    skeleton, targets = plan_targets(registry, policies, trace.skeleton(
+        model_config, policies.attention, getattr(torch, compute),
+        family_load_kwargs(policies.family, precision.param_dtype)))
+    if precision.autocast_dtype:  # under autocast the adapters compute in its dtype too (see model.py)
         skeleton.to(getattr(torch, compute))
         compute_adapters_in_autocast_dtype(skeleton)
-    capacity = registry.hook.vlft_device_capacity(backend=plan.backend.info.name, config=config) or \
-        DeviceCapacity(None, 0, f"backend {plan.backend.info.name} does not report its memory")
+    return skeleton, targets
+
+
+def _memory_plan(policies: RunPlan, skeleton, model_config, data: _Data, capacity: DeviceCapacity,
+                 init_adapter: bool) -> memory.MemoryPlan:
+    """The memory plan of the largest batches against the device's capacity, with checkpointing settled and,
+    when it does not fit, the fixes that would make it fit."""
+    config, family, objective, precision = policies.config, policies.family, policies.objective, policies.precision
+    compute = precision.autocast_dtype or precision.param_dtype
     total, source = capacity.total_bytes, capacity.source
-    plan.peak_flops = capacity.peak_flops
     if config.device_memory:
         total, source = parse_bytes(config.device_memory, "--device-memory"), f"--device-memory {config.device_memory}"
-    shapes = memory.largest_batches(lengths.lengths, lengths.grids, config.batch_size, config.grad_accum,
-                                    config.world_size, config.seed,
-                                    math.ceil(total_steps / objective.iterations),  # the steps drawing batches
-                                    labelled=lengths.labelled, grouped=config.group_by_length)
+    lengths = data.lengths
+    order = DataOrder(config.batch_size, config.grad_accum, config.seed, world_size=config.world_size,
+                      lengths=lengths.lengths if config.group_by_length else None)
+    shapes = memory.largest_batches(lengths.lengths, lengths.grids, order,
+                                    math.ceil(data.total_steps / objective.iterations),  # the steps drawing batches
+                                    labelled=lengths.labelled)
     if objective.rows_per_record > 1:  # every record runs as that many rows (its images once: models.rows)
         shapes = [dataclasses.replace(shape, samples=shape.samples * objective.rows_per_record) for shape in shapes]
     shard_world, gathered = 1, 0
-    if plan.sharding.enabled:
-
-        plan.sharding.wrapped = count_blocks(skeleton, family)
+    if policies.sharding.enabled:
         shard_world, gathered = config.world_size, memory.fsdp_gathered_bytes(skeleton, compute, family)
-    plan.memory = memory.worst_plan(skeleton, model_config, plan.precision.param_dtype,
-                                    plan.precision.autocast_dtype, shapes, capacity.reserved_bytes, total, source,
-                                    shard_world, gathered, family, plan.precision.quantization,
-                                    plan.precision.double_quant, guard_copies(plan))
+    basis = memory.MemoryBasis(skeleton, model_config, precision.param_dtype, precision.autocast_dtype, family,
+                               reserved_bytes=capacity.reserved_bytes, capacity_bytes=total, capacity_source=source,
+                               shard_world=shard_world, gathered_bytes=gathered, quantization=precision.quantization,
+                               double_quant=precision.double_quant, guard_copy=guard_copies(policies))
+    planned = memory.worst_plan(basis, shapes)
     if objective.generation:  # the step samples (GRPO): its KV cache, in the compute dtype
         worst = max(shapes, key=lambda shape: shape.samples * shape.tokens)
-        plan.memory.generation_bytes = memory.generation_bytes(model_config, compute, worst.samples,
-                                                               worst.tokens)
-        plan.memory.generation_shape = (f"{worst.samples} sequences ({config.batch_size} prompts x "
-                                        f"{objective.generation.sequences_per_record}) x "
-                                        f"{worst.tokens} tokens (prompt + "
-                                        f"{objective.generation.new_tokens} new)")
-    if objective.reference and init_source is not None:  # the reference keeps the adapter the run started from
-        plan.memory.reference_bytes = 4 * plan.memory.adapter_parameters
-    if objective.reference:
-        plan.notes.append(f"{objective.name}: the reference pass runs without gradients before the trained pass, "
-                          "so its activations are freed before the trained pass's; it keeps only the "
-                          "log-probabilities the loss compares")
-    fixes.decide(plan.memory, config.grad_checkpointing, skeleton, model_config, plan.precision.autocast_dtype,
-                  config.batch_size, config.grad_accum, config.max_pixels,
-                  can_shard=bool(plan.distributed and plan.distributed.fsdp), family=family)
-    if family.image_inputs is not None and not _any_grid(lengths.grids) and "image" in lazy_modalities(train):
+        planned.generation_bytes = memory.generation_bytes(model_config, compute, worst.samples, worst.tokens)
+        planned.generation_shape = (f"{worst.samples} sequences ({config.batch_size} prompts x "
+                                    f"{objective.generation.sequences_per_record}) x "
+                                    f"{worst.tokens} tokens (prompt + "
+                                    f"{objective.generation.new_tokens} new)")
+    if objective.reference and init_adapter:  # the reference keeps the adapter the run started from
+        planned.reference_bytes = 4 * planned.adapter_parameters
+    fixes.decide(planned, basis, config, can_shard=bool(policies.distributed and policies.distributed.fsdp))
+    if family.image_inputs is not None and not _any_grid(lengths.grids) and "image" in lazy_modalities(data.train):
         # a processor-writes-the-tokens family without ImageInputs.grid: no grid, so no tower to trace
-        plan.memory.activations.untraced.append(
+        planned.activations.untraced.append(
             f"vision activations of the {family.name} family (its image inputs give no patch grids: "
             "ImageInputs.grid; the plan counts 0 image patches)")
-    plan.notes += [f"not traced, counted as 0: {what}" for what in plan.memory.activations.untraced]
-    plan.model_counts = count_parameters(skeleton, family)
-    if init_source is not None:
-        check_init_adapter(plan, init_source, [n for n, _ in base_model(skeleton).named_modules()])
-    if plan.sharding.enabled:
-        plan.notes.append(f"--shard fsdp: rank 0 alone reads the base weights, into its host memory "
-                          f"({memory.gib(sum(plan.memory.base_weights.values()))}); the other processes build "
-                          f"the model without weights and receive their 1/{config.world_size} shares from it")
-    return Planned(plan, model_config, processor, encoder, train, val, total_steps, skeleton, lengths.lengths)
+    return planned
+
+
+def _memory_notes(policies: RunPlan, planned: memory.MemoryPlan) -> list[str]:
+    notes = []
+    objective = policies.objective
+    if objective.reference:
+        notes.append(f"{objective.name}: the reference pass runs without gradients before the trained pass, "
+                     "so its activations are freed before the trained pass's; it keeps only the "
+                     "log-probabilities the loss compares")
+    return notes + [f"not traced, counted as 0: {what}" for what in planned.activations.untraced]
 
 
 def check_for_objective(objective, train, val) -> None:

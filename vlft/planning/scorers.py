@@ -15,9 +15,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from vlft.userspec import user_attribute
+from vlft.contracts.scorer import Scorer
 from vlft.errors import ConfigError
-from vlft.policies import Scorer
+from vlft.userspec import user_attribute
 
 AUTO = "auto"
 MAX_NAMED = 5  # records named in an error about references a scorer cannot read
@@ -81,7 +81,7 @@ def user_scorer(spec: str) -> Scorer:
         return found
     if not callable(found):
         raise ConfigError(f"--scorer {spec}: {module_name} has no function '{attr}'")
-    return Scorer(attr, f"{spec} (your function: its mean)", found)
+    return Scorer(attr, f"{spec} (your function: its mean)", found)  # pyright: ignore[reportArgumentType]  # checked callable
 
 
 def finite(v) -> bool:
@@ -125,7 +125,7 @@ def scoring_context(records, family) -> dict:
     family's box convention and, where records list them (``"answers": [...]``), every acceptable answer (the
     reference first)."""
     context = {"where": [r.where for r in records], "records": list(records),
-               "box_coordinates": family.box_coordinates if family is not None else None}
+               "box_coordinates": family.chat.box_coordinates if family is not None else None}
     if any(getattr(r, "answers", None) for r in records):
         context["answers"] = [[r.reference, *[a for a in (getattr(r, "answers", None) or []) if a != r.reference]]
                               for r in records]

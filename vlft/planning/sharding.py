@@ -69,10 +69,10 @@ def transformers_model(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def block_classes(model, family=None) -> list[str]:
+def block_classes(model, family) -> list[str]:
     """The class names that must not be split across devices: the units FSDP shards. The family's
     ``no_split_modules`` where it names them, else what the transformers model class declares."""
-    names = (family.sharding.no_split_modules if family is not None and family.sharding is not None else ()) or \
+    names = (family.sharding.no_split_modules if family.sharding is not None else ()) or \
         getattr(transformers_model(model), "_no_split_modules", None) or []
     if not names:
         raise ConfigError(f"--shard fsdp: {type(transformers_model(model)).__name__} names no _no_split_modules, "
@@ -80,17 +80,17 @@ def block_classes(model, family=None) -> list[str]:
     return list(names)
 
 
-def blocks(model, family=None) -> list:
+def blocks(model, family) -> list:
     """(name, module) of every block FSDP shards on its own, in model order."""
     wanted = set(block_classes(model, family))
     return [(n, m) for n, m in transformers_model(model).named_modules() if type(m).__name__ in wanted]
 
 
-def count_blocks(model, family=None) -> dict[str, int]:
+def count_blocks(model, family) -> dict[str, int]:
     return dict(Counter(type(m).__name__ for _, m in blocks(model, family)))
 
 
-def working_set_bytes(model, itemsize: int | None, family=None) -> tuple[int, int]:
+def working_set_bytes(model, itemsize: int | None, family) -> tuple[int, int]:
     """(root bytes, largest block bytes) at the gathered dtype's ``itemsize`` (None: each
     parameter's own). The root's parameters (embeddings, head, norms, patch embedding, merger) stay gathered
     through forward and backward; blocks are gathered one at a time, with the next one prefetched."""

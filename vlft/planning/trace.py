@@ -20,7 +20,7 @@ import torch
 from transformers import AttentionInterface, AutoModelForImageTextToText
 
 from vlft.measure import SavedTensorMeter
-from vlft.models.families import base_model, family_of_model, resolve_module
+from vlft.models.families import base_model, resolve_module
 from vlft.models.loss import kept_loss_sum
 
 if TYPE_CHECKING:
@@ -158,9 +158,9 @@ def skeleton(model_config, attention, dtype, load_kwargs=None):
 def _parts(model, family):
     """(vision tower or None, text model, lm_head), by the family's paths, PEFT-wrapped or not."""
     base = base_model(model)
-    tower = resolve_module(base, family.vision_tower) if family.vision_tower else None
-    text = resolve_module(base, family.decoder_layers.rpartition(".")[0])
-    return tower, text, resolve_module(base, family.lm_head)
+    tower = resolve_module(base, family.towers.vision) if family.towers.vision else None
+    text = resolve_module(base, family.towers.decoder_layers.rpartition(".")[0])
+    return tower, text, resolve_module(base, family.towers.lm_head)
 
 
 def _trainable(module) -> bool:
@@ -198,14 +198,13 @@ def _position_embeddings(text, hidden, pos) -> list:
     return [tables[t] for t in types[:n]]
 
 
-def trace_activations(model, batch: BatchShape, family=None) -> Activations:
+def trace_activations(model, batch: BatchShape, family) -> Activations:
     """Run the adapted meta model's layers once on ``batch``'s shapes and count what autograd saves.
 
     The vision tower runs through the family's ``trace_vision`` (a family without one: its vision
     activations are not counted, and ``Activations.untraced`` says so); the text layers and the head run
     here, with 3-row positions where the family has a multimodal rope index."""
 
-    family = family or family_of_model(model)
     tower, text, lm_head = _parts(model, family)
     dtype = next(text.parameters()).dtype
     meter = SavedTensorMeter(model)
@@ -228,7 +227,8 @@ def trace_activations(model, batch: BatchShape, family=None) -> Activations:
 
     with meter.hooks(), _autocast_accepts_meta():
         image_features = None
-        blocks = set(map(id, resolve_module(base_model(model), family.vision_blocks))) if tower is not None else set()
+        blocks = (set(map(id, resolve_module(base_model(model), family.towers.vision_blocks))) if tower is not None
+                  else set())
 
         def run_vision(module, fn, block_input=None):
             """The tracer's wrapper per block/merger; a block's input is what a checkpoint keeps."""

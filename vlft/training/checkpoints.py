@@ -21,49 +21,45 @@ import pickle
 import random
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from vlft.errors import VlftError
-from vlft.training.fsdp import OPTIMIZER_DIR, load_optimizer, save_optimizer
+from vlft.training.fsdp import OPTIMIZER_DIR, save_optimizer
 
 
 class CheckpointStore:
     """``checkpoints/step-NNNNNN/``: adapter, optimizer, scheduler, scaler and RNG state; last K kept."""
 
-    def __init__(self, root: Path, keep: int, save_adapter: Callable[[Any, Path], None]):
+    def __init__(self, root: Path, keep: int, save_adapter: Callable[[Any, Path], None], *,
+                 identity: dict | None = None, collective: bool = False):
         self.root = root
         self.keep = keep
         self.save_adapter = save_adapter
-
-    run_identity: dict | None = None  # what defines the training (vlft.resilience.run_identity), saved beside
+        self.identity = identity  # what defines the training (training.resume.run_identity), saved beside
+        self.collective = collective  # --shard fsdp: every process takes part in saving (see save_collective)
 
     def newest(self) -> Path | None:
         done = sorted(p for p in self.root.glob("step-*") if (p / MANIFEST).exists())
         return done[-1] if done else None
 
-    # a preference objective's reference weights (``models.reference.Reference.state``), kept in state.pt so a
-    # resumed run has the reference it started with
-    reference_state: Callable[[], dict] | None = None
-
-    collective = False  # --shard fsdp: every process takes part in saving (see save_collective)
-    adapter_to_save: Callable[[Any], Any] | None = None  # the model -> what save_adapter writes (None: not rank 0)
-
-    def save(self, step: int, model, optimizer, scheduler, scaler, device: torch.device) -> Path:
-        """Write the checkpoint of ``step``; without sharding rank 0 alone calls this."""
+    def save(self, step: int, state: dict, adapter, optimizer_shares=None) -> Path:
+        """Write the checkpoint of ``step``: ``state`` (``training_state``, into state.pt) and ``adapter`` (what
+        ``save_adapter`` writes). Without sharding rank 0 alone calls this."""
         if self.collective:
-            return self.save_collective(step, model, optimizer, scheduler, scaler, device)
+            return self.save_collective(step, state, adapter, optimizer_shares)
         final = self.root / f"step-{step:06d}"
         tmp = self.root / f".tmp-step-{step:06d}"
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             remove_partial(self.root)
             tmp.mkdir()
-            self._write(tmp, step, model, optimizer, scheduler, scaler, device)
+            self._write(tmp, state, adapter)
             self._finish(tmp, final)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -71,17 +67,15 @@ class CheckpointStore:
         self._prune()
         return final
 
-    def save_collective(self, step: int, model, optimizer, scheduler, scaler, device: torch.device) -> Path:
-        """Every process calls this under ``--shard fsdp``: the adapter is gathered whole to rank 0, each
-        process writes its share of the optimizer state (torch.distributed.checkpoint), and rank 0 writes the
-        rest, the manifest last, and renames the folder into place. A failure on any process stops all of
-        them with the same error."""
-
+    def save_collective(self, step: int, state: dict, adapter, optimizer_shares) -> Path:
+        """Every process calls this under ``--shard fsdp``: ``adapter`` is the adapter gathered whole on rank 0
+        (None on the others), ``optimizer_shares`` the (model, optimizer) whose state each process writes its
+        share of (torch.distributed.checkpoint); rank 0 writes the rest, the manifest last, and renames the
+        folder into place. A failure on any process stops all of them with the same error."""
 
         main = dist.get_rank() == 0
         final = self.root / f"step-{step:06d}"
         tmp = self.root / f".tmp-step-{step:06d}"
-        adapter = self.adapter_to_save(model)  # collective
         problem: BaseException | None = None
         if main:
             try:
@@ -93,12 +87,12 @@ class CheckpointStore:
         problem = _first_problem(problem)
         if problem is None:
             try:
-                save_optimizer(model, optimizer, tmp / OPTIMIZER_DIR)  # collective; fails on every process
+                save_optimizer(*optimizer_shares, tmp / OPTIMIZER_DIR)  # collective; fails on every process
             except Exception as e:  # noqa: BLE001 - torch.distributed.checkpoint wraps OSError in its own type
                 problem = e
         if main and problem is None:
             try:
-                self._write(tmp, step, adapter, None, scheduler, scaler, device)
+                self._write(tmp, state, adapter)
                 self._finish(tmp, final)
             except OSError as e:
                 problem = e
@@ -131,21 +125,27 @@ class CheckpointStore:
                f"with --resume." if previous else "There is no earlier checkpoint.")
         )
 
-    def _write(self, folder: Path, step: int, model, optimizer, scheduler, scaler, device) -> None:
-        """``optimizer`` None: its state was written sharded (``save_collective``)."""
-        self.save_adapter(model, folder / "adapter")
-        state = {
-            "step": step,
-            "optimizer": optimizer.state_dict() if optimizer is not None else None,
-            "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict() if scaler is not None else None,
-            "rng": rng_state(device),
-        }
-        if self.reference_state is not None:
-            state["reference"] = self.reference_state()
+    def _write(self, folder: Path, state: dict, adapter) -> None:
+        self.save_adapter(adapter, folder / "adapter")
         torch.save(state, folder / "state.pt")
-        if self.run_identity is not None:
-            (folder / RUN_IDENTITY).write_text(json.dumps(self.run_identity, indent=2, sort_keys=True))
+        if self.identity is not None:
+            (folder / RUN_IDENTITY).write_text(json.dumps(self.identity, indent=2, sort_keys=True))
+
+
+def training_state(step: int, optimizer, scheduler, scaler, device: torch.device, reference: dict | None = None) -> dict:
+    """What state.pt holds: the step, the optimizer's state (None: written in shares, ``save_collective``), the
+    scheduler's, the loss scaler's and the RNG state; and a preference objective's reference weights
+    (``models.reference.Reference.state``), so a resumed run has the reference it started with."""
+    state = {
+        "step": step,
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "rng": rng_state(device),
+    }
+    if reference is not None:
+        state["reference"] = reference
+    return state
 
 
 def _first_problem(problem: BaseException | None) -> BaseException | None:
@@ -241,7 +241,8 @@ def remove_partial(root: Path) -> list[Path]:
 def rng_state(device: torch.device) -> dict:
     """Plain values and tensors only, so that ``state.pt`` loads with ``weights_only=True``."""
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    numpy_state = [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]
+    numpy_state = [name, torch.from_numpy(keys.astype(np.int64)),  # pyright: ignore[reportAttributeAccessIssue]  # legacy tuple form
+                   int(pos), int(has_gauss), float(cached)]
     state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if device.type != "cpu":
         state["device"] = torch.get_device_module(device.type).get_rng_state()
@@ -285,7 +286,7 @@ def load_state(path: Path) -> dict:
 
     allowed = [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
     multiarray = getattr(np, "_core", None) or np.core
-    allowed.append(multiarray.multiarray._reconstruct)
+    allowed.append(multiarray.multiarray._reconstruct)  # pyright: ignore[reportAttributeAccessIssue]  # numpy 1's np.core
     try:
         with torch.serialization.safe_globals(allowed):
             return torch.load(path, map_location="cpu", weights_only=True)
@@ -295,29 +296,15 @@ def load_state(path: Path) -> dict:
                         f"unpickled, since unpickling runs code. Resume from a checkpoint vlft wrote.") from None
 
 
-def restore_training_state(checkpoint: Path, optimizer, scheduler, scaler, device: torch.device,
-                           model=None) -> int:
-    """Optimizer, scheduler, scaler and RNG state from ``checkpoint``; returns its step. ``model``: the
-    sharded model (``--shard fsdp``), whose optimizer state is read from each process's share."""
+def read_checkpoint(checkpoint: Path, sharded: bool) -> dict:
+    """``checkpoint``'s state.pt (``training_state``), once it is known to be written as this run holds its
+    optimizer state: whole, or in shares (``sharded``, ``--shard fsdp``: read by ``load_optimizer``)."""
 
     state = load_state(checkpoint / "state.pt")
     written_sharded = (checkpoint / OPTIMIZER_DIR).is_dir()
-    if written_sharded != (model is not None):
+    if written_sharded != sharded:
         raise VlftError(
             f"--resume: {checkpoint} was written {'with' if written_sharded else 'without'} --shard fsdp; resume "
             f"it {'with' if written_sharded else 'without'} --shard fsdp (the optimizer state is stored "
             f"{'in shares, one per process' if written_sharded else 'whole'})")
-    if model is not None:
-        load_optimizer(model, optimizer, checkpoint / OPTIMIZER_DIR)
-    else:
-        optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    if scaler is not None and state.get("scaler"):
-        scaler.load_state_dict(state["scaler"])
-    set_rng_state(state["rng"], device)
-    return int(state["step"])
-
-
-def saved_reference(checkpoint: Path) -> dict | None:
-    """The reference weights ``checkpoint`` kept (``CheckpointStore.reference_state``), or None."""
-    return load_state(checkpoint / "state.pt").get("reference") or None
+    return state

@@ -27,22 +27,21 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from vlft.planning.sharding import ShardingPlan, blocks, transformers_model
 
 
-def shard_model(model, plan: ShardingPlan, device, whole: dict | None = None, family=None) -> None:
+def shard_model(model, plan: ShardingPlan, device, whole: dict | None = None, *, family) -> None:
     """Apply ``fully_shard`` to every block, then to the transformers model as the root (in place); with
     several processes, fill the shares from rank 0's ``whole`` state dict (``receive_from_rank0``).
 
     The root is the transformers model, not the PEFT wrapper, so ``generate`` (which calls the transformers
     model directly) also passes through the root's hooks.
     """
+    # public from torch 2.6 (vlft.floors): imported here, so importing the training stage on an older torch
+    # leaves the refusal to the run's plan (floors.require_torch), which names the version
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    # the root returns the logits as a view; FSDP warns in case the caller changes them in place, which the
-    # loss (and nothing else in vlft) never does
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     mesh = init_device_mesh(device.type, (plan.world_size,))
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, plan.param_dtype) if plan.param_dtype else None,
                               reduce_dtype=getattr(torch, plan.reduce_dtype))
@@ -54,10 +53,34 @@ def shard_model(model, plan: ShardingPlan, device, whole: dict | None = None, fa
     # FSDP takes as root the first sharded module whose forward runs; generate runs the vision tower's
     # blocks before the root's forward, so settle the root now (torch has no public call for this)
     fully_shard.state(root)._lazy_init()
+    quiet_during_forward(root, r"FSDP2-wrapped module .* returned a view tensor")
     if plan.sum_reductions:
         for module in root.modules():
             if hasattr(module, "set_force_sum_reduction_for_comms"):
                 module.set_force_sum_reduction_for_comms(True)
+
+
+def quiet_during_forward(module, message: str) -> None:
+    """Ignore warnings matching ``message`` while ``module``'s forward runs, its hooks included, and only then:
+    the process's warning filters are as they were after each forward (an error inside it too).
+
+    FSDP2 warns at every forward of the root that it returned a view (the logits), in case the caller changes
+    it in place, which the loss (and nothing else in vlft) never does; its post-forward hook raises it, so the
+    scope opens before FSDP's pre-forward hook and closes after its post-forward hook.
+    """
+    scopes = []
+
+    def enter(_module, _args):
+        scope = warnings.catch_warnings()
+        scope.__enter__()
+        warnings.filterwarnings("ignore", message=message)
+        scopes.append(scope)
+
+    def leave(_module, _args, _output):
+        scopes.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter, prepend=True)
+    module.register_forward_hook(leave, always_call=True)
 
 
 def receive_from_rank0(model, state: dict | None, device) -> None:
@@ -129,7 +152,7 @@ OPTIMIZER_DIR = "optimizer"
 def save_optimizer(model, optimizer, folder) -> None:
     """Each process writes its shard of the optimizer state under ``folder`` (collective)."""
 
-    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(folder))
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(folder))  # pyright: ignore[reportPrivateImportUsage]  # torch re-exports it without __all__
 
 
 def load_optimizer(model, optimizer, folder) -> None:
@@ -137,5 +160,5 @@ def load_optimizer(model, optimizer, folder) -> None:
     than the one that wrote it is re-sharded by torch.distributed.checkpoint."""
 
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, checkpoint_id=str(folder))
+    dcp.load(state, checkpoint_id=str(folder))  # pyright: ignore[reportPrivateImportUsage]  # torch re-exports it without __all__
     set_optimizer_state_dict(model, optimizer, state["optimizer"])

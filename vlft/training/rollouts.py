@@ -16,8 +16,9 @@ rollout, and resuming from it continues exactly as the uninterrupted run.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 from vlft.contracts.objective import Prepared
 

@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -65,7 +66,7 @@ class StopRequest:
 
     def __init__(self):
         self.signum: int | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Any] = {}  # signal number -> the handler signal.signal replaced
         self._pending = None  # (work, array): the flag all-reduced after the previous step
 
     def _handler(self, signum, frame):

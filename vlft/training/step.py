@@ -12,7 +12,7 @@ them the same way.
 A step whose loss or gradient norm is not finite is not applied, in every
 precision, without a host-device sync: on an accelerator the update is masked
 on the device (``guarded_step``); on the CPU, where reading the flag waits for
-nothing, the step is just not taken. The loop (``training.loop``) reads the skip flags when it
+nothing, the step is just not taken. The loop (``training.trainer``) reads the skip flags when it
 reads the loss anyway (log steps, checkpoints), naming the skipped batches'
 records then.
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 import random
 import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -84,6 +84,25 @@ class StepPolicy:
                           non_blocking)
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did. The tensors stay on the device: the loop reads them where it syncs anyway
+    (log steps, checkpoints), so a step costs no host-device sync."""
+
+    loss_sum: torch.Tensor  # the step's loss summed over its units (every micro-batch of this process)
+    grad_norm: torch.Tensor  # before clipping, over every process's gradients
+    local_units: int  # what the loss is averaged over on this process (label tokens, records, completion tokens)
+    global_units: float  # the same, summed over every process
+    skipped: torch.Tensor  # bool: not applied (a non-finite loss or gradient norm)
+    backoff: torch.Tensor  # bool: skipped by the loss scaler, which backed off (fp16's warm-up, an overflow)
+    figures: dict[str, torch.Tensor] = field(default_factory=dict)  # the objective's figures (sums over units)
+
+    @property
+    def loss(self) -> float:
+        """The step's mean loss over every process's units (reads the device)."""
+        return float(self.loss_sum) / self.global_units
+
+
 def seed_everything(seed: int) -> None:
     """Python, NumPy and torch's CPU generator; the backend seeds its device."""
     random.seed(seed)
@@ -110,8 +129,9 @@ def global_label_count(count: int, world_size: int, device: torch.device | None 
 
 
 def train_step(model, optimizer, scheduler, micro_batches: list[dict], policy: StepPolicy,
-               local_tokens: int, global_tokens: float | None = None, passes: StepPasses | None = None) -> dict:
-    """One optimizer step over ``micro_batches`` (already on the device). Returns device tensors.
+               local_tokens: int, global_tokens: float | None = None, passes: StepPasses | None = None
+               ) -> StepResult:
+    """One optimizer step over ``micro_batches`` (already on the device).
 
     ``local_tokens`` is this process's count of what the loss is averaged over (label tokens, records, ...:
     ``Objective.prepare``), counted on the host before the batches moved, so the step needs no device sync for it.
@@ -145,7 +165,7 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], policy: S
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
     grad_norm = grad_norm.detach()
     if hasattr(grad_norm, "full_tensor"):  # sharded gradients: the norm over all shards, the same on every process
-        grad_norm = grad_norm.full_tensor()
+        grad_norm = grad_norm.full_tensor()  # pyright: ignore[reportAttributeAccessIssue]  # a DTensor, from sharded gradients
     # gradients are all-reduced, the loss is not: with several processes only the gradient decides, so
     # every rank skips the same steps
     finite = torch.isfinite(grad_norm)
@@ -173,8 +193,8 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], policy: S
     else:
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss_sum": total, "grad_norm": grad_norm, "local_tokens": local_tokens,
-            "global_tokens": n_tokens, "skipped": ~finite, "backoff": backoff, "figures": figures}
+    return StepResult(loss_sum=total, grad_norm=grad_norm, local_units=local_tokens, global_units=n_tokens,
+                      skipped=~finite, backoff=backoff, figures=figures)
 
 
 # below this loss scale an overflow is the gradients' own, not the scale's: fp16 holds up to 65504 unscaled
@@ -243,16 +263,15 @@ def settle_step_counters(optimizer, skipped: int, device: torch.device) -> None:
 
 
 def train_step_on(model, optimizer, scheduler, host_batches: list[dict], policy: StepPolicy,
-                  non_blocking: bool = False) -> dict:
+                  non_blocking: bool = False) -> StepResult:
     """``train_step`` on batches still on the host: the objective prepares them (``Objective.prepare``: counted
     on the host and moved, or GRPO's completions sampled and scored), then its units are summed over processes
     (a host reduction) and the step runs; what preparing measured joins the step's figures."""
     passes = policy.passes(non_blocking)
     prepared = policy.prepare(model, host_batches, passes)
     global_units = start_global_label_count(prepared.units, policy.world_size)()
-    out = train_step(model, optimizer, scheduler, prepared.batches, policy, prepared.units, global_units, passes)
-    out["figures"].update(prepared.figures)
-    return out
+    result = train_step(model, optimizer, scheduler, prepared.batches, policy, prepared.units, global_units, passes)
+    return replace(result, figures={**result.figures, **prepared.figures})
 
 
 def cosine_with_warmup(optimizer, warmup: int, total: int):

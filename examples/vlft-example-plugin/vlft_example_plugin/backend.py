@@ -21,7 +21,22 @@ from __future__ import annotations
 
 import sys
 
-from vlft import AttentionPolicy, BackendInfo, ConfigError, DataLoaderOptions, DeviceCapacity, DeviceSetup, DistributedOptions, DoctorCheck, MemoryStats, PrecisionPolicy, ProbeResult, hookimpl, hookimpl_for, parse_attn
+from vlft import (
+    AttentionPolicy,
+    BackendInfo,
+    ConfigError,
+    DataLoaderOptions,
+    DeviceCapacity,
+    DeviceSetup,
+    DistributedOptions,
+    DoctorCheck,
+    MemoryStats,
+    PrecisionPolicy,
+    ProbeResult,
+    hookimpl,
+    hookimpl_for,
+    parse_attn,
+)
 
 NAME = "cpu-bf16"
 # marks a backend hook that runs only when asked about NAME (None for any other backend)

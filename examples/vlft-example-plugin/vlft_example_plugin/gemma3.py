@@ -30,7 +30,20 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from vlft import ModelFamily, Packing, Sharding, VisionWarmup, hookimpl, processor_image_inputs
+from vlft import (
+    Chat,
+    ModelFamily,
+    Packing,
+    Sharding,
+    Targets,
+    Tiny,
+    Towers,
+    VisionWarmup,
+    hookimpl,
+    processor_image_inputs,
+)
+
+VLFT_PLUGIN_API = 3  # the plugin API this module is written for (docs/plugin-api-changes.md)
 
 NAME = "gemma3"
 TEMPLATE = (
@@ -214,20 +227,15 @@ FAMILY = ModelFamily(
     name=NAME,
     model_types=("gemma3",),
     description="Gemma 3 (4B/12B/27B): SigLIP + Gemma 3, fixed 256 tokens per image (third-party example)",
-    vision_tower="model.vision_tower",
-    vision_blocks="model.vision_tower.encoder.layers",
-    vision_mergers=("model.multi_modal_projector",),
-    decoder_layers="model.language_model.layers",
-    lm_head="lm_head",
-    vision_attention=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"),
-    vision_mlp=("mlp.fc1", "mlp.fc2"),
-    text_attention=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
-    text_mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
-    default_targets="both",
-    box_coordinates="absolute",
-    processor_class="Gemma3Processor",
-    load_processor=None,  # AutoProcessor
-    reply_end_token="<end_of_turn>",
+    towers=Towers(vision="model.vision_tower", vision_blocks="model.vision_tower.encoder.layers",
+                  vision_mergers=("model.multi_modal_projector",), decoder_layers="model.language_model.layers",
+                  lm_head="lm_head"),
+    targets=Targets(vision_attention=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"),
+                    vision_mlp=("mlp.fc1", "mlp.fc2"),
+                    text_attention=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
+                    text_mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"), default="both"),
+    # load_processor None: AutoProcessor
+    chat=Chat(processor_class="Gemma3Processor", reply_end_token="<end_of_turn>", box_coordinates="absolute"),
     # Gemma3Processor writes <start_of_image><image_soft_token>*N<end_of_image> itself, and returns
     # token_type_ids (1 on image tokens: they attend both ways) beside the pixels. Without pan-and-scan every
     # image is resized to the processor's square size: no size cap for --max-pixels to set. The plan counts each
@@ -239,8 +247,7 @@ FAMILY = ModelFamily(
                             "that Gemma 3 keeps that bidirectional attention inside each packed sample"),
     sharding=Sharding(("Gemma3DecoderLayer", "SiglipEncoderLayer")),
     vision_dummy=vision_dummy,
-    build_tiny=build_tiny,
-    tiny_recipe=RECIPE,
+    tiny=Tiny(build_tiny, RECIPE),
 )
 
 
@@ -249,7 +256,3 @@ def vlft_model_families():
     """`vlft plugins` lists it; `--model embedded:gemma3` finds its tiny model here."""
     return [FAMILY]
 
-
-@hookimpl
-def vlft_model_family(model_type):
-    return FAMILY if FAMILY.owns(model_type) else None
