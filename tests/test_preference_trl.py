@@ -33,7 +33,7 @@ import torch
 if os.environ.get("VLFT_REQUIRE_TRL") != "1":
     pytest.importorskip("trl", reason="trl is not importable here; `make test` runs this module again with it "
                                       "(.venv/trl-site)")
-import trl  # noqa: E402 - after the skip: trl is optional
+import trl  # noqa: E402, F401 - after the skip: trl is optional, imported to fail loudly under VLFT_REQUIRE_TRL
 
 NOISE = 0.05
 
@@ -143,7 +143,7 @@ def test_ktos_loss_equals_trls_ktotrainer(setup, tmp_path):
     from trl import KTOConfig, KTOTrainer
 
     from vlft import OWN, SHARED
-    from vlft.data.batching import to_device, with_label_positions
+    from vlft.data.batching import to_device
     from vlft.models.loading import load_model
     from vlft.models.passes import StepPasses
     from vlft.models.reference import Reference

@@ -22,7 +22,7 @@ from __future__ import annotations
 import random
 import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
