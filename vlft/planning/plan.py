@@ -53,6 +53,9 @@ class RunPlan:
     adapter: AdapterDefaults
     lr: float
     model_path: str
+    family: ModelFamily  # the checkpoint's model family, resolved once here
+    objective: Objective  # what is optimised (--objective), resolved once here
+    packing: PackingPlan  # --packing as resolved against the attention and the family
     targets: list[str] = field(default_factory=list)
     target_params: dict[str, int] = field(default_factory=dict)  # module -> adapter parameters
     target_summary: dict[str, Any] = field(default_factory=dict)
@@ -61,14 +64,11 @@ class RunPlan:
     lengths: dict[str, Any] = field(default_factory=dict)  # sample lengths: longest, skipped, limit
     notes: tuple[str, ...] = ()
     sharding: Any = None  # sharding.ShardingPlan: how the processes hold the model (--shard)
-    family: ModelFamily | None = None  # the checkpoint's model family, resolved once here
     model_counts: dict[str, int] = field(default_factory=dict)  # parameters: total, vision, experts, ...
     kernels: KernelChoice | None = None  # the backends' kernel patches, chosen and declined (--kernels)
     param_groups: dict[str, dict] = field(default_factory=dict)  # AdamW group -> {"lr", "parameters"}
     merger_parameters: int = 0  # --train-merger: merger parameters trained in full (modules_to_save)
-    packing: PackingPlan | None = None  # --packing as resolved against the attention and the family
     peak_flops: float | None = None  # the device's peak FLOP/s where the backend knows it (DeviceCapacity)
-    objective: Objective | None = None  # what is optimised (--objective), resolved once here
     init_adapter: str | None = None  # --init-adapter: the adapter folder the run starts from
     scorers: Any = None  # scorers.ScorerChoice: what scores the before/after answers (--scorer)
     # what the data and the model's shape decided (``preflight.plan_run``), kept for the run that trains from it

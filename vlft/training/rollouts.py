@@ -15,7 +15,6 @@ rollout, and resuming from it continues exactly as the uninterrupted run.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 
 class KeptRollout:
@@ -23,7 +22,7 @@ class KeptRollout:
     rollout runs on a rollout's first step (the step count a multiple of ``iterations``) or when nothing is
     kept (a run resumed inside a rollout); the other steps get its batches and units again."""
 
-    def __init__(self, rollout: Callable[..., Any], iterations: int, start_step: int):
+    def __init__(self, rollout: Callable[..., tuple[list[dict], int]], iterations: int, start_step: int):
         self.rollout, self.iterations, self.step = rollout, iterations, start_step
         self.kept: tuple[list[dict], int] | None = None
 
