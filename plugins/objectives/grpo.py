@@ -336,6 +336,10 @@ class Rollout:
                                         getattr(processor, "video_token_id", None)) if t is not None]
         return PromptEncoder(sample_encoder, self.sampling.new_tokens)
 
+    def _tokenizer(self):
+        assert self.tokenizer is not None, "the core hands encoder() the sample encoder at plan time, before a step"
+        return self.tokenizer
+
     def __call__(self, model, host_batches: list[dict], device, autocast):
         import torch  # the step runs torch already; the plugin module itself stays light
 
@@ -361,7 +365,7 @@ class Rollout:
     def _sample(self, net, host: dict, device):
         from vlft.data.batching import to_device
 
-        s, tok = self.sampling, self.tokenizer
+        s, tok = self.sampling, self._tokenizer()
         prompt = to_device(host, device)  # the references and places stay on the host
         sequences = net.generate(**prompt, do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=0,
                                  max_new_tokens=s.new_tokens, num_return_sequences=s.groups,
@@ -379,12 +383,13 @@ class Rollout:
         g, b = self.sampling.groups, host["records"]
         length = prompt["input_ids"].shape[1]
         completion = sequences[:, length:]  # [b * g, T], prompt-major (generate's order)
-        eos = torch.tensor(_eos_ids(self.tokenizer), device=completion.device)
+        tok = self._tokenizer()
+        eos = torch.tensor(_eos_ids(tok), device=completion.device)
         is_eos = torch.isin(completion, eos)
         mask = (torch.cumsum(is_eos, 1) - is_eos.long()) == 0  # up to and including the first end token
         t0 = time.perf_counter()
         ids = [row[m].tolist() for row, m in zip(completion, mask)]
-        texts = [t.strip() for t in self.tokenizer.batch_decode(ids, skip_special_tokens=True)]
+        texts = [t.strip() for t in tok.batch_decode(ids, skip_special_tokens=True)]
         references = [r for r in host["references"] for _ in range(g)]
         where = [w for w in host["where"] for _ in range(g)]
         totals, per_reward = score(self.rewards, texts, references, where)
@@ -515,7 +520,9 @@ def token_logps(model, inputs: dict, batch: dict, autocast, temperature: float =
     from vlft.data.records import IGNORE_INDEX
     from vlft.models.loss import labelled_logits
 
-    logits, targets = labelled_logits(model, inputs, batch, autocast)
+    picked = labelled_logits(model, inputs, batch, autocast)
+    assert picked is not None, "the rollout's rows carry their label positions (with_label_positions)"
+    logits, targets = picked
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if temperature != 1.0:
         logits = logits / temperature
