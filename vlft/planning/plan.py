@@ -88,7 +88,7 @@ class RunPlan:
     def experts_adapted(self) -> dict | None:
         """For a mixture-of-experts family: whether its fused expert weights are adapted, which (relative to a
         decoder layer), the adapter parameters on them, and the routers, which never train. None: no experts."""
-        experts = self.family.experts if self.family is not None else None
+        experts = self.family.experts
         if experts is None:
             return None
         on_experts = sum(n for m, n in self.target_params.items() if m not in self.targets)
@@ -110,12 +110,12 @@ class RunPlan:
                 "warnings": self.backend.probe.warnings,
             },
             "attention": dataclasses.asdict(self.attention),
-            "packing": self.packing.describe() if self.packing else None,
+            "packing": self.packing.describe(),
             "precision": self.precision.describe(),
             "dataloader": dataclasses.asdict(self.dataloader),
             "distributed": dataclasses.asdict(self.distributed),
             "sharding": self.sharding.describe() if self.sharding else None,
-            "objective": self.objective.describe() if self.objective else None,
+            "objective": self.objective.describe(),
             "init_adapter": self.init_adapter,
             "method": {
                 "name": self.method.name,
@@ -124,9 +124,8 @@ class RunPlan:
                 "notes": self.adapter.notes,
             },
             "model": self.model_path,
-            "model_family": ({"name": self.family.name, "model_types": list(self.family.model_types),
-                              "box_coordinates": self.family.chat.box_coordinates, "parameters": self.model_counts}
-                             if self.family else None),
+            "model_family": {"name": self.family.name, "model_types": list(self.family.model_types),
+                             "box_coordinates": self.family.chat.box_coordinates, "parameters": self.model_counts},
             "targets": {
                 **self.target_summary,
                 "modules": {m: self.target_params.get(m) for m in self.targets},
