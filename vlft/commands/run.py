@@ -81,8 +81,7 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
     sink_factories = metric_sinks(registry, config)
     identity = run_identity(config, registry.objective_for(config).describe()["options"])
     resume_from = _checkpoint_to_resume(config, output, identity)
-    complete = _completed(output, resume_from, config)
-    if complete is not None:
+    if resume_from is not None and (complete := _completed(output, resume_from, config)) is not None:
         log(f"--resume: the run in {output} is complete ({complete['steps']} steps, checkpoint "
             f"{resume_from.name}); nothing to train. Its adapter: {complete.get('adapter')}", config.rank)
         return RunResult(output, None, metrics=[])
@@ -95,20 +94,20 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
     write_plan(trainer, description)
     before = evaluate_before(trainer)
     records = train(trainer)  # ends with a checkpoint of the last step
-    trainer.save_adapter(trainer.output / "adapter")  # before the evaluation: whatever it does, the adapter is kept
+    trainer.save_adapter(trainer.folder / "adapter")  # before the evaluation: whatever it does, the adapter is kept
     trainer.free_optimizer_state()
     after, eval_error = evaluate_after(trainer)
     write_summary(trainer, before, after, records, eval_error, sharding)
     trainer.close()
-    return RunResult(trainer.output, trainer.plan, before, after, records, description)
+    return RunResult(trainer.folder, trainer.plan, before, after, records, description)
 
 
-def _completed(output: Path, resume_from: Path | None, config: RunConfig) -> dict | None:
+def _completed(output: Path, resume_from: Path, config: RunConfig) -> dict | None:
     """``--resume`` on a run that finished: its summary says completed and its newest checkpoint is of the
     last step, and ``--steps`` asks for no more (a finished run extended with ``--force-resume --steps N``
     trains on). The summary then, else None."""
     path = output / "summary.json"
-    if resume_from is None or not path.exists():
+    if not path.exists():
         return None
     try:
         summary = json.loads(path.read_text())
@@ -135,7 +134,7 @@ def _checkpoint_to_resume(config: RunConfig, output: Path, identity: dict) -> Pa
 
 def write_plan(trainer: Trainer, description: dict) -> None:
     """plan.json and config.json, and the plan on stderr (rank 0)."""
-    config, output = trainer.config, trainer.output
+    config, output = trainer.config, trainer.folder
     if config.rank != 0:
         return
     output.mkdir(parents=True, exist_ok=True)
@@ -168,7 +167,7 @@ def validation_figures(trainer: Trainer) -> dict | None:
 def evaluate_before(trainer: Trainer) -> dict:
     """The scores of the model training starts from: the base model, or the adapter --init-adapter loaded
     (with the objective's validation figures, where it has them); a resumed run keeps those it wrote before."""
-    plan, rank, output = trainer.plan, trainer.config.rank, trainer.output
+    plan, rank, output = trainer.plan, trainer.config.rank, trainer.folder
     if trainer.checkpoint is not None:
         start = trainer.start_step
         log(f"resumed      from step {start} ({trainer.checkpoint})", rank)
@@ -199,7 +198,7 @@ def evaluate_before(trainer: Trainer) -> dict:
 
 def train(trainer: Trainer) -> list[dict]:
     """The trainer's loop; a stop writes its summary (and an interruption says how to continue)."""
-    config, output, rank = trainer.config, trainer.output, trainer.config.rank
+    config, output, rank = trainer.config, trainer.folder, trainer.config.rank
     log(f"training     {trainer.settings.total_steps} steps of "
         f"{config.batch_size * config.grad_accum * config.world_size} samples", rank)
     try:
@@ -216,15 +215,20 @@ def train(trainer: Trainer) -> list[dict]:
         stopped_summary(trainer, "stopped: kernel patch lost", None, error=str(e))
         raise
     except NonFiniteStop:
-        newest = trainer.checkpoints.newest()
+        newest = _newest_checkpoint(trainer)
         stopped_summary(trainer, "stopped: non-finite steps", None, checkpoint=str(newest) if newest else None)
         raise
     except CheckpointWriteError as e:
-        newest = trainer.checkpoints.newest()
+        newest = _newest_checkpoint(trainer)
         stopped_summary(trainer, "stopped: checkpoint write failed", None, error=str(e),
                         checkpoint=str(newest) if newest else None,
                         resume_command=resume_command(sys.argv, output, config.world_size) if newest else None)
         raise
+
+
+def _newest_checkpoint(trainer: Trainer) -> Path | None:
+    store = trainer.checkpoints
+    return store.newest() if store is not None else None
 
 
 def stopped_summary(trainer: Trainer, status: str, step: int | None, **extra) -> None:
@@ -234,7 +238,7 @@ def stopped_summary(trainer: Trainer, status: str, step: int | None, **extra) ->
     summary = {"status": status, "step": step, "steps": done.steps, "resumed_from": done.resumed_from,
                "train_time_s": done.train_time_s, "skipped_steps": done.skipped_steps, "skipped": done.skipped,
                "scaler_backoffs": done.scaler_backoffs, **extra}
-    path = trainer.output / "summary.json"
+    path = trainer.folder / "summary.json"
     try:
         write_atomically(path, json.dumps(summary, indent=2))
     except OSError as e:  # the disk that stopped the run may not take this either: the error still prints
@@ -257,13 +261,13 @@ def evaluate_after(trainer: Trainer) -> tuple[dict | None, str | None]:
             raise  # the other processes wait in the evaluation's collectives: stop them all
         error = f"{e.__class__.__name__}: {e}"
         log(f"the evaluation after training failed ({error}); the adapter is saved in "
-            f"{trainer.output / 'adapter'}. Score it again with: vlft predict", rank)
+            f"{trainer.folder / 'adapter'}. Score it again with: vlft predict", rank)
         return None, error
 
 
 def write_summary(trainer: Trainer, before: dict, after: dict | None, records: list[dict],
                   eval_error: str | None = None, sharding: dict | None = None) -> None:
-    config, plan, output = trainer.config, trainer.plan, trainer.output
+    config, plan, output = trainer.config, trainer.plan, trainer.folder
     if config.rank != 0:
         return
     done = trainer.outcome()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,7 +35,7 @@ class DataOrder:
     world_size: int = 1
     loader_kwargs: dict = field(default_factory=dict)  # the backend's DataLoader options (pin_memory, workers)
     # --group-by-length: each sample's length (tokens), which groups samples of similar length into batches
-    lengths: list[int] | None = None
+    lengths: Sequence[int] | None = None
     # consecutive steps that draw each group of batches: an objective that trains on one rollout over several
     # updates (GRPO's --num-iterations) draws its prompts once per rollout, so an epoch takes that many more steps
     repeat: int = 1
@@ -50,7 +51,7 @@ class EpochSampler(torch.utils.data.Sampler):
     """
 
     def __init__(self, n: int, seed: int, epoch: int, rank: int = 0, world_size: int = 1, start: int = 0,
-                 lengths: list[int] | None = None, batch_size: int = 1):
+                 lengths: Sequence[int] | None = None, batch_size: int = 1):
         self.n, self.seed, self.epoch, self.rank, self.world_size, self.start = n, seed, epoch, rank, world_size, start
         self.lengths, self.batch_size = lengths, batch_size
 
@@ -79,7 +80,7 @@ class EpochSampler(torch.utils.data.Sampler):
 GROUP_SPAN = 64  # global batches per window sorted by length: wider pads less, narrower mixes more
 
 
-def grouped_by_length(order: list[int], lengths: list[int], global_batch: int, generator) -> list[int]:
+def grouped_by_length(order: list[int], lengths: Sequence[int], global_batch: int, generator) -> list[int]:
     """``order`` with samples of similar length brought together into global batches (see the module)."""
     span = global_batch * GROUP_SPAN
     full, partial = [], []

@@ -25,6 +25,7 @@ batch's longest row. Nothing else changes:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -78,7 +79,7 @@ def resolve_packing(mode: str, attention, family) -> PackingPlan:
 CEILING_SHARE = 0.86
 
 
-def padding_ratio(lengths: list[int], micro_batches: list[list[int]]) -> float:
+def padding_ratio(lengths: Sequence[int], micro_batches: list[list[int]]) -> float:
     """Positions padded micro-batches compute per real token: sum(samples x longest) / sum(lengths)."""
     real = sum(lengths[i] for mb in micro_batches for i in mb)
     return sum(len(mb) * max(lengths[i] for i in mb) for mb in micro_batches if mb) / max(real, 1)

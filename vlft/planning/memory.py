@@ -24,6 +24,7 @@ estimate's error is stated in docs/memory-plan.md.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -286,8 +287,8 @@ def fsdp_gathered_bytes(model, compute_dtype: str | None, family) -> int:
     return root + 2 * block
 
 
-def largest_batches(lengths: list[int], grids: list[list], order: DataOrder, total_steps: int,
-                    labelled: list[int] | None = None) -> list[BatchShape]:
+def largest_batches(lengths: Sequence[int], grids: Sequence[Sequence[tuple[int, int, int]]], order: DataOrder,
+                    total_steps: int, labelled: Sequence[int] | None = None) -> list[BatchShape]:
     """The micro-batches with the most padded tokens, with the most image patches and (given ``labelled``,
     each sample's labelled tokens) with the most logit positions, over every process and every step the run
     will take in ``order`` (the sampler is seeded, so this is exact). A packed micro-batch is planned as padded:

@@ -54,6 +54,9 @@ class RunPlan:
     adapter: AdapterDefaults
     lr: float
     model_path: str
+    family: ModelFamily  # the checkpoint's model family, resolved once here
+    objective: Objective  # what is optimised (--objective), resolved once here
+    packing: PackingPlan  # --packing as resolved against the attention and the family
     targets: list[str] = field(default_factory=list)
     target_params: dict[str, int] = field(default_factory=dict)  # module -> adapter parameters
     target_summary: dict[str, Any] = field(default_factory=dict)
@@ -62,14 +65,11 @@ class RunPlan:
     lengths: dict[str, Any] = field(default_factory=dict)  # sample lengths: longest, skipped, limit
     notes: tuple[str, ...] = ()
     sharding: Any = None  # sharding.ShardingPlan: how the processes hold the model (--shard)
-    family: ModelFamily | None = None  # the checkpoint's model family, resolved once here
     model_counts: dict[str, int] = field(default_factory=dict)  # parameters: total, vision, experts, ...
     kernels: KernelChoice | None = None  # the backends' kernel patches, chosen and declined (--kernels)
     param_groups: dict[str, dict] = field(default_factory=dict)  # AdamW group -> {"lr", "parameters"}
     merger_parameters: int = 0  # --train-merger: merger parameters trained in full (modules_to_save)
-    packing: PackingPlan | None = None  # --packing as resolved against the attention and the family
     peak_flops: float | None = None  # the device's peak FLOP/s where the backend knows it (DeviceCapacity)
-    objective: Objective | None = None  # what is optimised (--objective), resolved once here
     init_adapter: str | None = None  # --init-adapter: the adapter folder the run starts from
     scorers: Any = None  # scorers.ScorerChoice: what scores the before/after answers (--scorer)
     # what the data and the model's shape decided (``preflight.plan_run``), kept for the run that trains from it
@@ -89,7 +89,7 @@ class RunPlan:
     def experts_adapted(self) -> dict | None:
         """For a mixture-of-experts family: whether its fused expert weights are adapted, which (relative to a
         decoder layer), the adapter parameters on them, and the routers, which never train. None: no experts."""
-        experts = self.family.experts if self.family is not None else None
+        experts = self.family.experts
         if experts is None:
             return None
         on_experts = sum(n for m, n in self.target_params.items() if m not in self.targets)
@@ -119,7 +119,7 @@ class RunPlan:
                 "warnings": self.backend.probe.warnings,
             },
             "attention": dataclasses.asdict(self.attention),
-            "packing": self.packing.describe() if self.packing else None,
+            "packing": self.packing.describe(),
             "precision": self.precision.describe(),
             "dataloader": dataclasses.asdict(self.dataloader),
             "distributed": dataclasses.asdict(self.distributed),
@@ -133,9 +133,8 @@ class RunPlan:
                 "notes": self.adapter.notes,
             },
             "model": self.model_path,
-            "model_family": ({"name": self.family.name, "model_types": list(self.family.model_types),
-                              "box_coordinates": self.family.chat.box_coordinates, "parameters": self.model_counts}
-                             if self.family else None),
+            "model_family": {"name": self.family.name, "model_types": list(self.family.model_types),
+                             "box_coordinates": self.family.chat.box_coordinates, "parameters": self.model_counts},
             "targets": {
                 **self.target_summary,
                 "modules": {m: self.target_params.get(m) for m in self.targets},

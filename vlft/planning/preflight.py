@@ -76,7 +76,7 @@ def resolve_data_paths(config: RunConfig, objective=None) -> tuple[list[tuple[Pa
     return [(Path(p), w) for p, w in map(split_data_spec, specs)], (Path(config.val_data) if config.val_data else None)
 
 
-def read_training_files(config: RunConfig, objective=None) -> tuple[list, Path | None]:
+def read_training_files(config: RunConfig, objective=None) -> tuple[Sequence, Path | None]:
     """Every training file read and weighted (all files' problems reported together), and the validation path."""
     files, val_path = read_training_files_unweighted(config, objective)
     return concat([weighted(records, weight, config.seed) for records, weight in files]), val_path
@@ -105,7 +105,7 @@ def read_training_files_unweighted(config: RunConfig, objective=None) -> tuple[l
     return train, val_path
 
 
-def load_and_check_data(config: RunConfig, encoder, objective=None) -> tuple[list, list, LengthReport]:
+def load_and_check_data(config: RunConfig, encoder, objective=None) -> tuple[Sequence, Sequence, LengthReport]:
     """Read and check both splits, lengths included; samples over --max-length stop the run or are skipped.
     The result is kept in the user's cache while the files are unchanged (``planning.checked``), and under
     torchrun one process per machine checks. ``objective``: whose layout the records are read in."""
@@ -128,7 +128,7 @@ def load_and_check_data(config: RunConfig, encoder, objective=None) -> tuple[lis
     return train, val, lengths
 
 
-def _load_and_check_data(config: RunConfig, encoder, objective=None) -> tuple[list, list, LengthReport]:
+def _load_and_check_data(config: RunConfig, encoder, objective=None) -> tuple[Sequence, Sequence, LengthReport]:
     files, val_path = read_training_files_unweighted(config, objective)
     if val_path is not None:
         val = _read_validation(val_path, config, objective)
@@ -214,7 +214,7 @@ class TargetChoice:
     param_groups: dict[str, dict]  # AdamW group -> {"lr", "parameters"}
 
 
-def plan_targets(registry: Registry, plan: RunPlan, model) -> tuple[object, TargetChoice]:
+def plan_targets(registry: Registry, plan: RunPlan, model) -> tuple[torch.nn.Module, TargetChoice]:
     """Adapt ``model`` (real or on 'meta') as ``plan``'s policies say; the adapted model, and the targets with
     their adapter parameter counts."""
 
@@ -334,7 +334,7 @@ def _read_data(registry: Registry, policies: RunPlan, model_path: str, encoder) 
     return _Data(train, val, lengths, total_steps, packing, notes)
 
 
-def _adapted_skeleton(registry: Registry, policies: RunPlan, model_config) -> tuple[object, TargetChoice]:
+def _adapted_skeleton(registry: Registry, policies: RunPlan, model_config) -> tuple[torch.nn.Module, TargetChoice]:
     """The targets chosen and adapted on a weightless copy, in the dtype the layers will compute in."""
     precision = policies.precision
     compute = precision.autocast_dtype or precision.param_dtype

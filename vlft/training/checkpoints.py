@@ -48,10 +48,11 @@ class CheckpointStore:
         done = sorted(p for p in self.root.glob("step-*") if (p / MANIFEST).exists())
         return done[-1] if done else None
 
-    def save(self, step: int, state: dict, adapter, optimizer_shares=None) -> Path:
+    def save(self, step: int, state: dict, adapter, optimizer_shares: tuple[Any, Any] | None = None) -> Path:
         """Write the checkpoint of ``step``: ``state`` (``training_state``, into state.pt) and ``adapter`` (what
         ``save_adapter`` writes). Without sharding rank 0 alone calls this."""
         if self.collective:
+            assert optimizer_shares is not None, "a collective save writes every process's optimizer share"
             return self.save_collective(step, state, adapter, optimizer_shares)
         final = self.root / f"step-{step:06d}"
         tmp = self.root / f".tmp-step-{step:06d}"
@@ -67,7 +68,7 @@ class CheckpointStore:
         self._prune()
         return final
 
-    def save_collective(self, step: int, state: dict, adapter, optimizer_shares) -> Path:
+    def save_collective(self, step: int, state: dict, adapter, optimizer_shares: tuple[Any, Any]) -> Path:
         """Every process calls this under ``--shard fsdp``: ``adapter`` is the adapter gathered whole on rank 0
         (None on the others), ``optimizer_shares`` the (model, optimizer) whose state each process writes its
         share of (torch.distributed.checkpoint); rank 0 writes the rest, the manifest last, and renames the

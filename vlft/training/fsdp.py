@@ -97,7 +97,9 @@ def receive_from_rank0(model, state: dict | None, device) -> None:
     with torch.no_grad():
         for _, buffer in model.named_buffers():
             torch.distributed.broadcast(buffer, src=0)
-    set_model_state_dict(model, state if main else {},
+    full = state if main else {}
+    assert full is not None, "rank 0 passes the full state dict it loaded"
+    set_model_state_dict(model, full,
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 

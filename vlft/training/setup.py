@@ -55,13 +55,15 @@ def init_distributed(plan: RunPlan, device) -> None:
     for key, value in dist.env.items():
         os.environ.setdefault(key, value)
     if not torch.distributed.is_initialized():
-        extra = {}
-        if "MASTER_ADDR" not in os.environ and plan.config.world_size == 1:
-            # one process sharding on its own (--shard fsdp without torchrun): an in-memory rendezvous
-            extra = dict(store=torch.distributed.HashStore(), rank=0, world_size=1)
+        # one process sharding on its own (--shard fsdp without torchrun): an in-memory rendezvous; else torch's
+        # defaults (-1, None: rank, size and rendezvous from torchrun's environment)
+        solo = "MASTER_ADDR" not in os.environ and plan.config.world_size == 1
+        # HashStore is public (documented in torch.distributed); torch's __init__ just does not re-export it
+        store = torch.distributed.HashStore() if solo else None  # pyright: ignore[reportPrivateImportUsage]
         torch.distributed.init_process_group(
             backend=dist.process_group_backend, timeout=datetime.timedelta(seconds=dist.timeout_s),
-            device_id=device if device.type != "cpu" else None, **extra,
+            device_id=device if device.type != "cpu" else None,
+            store=store, rank=0 if solo else -1, world_size=1 if solo else -1,
         )
         if plan.config.world_size > 1:
             joined_group()
@@ -150,8 +152,8 @@ def optimizer_and_schedule(model, plan: RunPlan):
     # one group per tower (text, vision, merger), each at its absolute peak lr; the schedule scales them all
     config, total_steps = plan.config, plan.total_steps
     groups = optimizer_groups(model, plan.family, plan.lr, config)
-    fused = {"fused": True} if fused_optimizer(plan) else {}
-    optimizer = torch.optim.AdamW(groups, lr=plan.lr, weight_decay=config.weight_decay, **fused)
+    fused = True if fused_optimizer(plan) else None  # None: torch's default (foreach where it can), not False
+    optimizer = torch.optim.AdamW(groups, lr=plan.lr, weight_decay=config.weight_decay, fused=fused)
     return optimizer, cosine_with_warmup(optimizer, int(config.warmup_ratio * total_steps), total_steps)
 
 
@@ -187,7 +189,7 @@ def loop_settings(plan: RunPlan, model) -> LoopSettings:
 def training_collator(plan: RunPlan, model_config, processor):
     """The padding collator, or with packing (``plan.packing``) the packing one, holding the family's positions
     and the model config resolved at plan time (positions are built in the data stage)."""
-    if plan.packing is not None and plan.packing.enabled:
+    if plan.packing.enabled:
         images = plan.family.image_inputs
         return PackingCollator(plan.packing, plan.family.positions, model_config,
                                images.batch_inputs if images is not None else {}, owner=plan.family.label())

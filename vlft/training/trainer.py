@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,7 +140,10 @@ class Trainer:
         # how it trains
         precision = plan.precision
         self.autocast_dtype = getattr(torch, precision.autocast_dtype) if precision.autocast_dtype else None
-        self.scaler = precision.make_scaler() if precision.loss_scaling else None
+        self.scaler = None
+        if precision.loss_scaling:
+            assert precision.make_scaler is not None, f"the {precision.name} precision scales the loss: make_scaler"
+            self.scaler = precision.make_scaler()
         self.optimizer, self.scheduler = optimizer_and_schedule(self.model, plan)
         self.step = 0
         kept_reference = None
@@ -163,9 +167,9 @@ class Trainer:
         # where it writes
         self.output = output.folder if output is not None else None
         self.checkpoints = self._checkpoint_store(output)
-        main = config.rank == 0 and output is not None
-        self.metrics = MetricsLog(self.output / "metrics.jsonl" if main else None,
-                                  [open_sink(self.output) for open_sink in output.sinks] if main else None)
+        main = output if config.rank == 0 else None  # rank 0 writes the metrics
+        self.metrics = MetricsLog(main.folder / "metrics.jsonl" if main else None,
+                                  [open_sink(main.folder) for open_sink in main.sinks] if main else None)
         if resume_from is not None:
             self.metrics.truncate_after(self.start_step)  # the lines past the checkpoint are written again
         # what training builds up
@@ -190,7 +194,14 @@ class Trainer:
     def is_main(self) -> bool:
         return self.config.rank == 0
 
-    def describe(self, notes: list[str] = ()) -> dict:
+    @property
+    def folder(self) -> Path:
+        """The run's folder (``vlft run``'s trainer always has one; a trainer built without a ``RunOutput``
+        writes nothing)."""
+        assert self.output is not None, "this trainer was built without a RunOutput: it has no folder"
+        return self.output
+
+    def describe(self, notes: Sequence[str] = ()) -> dict:
         """The plan as planned, with what setting the model up did and ``notes`` of the caller's."""
         desc = self.plan.describe()
         return {**desc, "model_patches": self.patches, "notes": [*desc["notes"], *self.setup_notes, *notes]}
@@ -452,16 +463,18 @@ class Trainer:
     def save(self, model=None):
         """A checkpoint of this step: every process its share (``--shard fsdp``), else rank 0 alone, the others
         told whether it managed. ``model``: the model the steps run (DDP's wrapper)."""
+        store = self.checkpoints
+        assert store is not None, "the loop saves only where the trainer has a checkpoint store"
         model = self.model if model is None else model
         step, device = self.step, self.device
         self._read_skips()  # the step counters must be settled before they are saved
-        if self.checkpoints.collective:
+        if store.collective:
             adapter = self.adapter_to_save()  # collective
-            return self.checkpoints.save(step, self.state_dict(), adapter, (self.model, self.optimizer))
+            return store.save(step, self.state_dict(), adapter, (self.model, self.optimizer))
         path, problem = None, None
         if self.is_main:
             try:
-                path = self.checkpoints.save(step, self.state_dict(), model_for_saving(model))
+                path = store.save(step, self.state_dict(), model_for_saving(model))
             except Exception as e:  # noqa: BLE001 - any failure: the other processes must hear of it, not wait
                 problem = e
         if self.settings.world_size > 1:
@@ -497,7 +510,7 @@ class Trainer:
 
     def _save_best(self, step: int, loss: float) -> None:
         # beside adapter/ (the last), written whole before it replaces the previous best
-        self.save_adapter(self.output / "adapter-best")
+        self.save_adapter(self.folder / "adapter-best")
         self.best.update(step=step, val_loss=loss)
 
     def _checkpoint_store(self, output: RunOutput | None) -> CheckpointStore | None:
