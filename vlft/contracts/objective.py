@@ -206,7 +206,8 @@ class RecordFormat(Protocol):
     (``encoder(sample_encoder)``: its ``encode(record)`` and ``measure_labelled(record)``) and how samples are
     batched (``collate(row_collator)``)."""
 
-    description: str
+    @property
+    def description(self) -> str: ...
 
     def parse(self, obj: dict, add_placeholders: bool = False) -> Any: ...
 
@@ -253,33 +254,44 @@ class Passes(Protocol):
     device: Any
     autocast: Any  # the step's autocast context (or a null one)
     encoder: Any  # the run's sample encoder (the objective's): its tokenizer and processor
-    has_reference: bool  # whether the run keeps a reference model (``Objective.reference``)
+
+    @property
+    def has_reference(self) -> bool:
+        """Whether the run keeps a reference model (``Objective.reference``)."""
+        ...
 
     def count(self, host_batch: dict, average: Average) -> int:
         """The label tokens or the records of a host batch (no device sync)."""
+        ...
 
     def to_device(self, host_batch: dict) -> dict:
         """The batch on the device, with each row batch's labelled positions (the head runs there only)."""
+        ...
 
     def token_loss_sum(self, model: Any, batch: dict) -> Any:
         """The next-token cross-entropy summed over the batch's label tokens."""
+        ...
 
     def sequence_logps(self, model: Any, batch: dict, groups: int = 1) -> tuple[Any, Any]:
         """(each row's summed log-probability of its label tokens, fp32 at least; each row's label count)."""
+        ...
 
     def reference_sequence_logps(self, batch: dict, groups: int = 1) -> tuple[Any, Any]:
         """``sequence_logps`` under the reference model: no gradients, evaluation mode, the adapter off (or the
         ``--init-adapter`` weights)."""
+        ...
 
     def token_logps(self, model: Any, batch: dict, groups: int = 1, temperature: float = 1.0,
                     suppressed: tuple[int, ...] = ()) -> tuple[Any, Any]:
         """(per-token log-probabilities ``[rows, P]`` at the labelled positions, their mask), from the logits
         divided by ``temperature`` with the ``suppressed`` token ids out of the softmax (a sampler's
         distribution)."""
+        ...
 
     def reference_token_logps(self, batch: dict, groups: int = 1, temperature: float = 1.0,
                               suppressed: tuple[int, ...] = ()) -> tuple[Any, Any]:
         """``token_logps`` under the reference model (as ``reference_sequence_logps``)."""
+        ...
 
 
 def _field(default: Any, help: str, compare: bool = True) -> Any:
@@ -370,7 +382,9 @@ class Objective:
     def describe(self) -> dict:
         """Plain data for the plan and `vlft objectives`."""
         layout = self.layout.description
-        options = dataclasses.asdict(self.options) if dataclasses.is_dataclass(self.options) else {}
+        options = self.options
+        options = dataclasses.asdict(options) if dataclasses.is_dataclass(options) and not isinstance(options, type) \
+            else {}
         return {"name": self.name, "description": self.description, "options": options, "layout": layout,
                 "rows_per_record": self.rows_per_record, "average_over": self.average_over.value,
                 "figures": list(self.figures), "reference": self.reference, "notes": list(self.notes),

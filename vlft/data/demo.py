@@ -193,9 +193,11 @@ UNPAIRED_FILES = ("unpaired-train.jsonl", "unpaired-val.jsonl")
 def write_demo_unpaired(out: str | os.PathLike, n_train: int = 1600, n_val: int = 400, seed: int = 0) -> DemoDataset:
     """The demo task as unpaired preferences (KTO's), from the preference pairs beside it (written first if
     missing): each record's question with one reply, in LLaMA-Factory's KTO layout (``messages`` and ``label``):
-    the pair's chosen answer (desirable) for records 0, 3, 4, 7, ..., its rejected one (undesirable: a wrong
-    defect for records 1, 5, ..., a wrong colour for 2, 6, ...) for the others; half of each, every prompt once,
-    and one of each kind in every two records in a row (a validation batch of 2 holds both)."""
+    the pair's chosen answer (desirable) for records 0, 3, 5, 6 of every 8, its rejected one (undesirable: a
+    wrong colour or a wrong defect, as the pair has it) for the others. Half of each, every prompt once, one of
+    each kind in every two records in a row (a validation batch of 2 holds both), and every product colour
+    (the record's index modulo 4) desirable once and undesirable once in every 8: the label cannot be read
+    from the colour alone."""
     ds = write_demo_preferences(out, n_train=n_train, n_val=n_val, seed=seed)
     paths = []
     for source, name in zip((ds.train, ds.val), UNPAIRED_FILES):
@@ -206,7 +208,7 @@ def write_demo_unpaired(out: str | os.PathLike, n_train: int = 1600, n_val: int 
         lines = []
         for i, line in enumerate(source.read_text(encoding="utf-8").splitlines()):
             rec = json.loads(line)
-            desirable = i % 4 in (0, 3)
+            desirable = i % 8 in (0, 3, 5, 6)
             reply = rec["chosen" if desirable else "rejected"]
             messages = [{"role": t["from"], "content": t["value"]} for t in [*rec["conversations"], reply]]
             lines.append(json.dumps({"id": rec["id"], "images": rec["images"], "messages": messages,

@@ -90,7 +90,11 @@ def token_logps(model, inputs: dict, batch: dict, autocast: Any, temperature: fl
     ``suppressed`` tokens (image and video tokens, which sampling never draws) left out of the normalisation,
     so a ratio or a policy gradient is the sampling policy's, not the temperature-1 model's over the whole
     vocabulary."""
-    logits, targets = labelled_logits(model, inputs, batch, autocast)
+    kept = labelled_logits(model, inputs, batch, autocast)
+    if kept is None:
+        raise ValueError("token log-probabilities are read at the batch's labelled positions: give the batch them "
+                         "(Passes.to_device, or data.batching.with_label_positions)")
+    logits, targets = kept
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if temperature != 1.0:
         logits = logits / temperature
