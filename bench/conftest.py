@@ -34,22 +34,38 @@ def _default_threads() -> int:
 
 def pytest_addoption(parser):
     group = parser.getgroup("vlft-bench")
-    group.addoption("--backend", default="cpu",
-                    help="vlft backend the benchmarks run on (cpu, cuda, ascend, or a plugin's); "
-                         "skipped with the probe's reason where it is unavailable. Default: cpu.")
-    group.addoption("--bench-precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
-                    help="precision asked of the backend's precision policy (default: auto, the backend's choice).")
-    group.addoption("--bench-threads", type=int, default=None,
-                    help=f"torch CPU threads for the benchmarks (default: the usable cores, at most 8; "
-                         f"{_default_threads()} here).")
-    group.addoption("--bench-large", action="store_true",
-                    help="also run the memory group's slow cases: the large model, and the wide model with nf4 "
-                         "base weights (557 s, bitsandbytes' 4-bit matmuls on the CPU); past make bench's 15 "
-                         "minutes on 2 cores, so on request.")
-    group.addoption("--columnar-scales", default="5000,20000",
-                    help="record counts of the columnar group's Parquet sets, comma-separated, each checked in "
-                         "a process of its own (default 5000,20000: within make bench's 15 minutes on 2 cores; "
-                         "100000 adds about 2 minutes, 1000000 about 15).")
+    group.addoption(
+        "--backend",
+        default="cpu",
+        help="vlft backend the benchmarks run on (cpu, cuda, ascend, or a plugin's); "
+        "skipped with the probe's reason where it is unavailable. Default: cpu.",
+    )
+    group.addoption(
+        "--bench-precision",
+        default="auto",
+        choices=("auto", "fp32", "bf16", "fp16"),
+        help="precision asked of the backend's precision policy (default: auto, the backend's choice).",
+    )
+    group.addoption(
+        "--bench-threads",
+        type=int,
+        default=None,
+        help=f"torch CPU threads for the benchmarks (default: the usable cores, at most 8; {_default_threads()} here).",
+    )
+    group.addoption(
+        "--bench-large",
+        action="store_true",
+        help="also run the memory group's slow cases: the large model, and the wide model with nf4 "
+        "base weights (557 s, bitsandbytes' 4-bit matmuls on the CPU); past make bench's 15 "
+        "minutes on 2 cores, so on request.",
+    )
+    group.addoption(
+        "--columnar-scales",
+        default="5000,20000",
+        help="record counts of the columnar group's Parquet sets, comma-separated, each checked in "
+        "a process of its own (default 5000,20000: within make bench's 15 minutes on 2 cores; "
+        "100000 adds about 2 minutes, 1000000 about 15).",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -57,8 +73,7 @@ def env(request):
     from bench.support.env import resolve_env
 
     threads = request.config.getoption("--bench-threads") or _default_threads()
-    return resolve_env(request.config.getoption("--backend"), threads,
-                       request.config.getoption("--bench-precision"))
+    return resolve_env(request.config.getoption("--backend"), threads, request.config.getoption("--bench-precision"))
 
 
 @pytest.fixture(scope="session")

@@ -69,8 +69,14 @@ def checkout_way(repo: Path = REPO, python: str = sys.executable) -> dict:
     must import vlft from ``repo`` and register the CPU backend; raises RuntimeError saying what failed."""
     inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(repo)]
     pythonpath = os.pathsep.join([str(repo), *inherited])
-    proc = subprocess.run([python, "-c", _PROBE], env={**os.environ, "PYTHONPATH": pythonpath}, cwd=repo,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [python, "-c", _PROBE],
+        env={**os.environ, "PYTHONPATH": pythonpath},
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
     found = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -79,9 +85,14 @@ def checkout_way(repo: Path = REPO, python: str = sys.executable) -> dict:
     if "cpu" not in found["plugins"]:
         raise RuntimeError(f"the built-in plugins did not register: {found['plugins']} (broken: {found['broken']})")
     broken = "; broken: " + ", ".join(sorted(found["broken"])) if found["broken"] else ""
-    return {"mode": "checkout", "pythonpath": pythonpath, "vlft": found["vlft"], "plugins": found["plugins"],
-            "broken": found["broken"],
-            "line": f"vlft from this checkout ({repo}), plugins: {', '.join(found['plugins'])}{broken}"}
+    return {
+        "mode": "checkout",
+        "pythonpath": pythonpath,
+        "vlft": found["vlft"],
+        "plugins": found["plugins"],
+        "broken": found["broken"],
+        "line": f"vlft from this checkout ({repo}), plugins: {', '.join(found['plugins'])}{broken}",
+    }
 
 
 @dataclass(frozen=True)
@@ -116,19 +127,33 @@ def plan(quick: bool) -> tuple[tuple[Step, ...], int]:
 
 
 def budget_table(steps: tuple[Step, ...], budget: int) -> str:
-    rows = [f"{'step':<18} {'estimate':>9} {'timeout':>8}  what", *(
-        f"{s.name:<18} {s.estimate_s:>7} s {s.timeout_s:>6} s  {s.what}" for s in steps),
+    rows = [
+        f"{'step':<18} {'estimate':>9} {'timeout':>8}  what",
+        *(f"{s.name:<18} {s.estimate_s:>7} s {s.timeout_s:>6} s  {s.what}" for s in steps),
         f"{'total':<18} {sum(s.estimate_s for s in steps):>7} s {sum(s.timeout_s for s in steps):>6} s  "
-        f"(deadline for the whole check: {budget} s)"]
+        f"(deadline for the whole check: {budget} s)",
+    ]
     return "\n".join(rows)
 
 
-def command(step: Step, py: str, backend: str | None, out: Path, quick: bool, pytest_args: tuple = (),
-            all_tests: bool = False) -> list[str]:
+def command(
+    step: Step, py: str, backend: str | None, out: Path, quick: bool, pytest_args: tuple = (), all_tests: bool = False
+) -> list[str]:
     """The step's command line; ``backend``: the accelerator found (None: none, the device tests skip)."""
     if step.name == "device-tests":
-        cmd = [py, "-m", "pytest", "-q", "-rs", "-p", "no:randomly", "-p", "no:cacheprovider",
-               f"--junitxml={out / 'device-tests.xml'}", *DEVICE_TESTS]
+        cmd = [
+            py,
+            "-m",
+            "pytest",
+            "-q",
+            "-rs",
+            "-p",
+            "no:randomly",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={out / 'device-tests.xml'}",
+            *DEVICE_TESTS,
+        ]
         if backend is not None and not all_tests:
             cmd += ["-m", DEVICE_MARKERS]
         if quick:
@@ -136,8 +161,20 @@ def command(step: Step, py: str, backend: str | None, out: Path, quick: bool, py
         return [*cmd, *pytest_args]
     if step.name.startswith("parity-"):
         precision = step.name.split("-", 1)[1]
-        return [py, "-m", "vlft", "parity", "--backends", f"cpu,{backend}", "--steps", "5",
-                "--precision", precision, "--output", str(out / f"parity-{precision}.json")]
+        return [
+            py,
+            "-m",
+            "vlft",
+            "parity",
+            "--backends",
+            f"cpu,{backend}",
+            "--steps",
+            "5",
+            "--precision",
+            precision,
+            "--output",
+            str(out / f"parity-{precision}.json"),
+        ]
     if step.name == "fsdp-one-process":
         return [py, "bench/device_fsdp.py", "--backend", backend, "--out", str(out)]
     if step.name == "scale":
@@ -163,8 +200,16 @@ def step(name: str, cmd: list[str], out: Path, timeout: float, env: dict | None 
     env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
     with open(log, "w") as f:
         try:
-            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True, errors="replace", start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                errors="replace",
+                start_new_session=True,
+            )
         except OSError as e:
             f.write(f"could not start: {e}\n")
             print(f"=== {name}: could not start: {e}", flush=True)
@@ -207,18 +252,31 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="device-check-results")
     ap.add_argument("--skip-scale", action="store_true", help="leave out the 7B-shape benchmark")
-    ap.add_argument("--quick", action="store_true",
-                    help="device tests (no reverse-order re-run), parity in the default policy, one scale point: "
-                         f"within {BUDGET_S['quick']} s")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="device tests (no reverse-order re-run), parity in the default policy, one scale point: "
+        f"within {BUDGET_S['quick']} s",
+    )
     ap.add_argument("--list", action="store_true", help="print the steps with their estimates and timeouts, run none")
-    ap.add_argument("--all-tests", action="store_true",
-                    help="on a device too, the CPU-only tests of tests/hardware and tests/parity (outside the budget)")
-    ap.add_argument("--pytest-args", default="",
-                    help="more pytest arguments for the device tests (recorded in the report), e.g. "
-                         "--pytest-args='-k \"not some_test\"'")
-    ap.add_argument("--timeout-factor", type=float, default=1.0,
-                    help="stretch every timeout and the deadline (a slower machine than one large GPU's, e.g. the "
-                         "rehearsal on 2 cores)")
+    ap.add_argument(
+        "--all-tests",
+        action="store_true",
+        help="on a device too, the CPU-only tests of tests/hardware and tests/parity (outside the budget)",
+    )
+    ap.add_argument(
+        "--pytest-args",
+        default="",
+        help="more pytest arguments for the device tests (recorded in the report), e.g. "
+        "--pytest-args='-k \"not some_test\"'",
+    )
+    ap.add_argument(
+        "--timeout-factor",
+        type=float,
+        default=1.0,
+        help="stretch every timeout and the deadline (a slower machine than one large GPU's, e.g. the "
+        "rehearsal on 2 cores)",
+    )
     args = ap.parse_args(argv)
     steps, budget = plan(args.quick)
     pytest_args = tuple(shlex.split(args.pytest_args))
@@ -238,8 +296,11 @@ def main(argv=None) -> int:
     env = {**os.environ, "PYTHONPATH": way["pythonpath"]}
     # nothing written outside the checkout by the steps, where the caller chose no other place: the
     # embedded model (built once, shared by every step), matplotlib's cache; and no hub look-up
-    for key, value in (("VLFT_CACHE", REPO / ".cache" / "vlft"), ("MPLCONFIGDIR", REPO / ".cache" / "matplotlib"),
-                       ("HF_HUB_OFFLINE", "1")):
+    for key, value in (
+        ("VLFT_CACHE", REPO / ".cache" / "vlft"),
+        ("MPLCONFIGDIR", REPO / ".cache" / "matplotlib"),
+        ("HF_HUB_OFFLINE", "1"),
+    ):
         env.setdefault(key, str(value))
     py = sys.executable
     found, missing = accelerators()
@@ -264,10 +325,14 @@ def main(argv=None) -> int:
     def report(code: int) -> dict:
         counts = device_report.device_test_counts(out / "device-tests.xml", out / "device-tests.log")
         scale = device_report.read_scale(out) if any(r["name"] == "scale" for r in results) else None
-        budget_info = {"mode": "quick" if args.quick else "full", "deadline_s": round(budget * args.timeout_factor),
-                       "timeout_factor": args.timeout_factor, "timeout_total_s": sum(s.timeout_s for s in steps),
-                       "estimate_total_s": sum(s.estimate_s for s in steps),
-                       "elapsed_s": round(time.perf_counter() - t_start, 1)}
+        budget_info = {
+            "mode": "quick" if args.quick else "full",
+            "deadline_s": round(budget * args.timeout_factor),
+            "timeout_factor": args.timeout_factor,
+            "timeout_total_s": sum(s.timeout_s for s in steps),
+            "estimate_total_s": sum(s.estimate_s for s in steps),
+            "elapsed_s": round(time.perf_counter() - t_start, 1),
+        }
         r = device_report.build(way, found, missing, results, counts, scale, budget_info)
         r.update(python=sys.executable, pytest_args=list(pytest_args), exit_code=code)
         device_report.write(out, r)
@@ -283,16 +348,19 @@ def main(argv=None) -> int:
         if code == 1:
             print("\ndevice check FAILED before any device step: the device tests above did not pass")
         else:
-            print("\ndevice check stopped here: no accelerator backend is available, so nothing was checked on a "
-                  "device (the device tests above were skipped with their reasons)")
+            print(
+                "\ndevice check stopped here: no accelerator backend is available, so nothing was checked on a "
+                "device (the device tests above were skipped with their reasons)"
+            )
         print(f"exit {code}; results: {out / 'device-check.md'}")
         return code
     for s in by_name.values():
         run(s)
     code = 0 if all(x["exit"] == 0 for x in results) else 1
     report(code)
-    print("\n" + "\n".join(f"{x['name']:<24} exit {x['exit']} ({x['seconds']} s of {x['timeout_s']} s)"
-                            for x in results))
+    print(
+        "\n" + "\n".join(f"{x['name']:<24} exit {x['exit']} ({x['seconds']} s of {x['timeout_s']} s)" for x in results)
+    )
     print(f"exit {code}; results: {out / 'device-check.md'}")
     return code
 

@@ -17,8 +17,9 @@ from pathlib import Path
 
 
 def run(args: list[str]) -> None:
-    proc = subprocess.run([sys.executable, "-m", "vlft", "run", "--quiet", *args], capture_output=True, text=True,
-                          timeout=400)
+    proc = subprocess.run(
+        [sys.executable, "-m", "vlft", "run", "--quiet", *args], capture_output=True, text=True, timeout=400
+    )
     if proc.returncode != 0:
         sys.exit(f"vlft run {' '.join(args)} failed:\n{proc.stderr[-4000:]}")
 
@@ -29,9 +30,30 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="device-check-results")
     a = ap.parse_args(argv)
     out = Path(a.out)
-    common = ["--backend", a.backend, "--steps", "10", "--batch-size", "4", "--log-every", "1", "--eval-every", "0",
-              "--eval-samples", "4", "--max-new-tokens", "8", "--seed", "5", "--lr", "2e-3", "--warmup-ratio", "0",
-              "--adapter-opt", "lora_dropout=0.0"]
+    common = [
+        "--backend",
+        a.backend,
+        "--steps",
+        "10",
+        "--batch-size",
+        "4",
+        "--log-every",
+        "1",
+        "--eval-every",
+        "0",
+        "--eval-samples",
+        "4",
+        "--max-new-tokens",
+        "8",
+        "--seed",
+        "5",
+        "--lr",
+        "2e-3",
+        "--warmup-ratio",
+        "0",
+        "--adapter-opt",
+        "lora_dropout=0.0",
+    ]
     plain, sharded, resumed = out / "fsdp-unsharded", out / "fsdp-sharded", out / "fsdp-resumed"
     run([*common, "--save-every", "0", "--output", str(plain)])
     run([*common, "--shard", "fsdp", "--save-every", "5", "--output", str(sharded)])
@@ -40,8 +62,10 @@ def main(argv=None) -> int:
     shutil.copytree(sharded, resumed)
     shutil.rmtree(resumed / "adapter")
     run([*common, "--shard", "fsdp", "--save-every", "5", "--output", str(resumed), "--resume"])
-    losses = {name: [json.loads(x)["loss"] for x in (p / "metrics.jsonl").read_text().splitlines()]
-              for name, p in (("unsharded", plain), ("sharded", sharded), ("resumed", resumed))}
+    losses = {
+        name: [json.loads(x)["loss"] for x in (p / "metrics.jsonl").read_text().splitlines()]
+        for name, p in (("unsharded", plain), ("sharded", sharded), ("resumed", resumed))
+    }
     worst = max(abs(s - u) / abs(u) for u, s in zip(losses["unsharded"], losses["sharded"]))
     worst_resumed = max(abs(s - u) / abs(u) for u, s in zip(losses["sharded"], losses["resumed"]))
     summary = json.loads((sharded / "summary.json").read_text())
@@ -52,10 +76,17 @@ def main(argv=None) -> int:
 
     base = AutoModelForImageTextToText.from_pretrained(plan["model"])
     PeftModel.from_pretrained(base, str(sharded / "adapter"))
-    result = {"backend": a.backend, "precision": plan["precision"]["name"], "losses": losses,
-              "worst_relative_difference": worst, "worst_relative_difference_resumed": worst_resumed,
-              "tolerance": tolerance, "sharding": summary["sharding"],
-              "peak_memory_bytes": summary["peak_memory_bytes"], "train_time_s": summary["train_time_s"]}
+    result = {
+        "backend": a.backend,
+        "precision": plan["precision"]["name"],
+        "losses": losses,
+        "worst_relative_difference": worst,
+        "worst_relative_difference_resumed": worst_resumed,
+        "tolerance": tolerance,
+        "sharding": summary["sharding"],
+        "peak_memory_bytes": summary["peak_memory_bytes"],
+        "train_time_s": summary["train_time_s"],
+    }
     (out / "fsdp.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
     return 0 if worst <= tolerance and worst_resumed <= tolerance else 1

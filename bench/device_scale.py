@@ -30,24 +30,37 @@ def synthetic_batch(model_config, batch=BATCH, text=TEXT_TOKENS, side=IMAGE_SIDE
     vc = model_config.vision_config
     grid_side = side // vc.patch_size
     patches = grid_side * grid_side
-    image_tokens = patches // vc.spatial_merge_size ** 2
+    image_tokens = patches // vc.spatial_merge_size**2
     g = torch.Generator().manual_seed(0)
     vocab = model_config.text_config.vocab_size
-    special = {model_config.image_token_id, model_config.video_token_id, model_config.vision_start_token_id,
-               model_config.vision_end_token_id}
+    special = {
+        model_config.image_token_id,
+        model_config.video_token_id,
+        model_config.vision_start_token_id,
+        model_config.vision_end_token_id,
+    }
     allowed = torch.tensor([i for i in range(min(vocab, 151_643)) if i not in special])  # 151643+: Qwen's specials
     ids = []
     for _ in range(batch):
         body = allowed[torch.randint(0, len(allowed), (text,), generator=g)]
-        ids.append(torch.cat([torch.tensor([model_config.vision_start_token_id]),
-                              torch.full((image_tokens,), model_config.image_token_id),
-                              torch.tensor([model_config.vision_end_token_id]), body]))
+        ids.append(
+            torch.cat(
+                [
+                    torch.tensor([model_config.vision_start_token_id]),
+                    torch.full((image_tokens,), model_config.image_token_id),
+                    torch.tensor([model_config.vision_end_token_id]),
+                    body,
+                ]
+            )
+        )
     input_ids = torch.stack(ids)
     labels = input_ids.clone()
     labels[:, : image_tokens + 2] = -100
-    patch_dim = 3 * vc.temporal_patch_size * vc.patch_size ** 2
+    patch_dim = 3 * vc.temporal_patch_size * vc.patch_size**2
     host = {
-        "input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels,
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "labels": labels,
         "mm_token_type_ids": (input_ids == model_config.image_token_id).long(),
         "pixel_values": torch.randn(batch * patches, patch_dim, generator=g),
         "image_grid_thw": torch.tensor([[1, grid_side, grid_side]] * batch),
@@ -55,8 +68,16 @@ def synthetic_batch(model_config, batch=BATCH, text=TEXT_TOKENS, side=IMAGE_SIDE
     return host, [(1, grid_side, grid_side)] * batch
 
 
-def run(backend: str, out: Path, steps: int, methods: list[str], model_name: str = MODEL, text: int = TEXT_TOKENS,
-        side: int = IMAGE_SIDE, checkpointing: tuple[str, ...] = ("off", "on")) -> dict:
+def run(
+    backend: str,
+    out: Path,
+    steps: int,
+    methods: list[str],
+    model_name: str = MODEL,
+    text: int = TEXT_TOKENS,
+    side: int = IMAGE_SIDE,
+    checkpointing: tuple[str, ...] = ("off", "on"),
+) -> dict:
     import torch
     from transformers import AutoModelForImageTextToText
 
@@ -76,16 +97,33 @@ def run(backend: str, out: Path, steps: int, methods: list[str], model_name: str
     require_available(choice)
     path = resolve_model_path(model_name, registry)
     model_config, family = model_config_and_family(path, registry)
-    results = {"backend": choice.info.name, "versions": choice.probe.versions, "model": model_name,
-               "settings": {"batch": BATCH, "text_tokens": text, "image": f"{side}x{side}",
-                            "targets": f"text attention + last {VISION_LAST_N} vision blocks"}, "runs": []}
+    results = {
+        "backend": choice.info.name,
+        "versions": choice.probe.versions,
+        "model": model_name,
+        "settings": {
+            "batch": BATCH,
+            "text_tokens": text,
+            "image": f"{side}x{side}",
+            "targets": f"text attention + last {VISION_LAST_N} vision blocks",
+        },
+        "runs": [],
+    }
     # checkpointing off first, LoRA before OFT: the field report's rows come first, and each run's figures
     # are written as soon as it ends, so a step cut short by the device check's timeout keeps them
     for ckpt in checkpointing:
         for method in methods:
-            config = build_config({}, {"backend": choice.info.name, "method": method, "model": model_name,
-                                       "vision_last_n": VISION_LAST_N, "batch_size": BATCH,
-                                       "grad_checkpointing": ckpt})
+            config = build_config(
+                {},
+                {
+                    "backend": choice.info.name,
+                    "method": method,
+                    "model": model_name,
+                    "vision_last_n": VISION_LAST_N,
+                    "batch_size": BATCH,
+                    "grad_checkpointing": ckpt,
+                },
+            )
             setup = registry.first("vlft_setup_device", backend=choice.info.name, config=config)
             device = setup.device
             plan = resolve_policies(registry, config, path, model_config, choice, family=family)
@@ -97,11 +135,19 @@ def run(backend: str, out: Path, steps: int, methods: list[str], model_name: str
                 sk.to(compute)
                 compute_adapters_in_autocast_dtype(sk)
             capacity = registry.hook.vlft_device_capacity(backend=choice.info.name, config=config)
-            est = memory.plan_memory(memory.MemoryBasis(
-                sk, model_config, plan.precision.param_dtype, plan.precision.autocast_dtype, plan.family,
-                reserved_bytes=capacity.reserved_bytes if capacity else 0,
-                capacity_bytes=capacity.total_bytes if capacity else None,
-                capacity_source=capacity.source if capacity else ""), shape)
+            est = memory.plan_memory(
+                memory.MemoryBasis(
+                    sk,
+                    model_config,
+                    plan.precision.param_dtype,
+                    plan.precision.autocast_dtype,
+                    plan.family,
+                    reserved_bytes=capacity.reserved_bytes if capacity else 0,
+                    capacity_bytes=capacity.total_bytes if capacity else None,
+                    capacity_source=capacity.source if capacity else "",
+                ),
+                shape,
+            )
             est.checkpointing = ckpt == "on"
             del sk
 
@@ -109,10 +155,13 @@ def run(backend: str, out: Path, steps: int, methods: list[str], model_name: str
             torch.manual_seed(0)
             with torch.device(device):  # random weights made on the device: no 16 GB host copy
                 base = AutoModelForImageTextToText.from_config(
-                    model_config, dtype=getattr(torch, plan.precision.param_dtype),
-                    attn_implementation=plan.attention.as_attn_implementation())
-            registry.hook.vlft_patch_model(backend=choice.info.name, model=base, config=config,
-                                           attention=plan.attention, family=plan.family)
+                    model_config,
+                    dtype=getattr(torch, plan.precision.param_dtype),
+                    attn_implementation=plan.attention.as_attn_implementation(),
+                )
+            registry.hook.vlft_patch_model(
+                backend=choice.info.name, model=base, config=config, attention=plan.attention, family=plan.family
+            )
             model = plan_targets(registry, plan, base)[0].to(device)
             upcast_trainable(model)
             if ckpt == "on":
@@ -139,8 +188,13 @@ def run(backend: str, out: Path, steps: int, methods: list[str], model_name: str
             if hasattr(module, "reset_peak_memory_stats"):
                 module.reset_peak_memory_stats(device)
             else:
-                meter = measure.LiveTensorMeter([*model.parameters(), *model.buffers(),
-                                                *(v for st in optimizer.state.values() for v in st.values())])
+                meter = measure.LiveTensorMeter(
+                    [
+                        *model.parameters(),
+                        *model.buffers(),
+                        *(v for st in optimizer.state.values() for v in st.values()),
+                    ]
+                )
                 meter.__enter__()
             times, losses = [], []
             for _ in range(steps):
@@ -153,12 +207,21 @@ def run(backend: str, out: Path, steps: int, methods: list[str], model_name: str
             if meter is not None:
                 meter.__exit__(None, None, None)
             peak = meter.peak if meter is not None else int(module.max_memory_allocated(device))
-            run = {"method": method, "checkpointing": ckpt == "on", "precision": plan.precision.name,
-                   "param_dtype": plan.precision.param_dtype, "attention": plan.attention.text,
-                   "trainable_parameters": sum(p.numel() for p in trainable),
-                   "median_step_s": statistics.median(times), "samples_per_s": BATCH / statistics.median(times),
-                   "peak_bytes": peak, "estimate_bytes": est.total_bytes() - est.reserved_bytes,
-                   "estimate_with_reserve_bytes": est.total_bytes(), "losses": losses, "build_s": build_s}
+            run = {
+                "method": method,
+                "checkpointing": ckpt == "on",
+                "precision": plan.precision.name,
+                "param_dtype": plan.precision.param_dtype,
+                "attention": plan.attention.text,
+                "trainable_parameters": sum(p.numel() for p in trainable),
+                "median_step_s": statistics.median(times),
+                "samples_per_s": BATCH / statistics.median(times),
+                "peak_bytes": peak,
+                "estimate_bytes": est.total_bytes() - est.reserved_bytes,
+                "estimate_with_reserve_bytes": est.total_bytes(),
+                "losses": losses,
+                "build_s": build_s,
+            }
             run["estimate/measured"] = run["estimate_bytes"] / peak
             results["runs"].append(run)
             print(json.dumps({k: v for k, v in run.items() if k != "losses"}), flush=True)
@@ -180,19 +243,28 @@ def write(results: dict, out: Path) -> None:
 
 
 def markdown(r: dict) -> str:
-    gib = 2 ** 30
-    lines = [f"# {r['model']} shape on {r['backend']} ({r['versions'].get('gpu') or r['versions']})", "",
-             f"Settings: {r['settings']}", "",
-             "| method | checkpointing | precision | step | samples/s | peak | plan estimate | estimate/measured |",
-             "|---|---|---|---|---|---|---|---|"]
+    gib = 2**30
+    lines = [
+        f"# {r['model']} shape on {r['backend']} ({r['versions'].get('gpu') or r['versions']})",
+        "",
+        f"Settings: {r['settings']}",
+        "",
+        "| method | checkpointing | precision | step | samples/s | peak | plan estimate | estimate/measured |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for x in r["runs"]:
-        lines.append(f"| {x['method']} | {'on' if x['checkpointing'] else 'off'} | {x['precision']} "
-                     f"(weights {x['param_dtype']}) | {x['median_step_s'] * 1e3:.0f} ms | {x['samples_per_s']:.2f} | "
-                     f"{x['peak_bytes'] / gib:.2f} GiB | {x['estimate_bytes'] / gib:.2f} GiB | "
-                     f"{x['estimate/measured']:.3f} |")
+        lines.append(
+            f"| {x['method']} | {'on' if x['checkpointing'] else 'off'} | {x['precision']} "
+            f"(weights {x['param_dtype']}) | {x['median_step_s'] * 1e3:.0f} ms | {x['samples_per_s']:.2f} | "
+            f"{x['peak_bytes'] / gib:.2f} GiB | {x['estimate_bytes'] / gib:.2f} GiB | "
+            f"{x['estimate/measured']:.3f} |"
+        )
     if "oft/lora step time" in r:
-        lines += ["", f"OFT/LoRA step time {r['oft/lora step time']:.3f}, peak memory "
-                      f"{r['oft/lora peak memory']:.3f} (checkpointing off)."]
+        lines += [
+            "",
+            f"OFT/LoRA step time {r['oft/lora step time']:.3f}, peak memory "
+            f"{r['oft/lora peak memory']:.3f} (checkpointing off).",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -207,8 +279,16 @@ def main(argv=None) -> int:
     ap.add_argument("--image-side", type=int, default=IMAGE_SIDE)
     ap.add_argument("--checkpointing", default="off,on", help="off, on, or both (off,on)")
     args = ap.parse_args(argv)
-    run(args.backend, Path(args.out), args.steps, args.methods.split(","), args.model, args.text_tokens,
-        args.image_side, tuple(args.checkpointing.split(",")))
+    run(
+        args.backend,
+        Path(args.out),
+        args.steps,
+        args.methods.split(","),
+        args.model,
+        args.text_tokens,
+        args.image_side,
+        tuple(args.checkpointing.split(",")),
+    )
     return 0
 
 

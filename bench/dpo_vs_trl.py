@@ -29,14 +29,25 @@ def vlft_stepper(objective: str, data, registry):
     from vlft.training.trainer import build_trainer
 
     train, val = data
-    config = build_config({}, dict(backend="cpu", objective=objective, data=str(train), val_data=str(val),
-                                   output=tempfile.mkdtemp(), steps=100_000, batch_size=4))
+    config = build_config(
+        {},
+        dict(
+            backend="cpu",
+            objective=objective,
+            data=str(train),
+            val_data=str(val),
+            output=tempfile.mkdtemp(),
+            steps=100_000,
+            batch_size=4,
+        ),
+    )
     s = build_trainer(registry, config)
     groups = s.batches()
 
     def steps(n: int) -> None:
         for _ in range(n):
             s.train_step(next(groups))
+
     return steps
 
 
@@ -52,27 +63,67 @@ def trl_stepper(pairs, registry, folder: Path):
     from vlft.models.loading import load_model
     from vlft.planning.preflight import plan_run
 
-    config = build_config({}, dict(backend="cpu", objective="dpo", data=str(pairs[0]), val_data=str(pairs[1]),
-                                   output=tempfile.mkdtemp(), steps=1, batch_size=4))
+    config = build_config(
+        {},
+        dict(
+            backend="cpu",
+            objective="dpo",
+            data=str(pairs[0]),
+            val_data=str(pairs[1]),
+            output=tempfile.mkdtemp(),
+            steps=1,
+            batch_size=4,
+        ),
+    )
     plan = plan_run(registry, config)
-    model = registry.first("vlft_apply_adapter", method="lora",
-                           model=load_model(plan.model_path, plan.attention, plan.precision, family=plan.family),
-                           targets=plan.targets, config=config, target_parameters=[], family=plan.family)
+    model = registry.first(
+        "vlft_apply_adapter",
+        method="lora",
+        model=load_model(plan.model_path, plan.attention, plan.precision, family=plan.family),
+        targets=plan.targets,
+        config=config,
+        target_parameters=[],
+        family=plan.family,
+    )
 
     def messages(turns):
-        return [{"role": t.role, "content": [{"type": "image"} if part == "<image>" else {"type": "text", "text": part}
-                                             for part in t.text.replace("<image>", "\0<image>\0").split("\0") if part]}
-                for t in turns]
+        return [
+            {
+                "role": t.role,
+                "content": [
+                    {"type": "image"} if part == "<image>" else {"type": "text", "text": part}
+                    for part in t.text.replace("<image>", "\0<image>\0").split("\0")
+                    if part
+                ],
+            }
+            for t in turns
+        ]
 
-    rows = [{"images": [Image.open(r.images[0]).convert("RGB")], "prompt": messages(r.turns[:-1]),
-             "chosen": messages(r.turns[-1:]), "rejected": messages(r.rejected[-1:])}
-            for r in read_records(pairs[0], parse=record_format(plan.objective.layout).parse)]
-    args = DPOConfig(output_dir=str(folder / "trl"), per_device_train_batch_size=4, max_steps=100_000,
-                     learning_rate=plan.lr, report_to=[], save_strategy="no", use_cpu=True, bf16=False,
-                     fp16=False, gradient_checkpointing=False, logging_steps=1_000_000, disable_tqdm=True,
-                     dataloader_num_workers=0)
-    trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
-                         processing_class=plan.processor)
+    rows = [
+        {
+            "images": [Image.open(r.images[0]).convert("RGB")],
+            "prompt": messages(r.turns[:-1]),
+            "chosen": messages(r.turns[-1:]),
+            "rejected": messages(r.rejected[-1:]),
+        }
+        for r in read_records(pairs[0], parse=record_format(plan.objective.layout).parse)
+    ]
+    args = DPOConfig(
+        output_dir=str(folder / "trl"),
+        per_device_train_batch_size=4,
+        max_steps=100_000,
+        learning_rate=plan.lr,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        logging_steps=1_000_000,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=plan.processor)
     trainer.create_optimizer_and_scheduler(num_training_steps=100_000)
     trainer.current_gradient_accumulation_steps = 1  # what train() sets before its steps
     model.train()
@@ -80,6 +131,7 @@ def trl_stepper(pairs, registry, folder: Path):
     def epochs():
         while True:  # epoch after epoch, as vlft's sampler goes on
             yield from trainer.get_train_dataloader()
+
     loader = epochs()
 
     def steps(n: int) -> None:
@@ -88,6 +140,7 @@ def trl_stepper(pairs, registry, folder: Path):
             trainer.optimizer.step()
             trainer.lr_scheduler.step()
             trainer.optimizer.zero_grad(set_to_none=True)
+
     return steps
 
 
@@ -103,8 +156,10 @@ def main(argv=None) -> int:
     folder = Path(tempfile.mkdtemp(prefix="dpo-bench-"))
     ds = write_demo_preferences(folder / "demo", n_train=400, n_val=8, seed=0)
     registry = load_registry()
-    runs = {"vlft sft": vlft_stepper("sft", (ds.root / "train.jsonl", ds.root / "val.jsonl"), registry),
-            "vlft dpo": vlft_stepper("dpo", (ds.train, ds.val), registry)}
+    runs = {
+        "vlft sft": vlft_stepper("sft", (ds.root / "train.jsonl", ds.root / "val.jsonl"), registry),
+        "vlft dpo": vlft_stepper("dpo", (ds.train, ds.val), registry),
+    }
     try:
         runs["trl dpo"] = trl_stepper((ds.train, ds.val), registry, folder)
     except ImportError as e:

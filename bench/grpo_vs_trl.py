@@ -35,11 +35,20 @@ def vlft_stepper(data, registry):
     from vlft.training.trainer import build_trainer
 
     train, val = data
-    config = build_config({}, dict(backend="cpu", objective="grpo", data=str(train), val_data=str(val),
-                                   output=tempfile.mkdtemp(), steps=100_000, batch_size=PROMPTS,
-                                   max_new_tokens=NEW_TOKENS,
-                                   objective_options=dict(num_generations=G, temperature=1.0, beta=BETA,
-                                                          reward=["fields"])))
+    config = build_config(
+        {},
+        dict(
+            backend="cpu",
+            objective="grpo",
+            data=str(train),
+            val_data=str(val),
+            output=tempfile.mkdtemp(),
+            steps=100_000,
+            batch_size=PROMPTS,
+            max_new_tokens=NEW_TOKENS,
+            objective_options=dict(num_generations=G, temperature=1.0, beta=BETA, reward=["fields"]),
+        ),
+    )
     s = build_trainer(registry, config)
     groups = s.batches()
 
@@ -49,6 +58,7 @@ def vlft_stepper(data, registry):
             out = s.train_step(next(groups))
             generating += float(out.figures["generation_time_s"])
         return generating
+
     return steps
 
 
@@ -64,32 +74,79 @@ def trl_stepper(data, registry, folder: Path):
     from vlft.planning.preflight import plan_run
     from vlft_scorers.fields import fields_score  # the fields reward vlft GRPO uses (a scorer, seen as a reward)
 
-    config = build_config({}, dict(backend="cpu", objective="grpo", data=str(data[0]), val_data=str(data[1]),
-                                   output=tempfile.mkdtemp(), steps=1, batch_size=PROMPTS))
+    config = build_config(
+        {},
+        dict(
+            backend="cpu",
+            objective="grpo",
+            data=str(data[0]),
+            val_data=str(data[1]),
+            output=tempfile.mkdtemp(),
+            steps=1,
+            batch_size=PROMPTS,
+        ),
+    )
     plan = plan_run(registry, config)
-    model = registry.first("vlft_apply_adapter", method="lora",
-                           model=load_model(plan.model_path, plan.attention, plan.precision, family=plan.family),
-                           targets=plan.targets, config=config, target_parameters=[], family=plan.family)
+    model = registry.first(
+        "vlft_apply_adapter",
+        method="lora",
+        model=load_model(plan.model_path, plan.attention, plan.precision, family=plan.family),
+        targets=plan.targets,
+        config=config,
+        target_parameters=[],
+        family=plan.family,
+    )
 
     def messages(turns):
-        return [{"role": t.role, "content": [{"type": "image"} if part == "<image>" else {"type": "text", "text": part}
-                                             for part in t.text.replace("<image>", "\0<image>\0").split("\0") if part]}
-                for t in turns]
+        return [
+            {
+                "role": t.role,
+                "content": [
+                    {"type": "image"} if part == "<image>" else {"type": "text", "text": part}
+                    for part in t.text.replace("<image>", "\0<image>\0").split("\0")
+                    if part
+                ],
+            }
+            for t in turns
+        ]
 
-    rows = [{"image": Image.open(r.images[0]).convert("RGB"), "prompt": messages(r.turns[:-1]),
-             "reference": r.reference} for r in read_records(data[0])]
+    rows = [
+        {"image": Image.open(r.images[0]).convert("RGB"), "prompt": messages(r.turns[:-1]), "reference": r.reference}
+        for r in read_records(data[0])
+    ]
 
     def fields(prompts, completions, reference, **kwargs):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         return fields_score([t.strip() for t in texts], reference)
 
-    args = GRPOConfig(output_dir=str(folder / "trl"), per_device_train_batch_size=PROMPTS * G, num_generations=G,
-                      max_completion_length=NEW_TOKENS, temperature=1.0, top_k=0, beta=BETA, loss_type="dapo",
-                      max_steps=100_000, learning_rate=plan.lr, report_to=[], save_strategy="no", use_cpu=True,
-                      bf16=False, fp16=False, gradient_checkpointing=False, logging_steps=1_000_000,
-                      disable_tqdm=True, dataloader_num_workers=0)
-    trainer = GRPOTrainer(model=model, reward_funcs=[fields], args=args, train_dataset=Dataset.from_list(rows),
-                          processing_class=plan.processor)
+    args = GRPOConfig(
+        output_dir=str(folder / "trl"),
+        per_device_train_batch_size=PROMPTS * G,
+        num_generations=G,
+        max_completion_length=NEW_TOKENS,
+        temperature=1.0,
+        top_k=0,
+        beta=BETA,
+        loss_type="dapo",
+        max_steps=100_000,
+        learning_rate=plan.lr,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        logging_steps=1_000_000,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[fields],
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=plan.processor,
+    )
     trainer.create_optimizer_and_scheduler(num_training_steps=100_000)
     trainer.current_gradient_accumulation_steps = 1  # what train() sets before its steps
     model.train()
@@ -102,11 +159,13 @@ def trl_stepper(data, registry, folder: Path):
             return generate(*a, **k)
         finally:
             clock["s"] += time.perf_counter() - t0
+
     trainer._generate = timed_generate
 
     def epochs():
         while True:  # epoch after epoch, as vlft's sampler goes on
             yield from trainer.get_train_dataloader()
+
     loader = epochs()
 
     def steps(n: int) -> float:
@@ -117,6 +176,7 @@ def trl_stepper(data, registry, folder: Path):
             trainer.lr_scheduler.step()
             trainer.optimizer.zero_grad(set_to_none=True)
         return clock["s"]
+
     return steps
 
 
@@ -138,12 +198,16 @@ def main(argv=None) -> int:
     except ImportError as e:
         print(f"trl not installed ({e}); timing vlft only", file=sys.stderr)
     times, generating, median = interleaved(runs, opts.rounds, opts.steps)
-    print(f"threads {torch.get_num_threads()}, {opts.rounds} rounds of {opts.steps} steps, {PROMPTS} prompts x G={G}, "
-          f"{NEW_TOKENS} new tokens")
+    print(
+        f"threads {torch.get_num_threads()}, {opts.rounds} rounds of {opts.steps} steps, {PROMPTS} prompts x G={G}, "
+        f"{NEW_TOKENS} new tokens"
+    )
     for name, t in times.items():
         gen = statistics.median(generating[name])
-        print(f"{name:9} {median[name]:.4f} s/step, generating {gen:.4f} ({gen / median[name]:.0%}), training "
-              f"{median[name] - gen:.4f} (rounds: {', '.join(f'{x:.4f}' for x in t)})")
+        print(
+            f"{name:9} {median[name]:.4f} s/step, generating {gen:.4f} ({gen / median[name]:.0%}), training "
+            f"{median[name] - gen:.4f} (rounds: {', '.join(f'{x:.4f}' for x in t)})"
+        )
     if "trl grpo" in median:
         print(f"vlft grpo / trl grpo: {median['vlft grpo'] / median['trl grpo']:.2f}")
     return 0

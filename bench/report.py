@@ -92,9 +92,13 @@ def render(data: dict) -> str:
     if any(b["extra_info"].get("benchmark_disabled") for b in benchmarks):
         setting.append("**benchmarks were disabled: the figures below come from a single round and mean nothing**")
     lines += [f"- {s}" for s in setting]
-    lines += ["", "Variants of a group are timed side by side in one run, interleaved round by round; a time "
-              "ratio is the median over rounds of the paired ratio (the ratio of the medians beside it). "
-              "Targets are reported, never asserted.", ""]
+    lines += [
+        "",
+        "Variants of a group are timed side by side in one run, interleaved round by round; a time "
+        "ratio is the median over rounds of the paired ratio (the ratio of the medians beside it). "
+        "Targets are reported, never asserted.",
+        "",
+    ]
 
     # -- figures -----------------------------------------------------------------------------
     lines += ["## Figures", ""]
@@ -103,9 +107,17 @@ def render(data: dict) -> str:
         e = b["extra_info"]
         for name, f in e["figures"].items():
             rom = f.get("ratio_of_medians")
-            rows.append([e.get("group", ""), e.get("model") or "", name,
-                         fmt_value(f.get("value"), f.get("unit", "x")), fmt_value(rom) if rom is not None else "",
-                         f.get("target") or "", fmt_met(f.get("met"))])
+            rows.append(
+                [
+                    e.get("group", ""),
+                    e.get("model") or "",
+                    name,
+                    fmt_value(f.get("value"), f.get("unit", "x")),
+                    fmt_value(rom) if rom is not None else "",
+                    f.get("target") or "",
+                    fmt_met(f.get("met")),
+                ]
+            )
     lines += table(["group", "model", "figure", "value", "ratio of medians", "target", ""], rows)
 
     # -- peak memory -----------------------------------------------------------------------------
@@ -114,8 +126,16 @@ def render(data: dict) -> str:
         e = b["extra_info"]
         for variant, m in (e.get("memory") or {}).items():
             extra = m.get("activation_bytes", m.get("step_bytes"))
-            mem_rows.append([e.get("group", ""), e.get("model") or "", variant, fmt_bytes(m.get("peak_bytes")),
-                             fmt_bytes(extra), m.get("measure", "")])
+            mem_rows.append(
+                [
+                    e.get("group", ""),
+                    e.get("model") or "",
+                    variant,
+                    fmt_bytes(m.get("peak_bytes")),
+                    fmt_bytes(extra),
+                    m.get("measure", ""),
+                ]
+            )
     if mem_rows:
         lines += ["", "## Peak memory per step", ""]
         lines += table(["group", "model", "variant", "peak", "activations / above resident", "measure"], mem_rows)
@@ -127,9 +147,18 @@ def render(data: dict) -> str:
         e = b["extra_info"]
         for variant, v in (e.get("variants") or {}).items():
             ips = v.get("items_per_s")
-            var_rows.append([e.get("group", ""), e.get("model") or "", variant, fmt_time(v.get("median_s")),
-                             fmt_time(v.get("min_s")), fmt_time(v.get("max_s")), v.get("samples", ""),
-                             f"{ips:.1f}" if ips is not None else ""])
+            var_rows.append(
+                [
+                    e.get("group", ""),
+                    e.get("model") or "",
+                    variant,
+                    fmt_time(v.get("median_s")),
+                    fmt_time(v.get("min_s")),
+                    fmt_time(v.get("max_s")),
+                    v.get("samples", ""),
+                    f"{ips:.1f}" if ips is not None else "",
+                ]
+            )
     lines += table(["group", "model", "variant", "median", "min", "max", "samples", "items/s"], var_rows)
 
     # -- dispatch ----------------------------------------------------------------------------------
@@ -139,7 +168,9 @@ def render(data: dict) -> str:
         for method, r in _dispatch_rows(e):
             s = r["syncs"]
             owners = ", ".join(f"{k} {v}" for k, v in sorted(s["by_owner"].items(), key=lambda kv: -kv[1]))
-            disp_rows.append([e.get("model") or "", method, r.get("hook_calls", "-"), s["total"], s["vlft_own"], owners])
+            disp_rows.append(
+                [e.get("model") or "", method, r.get("hook_calls", "-"), s["total"], s["vlft_own"], owners]
+            )
     if disp_rows:
         lines += ["", "## Hook calls and host-device synchronisations in one training step", ""]
         lines += table(["model", "method", "hook calls", "syncs", "by vlft", "syncs by who asked"], disp_rows)

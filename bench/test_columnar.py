@@ -35,7 +35,7 @@ import pytest
 from bench.support.data import write_parquet_set
 from bench.support.figures import figure, record
 
-MIB = 2 ** 20
+MIB = 2**20
 
 
 def _check(size, data: Path, val: Path, cache: Path, in_process: bool = False) -> dict:
@@ -45,8 +45,13 @@ def _check(size, data: Path, val: Path, cache: Path, in_process: bool = False) -
         return measure(size.encoder, data, val, cache, str(size.path))
     model = size.path
     root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, "-m", "bench.support.columnar_check", model, str(data), str(val),
-                          str(cache)], capture_output=True, text=True, cwd=root, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.support.columnar_check", model, str(data), str(val), str(cache)],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -74,22 +79,31 @@ def test_columnar_check(benchmark, env, embedded_size, tmp_path_factory, monkeyp
     figures = {f"JSON Lines records/s, cold ({scales[0]:,})": figure(jsonl_rate, unit="records/s")}
     for n in scales:
         r = results[n]
-        figures[f"Parquet records/s, cold ({n:,})"] = figure(r["records"] / r["cold_s"], f">= {jsonl_rate:.0f}",
-                                                             unit="records/s")
+        figures[f"Parquet records/s, cold ({n:,})"] = figure(
+            r["records"] / r["cold_s"], f">= {jsonl_rate:.0f}", unit="records/s"
+        )
         figures[f"Parquet records/s, cached ({n:,})"] = figure(r["records"] / r["cached_s"], unit="records/s")
         figures[f"MiB resident, peak during the check ({n:,})"] = figure(r["rss_peak"] / MIB, unit="MiB")
         figures[f"MiB held after the check ({n:,})"] = figure((r["rss_after"] - r["rss_before"]) / MIB, unit="MiB")
-        figures[f"bytes held per record ({n:,})"] = figure((r["rss_after"] - r["rss_before"]) / r["records"],
-                                                           unit="B")
+        figures[f"bytes held per record ({n:,})"] = figure((r["rss_after"] - r["rss_before"]) / r["records"], unit="B")
         figures[f"MiB resident, peak during 2 training steps ({n:,})"] = figure(r["rss_training"] / MIB, unit="MiB")
     for a, b in zip(scales, scales[1:]):  # what one more record costs: the model and libraries cancel out
         more = results[b]["records"] - results[a]["records"]
         for key, what in (("rss_after", "after the check"), ("rss_training", "during 2 training steps")):
             figures[f"bytes resident per record {what} ({a:,} -> {b:,})"] = figure(
-                (results[b][key] - results[a][key]) / more, "~0 (a few tens: the rows' places and figures)",
-                unit="B")
-    record(benchmark, env, embedded_size, "columnar", figures, {str(k): v for k, v in results.items()},
-           notes=[f"workers: {os.environ.get('VLFT_CHECK_WORKERS') or 'usable cores up to 8'}; load average "
-                  f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"])
+                (results[b][key] - results[a][key]) / more, "~0 (a few tens: the rows' places and figures)", unit="B"
+            )
+    record(
+        benchmark,
+        env,
+        embedded_size,
+        "columnar",
+        figures,
+        {str(k): v for k, v in results.items()},
+        notes=[
+            f"workers: {os.environ.get('VLFT_CHECK_WORKERS') or 'usable cores up to 8'}; load average "
+            f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+        ],
+    )
     assert [results[n]["records"] for n in scales] == [n + 16 for n in scales]
     assert [results[n]["steps"] for n in scales] == [2 for _ in scales]

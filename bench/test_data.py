@@ -43,23 +43,35 @@ def test_data(benchmark, env, size, demo_data, tmp_path):
     records = read_records(data)
 
     def batches(recs):
-        loader = torch.utils.data.DataLoader(EncodedDataset(recs, size.encoder), batch_size=BATCH_SIZE,
-                                             collate_fn=collate, **loader_kwargs)
+        loader = torch.utils.data.DataLoader(
+            EncodedDataset(recs, size.encoder), batch_size=BATCH_SIZE, collate_fn=collate, **loader_kwargs
+        )
         return sum(len(b["input_ids"]) for b in loader)
 
     host = encode_batches(size, records[:BATCH_SIZE])[0]
     dev = to_device(env, host)
     tr = trainer(env, adapted_model(env, size, "lora")[0])
-    timer = Interleaved(env, {
-        "pipeline": lambda: batches(read_records(data)),
-        "pipeline_epoch": lambda: batches(records),
-        "step": lambda: tr.step(host, dev),
-    }, repeats=2)
+    timer = Interleaved(
+        env,
+        {
+            "pipeline": lambda: batches(read_records(data)),
+            "pipeline_epoch": lambda: batches(records),
+            "step": lambda: tr.step(host, dev),
+        },
+        repeats=2,
+    )
     timer.run(benchmark)
     items = {"pipeline": float(n), "pipeline_epoch": float(n), "step": float(BATCH_SIZE)}
     figures = {
         "pipeline/step samples/s": timer.ratio_figure("pipeline", "step", ">= 5", per_item=items),
         "pipeline_epoch/step samples/s": timer.ratio_figure("pipeline_epoch", "step", per_item=items),
     }
-    record(benchmark, env, size, "data", figures, timer.summary(items),
-           notes=[f"pipeline: {n} records, DataLoader {loader_kwargs}; step: LoRA train_step, batch {BATCH_SIZE}"])
+    record(
+        benchmark,
+        env,
+        size,
+        "data",
+        figures,
+        timer.summary(items),
+        notes=[f"pipeline: {n} records, DataLoader {loader_kwargs}; step: LoRA train_step, batch {BATCH_SIZE}"],
+    )

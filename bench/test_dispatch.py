@@ -65,10 +65,19 @@ def test_dispatch(benchmark, env, size, demo_records):
     if env.device.type == "cpu":  # two processes over gloo: the label count and the stop flag are reduced
         two = two_process_syncs(demo_records, "lora")
         results["lora, 2 processes"] = two
-        figures["lora syncs per step by vlft, 2 processes"] = figure(max(r["syncs"]["vlft_own"] for r in two),
-                                                                   "== 0", unit="")
-    record(benchmark, env, size, "dispatch", figures, {}, dispatch=results,
-           notes=["syncs on CPU: every scalar read / data-dependent op counted as the sync it would be on a device"])
+        figures["lora syncs per step by vlft, 2 processes"] = figure(
+            max(r["syncs"]["vlft_own"] for r in two), "== 0", unit=""
+        )
+    record(
+        benchmark,
+        env,
+        size,
+        "dispatch",
+        figures,
+        {},
+        dispatch=results,
+        notes=["syncs on CPU: every scalar read / data-dependent op counted as the sync it would be on a device"],
+    )
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -40,8 +40,9 @@ TARGET = ">= 1.3"
 def head_data(tmp_path_factory):
     from vlft.data.demo import write_varied_dataset
 
-    return write_varied_dataset(tmp_path_factory.mktemp("bench-head-runs"), n=RECORDS, seed=11, max_images=2,
-                                max_side=448, answer_words=(3, 90))
+    return write_varied_dataset(
+        tmp_path_factory.mktemp("bench-head-runs"), n=RECORDS, seed=11, max_images=2, max_side=448, answer_words=(3, 90)
+    )
 
 
 def _run(env, size, data, folder, steps: int, full_head: bool, monkeypatch) -> list[dict]:
@@ -52,8 +53,16 @@ def _run(env, size, data, folder, steps: int, full_head: bool, monkeypatch) -> l
     with monkeypatch.context() as patch:
         if full_head:
             patch.setattr(vlft.training.trainer, "StepPolicy", functools.partial(StepPolicy, labels_only=False))
-        return run_steps(env.registry, steps, backend=env.backend, model=str(size.path), data=str(data),
-                         output=str(folder), batch_size=BATCH, max_pixels=MAX_PIXELS)
+        return run_steps(
+            env.registry,
+            steps,
+            backend=env.backend,
+            model=str(size.path),
+            data=str(data),
+            output=str(folder),
+            batch_size=BATCH,
+            max_pixels=MAX_PIXELS,
+        )
 
 
 @pytest.mark.benchmark(group="head-runs")
@@ -64,16 +73,29 @@ def test_head_runs(benchmark, env, head_runs_size, head_data, tmp_path, monkeypa
     def one_round():
         for name in seen:
             folder = tmp_path / f"{name}-{len(seen[name])}"
-            seen[name].append(rates(_run(env, head_runs_size, head_data, folder, steps, name == "full",
-                                           monkeypatch))["real_tokens_per_s"])
+            seen[name].append(
+                rates(_run(env, head_runs_size, head_data, folder, steps, name == "full", monkeypatch))[
+                    "real_tokens_per_s"
+                ]
+            )
 
     benchmark.pedantic(one_round, rounds=rounds, iterations=1)
     ratio = statistics.median(a / b for a, b in zip(seen["labels"], seen["full"]))
-    record(benchmark, env, head_runs_size, "head-runs",
-           {"labels-only/full-head real tokens/s in runs": figure(
-               ratio, TARGET if head_runs_size.name == "qwen-vocab" else None)},
-           {name: {"real_tokens_per_s": values} for name, values in seen.items()},
-           notes=[f"{RECORDS} varied records (0-2 images capped at {MAX_PIXELS} px, 1-3 turns, answers 3-90 words), "
-                  f"micro-batches of {BATCH}, one epoch per variant and round, {rounds} round(s); real `vlft run`s "
-                  f"(LoRA, fp32), step times from each run's metrics, the first step left out; full: the step "
-                  f"policy's labels_only off"])
+    record(
+        benchmark,
+        env,
+        head_runs_size,
+        "head-runs",
+        {
+            "labels-only/full-head real tokens/s in runs": figure(
+                ratio, TARGET if head_runs_size.name == "qwen-vocab" else None
+            )
+        },
+        {name: {"real_tokens_per_s": values} for name, values in seen.items()},
+        notes=[
+            f"{RECORDS} varied records (0-2 images capped at {MAX_PIXELS} px, 1-3 turns, answers 3-90 words), "
+            f"micro-batches of {BATCH}, one epoch per variant and round, {rounds} round(s); real `vlft run`s "
+            f"(LoRA, fp32), step times from each run's metrics, the first step left out; full: the step "
+            f"policy's labels_only off"
+        ],
+    )

@@ -39,8 +39,9 @@ def generator(env, size, model):
 
     def generate(batch):
         with torch.no_grad(), env.autocast():
-            return model.generate(**batch, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                                  pad_token_id=pad)
+            return model.generate(
+                **batch, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=pad
+            )
 
     return generate
 
@@ -68,13 +69,19 @@ def test_inference(benchmark, env, size, demo_records):
         figures[f"{method} unmerged/base time"] = timer.ratio_figure(f"{method}_unmerged", "base")
         figures[f"{method} merged/base time"] = timer.ratio_figure(f"{method}_merged", "base", "0.95..1.05")
     tokens = {name: float(BATCH_SIZE * NEW_TOKENS) for name in models}
-    record(benchmark, env, size, "inference", figures, timer.summary(tokens),
-           notes=[f"greedy, batch {BATCH_SIZE}, exactly {NEW_TOKENS} new tokens; items/s = generated tokens/s"])
+    record(
+        benchmark,
+        env,
+        size,
+        "inference",
+        figures,
+        timer.summary(tokens),
+        notes=[f"greedy, batch {BATCH_SIZE}, exactly {NEW_TOKENS} new tokens; items/s = generated tokens/s"],
+    )
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_merged_model_is_the_base_architecture_computing_the_adapted_function(env, embedded_size, demo_records,
-                                                                              method):
+def test_merged_model_is_the_base_architecture_computing_the_adapted_function(env, embedded_size, demo_records, method):
     """merged ~ base: after merging, the same modules and parameters as the base, and the adapter's outputs."""
     size = embedded_size
     base = load_base(env, size).to(env.device).eval()

@@ -53,10 +53,20 @@ def test_linear_vs_conv3d_patch_embed(benchmark, env):
     best = {k: min(v) for k, v in times.items()}
     benchmark.pedantic(_step, args=(lin, x, grad), rounds=rounds, iterations=1)
     ratio = best["conv3d"] / best["linear"]
-    record(benchmark, env, None, "kernels",
-           figures={"conv3d_over_linear": figure(ratio, None, "x", "forward + backward, best of 3 x "
-                                                 f"{rounds} rounds, {patches} patches")},
-           variants={k: {"step_s": v} for k, v in best.items()},
-           notes=[f"threads {torch.get_num_threads()}"])
-    print(f"\npatch embedding fwd+bwd on CPU, {patches} patches: conv3d {best['conv3d'] * 1e3:.2f} ms, "
-          f"linear {best['linear'] * 1e3:.2f} ms, ratio {ratio:.2f}x")
+    record(
+        benchmark,
+        env,
+        None,
+        "kernels",
+        figures={
+            "conv3d_over_linear": figure(
+                ratio, None, "x", f"forward + backward, best of 3 x {rounds} rounds, {patches} patches"
+            )
+        },
+        variants={k: {"step_s": v} for k, v in best.items()},
+        notes=[f"threads {torch.get_num_threads()}"],
+    )
+    print(
+        f"\npatch embedding fwd+bwd on CPU, {patches} patches: conv3d {best['conv3d'] * 1e3:.2f} ms, "
+        f"linear {best['linear'] * 1e3:.2f} ms, ratio {ratio:.2f}x"
+    )

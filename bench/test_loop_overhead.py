@@ -63,5 +63,12 @@ def test_loop_overhead(benchmark, env, family_size, demo_records):
     timer = Interleaved(env, {"vlft": lambda: tr.step(host, dev), "plain": lambda: plain(dev)}, repeats=4)
     timer.run(benchmark)
     figures = {"vlft/plain step time": timer.ratio_figure("vlft", "plain", "<= 1.03")}
-    record(benchmark, env, size, "loop_overhead", figures, timer.summary({"vlft": BATCH_SIZE, "plain": BATCH_SIZE}),
-           notes=["same LoRA model, optimizer, scheduler and batch for both, stepped alternately"])
+    record(
+        benchmark,
+        env,
+        size,
+        "loop_overhead",
+        figures,
+        timer.summary({"vlft": BATCH_SIZE, "plain": BATCH_SIZE}),
+        notes=["same LoRA model, optimizer, scheduler and batch for both, stepped alternately"],
+    )

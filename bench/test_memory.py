@@ -23,8 +23,7 @@ from bench.support.figures import figure, record
 from bench.support.memory import measured_step_peak
 from bench.support.timing import Interleaved
 
-VARIANTS = {"fp32": ("fp32", "off"), "fp32+ckpt": ("fp32", "on"), "bf16": ("bf16", "off"),
-            "bf16+ckpt": ("bf16", "on")}
+VARIANTS = {"fp32": ("fp32", "off"), "fp32+ckpt": ("fp32", "on"), "bf16": ("bf16", "off"), "bf16+ckpt": ("bf16", "on")}
 
 
 # (size, attention): the backend's default everywhere, and SDPA on the wide model too, since eager
@@ -40,8 +39,7 @@ def mem_case(request):
     if disabled and size != "embedded":
         pytest.skip("under --benchmark-disable the memory group runs on the embedded model only")
     if size == "large" and not request.config.getoption("--bench-large"):
-        pytest.skip("on request (--bench-large): the large model would take make bench past its 15 minutes on "
-                    "2 cores")
+        pytest.skip("on request (--bench-large): the large model would take make bench past its 15 minutes on 2 cores")
     return request.getfixturevalue(f"{size.replace('-', '_')}_size"), attn
 
 
@@ -60,9 +58,18 @@ def _session(env, size, data, tmp_path, param_dtype, ckpt, attn):
     from vlft.training.trainer import build_trainer
 
     precision = env.asked_precision if param_dtype in ("bf16", "nf4") else "fp32"
-    config = env.config(model=size.path, data=str(data), val_data=str(data), output=str(tmp_path / "unused"),
-                        steps=2, param_dtype=param_dtype, grad_checkpointing=ckpt, precision=precision,
-                        warmup_ratio=0.0, attn=attn)
+    config = env.config(
+        model=size.path,
+        data=str(data),
+        val_data=str(data),
+        output=str(tmp_path / "unused"),
+        steps=2,
+        param_dtype=param_dtype,
+        grad_checkpointing=ckpt,
+        precision=precision,
+        warmup_ratio=0.0,
+        attn=attn,
+    )
     return build_trainer(env.registry, config)
 
 
@@ -91,17 +98,26 @@ def test_memory(benchmark, env, mem_case, longest_batch_data, tmp_path):
     # the figures here are memory; a few rounds time checkpointing's cost in fp32 (one on the slow large model),
     # the one time figure: timing the bf16 variants too doubled the wide model's share of make bench
     timed = ("fp32", "fp32+ckpt")
-    timer = Interleaved(env, {name: (lambda s=sessions[name], g=groups[name]: train_step_on(
-        s.model, s.optimizer, s.scheduler, g, s.policy)) for name in timed})
+    timer = Interleaved(
+        env,
+        {
+            name: (
+                lambda s=sessions[name], g=groups[name]: train_step_on(s.model, s.optimizer, s.scheduler, g, s.policy)
+            )
+            for name in timed
+        },
+    )
     timer.run(benchmark, rounds=1 if mem_size.name == "large" else 3)
 
     wide = mem_size.name == "wide"
     errors = [abs(m["estimate/measured"] - 1) for m in memory.values()]
     figures = {
-        "bf16/fp32 peak": figure(memory["bf16"]["peak_bytes"] / memory["fp32"]["peak_bytes"],
-                                 "<= 0.6" if wide else None),
-        "ckpt on/off step memory (fp32)": figure(memory["fp32+ckpt"]["step_bytes"] / memory["fp32"]["step_bytes"],
-                                                 "<= 0.5" if wide else None),
+        "bf16/fp32 peak": figure(
+            memory["bf16"]["peak_bytes"] / memory["fp32"]["peak_bytes"], "<= 0.6" if wide else None
+        ),
+        "ckpt on/off step memory (fp32)": figure(
+            memory["fp32+ckpt"]["step_bytes"] / memory["fp32"]["step_bytes"], "<= 0.5" if wide else None
+        ),
         "ckpt on/off step memory (bf16)": figure(memory["bf16+ckpt"]["step_bytes"] / memory["bf16"]["step_bytes"]),
         "worst |estimate/measured - 1|": figure(max(errors), "<= 0.2"),
         "ckpt on/off step time (fp32)": timer.ratio_figure("fp32+ckpt", "fp32"),
@@ -110,10 +126,20 @@ def test_memory(benchmark, env, mem_case, longest_batch_data, tmp_path):
         figures[f"estimate/measured {name}"] = figure(m["estimate/measured"])
     attention = sessions["fp32"].plan.attention
     figures = {f"{k} [{attention.text} attention]": v for k, v in figures.items()}
-    record(benchmark, env, mem_size, "memory", figures, timer.summary({n: BATCH_SIZE for n in timed}), memory,
-           notes=["estimate: the memory plan's total less its runtime reserve, for exactly the batch measured",
-                  "step memory: the peak above the resident weights and optimizer state"],
-           batch=json.loads(json.dumps(memory["fp32"]["batch"])))
+    record(
+        benchmark,
+        env,
+        mem_size,
+        "memory",
+        figures,
+        timer.summary({n: BATCH_SIZE for n in timed}),
+        memory,
+        notes=[
+            "estimate: the memory plan's total less its runtime reserve, for exactly the batch measured",
+            "step memory: the peak above the resident weights and optimizer state",
+        ],
+        batch=json.loads(json.dumps(memory["fp32"]["batch"])),
+    )
 
 
 # -- 4-bit base weights (QLoRA) ------------------------------------------------------------------------
@@ -127,8 +153,10 @@ def nf4_size(request):
     if disabled and request.param != "embedded":
         pytest.skip("under --benchmark-disable the memory group runs on the embedded model only")
     if request.param == "wide" and not request.config.getoption("--bench-large"):
-        pytest.skip("on request (--bench-large): nf4 on the wide model took 557 s of make bench (bitsandbytes' "
-                    "4-bit matmuls on the CPU), past its 15 minutes on 2 cores")
+        pytest.skip(
+            "on request (--bench-large): nf4 on the wide model took 557 s of make bench (bitsandbytes' "
+            "4-bit matmuls on the CPU), past its 15 minutes on 2 cores"
+        )
     try:
         import bitsandbytes  # noqa: F401 - where it is importable, 4-bit loading runs
     except ImportError:
@@ -164,12 +192,20 @@ def test_memory_nf4(benchmark, env, nf4_size, longest_batch_data, tmp_path):
     memory = {}
     for name, s in sessions.items():
         if env.device_module() is None:  # the CPU meter, with the 4-bit scales counted as resident
-            resident = [*s.model.parameters(), *s.model.buffers(), *_four_bit_constants(s.model),
-                        *(v for st in s.optimizer.state.values() for v in st.values())]
+            resident = [
+                *s.model.parameters(),
+                *s.model.buffers(),
+                *_four_bit_constants(s.model),
+                *(v for st in s.optimizer.state.values() for v in st.values()),
+            ]
             with LiveTensorMeter(resident) as meter:
                 s.train_step(groups[name])
-            m = {"measure": "live tensor storages, followed through the dispatcher", "peak_bytes": meter.peak,
-                 "step_bytes": meter.peak - meter.start_bytes, "resident_bytes": meter.start_bytes}
+            m = {
+                "measure": "live tensor storages, followed through the dispatcher",
+                "peak_bytes": meter.peak,
+                "step_bytes": meter.peak - meter.start_bytes,
+                "resident_bytes": meter.start_bytes,
+            }
         else:
             m = measured_step_peak(env, s, groups[name])
         plan = s.plan.memory
@@ -179,20 +215,38 @@ def test_memory_nf4(benchmark, env, nf4_size, longest_batch_data, tmp_path):
         memory[name] = m
 
     timed = ("bf16", "nf4")  # the one time figure's pair
-    timer = Interleaved(env, {name: (lambda s=sessions[name], g=groups[name]: train_step_on(
-        s.model, s.optimizer, s.scheduler, g, s.policy)) for name in timed})
+    timer = Interleaved(
+        env,
+        {
+            name: (
+                lambda s=sessions[name], g=groups[name]: train_step_on(s.model, s.optimizer, s.scheduler, g, s.policy)
+            )
+            for name in timed
+        },
+    )
     timer.run(benchmark, rounds=3)
     errors = [abs(m["estimate/measured"] - 1) for m in memory.values()]
     figures = {
         "nf4/bf16 peak": figure(memory["nf4"]["peak_bytes"] / memory["bf16"]["peak_bytes"]),
-        "nf4/bf16 planned weight bytes": figure(memory["nf4"]["weight_estimate_bytes"]
-                                                / memory["bf16"]["weight_estimate_bytes"]),
+        "nf4/bf16 planned weight bytes": figure(
+            memory["nf4"]["weight_estimate_bytes"] / memory["bf16"]["weight_estimate_bytes"]
+        ),
         "worst |estimate/measured - 1|": figure(max(errors), "<= 0.2"),
         "nf4/bf16 step time": timer.ratio_figure("nf4", "bf16"),
     }
     for name, m in memory.items():
         figures[f"estimate/measured {name}"] = figure(m["estimate/measured"])
-    record(benchmark, env, nf4_size, "memory", figures, timer.summary({n: BATCH_SIZE for n in timed}), memory,
-           notes=["nf4: linear weights in 4-bit NF4 (bitsandbytes), the head, merger, embeddings and norms bf16; "
-                  "bf16 compute in both",
-                  "estimate: the memory plan's total less its runtime reserve, for exactly the batch measured"])
+    record(
+        benchmark,
+        env,
+        nf4_size,
+        "memory",
+        figures,
+        timer.summary({n: BATCH_SIZE for n in timed}),
+        memory,
+        notes=[
+            "nf4: linear weights in 4-bit NF4 (bitsandbytes), the head, merger, embeddings and norms bf16; "
+            "bf16 compute in both",
+            "estimate: the memory plan's total less its runtime reserve, for exactly the batch measured",
+        ],
+    )

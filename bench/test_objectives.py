@@ -50,12 +50,15 @@ def cpu_only(env):
 def _calls(steppers: dict, n: int, generating: dict | None = None) -> dict:
     """Interleaved's variants: each call takes ``n`` steps (GRPO's steppers return their generating seconds,
     kept per call in ``generating``)."""
+
     def call(name, stepper):
         def run():
             seconds = stepper(n)
             if generating is not None:
                 generating[name].append((seconds or 0.0) / n)
+
         return run
+
     return {name: call(name, stepper) for name, stepper in steppers.items()}
 
 
@@ -65,9 +68,10 @@ def test_dpo_step(benchmark, env, cpu_only):
 
     folder = Path(tempfile.mkdtemp(prefix="bench-dpo-"))
     ds = write_demo_preferences(folder / "demo", n_train=400, n_val=8, seed=0)
-    steppers = {"vlft sft": dpo_vs_trl.vlft_stepper("sft", (ds.root / "train.jsonl", ds.root / "val.jsonl"),
-                                                     env.registry),
-                "vlft dpo": dpo_vs_trl.vlft_stepper("dpo", (ds.train, ds.val), env.registry)}
+    steppers = {
+        "vlft sft": dpo_vs_trl.vlft_stepper("sft", (ds.root / "train.jsonl", ds.root / "val.jsonl"), env.registry),
+        "vlft dpo": dpo_vs_trl.vlft_stepper("dpo", (ds.train, ds.val), env.registry),
+    }
     missing = _trl_missing()
     if not missing:
         steppers["trl dpo"] = dpo_vs_trl.trl_stepper((ds.train, ds.val), env.registry, folder)
@@ -75,11 +79,21 @@ def test_dpo_step(benchmark, env, cpu_only):
     timer = Interleaved(env, _calls(steppers, n))
     timer.run(benchmark, rounds=ROUNDS)
     figures = {"vlft dpo/sft step time": timer.ratio_figure("vlft dpo", "vlft sft")}
-    figures["vlft dpo / trl dpo step time"] = (timer.ratio_figure("vlft dpo", "trl dpo", "<= 0.8") if not missing
-                                               else figure(None, "<= 0.8", note=missing))
-    record(benchmark, env, None, "objectives", figures, timer.summary({k: n for k in steppers}),
-           notes=[f"{n} steps of 4 records per timed call; a step includes its data",
-                  "TRL's DPOTrainer: training_step, optimizer and schedule, as its train() does"])
+    figures["vlft dpo / trl dpo step time"] = (
+        timer.ratio_figure("vlft dpo", "trl dpo", "<= 0.8") if not missing else figure(None, "<= 0.8", note=missing)
+    )
+    record(
+        benchmark,
+        env,
+        None,
+        "objectives",
+        figures,
+        timer.summary({k: n for k in steppers}),
+        notes=[
+            f"{n} steps of 4 records per timed call; a step includes its data",
+            "TRL's DPOTrainer: training_step, optimizer and schedule, as its train() does",
+        ],
+    )
 
 
 @pytest.mark.benchmark(group="objectives")
@@ -99,7 +113,7 @@ def test_grpo_step(benchmark, env, cpu_only):
 
     def share(name):  # the median of the timed calls' generating share (the warm-up call's left out)
         timed = timer.times[name]
-        return figure(statistics.median(g / (t / n) for g, t in zip(generating[name][-len(timed):], timed)))
+        return figure(statistics.median(g / (t / n) for g, t in zip(generating[name][-len(timed) :], timed)))
 
     figures = {"vlft grpo generating share": share("vlft grpo")}
     if missing:
@@ -107,6 +121,15 @@ def test_grpo_step(benchmark, env, cpu_only):
     else:
         figures["vlft grpo / trl grpo step time"] = timer.ratio_figure("vlft grpo", "trl grpo", "<= 0.8")
         figures["trl grpo generating share"] = share("trl grpo")
-    record(benchmark, env, None, "objectives", figures, timer.summary({k: n for k in steppers}),
-           notes=[f"{n} steps of {grpo_vs_trl.PROMPTS} prompts x G {grpo_vs_trl.G}, {grpo_vs_trl.NEW_TOKENS} new "
-                  "tokens, per timed call; a step includes its data, sampling and rewards"])
+    record(
+        benchmark,
+        env,
+        None,
+        "objectives",
+        figures,
+        timer.summary({k: n for k in steppers}),
+        notes=[
+            f"{n} steps of {grpo_vs_trl.PROMPTS} prompts x G {grpo_vs_trl.G}, {grpo_vs_trl.NEW_TOKENS} new "
+            "tokens, per timed call; a step includes its data, sampling and rewards"
+        ],
+    )

@@ -40,16 +40,20 @@ ROUNDS = 3
 RECORDS = 32  # 8 steps of 4: one epoch per variant and round
 BATCH = 4
 MAX_PIXELS = 448 * 448
-VARIANTS = {"padded": {"packing": "off"}, "packed": {"packing": "on"},
-            "grouped": {"packing": "off", "group_by_length": True}}
+VARIANTS = {
+    "padded": {"packing": "off"},
+    "packed": {"packing": "on"},
+    "grouped": {"packing": "off", "group_by_length": True},
+}
 
 
 @pytest.fixture(scope="session")
 def varied_train(tmp_path_factory):
     from vlft.data.demo import write_varied_dataset
 
-    return write_varied_dataset(tmp_path_factory.mktemp("bench-varied"), n=RECORDS, seed=7, max_images=2,
-                                answer_words=(3, 90))
+    return write_varied_dataset(
+        tmp_path_factory.mktemp("bench-varied"), n=RECORDS, seed=7, max_images=2, answer_words=(3, 90)
+    )
 
 
 # The embedded model's vision tower (Qwen2.5-VL's layout): the bench runs on the embedded default.
@@ -120,8 +124,16 @@ def _run(backend: str, folder, data, steps: int, **options) -> list[dict]:
     from vlft.registry import load_registry
 
     clock = VisionClock()
-    metrics = run_steps(load_registry(plugins=(clock,)), steps, backend=backend, data=str(data), output=str(folder),
-                        batch_size=BATCH, max_pixels=MAX_PIXELS, **options)
+    metrics = run_steps(
+        load_registry(plugins=(clock,)),
+        steps,
+        backend=backend,
+        data=str(data),
+        output=str(folder),
+        batch_size=BATCH,
+        max_pixels=MAX_PIXELS,
+        **options,
+    )
     vision = clock.finish()
     assert len(vision) == steps, len(vision)  # one tower pass a step
     return [{**m, "vision_s": v} for m, v in zip(metrics, vision)]
@@ -140,14 +152,15 @@ def test_packing(benchmark, env, tmp_path, varied_train):
 
     def one_round():
         for name, options in variants.items():
-            seen[name].append(_rates(_run(env.backend, tmp_path / f"{name}-{len(seen[name])}", varied_train, steps, **options)))
+            seen[name].append(
+                _rates(_run(env.backend, tmp_path / f"{name}-{len(seen[name])}", varied_train, steps, **options))
+            )
 
     benchmark.pedantic(one_round, rounds=rounds, iterations=1)
 
     def ratio(num: str, den: str) -> float:
         """Median over rounds of the paired tokens/s ratio."""
-        return statistics.median(a["real_tokens_per_s"] / b["real_tokens_per_s"]
-                                 for a, b in zip(seen[num], seen[den]))
+        return statistics.median(a["real_tokens_per_s"] / b["real_tokens_per_s"] for a, b in zip(seen[num], seen[den]))
 
     padded = seen["padded"][0]
     ceiling = padded["positions"] / padded["real_tokens"]
@@ -155,17 +168,33 @@ def test_packing(benchmark, env, tmp_path, varied_train):
     assert seen["packed"][0]["real_tokens"] == pytest.approx(padded["real_tokens"])  # the same samples
     packed = ratio("packed", "padded")
     vision_share = statistics.median(r["vision_seconds"] / r["seconds"] for r in seen["padded"])
-    figures = {"packed/padded real tokens/s": figure(packed),
-               "padding-free ceiling (padded/real positions)": figure(ceiling),
-               "packed/padded as a share of the ceiling": figure(packed / ceiling, ">= 0.9"),
-               "vision tower's share of a padded step": figure(vision_share, unit="")}
+    figures = {
+        "packed/padded real tokens/s": figure(packed),
+        "padding-free ceiling (padded/real positions)": figure(ceiling),
+        "packed/padded as a share of the ceiling": figure(packed / ceiling, ">= 0.9"),
+        "vision tower's share of a padded step": figure(vision_share, unit=""),
+    }
     if "grouped" in seen:
         figures["packed/grouped real tokens/s"] = figure(ratio("packed", "grouped"), ">= 1")
         figures["grouped/padded real tokens/s"] = figure(ratio("grouped", "padded"))
-    summary = {name: {"real_tokens_per_s": [r["real_tokens_per_s"] for r in runs],
-                      "step_seconds": [r["seconds"] for r in runs]} for name, runs in seen.items()}
-    record(benchmark, env, None, "packing", figures, summary,
-           notes=[f"{RECORDS} varied records (0-2 images capped at {MAX_PIXELS} px, 1-3 turns, answers 3-90 "
-                  f"words), micro-batches of {BATCH}, one epoch per variant and round, {rounds} round(s); real "
-                  f"`vlft run`s (LoRA, fp32, eager; packed: the segments path), step times from each run's "
-                  f"metrics, the first step left out"])
+    summary = {
+        name: {
+            "real_tokens_per_s": [r["real_tokens_per_s"] for r in runs],
+            "step_seconds": [r["seconds"] for r in runs],
+        }
+        for name, runs in seen.items()
+    }
+    record(
+        benchmark,
+        env,
+        None,
+        "packing",
+        figures,
+        summary,
+        notes=[
+            f"{RECORDS} varied records (0-2 images capped at {MAX_PIXELS} px, 1-3 turns, answers 3-90 "
+            f"words), micro-batches of {BATCH}, one epoch per variant and round, {rounds} round(s); real "
+            f"`vlft run`s (LoRA, fp32, eager; packed: the segments path), step times from each run's "
+            f"metrics, the first step left out"
+        ],
+    )

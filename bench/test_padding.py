@@ -49,7 +49,13 @@ def test_padding(benchmark, env, size, mixed_records):
     for name in host:
         summary[name]["batch_lengths"] = lengths[name]
         summary[name]["real_token_share"] = real / sum(BATCH_SIZE * length for length in lengths[name])
-    record(benchmark, env, size, "padding",
-           {"own/fixed512 samples/s": timer.ratio_figure("own", "fixed512", ">= 2", per_item=n)}, summary,
-           notes=[f"{len(records)} mixed-length samples, batches of {BATCH_SIZE}, LoRA, one train_step per batch"],
-           sample_lengths=[int(b["attention_mask"][i].sum()) for b in host["own"] for i in range(BATCH_SIZE)])
+    record(
+        benchmark,
+        env,
+        size,
+        "padding",
+        {"own/fixed512 samples/s": timer.ratio_figure("own", "fixed512", ">= 2", per_item=n)},
+        summary,
+        notes=[f"{len(records)} mixed-length samples, batches of {BATCH_SIZE}, LoRA, one train_step per batch"],
+        sample_lengths=[int(b["attention_mask"][i].sum()) for b in host["own"] for i in range(BATCH_SIZE)],
+    )

@@ -39,7 +39,9 @@ def test_preflight(benchmark, env, embedded_size, tmp_path_factory, monkeypatch)
     folder = tmp_path_factory.mktemp("preflight")
     train = write_preflight_dataset(folder / "set", n, images)
     val = folder / "val.jsonl"
-    val.write_text("".join(train.read_text().splitlines(keepends=True)[:16]).replace('"imgs/', f'"{train.parent}/imgs/'))
+    val.write_text(
+        "".join(train.read_text().splitlines(keepends=True)[:16]).replace('"imgs/', f'"{train.parent}/imgs/')
+    )
     config = build_config({}, dict(backend="cpu", data=str(train), val_data=str(val), output=str(folder / "r")))
     times = {}
 
@@ -60,9 +62,20 @@ def test_preflight(benchmark, env, embedded_size, tmp_path_factory, monkeypatch)
     workers_used, load = check_workers(), os.getloadavg()[0]
     benchmark.pedantic(measure, rounds=1, iterations=1)
     total = n + 16
-    figures = {"preflight records/s": figure(total / times["cold"], ">= 1500", unit="records/s"),
-               "preflight records/s, 1 worker": figure(total / times["cold, 1 worker"], unit="records/s"),
-               "preflight records/s, cached": figure(total / times["warm"], unit="records/s")}
-    record(benchmark, env, embedded_size, "preflight", figures, {k: {"seconds": v} for k, v in times.items()},
-           notes=[f"{n} records over {images} images of 448x448; workers: {workers_used}; load average before: "
-                  f"{load:.1f} on {os.cpu_count()} cores"])
+    figures = {
+        "preflight records/s": figure(total / times["cold"], ">= 1500", unit="records/s"),
+        "preflight records/s, 1 worker": figure(total / times["cold, 1 worker"], unit="records/s"),
+        "preflight records/s, cached": figure(total / times["warm"], unit="records/s"),
+    }
+    record(
+        benchmark,
+        env,
+        embedded_size,
+        "preflight",
+        figures,
+        {k: {"seconds": v} for k, v in times.items()},
+        notes=[
+            f"{n} records over {images} images of 448x448; workers: {workers_used}; load average before: "
+            f"{load:.1f} on {os.cpu_count()} cores"
+        ],
+    )

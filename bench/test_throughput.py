@@ -42,8 +42,11 @@ def test_head(benchmark, env, head_size, mixed_records):
     tr.step(host, dev["full"])  # optimizer state exists before anything is measured
     peaks = {}
     for name, batch in dev.items():
-        resident = [*tr.model.parameters(), *(t for s in tr.optimizer.state.values() for t in s.values()
-                                              if torch.is_tensor(t)), *batch.values()]
+        resident = [
+            *tr.model.parameters(),
+            *(t for s in tr.optimizer.state.values() for t in s.values() if torch.is_tensor(t)),
+            *batch.values(),
+        ]
         with LiveTensorMeter(resident) as meter:
             tr.step(host, batch)
         peaks[name] = meter.peak
@@ -53,14 +56,25 @@ def test_head(benchmark, env, head_size, mixed_records):
     for name in dev:
         summary[name]["peak_live_bytes"] = peaks[name]
     kept = int(_labels_only(host)["logit_positions"].shape[1])
-    record(benchmark, env, size, "head",
-           {"labels-only/full-head step time": timer.ratio_figure("labels", "full"),
+    record(
+        benchmark,
+        env,
+        size,
+        "head",
+        {
+            "labels-only/full-head step time": timer.ratio_figure("labels", "full"),
             # the target where the head is as wide as a real one: at the tiny models' 440 rows the logits are a
             # sliver of the step's memory, which no head can change
-            "labels-only/full-head peak memory": figure(peaks["labels"] / peaks["full"],
-                                                        "<= 0.6" if size.name == "qwen-vocab" else None)}, summary,
-           notes=[f"batch of {BATCH_SIZE} x {host['input_ids'].shape[1]} tokens, logits at {kept} positions per "
-                  f"sample; vocab {size.model_config.text_config.vocab_size}"])
+            "labels-only/full-head peak memory": figure(
+                peaks["labels"] / peaks["full"], "<= 0.6" if size.name == "qwen-vocab" else None
+            ),
+        },
+        summary,
+        notes=[
+            f"batch of {BATCH_SIZE} x {host['input_ids'].shape[1]} tokens, logits at {kept} positions per "
+            f"sample; vocab {size.model_config.text_config.vocab_size}"
+        ],
+    )
 
 
 @pytest.mark.benchmark(group="grouping")
@@ -70,8 +84,10 @@ def test_grouping(benchmark, env, size, mixed_records):
     n = len(mixed_records) if not benchmark.disabled else 2 * BATCH_SIZE
     records = mixed_records[:n]
     lengths = [size.encoder.measure(r)[0] for r in records]
-    orders = {"random": EpochSampler(n, 0, 0).indices(),
-              "grouped": EpochSampler(n, 0, 0, lengths=lengths, batch_size=BATCH_SIZE).indices()}
+    orders = {
+        "random": EpochSampler(n, 0, 0).indices(),
+        "grouped": EpochSampler(n, 0, 0, lengths=lengths, batch_size=BATCH_SIZE).indices(),
+    }
     host = {name: encode_batches(size, [records[i] for i in order]) for name, order in orders.items()}
     dev = {name: [to_device(env, b) for b in batches] for name, batches in host.items()}
     tr = trainer(env, adapted_model(env, size, "lora")[0])
@@ -87,9 +103,15 @@ def test_grouping(benchmark, env, size, mixed_records):
     for name, batches in host.items():
         summary[name]["padded_tokens"] = sum(b["input_ids"].numel() for b in batches)
         summary[name]["effective_tokens"] = real[name]
-    record(benchmark, env, size, "grouping",
-           {"grouped/random effective tokens/s": timer.ratio_figure("grouped", "random", ">= 1.3", per_item=real)},
-           summary, notes=[f"{n} mixed-length records, batches of {BATCH_SIZE}, LoRA, one train_step per batch"])
+    record(
+        benchmark,
+        env,
+        size,
+        "grouping",
+        {"grouped/random effective tokens/s": timer.ratio_figure("grouped", "random", ">= 1.3", per_item=real)},
+        summary,
+        notes=[f"{n} mixed-length records, batches of {BATCH_SIZE}, LoRA, one train_step per batch"],
+    )
 
 
 @pytest.mark.benchmark(group="guard")
@@ -119,9 +141,20 @@ def test_guard(benchmark, env, embedded_size, demo_records):
             copied[name] = c.bytes
 
     benchmark.pedantic(measure, rounds=1, iterations=1)
-    record(benchmark, env, size, "guard",
-           {"bytes copied by the guard, fused AdamW": figure(copied["fused"] - copied["none"], "== 0", unit="bytes"),
-            "bytes copied by the guard, fallback": figure(copied["copy"] - copied["none"], unit="bytes")},
-           {}, copied=copied, adapter_parameters=params,
-           notes=["a step as on an accelerator (flag on the device); copies counted in torch's dispatcher "
-                  "(aten.clone, aten.copy_) over the whole step, less those of the same step without a guard"])
+    record(
+        benchmark,
+        env,
+        size,
+        "guard",
+        {
+            "bytes copied by the guard, fused AdamW": figure(copied["fused"] - copied["none"], "== 0", unit="bytes"),
+            "bytes copied by the guard, fallback": figure(copied["copy"] - copied["none"], unit="bytes"),
+        },
+        {},
+        copied=copied,
+        adapter_parameters=params,
+        notes=[
+            "a step as on an accelerator (flag on the device); copies counted in torch's dispatcher "
+            "(aten.clone, aten.copy_) over the whole step, less those of the same step without a guard"
+        ],
+    )

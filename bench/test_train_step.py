@@ -52,10 +52,21 @@ def test_train_step(benchmark, env, family_size, demo_records):
     step_key = "activation_bytes" if "activation_bytes" in memory["lora"] else "step_bytes"
     if memory["lora"].get(step_key):
         figures[f"oft/lora {step_key.replace('_bytes', '')} memory"] = figure(
-            memory["oft"][step_key] / memory["lora"][step_key])
-    trainable = {name: sum(p.numel() for p in t.model.parameters() if p.requires_grad)
-                 for name, t in trainers.items()}
-    record(benchmark, env, size, "train_step", figures, timer.summary({n: BATCH_SIZE for n in trainers}),
-           memory, notes=["frozen: all weights frozen, one trainable scalar gain at the first adapted vision "
-                          "block, so backward covers the adapters' layers without weight gradients"],
-           trainable_parameters=trainable, batch_tokens=int(host["input_ids"].numel()))
+            memory["oft"][step_key] / memory["lora"][step_key]
+        )
+    trainable = {name: sum(p.numel() for p in t.model.parameters() if p.requires_grad) for name, t in trainers.items()}
+    record(
+        benchmark,
+        env,
+        size,
+        "train_step",
+        figures,
+        timer.summary({n: BATCH_SIZE for n in trainers}),
+        memory,
+        notes=[
+            "frozen: all weights frozen, one trainable scalar gain at the first adapted vision "
+            "block, so backward covers the adapters' layers without weight gradients"
+        ],
+        trainable_parameters=trainable,
+        batch_tokens=int(host["input_ids"].numel()),
+    )

@@ -63,8 +63,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    terminalreporter.write_line("vlft stack: " + ", ".join(
-        found(n) for n in ("torch", "transformers", "peft", "kernels", "accelerate", "pluggy", "click", "numpy")))
+    terminalreporter.write_line(
+        "vlft stack: "
+        + ", ".join(
+            found(n) for n in ("torch", "transformers", "peft", "kernels", "accelerate", "pluggy", "click", "numpy")
+        )
+    )
 
 
 def pytest_unconfigure(config):
@@ -73,8 +77,11 @@ def pytest_unconfigure(config):
 
 def math_flags() -> tuple:
     """The process-wide switches a backend's set-up may change (TF32 on CUDA)."""
-    return (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32,
-            torch.backends.cudnn.allow_tf32)
+    return (
+        torch.get_float32_matmul_precision(),
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+    )
 
 
 @pytest.fixture(autouse=True)

@@ -23,7 +23,7 @@ from vlft.hookspecs import hookimpl
 from vlft.policies import PrecisionPolicy
 
 # the logged loss: a float64 sum rounded once to float32 (relative error <= 2**-24), on each side
-LOGGED_RTOL = 2 * 2.0 ** -24
+LOGGED_RTOL = 2 * 2.0**-24
 
 
 def _widened(model):
@@ -71,6 +71,7 @@ def _float64_eager_attention(eager):
         weights = torch.nn.functional.softmax(weights, dim=-1)
         weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
         return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
     attention.float64_reference = True
     return attention
 
@@ -82,7 +83,6 @@ def _patch_eager_attention():
         module = importlib.import_module(f"transformers.models.{name}")
         if not getattr(module.eager_attention_forward, "float64_reference", False):
             module.eager_attention_forward = _float64_eager_attention(module.eager_attention_forward)
-
 
 
 @hookimpl(wrapper=True)
@@ -100,5 +100,9 @@ def vlft_load_adapter(method, model):
 def vlft_precision_policy(backend, config):
     if backend != "cpu":
         return None
-    return PrecisionPolicy("fp64", param_dtype="float64", reason="test plugin float64_reference: float64",
-                           param_reason="test plugin float64_reference: float64 weights")
+    return PrecisionPolicy(
+        "fp64",
+        param_dtype="float64",
+        reason="test plugin float64_reference: float64",
+        param_reason="test plugin float64_reference: float64 weights",
+    )

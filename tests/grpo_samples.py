@@ -30,7 +30,7 @@ def vlft_patch_model(backend, model, config, attention, family):
         sequences = generate(*args, **kwargs)
         if kwargs.get("do_sample"):
             prompt = kwargs["input_ids"]
-            line = {"prompt": prompt.tolist(), "new": sequences[:, prompt.shape[1]:].tolist()}
+            line = {"prompt": prompt.tolist(), "new": sequences[:, prompt.shape[1] :].tolist()}
             with (Path(folder) / f"rank-{os.environ.get('RANK', '0')}.jsonl").open("a") as f:
                 f.write(json.dumps(line) + "\n")
         return sequences

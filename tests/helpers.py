@@ -128,8 +128,11 @@ def export_logits(run, merged, records, *, attn: str = "eager", rounded=None, **
     batch = collator_for(loaded.processor, loaded.encoder.family)([loaded.encoder.encode(r) for r in records])
     inputs = model_inputs(to_device(batch, loaded.device))
     real = batch["attention_mask"].bool().to(loaded.device)  # padding positions' logits are nobody's answer
-    plain = AutoModelForImageTextToText.from_pretrained(str(merged), dtype=torch.float32,
-                                                        attn_implementation=attn).to(loaded.device).eval()
+    plain = (
+        AutoModelForImageTextToText.from_pretrained(str(merged), dtype=torch.float32, attn_implementation=attn)
+        .to(loaded.device)
+        .eval()
+    )
 
     def logits(model, dtype):
         with torch.no_grad(), autocast_context(loaded.device, dtype):
@@ -142,5 +145,3 @@ def export_logits(run, merged, records, *, attn: str = "eager", rounded=None, **
     if rounded is not None:
         out["exported_rounded"] = logits(plain, rounded)
     return out
-
-

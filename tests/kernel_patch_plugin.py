@@ -36,5 +36,7 @@ def vlft_kernel_patches(backend, config, model_config, family):
     import vlft_cuda.kernels as cuda_kernels
 
     rms = ascend_kernels._fused(family, STAND_IN_NPU, "npu-rms-norm", "npu_rms_norm", "rms_norm", "RMSNorm")
-    return [dataclasses.replace(rms, backend="cpu"),
-            dataclasses.replace(cuda_kernels._patch_embed(family), backend="cpu")]
+    return [
+        dataclasses.replace(rms, backend="cpu"),
+        dataclasses.replace(cuda_kernels._patch_embed(family), backend="cpu"),
+    ]

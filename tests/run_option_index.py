@@ -82,7 +82,7 @@ class Recorder:
         with self.log.open("rb") as f:
             f.seek(self.offset)
             data = f.read()
-        whole = data[:data.rfind(b"\n") + 1]  # a line still being written waits for the next look
+        whole = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next look
         self.offset += len(whole)
         for line in whole.splitlines():
             record = json.loads(line)
@@ -173,12 +173,14 @@ def index_key(nodeid: str, root: Path, home: Path) -> str | None:
     return f"{where}::{PARAMETRIZED.sub('', name)}"
 
 
-
 def missing_credit(index: dict[str, str], passed: set, credit: dict[str, set]) -> list[str]:
     """One line per option of ``index`` whose test passed but whose runs never set it."""
-    return [f"{option}: {test} passed, but none of its `vlft run`s set {option} (on the command line or in a "
-            f"--config file; naming it in a string, a keyword or a folder, or a run through execute(), sets nothing)"
-            for option, test in index.items() if test in passed and option not in credit.get(test, ())]
+    return [
+        f"{option}: {test} passed, but none of its `vlft run`s set {option} (on the command line or in a "
+        f"--config file; naming it in a string, a keyword or a folder, or a run through execute(), sets nothing)"
+        for option, test in index.items()
+        if test in passed and option not in credit.get(test, ())
+    ]
 
 
 def defined_tests(home: Path) -> set[str]:
@@ -187,6 +189,9 @@ def defined_tests(home: Path) -> set[str]:
     found = set()
     for path in home.rglob("test_*.py"):
         tree = ast.parse(path.read_text())
-        found |= {f"{path.relative_to(home).as_posix()}::{node.name}" for node in tree.body
-                  if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
+        found |= {
+            f"{path.relative_to(home).as_posix()}::{node.name}"
+            for node in tree.body
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")
+        }
     return found

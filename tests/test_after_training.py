@@ -59,9 +59,22 @@ def _short_run(tmp_path_factory, tiny_data, method, **over):
     train, val = tiny_data
     out = tmp_path_factory.mktemp(method) / "run"
     # lr 3e-3: three steps move the adapter far enough that its logits differ clearly from the base's
-    values = dict(backend="cpu", method=method, data=str(train), val_data=str(val), output=str(out), steps=3,
-                  batch_size=2, log_every=1, eval_every=0, eval_samples=1, max_new_tokens=4, save_every=0,
-                  seed=1, lr=3e-3)
+    values = dict(
+        backend="cpu",
+        method=method,
+        data=str(train),
+        val_data=str(val),
+        output=str(out),
+        steps=3,
+        batch_size=2,
+        log_every=1,
+        eval_every=0,
+        eval_samples=1,
+        max_new_tokens=4,
+        save_every=0,
+        seed=1,
+        lr=3e-3,
+    )
     values.update(over)
     result = cli_result("run", *run_flags(values), registry=registry_with(RecordingSinkPlugin()))
     assert result.exit_code == 0, result.output
@@ -72,8 +85,9 @@ def _short_run(tmp_path_factory, tiny_data, method, **over):
 def lora_run(tmp_path_factory, tiny_data):
     """(run folder, its stderr, its stdout): validation loss and TensorBoard on, so every plot has data; a
     plugin's metric sink (RecordingSink) beside TensorBoard."""
-    return _short_run(tmp_path_factory, tiny_data, "lora", eval_every=2, eval_batches=1,
-                      report_to="tensorboard,recording")
+    return _short_run(
+        tmp_path_factory, tiny_data, "lora", eval_every=2, eval_batches=1, report_to="tensorboard,recording"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -88,14 +102,16 @@ def vlft(*args) -> tuple[int, str]:
 
 # -- predict ---------------------------------------------------------------------------------------
 
+
 def test_predict_writes_one_line_per_record_with_its_position_and_reference(lora_run, tiny_data, tmp_path):
     from vlft.data.records import read_records
 
     run, _, _ = lora_run
     _, val = tiny_data
     out = tmp_path / "pred.jsonl"
-    code, output = vlft("predict", "--adapter", run, "--data", val, "--output", out, "--max-new-tokens", 4,
-                        "--batch-size", 3, "--quiet")
+    code, output = vlft(
+        "predict", "--adapter", run, "--data", val, "--output", out, "--max-new-tokens", 4, "--batch-size", 3, "--quiet"
+    )
     assert code == 0, output
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     records = read_records(val)
@@ -110,23 +126,54 @@ def test_predict_reads_the_other_layout_and_answers_a_single_prompt(lora_run, ti
     _, val = tiny_data
     # the same records as a JSON array in the messages layout (the demo file is JSONL, conversations layout)
     rows = [json.loads(line) for line in val.read_text().splitlines()]
-    converted = [{"messages": [{"role": {"human": "user", "gpt": "assistant"}.get(t["from"], t["from"]),
-                                "content": t["value"]} for t in r["conversations"]],
-                  "images": [str((val.parent / r["image"]).resolve())]} for r in rows]
+    converted = [
+        {
+            "messages": [
+                {"role": {"human": "user", "gpt": "assistant"}.get(t["from"], t["from"]), "content": t["value"]}
+                for t in r["conversations"]
+            ],
+            "images": [str((val.parent / r["image"]).resolve())],
+        }
+        for r in rows
+    ]
     data = tmp_path / "val.json"
     data.write_text(json.dumps(converted))
     out = tmp_path / "pred.jsonl"
     # batch 1, as the single prompt is answered: the same computation, so the same greedy answer
-    code, output = vlft("predict", "--adapter", run / "adapter", "--data", data, "--output", out,
-                        "--max-new-tokens", 4, "--batch-size", 1, "--quiet")
+    code, output = vlft(
+        "predict",
+        "--adapter",
+        run / "adapter",
+        "--data",
+        data,
+        "--output",
+        out,
+        "--max-new-tokens",
+        4,
+        "--batch-size",
+        1,
+        "--quiet",
+    )
     assert code == 0, output
     jsonl = [json.loads(line) for line in out.read_text().splitlines()]
     assert [p["where"] for p in jsonl] == [f"val.json[{i}]" for i in range(4)]
     # the first record's question and image as --prompt and --image: its answer, alone on stdout
     question = converted[0]["messages"][0]["content"]
     assert question.startswith("<image>\n") and jsonl[0]["prediction"].strip()
-    result = CliRunner().invoke(cli, ["predict", "--adapter", str(run), "--image", converted[0]["images"][0],
-                                      "--prompt", question, "--max-new-tokens", "4"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "predict",
+            "--adapter",
+            str(run),
+            "--image",
+            converted[0]["images"][0],
+            "--prompt",
+            question,
+            "--max-new-tokens",
+            "4",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert result.stdout == jsonl[0]["prediction"] + "\n", (result.stdout, jsonl[0])
 
@@ -137,12 +184,25 @@ def _rows(path: Path) -> list[dict]:
 
 # -- eval ------------------------------------------------------------------------------------------
 
+
 def test_eval_gives_the_numbers_run_wrote_for_the_same_records(lora_run, tiny_data, tmp_path):
     run, _, _ = lora_run
     _, val = tiny_data
     out = tmp_path / "scores.json"
-    code, output = vlft("eval", "--adapter", run, "--data", val, "--samples", 1, "--max-new-tokens", 4,
-                        "--compare-base", "--output", out)
+    code, output = vlft(
+        "eval",
+        "--adapter",
+        run,
+        "--data",
+        val,
+        "--samples",
+        1,
+        "--max-new-tokens",
+        4,
+        "--compare-base",
+        "--output",
+        out,
+    )
     assert code == 0, output
     written = json.loads((run / "eval.json").read_text())
     got = json.loads(out.read_text())
@@ -151,8 +211,7 @@ def test_eval_gives_the_numbers_run_wrote_for_the_same_records(lora_run, tiny_da
     assert "exact match" in output and got["samples"] == 1
 
 
-def test_eval_writes_into_the_run_folder_beside_eval_json_and_says_where(lora_run, tiny_data, tmp_path,
-                                                                          monkeypatch):
+def test_eval_writes_into_the_run_folder_beside_eval_json_and_says_where(lora_run, tiny_data, tmp_path, monkeypatch):
     import shutil
 
     run = tmp_path / "run"
@@ -207,8 +266,9 @@ def test_export_loads_with_plain_transformers_and_gives_the_adapter_logits(lora_
     assert code == 0, output
     assert (out / "model.safetensors").is_file() and (out / "chat_template.jinja").is_file()
 
-    loaded = load_for_inference(load_registry(), str(run), None,
-                                LoadOptions(backend="cpu", precision="fp32", param_dtype="fp32"))
+    loaded = load_for_inference(
+        load_registry(), str(run), None, LoadOptions(backend="cpu", precision="fp32", param_dtype="fp32")
+    )
     records = read_records(val)[:2]
     collate = collator_for(loaded.processor, loaded.encoder.family)
     batch = collate([loaded.encoder.encode(r) for r in records])
@@ -220,21 +280,26 @@ def test_export_loads_with_plain_transformers_and_gives_the_adapter_logits(lora_
             base_logits = loaded.model(**inputs).logits
     script = tmp_path / "plain_load.py"
     script.write_text(PLAIN_LOAD)
-    subprocess.run([sys.executable, str(script), str(out), str(tmp_path / "inputs.pt"), str(tmp_path / "o.pt")],
-                   check=True, cwd=tmp_path, timeout=120)
+    subprocess.run(
+        [sys.executable, str(script), str(out), str(tmp_path / "inputs.pt"), str(tmp_path / "o.pt")],
+        check=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     plain = torch.load(tmp_path / "o.pt")
     # fp32 merge and fp32 weights: only summation order differs (W x + B A x vs (W + B A) x)
     tolerance = 1e-4
     assert (plain["logits"] - adapter_logits).abs().max() < tolerance
     assert (adapter_logits - base_logits).abs().max() > 100 * tolerance  # the adapter changes the logits
     own = loaded.processor.apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}], tokenize=False,
-        add_generation_prompt=True)
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     assert plain["template"] == own
 
 
-def test_export_of_an_nf4_run_without_4bit_kernels_says_what_to_do_and_writes_nothing(lora_run, tmp_path,
-                                                                                      monkeypatch):
+def test_export_of_an_nf4_run_without_4bit_kernels_says_what_to_do_and_writes_nothing(lora_run, tmp_path, monkeypatch):
     """Where bitsandbytes cannot load 4-bit weights (here: its check made to say so), an nf4 run's default
     merge is refused before loading, with both ways out. (tests/test_qlora.py merges real nf4 runs.)"""
     import shutil
@@ -262,6 +327,7 @@ def test_export_adapter_only_copies_peft_folder_with_a_model_card(oft_run, tmp_p
 
 # -- report ----------------------------------------------------------------------------------------
 
+
 def test_report_from_a_lora_and_an_oft_run(lora_run, oft_run, tmp_path):
     run, _, run_stdout = lora_run
     assert f"vlft report {run}" in run_stdout  # run says how to report on itself
@@ -271,7 +337,7 @@ def test_report_from_a_lora_and_an_oft_run(lora_run, oft_run, tmp_path):
     md = (out / "report.md").read_text()
     table = [line for line in md.splitlines() if line.startswith("| ") and "| cpu |" in line]
     assert len(table) == 2 and "| lora |" in table[0] and "| oft |" in table[1]
-    assert "| method | \"lora\" | \"oft\" |" in md  # the settings that differ
+    assert '| method | "lora" | "oft" |' in md  # the settings that differ
     for name in ("loss", "val_loss", "lr", "step_time", "peak_memory"):
         png = (out / f"{name}.png").read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000, name
@@ -301,6 +367,7 @@ def test_report_degrades_with_a_note_when_files_are_missing(lora_run, tmp_path):
 
 # -- bad input -------------------------------------------------------------------------------------
 
+
 def test_bad_inputs_give_one_clear_error_each(lora_run, tiny_data, tmp_path):
 
     from vlft.models.embedded import tokenizer_corpus
@@ -316,14 +383,18 @@ def test_bad_inputs_give_one_clear_error_each(lora_run, tiny_data, tmp_path):
     assert code == 1 and "missing.png: file not found" in output
     # a base of another shape (more key/value heads): the adapter's k_proj update does not fit it
     other = tmp_path / "other-base"
-    build_tiny_2_5(other, dict(RECIPE_2_5, text=dict(RECIPE_2_5["text"], num_key_value_heads=4)),
-                   corpus=tokenizer_corpus())
+    build_tiny_2_5(
+        other, dict(RECIPE_2_5, text=dict(RECIPE_2_5["text"], num_key_value_heads=4)), corpus=tokenizer_corpus()
+    )
     code, output = vlft("export", "--adapter", run, "--model", other, "--output", tmp_path / "m")
     assert code == 1 and "does not fit the model" in output and not (tmp_path / "m").exists()
-    assert [line for line in output.splitlines() if line.startswith("Error")] == [output[output.index("Error"):].strip()]
+    assert [line for line in output.splitlines() if line.startswith("Error")] == [
+        output[output.index("Error") :].strip()
+    ]
 
 
 # -- live logging and the progress bar ------------------------------------------------------------
+
 
 def test_an_unknown_metric_sink_stops_the_run_before_anything_is_written(tmp_path):
     code, output = vlft("run", "--backend", "cpu", "--report-to", "tensorboard,nosuchsink", "--output", tmp_path / "r")

@@ -32,7 +32,7 @@ TORCH_BASE = ascend.base_version(torch.__version__)
 class StandInScaler:
     """Stands in for ``torch.npu.amp.GradScaler``: records its arguments."""
 
-    def __init__(self, init_scale=2.0 ** 16, growth_interval=2000, **kwargs):
+    def __init__(self, init_scale=2.0**16, growth_interval=2000, **kwargs):
         self.init_scale = init_scale
         self.growth_interval = growth_interval
 
@@ -121,7 +121,9 @@ def stand_in(monkeypatch):
     forget_module(monkeypatch, ascend.TRANSFER_TO_NPU)
     # package metadata of a real torch_npu (if this machine has one) must not override the stand-in's version
     real_dist_version = ascend.probing._dist_version
-    monkeypatch.setattr(ascend.probing, "_dist_version", lambda name: None if name == "torch_npu" else real_dist_version(name))
+    monkeypatch.setattr(
+        ascend.probing, "_dist_version", lambda name: None if name == "torch_npu" else real_dist_version(name)
+    )
 
     def install(version=f"{TORCH_BASE}.post1", count=2, bf16=True):
         module = types.ModuleType("torch_npu")
@@ -142,9 +144,9 @@ def cfg(**kw) -> RunConfig:
 
 # -- importing and probing -------------------------------------------------------------
 
+
 def test_importing_the_plugins_imports_neither_torch_nor_torch_npu():
-    code = ("import sys, vlft_ascend, vlft_cuda; "
-            "print(sorted(m for m in ('torch', 'torch_npu') if m in sys.modules))")
+    code = "import sys, vlft_ascend, vlft_cuda; print(sorted(m for m in ('torch', 'torch_npu') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -167,8 +169,13 @@ def install_fake_torch_npu(tmp_path, monkeypatch, init_source: str) -> None:
     importlib.invalidate_caches()
 
 
-@pytest.mark.parametrize("error", ["ImportError('libhccl.so: cannot open shared object file')",
-                                   "RuntimeError('call aclInit failed, error code 100000')"])
+@pytest.mark.parametrize(
+    "error",
+    [
+        "ImportError('libhccl.so: cannot open shared object file')",
+        "RuntimeError('call aclInit failed, error code 100000')",
+    ],
+)
 def test_probe_when_importing_torch_npu_raises(error, tmp_path, monkeypatch):
     """A real (tiny) package named torch_npu whose import raises, as it does without CANN."""
     install_fake_torch_npu(tmp_path, monkeypatch, f"raise {error}\n")
@@ -182,6 +189,7 @@ def test_probe_when_importing_torch_npu_raises(error, tmp_path, monkeypatch):
 
 def test_probe_when_import_torch_itself_raises(stand_in, monkeypatch):
     """torch's device-backend autoload imports torch_npu inside `import torch`; that failure is explained."""
+
     def failing(name):
         if name == "torch":
             raise RuntimeError("Failed to load the backend extension: torch_npu")
@@ -198,8 +206,9 @@ def test_version_mismatch_is_found_from_metadata_without_importing(tmp_path, mon
     dist = tmp_path / "torch_npu-2.1.0.post3.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: torch_npu\nVersion: 2.1.0.post3\n")
-    install_fake_torch_npu(tmp_path, monkeypatch,
-                           "raise AssertionError('the probe must not import a mismatched torch_npu')\n")
+    install_fake_torch_npu(
+        tmp_path, monkeypatch, "raise AssertionError('the probe must not import a mismatched torch_npu')\n"
+    )
     found = ascend.probe()
     assert not found.available
     assert "torch_npu 2.1.0.post3 is built for torch 2.1.0" in found.reason
@@ -215,10 +224,17 @@ def test_version_mismatch_of_an_imported_torch_npu(stand_in):
     assert "torch_npu 2.1.0.post10 is built for torch 2.1.0" in found.reason and torch.__version__ in found.reason
 
 
-@pytest.mark.parametrize("torch_v, npu_v, mismatch", [
-    ("2.6.0", "2.6.0", False), ("2.6.0+cpu", "2.6.0.post3", False), ("2.9.0", "2.9.0rc1", False),
-    ("2.5.1", "2.6.0", True), ("2.6.0+cpu", "2.1.0.post10", True), (None, "2.6.0", False),
-])
+@pytest.mark.parametrize(
+    "torch_v, npu_v, mismatch",
+    [
+        ("2.6.0", "2.6.0", False),
+        ("2.6.0+cpu", "2.6.0.post3", False),
+        ("2.9.0", "2.9.0rc1", False),
+        ("2.5.1", "2.6.0", True),
+        ("2.6.0+cpu", "2.1.0.post10", True),
+        (None, "2.6.0", False),
+    ],
+)
 def test_version_rule(torch_v, npu_v, mismatch):
     assert (ascend.version_mismatch(torch_v, npu_v) is not None) == mismatch
 
@@ -248,10 +264,15 @@ def test_environment_warnings(stand_in, monkeypatch):
 
 # -- policies ----------------------------------------------------------------------------
 
+
 def test_precision_is_fp16_with_dynamic_loss_scaling_through_the_npu_scaler(stand_in):
     policy = ascend.vlft_precision_policy(backend="ascend", config=cfg())
-    assert (policy.name, policy.autocast_dtype, policy.loss_scaling, policy.init_scale) == \
-        ("fp16", "float16", True, 65536.0)
+    assert (policy.name, policy.autocast_dtype, policy.loss_scaling, policy.init_scale) == (
+        "fp16",
+        "float16",
+        True,
+        65536.0,
+    )
     # fp16 base weights halve the frozen model; trainable weights are upcast to fp32 by the core, so the
     # scaler still unscales fp32 gradients (tests/test_memory.py checks that)
     assert policy.param_dtype == "float16"
@@ -285,10 +306,15 @@ def test_fp32_on_request(stand_in):
     assert (policy.name, policy.autocast_dtype, policy.loss_scaling) == ("fp32", None, False)
 
 
-@pytest.mark.parametrize("attn, vision, text", [
-    (None, "eager", "eager"), ("text=sdpa", "eager", "sdpa"), ("sdpa", "sdpa", "sdpa"),
-    ("vision=eager,text=flash_attention_2", "eager", "flash_attention_2"),
-])
+@pytest.mark.parametrize(
+    "attn, vision, text",
+    [
+        (None, "eager", "eager"),
+        ("text=sdpa", "eager", "sdpa"),
+        ("sdpa", "sdpa", "sdpa"),
+        ("vision=eager,text=flash_attention_2", "eager", "flash_attention_2"),
+    ],
+)
 def test_attention_is_eager_unless_asked_per_tower(attn, vision, text, no_torch_npu):
     policy = ascend.vlft_attention_implementation(backend="ascend", config=cfg(attn=attn), model_config=None)
     assert (policy.vision, policy.text) == (vision, text)
@@ -347,6 +373,7 @@ def test_answers_only_for_ascend():
 
 # -- SDPA patched out where eager is chosen --------------------------------------------------
 
+
 def test_patch_model_finds_the_vision_tower_where_the_family_says_not_by_its_name():
     """A model whose vision tower is not called ``visual`` (``model.vision_tower``, as SigLIP families have it)
     and whose top config has no ``vision_config``: the family's ``vision_tower`` path alone tells Ascend which
@@ -369,8 +396,13 @@ def test_patch_model_finds_the_vision_tower_where_the_family_says_not_by_its_nam
     model.model.vision_tower = holding(Config())
     model.model.language_model = holding(Config())
     family = SimpleNamespace(name="stand-in", towers=SimpleNamespace(vision="model.vision_tower", vision_mergers=()))
-    patched = ascend.vlft_patch_model(backend="ascend", model=model, config=cfg(), family=family,
-                                      attention=AttentionPolicy(vision="eager", text="sdpa"))
+    patched = ascend.vlft_patch_model(
+        backend="ascend",
+        model=model,
+        config=cfg(),
+        family=family,
+        attention=AttentionPolicy(vision="eager", text="sdpa"),
+    )
     assert patched == ["model.vision_tower (vision): sdpa attention -> eager"]
     assert model.model.vision_tower.config._attn_implementation == "eager"
     assert model.model.language_model.config._attn_implementation == "sdpa"
@@ -381,7 +413,9 @@ def test_patch_model_reroutes_sdpa_to_eager(model_dir, monkeypatch):
     from vlft.policies import AttentionPolicy, PrecisionPolicy
     from vlft_models.qwen2_vl import QWEN2_5_VL
 
-    model = load_model(model_dir, AttentionPolicy("sdpa", "sdpa"), PrecisionPolicy("fp32"), family=embedded_family()).eval()
+    model = load_model(
+        model_dir, AttentionPolicy("sdpa", "sdpa"), PrecisionPolicy("fp32"), family=embedded_family()
+    ).eval()
     vc = model.config.vision_config
     patch, merge = vc.patch_size, vc.spatial_merge_size
     grid = torch.tensor([[1, 2 * merge, 2 * merge]])
@@ -401,8 +435,9 @@ def test_patch_model_reroutes_sdpa_to_eager(model_dir, monkeypatch):
         forward()  # the model as loaded does call SDPA
 
     def patch(config):
-        return ascend.vlft_patch_model(backend="ascend", model=model, config=config,
-                                       attention=ascend.attention_policy(config), family=QWEN2_5_VL)
+        return ascend.vlft_patch_model(
+            backend="ascend", model=model, config=config, attention=ascend.attention_policy(config), family=QWEN2_5_VL
+        )
 
     patched = patch(cfg(attn="text=sdpa"))
     assert patched and all("-> eager" in p for p in patched) and any("(vision)" in p for p in patched)
@@ -418,6 +453,7 @@ def test_patch_model_reroutes_sdpa_to_eager(model_dir, monkeypatch):
 
 # -- doctor --------------------------------------------------------------------------------
 
+
 def _checks():
     return {c.name: c for c in ascend.vlft_doctor_checks(backend="ascend")}
 
@@ -432,7 +468,9 @@ def test_doctor_without_torch_npu(no_torch_npu, monkeypatch):
 
 
 def test_doctor_with_the_stand_in(stand_in, monkeypatch):
-    monkeypatch.setattr(ascend.probing, "_dist_version", lambda name: {"torch": "2.9.0", "torch_npu": "2.9.0.post2"}.get(name))
+    monkeypatch.setattr(
+        ascend.probing, "_dist_version", lambda name: {"torch": "2.9.0", "torch_npu": "2.9.0.post2"}.get(name)
+    )
     stand_in(version="2.9.0.post2")
     monkeypatch.setattr(torch, "__version__", "2.9.0+cpu")
     checks = _checks()
@@ -442,7 +480,9 @@ def test_doctor_with_the_stand_in(stand_in, monkeypatch):
 
 
 def test_doctor_reports_a_version_mismatch_with_both_versions_and_the_fix(stand_in, monkeypatch):
-    monkeypatch.setattr(ascend.probing, "_dist_version", lambda name: {"torch": "2.5.1", "torch_npu": "2.6.0.post3"}.get(name))
+    monkeypatch.setattr(
+        ascend.probing, "_dist_version", lambda name: {"torch": "2.5.1", "torch_npu": "2.6.0.post3"}.get(name)
+    )
     check = _checks()["torch/torch_npu versions"]
     assert not check.ok and check.blocking
     assert "2.5.1" in check.detail and "2.6.0.post3" in check.detail and "torch==2.6.0" in check.fix

@@ -87,6 +87,7 @@ def module_plugin(source: str = MODULE_SOURCE, name: str = "toy_module_plugin") 
 
 # -- answers for its own backend, None for the others -------------------------------------------------------
 
+
 def test_a_class_plugin_answers_for_its_backend_and_none_for_others():
     toy = ToyBackend()
     registry = registry_with(toy, entry_points=False)
@@ -141,6 +142,7 @@ def test_check_plugin_passes_the_converted_builtin_backends(name):
 
 # -- hookimpl options survive ---------------------------------------------------------------------------
 
+
 class FasterCpuAttention:
     """Refines one concern of a backend it does not own (the cpu reference), before the owner answers."""
 
@@ -157,13 +159,15 @@ class FasterCpuAttention:
 
 def test_tryfirst_and_trylast_survive_and_take_effect():
     registry = registry_with(FasterCpuAttention(), ToyBackend(), entry_points=False)
-    [impl] = [i for i in registry.hook.vlft_attention_implementation.get_hookimpls()
-              if i.plugin_name == "FasterCpuAttention"]
+    [impl] = [
+        i for i in registry.hook.vlft_attention_implementation.get_hookimpls() if i.plugin_name == "FasterCpuAttention"
+    ]
     assert impl.tryfirst and not impl.trylast
     policy = registry.first("vlft_attention_implementation", backend="cpu", config=RunConfig(), model_config=None)
     assert policy.reason == "faster-cpu-attention: sdpa for text"  # asked before the cpu backend itself
-    asked = registry.first("vlft_attention_implementation", backend="cpu", config=RunConfig(attn="sdpa"),
-                           model_config=None)
+    asked = registry.first(
+        "vlft_attention_implementation", backend="cpu", config=RunConfig(attn="sdpa"), model_config=None
+    )
     assert asked.reason != "faster-cpu-attention: sdpa for text"  # it answered None: the owner answered
     options = DataLoaderOptions()
     registry.hook.vlft_dataloader_options(backend="toy", config=RunConfig(), options=options)
@@ -210,6 +214,7 @@ def test_a_wrapper_that_alters_other_backends_fails_check_plugin():
 
 # -- mistakes are still caught --------------------------------------------------------------------------------
 
+
 def test_a_misspelt_hook_still_fails_check_plugin():
     class Misspelt:
         @toy_hookimpl
@@ -224,6 +229,7 @@ def test_a_misspelt_hook_still_fails_check_plugin():
 
 def test_a_misspelt_parameter_fails_at_import():
     with pytest.raises(TypeError, match="vlft_setup_device has no 'backend' parameter"):
+
         @toy_hookimpl
         def vlft_setup_device(backnd, config):
             return None
@@ -241,20 +247,24 @@ def test_a_parameter_pluggy_does_not_know_still_fails_check_plugin():
 
 def test_hooks_without_a_backend_and_bad_options_are_refused():
     with pytest.raises(TypeError, match="vlft_backends has no 'backend' parameter: .* @hookimpl"):
+
         @toy_hookimpl
         def vlft_backends():
             return []
+
     with pytest.raises(TypeError, match="tryfrist"):
         hookimpl_for("toy", tryfrist=True)
     with pytest.raises(TypeError, match="backend names"):
         hookimpl_for()
     with pytest.raises(TypeError, match="not a generator function"):
+
         @hookimpl_for("toy", wrapper=True)
         def vlft_seed(backend, seed, deterministic):
             return None
 
 
 # -- the old explicit style still works -------------------------------------------------------------------------
+
 
 class OldStyle:
     """A plugin written before the helper: ``@hookimpl`` and an explicit guard in every hook."""

@@ -14,8 +14,9 @@ from helpers import vlft_command
 
 
 def vlft(*args, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([*vlft_command(), *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [*vlft_command(), *args], capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})}
+    )
 
 
 def test_vlft_plugins_lists_plugins_backends_with_availability_and_methods(registry):
@@ -25,7 +26,9 @@ def test_vlft_plugins_lists_plugins_backends_with_availability_and_methods(regis
     # vlft's own plugins and every installed entry point's (make test installs the example plugin)
     from vlft.plugins import builtin_plugins
 
-    installed = {name for name, _ in builtin_plugins()} | {ep.name for ep in importlib.metadata.entry_points(group="vlft")}
+    installed = {name for name, _ in builtin_plugins()} | {
+        ep.name for ep in importlib.metadata.entry_points(group="vlft")
+    }
     assert {"ascend", "commands", "cpu", "cuda", "lora", "oft", "sinks"} <= installed
     assert {p["name"]: p["status"] for p in data["plugins"]} == {n: "loaded" for n in installed}
     for b in data["backends"]:  # what the command says is what the probe in this process finds
@@ -34,8 +37,11 @@ def test_vlft_plugins_lists_plugins_backends_with_availability_and_methods(regis
         assert b["available"] or b["reason"] == probe.reason != ""
     assert {b["name"] for b in data["backends"]} == set(registry.backends) >= {"ascend", "cpu", "cuda"}
     # which backends offer --shard fsdp, as their distributed options say
-    assert {b["name"]: b["fsdp"] for b in data["backends"] if b["name"] in ("ascend", "cpu", "cuda")} == \
-        {"ascend": True, "cpu": True, "cuda": True}
+    assert {b["name"]: b["fsdp"] for b in data["backends"] if b["name"] in ("ascend", "cpu", "cuda")} == {
+        "ascend": True,
+        "cpu": True,
+        "cuda": True,
+    }
     assert [m["name"] for m in data["methods"]] == sorted(registry.methods) and {"lora", "oft"} <= set(registry.methods)
     # each method as its plugin answers vlft_methods, with the description it gives
     offered = {info.name: info.description for infos in registry.hook.vlft_methods() for info in infos}
@@ -51,7 +57,7 @@ def test_vlft_plugins_lists_plugins_backends_with_availability_and_methods(regis
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert any(line.split() == ["oft", "disabled"] for line in lines), proc.stdout
-    methods = lines[lines.index("methods:") + 1:lines.index("objectives:")]
+    methods = lines[lines.index("methods:") + 1 : lines.index("objectives:")]
     assert [line.split()[0] for line in methods] == sorted(set(registry.methods) - {"oft"})
     # each offer names the plugin behind it
     assert all(line.endswith(f"(plugin {registry.owners[('method', line.split()[0])]})") for line in methods)
@@ -94,12 +100,22 @@ def test_vlft_demo_data_writes_a_readable_data_set(tmp_path):
         assert set(parse_fields(rec.reference)) == {"colour", "defect"}, rec.reference
 
 
-@pytest.mark.parametrize("opts, has, lacks", [
-    (dict(nproc_per_node=2), ["--standalone"], ["--master-port"]),
-    (dict(nproc_per_node=2, master_port=29400), ["--master-port=29400", "--master-addr=127.0.0.1"], ["--standalone"]),
-    (dict(nproc_per_node=8, nnodes=2, node_rank=1, master_addr="10.0.0.1"),
-     ["--master-addr=10.0.0.1", "--master-port=29500", "--nnodes=2", "--node-rank=1"], ["--standalone"]),
-])
+@pytest.mark.parametrize(
+    "opts, has, lacks",
+    [
+        (dict(nproc_per_node=2), ["--standalone"], ["--master-port"]),
+        (
+            dict(nproc_per_node=2, master_port=29400),
+            ["--master-port=29400", "--master-addr=127.0.0.1"],
+            ["--standalone"],
+        ),
+        (
+            dict(nproc_per_node=8, nnodes=2, node_rank=1, master_addr="10.0.0.1"),
+            ["--master-addr=10.0.0.1", "--master-port=29500", "--nnodes=2", "--node-rank=1"],
+            ["--standalone"],
+        ),
+    ],
+)
 def test_torchrun_gets_its_port_from_its_own_rendezvous_on_one_machine(opts, has, lacks):
     from vlft.training.launch import LaunchOptions, torchrun_command
 

@@ -50,19 +50,33 @@ def _onevision_rows() -> list[dict]:
     for i in range(6):
         name = NAMES[i % 3]
         if i == 5:  # a text-only row, as the set holds them
-            rows.append({"id": f"ov-{i}", "image": None, "data_source": "demo", "conversations": [
-                {"from": "human", "value": "Name a colour."}, {"from": "gpt", "value": "blue"}]})
+            rows.append(
+                {
+                    "id": f"ov-{i}",
+                    "image": None,
+                    "data_source": "demo",
+                    "conversations": [{"from": "human", "value": "Name a colour."}, {"from": "gpt", "value": "blue"}],
+                }
+            )
             continue
-        rows.append({"id": f"ov-{i}", "image": {"bytes": PNG[name], "path": f"ov_{i}.png"}, "data_source": "demo",
-                     "conversations": [{"from": "human", "value": "<image>\nWhat colour is it?"},
-                                       {"from": "gpt", "value": name}]})
+        rows.append(
+            {
+                "id": f"ov-{i}",
+                "image": {"bytes": PNG[name], "path": f"ov_{i}.png"},
+                "data_source": "demo",
+                "conversations": [
+                    {"from": "human", "value": "<image>\nWhat colour is it?"},
+                    {"from": "gpt", "value": name},
+                ],
+            }
+        )
     return rows
 
 
 def _cauldron_rows() -> list[dict]:
     rows = []
     for i in range(5):
-        names = NAMES[i % 3:i % 3 + 1] if i % 2 == 0 else [NAMES[i % 3], NAMES[(i + 1) % 3]]
+        names = NAMES[i % 3 : i % 3 + 1] if i % 2 == 0 else [NAMES[i % 3], NAMES[(i + 1) % 3]]
         texts = [{"user": "Which colours do you see?", "assistant": " and ".join(names), "source": "demo"}]
         if i == 3:
             texts.append({"user": "How many pictures?", "assistant": str(len(names)), "source": "demo"})
@@ -76,10 +90,15 @@ def _trl_rows() -> dict:
         names = [NAMES[i % 3]] if i != 3 else ["red", "blue"]
         # the parts name the images by index; the two-image row names them in reverse
         parts = [{"type": "image", "index": k, "text": None} for k in (range(len(names)) if i != 3 else (1, 0))]
-        messages.append([
-            {"role": "user", "content": [*parts, {"type": "text", "index": None, "text": "Colours, in order?"}]},
-            {"role": "assistant", "content": [{"type": "text", "index": None,
-                                               "text": ", ".join(names if i != 3 else names[::-1])}]}])
+        messages.append(
+            [
+                {"role": "user", "content": [*parts, {"type": "text", "index": None, "text": "Colours, in order?"}]},
+                {
+                    "role": "assistant",
+                    "content": [{"type": "text", "index": None, "text": ", ".join(names if i != 3 else names[::-1])}],
+                },
+            ]
+        )
         images.append([{"bytes": PNG[n], "path": None} for n in names])
     return {"messages": messages, "images": images}
 
@@ -108,16 +127,24 @@ def _own_names_rows(folder: Path) -> list[dict]:
     rows = []
     for name in ("red", "green", "blue"):
         pic = {"bytes": None, "path": "pics/g.png"} if name == "green" else {"bytes": PNG[name], "path": None}
-        rows.append({"conv": [{"role": "user", "content": "<image>What colour?"},
-                              {"role": "assistant", "content": name}], "pics": [pic]})
+        rows.append(
+            {
+                "conv": [{"role": "user", "content": "<image>What colour?"}, {"role": "assistant", "content": name}],
+                "pics": [pic],
+            }
+        )
     return rows
 
 
 @pytest.fixture(scope="module")
 def hub_sets(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hub")
-    sets = {"onevision": root / "onevision.parquet", "cauldron": root / "cauldron.parquet", "trl": root / "trl",
-            "own": root / "own" / "own.parquet"}
+    sets = {
+        "onevision": root / "onevision.parquet",
+        "cauldron": root / "cauldron.parquet",
+        "trl": root / "trl",
+        "own": root / "own" / "own.parquet",
+    }
     # two row groups, so locations name the group
     pq.write_table(pa.Table.from_pylist(_onevision_rows()), sets["onevision"], row_group_size=4)
     pq.write_table(pa.Table.from_pylist(_cauldron_rows()), sets["cauldron"])
@@ -130,8 +157,9 @@ def _table(path: Path) -> pa.Table:
     """The whole set, read here with pyarrow alone (what the files hold, to compare vlft's counts with)."""
     if path.is_dir():
         state = json.loads((path / "state.json").read_text())
-        return pa.concat_tables(pa.ipc.open_stream(pa.memory_map(str(path / f["filename"]))).read_all()
-                                for f in state["_data_files"])
+        return pa.concat_tables(
+            pa.ipc.open_stream(pa.memory_map(str(path / f["filename"]))).read_all() for f in state["_data_files"]
+        )
     return pq.read_table(path)
 
 
@@ -143,8 +171,26 @@ def _held(path: Path, column: str) -> tuple[int, int]:
 
 IMAGE_COLUMN = {"onevision": "image", "cauldron": "images", "trl": "images", "own": "pics"}
 COLUMNS = "messages=conv,images=pics"
-RUN = ("run", "--quiet", "--backend", "cpu", "--steps", "2", "--log-every", "1", "--eval-every", "0",
-       "--eval-samples", "1", "--max-new-tokens", "2", "--save-every", "0", "--seed", "3")
+RUN = (
+    "run",
+    "--quiet",
+    "--backend",
+    "cpu",
+    "--steps",
+    "2",
+    "--log-every",
+    "1",
+    "--eval-every",
+    "0",
+    "--eval-samples",
+    "1",
+    "--max-new-tokens",
+    "2",
+    "--save-every",
+    "0",
+    "--seed",
+    "3",
+)
 
 
 def _losses(out: Path) -> list[float]:
@@ -166,10 +212,15 @@ def test_hub_sets_check_and_train_as_their_json_lines_conversions(hub_sets, tmp_
     report = json.loads(res.stdout)
     assert [(f["records"], f["images"]) for f in report["files"]] == list(held.values())
     assert [f["layouts"] for f in report["files"]] == [
-        {"conversations": 6}, {"texts": 5}, {"messages": 4}, {"messages": 3}]
+        {"conversations": 6},
+        {"texts": 5},
+        {"messages": 4},
+        {"messages": 3},
+    ]
     assert report["files"][0]["unread_columns"] == {str(hub_sets["onevision"]): ["data_source"]}
-    assert report["notes"] == [f"{hub_sets['onevision']}: columns not read: data_source (--columns OURS=THEIRS "
-                               "reads one as a key vlft knows)"]
+    assert report["notes"] == [
+        f"{hub_sets['onevision']}: columns not read: data_source (--columns OURS=THEIRS reads one as a key vlft knows)"
+    ]
     n = sum(rows for rows, _ in held.values())
 
     runs = {}
@@ -179,8 +230,13 @@ def test_hub_sets_check_and_train_as_their_json_lines_conversions(hub_sets, tmp_
         else:
             data = []
             for name, path in hub_sets.items():
-                code, output = cli_invoke("data", "convert", path, tmp_path / f"{name}.jsonl",
-                                          *(("--columns", COLUMNS) if name == "own" else ()))
+                code, output = cli_invoke(
+                    "data",
+                    "convert",
+                    path,
+                    tmp_path / f"{name}.jsonl",
+                    *(("--columns", COLUMNS) if name == "own" else ()),
+                )
                 assert code == 0 and f"wrote {held[name][0]} records with {held[name][1]} image(s)" in output, output
                 data += ["--data", tmp_path / f"{name}.jsonl"]
         runs[kind] = tmp_path / kind
@@ -205,8 +261,10 @@ def test_rows_are_read_lazily_with_images_decoded_once(hub_sets, monkeypatch):
     monkeypatch.setattr(records, "load_image", lambda source: decoded.append(1) or real(source))
     recs = read_records(hub_sets["onevision"])
     assert len(decoded) == 3
-    assert [r.where for r in recs[3:5]] == ["onevision.parquet: row group 0, row 3",
-                                            "onevision.parquet: row group 1, row 4"]
+    assert [r.where for r in recs[3:5]] == [
+        "onevision.parquet: row group 0, row 3",
+        "onevision.parquet: row group 1, row 4",
+    ]
     ref = recs[4].images[0]
     assert ref == StoredImage(str(hub_sets["onevision"].resolve()), 4, "image")
     assert PNG[NAMES[4 % 3]][16:] not in pickle.dumps(recs[4])  # the place, not the bytes
@@ -233,7 +291,7 @@ def test_measuring_checked_rows_reads_each_images_size_as_the_check_decoded_it(h
         rows, problems = read_compact(hub_sets[name])
         assert not problems.items
         checked = read_records(hub_sets[name])
-        order = [4, 0, 1, 3, 2, 2][:len(checked)] if len(checked) >= 5 else list(range(len(checked)))[::-1]
+        order = [4, 0, 1, 3, 2, 2][: len(checked)] if len(checked) >= 5 else list(range(len(checked)))[::-1]
         for records, expected in ((rows, checked), (rows.take(order), [checked[i] for i in order])):
             read = list(records)
             assert [r.where for r in read] == [r.where for r in expected]
@@ -247,7 +305,7 @@ def test_a_folder_of_shards_and_a_glob_read_as_one_set(hub_sets, tmp_path):
     folder = tmp_path / "shards"
     folder.mkdir()
     for k in range(3):
-        pq.write_table(pa.Table.from_pylist(rows[2 * k:2 * k + 2]), folder / f"train-{k:05d}-of-00003.parquet")
+        pq.write_table(pa.Table.from_pylist(rows[2 * k : 2 * k + 2]), folder / f"train-{k:05d}-of-00003.parquet")
     by_folder = read_records(folder)
     by_glob = read_records(str(folder / "train-*.parquet"))
     assert [r.id for r in by_folder] == [r.id for r in by_glob] == [r["id"] for r in rows]
@@ -267,8 +325,10 @@ def test_bad_rows_are_named_by_file_row_group_and_row_and_nothing_is_written(tmp
     """A broken image and a record without a reply: `vlft data check` and `vlft run` name both with file,
     row group and row, exit non-zero, and the run writes nothing; a cauldron row without a reply too."""
     bad = _broken_set(tmp_path / "bad.parquet")
-    expected = ["bad.parquet: row group 0, row 2: no assistant turn",
-                "bad.parquet: row group 1, row 4: image (column 'image', 17 bytes) cannot be read"]
+    expected = [
+        "bad.parquet: row group 0, row 2: no assistant turn",
+        "bad.parquet: row group 1, row 4: image (column 'image', 17 bytes) cannot be read",
+    ]
     code, output = cli_invoke("data", "check", bad)
     assert code != 0 and all(e in output for e in expected), output
     out = tmp_path / "run"
@@ -320,26 +380,46 @@ def test_convert_round_trips_json_lines_through_parquet(tmp_path):
         (tmp_path / "imgs" / f"{name}.png").write_bytes(PNG[name])
     b64 = base64.b64encode(PNG["blue"]).decode()
     lines = [
-        {"id": 7, "messages": [{"role": "system", "content": "Be brief."},
-                               {"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "red"}],
-         "images": ["imgs/red.png"]},
-        {"conversations": [{"from": "human", "value": "<image> and <image>?"}, {"from": "gpt", "value": "green, blue"},
-                           {"from": "human", "value": "Sure?"}, {"from": "gpt", "value": "yes", "loss": False}],
-         "images": ["imgs/green.png", f"data:image/png;base64,{b64}"]},
+        {
+            "id": 7,
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "<image>Colour?"},
+                {"role": "assistant", "content": "red"},
+            ],
+            "images": ["imgs/red.png"],
+        },
+        {
+            "conversations": [
+                {"from": "human", "value": "<image> and <image>?"},
+                {"from": "gpt", "value": "green, blue"},
+                {"from": "human", "value": "Sure?"},
+                {"from": "gpt", "value": "yes", "loss": False},
+            ],
+            "images": ["imgs/green.png", f"data:image/png;base64,{b64}"],
+        },
     ]
     src = tmp_path / "src.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in lines))
     code, output = cli_invoke("data", "convert", src, tmp_path / "set.parquet")
     assert code == 0, output
     stored = pq.read_table(tmp_path / "set.parquet").column("images").to_pylist()
-    assert stored == [[{"bytes": PNG["red"], "path": "red.png"}],
-                      [{"bytes": PNG["green"], "path": "green.png"}, {"bytes": PNG["blue"], "path": None}]]
+    assert stored == [
+        [{"bytes": PNG["red"], "path": "red.png"}],
+        [{"bytes": PNG["green"], "path": "green.png"}, {"bytes": PNG["blue"], "path": None}],
+    ]
     code, output = cli_invoke("data", "convert", tmp_path / "set.parquet", tmp_path / "back.jsonl")
     assert code == 0 and "3 image file(s)" in output, output
 
     def view(records):
-        return [([(t.role, t.text, t.trained) for t in r.turns], None if r.id is None else str(r.id),
-                 [load_image(s).tobytes() for s in r.images]) for r in records]
+        return [
+            (
+                [(t.role, t.text, t.trained) for t in r.turns],
+                None if r.id is None else str(r.id),
+                [load_image(s).tobytes() for s in r.images],
+            )
+            for r in records
+        ]
 
     first, back = read_records(src), read_records(tmp_path / "back.jsonl")
     assert view(back) == view(first) == view(read_records(tmp_path / "set.parquet"))
@@ -376,9 +456,25 @@ def _execute(**values) -> Path:
 def _short_run(hub_sets, out: Path, **over) -> dict:
     """A short run on the OneVision-style Parquet set (image bytes, two row groups; 6 rows in batches of 2, so
     4 steps cross an epoch), dropout off so that losses depend on the samples alone."""
-    return {**dict(backend="cpu", data=str(hub_sets["onevision"]), val_data=str(hub_sets["cauldron"]),
-                   output=str(out), steps=4, batch_size=2, log_every=1, eval_every=0, eval_samples=1, max_new_tokens=2,
-                   save_every=0, seed=3, lr=3e-3, adapter={"lora_dropout": 0.0}), **over}
+    return {
+        **dict(
+            backend="cpu",
+            data=str(hub_sets["onevision"]),
+            val_data=str(hub_sets["cauldron"]),
+            output=str(out),
+            steps=4,
+            batch_size=2,
+            log_every=1,
+            eval_every=0,
+            eval_samples=1,
+            max_new_tokens=2,
+            save_every=0,
+            seed=3,
+            lr=3e-3,
+            adapter={"lora_dropout": 0.0},
+        ),
+        **over,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -418,14 +514,27 @@ def reads(tmp_path, monkeypatch):
     def noted(what, fn, where):
         def read(*args, **kwargs):
             with open(log, "a") as f:
-                f.write(json.dumps({"what": what, "pid": os.getpid(), "where": where(*args),
-                                    "worker": torch.utils.data.get_worker_info() is not None}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "what": what,
+                            "pid": os.getpid(),
+                            "where": where(*args),
+                            "worker": torch.utils.data.get_worker_info() is not None,
+                        }
+                    )
+                    + "\n"
+                )
             return fn(*args, **kwargs)
+
         return read
 
     monkeypatch.setattr(lazy, "record_at", noted("row", lazy.record_at, lambda file, row, *_: [Path(file).name, row]))
-    monkeypatch.setattr(columnar, "read_image_bytes", noted("image", columnar.read_image_bytes,
-                                                            lambda ref: [Path(ref.file).name, ref.row]))
+    monkeypatch.setattr(
+        columnar,
+        "read_image_bytes",
+        noted("image", columnar.read_image_bytes, lambda ref: [Path(ref.file).name, ref.row]),
+    )
     return lambda: [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
 
@@ -440,7 +549,8 @@ def test_a_dataloader_worker_reads_the_rows_and_images_itself(hub_sets, uninterr
     train = [r for r in reads() if r["where"][0] == "onevision.parquet"]  # the validation set is the cauldron's
     by = {(r["what"], r["worker"], r["pid"] != os.getpid()) for r in train}
     assert by == {("row", True, True), ("image", True, True)}, (
-        f"reads of the training file (what, in a DataLoader worker, in another process): {sorted(by) or 'none'}")
+        f"reads of the training file (what, in a DataLoader worker, in another process): {sorted(by) or 'none'}"
+    )
     assert len({r["where"][1] for r in train if r["what"] == "row"}) >= 4  # 2 steps of 2 samples, and prefetched
     assert len({r["pid"] for r in train}) == 1  # one worker
     assert _losses(out) == uninterrupted[:2]
@@ -476,8 +586,7 @@ def test_a_run_holds_parquet_rows_as_places_with_the_records_of_json_lines(tmp_p
         json_train, json_val, json_lengths = _checked(f"{ds.train}:2.5", processor)
 
         def view(records):
-            return [([(t.role, t.text) for t in r.turns], [load_image(s).tobytes() for s in r.images])
-                    for r in records]
+            return [([(t.role, t.text) for t in r.turns], [load_image(s).tobytes() for s in r.images]) for r in records]
 
         assert len(train) == len(json_train) == 2 * (n - n // 10) + (n - n // 10) // 2
         assert view(train) == view(json_train) and view(val) == view(json_val)
@@ -488,6 +597,7 @@ def test_a_run_holds_parquet_rows_as_places_with_the_records_of_json_lines(tmp_p
     bound = (12 + 3 * 8) * (s2 - s1) + 12 * (g2 - g1) + 12 * 6  # and 6 more held-out places
     assert p2 - p1 <= bound + 3 * 8  # each of the 8 arrays' byte strings may outgrow pickle's 1-byte length
     # in memory too: arrays, not a Python int (28 bytes and an 8-byte pointer) or tuple per sample
-    assert all(isinstance(a, array) for a in (lengths.lengths, lengths.labelled, lengths.grids.starts,
-                                              lengths.grids.flat))
+    assert all(
+        isinstance(a, array) for a in (lengths.lengths, lengths.labelled, lengths.grids.starts, lengths.grids.flat)
+    )
     assert isinstance(train.rows, np.ndarray) and isinstance(train.file_of, np.ndarray)

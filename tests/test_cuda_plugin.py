@@ -69,8 +69,7 @@ def gpu(monkeypatch):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: len(caps) > 0)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: len(caps))
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: caps[index_of(device)])
-        monkeypatch.setattr(torch.cuda, "get_device_name",
-                            lambda device=None: f"Stand-in GPU {caps[index_of(device)]}")
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"Stand-in GPU {caps[index_of(device)]}")
         monkeypatch.setattr(torch.cuda, "set_device", set_device)
         monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: calls.append(("manual_seed_all", seed)))
         monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: peak_of(index_of(device)))
@@ -116,6 +115,7 @@ def attention(**kw):
 
 
 # -- probing ------------------------------------------------------------------------------
+
 
 def test_probe_with_a_gpu(gpu):
     gpu(capability=(8, 9), count=2)
@@ -164,8 +164,9 @@ def test_auto_asks_the_npu_first_when_transfer_to_npu_makes_cuda_lie(gpu, monkey
     module.__version__ = f"{vlft_ascend.base_version(torch.__version__)}.post1"
     monkeypatch.setitem(sys.modules, "torch_npu", module)
     monkeypatch.setattr(vlft_ascend.probing, "_dist_version", lambda name: None)
-    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: True, device_count=lambda: 1),
-                        raising=False)
+    monkeypatch.setattr(
+        torch, "npu", types.SimpleNamespace(is_available=lambda: True, device_count=lambda: 1), raising=False
+    )
     monkeypatch.setitem(sys.modules, cuda.TRANSFER_TO_NPU, types.ModuleType(cuda.TRANSFER_TO_NPU))
     registry = load_registry()
     assert registry.backends["ascend"].priority > registry.backends["cuda"].priority > registry.backends["cpu"].priority
@@ -175,6 +176,7 @@ def test_auto_asks_the_npu_first_when_transfer_to_npu_makes_cuda_lie(gpu, monkey
 
 
 # -- precision --------------------------------------------------------------------------------
+
 
 def test_capability_8_gets_bf16_without_loss_scaling(gpu):
     gpu(capability=(8, 0))
@@ -205,6 +207,7 @@ def test_without_a_gpu_the_plan_assumes_ampere_and_says_so(no_gpu):
 
 
 # -- attention --------------------------------------------------------------------------------
+
 
 def test_flash_attention_where_the_package_imports_and_the_gpu_allows(gpu, flash_attn):
     gpu(capability=(8, 0))
@@ -246,6 +249,7 @@ def test_old_flash_attn_is_not_used(gpu, flash_attn):
 
 # -- device, data, processes, seeds, memory -------------------------------------------------------
 
+
 def test_setup_device_sets_the_local_rank_and_tf32(gpu):
     """TF32 on for the default; an explicit fp32 (a parity check against the CPU) turns it off again, even
     after a default set-up in the same process turned it on (the conftest restores the switches)."""
@@ -271,8 +275,10 @@ def test_each_local_rank_reads_its_own_gpu(gpu, flash_attn):
     for rank in (0, 1):
         config = cfg()
         config.local_rank = rank
-        ranks[rank] = (cuda.vlft_precision_policy(backend="cuda", config=config).name,
-                       cuda.vlft_attention_implementation(backend="cuda", config=config, model_config=None).text)
+        ranks[rank] = (
+            cuda.vlft_precision_policy(backend="cuda", config=config).name,
+            cuda.vlft_attention_implementation(backend="cuda", config=config, model_config=None).text,
+        )
     assert ranks == {0: ("fp16", "sdpa"), 1: ("bf16", "flash_attention_2")}
 
 
@@ -317,6 +323,7 @@ def test_answers_only_for_cuda():
 
 
 # -- doctor ---------------------------------------------------------------------------------
+
 
 def test_doctor_checks_with_a_gpu(gpu, no_flash_attn):
     gpu(capability=(7, 5))

@@ -49,9 +49,13 @@ def test_messages_format_as_json_array_with_base64_images(tmp_path):
     raw = _png(None)
     b64 = base64.b64encode(raw).decode()
     records = [
-        {"messages": [{"role": "user", "content": "<image><image>Compare."},
-                      {"role": "assistant", "content": "same"}],
-         "images": ["data:image/png;base64," + b64, b64]},
+        {
+            "messages": [
+                {"role": "user", "content": "<image><image>Compare."},
+                {"role": "assistant", "content": "same"},
+            ],
+            "images": ["data:image/png;base64," + b64, b64],
+        },
     ]
     path = tmp_path / "train.json"
     path.write_text(json.dumps(records))
@@ -65,11 +69,17 @@ def test_messages_format_as_json_array_with_base64_images(tmp_path):
         ('{"image": "imgs/a.png", "conversations": [', "train.jsonl:2: invalid JSON"),
         (conv(image="imgs/missing.png"), "train.jsonl:2: image 'imgs/missing.png' not found"),
         (conv(user="no placeholder"), "train.jsonl:2: 0 <image> placeholder(s) but 1 image(s)"),
-        ({"image": "imgs/a.png", "conversations": [{"from": "human", "value": "<image>hi"}]},
-         "train.jsonl:2: no assistant turn"),
-        ({"image": "imgs/a.png", "conversations": [{"from": "robot", "value": "<image>hi"},
-                                                   {"from": "gpt", "value": "x"}]},
-         "train.jsonl:2: turn 0: unknown role 'robot'"),
+        (
+            {"image": "imgs/a.png", "conversations": [{"from": "human", "value": "<image>hi"}]},
+            "train.jsonl:2: no assistant turn",
+        ),
+        (
+            {
+                "image": "imgs/a.png",
+                "conversations": [{"from": "robot", "value": "<image>hi"}, {"from": "gpt", "value": "x"}],
+            },
+            "train.jsonl:2: turn 0: unknown role 'robot'",
+        ),
         (conv(image="imgs/broken.png"), "train.jsonl:2: image 'imgs/broken.png' cannot be read"),
         ({"text": "hello"}, "train.jsonl:2: record has neither 'conversations' nor 'messages'"),
     ],
@@ -203,7 +213,9 @@ def test_weighted_copies_never_land_in_both_the_training_set_and_the_hold_out(tm
     from vlft.planning.preflight import load_and_check_data
 
     ds = write_demo_dataset(tmp_path / "demo", n_train=40, n_val=1, seed=2)
-    train, val, _ = load_and_check_data(RunConfig(data=[f"{ds.train}:3"], seed=0), SampleEncoder(processor, embedded_family()))
+    train, val, _ = load_and_check_data(
+        RunConfig(data=[f"{ds.train}:3"], seed=0), SampleEncoder(processor, embedded_family())
+    )
     held, trained = {r.where for r in val}, [r.where for r in train]
     assert len(held) == len(val) == 4 and not held & set(trained)
     assert len(trained) == 3 * 36 and all(trained.count(w) == 3 for w in set(trained))
@@ -223,8 +235,12 @@ def test_an_axolotl_base64_image_part_is_read_and_a_part_without_a_source_names_
     raw = buf.getvalue()
 
     def rec(part):
-        return {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "Which colour?"}]},
-                             {"role": "assistant", "content": "red"}]}
+        return {
+            "messages": [
+                {"role": "user", "content": [part, {"type": "text", "text": "Which colour?"}]},
+                {"role": "assistant", "content": "red"},
+            ]
+        }
 
     path = tmp_path / "axolotl.jsonl"
     path.write_text(json.dumps(rec({"type": "image", "base64": base64.b64encode(raw).decode()})) + "\n")
@@ -233,7 +249,9 @@ def test_an_axolotl_base64_image_part_is_read_and_a_part_without_a_source_names_
     path.write_text(json.dumps(rec({"type": "image", "b64_json": "xyz"})) + "\n")
     with pytest.raises(DataError) as err:
         read_records(path)
-    assert "an image part without a source (keys found: 'b64_json', 'type'; a source is one of 'image', " in str(err.value)
+    assert "an image part without a source (keys found: 'b64_json', 'type'; a source is one of 'image', " in str(
+        err.value
+    )
 
 
 def _bos_tokenizer():
@@ -246,8 +264,13 @@ def _bos_tokenizer():
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", unk_token="<unk>",
-                                   pad_token="<pad>", additional_special_tokens=["<img>"])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        additional_special_tokens=["<img>"],
+    )
 
 
 def test_piece_ids_equal_the_tokenizers_own_calls(processor):
@@ -259,12 +282,30 @@ def test_piece_ids_equal_the_tokenizers_own_calls(processor):
 
     qwen = processor.tokenizer
     bos = _bos_tokenizer()
-    cases = [(qwen, ["<|im_start|>user\n<|vision_start|>" + "<|image_pad|>" * 5 + "<|vision_end|>hi<|im_end|>\n",
-                     " the reply<|im_end|>", "\n", "", "  two  spaces"]),
-             (bos, ["hello <img> <img> world", "the reply", "", "hello"]), (bos, ["hello"]), (bos, [])]
+    cases = [
+        (
+            qwen,
+            [
+                "<|im_start|>user\n<|vision_start|>" + "<|image_pad|>" * 5 + "<|vision_end|>hi<|im_end|>\n",
+                " the reply<|im_end|>",
+                "\n",
+                "",
+                "  two  spaces",
+            ],
+        ),
+        (bos, ["hello <img> <img> world", "the reply", "", "hello"]),
+        (bos, ["hello"]),
+        (bos, []),
+    ]
     for tok, texts in cases:
-        own = (tok(texts[:1], add_special_tokens=True)["input_ids"]
-               + (tok(texts[1:], add_special_tokens=False)["input_ids"] if len(texts) > 1 else [])) if texts else []
+        own = (
+            (
+                tok(texts[:1], add_special_tokens=True)["input_ids"]
+                + (tok(texts[1:], add_special_tokens=False)["input_ids"] if len(texts) > 1 else [])
+            )
+            if texts
+            else []
+        )
         assert tokenize_pieces(tok, texts) == own
     assert tokenize_pieces(bos, ["hello world", "hello"]) == [[0, 4, 5], [4]]  # one BOS, on the first piece
     bos.backend_tokenizer.enable_truncation(max_length=2)

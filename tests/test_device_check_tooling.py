@@ -55,15 +55,25 @@ def installs(argv: list[str]) -> bool:
         return True
     modules = [b for a, b in zip(names, names[1:]) if a == "-m"]
     return any(m.split(".")[0] in INSTALLERS for m in modules) or (
-        "setup.py" in names and any(a in ("install", "develop", "bdist_egg") for a in names))
+        "setup.py" in names and any(a in ("install", "develop", "bdist_egg") for a in names)
+    )
 
 
-@pytest.mark.parametrize("argv, yes", [
-    (["pip", "install", "x"], True), (["/usr/bin/pip3.11", "install", "-e", "."], True),
-    (["python3", "-m", "pip", "install", "torch"], True), (["py", "-m", "ensurepip"], True),
-    (["uv", "pip", "install", "x"], True), (["python", "setup.py", "develop"], True),
-    (["python", "bench/device_check.py", "--out", "o"], False), (["py", "-m", "pytest", "-q"], False),
-    (["py", "-m", "vlft", "parity"], False), (["git", "describe"], False)])
+@pytest.mark.parametrize(
+    "argv, yes",
+    [
+        (["pip", "install", "x"], True),
+        (["/usr/bin/pip3.11", "install", "-e", "."], True),
+        (["python3", "-m", "pip", "install", "torch"], True),
+        (["py", "-m", "ensurepip"], True),
+        (["uv", "pip", "install", "x"], True),
+        (["python", "setup.py", "develop"], True),
+        (["python", "bench/device_check.py", "--out", "o"], False),
+        (["py", "-m", "pytest", "-q"], False),
+        (["py", "-m", "vlft", "parity"], False),
+        (["git", "describe"], False),
+    ],
+)
 def test_installs_knows_an_installer_from_the_device_checks_commands(argv, yes):
     assert installs(argv) is yes
 
@@ -80,8 +90,14 @@ def test_the_makefile_device_check_runs_one_command_and_no_installer():
     # under `make test` the parent make's MAKEFLAGS/MAKELEVEL would make this one a sub-make, which prints
     # "Entering directory" lines among the commands: run it as a user would, from a shell
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
-    proc = subprocess.run([make, "-n", "-B", "device-check", "DEVICE_PY=py"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60, env=env)
+    proc = subprocess.run(
+        [make, "-n", "-B", "device-check", "DEVICE_PY=py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     commands = [shlex.split(line) for line in proc.stdout.splitlines() if line.strip()]
     assert [c for c in commands if installs(c)] == []
@@ -137,12 +153,21 @@ def test_the_device_check_starts_no_installer_and_changes_no_site_packages(tmp_p
         stand_in.chmod(0o755)
     site = Path(sysconfig.get_paths()["purelib"])
     before = sorted(p.name for p in site.iterdir())
-    env = {**os.environ, "VLFT_SPAWN_LOG": str(log), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(hooks), os.environ.get("PYTHONPATH")) if p),
-           "CUDA_VISIBLE_DEVICES": ""}  # whatever this machine has, the device steps stay unrun
-    proc = subprocess.run([sys.executable, "bench/device_check.py", "--out", str(tmp_path / "out"),
-                           "--pytest-args=--collect-only"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+    env = {
+        **os.environ,
+        "VLFT_SPAWN_LOG": str(log),
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(hooks), os.environ.get("PYTHONPATH")) if p),
+        "CUDA_VISIBLE_DEVICES": "",
+    }  # whatever this machine has, the device steps stay unrun
+    proc = subprocess.run(
+        [sys.executable, "bench/device_check.py", "--out", str(tmp_path / "out"), "--pytest-args=--collect-only"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]  # 3: no accelerator, tests collected
     spawned = [json.loads(line) for line in log.read_text().splitlines()]
     started = [s["argv"] for s in spawned if s["event"] != "import"]
@@ -165,6 +190,7 @@ def test_the_time_budget_adds_up():
     assert names[0] == "device-tests" and any(n.startswith("parity-") for n in names) and "scale" in names
     scale = device_check.command(next(s for s in quick if s.name == "scale"), "py", "cuda", Path("o"), True)
     assert scale[scale.index("--methods") + 1] == "lora" and scale[scale.index("--checkpointing") + 1] == "off"
+
     # on a device its tests only (the accelerator parity tests carry its marker); without one, all of them
     def values(cmd, flag):
         return [b for a, b in zip(cmd, cmd[1:]) if a == flag]
@@ -178,9 +204,11 @@ def test_the_time_budget_adds_up():
 
 def test_a_step_past_its_timeout_is_killed_with_its_children(tmp_path):
     pid_file = tmp_path / "child.pid"
-    code = ("import subprocess, sys, time\n"
-            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
-            f"open({str(pid_file)!r}, 'w').write(str(c.pid)); print('started', flush=True); time.sleep(120)\n")
+    code = (
+        "import subprocess, sys, time\n"
+        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(c.pid)); print('started', flush=True); time.sleep(120)\n"
+    )
     r = device_check.step("sleeper", [sys.executable, "-c", code], tmp_path, timeout=3)
     assert r["exit"] == "timeout"
     assert "started" in (tmp_path / "sleeper.log").read_text()
@@ -202,19 +230,36 @@ def test_a_step_past_its_timeout_is_killed_with_its_children(tmp_path):
 
 
 def test_the_device_tests_counts_come_from_junit_xml_and_from_the_summary_line(tmp_path):
-    (tmp_path / "test_three.py").write_text(textwrap.dedent("""\
+    (tmp_path / "test_three.py").write_text(
+        textwrap.dedent("""\
         import pytest
         def test_passes(): pass
         def test_passes_too(): pass
         def test_fails(): assert False
         @pytest.mark.skip(reason="no device here")
         def test_skips(): pass
-        """))
+        """)
+    )
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     xml = tmp_path / "r.xml"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-                           f"--junitxml={xml}", "test_three.py"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:randomly",
+            f"--junitxml={xml}",
+            "test_three.py",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     expected = {"passed": 2, "skipped": 1, "failed": 1, "errors": 0, "total": 4}
     c = device_report.counts_from_junit(xml)
     assert {k: c[k] for k in expected} == expected
@@ -227,32 +272,60 @@ def test_the_device_tests_counts_come_from_junit_xml_and_from_the_summary_line(t
 
 
 def test_the_report_puts_the_7b_table_in_the_field_reports_shape(tmp_path):
-    gib = 2 ** 30
+    gib = 2**30
 
     def run(method, ckpt, s, peak, est):
-        return {"method": method, "checkpointing": ckpt, "median_step_s": s, "peak_bytes": peak * gib,
-                "estimate_bytes": est * gib, "precision": "bf16", "attention": "sdpa"}
+        return {
+            "method": method,
+            "checkpointing": ckpt,
+            "median_step_s": s,
+            "peak_bytes": peak * gib,
+            "estimate_bytes": est * gib,
+            "precision": "bf16",
+            "attention": "sdpa",
+        }
 
-    scale = {"backend": "cuda", "settings": {"batch": 4, "text_tokens": 256, "image": "448x448",
-                                             "targets": "text attention + last 6 vision blocks"},
-             "runs": [run("oft", True, 0.9, 20.0, 21.0), run("lora", False, 0.5, 30.0, 33.0),
-                      run("oft", False, 0.6, 31.0, 30.0), run("lora", True, 0.7, 19.0, 19.5)]}
+    scale = {
+        "backend": "cuda",
+        "settings": {
+            "batch": 4,
+            "text_tokens": 256,
+            "image": "448x448",
+            "targets": "text attention + last 6 vision blocks",
+        },
+        "runs": [
+            run("oft", True, 0.9, 20.0, 21.0),
+            run("lora", False, 0.5, 30.0, 33.0),
+            run("oft", False, 0.6, 31.0, 30.0),
+            run("lora", True, 0.7, 19.0, 19.5),
+        ],
+    }
     (tmp_path / "device-scale.json").write_text(json.dumps(scale))
     steps = [{"name": "device-tests", "exit": 0, "seconds": 12.0, "timeout_s": 200, "estimate_s": 150}]
     counts = {"passed": 5, "skipped": 2, "failed": 0, "errors": 0, "total": 7, "source": "junitxml"}
     budget = {"mode": "full", "timeout_total_s": 480, "estimate_total_s": 330}
-    report = device_report.build({"mode": "source-tree", "line": "vlft not installed: ..."}, ["cuda"], {}, steps,
-                                 counts, device_report.read_scale(tmp_path), budget)
+    report = device_report.build(
+        {"mode": "source-tree", "line": "vlft not installed: ..."},
+        ["cuda"],
+        {},
+        steps,
+        counts,
+        device_report.read_scale(tmp_path),
+        budget,
+    )
     device_report.write(tmp_path, report)
     assert json.loads((tmp_path / "device-check.json").read_text())["device_tests"]["passed"] == 5
     md = (tmp_path / "device-check.md").read_text()
     table = [line for line in md.splitlines() if line.startswith(("| LoRA", "| OFT"))]
-    assert table == ["| LoRA | off | 0.500 | 30.00 GiB | 33.00 GiB | 1.100 |",
-                     "| OFT | off | 0.600 | 31.00 GiB | 30.00 GiB | 0.968 |",
-                     "| LoRA | on | 0.700 | 19.00 GiB | 19.50 GiB | 1.026 |",
-                     "| OFT | on | 0.900 | 20.00 GiB | 21.00 GiB | 1.050 |"]
+    assert table == [
+        "| LoRA | off | 0.500 | 30.00 GiB | 33.00 GiB | 1.100 |",
+        "| OFT | off | 0.600 | 31.00 GiB | 30.00 GiB | 0.968 |",
+        "| LoRA | on | 0.700 | 19.00 GiB | 19.50 GiB | 1.026 |",
+        "| OFT | on | 0.900 | 20.00 GiB | 21.00 GiB | 1.050 |",
+    ]
     assert "| method | checkpointing | s/step | peak memory | memory plan estimate | estimate/measured |" in md
     assert "| 5 | 2 | 0 | 0 |" in md
-    empty = device_report.markdown(device_report.build({"line": ""}, [], {"cuda": "no GPU"}, steps, counts, None,
-                                                        budget))
+    empty = device_report.markdown(
+        device_report.build({"line": ""}, [], {"cuda": "no GPU"}, steps, counts, None, budget)
+    )
     assert "Not run: no accelerator here." in empty and "- no cuda: no GPU" in empty

@@ -73,8 +73,9 @@ def test_the_checks_pass_on_a_run_made_by_the_installed_plugins(right_run):
 
 
 def test_autocast_and_attention_checks_fail_on_wrong_policy_answers(small_data, tmp_path):
-    result, observer = observed_run(tmp_path, *small_data, plugins=(WrongPrecisionAndAttention(),), backend="cpu",
-                                    **ASKED)
+    result, observer = observed_run(
+        tmp_path, *small_data, plugins=(WrongPrecisionAndAttention(),), backend="cpu", **ASKED
+    )
     assert result.plan.precision.name == "fp32"  # the wrong answer was taken
     with pytest.raises(AssertionError, match="computed in"):
         check_autocast(observer, torch.bfloat16)
@@ -84,8 +85,9 @@ def test_autocast_and_attention_checks_fail_on_wrong_policy_answers(small_data, 
 
 
 def test_attention_and_parameter_checks_fail_when_the_model_differs_from_its_plan(small_data, tmp_path):
-    result, observer = observed_run(tmp_path, *small_data, plugins=(SilentFallbackAndHalfWeights(),),
-                                    backend="cpu", precision="bf16", attn="sdpa")
+    result, observer = observed_run(
+        tmp_path, *small_data, plugins=(SilentFallbackAndHalfWeights(),), backend="cpu", precision="bf16", attn="sdpa"
+    )
     assert (result.plan.attention.vision, result.plan.attention.text) == ("sdpa", "sdpa")  # the plan is right
     check_autocast(observer, torch.bfloat16)
     with pytest.raises(AssertionError, match="loaded with"):
@@ -98,6 +100,7 @@ def test_attention_and_parameter_checks_fail_when_the_model_differs_from_its_pla
 
 
 # -- TF32 -----------------------------------------------------------------------------------------
+
 
 class OnlySkipsTF32:
     """The CUDA set-up as it was before: TF32 on for auto, and for fp32 merely not turned on."""
@@ -138,6 +141,7 @@ def test_the_tf32_threshold_separates_fp32_from_tf32_rounding():
 
 # -- loss scaling ----------------------------------------------------------------------------------------
 
+
 class NoScaler:
     @hookimpl(tryfirst=True)
     def vlft_precision_policy(self, backend, config):
@@ -149,16 +153,25 @@ class DisabledScaler:
     def vlft_precision_policy(self, backend, config):
         if backend != "cpu":
             return None
-        return PrecisionPolicy("fp16", autocast_dtype="float16", loss_scaling=True,
-                               reason="a scaler that scales nothing",
-                               make_scaler=lambda: torch.amp.GradScaler("cpu", enabled=False))
+        return PrecisionPolicy(
+            "fp16",
+            autocast_dtype="float16",
+            loss_scaling=True,
+            reason="a scaler that scales nothing",
+            make_scaler=lambda: torch.amp.GradScaler("cpu", enabled=False),
+        )
 
 
 # a skipped step leaves the optimizer unstepped before the scheduler steps, which torch warns about
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
-@pytest.mark.parametrize("plugin, message", [
-    (None, None), (NoScaler(), "without a loss scaler"), (DisabledScaler(), "overflowing step changed"),
-])
+@pytest.mark.parametrize(
+    "plugin, message",
+    [
+        (None, None),
+        (NoScaler(), "without a loss scaler"),
+        (DisabledScaler(), "overflowing step changed"),
+    ],
+)
 def test_overflow_check_on_vlfts_own_step(small_data, tmp_path, plugin, message):
     session = prepared(small_data[0], tmp_path, plugins=(plugin,) if plugin else (), backend="cpu", precision="fp16")
     if message is None:
@@ -191,6 +204,7 @@ def test_non_finite_check_on_the_device_path_of_vlfts_step(small_data, tmp_path,
 
 # -- memory -------------------------------------------------------------------------------------------------
 
+
 def test_memory_check_fails_for_a_reader_of_another_device(registry):
     device = torch.device("cpu")
     check_memory_reader(registry.first("vlft_memory_reader", backend="cpu", device=device), device)
@@ -203,6 +217,7 @@ def test_memory_check_fails_for_a_reader_of_another_device(registry):
 
 
 # -- kernel patches -----------------------------------------------------------------------------------------
+
 
 def _scaled_norms(model) -> str:
     """WRONG ON PURPOSE: every RMSNorm's output 10% larger (a fused kernel that dropped a factor would look so)."""
@@ -247,14 +262,17 @@ class CpuKernelOffers:
         from vlft.contracts.backend import KernelPatch
 
         def offer(name, **kw):
-            return KernelPatch(name=name, replaces="-", why="-", condition="-", available=True, reason="-",
-                               backend="cpu", **kw)
+            return KernelPatch(
+                name=name, replaces="-", why="-", condition="-", available=True, reason="-", backend="cpu", **kw
+            )
 
-        return [dataclasses.replace(cuda_kernels._patch_embed(family), backend="cpu"),
-                offer("rotary-rewritten", apply=_rotary_rewritten),
-                offer("sdpa-vision", attention={"vision": "sdpa"}),
-                offer("eager-vision", attention={"vision": "eager"}),  # the CPU backend's own choice
-                offer("scaled-norms", apply=_scaled_norms)]
+        return [
+            dataclasses.replace(cuda_kernels._patch_embed(family), backend="cpu"),
+            offer("rotary-rewritten", apply=_rotary_rewritten),
+            offer("sdpa-vision", attention={"vision": "sdpa"}),
+            offer("eager-vision", attention={"vision": "eager"}),  # the CPU backend's own choice
+            offer("scaled-norms", apply=_scaled_norms),
+        ]
 
 
 def test_kernel_patch_comparison_fails_a_patch_that_changes_nothing_or_is_wrong_and_undoes_process_wide_ones():

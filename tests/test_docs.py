@@ -35,6 +35,7 @@ def rel(path: Path) -> str:
 
 # -- docs/plugin-hooks.md ---------------------------------------------------------------------------------
 
+
 @dataclass
 class Section:
     """What one ``## vlft_name(a, b)`` section of the hooks page says."""
@@ -80,27 +81,34 @@ def doc_problems(specs: dict, text: str, where: str = "docs/plugin-hooks.md") ->
         sig = inspect.signature(spec)
         params = list(sig.parameters)
         if name not in sections:
-            problems.append(f"{where}: no section '## {name}({', '.join(params)})' for the hook {name} "
-                            f"(vlft/hookspecs.py)")
+            problems.append(
+                f"{where}: no section '## {name}({', '.join(params)})' for the hook {name} (vlft/hookspecs.py)"
+            )
             continue
         s = sections[name]
         if s.heading_params != params:
-            problems.append(f"{where}: the heading of {name} lists ({', '.join(s.heading_params)}); "
-                            f"the spec has ({', '.join(params)})")
+            problems.append(
+                f"{where}: the heading of {name} lists ({', '.join(s.heading_params)}); "
+                f"the spec has ({', '.join(params)})"
+            )
         for p, parameter in sig.parameters.items():
             if s.params.get(p) != parameter.annotation:
-                problems.append(f"{where}: {name} should document '- `{p}: {parameter.annotation}`'"
-                                f" (found {s.params.get(p)!r})")
+                problems.append(
+                    f"{where}: {name} should document '- `{p}: {parameter.annotation}`' (found {s.params.get(p)!r})"
+                )
         for extra in sorted(set(s.params) - set(params)):
             problems.append(f"{where}: {name} documents a parameter '{extra}' the spec does not have")
         if s.returns != sig.return_annotation:
-            problems.append(f"{where}: {name} should say '- **Returns**: `{sig.return_annotation}`'"
-                            f" (found {s.returns!r})")
+            problems.append(
+                f"{where}: {name} should say '- **Returns**: `{sig.return_annotation}`' (found {s.returns!r})"
+            )
         first = spec.vlft_spec.get("firstresult", False)
         expected = "first answer wins" if first else "every plugin is called"
         if not s.answers or not s.answers.startswith(expected):
-            problems.append(f"{where}: {name} is {'firstresult' if first else 'not firstresult'}: its "
-                            f"'- **Answers**:' line should start with '{expected}' (found {s.answers!r})")
+            problems.append(
+                f"{where}: {name} is {'firstresult' if first else 'not firstresult'}: its "
+                f"'- **Answers**:' line should start with '{expected}' (found {s.answers!r})"
+            )
     for name in sorted(set(sections) - set(specs)):
         problems.append(f"{where}: documents {name}, which vlft/hookspecs.py does not define")
     return problems
@@ -113,11 +121,13 @@ def test_every_hook_is_documented_with_the_specs_parameters():
 
 # -- every hook is called by some test ---------------------------------------------------------------------
 
+
 def sources_of_tests() -> dict[str, str]:
     """The text of every test and benchmark module except this one (which names hooks only as data)."""
     here = Path(__file__).resolve()
-    return {rel(p): p.read_text(encoding="utf-8") for d in TEST_DIRS for p in sorted(d.rglob("*.py"))
-            if p.resolve() != here}
+    return {
+        rel(p): p.read_text(encoding="utf-8") for d in TEST_DIRS for p in sorted(d.rglob("*.py")) if p.resolve() != here
+    }
 
 
 # the registry's way of calling a hook by name: registry.first("vlft_x", ...)
@@ -137,8 +147,12 @@ def hook_calls(source: str) -> set[str]:
         if name is None:
             continue
         called.add(name)
-        if name in CALL_BY_NAME and node.args and isinstance(node.args[0], ast.Constant) \
-                and isinstance(node.args[0].value, str):
+        if (
+            name in CALL_BY_NAME
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             called.add(node.args[0].value)
     return called
 
@@ -146,8 +160,7 @@ def hook_calls(source: str) -> set[str]:
 def uncalled_hooks(names, sources: dict[str, str]) -> list[str]:
     """Hooks that no source calls (see ``hook_calls``)."""
     called = set().union(*(hook_calls(text) for text in sources.values()))
-    return [f"no test or benchmark under tests/ or bench/ calls {name}" for name in sorted(names)
-            if name not in called]
+    return [f"no test or benchmark under tests/ or bench/ calls {name}" for name in sorted(names) if name not in called]
 
 
 def test_every_hook_is_called_in_a_test():
@@ -157,6 +170,7 @@ def test_every_hook_is_called_in_a_test():
 
 # -- the README lists every hook ----------------------------------------------------------------------------
 
+
 def readme_problems(names, text: str) -> list[str]:
     """The README's "## Plugins" section names, in backticks, exactly the hooks of the specs."""
     m = re.search(r"^## Plugins\s*$(.*?)(?=^## |\Z)", text, re.M | re.S)
@@ -164,8 +178,10 @@ def readme_problems(names, text: str) -> list[str]:
         return ["README.md has no '## Plugins' section"]
     listed = set(re.findall(r"`(vlft_\w+)`", m.group(1)))
     problems = [f"README.md, section Plugins: does not list `{n}`" for n in sorted(set(names) - listed)]
-    problems += [f"README.md, section Plugins: lists `{n}`, which vlft/hookspecs.py does not define"
-                 for n in sorted(listed - set(names))]
+    problems += [
+        f"README.md, section Plugins: lists `{n}`, which vlft/hookspecs.py does not define"
+        for n in sorted(listed - set(names))
+    ]
     return problems
 
 
@@ -183,8 +199,11 @@ DOCS = ROOT / "docs"
 def readme_length_problems(text: str, limit: int = README_MAX_LINES) -> list[str]:
     """The README stays an overview: under ``limit`` lines, the detail in the guides under docs/."""
     lines = len(text.splitlines())
-    return [f"README.md has {lines} lines; keep it under {limit} (move the detail to a guide in docs/)"] \
-        if lines >= limit else []
+    return (
+        [f"README.md has {lines} lines; keep it under {limit} (move the detail to a guide in docs/)"]
+        if lines >= limit
+        else []
+    )
 
 
 def test_the_readme_fits_on_a_few_screens():
@@ -217,7 +236,7 @@ def heading_anchors(text: str) -> set[str]:
     anchors, seen = set(), {}
     for _, line in prose_lines(text, code_spans=True):
         if m := HEADING_LINE.match(line):
-            title = INLINE_LINK.sub(lambda link: link.group(0)[1:link.group(0).index("]")], m.group(1))
+            title = INLINE_LINK.sub(lambda link: link.group(0)[1 : link.group(0).index("]")], m.group(1))
             title = title.replace("`", "")
             slug = re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
             anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
@@ -239,8 +258,9 @@ def link_problems(text: str, path: Path) -> list[str]:
             where = f"{rel(path)}:{number}"
             if not linked.exists():
                 problems.append(f"{where}: the link ({target}) names {rel(linked)}, which does not exist")
-            elif anchor and linked.suffix == ".md" and anchor not in heading_anchors(
-                    linked.read_text(encoding="utf-8")):
+            elif (
+                anchor and linked.suffix == ".md" and anchor not in heading_anchors(linked.read_text(encoding="utf-8"))
+            ):
                 problems.append(f"{where}: the link ({target}) names a heading {rel(linked)} does not have")
     return problems
 
@@ -271,10 +291,17 @@ def run_flags() -> dict[str, object]:
     from vlft.builtin.commands import run
     from vlft.config import user_fields
 
-    defaults = {f.metadata.get("cli", "--" + f.name.replace("_", "-")): f.default for f in user_fields()
-                if f.default is not dataclasses.MISSING}
-    return {opt: defaults.get(opt, NO_DEFAULT) for param in run.get_params(click.Context(run))
-            for opt in [*param.opts, *param.secondary_opts] if opt.startswith("--")}
+    defaults = {
+        f.metadata.get("cli", "--" + f.name.replace("_", "-")): f.default
+        for f in user_fields()
+        if f.default is not dataclasses.MISSING
+    }
+    return {
+        opt: defaults.get(opt, NO_DEFAULT)
+        for param in run.get_params(click.Context(run))
+        for opt in [*param.opts, *param.secondary_opts]
+        if opt.startswith("--")
+    }
 
 
 def options_problems(text: str, flags: dict[str, object], where: str = "docs/options.md") -> list[str]:
@@ -287,20 +314,27 @@ def options_problems(text: str, flags: dict[str, object], where: str = "docs/opt
             continue
         cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
         named = FLAG.findall(cells[0])
-        problems += [f"{where}: the row of {cells[0]} names {flag}, which `vlft run` does not have"
-                     for flag in named if flag not in flags]
+        problems += [
+            f"{where}: the row of {cells[0]} names {flag}, which `vlft run` does not have"
+            for flag in named
+            if flag not in flags
+        ]
         values = [v.strip() for v in cells[1].split(", ")]
         if "`" not in cells[1]:
             continue
         if len(values) != len(named):
-            problems.append(f"{where}: the row of {cells[0]} gives {len(values)} default(s) for "
-                            f"{len(named)} flag(s); give one per flag, in order")
+            problems.append(
+                f"{where}: the row of {cells[0]} gives {len(values)} default(s) for "
+                f"{len(named)} flag(s); give one per flag, in order"
+            )
             continue
         for flag, value in zip(named, values):
-            if re.fullmatch(r"`[^`-][^`]*`", value) and flags.get(flag, NO_DEFAULT) is not NO_DEFAULT \
-                    and value.strip("`") != str(flags[flag]):
-                problems.append(f"{where}: says {flag} defaults to {value}; `vlft run` defaults it to "
-                                f"{flags[flag]!r}")
+            if (
+                re.fullmatch(r"`[^`-][^`]*`", value)
+                and flags.get(flag, NO_DEFAULT) is not NO_DEFAULT
+                and value.strip("`") != str(flags[flag])
+            ):
+                problems.append(f"{where}: says {flag} defaults to {value}; `vlft run` defaults it to {flags[flag]!r}")
     return problems
 
 
@@ -334,8 +368,11 @@ def docstring_nodes(tree: ast.AST) -> set[int]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
-                    and isinstance(first.value.value, str):
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
                 ids.add(id(first.value))
     return ids
 
@@ -350,8 +387,12 @@ def vendor_offenders(source: str, where: str) -> list[str]:
     found = []
     for node in ast.walk(tree):
         texts = [getattr(node, f) for f in IDENTIFIER_FIELDS if isinstance(getattr(node, f, None), str)]
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings \
-                and not any(c.isspace() for c in node.value):
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in docstrings
+            and not any(c.isspace() for c in node.value)
+        ):
             texts.append(repr(node.value))
         for text in texts:
             if vendor_words(text):
@@ -361,11 +402,13 @@ def vendor_offenders(source: str, where: str) -> list[str]:
 
 def test_the_core_names_no_vendor():
     offenders = [o for p in sorted(CORE.rglob("*.py")) for o in vendor_offenders(p.read_text(encoding="utf-8"), rel(p))]
-    assert not offenders, ("vendor names in the core (move the code into the backend plugin that owns it):\n"
-                           + "\n".join(offenders))
+    assert not offenders, (
+        "vendor names in the core (move the code into the backend plugin that owns it):\n" + "\n".join(offenders)
+    )
 
 
 # -- each check above can fail --------------------------------------------------------------------------------
+
 
 @hookspecs.hookspec(firstresult=True)
 def vlft_not_yet_documented(backend: str, budget: int) -> str | None:
@@ -378,20 +421,25 @@ def with_new_hook() -> dict:
 
 def test_a_new_hook_without_docs_is_reported():
     problems = doc_problems(with_new_hook(), HOOKS_DOC.read_text(encoding="utf-8"))
-    assert problems == ["docs/plugin-hooks.md: no section '## vlft_not_yet_documented(backend, budget)' for the "
-                        "hook vlft_not_yet_documented (vlft/hookspecs.py)"]
+    assert problems == [
+        "docs/plugin-hooks.md: no section '## vlft_not_yet_documented(backend, budget)' for the "
+        "hook vlft_not_yet_documented (vlft/hookspecs.py)"
+    ]
 
 
 def test_a_section_that_drifts_from_its_spec_is_reported():
     text = HOOKS_DOC.read_text(encoding="utf-8")
     heading = "## vlft_seed(backend, seed, deterministic)"
     assert heading in text and "- `seed: int`" in text and "- **Returns**: `ProbeResult | None`" in text
-    drifted = (text.replace(heading, "## vlft_seed(backend, seed)")
-               .replace("- `seed: int`", "- `seed: str`")
-               .replace("- **Returns**: `ProbeResult | None`", "- **Returns**: `ProbeResult`"))
+    drifted = (
+        text.replace(heading, "## vlft_seed(backend, seed)")
+        .replace("- `seed: int`", "- `seed: str`")
+        .replace("- **Returns**: `ProbeResult | None`", "- **Returns**: `ProbeResult`")
+    )
     problems = doc_problems(spec_functions(), drifted)
-    assert any("heading of vlft_seed lists (backend, seed); the spec has (backend, seed, deterministic)" in p
-               for p in problems), problems
+    assert any(
+        "heading of vlft_seed lists (backend, seed); the spec has (backend, seed, deterministic)" in p for p in problems
+    ), problems
     assert any("vlft_seed should document '- `seed: int`' (found 'str')" in p for p in problems), problems
     assert any("vlft_probe_backend should say '- **Returns**: `ProbeResult | None`'" in p for p in problems), problems
 
@@ -410,66 +458,90 @@ def test_a_wrong_call_mode_and_a_stale_section_are_reported():
 
 def test_a_hook_no_test_calls_is_reported():
     assert uncalled_hooks(["vlft_not_yet_documented"], sources_of_tests()) == [
-        "no test or benchmark under tests/ or bench/ calls vlft_not_yet_documented"]
+        "no test or benchmark under tests/ or bench/ calls vlft_not_yet_documented"
+    ]
     # a plugin that only defines the hook is not a test of it, nor is a name in a module path, an import, a
     # test's name or a message; a call through the hook relay, the plugin or registry.first is
-    not_calls = ["def vlft_x(backend):\n    pass\n", "from vlft_x.lora import f\nf()\n", "import vlft_x\n",
-                 "def test_vlft_x_works():\n    assert 'vlft_x' in str(vlft_x)\n", "hooks = ['vlft_x']\n",
-                 "registry.other('vlft_x')\n"]
+    not_calls = [
+        "def vlft_x(backend):\n    pass\n",
+        "from vlft_x.lora import f\nf()\n",
+        "import vlft_x\n",
+        "def test_vlft_x_works():\n    assert 'vlft_x' in str(vlft_x)\n",
+        "hooks = ['vlft_x']\n",
+        "registry.other('vlft_x')\n",
+    ]
     for source in not_calls:
         assert uncalled_hooks(["vlft_x"], {"t.py": source}), source
-    for source in ["pm.hook.vlft_x(backend='cpu')\n", "plugin.vlft_x(backend='cpu')\n", "vlft_x()\n",
-                   "registry.first('vlft_x', backend='cpu')\n"]:
+    for source in [
+        "pm.hook.vlft_x(backend='cpu')\n",
+        "plugin.vlft_x(backend='cpu')\n",
+        "vlft_x()\n",
+        "registry.first('vlft_x', backend='cpu')\n",
+    ]:
         assert not uncalled_hooks(["vlft_x"], {"t.py": source}), source
 
 
 def test_a_hook_missing_from_the_readme_is_reported():
     readme = README.read_text(encoding="utf-8")
     assert readme_problems(with_new_hook(), readme) == [
-        "README.md, section Plugins: does not list `vlft_not_yet_documented`"]
+        "README.md, section Plugins: does not list `vlft_not_yet_documented`"
+    ]
     assert "`vlft_seed`" in readme
     assert readme_problems(spec_functions(), readme.replace("`vlft_seed`", "`vlft_sed`")) == [
         "README.md, section Plugins: does not list `vlft_seed`",
-        "README.md, section Plugins: lists `vlft_sed`, which vlft/hookspecs.py does not define"]
+        "README.md, section Plugins: lists `vlft_sed`, which vlft/hookspecs.py does not define",
+    ]
 
 
 def test_a_readme_grown_past_a_few_screens_is_reported():
     assert readme_length_problems("line\n" * 299) == []
     assert readme_length_problems("line\n" * 300) == [
-        "README.md has 300 lines; keep it under 300 (move the detail to a guide in docs/)"]
+        "README.md has 300 lines; keep it under 300 (move the detail to a guide in docs/)"
+    ]
 
 
 def test_a_dead_link_or_a_missing_heading_is_reported():
     readme = README.read_text(encoding="utf-8")
     assert link_problems(readme, README) == []
-    broken = readme + ("\nSee [the guide](docs/no-such-guide.md), [packing](docs/packing.md#no-such-heading),"
-                       " [this page](#nowhere) and [a folder](examples/no-such-plugin).\n")
+    broken = readme + (
+        "\nSee [the guide](docs/no-such-guide.md), [packing](docs/packing.md#no-such-heading),"
+        " [this page](#nowhere) and [a folder](examples/no-such-plugin).\n"
+    )
     where = f"README.md:{len(broken.splitlines())}"
     assert link_problems(broken, README) == [
         f"{where}: the link (docs/no-such-guide.md) names docs/no-such-guide.md, which does not exist",
         f"{where}: the link (docs/packing.md#no-such-heading) names a heading docs/packing.md does not have",
         f"{where}: the link (#nowhere) names a heading README.md does not have",
-        f"{where}: the link (examples/no-such-plugin) names examples/no-such-plugin, which does not exist"]
+        f"{where}: the link (examples/no-such-plugin) names examples/no-such-plugin, which does not exist",
+    ]
     # links in code, to other sites and to a heading that exists are fine
-    fine = ("`[a](gone.md)`\n```\n[b](gone.md)\n```\n[c](https://example.org/x.md) [d](mailto:a@b.c)\n"
-            "[e](docs/packing.md#how-it-works) [f](#plugins) [g]: docs/data.md\n")
+    fine = (
+        "`[a](gone.md)`\n```\n[b](gone.md)\n```\n[c](https://example.org/x.md) [d](mailto:a@b.c)\n"
+        "[e](docs/packing.md#how-it-works) [f](#plugins) [g]: docs/data.md\n"
+    )
     assert link_problems(readme + fine, README) == []
     assert link_problems("[h]: docs/gone.md\n", README) == [
-        "README.md:1: the link (docs/gone.md) names docs/gone.md, which does not exist"]
+        "README.md:1: the link (docs/gone.md) names docs/gone.md, which does not exist"
+    ]
 
 
 def test_the_options_rule_catches_a_renamed_flag_and_a_wrong_default():
     text = OPTIONS_DOC.read_text(encoding="utf-8")
     assert "| `--shard` | `none` |" in text and "| `--group-by-length` |" in text
     drifted = text.replace("| `--shard` | `none` |", "| `--shard` | `fsdp` |").replace(
-        "| `--group-by-length` |", "| `--group-by-len` |")
+        "| `--group-by-length` |", "| `--group-by-len` |"
+    )
     assert options_problems(drifted, run_flags()) == [
         "docs/options.md: the row of `--group-by-len` names --group-by-len, which `vlft run` does not have",
-        "docs/options.md: says --shard defaults to `fsdp`; `vlft run` defaults it to 'none'"]
-    short = text.replace("| `--targets`, `--vision-last-n` | `both`, `6` |", "| `--targets`, `--vision-last-n` | `both` |")
+        "docs/options.md: says --shard defaults to `fsdp`; `vlft run` defaults it to 'none'",
+    ]
+    short = text.replace(
+        "| `--targets`, `--vision-last-n` | `both`, `6` |", "| `--targets`, `--vision-last-n` | `both` |"
+    )
     assert options_problems(short, run_flags()) == [
         "docs/options.md: the row of `--targets`, `--vision-last-n` gives 1 default(s) for 2 flag(s); give one "
-        "per flag, in order"]
+        "per flag, in order"
+    ]
 
 
 VENDOR_SAMPLE = '''"""Module docstring: works on CUDA and Ascend alike."""
@@ -488,10 +560,19 @@ def pick(device, input_ids, cudnn_benchmark):
 '''
 
 
-@pytest.mark.parametrize("line, text", [
-    (2, "torch_npu"), (3, "cuda"), (9, "cuda"), (10, "'cuda:0'"), (11, "'HCCL_EXEC_TIMEOUT'"), (12, "npu"),
-    (13, "'npus'"), (13, "isAscend"),
-])
+@pytest.mark.parametrize(
+    "line, text",
+    [
+        (2, "torch_npu"),
+        (3, "cuda"),
+        (9, "cuda"),
+        (10, "'cuda:0'"),
+        (11, "'HCCL_EXEC_TIMEOUT'"),
+        (12, "npu"),
+        (13, "'npus'"),
+        (13, "isAscend"),
+    ],
+)
 def test_vendor_names_in_code_are_reported(line, text):
     assert f"sample.py:{line}: {text}" in vendor_offenders(VENDOR_SAMPLE, "sample.py")
 
@@ -523,8 +604,12 @@ def family_offenders(source: str, where: str) -> list[str]:
     found = []
     for node in ast.walk(tree):
         texts = [getattr(node, f) for f in IDENTIFIER_FIELDS if isinstance(getattr(node, f, None), str)]
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings \
-                and not any(c.isspace() for c in node.value):
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in docstrings
+            and not any(c.isspace() for c in node.value)
+        ):
             texts.append(repr(node.value))
         for text in texts:
             words = [w.lower() for w in WORDS.findall(text)]
@@ -534,10 +619,16 @@ def family_offenders(source: str, where: str) -> list[str]:
 
 
 def test_the_core_names_no_model_family():
-    offenders = [o for p in sorted(CORE.rglob("*.py")) if rel(p) not in FAMILY_EXEMPT
-                 for o in family_offenders(p.read_text(encoding="utf-8"), rel(p))]
-    assert not offenders, ("model-family names in the core (move the knowledge into the family plugin, "
-                           "plugins/models, and reach it through the ModelFamily of the plan):\n" + "\n".join(offenders))
+    offenders = [
+        o
+        for p in sorted(CORE.rglob("*.py"))
+        if rel(p) not in FAMILY_EXEMPT
+        for o in family_offenders(p.read_text(encoding="utf-8"), rel(p))
+    ]
+    assert not offenders, (
+        "model-family names in the core (move the knowledge into the family plugin, "
+        "plugins/models, and reach it through the ModelFamily of the plan):\n" + "\n".join(offenders)
+    )
 
 
 def test_the_model_family_rule_catches_a_family_name():
@@ -564,8 +655,9 @@ def check_family_doc_problems(text: str, where: str = "docs/writing-plugins.md")
     problems = []
     listed = re.findall(r"^\| `(\w+)` \|", section, re.M)
     if listed != list(testing.FAMILY_CHECKS):
-        problems.append(f"{where}: the check table lists {listed}; vlft.testing.FAMILY_CHECKS has "
-                        f"{list(testing.FAMILY_CHECKS)}")
+        problems.append(
+            f"{where}: the check table lists {listed}; vlft.testing.FAMILY_CHECKS has {list(testing.FAMILY_CHECKS)}"
+        )
     block = re.search(r"```python\n(.*?)```", section, re.S)
     if block is None:
         return problems + [f"{where}: the check_family section has no python code block"]
@@ -576,8 +668,11 @@ def check_family_doc_problems(text: str, where: str = "docs/writing-plugins.md")
     signature = inspect.signature(testing.check_family)
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module == "vlft.testing":
-            problems += [f"{where}: imports {a.name}, which vlft.testing does not export" for a in node.names
-                         if a.name not in testing.__all__]
+            problems += [
+                f"{where}: imports {a.name}, which vlft.testing does not export"
+                for a in node.names
+                if a.name not in testing.__all__
+            ]
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "check_family":
             try:
                 signature.bind(*node.args, **{k.arg: k.value for k in node.keywords})
@@ -585,8 +680,11 @@ def check_family_doc_problems(text: str, where: str = "docs/writing-plugins.md")
                 problems.append(f"{where}: check_family called as the signature does not allow: {e}")
             skip = next((k.value for k in node.keywords if k.arg == "skip"), None)
             if isinstance(skip, ast.Dict):
-                problems += [f"{where}: skips '{k.value}', which is no check" for k in skip.keys
-                             if isinstance(k, ast.Constant) and k.value not in testing.FAMILY_CHECKS]
+                problems += [
+                    f"{where}: skips '{k.value}', which is no check"
+                    for k in skip.keys
+                    if isinstance(k, ast.Constant) and k.value not in testing.FAMILY_CHECKS
+                ]
     if "check_family(" not in block.group(1):
         problems.append(f"{where}: the check_family example never calls check_family")
     return problems
@@ -604,5 +702,9 @@ def test_a_check_family_section_that_drifts_is_reported():
     assert any("signature does not allow" in p for p in check_family_doc_problems(drifted))
     unknown = text.replace('skip={"packing":', 'skip={"pack":')
     assert any("which is no check" in p for p in check_family_doc_problems(unknown))
-    assert any("does not export" in p for p in check_family_doc_problems(
-        text.replace("from vlft.testing import check_family,", "from vlft.testing import check_families,")))
+    assert any(
+        "does not export" in p
+        for p in check_family_doc_problems(
+            text.replace("from vlft.testing import check_family,", "from vlft.testing import check_families,")
+        )
+    )

@@ -27,8 +27,9 @@ import pytest
 import torch
 
 if os.environ.get("VLFT_REQUIRE_TRL") != "1":
-    pytest.importorskip("trl", reason="trl is not importable here; `make test` runs this module again with it "
-                                      "(.venv/trl-site)")
+    pytest.importorskip(
+        "trl", reason="trl is not importable here; `make test` runs this module again with it (.venv/trl-site)"
+    )
 
 LR, BETA, STEPS = 1e-3, 0.1, 3
 
@@ -36,11 +37,14 @@ LR, BETA, STEPS = 1e-3, 0.1, 3
 def _trl_layout(host: dict) -> dict:
     """vlft's pair batch as TRL's vision collator lays one out."""
     shared = host["shared"]
-    return {"input_ids": host["input_ids"], "attention_mask": host["attention_mask"],
-            "mm_token_type_ids": host["mm_token_type_ids"],
-            "completion_mask": (host["labels"] != -100).long(),
-            "pixel_values": torch.cat([shared["pixel_values"]] * 2),
-            "image_grid_thw": torch.cat([shared["image_grid_thw"]] * 2)}
+    return {
+        "input_ids": host["input_ids"],
+        "attention_mask": host["attention_mask"],
+        "mm_token_type_ids": host["mm_token_type_ids"],
+        "completion_mask": (host["labels"] != -100).long(),
+        "pixel_values": torch.cat([shared["pixel_values"]] * 2),
+        "image_grid_thw": torch.cat([shared["image_grid_thw"]] * 2),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +63,23 @@ def both(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("trl")
     ds = write_demo_preferences(tmp / "demo", n_train=8, n_val=4, seed=11)
     registry = load_registry()
-    config = build_config({}, dict(backend="cpu", objective="dpo", data=str(ds.train), val_data=str(ds.val),
-                                   output=str(tmp / "run"), steps=STEPS, batch_size=4, lr=LR, warmup_ratio=0.0,
-                                   objective_options={"beta": BETA}, adapter={"lora_dropout": 0.0}, seed=0))
+    config = build_config(
+        {},
+        dict(
+            backend="cpu",
+            objective="dpo",
+            data=str(ds.train),
+            val_data=str(ds.val),
+            output=str(tmp / "run"),
+            steps=STEPS,
+            batch_size=4,
+            lr=LR,
+            warmup_ratio=0.0,
+            objective_options={"beta": BETA},
+            adapter={"lora_dropout": 0.0},
+            seed=0,
+        ),
+    )
     s = build_trainer(registry, config)
     initial = {n: p.detach().clone() for n, p in s.model.named_parameters() if p.requires_grad}
     host = s.collate([s.dataset[i] for i in range(4)])
@@ -70,8 +88,15 @@ def both(tmp_path_factory):
     plan = s.plan
     base = load_model(plan.model_path, plan.attention, plan.precision, family=plan.family)
     seed_everything(config.seed)
-    model = registry.first("vlft_apply_adapter", method="lora", model=base, targets=plan.targets, config=config,
-                           target_parameters=[], family=plan.family)
+    model = registry.first(
+        "vlft_apply_adapter",
+        method="lora",
+        model=base,
+        targets=plan.targets,
+        config=config,
+        target_parameters=[],
+        family=plan.family,
+    )
     theirs = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert theirs.keys() == initial.keys() and all(torch.equal(theirs[n], initial[n]) for n in initial)
 
@@ -90,15 +115,37 @@ def both(tmp_path_factory):
             self.losses.append(float(loss.detach()))
             return loss
 
-    rows = Dataset.from_list([{"idx": i, "images": [], "prompt": "", "chosen": "", "rejected": ""}
-                              for i in range(4)])
-    args = DPOConfig(output_dir=str(tmp / "trl"), per_device_train_batch_size=4, max_steps=STEPS,
-                     learning_rate=LR, lr_scheduler_type="cosine", warmup_steps=0, weight_decay=0.0,
-                     max_grad_norm=1.0, beta=BETA, loss_type=["sigmoid"], logging_steps=1, report_to=[],
-                     save_strategy="no", seed=0, use_cpu=True, bf16=False, fp16=False, optim="adamw_torch",
-                     gradient_checkpointing=False, remove_unused_columns=False, dataloader_num_workers=0)
-    trainer = Recording(model=model, args=args, train_dataset=rows, processing_class=s.plan.processor,
-                        data_collator=lambda batch: _trl_layout(s.collate([pairs[r["idx"]] for r in batch])))
+    rows = Dataset.from_list([{"idx": i, "images": [], "prompt": "", "chosen": "", "rejected": ""} for i in range(4)])
+    args = DPOConfig(
+        output_dir=str(tmp / "trl"),
+        per_device_train_batch_size=4,
+        max_steps=STEPS,
+        learning_rate=LR,
+        lr_scheduler_type="cosine",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=BETA,
+        loss_type=["sigmoid"],
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        optim="adamw_torch",
+        gradient_checkpointing=False,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+    )
+    trainer = Recording(
+        model=model,
+        args=args,
+        train_dataset=rows,
+        processing_class=s.plan.processor,
+        data_collator=lambda batch: _trl_layout(s.collate([pairs[r["idx"]] for r in batch])),
+    )
     trainer.train()
     return s, trainer, host, ours, list(Recording.losses), initial
 
@@ -113,13 +160,18 @@ def test_the_first_steps_losses_and_the_trained_adapter_equal_trls(both):
     assert ours == pytest.approx(theirs, abs=1e-6), (ours, theirs)
     assert ours[2] < ours[0]  # and they trained
     mine = dict(s.model.named_parameters())
-    pairs = [(mine[n].detach(), p.detach(), initial[n]) for n, p in trainer.model.named_parameters()
-             if p.requires_grad and ".default." in n]
+    pairs = [
+        (mine[n].detach(), p.detach(), initial[n])
+        for n, p in trainer.model.named_parameters()
+        if p.requires_grad and ".default." in n
+    ]
     assert len(pairs) == len(initial)
     apart = torch.cat([(a - b).flatten() for a, b, _ in pairs])
     moved = torch.cat([(a - w0).flatten() for a, _, w0 in pairs])
-    print(f"adapters after {STEPS} steps: moved {float(moved.norm()):.3e} (max {float(moved.abs().max()):.3e}), "
-          f"apart {float(apart.norm()):.3e} (max {float(apart.abs().max()):.3e})")
+    print(
+        f"adapters after {STEPS} steps: moved {float(moved.norm()):.3e} (max {float(moved.abs().max()):.3e}), "
+        f"apart {float(apart.norm()):.3e} (max {float(apart.abs().max()):.3e})"
+    )
     assert float(apart.norm()) < 1e-3 * float(moved.norm())
 
 
@@ -136,7 +188,9 @@ def test_a_trained_adapters_loss_against_the_base_equals_trls(both):
     with torch.no_grad():
         mine, figures = s.plan.objective.loss(s.model.eval(), batch, StepPasses(s.device, None, Reference(s.model)))
         theirs = trainer._compute_loss(trainer.model.eval(), _trl_layout(host), False)
-    print(f"trained adapter against the base: vlft {float(mine) / 4:.9f}, TRL {float(theirs):.9f}, mean margin "
-          f"{float(figures['reward_margin']) / 4:.4f}")
+    print(
+        f"trained adapter against the base: vlft {float(mine) / 4:.9f}, TRL {float(theirs):.9f}, mean margin "
+        f"{float(figures['reward_margin']) / 4:.4f}"
+    )
     assert abs(float(figures["reward_margin"])) / 4 > 1e-3  # the margin is not 0: the loss is not ln 2
     assert float(mine) / 4 == pytest.approx(float(theirs), abs=1e-6)

@@ -22,8 +22,14 @@ def clean(monkeypatch):
     """No torch_npu, no transfer_to_npu, no flash-attn, no HCCL or visibility variables: the same on every machine."""
     for name in ("torch_npu", "torch_npu.contrib.transfer_to_npu", "flash_attn"):
         monkeypatch.setitem(sys.modules, name, None)
-    for key in ("HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT", "HCCL_OP_TIMEOUT", "HCCL_DETERMINISTIC",
-                "CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES"):
+    for key in (
+        "HCCL_CONNECT_TIMEOUT",
+        "HCCL_EXEC_TIMEOUT",
+        "HCCL_OP_TIMEOUT",
+        "HCCL_DETERMINISTIC",
+        "CUDA_VISIBLE_DEVICES",
+        "ASCEND_RT_VISIBLE_DEVICES",
+    ):
         monkeypatch.setenv(key, "")
         monkeypatch.delenv(key)
 
@@ -91,10 +97,13 @@ def test_ascend_dry_run_honours_the_users_settings(clean, model_dir, monkeypatch
     assert plan["distributed"]["env"]["HCCL_DETERMINISTIC"] == "true"
 
 
-@pytest.mark.parametrize("capability, name, autocast, scaling", [
-    ((8, 6), "bf16", "bfloat16", False),
-    ((7, 5), "fp16", "float16", True),
-])
+@pytest.mark.parametrize(
+    "capability, name, autocast, scaling",
+    [
+        ((8, 6), "bf16", "bfloat16", False),
+        ((7, 5), "fp16", "float16", True),
+    ],
+)
 def test_cuda_dry_run(capability, name, autocast, scaling, clean, model_dir, monkeypatch):
     stand_in_gpu(monkeypatch, capability)
     plan = dry_run_json("--backend", "cuda", "--method", "lora")
@@ -130,6 +139,7 @@ def test_run_on_an_unavailable_backend_stops_at_once(clean, model_dir, tmp_path)
 
 
 # -- vlft doctor -------------------------------------------------------------------------------
+
 
 def test_doctor_explains_the_missing_backends_and_passes_on_cpu(clean, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -170,12 +180,13 @@ def test_doctor_rejects_an_unknown_backend():
 
 # -- the adapted modules at a glance ---------------------------------------------------------------
 
+
 def test_the_plan_groups_adapted_modules_per_tower_and_layer_range_and_verbose_lists_each(model_dir):
     plan = dry_run_json("--backend", "cpu")
     modules = plan["targets"]["modules"]
     assert len(modules) == 20  # the JSON keeps every module and its parameters
     text = invoke("run", "--backend", "cpu", "--dry-run").output
-    block = text[text.index("\ntargets "):text.index("\nweights ")].splitlines()[1:]
+    block = text[text.index("\ntargets ") : text.index("\nweights ")].splitlines()[1:]
     assert "vision blocks 2-7 of 8" in text
     vision = sum(n for name, n in modules.items() if ".blocks." in name)
     lm = sum(n for name, n in modules.items() if ".layers." in name)
@@ -204,4 +215,5 @@ def test_grouping_reads_layers_from_any_dotted_names_and_towers_from_the_summary
         "head (1 module, 7)",
     ]
     assert group_modules({"m.layers.0.a.q": 5, "m.layers.0.b.q": 5}, {"towers": "text"}) == [
-        "text layers 0: a.q, b.q (2 modules, 10)"]  # leaves that clash: the path after the layer
+        "text layers 0: a.q, b.q (2 modules, 10)"
+    ]  # leaves that clash: the path after the layer

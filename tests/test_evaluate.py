@@ -15,13 +15,18 @@ def score(predictions, references):
     """exact match and fields, as `--scorer exact,fields` chooses them."""
     return scoring.score(predictions, references, [(n, SCORERS[n]) for n in ("exact", "fields")])
 
-REFERENCES = ["colour: red, defect: none", "colour: red, defect: scratch",
-              "colour: blue, defect: crack", "colour: blue, defect: none"]
+
+REFERENCES = [
+    "colour: red, defect: none",
+    "colour: red, defect: scratch",
+    "colour: blue, defect: crack",
+    "colour: blue, defect: none",
+]
 PREDICTIONS = [
-    "colour: red, defect: none",          # exact
+    "colour: red, defect: none",  # exact
     "  colour: red,  defect:\tscratch ",  # exact once white space is trimmed and collapsed
-    "colour: blue, defect: none",         # colour right, defect wrong
-    "it looks blue to me",                # not in field form: both fields missing
+    "colour: blue, defect: none",  # colour right, defect wrong
+    "it looks blue to me",  # not in field form: both fields missing
 ]
 
 

@@ -25,8 +25,11 @@ from vlft import hookimpl as vlft_hookimpl
 from vlft.testing import check_family, check_plugin, registry_with, run, tiny_run_config
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "vlft-example-plugin"
-ENTRY_POINTS = {"cpu-bf16": "vlft_example_plugin.backend", "loha": "vlft_example_plugin.loha",
-                "gemma3": "vlft_example_plugin.gemma3"}
+ENTRY_POINTS = {
+    "cpu-bf16": "vlft_example_plugin.backend",
+    "loha": "vlft_example_plugin.loha",
+    "gemma3": "vlft_example_plugin.gemma3",
+}
 
 
 def installed() -> bool:
@@ -35,8 +38,10 @@ def installed() -> bool:
 
 
 needs_install = pytest.mark.skipif(
-    not installed(), reason="vlft-example-plugin is not installed in this environment (make test installs it; "
-                            "or: pip install -e examples/vlft-example-plugin)")
+    not installed(),
+    reason="vlft-example-plugin is not installed in this environment (make test installs it; "
+    "or: pip install -e examples/vlft-example-plugin)",
+)
 
 try:
     from vlft_example_plugin import backend, gemma3, loha
@@ -46,6 +51,7 @@ except ImportError:  # not installed: the in-process tests use the source folder
 
 
 # -- as a user: through the entry points ------------------------------------------------------------------
+
 
 @needs_install
 def test_vlft_plugins_lists_the_example_backend_and_method():
@@ -64,8 +70,9 @@ def test_vlft_plugins_lists_the_example_backend_and_method():
     families = {f["name"]: f["plugin"] for f in listed["model_families"]}
     assert families.get("gemma3") == "gemma3" and families.get("qwen2.5-vl") == "models", families
     text = CliRunner().invoke(cli, ["plugins"]).output
-    assert any(line.strip().startswith("gemma3 ") and line.endswith("(plugin gemma3)") for line in text.splitlines()), \
+    assert any(line.strip().startswith("gemma3 ") and line.endswith("(plugin gemma3)") for line in text.splitlines()), (
         text
+    )
 
 
 @needs_install
@@ -80,10 +87,35 @@ def test_vlft_run_on_the_example_backend_and_method_saves_a_plain_peft_adapter(m
 
     ds = write_demo_dataset(tmp_path / "data", n_train=16, n_val=4)
     out = tmp_path / "run"
-    result = CliRunner().invoke(cli, [
-        "run", "--backend", "cpu-bf16", "--method", "loha", "--steps", "2", "--batch-size", "2",
-        "--data", str(ds.train), "--val-data", str(ds.val), "--output", str(out), "--eval-samples", "2",
-        "--max-new-tokens", "4", "--eval-every", "0", "--save-every", "0", "--quiet"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "run",
+            "--backend",
+            "cpu-bf16",
+            "--method",
+            "loha",
+            "--steps",
+            "2",
+            "--batch-size",
+            "2",
+            "--data",
+            str(ds.train),
+            "--val-data",
+            str(ds.val),
+            "--output",
+            str(out),
+            "--eval-samples",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--eval-every",
+            "0",
+            "--save-every",
+            "0",
+            "--quiet",
+        ],
+    )
     assert result.exit_code == 0, result.output
     plan = json.loads((out / "plan.json").read_text())
     # the example backend's answers, not the cpu reference's, shaped the run
@@ -124,8 +156,9 @@ def test_the_gemma3_family_trains_through_its_entry_point_and_saves_a_plain_peft
     assert len(losses) == 8 and sum(losses[-3:]) / 3 < 0.9 * sum(losses[:3]) / 3, losses
     folder = embedded_family_dir(gemma3.FAMILY)  # the folder the run trained on (built once, cached)
     saved = load_file(str(result.output / "adapter" / "adapter_model.safetensors"))
-    loaded = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(folder),
-                                       str(result.output / "adapter"))
+    loaded = PeftModel.from_pretrained(
+        AutoModelForImageTextToText.from_pretrained(folder), str(result.output / "adapter")
+    )
     assert loaded.peft_config["default"].peft_type.value == "LORA"
     state = {k.replace(".default", ""): v for k, v in loaded.state_dict().items() if "lora_" in k}
     assert len(state) == len(saved) > 0 and any("vision_tower" in k for k in saved)
@@ -158,8 +191,10 @@ def test_gemma3_samples_are_encoded_as_its_own_processor_encodes_them(tmp_path):
     full = encoder.render(rec.turns, add_generation_prompt=False)
     own = processor(text=[full], images=[[load_image(s) for s in rec.images]], return_tensors="pt")
     assert torch.equal(sample["input_ids"], own["input_ids"][0])
-    assert torch.equal(sample["token_type_ids"], own["token_type_ids"][0]) and int(sample["token_type_ids"].sum()) \
-        == len(rec.images) * processor.image_seq_length
+    assert (
+        torch.equal(sample["token_type_ids"], own["token_type_ids"][0])
+        and int(sample["token_type_ids"].sum()) == len(rec.images) * processor.image_seq_length
+    )
     assert torch.equal(sample["pixel_values"], own["pixel_values"])
     trained = processor.tokenizer.decode(sample["input_ids"][sample["labels"] != IGNORE_INDEX])
     assert trained == rec.turns[-1].text + family.chat.reply_end_token, trained
@@ -168,8 +203,12 @@ def test_gemma3_samples_are_encoded_as_its_own_processor_encodes_them(tmp_path):
     side = math.isqrt(processor.image_seq_length)
     assert encoder.measure(rec)[1] == [(1, side, side)] * len(rec.images)
     # a family that gives ImageInputs.grid gets a grid per image, from the image's own size, for the memory plan
-    gridded = dataclasses.replace(family, image_inputs=processor_image_inputs(
-        dict(family.image_inputs.batch_inputs), grid=lambda h, w, cap: (1, h // 8, w // 8)))
+    gridded = dataclasses.replace(
+        family,
+        image_inputs=processor_image_inputs(
+            dict(family.image_inputs.batch_inputs), grid=lambda h, w, cap: (1, h // 8, w // 8)
+        ),
+    )
     width, height = load_image(rec.images[0]).size
     assert SampleEncoder(processor, family=gridded).measure(rec)[1] == [(1, height // 8, width // 8)] * len(rec.images)
     batch = collator_for(processor, family)([encoder.encode(r) for r in records])
@@ -179,13 +218,15 @@ def test_gemma3_samples_are_encoded_as_its_own_processor_encodes_them(tmp_path):
 
 @needs_install
 def test_the_example_command_runs_from_the_vlft_console_script():
-    done = subprocess.run([*vlft_command(), "bf16-speed", "--size", "64", "--repeat", "1"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [*vlft_command(), "bf16-speed", "--size", "64", "--repeat", "1"], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "bf16 is" in done.stdout and "the speed of fp32" in done.stdout
 
 
 # -- as its author: each module registered by hand ----------------------------------------------------------
+
 
 @pytest.mark.parametrize("module", [backend, loha, gemma3], ids=["backend", "loha", "gemma3"])
 def test_the_example_modules_match_the_specs_and_answer_only_for_their_names(module):
@@ -221,8 +262,9 @@ def test_a_dry_run_plans_the_example_method_on_the_example_backend(tmp_path):
     result = run(tiny_run_config(tmp_path, backend="cpu-bf16", method="loha", dry_run=True), registry)
     plan = result.plan
     assert plan.precision.param_dtype == "bfloat16" and plan.method.name == "loha"
-    assert plan.targets and all(n.endswith(("q_proj", "k_proj", "v_proj", "o_proj", "qkv", "proj"))
-                                for n in plan.targets)
+    assert plan.targets and all(
+        n.endswith(("q_proj", "k_proj", "v_proj", "o_proj", "qkv", "proj")) for n in plan.targets
+    )
     assert result.output is None and not (tmp_path / "run").exists()  # a dry run writes nothing
 
 
@@ -281,8 +323,7 @@ def test_check_family_names_the_plugin_and_what_differed_and_skips_only_with_a_r
     registry = registry_with(_OffByOne(), entry_points=False)
     why = "this test is about image tokens"
     with pytest.raises(FamilyCheckError) as failed:
-        check_family("gemma3", tmp_path, registry=registry,
-                     skip={"adapter": why, "mixed_step": why})
+        check_family("gemma3", tmp_path, registry=registry, skip={"adapter": why, "mixed_step": why})
     message = str(failed.value)
     assert message.startswith("family 'gemma3' (plugin vlft_off_by_one): 1 of 6 checks failed"), message
     assert "image_tokens: failed: train.jsonl:2: the family's image_inputs wrote 47 tokens, the processor 46" in message

@@ -20,8 +20,16 @@ from vlft import ConfigError
 # default torch._grouped_mm takes 16-bit weights only). Qwen3-VL MoE trains its fused experts too
 # (target_experts=true, PEFT target_parameters); Qwen3.5 MoE keeps the default (attention only). Shorter runs.
 FAMILY_RUNS = ["qwen3-vl", "qwen3.5", "qwen3-vl-moe", "qwen3.5-moe", "smolvlm", "llava-onevision", "glm4.1v", "gemma4"]
-STEPS = {"qwen3-vl": 30, "qwen3.5": 30, "qwen3-vl-moe": 16, "qwen3.5-moe": 16, "smolvlm": 30, "llava-onevision": 30,
-         "glm4.1v": 30, "gemma4": 30}
+STEPS = {
+    "qwen3-vl": 30,
+    "qwen3.5": 30,
+    "qwen3-vl-moe": 16,
+    "qwen3.5-moe": 16,
+    "smolvlm": 30,
+    "llava-onevision": 30,
+    "glm4.1v": 30,
+    "gemma4": 30,
+}
 # the Qwen3 and GLM families: relative-1000; LLaVA's boxes are fractions of the image; SmolVLM has no grounding
 # format; Gemma 4: absolute pixels of the resized image
 BOXES = {"smolvlm": "absolute", "llava-onevision": "relative-1", "gemma4": "absolute"}
@@ -37,10 +45,22 @@ def family_runs(small_data, tmp_path_factory):
     runs = {}
     for name in FAMILY_RUNS:
         out = tmp_path_factory.mktemp(name.replace(".", "_")) / "run"
-        execute(load_registry(), short_config(small_data, out, model=f"embedded:{name}", steps=STEPS[name],
-                                              log_every=1, eval_every=0, save_every=0, eval_samples=2,
-                                              max_new_tokens=4, adapter=ADAPTER.get(name, {})),
-                progress=False)
+        execute(
+            load_registry(),
+            short_config(
+                small_data,
+                out,
+                model=f"embedded:{name}",
+                steps=STEPS[name],
+                log_every=1,
+                eval_every=0,
+                save_every=0,
+                eval_samples=2,
+                max_new_tokens=4,
+                adapter=ADAPTER.get(name, {}),
+            ),
+            progress=False,
+        )
         runs[name] = out
     return runs
 
@@ -79,8 +99,7 @@ def test_each_family_adapter_loads_with_plain_peft(family_runs, name):
         assert plan["targets"]["experts"] is None or plan["targets"]["experts"]["adapted"] is False
 
 
-def test_a_qwen3_vl_folder_written_by_plain_transformers_trains_and_peft_loads_it_without_vlft(
-        small_data, tmp_path):
+def test_a_qwen3_vl_folder_written_by_plain_transformers_trains_and_peft_loads_it_without_vlft(small_data, tmp_path):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from vlft.commands.run import execute
@@ -92,8 +111,13 @@ def test_a_qwen3_vl_folder_written_by_plain_transformers_trains_and_peft_loads_i
     AutoModelForImageTextToText.from_pretrained(tiny).save_pretrained(folder)
     AutoProcessor.from_pretrained(tiny).save_pretrained(folder)
     out = tmp_path / "run"
-    execute(load_registry(), short_config(small_data, out, model=str(folder), steps=4, eval_every=0, save_every=0,
-                                          eval_samples=2, max_new_tokens=4), progress=False)
+    execute(
+        load_registry(),
+        short_config(
+            small_data, out, model=str(folder), steps=4, eval_every=0, save_every=0, eval_samples=2, max_new_tokens=4
+        ),
+        progress=False,
+    )
     script = (
         "import sys\n"
         "from peft import PeftModel\n"
@@ -101,7 +125,8 @@ def test_a_qwen3_vl_folder_written_by_plain_transformers_trains_and_peft_loads_i
         f"m = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained({str(folder)!r}), "
         f"{str(out / 'adapter')!r})\n"
         "assert 'vlft' not in sys.modules and not any(k.startswith('vlft') for k in sys.modules)\n"
-        "print(type(m.get_base_model()).__name__)\n")
+        "print(type(m.get_base_model()).__name__)\n"
+    )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Qwen3VLForConditionalGeneration" in done.stdout
@@ -125,8 +150,9 @@ def test_bundled_qwen3_vl_8b_plans_offline_with_its_published_parameter_count():
 
 
 def test_bundled_moe_config_counts_its_experts_and_what_expert_lora_costs():
-    plan = _dry_run(model="qwen3-vl-30b-a3b", backend="cuda", device_memory="80GiB",
-                    adapter={"target_experts": True, "r": 16})
+    plan = _dry_run(
+        model="qwen3-vl-30b-a3b", backend="cuda", device_memory="80GiB", adapter={"target_experts": True, "r": 16}
+    )
     counts = plan["model_family"]["parameters"]
     assert counts["total"] == 31_070_754_032
     # 48 layers x 128 experts x (2048x1536 + 768x2048)
@@ -147,14 +173,22 @@ def test_expert_lora_on_the_tiny_moe_trains_the_experts_and_never_the_router(sma
     from vlft.registry import load_registry
 
     registry = load_registry()
-    config = short_config(small_data, tmp_path / "run", model="embedded:qwen3-vl-moe",
-                          adapter={"target_experts": True, "r": 4})
+    config = short_config(
+        small_data, tmp_path / "run", model="embedded:qwen3-vl-moe", adapter={"target_experts": True, "r": 4}
+    )
     plan = plan_run(registry, config)
     assert plan.target_parameters and all(p.endswith(plan.family.experts.parameters) for p in plan.target_parameters)
     model = load_model(plan.model_path, plan.attention, plan.precision, family=plan.family)
     assert model.get_experts_implementation()["text_config"] == "eager"  # fp32 on the CPU: the family's rule
-    model = registry.first("vlft_apply_adapter", method="lora", model=model, targets=plan.targets, config=config,
-                           target_parameters=plan.target_parameters, family=plan.family)
+    model = registry.first(
+        "vlft_apply_adapter",
+        method="lora",
+        model=model,
+        targets=plan.targets,
+        config=config,
+        target_parameters=plan.target_parameters,
+        family=plan.family,
+    )
     with torch.no_grad():  # B starts at zero; give it values so A's gradient is not zero by construction
         for n, p in model.named_parameters():
             if "lora_B" in n:
@@ -193,8 +227,12 @@ def test_multi_turn_qwen3_5_records_split_at_each_reply():
     path = resolve_model_path("embedded:qwen3.5", installed())
     _, family = model_config_and_family(path, installed())
     enc = SampleEncoder(load_processor(path, family, installed()), family=family)
-    turns = [Turn("user", "What colour is the product?"), Turn("assistant", "red"),
-             Turn("user", "What defect does the product have?"), Turn("assistant", "a scratch")]
+    turns = [
+        Turn("user", "What colour is the product?"),
+        Turn("assistant", "red"),
+        Turn("user", "What defect does the product have?"),
+        Turn("assistant", "a scratch"),
+    ]
     trained = [text for text, t in enc.pieces(turns) if t]
     assert len(trained) == 2
     assert trained[0].startswith("red") and trained[0].endswith(family.chat.reply_end_token)
@@ -220,8 +258,9 @@ def test_every_bundled_config_counts_within_one_percent_of_its_published_count_t
     off = {}
     for name in names:
         config, family = model_config_and_family(resolve_model_path(name, registry), registry)
-        model = trace.skeleton(config, AttentionPolicy("sdpa", "sdpa"), torch.bfloat16,
-                               family_load_kwargs(family, "bfloat16")).requires_grad_(False)  # as adapted: frozen
+        model = trace.skeleton(
+            config, AttentionPolicy("sdpa", "sdpa"), torch.bfloat16, family_load_kwargs(family, "bfloat16")
+        ).requires_grad_(False)  # as adapted: frozen
         counted = count_parameters(model, family)["total"]
         if published[name]["includes_mtp"]:  # the checkpoints carry mtp.* weights transformers drops on load
             counted += qwen3_5.mtp_parameters(model)
@@ -239,8 +278,22 @@ def test_vlft_parity_cpu_cpu_passes_on_the_qwen3_vl_embedded_model(tmp_path):
     from vlft.cli import cli
 
     out = tmp_path / "parity.json"
-    result = CliRunner().invoke(cli, ["parity", "--backends", "cpu,cpu", "--model", "embedded:qwen3-vl", "--steps",
-                                      "1", "--batch-size", "2", "--output", str(out)])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "parity",
+            "--backends",
+            "cpu,cpu",
+            "--model",
+            "embedded:qwen3-vl",
+            "--steps",
+            "1",
+            "--batch-size",
+            "2",
+            "--output",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert report["passed"] and len(report["comparison"]) == 1

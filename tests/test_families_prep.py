@@ -39,8 +39,9 @@ ROOT = Path(__file__).resolve().parent.parent / "plugins" / "models"
 def _load_package():
     if "vlft_models" in sys.modules and Path(sys.modules["vlft_models"].__file__).parent == ROOT:
         return sys.modules["vlft_models"]
-    spec = importlib.util.spec_from_file_location("vlft_models", ROOT / "__init__.py",
-                                                  submodule_search_locations=[str(ROOT)])
+    spec = importlib.util.spec_from_file_location(
+        "vlft_models", ROOT / "__init__.py", submodule_search_locations=[str(ROOT)]
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules["vlft_models"] = module
     spec.loader.exec_module(module)
@@ -64,6 +65,7 @@ ANSWER = "The product is red and has a scratch."
 
 
 # --- fixtures: each tiny model built once, loaded once --------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
@@ -124,6 +126,7 @@ def _batch(family, processor, images=None, videos=None, texts=None):
 
 # --- the interface ---------------------------------------------------------------------------------------
 
+
 def test_every_field_has_help_and_every_family_is_consistent():
     helps = model_family_help()
     assert all(helps.values()), [k for k, v in helps.items() if not v]
@@ -131,8 +134,20 @@ def test_every_field_has_help_and_every_family_is_consistent():
     assert problems == []
     owned = [t for f in FAMILIES for t in f.model_types]
     assert len(owned) == len(set(owned)), "two families claim one model_type"
-    assert set(owned) == {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "smolvlm",
-                          "idefics3", "llava_onevision", "glm4v", "glm46v", "gemma4"}
+    assert set(owned) == {
+        "qwen2_vl",
+        "qwen2_5_vl",
+        "qwen3_vl",
+        "qwen3_vl_moe",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "smolvlm",
+        "idefics3",
+        "llava_onevision",
+        "glm4v",
+        "glm46v",
+        "gemma4",
+    }
     assert set(NAMES) - set(QWEN) == {"smolvlm", "idefics3", "llava-onevision", *GLM_NAMES, "gemma4"}
 
 
@@ -157,11 +172,13 @@ def test_smart_resize_restated_matches_transformers():
         for factor, lo, hi in [(28, 3136, 12845056), (32, 65536, 16777216), (32, 4096, 128 * 128)]:
             assert fam_mod.smart_resize(h, w, factor, lo, hi) == tf_image(h, w, factor, lo, hi)
             for t in (2, 5, 16):
-                assert fam_mod.video_smart_resize_qwen3(t, h, w, 2, factor, lo, hi * 4) == \
-                    tf_video(t, h, w, 2, factor, lo, hi * 4)
+                assert fam_mod.video_smart_resize_qwen3(t, h, w, 2, factor, lo, hi * 4) == tf_video(
+                    t, h, w, 2, factor, lo, hi * 4
+                )
 
 
 # --- per family ------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", NAMES)
 def test_tiny_model_builds_offline_small_and_of_the_family(tiny, name):
@@ -181,7 +198,7 @@ def test_tiny_model_builds_offline_small_and_of_the_family(tiny, name):
         return
     v = _vision(f)
     assert processor.image_processor.patch_size == v.patch_size == f.image_inputs.patch_size
-    assert processor.image_processor.merge_size == v.merge_size and f.image_inputs.patches_per_token == v.merge_size ** 2
+    assert processor.image_processor.merge_size == v.merge_size and f.image_inputs.patches_per_token == v.merge_size**2
     for token in (IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END):
         assert token in processor.tokenizer.get_vocab(), token
     assert processor.image_token == IMAGE_PAD and processor.video_token == VIDEO_PAD
@@ -192,11 +209,12 @@ def test_tiny_model_builds_offline_small_and_of_the_family(tiny, name):
 def test_processor_round_trips_a_chat_through_the_template(tiny, name):
     _, processor, model = tiny[name]
     f = _family(name)
-    prompt = processor.apply_chat_template(_chat(False), tokenize=False, add_generation_prompt=True,
-                                           **f.chat.template_kwargs)
+    prompt = processor.apply_chat_template(
+        _chat(False), tokenize=False, add_generation_prompt=True, **f.chat.template_kwargs
+    )
     full = processor.apply_chat_template(_chat(), tokenize=False, **f.chat.template_kwargs)
     assert full.startswith(prompt), "prompt and reply must split prefix by prefix (label masking)"
-    reply = full[len(prompt):]
+    reply = full[len(prompt) :]
     assert reply.startswith(ANSWER) and reply.rstrip("\n").endswith(processor.tokenizer.eos_token), repr(reply)
     assert f"{VISION_START}{IMAGE_PAD}{VISION_END}" in prompt
     batch = _batch(f, processor, images=[_image(100, 75)])
@@ -204,8 +222,12 @@ def test_processor_round_trips_a_chat_through_the_template(tiny, name):
     n_image = int((ids == model.config.image_token_id).sum())  # per image against the family's: check_family
     text = processor.tokenizer.decode(ids)
     assert PROMPT in text and ANSWER in text and text.count(IMAGE_PAD) == n_image
-    assert torch.equal(batch["mm_token_type_ids"][0], fam_mod.mm_token_type_ids(
-        ids, model.config.image_token_id, model.config.video_token_id).to(batch["mm_token_type_ids"].dtype))
+    assert torch.equal(
+        batch["mm_token_type_ids"][0],
+        fam_mod.mm_token_type_ids(ids, model.config.image_token_id, model.config.video_token_id).to(
+            batch["mm_token_type_ids"].dtype
+        ),
+    )
 
 
 @pytest.mark.parametrize("name", QWEN)
@@ -221,12 +243,14 @@ def test_family_token_count_equals_the_processors(tiny, name):
     batch = processor.image_processor(images=images, return_tensors="pt")
     for (h, w), grid in zip(sizes, batch["image_grid_thw"]):
         got = v.image_tokens(h, w, min_pixels=ip.size["shortest_edge"], max_pixels=ip.size["longest_edge"])
-        assert got == int(grid.prod()) // v.merge_size ** 2, (h, w)
+        assert got == int(grid.prod()) // v.merge_size**2, (h, w)
     # at the checkpoints' own budgets too (no override)
-    big = processor.image_processor(images=[_image(640, 480)], size={"shortest_edge": v.image_min_pixels,
-                                                                      "longest_edge": v.image_max_pixels},
-                                    return_tensors="pt")
-    assert v.image_tokens(480, 640) == int(big["image_grid_thw"][0].prod()) // v.merge_size ** 2
+    big = processor.image_processor(
+        images=[_image(640, 480)],
+        size={"shortest_edge": v.image_min_pixels, "longest_edge": v.image_max_pixels},
+        return_tensors="pt",
+    )
+    assert v.image_tokens(480, 640) == int(big["image_grid_thw"][0].prod()) // v.merge_size**2
     assert tuple(f.image_inputs.grid(480, 640)) == tuple(int(x) for x in big["image_grid_thw"][0])
     for frames, h, w in [(6, 70, 90), (5, 33, 130)]:
         clip = np.zeros((frames, h, w, 3), dtype=np.uint8)
@@ -262,21 +286,33 @@ def test_rope_index_of_a_video_gives_the_positions_the_model_computes(tiny, name
     f = _family(name)
     captured = []
     hook = model.model.language_model.register_forward_pre_hook(
-        lambda mod, args, kwargs: captured.append(kwargs["position_ids"]), with_kwargs=True)
+        lambda mod, args, kwargs: captured.append(kwargs["position_ids"]), with_kwargs=True
+    )
     try:
         clip = np.random.RandomState(0).randint(0, 255, (6, 70, 90, 3), dtype=np.uint8)
-        vchat = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": PROMPT}]},
-                 {"role": "assistant", "content": [{"type": "text", "text": ANSWER}]}]
-        vbatch = _batch(f, processor, videos=[clip],
-                        texts=[processor.apply_chat_template(vchat, tokenize=False, **f.chat.template_kwargs)])
+        vchat = [
+            {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": PROMPT}]},
+            {"role": "assistant", "content": [{"type": "text", "text": ANSWER}]},
+        ]
+        vbatch = _batch(
+            f,
+            processor,
+            videos=[clip],
+            texts=[processor.apply_chat_template(vchat, tokenize=False, **f.chat.template_kwargs)],
+        )
         with torch.no_grad():
             model(**vbatch)
     finally:
         hook.remove()
-    vinternal, = captured
+    (vinternal,) = captured
     rope_index = f.positions.rope_index.rope_index  # the class's own, with an attention mask for the padding
-    mine = rope_index(model.config, vbatch["input_ids"][0], video_grid_thw=vbatch["video_grid_thw"],
-                      attention_mask=vbatch["attention_mask"][0], second_per_grid_ts=vbatch.get("second_per_grid_ts"))
+    mine = rope_index(
+        model.config,
+        vbatch["input_ids"][0],
+        video_grid_thw=vbatch["video_grid_thw"],
+        attention_mask=vbatch["attention_mask"][0],
+        second_per_grid_ts=vbatch.get("second_per_grid_ts"),
+    )
     assert torch.equal(mine[:, 0], vinternal[-3:, 0])
     assert int(mine.max()) < vbatch["input_ids"].shape[1], "mRoPE compresses vision positions"
 
@@ -305,9 +341,16 @@ def test_lora_on_default_targets_trains_every_adapter_weight_and_no_router(tiny,
     assert bool(routers) == experts
     assert not any(n.rsplit(".", 1)[0] in names for n in routers)
 
-    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
-                                                  target_modules=sorted(names),
-                                                  target_parameters=targets.parameters or None))
+    peft_model = get_peft_model(
+        model,
+        LoraConfig(
+            r=8,
+            lora_alpha=16,
+            lora_dropout=0.0,
+            target_modules=sorted(names),
+            target_parameters=targets.parameters or None,
+        ),
+    )
     trainable = {n for n, p in peft_model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable), "only adapter weights train (routers frozen)"
     if experts:
@@ -320,8 +363,11 @@ def test_lora_on_default_targets_trains_every_adapter_weight_and_no_router(tiny,
         loss = peft_model(**batch, labels=labels).loss
         loss.backward()
         if step == 1:  # LoRA B starts at zero, so A's gradient is zero on step 0 by construction
-            missing = [n for n, p in peft_model.named_parameters()
-                       if p.requires_grad and (p.grad is None or not p.grad.abs().sum() > 0)]
+            missing = [
+                n
+                for n, p in peft_model.named_parameters()
+                if p.requires_grad and (p.grad is None or not p.grad.abs().sum() > 0)
+            ]
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -333,16 +379,25 @@ def test_lora_on_default_targets_trains_every_adapter_weight_and_no_router(tiny,
 
 LLAVA_OV = "llava-onevision"
 # one image: wide, tall, square, smaller than a tile, larger than the largest pinpoint; several: each 1 tile
-LLAVA_SIZES = [[(100, 75)], [(60, 130)], [(112, 112)], [(20, 90)], [(300, 40)], [(60, 130), (47, 33)],
-               [(112, 112), (28, 96), (64, 64)]]
+LLAVA_SIZES = [
+    [(100, 75)],
+    [(60, 130)],
+    [(112, 112)],
+    [(20, 90)],
+    [(300, 40)],
+    [(60, 130), (47, 33)],
+    [(112, 112), (28, 96), (64, 64)],
+]
 
 
 def _llava_written(processor, sizes, images=True, max_pixels=None):
     from vlft.contracts.family import Media
 
     f = _family(LLAVA_OV)
-    chat = [{"role": "user", "content": [{"type": "image"}] * len(sizes) + [{"type": "text", "text": PROMPT}]},
-            {"role": "assistant", "content": [{"type": "text", "text": ANSWER}]}]
+    chat = [
+        {"role": "user", "content": [{"type": "image"}] * len(sizes) + [{"type": "text", "text": PROMPT}]},
+        {"role": "assistant", "content": [{"type": "text", "text": ANSWER}]},
+    ]
     text = processor.apply_chat_template(chat, tokenize=False)
     media = Media(list(sizes), [_image(w, h) for w, h in sizes] if images else None)
     prepared = f.image_inputs.prepare(processor, media, max_pixels)
@@ -354,9 +409,9 @@ def test_llava_onevision_chat_splits_at_the_reply_and_ends_it_with_im_end(tiny):
     f = _family(LLAVA_OV)
     prompt = processor.apply_chat_template(_chat(False), tokenize=False, add_generation_prompt=True)
     full = processor.apply_chat_template(_chat(), tokenize=False)
-    assert full.startswith(prompt) and full[len(prompt):].startswith(ANSWER)
+    assert full.startswith(prompt) and full[len(prompt) :].startswith(ANSWER)
     reply_end = f.chat.reply_end_token
-    assert full[len(prompt):].rstrip("\n").endswith(reply_end) and reply_end == "<|im_end|>"
+    assert full[len(prompt) :].rstrip("\n").endswith(reply_end) and reply_end == "<|im_end|>"
     assert prompt.count(processor.image_token) == 1
 
 
@@ -375,8 +430,10 @@ def test_llava_onevision_image_tokens_and_tiles_equal_the_processors_and_the_mod
     assert torch.equal(written.inputs["pixel_values"], own["pixel_values"])
     assert written.inputs["batch_num_images"].tolist() == [len(sizes)]
     side = model.config.vision_config.image_size
-    tiles = [image_size_to_num_patches((h, w), model.config.image_grid_pinpoints, side) if len(sizes) == 1 else 1
-             for w, h in sizes]
+    tiles = [
+        image_size_to_num_patches((h, w), model.config.image_grid_pinpoints, side) if len(sizes) == 1 else 1
+        for w, h in sizes
+    ]
     per_side = side // model.config.vision_config.patch_size
     assert written.grids == [(t, per_side, per_side) for t in tiles]
     with torch.no_grad():  # the model takes them: one feature per image token
@@ -463,8 +520,9 @@ def test_llava_onevision_vision_dummy_runs_the_tower_and_reaches_every_vision_bl
     out = getattr(warmup.module, warmup.method)(**warmup.inputs)
     sum(t.sum() for t in out.pooler_output).backward()
     trained = [n for n, p in peft_model.named_parameters() if p.requires_grad]
-    assert trained and all(p.grad is not None and p.grad.abs().sum() > 0
-                           for n, p in peft_model.named_parameters() if p.requires_grad)
+    assert trained and all(
+        p.grad is not None and p.grad.abs().sum() > 0 for n, p in peft_model.named_parameters() if p.requires_grad
+    )
 
 
 def test_llava_onevision_memory_plan_traces_every_tile_through_the_siglip_layers(tiny):
@@ -497,11 +555,26 @@ def test_llava_onevision_dry_run_plans_its_images_tiles_and_max_pixels_cuts_them
     train, val = small_data
     plans = {}
     for cap in (None, 3136):
-        args = ["run", "--model", "embedded:llava-onevision", "--backend", "cpu", "--data", str(train), "--val-data",
-                str(val), "--output", str(tmp_path / str(cap)), "--batch-size", "2", "--dry-run", "--json"]
+        args = [
+            "run",
+            "--model",
+            "embedded:llava-onevision",
+            "--backend",
+            "cpu",
+            "--data",
+            str(train),
+            "--val-data",
+            str(val),
+            "--output",
+            str(tmp_path / str(cap)),
+            "--batch-size",
+            "2",
+            "--dry-run",
+            "--json",
+        ]
         code, output = cli_invoke(*args, *(["--max-pixels", str(cap)] if cap else []))
         assert code == 0, output
-        plans[cap] = json.loads(output[output.index("{"):])
+        plans[cap] = json.loads(output[output.index("{") :])
     batch = plans[None]["memory"]["batch"]
     assert batch["images"] == 2 and batch["image_patches"] == 2 * 5 * 16, batch
     assert not any("not traced" in n for n in plans[None]["notes"]), plans[None]["notes"]
@@ -510,6 +583,7 @@ def test_llava_onevision_dry_run_plans_its_images_tiles_and_max_pixels_cuts_them
 
 
 # --- GLM-4.1V / GLM-4.6V: the processor writes the image tokens, the template leaves replies open -------------
+
 
 @pytest.mark.parametrize("name", GLM_NAMES)
 def test_glm_tiny_model_builds_offline_small_and_of_the_family(tiny, name):
@@ -520,7 +594,7 @@ def test_glm_tiny_model_builds_offline_small_and_of_the_family(tiny, name):
     assert model.config.model_type in f.model_types and type(processor).__name__ == f.chat.processor_class
     ip = processor.image_processor
     assert (ip.patch_size, ip.merge_size, ip.temporal_patch_size) == (glm4v.PATCH, glm4v.MERGE, glm4v.TEMPORAL)
-    assert f.image_inputs.patch_size == glm4v.PATCH and f.image_inputs.patches_per_token == glm4v.MERGE ** 2
+    assert f.image_inputs.patch_size == glm4v.PATCH and f.image_inputs.patches_per_token == glm4v.MERGE**2
     assert sum(p.stat().st_size for p in path.glob("*.safetensors")) < 8e6
     for dotted in _tower_paths(f):
         resolve_module(model, dotted)
@@ -544,10 +618,14 @@ def test_glm_replies_are_trained_to_end_with_the_next_turns_role_token(tiny, nam
     f = _family(name)
     prompt = processor.apply_chat_template(_chat(False), tokenize=False, add_generation_prompt=True)
     full = processor.apply_chat_template(_chat(), tokenize=False)
-    assert full.startswith(prompt) and full[len(prompt):] == ANSWER, "GLM's template writes no reply end"
+    assert full.startswith(prompt) and full[len(prompt) :] == ANSWER, "GLM's template writes no reply end"
     assert "<|begin_of_image|><|image|><|end_of_image|>" in prompt
-    turns = [Turn("user", "What colour is the product?"), Turn("assistant", "red"),
-             Turn("user", "What defect does the product have?"), Turn("assistant", "a scratch")]
+    turns = [
+        Turn("user", "What colour is the product?"),
+        Turn("assistant", "red"),
+        Turn("user", "What defect does the product have?"),
+        Turn("assistant", "a scratch"),
+    ]
     encoder = SampleEncoder(processor, family=f)
     pieces = encoder.pieces(turns)
     assert [trained for _, trained in pieces] == [False, True, False, True]
@@ -581,8 +659,11 @@ def test_glm_grid_and_max_pixels_equal_the_processors(tiny, name):
             assert glm4v.smart_resize(2, h, w, 2, 28, lo, hi) == tf_resize(2, h, w, 2, 28, lo, hi), (h, w, lo, hi)
     images = [_image(w, h) for h, w in sizes]
     tiny_grids = ip(images=images, return_tensors="pt")["image_grid_thw"]
-    default = ip(images=images, size={"shortest_edge": glm4v.IMAGE_MIN_PIXELS,
-                                      "longest_edge": glm4v.IMAGE_MAX_PIXELS}, return_tensors="pt")["image_grid_thw"]
+    default = ip(
+        images=images,
+        size={"shortest_edge": glm4v.IMAGE_MIN_PIXELS, "longest_edge": glm4v.IMAGE_MAX_PIXELS},
+        return_tensors="pt",
+    )["image_grid_thw"]
     for (h, w), small, big in zip(sizes, tiny_grids, default):
         assert glm4v.image_grid(h, w, ip.size["shortest_edge"], ip.size["longest_edge"]) == tuple(small.tolist())
         assert tuple(f.image_inputs.grid(h, w)) == tuple(big.tolist())
@@ -594,13 +675,14 @@ def test_glm_grid_and_max_pixels_equal_the_processors(tiny, name):
         record = Record(turns=turns, images=[str(path)], where="t:1")
         sample = SampleEncoder(processor, max_pixels=cap, family=f).encode(record)
         t, gh, gw = sample["image_grid_thw"][0].tolist()
-        assert gh * gw * glm4v.PATCH ** 2 <= cap
+        assert gh * gw * glm4v.PATCH**2 <= cap
         assert (t, gh, gw) == f.image_inputs.grid(h, w, cap)
         n = int((sample["input_ids"] == processor.image_token_id).sum())
-        assert n == gh * gw // glm4v.MERGE ** 2
+        assert n == gh * gw // glm4v.MERGE**2
 
 
 # --- Gemma 4: its processor writes the image tokens; its own numbers ------------------------------------------------
+
 
 def test_gemma4_tiny_model_and_template():
     """The tiny Gemma 4: images and text (no audio tower), the family's paths and no-split classes, the turn
@@ -626,7 +708,7 @@ def test_gemma4_tiny_model_and_template():
     prompt = processor.apply_chat_template(_chat(False), tokenize=False, add_generation_prompt=True)
     full = processor.apply_chat_template(_chat(), tokenize=False)
     assert full.startswith(prompt) and prompt.endswith("<|turn>model\n") and "<|turn>user\n<|image|>" in prompt
-    reply = full[len(prompt):]
+    reply = full[len(prompt) :]
     assert reply.startswith(ANSWER) and reply.rstrip("\n").endswith(f.chat.reply_end_token)
     assert processor.tokenizer.eos_token not in reply
     batch = processor(text=[full], images=[[_image(100, 75)]], return_tensors="pt")
@@ -636,10 +718,14 @@ def test_gemma4_tiny_model_and_template():
     with torch.no_grad():
         assert torch.isfinite(model(**batch, labels=batch["input_ids"]).loss)
         # the tiny tower tells colours apart (with transformers' all-ones position table it did not: cosine 0.997)
-        red, blue = (processor.image_processor(images=[_image(64, 64, c)], return_tensors="pt")
-                     for c in ((200, 30, 30), (30, 30, 200)))
-        red, blue = (model.model.get_image_features(b["pixel_values"], b["image_position_ids"]).pooler_output[0]
-                     .mean(0) for b in (red, blue))
+        red, blue = (
+            processor.image_processor(images=[_image(64, 64, c)], return_tensors="pt")
+            for c in ((200, 30, 30), (30, 30, 200))
+        )
+        red, blue = (
+            model.model.get_image_features(b["pixel_values"], b["image_position_ids"]).pooler_output[0].mean(0)
+            for b in (red, blue)
+        )
     assert float(torch.nn.functional.cosine_similarity(red, blue, dim=0)) < 0.9
 
 
@@ -653,17 +739,20 @@ def test_gemma4_token_counts_and_max_pixels_equal_the_processors():
     from vlft_models import gemma4
 
     ip = Gemma4ImageProcessor()  # the checkpoints' class defaults
-    assert (ip.patch_size, ip.pooling_kernel_size, ip.max_soft_tokens) == (gemma4.PATCH_SIZE, gemma4.POOLING,
-                                                                            gemma4.MAX_SOFT_TOKENS)
+    assert (ip.patch_size, ip.pooling_kernel_size, ip.max_soft_tokens) == (
+        gemma4.PATCH_SIZE,
+        gemma4.POOLING,
+        gemma4.MAX_SOFT_TOKENS,
+    )
     sizes = [(75, 100), (33, 47), (128, 128), (300, 200), (17, 260), (513, 97), (480, 640)]
-    for cap in (None, 16 * 16 * 9 * 70, 16 * 16 * 9 * 600, 10 ** 8):
+    for cap in (None, 16 * 16 * 9 * 70, 16 * 16 * 9 * 600, 10**8):
         budget = gemma4.soft_token_budget(cap, 16, 3, 280)
         out = ip(images=[_image(w, h) for h, w in sizes], max_soft_tokens=budget, return_tensors="pt")
         for (h, w), n, pos in zip(sizes, out["num_soft_tokens_per_image"], out["image_position_ids"]):
             t, gh, gw = gemma4.grid(h, w, cap)
             real = pos[(pos != -1).all(-1)]
             assert (gh, gw) == (int(real[:, 1].max()) + 1, int(real[:, 0].max()) + 1), (h, w, cap)
-            assert gh * gw // gemma4.POOLING ** 2 == int(n), (h, w, cap)
+            assert gh * gw // gemma4.POOLING**2 == int(n), (h, w, cap)
     assert gemma4.soft_token_budget(16 * 16 * 9 * 600, 16, 3, 280) == 280  # never above the processor's own
     assert gemma4.soft_token_budget(16 * 16 * 9 * 150, 16, 3, 280) == 140
     with pytest.raises(ConfigError, match="smallest image budget is 70"):
@@ -704,9 +793,11 @@ def test_every_bundled_config_has_a_published_count_and_a_family_owning_its_mode
     plugins` lists it under that family (one source: the hook's folders, no family field beside it)."""
     dirs = vm.vlft_bundled_model_configs()
     assert set(dirs) == set(PUBLISHED)
-    orphans = {name: json.loads((folder / "config.json").read_text())["model_type"]
-               for name, folder in sorted(dirs.items())
-               if vm.family_for(json.loads((folder / "config.json").read_text())["model_type"]) is None}
+    orphans = {
+        name: json.loads((folder / "config.json").read_text())["model_type"]
+        for name, folder in sorted(dirs.items())
+        if vm.family_for(json.loads((folder / "config.json").read_text())["model_type"]) is None
+    }
     assert orphans == {}
 
 
@@ -747,6 +838,7 @@ def test_bundled_config_counts_within_one_percent_of_published(name):
 
 # --- the third-party example candidate (Gemma 3), through the same dataclass ------------------------------
 
+
 def _example_gemma3():
     """The third-party example family (examples/vlft-example-plugin), installed or from its source folder."""
     try:
@@ -771,8 +863,8 @@ def test_example_gemma3_family_trains_through_the_family_alone(tmp_path):
     assert model.config.model_type in f.model_types and set(f.sharding.no_split_modules) <= set(model._no_split_modules)
     prompt = processor.apply_chat_template(_chat(False), tokenize=False, add_generation_prompt=True)
     full = processor.apply_chat_template(_chat(), tokenize=False)
-    assert full.startswith(prompt) and full[len(prompt):].startswith(ANSWER)
-    assert f.chat.reply_end_token in full[len(prompt):] and processor.tokenizer.eos_token not in full[len(prompt):]
+    assert full.startswith(prompt) and full[len(prompt) :].startswith(ANSWER)
+    assert f.chat.reply_end_token in full[len(prompt) :] and processor.tokenizer.eos_token not in full[len(prompt) :]
     batch = processor(text=[full], images=[[_image(100, 75)]], return_tensors="pt")
     assert set(batch) - {"input_ids", "attention_mask"} == set(f.image_inputs.batch_inputs)
     image_id = processor.tokenizer.convert_tokens_to_ids("<image_soft_token>")
@@ -795,12 +887,14 @@ def test_example_gemma3_family_trains_through_the_family_alone(tmp_path):
 def test_importing_the_families_imports_neither_torch_nor_transformers():
     import subprocess
 
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-            "import importlib.util as u; from pathlib import Path; "
-            f"r = Path({str(ROOT)!r}); s = u.spec_from_file_location('vlft_models', r / '__init__.py', "
-            "submodule_search_locations=[str(r)]); m = u.module_from_spec(s); sys.modules['vlft_models'] = m; "
-            "s.loader.exec_module(m); m.families(); m.family_for('qwen3_vl'); "
-            "print(sorted(k for k in ('torch', 'transformers', 'peft') if k in sys.modules))")
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+        "import importlib.util as u; from pathlib import Path; "
+        f"r = Path({str(ROOT)!r}); s = u.spec_from_file_location('vlft_models', r / '__init__.py', "
+        "submodule_search_locations=[str(r)]); m = u.module_from_spec(s); sys.modules['vlft_models'] = m; "
+        "s.loader.exec_module(m); m.families(); m.family_for('qwen3_vl'); "
+        "print(sorted(k for k in ('torch', 'transformers', 'peft') if k in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
 
@@ -843,5 +937,3 @@ def test_the_embedded_defaults_weights_are_bit_identical_to_the_ones_make_run_wa
 
     build_tiny_2_5(tmp_path / "m", corpus=tokenizer_corpus())
     assert hashlib.sha256((tmp_path / "m" / "model.safetensors").read_bytes()).hexdigest() == EMBEDDED_DEFAULT_SHA256
-
-

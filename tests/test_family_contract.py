@@ -43,18 +43,59 @@ def _qwen():
 
 # --- the contract ------------------------------------------------------------------------------------------
 
+
 def test_fields_no_run_reads_are_gone_and_every_field_has_help():
     names = {f.name for f in fields(ModelFamily)}
-    gone = {"default_vision_last_n", "image_token", "video_token", "vision_start_token", "vision_end_token",
-            "image_tokens", "video_tokens", "bundled_configs", "processor_expands_placeholders", "batch_inputs",
-            "rope_index", "packing_refusal", "image_grid", "trace_vision", "no_split_modules", "patch_size",
-            "merge_size", "temporal_patch_size", "image_min_pixels", "image_max_pixels", "video_min_pixels",
-            "video_max_pixels", "embed_tokens", "text_linear_attention_optional",
-            # plugin API 3: grouped (towers, targets, chat, kernels, tiny) or removed (default_parts)
-            "vision_tower", "vision_blocks", "vision_mergers", "decoder_layers", "lm_head", "vision_attention",
-            "vision_mlp", "text_attention", "text_linear_attention", "text_mlp", "default_targets", "default_parts",
-            "processor_class", "load_processor", "bundled_processor", "reply_end_token", "reply_end_appended",
-            "chat_template_kwargs", "box_coordinates", "vision_stem", "kernel_targets", "build_tiny", "tiny_recipe"}
+    gone = {
+        "default_vision_last_n",
+        "image_token",
+        "video_token",
+        "vision_start_token",
+        "vision_end_token",
+        "image_tokens",
+        "video_tokens",
+        "bundled_configs",
+        "processor_expands_placeholders",
+        "batch_inputs",
+        "rope_index",
+        "packing_refusal",
+        "image_grid",
+        "trace_vision",
+        "no_split_modules",
+        "patch_size",
+        "merge_size",
+        "temporal_patch_size",
+        "image_min_pixels",
+        "image_max_pixels",
+        "video_min_pixels",
+        "video_max_pixels",
+        "embed_tokens",
+        "text_linear_attention_optional",
+        # plugin API 3: grouped (towers, targets, chat, kernels, tiny) or removed (default_parts)
+        "vision_tower",
+        "vision_blocks",
+        "vision_mergers",
+        "decoder_layers",
+        "lm_head",
+        "vision_attention",
+        "vision_mlp",
+        "text_attention",
+        "text_linear_attention",
+        "text_mlp",
+        "default_targets",
+        "default_parts",
+        "processor_class",
+        "load_processor",
+        "bundled_processor",
+        "reply_end_token",
+        "reply_end_appended",
+        "chat_template_kwargs",
+        "box_coordinates",
+        "vision_stem",
+        "kernel_targets",
+        "build_tiny",
+        "tiny_recipe",
+    }
     assert names & gone == set()
     assert set(CAPABILITIES) | set(GROUPS) <= names and len(names) <= 18
     assert not hasattr(ModelFamily, "expert_parameters") and not hasattr(ModelFamily, "router_modules")
@@ -83,15 +124,20 @@ def test_every_installed_family_passes_the_load_time_check_and_names_its_plugin(
     assert all(f.plugin for f in families)
 
 
-@pytest.mark.parametrize("change, field", [
-    (lambda f: replace(f, image_inputs=replace(f.image_inputs, write="not a function")), "image_inputs.write"),
-    (lambda f: replace(f, image_inputs=replace(f.image_inputs, batch_inputs={"pixel_values": "stack"})),
-     "image_inputs.batch_inputs"),
-    (lambda f: replace(f, positions=vlft.Positions(rope_index=None)), "positions.rope_index"),
-    (lambda f: replace(f, sharding=("Block",)), "sharding"),
-    (lambda f: replace(f, towers=replace(f.towers, vision_blocks="elsewhere.blocks")), "towers.vision_blocks"),
-    (lambda f: replace(f, tiny=replace(f.tiny, build="later")), "tiny.build"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (lambda f: replace(f, image_inputs=replace(f.image_inputs, write="not a function")), "image_inputs.write"),
+        (
+            lambda f: replace(f, image_inputs=replace(f.image_inputs, batch_inputs={"pixel_values": "stack"})),
+            "image_inputs.batch_inputs",
+        ),
+        (lambda f: replace(f, positions=vlft.Positions(rope_index=None)), "positions.rope_index"),
+        (lambda f: replace(f, sharding=("Block",)), "sharding"),
+        (lambda f: replace(f, towers=replace(f.towers, vision_blocks="elsewhere.blocks")), "towers.vision_blocks"),
+        (lambda f: replace(f, tiny=replace(f.tiny, build="later")), "tiny.build"),
+    ],
+)
 def test_a_broken_family_stops_at_load_naming_the_plugin_and_the_field(change, field):
     from vlft.models.families import installed_families
 
@@ -107,23 +153,37 @@ def test_a_broken_family_stops_the_run_s_lookup_by_model_type_too():
 
     from vlft.models.families import resolve_family
 
-    broken = replace(_qwen(), name="broken", model_types=("broken",), plugin="",
-                     image_inputs=replace(_qwen().image_inputs, prepare=None))
+    broken = replace(
+        _qwen(),
+        name="broken",
+        model_types=("broken",),
+        plugin="",
+        image_inputs=replace(_qwen().image_inputs, prepare=None),
+    )
     with pytest.raises(PluginError, match=r"family 'broken' \(plugin vlft_broken_family\): image_inputs.prepare"):
         resolve_family(_registry_with(broken), SimpleNamespace(model_type="broken"))
 
 
 # --- the plugin API version: an old plugin is told what changed ----------------------------------------------
 
+
 def test_a_field_removed_or_renamed_names_what_replaced_it_and_the_changelog_section():
     with pytest.raises(vlft.ContractChanged) as e:
-        vlft.ModelFamily(name="old", model_types=("old",), vision_tower="model.vision_tower",
-                         embed_tokens="model.embed_tokens", default_parts=("attention",), colour="red")
+        vlft.ModelFamily(
+            name="old",
+            model_types=("old",),
+            vision_tower="model.vision_tower",
+            embed_tokens="model.embed_tokens",
+            default_parts=("attention",),
+            colour="red",
+        )
     message = str(e.value)
     assert isinstance(e.value, TypeError)  # what the bare call raised before, for a caller that catches it
     assert "ModelFamily(vision_tower=...) changed in plugin API 3: use towers=vlft.Towers(vision=...);" in message
-    assert message.endswith("(see docs/plugin-api-changes.md#plugin-api-3, docs/plugin-api-changes.md#plugin-api-2, "
-                            "docs/plugin-api-changes.md)")
+    assert message.endswith(
+        "(see docs/plugin-api-changes.md#plugin-api-3, docs/plugin-api-changes.md#plugin-api-2, "
+        "docs/plugin-api-changes.md)"
+    )
     assert "ModelFamily(embed_tokens=...) changed in plugin API 2: removed, as no run read it" in message
     assert "ModelFamily(default_parts=...) changed in plugin API 3: removed" in message
     assert "ModelFamily(colour=...): no such field in plugin API 3" in message and "towers" in message
@@ -185,7 +245,7 @@ def test_vlft_plugins_tells_a_planted_old_plugin_what_changed(tmp_path, monkeypa
     assert "docs/plugin-api-changes.md#plugin-api-2" in internvl
     lazy = lines.index(next(line for line in lines if line.lstrip().startswith("vlft_old_lazy")))
     assert "broken" in lines[lazy] and "ModelFamily(default_parts=...) changed in plugin API 3" in lines[lazy]
-    notes = " ".join(lines[lazy + 1:lazy + 3])
+    notes = " ".join(lines[lazy + 1 : lazy + 3])
     assert "written for plugin API 2; this vlft's is 3: see docs/plugin-api-changes.md#plugin-api-3" in notes
     assert "the hook vlft_model_family changed in plugin API 3: removed, nothing asks it" in notes
     assert any(f.name == "qwen2.5-vl" for f in offered_families(registry)[0])  # the others still listed
@@ -205,6 +265,7 @@ def test_the_changelog_lists_every_change_under_its_version():
 
 
 # --- the core reads the capabilities ---------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def processor():
@@ -229,8 +290,11 @@ def test_an_error_inside_a_family_function_names_the_plugin_and_the_field(proces
         raise KeyError("image_grid_thw")
 
     fam = replace(_qwen(), image_inputs=replace(_qwen().image_inputs, prepare=prepare), plugin="vlft_mine")
-    with pytest.raises(PluginError, match=r"family 'qwen2.5-vl' \(plugin vlft_mine\): image_inputs.prepare raised "
-                                          r"KeyError"):
+    with pytest.raises(
+        PluginError,
+        match=r"family 'qwen2.5-vl' \(plugin vlft_mine\): image_inputs.prepare raised "
+        r"KeyError",
+    ):
         SampleEncoder(processor, family=fam).encode(next(r for r in records if r.images))
 
 
@@ -253,8 +317,11 @@ def test_an_error_inside_a_familys_rope_index_while_packing_names_the_plugin(pro
     samples = [SampleEncoder(processor, family=fam).encode(r) for r in records[:2]]
     plan = SimpleNamespace(packing=PackingPlan(True, "segments"), family=fam)  # what training_collator reads
     collate = training_collator(plan, load_model_config(str(embedded_model_dir(installed())), installed()), processor)
-    with pytest.raises(PluginError, match=r"family 'qwen2.5-vl' \(plugin vlft_mine\): positions.rope_index raised "
-                                          r"IndexError: grid and image tokens disagree"):
+    with pytest.raises(
+        PluginError,
+        match=r"family 'qwen2.5-vl' \(plugin vlft_mine\): positions.rope_index raised "
+        r"IndexError: grid and image tokens disagree",
+    ):
         collate(samples)
 
 
@@ -304,9 +371,11 @@ def test_concat_padded_joins_tensors_of_different_second_dims_padding_with_zero_
 
     one = torch.arange(1 * 5 * 3 * 2 * 2, dtype=torch.float32).reshape(1, 5, 3, 2, 2) + 1
     two = torch.arange(2 * 1 * 3 * 2 * 2, dtype=torch.float32).reshape(2, 1, 3, 2, 2) + 1
-    samples = [{"input_ids": torch.tensor([5, 6, 7]), "pix": one, "n": torch.tensor([1])},
-               {"input_ids": torch.tensor([5, 6]), "n": torch.tensor([0])},
-               {"input_ids": torch.tensor([8]), "pix": two, "n": torch.tensor([2])}]
+    samples = [
+        {"input_ids": torch.tensor([5, 6, 7]), "pix": one, "n": torch.tensor([1])},
+        {"input_ids": torch.tensor([5, 6]), "n": torch.tensor([0])},
+        {"input_ids": torch.tensor([8]), "pix": two, "n": torch.tensor([2])},
+    ]
     joins = {"pix": "concat_padded", "n": "concat"}
     padded = Collator(0, joins)(samples)
     packed = PackingCollator(PackingPlan(True, "segments"), None, None, joins)(samples)
@@ -322,9 +391,10 @@ def test_concat_padded_joins_tensors_of_different_second_dims_padding_with_zero_
 
 # --- the guide ------------------------------------------------------------------------------------------
 
+
 def _family_section() -> str:
     text = DOC.read_text(encoding="utf-8")
-    return text[text.index("## 9. A model-family plugin"):text.index("## 10.")]
+    return text[text.index("## 9. A model-family plugin") : text.index("## 10.")]
 
 
 def test_the_guide_s_family_passes_the_load_time_check_and_names_every_capability():

@@ -27,9 +27,27 @@ import torch
 
 from helpers import cli_invoke, export_logits, vlft_command
 
-FAMILIES = ["qwen2-vl", "qwen3-vl", "qwen3-vl-moe", "qwen3.5", "qwen3.5-moe", "gemma3", "smolvlm", "llava-onevision",
-            "glm4.1v", "gemma4"]
-TWO_PROCESSES = {"qwen2-vl", "qwen3-vl", "gemma3", "smolvlm", "llava-onevision", "glm4.1v", "gemma4"}  # one of each tower
+FAMILIES = [
+    "qwen2-vl",
+    "qwen3-vl",
+    "qwen3-vl-moe",
+    "qwen3.5",
+    "qwen3.5-moe",
+    "gemma3",
+    "smolvlm",
+    "llava-onevision",
+    "glm4.1v",
+    "gemma4",
+]
+TWO_PROCESSES = {
+    "qwen2-vl",
+    "qwen3-vl",
+    "gemma3",
+    "smolvlm",
+    "llava-onevision",
+    "glm4.1v",
+    "gemma4",
+}  # one of each tower
 SHARDED = {"qwen3-vl"}
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -40,8 +58,10 @@ def mixed(tmp_path_factory) -> tuple[Path, Path]:
 
     root = tmp_path_factory.mktemp("mixed")
     shape = dict(min_side=28, max_side=96, max_images=2, answer_words=(1, 8), max_turns=2)
-    return (write_varied_dataset(root / "train", n=16, seed=4, **shape),
-            write_varied_dataset(root / "val", n=4, seed=5, **shape))
+    return (
+        write_varied_dataset(root / "train", n=16, seed=4, **shape),
+        write_varied_dataset(root / "val", n=4, seed=5, **shape),
+    )
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -52,10 +72,40 @@ def family_run(request, mixed, tmp_path_factory) -> tuple[str, Path]:
     train, val = mixed
     out = tmp_path_factory.mktemp(family) / "run"
     processes = 2 if family in TWO_PROCESSES else 1
-    args = ["run", "--nproc-per-node", str(processes), "--quiet", "--backend", "cpu", "--model", f"embedded:{family}",
-            "--data", str(train), "--val-data", str(val), "--output", str(out), "--steps", "3", "--batch-size", "2",
-            "--log-every", "1", "--eval-every", "0", "--eval-samples", "1", "--max-new-tokens", "2",
-            "--save-every", "0", "--lr", "3e-3", "--seed", "2"]
+    args = [
+        "run",
+        "--nproc-per-node",
+        str(processes),
+        "--quiet",
+        "--backend",
+        "cpu",
+        "--model",
+        f"embedded:{family}",
+        "--data",
+        str(train),
+        "--val-data",
+        str(val),
+        "--output",
+        str(out),
+        "--steps",
+        "3",
+        "--batch-size",
+        "2",
+        "--log-every",
+        "1",
+        "--eval-every",
+        "0",
+        "--eval-samples",
+        "1",
+        "--max-new-tokens",
+        "2",
+        "--save-every",
+        "0",
+        "--lr",
+        "3e-3",
+        "--seed",
+        "2",
+    ]
     if family in SHARDED:
         args += ["--shard", "fsdp"]
     if processes == 1:
@@ -145,8 +195,10 @@ def test_predict_and_eval_read_every_familys_run(family_run, mixed, tmp_path, pr
     # while three steps at lr 3e-3 move the logits by more than 1e-2 (the export test's bound, on these runs)
     assert torch.equal(evaluated, with_adapter), f"{family}: vlft eval and vlft predict ran different models"
     difference = float((with_adapter - without).abs().max())
-    assert difference > 1e-2, (f"{family}: vlft predict --adapter gave the base model's logits (largest difference "
-                               f"{difference:.2e}): the adapter was not loaded")
+    assert difference > 1e-2, (
+        f"{family}: vlft predict --adapter gave the base model's logits (largest difference "
+        f"{difference:.2e}): the adapter was not loaded"
+    )
     assert scored == adapted, f"{family}: vlft eval scored {scored}, vlft predict answered {adapted}"
     shown = _vlft("eval", "--adapter", out, "--data", val, "--output", tmp_path / "e2.json", "--max-new-tokens", "2")
     assert "eval: 100%" in shown and "4/4" in shown  # the progress bar, which --quiet leaves out
@@ -176,8 +228,28 @@ def test_packing_on_is_refused_for_a_family_whose_token_inputs_it_cannot_carry(m
     on`` stops before anything is written, naming them; ``auto`` pads."""
     pytest.importorskip("vlft_example_plugin", reason="the example plugin (make test installs it)")
     train, val = mixed
-    args = ["run", "--quiet", "--backend", "cpu", "--model", "embedded:gemma3", "--data", train, "--val-data", val,
-            "--steps", "1", "--batch-size", "2", "--eval-every", "0", "--eval-samples", "1", "--max-new-tokens", "1"]
+    args = [
+        "run",
+        "--quiet",
+        "--backend",
+        "cpu",
+        "--model",
+        "embedded:gemma3",
+        "--data",
+        train,
+        "--val-data",
+        val,
+        "--steps",
+        "1",
+        "--batch-size",
+        "2",
+        "--eval-every",
+        "0",
+        "--eval-samples",
+        "1",
+        "--max-new-tokens",
+        "1",
+    ]
     code, output = cli_invoke(*args, "--packing", "on", "--output", tmp_path / "on")
     assert code != 0 and "token_type_ids" in output and "cannot pack" in output
     assert not (tmp_path / "on").exists()

@@ -23,8 +23,17 @@ from helpers import cli_invoke, die_at_step, installed
 from vlft import Average, ConfigError
 from vlft_objectives.rewards import vlft_rewards
 
-GRPO_FIGURES = ("reward", "reward_std", "kl", "clip_fraction", "completion_length", "completions",
-                "completion_tokens", "generation_time_s", "reward_time_s")
+GRPO_FIGURES = (
+    "reward",
+    "reward_std",
+    "kl",
+    "clip_fraction",
+    "completion_length",
+    "completions",
+    "completion_tokens",
+    "generation_time_s",
+    "reward_time_s",
+)
 
 
 def offered() -> dict:
@@ -34,6 +43,7 @@ def offered() -> dict:
 
 
 # -- the loss, by hand (float64) ---------------------------------------------------------------------------
+
 
 def test_group_advantages_by_hand():
     """(r - group mean) / (group std + 1e-4), the std unbiased (n - 1) as TRL's; a group of equal rewards gets
@@ -45,7 +55,7 @@ def test_group_advantages_by_hand():
     r = [1.0, 0.0, 0.5, 0.5, 1.0, 1.0, 1.0, 1.0]
     rewards = torch.tensor(r, dtype=torch.float64)
     adv, spread = grpo.group_advantages(rewards, 4, "group")
-    std = math.sqrt((0.5 ** 2 + 0.5 ** 2 + 0 + 0) / 3)
+    std = math.sqrt((0.5**2 + 0.5**2 + 0 + 0) / 3)
     want = [(x - 0.5) / (std + 1e-4) for x in r[:4]] + [0.0] * 4
     assert adv.tolist() == want
     assert spread.tolist() == [std] * 4 + [0.0] * 4
@@ -56,7 +66,7 @@ def test_group_advantages_by_hand():
     adv, _ = grpo.group_advantages(rewards, 4, "batch")
     assert adv.tolist() == [(x - 0.5) / (batch_std + 1e-4) for x in r[:4]] + [0.0] * 4
     # groups are consecutive: the same rewards as 2 groups of 4 are not 4 groups of 2
-    assert grpo.group_advantages(rewards, 2, "none")[0].tolist() == [.5, -.5, 0, 0, 0, 0, 0, 0]
+    assert grpo.group_advantages(rewards, 2, "none")[0].tolist() == [0.5, -0.5, 0, 0, 0, 0, 0, 0]
 
 
 def test_the_token_loss_clip_and_kl_by_hand():
@@ -71,8 +81,13 @@ def test_the_token_loss_clip_and_kl_by_hand():
     adv = [0.7, -1.3]
     eps, beta = 0.2, 0.05
     per_token, kl, clipped = grpo.grpo_token_loss(
-        torch.tensor(logp, dtype=torch.float64), torch.tensor(old, dtype=torch.float64),
-        torch.tensor(ref, dtype=torch.float64), torch.tensor(adv, dtype=torch.float64), epsilon=eps, beta=beta)
+        torch.tensor(logp, dtype=torch.float64),
+        torch.tensor(old, dtype=torch.float64),
+        torch.tensor(ref, dtype=torch.float64),
+        torch.tensor(adv, dtype=torch.float64),
+        epsilon=eps,
+        beta=beta,
+    )
     for i in range(2):
         for t in range(3):
             ratio = math.exp(logp[i][t] - old[i][t])
@@ -80,8 +95,8 @@ def test_the_token_loss_clip_and_kl_by_hand():
             surrogate = min(ratio * a, min(max(ratio, 1 - eps), 1 + eps) * a)
             d = ref[i][t] - logp[i][t]
             k = math.exp(d) - d - 1
-            kl_rounding = 8 * 2.0 ** -53 * (math.exp(abs(d)) + abs(d) + 1)
-            rounding = 8 * 2.0 ** -53 * abs(ratio * a) + beta * kl_rounding
+            kl_rounding = 8 * 2.0**-53 * (math.exp(abs(d)) + abs(d) + 1)
+            rounding = 8 * 2.0**-53 * abs(ratio * a) + beta * kl_rounding
             assert abs(float(per_token[i, t]) - (-surrogate + beta * k)) <= rounding, (i, t)
             assert abs(float(kl[i, t]) - k) <= kl_rounding, (i, t)
             want_clipped = (ratio > 1 + eps and a > 0) or (ratio < 1 - eps and a < 0)
@@ -89,12 +104,18 @@ def test_the_token_loss_clip_and_kl_by_hand():
     assert clipped.tolist() == [[True, False, False], [False, True, False]]
     assert (kl >= 0).all() and float(kl[0, 2]) == 0  # the estimator is 0 where policy and reference agree
     # beta 0 (or no reference): no KL term at all
-    plain, none, _ = grpo.grpo_token_loss(torch.tensor(logp, dtype=torch.float64),
-                                          torch.tensor(old, dtype=torch.float64), None,
-                                          torch.tensor(adv, dtype=torch.float64), epsilon=eps, beta=beta)
+    plain, none, _ = grpo.grpo_token_loss(
+        torch.tensor(logp, dtype=torch.float64),
+        torch.tensor(old, dtype=torch.float64),
+        None,
+        torch.tensor(adv, dtype=torch.float64),
+        epsilon=eps,
+        beta=beta,
+    )
     # per_token is plain + beta kl rounded once, and taking beta kl off rounds once more
-    assert none is None and bool(((plain - (per_token - beta * kl)).abs()
-                                  <= 2.0 ** -53 * (per_token.abs() + plain.abs())).all())
+    assert none is None and bool(
+        ((plain - (per_token - beta * kl)).abs() <= 2.0**-53 * (per_token.abs() + plain.abs())).all()
+    )
 
 
 def test_token_and_sequence_normalisation_by_hand():
@@ -109,11 +130,14 @@ def test_token_and_sequence_normalisation_by_hand():
 
 # -- rewards -------------------------------------------------------------------------------------------------
 
+
 def test_the_built_in_rewards():
     rewards = offered()
     fields = rewards["fields"].build(None)
-    assert fields(["colour: red, defect: none", "colour: red, defect: dent", "red", "defect: none, colour: red"],
-                  ["colour: red, defect: none"] * 4) == [1.0, 0.5, 0.0, 1.0]
+    assert fields(
+        ["colour: red, defect: none", "colour: red, defect: dent", "red", "defect: none, colour: red"],
+        ["colour: red, defect: none"] * 4,
+    ) == [1.0, 0.5, 0.0, 1.0]
     with pytest.raises(ValueError, match="holds no 'field: value' pairs"):
         fields(["x"], ["just text"])
     exact = rewards["exact"].build(None)
@@ -121,13 +145,21 @@ def test_the_built_in_rewards():
     fmt = rewards["format"].build(r"colour: \w+, defect: \w+")
     assert fmt(["colour: red, defect: none", "colour: red"], ["", ""]) == [1.0, 0.0]
     numeric = rewards["numeric"].build(None)
-    assert numeric(["there are 12 of them", "1,200", "none", "12.001"], ["12", "1200", "3", "12"]) == \
-        [1.0, 1.0, 0.0, 0.0]
+    assert numeric(["there are 12 of them", "1,200", "none", "12.001"], ["12", "1200", "3", "12"]) == [
+        1.0,
+        1.0,
+        0.0,
+        0.0,
+    ]
     assert rewards["numeric"].build("1e-3")(["12.001"], ["12"]) == [1.0]
     with pytest.raises(ValueError, match="holds no number"):
         numeric(["1"], ["no number"])
-    for name, argument, said in (("format", None, "needs a regex"), ("format", "(", "not a regular expression"),
-                                 ("exact", "x", "takes no argument"), ("numeric", "abc", "relative tolerance")):
+    for name, argument, said in (
+        ("format", None, "needs a regex"),
+        ("format", "(", "not a regular expression"),
+        ("exact", "x", "takes no argument"),
+        ("numeric", "abc", "relative tolerance"),
+    ):
         with pytest.raises(ConfigError, match=said):
             rewards[name].build(argument)
 
@@ -142,8 +174,11 @@ def test_reward_specs_resolve_plugins_and_user_functions():
     assert [label for label, _ in chosen] == ["fields", "format", "user_reward"]
     assert chosen[1][1](["colour: red, defect: none"], [""]) == [1.0]
     assert chosen[2][1] is user_reward
-    with pytest.raises(ConfigError, match="no plugin offers a reward 'nosuch'; offered: anls, bleu, cer, choice, "
-                                         "exact, fields, format, iou, json, numeric, relaxed, rouge"):
+    with pytest.raises(
+        ConfigError,
+        match="no plugin offers a reward 'nosuch'; offered: anls, bleu, cer, choice, "
+        "exact, fields, format, iou, json, numeric, relaxed, rouge",
+    ):
         grpo.resolve_rewards(["nosuch"], offered())
     with pytest.raises(ConfigError, match="cannot import no_such_module"):
         grpo.resolve_rewards(["no_such_module:f"], offered())
@@ -170,12 +205,14 @@ def test_a_reward_that_raises_is_named_with_the_record_and_completion():
     nan = [("nan", lambda c, r, **k: [0.0, float("nan"), 1.0])]
     with pytest.raises(grpo.RewardError, match=r"reward 'nan' answered nan, not a finite number for record a.jsonl:2"):
         grpo.score(nan, ["a", "b", "c"], ["r"] * 3, where)
-    totals, parts = grpo.score([("one", lambda c, r, **k: [1.0] * len(c)), ("picky", picky)], ["x", "y"],
-                               ["r", "r"], where[:2])
+    totals, parts = grpo.score(
+        [("one", lambda c, r, **k: [1.0] * len(c)), ("picky", picky)], ["x", "y"], ["r", "r"], where[:2]
+    )
     assert totals == [2.0, 2.0] and parts == {"one": [1.0, 1.0], "picky": [1.0, 1.0]}
 
 
 # -- real runs through the CLI ---------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="session")
 def demo(tmp_path_factory):
@@ -190,10 +227,34 @@ def sft_adapter(demo, tmp_path_factory):
     """An SFT run of a few steps from the base: enough to answer in the 'colour: X, defect: Y' form, so the
     fields reward has something to read (from the base every reward is 0 and every advantage too)."""
     out = tmp_path_factory.mktemp("grpo-sft") / "sft"
-    code, output = cli_invoke("run", "--backend", "cpu", "--data", demo.train, "--val-data", demo.val, "--output",
-                              out, "--steps", SFT_STEPS, "--batch-size", "4", "--lr", "2e-3", "--eval-every", "0",
-                              "--eval-samples", "8", "--max-new-tokens", "16", "--save-every", "0", "--adapter-opt",
-                              "lora_dropout=0", "--quiet")
+    code, output = cli_invoke(
+        "run",
+        "--backend",
+        "cpu",
+        "--data",
+        demo.train,
+        "--val-data",
+        demo.val,
+        "--output",
+        out,
+        "--steps",
+        SFT_STEPS,
+        "--batch-size",
+        "4",
+        "--lr",
+        "2e-3",
+        "--eval-every",
+        "0",
+        "--eval-samples",
+        "8",
+        "--max-new-tokens",
+        "16",
+        "--save-every",
+        "0",
+        "--adapter-opt",
+        "lora_dropout=0",
+        "--quiet",
+    )
     assert code == 0, output
     return out
 
@@ -204,12 +265,49 @@ SFT_STEPS = "80"  # 80 x 4 at lr 2e-3: colour right, defect about a third (the f
 def grpo_args(demo, sft, out, *extra) -> list:
     """4 GRPO steps of 2 prompts x 4 completions of at most 16 tokens, from the SFT adapter; checkpoints at 2 and
     4; LoRA dropout 0, so the resumed run can draw the same computation."""
-    return ["run", "--objective", "grpo", "--reward", "fields", "--init-adapter", sft, "--backend", "cpu",
-            "--data", demo.train, "--val-data", demo.val, "--output", out, "--steps", "4", "--batch-size", "2",
-            "--num-generations", "4", "--max-new-tokens", "16", "--temperature", "0.7", "--lr", "3e-4",
-            "--log-every", "1",
-            "--eval-every", "0", "--eval-samples", "8", "--save-every", "2", "--seed", "1",
-            "--adapter-opt", "lora_dropout=0", "--quiet", *extra]
+    return [
+        "run",
+        "--objective",
+        "grpo",
+        "--reward",
+        "fields",
+        "--init-adapter",
+        sft,
+        "--backend",
+        "cpu",
+        "--data",
+        demo.train,
+        "--val-data",
+        demo.val,
+        "--output",
+        out,
+        "--steps",
+        "4",
+        "--batch-size",
+        "2",
+        "--num-generations",
+        "4",
+        "--max-new-tokens",
+        "16",
+        "--temperature",
+        "0.7",
+        "--lr",
+        "3e-4",
+        "--log-every",
+        "1",
+        "--eval-every",
+        "0",
+        "--eval-samples",
+        "8",
+        "--save-every",
+        "2",
+        "--seed",
+        "1",
+        "--adapter-opt",
+        "lora_dropout=0",
+        "--quiet",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="session")
@@ -244,9 +342,17 @@ def test_a_grpo_run_from_an_sft_adapter_logs_its_figures_and_trains(grpo_run, sf
     # the SFT adapter answers in fields: rewards are neither all 0 nor all 1 (advantages are not all 0)
     assert 0 < sum(m["reward"] for m in lines) / 4 < 1 and any(m["reward_std"] > 0 for m in lines)
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["objective"]["options"] == {"reward": ["fields"], "num_generations": 4, "temperature": 0.7,
-                                            "top_p": 1.0, "beta": 0.04, "clip_epsilon": 0.2, "num_iterations": 1,
-                                            "scale_rewards": "group", "grpo_norm": "token"}
+    assert plan["objective"]["options"] == {
+        "reward": ["fields"],
+        "num_generations": 4,
+        "temperature": 0.7,
+        "top_p": 1.0,
+        "beta": 0.04,
+        "clip_epsilon": 0.2,
+        "num_iterations": 1,
+        "scale_rewards": "group",
+        "grpo_norm": "token",
+    }
     assert plan["objective"]["generation"] == {"sequences_per_record": 4, "new_tokens": 16}
     assert plan["memory"]["generation_bytes"] > 0 and plan["memory"]["batch"]["samples"] == 8
     assert "generation (before the trained pass, not beside it): KV cache" in output
@@ -265,7 +371,7 @@ def test_a_grpo_run_from_an_sft_adapter_logs_its_figures_and_trains(grpo_run, sf
 # The zero loss below, as float32 arithmetic leaves it: every term has magnitude <= 1 (rewards in [0, 1],
 # advantages unscaled), and the logged value goes through at most 16 (a completion's tokens) + 8 (the step's
 # completions) + 4 (a group's mean) + 2 (the divisions) float32 roundings of at most 2**-24 each.
-ZERO_LOSS_ATOL = (16 + 8 + 4 + 2) * 2.0 ** -24
+ZERO_LOSS_ATOL = (16 + 8 + 4 + 2) * 2.0**-24
 
 
 class SamplingSpy:
@@ -285,8 +391,14 @@ class SamplingSpy:
             if not kwargs.get("do_sample"):
                 return generate(model, *args, **kwargs)
             out = generate(model, *args, **kwargs, output_logits=True, return_dict_in_generate=True)
-            self.calls.append({"logits": torch.stack(out.logits, 1), "sequences": out.sequences,
-                               "length": kwargs["input_ids"].shape[1], "suppressed": kwargs.get("suppress_tokens")})
+            self.calls.append(
+                {
+                    "logits": torch.stack(out.logits, 1),
+                    "sequences": out.sequences,
+                    "length": kwargs["input_ids"].shape[1],
+                    "suppressed": kwargs.get("suppress_tokens"),
+                }
+            )
             return out.sequences
 
         def spied_score(*args, **kwargs):
@@ -320,7 +432,7 @@ def nucleus_positions(call: dict, temperature: float, top_p: float) -> tuple[lis
     if call["suppressed"]:
         logits[..., list(call["suppressed"])] = float("-inf")
     probs = torch.softmax(logits, -1)
-    new = call["sequences"][:, call["length"]:]
+    new = call["sequences"][:, call["length"] :]
     ends = set(_ends())
     above, outside = [], 0.0
     for row in range(new.shape[0]):
@@ -333,7 +445,7 @@ def nucleus_positions(call: dict, temperature: float, top_p: float) -> tuple[lis
                 break
     finite = call["logits"][torch.isfinite(call["logits"])]
     vocab = call["logits"].shape[-1]
-    return above, outside, (2 * float(finite.abs().max()) / temperature + vocab + 4) * 2.0 ** -24
+    return above, outside, (2 * float(finite.abs().max()) / temperature + vocab + 4) * 2.0**-24
 
 
 def _ends() -> list[int]:
@@ -349,8 +461,7 @@ def _ends() -> list[int]:
 SEQUENCE_TOP_P = 0.9
 
 
-def test_sequence_norm_unscaled_rewards_top_p_and_clip_options_reach_the_run(demo, sft_adapter, tmp_path,
-                                                                          monkeypatch):
+def test_sequence_norm_unscaled_rewards_top_p_and_clip_options_reach_the_run(demo, sft_adapter, tmp_path, monkeypatch):
     """``--grpo-norm sequence --scale-rewards none --beta 0 --top-p 0.9 --clip-epsilon 0.1``, each seen to act:
 
     - ``--top-p 0.9``: every sampled token lies in the 0.9 nucleus of the sampling distribution (the probability
@@ -366,8 +477,21 @@ def test_sequence_norm_unscaled_rewards_top_p_and_clip_options_reach_the_run(dem
       0): the clip's effect is asserted where the ratio leaves 1,
       ``test_num_iterations_trains_each_rollout_over_n_steps_and_the_clip_acts``."""
     out = tmp_path / "sequence"
-    args = grpo_args(demo, sft_adapter, out, "--top-p", str(SEQUENCE_TOP_P), "--clip-epsilon", "0.1",
-                     "--scale-rewards", "none", "--grpo-norm", "sequence", "--beta", "0")
+    args = grpo_args(
+        demo,
+        sft_adapter,
+        out,
+        "--top-p",
+        str(SEQUENCE_TOP_P),
+        "--clip-epsilon",
+        "0.1",
+        "--scale-rewards",
+        "none",
+        "--grpo-norm",
+        "sequence",
+        "--beta",
+        "0",
+    )
     for flag, value in (("--steps", "2"), ("--save-every", "0"), ("--eval-samples", "0")):
         args[args.index(flag) + 1] = value
     spy = SamplingSpy(monkeypatch)
@@ -376,7 +500,12 @@ def test_sequence_norm_unscaled_rewards_top_p_and_clip_options_reach_the_run(dem
     monkeypatch.undo()
     plan = json.loads((out / "plan.json").read_text())["objective"]["options"]
     assert (plan["top_p"], plan["clip_epsilon"], plan["scale_rewards"], plan["grpo_norm"], plan["beta"]) == (
-        SEQUENCE_TOP_P, 0.1, "none", "sequence", 0.0)
+        SEQUENCE_TOP_P,
+        0.1,
+        "none",
+        "sequence",
+        0.0,
+    )
     lines = logged(out)
     assert [m["step"] for m in lines] == [1, 2]
     assert any(m["reward_std"] > 0 for m in lines)  # advantages not all 0: the zero below is not trivial
@@ -406,7 +535,7 @@ def test_sequence_norm_unscaled_rewards_top_p_and_clip_options_reach_the_run(dem
     spread = []
     for m, rewards, (advantages, g) in zip(lines, spy.rewards, spy.advantages, strict=True):
         assert m["reward"] == sum(rewards) / len(rewards)  # the rewards the run logged
-        groups = [rewards[i:i + g] for i in range(0, len(rewards), g)]  # prompt-major, as scored
+        groups = [rewards[i : i + g] for i in range(0, len(rewards), g)]  # prompt-major, as scored
         unscaled = [[r - sum(grp) / g for r in grp] for grp in groups]
         got = advantages.reshape(g, -1).T.tolist()  # the loss's rows are group-major
         # rewards are multiples of 1/2 (the fields reward of 2 fields) and a group's mean a multiple of 1/8:
@@ -428,10 +557,22 @@ def test_a_step_moves_the_policy_toward_the_better_completions(demo, sft_adapter
     from vlft.config import build_config
     from vlft.training.trainer import build_trainer
 
-    config = build_config({}, dict(backend="cpu", objective="grpo", data=str(demo.train), val_data=str(demo.val),
-                                   output=str(tmp_path / "r"), steps=1, batch_size=4, init_adapter=str(sft_adapter),
-                                   max_new_tokens=16, adapter={"lora_dropout": 0.0},
-                                   objective_options=dict(num_generations=4, reward=["fields"])))
+    config = build_config(
+        {},
+        dict(
+            backend="cpu",
+            objective="grpo",
+            data=str(demo.train),
+            val_data=str(demo.val),
+            output=str(tmp_path / "r"),
+            steps=1,
+            batch_size=4,
+            init_adapter=str(sft_adapter),
+            max_new_tokens=16,
+            adapter={"lora_dropout": 0.0},
+            objective_options=dict(num_generations=4, reward=["fields"]),
+        ),
+    )
     s = build_trainer(registry, config)
     host = s.collate([s.dataset[i] for i in range(4)])
     passes = s.policy.passes()
@@ -462,8 +603,7 @@ def test_a_step_moves_the_policy_toward_the_better_completions(demo, sft_adapter
     assert float((advantages.double() * change.double()).sum()) > 0, (advantages, change)
 
 
-def test_the_trained_log_probabilities_are_those_of_the_sampling_distribution(demo, sft_adapter, tmp_path,
-                                                                               monkeypatch):
+def test_the_trained_log_probabilities_are_those_of_the_sampling_distribution(demo, sft_adapter, tmp_path, monkeypatch):
     """At --temperature 0.7 the completions are drawn from softmax(logits / 0.7) over the vocabulary less the
     image and video tokens (generate's ``suppress_tokens``): the log-probabilities the loss trains (the ratio's
     numerator, and ``old_logps`` on a rollout's first pass) are those, token by token, as generate's own
@@ -481,10 +621,22 @@ def test_the_trained_log_probabilities_are_those_of_the_sampling_distribution(de
     from vlft.registry import load_registry
     from vlft.training.trainer import build_trainer
 
-    config = build_config({}, dict(backend="cpu", objective="grpo", data=str(demo.train), val_data=str(demo.val),
-                                   output=str(tmp_path / "r"), steps=1, batch_size=2, init_adapter=str(sft_adapter),
-                                   max_new_tokens=8, adapter={"lora_dropout": 0.0},
-                                   objective_options=dict(num_generations=3, temperature=0.7, reward=["fields"])))
+    config = build_config(
+        {},
+        dict(
+            backend="cpu",
+            objective="grpo",
+            data=str(demo.train),
+            val_data=str(demo.val),
+            output=str(tmp_path / "r"),
+            steps=1,
+            batch_size=2,
+            init_adapter=str(sft_adapter),
+            max_new_tokens=8,
+            adapter={"lora_dropout": 0.0},
+            objective_options=dict(num_generations=3, temperature=0.7, reward=["fields"]),
+        ),
+    )
     s = build_trainer(load_registry(plugins=(float64_reference,)), config)
     suppressed = grpo.suppressed_tokens(s.plan.processor)
     assert suppressed  # the image and video tokens of the embedded processor
@@ -521,13 +673,13 @@ def test_the_trained_log_probabilities_are_those_of_the_sampling_distribution(de
         whole, _ = token_logps(s.model, inputs, rows, nullcontext(), 0.7)
         at_one, _ = token_logps(s.model, inputs, rows, nullcontext(), 1.0, suppressed)
     assert got.dtype == torch.float64 and int(mask.sum()) > 0
-    got, whole, at_one, expected = (t[:, -len(steps):] for t in (got, whole, at_one, expected))  # labelled last
-    m = mask[:, -len(steps):]
+    got, whole, at_one, expected = (t[:, -len(steps) :] for t in (got, whole, at_one, expected))  # labelled last
+    m = mask[:, -len(steps) :]
     # generate rounds each float64 logit z to float32 and divides by T in float32: each z / T moves by at most
     # 2 x 2^-24 |z| / T; a log-softmax moves by at most twice its inputs' largest move (the target's own plus
     # the log-sum-exp's, which is 1-Lipschitz in the max norm). The float64 passes' own rounding is ~1e-13.
     finite = processed[torch.isfinite(processed)]
-    bound = 2 * (2 * 2.0 ** -24) * finite.abs().max().item()
+    bound = 2 * (2 * 2.0**-24) * finite.abs().max().item()
     assert (got[m] - expected[m]).abs().max() <= bound, ((got[m] - expected[m]).abs().max(), bound)
     assert (whole[m] - expected[m]).abs().max() > 10 * bound  # the suppressed tokens' mass (1.5e-3 measured)
     assert (at_one[m] - expected[m]).abs().max() > 5e-2
@@ -553,6 +705,7 @@ def test_killed_and_resumed_it_draws_the_same_completions(grpo_run, demo, sft_ad
 
 # -- --num-iterations: each rollout trained on over N steps ------------------------------------------------------
 
+
 def test_the_data_order_draws_each_rollouts_prompts_for_n_steps_and_resumes_inside_one():
     """``DataOrder.repeat``: every group of batches N times in a row (the same list, which the kept rollout
     trains on again), an epoch N times the steps, resumed inside a group for the steps it has left; naming a
@@ -563,8 +716,10 @@ def test_the_data_order_draws_each_rollouts_prompts_for_n_steps_and_resumes_insi
         return samples
 
     dataset, n = list(range(10)), 3
-    once, repeated = DataOrder(batch_size=2, grad_accum=1, seed=3), DataOrder(batch_size=2, grad_accum=1, seed=3,
-                                                                              repeat=n)
+    once, repeated = (
+        DataOrder(batch_size=2, grad_accum=1, seed=3),
+        DataOrder(batch_size=2, grad_accum=1, seed=3, repeat=n),
+    )
     straight = batches(dataset, collate, once, 0)
     groups = [next(straight) for _ in range(7)]  # more than an epoch (5 steps)
     drawn = batches(dataset, collate, repeated, 0)
@@ -604,8 +759,9 @@ def iterations_args(demo, sft, out, *extra) -> list:
     """``grpo_args`` with ``--num-iterations 2`` and a clip narrow enough for one update to leave it:
     rollouts sampled at steps 1 and 3, trained on again at 2 and 4; a checkpoint at each step, the last 3 kept
     (the resume test resumes from step 2's and step 3's)."""
-    args = grpo_args(demo, sft, out, "--num-iterations", "2", "--clip-epsilon", ITERATIONS_EPSILON,
-                     "--keep-checkpoints", "3", *extra)
+    args = grpo_args(
+        demo, sft, out, "--num-iterations", "2", "--clip-epsilon", ITERATIONS_EPSILON, "--keep-checkpoints", "3", *extra
+    )
     args[args.index("--save-every") + 1] = "1"
     return args
 
@@ -658,8 +814,9 @@ def test_num_iterations_trains_each_rollout_over_n_steps_and_the_clip_acts(grpo_
     out, output, passes = iterations_run
     once, twice = logged(grpo_run[0]), logged(out)
     assert [m["step"] for m in twice] == [1, 2, 3, 4]
-    assert {k: twice[0][k] for k in ("loss", *GRPO_FIGURES) if "time" not in k} == \
-        {k: once[0][k] for k in ("loss", *GRPO_FIGURES) if "time" not in k}
+    assert {k: twice[0][k] for k in ("loss", *GRPO_FIGURES) if "time" not in k} == {
+        k: once[0][k] for k in ("loss", *GRPO_FIGURES) if "time" not in k
+    }
     for first, again in ((twice[0], twice[1]), (twice[2], twice[3])):
         assert first["clip_fraction"] == 0 and first["generation_time_s"] > 0
         assert again["clip_fraction"] > 0, again
@@ -677,12 +834,14 @@ def test_num_iterations_trains_each_rollout_over_n_steps_and_the_clip_acts(grpo_
         named = clipped_tokens(logps, old_logps, advantages, float(ITERATIONS_EPSILON))
         assert m["clip_fraction"] == named / m["completion_tokens"], (m, named)
     for m, (logps, old_logps, advantages) in ((twice[k], passes[k]) for k in (1, 3)):  # 11 and 12 against 3 and 2
-        assert clipped_tokens(logps, old_logps, advantages, default) != \
-            clipped_tokens(logps, old_logps, advantages, float(ITERATIONS_EPSILON)), m
+        assert clipped_tokens(logps, old_logps, advantages, default) != clipped_tokens(
+            logps, old_logps, advantages, float(ITERATIONS_EPSILON)
+        ), m
 
 
 def test_num_iterations_resumes_exactly_at_a_rollouts_end_and_samples_again_inside_one(
-        iterations_run, demo, sft_adapter, tmp_path):
+    iterations_run, demo, sft_adapter, tmp_path
+):
     """The N = 2 run resumed from its step-2 checkpoint (a rollout's end: nothing kept is lost) draws and trains
     what it did uninterrupted; resumed from step 3's (inside the second rollout, whose kept completions no
     checkpoint holds) it says so and samples step 4's prompts again: a fresh rollout, ratio 1, nothing clipped.
@@ -706,8 +865,9 @@ def test_num_iterations_resumes_exactly_at_a_rollouts_end_and_samples_again_insi
     at_end, output = resumed_from(2)
     assert "resumed inside a rollout" not in output
     for a, b in zip(uninterrupted, logged(at_end), strict=True):
-        assert {k: b[k] for k in ("loss", *GRPO_FIGURES) if "time" not in k} == \
-            {k: a[k] for k in ("loss", *GRPO_FIGURES) if "time" not in k}, (a, b)
+        assert {k: b[k] for k in ("loss", *GRPO_FIGURES) if "time" not in k} == {
+            k: a[k] for k in ("loss", *GRPO_FIGURES) if "time" not in k
+        }, (a, b)
 
     inside, output = resumed_from(3)
     assert "resumed inside a rollout (--num-iterations 2): the prompts of step 4 are sampled again" in output
@@ -741,8 +901,10 @@ def test_the_report_plots_grpos_figures_for_one_and_two_iterations(grpo_run, ite
     assert (out / "report.html").read_text().count('src="data:image/png;base64,') == 5 + len(figures)
     runs = [read_run(grpo_run[0], "once"), read_run(iterations_run[0], "twice")]
     for figure in PLOTTED:
-        assert series(runs, figure) == [(name, [1, 2, 3, 4], [m[figure] for m in logged(path)])
-                                        for name, path in (("once", grpo_run[0]), ("twice", iterations_run[0]))]
+        assert series(runs, figure) == [
+            (name, [1, 2, 3, 4], [m[figure] for m in logged(path)])
+            for name, path in (("once", grpo_run[0]), ("twice", iterations_run[0]))
+        ]
     (_, _, once), (_, _, twice) = series(runs, "clip_fraction")
     assert once == [0, 0, 0, 0] and twice[0] == twice[2] == 0 and twice[1] > 0 and twice[3] > 0
 
@@ -767,8 +929,10 @@ def test_a_reward_that_raises_stops_the_run_with_its_name_and_record(demo, sft_a
     args = [a if a != "fields" else f"{__name__}:always_raises" for a in grpo_args(demo, sft_adapter, out)]
     code, output = cli_invoke(*args)
     assert code != 0 and not out.exists(), output
-    assert ("train.jsonl:1: reward 'always_raises' cannot score this record's reference 'colour: " in output
-            and "(RuntimeError: this reward is broken)" in output), output
+    assert (
+        "train.jsonl:1: reward 'always_raises' cannot score this record's reference 'colour: " in output
+        and "(RuntimeError: this reward is broken)" in output
+    ), output
     out = tmp_path / "picky"
     args = [a if a != "fields" else f"{__name__}:raises_off_reference" for a in grpo_args(demo, sft_adapter, out)]
     code, output = cli_invoke(*args)
@@ -790,7 +954,9 @@ def test_bad_data_and_options_stop_before_step_1(demo, tmp_path):
     base = ["run", "--objective", "grpo", "--backend", "cpu", "--output", out, "--steps", "1"]
     code, output = cli_invoke(*base, "--data", data)
     assert code != 0 and not out.exists(), output
-    assert "bad-grpo.jsonl:2: the last turn must be the assistant's reply" in output and "bad-grpo.jsonl:1" not in output
+    assert (
+        "bad-grpo.jsonl:2: the last turn must be the assistant's reply" in output and "bad-grpo.jsonl:1" not in output
+    )
     code, output = cli_invoke(*base, "--data", demo.train, "--val-data", demo.val, "--reward", "numeric")
     assert code != 0 and not out.exists()
     assert "train.jsonl:1: reward 'numeric' cannot score this record's reference 'colour: " in output
@@ -802,13 +968,17 @@ def test_bad_data_and_options_stop_before_step_1(demo, tmp_path):
     code, output = cli_invoke("data", "check", "--objective", "grpo", data)
     assert code != 0 and "bad-grpo.jsonl:2: the last turn must be the assistant's reply" in output, output
     assert cli_invoke("data", "check", "--objective", "grpo", "--reward", "fields", demo.train)[0] == 0
-    for flags, said in ((["--reward", "nosuch"], "--reward nosuch: no plugin offers a reward 'nosuch'"),
-                        (["--reward", "format=("], "--reward format=(: not a regular expression"),
-                        (["--num-generations", "1"], "--num-generations (grpo) must be at least 2"),
-                        (["--top-p", "0"], "--top-p (grpo) must be in (0, 1]"),
-                        (["--shard", "fsdp", "--nproc-per-node", "2"],
-                         "--shard fsdp: the grpo objective cannot run sharded: the completions are sampled"),
-                        (["--packing", "on"], "--packing on: the grpo objective cannot pack")):
+    for flags, said in (
+        (["--reward", "nosuch"], "--reward nosuch: no plugin offers a reward 'nosuch'"),
+        (["--reward", "format=("], "--reward format=(: not a regular expression"),
+        (["--num-generations", "1"], "--num-generations (grpo) must be at least 2"),
+        (["--top-p", "0"], "--top-p (grpo) must be in (0, 1]"),
+        (
+            ["--shard", "fsdp", "--nproc-per-node", "2"],
+            "--shard fsdp: the grpo objective cannot run sharded: the completions are sampled",
+        ),
+        (["--packing", "on"], "--packing on: the grpo objective cannot pack"),
+    ):
         code, output = cli_invoke(*base, "--data", demo.train, "--val-data", demo.val, *flags)
         assert code != 0 and said in output and not out.exists(), (flags, output)
 
@@ -829,8 +999,12 @@ def test_vlft_objectives_lists_grpo_its_options_and_the_rewards(registry):
     for plugin in (grpo, vlft_objectives.rewards):  # answers None for the names of others
         check_plugin(plugin)
     # the hook itself, as the core asks it: the rewards on offer passed in, the named ones built
-    answer = registry.pm.hook.vlft_objective(objective="grpo", config=RunConfig(objective="grpo"),
-                                             options=grpo.GrpoOptions(reward=["exact"]), rewards=registry.rewards)
+    answer = registry.pm.hook.vlft_objective(
+        objective="grpo",
+        config=RunConfig(objective="grpo"),
+        options=grpo.GrpoOptions(reward=["exact"]),
+        rewards=registry.rewards,
+    )
     assert answer.options.reward == ["exact"] and "reward_exact" not in answer.figures  # one reward: no split
     assert registry.pm.hook.vlft_objective(objective="ppo", config=RunConfig(), options=None, rewards={}) is None
     zero = registry.objective_for(RunConfig(objective="grpo", objective_options={"beta": 0.0, "grpo_norm": "sequence"}))
@@ -864,10 +1038,16 @@ def test_two_processes_sample_and_train(demo, sft_adapter, tmp_path):
     for flag, value in (("--batch-size", "1"), ("--steps", "2"), ("--eval-samples", "0"), ("--data", str(data))):
         args[args.index(flag) + 1] = value
     tests = str(Path(__file__).resolve().parent)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLFT_PLUGINS": "grpo_samples", "VLFT_TEST_SAMPLES": str(samples),
-           "PYTHONPATH": os.pathsep.join([tests, *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.run([*vlft_command(), *args, "--nproc-per-node", "2"], capture_output=True, text=True,
-                          timeout=900, env=env)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "VLFT_PLUGINS": "grpo_samples",
+        "VLFT_TEST_SAMPLES": str(samples),
+        "PYTHONPATH": os.pathsep.join([tests, *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
+    proc = subprocess.run(
+        [*vlft_command(), *args, "--nproc-per-node", "2"], capture_output=True, text=True, timeout=900, env=env
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = logged(out)
     assert [m["step"] for m in lines] == [1, 2]
@@ -908,15 +1088,47 @@ def test_the_chain_sft_dpo_grpo_runs_as_three_runs(demo, tmp_path):
     from vlft.data.demo import write_demo_preferences
 
     pref = write_demo_preferences(tmp_path / "pref", n_train=8, n_val=2, seed=4)
-    common = ["--backend", "cpu", "--batch-size", "2", "--steps", "2", "--log-every", "1", "--eval-every", "0",
-              "--eval-samples", "2", "--max-new-tokens", "16", "--save-every", "0", "--quiet"]
+    common = [
+        "--backend",
+        "cpu",
+        "--batch-size",
+        "2",
+        "--steps",
+        "2",
+        "--log-every",
+        "1",
+        "--eval-every",
+        "0",
+        "--eval-samples",
+        "2",
+        "--max-new-tokens",
+        "16",
+        "--save-every",
+        "0",
+        "--quiet",
+    ]
     sft = tmp_path / "sft"
-    code, output = cli_invoke("run", "--data", demo.train, "--val-data", demo.val, "--output", sft, "--lr", "2e-3",
-                              *common)
+    code, output = cli_invoke(
+        "run", "--data", demo.train, "--val-data", demo.val, "--output", sft, "--lr", "2e-3", *common
+    )
     assert code == 0, output
     dpo = tmp_path / "dpo"
-    code, output = cli_invoke("run", "--objective", "dpo", "--rpo-alpha", "1", "--init-adapter", sft,
-                              "--data", pref.train, "--val-data", pref.val, "--output", dpo, *common)
+    code, output = cli_invoke(
+        "run",
+        "--objective",
+        "dpo",
+        "--rpo-alpha",
+        "1",
+        "--init-adapter",
+        sft,
+        "--data",
+        pref.train,
+        "--val-data",
+        pref.val,
+        "--output",
+        dpo,
+        *common,
+    )
     assert code == 0, output
     assert "dropout: off in every pass" in output
     first = logged(dpo)[0]
@@ -924,11 +1136,25 @@ def test_the_chain_sft_dpo_grpo_runs_as_three_runs(demo, tmp_path):
     # the loss is the float32 mean over the step's 2 pairs of -logsigmoid(0) + nll_i, nll_chosen the mean of the
     # same nll_i: logsigmoid(0) within 2 ulp of log 2, one rounding adding nll_i (at most 2|loss|, loss_i >= 0),
     # one in each sum of two (the halving is exact), each at most 2^-24 of its magnitude
-    rounding = 2.0 ** -24 * (2 * math.log(2) + 3 * first["loss"] + first["nll_chosen"])
+    rounding = 2.0**-24 * (2 * math.log(2) + 3 * first["loss"] + first["nll_chosen"])
     assert abs(first["loss"] - first["nll_chosen"] - math.log(2)) <= rounding, (first, rounding)
     out = tmp_path / "grpo"
-    code, output = cli_invoke("run", "--objective", "grpo", "--reward", "fields", "--init-adapter", dpo, "--data",
-                              demo.train, "--val-data", demo.val, "--output", out, *common)
+    code, output = cli_invoke(
+        "run",
+        "--objective",
+        "grpo",
+        "--reward",
+        "fields",
+        "--init-adapter",
+        dpo,
+        "--data",
+        demo.train,
+        "--val-data",
+        demo.val,
+        "--output",
+        out,
+        *common,
+    )
     assert code == 0, output
     lines = logged(out)
     assert [m["step"] for m in lines] == [1, 2] and lines[0]["kl"] == 0
@@ -941,7 +1167,21 @@ def test_no_hook_is_called_inside_a_grpo_step(demo, registry, tmp_path, monkeypa
     from test_run import hook_calls_inside_steps
     from vlft.config import build_config
 
-    config = build_config({}, dict(backend="cpu", objective="grpo", data=str(demo.train), val_data=str(demo.val),
-                                   output=str(tmp_path / "r"), steps=2, batch_size=1, max_new_tokens=4, eval_every=0,
-                                   eval_samples=1, save_every=0, objective_options={"num_generations": 2}))
+    config = build_config(
+        {},
+        dict(
+            backend="cpu",
+            objective="grpo",
+            data=str(demo.train),
+            val_data=str(demo.val),
+            output=str(tmp_path / "r"),
+            steps=2,
+            batch_size=1,
+            max_new_tokens=4,
+            eval_every=0,
+            eval_samples=1,
+            save_every=0,
+            objective_options={"num_generations": 2},
+        ),
+    )
     assert hook_calls_inside_steps(registry, config, monkeypatch) == []

@@ -63,9 +63,13 @@ def steps_seen(monkeypatch):
         op_before = kernel_patch_plugin.OP_CALLS[0]
         out = real_step(model, *args, **kwargs)
         after = patch_states(root, set(KERNELS))
-        seen.append({"use_kernels": root.get_base_model().use_kernels,
-                     "calls": {k: after[k].calls - before[k] for k in KERNELS},
-                     "op_calls": kernel_patch_plugin.OP_CALLS[0] - op_before})
+        seen.append(
+            {
+                "use_kernels": root.get_base_model().use_kernels,
+                "calls": {k: after[k].calls - before[k] for k in KERNELS},
+                "op_calls": kernel_patch_plugin.OP_CALLS[0] - op_before,
+            }
+        )
         return out
 
     monkeypatch.setattr(vlft.training.trainer, "train_step_on", watched_step)
@@ -74,14 +78,39 @@ def steps_seen(monkeypatch):
 
 def _run(small_data, out, *extra):
     train, val = small_data
-    return cli_invoke("run", "--backend", "cpu", "--data", train, "--val-data", val, "--output", out,
-                      "--steps", 4, "--batch-size", 2, "--log-every", 1, "--eval-every", 2, "--eval-batches", 1,
-                      "--eval-samples", 0, "--seed", 3, "--kernels", "auto,npu-rms-norm,linear-patch-embed",
-                      *extra)
+    return cli_invoke(
+        "run",
+        "--backend",
+        "cpu",
+        "--data",
+        train,
+        "--val-data",
+        val,
+        "--output",
+        out,
+        "--steps",
+        4,
+        "--batch-size",
+        2,
+        "--log-every",
+        1,
+        "--eval-every",
+        2,
+        "--eval-batches",
+        1,
+        "--eval-samples",
+        0,
+        "--seed",
+        3,
+        "--kernels",
+        "auto,npu-rms-norm,linear-patch-embed",
+        *extra,
+    )
 
 
-def test_kernel_patches_run_at_every_step_before_and_after_an_evaluation(kernel_plugin, hub_kernels_on, steps_seen,
-                                                                         small_data, tmp_path):
+def test_kernel_patches_run_at_every_step_before_and_after_an_evaluation(
+    kernel_plugin, hub_kernels_on, steps_seen, small_data, tmp_path
+):
     code, output = _run(small_data, tmp_path / "run")
     assert code == 0, output
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
@@ -119,16 +148,20 @@ def _undo_after(monkeypatch, steps: int):
     monkeypatch.setattr(transformers.PreTrainedModel, "train", train)
 
 
-@pytest.mark.parametrize("undone_at, where", [(0, "the first step"),
-                                              (2, "the first step after the evaluation at step 2")])
-def test_a_kernel_patch_undone_after_set_up_stops_the_run_naming_it(kernel_plugin, monkeypatch, small_data, tmp_path,
-                                                                     undone_at, where):
+@pytest.mark.parametrize(
+    "undone_at, where", [(0, "the first step"), (2, "the first step after the evaluation at step 2")]
+)
+def test_a_kernel_patch_undone_after_set_up_stops_the_run_naming_it(
+    kernel_plugin, monkeypatch, small_data, tmp_path, undone_at, where
+):
     _undo_after(monkeypatch, undone_at)
     out = tmp_path / "run"
     code, output = _run(small_data, out)
     assert code != 0
-    assert f"({where}) did not run kernel patch(es) the plan lists as applied: npu-rms-norm: a forward was bound " \
-           "over it" in output, output
+    assert (
+        f"({where}) did not run kernel patch(es) the plan lists as applied: npu-rms-norm: a forward was bound "
+        "over it" in output
+    ), output
     assert "linear-patch-embed" not in output.split("did not run", 1)[1].split(".", 1)[0]  # only the lost one
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "stopped: kernel patch lost" and "npu-rms-norm" in summary["error"]

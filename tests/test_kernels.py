@@ -38,12 +38,24 @@ from vlft.policies import AttentionPolicy, PrecisionPolicy
 
 
 def offer(name, available=True, default=True, attention=None, reason="") -> KernelPatch:
-    return KernelPatch(name=name, replaces="x", why="y", condition="z", available=available, default=default,
-                       reason=reason or ("holds" if available else f"{name} missing"), attention=attention or {})
+    return KernelPatch(
+        name=name,
+        replaces="x",
+        why="y",
+        condition="z",
+        available=available,
+        default=default,
+        reason=reason or ("holds" if available else f"{name} missing"),
+        attention=attention or {},
+    )
 
 
-OFFERED = [offer("fast"), offer("missing", available=False), offer("optin", default=False),
-           offer("flash", attention={"vision": "flash_attention_2"})]
+OFFERED = [
+    offer("fast"),
+    offer("missing", available=False),
+    offer("optin", default=False),
+    offer("flash", attention={"vision": "flash_attention_2"}),
+]
 
 
 def names(patches) -> list[str]:
@@ -51,6 +63,7 @@ def names(patches) -> list[str]:
 
 
 # -- the choice -----------------------------------------------------------------------------------------------
+
 
 def test_auto_takes_available_default_patches_and_says_why_not_the_others():
     choice = choose_kernels(OFFERED, RunConfig(kernels="auto"))
@@ -68,9 +81,14 @@ def test_none_declines_every_patch_and_names_pick_exactly():
     assert names(choose_kernels(OFFERED, RunConfig(kernels="auto,optin")).chosen) == ["fast", "optin", "flash"]
 
 
-@pytest.mark.parametrize("asked, match", [("nope", "no kernel patch named nope.*offered: fast, missing"),
-                                          ("missing", "missing cannot be used here: missing missing"),
-                                          ("none,fast", "cannot be combined")])
+@pytest.mark.parametrize(
+    "asked, match",
+    [
+        ("nope", "no kernel patch named nope.*offered: fast, missing"),
+        ("missing", "missing cannot be used here: missing missing"),
+        ("none,fast", "cannot be combined"),
+    ],
+)
 def test_a_name_not_offered_or_not_usable_is_an_error(asked, match):
     with pytest.raises(ConfigError, match=match):
         choose_kernels(OFFERED, dataclasses.replace(RunConfig(), kernels=asked))
@@ -85,7 +103,8 @@ def test_attention_of_a_chosen_patch_is_loaded_and_attn_wins():
     policy = AttentionPolicy("eager", "eager", "backend default")
     choice = choose_kernels(OFFERED, RunConfig(kernels="auto"))
     assert with_kernel_attention(policy, choice) == AttentionPolicy(
-        "flash_attention_2", "eager", "backend default; vision=flash_attention_2 by kernel flash")
+        "flash_attention_2", "eager", "backend default; vision=flash_attention_2 by kernel flash"
+    )
     asked = choose_kernels(OFFERED, RunConfig(kernels="auto", attn="vision=eager"))
     assert "flash" not in names(asked.chosen)
     assert dict((k.name, r) for k, r in asked.declined)["flash"].startswith("--attn vision=eager")
@@ -94,8 +113,8 @@ def test_attention_of_a_chosen_patch_is_loaded_and_attn_wins():
 
 # -- CUDA's conditions --------------------------------------------------------------------------------------
 
-def cuda_offers(monkeypatch, fa=(True, "flash-attn 2.7.4"), cap=(9, 0), family=None, model_type="qwen2_5_vl",
-                **config):
+
+def cuda_offers(monkeypatch, fa=(True, "flash-attn 2.7.4"), cap=(9, 0), family=None, model_type="qwen2_5_vl", **config):
     # flash-attn and the GPU as every module of the plugin sees them (the attention policy and any patch alike)
     for name, module in list(sys.modules.items()):
         for attr, value in (("flash_attn_status", lambda: fa), ("capability", lambda config=None: cap)):
@@ -108,8 +127,11 @@ def cuda_offers(monkeypatch, fa=(True, "flash-attn 2.7.4"), cap=(9, 0), family=N
 def _asks_for_the_backends_own_attention(offers, policy) -> dict[str, list[str]]:
     """{patch: towers it sets to the implementation the backend already picks} for the attention patches
     offered as available; a patch with towers listed changes nothing there."""
-    return {k.name: [t for t, impl in k.attention.items() if getattr(policy, t) == impl]
-            for k in offers.values() if k.available and k.attention}
+    return {
+        k.name: [t for t, impl in k.attention.items() if getattr(policy, t) == impl]
+        for k in offers.values()
+        if k.available and k.attention
+    }
 
 
 def removed_flash_attn_vision(config) -> KernelPatch:
@@ -120,16 +142,27 @@ def removed_flash_attn_vision(config) -> KernelPatch:
 
     cap = capability(config)
     available = flash_attn_status()[0] and (cap is None or cap >= BF16_CAPABILITY) and config.precision != "fp32"
-    return KernelPatch(name="removed-flash-attn-vision", replaces="sdpa in the vision tower", why="FA2 varlen",
-                       condition="flash-attn, capability >= 8.0, fp16/bf16", available=available,
-                       attention={"vision": "flash_attention_2"}, backend="cuda")
+    return KernelPatch(
+        name="removed-flash-attn-vision",
+        replaces="sdpa in the vision tower",
+        why="FA2 varlen",
+        condition="flash-attn, capability >= 8.0, fp16/bf16",
+        available=available,
+        attention={"vision": "flash_attention_2"},
+        backend="cuda",
+    )
 
 
-@pytest.mark.parametrize("fa, cap, precision", [((True, "flash-attn 2.7.4"), (9, 0), "auto"),
-                                                ((True, "flash-attn 2.7.4"), None, "auto"),
-                                                ((False, "the flash-attn package is not installed"), (9, 0), "auto"),
-                                                ((True, "flash-attn 2.7.4"), (7, 5), "auto"),
-                                                ((True, "flash-attn 2.7.4"), (9, 0), "fp32")])
+@pytest.mark.parametrize(
+    "fa, cap, precision",
+    [
+        ((True, "flash-attn 2.7.4"), (9, 0), "auto"),
+        ((True, "flash-attn 2.7.4"), None, "auto"),
+        ((False, "the flash-attn package is not installed"), (9, 0), "auto"),
+        ((True, "flash-attn 2.7.4"), (7, 5), "auto"),
+        ((True, "flash-attn 2.7.4"), (9, 0), "fp32"),
+    ],
+)
 def test_no_cuda_attention_patch_asks_for_what_the_backend_already_loads(monkeypatch, fa, cap, precision):
     """An attention patch must differ from the backend's own choice wherever it is offered (the removed
     flash-attn-vision asked for flash-attention 2 exactly where the backend already loads it).
@@ -233,17 +266,21 @@ def test_liger_follows_the_familys_kernel_targets_not_a_table_of_model_types(mon
     from vlft_models.qwen2_vl import QWEN2_5_VL
 
     stand_in_liger(monkeypatch, "newvlm")
-    family = dataclasses.replace(QWEN2_5_VL, name="newvlm", model_types=("newvlm",),
-                                 kernels=Kernels(targets={"rms_norm": ("NewVLMRMSNorm",)}))
+    family = dataclasses.replace(
+        QWEN2_5_VL, name="newvlm", model_types=("newvlm",), kernels=Kernels(targets={"rms_norm": ("NewVLMRMSNorm",)})
+    )
     offers = cuda_offers(monkeypatch, model_type="newvlm", family=family)
     assert offers["liger-rms-norm"].available and "apply_liger_kernel_to_newvlm" in offers["liger-rms-norm"].reason
-    assert not offers["liger-swiglu"].available and "names no 'gated_mlp' kernel target" in offers["liger-swiglu"].reason
+    assert (
+        not offers["liger-swiglu"].available and "names no 'gated_mlp' kernel target" in offers["liger-swiglu"].reason
+    )
     # Liger without that model type: declined, naming the entry point it looked for
     k = cuda_offers(monkeypatch, model_type="othervlm", family=family)["liger-rms-norm"]
     assert not k.available and "apply_liger_kernel_to_othervlm" in k.reason
 
 
 # -- Ascend's conditions (stand-in torch_npu) -----------------------------------------------------------
+
 
 def ascend_offers(config=None, family=None):
     return {k.name: k for k in ascend_kernels.kernel_patches(config or RunConfig(backend="ascend"), None, family)}
@@ -288,8 +325,9 @@ def test_ascend_fused_ops_need_the_op_and_the_familys_targets(stand_in):
     assert "names no rms_norm" in ascend_offers(family=bare)["npu-rms-norm"].reason
 
 
-@pytest.mark.parametrize("shard, precision, available", [("none", "bf16", False), ("fsdp", "fp16", False),
-                                                         ("fsdp", "bf16", True)])
+@pytest.mark.parametrize(
+    "shard, precision, available", [("none", "bf16", False), ("fsdp", "fp16", False), ("fsdp", "bf16", True)]
+)
 def test_ascend_fp32_before_fsdp_only_where_bf16_is_sharded(no_torch_npu, shard, precision, available):
     k = ascend_offers(RunConfig(backend="ascend", shard=shard, precision=precision))["fp32-before-fsdp"]
     assert k.available is available and "NPUCastError" in k.why
@@ -315,13 +353,16 @@ def test_ascend_fused_rms_norm_and_swiglu_wiring_with_stand_in_ops(stand_in, mod
         return torch.nn.functional.silu(a) * b
 
     npu.npu_rms_norm, npu.npu_swiglu = rms_norm, swiglu
-    model = load_model(model_dir, AttentionPolicy("sdpa", "sdpa"), PrecisionPolicy("fp32"), family=embedded_family()).eval()
+    model = load_model(
+        model_dir, AttentionPolicy("sdpa", "sdpa"), PrecisionPolicy("fp32"), family=embedded_family()
+    ).eval()
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
     with torch.no_grad():
         before = model(input_ids=ids).logits
     offers = ascend_offers(family=QWEN2_5_VL)
-    lines = apply_kernels(choose_kernels(list(offers.values()), RunConfig(backend="ascend",
-                                                                         kernels="npu-rms-norm,npu-swiglu")), model)
+    lines = apply_kernels(
+        choose_kernels(list(offers.values()), RunConfig(backend="ascend", kernels="npu-rms-norm,npu-swiglu")), model
+    )
     assert any("npu_rms_norm in" in line for line in lines) and any("npu_swiglu in" in line for line in lines)
     with torch.no_grad():
         after = model(input_ids=ids).logits
@@ -349,7 +390,9 @@ def test_cu_seqlens_reach_the_host_once_per_forward(model_dir, monkeypatch):
 
     seen = []
     monkeypatch.setattr(npu_fa, "npu_flash_attn_varlen_func", lambda q, k, v, cq, ck, *a, **kw: seen.append(cq))
-    model = load_model(model_dir, AttentionPolicy("eager", "eager"), PrecisionPolicy("fp32"), family=embedded_family()).eval()
+    model = load_model(
+        model_dir, AttentionPolicy("eager", "eager"), PrecisionPolicy("fp32"), family=embedded_family()
+    ).eval()
     line = ascend_kernels.apply_cu_seqlens_once(model, "model.visual")
     assert "once per model.visual forward" in line
     cu = StandInDeviceTensor()
@@ -362,13 +405,15 @@ def test_cu_seqlens_reach_the_host_once_per_forward(model_dir, monkeypatch):
     vc = model.config.vision_config
     grid = torch.tensor([[1, 2 * vc.spatial_merge_size, 2 * vc.spatial_merge_size]])
     with torch.no_grad():  # a new vision forward starts afresh
-        model.model.visual(torch.randn(int(grid.prod()), vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2),
-                           grid_thw=grid)
+        model.model.visual(
+            torch.randn(int(grid.prod()), vc.in_channels * vc.temporal_patch_size * vc.patch_size**2), grid_thw=grid
+        )
     npu_fa.npu_flash_attn_varlen_func(None, None, None, cu, cu)
     assert cu.copies == 3
 
 
 # -- the Linear patch embedding against Conv3d -------------------------------------------------------------
+
 
 @pytest.mark.parametrize("patch, bias, trainable", [(14, False, True), (16, True, True), (14, False, False)])
 def test_linear_patch_embed_equals_conv3d_forward_and_backward(patch, bias, trainable):
@@ -400,12 +445,15 @@ def test_linear_patch_embed_equals_conv3d_forward_and_backward(patch, bias, trai
             torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kw, why", [(dict(kernel_size=2, stride=1), "kernel"), (dict(kernel_size=2, stride=2, padding=1), "padding")])
+@pytest.mark.parametrize(
+    "kw, why", [(dict(kernel_size=2, stride=1), "kernel"), (dict(kernel_size=2, stride=2, padding=1), "padding")]
+)
 def test_a_conv_that_is_not_a_matmul_is_refused(kw, why):
     assert why in cuda_kernels.conv3d_as_linear_reason(torch.nn.Conv3d(3, 4, **kw))
 
 
 # -- --kernels none is today's model; auto changes no weight ----------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def cuda_plans(model_dir):
@@ -415,15 +463,19 @@ def cuda_plans(model_dir):
 
     registry = load_registry()
     model_config, family = model_config_and_family(model_dir, registry)
-    return {asked: resolve_policies(registry, RunConfig(backend="cuda", kernels=asked), model_dir, model_config,
-                                    family=family) for asked in ("none", "auto")}
+    return {
+        asked: resolve_policies(
+            registry, RunConfig(backend="cuda", kernels=asked), model_dir, model_config, family=family
+        )
+        for asked in ("none", "auto")
+    }
 
 
 def _inputs(model):
     vc = model.config.vision_config
     grid = torch.tensor([[1, 2 * vc.spatial_merge_size, 2 * vc.spatial_merge_size]])
     torch.manual_seed(1)
-    return torch.randn(int(grid.prod()), vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2), grid
+    return torch.randn(int(grid.prod()), vc.in_channels * vc.temporal_patch_size * vc.patch_size**2), grid
 
 
 def test_kernels_none_gives_todays_model_exactly_and_auto_the_same_weights(cuda_plans, model_dir):
@@ -444,8 +496,7 @@ def test_kernels_none_gives_todays_model_exactly_and_auto_the_same_weights(cuda_
     assert type(auto.model.visual.patch_embed.proj).__name__ == "LinearPatchEmbed"
     pixels, grid = _inputs(today)
     with torch.no_grad():
-        out = {n: m.model.visual(pixels, grid_thw=grid) for n, m in (("today", today), ("none", none),
-                                                                      ("auto", auto))}
+        out = {n: m.model.visual(pixels, grid_thw=grid) for n, m in (("today", today), ("none", none), ("auto", auto))}
     first = lambda o: o.pooler_output if hasattr(o, "pooler_output") else o[0]  # noqa: E731 - a one-line helper
     assert torch.equal(first(out["none"]), first(out["today"]))
     torch.testing.assert_close(first(out["auto"]), first(out["today"]), rtol=1e-5, atol=1e-5)
@@ -460,6 +511,7 @@ def test_the_plan_lists_the_kernels_chosen_and_declined(cuda_plans):
 
 
 # -- a chosen kernel costs no hook call per step --------------------------------------------------------------
+
 
 class CpuPatchEmbed:
     """Offers the CUDA plugin's (real) linear-patch-embed for the cpu backend, so a CPU run applies it."""
@@ -487,10 +539,30 @@ def test_a_run_with_a_kernel_calls_no_hook_inside_a_step(tmp_path, monkeypatch):
 
     def model_patches(out, *flags) -> list[str]:  # a 2-step `vlft run` offered the kernel: what set-up patched
         train, val = tiny_dataset(tmp_path)
-        code, output = cli_invoke("run", "--quiet", "--backend", "cpu", "--data", train, "--val-data", val,
-                                  "--output", out, "--steps", 2, "--batch-size", 2, "--eval-every", 0,
-                                  "--eval-samples", 0, "--save-every", 0, *flags,
-                                  registry=registry_with(CpuPatchEmbed()))
+        code, output = cli_invoke(
+            "run",
+            "--quiet",
+            "--backend",
+            "cpu",
+            "--data",
+            train,
+            "--val-data",
+            val,
+            "--output",
+            out,
+            "--steps",
+            2,
+            "--batch-size",
+            2,
+            "--eval-every",
+            0,
+            "--eval-samples",
+            0,
+            "--save-every",
+            0,
+            *flags,
+            registry=registry_with(CpuPatchEmbed()),
+        )
         assert code == 0, output
         return json.loads((out / "plan.json").read_text())["model_patches"]
 

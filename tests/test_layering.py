@@ -32,28 +32,47 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 VLFT = ROOT / "vlft"
-FLOORS = ["face", "data", "surface", "models", "planning", "training", "evaluation", "commands", "builtin", "entry", "plugins"]
+FLOORS = [
+    "face",
+    "data",
+    "surface",
+    "models",
+    "planning",
+    "training",
+    "evaluation",
+    "commands",
+    "builtin",
+    "entry",
+    "plugins",
+]
 ENTRY = {"vlft.__main__", "vlft.testing"}
 # what a plugin may import from vlft, as the guide names it: the package (``from vlft import ...``) and, in its
 # tests, vlft.testing; not the modules behind the package (vlft.policies, vlft.errors, vlft.contracts.family)
 PUBLIC_MODULES = ("vlft", "vlft.testing")
 MODULE_REASON = "Imports inside functions:"
-DIRECTIVE = re.compile(r"\b(noqa|type:\s*ignore|pyright:\s*ignore|pragma|isort|fmt|pylint)\b(:\s*[\w,\[\]-]+(\s*,\s*[\w\[\]-]+)*)?", re.I)
+DIRECTIVE = re.compile(
+    r"\b(noqa|type:\s*ignore|pyright:\s*ignore|pragma|isort|fmt|pylint)\b(:\s*[\w,\[\]-]+(\s*,\s*[\w\[\]-]+)*)?", re.I
+)
 WORD = re.compile(r"[A-Za-z][A-Za-z'-]*")
 REASON_WORDS = 3
 
 # Every import of a private vlft module (a floor above the face) by a plugin, with the reason it has one
 # today. Issue 30 gives plugins a public surface for these; until then each is listed, and a new one fails.
 PRIVATE_IMPORTS = {
-    ("vlft_objectives.grpo", "vlft.data.batching"):
-        "to_device, with_label_positions: the prompts moved for sampling, the completions' labelled positions "
-        "(issue 30)",
-    ("vlft_objectives.grpo", "vlft.data.formats"):
-        "FormatProblem, parse_record: the SFT layouts, checked further for what GRPO reads (issue 30)",
-    ("vlft_objectives.grpo", "vlft.data.records"):
-        "IGNORE_INDEX, ROLE_ALIASES: the label that counts nothing, the role names of the layouts (issue 30)",
-    ("vlft_objectives.grpo", "vlft.models.rows"):
-        "unwrapped: the model DDP wraps, whose generate samples (issue 30)",
+    (
+        "vlft_objectives.grpo",
+        "vlft.data.batching",
+    ): "to_device, with_label_positions: the prompts moved for sampling, the completions' labelled positions "
+    "(issue 30)",
+    (
+        "vlft_objectives.grpo",
+        "vlft.data.formats",
+    ): "FormatProblem, parse_record: the SFT layouts, checked further for what GRPO reads (issue 30)",
+    (
+        "vlft_objectives.grpo",
+        "vlft.data.records",
+    ): "IGNORE_INDEX, ROLE_ALIASES: the label that counts nothing, the role names of the layouts (issue 30)",
+    ("vlft_objectives.grpo", "vlft.models.rows"): "unwrapped: the model DDP wraps, whose generate samples (issue 30)",
 }
 
 
@@ -96,7 +115,7 @@ def has_reason(comment: str) -> bool:
 
 def _comments(lines: list[str], first: int, last: int) -> list[str]:
     """The comments on lines ``first``..``last`` (1-based) and the comment lines directly above ``first``."""
-    found = [line.split("#", 1)[1] for line in lines[first - 1:last] if "#" in line]
+    found = [line.split("#", 1)[1] for line in lines[first - 1 : last] if "#" in line]
     above = first - 2
     while above >= 0 and lines[above].strip().startswith("#"):
         found.append(lines[above].strip())
@@ -165,14 +184,21 @@ def vlft_edges(imports: list[Import], modules: dict) -> list[Import]:
 def upward(imports: list[Import], modules: dict) -> list[Import]:
     """Imports of a higher floor; and, inside a plugin package, a part importing the package's hook module."""
     edges = vlft_edges(imports, modules)
-    return [i for i in edges if FLOORS.index(floor(i.target)) > FLOORS.index(floor(i.source))
-            or (floor(i.source) == "plugins" and i.target == i.source.split(".")[0])]
+    return [
+        i
+        for i in edges
+        if FLOORS.index(floor(i.target)) > FLOORS.index(floor(i.source))
+        or (floor(i.source) == "plugins" and i.target == i.source.split(".")[0])
+    ]
 
 
 def across_plugins(imports: list[Import], modules: dict) -> list[Import]:
     """Imports of one plugin package by another (each installs, loads and is disabled on its own)."""
-    return [i for i in vlft_edges(imports, modules) if floor(i.source) == floor(i.target) == "plugins"
-            and i.source.split(".")[0] != i.target.split(".")[0]]
+    return [
+        i
+        for i in vlft_edges(imports, modules)
+        if floor(i.source) == floor(i.target) == "plugins" and i.source.split(".")[0] != i.target.split(".")[0]
+    ]
 
 
 def private_imports(imports: list[Import], modules: dict) -> dict[tuple[str, str], list[Import]]:
@@ -228,8 +254,12 @@ def house():
 def test_every_python_file_under_plugins_and_examples_is_read(house):
     modules, _ = house
     read = {p.resolve() for p in modules.values()}
-    missed = [str(p.relative_to(ROOT)) for folder in ("plugins", "examples")
-              for p in sorted((ROOT / folder).rglob("*.py")) if p.resolve() not in read]
+    missed = [
+        str(p.relative_to(ROOT))
+        for folder in ("plugins", "examples")
+        for p in sorted((ROOT / folder).rglob("*.py"))
+        if p.resolve() not in read
+    ]
     assert missed == []
     assert {"vlft_cuda", "vlft_ascend", "vlft_methods", "vlft_models", "vlft_example_plugin"} <= set(modules)
 
@@ -249,8 +279,11 @@ def test_planning_never_imports_training_and_data_and_models_import_nothing_abov
 
 def test_only_the_cli_imports_the_commands(house):
     modules, imports = house
-    importers = {i.source for i in vlft_edges(imports, modules)
-                 if floor(i.target) == "commands" and floor(i.source) != "commands"}
+    importers = {
+        i.source
+        for i in vlft_edges(imports, modules)
+        if floor(i.target) == "commands" and floor(i.source) != "commands"
+    }
     # the commands plugin adds them to the CLI; vlft.testing runs `vlft run` as a user would
     assert importers <= {"vlft.builtin.commands", "vlft.testing"}
 
@@ -260,8 +293,11 @@ def test_only_commands_import_evaluation_and_training_together(house):
     both = {}
     for i in vlft_edges(imports, modules):
         both.setdefault(i.source, set()).add(floor(i.target))
-    assert [m for m, floors in both.items()
-            if {"evaluation", "training"} <= floors and floor(m) not in ("commands", "evaluation")] == []
+    assert [
+        m
+        for m, floors in both.items()
+        if {"evaluation", "training"} <= floors and floor(m) not in ("commands", "evaluation")
+    ] == []
 
 
 def test_no_import_circles(house):
@@ -271,15 +307,22 @@ def test_no_import_circles(house):
 
 def test_function_local_imports_only_in_the_face_or_with_a_reason(house):
     modules, imports = house
-    unexplained = [i for i in imports if i.local and floor(i.source) not in ("face", "surface", "entry")
-                   and not i.reasoned]
+    unexplained = [
+        i for i in imports if i.local and floor(i.source) not in ("face", "surface", "entry") and not i.reasoned
+    ]
     assert unexplained == []
 
 
 def test_the_face_imports_no_torch_at_module_level(house):
     modules, imports = house
-    assert [i for i in imports if floor(i.source) in ("face", "surface", "entry") and not i.local and not i.typing_only
-            and i.target.split(".")[0] in ("torch", "transformers", "peft")] == []
+    assert [
+        i
+        for i in imports
+        if floor(i.source) in ("face", "surface", "entry")
+        and not i.local
+        and not i.typing_only
+        and i.target.split(".")[0] in ("torch", "transformers", "peft")
+    ] == []
 
 
 def test_the_rules_catch_a_planning_to_training_import(tmp_path):
@@ -318,12 +361,7 @@ def test_every_private_vlft_import_of_a_plugin_is_listed_with_its_reason(house):
 # The guide's code (every ```python block of docs/ and the READMEs) is plugin code a reader copies: it imports
 # only the public modules too. The objective examples below still reach into the core; issue 41 item 2 writes
 # them on the objectives' own interface, and this list then empties (a listed import no block makes fails).
-DOC_PRIVATE_IMPORTS = {
-    ("docs/plugin-hooks.md", "vlft.data.pairs"): "the DPO objective's example builds pair batches (issue 41)",
-    ("docs/plugin-hooks.md", "vlft.data.preferences"): "the DPO objective's example reads pair layouts (issue 41)",
-    ("docs/writing-plugins.md", "vlft.models.loss"): "the ORPO example's log-probabilities (issue 41)",
-    ("docs/writing-plugins.md", "vlft.models.rows"): "the ORPO example's rows sharing a vision pass (issue 41)",
-}
+DOC_PRIVATE_IMPORTS: dict[tuple[str, str], str] = {}  # (guide, module): why; none left (issue 41)
 GUIDES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md", *sorted((ROOT / "examples").glob("*/README.md"))]
 CODE_IMPORT = re.compile(r"^\s*(?:from\s+(vlft(?:\.\w+)*)\s+import|import\s+(vlft(?:\.\w+)*))", re.M)
 
@@ -356,16 +394,20 @@ def test_the_guides_code_imports_only_vlft_and_vlft_testing(tmp_path):
 # data/, models/ or planning/ reaches for the process-wide registry (vlft.registry.get_registry) or defaults a
 # `registry` or `family` parameter to None to fall back on it.
 
+
 def hidden_state(source: str, where: str) -> list[str]:
     found = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and node.module == "vlft.registry" and \
-                any(a.name == "get_registry" for a in node.names):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module == "vlft.registry"
+            and any(a.name == "get_registry" for a in node.names)
+        ):
             found.append(f"{where}:{node.lineno}: imports get_registry")
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             a = node.args
             params = a.posonlyargs + a.args
-            defaults = dict(zip([p.arg for p in params[len(params) - len(a.defaults):]], a.defaults))
+            defaults = dict(zip([p.arg for p in params[len(params) - len(a.defaults) :]], a.defaults))
             defaults.update({p.arg: d for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None})
             for name in ("registry", "family"):
                 if isinstance(defaults.get(name), ast.Constant) and defaults[name].value is None:
@@ -374,24 +416,43 @@ def hidden_state(source: str, where: str) -> list[str]:
 
 
 def test_the_stages_take_the_registry_and_the_family_as_arguments():
-    found = [o for folder in ("data", "models", "planning") for p in sorted((VLFT / folder).rglob("*.py"))
-             for o in hidden_state(p.read_text(encoding="utf-8"), str(p.relative_to(ROOT)))]
+    found = [
+        o
+        for folder in ("data", "models", "planning")
+        for p in sorted((VLFT / folder).rglob("*.py"))
+        for o in hidden_state(p.read_text(encoding="utf-8"), str(p.relative_to(ROOT)))
+    ]
     assert found == []
 
 
 def test_the_hidden_state_rule_catches_a_fallback():
-    source = ("def f(model, family=None, *, registry=None):\n"
-              "    from vlft.registry import get_registry\n    return registry or get_registry()\n")
-    assert hidden_state(source, "x.py") == ["x.py:1: f(registry=None)", "x.py:1: f(family=None)",
-                                            "x.py:2: imports get_registry"]
+    source = (
+        "def f(model, family=None, *, registry=None):\n"
+        "    from vlft.registry import get_registry\n    return registry or get_registry()\n"
+    )
+    assert hidden_state(source, "x.py") == [
+        "x.py:1: f(registry=None)",
+        "x.py:1: f(family=None)",
+        "x.py:2: imports get_registry",
+    ]
 
 
-@pytest.mark.parametrize("comment, reason", [
-    ("#", False), ("# noqa: E402", False), ("# noqa: E402,F401", False), ("# type: ignore[import]", False),
-    ("# TODO", False), ("# lazy", False), ("# noqa: F401 - the stand-in fixtures", True),
-    ("# pyright: ignore[reportMissingImports]", False), ("# pyright: ignore[reportX]  # the liger extra, opt-in", True),
-    ("# only when a MoE plan traces its experts", True), ("# optional: PyAV is needed only for video records", True),
-])
+@pytest.mark.parametrize(
+    "comment, reason",
+    [
+        ("#", False),
+        ("# noqa: E402", False),
+        ("# noqa: E402,F401", False),
+        ("# type: ignore[import]", False),
+        ("# TODO", False),
+        ("# lazy", False),
+        ("# noqa: F401 - the stand-in fixtures", True),
+        ("# pyright: ignore[reportMissingImports]", False),
+        ("# pyright: ignore[reportX]  # the liger extra, opt-in", True),
+        ("# only when a MoE plan traces its experts", True),
+        ("# optional: PyAV is needed only for video records", True),
+    ],
+)
 def test_a_reason_is_three_words_besides_tool_directives(comment, reason):
     assert has_reason(comment) is reason
 
@@ -406,10 +467,12 @@ def test_a_local_import_with_a_comment_that_gives_no_reason_is_named(tmp_path):
         '"""Imports inside functions: yes."""\n\n\n'  # a docstring reason of one word is none
         "def a():\n    import json  # noqa: F401\n\n\n"
         "def b():\n    #\n    import os\n\n\n"
-        "def c():\n    # json loads only when a report is written\n    import json\n")
+        "def c():\n    # json loads only when a report is written\n    import json\n"
+    )
     modules, imports = read_imports(copy)
-    unexplained = [(i.source, i.target) for i in imports
-                   if i.local and floor(i.source) not in ("face", "entry") and not i.reasoned]
+    unexplained = [
+        (i.source, i.target) for i in imports if i.local and floor(i.source) not in ("face", "entry") and not i.reasoned
+    ]
     assert unexplained == [("vlft.training.extra", "json"), ("vlft.training.extra", "os")]
 
 
@@ -423,8 +486,10 @@ def test_the_plugin_rules_catch_a_new_private_import_a_cross_import_and_a_core_i
             copies[name] = tmp_path / name
             shutil.copytree(folder, copies[name], ignore=shutil.ignore_patterns("__pycache__", "configs"))
     kernels = copies["vlft_cuda"] / "kernels.py"
-    kernels.write_text(kernels.read_text() + "\nfrom vlft.training.step import StepPolicy\n"
-                       "from vlft.errors import ConfigError\nfrom vlft_methods import lora\nimport vlft_cuda\n")
+    kernels.write_text(
+        kernels.read_text() + "\nfrom vlft.training.step import StepPolicy\n"
+        "from vlft.errors import ConfigError\nfrom vlft_methods import lora\nimport vlft_cuda\n"
+    )
     plan = copies["vlft"] / "planning" / "plan.py"
     plan.write_text(plan.read_text() + "\nimport vlft_cuda.probing\n")
     modules, imports = read_imports(copies["vlft"], {k: v for k, v in copies.items() if k != "vlft"})
@@ -434,7 +499,9 @@ def test_the_plugin_rules_catch_a_new_private_import_a_cross_import_and_a_core_i
     crossing = [(i.source, i.target) for i in across_plugins(imports, modules)]
     assert crossing == [("vlft_cuda.kernels", "vlft_methods.lora")]
     assert sorted((i.source, i.target) for i in upward(imports, modules)) == [
-        ("vlft.planning.plan", "vlft_cuda.probing"), ("vlft_cuda.kernels", "vlft_cuda")]
+        ("vlft.planning.plan", "vlft_cuda.probing"),
+        ("vlft_cuda.kernels", "vlft_cuda"),
+    ]
     # vlft_cuda imports vlft_cuda.kernels, which now imports vlft_cuda back
     assert any({"vlft_cuda", "vlft_cuda.kernels"} <= set(c) for c in circles(imports, modules))
 
@@ -448,39 +515,70 @@ def test_the_plugin_rules_catch_a_new_private_import_a_cross_import_and_a_core_i
 # family-name rule's: vlft/models/embedded.py builds today's embedded default model byte for byte (issue 30
 # item 5 moves it into its family's plugin).
 
-FAMILY_INPUT_KEYS = ("image_grid_thw", "video_grid_thw", "merge_size", "spatial_merge_size", "temporal_patch_size",
-                     "second_per_grid_ts", "mm_token_type_ids", "token_type_ids", "pixel_values_videos",
-                     "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
-                     "mm_tokens_per_image", "batch_num_images", "image_grid_pinpoints")
+FAMILY_INPUT_KEYS = (
+    "image_grid_thw",
+    "video_grid_thw",
+    "merge_size",
+    "spatial_merge_size",
+    "temporal_patch_size",
+    "second_per_grid_ts",
+    "mm_token_type_ids",
+    "token_type_ids",
+    "pixel_values_videos",
+    "image_token_id",
+    "video_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
+    "mm_tokens_per_image",
+    "batch_num_images",
+    "image_grid_pinpoints",
+)
 INPUT_KEYS_EXEMPT = {"vlft/models/embedded.py"}
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def input_key_offenders(source: str, where: str) -> list[str]:
     tree = ast.parse(source)
-    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
-                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                  and node.body and isinstance(node.body[0], ast.Expr)
-                  and isinstance(node.body[0].value, ast.Constant) and isinstance(node.body[0].value.value, str)}
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+        and isinstance(node.body[0].value.value, str)
+    }
     found = []
     for node in ast.walk(tree):
-        texts = [getattr(node, f) for f in ("id", "attr", "arg", "name", "asname")
-                 if isinstance(getattr(node, f, None), str)]
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings \
-                and not any(c.isspace() for c in node.value):
+        texts = [
+            getattr(node, f) for f in ("id", "attr", "arg", "name", "asname") if isinstance(getattr(node, f, None), str)
+        ]
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in docstrings
+            and not any(c.isspace() for c in node.value)
+        ):
             texts.append(node.value)
         for text in texts:
-            if any(word in FAMILY_INPUT_KEYS for word in IDENTIFIER.findall(text)) or \
-                    any(key in text for key in FAMILY_INPUT_KEYS if "." in text or "[" in text):
+            if any(word in FAMILY_INPUT_KEYS for word in IDENTIFIER.findall(text)) or any(
+                key in text for key in FAMILY_INPUT_KEYS if "." in text or "[" in text
+            ):
                 found.append((getattr(node, "lineno", 0), text))
     return [f"{where}:{line}: {text}" for line, text in sorted(set(found))]
 
 
 def test_the_core_names_no_family_input_key():
-    offenders = [o for p in sorted(VLFT.rglob("*.py")) if str(p.relative_to(ROOT)) not in INPUT_KEYS_EXEMPT
-                 for o in input_key_offenders(p.read_text(encoding="utf-8"), str(p.relative_to(ROOT)))]
-    assert not offenders, ("a family's input keys named in the core (the family's image inputs say them: "
-                           "ImageInputs.batch_inputs, .pixels, VideoInputs.pixels):\n" + "\n".join(offenders))
+    offenders = [
+        o
+        for p in sorted(VLFT.rglob("*.py"))
+        if str(p.relative_to(ROOT)) not in INPUT_KEYS_EXEMPT
+        for o in input_key_offenders(p.read_text(encoding="utf-8"), str(p.relative_to(ROOT)))
+    ]
+    assert not offenders, (
+        "a family's input keys named in the core (the family's image inputs say them: "
+        "ImageInputs.batch_inputs, .pixels, VideoInputs.pixels):\n" + "\n".join(offenders)
+    )
 
 
 def test_the_input_key_rule_catches_a_key_and_lets_prose_pass():
@@ -488,6 +586,7 @@ def test_the_input_key_rule_catches_a_key_and_lets_prose_pass():
     assert input_key_offenders("n = grid.prod() // processor.image_processor.merge_size ** 2\n", "x.py")
     assert input_key_offenders("def f(second_per_grid_ts=None):\n    pass\n", "x.py")
     assert input_key_offenders('keys = {"video": "pixel_values_videos"}\n', "x.py")
-    assert not input_key_offenders('"""Qwen reads image_grid_thw."""\nhelp = "joins image_grid_thw along dim 0"\n',
-                                   "x.py")
+    assert not input_key_offenders(
+        '"""Qwen reads image_grid_thw."""\nhelp = "joins image_grid_thw along dim 0"\n', "x.py"
+    )
     assert not input_key_offenders('x = batch["pixel_values"]\n', "x.py")

@@ -17,9 +17,23 @@ from vlft.config import build_config
 
 def _values(small_data, out, **over) -> dict:
     train, val = small_data
-    values = dict(backend="cpu", method="lora", data=str(train), val_data=str(val), output=str(out), steps=5,
-                  batch_size=4, log_every=1, eval_every=0, eval_samples=2, max_new_tokens=4, save_every=0, seed=1,
-                  warmup_ratio=0.0, lr=2e-3)
+    values = dict(
+        backend="cpu",
+        method="lora",
+        data=str(train),
+        val_data=str(val),
+        output=str(out),
+        steps=5,
+        batch_size=4,
+        log_every=1,
+        eval_every=0,
+        eval_samples=2,
+        max_new_tokens=4,
+        save_every=0,
+        seed=1,
+        warmup_ratio=0.0,
+        lr=2e-3,
+    )
     values.update(over)
     return values
 
@@ -45,6 +59,7 @@ def _steps(registry, config, n):
 
 
 # -- parameter dtype -------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="session")
 def bf16_run(small_data, tmp_path_factory):
@@ -89,8 +104,8 @@ def test_a_half_weight_dtype_under_another_compute_dtype_is_refused(registry, sm
 
 # -- activation checkpointing ----------------------------------------------------------------------
 
-def test_checkpointing_gives_every_trainable_parameter_a_gradient_and_the_same_steps(registry, small_data,
-                                                                                       tmp_path):
+
+def test_checkpointing_gives_every_trainable_parameter_a_gradient_and_the_same_steps(registry, small_data, tmp_path):
     on = _steps(registry, _cfg(small_data, tmp_path / "on", grad_checkpointing="on"), 5)
     model = on[2].model
     assert on[2].plan.checkpointing
@@ -132,6 +147,7 @@ def test_a_frozen_vision_tower_builds_no_autograd_graph(registry, small_data, tm
 
 # -- sample lengths ---------------------------------------------------------------------------------
 
+
 def test_measured_length_equals_the_encoded_length(processor, small_data):
     from vlft.data.encoding import SampleEncoder
     from vlft.data.records import read_records
@@ -170,6 +186,7 @@ def test_skipped_samples_are_counted_and_listed(small_data, tmp_path, processor)
 
 # -- the memory plan --------------------------------------------------------------------------------
 
+
 def test_traced_activations_equal_what_a_real_step_saves(registry, small_data, tmp_path):
     """The meta-device trace counts exactly the tensors autograd saves on the CPU (fp32, eager)."""
     from vlft.data.batching import model_inputs
@@ -196,27 +213,32 @@ def test_traced_activations_equal_what_a_real_step_saves(registry, small_data, t
     assert estimate.adapter_parameters == sum(p.numel() for p in s.model.parameters() if p.requires_grad)
     # backward's working space: at least the gradient of eager attention's [B, heads, T, T] probabilities
     heads = plan.model_config.text_config.num_attention_heads
-    probabilities = shape.samples * heads * shape.tokens ** 2 * 4
+    probabilities = shape.samples * heads * shape.tokens**2 * 4
     assert probabilities <= estimate.activations.backward_transient < estimate.activations.full / 2
-    assert estimate.total_bytes() == (estimate.counted_bytes() + estimate.activations.backward_transient
-                                      + estimate.logits_bytes)
+    assert estimate.total_bytes() == (
+        estimate.counted_bytes() + estimate.activations.backward_transient + estimate.logits_bytes
+    )
 
 
 def dry_json(*args):
     result = CliRunner().invoke(cli, ["run", "--dry-run", "--json", *args])
-    return result, (json.loads(result.stdout[result.stdout.index("{"):result.stdout.rindex("}") + 1])
-                    if "{" in result.stdout else None)
+    return result, (
+        json.loads(result.stdout[result.stdout.index("{") : result.stdout.rindex("}") + 1])
+        if "{" in result.stdout
+        else None
+    )
 
 
 @pytest.mark.parametrize("backend, dtype", [("cuda", "bfloat16"), ("ascend", "float16")])
 def test_a_7b_plan_for_a_24gib_card_offline(backend, dtype, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "torch_npu", None)
-    result, plan = dry_json("--model", "qwen2.5-vl-7b", "--backend", backend, "--device-memory", "24GiB",
-                            "--max-length", "512")
+    result, plan = dry_json(
+        "--model", "qwen2.5-vl-7b", "--backend", backend, "--device-memory", "24GiB", "--max-length", "512"
+    )
     assert result.exit_code == 0, result.output
     assert plan["param_dtype"]["dtype"] == dtype and plan["param_dtype"]["trainable"] == "float32"
     mem = plan["memory"]
-    assert mem["capacity_bytes"] == 24 * 2 ** 30 and mem["fits"] is True
+    assert mem["capacity_bytes"] == 24 * 2**30 and mem["fits"] is True
     # 8.29 B parameters in 2 bytes each
     assert sum(mem["base_weights_bytes"].values()) == pytest.approx(8.29e9 * 2, rel=0.01)
     assert plan["checkpointing"]["enabled"] is False and plan["targets"]["adapter_parameters"] > 0
@@ -224,11 +246,12 @@ def test_a_7b_plan_for_a_24gib_card_offline(backend, dtype, monkeypatch):
 
 
 def test_a_plan_that_cannot_fit_exits_non_zero_and_names_the_fixes():
-    result, plan = dry_json("--model", "qwen2.5-vl-7b", "--backend", "cpu", "--param-dtype", "fp32",
-                            "--device-memory", "24GiB")
+    result, plan = dry_json(
+        "--model", "qwen2.5-vl-7b", "--backend", "cpu", "--param-dtype", "fp32", "--device-memory", "24GiB"
+    )
     assert result.exit_code != 0
     mem = plan["memory"]
-    assert mem["fits"] is False and mem["estimate_bytes"] > 24 * 2 ** 30
+    assert mem["fits"] is False and mem["estimate_bytes"] > 24 * 2**30
     assert any(f.startswith("--param-dtype bf16") for f in mem["fixes"])
     # the CPU backend offers sharding, so splitting the model over processes is one of the fixes
     assert any(f.startswith("--shard fsdp over ") and f.endswith("(fits)") for f in mem["fixes"]), mem["fixes"]
@@ -239,8 +262,18 @@ def test_a_72b_plan_sharded_over_8_processes_gives_each_its_share():
     """The issue's command, offline: the bundled 72B config, FSDP over 8 CUDA processes of 80 GiB."""
     from vlft.planning.plan import format_plan
 
-    result, plan = dry_json("--model", "qwen2.5-vl-72b", "--shard", "fsdp", "--nproc-per-node", "8",
-                            "--backend", "cuda", "--device-memory", "80GiB")
+    result, plan = dry_json(
+        "--model",
+        "qwen2.5-vl-72b",
+        "--shard",
+        "fsdp",
+        "--nproc-per-node",
+        "8",
+        "--backend",
+        "cuda",
+        "--device-memory",
+        "80GiB",
+    )
     assert result.exit_code == 0, result.output
     sh, mem = plan["sharding"], plan["memory"]
     assert sh["strategy"] == "fsdp" and sh["world_size"] == 8 and sh["param_dtype"] == "bfloat16"
@@ -249,9 +282,15 @@ def test_a_72b_plan_sharded_over_8_processes_gives_each_its_share():
     assert base == pytest.approx(73.4e9 * 2, rel=0.01)  # 73.4 B parameters in bf16, 147 GB: no single card
     assert mem["sharded_over"] == 8 and mem["base_bytes_per_process"] == -(-base // 8)
     # each process: its eighth of everything sharded, plus what is gathered whole at a time
-    assert mem["estimate_bytes"] == (mem["base_bytes_per_process"] + mem["adapter_state_bytes_per_process"]
-                                     + mem["gathered_bytes"] + mem["activation_bytes"]
-                                     + mem["backward_transient_bytes"] + mem["logits_bytes"] + mem["reserved_bytes"])
+    assert mem["estimate_bytes"] == (
+        mem["base_bytes_per_process"]
+        + mem["adapter_state_bytes_per_process"]
+        + mem["gathered_bytes"]
+        + mem["activation_bytes"]
+        + mem["backward_transient_bytes"]
+        + mem["logits_bytes"]
+        + mem["reserved_bytes"]
+    )
     assert 0 < mem["gathered_bytes"] < base / 8 and mem["fits"] is True
     text = format_plan(plan)
     assert "sharding     fsdp over 8 process(es)" in text
@@ -260,15 +299,17 @@ def test_a_72b_plan_sharded_over_8_processes_gives_each_its_share():
 
 
 def test_checkpointing_auto_turns_on_when_only_it_makes_the_run_fit(tmp_path):
-    _, tight = dry_json("--model", "qwen2.5-vl-7b", "--backend", "cuda", "--device-memory", "80GiB",
-                        "--batch-size", "64")
+    _, tight = dry_json(
+        "--model", "qwen2.5-vl-7b", "--backend", "cuda", "--device-memory", "80GiB", "--batch-size", "64"
+    )
     need_off = tight["memory"]["activation_bytes_without_checkpointing"]
     need_on = tight["memory"]["activation_bytes_with_checkpointing"]
     assert need_on < 0.5 * need_off
     fixed = tight["memory"]["estimate_bytes"] - tight["memory"]["activation_bytes"]
     between = int((fixed + (need_on + need_off) / 2) / 0.95)
-    result, plan = dry_json("--model", "qwen2.5-vl-7b", "--backend", "cuda", "--device-memory", str(between),
-                            "--batch-size", "64")
+    result, plan = dry_json(
+        "--model", "qwen2.5-vl-7b", "--backend", "cuda", "--device-memory", str(between), "--batch-size", "64"
+    )
     assert result.exit_code == 0, result.output
     assert plan["checkpointing"]["enabled"] is True and plan["checkpointing"]["reason"].startswith("auto: on")
 
@@ -292,8 +333,15 @@ def test_a_bundled_config_plans_but_a_real_run_says_where_the_weights_go(registr
     assert not (tmp_path / "r").exists()
 
 
-@pytest.mark.parametrize("name, total", [("qwen2.5-vl-3b", 3_754_622_976), ("qwen2.5-vl-7b", 8_292_166_656),
-                                         ("qwen2.5-vl-32b", 33_452_718_336), ("qwen2.5-vl-72b", 73_410_777_344)])
+@pytest.mark.parametrize(
+    "name, total",
+    [
+        ("qwen2.5-vl-3b", 3_754_622_976),
+        ("qwen2.5-vl-7b", 8_292_166_656),
+        ("qwen2.5-vl-32b", 33_452_718_336),
+        ("qwen2.5-vl-72b", 73_410_777_344),
+    ],
+)
 def test_bundled_configs_have_the_published_parameter_counts(name, total):
     """3B: the checkpoint's index (7,509,245,952 bytes / 2); 7B: 8.29 B; 32B: 33.5 B; 72B: 73.4 B."""
     from transformers import AutoModelForImageTextToText
@@ -301,7 +349,9 @@ def test_bundled_configs_have_the_published_parameter_counts(name, total):
     from vlft.models.loading import load_model_config, resolve_model_path
 
     with torch.device("meta"):
-        model = AutoModelForImageTextToText.from_config(load_model_config(resolve_model_path(name, installed()), installed()))
+        model = AutoModelForImageTextToText.from_config(
+            load_model_config(resolve_model_path(name, installed()), installed())
+        )
     assert sum(p.numel() for p in model.parameters()) == total
 
 
@@ -309,8 +359,8 @@ def test_device_memory_sizes_parse():
     from vlft.config import parse_bytes
     from vlft.errors import ConfigError
 
-    assert parse_bytes("24GiB") == 24 * 2 ** 30 and parse_bytes("64GB") == 64 * 10 ** 9
-    assert parse_bytes("1.5 TiB") == int(1.5 * 2 ** 40) and parse_bytes("4096") == 4096
+    assert parse_bytes("24GiB") == 24 * 2**30 and parse_bytes("64GB") == 64 * 10**9
+    assert parse_bytes("1.5 TiB") == int(1.5 * 2**40) and parse_bytes("4096") == 4096
     with pytest.raises(ConfigError, match="cannot read 'lots'"):
         parse_bytes("lots", "--device-memory")
 
@@ -337,15 +387,20 @@ def test_when_no_single_fix_fits_the_plan_names_the_fewest_that_fit_together(tmp
     fixes = plan["memory"]["fixes"]
     assert not any(f.endswith("(fits)") for f in fixes if not f.startswith("together: ")), fixes
     combined = [f for f in fixes if f.startswith("together: ")]
-    assert len(combined) == 1 and combined[0].startswith(
-        "together: --grad-checkpointing on --batch-size 1 --grad-accum 4: ") and combined[0].endswith(" (fits)")
+    assert (
+        len(combined) == 1
+        and combined[0].startswith("together: --grad-checkpointing on --batch-size 1 --grad-accum 4: ")
+        and combined[0].endswith(" (fits)")
+    )
     # re-estimated, not added up: the plan for those flags gives the same figure, and fits
     from vlft.planning.memory import gib
 
     result, fixed = dry_json(*args, "--grad-checkpointing", "on", "--batch-size", "1", "--grad-accum", "4")
     assert result.exit_code == 0 and fixed["memory"]["fits"] is True
-    assert combined[0] == f"together: --grad-checkpointing on --batch-size 1 --grad-accum 4: " \
-                          f"{gib(fixed['memory']['estimate_bytes'])} (fits)"
+    assert (
+        combined[0] == f"together: --grad-checkpointing on --batch-size 1 --grad-accum 4: "
+        f"{gib(fixed['memory']['estimate_bytes'])} (fits)"
+    )
     from vlft.planning.plan import format_plan
 
     assert f"fix          {combined[0]}" in format_plan(plan).splitlines()
@@ -375,8 +430,9 @@ def test_gemma3_traced_activations_are_what_a_real_step_saves(registry, small_da
     sk, _ = plan_targets(registry, plan, skeleton(plan.model_config, plan.attention, torch.float32))
     estimate = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None, plan.family), shape)
     assert estimate.activations.untraced == []
-    without_images = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None, plan.family),
-                                 BatchShape(4, shape.tokens, []))
+    without_images = plan_memory(
+        MemoryBasis(sk, plan.model_config, "float32", None, plan.family), BatchShape(4, shape.tokens, [])
+    )
     assert estimate.activations.full > without_images.activations.full  # the tower's share is counted
     meter = SavedTensorMeter(s.model)
     s.model.train()
@@ -401,8 +457,9 @@ def test_gemma4_traced_activations_are_what_a_real_step_saves(registry, small_da
     _, _, s = _steps(registry, config, 1)
     batch = next(iter(torch.utils.data.DataLoader(s.dataset, batch_size=4, collate_fn=s.collate)))
     real = (batch["image_position_ids"] != -1).all(-1)
-    grids = [(1, int(p[m][:, 1].max()) + 1, int(p[m][:, 0].max()) + 1)
-             for p, m in zip(batch["image_position_ids"], real)]
+    grids = [
+        (1, int(p[m][:, 1].max()) + 1, int(p[m][:, 0].max()) + 1) for p, m in zip(batch["image_position_ids"], real)
+    ]
     shape = BatchShape(4, batch["input_ids"].shape[1], grids)
     sk, _ = plan_targets(registry, plan, skeleton(plan.model_config, plan.attention, torch.float32))
     estimate = plan_memory(MemoryBasis(sk, plan.model_config, "float32", None, plan.family), shape)

@@ -43,8 +43,12 @@ def test_target_choices(registry, model_dir):
     d = registry.first("vlft_adapter_defaults", method="lora", config=RunConfig())
     assert all(".visual." in m for m in select_targets(model, d, "vision", 2, family_of_model(model, registry)).modules)
     assert select_targets(model, d, "vision", 2, family_of_model(model, registry)).vision_blocks == [6, 7]
-    assert select_targets(model, d, "vision", 50, family_of_model(model, registry)).vision_blocks == list(range(8))  # all when fewer
-    assert not any(".visual." in m for m in select_targets(model, d, "text", 6, family_of_model(model, registry)).modules)
+    assert select_targets(model, d, "vision", 50, family_of_model(model, registry)).vision_blocks == list(
+        range(8)
+    )  # all when fewer
+    assert not any(
+        ".visual." in m for m in select_targets(model, d, "text", 6, family_of_model(model, registry)).modules
+    )
     with pytest.raises(ConfigError, match="no modules to adapt"):
         select_targets(model, d, "vision", 0, family_of_model(model, registry))
 
@@ -58,8 +62,15 @@ def test_adapter_leaves_outputs_unchanged_before_the_first_step(registry, model_
     d = registry.first("vlft_adapter_defaults", method=method, config=cfg)
     family = family_of_model(model, registry)
     targets = select_targets(model, d, "both", 6, family).modules
-    adapted = registry.first("vlft_apply_adapter", method=method, model=model, targets=targets, config=cfg,
-                             target_parameters=[], family=family).eval()
+    adapted = registry.first(
+        "vlft_apply_adapter",
+        method=method,
+        model=model,
+        targets=targets,
+        config=cfg,
+        target_parameters=[],
+        family=family,
+    ).eval()
     trainable = [n for n, p in adapted.named_parameters() if p.requires_grad]
     assert trainable and all(method in n for n in trainable)
     with torch.no_grad():
@@ -90,8 +101,7 @@ def test_unknown_adapter_option_is_named(registry):
 
 
 @pytest.mark.parametrize("method", ["lora", "oft"])
-def test_saved_adapter_loads_with_plain_peft_and_gives_the_same_logits(registry, model_dir, batch, tmp_path,
-                                                                        method):
+def test_saved_adapter_loads_with_plain_peft_and_gives_the_same_logits(registry, model_dir, batch, tmp_path, method):
     from peft import PeftModel
 
     torch.manual_seed(0)
@@ -100,8 +110,15 @@ def test_saved_adapter_loads_with_plain_peft_and_gives_the_same_logits(registry,
     model = base_model(model_dir)
     family = family_of_model(model, registry)
     targets = select_targets(model, d, "both", 6, family).modules
-    adapted = registry.first("vlft_apply_adapter", method=method, model=model, targets=targets, config=cfg,
-                             target_parameters=[], family=family)
+    adapted = registry.first(
+        "vlft_apply_adapter",
+        method=method,
+        model=model,
+        targets=targets,
+        config=cfg,
+        target_parameters=[],
+        family=family,
+    )
     # move the adapter away from identity so the comparison means something
     with torch.no_grad():
         for p in adapted.parameters():
@@ -109,8 +126,7 @@ def test_saved_adapter_loads_with_plain_peft_and_gives_the_same_logits(registry,
                 p.add_(torch.randn_like(p) * 0.05)
     adapted.eval()
     registry.first("vlft_save_adapter", method=method, model=adapted, path=tmp_path / "adapter")
-    assert {p.name for p in (tmp_path / "adapter").iterdir()} >= {"adapter_config.json",
-                                                                 "adapter_model.safetensors"}
+    assert {p.name for p in (tmp_path / "adapter").iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
     with torch.no_grad():
         ours = adapted(**_inputs(batch)).logits
         plain = PeftModel.from_pretrained(base_model(model_dir), str(tmp_path / "adapter")).eval()
@@ -118,8 +134,9 @@ def test_saved_adapter_loads_with_plain_peft_and_gives_the_same_logits(registry,
         base = base_model(model_dir).eval()(**_inputs(batch)).logits
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(ours, base, atol=1e-3)
-    loaded = registry.first("vlft_load_adapter", method=method, model=base_model(model_dir),
-                            path=tmp_path / "adapter", trainable=False).eval()
+    loaded = registry.first(
+        "vlft_load_adapter", method=method, model=base_model(model_dir), path=tmp_path / "adapter", trainable=False
+    ).eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(**_inputs(batch)).logits, ours, atol=1e-5, rtol=1e-5)
     merged = registry.first("vlft_merge_adapter", method=method, model=plain)
@@ -127,8 +144,7 @@ def test_saved_adapter_loads_with_plain_peft_and_gives_the_same_logits(registry,
         torch.testing.assert_close(merged(**_inputs(batch)).logits, ours, atol=1e-4, rtol=1e-4)
 
 
-def test_the_vision_warmup_runs_the_tower_on_a_text_only_batch_and_adds_exactly_zero(registry, model_dir,
-                                                                                   batch):
+def test_the_vision_warmup_runs_the_tower_on_a_text_only_batch_and_adds_exactly_zero(registry, model_dir, batch):
     """A text-only batch (no pixels): without the warm-up the vision adapters get no gradient (None: what DDP
     calls unused); with it they get zero gradients, and the loss and the text gradients are bit for bit
     those without it."""
@@ -146,8 +162,15 @@ def test_the_vision_warmup_runs_the_tower_on_a_text_only_batch_and_adds_exactly_
         family = resolve_family(registry, model.config)
         targets = select_targets(model, d, "both", 6, family).modules
         torch.manual_seed(0)
-        adapted = registry.first("vlft_apply_adapter", method="lora", model=model, targets=targets, config=cfg,
-                                 target_parameters=[], family=family)
+        adapted = registry.first(
+            "vlft_apply_adapter",
+            method="lora",
+            model=model,
+            targets=targets,
+            config=cfg,
+            target_parameters=[],
+            family=family,
+        )
         handles = install_vision_warmup(adapted, {"image"}, family) if install else []
         adapted.train()
         # the image placeholders become plain text tokens: a text-only batch of the same shape

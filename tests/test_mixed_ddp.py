@@ -29,8 +29,9 @@ def two_records(tmp_path_factory) -> Path:
     from vlft.data.demo import write_varied_dataset
 
     root = tmp_path_factory.mktemp("two")
-    full = write_varied_dataset(root, n=16, seed=4, min_side=28, max_side=64, max_images=1, answer_words=(1, 4),
-                                max_turns=1)
+    full = write_varied_dataset(
+        root, n=16, seed=4, min_side=28, max_side=64, max_images=1, answer_words=(1, 4), max_turns=1
+    )
     records = [json.loads(line) for line in full.read_text().splitlines()]
 
     def has_image(record) -> bool:
@@ -46,10 +47,40 @@ def two_records(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def ddp_run(two_records, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("qwen3-vl-ddp") / "run"
-    args = ["run", "--nproc-per-node", "2", "--quiet", "--backend", "cpu", "--model", "embedded:qwen3-vl",
-            "--data", str(two_records), "--val-data", str(two_records), "--output", str(out), "--steps", "2",
-            "--batch-size", "2", "--log-every", "1", "--eval-every", "0", "--eval-samples", "1",
-            "--max-new-tokens", "1", "--save-every", "0", "--lr", "3e-3", "--seed", "2"]
+    args = [
+        "run",
+        "--nproc-per-node",
+        "2",
+        "--quiet",
+        "--backend",
+        "cpu",
+        "--model",
+        "embedded:qwen3-vl",
+        "--data",
+        str(two_records),
+        "--val-data",
+        str(two_records),
+        "--output",
+        str(out),
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--log-every",
+        "1",
+        "--eval-every",
+        "0",
+        "--eval-samples",
+        "1",
+        "--max-new-tokens",
+        "1",
+        "--save-every",
+        "0",
+        "--lr",
+        "3e-3",
+        "--seed",
+        "2",
+    ]
     proc = subprocess.run([*vlft_command(), *args], capture_output=True, text=True, env=ENV, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return out
@@ -87,10 +118,40 @@ def test_llava_onevision_trains_under_two_process_ddp_with_a_text_only_process(t
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
-    args = ["run", "--nproc-per-node", "2", "--quiet", "--backend", "cpu", "--model", "embedded:llava-onevision",
-            "--data", str(two_records), "--val-data", str(two_records), "--output", str(out), "--steps", "2",
-            "--batch-size", "2", "--log-every", "1", "--eval-every", "0", "--eval-samples", "1",
-            "--max-new-tokens", "1", "--save-every", "0", "--lr", "3e-3", "--seed", "2"]
+    args = [
+        "run",
+        "--nproc-per-node",
+        "2",
+        "--quiet",
+        "--backend",
+        "cpu",
+        "--model",
+        "embedded:llava-onevision",
+        "--data",
+        str(two_records),
+        "--val-data",
+        str(two_records),
+        "--output",
+        str(out),
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--log-every",
+        "1",
+        "--eval-every",
+        "0",
+        "--eval-samples",
+        "1",
+        "--max-new-tokens",
+        "1",
+        "--save-every",
+        "0",
+        "--lr",
+        "3e-3",
+        "--seed",
+        "2",
+    ]
     proc = subprocess.run([*vlft_command(), *args], capture_output=True, text=True, env=ENV, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())

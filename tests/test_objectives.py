@@ -24,8 +24,14 @@ from helpers import cli_invoke, die_at_step, vlft_command
 from vlft import Average, ConfigError, Objective, ObjectiveInfo, hookimpl
 
 LN2 = math.log(2)
-DPO_FIGURES = ("reward_chosen", "reward_rejected", "reward_margin", "preference_accuracy", "logps_chosen",
-               "logps_rejected")
+DPO_FIGURES = (
+    "reward_chosen",
+    "reward_rejected",
+    "reward_margin",
+    "preference_accuracy",
+    "logps_chosen",
+    "logps_rejected",
+)
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +45,43 @@ def pref(tmp_path_factory):
 def dpo_args(pref, out, *extra) -> list:
     """A short DPO run: 4 steps of 2 pairs, checkpoints at 2 and 4, validation at 2 and 4; LoRA dropout 0, so
     runs over other numbers of processes draw the same computation."""
-    return ["run", "--objective", "dpo", "--backend", "cpu", "--data", pref.train, "--val-data", pref.val,
-            "--output", out, "--steps", "4", "--batch-size", "2", "--log-every", "1", "--eval-every", "2",
-            "--eval-batches", "1", "--eval-samples", "2", "--max-new-tokens", "4", "--save-every", "2",
-            "--seed", "1", "--lr", "3e-3", "--adapter-opt", "lora_dropout=0", "--quiet", *extra]
+    return [
+        "run",
+        "--objective",
+        "dpo",
+        "--backend",
+        "cpu",
+        "--data",
+        pref.train,
+        "--val-data",
+        pref.val,
+        "--output",
+        out,
+        "--steps",
+        "4",
+        "--batch-size",
+        "2",
+        "--log-every",
+        "1",
+        "--eval-every",
+        "2",
+        "--eval-batches",
+        "1",
+        "--eval-samples",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--save-every",
+        "2",
+        "--seed",
+        "1",
+        "--lr",
+        "3e-3",
+        "--adapter-opt",
+        "lora_dropout=0",
+        "--quiet",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +125,12 @@ def test_a_dpo_run_trains_saves_resumes_and_evaluates(dpo_run, pref, tmp_path, m
     assert ev["after"]["samples"] == 2 and [e["reference"] for e in ev["after"]["examples"]] == chosen[:2]
     plan = json.loads((out / "plan.json").read_text())
     assert plan["objective"]["name"] == "dpo" and plan["objective"]["rows_per_record"] == 2
-    assert plan["objective"]["options"] == {"beta": 0.1, "dpo_loss": "sigmoid", "label_smoothing": 0.0,
-                                            "rpo_alpha": 0.0}
+    assert plan["objective"]["options"] == {
+        "beta": 0.1,
+        "dpo_loss": "sigmoid",
+        "label_smoothing": 0.0,
+        "rpo_alpha": 0.0,
+    }
     assert plan["memory"]["batch"]["samples"] == 4  # 2 pairs, 2 rows each
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
@@ -133,8 +176,20 @@ def test_the_report_plots_dpos_figures_in_training_and_validation(dpo_run, tmp_p
 
 
 def test_the_dry_run_and_vlft_objectives_show_the_objective(pref, tmp_path, registry):
-    code, output = cli_invoke("run", "--objective", "dpo", "--beta", "0.3", "--backend", "cpu", "--data", pref.train,
-                              "--val-data", pref.val, "--dry-run")
+    code, output = cli_invoke(
+        "run",
+        "--objective",
+        "dpo",
+        "--beta",
+        "0.3",
+        "--backend",
+        "cpu",
+        "--data",
+        pref.train,
+        "--val-data",
+        pref.val,
+        "--dry-run",
+    )
     assert code == 0, output
     assert "objective    dpo beta=0.3 dpo_loss=sigmoid label_smoothing=0.0 rpo_alpha=0.0" in output
     assert "reference: the base model (the adapter switched off)" in output
@@ -157,12 +212,17 @@ def test_the_dry_run_and_vlft_objectives_show_the_objective(pref, tmp_path, regi
     from vlft.config import RunConfig
 
     assert registry.objective_for(RunConfig()).supervised
-    with pytest.raises(ConfigError, match="unknown objective 'ppo'; valid objectives: dpo, grpo, kto, orpo, simpo, "
-                                          "sft"):
+    with pytest.raises(
+        ConfigError, match="unknown objective 'ppo'; valid objectives: dpo, grpo, kto, orpo, simpo, sft"
+    ):
         registry.objective("ppo")
     # an option the objective does not declare is refused before anything loads, naming whose it is
     code, output = cli_invoke("run", "--objective", "sft", "--beta", "0.3", "--dry-run")
-    assert code != 0 and "--beta is not an option of the sft objective (dpo, grpo, kto and simpo take it); its options: none" in output
+    assert (
+        code != 0
+        and "--beta is not an option of the sft objective (dpo, grpo, kto and simpo take it); its options: none"
+        in output
+    )
 
 
 def test_sft_then_dpo_from_its_adapter(pref, tmp_path, monkeypatch):
@@ -173,15 +233,57 @@ def test_sft_then_dpo_from_its_adapter(pref, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
     sft = tmp_path / "sft"
-    common = ["--backend", "cpu", "--batch-size", "2", "--log-every", "1", "--eval-every", "0", "--eval-samples",
-              "2", "--max-new-tokens", "4", "--save-every", "0", "--seed", "1", "--lr", "3e-3", "--adapter-opt",
-              "lora_dropout=0", "--quiet"]
-    code, output = cli_invoke("run", "--data", pref.root / "train.jsonl", "--val-data", pref.root / "val.jsonl",
-                              "--output", sft, "--steps", "3", *common)
+    common = [
+        "--backend",
+        "cpu",
+        "--batch-size",
+        "2",
+        "--log-every",
+        "1",
+        "--eval-every",
+        "0",
+        "--eval-samples",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--save-every",
+        "0",
+        "--seed",
+        "1",
+        "--lr",
+        "3e-3",
+        "--adapter-opt",
+        "lora_dropout=0",
+        "--quiet",
+    ]
+    code, output = cli_invoke(
+        "run",
+        "--data",
+        pref.root / "train.jsonl",
+        "--val-data",
+        pref.root / "val.jsonl",
+        "--output",
+        sft,
+        "--steps",
+        "3",
+        *common,
+    )
     assert code == 0, output
     dpo = tmp_path / "dpo"
-    dpo_flags = ["run", "--objective", "dpo", "--init-adapter", sft, "--data", pref.train, "--val-data", pref.val,
-                 "--steps", "3", *common]
+    dpo_flags = [
+        "run",
+        "--objective",
+        "dpo",
+        "--init-adapter",
+        sft,
+        "--data",
+        pref.train,
+        "--val-data",
+        pref.val,
+        "--steps",
+        "3",
+        *common,
+    ]
     code, output = cli_invoke(*dpo_flags, "--output", dpo)
     assert code == 0, output
     first = logged(dpo)[0]
@@ -208,11 +310,37 @@ def test_sft_then_dpo_from_its_adapter(pref, tmp_path, monkeypatch):
     assert start.keys() == trained.keys() and any(not torch.equal(start[k], trained[k]) for k in start)
 
     # an adapter of another method, or on other modules, is refused before anything is written
-    code, output = cli_invoke("run", "--objective", "dpo", "--init-adapter", sft, "--method", "oft",
-                              "--data", pref.train, "--output", tmp_path / "no1", "--steps", "1")
+    code, output = cli_invoke(
+        "run",
+        "--objective",
+        "dpo",
+        "--init-adapter",
+        sft,
+        "--method",
+        "oft",
+        "--data",
+        pref.train,
+        "--output",
+        tmp_path / "no1",
+        "--steps",
+        "1",
+    )
     assert code != 0 and "holds a lora adapter" in output and not (tmp_path / "no1").exists()
-    code, output = cli_invoke("run", "--objective", "dpo", "--init-adapter", sft, "--targets", "text",
-                              "--data", pref.train, "--output", tmp_path / "no2", "--steps", "1")
+    code, output = cli_invoke(
+        "run",
+        "--objective",
+        "dpo",
+        "--init-adapter",
+        sft,
+        "--targets",
+        "text",
+        "--data",
+        pref.train,
+        "--output",
+        tmp_path / "no2",
+        "--steps",
+        "1",
+    )
     assert code != 0 and "this run plans 8" in output and not (tmp_path / "no2").exists()
 
 
@@ -221,13 +349,44 @@ def test_dpo_loss_options_take_effect(pref, tmp_path):
     the pair's log-ratio margin is that pair's): ipo starts at (1 / (2 beta))^2 (margin 0); hinge is
     relu(1 - m); sigmoid with smoothing eps is -(1 - eps) log sigmoid(m) - eps log sigmoid(-m), and with RPO's
     a, -log sigmoid(m) + a x the chosen reply's mean token NLL, at every step."""
+
     def run(name, *flags):
         out = tmp_path / name
-        code, output = cli_invoke("run", "--objective", "dpo", "--backend", "cpu", "--data", pref.train,
-                                  "--val-data", pref.val, "--output", out, "--steps", "3", "--batch-size", "1",
-                                  "--log-every", "1", "--eval-every", "0", "--eval-samples", "1",
-                                  "--max-new-tokens", "1", "--save-every", "0", "--lr", "1e-2", "--seed", "2",
-                                  "--adapter-opt", "lora_dropout=0", "--quiet", *flags)
+        code, output = cli_invoke(
+            "run",
+            "--objective",
+            "dpo",
+            "--backend",
+            "cpu",
+            "--data",
+            pref.train,
+            "--val-data",
+            pref.val,
+            "--output",
+            out,
+            "--steps",
+            "3",
+            "--batch-size",
+            "1",
+            "--log-every",
+            "1",
+            "--eval-every",
+            "0",
+            "--eval-samples",
+            "1",
+            "--max-new-tokens",
+            "1",
+            "--save-every",
+            "0",
+            "--lr",
+            "1e-2",
+            "--seed",
+            "2",
+            "--adapter-opt",
+            "lora_dropout=0",
+            "--quiet",
+            *flags,
+        )
         assert code == 0, output
         return logged(out)
 
@@ -248,8 +407,18 @@ def test_dpo_loss_options_take_effect(pref, tmp_path):
     want = [-logsigmoid(m["reward_margin"]) + 0.5 * m["nll_chosen"] for m in rpo]
     assert [m["loss"] for m in rpo] == pytest.approx(want, abs=1e-5)
     assert rpo[0]["nll_chosen"] > 0.1 and rpo[0]["loss"] > LN2 + 0.05  # the NLL term is there from step 1
-    code, output = cli_invoke("run", "--objective", "dpo", "--dpo-loss", "ipo", "--label-smoothing", "0.1",
-                              "--output", tmp_path / "no", "--dry-run")
+    code, output = cli_invoke(
+        "run",
+        "--objective",
+        "dpo",
+        "--dpo-loss",
+        "ipo",
+        "--label-smoothing",
+        "0.1",
+        "--output",
+        tmp_path / "no",
+        "--dry-run",
+    )
     assert code != 0 and "--label-smoothing applies to --dpo-loss sigmoid" in output
     code, output = cli_invoke("run", "--objective", "dpo", "--beta", "0", "--output", tmp_path / "no", "--dry-run")
     assert code != 0 and "--beta (dpo) must be positive, got 0.0" in output
@@ -257,26 +426,45 @@ def test_dpo_loss_options_take_effect(pref, tmp_path):
 
 BAD = [
     # 1: no rejected reply
-    {"conversations": [{"from": "human", "value": "<image>Colour?"}], "chosen": {"from": "gpt", "value": "red"},
-     "images": ["imgs/train_00000.png"]},
+    {
+        "conversations": [{"from": "human", "value": "<image>Colour?"}],
+        "chosen": {"from": "gpt", "value": "red"},
+        "images": ["imgs/train_00000.png"],
+    },
     # 2: the same reply twice
-    {"messages": [{"role": "user", "content": "<image>Colour?"}], "chosen": {"role": "assistant", "content": "red"},
-     "rejected": {"role": "assistant", "content": "red"}, "images": ["imgs/train_00000.png"]},
+    {
+        "messages": [{"role": "user", "content": "<image>Colour?"}],
+        "chosen": {"role": "assistant", "content": "red"},
+        "rejected": {"role": "assistant", "content": "red"},
+        "images": ["imgs/train_00000.png"],
+    },
     # 3: an image in the rejected reply (TRL layout): the sides' images differ
-    {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}],
-     "chosen": [{"role": "assistant", "content": "red"}],
-     "rejected": [{"role": "assistant", "content": [{"type": "image", "image": "imgs/train_00001.png"},
-                                                     {"type": "text", "text": "blue"}]}],
-     "images": ["imgs/train_00000.png"]},
+    {
+        "prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}],
+        "chosen": [{"role": "assistant", "content": "red"}],
+        "rejected": [
+            {
+                "role": "assistant",
+                "content": [{"type": "image", "image": "imgs/train_00001.png"}, {"type": "text", "text": "blue"}],
+            }
+        ],
+        "images": ["imgs/train_00000.png"],
+    },
     # 4: a reply that is not the assistant's
     {"prompt": "Colour?", "chosen": [{"role": "user", "content": "red"}], "rejected": "blue"},
     # 5, 6: good, in both layouts
-    {"messages": [{"role": "user", "content": "<image>Colour?"}], "chosen": {"role": "assistant", "content": "red"},
-     "rejected": {"role": "assistant", "content": "blue"}, "images": ["imgs/train_00000.png"]},
-    {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}],
-     "chosen": [{"role": "assistant", "content": [{"type": "text", "text": "red"}]}],
-     "rejected": [{"role": "assistant", "content": [{"type": "text", "text": "blue"}]}],
-     "images": ["imgs/train_00000.png"]},
+    {
+        "messages": [{"role": "user", "content": "<image>Colour?"}],
+        "chosen": {"role": "assistant", "content": "red"},
+        "rejected": {"role": "assistant", "content": "blue"},
+        "images": ["imgs/train_00000.png"],
+    },
+    {
+        "prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}],
+        "chosen": [{"role": "assistant", "content": [{"type": "text", "text": "red"}]}],
+        "rejected": [{"role": "assistant", "content": [{"type": "text", "text": "blue"}]}],
+        "images": ["imgs/train_00000.png"],
+    },
     # 7: no prompt
     {"chosen": "red", "rejected": "blue"},
 ]
@@ -289,14 +477,17 @@ def test_bad_preference_data_stops_before_step_1_with_file_and_line(pref, tmp_pa
     data = Path(pref.root) / "bad.jsonl"  # beside the demo's imgs/
     data.write_text("".join(json.dumps(r) + "\n" for r in BAD))
     out = tmp_path / "run"
-    code, output = cli_invoke("run", "--objective", "dpo", "--backend", "cpu", "--data", data, "--output", out,
-                              "--steps", "1")
+    code, output = cli_invoke(
+        "run", "--objective", "dpo", "--backend", "cpu", "--data", data, "--output", out, "--steps", "1"
+    )
     assert code != 0 and not out.exists(), output
-    for where, said in ((1, "no 'rejected' reply: a preference record needs both 'chosen' and 'rejected'"),
-                        (2, "chosen and rejected are the same reply ('red')"),
-                        (3, "chosen and rejected must share the prompt's images: chosen has 1 image(s), rejected 2"),
-                        (4, "chosen: turn 0 has role 'user'; a reply holds assistant turns only"),
-                        (7, "a preference record needs its prompt beside 'chosen' and 'rejected'")):
+    for where, said in (
+        (1, "no 'rejected' reply: a preference record needs both 'chosen' and 'rejected'"),
+        (2, "chosen and rejected are the same reply ('red')"),
+        (3, "chosen and rejected must share the prompt's images: chosen has 1 image(s), rejected 2"),
+        (4, "chosen: turn 0 has role 'user'; a reply holds assistant turns only"),
+        (7, "a preference record needs its prompt beside 'chosen' and 'rejected'"),
+    ):
         assert f"bad.jsonl:{where}: {said}" in output, (where, output)
     assert "5 problem(s)" in output and "bad.jsonl:5" not in output and "bad.jsonl:6" not in output
     # vlft data check reads the objective's layout too: the same problems, and the good pairs counted as such
@@ -326,8 +517,13 @@ def test_two_processes_train_as_one(dpo_run, pref, tmp_path):
     out = tmp_path / "two"
     args = [str(a) for a in dpo_args(pref, out)]
     args[args.index("--batch-size") + 1] = "1"
-    proc = subprocess.run([*vlft_command(), *args, "--nproc-per-node", "2"], capture_output=True, text=True,
-                          timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [*vlft_command(), *args, "--nproc-per-node", "2"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for a, b in zip(logged(dpo_run[0]), logged(out), strict=True):
         for key in ("loss", *DPO_FIGURES):
@@ -336,11 +532,37 @@ def test_two_processes_train_as_one(dpo_run, pref, tmp_path):
 
 def test_fsdp_and_packing_are_refused_with_the_reason(pref, tmp_path):
     out = tmp_path / "run"
-    code, output = cli_invoke("run", "--objective", "dpo", "--backend", "cpu", "--data", pref.train, "--output",
-                              out, "--shard", "fsdp", "--nproc-per-node", "2")
+    code, output = cli_invoke(
+        "run",
+        "--objective",
+        "dpo",
+        "--backend",
+        "cpu",
+        "--data",
+        pref.train,
+        "--output",
+        out,
+        "--shard",
+        "fsdp",
+        "--nproc-per-node",
+        "2",
+    )
     assert code != 0 and "--shard fsdp: the dpo objective cannot run sharded: the reference pass" in output
-    code, output = cli_invoke("run", "--objective", "dpo", "--backend", "cpu", "--data", pref.train, "--output",
-                              out, "--packing", "on", "--steps", "1")
+    code, output = cli_invoke(
+        "run",
+        "--objective",
+        "dpo",
+        "--backend",
+        "cpu",
+        "--data",
+        pref.train,
+        "--output",
+        out,
+        "--packing",
+        "on",
+        "--steps",
+        "1",
+    )
     assert code != 0 and "--packing on: the dpo objective cannot pack" in output
     assert not out.exists()
 
@@ -357,8 +579,19 @@ def test_one_vision_pass_feeds_both_rows_and_every_adapter_gets_a_gradient(pref,
     from vlft.models.rows import row_inputs
     from vlft.training.trainer import build_trainer
 
-    config = build_config({}, dict(backend="cpu", objective="dpo", data=str(pref.train), val_data=str(pref.val),
-                                   output=str(tmp_path / "r"), steps=1, batch_size=2, adapter={"lora_dropout": 0.0}))
+    config = build_config(
+        {},
+        dict(
+            backend="cpu",
+            objective="dpo",
+            data=str(pref.train),
+            val_data=str(pref.val),
+            output=str(tmp_path / "r"),
+            steps=1,
+            batch_size=2,
+            adapter={"lora_dropout": 0.0},
+        ),
+    )
     s = build_trainer(registry, config)
     with torch.no_grad():  # a trained-looking adapter: every part of it in the computation
         for p in s.model.parameters():
@@ -381,8 +614,9 @@ def test_one_vision_pass_feeds_both_rows_and_every_adapter_gets_a_gradient(pref,
     loss, _ = s.plan.objective.loss(s.model, batch, StepPasses(s.device, None, Reference(s.model)))
     loss.backward()
     grads = {name: p.grad for name, p in s.model.named_parameters() if p.requires_grad}
-    assert grads and all(g is not None and bool(g.abs().sum() > 0) and bool(torch.isfinite(g).all())
-                         for g in grads.values())
+    assert grads and all(
+        g is not None and bool(g.abs().sum() > 0) and bool(torch.isfinite(g).all()) for g in grads.values()
+    )
     assert any(".visual." in name for name in grads)
 
 
@@ -390,13 +624,27 @@ def test_no_hook_is_called_inside_a_dpo_step(pref, registry, tmp_path, monkeypat
     from test_run import hook_calls_inside_steps
     from vlft.config import build_config
 
-    config = build_config({}, dict(backend="cpu", objective="dpo", data=str(pref.train), val_data=str(pref.val),
-                                   output=str(tmp_path / "r"), steps=2, batch_size=2, eval_every=0,
-                                   eval_samples=1, max_new_tokens=1, save_every=0))
+    config = build_config(
+        {},
+        dict(
+            backend="cpu",
+            objective="dpo",
+            data=str(pref.train),
+            val_data=str(pref.val),
+            output=str(tmp_path / "r"),
+            steps=2,
+            batch_size=2,
+            eval_every=0,
+            eval_samples=1,
+            max_new_tokens=1,
+            save_every=0,
+        ),
+    )
     assert hook_calls_inside_steps(registry, config, monkeypatch) == []
 
 
 # -- a third party's objective -----------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class PerRecord(Objective):
@@ -410,15 +658,22 @@ class PerRecord(Objective):
 class PerRecordPlugin:
     @hookimpl
     def vlft_objectives(self):
-        return [ObjectiveInfo("sft-per-record", "supervised loss, each record's mean over its tokens, averaged "
-                                                "over records")]
+        return [
+            ObjectiveInfo(
+                "sft-per-record", "supervised loss, each record's mean over its tokens, averaged over records"
+            )
+        ]
 
     @hookimpl
     def vlft_objective(self, objective):
         if objective != "sft-per-record":
             return None
-        return PerRecord("sft-per-record", "supervised loss averaged per record", average_over=Average.RECORDS,
-                         figures=("label_tokens",))
+        return PerRecord(
+            "sft-per-record",
+            "supervised loss averaged per record",
+            average_over=Average.RECORDS,
+            figures=("label_tokens",),
+        )
 
 
 def test_a_third_party_objective_trains_through_its_plugin(pref, tmp_path):
@@ -431,8 +686,16 @@ def test_a_third_party_objective_trains_through_its_plugin(pref, tmp_path):
     assert "sft-per-record" in registry.objectives
     losses = {}
     for objective in ("sft", "sft-per-record"):
-        config = tiny_run_config(tmp_path / objective, objective=objective, steps=3, batch_size=1, lr=3e-3,
-                                 eval_samples=1, max_new_tokens=1, adapter={"lora_dropout": 0.0})
+        config = tiny_run_config(
+            tmp_path / objective,
+            objective=objective,
+            steps=3,
+            batch_size=1,
+            lr=3e-3,
+            eval_samples=1,
+            max_new_tokens=1,
+            adapter={"lora_dropout": 0.0},
+        )
         result = run(config, registry)
         losses[objective] = logged(result.output)
     per_record = losses["sft-per-record"]

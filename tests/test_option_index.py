@@ -15,7 +15,7 @@ pytest_plugins = ["pytester"]
 
 HERE = Path(__file__).resolve().parent
 
-PLANTED_INDEX = '''
+PLANTED_INDEX = """
 RUN_OPTION_TESTS = {
     "--lr-vision": "test_planted.py::test_names_it_in_a_string",
     "--lr-merger": "test_planted.py::test_names_it_in_a_keyword",
@@ -26,7 +26,7 @@ RUN_OPTION_TESTS = {
     "--epochs": "test_planted.py::test_sets_it_in_its_config_file",
     "--steps": "test_planted.py::test_fails",
 }
-'''
+"""
 
 PLANTED_TESTS = '''
 import subprocess
@@ -97,8 +97,7 @@ def planted_session(pytester, monkeypatch, *args):
     """The planted index and tests in a pytest subprocess with this plugin (-p), its outcome and output."""
     pytester.makepyfile(test_run_options=PLANTED_INDEX, test_planted=PLANTED_TESTS)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-    return pytester.runpytest_subprocess("-p", "run_option_index", "-p", "no:randomly", "-p", "no:cacheprovider",
-                                         *args)
+    return pytester.runpytest_subprocess("-p", "run_option_index", "-p", "no:randomly", "-p", "no:cacheprovider", *args)
 
 
 def test_the_index_refuses_options_a_test_only_names_and_accepts_those_its_runs_set(pytester, monkeypatch):
@@ -130,6 +129,8 @@ def test_missing_credit_names_the_option_and_its_test():
 
 def test_a_node_id_is_keyed_as_the_index_names_tests(tmp_path):
     home = tmp_path / "tests"
-    assert run_option_index.index_key("tests/parity/test_x.py::test_y[cpu-fp32]", tmp_path, home) == \
-        "parity/test_x.py::test_y"
+    assert (
+        run_option_index.index_key("tests/parity/test_x.py::test_y[cpu-fp32]", tmp_path, home)
+        == "parity/test_x.py::test_y"
+    )
     assert run_option_index.index_key("bench/test_x.py::test_y", tmp_path, home) is None

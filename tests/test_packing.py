@@ -28,8 +28,9 @@ def varied_records(tmp_path_factory):
     from vlft.data.demo import write_varied_dataset
     from vlft.data.records import read_records
 
-    path = write_varied_dataset(tmp_path_factory.mktemp("varied"), n=12, seed=1, min_side=28, max_side=160,
-                                answer_words=(1, 20))
+    path = write_varied_dataset(
+        tmp_path_factory.mktemp("varied"), n=12, seed=1, min_side=28, max_side=160, answer_words=(1, 20)
+    )
     return read_records(path)
 
 
@@ -67,8 +68,7 @@ def qwen3(varied_records):
 
 
 def _collators(processor, config, family):
-    packed = PackingCollator(PackingPlan(True, "segments"), family.positions, config,
-                             family.image_inputs.batch_inputs)
+    packed = PackingCollator(PackingPlan(True, "segments"), family.positions, config, family.image_inputs.batch_inputs)
     return collator_for(processor, family), packed
 
 
@@ -142,9 +142,15 @@ def test_packed_under_sdpa_matches_padding(qwen25):
     from vlft.models.loading import load_model, resolve_model_path
     from vlft.policies import PrecisionPolicy
 
-    plain, segments = (load_model(resolve_model_path("embedded", installed()), AttentionPolicy("sdpa", text),
-                                  PrecisionPolicy("fp32"), family=family).requires_grad_(True)
-                       for text in ("sdpa", segments_name("sdpa")))
+    plain, segments = (
+        load_model(
+            resolve_model_path("embedded", installed()),
+            AttentionPolicy("sdpa", text),
+            PrecisionPolicy("fp32"),
+            family=family,
+        ).requires_grad_(True)
+        for text in ("sdpa", segments_name("sdpa"))
+    )
     micro = _micro_batches(encoder, records, steps=1, per_step=1, size=6)
     padded, packed = _collators(processor, config, family)
     batch = packed(micro[0][0])
@@ -183,8 +189,10 @@ def test_no_label_predicts_across_a_sample_boundary(qwen25):
     assert (batch["position_ids"][0, 0, starts] == 0).all()  # the text row restarts at each sample
     assert label_count(batch) == sum(len(s["input_ids"]) - 1 for s in samples)
     with torch.no_grad():
-        own = sum(token_loss_sum(plain(**model_inputs(collator_for(processor, family)([s]))).logits,
-                                 s["labels"][None]).item() for s in samples)
+        own = sum(
+            token_loss_sum(plain(**model_inputs(collator_for(processor, family)([s]))).logits, s["labels"][None]).item()
+            for s in samples
+        )
         together = token_loss_sum(model(**model_inputs(batch)).logits, batch["labels"]).item()
     assert abs(together - own) <= RTOL * own, (together, own)
 
@@ -194,8 +202,12 @@ def test_auto_packs_where_attention_isolates_and_refuses_a_family_that_cannot(re
     from vlft.models.families import family_named
 
     fam25, fam35 = family_named(registry, "qwen2.5-vl"), family_named(registry, "qwen3.5")
-    cpu = registry.first("vlft_attention_implementation", backend="cpu",
-                         config=__import__("vlft.config", fromlist=["RunConfig"]).RunConfig(), model_config=None)
+    cpu = registry.first(
+        "vlft_attention_implementation",
+        backend="cpu",
+        config=__import__("vlft.config", fromlist=["RunConfig"]).RunConfig(),
+        model_config=None,
+    )
     assert resolve_packing("on", cpu, fam25).path == "segments"
     assert resolve_packing("auto", cpu, fam25).path == "segments"
     assert resolve_packing("auto", AttentionPolicy("sdpa", "sdpa"), fam25).path == "segments"
@@ -220,8 +232,11 @@ def test_a_packed_micro_batch_saves_no_more_than_the_padded_shape_the_plan_count
     samples = [encoder.encode(r) for r in records[:4]]
     padded, packed = _collators(processor, config, family)
     saved = {}
-    for name, model, batch in (("padded", plain, padded(samples)), ("packed", segments, packed(samples)),
-                               ("whole row", plain, packed(samples))):
+    for name, model, batch in (
+        ("padded", plain, padded(samples)),
+        ("packed", segments, packed(samples)),
+        ("whole row", plain, packed(samples)),
+    ):
         meter = SavedTensorMeter(model)
         with meter.hooks():
             token_loss_sum(model(**model_inputs(batch)).logits, batch["labels"])

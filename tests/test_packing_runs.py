@@ -26,8 +26,12 @@ from vlft.config import build_config
 
 HERE = Path(__file__).resolve().parent
 STEPS = 8
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "VLFT_PLUGINS": "float64_reference",
-       "PYTHONPATH": os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])}
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "VLFT_PLUGINS": "float64_reference",
+    "PYTHONPATH": os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]),
+}
 
 
 @pytest.fixture(scope="module")
@@ -37,15 +41,31 @@ def varied(tmp_path_factory) -> tuple[Path, Path]:
 
     root = tmp_path_factory.mktemp("varied")
     shape = dict(min_side=28, max_side=160, max_images=2, answer_words=(1, 20))
-    return (write_varied_dataset(root / "train", n=32, seed=1, **shape),
-            write_varied_dataset(root / "val", n=8, seed=2, **shape))
+    return (
+        write_varied_dataset(root / "train", n=32, seed=1, **shape),
+        write_varied_dataset(root / "val", n=8, seed=2, **shape),
+    )
 
 
 def _values(varied, out, **over) -> dict:
     train, val = varied
-    values = dict(backend="cpu", data=str(train), val_data=str(val), output=str(out), steps=STEPS, batch_size=4,
-                  log_every=1, eval_every=4, eval_batches=1, eval_samples=2, max_new_tokens=4, save_every=4,
-                  seed=3, lr=3e-3, adapter={"lora_dropout": 0.0})
+    values = dict(
+        backend="cpu",
+        data=str(train),
+        val_data=str(val),
+        output=str(out),
+        steps=STEPS,
+        batch_size=4,
+        log_every=1,
+        eval_every=4,
+        eval_batches=1,
+        eval_samples=2,
+        max_new_tokens=4,
+        save_every=4,
+        seed=3,
+        lr=3e-3,
+        adapter={"lora_dropout": 0.0},
+    )
     values.update(over)
     return values
 
@@ -68,8 +88,13 @@ def _run(values: dict, monkeypatch=None, die_at_step: int | None = None) -> Path
 
 
 def _cli(values: dict, *extra: str) -> Path:
-    proc = subprocess.run([*vlft_command(), "run", "--quiet", *extra, *run_flags(values)], capture_output=True,
-                          text=True, env=ENV, timeout=600)
+    proc = subprocess.run(
+        [*vlft_command(), "run", "--quiet", *extra, *run_flags(values)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return Path(values["output"])
 
@@ -79,8 +104,7 @@ def _logged(out: Path) -> list[dict]:
 
 
 def _val_losses(out: Path) -> list[float]:
-    return [m["val_loss"] for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-            if "val_loss" in m]
+    return [m["val_loss"] for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "val_loss" in m]
 
 
 def _same_losses(a: Path, b: Path, steps: int = STEPS) -> None:
@@ -120,8 +144,11 @@ def test_auto_packs_where_the_data_pads_and_pads_where_it_does_not(varied, tmp_p
     out = _run(_values(varied, tmp_path / "varied", packing="auto", steps=2, save_every=0, eval_every=0))
     packed = _plan(out)["packing"]
     assert packed["enabled"] and packed["path"] == "segments" and padding(packed) * CEILING_SHARE > 1
-    demo = _run(_values(varied, tmp_path / "demo", packing="auto", steps=2, save_every=0, eval_every=0,
-                        data=None, val_data=None))
+    demo = _run(
+        _values(
+            varied, tmp_path / "demo", packing="auto", steps=2, save_every=0, eval_every=0, data=None, val_data=None
+        )
+    )
     padded = _plan(demo)["packing"]
     assert not padded["enabled"] and "auto: padded" in padded["reason"] and "--packing on" in padded["reason"]
     assert padding(padded) * CEILING_SHARE <= 1
@@ -169,14 +196,14 @@ def padded_oft(varied, tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("method", ["lora", "oft"])
-def test_two_data_parallel_processes_packed_train_as_one_padded_process(varied, padded, padded_oft, tmp_path,
-                                                                        method):
+def test_two_data_parallel_processes_packed_train_as_one_padded_process(varied, padded, padded_oft, tmp_path, method):
     """``--packing on`` (the segments path on the CPU); 2 processes of batch 2 (mixed text-only and image
     micro-batches: the vision warm-up runs) against 1 of batch 4, padded. Each process evaluates 2 batches of
     2: the 4 records the single process evaluates in one batch."""
     reference, over = (padded, {}) if method == "lora" else (padded_oft, OFT)
-    out = _cli(_values(varied, tmp_path / "run", packing="on", batch_size=2, eval_batches=2, **over),
-               "--nproc-per-node", "2")
+    out = _cli(
+        _values(varied, tmp_path / "run", packing="on", batch_size=2, eval_batches=2, **over), "--nproc-per-node", "2"
+    )
     assert _plan(out)["packing"]["enabled"] and _plan(out)["packing"]["path"] == "segments"
     assert _plan(out)["method"]["name"] == method
     _same_losses(reference, out, steps=over.get("steps", STEPS))
@@ -186,8 +213,11 @@ def test_two_data_parallel_processes_packed_train_as_one_padded_process(varied, 
 @pytest.mark.parametrize("method", ["lora", "oft"])
 def test_two_sharded_processes_packed_train_as_one_padded_process(varied, padded, padded_oft, tmp_path, method):
     reference, over = (padded, {}) if method == "lora" else (padded_oft, OFT)
-    out = _cli(_values(varied, tmp_path / "run", packing="on", batch_size=2, eval_batches=2, shard="fsdp", **over),
-               "--nproc-per-node", "2")
+    out = _cli(
+        _values(varied, tmp_path / "run", packing="on", batch_size=2, eval_batches=2, shard="fsdp", **over),
+        "--nproc-per-node",
+        "2",
+    )
     assert _plan(out)["sharding"]["strategy"] == "fsdp" and _plan(out)["packing"]["enabled"]
     assert _plan(out)["method"]["name"] == method
     _same_losses(reference, out, steps=over.get("steps", STEPS))
@@ -200,12 +230,18 @@ def test_packing_matches_padding_for_oft(varied, padded_oft, tmp_path):
     _same_losses(padded_oft, out, steps=4)
 
 
-@pytest.mark.parametrize("case", [
-    dict(model="embedded:qwen3-vl"),
-    dict(model="embedded:qwen3-vl-moe", adapter={"lora_dropout": 0.0, "target_experts": True}),
-], ids=["qwen3-vl", "qwen3-vl-moe-experts"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(model="embedded:qwen3-vl"),
+        dict(model="embedded:qwen3-vl-moe", adapter={"lora_dropout": 0.0, "target_experts": True}),
+    ],
+    ids=["qwen3-vl", "qwen3-vl-moe-experts"],
+)
 def test_packing_matches_padding_for_the_qwen3_families(varied, tmp_path, case):
-    runs = {p: _run(_values(varied, tmp_path / p, packing=p, steps=4, save_every=0, eval_every=0, **case))
-            for p in ("off", "on")}
+    runs = {
+        p: _run(_values(varied, tmp_path / p, packing=p, steps=4, save_every=0, eval_every=0, **case))
+        for p in ("off", "on")
+    }
     assert _plan(runs["on"])["packing"]["enabled"]
     _same_losses(runs["off"], runs["on"], steps=4)

@@ -57,7 +57,9 @@ def test_an_install_whose_old_entry_points_name_the_builtins_registers_each_once
     def with_old(**kw):
         eps = list(real(**kw))
         if kw.get("group") == ENTRY_POINT_GROUP:
-            eps += [importlib.metadata.EntryPoint(name, module, ENTRY_POINT_GROUP) for name, module in builtin_plugins()]
+            eps += [
+                importlib.metadata.EntryPoint(name, module, ENTRY_POINT_GROUP) for name, module in builtin_plugins()
+            ]
             eps += [importlib.metadata.EntryPoint("lora-old", "vlft_methods.lora", ENTRY_POINT_GROUP)]
         return eps
 
@@ -82,15 +84,18 @@ def test_a_checkout_that_is_not_installed_has_its_builtin_plugins(tmp_path):
             continue
         (site / entry.name).symlink_to(entry)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)]), "VLFT_PLUGINS": ""}
-    code = ("import importlib.metadata as m, json, vlft\n"
-            "from vlft.registry import load_registry\n"
-            "r = load_registry()\n"
-            "print(json.dumps({'dists': [[d.metadata['Name'], str(d.locate_file(''))] for d in m.distributions()],\n"
-            "                  'vlft': vlft.__file__, 'backends': sorted(r.backends), 'methods': sorted(r.methods),\n"
-            "                  'objectives': sorted(r.objectives), 'broken': r.broken}))\n")
+    code = (
+        "import importlib.metadata as m, json, vlft\n"
+        "from vlft.registry import load_registry\n"
+        "r = load_registry()\n"
+        "print(json.dumps({'dists': [[d.metadata['Name'], str(d.locate_file(''))] for d in m.distributions()],\n"
+        "                  'vlft': vlft.__file__, 'backends': sorted(r.backends), 'methods': sorted(r.methods),\n"
+        "                  'objectives': sorted(r.objectives), 'broken': r.broken}))\n"
+    )
     # -S: no site-packages of this Python (the venv's, with vlft installed), only PYTHONPATH
-    proc = subprocess.run([sys.executable, "-S", "-c", code], env=env, cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-S", "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     import json
 
@@ -101,8 +106,14 @@ def test_a_checkout_that_is_not_installed_has_its_builtin_plugins(tmp_path):
     assert Path(found["vlft"]).resolve().is_relative_to(ROOT)
     assert {"cpu", "cuda", "ascend"} <= set(found["backends"]) and {"lora", "oft"} <= set(found["methods"])
     assert {"sft", "dpo"} <= set(found["objectives"]) and not found["broken"]
-    cli = subprocess.run([sys.executable, "-S", "-m", "vlft", "plugins"], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300)
+    cli = subprocess.run(
+        [sys.executable, "-S", "-m", "vlft", "plugins"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert cli.returncode == 0, cli.stderr[-3000:]
     assert "(plugin models)" in cli.stdout and "(plugin cpu)" in cli.stdout and "(plugin sft)" in cli.stdout
     assert "qwen2.5-vl" in cli.stdout and "(plugin lora)" in cli.stdout
@@ -113,8 +124,12 @@ def test_builtin_plugin_matches_the_specs(name):
     pm = new_plugin_manager()
     pm.register(importlib.import_module(BUILTINS[name]), name=name)
     pm.check_pending()  # every hookimpl has a spec with matching arguments
-    impls = [i for caller in pm.hook.__dict__.values() if isinstance(caller, pluggy.HookCaller)
-             for i in caller.get_hookimpls()]
+    impls = [
+        i
+        for caller in pm.hook.__dict__.values()
+        if isinstance(caller, pluggy.HookCaller)
+        for i in caller.get_hookimpls()
+    ]
     assert impls, f"{name} implements no hooks"
 
 
@@ -129,8 +144,12 @@ def test_builtin_plugin_answers_only_for_what_it_owns(name):
     assert pm.hook.vlft_precision_policy(backend="nobody", config=cfg) is None
     assert pm.hook.vlft_setup_device(backend="nobody", config=cfg) is None
     assert pm.hook.vlft_adapter_defaults(method="nobody", config=cfg) is None
-    assert pm.hook.vlft_apply_adapter(method="nobody", model=None, targets=[], config=cfg, target_parameters=[],
-                                      family=None) is None
+    assert (
+        pm.hook.vlft_apply_adapter(
+            method="nobody", model=None, targets=[], config=cfg, target_parameters=[], family=None
+        )
+        is None
+    )
 
 
 def test_registry_lists_builtin_backends_and_methods(registry):
@@ -208,13 +227,15 @@ def test_a_torch_older_than_the_floor_is_refused_with_a_clear_message():
     assert TORCH_FLOOR == "2.6"
     assert torch_too_old("2.14.1+cu130") is None and torch_too_old("2.6.0") is None
     assert "torch 2.5.1+cpu is older than vlft needs (2.6)" in torch_too_old("2.5.1+cpu")
-    code = ("import torch; torch.__version__ = '2.4.1'\n"
-            "import vlft.training, vlft.training.step, vlft.training.fsdp\nprint('imported')\n"
-            "from vlft.config import RunConfig\nfrom vlft.planning.preflight import plan_run\n"
-            "from vlft.registry import load_registry\n"
-            "try:\n    plan_run(load_registry(), RunConfig(dry_run=True))\n"
-            "except Exception as e:\n    print('refused:', type(e).__name__, e)\n"
-            "from vlft.commands.doctor import torch_check\nc = torch_check('2.4.1')\nprint('doctor:', c.ok, c.fix)")
+    code = (
+        "import torch; torch.__version__ = '2.4.1'\n"
+        "import vlft.training, vlft.training.step, vlft.training.fsdp\nprint('imported')\n"
+        "from vlft.config import RunConfig\nfrom vlft.planning.preflight import plan_run\n"
+        "from vlft.registry import load_registry\n"
+        "try:\n    plan_run(load_registry(), RunConfig(dry_run=True))\n"
+        "except Exception as e:\n    print('refused:', type(e).__name__, e)\n"
+        "from vlft.commands.doctor import torch_check\nc = torch_check('2.4.1')\nprint('doctor:', c.ok, c.fix)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "imported" in proc.stdout, proc.stderr[-2000:]
     assert "refused: ConfigError torch 2.4.1 is older than vlft needs (2.6)" in proc.stdout, proc.stderr[-2000:]
@@ -240,7 +261,9 @@ def test_a_warning_silenced_in_a_forward_leaves_the_process_filters_as_they_were
             return x * 2
 
     root = Root()
-    root.register_forward_hook(lambda m, a, out: warnings.warn("FSDP2-wrapped module (Root) returned a view tensor", stacklevel=1))
+    root.register_forward_hook(
+        lambda m, a, out: warnings.warn("FSDP2-wrapped module (Root) returned a view tensor", stacklevel=1)
+    )
     before = list(warnings.filters)
     quiet_during_forward(root, r"FSDP2-wrapped module .* returned a view tensor")
     with warnings.catch_warnings(record=True) as seen:

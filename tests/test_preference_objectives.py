@@ -48,10 +48,43 @@ def demo(tmp_path_factory):
 def args_for(objective: str, data: tuple, out, *extra, steps: int = 4, batch: int = 2) -> list:
     """A short run: ``steps`` steps of ``batch`` records, checkpoints and validation every 2 steps (on the 4
     validation records); LoRA dropout 0, so runs over other numbers of processes draw the same computation."""
-    return ["run", "--objective", objective, "--backend", "cpu", "--data", data[0], "--val-data", data[1],
-            "--output", out, "--steps", str(steps), "--batch-size", str(batch), "--log-every", "1",
-            "--eval-every", "2", "--eval-batches", str(4 // batch), "--eval-samples", "2", "--max-new-tokens", "4",
-            "--save-every", "2", "--seed", "1", "--lr", "3e-3", "--adapter-opt", "lora_dropout=0", "--quiet", *extra]
+    return [
+        "run",
+        "--objective",
+        objective,
+        "--backend",
+        "cpu",
+        "--data",
+        data[0],
+        "--val-data",
+        data[1],
+        "--output",
+        out,
+        "--steps",
+        str(steps),
+        "--batch-size",
+        str(batch),
+        "--log-every",
+        "1",
+        "--eval-every",
+        "2",
+        "--eval-batches",
+        str(4 // batch),
+        "--eval-samples",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--save-every",
+        "2",
+        "--seed",
+        "1",
+        "--lr",
+        "3e-3",
+        "--adapter-opt",
+        "lora_dropout=0",
+        "--quiet",
+        *extra,
+    ]
 
 
 def logged(out: Path) -> list[dict]:
@@ -78,13 +111,14 @@ def two_processes(objective: str, data: tuple, out: Path, start, *extra, batch: 
     argv = [str(a) for a in args_for(objective, data, out, "--init-adapter", start, *extra, steps=2, batch=batch)]
     for flag, value in (("--eval-every", "0"), ("--save-every", "0"), ("--eval-samples", "1")):
         argv[argv.index(flag) + 1] = value
-    proc = subprocess.run([*vlft_command(), *argv, "--nproc-per-node", "2"], capture_output=True, text=True,
-                          timeout=900, env=ENV)
+    proc = subprocess.run(
+        [*vlft_command(), *argv, "--nproc-per-node", "2"], capture_output=True, text=True, timeout=900, env=ENV
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((out / "config.json").read_text())["world_size"] == 2
     before = json.loads((out / "eval.json").read_text())["before"]["examples"]
     after = json.loads((Path(start) / "eval.json").read_text())["after"]["examples"]
-    assert [e["prediction"] for e in before] == [e["prediction"] for e in after[:len(before)]]
+    assert [e["prediction"] for e in before] == [e["prediction"] for e in after[: len(before)]]
     lines = logged(out)
     assert [m["step"] for m in lines] == [1, 2] and all(math.isfinite(m["loss"]) for m in lines)
     return lines
@@ -93,7 +127,7 @@ def two_processes(objective: str, data: tuple, out: Path, start, *extra, batch: 
 def guide_plugin():
     """The guide's objective example, made a module from the guide's text (section "An objective plugin")."""
     text = GUIDE.read_text(encoding="utf-8")
-    section = text[text.index("## 10. An objective plugin"):]
+    section = text[text.index("## 10. An objective plugin") :]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     module = types.ModuleType("guide_orpo")
     sys.modules[module.__name__] = module  # dataclasses resolve the options' types through it
@@ -125,8 +159,17 @@ def orpo_run(demo, tmp_path_factory):
 @pytest.fixture(scope="module")
 def kto_run(demo, orpo_run, tmp_path_factory):
     out = tmp_path_factory.mktemp("kto") / "run"
-    args = args_for("kto", demo.unpaired, out, "--init-adapter", orpo_run[0], "--desirable-weight", "1.5",
-                    "--undesirable-weight", "0.5")
+    args = args_for(
+        "kto",
+        demo.unpaired,
+        out,
+        "--init-adapter",
+        orpo_run[0],
+        "--desirable-weight",
+        "1.5",
+        "--undesirable-weight",
+        "0.5",
+    )
     code, output = cli_invoke(*args)
     assert code == 0, output
     return out, args
@@ -135,8 +178,9 @@ def kto_run(demo, orpo_run, tmp_path_factory):
 @pytest.fixture(scope="module")
 def simpo_run(demo, kto_run, tmp_path_factory):
     out = tmp_path_factory.mktemp("simpo") / "run"
-    args = args_for("simpo", demo.pairs, out, "--init-adapter", kto_run[0], "--beta", "2.5", "--simpo-gamma",
-                    "0.5", batch=1)
+    args = args_for(
+        "simpo", demo.pairs, out, "--init-adapter", kto_run[0], "--beta", "2.5", "--simpo-gamma", "0.5", batch=1
+    )
     code, output = cli_invoke(*args)
     assert code == 0, output
     return out, args
@@ -222,13 +266,21 @@ def test_kto_and_simpo_train_under_two_processes(kto_run, demo, tmp_path):
     trained adapter as the reference: step 1 is the weights' mean of 0.5 over both processes' records.
     SimPO, two processes of one pair each, from KTO's adapter: its loss is the mean of the pairs' losses,
     at least the loss of the mean margin (-log sigmoid is convex)."""
-    lines = two_processes("kto", demo.unpaired, tmp_path / "kto", kto_run[0], "--desirable-weight", "1.5",
-                          "--undesirable-weight", "0.5", batch=2)
+    lines = two_processes(
+        "kto",
+        demo.unpaired,
+        tmp_path / "kto",
+        kto_run[0],
+        "--desirable-weight",
+        "1.5",
+        "--undesirable-weight",
+        "0.5",
+        batch=2,
+    )
     d, u = lines[0]["desirable"], lines[0]["undesirable"]  # per process: the two processes' counts halved
     assert d + u == 2 and lines[0]["loss"] == pytest.approx(0.5 * (1.5 * d + 0.5 * u) / 2, abs=1e-7)
     assert lines[1]["loss"] != lines[0]["loss"]
-    lines = two_processes("simpo", demo.pairs, tmp_path / "simpo", kto_run[0], "--beta", "2.5", "--simpo-gamma",
-                          "0.5")
+    lines = two_processes("simpo", demo.pairs, tmp_path / "simpo", kto_run[0], "--beta", "2.5", "--simpo-gamma", "0.5")
     for m in lines:
         assert m["loss"] >= -logsigmoid(m["reward_margin"] - 0.5) - 1e-5
 
@@ -247,11 +299,13 @@ def test_simpo_and_kto_options_take_effect(simpo_run, kto_run, tmp_path):
     again = resumed_from_step_2(out, args, tmp_path)
     for a, b in zip(lines, logged(again), strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a, b)
-    code, output = cli_invoke("run", "--objective", "kto", "--batch-size", "1", "--output", tmp_path / "no",
-                              "--dry-run")
+    code, output = cli_invoke(
+        "run", "--objective", "kto", "--batch-size", "1", "--output", tmp_path / "no", "--dry-run"
+    )
     assert code != 0 and "--objective kto needs --batch-size 2 or more" in output
-    code, output = cli_invoke("run", "--objective", "kto", "--desirable-weight", "-1", "--output", tmp_path / "no",
-                              "--dry-run")
+    code, output = cli_invoke(
+        "run", "--objective", "kto", "--desirable-weight", "-1", "--output", tmp_path / "no", "--dry-run"
+    )
     assert code != 0 and "--desirable-weight (kto) must not be negative" in output
     code, output = cli_invoke("run", "--objective", "simpo", "--simpo-gamma", "x", "--dry-run")
     assert code != 0 and "'x' is not a valid float" in output
@@ -266,24 +320,38 @@ def test_bad_unpaired_records_stop_before_step_1_with_file_and_line(demo, tmp_pa
     from vlft.data.records import read_records_collecting
 
     root = Path(demo.unpaired[0]).parent
-    good_lf = {"messages": [{"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "red"}],
-               "kto_tag": True, "images": ["imgs/train_00000.png"]}
-    good_trl = {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}],
-                "completion": [{"role": "assistant", "content": "red"}], "label": False,
-                "images": ["imgs/train_00000.png"]}
-    bad = [good_lf, good_trl, {**good_lf, "kto_tag": "yes"}, {k: v for k, v in good_trl.items() if k != "label"},
-           {**good_lf, "messages": good_lf["messages"][:1]}]
+    good_lf = {
+        "messages": [{"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "red"}],
+        "kto_tag": True,
+        "images": ["imgs/train_00000.png"],
+    }
+    good_trl = {
+        "prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}],
+        "completion": [{"role": "assistant", "content": "red"}],
+        "label": False,
+        "images": ["imgs/train_00000.png"],
+    }
+    bad = [
+        good_lf,
+        good_trl,
+        {**good_lf, "kto_tag": "yes"},
+        {k: v for k, v in good_trl.items() if k != "label"},
+        {**good_lf, "messages": good_lf["messages"][:1]},
+    ]
     data = root / "bad-unpaired.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in bad))
     records, problems = read_records_collecting(data, parse=parse_unpaired)
     assert [r.where for r in records] == ["bad-unpaired.jsonl:1", "bad-unpaired.jsonl:2"]
     assert [(r.desirable, [(t.role, t.text) for t in r.turns]) for r in records] == [
         (True, [("user", "<image>Colour?"), ("assistant", "red")]),
-        (False, [("user", "<image>Colour?"), ("assistant", "red")])]
+        (False, [("user", "<image>Colour?"), ("assistant", "red")]),
+    ]
     assert problems.count == 3
     code, output = cli_invoke("data", "check", "--objective", "kto", data)
     assert code != 0 and "3 problem(s) found" in output, output
-    for line, said in ((3, "'kto_tag' must be true (a desirable reply) or false (an undesirable one), got 'yes'"),
-                       (4, "an unpaired preference record needs 'label' (or LLaMA-Factory's 'kto_tag')"),
-                       (5, "the last turn must be the assistant's reply")):
+    for line, said in (
+        (3, "'kto_tag' must be true (a desirable reply) or false (an undesirable one), got 'yes'"),
+        (4, "an unpaired preference record needs 'label' (or LLaMA-Factory's 'kto_tag')"),
+        (5, "the last turn must be the assistant's reply"),
+    ):
         assert f"bad-unpaired.jsonl:{line}: {said}" in output, (line, output)

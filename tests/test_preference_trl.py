@@ -31,8 +31,9 @@ import pytest
 import torch
 
 if os.environ.get("VLFT_REQUIRE_TRL") != "1":
-    pytest.importorskip("trl", reason="trl is not importable here; `make test` runs this module again with it "
-                                      "(.venv/trl-site)")
+    pytest.importorskip(
+        "trl", reason="trl is not importable here; `make test` runs this module again with it (.venv/trl-site)"
+    )
 import trl  # noqa: F401 - after the skip: trl is optional, imported to fail loudly under VLFT_REQUIRE_TRL
 
 NOISE = 0.05
@@ -40,8 +41,9 @@ NOISE = 0.05
 
 def _noise(model) -> dict:
     generator = torch.Generator().manual_seed(3)
-    return {n: torch.randn(p.shape, generator=generator) * NOISE for n, p in model.named_parameters()
-            if p.requires_grad}
+    return {
+        n: torch.randn(p.shape, generator=generator) * NOISE for n, p in model.named_parameters() if p.requires_grad
+    }
 
 
 def _add(model, noise: dict) -> None:
@@ -65,9 +67,21 @@ def setup(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("trl-prefs")
     ds = write_demo_unpaired(tmp / "demo", n_train=8, n_val=4, seed=11)
-    config = build_config({}, dict(backend="cpu", objective="kto", data=str(ds.train), val_data=str(ds.val),
-                                   output=str(tmp / "run"), steps=1, batch_size=4, adapter={"lora_dropout": 0.0},
-                                   objective_options={"desirable_weight": 1.5, "undesirable_weight": 0.5}, seed=0))
+    config = build_config(
+        {},
+        dict(
+            backend="cpu",
+            objective="kto",
+            data=str(ds.train),
+            val_data=str(ds.val),
+            output=str(tmp / "run"),
+            steps=1,
+            batch_size=4,
+            adapter={"lora_dropout": 0.0},
+            objective_options={"desirable_weight": 1.5, "undesirable_weight": 0.5},
+            seed=0,
+        ),
+    )
     registry = load_registry()
     s = build_trainer(registry, config)
     noise = _noise(s.model)
@@ -77,9 +91,9 @@ def setup(tmp_path_factory):
     pair_records = read_records(ds.root / "preferences-train.jsonl", parse=pairs_format.parse)[:4]
     encoder = pairs_format.encoder(s.plan.encoder.base)
     pair_host = pairs_format.collate(training_collator(s.plan, None, s.plan.processor))(
-        [encoder.encode(r) for r in pair_records])
-    return types.SimpleNamespace(s=s, registry=registry, host=host, pair_host=pair_host, noise=noise,
-                                 config=config)
+        [encoder.encode(r) for r in pair_records]
+    )
+    return types.SimpleNamespace(s=s, registry=registry, host=host, pair_host=pair_host, noise=noise, config=config)
 
 
 def _pair_logps(setup, trainer_class):
@@ -114,8 +128,14 @@ def test_simpos_loss_equals_trls_cpo_simpo(setup):
     beta, gamma = 2.0, 1.0
     logps = _pair_logps(setup, CPOTrainer)
     n = len(logps) // 2
-    stub = types.SimpleNamespace(alpha=0.0, loss_type="simpo", simpo_gamma=gamma, beta=beta, label_smoothing=0.0,
-                                 accelerator=types.SimpleNamespace(device=setup.s.device))
+    stub = types.SimpleNamespace(
+        alpha=0.0,
+        loss_type="simpo",
+        simpo_gamma=gamma,
+        beta=beta,
+        label_smoothing=0.0,
+        accelerator=types.SimpleNamespace(device=setup.s.device),
+    )
     losses, chosen, rejected = CPOTrainer.cpo_loss(stub, logps[:n], logps[n:])
     mine, figures = _vlft_pair_loss(setup, "simpo", {"beta": beta, "simpo_gamma": gamma})
     print(f"SimPO: vlft {mine:.9f}, TRL {float(losses.mean()):.9f}, margin {figures['reward_margin']:.4f}")
@@ -161,22 +181,48 @@ def test_ktos_loss_equals_trls_ktotrainer(setup, tmp_path):
     plan = s.plan
     base = load_model(plan.model_path, plan.attention, plan.precision, family=plan.family)
     seed_everything(setup.config.seed)
-    model = setup.registry.first("vlft_apply_adapter", method="lora", model=base, targets=plan.targets,
-                                 config=setup.config, target_parameters=[], family=plan.family)
+    model = setup.registry.first(
+        "vlft_apply_adapter",
+        method="lora",
+        model=base,
+        targets=plan.targets,
+        config=setup.config,
+        target_parameters=[],
+        family=plan.family,
+    )
     _add(model, setup.noise)
     kl, shared = host[OWN]["kl"], host[SHARED]
-    layout = {"input_ids": host["input_ids"], "attention_mask": host["attention_mask"],
-              "completion_mask": (host["labels"] != -100).long(), "KL_input_ids": kl["input_ids"],
-              "KL_attention_mask": kl["attention_mask"], "KL_completion_mask": (kl["labels"] != -100).long(),
-              "label": desirable, "pixel_values": shared["pixel_values"], "image_grid_thw": shared["image_grid_thw"],
-              "mm_token_type_ids": host["mm_token_type_ids"], "KL_mm_token_type_ids": kl["mm_token_type_ids"]}
-    args = KTOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, beta=0.1,
-                     desirable_weight=1.5, undesirable_weight=0.5, report_to=[], use_cpu=True, bf16=False,
-                     fp16=False, gradient_checkpointing=False, remove_unused_columns=False,
-                     dataloader_num_workers=0)
+    layout = {
+        "input_ids": host["input_ids"],
+        "attention_mask": host["attention_mask"],
+        "completion_mask": (host["labels"] != -100).long(),
+        "KL_input_ids": kl["input_ids"],
+        "KL_attention_mask": kl["attention_mask"],
+        "KL_completion_mask": (kl["labels"] != -100).long(),
+        "label": desirable,
+        "pixel_values": shared["pixel_values"],
+        "image_grid_thw": shared["image_grid_thw"],
+        "mm_token_type_ids": host["mm_token_type_ids"],
+        "KL_mm_token_type_ids": kl["mm_token_type_ids"],
+    }
+    args = KTOConfig(
+        output_dir=str(tmp_path / "trl"),
+        per_device_train_batch_size=4,
+        beta=0.1,
+        desirable_weight=1.5,
+        undesirable_weight=0.5,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+    )
     rows = Dataset.from_list([{"images": [], "prompt": "", "completion": "", "label": True}] * 4)
-    trainer = KTOTrainer(model=model, args=args, train_dataset=rows, processing_class=s.plan.processor,
-                         data_collator=lambda _: layout)
+    trainer = KTOTrainer(
+        model=model, args=args, train_dataset=rows, processing_class=s.plan.processor, data_collator=lambda _: layout
+    )
     with torch.no_grad():
         theirs = float(trainer._compute_loss(trainer.model.eval(), layout, False))
     print(f"KTO: vlft {mine:.9f}, TRL {theirs:.9f}, kl {figures['kl'] / 4:.5f}")

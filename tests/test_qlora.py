@@ -21,8 +21,10 @@ from test_after_training import tiny_data, vlft  # noqa: F401 - tiny_data is a f
 from test_tuning import _cfg, _train
 
 if os.environ.get("VLFT_REQUIRE_QLORA") != "1":
-    pytest.importorskip("bitsandbytes", reason="bitsandbytes is not importable here; `make test` runs this module "
-                                               "again with it (.venv/qlora-site)")
+    pytest.importorskip(
+        "bitsandbytes",
+        reason="bitsandbytes is not importable here; `make test` runs this module again with it (.venv/qlora-site)",
+    )
 import bitsandbytes as bnb
 
 
@@ -32,8 +34,10 @@ def test_nf4_on_cpu_trains_and_the_plan_counts_the_stored_4bit_tensors(small_dat
     from vlft.registry import load_registry
     from vlft.training.trainer import build_trainer
 
-    s = build_trainer(load_registry(), _cfg(small_data, tmp_path / "run", param_dtype="nf4", double_quant=True,
-                                      steps=2, warmup_ratio=0.0))
+    s = build_trainer(
+        load_registry(),
+        _cfg(small_data, tmp_path / "run", param_dtype="nf4", double_quant=True, steps=2, warmup_ratio=0.0),
+    )
     assert s.plan.precision.quantization == "nf4" and s.plan.precision.autocast_dtype == "bfloat16"
     base = s.model.get_base_model()
     four = [m for m in base.modules() if isinstance(m, bnb.nn.Linear4bit)]
@@ -59,6 +63,7 @@ def test_nf4_on_cpu_trains_and_the_plan_counts_the_stored_4bit_tensors(small_dat
 
 # -- export of a 4-bit run ---------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def nf4_run(tmp_path_factory, tiny_data):  # noqa: F811 - the fixture imported above
     """A 3-step LoRA run on NF4 base weights with double quantization, through `vlft run`'s own code."""
@@ -76,8 +81,9 @@ def probe(nf4_run, tiny_data):  # noqa: F811 - pytest passes the imported tiny_d
     from vlft.evaluation.inference import LoadOptions, load_for_inference
     from vlft.registry import load_registry
 
-    loaded = load_for_inference(load_registry(), str(nf4_run), None,
-                                LoadOptions(backend="cpu", param_dtype="nf4", double_quant=True))
+    loaded = load_for_inference(
+        load_registry(), str(nf4_run), None, LoadOptions(backend="cpu", param_dtype="nf4", double_quant=True)
+    )
     four_bit = [m for m in loaded.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     # the CPU backend keeps them off bitsandbytes' packed inference path (on AVX512-BF16 CPUs it asserts on
     # these shapes, and rounds differently from training)
@@ -116,15 +122,18 @@ def test_export_merges_into_the_dequantized_nf4_weights_it_trained_on(nf4_run, p
     # compute rounding only; a merge into the checkpoint's own weights adds the 4-bit rounding the adapter
     # was trained on top of
     assert vlft("export", "--adapter", nf4_run, "--output", tmp_path / "deq", "--dtype", "fp32")[0] == 0
-    code, output = vlft("export", "--adapter", nf4_run, "--output", tmp_path / "orig", "--dtype", "fp32",
-                        "--merge-into", "original")
+    code, output = vlft(
+        "export", "--adapter", nf4_run, "--output", tmp_path / "orig", "--dtype", "fp32", "--merge-into", "original"
+    )
     assert code == 0, output
     assert "into the original checkpoint's weights (--merge-into original)" in output
     off_dequantized = (_merged_logits(tmp_path / "deq", inputs) - trained).abs().max().item()
     off_original = (_merged_logits(tmp_path / "orig", inputs) - trained).abs().max().item()
     bf16_export = (_merged_logits(tmp_path / "merged", inputs) - trained).abs().max().item()
-    print(f"max |logit - trained 4-bit model's|: dequantized fp32 {off_dequantized:.4f}, dequantized bf16 "
-          f"{bf16_export:.4f}, original fp32 {off_original:.4f}")
+    print(
+        f"max |logit - trained 4-bit model's|: dequantized fp32 {off_dequantized:.4f}, dequantized bf16 "
+        f"{bf16_export:.4f}, original fp32 {off_original:.4f}"
+    )
     # the two error sources, not a tolerance: bf16 compute rounds each op by at most 2^-8 relative, while NF4
     # moves each weight by up to half a step of its 16-level code (about 1/15 of the block's absmax), an
     # order of magnitude more; measured 0.06 to 0.07 of it here on the AVX512, AVX2 and generic kernels
@@ -141,8 +150,9 @@ def test_the_dequantized_merge_is_the_4bit_weight_plus_the_update(nf4_run, tmp_p
 
     assert vlft("export", "--adapter", nf4_run, "--output", tmp_path / "deq", "--dtype", "fp32")[0] == 0
     merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "deq", dtype=torch.float32).state_dict()
-    loaded = load_for_inference(load_registry(), str(nf4_run), None,
-                                LoadOptions(backend="cpu", param_dtype="nf4", double_quant=True))
+    loaded = load_for_inference(
+        load_registry(), str(nf4_run), None, LoadOptions(backend="cpu", param_dtype="nf4", double_quant=True)
+    )
     checked = 0
     for name, module in loaded.model.named_modules():
         if not (hasattr(module, "lora_A") and isinstance(module.base_layer, bnb.nn.Linear4bit)):
@@ -175,16 +185,34 @@ def test_a_bare_adapter_folder_cannot_be_merged_as_dequantized(nf4_run, tmp_path
 def test_eval_scores_the_trained_4bit_model_quantized_as_the_run_was(nf4_run, tiny_data, tmp_path):  # noqa: F811 - the imported fixture
     """`vlft eval --param-dtype nf4` loads the base in 4-bit with the run's double quantization, and says so."""
     out = tmp_path / "scores.json"
-    code, output = vlft("eval", "--adapter", nf4_run, "--data", tiny_data[1], "--param-dtype", "nf4", "--backend",
-                        "cpu", "--max-new-tokens", 4, "--output", out)
+    code, output = vlft(
+        "eval",
+        "--adapter",
+        nf4_run,
+        "--data",
+        tiny_data[1],
+        "--param-dtype",
+        "nf4",
+        "--backend",
+        "cpu",
+        "--max-new-tokens",
+        4,
+        "--output",
+        out,
+    )
     assert code == 0, output
     precision = json.loads(out.read_text())["precision"]
     assert precision["quantization"] == "nf4" and precision["double_quant"] is True
     assert json.loads(out.read_text())["scores"]["samples"] == 4
 
 
-def test_predict_answers_every_record_with_the_trained_adapter_on_the_4bit_base(nf4_run, probe, tiny_data,  # noqa: F811 - the imported fixture
-                                                                                  tmp_path, monkeypatch):
+def test_predict_answers_every_record_with_the_trained_adapter_on_the_4bit_base(
+    nf4_run,
+    probe,
+    tiny_data,  # noqa: F811 - the imported fixture
+    tmp_path,
+    monkeypatch,
+):
     """`vlft predict --param-dtype nf4`: one prediction per record, in the data's order, made by the model the
     run trained: bitsandbytes' 4-bit linears under the LoRA layers, the saved adapter's weights on them, and
     the trained 4-bit model's logits (the ``probe``'s)."""
@@ -203,8 +231,22 @@ def test_predict_answers_every_record_with_the_trained_adapter_on_the_4bit_base(
 
     monkeypatch.setattr(generation, "generate_answers", watched)
     out = tmp_path / "predictions.jsonl"
-    code, output = vlft("predict", "--adapter", nf4_run, "--data", tiny_data[1], "--param-dtype", "nf4",
-                        "--backend", "cpu", "--max-new-tokens", 4, "--output", out, "--quiet")
+    code, output = vlft(
+        "predict",
+        "--adapter",
+        nf4_run,
+        "--data",
+        tiny_data[1],
+        "--param-dtype",
+        "nf4",
+        "--backend",
+        "cpu",
+        "--max-new-tokens",
+        4,
+        "--output",
+        out,
+        "--quiet",
+    )
     assert code == 0, output
     records = read_records(tiny_data[1])
     lines = [json.loads(line) for line in out.read_text().splitlines()]
@@ -213,8 +255,9 @@ def test_predict_answers_every_record_with_the_trained_adapter_on_the_4bit_base(
 
     [model] = used
     adapted = [m for m in model.modules() if hasattr(m, "lora_A")]
-    assert any(isinstance(m.base_layer, bnb.nn.Linear4bit) for m in adapted), \
+    assert any(isinstance(m.base_layer, bnb.nn.Linear4bit) for m in adapted), (
         "no LoRA layer sits on a 4-bit linear: the base was not loaded in 4-bit"
+    )
     saved = load_file(str(nf4_run / "adapter" / "adapter_model.safetensors"))
     loaded = get_peft_model_state_dict(model)
     assert loaded.keys() == saved.keys()

@@ -21,9 +21,23 @@ from vlft.registry import load_registry
 def short_values(small_data, output, **over) -> dict:
     """The flag values of the short runs here (``vlft run`` flags through ``helpers.run_flags``)."""
     train, val = small_data
-    values = dict(backend="cpu", method="lora", data=str(train), val_data=str(val), output=str(output), steps=6,
-                  batch_size=4, log_every=1, eval_every=3, eval_batches=1, eval_samples=4, max_new_tokens=12,
-                  save_every=3, seed=1, lr=3e-3)
+    values = dict(
+        backend="cpu",
+        method="lora",
+        data=str(train),
+        val_data=str(val),
+        output=str(output),
+        steps=6,
+        batch_size=4,
+        log_every=1,
+        eval_every=3,
+        eval_batches=1,
+        eval_samples=4,
+        max_new_tokens=12,
+        save_every=3,
+        seed=1,
+        lr=3e-3,
+    )
     values.update(over)
     return values
 
@@ -45,8 +59,9 @@ def logged_losses(output: Path) -> list[dict]:
 def test_short_run_writes_adapter_metrics_and_eval(small_data, tmp_path, method):
     out = tmp_path / "run"
     # a checkpoint every step, two kept: the last step's too (the final checkpoint, before the evaluation)
-    code, output = cli_invoke("run", "--quiet", *run_flags(short_values(small_data, out, method=method, save_every=1,
-                                                                        keep_checkpoints=2)))
+    code, output = cli_invoke(
+        "run", "--quiet", *run_flags(short_values(small_data, out, method=method, save_every=1, keep_checkpoints=2))
+    )
     assert code == 0, output
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics if "loss" in m] == [1, 2, 3, 4, 5, 6]
@@ -84,12 +99,14 @@ def test_resume_continues_with_the_same_losses(registry, small_data, tmp_path, m
 
     monkeypatch.setattr(vlft.training.step, "train_step", dying_step)
     with pytest.raises(KeyboardInterrupt):
-        execute(registry, short_config(small_data, interrupted, steps=8, save_every=4, eval_every=0),
-                progress=False)
+        execute(registry, short_config(small_data, interrupted, steps=8, save_every=4, eval_every=0), progress=False)
     monkeypatch.setattr(vlft.training.step, "train_step", real_step)
     assert [m["step"] for m in logged_losses(interrupted)] == [1, 2, 3, 4, 5]
-    code, output = cli_invoke("run", "--quiet", *run_flags(short_values(small_data, interrupted, steps=8, save_every=4,
-                                                                        eval_every=0, resume=True)))
+    code, output = cli_invoke(
+        "run",
+        "--quiet",
+        *run_flags(short_values(small_data, interrupted, steps=8, save_every=4, eval_every=0, resume=True)),
+    )
     assert code == 0, output
 
     a, b = logged_losses(straight), logged_losses(interrupted)
@@ -148,8 +165,7 @@ def test_the_hook_counter_counts_vlft_hooks_only_and_puts_pluggy_back(registry):
 
     class Spec:
         @pluggy.HookspecMarker("elsewhere")
-        def ping(self):
-            ...
+        def ping(self): ...
 
     other.add_hookspecs(Spec)
     real = pluggy.HookCaller.__call__
@@ -214,8 +230,9 @@ class ToyPlugin:
     def vlft_adapter_defaults(self, method, config):
         if method != "ia3":
             return None
-        return AdapterDefaults("ia3", lr=1e-2, hyperparameters={}, text_modules=("k_proj", "v_proj", "down_proj"),
-                               vision_modules=("qkv",))
+        return AdapterDefaults(
+            "ia3", lr=1e-2, hyperparameters={}, text_modules=("k_proj", "v_proj", "down_proj"), vision_modules=("qkv",)
+        )
 
     @hookimpl
     def vlft_apply_adapter(self, method, model, targets, config):
@@ -249,8 +266,15 @@ def test_a_plugin_defined_in_a_test_adds_a_backend_and_a_method(small_data, tmp_
 def _write_bad_data(tmp_path: Path) -> Path:
     (tmp_path / "imgs").mkdir()
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"image": "imgs/nope.png", "conversations": [
-        {"from": "user", "value": "<image> what?"}, {"from": "assistant", "value": "x"}]}) + "\n")
+    bad.write_text(
+        json.dumps(
+            {
+                "image": "imgs/nope.png",
+                "conversations": [{"from": "user", "value": "<image> what?"}, {"from": "assistant", "value": "x"}],
+            }
+        )
+        + "\n"
+    )
     return bad
 
 
@@ -298,12 +322,15 @@ def test_config_file_keys_are_flag_names_and_flags_override(tmp_path, small_data
 
 
 def test_dry_run_prints_the_plan_without_training(tmp_path):
-    res = CliRunner().invoke(cli, ["run", "--backend", "cpu", "--method", "oft", "--dry-run", "--json",
-                                   "--output", str(tmp_path / "o")])
+    res = CliRunner().invoke(
+        cli, ["run", "--backend", "cpu", "--method", "oft", "--dry-run", "--json", "--output", str(tmp_path / "o")]
+    )
     assert res.exit_code == 0, res.output
-    plan = json.loads(res.output[res.output.index("{"):])
+    plan = json.loads(res.output[res.output.index("{") :])
     assert plan["backend"]["name"] == "cpu" and plan["method"]["name"] == "oft"
     assert plan["precision"]["name"] == "fp32" and {k: plan["attention"][k] for k in ("vision", "text")} == {
-        "vision": "eager", "text": "eager"}
+        "vision": "eager",
+        "text": "eager",
+    }
     assert len(plan["targets"]["modules"]) == 20 and plan["targets"]["adapter_parameters"] > 0
     assert not (tmp_path / "o").exists()

@@ -117,8 +117,11 @@ RUN_OPTION_TESTS = {
 def _run_options() -> dict[str, click.Parameter]:
     """Every option of ``vlft run``: its own and the installed objectives' (``vlft.cli.RunCommand``)."""
     run = cli.get_command(click.Context(cli), "run")
-    return {max(p.opts, key=len): p for p in run.get_params(click.Context(run))
-            if isinstance(p, click.Option) and p.name != "help"}
+    return {
+        max(p.opts, key=len): p
+        for p in run.get_params(click.Context(run))
+        if isinstance(p, click.Option) and p.name != "help"
+    }
 
 
 def test_every_run_option_names_the_test_that_shows_it():
@@ -126,8 +129,10 @@ def test_every_run_option_names_the_test_that_shows_it():
     set the option is checked at the end of the session it runs in (run_option_index.py)."""
     options = _run_options()
     missing = sorted(set(options) - set(RUN_OPTION_TESTS))
-    assert not missing, (f"vlft run options without an end-to-end test: {', '.join(missing)}; add a real run "
-                         f"that sets each and checks its promise, and name it in RUN_OPTION_TESTS")
+    assert not missing, (
+        f"vlft run options without an end-to-end test: {', '.join(missing)}; add a real run "
+        f"that sets each and checks its promise, and name it in RUN_OPTION_TESTS"
+    )
     stale = sorted(set(RUN_OPTION_TESTS) - set(options))
     assert not stale, f"RUN_OPTION_TESTS names options vlft run no longer has: {', '.join(stale)}"
     defined = run_option_index.defined_tests(Path(__file__).parent)
@@ -147,8 +152,26 @@ def demo(tmp_path_factory) -> tuple[Path, Path]:
     return ds.train, ds.val
 
 
-BASE = ("run", "--quiet", "--backend", "cpu", "--batch-size", "2", "--log-every", "1", "--eval-every", "0",
-        "--eval-samples", "1", "--max-new-tokens", "2", "--save-every", "0", "--seed", "4")
+BASE = (
+    "run",
+    "--quiet",
+    "--backend",
+    "cpu",
+    "--batch-size",
+    "2",
+    "--log-every",
+    "1",
+    "--eval-every",
+    "0",
+    "--eval-samples",
+    "1",
+    "--max-new-tokens",
+    "2",
+    "--save-every",
+    "0",
+    "--seed",
+    "4",
+)
 
 
 class _RunSpies:
@@ -168,15 +191,23 @@ class _RunSpies:
         def spied(kind, fn):
             def attend(module, *args, **kwargs):
                 tower = "vision" if "Vision" in type(module).__name__ else "text"
-                self.attention.add((tower, kind, torch.are_deterministic_algorithms_enabled(),
-                                    torch.is_deterministic_algorithms_warn_only_enabled()))
+                self.attention.add(
+                    (
+                        tower,
+                        kind,
+                        torch.are_deterministic_algorithms_enabled(),
+                        torch.is_deterministic_algorithms_warn_only_enabled(),
+                    )
+                )
                 return fn(module, *args, **kwargs)
+
             return attend
 
         # the functions the attention modules call (whichever way a transformers version dispatches to them)
         monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", spied("sdpa", ALL_ATTENTION_FUNCTIONS["sdpa"]))
-        monkeypatch.setattr(modeling_qwen2_5_vl, "eager_attention_forward",
-                            spied("eager", modeling_qwen2_5_vl.eager_attention_forward))
+        monkeypatch.setattr(
+            modeling_qwen2_5_vl, "eager_attention_forward", spied("eager", modeling_qwen2_5_vl.eager_attention_forward)
+        )
         seeded = order.worker_init
 
         def worker_init(worker_id: int) -> None:  # runs in the worker process
@@ -225,15 +256,35 @@ def test_training_options_take_effect_in_a_real_run(demo, tmp_path, monkeypatch,
     config_file = tmp_path / "run.yaml"
     config_file.write_text("vision-last-n: 2\nweight_decay: 0.1\nepochs: 0.5\n")
     spies = _RunSpies(monkeypatch, tmp_path / "workers.jsonl")
-    code, output = cli_invoke(*BASE, "--data", train, "--val-data", val, "--output", out, "--config", config_file,
-                         "--max-grad-norm", "1e-12",
-                         "--num-workers", "2", "--deterministic", "--attn", "vision=sdpa,text=eager",
-                         "--device-memory", "1MiB", "--no-memory-check", "--lr", "3e-3")
+    code, output = cli_invoke(
+        *BASE,
+        "--data",
+        train,
+        "--val-data",
+        val,
+        "--output",
+        out,
+        "--config",
+        config_file,
+        "--max-grad-norm",
+        "1e-12",
+        "--num-workers",
+        "2",
+        "--deterministic",
+        "--attn",
+        "vision=sdpa,text=eager",
+        "--device-memory",
+        "1MiB",
+        "--no-memory-check",
+        "--lr",
+        "3e-3",
+    )
     assert code == 0, output
     plan = json.loads((out / "plan.json").read_text())
     # --attn: the vision blocks' forward called SDPA and the decoder layers' eager attention, nothing else
     assert spies.ran("vision") == {"sdpa"} and spies.ran("text") == {"eager"}, (
-        f"attention the run's forwards called: vision {spies.ran('vision')}, text {spies.ran('text')}")
+        f"attention the run's forwards called: vision {spies.ran('vision')}, text {spies.ran('text')}"
+    )
     assert plan["attention"]["vision"] == "sdpa" and plan["attention"]["text"] == "eager"
     # --deterministic: the CPU seed hook switched torch to deterministic algorithms (warning only where an op
     # has none) before the first forward; unasked, it leaves them off
@@ -245,7 +296,8 @@ def test_training_options_take_effect_in_a_real_run(demo, tmp_path, monkeypatch,
     # --num-workers 2: two worker processes (not this one) started, and torch told each it is one of 2
     workers = spies.started_workers()
     assert sorted(w["id"] for w in workers) == [0, 1] and {w["of"] for w in workers} == {2}, (
-        f"DataLoader workers the run started: {workers or 'none'}")
+        f"DataLoader workers the run started: {workers or 'none'}"
+    )
     assert len({w["pid"] for w in workers}) == 2 and os.getpid() not in {w["pid"] for w in workers}
     assert plan["dataloader"]["num_workers"] == 2
     assert [m["step"] for m in _metrics(out) if "loss" in m] == [1, 2, 3, 4]  # half of 16 records, 2 a step
@@ -267,8 +319,21 @@ def test_resume_refuses_a_changed_run_unless_forced(demo, tmp_path, monkeypatch)
 
     train, val = demo
     out = tmp_path / "run"
-    common = (*BASE[:-4], "--seed", "4", "--data", train, "--val-data", val, "--output", out, "--steps", "4",
-              "--save-every", "2")
+    common = (
+        *BASE[:-4],
+        "--seed",
+        "4",
+        "--data",
+        train,
+        "--val-data",
+        val,
+        "--output",
+        out,
+        "--steps",
+        "4",
+        "--save-every",
+        "2",
+    )
     die_at_step(monkeypatch, 3)
     code, output = cli_invoke(*common)
     assert code != 0 and (out / "checkpoints" / "step-000002").is_dir()  # interrupted during step 3
@@ -315,16 +380,31 @@ def test_data_options_reach_the_samples_a_run_trains_on(demo, tmp_path):
     for r in records[::2]:  # half without the placeholder
         r["conversations"][0]["value"] = r["conversations"][0]["value"].replace("<image>\n", "")
     answer = "it brightens from black to white, a step every quarter of a second, over the whole clip"
-    video = {"video": "clips/a.mp4", "conversations": [{"from": "human", "value": "<video>\nWhat happens?"},
-                                                        {"from": "gpt", "value": answer}]}
+    video = {
+        "video": "clips/a.mp4",
+        "conversations": [{"from": "human", "value": "<video>\nWhat happens?"}, {"from": "gpt", "value": answer}],
+    }
     data = tmp_path / "data" / "train.jsonl"  # the images are not beside it: --image-root says where
     data.parent.mkdir()
     data.write_text("".join(json.dumps(r) + "\n" for r in [*records, video]))
 
     def lengths(name, *flags) -> dict:
         out = tmp_path / name
-        code, output = cli_invoke(*BASE, "--data", data, "--val-data", data, "--output", out, "--steps", "2",
-                             "--image-root", media, "--add-placeholders", *flags)
+        code, output = cli_invoke(
+            *BASE,
+            "--data",
+            data,
+            "--val-data",
+            data,
+            "--output",
+            out,
+            "--steps",
+            "2",
+            "--image-root",
+            media,
+            "--add-placeholders",
+            *flags,
+        )
         assert code == 0, output
         assert [m["step"] for m in _metrics(out) if "loss" in m] == [1, 2]
         return json.loads((out / "plan.json").read_text())["lengths"]
@@ -338,10 +418,14 @@ def test_data_options_reach_the_samples_a_run_trains_on(demo, tmp_path):
     # the video (the longest sample, by its long answer, in every run): 2 frames make a temporal patch of 16 tokens
     # (8 x 8 patches, merged 2 x 2); its 16 frames at 4 fps give 8 frames at the default 2 fps (4 patches), 4 at
     # --video-fps 1 (2 patches) and 2 with --video-max-frames 2 (1 patch)
-    longest = {"full": full["longest"], "fps": lengths("fps", "--video-fps", "1")["longest"],
-               "frames": lengths("frames", "--video-max-frames", "2")["longest"]}
+    longest = {
+        "full": full["longest"],
+        "fps": lengths("fps", "--video-fps", "1")["longest"],
+        "frames": lengths("frames", "--video-max-frames", "2")["longest"],
+    }
     assert (longest["full"] - longest["fps"], longest["full"] - longest["frames"]) == (2 * 16, 3 * 16), (
-        f"the video's length by run (default, --video-fps 1, --video-max-frames 2): {longest}")
+        f"the video's length by run (default, --video-fps 1, --video-max-frames 2): {longest}"
+    )
 
 
 def test_grouped_batches_under_two_processes_pad_less(tmp_path):
@@ -354,22 +438,28 @@ def test_grouped_batches_under_two_processes_pad_less(tmp_path):
     from helpers import vlft_command
     from vlft.data.demo import write_varied_dataset
 
-    data = write_varied_dataset(tmp_path / "varied", n=32, seed=3, min_side=28, max_side=96, max_images=1,
-                                answer_words=(1, 60), max_turns=1)
+    data = write_varied_dataset(
+        tmp_path / "varied", n=32, seed=3, min_side=28, max_side=96, max_images=1, answer_words=(1, 60), max_turns=1
+    )
     ratios = {}
     for grouped in (False, True):
         out = tmp_path / f"run-{grouped}"
         args = [*BASE, "--data", data, "--val-data", data, "--output", out, "--steps", "8"]
         if grouped:  # 2 processes of micro-batch 2
-            proc = subprocess.run([*vlft_command(), *map(str, args), "--nproc-per-node", "2", "--group-by-length"],
-                                  capture_output=True, text=True, timeout=600,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+            proc = subprocess.run(
+                [*vlft_command(), *map(str, args), "--nproc-per-node", "2", "--group-by-length"],
+                capture_output=True,
+                text=True,
+                timeout=600,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
             assert proc.returncode == 0, proc.stderr[-3000:]
         else:  # the plain shuffle, in micro-batches of 2 as well
             code, output = cli_invoke(*args)
             assert code == 0, output
         logged = [m for m in _metrics(out) if "loss" in m]
         assert len(logged) == 8
-        ratios[grouped] = (sum(m["tokens_per_s"] * m["step_time_s"] for m in logged)
-                           / sum(m["effective_tokens_per_s"] * m["step_time_s"] for m in logged))
+        ratios[grouped] = sum(m["tokens_per_s"] * m["step_time_s"] for m in logged) / sum(
+            m["effective_tokens_per_s"] * m["step_time_s"] for m in logged
+        )
     assert ratios[True] < 1 + 0.5 * (ratios[False] - 1), ratios  # at most half the padding

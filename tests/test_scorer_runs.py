@@ -40,8 +40,29 @@ def demo_set(tmp_path_factory, task, seed, *flags):
 
 def run_args(data, out, task, batch_size=4):
     train, val = data
-    return ["run", "--backend", "cpu", "--data", train, "--val-data", val, "--output", out, "--steps", STEPS[task],
-            "--batch-size", batch_size, "--lr", "3e-3", "--eval-every", 0, "--eval-samples", 12, "--seed", 1]
+    return [
+        "run",
+        "--backend",
+        "cpu",
+        "--data",
+        train,
+        "--val-data",
+        val,
+        "--output",
+        out,
+        "--steps",
+        STEPS[task],
+        "--batch-size",
+        batch_size,
+        "--lr",
+        "3e-3",
+        "--eval-every",
+        0,
+        "--eval-samples",
+        12,
+        "--seed",
+        1,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +74,29 @@ def counting(tmp_path_factory):
 def counting_run(counting, tmp_path_factory):
     """The counting run in 2 processes of batch 2 (sharded, packed), scored with auto's choice plus ANLS."""
     out = tmp_path_factory.mktemp("counting-run") / "run"
-    args = [*run_args(counting, out, "counting", batch_size=2), "--save-every", 0, "--scorer", "auto,anls",
-            "--max-new-tokens", 4, "--nproc-per-node", 2, "--shard", "fsdp", "--packing", "on"]
-    proc = subprocess.run([*vlft_command(), *map(str, args)], capture_output=True, text=True, check=False,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    args = [
+        *run_args(counting, out, "counting", batch_size=2),
+        "--save-every",
+        0,
+        "--scorer",
+        "auto,anls",
+        "--max-new-tokens",
+        4,
+        "--nproc-per-node",
+        2,
+        "--shard",
+        "fsdp",
+        "--packing",
+        "on",
+    ]
+    proc = subprocess.run(
+        [*vlft_command(), *map(str, args)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc.stdout + proc.stderr
 
@@ -66,8 +106,10 @@ def test_a_run_scores_with_auto_and_named_scorers_and_the_figures_rise(counting_
     plan = json.loads((out / "plan.json").read_text())
     assert plan["sharding"]["strategy"] == "fsdp" and plan["packing"]["enabled"]
     # the plan says what auto picked and why, and what was asked
-    assert ("scorers      exact (auto: always), relaxed (auto: every reference is a number), anls (asked)"
-            "  [--scorer auto,anls]") in output
+    assert (
+        "scorers      exact (auto: always), relaxed (auto: every reference is a number), anls (asked)"
+        "  [--scorer auto,anls]"
+    ) in output
     assert [c["name"] for c in plan["scorers"]["chosen"]] == ["exact", "relaxed", "anls"]
     ev = json.loads((out / "eval.json").read_text())
     for when in ("before", "after"):
@@ -88,8 +130,23 @@ def test_eval_scores_the_runs_adapter_with_the_scorers_asked(counting_run, count
     out, _ = counting_run
     _, val = counting
     scores = tmp_path / "scores.json"
-    code, output = cli_invoke("eval", "--adapter", out, "--data", val, "--samples", 12, "--max-new-tokens", 4,
-                              "--batch-size", 4, "--scorer", "relaxed,anls,cer", "--output", scores)
+    code, output = cli_invoke(
+        "eval",
+        "--adapter",
+        out,
+        "--data",
+        val,
+        "--samples",
+        12,
+        "--max-new-tokens",
+        4,
+        "--batch-size",
+        4,
+        "--scorer",
+        "relaxed,anls,cer",
+        "--output",
+        scores,
+    )
     assert code == 0, output
     got = json.loads(scores.read_text())
     after = json.loads((out / "eval.json").read_text())["after"]
@@ -118,8 +175,15 @@ def grounding_run(grounding, tmp_path_factory):
     """The grounding run, stopped in step 31 (as Ctrl-C would) and resumed from its step-30 checkpoint: the
     resumed run takes the scorers' before figures from the eval.json the first attempt wrote."""
     out = tmp_path_factory.mktemp("grounding-run") / "run"
-    args = [*run_args(grounding, out, "grounding"), "--save-every", 30, "--max-new-tokens", 24, "--adapter-opt",
-            "lora_dropout=0"]
+    args = [
+        *run_args(grounding, out, "grounding"),
+        "--save-every",
+        30,
+        "--max-new-tokens",
+        24,
+        "--adapter-opt",
+        "lora_dropout=0",
+    ]
     with pytest.MonkeyPatch.context() as mp:
         die_at_step(mp, INTERRUPTED_AT)
         code, output = cli_invoke(*args)
@@ -144,8 +208,9 @@ def test_a_grounding_run_picks_iou_in_the_familys_convention_and_it_rises(ground
         row = next(line for line in output.splitlines() if line.startswith(label + " "))
         assert row.split()[-2:] == [f"{ev['before'][key]:.1%}", f"{ev['after'][key]:.1%}"], row
     # the writer follows the convention asked (a refusal of a box outside the family's range: test_scorers.py)
-    one = write_task_dataset(tmp_path / "fractions", "grounding", n_train=8, n_val=4, seed=3,
-                             box_coordinates="relative-1")
+    one = write_task_dataset(
+        tmp_path / "fractions", "grounding", n_train=8, n_val=4, seed=3, box_coordinates="relative-1"
+    )
     assert json.loads(one.val.read_text().splitlines()[0])["conversations"][1]["value"].startswith("[0.")
 
 
@@ -156,11 +221,47 @@ def test_grpo_with_the_iou_scorer_as_reward_raises_the_validation_iou(grounding,
     prompts x 4 completions a step the figure moved both ways with the seed and the step count (docs/scorers.md)."""
     train, val = grounding
     out = tmp_path / "grpo"
-    code, output = cli_invoke("run", "--objective", "grpo", "--reward", "iou", "--init-adapter", grounding_run[0],
-                              "--backend", "cpu", "--data", train, "--val-data", val, "--output", out, "--steps", 12,
-                              "--batch-size", 4, "--num-generations", 8, "--max-new-tokens", 24, "--temperature",
-                              "0.7", "--lr", "3e-4", "--log-every", 1, "--eval-every", 0, "--eval-samples", 12,
-                              "--save-every", 0, "--seed", 1, "--adapter-opt", "lora_dropout=0")
+    code, output = cli_invoke(
+        "run",
+        "--objective",
+        "grpo",
+        "--reward",
+        "iou",
+        "--init-adapter",
+        grounding_run[0],
+        "--backend",
+        "cpu",
+        "--data",
+        train,
+        "--val-data",
+        val,
+        "--output",
+        out,
+        "--steps",
+        12,
+        "--batch-size",
+        4,
+        "--num-generations",
+        8,
+        "--max-new-tokens",
+        24,
+        "--temperature",
+        "0.7",
+        "--lr",
+        "3e-4",
+        "--log-every",
+        1,
+        "--eval-every",
+        0,
+        "--eval-samples",
+        12,
+        "--save-every",
+        0,
+        "--seed",
+        1,
+        "--adapter-opt",
+        "lora_dropout=0",
+    )
     assert code == 0, output
     steps = [m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
     assert len(steps) == 12 and all(0 <= m["reward"] <= 1 for m in steps)
@@ -177,8 +278,11 @@ def test_grpo_with_the_iou_scorer_as_reward_raises_the_validation_iou(grounding,
 
 OPTIONS = "A. one disc\nB. three discs\nC. two discs"
 # answers every named scorer can read: an option's letter, a box (absolute pixels) and a JSON object
-REFERENCES = ['B. [10, 10, 50, 50] {"count": 3}', 'C. [0, 0, 40, 40] {"count": 2}',
-              'A. [60, 60, 100, 100] {"count": 1}']
+REFERENCES = [
+    'B. [10, 10, 50, 50] {"count": 3}',
+    'C. [0, 0, 40, 40] {"count": 2}',
+    'A. [60, 60, 100, 100] {"count": 1}',
+]
 ANSWERS = [REFERENCES[0], 'A. [0, 0, 40, 20] {"count": 2}', ""]
 
 
@@ -188,10 +292,18 @@ def sink_set(counting, tmp_path):
     rows = [json.loads(line) for line in train.read_text().splitlines()[:3]]
     data = tmp_path / "sink.jsonl"
     question = f"<image>\nWhich option, where, and how many?\n{OPTIONS}"
-    data.write_text("".join(json.dumps({
-        "image": str((train.parent / row["image"]).resolve()),
-        "conversations": [{"from": "user", "value": question}, {"from": "assistant", "value": reference}]}) + "\n"
-        for row, reference in zip(rows, REFERENCES)))
+    data.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "image": str((train.parent / row["image"]).resolve()),
+                    "conversations": [{"from": "user", "value": question}, {"from": "assistant", "value": reference}],
+                }
+            )
+            + "\n"
+            for row, reference in zip(rows, REFERENCES)
+        )
+    )
     return data
 
 
@@ -205,8 +317,9 @@ def test_eval_writes_every_built_in_figure_equal_to_its_hand_computation(sink_se
 
     monkeypatch.setattr(generation, "generate_answers", fixed_answers)
     out = tmp_path / "scores.json"
-    code, output = cli_invoke("eval", "--data", sink_set, "--scorer", "anls,relaxed,iou,choice,bleu,cer,json",
-                              "--output", out)
+    code, output = cli_invoke(
+        "eval", "--data", sink_set, "--scorer", "anls,relaxed,iou,choice,bleu,cer,json", "--output", out
+    )
     assert code == 0, output
     got = json.loads(out.read_text())["scores"]
     # answer 2 differs from its reference by two substitutions (C->A, 4->2), answer 3 is empty
@@ -225,8 +338,16 @@ def test_eval_writes_every_built_in_figure_equal_to_its_hand_computation(sink_se
     }
     assert {k: got[k] for k in expected} == pytest.approx(expected)
     assert list(got["scorers"]) == ["anls", "relaxed", "iou", "choice", "bleu", "cer", "json"]
-    for label in ("anls", "relaxed accuracy", "iou accuracy", "choice accuracy", "bleu", "cer (lower is better)",
-                  "json f1", "json valid"):
+    for label in (
+        "anls",
+        "relaxed accuracy",
+        "iou accuracy",
+        "choice accuracy",
+        "bleu",
+        "cer (lower is better)",
+        "json f1",
+        "json valid",
+    ):
         assert any(line.startswith(label) for line in output.splitlines()), label
 
 
@@ -238,12 +359,22 @@ def test_records_with_several_answers_score_the_best_of_them(counting, tmp_path,
     image = str((train.parent / json.loads(train.read_text().splitlines()[0])["image"]).resolve())
 
     def record(reply, answers):
-        return json.dumps({"image": image, "answers": answers, "conversations": [
-            {"from": "user", "value": "<image>\nWhat is the total?"}, {"from": "assistant", "value": reply}]})
+        return json.dumps(
+            {
+                "image": image,
+                "answers": answers,
+                "conversations": [
+                    {"from": "user", "value": "<image>\nWhat is the total?"},
+                    {"from": "assistant", "value": reply},
+                ],
+            }
+        )
 
     data = tmp_path / "docvqa.jsonl"
     data.write_text(record("$12.00", ["12", "twelve dollars"]) + "\n" + record("kitten", ["kitten"]) + "\n")
-    monkeypatch.setattr(generation, "generate_answers", lambda m, e, records, *a, **k: ["12", "sitting"][:len(records)])
+    monkeypatch.setattr(
+        generation, "generate_answers", lambda m, e, records, *a, **k: ["12", "sitting"][: len(records)]
+    )
     out = tmp_path / "scores.json"
     code, output = cli_invoke("eval", "--data", data, "--scorer", "exact,anls", "--output", out)
     assert code == 0, output
@@ -256,6 +387,7 @@ def test_records_with_several_answers_score_the_best_of_them(counting, tmp_path,
 
 
 # -- a third party's scorer --------------------------------------------------------------------------------------
+
 
 def shortness(predictions, references, **context):
     """1 where the answer is no longer than the reference."""
@@ -277,8 +409,9 @@ def test_a_plugins_scorer_is_listed_scored_with_and_a_reward(sink_set, tmp_path,
     monkeypatch.setattr(vlft.registry, "_default", None)  # the process's registry, loaded again with it
     monkeypatch.setattr(generation, "generate_answers", lambda m, e, records, *a, **k: ["x"] * len(records))
     code, output = cli_invoke("plugins")
-    assert code == 0 and f"shortness 1 if the answer is no longer than the reference (plugin {__name__})" in \
-        " ".join(output.split())
+    assert code == 0 and f"shortness 1 if the answer is no longer than the reference (plugin {__name__})" in " ".join(
+        output.split()
+    )
     out = tmp_path / "scores.json"
     code, output = cli_invoke("eval", "--data", sink_set, "--scorer", "shortness", "--output", out)
     assert code == 0, output
@@ -293,11 +426,23 @@ def test_a_plugins_scorer_is_listed_scored_with_and_a_reward(sink_set, tmp_path,
 
 
 def test_the_demo_sets_answers_take_their_scorers_form(tmp_path):
-    code, output = cli_invoke("demo-data", tmp_path / "g", "--task", "grounding", "--train", 3, "--val", 3,
-                              "--box-coordinates", "relative-1000")
+    code, output = cli_invoke(
+        "demo-data",
+        tmp_path / "g",
+        "--task",
+        "grounding",
+        "--train",
+        3,
+        "--val",
+        3,
+        "--box-coordinates",
+        "relative-1000",
+    )
     assert code == 0, output
-    answers = [json.loads(line)["conversations"][1]["value"] for line in (tmp_path / "g" / "val.jsonl").read_text()
-               .splitlines()]
+    answers = [
+        json.loads(line)["conversations"][1]["value"]
+        for line in (tmp_path / "g" / "val.jsonl").read_text().splitlines()
+    ]
     from vlft_scorers.boxes import boxes_in
 
     assert all(len(boxes_in(a)) == 1 and all(0 <= v <= 1000 for v in boxes_in(a)[0]) for a in answers)

@@ -32,14 +32,16 @@ def figures(names, predictions, references, **context):
 
 # -- ANLS (DocVQA) ---------------------------------------------------------------------------------------------
 
+
 def test_anls_is_one_minus_the_normalised_distance_below_one_half_and_zero_from_it():
     # "sitting" -> "kitten": 3 edits over the longer length 7: NL 3/7 < 0.5, so 1 - 3/7 = 4/7
     # "abxy" -> "abcd": 2 edits over 4: NL exactly 0.5, not below it: 0 (a `<=` threshold would give 0.5)
     # case and white space do not count (DocVQA lower-cases and collapses them)
     got = values("anls", ["sitting", "abxy", "  Hello   World "], ["kitten", "abcd", "hello world"])
     assert got == pytest.approx([4 / 7, 0.0, 1.0])
-    assert figures(["anls"], ["sitting", "abxy", "  Hello   World "], ["kitten", "abcd", "hello world"])["anls"] == \
-        pytest.approx((4 / 7 + 0 + 1) / 3)
+    assert figures(["anls"], ["sitting", "abxy", "  Hello   World "], ["kitten", "abcd", "hello world"])[
+        "anls"
+    ] == pytest.approx((4 / 7 + 0 + 1) / 3)
     # the best over a question's answers
     assert values("anls", ["sitting"], ["kitten"], answers=[["kitten", "sitting"]]) == [1.0]
     # one edit more than half: 0, not a small positive number
@@ -47,6 +49,7 @@ def test_anls_is_one_minus_the_normalised_distance_below_one_half_and_zero_from_
 
 
 # -- relaxed accuracy (ChartQA) -------------------------------------------------------------------------------
+
 
 def test_relaxed_accuracy_takes_numbers_within_five_percent_and_other_answers_exact():
     references = ["100", "100", "100", "100", "50%", "0", "0", "Yes", "12"]
@@ -57,6 +60,7 @@ def test_relaxed_accuracy_takes_numbers_within_five_percent_and_other_answers_ex
 
 
 # -- multiple choice -------------------------------------------------------------------------------------------
+
 
 def _question(reference="B"):
     prompt = "<image>Which animal is it?\nA. cat\nB. dog\nC. bird"
@@ -79,6 +83,7 @@ def test_choice_reads_the_letter_the_option_text_or_the_named_option():
 
 
 # -- box IoU (grounding) ---------------------------------------------------------------------------------------
+
 
 def test_iou_of_boxes_is_correct_from_one_half_in_the_familys_convention():
     ref = '{"bbox_2d": [0, 0, 10, 10], "label": "cat"}'
@@ -124,6 +129,7 @@ def test_bleu_clips_counts_applies_the_brevity_penalty_and_pools_the_corpus():
 
 # -- ROUGE-L ---------------------------------------------------------------------------------------------------
 
+
 def test_rouge_l_is_the_f_measure_of_the_longest_common_subsequence():
     # Lin (2004)'s example: against "police killed the gunman", "police kill the gunman" shares the subsequence
     # "police the gunman" (3 of 4 words each way: 0.75), "the gunman kill police" only "the gunman" (0.5)
@@ -136,6 +142,7 @@ def test_rouge_l_is_the_f_measure_of_the_longest_common_subsequence():
 
 
 # -- CIDEr-D (pycocoevalcap) ----------------------------------------------------------------------------------
+
 
 def test_cider_weighs_ngrams_by_their_rarity_over_the_references_and_penalises_length():
     """CIDEr-D by hand (Vedantam et al., 2015, as pycocoevalcap computes it). Two images: an n-gram's idf is
@@ -153,13 +160,15 @@ def test_cider_weighs_ngrams_by_their_rarity_over_the_references_and_penalises_l
     assert values("cider", ["cat cat", ""], ["a cat", "a dog"]) == pytest.approx([1.25, 0.0])
     # a record's answers are its image's references (COCO's five captions): the similarities' mean over them, so
     # a perfect match of one of two references scores half (the best of them would give 5)
-    assert values("cider", ["a cat", "x"], ["a cat", "a bird"], answers=[["a cat", "the dog"], ["a bird"]]) == \
-        pytest.approx([2.5, 0.0])
+    assert values(
+        "cider", ["a cat", "x"], ["a cat", "a bird"], answers=[["a cat", "the dog"], ["a bird"]]
+    ) == pytest.approx([2.5, 0.0])
     # one record: every n-gram is in every image's references, idf 0
     assert values("cider", ["a cat"], ["a cat"]) == [0.0]
 
 
 # -- character error rate --------------------------------------------------------------------------------------
+
 
 def test_cer_is_the_edits_over_the_reference_characters_pooled_over_the_set():
     # kitten -> sitting: 3 edits over 7; abd -> abc: 1 over 3; the set: 4 edits over 10 characters, 0.4 (the mean
@@ -172,6 +181,7 @@ def test_cer_is_the_edits_over_the_reference_characters_pooled_over_the_set():
 
 
 # -- JSON-field F1 -----------------------------------------------------------------------------------------------
+
 
 def test_json_field_f1_matches_leaf_fields():
     ref = '{"name": "ACME", "total": 12.5, "items": ["a", "b"]}'
@@ -187,9 +197,21 @@ def test_json_field_f1_matches_leaf_fields():
 
 # -- exact and fields: as before (tests/test_evaluate.py), and as rewards --------------------------------------
 
+
 def test_every_scorer_is_a_reward_and_the_built_in_list():
-    assert sorted(SCORERS) == ["anls", "bleu", "cer", "choice", "cider", "exact", "fields", "iou", "json", "relaxed",
-                               "rouge"]
+    assert sorted(SCORERS) == [
+        "anls",
+        "bleu",
+        "cer",
+        "choice",
+        "cider",
+        "exact",
+        "fields",
+        "iou",
+        "json",
+        "relaxed",
+        "rouge",
+    ]
     rewards = REGISTRY.rewards
     assert set(SCORERS) <= set(rewards) and {"format", "numeric"} <= set(rewards)
     anls = rewards["anls"].build(None)
@@ -199,6 +221,7 @@ def test_every_scorer_is_a_reward_and_the_built_in_list():
 
 
 # -- the plugin kind, auto, and the user's function ------------------------------------------------------------
+
 
 def brevity(predictions, references, **context):
     """A user's scorer (--scorer test_scorers:brevity, --reward test_scorers:brevity)."""
@@ -224,7 +247,11 @@ def test_a_plugins_scorer_is_offered_for_scoring_and_as_a_reward():
     assert registry.rewards["brevity"].build(None) is brevity
     chosen = choose_scorers(registry.scorers, "brevity,exact", ["abc", "abc"])
     assert score(["ab", "abcd"], ["abc", "abc"], chosen.chosen) == {
-        "samples": 2, "brevity": 0.5, "exact_match": 0.0, "scorers": {"brevity": ["brevity"], "exact": ["exact_match"]}}
+        "samples": 2,
+        "brevity": 0.5,
+        "exact_match": 0.0,
+        "scorers": {"brevity": ["brevity"], "exact": ["exact_match"]},
+    }
     with pytest.raises(VlftError, match="two plugins offer the reward 'anls'"):
         load_registry(load_entry_points=False, builtins=True, plugins=(ClashingReward(),))
 
@@ -233,8 +260,10 @@ def test_auto_picks_by_the_references_form_and_says_why():
     def auto(references, **context):
         return {label: why for label, why in choose_scorers(SCORERS, "auto", references, **context).why.items()}
 
-    assert auto(["colour: red, defect: none"]) == {"exact": "auto: always",
-                                                  "fields": "auto: every reference is 'field: value' pairs"}
+    assert auto(["colour: red, defect: none"]) == {
+        "exact": "auto: always",
+        "fields": "auto: every reference is 'field: value' pairs",
+    }
     assert auto(["3", "12.5", "40%"]) == {"exact": "auto: always", "relaxed": "auto: every reference is a number"}
     boxes = ['{"bbox_2d": [10, 20, 300, 400]}', "[0, 0, 5, 5]"]
     assert set(auto(boxes, box_coordinates="absolute")) == {"exact", "iou"}

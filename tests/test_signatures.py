@@ -30,7 +30,7 @@ def parameter_count(node: ast.FunctionDef | ast.AsyncFunctionDef, method: bool) 
 
 def has_reason(lines: list[str], def_line: int) -> bool:
     """``# params: <why>`` (three words or more) on the ``def`` line (1-based) or the line above it."""
-    for line in lines[max(def_line - 2, 0):def_line]:
+    for line in lines[max(def_line - 2, 0) : def_line]:
         found = REASON.search(line)
         if found and len(WORD.findall(found["why"])) >= 3:
             return True
@@ -52,16 +52,20 @@ def long_signatures(source: str) -> list[tuple[int, str, int]]:
 
 
 def test_no_function_takes_more_than_eight_parameters_without_saying_why():
-    offenders = [f"{path.relative_to(ROOT)}:{line} {name}() takes {n}"
-                 for folder in FOLDERS for path in sorted((ROOT / folder).rglob("*.py"))
-                 for line, name, n in long_signatures(path.read_text(encoding="utf-8"))]
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line} {name}() takes {n}"
+        for folder in FOLDERS
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for line, name, n in long_signatures(path.read_text(encoding="utf-8"))
+    ]
     assert not offenders, (
         f"functions over {MAX_PARAMETERS} parameters: group related values into a dataclass (or split the "
-        f"function), or say why on the def line or the line above (# params: <why>):\n  " + "\n  ".join(offenders))
+        f"function), or say why on the def line or the line above (# params: <why>):\n  " + "\n  ".join(offenders)
+    )
 
 
 def test_the_rule_counts_as_it_says():
-    source = '''
+    source = """
 def nine(a, b, c, d, e, f, g, h, i): pass
 
 def eight_and_star(a, b, c, d, e, f, g, *rest, **named): pass
@@ -84,7 +88,12 @@ def explained_here(a, b, c, d, e, f, g, h, i):  # params: click passes one argum
 def too_short_a_reason(a, b, c, d, e, f, g, h, i): pass
 
 def self_is_counted_outside_a_class(self, a, b, c, d, e, f, g, h): pass
-'''
+"""
     assert [(name, n) for _, name, n in long_signatures(source)] == [
-        ("nine", 9), ("eight_and_star", 9), ("keyword_only", 9), ("builder", 9), ("too_short_a_reason", 9),
-        ("self_is_counted_outside_a_class", 9)]
+        ("nine", 9),
+        ("eight_and_star", 9),
+        ("keyword_only", 9),
+        ("builder", 9),
+        ("too_short_a_reason", 9),
+        ("self_is_counted_outside_a_class", 9),
+    ]

@@ -46,8 +46,10 @@ def _record(tmp_path, name, sizes):
     for k, (w, h) in enumerate(sizes):
         _image(w, h, (40 * k + 30, 200, 60)).save(tmp_path / f"{name}{k}.png")
         images.append(f"{name}{k}.png")
-    messages = [{"role": "user", "content": "<image>\n" * len(images) + PROMPT},
-                {"role": "assistant", "content": ANSWER}]
+    messages = [
+        {"role": "user", "content": "<image>\n" * len(images) + PROMPT},
+        {"role": "assistant", "content": ANSWER},
+    ]
     path = tmp_path / f"{name}.jsonl"
     path.write_text(json.dumps({"messages": messages, "images": images}) + "\n")
     return read_records(path)[0]
@@ -62,18 +64,18 @@ def test_image_tokens_per_image_equal_the_processors_with_and_without_max_pixels
     per_tile = processor.image_seq_len
     seen = set()
     for w, h in [(112, 112), (100, 75), (20, 20), (300, 40), (33, 47), (513, 97), (64, 65)]:
-        for cap in (None, 32 * 32, 48 * 48, 64 * 64, 10 ** 6):
+        for cap in (None, 32 * 32, 48 * 48, 64 * 64, 10**6):
             kwargs = smolvlm.longest_edge(processor, cap)
             out = processor(text=[text], images=[[_image(w, h)]], return_tensors="pt", **kwargs)
             written = int((out["input_ids"][0] == processor.image_token_id).sum())
-            (tiles, s1, s2), = smolvlm.image_grids(processor, [(w, h)], cap)
+            ((tiles, s1, s2),) = smolvlm.image_grids(processor, [(w, h)], cap)
             assert written == tiles * s1 * s2 == tiles * per_tile, (w, h, cap)
             assert out["pixel_values"].shape[1] == tiles, (w, h, cap)
             seen.add(tiles)
     assert seen == {1, 3, 5}, seen  # one tile, 1 x 2 + global, 2 x 2 + global: the cap changes the count
     # what --max-pixels means: the longest edge at the largest whole number of 32 px tiles whose square fits
     # (never below one tile, never above the processor's own 64): 112 px -> 2 x 2 + 1 tiles, or 1
-    expected = {None: 5, 31 * 31: 1, 32 * 32: 1, 63 * 63: 1, 64 * 64: 5, 10 ** 6: 5}
+    expected = {None: 5, 31 * 31: 1, 32 * 32: 1, 63 * 63: 1, 64 * 64: 5, 10**6: 5}
     assert {cap: smolvlm.tiles_of(processor, 112, 112, cap) for cap in expected} == expected
     assert smolvlm.longest_edge(processor, 63 * 63) == {"size": {"longest_edge": 32}}
     assert smolvlm.longest_edge(processor, None) == smolvlm.longest_edge(processor, 64 * 64) == {}
@@ -109,18 +111,32 @@ def test_a_collated_batch_gives_the_logits_of_the_processors_own_padded_batch(ti
     encoder = SampleEncoder(processor, family=family)
     batch = collator_for(processor, family)([encoder.encode(r) for r in records])
     assert batch["pixel_values"].shape[:2] == (15, 1) and batch["pixel_attention_mask"].shape[:2] == (15, 1)
-    own = processor.image_processor(images=[[_image(112, 80, (30, 200, 60)), _image(60, 112, (70, 200, 60))],
-                                            [_image(90, 90, (30, 200, 60))]], return_tensors="pt")
+    own = processor.image_processor(
+        images=[[_image(112, 80, (30, 200, 60)), _image(60, 112, (70, 200, 60))], [_image(90, 90, (30, 200, 60))]],
+        return_tensors="pt",
+    )
     assert own["pixel_values"].shape[:2] == (2, 10) and not own["pixel_values"][1, 5:].any()
     mask = batch["attention_mask"].bool()
     with torch.no_grad():
-        ours = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                     pixel_values=batch["pixel_values"], pixel_attention_mask=batch["pixel_attention_mask"]).logits
-        theirs = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       pixel_values=own["pixel_values"], pixel_attention_mask=own["pixel_attention_mask"]).logits
+        ours = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            pixel_values=batch["pixel_values"],
+            pixel_attention_mask=batch["pixel_attention_mask"],
+        ).logits
+        theirs = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            pixel_values=own["pixel_values"],
+            pixel_attention_mask=own["pixel_attention_mask"],
+        ).logits
         order = torch.cat([batch["pixel_values"][10:], batch["pixel_values"][:10]])
-        swapped = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                        pixel_values=order, pixel_attention_mask=batch["pixel_attention_mask"]).logits
+        swapped = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            pixel_values=order,
+            pixel_attention_mask=batch["pixel_attention_mask"],
+        ).logits
     assert (ours[mask] - theirs[mask]).abs().max() < 1e-5
     assert (ours[mask] - swapped[mask]).abs().max() > 1e-3
 
@@ -131,11 +147,23 @@ def test_the_memory_plan_counts_and_traces_the_vision_tower(tmp_path):
     # data of its own (the checked-data cache is keyed by the data files, not by the family's code)
     code, output = cli_invoke("demo-data", tmp_path / "demo", "--train", "8", "--val", "4")
     assert code == 0, output
-    code, output = cli_invoke("run", "--model", "embedded:smolvlm", "--backend", "cpu", "--dry-run", "--json",
-                              "--data", tmp_path / "demo" / "train.jsonl", "--val-data",
-                              tmp_path / "demo" / "val.jsonl", "--output", tmp_path / "run")
+    code, output = cli_invoke(
+        "run",
+        "--model",
+        "embedded:smolvlm",
+        "--backend",
+        "cpu",
+        "--dry-run",
+        "--json",
+        "--data",
+        tmp_path / "demo" / "train.jsonl",
+        "--val-data",
+        tmp_path / "demo" / "val.jsonl",
+        "--output",
+        tmp_path / "run",
+    )
     assert code == 0, output
-    plan = json.loads(output[output.index("{"):])
+    plan = json.loads(output[output.index("{") :])
     batch = plan["memory"]["batch"]
     # the demo's 112 px images: 2 x 2 tiles + the global one, 4 merged patches (LLM tokens) each
     assert batch["images"] > 0 and batch["image_patches"] == batch["images"] * 5 * 4
@@ -161,6 +189,9 @@ def test_the_processor_loads_without_num2words_and_a_video_prompt_says_what_is_m
     assert processor.video_token in prompt
     frames = np.full((4, 64, 64, 3), 128, dtype=np.uint8)  # 4 frames at 2 fps
     metadata = {"fps": 2.0, "total_num_frames": 4, "duration": 2.0, "frames_indices": [0, 1, 2, 3]}
-    with pytest.raises(ImportError, match=r"video prompt spells the frame count with the `num2words` package: "
-                                          r"pip install num2words"):
+    with pytest.raises(
+        ImportError,
+        match=r"video prompt spells the frame count with the `num2words` package: "
+        r"pip install num2words",
+    ):
         processor(text=[prompt], videos=[frames], video_metadata=[metadata], return_tensors="pt")

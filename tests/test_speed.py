@@ -37,6 +37,7 @@ def _loss_and_grads(s, host, labels_only: bool):
 
 # -- 3. logits only where labels are ----------------------------------------------------------------
 
+
 def test_label_positions_point_at_the_logits_that_predict_labels():
     from vlft.data.batching import label_positions
     from vlft.data.records import IGNORE_INDEX as X
@@ -111,6 +112,7 @@ def test_sample_lengths_report_each_samples_label_tokens(session):
 
 
 # -- 4. the non-finite guard without copies ---------------------------------------------------------
+
 
 def _adamw(fused: bool):
     torch.manual_seed(0)
@@ -214,8 +216,11 @@ def test_the_memory_plan_counts_the_guards_copy_only_where_fused_adamw_does_not_
     from vlft.planning.preflight import guard_copies
 
     def plan(device, fused, scaling=False, sharded=False):
-        return NS(backend=NS(info=NS(device_type=device)), sharding=NS(enabled=sharded),
-                  precision=NS(fused_optimizer=fused, loss_scaling=scaling))
+        return NS(
+            backend=NS(info=NS(device_type=device)),
+            sharding=NS(enabled=sharded),
+            precision=NS(fused_optimizer=fused, loss_scaling=scaling),
+        )
 
     from vlft.planning.preflight import fused_optimizer
 
@@ -243,6 +248,7 @@ def test_the_guards_copy_is_in_the_estimate(session, registry, small_data, tmp_p
 
 
 # -- 5. no blocking syncs of vlft's own under torchrun ---------------------------------------------
+
 
 def _stop_worker(rank, world, init, queue):
     import signal
@@ -291,6 +297,7 @@ def test_the_stop_flag_and_label_counts_are_agreed_on_the_host_one_step_later(tm
 
 
 # -- 6. preflight that scales -----------------------------------------------------------------------
+
 
 @pytest.fixture
 def own_data(small_data, tmp_path, monkeypatch):
@@ -343,8 +350,10 @@ def test_measuring_images_by_size_runs_no_image_processor(model_dir, monkeypatch
 
     processor = load_processor(model_dir, embedded_family(), installed())
     ip = processor.image_processor
-    expected = {size: tuple(int(x) for x in ip(images=[Image.new("RGB", size)], return_tensors="pt")["image_grid_thw"][0])
-                for size in ((448, 448), (300, 200))}
+    expected = {
+        size: tuple(int(x) for x in ip(images=[Image.new("RGB", size)], return_tensors="pt")["image_grid_thw"][0])
+        for size in ((448, 448), (300, 200))
+    }
     calls = _counting(monkeypatch, type(ip), "__call__")
     encoder = SampleEncoder(processor, embedded_family())
     sizes = [(448, 448)] * 5 + [(300, 200)] * 3
@@ -405,8 +414,13 @@ def test_workers_forked_after_torch_ran_in_parallel_do_not_hang(tmp_path):
     script = tmp_path / "fork_after_torch.py"
     script.write_text(FORK_AFTER_TORCH)
     # its own process group: a hang leaves forked workers behind, killed with it
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
@@ -429,8 +443,9 @@ def test_the_checked_data_is_reused_while_the_files_are_unchanged(own_data, monk
     from vlft.planning import preflight
 
     config = _cfg(own_data, tmp_path / "r")
-    encoder = SampleEncoder(load_processor(str(embedded_model_dir(installed())), embedded_family(), installed()),
-                            embedded_family())
+    encoder = SampleEncoder(
+        load_processor(str(embedded_model_dir(installed())), embedded_family(), installed()), embedded_family()
+    )
     checks = _counting(monkeypatch, preflight, "_load_and_check_data")
     first = preflight.load_and_check_data(config, encoder)
     again = preflight.load_and_check_data(config, encoder)  # a resume, a later run
@@ -464,8 +479,9 @@ def test_under_torchrun_the_other_processes_take_local_rank_0s_check(own_data, m
     from vlft.planning import preflight
 
     config = replace(_cfg(own_data, tmp_path / "r"), world_size=2, rank=1)
-    encoder = SampleEncoder(load_processor(str(embedded_model_dir(installed())), embedded_family(), installed()),
-                            embedded_family())
+    encoder = SampleEncoder(
+        load_processor(str(embedded_model_dir(installed())), embedded_family(), installed()), embedded_family()
+    )
     monkeypatch.setattr(checked, "POLL_S", 0.05)
     monkeypatch.setenv("LOCAL_RANK", "0")
     result = preflight._load_and_check_data(config, encoder)  # what rank 0 will have found
@@ -486,6 +502,7 @@ def test_under_torchrun_the_other_processes_take_local_rank_0s_check(own_data, m
 
 
 # -- 7. throughput a user can read ------------------------------------------------------------------
+
 
 def test_throughput_counts_every_position_the_effective_ones_and_the_mfu_where_the_peak_is_known():
     from vlft.training.loop import LoopSettings, throughput
@@ -530,6 +547,7 @@ def test_the_cuda_backend_knows_the_peak_of_the_cards_it_lists():
 
 # -- 2. length-grouped batches ----------------------------------------------------------------------
 
+
 def _lengths(n=1000, seed=5):
     import random
 
@@ -547,7 +565,7 @@ def test_grouped_order_is_one_shuffle_shared_by_the_processes():
     assert sorted(one) == list(range(n))  # every sample once per epoch
     # 2 processes of batch 4 draw exactly the global batches 1 process of batch 8 draws
     for b in range(len(two[0]) // 4):
-        assert sorted(one[8 * b:8 * b + 8]) == sorted(two[0][4 * b:4 * b + 4] + two[1][4 * b:4 * b + 4])
+        assert sorted(one[8 * b : 8 * b + 8]) == sorted(two[0][4 * b : 4 * b + 4] + two[1][4 * b : 4 * b + 4])
     assert EpochSampler(n, 3, 1, lengths=lengths, batch_size=8).indices() == one  # seeded
     assert EpochSampler(n, 4, 1, lengths=lengths, batch_size=8).indices() != one
     assert EpochSampler(n, 3, 2, lengths=lengths, batch_size=8).indices() != one
@@ -559,7 +577,7 @@ def test_grouped_batches_pad_less_than_the_plain_shuffle():
     lengths = _lengths()
 
     def padded(order):
-        return sum(8 * max(lengths[j] for j in order[i:i + 8]) for i in range(0, len(order) - 7, 8))
+        return sum(8 * max(lengths[j] for j in order[i : i + 8]) for i in range(0, len(order) - 7, 8))
 
     plain = padded(EpochSampler(len(lengths), 0, 0).indices())
     grouped = padded(EpochSampler(len(lengths), 0, 0, lengths=lengths, batch_size=8).indices())
@@ -633,8 +651,7 @@ def test_the_sampler_draws_the_seeded_shuffle_from_an_array_not_a_list_per_epoch
     lengths = _lengths(n=103)
     for n, world, start, grouped in [(103, 1, 0, False), (103, 2, 5, False), (103, 3, 7, True), (10, 4, 0, False)]:
         for rank in range(world):
-            s = EpochSampler(n, 7, 2, rank, world, start=start, lengths=lengths[:n] if grouped else None,
-                             batch_size=2)
+            s = EpochSampler(n, 7, 2, rank, world, start=start, lengths=lengths[:n] if grouped else None, batch_size=2)
             assert isinstance(s.order(), np.ndarray) and s.order().dtype == np.int64
             assert list(s) == s.indices() and len(s) == len(s.indices())
             if not grouped:

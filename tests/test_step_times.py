@@ -48,14 +48,16 @@ def test_step_time_leaves_out_evaluation_and_checkpoints_which_have_their_own_fi
         def call(*args, **kwargs):
             clock.spend(seconds)
             return real(*args, **kwargs)
+
         return call
 
     monkeypatch.setattr(trainer, "train_step_on", costed(real_step, STEP))
     monkeypatch.setattr(trainer, "validation_loss", costed(real_loss, EVAL))
     monkeypatch.setattr(CheckpointStore, "save", costed(real_save, SAVE))
     # log every 2 steps, evaluate and save every step: each logged window holds evaluations and saves
-    config = tiny_run_config(tmp_path, steps=4, log_every=2, eval_every=1, eval_batches=1, save_every=1,
-                             keep_checkpoints=1)
+    config = tiny_run_config(
+        tmp_path, steps=4, log_every=2, eval_every=1, eval_batches=1, save_every=1, keep_checkpoints=1
+    )
     result = run(config)
     lines = [json.loads(line) for line in (result.output / "metrics.jsonl").read_text().splitlines()]
 
@@ -71,8 +73,11 @@ def test_step_time_leaves_out_evaluation_and_checkpoints_which_have_their_own_fi
 
     # the training time holds every step, evaluation and save once, and the final checkpoint
     train_time = json.loads((result.output / "summary.json").read_text())["train_time_s"]
-    accounted = (sum(m["step_time_s"] * 2 for m in logged) + sum(m["eval_time_s"] for m in evals)
-                 + sum(m["checkpoint_time_s"] for m in saves))
+    accounted = (
+        sum(m["step_time_s"] * 2 for m in logged)
+        + sum(m["eval_time_s"] for m in evals)
+        + sum(m["checkpoint_time_s"] for m in saves)
+    )
     assert accounted + SAVE == train_time == 4 * STEP + 4 * EVAL + 4 * SAVE
 
     code_out = CliRunner().invoke(cli, ["report", str(result.output), "--output", str(tmp_path / "report")])

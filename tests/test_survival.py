@@ -52,6 +52,7 @@ def logged_steps(output: Path) -> list[int]:
 
 # -- 1. non-finite steps -----------------------------------------------------------------------------
 
+
 def test_non_finite_steps_are_not_applied_and_too_many_stop_the_run(small_data, tmp_path, monkeypatch):
     import vlft.data.encoding
     import vlft.training.step
@@ -59,7 +60,11 @@ def test_non_finite_steps_are_not_applied_and_too_many_stop_the_run(small_data, 
     # steps 2, 4 and 5 produce a NaN loss (a patched loss)
     nan_steps = {2, 4, 5}
     calls = {"step": 0}
-    real_loss, real_step, real_get = vlft.training.step.batch_loss_sum, vlft.training.step.train_step, vlft.data.encoding.EncodedDataset.__getitem__
+    real_loss, real_step, real_get = (
+        vlft.training.step.batch_loss_sum,
+        vlft.training.step.train_step,
+        vlft.data.encoding.EncodedDataset.__getitem__,
+    )
     weights: dict[int, tuple] = {}
     drawn: list[int] = []
 
@@ -71,11 +76,16 @@ def test_non_finite_steps_are_not_applied_and_too_many_stop_the_run(small_data, 
         calls["step"] += 1
         params = [p for g in optimizer.param_groups for p in g["params"]]
         before = [p.detach().clone() for p in params]
-        state_before = {id(p): {k: v.clone() for k, v in optimizer.state[p].items()} for p in params
-                        if p in optimizer.state}
+        state_before = {
+            id(p): {k: v.clone() for k, v in optimizer.state[p].items()} for p in params if p in optimizer.state
+        }
         out = real_step(model, optimizer, *args, **kwargs)
-        weights[calls["step"]] = (before, [p.detach().clone() for p in params], state_before,
-                                  {id(p): {k: v.clone() for k, v in optimizer.state[p].items()} for p in params})
+        weights[calls["step"]] = (
+            before,
+            [p.detach().clone() for p in params],
+            state_before,
+            {id(p): {k: v.clone() for k, v in optimizer.state[p].items()} for p in params},
+        )
         return out
 
     def watched_get(self, index):
@@ -86,8 +96,9 @@ def test_non_finite_steps_are_not_applied_and_too_many_stop_the_run(small_data, 
     monkeypatch.setattr(vlft.training.step, "train_step", watched_step)
     monkeypatch.setattr(vlft.data.encoding.EncodedDataset, "__getitem__", watched_get)
     out = tmp_path / "run"
-    values = short_values(small_data, out, steps=8, save_every=1, eval_every=0, eval_samples=1, max_new_tokens=2,
-                          max_skipped_steps=2)
+    values = short_values(
+        small_data, out, steps=8, save_every=1, eval_every=0, eval_samples=1, max_new_tokens=2, max_skipped_steps=2
+    )
     code, output = cli_invoke("run", "--quiet", *run_flags(values))
     assert code != 0 and re.search(r"2 consecutive steps .* \(steps 4, 5;", output), output
 
@@ -128,8 +139,10 @@ def test_guarded_step_undoes_a_non_finite_step_on_the_device_bit_for_bit():
     opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.01)
     model(torch.randn(2, 4)).sum().backward()
     opt.step()  # AdamW state exists
-    snapshot = ([p.detach().clone() for p in model.parameters()],
-                [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()])
+    snapshot = (
+        [p.detach().clone() for p in model.parameters()],
+        [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()],
+    )
     for p in model.parameters():
         p.grad = torch.full_like(p, float("nan"))
     guarded_step(opt, torch.tensor(False))
@@ -178,17 +191,49 @@ def test_guarded_step_on_parameters_off_the_host_reads_no_flag_and_leaves_host_c
 
 # -- 2. signals ---------------------------------------------------------------------------------------
 
-def test_sigterm_writes_a_checkpoint_and_resume_gives_the_uninterrupted_losses(registry, small_data, tmp_path,
-                                                                                  straight_run):
+
+def test_sigterm_writes_a_checkpoint_and_resume_gives_the_uninterrupted_losses(
+    registry, small_data, tmp_path, straight_run
+):
     from vlft.commands.run import execute
 
     train, val = small_data
     out = tmp_path / "run"
     # the same training as straight_run (short_config), evaluated less; no periodic checkpoints
-    args = ["run", "--backend", "cpu", "--method", "lora", "--data", str(train), "--val-data", str(val),
-            "--output", str(out), "--steps", "8", "--batch-size", "4", "--log-every", "1", "--eval-every", "0",
-            "--eval-batches", "1", "--eval-samples", "1", "--max-new-tokens", "2", "--save-every", "0",
-            "--seed", "1", "--lr", "3e-3", "--quiet"]
+    args = [
+        "run",
+        "--backend",
+        "cpu",
+        "--method",
+        "lora",
+        "--data",
+        str(train),
+        "--val-data",
+        str(val),
+        "--output",
+        str(out),
+        "--steps",
+        "8",
+        "--batch-size",
+        "4",
+        "--log-every",
+        "1",
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        "1",
+        "--eval-samples",
+        "1",
+        "--max-new-tokens",
+        "2",
+        "--save-every",
+        "0",
+        "--seed",
+        "1",
+        "--lr",
+        "3e-3",
+        "--quiet",
+    ]
     proc = subprocess.Popen(vlft_command() + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for(lambda: logged_steps(out), proc, 240, "the first training step")
@@ -206,8 +251,11 @@ def test_sigterm_writes_a_checkpoint_and_resume_gives_the_uninterrupted_losses(r
     assert newest_checkpoint(out / "checkpoints").name == f"step-{step:06d}"
     assert logged_steps(out) == list(range(1, step + 1))
 
-    execute(registry, short_config(small_data, out, steps=8, eval_every=0, eval_samples=1, max_new_tokens=2,
-                                   resume=True), progress=False)
+    execute(
+        registry,
+        short_config(small_data, out, steps=8, eval_every=0, eval_samples=1, max_new_tokens=2, resume=True),
+        progress=False,
+    )
     a, b = logged_losses(straight_run), logged_losses(out)
     assert [m["step"] for m in b] == list(range(1, 9))
     for x, y in zip(a, b):
@@ -223,14 +271,25 @@ def test_resume_identity_ignores_logging_and_evaluation(small_data, tmp_path):
     from vlft.training.resume import identity_differences, run_identity
 
     base = run_identity(short_config(small_data, tmp_path))
-    same = run_identity(short_config(small_data, tmp_path / "x", log_every=7, eval_every=0, eval_samples=1,
-                                     max_new_tokens=3, save_every=9, keep_checkpoints=5))
+    same = run_identity(
+        short_config(
+            small_data,
+            tmp_path / "x",
+            log_every=7,
+            eval_every=0,
+            eval_samples=1,
+            max_new_tokens=3,
+            save_every=9,
+            keep_checkpoints=5,
+        )
+    )
     assert identity_differences(base, same) == []
     changed = run_identity(short_config(small_data, tmp_path, grad_accum=2, seed=3))
     assert [d.split(":")[0] for d in identity_differences(base, changed)] == ["grad-accum", "seed"]
 
 
 # -- 3. checkpoints: whole or ignored -----------------------------------------------------------------
+
 
 def stand_in_save_adapter(model, path: Path) -> None:
     """A stand-in for a method's vlft_save_adapter: the store's own writing is what is under test."""
@@ -257,14 +316,19 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_none_left_is_one_error(tmp_p
     state.write_bytes(state.read_bytes()[:100])  # truncated
     said: list[str] = []
     assert newest_checkpoint(store.root, report=said.append).name == "step-000002"
-    assert said == ["resume: skipping step-000004: state.pt has 100 bytes, the manifest says "
-                    f"{json.loads((state.parent / 'manifest.json').read_text())['files']['state.pt']['size']}"]
+    assert said == [
+        "resume: skipping step-000004: state.pt has 100 bytes, the manifest says "
+        f"{json.loads((state.parent / 'manifest.json').read_text())['files']['state.pt']['size']}"
+    ]
     older = store.root / "step-000002" / "adapter" / "weights.pt"
     data = bytearray(older.read_bytes())
     data[-1] ^= 0xFF  # same size, different content
     older.write_bytes(bytes(data))
-    with pytest.raises(VlftError, match=r"no complete checkpoint .*step-000004: state.pt has 100 bytes.*"
-                                        r"step-000002: adapter/weights.pt does not match its sha256"):
+    with pytest.raises(
+        VlftError,
+        match=r"no complete checkpoint .*step-000004: state.pt has 100 bytes.*"
+        r"step-000002: adapter/weights.pt does not match its sha256",
+    ):
         newest_checkpoint(store.root, report=lambda m: None)
 
 
@@ -316,27 +380,79 @@ def test_a_checkpoint_write_failing_on_rank_0_stops_every_process_with_its_messa
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(FULL_DISK_ON_RANK_0)
-    env = dict(os.environ, OMP_NUM_THREADS="1", FULL_DISK_STAND_IN_AT_STEP="2",
-               PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        FULL_DISK_STAND_IN_AT_STEP="2",
+        PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+    )
     out = tmp_path / "run"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    args = ["-m", "vlft", "run", "--quiet", "--backend", "cpu", "--method", "lora", "--data", str(train),
-            "--val-data", str(val), "--output", str(out), "--steps", "2", "--batch-size", "2", "--log-every", "1",
-            "--eval-every", "0", "--eval-samples", "1", "--max-new-tokens", "2", "--save-every", "1"]
-    agents = [subprocess.Popen([*torchrun, "--node-rank", str(r), *args], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, env=env) for r in (0, 1)]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+    ]
+    args = [
+        "-m",
+        "vlft",
+        "run",
+        "--quiet",
+        "--backend",
+        "cpu",
+        "--method",
+        "lora",
+        "--data",
+        str(train),
+        "--val-data",
+        str(val),
+        "--output",
+        str(out),
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--log-every",
+        "1",
+        "--eval-every",
+        "0",
+        "--eval-samples",
+        "1",
+        "--max-new-tokens",
+        "2",
+        "--save-every",
+        "1",
+    ]
+    agents = [
+        subprocess.Popen(
+            [*torchrun, "--node-rank", str(r), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for r in (0, 1)
+    ]
     try:
         said = [a.communicate(timeout=240)[0] for a in agents]  # the bug this guards against: 600 s, then a timeout
     finally:
         for a in agents:
             if a.poll() is None:
                 a.kill()
-    message = r"writing the checkpoint of step 2 .* failed \(the disk is full\); the run stops here. " \
-              r"The previous checkpoint step-000001 is intact"
+    message = (
+        r"writing the checkpoint of step 2 .* failed \(the disk is full\); the run stops here. "
+        r"The previous checkpoint step-000001 is intact"
+    )
     for rank, (agent, text) in enumerate(zip(agents, said)):
         assert agent.returncode != 0, f"rank {rank} exited 0:\n{text[-3000:]}"
         assert re.search(message, text.replace("\n", " ")), f"rank {rank}:\n{text[-3000:]}"
@@ -372,8 +488,13 @@ for step in (1, 2):
 def test_kill_during_a_checkpoint_write_leaves_the_previous_one_for_resume(tmp_path):
     root = tmp_path / "checkpoints"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(root)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_WRITER, str(root)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         wait_for(lambda: (tmp_path / "inside-write").exists(), proc, 60, "the checkpoint write")
         proc.send_signal(signal.SIGKILL)
@@ -386,11 +507,14 @@ def test_kill_during_a_checkpoint_write_leaves_the_previous_one_for_resume(tmp_p
     assert newest_checkpoint(root, report=said.append).name == "step-000001"
     assert said == ["resume: removed the half-written checkpoint folder .tmp-step-000002"]
     model, optimizer, scheduler = tiny_training_state()
-    CheckpointStore(root, 2, stand_in_save_adapter).save(2, training_state(2, optimizer, scheduler, None, torch.device("cpu")), model)
+    CheckpointStore(root, 2, stand_in_save_adapter).save(
+        2, training_state(2, optimizer, scheduler, None, torch.device("cpu")), model
+    )
     assert sorted(p.name for p in root.iterdir()) == ["step-000001", "step-000002"]
 
 
 # -- 5. hostile inputs --------------------------------------------------------------------------------
+
 
 def png_header_only(width: int, height: int) -> bytes:
     """A PNG that declares ``width`` x ``height`` pixels in a few bytes (a decompression bomb's header)."""
@@ -405,8 +529,12 @@ def png_header_only(width: int, height: int) -> bytes:
 
 
 def record(image: str) -> str:
-    return json.dumps({"image": image, "conversations": [{"from": "user", "value": "<image>\nWhat?"},
-                                                         {"from": "assistant", "value": "ok"}]})
+    return json.dumps(
+        {
+            "image": image,
+            "conversations": [{"from": "user", "value": "<image>\nWhat?"}, {"from": "assistant", "value": "ok"}],
+        }
+    )
 
 
 def test_hostile_images_are_data_problems_with_file_and_line(tmp_path, small_data):
@@ -417,7 +545,7 @@ def test_hostile_images_are_data_problems_with_file_and_line(tmp_path, small_dat
     good = next(Path(small_data[0]).parent.rglob("*.png"))
     (tmp_path / "bomb.png").write_bytes(png_header_only(20000, 20000))  # 4e8 pixels, over PIL's 8.9e7 limit
     (tmp_path / "over.png").write_bytes(png_header_only(10000, 10000))  # over the limit, under 2x: PIL only warns
-    (tmp_path / "cut.png").write_bytes(good.read_bytes()[:len(good.read_bytes()) // 2])
+    (tmp_path / "cut.png").write_bytes(good.read_bytes()[: len(good.read_bytes()) // 2])
     (tmp_path / "dev.png").symlink_to("/dev/zero")
     (tmp_path / "dir.png").symlink_to(tmp_path)
     lines = [record(n) for n in ("bomb.png", "over.png", "cut.png", "dev.png", "dir.png")]
@@ -481,12 +609,33 @@ def test_hostile_config_and_pickled_weights_exit_non_zero_and_write_nothing(tmp_
     (pickled / "pytorch_model.bin").write_bytes(b"never unpickled")
     train, val = small_data
     out = tmp_path / "run"
-    proc = subprocess.run([*vlft_command(), "run", "--backend", "cpu", "--model", str(pickled), "--data", str(train),
-                           "--val-data", str(val), "--output", str(out), "--steps", "1", "--quiet"],
-                          capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [
+            *vlft_command(),
+            "run",
+            "--backend",
+            "cpu",
+            "--model",
+            str(pickled),
+            "--data",
+            str(train),
+            "--val-data",
+            str(val),
+            "--output",
+            str(out),
+            "--steps",
+            "1",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert re.search(r"pytorch_model.bin\) and no .safetensors.*--trust-pickle", proc.stderr.replace("\n", " ")), \
+    assert re.search(r"pytorch_model.bin\) and no .safetensors.*--trust-pickle", proc.stderr.replace("\n", " ")), (
         proc.stderr[-2000:]
+    )
     assert not out.exists()
 
     # --trust-pickle: the same folder holding the model's real weights, pickled (tensors only), trains
@@ -494,15 +643,38 @@ def test_hostile_config_and_pickled_weights_exit_non_zero_and_write_nothing(tmp_
 
     weights = {k: v for f in sorted(Path(model_dir).glob("*.safetensors")) for k, v in load_file(str(f)).items()}
     torch.save(weights, pickled / "pytorch_model.bin")
-    code, output = cli_invoke("run", "--quiet", "--backend", "cpu", "--model", pickled, "--data", train, "--val-data",
-                              val, "--output", out, "--steps", 1, "--batch-size", 2, "--eval-every", 0,
-                              "--eval-samples", 0, "--save-every", 0, "--trust-pickle")
+    code, output = cli_invoke(
+        "run",
+        "--quiet",
+        "--backend",
+        "cpu",
+        "--model",
+        pickled,
+        "--data",
+        train,
+        "--val-data",
+        val,
+        "--output",
+        out,
+        "--steps",
+        1,
+        "--batch-size",
+        2,
+        "--eval-every",
+        0,
+        "--eval-samples",
+        0,
+        "--save-every",
+        0,
+        "--trust-pickle",
+    )
     assert code == 0, output
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
 
 
-def test_the_end_of_a_run_saves_first_and_a_failed_evaluation_keeps_the_adapter(registry, small_data, tmp_path,
-                                                                                 monkeypatch, capsys):
+def test_the_end_of_a_run_saves_first_and_a_failed_evaluation_keeps_the_adapter(
+    registry, small_data, tmp_path, monkeypatch, capsys
+):
     """The evaluation after training runs out of memory (raised where it starts: a fault injected into the
     real run): by then the adapter and a checkpoint of the last step are written and the AdamW state is
     freed; summary.json says completed, with the error; ``--resume`` then says the run is complete and trains
@@ -520,9 +692,11 @@ def test_the_end_of_a_run_saves_first_and_a_failed_evaluation_keeps_the_adapter(
     def evaluation(*args, **kwargs):
         calls.append(kwargs)
         if len(calls) == 2:  # after training
-            seen.update(adapter=(out / "adapter" / "adapter_model.safetensors").is_file(),
-                        checkpoints=sorted(p.name for p in (out / "checkpoints").iterdir()),
-                        optimizer_state=len(trainers[0].optimizer.state))
+            seen.update(
+                adapter=(out / "adapter" / "adapter_model.safetensors").is_file(),
+                checkpoints=sorted(p.name for p in (out / "checkpoints").iterdir()),
+                optimizer_state=len(trainers[0].optimizer.state),
+            )
             raise torch.OutOfMemoryError("out of memory (injected): tried to allocate 2.00 GiB")
         return real_eval(*args, **kwargs)
 
@@ -546,8 +720,9 @@ def test_the_end_of_a_run_saves_first_and_a_failed_evaluation_keeps_the_adapter(
     assert (out / "metrics.jsonl").read_text() == metrics
 
 
-def test_fp16_scaler_back_offs_at_the_start_do_not_stop_the_run_and_a_nan_loss_still_does(small_data, tmp_path,
-                                                                                           monkeypatch):
+def test_fp16_scaler_back_offs_at_the_start_do_not_stop_the_run_and_a_nan_loss_still_does(
+    small_data, tmp_path, monkeypatch
+):
     """fp16 on the CPU with a loss scale of 2**28 to start (the backend's 2**16 does not overflow the embedded
     model; 2**28 does, for real, in its fp16 gradients): the scaler backs off step after step, more often than
     --max-skipped-steps, and the run completes; those steps are counted as back-offs, not as skipped steps.
@@ -555,13 +730,14 @@ def test_fp16_scaler_back_offs_at_the_start_do_not_stop_the_run_and_a_nan_loss_s
     import vlft.training.step
 
     class StartsHigh(torch.amp.GradScaler):  # the CPU backend's scaler, started at 2**28
-        def __init__(self, device="cpu", init_scale=2.0 ** 16, **kwargs):
-            super().__init__(device, init_scale=2.0 ** 28, **kwargs)
+        def __init__(self, device="cpu", init_scale=2.0**16, **kwargs):
+            super().__init__(device, init_scale=2.0**28, **kwargs)
 
     monkeypatch.setattr(torch.amp, "GradScaler", StartsHigh)
     out = tmp_path / "run"
-    values = dict(precision="fp16", steps=12, max_skipped_steps=3, save_every=0, eval_every=0, eval_samples=1,
-                  max_new_tokens=1)
+    values = dict(
+        precision="fp16", steps=12, max_skipped_steps=3, save_every=0, eval_every=0, eval_samples=1, max_new_tokens=1
+    )
     import warnings
 
     with warnings.catch_warnings(record=True) as said:
@@ -575,7 +751,7 @@ def test_fp16_scaler_back_offs_at_the_start_do_not_stop_the_run_and_a_nan_loss_s
     assert summary["status"] == "completed" and summary["skipped_steps"] == 0
     assert summary["scaler_backoffs"] > 3  # more than --max-skipped-steps, at the start
     scales = [m["loss_scale"] for m in metrics]
-    assert scales[0] <= 2.0 ** 27 and scales[-1] <= 2.0 ** (28 - summary["scaler_backoffs"])  # it backed off
+    assert scales[0] <= 2.0**27 and scales[-1] <= 2.0 ** (28 - summary["scaler_backoffs"])  # it backed off
     assert [m["scaler_backoffs"] for m in metrics][-1] == summary["scaler_backoffs"]
 
     real_loss = vlft.training.step.batch_loss_sum

@@ -14,9 +14,23 @@ from vlft.config import build_config
 
 def _cfg(small_data, out, **over):
     train, val = small_data
-    values = dict(backend="cpu", method="lora", data=str(train), val_data=str(val), output=str(out), steps=4,
-                  batch_size=2, log_every=1, eval_every=0, eval_samples=2, max_new_tokens=4, save_every=0, seed=1,
-                  warmup_ratio=0.5, lr=2e-3)
+    values = dict(
+        backend="cpu",
+        method="lora",
+        data=str(train),
+        val_data=str(val),
+        output=str(out),
+        steps=4,
+        batch_size=2,
+        log_every=1,
+        eval_every=0,
+        eval_samples=2,
+        max_new_tokens=4,
+        save_every=0,
+        seed=1,
+        warmup_ratio=0.5,
+        lr=2e-3,
+    )
     values.update(over)
     return build_config({}, values)
 
@@ -38,8 +52,7 @@ def tower_session(small_data, tmp_path_factory):
     from vlft.registry import load_registry
     from vlft.training.trainer import build_trainer
 
-    cfg = _cfg(small_data, tmp_path_factory.mktemp("towers") / "run", lr_vision=1e-3, lr_merger=5e-4,
-               train_merger=True)
+    cfg = _cfg(small_data, tmp_path_factory.mktemp("towers") / "run", lr_vision=1e-3, lr_merger=5e-4, train_merger=True)
     s = build_trainer(load_registry(), cfg)
     merger = s.model.get_base_model().model.visual.merger
     before = {n: p.detach().clone() for n, p in merger.original_module.named_parameters()}
@@ -75,8 +88,11 @@ def test_the_plan_shows_the_groups_and_the_merger_trained_in_full(tower_session)
     s = tower_session[0]
     desc = s.plan.describe()
     opt = desc["optimizer"]
-    assert opt["train_merger"] and {g: v["lr"] for g, v in opt["groups"].items()} == \
-        {"text": 2e-3, "vision": 1e-3, "merger": 5e-4}
+    assert opt["train_merger"] and {g: v["lr"] for g, v in opt["groups"].items()} == {
+        "text": 2e-3,
+        "vision": 1e-3,
+        "merger": 5e-4,
+    }
     merger_params = sum(p.numel() for p in s.model.get_base_model().model.visual.merger.modules_to_save.parameters())
     assert opt["merger_parameters"] == merger_params == opt["groups"]["merger"]["parameters"]
     text = format_plan(desc)
@@ -132,9 +148,31 @@ TOWER_FLAGS = ("--lr", LRS["text"], "--lr-vision", LRS["vision"], "--lr-merger",
 def _cli_run(small_data, out, *flags):
     """A short `vlft run` with a checkpoint at every step (its adapter and optimizer state), no evaluation."""
     train, val = small_data
-    code, output = cli_invoke("run", "--quiet", "--backend", "cpu", "--data", train, "--val-data", val,
-                              "--output", out, "--batch-size", 2, "--log-every", 1, "--eval-every", 0,
-                              "--eval-samples", 0, "--save-every", 1, "--keep-checkpoints", 4, *flags)
+    code, output = cli_invoke(
+        "run",
+        "--quiet",
+        "--backend",
+        "cpu",
+        "--data",
+        train,
+        "--val-data",
+        val,
+        "--output",
+        out,
+        "--batch-size",
+        2,
+        "--log-every",
+        1,
+        "--eval-every",
+        0,
+        "--eval-samples",
+        0,
+        "--save-every",
+        1,
+        "--keep-checkpoints",
+        4,
+        *flags,
+    )
     assert code == 0, output
     return out
 
@@ -175,8 +213,10 @@ def test_each_towers_learning_rate_moves_its_own_parameters_in_a_real_run(tower_
     text at --lr, the vision blocks at --lr-vision, and the merger's own weights move by --lr-merger."""
     groups, tensors = _checkpoint(tower_run, 1)
     assert {n: g["initial_lr"] for n, g in groups.items()} == LRS
-    lora_b = {tower: [v for k, v in tensors.items() if "lora_B" in k and (".visual." in k) == (tower == "vision")]
-              for tower in ("text", "vision")}
+    lora_b = {
+        tower: [v for k, v in tensors.items() if "lora_B" in k and (".visual." in k) == (tower == "vision")]
+        for tower in ("text", "vision")
+    }
     for tower, tensors_b in lora_b.items():
         assert tensors_b and max(float(v.abs().max()) for v in tensors_b) == pytest.approx(LRS[tower], rel=1e-3), tower
     base = {n: p.detach() for n, p in base_model_merger().named_parameters()}
@@ -218,14 +258,16 @@ def test_seed_draws_the_adapter_initialisation(tower_run, warmup_run, small_data
     """--seed: LoRA A is drawn from it (its gradient is 0 while B is, so a first step leaves it as drawn): the
     two runs of seed 1 drew the same A, a run of seed 2 another."""
     other = _cli_run(small_data, tmp_path / "run", "--steps", 1, "--seed", 2, "--warmup-ratio", 0, *TOWER_FLAGS)
-    drawn = [{k: v for k, v in _checkpoint(run, 1)[1].items() if "lora_A" in k}
-             for run in (tower_run, warmup_run, other)]
+    drawn = [
+        {k: v for k, v in _checkpoint(run, 1)[1].items() if "lora_A" in k} for run in (tower_run, warmup_run, other)
+    ]
     assert drawn[0] and drawn[0].keys() == drawn[1].keys() == drawn[2].keys()
     assert all(torch.equal(v, drawn[1][k]) for k, v in drawn[0].items())
     assert not any(torch.equal(v, drawn[2][k]) for k, v in drawn[0].items())
 
 
 # -- DoRA and rsLoRA ----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("option", ["use_dora", "use_rslora"])
 def test_lora_variant_trains_saves_and_loads_with_plain_peft(small_data, tmp_path, model_dir, option):
@@ -234,14 +276,15 @@ def test_lora_variant_trains_saves_and_loads_with_plain_peft(small_data, tmp_pat
     from vlft.registry import load_registry
     from vlft.training.trainer import build_trainer
 
-    s = build_trainer(load_registry(), _cfg(small_data, tmp_path / "run", steps=3, warmup_ratio=0.0,
-                                      adapter={option: True, "r": 8}))
+    s = build_trainer(
+        load_registry(), _cfg(small_data, tmp_path / "run", steps=3, warmup_ratio=0.0, adapter={option: True, "r": 8})
+    )
     assert s.plan.adapter.hyperparameters[option] is True
     if option == "use_dora":
         assert any("lora_magnitude_vector" in n for n, p in s.model.named_parameters() if p.requires_grad)
     else:
         layer = s.model.get_base_model().model.language_model.layers[0].self_attn.q_proj
-        assert layer.scaling["default"] == pytest.approx(64 / 8 ** 0.5)  # alpha / sqrt(r), not alpha / r
+        assert layer.scaling["default"] == pytest.approx(64 / 8**0.5)  # alpha / sqrt(r), not alpha / r
     start = {n: p.detach().clone() for n, p in s.model.named_parameters() if p.requires_grad}
     losses = _train(s, 3)
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
@@ -259,6 +302,7 @@ def test_lora_variant_trains_saves_and_loads_with_plain_peft(small_data, tmp_pat
 
 # -- adapters vLLM serves -----------------------------------------------------------------------------
 
+
 def _lora_folder(registry, model_dir, path, targets="both"):
     from vlft.config import RunConfig
     from vlft.models.targets import select_targets
@@ -270,8 +314,15 @@ def _lora_folder(registry, model_dir, path, targets="both"):
 
     family = family_of_model(model, registry)
     chosen = select_targets(model, d, targets, 6, family).modules
-    adapted = registry.first("vlft_apply_adapter", method="lora", model=model, targets=chosen, config=cfg,
-                             target_parameters=[], family=family)
+    adapted = registry.first(
+        "vlft_apply_adapter",
+        method="lora",
+        model=model,
+        targets=chosen,
+        config=cfg,
+        target_parameters=[],
+        family=family,
+    )
     registry.first("vlft_save_adapter", method="lora", model=adapted, path=path)
     return chosen
 
@@ -283,13 +334,24 @@ def test_exported_adapter_names_are_the_models_modules_as_vllm_parses_them(regis
     from vlft.models.serving import check_against_base, tensor_names
 
     chosen = _lora_folder(registry, model_dir, tmp_path / "adapter")
-    result = CliRunner().invoke(cli, ["export", "--adapter", str(tmp_path / "adapter"), "--model", model_dir,
-                                      "--adapter-only", "--output", str(tmp_path / "out")])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "export",
+            "--adapter",
+            str(tmp_path / "adapter"),
+            "--model",
+            model_dir,
+            "--adapter-only",
+            "--output",
+            str(tmp_path / "out"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     # vLLM's parse_fine_tuned_lora_name, restated: strip base_model.model., take <module>.lora_A/B.weight
     keys = tensor_names(tmp_path / "out")
     assert all(k.startswith("base_model.model.") and k.endswith((".lora_A.weight", ".lora_B.weight")) for k in keys)
-    parsed = {k[len("base_model.model."):].rsplit(".", 2)[0] for k in keys}
+    parsed = {k[len("base_model.model.") :].rsplit(".", 2)[0] for k in keys}
     linear = {n for n, m in base_model(model_dir).named_modules() if isinstance(m, torch.nn.Linear)}
     assert parsed == set(chosen) and parsed <= linear
     check = check_against_base(tmp_path / "out", model_dir, installed())
@@ -328,6 +390,7 @@ def test_a_trained_merger_is_reported_as_what_vllm_refuses(tower_session, model_
 
 # -- NF4 base weights (QLoRA) ---------------------------------------------------------------------------
 
+
 def test_nf4_is_refused_with_the_reason_where_the_backend_cannot(small_data, tmp_path, monkeypatch):
     from vlft.errors import ConfigError
     from vlft.planning.plan import resolve_precision
@@ -335,9 +398,15 @@ def test_nf4_is_refused_with_the_reason_where_the_backend_cannot(small_data, tmp
 
     registry = load_registry()
     cfg = _cfg(small_data, tmp_path, param_dtype="nf4", backend="ascend")
-    if importlib.util.find_spec("bitsandbytes") is None or importlib.util.find_spec("bitsandbytes.backends.npu") is None:
-        with pytest.raises(ConfigError, match="backend ascend cannot train on 4-bit weights: .*NPU backend|"
-                                              "backend ascend cannot train on 4-bit weights: .*bitsandbytes"):
+    if (
+        importlib.util.find_spec("bitsandbytes") is None
+        or importlib.util.find_spec("bitsandbytes.backends.npu") is None
+    ):
+        with pytest.raises(
+            ConfigError,
+            match="backend ascend cannot train on 4-bit weights: .*NPU backend|"
+            "backend ascend cannot train on 4-bit weights: .*bitsandbytes",
+        ):
             resolve_precision(registry, "ascend", cfg)
     with pytest.raises(ConfigError, match="--double-quant applies to --param-dtype nf4 only"):
         resolve_precision(registry, "cpu", _cfg(small_data, tmp_path, double_quant=True))
@@ -349,8 +418,20 @@ def test_nf4_plans_the_7b_at_batch_4_of_2k_tokens_on_a_24gib_card(tmp_path):
     from test_memory import _long_data, dry_json
 
     train = _long_data(tmp_path / "long", 165)
-    args = ["--model", "qwen2.5-vl-7b", "--backend", "cuda", "--batch-size", "4", "--grad-checkpointing", "on",
-            "--device-memory", "24GiB", "--data", str(train)]
+    args = [
+        "--model",
+        "qwen2.5-vl-7b",
+        "--backend",
+        "cuda",
+        "--batch-size",
+        "4",
+        "--grad-checkpointing",
+        "on",
+        "--device-memory",
+        "24GiB",
+        "--data",
+        str(train),
+    ]
     result, plan = dry_json(*args, "--param-dtype", "nf4")
     assert result.exit_code == 0 and 2000 < plan["lengths"]["longest"] < 2100
     mem = plan["memory"]
@@ -382,11 +463,30 @@ def test_a_merger_trained_in_full_under_fsdp_is_exported_whole(small_data, tmp_p
 
     train, val = small_data
     out = tmp_path / "run"
-    values = dict(backend="cpu", data=str(train), val_data=str(val), output=str(out), steps=3, batch_size=2,
-                  log_every=1, eval_every=0, eval_samples=1, max_new_tokens=2, save_every=0, seed=1, lr=2e-3,
-                  shard="fsdp", train_merger=True)
-    proc = subprocess.run([*vlft_command(), "run", "--quiet", "--nproc-per-node", "2", *run_flags(values)],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    values = dict(
+        backend="cpu",
+        data=str(train),
+        val_data=str(val),
+        output=str(out),
+        steps=3,
+        batch_size=2,
+        log_every=1,
+        eval_every=0,
+        eval_samples=1,
+        max_new_tokens=2,
+        save_every=0,
+        seed=1,
+        lr=2e-3,
+        shard="fsdp",
+        train_merger=True,
+    )
+    proc = subprocess.run(
+        [*vlft_command(), "run", "--quiet", "--nproc-per-node", "2", *run_flags(values)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     saved = load_file(str(out / "adapter" / "adapter_model.safetensors"))
     trained = {k.split("merger.", 1)[1]: v for k, v in saved.items() if ".merger." in k and "lora" not in k}

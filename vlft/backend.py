@@ -84,8 +84,10 @@ def _guarded(function: Callable, names: frozenset[str], options: dict[str, Any])
     params = list(inspect.signature(function).parameters.values())
     positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if "backend" not in [p.name for p in params]:
-        raise TypeError(f"{function.__qualname__} has no 'backend' parameter: hookimpl_for guards only backend "
-                        "hooks; mark it with @hookimpl")
+        raise TypeError(
+            f"{function.__qualname__} has no 'backend' parameter: hookimpl_for guards only backend "
+            "hooks; mark it with @hookimpl"
+        )
     # pluggy passes hook arguments positionally, in parameter order (a bound method's call puts self first,
     # which the index counts); vlft.testing and direct calls pass them by keyword: read backend from either
     index = positional.index("backend") if "backend" in positional else None

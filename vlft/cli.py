@@ -47,8 +47,9 @@ def config_options(fn):
         else:
             kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0].split("|")[0].strip(), str)
             choices = f.metadata.get("choices")
-            fn = click.option(flag, f.name, type=click.Choice(choices) if choices else kind, default=None,
-                              help=help_text)(fn)
+            fn = click.option(
+                flag, f.name, type=click.Choice(choices) if choices else kind, default=None, help=help_text
+            )(fn)
     return fn
 
 
@@ -64,24 +65,42 @@ def objective_flags(registry, taken: set[str]) -> list[click.Option]:
     for name, declared in registry.objective_options().items():
         spec, owners = declared[0][1], [o for o, _ in declared]
         if spec.flag in taken:
-            raise VlftError(f"the {', '.join(owners)} objective declares the option {spec.flag}, which vlft run has "
-                            f"itself; its plugin must name it otherwise")
+            raise VlftError(
+                f"the {', '.join(owners)} objective declares the option {spec.flag}, which vlft run has "
+                f"itself; its plugin must name it otherwise"
+            )
         kinds = {s.type for _, s in declared}
         if len(kinds) > 1:
-            raise VlftError(f"objectives {', '.join(owners)} declare {spec.flag} with different types "
-                            f"({', '.join(sorted(getattr(k, '__name__', str(k)) for k in kinds))}); one flag takes "
-                            f"one type")
-        help_text = " ".join(f"{o}: {s.help}" + (f" [default: {s.default}]" if s.default not in (None, []) else "")
-                             for o, s in declared)
+            raise VlftError(
+                f"objectives {', '.join(owners)} declare {spec.flag} with different types "
+                f"({', '.join(sorted(getattr(k, '__name__', str(k)) for k in kinds))}); one flag takes "
+                f"one type"
+            )
+        help_text = " ".join(
+            f"{o}: {s.help}" + (f" [default: {s.default}]" if s.default not in (None, []) else "") for o, s in declared
+        )
         choices = {s.choices for _, s in declared}
         if spec.type is list:
-            params.append(click.Option([spec.flag, OBJECTIVE_PARAM + name], multiple=True,
-                                       metavar=spec.metavar or None, help=help_text))
+            params.append(
+                click.Option(
+                    [spec.flag, OBJECTIVE_PARAM + name], multiple=True, metavar=spec.metavar or None, help=help_text
+                )
+            )
             continue
-        kind = click.Choice(spec.choices) if len(choices) == 1 and spec.choices else \
-            {int: click.INT, float: click.FLOAT, bool: click.BOOL}.get(spec.type, click.STRING)
-        params.append(click.Option([spec.flag, OBJECTIVE_PARAM + name], type=kind, default=None,
-                                   metavar=spec.metavar or None, help=help_text))
+        kind = (
+            click.Choice(spec.choices)
+            if len(choices) == 1 and spec.choices
+            else {int: click.INT, float: click.FLOAT, bool: click.BOOL}.get(spec.type, click.STRING)
+        )
+        params.append(
+            click.Option(
+                [spec.flag, OBJECTIVE_PARAM + name],
+                type=kind,
+                default=None,
+                metavar=spec.metavar or None,
+                help=help_text,
+            )
+        )
     return params
 
 
@@ -99,9 +118,12 @@ def given_flags(ctx: click.Context, params: dict) -> dict:
     out = {}
     objective = {}
     for name, value in params.items():
-        if name.startswith(OBJECTIVE_PARAM) and value not in (None, ()) and \
-                ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
-            objective[name[len(OBJECTIVE_PARAM):]] = list(value) if isinstance(value, tuple) else value
+        if (
+            name.startswith(OBJECTIVE_PARAM)
+            and value not in (None, ())
+            and ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+        ):
+            objective[name[len(OBJECTIVE_PARAM) :]] = list(value) if isinstance(value, tuple) else value
     if objective:
         out["objective_options"] = objective
     for f in user_fields():
@@ -127,12 +149,19 @@ def record_options(ctx: click.Context, file_values: dict) -> None:
     if not path:
         return
     options = {p.name: max(p.opts, key=len) for p in ctx.command.get_params(ctx) if isinstance(p, click.Option)}
-    given = sorted(flag for name, flag in options.items()
-                   if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
-                   and ctx.params.get(name) != ())  # older clicks call an unused multiple option given
-    record = {"command": ctx.info_name, "options": given,
-              "config_file": sorted([options[name] for name in file_values if name in options]
-                                    + ["--" + n.replace("_", "-") for n in file_values.get("objective_options", {})])}
+    given = sorted(
+        flag
+        for name, flag in options.items()
+        if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE and ctx.params.get(name) != ()
+    )  # older clicks call an unused multiple option given
+    record = {
+        "command": ctx.info_name,
+        "options": given,
+        "config_file": sorted(
+            [options[name] for name in file_values if name in options]
+            + ["--" + n.replace("_", "-") for n in file_values.get("objective_options", {})]
+        ),
+    }
     # one write in append mode: lines from concurrent processes (torchrun's workers) do not interleave
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:

@@ -32,51 +32,95 @@ def opt(default, help: str, **extra) -> Any:  # a dataclass field: Any, so each 
 class RunConfig:
     backend: str = opt("auto", "Backend plugin to run on; 'auto' picks the best available (see `vlft plugins`).")
     method: str = opt("lora", "Adapter method plugin (see `vlft methods`).")
-    objective: str = opt("sft", "What is optimised: sft (the next-token loss on the assistant replies), dpo, "
-                                "orpo or simpo (preference pairs), kto (replies marked desirable or not) or grpo "
-                                "(sampled completions and their rewards); plugins add more. Each declares its own "
-                                "options (see `vlft objectives`).")
-    init_adapter: str | None = opt(None, "Start from this adapter (a run folder or an adapter folder, e.g. an sft "
-                                         "run's) instead of a fresh one; an objective with a reference (dpo, kto, "
-                                         "grpo) then takes it as its reference.")
-    model: str | None = opt(None, "Model directory (any family a plugin offers: `vlft plugins`), a bundled config "
-                                  "name (plans offline), or embedded:FAMILY (a tiny model built here); default: "
-                                  "the embedded Qwen2.5-VL.")
-    data: list | None = opt(None, "Training data (JSON, JSONL, Parquet, Arrow, a saved `datasets` folder, a folder "
-                                  "of .parquet/.arrow shards or a glob), repeatable; FILE:WEIGHT samples that file WEIGHT "
-                                  "times per epoch (2: every record twice, 0.5: a seeded half); default: the "
-                                  "embedded product-inspection set.", multiple=True, metavar="FILE[:WEIGHT]")
-    image_root: str | None = opt(None, "Folder that relative image and video paths start from (default: each data "
-                                       "file's folder); downloads of http(s) images may lie under it as DIR/host/path.")
-    add_placeholders: bool = opt(False, "Records with images but no <image> placeholder get them at the start of "
-                                        "the first user turn (as ms-swift does) instead of being an error.", flag=True)
-    columns: str | None = opt(None, "The data set's own names for the keys vlft reads, as OURS=THEIRS pairs "
-                                    "(messages=conv,images=pics); a mapping in the config file.", mapping=True)
+    objective: str = opt(
+        "sft",
+        "What is optimised: sft (the next-token loss on the assistant replies), dpo, "
+        "orpo or simpo (preference pairs), kto (replies marked desirable or not) or grpo "
+        "(sampled completions and their rewards); plugins add more. Each declares its own "
+        "options (see `vlft objectives`).",
+    )
+    init_adapter: str | None = opt(
+        None,
+        "Start from this adapter (a run folder or an adapter folder, e.g. an sft "
+        "run's) instead of a fresh one; an objective with a reference (dpo, kto, "
+        "grpo) then takes it as its reference.",
+    )
+    model: str | None = opt(
+        None,
+        "Model directory (any family a plugin offers: `vlft plugins`), a bundled config "
+        "name (plans offline), or embedded:FAMILY (a tiny model built here); default: "
+        "the embedded Qwen2.5-VL.",
+    )
+    data: list | None = opt(
+        None,
+        "Training data (JSON, JSONL, Parquet, Arrow, a saved `datasets` folder, a folder "
+        "of .parquet/.arrow shards or a glob), repeatable; FILE:WEIGHT samples that file WEIGHT "
+        "times per epoch (2: every record twice, 0.5: a seeded half); default: the "
+        "embedded product-inspection set.",
+        multiple=True,
+        metavar="FILE[:WEIGHT]",
+    )
+    image_root: str | None = opt(
+        None,
+        "Folder that relative image and video paths start from (default: each data "
+        "file's folder); downloads of http(s) images may lie under it as DIR/host/path.",
+    )
+    add_placeholders: bool = opt(
+        False,
+        "Records with images but no <image> placeholder get them at the start of "
+        "the first user turn (as ms-swift does) instead of being an error.",
+        flag=True,
+    )
+    columns: str | None = opt(
+        None,
+        "The data set's own names for the keys vlft reads, as OURS=THEIRS pairs "
+        "(messages=conv,images=pics); a mapping in the config file.",
+        mapping=True,
+    )
     video_fps: float = opt(2.0, "Frames per second sampled from each video.")
     video_max_frames: int = opt(16, "Most frames taken from one video (spread over the clip when it is longer).")
-    early_stopping_patience: int = opt(0, "Stop when the validation loss (every --eval-every steps) has not improved "
-                                          "for N evaluations, keeping the best adapter in adapter-best/ (0: never).")
+    early_stopping_patience: int = opt(
+        0,
+        "Stop when the validation loss (every --eval-every steps) has not improved "
+        "for N evaluations, keeping the best adapter in adapter-best/ (0: never).",
+    )
     val_data: str | None = opt(None, "Validation data; default: the embedded set's validation split.")
     output: str | None = opt(None, "Run folder; default: runs/<time>-<method>-<backend>.")
     steps: int | None = opt(None, "Optimizer steps to train (overrides --epochs).")
-    epochs: float | None = opt(None, "Passes over the training data; default 3 (8 on the embedded data set, "
-                                     "which it needs to converge) when --steps is not given.")
+    epochs: float | None = opt(
+        None,
+        "Passes over the training data; default 3 (8 on the embedded data set, "
+        "which it needs to converge) when --steps is not given.",
+    )
     batch_size: int = opt(4, "Samples per micro-batch (per process).")
     grad_accum: int = opt(1, "Micro-batches accumulated per optimizer step.")
-    packing: str = opt("off", "Padding-free packing: a micro-batch's --batch-size samples laid end to end in one "
-                              "row, each sample keeping its own positions and attending only to itself (same loss "
-                              "and gradients as padding; steps, resume and the data order as without packing). "
-                              "auto: pack where the backend's attention and the model family can keep samples "
-                              "apart, else pad; on: pack or stop with the reason; off: pad.",
-                       choices=("auto", "on", "off"))
+    packing: str = opt(
+        "off",
+        "Padding-free packing: a micro-batch's --batch-size samples laid end to end in one "
+        "row, each sample keeping its own positions and attending only to itself (same loss "
+        "and gradients as padding; steps, resume and the data order as without packing). "
+        "auto: pack where the backend's attention and the model family can keep samples "
+        "apart, else pad; on: pack or stop with the reason; off: pad.",
+        choices=("auto", "on", "off"),
+    )
     lr: float | None = opt(None, "Peak learning rate; default: the method's.")
-    lr_vision: float | None = opt(None, "Peak learning rate of the vision tower's trainable parameters, absolute "
-                                        "(not a multiplier of --lr); default: --lr. The schedule scales it as --lr.")
-    lr_merger: float | None = opt(None, "Peak learning rate of the merger (vision-to-text projector), absolute "
-                                        "(not a multiplier of --lr): its adapters, or all its weights with "
-                                        "--train-merger; default: --lr.")
-    train_merger: bool = opt(False, "Train the merger's weights in full beside the adapters (saved in the adapter "
-                                    "folder as PEFT modules_to_save, so plain PEFT loads them).", flag=True)
+    lr_vision: float | None = opt(
+        None,
+        "Peak learning rate of the vision tower's trainable parameters, absolute "
+        "(not a multiplier of --lr); default: --lr. The schedule scales it as --lr.",
+    )
+    lr_merger: float | None = opt(
+        None,
+        "Peak learning rate of the merger (vision-to-text projector), absolute "
+        "(not a multiplier of --lr): its adapters, or all its weights with "
+        "--train-merger; default: --lr.",
+    )
+    train_merger: bool = opt(
+        False,
+        "Train the merger's weights in full beside the adapters (saved in the adapter "
+        "folder as PEFT modules_to_save, so plain PEFT loads them).",
+        flag=True,
+    )
     weight_decay: float = opt(0.0, "AdamW weight decay.")
     warmup_ratio: float = opt(0.05, "Fraction of the steps spent warming the learning rate up.")
     max_grad_norm: float = opt(1.0, "Gradient clipping norm (0 disables clipping).")
@@ -84,61 +128,107 @@ class RunConfig:
     eval_batches: int = opt(8, "Validation batches per periodic evaluation.")
     eval_samples: int = opt(200, "Validation samples for the before/after generation test (0: all).")
     max_new_tokens: int = opt(32, "Longest generated answer in evaluation, and (GRPO) of each sampled completion.")
-    scorer: str = opt("auto", "How the before/after test scores the answers: scorers by name, comma-separated "
-                              "(built in: exact, fields, anls, relaxed, choice, iou, bleu, rouge, cider, cer, json; see "
-                              "`vlft scorers`), auto (exact match, plus fields, relaxed, iou or json where every validation "
-                              "reference takes that form; the plan says which) or your MODULE:FUNCTION.",
-                      metavar="NAME[,NAME]")
+    scorer: str = opt(
+        "auto",
+        "How the before/after test scores the answers: scorers by name, comma-separated "
+        "(built in: exact, fields, anls, relaxed, choice, iou, bleu, rouge, cider, cer, json; see "
+        "`vlft scorers`), auto (exact match, plus fields, relaxed, iou or json where every validation "
+        "reference takes that form; the plan says which) or your MODULE:FUNCTION.",
+        metavar="NAME[,NAME]",
+    )
     save_every: int = opt(200, "Checkpoint every N steps (0: only at the end).")
     keep_checkpoints: int = opt(2, "Checkpoints kept; older ones are deleted.")
     resume: bool = opt(False, "Continue from the newest checkpoint in --output.", flag=True)
-    force_resume: bool = opt(False, "With --resume: continue even when the training configuration differs from "
-                                    "the checkpoint's (a warning lists the differences).", flag=True)
-    max_skipped_steps: int = opt(5, "Stop after this many consecutive steps with a non-finite loss or gradient "
-                                    "norm (such steps are never applied; 0: never stop).")
-    trust_pickle: bool = opt(False, "Allow a model folder whose weights are pickled (.bin/.pt); unpickling can "
-                                    "run code, so only for files you trust. Safetensors need no flag.", flag=True)
+    force_resume: bool = opt(
+        False,
+        "With --resume: continue even when the training configuration differs from "
+        "the checkpoint's (a warning lists the differences).",
+        flag=True,
+    )
+    max_skipped_steps: int = opt(
+        5,
+        "Stop after this many consecutive steps with a non-finite loss or gradient "
+        "norm (such steps are never applied; 0: never stop).",
+    )
+    trust_pickle: bool = opt(
+        False,
+        "Allow a model folder whose weights are pickled (.bin/.pt); unpickling can "
+        "run code, so only for files you trust. Safetensors need no flag.",
+        flag=True,
+    )
     seed: int = opt(0, "Seed for Python, NumPy, torch, the device and the data order.")
     deterministic: bool = opt(False, "Ask for deterministic kernels (slower on some devices).", flag=True)
     targets: str = opt("both", "Where to adapt: vision, text or both.", choices=("vision", "text", "both"))
     vision_last_n: int = opt(6, "Adapt only the last N vision blocks (all when the model has fewer).")
     max_pixels: int | None = opt(None, "Cap on each image's pixel count (e.g. 200704 = 448*448).")
-    precision: str = opt("auto", "auto, fp32, bf16 or fp16; auto takes the backend's choice.",
-                         choices=("auto", "fp32", "bf16", "fp16"))
-    param_dtype: str = opt("auto", "Dtype of the frozen base weights: auto (the backend's choice: fp32 on the CPU "
-                                   "reference, bf16 or fp16 on accelerators), fp32, bf16 or fp16; nf4: 4-bit "
-                                   "NormalFloat linear weights through bitsandbytes (QLoRA; bf16 compute, where "
-                                   "the backend offers it). Adapter weights are always fp32.",
-                           choices=("auto", "fp32", "bf16", "fp16", "nf4"))
-    double_quant: bool = opt(False, "With --param-dtype nf4: quantize the per-block scales again (8-bit; about "
-                                    "0.37 bits per weight less).", flag=True)
-    grad_checkpointing: str = opt("auto", "Activation checkpointing (non-reentrant, both towers): on, off, or auto "
-                                          "(on when the memory plan says the run does not fit without it).",
-                                  choices=("auto", "on", "off"))
-    max_length: int | None = opt(None, "Longest sample in tokens, image tokens included; longer samples are an "
-                                       "error (or skipped with --skip-too-long). Samples are never truncated.")
-    skip_too_long: bool = opt(False, "Skip samples longer than --max-length (counted and listed in the summary) "
-                                     "instead of stopping.", flag=True)
-    group_by_length: bool = opt(False, "Batch samples of similar length together (less padding): seeded and "
-                                       "resumable like the plain shuffle; every process takes its share of it.",
-                                flag=True)
-    device_memory: str | None = opt(None, "Plan for a device of this much memory (e.g. 24GiB, 64GB) instead of "
-                                          "the one found; lets a dry run here plan for a card it does not have.")
-    shard: str = opt("none", "How several processes hold the model: none (each process a whole copy, data "
-                             "parallel) or fsdp (torch FSDP2: base weights, adapter, gradients and optimizer "
-                             "state split over the processes, for models that fit no single device).",
-                     choices=("none", "fsdp"))
+    precision: str = opt(
+        "auto", "auto, fp32, bf16 or fp16; auto takes the backend's choice.", choices=("auto", "fp32", "bf16", "fp16")
+    )
+    param_dtype: str = opt(
+        "auto",
+        "Dtype of the frozen base weights: auto (the backend's choice: fp32 on the CPU "
+        "reference, bf16 or fp16 on accelerators), fp32, bf16 or fp16; nf4: 4-bit "
+        "NormalFloat linear weights through bitsandbytes (QLoRA; bf16 compute, where "
+        "the backend offers it). Adapter weights are always fp32.",
+        choices=("auto", "fp32", "bf16", "fp16", "nf4"),
+    )
+    double_quant: bool = opt(
+        False,
+        "With --param-dtype nf4: quantize the per-block scales again (8-bit; about 0.37 bits per weight less).",
+        flag=True,
+    )
+    grad_checkpointing: str = opt(
+        "auto",
+        "Activation checkpointing (non-reentrant, both towers): on, off, or auto "
+        "(on when the memory plan says the run does not fit without it).",
+        choices=("auto", "on", "off"),
+    )
+    max_length: int | None = opt(
+        None,
+        "Longest sample in tokens, image tokens included; longer samples are an "
+        "error (or skipped with --skip-too-long). Samples are never truncated.",
+    )
+    skip_too_long: bool = opt(
+        False,
+        "Skip samples longer than --max-length (counted and listed in the summary) instead of stopping.",
+        flag=True,
+    )
+    group_by_length: bool = opt(
+        False,
+        "Batch samples of similar length together (less padding): seeded and "
+        "resumable like the plain shuffle; every process takes its share of it.",
+        flag=True,
+    )
+    device_memory: str | None = opt(
+        None,
+        "Plan for a device of this much memory (e.g. 24GiB, 64GB) instead of "
+        "the one found; lets a dry run here plan for a card it does not have.",
+    )
+    shard: str = opt(
+        "none",
+        "How several processes hold the model: none (each process a whole copy, data "
+        "parallel) or fsdp (torch FSDP2: base weights, adapter, gradients and optimizer "
+        "state split over the processes, for models that fit no single device).",
+        choices=("none", "fsdp"),
+    )
     no_memory_check: bool = opt(False, "Train even when the memory plan says the run will not fit.", flag=True)
     attn: str | None = opt(None, "Attention: one implementation, or per tower as 'vision=eager,text=sdpa'.")
-    kernels: str = opt("auto", "Kernel patches the backend offers (the plan lists them, chosen and declined): auto "
-                               "(those on by default whose condition holds), none (the model as transformers builds "
-                               "it), or NAME,... exactly those; auto,NAME adds an opt-in one.")
+    kernels: str = opt(
+        "auto",
+        "Kernel patches the backend offers (the plan lists them, chosen and declined): auto "
+        "(those on by default whose condition holds), none (the model as transformers builds "
+        "it), or NAME,... exactly those; auto,NAME adds an opt-in one.",
+    )
     num_workers: int | None = opt(None, "DataLoader workers; default: the backend's.")
     log_every: int = opt(10, "Write metrics.jsonl every N steps.")
-    report_to: str | None = opt(None, "Also send the logged metrics to these sinks, comma-separated: tensorboard "
-                                      "(pip install 'vlft[tensorboard]'), or one a plugin adds.")
-    adapter: dict = opt({}, "Method hyper-parameters, as KEY=VALUE (repeatable) or a mapping in the config file.",
-                        cli="--adapter-opt")
+    report_to: str | None = opt(
+        None,
+        "Also send the logged metrics to these sinks, comma-separated: tensorboard "
+        "(pip install 'vlft[tensorboard]'), or one a plugin adds.",
+    )
+    adapter: dict = opt(
+        {}, "Method hyper-parameters, as KEY=VALUE (repeatable) or a mapping in the config file.", cli="--adapter-opt"
+    )
     dry_run: bool = opt(False, "Resolve and print every policy, then stop without training.", flag=True)
     # the objective's own options, by name ({"beta": 0.2}), as their flags and the config file gave them: the
     # objective's plugin declares them (``ObjectiveInfo.options``) and the plan checks and completes them
@@ -239,8 +329,12 @@ def load_config_file(path: str | os.PathLike, objective_options: tuple[str, ...]
         if out.get(name) and not Path(out[name]).is_absolute() and (path.parent / out[name]).exists():
             out[name] = str(path.parent / out[name])
     if out.get("data"):
-        out["data"] = [str(path.parent / d) if not Path(d).is_absolute() and _names_something(
-            path.parent / split_data_spec(d)[0]) else d for d in out["data"]]
+        out["data"] = [
+            str(path.parent / d)
+            if not Path(d).is_absolute() and _names_something(path.parent / split_data_spec(d)[0])
+            else d
+            for d in out["data"]
+        ]
     return out
 
 
@@ -278,8 +372,7 @@ def parse_columns(spec: str | None) -> dict[str, str]:
     for pair in filter(None, (p.strip() for p in (spec or "").split(","))):
         ours, sep, theirs = (x.strip() for x in pair.partition("="))
         if not sep or not ours or not theirs:
-            raise ConfigError(f"--columns expects OURS=THEIRS pairs separated by commas (messages=conv), got "
-                              f"'{pair}'")
+            raise ConfigError(f"--columns expects OURS=THEIRS pairs separated by commas (messages=conv), got '{pair}'")
         if ours in out:
             raise ConfigError(f"--columns maps '{ours}' twice")
         out[ours] = theirs
@@ -325,8 +418,16 @@ def validate(cfg: RunConfig) -> None:
     for name in positive:
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
-    for name in ("eval_every", "save_every", "eval_samples", "eval_batches", "vision_last_n", "max_grad_norm",
-                 "weight_decay", "max_skipped_steps"):
+    for name in (
+        "eval_every",
+        "save_every",
+        "eval_samples",
+        "eval_batches",
+        "vision_last_n",
+        "max_grad_norm",
+        "weight_decay",
+        "max_skipped_steps",
+    ):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must not be negative, got {getattr(cfg, name)}")
     if cfg.steps is not None and cfg.steps < 1:
@@ -354,16 +455,32 @@ def validate(cfg: RunConfig) -> None:
         split_data_spec(spec)
     parse_columns(cfg.columns)
     if cfg.video_fps <= 0 or cfg.video_max_frames < 2:
-        raise ConfigError("--video-fps must be positive and --video-max-frames at least 2 (a temporal patch is "
-                          f"2 frames), got {cfg.video_fps} and {cfg.video_max_frames}")
+        raise ConfigError(
+            "--video-fps must be positive and --video-max-frames at least 2 (a temporal patch is "
+            f"2 frames), got {cfg.video_fps} and {cfg.video_max_frames}"
+        )
     if cfg.early_stopping_patience < 0:
         raise ConfigError(f"--early-stopping-patience must not be negative, got {cfg.early_stopping_patience}")
     if cfg.early_stopping_patience and not cfg.eval_every:
         raise ConfigError("--early-stopping-patience needs --eval-every N > 0 (the validation loss it watches)")
 
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2, "g": 1000 ** 3, "gb": 1000 ** 3,
-          "t": 1000 ** 4, "tb": 1000 ** 4, "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(value: str | int, flag: str = "size") -> int:

@@ -19,9 +19,11 @@ def torch_too_old(version: str) -> str | None:
     """The message for a torch older than ``TORCH_FLOOR``, or None."""
     if _release(version)[:2] >= _release(TORCH_FLOOR)[:2]:
         return None
-    return (f"torch {version} is older than vlft needs ({TORCH_FLOOR}): training uses "
-            f"torch.nn.utils.get_total_norm and torch.distributed.fsdp.fully_shard. "
-            f"Install a newer one: pip install 'torch>={TORCH_FLOOR}' (with its matching torchvision)")
+    return (
+        f"torch {version} is older than vlft needs ({TORCH_FLOOR}): training uses "
+        f"torch.nn.utils.get_total_norm and torch.distributed.fsdp.fully_shard. "
+        f"Install a newer one: pip install 'torch>={TORCH_FLOOR}' (with its matching torchvision)"
+    )
 
 
 def require_torch() -> None:

@@ -54,6 +54,7 @@ hookimpl = pluggy.HookimplMarker("vlft")
 
 # -- names -------------------------------------------------------------------
 
+
 @hookspec
 def vlft_backends() -> list[BackendInfo]:
     """Return a list of ``BackendInfo`` for the backends this plugin offers.
@@ -73,6 +74,7 @@ def vlft_methods() -> list[MethodInfo]:
 
 
 # -- backends ----------------------------------------------------------------
+
 
 @hookspec
 def vlft_model_families() -> list[ModelFamily]:
@@ -130,8 +132,9 @@ def vlft_setup_device(backend: str, config: RunConfig) -> DeviceSetup | None:
 
 
 @hookspec(firstresult=True)
-def vlft_attention_implementation(backend: str, config: RunConfig,
-                                  model_config: transformers.PretrainedConfig) -> AttentionPolicy | None:
+def vlft_attention_implementation(
+    backend: str, config: RunConfig, model_config: transformers.PretrainedConfig
+) -> AttentionPolicy | None:
     """Return an ``AttentionPolicy`` (per tower) for ``backend``.
 
     ``config.attn`` carries the user's request (None for the default).
@@ -203,8 +206,9 @@ def vlft_device_capacity(backend: str, config: RunConfig) -> DeviceCapacity | No
 
 
 @hookspec
-def vlft_patch_model(backend: str, model: torch.nn.Module, config: RunConfig,
-                     attention: AttentionPolicy, family: ModelFamily) -> list[str] | None:
+def vlft_patch_model(
+    backend: str, model: torch.nn.Module, config: RunConfig, attention: AttentionPolicy, family: ModelFamily
+) -> list[str] | None:
     """Rewrite parts of a loaded model that ``backend`` cannot run as they are.
 
     ``attention`` is the resolved ``AttentionPolicy`` the model was loaded with; ``family`` is the model's
@@ -218,8 +222,9 @@ def vlft_patch_model(backend: str, model: torch.nn.Module, config: RunConfig,
 
 
 @hookspec
-def vlft_kernel_patches(backend: str, config: RunConfig, model_config: transformers.PretrainedConfig,
-                        family: ModelFamily | None) -> list[KernelPatch] | None:
+def vlft_kernel_patches(
+    backend: str, config: RunConfig, model_config: transformers.PretrainedConfig, family: ModelFamily | None
+) -> list[KernelPatch] | None:
     """Return the ``KernelPatch`` es ``backend`` offers for this model: each faster kernel with what it
     replaces, why, its condition and whether it holds here (and why not).
 
@@ -233,6 +238,7 @@ def vlft_kernel_patches(backend: str, config: RunConfig, model_config: transform
 
 # -- adapter methods -----------------------------------------------------------
 
+
 @hookspec(firstresult=True)
 def vlft_adapter_defaults(method: str, config: RunConfig) -> AdapterDefaults | None:
     """Return ``AdapterDefaults`` for ``method``: hyper-parameters, learning rate, target module names.
@@ -245,9 +251,14 @@ def vlft_adapter_defaults(method: str, config: RunConfig) -> AdapterDefaults | N
 
 
 @hookspec(firstresult=True)
-def vlft_apply_adapter(method: str, model: torch.nn.Module, targets: list[str],
-                       config: RunConfig, target_parameters: list[str],
-                       family: ModelFamily) -> torch.nn.Module | None:
+def vlft_apply_adapter(
+    method: str,
+    model: torch.nn.Module,
+    targets: list[str],
+    config: RunConfig,
+    target_parameters: list[str],
+    family: ModelFamily,
+) -> torch.nn.Module | None:
     """Wrap ``model`` with ``method``'s adapter on the module names ``targets``; return the adapted model.
 
     ``target_parameters`` are full names of fused 3-D expert weights (PEFT's ``target_parameters``); it is
@@ -268,8 +279,7 @@ def vlft_save_adapter(method: str, model: torch.nn.Module, path: str) -> bool | 
 
 
 @hookspec(firstresult=True)
-def vlft_load_adapter(method: str, model: torch.nn.Module, path: str,
-                      trainable: bool) -> torch.nn.Module | None:
+def vlft_load_adapter(method: str, model: torch.nn.Module, path: str, trainable: bool) -> torch.nn.Module | None:
     """Load an adapter saved by ``vlft_save_adapter`` onto base ``model``; return the adapted model.
 
     Used by ``--resume`` (``trainable`` True) and by predict, eval and export. First answer wins.
@@ -284,6 +294,7 @@ def vlft_merge_adapter(method: str, model: torch.nn.Module) -> torch.nn.Module |
 
 
 # -- objectives ----------------------------------------------------------------------------------------------
+
 
 @hookspec
 def vlft_objectives() -> list[ObjectiveInfo]:
@@ -336,6 +347,7 @@ def vlft_scorers() -> list[Scorer]:
 
 # -- logging -------------------------------------------------------------------
 
+
 @hookspec(firstresult=True)
 def vlft_metric_sink(name: str, config: RunConfig) -> Callable[[Path], MetricSink] | None:
     """For ``--report-to name``: return a factory that opens a ``MetricSink`` given the run folder.
@@ -351,6 +363,7 @@ def vlft_metric_sink(name: str, config: RunConfig) -> Callable[[Path], MetricSin
 
 # -- command line ---------------------------------------------------------------
 
+
 @hookspec
 def vlft_register_commands(cli: click.Group) -> None:
     """Add click commands to the ``vlft`` command group ``cli``. Every plugin is called."""
@@ -358,6 +371,7 @@ def vlft_register_commands(cli: click.Group) -> None:
 
 
 # -- diagnosis --------------------------------------------------------------------
+
 
 @hookspec
 def vlft_doctor_checks(backend: str) -> list[DoctorCheck] | None:

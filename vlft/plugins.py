@@ -59,7 +59,7 @@ def builtin_plugins(root: Path = CHECKOUT) -> list[tuple[str, str]]:
     ``PLUGIN_MODULES``; one that fails to import is still listed, so registering it reports the error."""
     found = list(CORE_PLUGINS)
     for package in builtin_packages(root):
-        name = package[len(PACKAGE_PREFIX):]
+        name = package[len(PACKAGE_PREFIX) :]
         try:
             modules = getattr(importlib.import_module(package), "PLUGIN_MODULES", None)
         except Exception:  # noqa: BLE001 - registering it again reports the failure as a broken plugin
@@ -80,7 +80,7 @@ class CheckoutPlugins(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         if not fullname.startswith(PACKAGE_PREFIX) or "." in fullname:
             return None  # submodules are found through the package's __path__ by the usual finders
-        init = self.root / "plugins" / fullname[len(PACKAGE_PREFIX):] / "__init__.py"
+        init = self.root / "plugins" / fullname[len(PACKAGE_PREFIX) :] / "__init__.py"
         if not init.is_file():
             return None
         return importlib.util.spec_from_file_location(fullname, init, submodule_search_locations=[str(init.parent)])

@@ -31,8 +31,7 @@ class AttentionPolicy:
         if self.text == "flash_attention_2":
             return "varlen", "flash_attention_2 finds each sample's bounds from the text position row"
         if self.text in ("sdpa", "eager"):
-            return "segments", (f"{self.text} runs sample by sample, the row cut where its text position row "
-                                f"restarts")
+            return "segments", (f"{self.text} runs sample by sample, the row cut where its text position row restarts")
         return "", f"no known way for text attention '{self.text}' to keep packed samples apart"
 
     def as_attn_implementation(self) -> str | dict[str, str]:
@@ -55,7 +54,7 @@ class PrecisionPolicy:
     param_dtype: str = "float32"  # the frozen base weights; trainable (adapter) weights are always float32
     autocast_dtype: str | None = None  # None: no autocast
     loss_scaling: bool = False
-    init_scale: float = 2.0 ** 16
+    init_scale: float = 2.0**16
     growth_interval: int = 2000
     reason: str = ""
     param_reason: str = ""  # why the base weights have ``param_dtype``
@@ -119,12 +118,36 @@ class DistributedOptions:
 
 # What a plugin imported from here before plugin API 3, when this module held every contract: now in
 # vlft.contracts, re-exported by vlft. An old import is told where, not left with "cannot import name".
-_MOVED = frozenset({
-    "BackendInfo", "ProbeResult", "DeviceSetup", "MemoryStats", "DeviceCapacity", "KernelPatch", "DoctorCheck",
-    "MethodInfo", "AdapterDefaults", "MetricSink", "Scorer", "Media", "Written", "ImageInputs", "VideoInputs",
-    "Positions", "Packing", "Sharding", "Experts", "ModelFamily", "VisionWarmup", "processor_image_inputs",
-    "Objective", "ObjectiveInfo", "Reward", "objective_help",
-})
+_MOVED = frozenset(
+    {
+        "BackendInfo",
+        "ProbeResult",
+        "DeviceSetup",
+        "MemoryStats",
+        "DeviceCapacity",
+        "KernelPatch",
+        "DoctorCheck",
+        "MethodInfo",
+        "AdapterDefaults",
+        "MetricSink",
+        "Scorer",
+        "Media",
+        "Written",
+        "ImageInputs",
+        "VideoInputs",
+        "Positions",
+        "Packing",
+        "Sharding",
+        "Experts",
+        "ModelFamily",
+        "VisionWarmup",
+        "processor_image_inputs",
+        "Objective",
+        "ObjectiveInfo",
+        "Reward",
+        "objective_help",
+    }
+)
 
 
 def __getattr__(name: str):

@@ -92,7 +92,8 @@ class Registry:
                 raise VlftError(
                     f"two plugins offer the reward '{name}': '{self.owners[('reward', name)]}' (a reward) and "
                     f"'{owner}' (a scorer, which is a reward too). Uninstall one, or block it with "
-                    f"{DISABLE_ENV}={owner}")
+                    f"{DISABLE_ENV}={owner}"
+                )
             self.rewards[name] = scorer.as_reward()
             self.owners[("reward", name)] = owner
         return self
@@ -114,8 +115,10 @@ class Registry:
 
     def objective(self, name: str) -> ObjectiveInfo:
         if name not in self.objectives:
-            raise ConfigError(f"unknown objective '{name}'; valid objectives: {', '.join(sorted(self.objectives))}"
-                              + self._broken_hint())
+            raise ConfigError(
+                f"unknown objective '{name}'; valid objectives: {', '.join(sorted(self.objectives))}"
+                + self._broken_hint()
+            )
         return self.objectives[name]
 
     def objective_for(self, config) -> Objective:
@@ -124,8 +127,9 @@ class Registry:
         info = self.objective(config.objective)
         owners = {name: [o for o, _ in declared] for name, declared in self.objective_options().items()}
         options = resolve_options(info.name, info.options, config.objective_options, owners)
-        return self.first("vlft_objective", objective=info.name, config=config, options=options,
-                          rewards=dict(self.rewards))
+        return self.first(
+            "vlft_objective", objective=info.name, config=config, options=options, rewards=dict(self.rewards)
+        )
 
     def objective_options(self) -> dict[str, list[tuple[str, OptionSpec]]]:
         """{option name: [(objective, its declaration)]} over every objective on offer: one ``vlft run`` flag
@@ -186,17 +190,23 @@ def api_notes(pm: pluggy.PluginManager) -> dict[str, list[str]]:
         declared = getattr(plugin, "VLFT_PLUGIN_API", None)
         if isinstance(declared, int) and declared < PLUGIN_API:
             since = sorted({c.api for c in changes_since(declared)})
-            lines.append(f"written for plugin API {declared}; this vlft's is {PLUGIN_API}: see "
-                         + ", ".join(f"{CHANGES_DOC}#plugin-api-{v}" for v in since) + " for what changed")
+            lines.append(
+                f"written for plugin API {declared}; this vlft's is {PLUGIN_API}: see "
+                + ", ".join(f"{CHANGES_DOC}#plugin-api-{v}" for v in since)
+                + " for what changed"
+            )
         elif isinstance(declared, int) and declared > PLUGIN_API:
             lines.append(f"written for plugin API {declared}, newer than this vlft's ({PLUGIN_API}): upgrade vlft")
         for caller in pm.get_hookcallers(plugin) or []:
             if caller.has_spec():
                 continue
             gone = changed("hook", caller.name)
-            lines.append(gone.line() if gone is not None else
-                         f"answers {caller.name}, which is no hook of plugin API {PLUGIN_API} (docs/plugin-hooks.md "
-                         f"lists them)")
+            lines.append(
+                gone.line()
+                if gone is not None
+                else f"answers {caller.name}, which is no hook of plugin API {PLUGIN_API} (docs/plugin-hooks.md "
+                f"lists them)"
+            )
         if lines:
             notes[name or repr(plugin)] = lines
     return notes

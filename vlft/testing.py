@@ -40,8 +40,18 @@ from vlft.config import RunConfig, build_config
 from vlft.policies import DataLoaderOptions
 from vlft.registry import Registry, load_registry
 
-__all__ = ["FAMILY_CHECKS", "FamilyCheck", "FamilyCheckError", "FamilyReport", "check_family", "check_plugin",
-           "registry_with", "run", "tiny_dataset", "tiny_run_config"]
+__all__ = [
+    "FAMILY_CHECKS",
+    "FamilyCheck",
+    "FamilyCheckError",
+    "FamilyReport",
+    "check_family",
+    "check_plugin",
+    "registry_with",
+    "run",
+    "tiny_dataset",
+    "tiny_run_config",
+]
 
 UNKNOWN = "vlft-testing-unknown-name"  # a backend, method and objective name no plugin owns
 # what a run needs besides the plugin under test: a backend to run a method on, a method to run a backend with,
@@ -68,8 +78,9 @@ def registry_with(*plugins: Any, entry_points: bool = True) -> Registry:
         # the built-ins by their modules, as the registry finds them (from the checkout where not installed)
         serve_checkout()
         builtins = [importlib.import_module(module) for name, module in builtin_plugins() if name in BUILTINS_FOR_RUNS]
-    registry = load_registry(load_entry_points=entry_points,
-                             plugins=tuple(m for m in builtins if all(m is not p for p in plugins)))
+    registry = load_registry(
+        load_entry_points=entry_points, plugins=tuple(m for m in builtins if all(m is not p for p in plugins))
+    )
     for plugin in plugins:
         if not registry.pm.is_registered(plugin):
             registry.pm.register(plugin, name=getattr(plugin, "__name__", None) or type(plugin).__name__)
@@ -93,8 +104,18 @@ def tiny_run_config(folder: str | Path, **overrides: Any) -> RunConfig:
     """
     train, val = tiny_dataset(folder)
     values: dict[str, Any] = dict(
-        backend="cpu", method="lora", data=str(train), val_data=str(val), output=str(Path(folder) / "run"),
-        steps=2, batch_size=2, eval_every=0, eval_samples=2, max_new_tokens=4, save_every=0, log_every=1,
+        backend="cpu",
+        method="lora",
+        data=str(train),
+        val_data=str(val),
+        output=str(Path(folder) / "run"),
+        steps=2,
+        batch_size=2,
+        eval_every=0,
+        eval_samples=2,
+        max_new_tokens=4,
+        save_every=0,
+        log_every=1,
     )
     values.update(overrides)
     return build_config({}, values)  # the same checks as flags on the command line
@@ -114,9 +135,23 @@ def run(config: RunConfig, registry: Registry | None = None, progress: bool = Fa
 def _placeholder_arguments() -> dict[str, Any]:
     """A value for every hook parameter, naming nothing any plugin owns."""
     return {
-        "backend": UNKNOWN, "method": UNKNOWN, "objective": UNKNOWN, "config": RunConfig(), "model_config": None,
-        "model": None, "targets": [], "path": "", "trainable": False, "seed": 0, "deterministic": False, "device": None,
-        "attention": None, "options": DataLoaderOptions(), "family": None, "target_parameters": [], "rewards": {},
+        "backend": UNKNOWN,
+        "method": UNKNOWN,
+        "objective": UNKNOWN,
+        "config": RunConfig(),
+        "model_config": None,
+        "model": None,
+        "targets": [],
+        "path": "",
+        "trainable": False,
+        "seed": 0,
+        "deterministic": False,
+        "device": None,
+        "attention": None,
+        "options": DataLoaderOptions(),
+        "family": None,
+        "target_parameters": [],
+        "rewards": {},
     }
 
 
@@ -238,8 +273,9 @@ class _Subject:
         from vlft.models.loading import load_model  # the core's loader: what a run would train
         from vlft.policies import AttentionPolicy, PrecisionPolicy
 
-        return load_model(self.path, AttentionPolicy("eager", text_attention), PrecisionPolicy("fp32"),
-                          family=self.family).eval()
+        return load_model(
+            self.path, AttentionPolicy("eager", text_attention), PrecisionPolicy("fp32"), family=self.family
+        ).eval()
 
     def batch(self, samples=None) -> dict:
         """The samples padded into one batch by the family's collator (right padding, as training does)."""
@@ -271,22 +307,30 @@ def _check_targets(s: _Subject) -> str:
     if problems:
         return "; ".join(problems)
     parts = ("attention", "mlp")
-    found = select_target_modules(model, fam, "both", 10 ** 6, experts=fam.experts is not None, parts=parts)
-    towers = {"vision": (fam.towers.vision_blocks, target_names(fam, "vision", parts)),
-              "text": (fam.towers.decoder_layers, target_names(fam, "text", parts))}
+    found = select_target_modules(model, fam, "both", 10**6, experts=fam.experts is not None, parts=parts)
+    towers = {
+        "vision": (fam.towers.vision_blocks, target_names(fam, "vision", parts)),
+        "text": (fam.towers.decoder_layers, target_names(fam, "text", parts)),
+    }
     for tower, (container, names) in towers.items():
         if not container:
             continue
         count = len(resolve_module(model, container))  # pyright: ignore[reportArgumentType]  # a ModuleList, typed Module
         hits = [n for n in found.modules if n.startswith(container + ".")]
-        problems += [f"{tower} target '{name}' is an nn.Linear in none of the {count} {container} entries"
-                     for name in names if not any(h.endswith("." + name) for h in hits)]
+        problems += [
+            f"{tower} target '{name}' is an nn.Linear in none of the {count} {container} entries"
+            for name in names
+            if not any(h.endswith("." + name) for h in hits)
+        ]
         bare = [i for i in range(count) if not any(h.startswith(f"{container}.{i}.") for h in hits)]
         if bare:
             problems.append(f"{container} entries {bare} have no target at all")
     experts = fam.experts.parameters if fam.experts is not None else ()
-    problems += [f"experts.parameters '{name}' is a Parameter in no decoder layer" for name in experts
-                 if not any(p.endswith("." + name) for p in found.parameters)]
+    problems += [
+        f"experts.parameters '{name}' is a Parameter in no decoder layer"
+        for name in experts
+        if not any(p.endswith("." + name) for p in found.parameters)
+    ]
     for name in fam.experts.routers if fam.experts is not None else ():
         if not any(isinstance(m, torch.nn.Module) for m in _each_layer(model, fam, name)):
             problems.append(f"experts.routers '{name}' is a module in no decoder layer")
@@ -311,8 +355,10 @@ def _check_image_tokens(s: _Subject) -> str:
     for record, sample in zip(s.records, s.samples):
         measured, encoded = s.encoder.measure(record)[0], len(sample["input_ids"])
         if measured != encoded:
-            problems.append(f"{record.where}: measured at {measured} tokens (image_inputs.prepare on the sizes "
-                            f"alone), encoded at {encoded}")
+            problems.append(
+                f"{record.where}: measured at {measured} tokens (image_inputs.prepare on the sizes "
+                f"alone), encoded at {encoded}"
+            )
         mine, theirs, plain = sample["input_ids"].tolist(), *_processor_ids(s, record)
         if mine != theirs:
             problems.append(f"{record.where}: {_first_difference(s.processor.tokenizer, mine, theirs, plain)}")
@@ -325,8 +371,11 @@ def _processor_ids(s: _Subject, record) -> tuple[list[int], list[int]]:
     from vlft.data.records import load_image  # the images as the encoder decodes them
 
     text = s.encoder.render(record.turns, add_generation_prompt=False)
-    if (s.family.chat.reply_end_appended and record.turns[-1].role == "assistant"
-            and not text.endswith(s.encoder.eos_text)):
+    if (
+        s.family.chat.reply_end_appended
+        and record.turns[-1].role == "assistant"
+        and not text.endswith(s.encoder.eos_text)
+    ):
         text += s.encoder.eos_text  # the last reply's end, which the template leaves out and training adds
     images = {"images": [[load_image(x) for x in record.images]]} if record.images else {}
     own = s.processor(text=[text], return_tensors="pt", **images)["input_ids"][0].tolist()
@@ -338,8 +387,10 @@ def _first_difference(tokenizer, mine: list[int], theirs: list[int], plain: list
     writes in for images (the one it adds most of that the text alone lacks, else the one it adds most of)."""
     at = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
     names = tokenizer.convert_ids_to_tokens
-    said = (f"the family's image_inputs wrote {len(mine)} tokens, the processor {len(theirs)}; from token {at} "
-            f"the family wrote {names(mine[at:at + 4])}, the processor {names(theirs[at:at + 4])}")
+    said = (
+        f"the family's image_inputs wrote {len(mine)} tokens, the processor {len(theirs)}; from token {at} "
+        f"the family wrote {names(mine[at : at + 4])}, the processor {names(theirs[at : at + 4])}"
+    )
     added = Counter(theirs) - Counter(plain)
     if not added:
         return said
@@ -371,8 +422,9 @@ def _check_positions(s: _Subject) -> str:
     batch = s.batch()
     text_model = resolve_module(model, fam.towers.decoder_layers.rpartition(".")[0])
     seen = []
-    hook = text_model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs.get("position_ids")),
-                                                with_kwargs=True)
+    hook = text_model.register_forward_pre_hook(
+        lambda m, args, kwargs: seen.append(kwargs.get("position_ids")), with_kwargs=True
+    )
     try:
         with torch.no_grad():
             model(**model_inputs(batch))
@@ -390,8 +442,10 @@ def _check_positions(s: _Subject) -> str:
             problems.append(f"{record.where}: rope_index gave shape {tuple(mine.shape)}, not ({rows}, 1, {n})")
         elif not torch.equal(mine[:, 0].to(theirs.dtype), theirs):
             at = int((mine[:, 0] != theirs).any(0).nonzero()[0])
-            problems.append(f"{record.where}: at token {at} rope_index gave {mine[:, 0, at].tolist()}, the model "
-                            f"{theirs[:, at].tolist()}")
+            problems.append(
+                f"{record.where}: at token {at} rope_index gave {mine[:, 0, at].tolist()}, the model "
+                f"{theirs[:, at].tolist()}"
+            )
     return "; ".join(problems)
 
 
@@ -423,8 +477,9 @@ def _loss(model, batch: dict) -> float:
     from vlft.data.batching import label_count, model_inputs  # what the training step reads
     from vlft.models.loss import token_loss_sum  # the supervised loss a step takes
 
-    inputs = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v
-              for k, v in model_inputs(batch).items()}
+    inputs = {
+        k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in model_inputs(batch).items()
+    }
     with torch.no_grad():
         return token_loss_sum(model(**inputs).logits, batch["labels"]).item() / label_count(batch)
 
@@ -469,8 +524,14 @@ def _check_adapter(s: _Subject) -> str:
     with torch.no_grad():
         base = model(**inputs).logits
     torch.manual_seed(0)
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=sorted(targets.modules),
-                        target_parameters=targets.parameters or None, init_lora_weights=False)
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        target_modules=sorted(targets.modules),
+        target_parameters=targets.parameters or None,
+        init_lora_weights=False,
+    )
     adapted = get_peft_model(model, config).eval()
     folder = s.folder / "adapter"
     adapted.save_pretrained(str(folder))
@@ -483,8 +544,10 @@ def _check_adapter(s: _Subject) -> str:
     if torch.equal(mine, base):
         return "the adapter changed no logit: its targets are not on the forward's path"
     if not torch.equal(mine, theirs):
-        return (f"reloaded with plain PEFT, the logits differ from the adapted model's by up to "
-                f"{(mine - theirs).abs().max().item():.3g}")
+        return (
+            f"reloaded with plain PEFT, the logits differ from the adapted model's by up to "
+            f"{(mine - theirs).abs().max().item():.3g}"
+        )
     return ""
 
 
@@ -495,9 +558,25 @@ def _check_mixed_step(s: _Subject) -> str:
     from vlft.config import build_config  # the same checks as flags on the command line
 
     data = s.folder / "data" / "train.jsonl"
-    config = build_config({}, dict(
-        model=s.path, backend="cpu", method="lora", data=str(data), val_data=str(data), output=str(s.folder / "run"),
-        steps=2, batch_size=2, eval_every=0, eval_samples=1, max_new_tokens=2, save_every=0, log_every=1, seed=0))
+    config = build_config(
+        {},
+        dict(
+            model=s.path,
+            backend="cpu",
+            method="lora",
+            data=str(data),
+            val_data=str(data),
+            output=str(s.folder / "run"),
+            steps=2,
+            batch_size=2,
+            eval_every=0,
+            eval_samples=1,
+            max_new_tokens=2,
+            save_every=0,
+            log_every=1,
+            seed=0,
+        ),
+    )
     result = run(config, s.registry)
     losses = [m["loss"] for m in result.metrics or [] if "loss" in m]
     if len(losses) != 2 or not all(math.isfinite(x) for x in losses):
@@ -529,8 +608,9 @@ FAMILY_CHECKS: dict[str, tuple[Callable[[Any], str], Callable[[_Subject], str]]]
 }
 
 
-def check_family(model: str, folder: str | Path, *, registry: Registry | None = None,
-                 skip: dict[str, str] | None = None) -> FamilyReport:
+def check_family(
+    model: str, folder: str | Path, *, registry: Registry | None = None, skip: dict[str, str] | None = None
+) -> FamilyReport:
     """Check a model family's contract on its real tiny model and processor; raise ``FamilyCheckError`` (an
     ``AssertionError``) listing every failed check, under the family's name and plugin.
 
@@ -618,8 +698,10 @@ def _write_mixed_data(folder: Path, with_images: bool = True) -> Path:
         for t in range(turns):
             placeholders = "<image>\n" * len(images) if t == 0 else ""
             answer = answer_for(rng.choice(list(COLOURS)), rng.choice(list(DEFECTS)))
-            messages += [{"role": "user", "content": placeholders + QUESTIONS[t % len(QUESTIONS)]},
-                         {"role": "assistant", "content": answer}]
+            messages += [
+                {"role": "user", "content": placeholders + QUESTIONS[t % len(QUESTIONS)]},
+                {"role": "assistant", "content": answer},
+            ]
         lines.append(json.dumps({"messages": messages, "images": images}))
     path = folder / "train.jsonl"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")

@@ -36,6 +36,8 @@ def _plain_backend(tokenizer):
         return None
     if backend.truncation is not None or backend.padding is not None:
         return None
-    if bool(getattr(backend, "encode_special_tokens", False)) != bool(getattr(tokenizer, "split_special_tokens", False)):
+    if bool(getattr(backend, "encode_special_tokens", False)) != bool(
+        getattr(tokenizer, "split_special_tokens", False)
+    ):
         return None
     return backend

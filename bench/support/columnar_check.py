@@ -80,8 +80,16 @@ def measure(encoder, data: str, val: str, cache: str, model: str) -> dict:
     del train, val_records
     with PeakRss() as training:
         steps = two_steps(values, model)
-    return {"records": records, "cold_s": cold, "cached_s": cached, "rss_before": before, "rss_peak": peak.peak,
-            "rss_after": after, "rss_training": training.peak, "steps": steps}
+    return {
+        "records": records,
+        "cold_s": cold,
+        "cached_s": cached,
+        "rss_before": before,
+        "rss_peak": peak.peak,
+        "rss_after": after,
+        "rss_training": training.peak,
+        "steps": steps,
+    }
 
 
 def two_steps(values: dict, model: str) -> int:
@@ -92,9 +100,24 @@ def two_steps(values: dict, model: str) -> int:
     from vlft.registry import load_registry
 
     out = Path(values["output"])
-    execute(load_registry(), build_config({}, dict(values, model=model, steps=2, batch_size=2, log_every=1,
-                                                   eval_every=0, save_every=0, eval_samples=1,
-                                                   max_new_tokens=1)), progress=False)
+    execute(
+        load_registry(),
+        build_config(
+            {},
+            dict(
+                values,
+                model=model,
+                steps=2,
+                batch_size=2,
+                log_every=1,
+                eval_every=0,
+                save_every=0,
+                eval_samples=1,
+                max_new_tokens=1,
+            ),
+        ),
+        progress=False,
+    )
     return sum(1 for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line)
 
 

@@ -18,9 +18,14 @@ def _sync_ops():
     scalar = {aten._local_scalar_dense.default, aten.equal.default}
     # ops whose output shape depends on the data: the host waits for the device to know it
     shaped = set()
-    for name, overloads in (("nonzero", ("default",)), ("masked_select", ("default",)),
-                            ("_unique2", ("default",)), ("unique_consecutive", ("default",)),
-                            ("unique_dim", ("default",)), ("repeat_interleave", ("Tensor",))):
+    for name, overloads in (
+        ("nonzero", ("default",)),
+        ("masked_select", ("default",)),
+        ("_unique2", ("default",)),
+        ("unique_consecutive", ("default",)),
+        ("unique_dim", ("default",)),
+        ("repeat_interleave", ("Tensor",)),
+    ):
         op = getattr(aten, name, None)
         for ov in overloads:
             if op is not None and hasattr(op, ov):
@@ -137,7 +142,12 @@ def sync_counter(device: torch.device, host_tensors=()):
             by_op = Counter(e[0] for e in self.events)
             by_owner = Counter(_owner_of(e[1], e[2]) for e in self.events)
             by_site = Counter(f"{e[1]}  <- {e[2]}" if e[1] != e[2] else e[1] for e in self.events)
-            return {"total": len(self.events), "vlft_own": by_owner.get("vlft", 0), "by_op": dict(by_op),
-                    "by_owner": dict(by_owner), "top_sites": dict(by_site.most_common(12))}
+            return {
+                "total": len(self.events),
+                "vlft_own": by_owner.get("vlft", 0),
+                "by_op": dict(by_op),
+                "by_owner": dict(by_owner),
+                "top_sites": dict(by_site.most_common(12)),
+            }
 
     return SyncCounter()

@@ -13,8 +13,10 @@ FOLLOW_UPS = [
     ("Describe the surface of the product around the defect.", "The surface is smooth apart from the defect."),
     ("What shape is the product?", "It is a rounded box seen from above."),
 ]
-CONTEXT = ("You are inspecting products on a production line. Look at the whole product, left and right, top "
-           "and bottom, and name the colour of the product and the kind of damage you see, if any. ")
+CONTEXT = (
+    "You are inspecting products on a production line. Look at the whole product, left and right, top "
+    "and bottom, and name the colour of the product and the kind of damage you see, if any. "
+)
 
 
 def write_mixed_dataset(demo_train: Path) -> Path:
@@ -46,8 +48,10 @@ def write_mixed_dataset(demo_train: Path) -> Path:
 
 def encode_batches(size: ModelSize, records, batch_size: int = BATCH_SIZE, **collate_kw) -> list[dict]:
     collate = size.collator(**collate_kw)
-    return [collate([size.encoder.encode(r) for r in records[i:i + batch_size]])
-            for i in range(0, len(records) - batch_size + 1, batch_size)]
+    return [
+        collate([size.encoder.encode(r) for r in records[i : i + batch_size]])
+        for i in range(0, len(records) - batch_size + 1, batch_size)
+    ]
 
 
 def to_device(env: BenchEnv, batch: dict) -> dict:
@@ -56,8 +60,9 @@ def to_device(env: BenchEnv, batch: dict) -> dict:
     return move(batch, env.device)
 
 
-def write_preflight_dataset(out: Path, n_records: int = 16_000, n_images: int = 2_000, side: int = 448,
-                            seed: int = 0) -> Path:
+def write_preflight_dataset(
+    out: Path, n_records: int = 16_000, n_images: int = 2_000, side: int = 448, seed: int = 0
+) -> Path:
     """The field report's shape: ``n_records`` records over ``n_images`` JPEG images of ``side`` x ``side``
     (each image in ``n_records / n_images`` records), one or two turns. Written once per shape."""
     import json
@@ -74,26 +79,39 @@ def write_preflight_dataset(out: Path, n_records: int = 16_000, n_images: int = 
     for i in range(n_images):
         colour = (rng.randrange(256), rng.randrange(256), rng.randrange(256))
         img = Image.new("RGB", (side, side), colour)
-        img.paste((255 - colour[0], 80, 160), (rng.randrange(side // 2), rng.randrange(side // 2), side // 2 + 40,
-                                                side // 2 + 40))
+        img.paste(
+            (255 - colour[0], 80, 160),
+            (rng.randrange(side // 2), rng.randrange(side // 2), side // 2 + 40, side // 2 + 40),
+        )
         img.save(out / "imgs" / f"{i:05d}.jpg", quality=85)
     words = "the part shows a scratch near the left edge no defect visible dent on the surface".split()
     tmp = out / "train.jsonl.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         for r in range(n_records):
             answer = " ".join(rng.choice(words) for _ in range(rng.randrange(5, 40)))
-            turns = [{"role": "user", "content": "<image>What do you see on this part?"},
-                     {"role": "assistant", "content": answer}]
+            turns = [
+                {"role": "user", "content": "<image>What do you see on this part?"},
+                {"role": "assistant", "content": answer},
+            ]
             if r % 3 == 0:
-                turns += [{"role": "user", "content": "Is it acceptable?"},
-                          {"role": "assistant", "content": rng.choice(["yes", "no, reject it"])}]
+                turns += [
+                    {"role": "user", "content": "Is it acceptable?"},
+                    {"role": "assistant", "content": rng.choice(["yes", "no, reject it"])},
+                ]
             f.write(json.dumps({"messages": turns, "images": [f"imgs/{r % n_images:05d}.jpg"]}) + "\n")
     tmp.rename(train)
     return train
 
 
-def write_parquet_set(out: Path, n_records: int, n_images: int, shard_rows: int = 10_000, group_rows: int = 1_000,
-                      side: int = 224, seed: int = 0) -> Path:
+def write_parquet_set(
+    out: Path,
+    n_records: int,
+    n_images: int,
+    shard_rows: int = 10_000,
+    group_rows: int = 1_000,
+    side: int = 224,
+    seed: int = 0,
+) -> Path:
     """A hub-shaped Parquet set in ``out``: ``n_records`` rows in shards of ``shard_rows`` (row groups of
     ``group_rows``), LLaVA-OneVision's columns (``id``, ``image`` as ``{bytes, path}``, ``conversations``,
     ``data_source``), the images' JPEG bytes drawn in turn from ``n_images`` distinct ones of ``side`` x
@@ -115,8 +133,10 @@ def write_parquet_set(out: Path, n_records: int, n_images: int, shard_rows: int 
     for _ in range(n_images):
         colour = (rng.randrange(256), rng.randrange(256), rng.randrange(256))
         img = Image.new("RGB", (side, side), colour)
-        img.paste((255 - colour[0], 80, 160), (rng.randrange(side // 2), rng.randrange(side // 2), side // 2 + 20,
-                                                side // 2 + 20))
+        img.paste(
+            (255 - colour[0], 80, 160),
+            (rng.randrange(side // 2), rng.randrange(side // 2), side // 2 + 20, side // 2 + 20),
+        )
         buf = io.BytesIO()
         img.save(buf, format="JPEG", quality=85)
         pool.append(buf.getvalue())
@@ -126,14 +146,25 @@ def write_parquet_set(out: Path, n_records: int, n_images: int, shard_rows: int 
         rows = []
         for r in range(s * shard_rows, min(n_records, (s + 1) * shard_rows)):
             answer = " ".join(rng.choice(words) for _ in range(rng.randrange(5, 40)))
-            convo = [{"from": "human", "value": "<image>\nWhat do you see on this part?"},
-                     {"from": "gpt", "value": answer}]
+            convo = [
+                {"from": "human", "value": "<image>\nWhat do you see on this part?"},
+                {"from": "gpt", "value": answer},
+            ]
             if r % 3 == 0:
-                convo += [{"from": "human", "value": "Is it acceptable?"},
-                          {"from": "gpt", "value": rng.choice(["yes", "no, reject it"])}]
-            rows.append({"id": f"r{r}", "image": {"bytes": pool[r % n_images], "path": f"{r % n_images:05d}.jpg"},
-                         "conversations": convo, "data_source": "bench"})
-        pq.write_table(pa.Table.from_pylist(rows), out / f"train-{s:05d}-of-{shards:05d}.parquet",
-                       row_group_size=group_rows)
+                convo += [
+                    {"from": "human", "value": "Is it acceptable?"},
+                    {"from": "gpt", "value": rng.choice(["yes", "no, reject it"])},
+                ]
+            rows.append(
+                {
+                    "id": f"r{r}",
+                    "image": {"bytes": pool[r % n_images], "path": f"{r % n_images:05d}.jpg"},
+                    "conversations": convo,
+                    "data_source": "bench",
+                }
+            )
+        pq.write_table(
+            pa.Table.from_pylist(rows), out / f"train-{s:05d}-of-{shards:05d}.parquet", row_group_size=group_rows
+        )
     done.touch()
     return out

@@ -15,8 +15,10 @@ def two_process_syncs(records, method: str = "lora", world: int = 2, timeout_s: 
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as folder:
         init = Path(folder) / "rendezvous"
-        procs = [ctx.Process(target=_worker, args=(rank, world, str(init), method, list(records), queue))
-                 for rank in range(world)]
+        procs = [
+            ctx.Process(target=_worker, args=(rank, world, str(init), method, list(records), queue))
+            for rank in range(world)
+        ]
         for p in procs:
             p.start()
         results = [queue.get(timeout=timeout_s) for _ in procs]
@@ -61,7 +63,7 @@ def _count(rank: int, world: int, method: str, records) -> dict:
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     tr = trainer(env, ddp, as_on_a_device=True)
     tr.policy.world_size = world
-    mine = records[rank * BATCH_SIZE:(rank + 1) * BATCH_SIZE]
+    mine = records[rank * BATCH_SIZE : (rank + 1) * BATCH_SIZE]
     host = encode_batches(size, mine)[0]
     dev = to_device(env, host)
     stop = StopRequest()
@@ -73,5 +75,4 @@ def _count(rank: int, world: int, method: str, records) -> dict:
         out = tr.step_counted(tokens, dev)
         agreed = stop.agreed(world, env.device)
     stop.__exit__(None, None, None)  # waits for the flag's reduction still in flight
-    return {"syncs": counter.summary(), "global_tokens": out.global_units, "local_tokens": tokens,
-            "agreed": agreed}
+    return {"syncs": counter.summary(), "global_tokens": out.global_units, "local_tokens": tokens, "agreed": agreed}

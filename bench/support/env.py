@@ -30,8 +30,13 @@ class BenchEnv:
     def config(self, **over):
         from vlft.config import build_config
 
-        values = dict(backend=self.backend, targets=TARGETS, vision_last_n=VISION_LAST_N, batch_size=BATCH_SIZE,
-                      precision=self.asked_precision)
+        values = dict(
+            backend=self.backend,
+            targets=TARGETS,
+            vision_last_n=VISION_LAST_N,
+            batch_size=BATCH_SIZE,
+            precision=self.asked_precision,
+        )
         values.update(over)
         return build_config({}, values)
 
@@ -56,8 +61,14 @@ class BenchEnv:
     def describe(self) -> dict:
         import os
 
-        return {"backend": self.backend, "device": str(self.device), "precision": self.precision.name,
-                "threads": self.threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), **self.versions}
+        return {
+            "backend": self.backend,
+            "device": str(self.device),
+            "precision": self.precision.name,
+            "threads": self.threads,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            **self.versions,
+        }
 
 
 def resolve_env(backend: str, threads: int, precision: str = "auto") -> BenchEnv:
@@ -76,8 +87,9 @@ def resolve_env(backend: str, threads: int, precision: str = "auto") -> BenchEnv
         pytest.skip(f"backend '{backend}' is not available here: {probe.reason}")
     backend = choice.info.name
     torch.set_num_threads(threads)
-    env = BenchEnv(registry, backend, torch.device("cpu"), None, lambda: None, threads, dict(probe.versions),
-                   choice, precision)
+    env = BenchEnv(
+        registry, backend, torch.device("cpu"), None, lambda: None, threads, dict(probe.versions), choice, precision
+    )
     config = env.config()
     registry.hook.vlft_seed(backend=backend, seed=0, deterministic=False)
     setup = registry.first("vlft_setup_device", backend=backend, config=config)

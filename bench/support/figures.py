@@ -26,11 +26,28 @@ def figure(value: float | None, target: str | None = None, unit: str = "x", note
     return out
 
 
-def record(benchmark, env: BenchEnv, size: ModelSize | None, group: str, figures: dict, variants: dict,
-           memory: dict | None = None, notes: list[str] | None = None, **extra) -> None:
+def record(
+    benchmark,
+    env: BenchEnv,
+    size: ModelSize | None,
+    group: str,
+    figures: dict,
+    variants: dict,
+    memory: dict | None = None,
+    notes: list[str] | None = None,
+    **extra,
+) -> None:
     """Everything ``bench/report.py`` reads of this benchmark, into its ``extra_info``."""
-    benchmark.extra_info.update({
-        "group": group, "model": size.name if size else None, **env.describe(),
-        "figures": figures, "variants": variants, "memory": memory or {}, "notes": notes or [],
-        "benchmark_disabled": bool(benchmark.disabled), **extra,
-    })
+    benchmark.extra_info.update(
+        {
+            "group": group,
+            "model": size.name if size else None,
+            **env.describe(),
+            "figures": figures,
+            "variants": variants,
+            "memory": memory or {},
+            "notes": notes or [],
+            "benchmark_disabled": bool(benchmark.disabled),
+            **extra,
+        }
+    )

@@ -50,8 +50,12 @@ def step_memory(env: BenchEnv, tr: Trainer, host_batch: dict, device_batch: dict
         tr.step(host_batch, device_batch)
         env.synchronize()
         peak = env.memory_reader().peak_bytes
-        return {"measure": f"{env.device.type} allocator peak (backend memory reader)", "peak_bytes": peak,
-                "step_bytes": peak - before if peak is not None else None, "resident_bytes": before}
+        return {
+            "measure": f"{env.device.type} allocator peak (backend memory reader)",
+            "peak_bytes": peak,
+            "step_bytes": peak - before if peak is not None else None,
+            "resident_bytes": before,
+        }
     meter = SavedTensorMeter(tr.model)
     with meter.hooks():
         tr.step(host_batch, device_batch)
@@ -60,9 +64,14 @@ def step_memory(env: BenchEnv, tr: Trainer, host_batch: dict, device_batch: dict
     grads = sum(p.numel() * p.element_size() for p in trainable)  # set to None after the step; were this size
     state = _tensor_bytes(v for s in tr.optimizer.state.values() for v in s.values())
     peak = weights + meter.bytes + grads + state
-    return {"measure": "counted: weights + autograd-saved tensors + grads + optimizer state",
-            "peak_bytes": peak, "activation_bytes": meter.bytes, "weight_bytes": weights,
-            "grad_bytes": grads, "optimizer_bytes": state}
+    return {
+        "measure": "counted: weights + autograd-saved tensors + grads + optimizer state",
+        "peak_bytes": peak,
+        "activation_bytes": meter.bytes,
+        "weight_bytes": weights,
+        "grad_bytes": grads,
+        "optimizer_bytes": state,
+    }
 
 
 def measured_step_peak(env: BenchEnv, session, group: list[dict]) -> dict:
@@ -82,11 +91,22 @@ def measured_step_peak(env: BenchEnv, session, group: list[dict]) -> dict:
         session.train_step(group)
         env.synchronize()
         peak = env.memory_reader().peak_bytes
-        return {"measure": f"{env.device.type} allocator peak", "peak_bytes": peak, "step_bytes": peak - before,
-                "resident_bytes": before}
-    resident = [*session.model.parameters(), *session.model.buffers(),
-                *(v for st in session.optimizer.state.values() for v in st.values())]
+        return {
+            "measure": f"{env.device.type} allocator peak",
+            "peak_bytes": peak,
+            "step_bytes": peak - before,
+            "resident_bytes": before,
+        }
+    resident = [
+        *session.model.parameters(),
+        *session.model.buffers(),
+        *(v for st in session.optimizer.state.values() for v in st.values()),
+    ]
     with LiveTensorMeter(resident) as meter:
         session.train_step(group)
-    return {"measure": "live tensor storages, followed through the dispatcher", "peak_bytes": meter.peak,
-            "step_bytes": meter.peak - meter.start_bytes, "resident_bytes": meter.start_bytes}
+    return {
+        "measure": "live tensor storages, followed through the dispatcher",
+        "peak_bytes": meter.peak,
+        "step_bytes": meter.peak - meter.start_bytes,
+        "resident_bytes": meter.start_bytes,
+    }

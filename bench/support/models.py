@@ -16,8 +16,9 @@ def wide_recipe() -> dict:
     from vlft_models.qwen2_vl import RECIPE_2_5
 
     recipe = copy.deepcopy(RECIPE_2_5)
-    recipe["text"].update(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
-                          num_key_value_heads=2)
+    recipe["text"].update(
+        hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2
+    )
     # Qwen2.5-VL's 3-D rotary sections must add up to head_dim / 2 = 32
     recipe["text"]["rope_parameters"] = dict(recipe["text"]["rope_parameters"], mrope_section=[8, 12, 12])
     recipe["vision"].update(hidden_size=256, intermediate_size=688, num_heads=4, out_hidden_size=512)
@@ -79,8 +80,9 @@ def plan_for(env: BenchEnv, size: ModelSize, method: str):
     from vlft.planning.plan import resolve_policies
 
     # after the device is set up, as a run does, so policies reading device properties see it
-    return resolve_policies(env.registry, env.config(method=method), size.path, size.model_config, env.choice,
-                            family=size.family)
+    return resolve_policies(
+        env.registry, env.config(method=method), size.path, size.model_config, env.choice, family=size.family
+    )
 
 
 def load_base(env: BenchEnv, size: ModelSize):
@@ -89,8 +91,9 @@ def load_base(env: BenchEnv, size: ModelSize):
 
     plan = plan_for(env, size, "lora")
     model = load_model(size.path, plan.attention, plan.precision, family=size.family)
-    env.registry.hook.vlft_patch_model(backend=env.backend, model=model, config=plan.config,
-                                       attention=plan.attention, family=plan.family)
+    env.registry.hook.vlft_patch_model(
+        backend=env.backend, model=model, config=plan.config, attention=plan.attention, family=plan.family
+    )
     return model
 
 
@@ -111,8 +114,15 @@ def adapted_model(env: BenchEnv, size: ModelSize, method: str, seed: int = 0):
     plan = plan_for(env, size, method)
     targets = targets_for(env, size, model, method)
     seed_everything(seed)
-    adapted = env.registry.first("vlft_apply_adapter", method=method, model=model, targets=targets,
-                                 config=plan.config, target_parameters=[], family=plan.family)
+    adapted = env.registry.first(
+        "vlft_apply_adapter",
+        method=method,
+        model=model,
+        targets=targets,
+        config=plan.config,
+        target_parameters=[],
+        family=plan.family,
+    )
     return adapted.to(env.device), plan
 
 

@@ -12,8 +12,9 @@ def run_steps(registry, steps: int, **values) -> list[dict]:
     from vlft.config import build_config
     from vlft.testing import run
 
-    config = build_config({}, dict(method="lora", steps=steps, log_every=1, eval_every=0, eval_samples=0,
-                                   save_every=0, seed=0, **values))
+    config = build_config(
+        {}, dict(method="lora", steps=steps, log_every=1, eval_every=0, eval_samples=0, save_every=0, seed=0, **values)
+    )
     result = run(config, registry)
     lines = [json.loads(x) for x in (result.output / "metrics.jsonl").read_text().splitlines()]
     metrics = [m for m in lines if "step_time_s" in m]

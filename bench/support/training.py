@@ -25,8 +25,15 @@ def step_policy(env: BenchEnv, scaler=None, as_on_a_device: bool = False):
 
     if scaler is None and env.precision.loss_scaling:
         scaler = env.precision.make_scaler()
-    return StepPolicy(env.device, env.autocast_dtype, scaler, max_grad_norm=1.0, grad_accum=1, world_size=1,
-                      flags_on_host=env.device.type == "cpu" and not as_on_a_device)
+    return StepPolicy(
+        env.device,
+        env.autocast_dtype,
+        scaler,
+        max_grad_norm=1.0,
+        grad_accum=1,
+        world_size=1,
+        flags_on_host=env.device.type == "cpu" and not as_on_a_device,
+    )
 
 
 @dataclass
@@ -51,8 +58,11 @@ class Trainer:
 
     def host_state(self) -> list:
         """Optimizer state that stays on the host on every backend (AdamW's step counters)."""
-        return [s["step"] for s in self.optimizer.state.values()
-                if isinstance(s.get("step"), torch.Tensor) and s["step"].device.type == "cpu"]
+        return [
+            s["step"]
+            for s in self.optimizer.state.values()
+            if isinstance(s.get("step"), torch.Tensor) and s["step"].device.type == "cpu"
+        ]
 
 
 def trainer(env: BenchEnv, model, as_on_a_device: bool = False) -> Trainer:

@@ -66,16 +66,23 @@ NAME = "ascend"
 ascend_hookimpl = hookimpl_for(NAME)  # a backend hook that answers for "ascend" only, None for others
 DEVICE_TYPE = "npu"
 PRIORITY = 20  # above cuda: transfer_to_npu makes torch.cuda claim the NPU, so the NPU is asked first
-LOSS_SCALE = 2.0 ** 16
+LOSS_SCALE = 2.0**16
 GROWTH_INTERVAL = 2000
 
 
 # -- hooks ----------------------------------------------------------------------------
 
+
 @hookimpl
 def vlft_backends():
-    return [BackendInfo(NAME, "Huawei Ascend NPU via torch_npu/CANN (eager attention, fp16 with loss scaling, hccl)",
-                        DEVICE_TYPE, priority=PRIORITY)]
+    return [
+        BackendInfo(
+            NAME,
+            "Huawei Ascend NPU via torch_npu/CANN (eager attention, fp16 with loss scaling, hccl)",
+            DEVICE_TYPE,
+            priority=PRIORITY,
+        )
+    ]
 
 
 @ascend_hookimpl
@@ -125,11 +132,15 @@ def _make_scaler(init_scale: float, growth_interval: int):
 def _four_bit() -> tuple[bool, str]:
     """NF4 on Ascend: only where the installed bitsandbytes carries an NPU backend."""
     if importlib.util.find_spec("bitsandbytes") is None:
-        return False, ("NF4 (QLoRA) needs bitsandbytes, whose kernels are CUDA (and CPU) ones; it is not installed, "
-                       "and Ascend needs a build with its NPU backend; use --param-dtype bf16 or fp16")
+        return False, (
+            "NF4 (QLoRA) needs bitsandbytes, whose kernels are CUDA (and CPU) ones; it is not installed, "
+            "and Ascend needs a build with its NPU backend; use --param-dtype bf16 or fp16"
+        )
     if importlib.util.find_spec("bitsandbytes.backends.npu") is None:
-        return False, ("the installed bitsandbytes has no NPU backend (bitsandbytes.backends.npu): its 4-bit "
-                       "kernels do not run on Ascend; use --param-dtype bf16 or fp16")
+        return False, (
+            "the installed bitsandbytes has no NPU backend (bitsandbytes.backends.npu): its 4-bit "
+            "kernels do not run on Ascend; use --param-dtype bf16 or fp16"
+        )
     return True, "NF4 through bitsandbytes' NPU backend"
 
 
@@ -143,10 +154,17 @@ def vlft_precision_policy(backend, config):
 def _precision(config):
     if config.precision in ("auto", "fp16"):
         return PrecisionPolicy(
-            "fp16", param_dtype="float16", autocast_dtype="float16", loss_scaling=True, init_scale=LOSS_SCALE,
-            growth_interval=GROWTH_INTERVAL, param_reason="fp16 weights, matching fp16 compute",
-            reason=("fp16 autocast with dynamic loss scaling (torch.npu.amp.GradScaler); "
-                    + ("the NPU default" if config.precision == "auto" else "as asked")),
+            "fp16",
+            param_dtype="float16",
+            autocast_dtype="float16",
+            loss_scaling=True,
+            init_scale=LOSS_SCALE,
+            growth_interval=GROWTH_INTERVAL,
+            param_reason="fp16 weights, matching fp16 compute",
+            reason=(
+                "fp16 autocast with dynamic loss scaling (torch.npu.amp.GradScaler); "
+                + ("the NPU default" if config.precision == "auto" else "as asked")
+            ),
             make_scaler=functools.partial(_make_scaler, LOSS_SCALE, GROWTH_INTERVAL),
         )
     if config.precision == "fp32":
@@ -159,11 +177,18 @@ def _precision(config):
             npu = _npu()
             if not npu.is_bf16_supported():
                 name = _device_name(npu)
-                raise ConfigError(f"--precision bf16: this NPU ({name}) has no bf16 (Ascend 910A and 310P lack it); "
-                                  "use --precision fp16 or auto")
+                raise ConfigError(
+                    f"--precision bf16: this NPU ({name}) has no bf16 (Ascend 910A and 310P lack it); "
+                    "use --precision fp16 or auto"
+                )
             why = "bf16 autocast, as asked (torch.npu.is_bf16_supported())"
-        return PrecisionPolicy("bf16", param_dtype="bfloat16", autocast_dtype="bfloat16", reason=why,
-                               param_reason="bf16 weights, matching bf16 compute")
+        return PrecisionPolicy(
+            "bf16",
+            param_dtype="bfloat16",
+            autocast_dtype="bfloat16",
+            reason=why,
+            param_reason="bf16 weights, matching bf16 compute",
+        )
     raise ConfigError(f"backend {NAME} does not support precision '{config.precision}'")
 
 
@@ -179,8 +204,10 @@ def vlft_dataloader_options(backend, config, options: DataLoaderOptions):
     options.pin_memory = False
     options.num_workers = 2
     options.prefetch_factor = 2
-    options.reasons.append("ascend: pin_memory off (pinned host memory is a known source of torch_npu failures); "
-                           "2 workers encode images while the NPU trains")
+    options.reasons.append(
+        "ascend: pin_memory off (pinned host memory is a known source of torch_npu failures); "
+        "2 workers encode images while the NPU trains"
+    )
 
 
 @ascend_hookimpl
@@ -195,13 +222,18 @@ def vlft_distributed_options(backend, config):
     except ValueError:
         timeout = 1800
     return DistributedOptions(
-        "hccl", timeout_s=timeout, env=env,
-        reason=("hccl is torch_npu's process group; HCCL_CONNECT_TIMEOUT raised from CANN's 120 s, "
-                "HCCL_EXEC_TIMEOUT bounds each collective (HCCL_OP_TIMEOUT is not read by CANN); "
-                "choose devices with ASCEND_RT_VISIBLE_DEVICES"),
+        "hccl",
+        timeout_s=timeout,
+        env=env,
+        reason=(
+            "hccl is torch_npu's process group; HCCL_CONNECT_TIMEOUT raised from CANN's 120 s, "
+            "HCCL_EXEC_TIMEOUT bounds each collective (HCCL_OP_TIMEOUT is not read by CANN); "
+            "choose devices with ASCEND_RT_VISIBLE_DEVICES"
+        ),
         # FSDP2 runs on HCCL through torch_npu's DTensor support; HCCL's reduce ops are SUM/PROD/MAX/MIN
         # (no AVG or PreMulSum), so FSDP divides the summed gradients itself
-        fsdp=True, sum_reductions=True,
+        fsdp=True,
+        sum_reductions=True,
         fsdp_reason="FSDP2 on hccl through torch_npu; gradients reduce with SUM (HCCL has no ReduceOp.AVG)",
     )
 
@@ -217,7 +249,7 @@ def vlft_seed(backend, seed, deterministic):
 
 
 # CANN's runtime, HCCL buffers and the operator workspace live outside torch_npu's allocator statistics.
-NPU_RESERVED = 2 * 2 ** 30
+NPU_RESERVED = 2 * 2**30
 
 
 @ascend_hookimpl
@@ -238,8 +270,9 @@ def vlft_memory_reader(backend, device):
     npu = _npu()
 
     def read() -> MemoryStats:
-        return MemoryStats(peak_bytes=int(npu.max_memory_allocated(device)),
-                           current_bytes=int(npu.memory_allocated(device)))
+        return MemoryStats(
+            peak_bytes=int(npu.max_memory_allocated(device)), current_bytes=int(npu.memory_allocated(device))
+        )
 
     return read
 

@@ -35,8 +35,9 @@ from .probing import probe
 
 NPU_FA_MODULE = "transformers.integrations.npu_flash_attention"
 PER_CALL_HOST_COPY = "cu_seqlens_q[1:].cpu()"  # what transformers' varlen function does at every call
-DEVICE_TEST = ("tests/hardware/test_kernels_on_device.py::"
-               "test_npu_kernel_patches_take_effect_and_match_the_unpatched_model")
+DEVICE_TEST = (
+    "tests/hardware/test_kernels_on_device.py::test_npu_kernel_patches_take_effect_and_match_the_unpatched_model"
+)
 
 
 def _torch_npu():
@@ -83,17 +84,22 @@ def _flash_status(config) -> tuple[bool, str]:
 def _flash(tower: str, config) -> KernelPatch:
     ok, why = _flash_status(config)
     return KernelPatch(
-        name=f"npu-flash-attention-{tower}", replaces=f"eager attention in the {tower} tower", backend="ascend",
+        name=f"npu-flash-attention-{tower}",
+        replaces=f"eager attention in the {tower} tower",
+        backend="ascend",
         why="eager attention made Ascend about 40% slower than a 4090 in the field report; transformers runs "
-            "flash_attention_2 on npu_fusion_attention" + (" (TND varlen)" if tower == "vision" else ""),
+        "flash_attention_2 on npu_fusion_attention" + (" (TND varlen)" if tower == "vision" else ""),
         condition="torch_npu usable with npu_fusion_attention; transformers with its NPU flash-attention "
-                  "integration; fp16/bf16",
-        available=ok, reason=why if ok else f"{why}: eager (the field report's recipe) stays",
-        attention={tower: "flash_attention_2"}, check=DEVICE_TEST,
+        "integration; fp16/bf16",
+        available=ok,
+        reason=why if ok else f"{why}: eager (the field report's recipe) stays",
+        attention={tower: "flash_attention_2"},
+        check=DEVICE_TEST,
     )
 
 
 # -- cu_seqlens once per forward ----------------------------------------------------------------------------
+
 
 def host_once(convert_count: list | None = None):
     """A function ``to_host(t)`` that copies each distinct tensor ``t`` to the host once until ``reset()``
@@ -149,12 +155,14 @@ def _cu_seqlens(config, family) -> KernelPatch:
     if ok and not tower:
         ok, why = False, "the model family names no vision tower"
     return KernelPatch(
-        name="npu-cu-seqlens-once", replaces="a host copy of cu_seqlens at every vision attention layer",
+        name="npu-cu-seqlens-once",
+        replaces="a host copy of cu_seqlens at every vision attention layer",
         backend="ascend",
         why="transformers' NPU varlen path syncs the device once per layer to read cu_seqlens; vLLM-Ascend "
-            "computes it once per forward pass",
+        "computes it once per forward pass",
         condition="npu-flash-attention-vision's condition, and transformers copying cu_seqlens per call",
-        available=ok, reason=why if ok else f"{why}: nothing to save",
+        available=ok,
+        reason=why if ok else f"{why}: nothing to save",
         attention={"vision": "flash_attention_2"},  # the varlen path it changes runs only there
         apply=(lambda model: apply_cu_seqlens_once(model, tower)) if ok else None,
         check="tests/test_kernels.py::test_cu_seqlens_reach_the_host_once_per_forward",
@@ -162,6 +170,7 @@ def _cu_seqlens(config, family) -> KernelPatch:
 
 
 # -- fused ops ------------------------------------------------------------------------------------------------
+
 
 def _rms_norm_forward(npu):
     def forward(self, hidden_states):
@@ -243,28 +252,37 @@ def _fused(family, npu, name: str, op: str, role: str, replaces: str) -> KernelP
         ok, why = True, f"torch_npu.{op} on {', '.join(t.rsplit(':', 1)[-1] for t in targets)}"
     apply = None  # pyright: ignore[reportAssignmentType]  # no patch unless a branch below defines one
     if ok and role == "rms_norm":
+
         def apply(model, _t=targets):
             n, _ = apply_module_forward(model, _t, _rms_norm_forward(npu))
             return f"npu_rms_norm in {n} modules"
     elif ok and role == "gated_mlp":
+
         def apply(model, _t=targets):
             n, skipped = apply_module_forward(model, _t, _swiglu_forward(npu), lambda m: _is_silu(m.act_fn))
             return f"npu_swiglu in {n} MLPs" + (f" ({skipped} without SiLU left as they were)" if skipped else "")
     elif ok and role == "rotary":
+
         def apply(model, _t=targets):
             return apply_rotary(_t, npu)
+
     return KernelPatch(
-        name=name, replaces=replaces, backend="ascend",
+        name=name,
+        replaces=replaces,
+        backend="ascend",
         why=f"torch_npu's fused {op}: one kernel instead of several elementwise ones; LLaMA-Factory and ms-swift "
-            "use it for Qwen3 / Qwen3-VL but not Qwen2.5-VL",
+        "use it for Qwen3 / Qwen3-VL but not Qwen2.5-VL",
         condition=f"torch_npu usable with {op}; the model family names its {role} targets",
-        available=ok, default=False,
+        available=ok,
+        default=False,
         reason=(why + "; opt-in until the npu-marked test has compared it on a device") if ok else why,
-        apply=apply, check=DEVICE_TEST,
+        apply=apply,
+        check=DEVICE_TEST,
     )
 
 
 # -- fp32 before FSDP2 ----------------------------------------------------------------------------------------
+
 
 def apply_fp32(model) -> str:
     import torch
@@ -281,21 +299,33 @@ def _fp32_before_fsdp(config) -> KernelPatch:
     elif not bf16:
         ok, why = False, "the base weights are not bf16 (the NPUCastError is seen sharding bf16 parameters)"
     else:
-        ok, why = True, ("--shard fsdp with bf16 weights; the memory plan counts the bf16 weights, "
-                         "so the sharded base weights take twice what it says")
+        ok, why = (
+            True,
+            (
+                "--shard fsdp with bf16 weights; the memory plan counts the bf16 weights, "
+                "so the sharded base weights take twice what it says"
+            ),
+        )
     return KernelPatch(
-        name="fp32-before-fsdp", replaces="bf16 base weights handed to FSDP2", backend="ascend",
+        name="fp32-before-fsdp",
+        replaces="bf16 base weights handed to FSDP2",
+        backend="ascend",
         why="ms-swift casts to fp32 before FSDP2 sharding on the NPU: sharding bf16 parameters can fail "
-            "with NPUCastError",
+        "with NPUCastError",
         condition="--shard fsdp and bf16 base weights",
-        available=ok, reason=why, apply=apply_fp32 if ok else None, check=DEVICE_TEST,
+        available=ok,
+        reason=why,
+        apply=apply_fp32 if ok else None,
+        check=DEVICE_TEST,
     )
 
 
 def kernel_patches(config, model_config, family) -> list[KernelPatch]:
     npu = _torch_npu()
     return [
-        _flash("vision", config), _flash("text", config), _cu_seqlens(config, family),
+        _flash("vision", config),
+        _flash("text", config),
+        _cu_seqlens(config, family),
         _fused(family, npu, "npu-rms-norm", "npu_rms_norm", "rms_norm", "RMSNorm"),
         _fused(family, npu, "npu-swiglu", "npu_swiglu", "gated_mlp", "SiLU(gate) * up in gated MLPs"),
         _fused(family, npu, "npu-rotary", "npu_rotary_mul", "rotary", "rotary embedding of q and k"),

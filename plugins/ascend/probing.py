@@ -23,8 +23,10 @@ PINNED = {"torch": "2.9.0", "torch_npu": "2.9.0", "cann": "8.5.0"}
 SET_ENV = "source /usr/local/Ascend/ascend-toolkit/set_env.sh"
 HCCL_CONNECT_DEFAULT = "1200"  # CANN's own default is 120 s: too short for large jobs to link up
 HCCL_EXEC_DEFAULT = "1800"  # CANN's default, made explicit so the plan shows it
-INSTALL_HINT = (f"install CANN {PINNED['cann']}, {SET_ENV}, then pip install 'vlft[ascend]' "
-                f"(torch {PINNED['torch']} + torch_npu {PINNED['torch_npu']}; see docs/backends.md)")
+INSTALL_HINT = (
+    f"install CANN {PINNED['cann']}, {SET_ENV}, then pip install 'vlft[ascend]' "
+    f"(torch {PINNED['torch']} + torch_npu {PINNED['torch_npu']}; see docs/backends.md)"
+)
 
 
 def _import(name: str):
@@ -43,9 +45,11 @@ def version_mismatch(torch_version: str | None, npu_version: str | None) -> str 
     want, have = base_version(npu_version), base_version(torch_version)
     if not want or not have or want == have:
         return None
-    return (f"torch_npu {npu_version} is built for torch {want}, but torch {torch_version} is installed; "
-            f"torch and torch_npu must match exactly: pip install 'torch=={want}' (on x86 the CPU build, "
-            f"--index-url https://download.pytorch.org/whl/cpu), or the torch_npu release for torch {have}")
+    return (
+        f"torch_npu {npu_version} is built for torch {want}, but torch {torch_version} is installed; "
+        f"torch and torch_npu must match exactly: pip install 'torch=={want}' (on x86 the CPU build, "
+        f"--index-url https://download.pytorch.org/whl/cpu), or the torch_npu release for torch {have}"
+    )
 
 
 def _dist_version(name: str) -> str | None:
@@ -74,11 +78,14 @@ def environment_warnings() -> list[str]:
     """Settings that look right and are not, for the probe and ``vlft doctor``."""
     out = []
     if os.environ.get("HCCL_OP_TIMEOUT"):
-        out.append("HCCL_OP_TIMEOUT is set, but CANN does not read it; the collective execution timeout "
-                   "is HCCL_EXEC_TIMEOUT")
+        out.append(
+            "HCCL_OP_TIMEOUT is set, but CANN does not read it; the collective execution timeout is HCCL_EXEC_TIMEOUT"
+        )
     if sys.modules.get(TRANSFER_TO_NPU) is not None:
-        out.append("torch_npu.contrib.transfer_to_npu is loaded: it redirects torch.cuda calls to the NPU, so "
-                   "CUDA checks in this process cannot be trusted; vlft does not need it")
+        out.append(
+            "torch_npu.contrib.transfer_to_npu is loaded: it redirects torch.cuda calls to the NPU, so "
+            "CUDA checks in this process cannot be trusted; vlft does not need it"
+        )
     if os.environ.get("CUDA_VISIBLE_DEVICES") is not None and os.environ.get("ASCEND_RT_VISIBLE_DEVICES") is None:
         out.append("CUDA_VISIBLE_DEVICES is set but does not select NPUs; use ASCEND_RT_VISIBLE_DEVICES")
     return out
@@ -94,8 +101,7 @@ def probe() -> ProbeResult:
     warnings = environment_warnings()
     versions: dict[str, str] = {}
     if not torch_npu_installed():
-        return ProbeResult(False, f"torch_npu is not installed: {INSTALL_HINT}", versions=versions,
-                           warnings=warnings)
+        return ProbeResult(False, f"torch_npu is not installed: {INSTALL_HINT}", versions=versions, warnings=warnings)
     # versions first, from package metadata: a mismatched torch_npu may crash when imported
     npu_version, torch_version = _dist_version("torch_npu"), _dist_version("torch")
     for key, value in (("torch", torch_version), ("torch_npu", npu_version)):
@@ -108,19 +114,25 @@ def probe() -> ProbeResult:
         torch = _import("torch")
     except Exception as e:  # noqa: BLE001 - with torch_npu installed, `import torch` loads it through autoload
         return ProbeResult(
-            False, f"`import torch` failed ({_first_line(e)}); torch imports torch_npu itself through its "
+            False,
+            f"`import torch` failed ({_first_line(e)}); torch imports torch_npu itself through its "
             f"device-backend autoload entry point, so a missing or unsourced CANN breaks `import torch`: "
             f"{SET_ENV}; to import torch without torch_npu meanwhile, set TORCH_DEVICE_BACKEND_AUTOLOAD=0",
-            versions=versions, warnings=warnings)
+            versions=versions,
+            warnings=warnings,
+        )
     versions["torch"] = torch.__version__
     try:
         torch_npu = _import("torch_npu")
     except Exception as e:  # noqa: BLE001 - CANN missing: ImportError, RuntimeError, OSError ...
         return ProbeResult(
-            False, f"torch_npu is installed but does not import ({_first_line(e)}): CANN is missing or its "
+            False,
+            f"torch_npu is installed but does not import ({_first_line(e)}): CANN is missing or its "
             f"environment is not set: {SET_ENV} (torch_npu {PINNED['torch_npu']} needs CANN {PINNED['cann']}); "
             "if `import torch` fails too, TORCH_DEVICE_BACKEND_AUTOLOAD=0 keeps it working meanwhile",
-            versions=versions, warnings=warnings)
+            versions=versions,
+            warnings=warnings,
+        )
     npu_version = npu_version or getattr(torch_npu, "__version__", None)
     if npu_version:
         versions["torch_npu"] = npu_version
@@ -132,18 +144,30 @@ def probe() -> ProbeResult:
         versions["cann"] = cann
     npu = getattr(torch, "npu", None)
     if npu is None:
-        return ProbeResult(False, "torch_npu imported but torch.npu is missing (a broken install): "
-                           "pip install --force-reinstall torch_npu", versions=versions, warnings=warnings)
+        return ProbeResult(
+            False,
+            "torch_npu imported but torch.npu is missing (a broken install): pip install --force-reinstall torch_npu",
+            versions=versions,
+            warnings=warnings,
+        )
     try:
         available = bool(npu.is_available())
         count = int(npu.device_count()) if available else 0
     except Exception as e:  # noqa: BLE001 - driver errors surface here
-        return ProbeResult(False, f"torch.npu cannot query devices ({_first_line(e)}): check `npu-smi info` "
-                           "and the driver", versions=versions, warnings=warnings)
+        return ProbeResult(
+            False,
+            f"torch.npu cannot query devices ({_first_line(e)}): check `npu-smi info` and the driver",
+            versions=versions,
+            warnings=warnings,
+        )
     if not available or count == 0:
-        return ProbeResult(False, f"torch_npu {npu_version or ''} loads but sees no NPU ({_visible()}): check "
-                           "`npu-smi info`, the driver, and that the container maps /dev/davinci*",
-                           versions=versions, warnings=warnings)
+        return ProbeResult(
+            False,
+            f"torch_npu {npu_version or ''} loads but sees no NPU ({_visible()}): check "
+            "`npu-smi info`, the driver, and that the container maps /dev/davinci*",
+            versions=versions,
+            warnings=warnings,
+        )
     return ProbeResult(True, device_count=count, versions=versions, warnings=warnings)
 
 
@@ -157,10 +181,14 @@ def _npu():
 
 # -- CANN and driver versions, where they can be read ------------------------------------
 
+
 def _toolkit_homes() -> list[Path]:
     homes = [os.environ.get(k) for k in ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH")]
-    homes += ["/usr/local/Ascend/ascend-toolkit/latest", "/usr/local/Ascend/cann",
-              str(Path.home() / "Ascend" / "ascend-toolkit" / "latest")]
+    homes += [
+        "/usr/local/Ascend/ascend-toolkit/latest",
+        "/usr/local/Ascend/cann",
+        str(Path.home() / "Ascend" / "ascend-toolkit" / "latest"),
+    ]
     seen, out = set(), []
     for h in homes:
         if h and h not in seen:
@@ -193,8 +221,10 @@ def cann_version(torch_npu=None) -> tuple[str | None, str]:
             pass
     arch = platform.machine()
     for home in _toolkit_homes():
-        for info in [home / f"{arch}-linux" / "ascend_toolkit_install.info",
-                     *sorted(home.glob("*-linux/ascend_toolkit_install.info"))]:
+        for info in [
+            home / f"{arch}-linux" / "ascend_toolkit_install.info",
+            *sorted(home.glob("*-linux/ascend_toolkit_install.info")),
+        ]:
             v = _read_key(info, "version")
             if v:
                 return v, str(info)

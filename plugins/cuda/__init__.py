@@ -62,17 +62,24 @@ NAME = "cuda"
 cuda_hookimpl = hookimpl_for(NAME)  # a backend hook that answers for "cuda" only, None for others
 DEVICE_TYPE = "cuda"
 PRIORITY = 10
-LOSS_SCALE = 2.0 ** 16
+LOSS_SCALE = 2.0**16
 GROWTH_INTERVAL = 2000
 CUBLAS_WORKSPACE = ":4096:8"
 
 
 # -- hooks ----------------------------------------------------------------------------
 
+
 @hookimpl
 def vlft_backends():
-    return [BackendInfo(NAME, "NVIDIA GPU via CUDA (bf16 on Ampere+, flash-attention 2 where installed, nccl)",
-                        DEVICE_TYPE, priority=PRIORITY)]
+    return [
+        BackendInfo(
+            NAME,
+            "NVIDIA GPU via CUDA (bf16 on Ampere+, flash-attention 2 where installed, nccl)",
+            DEVICE_TYPE,
+            priority=PRIORITY,
+        )
+    ]
 
 
 @cuda_hookimpl
@@ -118,11 +125,14 @@ def vlft_attention_implementation(backend, config, model_config):
         if impl != "flash_attention_2":
             continue
         if not fa_ok:
-            raise ConfigError(f"--attn {config.attn}: {fa_why}; "
-                              "pip install flash-attn --no-build-isolation, or use sdpa")
+            raise ConfigError(
+                f"--attn {config.attn}: {fa_why}; pip install flash-attn --no-build-isolation, or use sdpa"
+            )
         if cap is not None and cap < BF16_CAPABILITY:
-            raise ConfigError(f"--attn {config.attn}: flash_attention_2 needs compute capability 8.0 or newer; "
-                              f"this GPU has {cap[0]}.{cap[1]}: use sdpa")
+            raise ConfigError(
+                f"--attn {config.attn}: flash_attention_2 needs compute capability 8.0 or newer; "
+                f"this GPU has {cap[0]}.{cap[1]}: use sdpa"
+            )
     if not fa_ok:
         default, why = "sdpa", f"sdpa: {fa_why}"
     elif cap is not None and cap < BF16_CAPABILITY:
@@ -132,8 +142,10 @@ def vlft_attention_implementation(backend, config, model_config):
     else:
         default = "flash_attention_2"
         why = f"flash_attention_2: {fa_why}" + (
-            ", compute capability >= 8.0 assumed (no GPU visible here)" if cap is None else
-            f", compute capability {cap[0]}.{cap[1]}")
+            ", compute capability >= 8.0 assumed (no GPU visible here)"
+            if cap is None
+            else f", compute capability {cap[0]}.{cap[1]}"
+        )
     if asked:
         why = "as asked; default " + why
     text = asked.get("text", default)
@@ -151,8 +163,14 @@ def _make_scaler(init_scale: float, growth_interval: int):
 def _fp16(reason: str) -> PrecisionPolicy:
     # half-precision base weights halve the memory of the frozen model; adapters stay fp32
     return PrecisionPolicy(
-        "fp16", param_dtype="float16", autocast_dtype="float16", loss_scaling=True, init_scale=LOSS_SCALE,
-        growth_interval=GROWTH_INTERVAL, reason=reason, param_reason="fp16 weights, matching fp16 compute",
+        "fp16",
+        param_dtype="float16",
+        autocast_dtype="float16",
+        loss_scaling=True,
+        init_scale=LOSS_SCALE,
+        growth_interval=GROWTH_INTERVAL,
+        reason=reason,
+        param_reason="fp16 weights, matching fp16 compute",
         make_scaler=functools.partial(_make_scaler, LOSS_SCALE, GROWTH_INTERVAL),
     )
 
@@ -161,8 +179,10 @@ def _four_bit() -> tuple[bool, str]:
     """NF4 on CUDA: bitsandbytes' own home. Offered for planning where it is not installed (a dry run for a
     card elsewhere); loading the model then names the install."""
     if importlib.util.find_spec("bitsandbytes") is None:
-        return True, ("NF4 through bitsandbytes (CUDA kernels); it is not installed here: "
-                      "pip install 'vlft[qlora]' before a real run")
+        return True, (
+            "NF4 through bitsandbytes (CUDA kernels); it is not installed here: "
+            "pip install 'vlft[qlora]' before a real run"
+        )
     return True, "NF4 through bitsandbytes (CUDA kernels)"
 
 
@@ -186,18 +206,27 @@ def _precision(config):
     cap = capability(config)
     if cap is not None and cap < BF16_CAPABILITY:
         if p == "bf16":
-            raise ConfigError(f"--precision bf16: this GPU (compute capability {cap[0]}.{cap[1]}) has no native "
-                              "bf16 (needs 8.0, Ampere or newer); use --precision fp16 or auto")
-        return _fp16(f"fp16 autocast with dynamic loss scaling: compute capability {cap[0]}.{cap[1]} < 8.0 "
-                     "has no native bf16")
+            raise ConfigError(
+                f"--precision bf16: this GPU (compute capability {cap[0]}.{cap[1]}) has no native "
+                "bf16 (needs 8.0, Ampere or newer); use --precision fp16 or auto"
+            )
+        return _fp16(
+            f"fp16 autocast with dynamic loss scaling: compute capability {cap[0]}.{cap[1]} < 8.0 has no native bf16"
+        )
     if cap is None:
-        why = ("bf16 autocast: compute capability >= 8.0 assumed (no GPU visible here); "
-               "below 8.0 a run gets fp16 with dynamic loss scaling")
+        why = (
+            "bf16 autocast: compute capability >= 8.0 assumed (no GPU visible here); "
+            "below 8.0 a run gets fp16 with dynamic loss scaling"
+        )
     else:
         why = f"bf16 autocast: compute capability {cap[0]}.{cap[1]} computes bf16 natively"
-    return PrecisionPolicy("bf16", param_dtype="bfloat16", autocast_dtype="bfloat16",
-                           reason=why if p == "auto" else why + "; as asked",
-                           param_reason="bf16 weights (the checkpoints' own dtype), matching bf16 compute")
+    return PrecisionPolicy(
+        "bf16",
+        param_dtype="bfloat16",
+        autocast_dtype="bfloat16",
+        reason=why if p == "auto" else why + "; as asked",
+        param_reason="bf16 weights (the checkpoints' own dtype), matching bf16 compute",
+    )
 
 
 @cuda_hookimpl
@@ -205,14 +234,20 @@ def vlft_dataloader_options(backend, config, options: DataLoaderOptions):
     options.pin_memory = True
     options.num_workers = 2
     options.prefetch_factor = 2
-    options.reasons.append("cuda: pinned host memory for asynchronous copies; 2 workers encode images while the "
-                           "GPU trains")
+    options.reasons.append(
+        "cuda: pinned host memory for asynchronous copies; 2 workers encode images while the GPU trains"
+    )
 
 
 @cuda_hookimpl
 def vlft_distributed_options(backend, config):
-    return DistributedOptions("nccl", timeout_s=1800, reason="nccl is torch's process group for NVIDIA GPUs",
-                              fsdp=True, fsdp_reason="FSDP2 on nccl (ReduceOp.AVG in the reduce-scatter)")
+    return DistributedOptions(
+        "nccl",
+        timeout_s=1800,
+        reason="nccl is torch's process group for NVIDIA GPUs",
+        fsdp=True,
+        fsdp_reason="FSDP2 on nccl (ReduceOp.AVG in the reduce-scatter)",
+    )
 
 
 @cuda_hookimpl
@@ -229,7 +264,7 @@ def vlft_seed(backend, seed, deterministic):
 
 
 # The CUDA context, cuBLAS workspaces and NCCL buffers live outside torch's allocator statistics.
-CUDA_RESERVED = 1 * 2 ** 30
+CUDA_RESERVED = 1 * 2**30
 
 
 @cuda_hookimpl
@@ -241,15 +276,26 @@ def vlft_device_capacity(backend, config):
             return DeviceCapacity(None, CUDA_RESERVED, "no GPU visible here")
         index = config.local_rank if config.local_rank < torch.cuda.device_count() else 0
         props = torch.cuda.get_device_properties(index)
-        return DeviceCapacity(int(props.total_memory), CUDA_RESERVED, f"cuda:{index} {props.name}",
-                              peak_flops=peak_flops(props.name, config.precision))
+        return DeviceCapacity(
+            int(props.total_memory),
+            CUDA_RESERVED,
+            f"cuda:{index} {props.name}",
+            peak_flops=peak_flops(props.name, config.precision),
+        )
     except Exception as e:  # noqa: BLE001 - planning must not crash on a driver hiccup
         return DeviceCapacity(None, CUDA_RESERVED, f"cannot read the GPU's memory ({_first_line(e)})")
 
 
 # dense (no sparsity) peak FLOP/s from the vendor's data sheets: (name fragment, bf16/fp16 tensor, fp32 tf32)
-PEAK_FLOPS = (("H200", 989e12, 494e12), ("H100 PCIe", 756e12, 378e12), ("H100", 989e12, 494e12),
-              ("A100", 312e12, 156e12), ("L40S", 362e12, 183e12), ("A10G", 70e12, 35e12), ("L4", 121e12, 60e12))
+PEAK_FLOPS = (
+    ("H200", 989e12, 494e12),
+    ("H100 PCIe", 756e12, 378e12),
+    ("H100", 989e12, 494e12),
+    ("A100", 312e12, 156e12),
+    ("L40S", 362e12, 183e12),
+    ("A10G", 70e12, 35e12),
+    ("L4", 121e12, 60e12),
+)
 
 
 def peak_flops(name: str, precision: str) -> float | None:
@@ -268,8 +314,10 @@ def vlft_memory_reader(backend, device):
     import torch
 
     def read() -> MemoryStats:
-        return MemoryStats(peak_bytes=int(torch.cuda.max_memory_allocated(device)),
-                           current_bytes=int(torch.cuda.memory_allocated(device)))
+        return MemoryStats(
+            peak_bytes=int(torch.cuda.max_memory_allocated(device)),
+            current_bytes=int(torch.cuda.memory_allocated(device)),
+        )
 
     return read
 

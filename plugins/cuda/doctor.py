@@ -31,16 +31,28 @@ def doctor_checks() -> list[DoctorCheck]:
     elif getattr(torch.version, "hip", None):
         checks.append(DoctorCheck("torch build", True, f"torch {torch.__version__}, ROCm {torch.version.hip}"))
     else:
-        checks.append(DoctorCheck("torch build", False, f"torch {torch.__version__} is built without CUDA",
-                                  TORCH_CUDA_HINT))
+        checks.append(
+            DoctorCheck("torch build", False, f"torch {torch.__version__} is built without CUDA", TORCH_CUDA_HINT)
+        )
     driver = driver_version()
-    checks.append(DoctorCheck("NVIDIA driver", driver is not None,
-                              driver or "not found (/proc/driver/nvidia/version)",
-                              "" if driver else "install the NVIDIA driver; `nvidia-smi` must list the GPU",
-                              blocking=False))
+    checks.append(
+        DoctorCheck(
+            "NVIDIA driver",
+            driver is not None,
+            driver or "not found (/proc/driver/nvidia/version)",
+            "" if driver else "install the NVIDIA driver; `nvidia-smi` must list the GPU",
+            blocking=False,
+        )
+    )
     if transfer_to_npu_loaded():
-        checks.append(DoctorCheck("transfer_to_npu", False, "torch_npu.contrib.transfer_to_npu is loaded: "
-                                  "torch.cuda answers for the Ascend NPU", "remove that import; use --backend ascend"))
+        checks.append(
+            DoctorCheck(
+                "transfer_to_npu",
+                False,
+                "torch_npu.contrib.transfer_to_npu is loaded: torch.cuda answers for the Ascend NPU",
+                "remove that import; use --backend ascend",
+            )
+        )
     found = probe()
     if found.available:
         for i in range(found.device_count):
@@ -52,20 +64,44 @@ def doctor_checks() -> list[DoctorCheck]:
             except Exception as e:  # noqa: BLE001 - the doctor reports a failing GPU and goes on
                 checks.append(DoctorCheck(f"GPU {i}", False, _first_line(e), "check `nvidia-smi`"))
     else:
-        checks.append(DoctorCheck("GPUs", False, "none usable (see the reason above)",
-                                  "`nvidia-smi` must list the GPU; check the driver and CUDA_VISIBLE_DEVICES"))
+        checks.append(
+            DoctorCheck(
+                "GPUs",
+                False,
+                "none usable (see the reason above)",
+                "`nvidia-smi` must list the GPU; check the driver and CUDA_VISIBLE_DEVICES",
+            )
+        )
     fa_ok, fa_why = flash_attn_status()
-    checks.append(DoctorCheck("flash-attn", fa_ok, fa_why + ("" if fa_ok else "; attention falls back to sdpa"),
-                              "" if fa_ok else "optional: pip install flash-attn --no-build-isolation (Ampere+)",
-                              blocking=False))
+    checks.append(
+        DoctorCheck(
+            "flash-attn",
+            fa_ok,
+            fa_why + ("" if fa_ok else "; attention falls back to sdpa"),
+            "" if fa_ok else "optional: pip install flash-attn --no-build-isolation (Ampere+)",
+            blocking=False,
+        )
+    )
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and not visible.strip():
-        checks.append(DoctorCheck("CUDA_VISIBLE_DEVICES", False, "set but empty: hides every GPU",
-                                  "unset CUDA_VISIBLE_DEVICES or list the GPUs (0,1,...)"))
+        checks.append(
+            DoctorCheck(
+                "CUDA_VISIBLE_DEVICES",
+                False,
+                "set but empty: hides every GPU",
+                "unset CUDA_VISIBLE_DEVICES or list the GPUs (0,1,...)",
+            )
+        )
     elif visible is not None:
         checks.append(DoctorCheck("CUDA_VISIBLE_DEVICES", True, visible))
     if sys.modules.get("torch_npu") is not None:
-        checks.append(DoctorCheck("torch_npu", False, "loaded in this process next to CUDA",
-                                  "set TORCH_DEVICE_BACKEND_AUTOLOAD=0, or uninstall torch_npu on GPU machines",
-                                  blocking=False))
+        checks.append(
+            DoctorCheck(
+                "torch_npu",
+                False,
+                "loaded in this process next to CUDA",
+                "set TORCH_DEVICE_BACKEND_AUTOLOAD=0, or uninstall torch_npu on GPU machines",
+                blocking=False,
+            )
+        )
     return checks

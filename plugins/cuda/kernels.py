@@ -23,20 +23,27 @@ from importlib.metadata import PackageNotFoundError, version
 
 from vlft import KernelPatch
 
-DEVICE_TEST = ("tests/hardware/test_kernels_on_device.py::"
-               "test_cuda_kernel_patches_take_effect_and_match_the_unpatched_model")
+DEVICE_TEST = (
+    "tests/hardware/test_kernels_on_device.py::test_cuda_kernel_patches_take_effect_and_match_the_unpatched_model"
+)
 # Liger names its entry points after transformers' model_type (apply_liger_kernel_to_qwen2_5_vl); which parts
 # a model has that such a kernel may replace is the family's to say (``kernels.targets``), not a table here
 LIGER_ENTRY = "apply_liger_kernel_to_{model_type}"
 LIGER_PARTS = (  # (patch name, the liger switch, the family's kernels.targets role, what it replaces, why)
-    ("liger-rms-norm", "rms_norm", "rms_norm", "RMSNorm (text decoder)",
-     "Liger's fused Triton RMSNorm: fewer kernel launches and less activation memory"),
+    (
+        "liger-rms-norm",
+        "rms_norm",
+        "rms_norm",
+        "RMSNorm (text decoder)",
+        "Liger's fused Triton RMSNorm: fewer kernel launches and less activation memory",
+    ),
     ("liger-swiglu", "swiglu", "gated_mlp", "gated MLP activation (text decoder)", "Liger's fused SiLU-multiply"),
     ("liger-rope", "rope", "rotary", "multimodal rotary embedding (text decoder)", "Liger's fused mRoPE"),
 )
 
 
 # -- the Linear patch embedding ---------------------------------------------------------------------------
+
 
 def conv3d_as_linear_reason(conv) -> str | None:
     """None where ``conv`` is a Conv3d whose kernel equals its stride (no padding, dilation or groups), so it
@@ -111,22 +118,30 @@ def apply_linear_patch_embed(model, path: str) -> str:
         raise RuntimeError(f"linear-patch-embed: {path}.proj cannot become a matmul ({why_not})")
     conv = embed.proj
     embed.proj = linear_patch_embed(conv)
-    return (f"{path}.proj Conv3d{tuple(conv.kernel_size)} -> matmul over the same weight "
-            f"[{conv.out_channels}, {conv.weight[0].numel()}] (a view, no copy)")
+    return (
+        f"{path}.proj Conv3d{tuple(conv.kernel_size)} -> matmul over the same weight "
+        f"[{conv.out_channels}, {conv.weight[0].numel()}] (a view, no copy)"
+    )
 
 
 # -- the offers ------------------------------------------------------------------------------------------
 
+
 def _patch_embed(family) -> KernelPatch:
     path = family.kernels.vision_stem if family else ""
     return KernelPatch(
-        name="linear-patch-embed", replaces="Conv3d patch embedding (kernel == stride)", backend="cuda",
+        name="linear-patch-embed",
+        replaces="Conv3d patch embedding (kernel == stride)",
+        backend="cuda",
         why="an equal Linear was 11-18x faster than cuDNN's Conv3d (sglang-omni #132); orders of magnitude on "
-            "Blackwell bf16 (transformers #45750)",
+        "Blackwell bf16 (transformers #45750)",
         condition="the model family names its patch embedding, a Conv3d with kernel == stride",
         available=bool(path),
-        reason=(f"{family.name}: {path}.proj is a Conv3d with kernel == stride (checked again when applied)" if path
-                else f"model family {family.name if family else '(none)'} names no patch embedding"),
+        reason=(
+            f"{family.name}: {path}.proj is a Conv3d with kernel == stride (checked again when applied)"
+            if path
+            else f"model family {family.name if family else '(none)'} names no patch embedding"
+        ),
         apply=(lambda model: apply_linear_patch_embed(model, path)) if path else None,
         check="tests/test_kernels.py::test_linear_patch_embed_equals_conv3d_forward_and_backward",
     )
@@ -137,8 +152,14 @@ def _liger_status(model_config, family) -> tuple[bool, str, str | None]:
     if importlib.util.find_spec("liger_kernel") is None:
         return False, "liger_kernel is not installed (pip install 'vlft[liger]')", None
     if not (family and family.kernels.targets):
-        return False, (f"model family {family.name if family else '(none)'} names no fused-op kernel targets "
-                       "(kernels.targets), so Liger's patches are not offered for it"), None
+        return (
+            False,
+            (
+                f"model family {family.name if family else '(none)'} names no fused-op kernel targets "
+                "(kernels.targets), so Liger's patches are not offered for it"
+            ),
+            None,
+        )
     fn = LIGER_ENTRY.format(model_type=model_type)
     try:
         import liger_kernel.transformers as lt  # pyright: ignore[reportMissingImports]  # the liger extra, opt-in
@@ -161,8 +182,14 @@ def _apply_liger(fn: str, switch: str):
     def apply(model) -> str:
         import liger_kernel.transformers as lt  # pyright: ignore[reportMissingImports]  # the liger extra, opt-in
 
-        flags = {"rope": False, "rms_norm": False, "swiglu": False, "cross_entropy": False,
-                 "fused_linear_cross_entropy": False, switch: True}
+        flags = {
+            "rope": False,
+            "rms_norm": False,
+            "swiglu": False,
+            "cross_entropy": False,
+            "fused_linear_cross_entropy": False,
+            switch: True,
+        }
         getattr(lt, fn)(model=model, **flags)
         return f"liger {fn}({switch}=True)"
 
@@ -181,24 +208,42 @@ def _liger(model_config, family) -> list[KernelPatch]:
     patches = []
     for name, switch, role, replaces, reason in LIGER_PARTS:
         part_ok, part_why = _liger_part(family, role, ok, why)
-        patches.append(KernelPatch(
-            name=name, replaces=replaces, backend="cuda", why=reason,
-            condition=f"liger_kernel installed (the vlft[liger] extra) with {LIGER_ENTRY}, and the model family "
-                      f"names its '{role}' kernel target",
-            available=part_ok, default=False, reason=part_why,
-            apply=_apply_liger(fn, switch) if part_ok and fn is not None else None,
-            check=DEVICE_TEST,
-        ))
-    flce_why = why if not ok else (
-        "vlft computes the loss from the logits (token_loss_sum over the label tokens), so Liger's fused "
-        "forward, which fuses the head with the loss only when the model is given labels, would change nothing")
-    patches.append(KernelPatch(
-        name="liger-fused-linear-cross-entropy", replaces="lm_head + cross-entropy", backend="cuda",
-        why="no full logits tensor; but it lowered downstream quality on Qwen2.5-VL-3B while the loss looked "
+        patches.append(
+            KernelPatch(
+                name=name,
+                replaces=replaces,
+                backend="cuda",
+                why=reason,
+                condition=f"liger_kernel installed (the vlft[liger] extra) with {LIGER_ENTRY}, and the model family "
+                f"names its '{role}' kernel target",
+                available=part_ok,
+                default=False,
+                reason=part_why,
+                apply=_apply_liger(fn, switch) if part_ok and fn is not None else None,
+                check=DEVICE_TEST,
+            )
+        )
+    flce_why = (
+        why
+        if not ok
+        else (
+            "vlft computes the loss from the logits (token_loss_sum over the label tokens), so Liger's fused "
+            "forward, which fuses the head with the loss only when the model is given labels, would change nothing"
+        )
+    )
+    patches.append(
+        KernelPatch(
+            name="liger-fused-linear-cross-entropy",
+            replaces="lm_head + cross-entropy",
+            backend="cuda",
+            why="no full logits tensor; but it lowered downstream quality on Qwen2.5-VL-3B while the loss looked "
             "normal (Liger #827): opt-in and measured only",
-        condition="liger_kernel installed and a loss path that hands the model its labels",
-        available=False, default=False, reason=flce_why,
-    ))
+            condition="liger_kernel installed and a loss path that hands the model its labels",
+            available=False,
+            default=False,
+            reason=flce_why,
+        )
+    )
     return patches
 
 

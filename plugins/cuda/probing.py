@@ -18,8 +18,9 @@ from vlft import ProbeResult
 TRANSFER_TO_NPU = "torch_npu.contrib.transfer_to_npu"
 BF16_CAPABILITY = (8, 0)  # Ampere: native bf16 and flash-attention 2
 FLASH_ATTN_MIN = (2, 3, 3)  # the oldest flash-attn 2 that transformers accepts
-TORCH_CUDA_HINT = ("pip install torch --index-url https://download.pytorch.org/whl/cu128 "
-                   "(pick the CUDA version your driver supports)")
+TORCH_CUDA_HINT = (
+    "pip install torch --index-url https://download.pytorch.org/whl/cu128 (pick the CUDA version your driver supports)"
+)
 
 
 def _first_line(e: BaseException) -> str:
@@ -74,23 +75,33 @@ def probe() -> ProbeResult:
     if torch.version.cuda:
         versions["cuda_runtime"] = torch.version.cuda
     if transfer_to_npu_loaded():
-        return ProbeResult(False, "torch_npu.contrib.transfer_to_npu is loaded in this process: it redirects "
-                           "torch.cuda to the Ascend NPU, so torch.cuda.is_available() says nothing about NVIDIA "
-                           "GPUs; use --backend ascend (vlft needs no transfer_to_npu: remove that import)",
-                           versions=versions)
+        return ProbeResult(
+            False,
+            "torch_npu.contrib.transfer_to_npu is loaded in this process: it redirects "
+            "torch.cuda to the Ascend NPU, so torch.cuda.is_available() says nothing about NVIDIA "
+            "GPUs; use --backend ascend (vlft needs no transfer_to_npu: remove that import)",
+            versions=versions,
+        )
     if sys.modules.get("torch_npu") is not None:
-        warnings.append("torch_npu is loaded in this process (torch autoloads it when installed); CUDA and "
-                        "torch_npu in one process are not supported: set TORCH_DEVICE_BACKEND_AUTOLOAD=0 or "
-                        "uninstall torch_npu on GPU machines")
+        warnings.append(
+            "torch_npu is loaded in this process (torch autoloads it when installed); CUDA and "
+            "torch_npu in one process are not supported: set TORCH_DEVICE_BACKEND_AUTOLOAD=0 or "
+            "uninstall torch_npu on GPU machines"
+        )
     if not torch.version.cuda and not getattr(torch.version, "hip", None):
-        return ProbeResult(False, f"torch {torch.__version__} is built without CUDA (torch.version.cuda is None): "
-                           f"{TORCH_CUDA_HINT}", versions=versions, warnings=warnings)
+        return ProbeResult(
+            False,
+            f"torch {torch.__version__} is built without CUDA (torch.version.cuda is None): {TORCH_CUDA_HINT}",
+            versions=versions,
+            warnings=warnings,
+        )
     try:
         available = bool(torch.cuda.is_available())
         count = int(torch.cuda.device_count()) if available else 0
     except Exception as e:  # noqa: BLE001 - a broken driver's error, whatever its class, is the probe's answer
-        return ProbeResult(False, f"torch.cuda cannot query devices ({_first_line(e)})", versions=versions,
-                           warnings=warnings)
+        return ProbeResult(
+            False, f"torch.cuda cannot query devices ({_first_line(e)})", versions=versions, warnings=warnings
+        )
     driver = driver_version()
     if driver:
         versions["driver"] = driver
@@ -98,14 +109,20 @@ def probe() -> ProbeResult:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         where = f"CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else "CUDA_VISIBLE_DEVICES unset"
         cause = "no GPU visible" if driver else "no NVIDIA driver found"
-        return ProbeResult(False, f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU: {cause} "
-                           f"({where}); check `nvidia-smi`", versions=versions, warnings=warnings)
+        return ProbeResult(
+            False,
+            f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU: {cause} ({where}); check `nvidia-smi`",
+            versions=versions,
+            warnings=warnings,
+        )
     try:
         cap = tuple(torch.cuda.get_device_capability(0))
         versions["gpu"] = f"{torch.cuda.get_device_name(0)} (compute capability {cap[0]}.{cap[1]})"
         if cap < BF16_CAPABILITY:
-            warnings.append(f"compute capability {cap[0]}.{cap[1]} < 8.0: no native bf16 and no flash-attention 2; "
-                            "fp16 with loss scaling and sdpa")
+            warnings.append(
+                f"compute capability {cap[0]}.{cap[1]} < 8.0: no native bf16 and no flash-attention 2; "
+                "fp16 with loss scaling and sdpa"
+            )
     except Exception as e:  # noqa: BLE001 - an unreadable capability is a warning, not a failure
         warnings.append(f"cannot read the GPU's compute capability ({_first_line(e)})")
     return ProbeResult(True, device_count=count, versions=versions, warnings=warnings)

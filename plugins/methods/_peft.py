@@ -46,8 +46,10 @@ def modules_to_save(model, config, family) -> list[str] | None:
         module = model
         for step in path.split("."):
             if not hasattr(module, step):
-                raise ConfigError(f"--train-merger: the {family.name} family names the merger {path}, which "
-                                  f"{type(model).__name__} lacks (no '{step}')")
+                raise ConfigError(
+                    f"--train-merger: the {family.name} family names the merger {path}, which "
+                    f"{type(model).__name__} lacks (no '{step}')"
+                )
             module = getattr(module, step)
         names += [f"{path}.{i}" for i in range(len(module))] if isinstance(module, torch.nn.ModuleList) else [path]
     return names or None

@@ -26,8 +26,12 @@ BLOCK_SIZE_CANDIDATES = (64, 32, 16, 8, 4, 2)
 @dataclass
 class OftOptions:
     oft_block_size: int = field(
-        default=0, metadata={"help": "Size of each orthogonal block; 0 picks the largest of 64, 32, 16, 8, 4, 2 "
-                                     "that divides every target's input width."})
+        default=0,
+        metadata={
+            "help": "Size of each orthogonal block; 0 picks the largest of 64, 32, 16, 8, 4, 2 "
+            "that divides every target's input width."
+        },
+    )
     use_cayley_neumann: bool = field(default=True, metadata={"help": "Cayley-Neumann parametrisation (faster)."})
     num_cayley_neumann_terms: int = field(default=5, metadata={"help": "Terms of the Neumann series."})
     coft: bool = field(default=False, metadata={"help": "Constrained OFT: keep rotations within eps of identity."})
@@ -47,8 +51,12 @@ def vlft_adapter_defaults(method, config):
         return None
     options = _peft.options_from(OftOptions, config.adapter, NAME)
     return AdapterDefaults(
-        method=NAME, lr=1e-4, hyperparameters=dataclasses.asdict(options), help=_peft.help_of(OftOptions),
-        text_modules=("q_proj", "k_proj", "v_proj", "o_proj"), vision_modules=("qkv", "proj"),
+        method=NAME,
+        lr=1e-4,
+        hyperparameters=dataclasses.asdict(options),
+        help=_peft.help_of(OftOptions),
+        text_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
+        vision_modules=("qkv", "proj"),
         default_targets="both",
         notes=["oft_block_size 0 means: chosen per model, the largest that divides every target's width"],
     )
@@ -73,8 +81,10 @@ def choose_block_size(model, targets, asked: int) -> int:
         if all(w % size == 0 for w in widths.values()):
             return size
     raise ConfigError(
-        "no OFT block size in " + ", ".join(map(str, BLOCK_SIZE_CANDIDATES))
-        + " divides every target's input width (" + ", ".join(sorted({str(w) for w in widths.values()}))
+        "no OFT block size in "
+        + ", ".join(map(str, BLOCK_SIZE_CANDIDATES))
+        + " divides every target's input width ("
+        + ", ".join(sorted({str(w) for w in widths.values()}))
         + "); adapt fewer modules with --targets, or use another method"
     )
 
@@ -91,8 +101,12 @@ def vlft_apply_adapter(method, model, targets, config, target_parameters, family
     block = choose_block_size(model, targets, options.oft_block_size)
     kwargs = dataclasses.asdict(options)
     kwargs["oft_block_size"] = block
-    return get_peft_model(model, OFTConfig(r=0, target_modules=list(targets),
-                                           modules_to_save=_peft.modules_to_save(model, config, family), **kwargs))
+    return get_peft_model(
+        model,
+        OFTConfig(
+            r=0, target_modules=list(targets), modules_to_save=_peft.modules_to_save(model, config, family), **kwargs
+        ),
+    )
 
 
 # saving, loading and merging are PEFT's own, the same for every PEFT method

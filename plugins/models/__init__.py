@@ -21,8 +21,16 @@ DEFAULT_FAMILY = "qwen2.5-vl"
 def _families() -> tuple[ModelFamily, ...]:
     from . import gemma4, glm4v, llava_onevision, qwen2_vl, qwen3_5, qwen3_vl, qwen3_vl_moe, smolvlm
 
-    return (*qwen2_vl.FAMILIES, qwen3_vl.FAMILY, qwen3_vl_moe.FAMILY, *qwen3_5.FAMILIES, *smolvlm.FAMILIES,
-            llava_onevision.FAMILY, *glm4v.FAMILIES, gemma4.FAMILY)
+    return (
+        *qwen2_vl.FAMILIES,
+        qwen3_vl.FAMILY,
+        qwen3_vl_moe.FAMILY,
+        *qwen3_5.FAMILIES,
+        *smolvlm.FAMILIES,
+        llava_onevision.FAMILY,
+        *glm4v.FAMILIES,
+        gemma4.FAMILY,
+    )
 
 
 def families() -> tuple[ModelFamily, ...]:
@@ -44,6 +52,7 @@ def bundled_config_dir(name: str) -> Path | None:
 
 
 # --- hook implementations (specs: vlft/hookspecs.py) ---------------------------------------------------------
+
 
 @hookimpl
 def vlft_model_families():

@@ -29,17 +29,29 @@ from typing import cast
 TEMPLATES = Path(__file__).parent / "templates"
 
 BASE_SPECIAL_TOKENS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-    "<|image_pad|>", "<|video_pad|>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
 ]
 # Qwen3 / Qwen3-VL / Qwen3.5 tokenizers also carry these as added (non-special) tokens.
 QWEN3_EXTRA_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
 DEFAULT_CORPUS = [
-    "You are a helpful assistant.", "system", "user", "assistant",
-    "What colour is the product?", "What defect does the product have?", "Describe the product.",
-    "The product is red and has a scratch.", "The product is blue and has no defect.",
-    "The product is green and has a dent.", "The product is yellow and has a crack.",
+    "You are a helpful assistant.",
+    "system",
+    "user",
+    "assistant",
+    "What colour is the product?",
+    "What defect does the product have?",
+    "Describe the product.",
+    "The product is red and has a scratch.",
+    "The product is blue and has no defect.",
+    "The product is green and has a dent.",
+    "The product is yellow and has a crack.",
     "the a an is are what which where how many colour color defect product image picture video frame "
     "answer question describe damage object shape size left right top bottom yes no seconds",
     "0 1 2 3 4 5 6 7 8 9 10 100 1000 . , : ; ( ) [ ] { } < > ' \" ? !",
@@ -63,9 +75,15 @@ def token_ids(tokenizer) -> Callable[[str], int]:
     return lambda token: cast(int, tokenizer.convert_tokens_to_ids(token))
 
 
-def build_tokenizer(vocab_size: int, special_tokens: list[str], extra_tokens: Sequence[str] = (),
-                    corpus: list[str] | None = None, eos: str = "<|im_end|>", pad: str = "<|endoftext|>",
-                    max_length: int = 4096):
+def build_tokenizer(
+    vocab_size: int,
+    special_tokens: list[str],
+    extra_tokens: Sequence[str] = (),
+    corpus: list[str] | None = None,
+    eos: str = "<|im_end|>",
+    pad: str = "<|endoftext|>",
+    max_length: int = 4096,
+):
     """A byte-level BPE tokenizer trained on ``corpus``; special and extra tokens are single tokens."""
     from tokenizers import (
         AddedToken,
@@ -80,16 +98,21 @@ def build_tokenizer(vocab_size: int, special_tokens: list[str], extra_tokens: Se
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(list(corpus or DEFAULT_CORPUS) * 4, trainer)
     if extra_tokens:
         tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in extra_tokens])
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad, model_max_length=max_length)
 
 
-def initialise(model, seed: int, vision_std: float, embedding_row_norm: float, vision_attr: str = "visual",
-               reseed: bool = True) -> None:
+def initialise(
+    model, seed: int, vision_std: float, embedding_row_norm: float, vision_attr: str = "visual", reseed: bool = True
+) -> None:
     """The embedded default's measured init (qwen2_vl.py says why): vision Linear/Conv weights std
     ``vision_std``; unit-norm embedding rows (the rest keeps the config's initializer_range, set by the
     caller). ``reseed``: seed the generator again first (else it runs on from the model's construction)."""
@@ -112,12 +135,20 @@ def qwen3_config_kwargs(recipe: dict, tokenizer, **text_extra) -> dict:
     model: the recipe's towers with the tokenizer's special-token ids, tied embeddings."""
     ids = token_ids(tokenizer)
     return dict(
-        text_config=dict(recipe["text"], vocab_size=len(tokenizer), bos_token_id=ids("<|endoftext|>"),
-                         eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
-                         initializer_range=recipe["initializer_range"], **text_extra),
+        text_config=dict(
+            recipe["text"],
+            vocab_size=len(tokenizer),
+            bos_token_id=ids("<|endoftext|>"),
+            eos_token_id=ids("<|im_end|>"),
+            pad_token_id=ids("<|endoftext|>"),
+            initializer_range=recipe["initializer_range"],
+            **text_extra,
+        ),
         vision_config=dict(recipe["vision"], initializer_range=recipe["initializer_range"]),
-        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
         tie_word_embeddings=True,
     )
 

@@ -23,8 +23,12 @@ def _seqlens(tower, grid):
     try:  # transformers >= 5.2x: a shared helper
         from transformers.vision_utils import get_vision_window_index
 
-        _, cu_window = get_vision_window_index(grid, spatial_merge_size=tower.spatial_merge_size,
-                                               window_size=tower.window_size, patch_size=tower.patch_size)
+        _, cu_window = get_vision_window_index(
+            grid,
+            spatial_merge_size=tower.spatial_merge_size,
+            window_size=tower.window_size,
+            patch_size=tower.patch_size,
+        )
     except ImportError:  # earlier 5.x: a method of the tower
         _, cu_window = tower.get_window_index(grid)
     cu_window = torch.unique_consecutive(torch.as_tensor(cu_window, dtype=torch.int32))
@@ -48,8 +52,9 @@ def trace_qwen_vision(tower, grids, dtype, run_block):
     deepstack = list(getattr(tower, "deepstack_visual_indexes", []) or [])
     for i, block in enumerate(tower.blocks):
         seqlens = cu if (cu_window is None or i in full) else cu_window
-        hidden = run_block(block, lambda b=block, h=hidden, s=seqlens: b(h, cu_seqlens=s, position_embeddings=pe),
-                           hidden)
+        hidden = run_block(
+            block, lambda b=block, h=hidden, s=seqlens: b(h, cu_seqlens=s, position_embeddings=pe), hidden
+        )
         if i in deepstack:
             merger = tower.deepstack_merger_list[deepstack.index(i)]
             run_block(merger, lambda m=merger, h=hidden: m(h))

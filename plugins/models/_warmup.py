@@ -15,8 +15,11 @@ def _inner(model):
     """The transformers module that embeds the tokens and runs the towers (e.g. Qwen2_5_VLModel), under PEFT/DDP."""
     found = None
     for module in model.modules():
-        if hasattr(module, "get_image_features") and hasattr(module, "visual") and hasattr(module,
-                                                                                          "get_input_embeddings"):
+        if (
+            hasattr(module, "get_image_features")
+            and hasattr(module, "visual")
+            and hasattr(module, "get_input_embeddings")
+        ):
             found = module  # the innermost such module (the ForConditionalGeneration delegates to it)
     return found
 

@@ -38,8 +38,14 @@ from ._warmup import qwen_vision_dummy
 
 # What the Qwen processors return for the model (transformers 5.2x), and how a batch joins each: the core
 # joins them as declared (ImageInputs.batch_inputs) and never names one.
-QWEN_BATCH_INPUTS = {"pixel_values": "concat", "image_grid_thw": "concat", "pixel_values_videos": "concat",
-                     "video_grid_thw": "concat", "second_per_grid_ts": "concat", "mm_token_type_ids": "sequence"}
+QWEN_BATCH_INPUTS = {
+    "pixel_values": "concat",
+    "image_grid_thw": "concat",
+    "pixel_values_videos": "concat",
+    "video_grid_thw": "concat",
+    "second_per_grid_ts": "concat",
+    "mm_token_type_ids": "sequence",
+}
 
 # Target leaf names several families share (module paths within a block): a Llama-style text attention and
 # gated MLP, and SigLIP's vision attention and MLP.
@@ -50,9 +56,13 @@ SIGLIP_MLP = ("mlp.fc1", "mlp.fc2")
 
 # The module tree of Qwen's towers (model.visual + model.language_model), which GLM-4.1V shares too, and
 # what the Qwen vision blocks adapt, their patch embedding and the token that ends a Qwen reply.
-QWEN_TOWERS = Towers(vision="model.visual", vision_blocks="model.visual.blocks",
-                     vision_mergers=("model.visual.merger",), decoder_layers="model.language_model.layers",
-                     lm_head="lm_head")
+QWEN_TOWERS = Towers(
+    vision="model.visual",
+    vision_blocks="model.visual.blocks",
+    vision_mergers=("model.visual.merger",),
+    decoder_layers="model.language_model.layers",
+    lm_head="lm_head",
+)
 QWEN_VISION_ATTENTION = ("attn.qkv", "attn.proj")
 QWEN_VISION_STEM = "model.visual.patch_embed"
 QWEN_REPLY_END = "<|im_end|>"
@@ -77,15 +87,17 @@ class QwenVision:
     video_rule: str = "qwen2"
 
     # --- the resize rule -------------------------------------------------------------------------------------
-    def image_grid(self, height: int, width: int, min_pixels: int | None = None,
-                   max_pixels: int | None = None) -> tuple[int, int, int]:
+    def image_grid(
+        self, height: int, width: int, min_pixels: int | None = None, max_pixels: int | None = None
+    ) -> tuple[int, int, int]:
         """(t, h, w) patch grid of one image, as ``image_grid_thw`` gives it."""
         return _image_grid(self, height, width, min_pixels, max_pixels)
 
-    def image_tokens(self, height: int, width: int, min_pixels: int | None = None,
-                     max_pixels: int | None = None) -> int:
+    def image_tokens(
+        self, height: int, width: int, min_pixels: int | None = None, max_pixels: int | None = None
+    ) -> int:
         t, h, w = self.image_grid(height, width, min_pixels, max_pixels)
-        return t * h * w // self.merge_size ** 2
+        return t * h * w // self.merge_size**2
 
     def capped_grid(self, height: int, width: int, max_pixels: int | None = None) -> tuple[int, int, int]:
         """``ImageInputs.grid``: the grid under ``--max-pixels`` (the floor lowered with it, as the encoder does)."""
@@ -93,8 +105,9 @@ class QwenVision:
             return self.image_grid(height, width)
         return self.image_grid(height, width, min(self.image_min_pixels, max_pixels), max_pixels)
 
-    def video_grid(self, frames: int, height: int, width: int, min_pixels: int | None = None,
-                   max_pixels: int | None = None) -> tuple[int, int, int]:
+    def video_grid(
+        self, frames: int, height: int, width: int, min_pixels: int | None = None, max_pixels: int | None = None
+    ) -> tuple[int, int, int]:
         lo = self.video_min_pixels if min_pixels is None else min_pixels
         hi = self.video_max_pixels if max_pixels is None else max_pixels
         factor = self.patch_size * self.merge_size
@@ -108,7 +121,7 @@ class QwenVision:
 
     def video_tokens(self, frames: int, height: int, width: int, **budget) -> int:
         t, h, w = self.video_grid(frames, height, width, **budget)
-        return t * h * w // self.merge_size ** 2
+        return t * h * w // self.merge_size**2
 
     # --- ImageInputs: prepare once per record, write once per conversation --------------------------------------
     def prepare(self, processor, media, max_pixels=None) -> dict:
@@ -122,16 +135,19 @@ class QwenVision:
             out["image_grids"] = done["image_grid_thw"]
         elif media.images is None and media.sizes:  # measuring: the grid by the formula, no pixels
             size = kwargs.get("size", processor.image_processor.size)
-            out["image_grids"] = torch.tensor([self.image_grid(h, w, size["shortest_edge"], size["longest_edge"])
-                                               for w, h in media.sizes])
+            out["image_grids"] = torch.tensor(
+                [self.image_grid(h, w, size["shortest_edge"], size["longest_edge"]) for w, h in media.sizes]
+            )
         if media.videos:
             vp = processor.video_processor
             # frames are already sampled, at the rate given with each clip; the processor must not sample again
-            done = vp(videos=[clip for clip, _ in media.videos], return_tensors="pt", do_sample_frames=False,
-                      **kwargs)
+            done = vp(videos=[clip for clip, _ in media.videos], return_tensors="pt", do_sample_frames=False, **kwargs)
             seconds = torch.tensor([vp.temporal_patch_size / rate for _, rate in media.videos], dtype=torch.float32)
-            out["inputs"].update(pixel_values_videos=done["pixel_values_videos"],
-                                 video_grid_thw=done["video_grid_thw"], second_per_grid_ts=seconds)
+            out["inputs"].update(
+                pixel_values_videos=done["pixel_values_videos"],
+                video_grid_thw=done["video_grid_thw"],
+                second_per_grid_ts=seconds,
+            )
             out["video_grids"] = done["video_grid_thw"]
         return out
 
@@ -154,29 +170,43 @@ class QwenVision:
         video_id = getattr(processor, "video_token_id", None)
         if video_id is not None:
             types = types + 2 * (flat == video_id).long()
-        grids = [tuple(int(x) for x in g) for key in ("image_grids", "video_grids")
-                 for g in (prepared[key] if prepared[key] is not None else [])]
+        grids = [
+            tuple(int(x) for x in g)
+            for key in ("image_grids", "video_grids")
+            for g in (prepared[key] if prepared[key] is not None else [])
+        ]
         return Written(ids, {**prepared["inputs"], "mm_token_type_ids": types}, grids)
 
     def capabilities(self, trace=None) -> dict:
         """The family's ``image_inputs`` and ``video_inputs``."""
         return dict(
             image_inputs=ImageInputs(
-                prepare=self.prepare, write=self.write, batch_inputs=dict(QWEN_BATCH_INPUTS),
+                prepare=self.prepare,
+                write=self.write,
+                batch_inputs=dict(QWEN_BATCH_INPUTS),
                 pixels="pixel_values",
                 size_cap="a pixel budget per image (the image processor's size['longest_edge']): the resize keeps "
-                         "the aspect ratio and rounds each side to the patch x merge factor",
-                grid=self.capped_grid, patch_size=self.patch_size, patches_per_token=self.merge_size ** 2,
-                trace=trace),
-            video_inputs=VideoInputs(pixels="pixel_values_videos", grid=self.video_grid))
+                "the aspect ratio and rounds each side to the patch x merge factor",
+                grid=self.capped_grid,
+                patch_size=self.patch_size,
+                patches_per_token=self.merge_size**2,
+                trace=trace,
+            ),
+            video_inputs=VideoInputs(pixels="pixel_values_videos", grid=self.video_grid),
+        )
 
 
 @lru_cache(maxsize=4096)
 def _image_grid(vision: QwenVision, height: int, width: int, min_pixels, max_pixels) -> tuple[int, int, int]:
     """Remembered per size: a data set holds few sizes."""
     factor = vision.patch_size * vision.merge_size
-    h, w = smart_resize(height, width, factor, vision.image_min_pixels if min_pixels is None else min_pixels,
-                        vision.image_max_pixels if max_pixels is None else max_pixels)
+    h, w = smart_resize(
+        height,
+        width,
+        factor,
+        vision.image_min_pixels if min_pixels is None else min_pixels,
+        vision.image_max_pixels if max_pixels is None else max_pixels,
+    )
     return 1, h // vision.patch_size, w // vision.patch_size
 
 
@@ -201,22 +231,36 @@ class SampleRopeIndex:
         self.__qualname__ = rope_index.__qualname__
 
     def __call__(self, model_config, sample: dict):
-        return self.rope_index(model_config, sample["input_ids"], image_grid_thw=sample.get("image_grid_thw"),
-                               video_grid_thw=sample.get("video_grid_thw"),
-                               second_per_grid_ts=sample.get("second_per_grid_ts"))
+        return self.rope_index(
+            model_config,
+            sample["input_ids"],
+            image_grid_thw=sample.get("image_grid_thw"),
+            video_grid_thw=sample.get("video_grid_thw"),
+            second_per_grid_ts=sample.get("second_per_grid_ts"),
+        )
 
 
-def qwen_family(vision: QwenVision, rope_class: str, no_split_modules: tuple[str, ...], packing_refusal: str = "",
-                experts: Experts | None = None, **fields_) -> ModelFamily:
+def qwen_family(
+    vision: QwenVision,
+    rope_class: str,
+    no_split_modules: tuple[str, ...],
+    packing_refusal: str = "",
+    experts: Experts | None = None,
+    **fields_,
+) -> ModelFamily:
     """A ModelFamily with the Qwen towers and warm-up, ``fields_`` on top, and its capabilities: image and video
     inputs by ``vision``'s numbers (with the Qwen vision tracer for the memory plan), 3-D positions by
     ``rope_class``'s ``get_rope_index``, packing (or its refusal), FSDP units and, for a MoE family, ``experts``."""
     base = dict(towers=QWEN_TOWERS, vision_dummy=qwen_vision_dummy)
     base.update(fields_)
     return ModelFamily(
-        **base, **vision.capabilities(trace=_trace.trace_qwen_vision),
+        **base,
+        **vision.capabilities(trace=_trace.trace_qwen_vision),
         positions=Positions(SampleRopeIndex(rope_index_from_class(rope_class))),
-        packing=Packing(refusal=packing_refusal), sharding=Sharding(no_split_modules), experts=experts)
+        packing=Packing(refusal=packing_refusal),
+        sharding=Sharding(no_split_modules),
+        experts=experts,
+    )
 
 
 def fused_experts_load_kwargs(param_dtype: str) -> dict:
@@ -229,12 +273,15 @@ def fused_experts_load_kwargs(param_dtype: str) -> dict:
 
 # --- the Qwen resize rule (transformers' qwen2_vl image processor smart_resize, restated) ------------------
 
+
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """transformers.models.qwen2_vl.image_processing_qwen2_vl.smart_resize (5.2x), restated so the plan
     needs no transformers import; a test checks it against the processor. Note ``round`` is Python's
     banker's rounding, as in transformers."""
     if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}")
+        raise ValueError(
+            f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}"
+        )
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:
@@ -248,8 +295,9 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
-def video_smart_resize_qwen3(frames: int, height: int, width: int, temporal_factor: int, factor: int,
-                             min_pixels: int, max_pixels: int) -> tuple[int, int]:
+def video_smart_resize_qwen3(
+    frames: int, height: int, width: int, temporal_factor: int, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
     """transformers.models.qwen3_vl.video_processing_qwen3_vl.smart_resize (5.2x): the budget covers all
     frames (t * h * w), and frames smaller than the factor are first scaled up."""
     if frames < temporal_factor:
@@ -258,7 +306,9 @@ def video_smart_resize_qwen3(frames: int, height: int, width: int, temporal_fact
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
     if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}")
+        raise ValueError(
+            f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}"
+        )
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     t_bar = round(frames / temporal_factor) * temporal_factor
@@ -274,6 +324,7 @@ def video_smart_resize_qwen3(frames: int, height: int, width: int, temporal_fact
 
 
 # --- positions -------------------------------------------------------------------------------------------
+
 
 def mm_token_type_ids(input_ids, image_token_id: int, video_token_id: int | None):
     """0 text, 1 image, 2 video: what transformers 5.2x's get_rope_index groups positions by."""
@@ -295,14 +346,24 @@ def rope_index_from_class(model_class_path: str) -> Callable[..., Any]:
     """
     module_name, cls_name = model_class_path.rsplit(".", 1)
 
-    def rope_index(model_config, input_ids, image_grid_thw=None, video_grid_thw=None, attention_mask=None,
-                   second_per_grid_ts=None, mm_token_type_ids_=None):
+    def rope_index(
+        model_config,
+        input_ids,
+        image_grid_thw=None,
+        video_grid_thw=None,
+        attention_mask=None,
+        second_per_grid_ts=None,
+        mm_token_type_ids_=None,
+    ):
         import torch
 
         cls = getattr(importlib.import_module(module_name), cls_name)
         ids = torch.as_tensor(input_ids).reshape(1, -1)
-        types_ = (mm_token_type_ids(ids, model_config.image_token_id, getattr(model_config, "video_token_id", None))
-                  if mm_token_type_ids_ is None else torch.as_tensor(mm_token_type_ids_).reshape(1, -1))
+        types_ = (
+            mm_token_type_ids(ids, model_config.image_token_id, getattr(model_config, "video_token_id", None))
+            if mm_token_type_ids_ is None
+            else torch.as_tensor(mm_token_type_ids_).reshape(1, -1)
+        )
         mask = None if attention_mask is None else torch.as_tensor(attention_mask).reshape(1, -1)
         stand_in = SimpleNamespace(config=model_config)
         stand_in.get_vision_position_ids = lambda *a, **k: cls.get_vision_position_ids(stand_in, *a, **k)

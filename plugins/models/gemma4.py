@@ -60,23 +60,55 @@ from . import _tiny
 from .family import GATED_MLP, TEXT_ATTENTION
 
 NAME = "gemma4"
-SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>",
-                  "<|audio>", "<audio|>", "<|audio|>", "<|video|>"]
+SPECIAL_TOKENS = [
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<|turn>",
+    "<turn|>",
+    "<|image>",
+    "<image|>",
+    "<|image|>",
+    "<|audio>",
+    "<audio|>",
+    "<|audio|>",
+    "<|video|>",
+]
 # the image processor refuses any other budget (transformers 5.24 image_processing_gemma4._SUPPORTED_SOFT_TOKENS)
 SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
 # Gemma4ImageProcessor's class defaults, the checkpoints' (patch 16, pooling 3 x 3, 280 soft tokens per image)
 PATCH_SIZE, POOLING, MAX_SOFT_TOKENS = 16, 3, 280
 
 RECIPE: dict[str, Any] = {
-    "version": 2, "family": NAME, "seed": 1234, "vocab_size": 512,  # 2: the vision position table drawn
+    "version": 2,
+    "family": NAME,
+    "seed": 1234,
+    "vocab_size": 512,  # 2: the vision position table drawn
     # patch 4, pooling 3: the smallest budget (70 soft tokens) is 630 patches of 48 values, about 100 x 100 px
     "image": dict(patch_size=4, pooling_kernel_size=POOLING, max_soft_tokens=70),
-    "text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, global_head_dim=16, sliding_window=64,
-                 max_position_embeddings=4096, layer_types=["sliding_attention", "full_attention"],
-                 hidden_size_per_layer_input=0),
-    "vision": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                   num_key_value_heads=2, head_dim=16, position_embedding_size=256),
+    "text": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=16,
+        sliding_window=64,
+        max_position_embeddings=4096,
+        layer_types=["sliding_attention", "full_attention"],
+        hidden_size_per_layer_input=0,
+    ),
+    "vision": dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        position_embedding_size=256,
+    ),
     "initializer_range": 0.1,
     "vision_initializer_range": 0.02,
     "embedding_row_norm": 1.0,
@@ -85,16 +117,17 @@ RECIPE: dict[str, Any] = {
 
 # --- image size: the processor's own rule ---------------------------------------------------------------------
 
+
 def resized(height: int, width: int, patch: int, pooling: int, soft_tokens: int) -> tuple[int, int]:
     """The (height, width) Gemma4ImageProcessor resizes an image to (processing_gemma4
     ``get_aspect_ratio_preserving_size``, restated): the largest aspect-preserving size within ``soft_tokens``
     x pooling^2 patches whose sides are multiples of pooling x patch."""
-    max_patches = soft_tokens * pooling ** 2
-    target = max_patches * patch ** 2
+    max_patches = soft_tokens * pooling**2
+    target = max_patches * patch**2
     factor = math.sqrt(target / (height * width))
     side = pooling * patch
     h, w = int(math.floor(factor * height / side)) * side, int(math.floor(factor * width / side)) * side
-    longest = (max_patches // pooling ** 2) * side
+    longest = (max_patches // pooling**2) * side
     if h == 0 and w == 0:
         raise ValueError(f"a {height}x{width} image resizes to 0 x 0")
     if h == 0:
@@ -109,12 +142,14 @@ def soft_token_budget(max_pixels: int | None, patch: int, pooling: int, default:
     patches cover at most ``max_pixels`` pixels, never above the processor's own ``default``."""
     if max_pixels is None:
         return default
-    per_token = pooling ** 2 * patch ** 2
+    per_token = pooling**2 * patch**2
     fits = [s for s in SOFT_TOKEN_BUDGETS if s * per_token <= max_pixels]
     if not fits:
-        raise ConfigError(f"--max-pixels {max_pixels}: Gemma 4's smallest image budget is {SOFT_TOKEN_BUDGETS[0]} "
-                          f"soft tokens = {SOFT_TOKEN_BUDGETS[0] * per_token} pixels at patch {patch} and pooling "
-                          f"{pooling} x {pooling}; give at least that")
+        raise ConfigError(
+            f"--max-pixels {max_pixels}: Gemma 4's smallest image budget is {SOFT_TOKEN_BUDGETS[0]} "
+            f"soft tokens = {SOFT_TOKEN_BUDGETS[0] * per_token} pixels at patch {patch} and pooling "
+            f"{pooling} x {pooling}; give at least that"
+        )
     return min(max(fits), default)
 
 
@@ -125,8 +160,9 @@ def _grid(height, width, patch, pooling, soft_tokens) -> tuple[int, int, int]:
 
 def grid(height: int, width: int, max_pixels: int | None = None) -> tuple[int, int, int]:
     """(1, h, w) patch grid of one image at a checkpoint's processor (patch 16, pooling 3, 280 soft tokens)."""
-    return _grid(height, width, PATCH_SIZE, POOLING, soft_token_budget(max_pixels, PATCH_SIZE, POOLING,
-                                                                         MAX_SOFT_TOKENS))
+    return _grid(
+        height, width, PATCH_SIZE, POOLING, soft_token_budget(max_pixels, PATCH_SIZE, POOLING, MAX_SOFT_TOKENS)
+    )
 
 
 def _numbers(processor) -> tuple[int, int, int]:
@@ -157,8 +193,10 @@ def padded_patches(patches: int, pooling: int) -> int:
     """The patch count the processor pads an image of ``patches`` patches to: its budget's ``max_soft_tokens``
     x pooling^2. The resize fills the budget (it scales small images up), so the budget is the smallest
     supported one that holds the patches."""
-    return next((b * pooling ** 2 for b in SOFT_TOKEN_BUDGETS if b * pooling ** 2 >= patches),
-                -(-patches // pooling ** 2) * pooling ** 2)
+    return next(
+        (b * pooling**2 for b in SOFT_TOKEN_BUDGETS if b * pooling**2 >= patches),
+        -(-patches // pooling**2) * pooling**2,
+    )
 
 
 def trace_vision(tower, grids, dtype, run_block):
@@ -176,9 +214,12 @@ def trace_vision(tower, grids, dtype, run_block):
     hidden = run_block(tower.patch_embedder, lambda: tower.patch_embedder(pixels, pos, padding))
     pe = tower.encoder.rotary_emb(hidden, pos)
     for layer in tower.encoder.layers:
-        hidden = run_block(layer, lambda lay=layer, h=hidden: lay(h, attention_mask=None, position_embeddings=pe,
-                                                                   position_ids=pos), hidden)
-    return run_block(tower.pooler, lambda h=hidden: tower.pooler(h, pos, padding, n // pool ** 2)[0])
+        hidden = run_block(
+            layer,
+            lambda lay=layer, h=hidden: lay(h, attention_mask=None, position_embeddings=pe, position_ids=pos),
+            hidden,
+        )
+    return run_block(tower.pooler, lambda h=hidden: tower.pooler(h, pos, padding, n // pool**2)[0])
 
 
 def trace_layer_kwargs(text, hidden) -> dict:
@@ -197,13 +238,19 @@ def trace_layer_kwargs(text, hidden) -> dict:
 IMAGE_INPUTS: ImageInputs = processor_image_inputs(
     {"pixel_values": "concat", "image_position_ids": "concat", "mm_token_type_ids": "sequence"},
     size_cap="the image processor's soft-token budget (max_soft_tokens, one of 70/140/280/560/1120): --max-pixels "
-             "picks the largest budget whose patches (budget x pooling^2 x patch^2 pixels) fit, never above the "
-             "processor's own; the resize keeps the aspect ratio",
-    grid=grid, patch_size=PATCH_SIZE, patches_per_token=POOLING ** 2, trace=trace_vision,
-    processor_kwargs=processor_kwargs, image_grids=image_grids)
+    "picks the largest budget whose patches (budget x pooling^2 x patch^2 pixels) fit, never above the "
+    "processor's own; the resize keeps the aspect ratio",
+    grid=grid,
+    patch_size=PATCH_SIZE,
+    patches_per_token=POOLING**2,
+    trace=trace_vision,
+    processor_kwargs=processor_kwargs,
+    image_grids=image_grids,
+)
 
 
 # --- the tiny model ------------------------------------------------------------------------------------------------
+
 
 def _tokenizer(r: dict, corpus=None):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -212,16 +259,31 @@ def _tokenizer(r: dict, corpus=None):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=r["vocab_size"], special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=r["vocab_size"],
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(list(corpus or _tiny.DEFAULT_CORPUS) * 4, trainer)
     # Gemma4Processor reads the image and audio tokens from the tokenizer; its input check refuses a tokenizer
     # without boa/eoa tokens even for images only (transformers 5.24 processing_gemma4.validate_inputs)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, model_max_length=r["text"]["max_position_embeddings"], bos_token="<bos>",
-        eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
-        extra_special_tokens={"boi_token": "<|image>", "eoi_token": "<image|>", "image_token": "<|image|>",
-                              "boa_token": "<|audio>", "eoa_token": "<audio|>", "audio_token": "<|audio|>"})
+        tokenizer_object=tok,
+        model_max_length=r["text"]["max_position_embeddings"],
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        extra_special_tokens={
+            "boi_token": "<|image>",
+            "eoi_token": "<image|>",
+            "image_token": "<|image|>",
+            "boa_token": "<|audio>",
+            "eoa_token": "<audio|>",
+            "audio_token": "<|audio|>",
+        },
+    )
 
 
 def make_processor(tokenizer, recipe: dict | None = None):
@@ -233,9 +295,14 @@ def make_processor(tokenizer, recipe: dict | None = None):
     )
 
     img = (recipe or RECIPE)["image"]
-    return Gemma4Processor(feature_extractor=Gemma4AudioFeatureExtractor(), image_processor=Gemma4ImageProcessor(**img),
-                           tokenizer=tokenizer, video_processor=Gemma4VideoProcessor(**img),
-                           chat_template=_tiny.template("gemma4"), image_seq_length=img["max_soft_tokens"])
+    return Gemma4Processor(
+        feature_extractor=Gemma4AudioFeatureExtractor(),
+        image_processor=Gemma4ImageProcessor(**img),
+        tokenizer=tokenizer,
+        video_processor=Gemma4VideoProcessor(**img),
+        chat_template=_tiny.template("gemma4"),
+        image_seq_length=img["max_soft_tokens"],
+    )
 
 
 def build_tiny(path: Path, recipe: dict | None = None, corpus=None) -> None:
@@ -248,15 +315,31 @@ def build_tiny(path: Path, recipe: dict | None = None, corpus=None) -> None:
     ids = _tiny.token_ids(tok)
     processor = make_processor(tok, r)
     config = Gemma4Config(
-        text_config=dict(r["text"], vocab_size=len(tok), vocab_size_per_layer_input=len(tok),
-                         initializer_range=r["initializer_range"], pad_token_id=ids("<pad>"),
-                         bos_token_id=ids("<bos>"), eos_token_id=[ids("<eos>"), ids("<turn|>")]),
-        vision_config=dict(r["vision"], patch_size=r["image"]["patch_size"],
-                           pooling_kernel_size=r["image"]["pooling_kernel_size"],
-                           initializer_range=r["vision_initializer_range"]),
-        audio_config=None, image_token_id=ids("<|image|>"), boi_token_id=ids("<|image>"),
-        eoi_token_id=ids("<image|>"), video_token_id=ids("<|video|>"), audio_token_id=ids("<|audio|>"),
-        boa_token_id=ids("<|audio>"), eoa_token_index=ids("<audio|>"), initializer_range=r["initializer_range"])
+        text_config=dict(
+            r["text"],
+            vocab_size=len(tok),
+            vocab_size_per_layer_input=len(tok),
+            initializer_range=r["initializer_range"],
+            pad_token_id=ids("<pad>"),
+            bos_token_id=ids("<bos>"),
+            eos_token_id=[ids("<eos>"), ids("<turn|>")],
+        ),
+        vision_config=dict(
+            r["vision"],
+            patch_size=r["image"]["patch_size"],
+            pooling_kernel_size=r["image"]["pooling_kernel_size"],
+            initializer_range=r["vision_initializer_range"],
+        ),
+        audio_config=None,
+        image_token_id=ids("<|image|>"),
+        boi_token_id=ids("<|image>"),
+        eoi_token_id=ids("<image|>"),
+        video_token_id=ids("<|video|>"),
+        audio_token_id=ids("<|audio|>"),
+        boa_token_id=ids("<|audio>"),
+        eoa_token_index=ids("<audio|>"),
+        initializer_range=r["initializer_range"],
+    )
     torch.manual_seed(r["seed"])
     model = Gemma4ForConditionalGeneration(config)
     with torch.no_grad():
@@ -283,6 +366,7 @@ def load_processor(path: str):
 
 # --- the vision warm-up -----------------------------------------------------------------------------------------
 
+
 def vision_dummy(model, modality: str):
     """The smallest input the tower takes: one image of pooling x pooling zero patches (one soft token), with
     its patch positions, through ``get_image_features``. None for video (not wired) or a model without the
@@ -291,8 +375,11 @@ def vision_dummy(model, modality: str):
         return None
     inner = None
     for module in model.modules():  # the innermost Gemma4Model (the ForConditionalGeneration delegates to it)
-        if hasattr(module, "get_image_features") and hasattr(module, "vision_tower") and \
-                hasattr(module, "get_input_embeddings"):
+        if (
+            hasattr(module, "get_image_features")
+            and hasattr(module, "vision_tower")
+            and hasattr(module, "get_input_embeddings")
+        ):
             inner = module
     if inner is None or inner.vision_tower is None:
         return None
@@ -302,31 +389,51 @@ def vision_dummy(model, modality: str):
     k, p = int(vc.pooling_kernel_size), int(vc.patch_size)
     ys, xs = torch.meshgrid(torch.arange(k), torch.arange(k), indexing="ij")
     positions = torch.stack([xs.reshape(-1), ys.reshape(-1)], dim=-1)[None]
-    return VisionWarmup(inner, "get_image_features", {"pixel_values": torch.zeros(1, k * k, 3 * p * p),
-                                                      "image_position_ids": positions})
+    return VisionWarmup(
+        inner, "get_image_features", {"pixel_values": torch.zeros(1, k * k, 3 * p * p), "image_position_ids": positions}
+    )
 
 
 FAMILY = ModelFamily(
     name=NAME,
     model_types=("gemma4",),
     description="Gemma 4 (E2B/E4B/26B-A4B/31B): 2-D rotary vision encoder, k x k pooled soft tokens, images and "
-                "text (audio and video not wired)",
-    towers=Towers(vision="model.vision_tower", vision_blocks="model.vision_tower.encoder.layers",
-                  vision_mergers=("model.embed_vision",), decoder_layers="model.language_model.layers",
-                  lm_head="lm_head"),
-    targets=Targets(vision_attention=("self_attn.q_proj.linear", "self_attn.k_proj.linear", "self_attn.v_proj.linear",
-                                      "self_attn.o_proj.linear"),
-                    vision_mlp=("mlp.gate_proj.linear", "mlp.up_proj.linear", "mlp.down_proj.linear"),
-                    text_attention=TEXT_ATTENTION, text_mlp=GATED_MLP, default="both"),
-    chat=Chat(processor_class="Gemma4Processor", load_processor=load_processor, reply_end_token="<turn|>",
-              box_coordinates="absolute"),
+    "text (audio and video not wired)",
+    towers=Towers(
+        vision="model.vision_tower",
+        vision_blocks="model.vision_tower.encoder.layers",
+        vision_mergers=("model.embed_vision",),
+        decoder_layers="model.language_model.layers",
+        lm_head="lm_head",
+    ),
+    targets=Targets(
+        vision_attention=(
+            "self_attn.q_proj.linear",
+            "self_attn.k_proj.linear",
+            "self_attn.v_proj.linear",
+            "self_attn.o_proj.linear",
+        ),
+        vision_mlp=("mlp.gate_proj.linear", "mlp.up_proj.linear", "mlp.down_proj.linear"),
+        text_attention=TEXT_ATTENTION,
+        text_mlp=GATED_MLP,
+        default="both",
+    ),
+    chat=Chat(
+        processor_class="Gemma4Processor",
+        load_processor=load_processor,
+        reply_end_token="<turn|>",
+        box_coordinates="absolute",
+    ),
     image_inputs=IMAGE_INPUTS,
-    packing=Packing(refusal="Gemma 4's checkpoints with use_bidirectional_attention='vision' let each image's "
-                            "tokens attend both ways (blocks found from mm_token_type_ids), and vlft has not "
-                            "checked that a packed row keeps those blocks and the sliding-window layers inside "
-                            "each sample"),
-    sharding=Sharding(("Gemma4TextDecoderLayer", "Gemma4VisionEncoderLayer", "Gemma4VisionPatchEmbedder",
-                       "Gemma4AudioLayer")),
+    packing=Packing(
+        refusal="Gemma 4's checkpoints with use_bidirectional_attention='vision' let each image's "
+        "tokens attend both ways (blocks found from mm_token_type_ids), and vlft has not "
+        "checked that a packed row keeps those blocks and the sliding-window layers inside "
+        "each sample"
+    ),
+    sharding=Sharding(
+        ("Gemma4TextDecoderLayer", "Gemma4VisionEncoderLayer", "Gemma4VisionPatchEmbedder", "Gemma4AudioLayer")
+    ),
     vision_dummy=vision_dummy,
     trace_layer_kwargs=trace_layer_kwargs,
     tiny=Tiny(build_tiny, RECIPE),

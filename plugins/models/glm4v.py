@@ -46,9 +46,22 @@ from ._warmup import qwen_vision_dummy
 from .family import QWEN_TOWERS, QWEN_VISION_ATTENTION, TEXT_ATTENTION, rope_index_from_class, video_smart_resize_qwen3
 
 SPECIAL_TOKENS = [
-    "<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>", "<|assistant|>",
-    "<|observation|>", "<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>",
-    "<|image|>", "<|video|>",
+    "<|endoftext|>",
+    "[MASK]",
+    "[gMASK]",
+    "[sMASK]",
+    "<sop>",
+    "<eop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+    "<|begin_of_image|>",
+    "<|end_of_image|>",
+    "<|begin_of_video|>",
+    "<|end_of_video|>",
+    "<|image|>",
+    "<|video|>",
 ]
 EXTRA_TOKENS = ["<think>", "</think>"]
 REPLY_END = "<|user|>"
@@ -69,14 +82,33 @@ RECIPE: dict[str, Any] = {
     "seed": 1234,
     "vocab_size": 512,
     # head_dim 32, partial rotary 0.5 (as the checkpoints): 16 rotary dims, 8 frequencies split 4/2/2 over t/h/w
-    "text": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=4096,
-                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
-                                  "partial_rotary_factor": 0.5}),
+    "text": dict(
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [4, 2, 2],
+            "partial_rotary_factor": 0.5,
+        },
+    ),
     # out_hidden_size = the text width (the merger keeps it); intermediate_size is the merger's inner width;
     # image_size 56: a 4x4 learned position table, interpolated to each grid
-    "vision": dict(depth=4, hidden_size=64, num_heads=4, out_hidden_size=128, intermediate_size=128, image_size=56,
-                   patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL),
+    "vision": dict(
+        depth=4,
+        hidden_size=64,
+        num_heads=4,
+        out_hidden_size=128,
+        intermediate_size=128,
+        image_size=56,
+        patch_size=PATCH,
+        spatial_merge_size=MERGE,
+        temporal_patch_size=TEMPORAL,
+    ),
     # 112x112 images: 8x8 patches of 14 px, merged 2x2 into 16 tokens (budgets over the 2-frame clip)
     "min_pixels": 2 * 56 * 56,
     "max_pixels": 2 * 112 * 112,
@@ -89,9 +121,16 @@ RECIPE_46 = dict(RECIPE, family="glm4.6v")
 
 # --- the resize rule ---------------------------------------------------------------------------------------------
 
-def smart_resize(num_frames: int, height: int, width: int, temporal_factor: int = TEMPORAL,
-                 factor: int = PATCH * MERGE, min_pixels: int = IMAGE_MIN_PIXELS,
-                 max_pixels: int = IMAGE_MAX_PIXELS) -> tuple[int, int]:
+
+def smart_resize(
+    num_frames: int,
+    height: int,
+    width: int,
+    temporal_factor: int = TEMPORAL,
+    factor: int = PATCH * MERGE,
+    min_pixels: int = IMAGE_MIN_PIXELS,
+    max_pixels: int = IMAGE_MAX_PIXELS,
+) -> tuple[int, int]:
     """transformers.models.glm4v.image_processing_glm4v.smart_resize (5.24), with these defaults: the rule of
     Qwen3-VL's video resize to the letter (sides under ``factor`` scaled up first, the budget over
     ``t_bar * h * w``), so the plan needs no transformers import (a test checks it against transformers')."""
@@ -99,8 +138,9 @@ def smart_resize(num_frames: int, height: int, width: int, temporal_factor: int 
 
 
 @lru_cache(maxsize=4096)
-def image_grid(height: int, width: int, min_pixels: int = IMAGE_MIN_PIXELS,
-               max_pixels: int = IMAGE_MAX_PIXELS) -> tuple[int, int, int]:
+def image_grid(
+    height: int, width: int, min_pixels: int = IMAGE_MIN_PIXELS, max_pixels: int = IMAGE_MAX_PIXELS
+) -> tuple[int, int, int]:
     """(1, h, w) patch grid of one image, as ``image_grid_thw`` gives it (budgets as the processor's ``size``)."""
     h, w = smart_resize(TEMPORAL, height, width, TEMPORAL, PATCH * MERGE, min_pixels, max_pixels)
     return 1, h // PATCH, w // PATCH
@@ -129,6 +169,7 @@ def size_kwargs(processor, max_pixels: int) -> dict:
 
 # --- the tower traced for the memory plan ------------------------------------------------------------------------
 
+
 def trace_vision(tower, grids, dtype, run_block):
     """The GLM vision tower once on the meta device: every block on the images' patches (full attention per
     image), then the merge (post_layernorm, the merge x merge Conv2d ``downsample``) and the merger, counted
@@ -154,9 +195,11 @@ def trace_vision(tower, grids, dtype, run_block):
 
 # --- processor and tiny model -------------------------------------------------------------------------------------
 
+
 def _tokenizer(recipe: dict, corpus=None):
-    return _tiny.build_tokenizer(recipe["vocab_size"], SPECIAL_TOKENS, EXTRA_TOKENS, corpus, eos="<|endoftext|>",
-                                 pad="<|endoftext|>")
+    return _tiny.build_tokenizer(
+        recipe["vocab_size"], SPECIAL_TOKENS, EXTRA_TOKENS, corpus, eos="<|endoftext|>", pad="<|endoftext|>"
+    )
 
 
 def make_processor(tokenizer, recipe: dict | None = None, image_processor=None, glm46: bool = False):
@@ -164,16 +207,24 @@ def make_processor(tokenizer, recipe: dict | None = None, image_processor=None, 
 
     r = recipe or RECIPE
     prefix = "Glm46V" if glm46 else "Glm4v"
-    common = dict(patch_size=PATCH, merge_size=MERGE, temporal_patch_size=TEMPORAL, image_mean=CLIP_MEAN,
-                  image_std=CLIP_STD)
+    common = dict(
+        patch_size=PATCH, merge_size=MERGE, temporal_patch_size=TEMPORAL, image_mean=CLIP_MEAN, image_std=CLIP_STD
+    )
     if image_processor is None:
         image_processor = getattr(transformers, f"{prefix}ImageProcessor")(
-            size={"shortest_edge": r.get("min_pixels", IMAGE_MIN_PIXELS),
-                  "longest_edge": r.get("max_pixels", IMAGE_MAX_PIXELS)}, **common)
+            size={
+                "shortest_edge": r.get("min_pixels", IMAGE_MIN_PIXELS),
+                "longest_edge": r.get("max_pixels", IMAGE_MAX_PIXELS),
+            },
+            **common,
+        )
     video_processor = getattr(transformers, f"{prefix}VideoProcessor")(**common)
-    return getattr(transformers, f"{prefix}Processor")(image_processor=image_processor, tokenizer=tokenizer,
-                                                       video_processor=video_processor,
-                                                       chat_template=_tiny.template("glm4v"))
+    return getattr(transformers, f"{prefix}Processor")(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=_tiny.template("glm4v"),
+    )
 
 
 def _build(path: Path, recipe: dict, corpus, glm46: bool) -> None:
@@ -184,12 +235,19 @@ def _build(path: Path, recipe: dict, corpus, glm46: bool) -> None:
     ids = _tiny.token_ids(tokenizer)
     config_cls = transformers.Glm46VConfig if glm46 else transformers.Glm4vConfig
     config = config_cls(
-        text_config=dict(recipe["text"], vocab_size=len(tokenizer), pad_token_id=ids("<|endoftext|>"),
-                         initializer_range=recipe["initializer_range"]),
+        text_config=dict(
+            recipe["text"],
+            vocab_size=len(tokenizer),
+            pad_token_id=ids("<|endoftext|>"),
+            initializer_range=recipe["initializer_range"],
+        ),
         vision_config=dict(recipe["vision"], initializer_range=recipe["initializer_range"]),
-        image_token_id=ids("<|image|>"), video_token_id=ids("<|video|>"),
-        image_start_token_id=ids("<|begin_of_image|>"), image_end_token_id=ids("<|end_of_image|>"),
-        video_start_token_id=ids("<|begin_of_video|>"), video_end_token_id=ids("<|end_of_video|>"),
+        image_token_id=ids("<|image|>"),
+        video_token_id=ids("<|video|>"),
+        image_start_token_id=ids("<|begin_of_image|>"),
+        image_end_token_id=ids("<|end_of_image|>"),
+        video_start_token_id=ids("<|begin_of_video|>"),
+        video_end_token_id=ids("<|end_of_video|>"),
         tie_word_embeddings=True,
     )
     config.initializer_range = recipe["initializer_range"]
@@ -228,32 +286,48 @@ class SampleRopeIndex:
         self.__qualname__ = rope_index.__qualname__
 
     def __call__(self, model_config, sample: dict):
-        return self.rope_index(model_config, sample["input_ids"], image_grid_thw=sample.get("image_grid_thw"),
-                               mm_token_type_ids_=sample.get("mm_token_type_ids"))
+        return self.rope_index(
+            model_config,
+            sample["input_ids"],
+            image_grid_thw=sample.get("image_grid_thw"),
+            mm_token_type_ids_=sample.get("mm_token_type_ids"),
+        )
 
 
 IMAGE_INPUTS = processor_image_inputs(
     {"pixel_values": "concat", "image_grid_thw": "concat", "mm_token_type_ids": "sequence"},
     size_cap="pixels per image: each image is resized keeping its aspect ratio to at most this many pixels, each "
-             "side a multiple of 28 (patch 14 x merge 2); the GLM processor's budget (size['longest_edge']) counts "
-             "the 2-frame clip an image is resized as, so it is given twice this",
-    grid=capped_grid, patch_size=PATCH, patches_per_token=MERGE ** 2, trace=trace_vision,
-    processor_kwargs=size_kwargs)
+    "side a multiple of 28 (patch 14 x merge 2); the GLM processor's budget (size['longest_edge']) counts "
+    "the 2-frame clip an image is resized as, so it is given twice this",
+    grid=capped_grid,
+    patch_size=PATCH,
+    patches_per_token=MERGE**2,
+    trace=trace_vision,
+    processor_kwargs=size_kwargs,
+)
 
 
-def _family(name: str, model_types: tuple, model_class: str, description: str, build, recipe,
-            processor_class: str) -> ModelFamily:
+def _family(
+    name: str, model_types: tuple, model_class: str, description: str, build, recipe, processor_class: str
+) -> ModelFamily:
     return ModelFamily(
         name=name,
         model_types=model_types,
         description=description,
         towers=QWEN_TOWERS,
-        targets=Targets(vision_attention=QWEN_VISION_ATTENTION,
-                        vision_mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),  # the vision blocks' own
-                        text_attention=TEXT_ATTENTION, text_mlp=("mlp.gate_up_proj", "mlp.down_proj")),
-        chat=Chat(processor_class=processor_class, load_processor=load_processor, reply_end_token=REPLY_END,
-                  reply_end_appended=True,
-                  box_coordinates="relative-1000"),  # GLM-4.1V/4.5V grounding: [x1, y1, x2, y2] normalised to 0-1000
+        targets=Targets(
+            vision_attention=QWEN_VISION_ATTENTION,
+            vision_mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),  # the vision blocks' own
+            text_attention=TEXT_ATTENTION,
+            text_mlp=("mlp.gate_up_proj", "mlp.down_proj"),
+        ),
+        chat=Chat(
+            processor_class=processor_class,
+            load_processor=load_processor,
+            reply_end_token=REPLY_END,
+            reply_end_appended=True,
+            box_coordinates="relative-1000",
+        ),  # GLM-4.1V/4.5V grounding: [x1, y1, x2, y2] normalised to 0-1000
         vision_dummy=qwen_vision_dummy,  # the same tower inputs as Qwen's: patches [merge^2, C*T*P*P], grid (1, m, m)
         image_inputs=IMAGE_INPUTS,
         positions=Positions(SampleRopeIndex(rope_index_from_class(model_class))),
@@ -263,11 +337,23 @@ def _family(name: str, model_types: tuple, model_class: str, description: str, b
     )
 
 
-GLM4_1V = _family("glm4.1v", ("glm4v",), "transformers.models.glm4v.modeling_glm4v.Glm4vModel",
-                  "GLM-4.1V (9B): patch 14 x merge 2 (28 px), 3-D mRoPE, images written by its processor",
-                  build_tiny, RECIPE, "Glm4vProcessor")
-GLM4_6V = _family("glm4.6v", ("glm46v",), "transformers.models.glm46v.modeling_glm46v.Glm46VModel",
-                  "GLM-4.6V with a dense GLM-4.1V text model (model_type glm46v): GLM-4.1V's towers and processor",
-                  build_tiny_46, RECIPE_46, "Glm46VProcessor")
+GLM4_1V = _family(
+    "glm4.1v",
+    ("glm4v",),
+    "transformers.models.glm4v.modeling_glm4v.Glm4vModel",
+    "GLM-4.1V (9B): patch 14 x merge 2 (28 px), 3-D mRoPE, images written by its processor",
+    build_tiny,
+    RECIPE,
+    "Glm4vProcessor",
+)
+GLM4_6V = _family(
+    "glm4.6v",
+    ("glm46v",),
+    "transformers.models.glm46v.modeling_glm46v.Glm46VModel",
+    "GLM-4.6V with a dense GLM-4.1V text model (model_type glm46v): GLM-4.1V's towers and processor",
+    build_tiny_46,
+    RECIPE_46,
+    "Glm46VProcessor",
+)
 
 FAMILIES = (GLM4_1V, GLM4_6V)

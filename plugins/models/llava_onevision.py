@@ -58,10 +58,24 @@ RECIPE: dict[str, Any] = {
     "family": NAME,
     "seed": 1234,
     "vocab_size": 512,
-    "text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=4096, rope_theta=10000.0),
-    "vision": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=14,
-                   image_size=56, vision_use_head=False),
+    "text": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+    ),
+    "vision": dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        patch_size=14,
+        image_size=56,
+        vision_use_head=False,
+    ),
     "image_grid_pinpoints": [[56, 56], [56, 112], [112, 56], [112, 112]],
     "vision_feature_layer": -1,
     "vision_feature_select_strategy": "full",
@@ -72,6 +86,7 @@ RECIPE: dict[str, Any] = {
 
 
 # --- image inputs ----------------------------------------------------------------------------------------------
+
 
 def capped_size(width: int, height: int, max_pixels: int | None) -> tuple[int, int]:
     """(width, height) of an image after ``--max-pixels``: scaled down, aspect ratio kept, to at most
@@ -93,8 +108,9 @@ def _tiles(processor, height: int, width: int, several: bool) -> int:
         return 1
     from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
 
-    return image_size_to_num_patches((height, width), processor.image_processor.image_grid_pinpoints,
-                                     _tile_side(processor))
+    return image_size_to_num_patches(
+        (height, width), processor.image_processor.image_grid_pinpoints, _tile_side(processor)
+    )
 
 
 def _tokens(processor, height: int, width: int, several: bool) -> int:
@@ -117,8 +133,11 @@ def prepare(processor, media, max_pixels=None) -> dict:
     if media.images:
         images = [img if img.size == size else img.resize(size) for img, size in zip(media.images, sizes)]
         done = processor.image_processor(images=[images], return_tensors="pt")
-        out["inputs"] = {"pixel_values": done["pixel_values"], "image_sizes": done["image_sizes"],
-                         "batch_num_images": torch.as_tensor(done["batch_num_images"]).reshape(-1)}
+        out["inputs"] = {
+            "pixel_values": done["pixel_values"],
+            "image_sizes": done["image_sizes"],
+            "batch_num_images": torch.as_tensor(done["batch_num_images"]).reshape(-1),
+        }
         out["sizes"] = [tuple(int(x) for x in s) for s in done["image_sizes"]]
     return out
 
@@ -136,11 +155,11 @@ def write(processor, texts: list[str], prepared: dict):
     for text in texts:
         pieces = text.split(token)
         try:
-            out.append("".join(p + (token * next(counts) if i < len(pieces) - 1 else "")
-                               for i, p in enumerate(pieces)))
+            out.append("".join(p + (token * next(counts) if i < len(pieces) - 1 else "") for i, p in enumerate(pieces)))
         except StopIteration:
-            raise DataError(f"{prepared['where']}: the rendered conversation has more image placeholders than "
-                            "images") from None
+            raise DataError(
+                f"{prepared['where']}: the rendered conversation has more image placeholders than images"
+            ) from None
     if next(counts, None) is not None:
         raise DataError(f"{prepared['where']}: some images have no placeholder in the rendered conversation")
     per_tile = math.isqrt(processor.num_image_tokens)  # a tile's patches a side: (S/p)^2 tokens a tile
@@ -176,8 +195,11 @@ def vision_dummy(model, modality: str):
         return None
     inner = None
     for module in model.modules():
-        if hasattr(module, "get_image_features") and hasattr(module, "vision_tower") and \
-                hasattr(module, "get_input_embeddings"):
+        if (
+            hasattr(module, "get_image_features")
+            and hasattr(module, "vision_tower")
+            and hasattr(module, "get_input_embeddings")
+        ):
             inner = module  # the innermost (the ForConditionalGeneration delegates to it)
     if inner is None:
         return None
@@ -189,11 +211,13 @@ def vision_dummy(model, modality: str):
 
     tiles = image_size_to_num_patches((side, side), inner.config.image_grid_pinpoints, side)
     pixels = torch.zeros(1, tiles, int(vc.num_channels), side, side)
-    return VisionWarmup(inner, "get_image_features", {"pixel_values": pixels,
-                                                      "image_sizes": torch.tensor([[side, side]])})
+    return VisionWarmup(
+        inner, "get_image_features", {"pixel_values": pixels, "image_sizes": torch.tensor([[side, side]])}
+    )
 
 
 # --- the tiny model ----------------------------------------------------------------------------------------------
+
 
 def make_processor(tokenizer, recipe: dict, image_processor=None):
     from transformers import LlavaOnevisionImageProcessor, LlavaOnevisionProcessor, LlavaOnevisionVideoProcessor
@@ -201,13 +225,19 @@ def make_processor(tokenizer, recipe: dict, image_processor=None):
     side = recipe["vision"]["image_size"]
     patch = recipe["vision"]["patch_size"]
     image_processor = image_processor or LlavaOnevisionImageProcessor(
-        size={"height": side, "width": side}, image_grid_pinpoints=recipe["image_grid_pinpoints"])
+        size={"height": side, "width": side}, image_grid_pinpoints=recipe["image_grid_pinpoints"]
+    )
     video_processor = LlavaOnevisionVideoProcessor(size={"height": side, "width": side})
     return LlavaOnevisionProcessor(
-        image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
         num_image_tokens=(side // patch) ** 2,
         vision_feature_select_strategy=recipe.get("vision_feature_select_strategy", "full"),
-        chat_template=_tiny.template("llava_onevision"), image_token="<image>", video_token="<video>")
+        chat_template=_tiny.template("llava_onevision"),
+        image_token="<image>",
+        video_token="<video>",
+    )
 
 
 def build_tiny(path: Path, recipe: dict | None = None, corpus=None) -> None:
@@ -218,13 +248,23 @@ def build_tiny(path: Path, recipe: dict | None = None, corpus=None) -> None:
     tokenizer = _tiny.build_tokenizer(r["vocab_size"], SPECIAL_TOKENS, (), corpus)
     ids = _tiny.token_ids(tokenizer)
     config = LlavaOnevisionConfig(
-        text_config=dict(r["text"], model_type="qwen2", vocab_size=len(tokenizer), bos_token_id=ids("<|endoftext|>"),
-                         eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
-                         initializer_range=r["initializer_range"], tie_word_embeddings=True),
+        text_config=dict(
+            r["text"],
+            model_type="qwen2",
+            vocab_size=len(tokenizer),
+            bos_token_id=ids("<|endoftext|>"),
+            eos_token_id=ids("<|im_end|>"),
+            pad_token_id=ids("<|endoftext|>"),
+            initializer_range=r["initializer_range"],
+            tie_word_embeddings=True,
+        ),
         vision_config=dict(r["vision"], model_type="siglip_vision_model", initializer_range=r["initializer_range"]),
-        image_token_index=ids("<image>"), video_token_index=ids("<video>"),
-        image_grid_pinpoints=r["image_grid_pinpoints"], vision_feature_layer=r["vision_feature_layer"],
-        vision_feature_select_strategy=r["vision_feature_select_strategy"], tie_word_embeddings=True,
+        image_token_index=ids("<image>"),
+        video_token_index=ids("<video>"),
+        image_grid_pinpoints=r["image_grid_pinpoints"],
+        vision_feature_layer=r["vision_feature_layer"],
+        vision_feature_select_strategy=r["vision_feature_select_strategy"],
+        tie_word_embeddings=True,
     )
     config.initializer_range = r["initializer_range"]
     torch.manual_seed(r["seed"])
@@ -252,12 +292,14 @@ def _image_inputs():
     from vlft import ImageInputs
 
     return ImageInputs(
-        prepare=prepare, write=write,
+        prepare=prepare,
+        write=write,
         batch_inputs={"pixel_values": "concat_padded", "image_sizes": "concat", "batch_num_images": "concat"},
         pixels="pixel_values",
         size_cap="a pixel budget per image: scaled down first, aspect ratio kept, so the grid pinpoint the tiling "
-                 "picks (and its tiles and tokens) falls with it; the config's pinpoints are unchanged",
-        trace=trace_vision)
+        "picks (and its tiles and tokens) falls with it; the config's pinpoints are unchanged",
+        trace=trace_vision,
+    )
 
 
 def _family() -> ModelFamily:
@@ -265,13 +307,26 @@ def _family() -> ModelFamily:
         name=NAME,
         model_types=("llava_onevision",),
         description="LLaVA-OneVision (0.5B/7B/72B): SigLIP + Qwen2, any-resolution tiles by grid pinpoints",
-        towers=Towers(vision="model.vision_tower", vision_blocks="model.vision_tower.encoder.layers",
-                      vision_mergers=("model.multi_modal_projector",), decoder_layers="model.language_model.layers",
-                      lm_head="lm_head"),
-        targets=Targets(vision_attention=SIGLIP_ATTENTION, vision_mlp=SIGLIP_MLP, text_attention=TEXT_ATTENTION,
-                        text_mlp=GATED_MLP, default="both"),
-        chat=Chat(processor_class="LlavaOnevisionProcessor", load_processor=load_processor,
-                  reply_end_token="<|im_end|>", box_coordinates="relative-1"),
+        towers=Towers(
+            vision="model.vision_tower",
+            vision_blocks="model.vision_tower.encoder.layers",
+            vision_mergers=("model.multi_modal_projector",),
+            decoder_layers="model.language_model.layers",
+            lm_head="lm_head",
+        ),
+        targets=Targets(
+            vision_attention=SIGLIP_ATTENTION,
+            vision_mlp=SIGLIP_MLP,
+            text_attention=TEXT_ATTENTION,
+            text_mlp=GATED_MLP,
+            default="both",
+        ),
+        chat=Chat(
+            processor_class="LlavaOnevisionProcessor",
+            load_processor=load_processor,
+            reply_end_token="<|im_end|>",
+            box_coordinates="relative-1",
+        ),
         image_inputs=_image_inputs(),
         # plain 1-D positions and causal attention everywhere (image tokens too): the segments attention keeps
         # packed samples apart, the images joined in sample order (check_family's packing check: equal losses)

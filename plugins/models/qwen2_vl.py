@@ -58,12 +58,27 @@ RECIPE_2_5 = {
     "version": 4,
     "seed": 1234,
     "vocab_size": 512,
-    "text": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=4096,
-                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}),
-    "vision": dict(depth=8, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=128,
-                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-                   fullatt_block_indexes=[3, 7]),
+    "text": dict(
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+    ),
+    "vision": dict(
+        depth=8,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=4,
+        out_hidden_size=128,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=112,
+        fullatt_block_indexes=[3, 7],
+    ),
     "min_pixels": 56 * 56,
     "max_pixels": 112 * 112,
     "embedding_row_norm": 1.0,
@@ -77,8 +92,16 @@ RECIPE_2 = {
     "vocab_size": 512,
     "text": RECIPE_2_5["text"],
     # Qwen2-VL's vision config: embed_dim is the ViT width, hidden_size the merger's output (= text width)
-    "vision": dict(depth=4, embed_dim=64, hidden_size=128, mlp_ratio=2, num_heads=4, patch_size=14,
-                   spatial_merge_size=2, temporal_patch_size=2),
+    "vision": dict(
+        depth=4,
+        embed_dim=64,
+        hidden_size=128,
+        mlp_ratio=2,
+        num_heads=4,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    ),
     "min_pixels": 56 * 56,
     "max_pixels": 112 * 112,
     "embedding_row_norm": 1.0,
@@ -92,18 +115,34 @@ def make_processor(tokenizer, recipe: dict, processor_cls_name: str = "Qwen2_5_V
     from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
     v = recipe.get("vision", {})
-    kw = dict(patch_size=v.get("patch_size", 14), merge_size=v.get("spatial_merge_size", 2),
-              temporal_patch_size=v.get("temporal_patch_size", 2))
-    size = dict(min_pixels=recipe.get("min_pixels", IMAGE_MIN_PIXELS), max_pixels=recipe.get("max_pixels", IMAGE_MAX_PIXELS))
+    kw = dict(
+        patch_size=v.get("patch_size", 14),
+        merge_size=v.get("spatial_merge_size", 2),
+        temporal_patch_size=v.get("temporal_patch_size", 2),
+    )
+    size = dict(
+        min_pixels=recipe.get("min_pixels", IMAGE_MIN_PIXELS), max_pixels=recipe.get("max_pixels", IMAGE_MAX_PIXELS)
+    )
     image_processor = image_processor or Qwen2VLImageProcessor(**size, **kw)
     video_processor = Qwen2VLVideoProcessor(**size, **kw)
     cls = getattr(transformers, processor_cls_name)
-    return cls(image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
-               chat_template=_tiny.template("qwen2_vl"))
+    return cls(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=_tiny.template("qwen2_vl"),
+    )
 
 
-def _build(path: Path, recipe: dict, config_cls_name: str, model_cls_name: str, processor_cls_name: str,
-           corpus=None, reseed_before_init: bool = True) -> None:
+def _build(
+    path: Path,
+    recipe: dict,
+    config_cls_name: str,
+    model_cls_name: str,
+    processor_cls_name: str,
+    corpus=None,
+    reseed_before_init: bool = True,
+) -> None:
     import torch
     import transformers
 
@@ -112,20 +151,31 @@ def _build(path: Path, recipe: dict, config_cls_name: str, model_cls_name: str, 
     config = getattr(transformers, config_cls_name)(
         # a recipe's padded_vocab_size widens the embedding and head past the tokenizer's ids, as real checkpoints
         # do (Qwen2.5-VL pads 151,665 ids to 151,936 rows); the embedded default has none
-        text_config=dict(recipe["text"], vocab_size=max(len(tokenizer), recipe.get("padded_vocab_size", 0)),
-                         bos_token_id=ids("<|endoftext|>"),
-                         eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>")),
+        text_config=dict(
+            recipe["text"],
+            vocab_size=max(len(tokenizer), recipe.get("padded_vocab_size", 0)),
+            bos_token_id=ids("<|endoftext|>"),
+            eos_token_id=ids("<|im_end|>"),
+            pad_token_id=ids("<|endoftext|>"),
+        ),
         vision_config=dict(recipe["vision"]),
-        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
         tie_word_embeddings=True,
     )
     for c in (config.text_config, config.vision_config, config):
         c.initializer_range = recipe["initializer_range"]
     torch.manual_seed(recipe["seed"])
     model = getattr(transformers, model_cls_name)(config)
-    _tiny.initialise(model, recipe["seed"], recipe["vision_initializer_range"], recipe["embedding_row_norm"],
-                     reseed=reseed_before_init)
+    _tiny.initialise(
+        model,
+        recipe["seed"],
+        recipe["vision_initializer_range"],
+        recipe["embedding_row_norm"],
+        reseed=reseed_before_init,
+    )
     _tiny.finish_generation_config(model, tokenizer)
     _tiny.save_atomically(path, model, make_processor(tokenizer, recipe, processor_cls_name), recipe)
 
@@ -133,8 +183,15 @@ def _build(path: Path, recipe: dict, config_cls_name: str, model_cls_name: str, 
 def build_tiny_2_5(path: Path, recipe: dict | None = None, corpus=None) -> None:
     # the generator runs on from the model's construction into the initialisation, without a second seed:
     # the embedded default has always been built so, and its weights are those `make run` was measured on
-    _build(path, recipe or RECIPE_2_5, "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration",
-           "Qwen2_5_VLProcessor", corpus, reseed_before_init=False)
+    _build(
+        path,
+        recipe or RECIPE_2_5,
+        "Qwen2_5_VLConfig",
+        "Qwen2_5_VLForConditionalGeneration",
+        "Qwen2_5_VLProcessor",
+        corpus,
+        reseed_before_init=False,
+    )
 
 
 def build_tiny_2(path: Path, recipe: dict | None = None, corpus=None) -> None:
@@ -146,9 +203,18 @@ def bundled_processor(config_dir: str, tokenizer, processor_cls_name: str = "Qwe
     from transformers import Qwen2VLImageProcessor
 
     ip = Qwen2VLImageProcessor.from_pretrained(config_dir)
-    return make_processor(tokenizer, {"vision": {"patch_size": ip.patch_size, "spatial_merge_size": ip.merge_size,
-                                                 "temporal_patch_size": ip.temporal_patch_size}},
-                          processor_cls_name, image_processor=ip)
+    return make_processor(
+        tokenizer,
+        {
+            "vision": {
+                "patch_size": ip.patch_size,
+                "spatial_merge_size": ip.merge_size,
+                "temporal_patch_size": ip.temporal_patch_size,
+            }
+        },
+        processor_cls_name,
+        image_processor=ip,
+    )
 
 
 def load_processor(path: str):
@@ -157,9 +223,16 @@ def load_processor(path: str):
     return AutoProcessor.from_pretrained(path)
 
 
-VISION = QwenVision(patch_size=14, merge_size=2, temporal_patch_size=2, image_min_pixels=IMAGE_MIN_PIXELS,
-                    image_max_pixels=IMAGE_MAX_PIXELS, video_min_pixels=128 * 28 * 28, video_max_pixels=28 * 28 * 768,
-                    video_rule="qwen2")  # Qwen2VLVideoProcessor: each frame resized by the image rule
+VISION = QwenVision(
+    patch_size=14,
+    merge_size=2,
+    temporal_patch_size=2,
+    image_min_pixels=IMAGE_MIN_PIXELS,
+    image_max_pixels=IMAGE_MAX_PIXELS,
+    video_min_pixels=128 * 28 * 28,
+    video_max_pixels=28 * 28 * 768,
+    video_rule="qwen2",
+)  # Qwen2VLVideoProcessor: each frame resized by the image rule
 
 QWEN2_5_VL = qwen_family(
     VISION,
@@ -168,17 +241,31 @@ QWEN2_5_VL = qwen_family(
     name="qwen2.5-vl",
     model_types=("qwen2_5_vl",),
     description="Qwen2.5-VL (3B/7B/32B/72B): patch 14 x merge 2 (28 px), windowed vision attention",
-    targets=Targets(vision_attention=QWEN_VISION_ATTENTION, vision_mlp=GATED_MLP,  # the vision MLP is gated too
-                    text_attention=TEXT_ATTENTION, text_mlp=GATED_MLP),
-    chat=Chat(processor_class="Qwen2_5_VLProcessor", load_processor=load_processor,
-              bundled_processor=bundled_processor, reply_end_token=QWEN_REPLY_END, box_coordinates="absolute"),
-    kernels=Kernels(vision_stem=QWEN_VISION_STEM, targets={
-        # transformers 5.24 modeling_qwen2_5_vl: the vision MLP is gated too (hidden_act silu)
-        "rms_norm": ("Qwen2_5_VLRMSNorm", "Qwen2RMSNorm"),
-        "gated_mlp": ("Qwen2_5_VLMLP", "Qwen2MLP"),
-        "rotary": ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:apply_rotary_pos_emb",
-                   "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:apply_rotary_pos_emb_vision"),
-    }),
+    targets=Targets(
+        vision_attention=QWEN_VISION_ATTENTION,
+        vision_mlp=GATED_MLP,  # the vision MLP is gated too
+        text_attention=TEXT_ATTENTION,
+        text_mlp=GATED_MLP,
+    ),
+    chat=Chat(
+        processor_class="Qwen2_5_VLProcessor",
+        load_processor=load_processor,
+        bundled_processor=bundled_processor,
+        reply_end_token=QWEN_REPLY_END,
+        box_coordinates="absolute",
+    ),
+    kernels=Kernels(
+        vision_stem=QWEN_VISION_STEM,
+        targets={
+            # transformers 5.24 modeling_qwen2_5_vl: the vision MLP is gated too (hidden_act silu)
+            "rms_norm": ("Qwen2_5_VLRMSNorm", "Qwen2RMSNorm"),
+            "gated_mlp": ("Qwen2_5_VLMLP", "Qwen2MLP"),
+            "rotary": (
+                "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:apply_rotary_pos_emb",
+                "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:apply_rotary_pos_emb_vision",
+            ),
+        },
+    ),
     tiny=Tiny(build_tiny_2_5, RECIPE_2_5),
 )
 
@@ -189,12 +276,19 @@ QWEN2_VL = qwen_family(
     name="qwen2-vl",
     model_types=("qwen2_vl",),
     description="Qwen2-VL (2B/7B/72B): patch 14 x merge 2 (28 px)",
-    targets=Targets(vision_attention=QWEN_VISION_ATTENTION, vision_mlp=("mlp.fc1", "mlp.fc2"),
-                    text_attention=TEXT_ATTENTION, text_mlp=GATED_MLP),
-    chat=Chat(processor_class="Qwen2VLProcessor", load_processor=load_processor,
-              bundled_processor=partial(bundled_processor, processor_cls_name="Qwen2VLProcessor"),
-              reply_end_token=QWEN_REPLY_END,
-              box_coordinates="relative-1000"),  # Qwen2-VL grounding used (0,1000) normalised boxes
+    targets=Targets(
+        vision_attention=QWEN_VISION_ATTENTION,
+        vision_mlp=("mlp.fc1", "mlp.fc2"),
+        text_attention=TEXT_ATTENTION,
+        text_mlp=GATED_MLP,
+    ),
+    chat=Chat(
+        processor_class="Qwen2VLProcessor",
+        load_processor=load_processor,
+        bundled_processor=partial(bundled_processor, processor_cls_name="Qwen2VLProcessor"),
+        reply_end_token=QWEN_REPLY_END,
+        box_coordinates="relative-1000",
+    ),  # Qwen2-VL grounding used (0,1000) normalised boxes
     kernels=Kernels(vision_stem=QWEN_VISION_STEM),
     tiny=Tiny(build_tiny_2, RECIPE_2),
 )

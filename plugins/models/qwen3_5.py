@@ -57,16 +57,40 @@ RECIPE = {
     "seed": 1234,
     "vocab_size": 512,
     # 2 layers: one Gated DeltaNet, one gated full attention (the published pattern is 3:1)
-    "text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
-                 layer_types=["linear_attention", "full_attention"],
-                 linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                 linear_num_key_heads=2, linear_num_value_heads=4,
-                 # partial_rotary_factor 0.25 of head_dim 32 -> 8 rotary dims -> mrope_section sums to 4
-                 rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "mrope_section": [2, 1, 1],
-                                  "mrope_interleaved": True, "partial_rotary_factor": 0.25}),
-    "vision": dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                   patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64),
+    "text": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        layer_types=["linear_attention", "full_attention"],
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        # partial_rotary_factor 0.25 of head_dim 32 -> 8 rotary dims -> mrope_section sums to 4
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+            "partial_rotary_factor": 0.25,
+        },
+    ),
+    "vision": dict(
+        depth=4,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=64,
+    ),
     "min_pixels": 64 * 64,
     "max_pixels": 128 * 128,
     "video_min_pixels": 64 * 64,
@@ -75,16 +99,27 @@ RECIPE = {
     "initializer_range": 0.1,
     "vision_initializer_range": 0.02,
 }
-RECIPE_MOE = dict(RECIPE, family="qwen3.5-moe",
-                  text={k: v for k, v in dict(RECIPE["text"], num_experts=4, num_experts_per_tok=2,
-                                              moe_intermediate_size=32,
-                                              shared_expert_intermediate_size=32).items()
-                        if k != "intermediate_size"})
+RECIPE_MOE = dict(
+    RECIPE,
+    family="qwen3.5-moe",
+    text={
+        k: v
+        for k, v in dict(
+            RECIPE["text"],
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+        ).items()
+        if k != "intermediate_size"
+    },
+)
 
 
 def make_processor(tokenizer, recipe: dict | None = None, image_processor=None, video_processor=None):
-    return q3vl.make_processor(tokenizer, recipe or RECIPE, image_processor, video_processor,
-                               chat_template=_tiny.template("qwen3_5"))
+    return q3vl.make_processor(
+        tokenizer, recipe or RECIPE, image_processor, video_processor, chat_template=_tiny.template("qwen3_5")
+    )
 
 
 def _build(path: Path, recipe: dict, moe: bool, corpus=None) -> None:
@@ -93,8 +128,7 @@ def _build(path: Path, recipe: dict, moe: bool, corpus=None) -> None:
 
     tokenizer = _tiny.build_tokenizer(recipe["vocab_size"], SPECIAL_TOKENS, _tiny.QWEN3_EXTRA_TOKENS, corpus)
     cfg_cls = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
-    model_cls = (transformers.Qwen3_5MoeForConditionalGeneration if moe
-                 else transformers.Qwen3_5ForConditionalGeneration)
+    model_cls = transformers.Qwen3_5MoeForConditionalGeneration if moe else transformers.Qwen3_5ForConditionalGeneration
     config = cfg_cls(**_tiny.qwen3_config_kwargs(recipe, tokenizer, tie_word_embeddings=True))
     torch.manual_seed(recipe["seed"])
     model = model_cls(config)  # pyright: ignore[reportArgumentType]  # both classes chosen by moe: they match
@@ -121,18 +155,29 @@ def bundled_processor(config_dir: str, tokenizer):
     d = Path(config_dir)
     ip = Qwen2VLImageProcessor.from_pretrained(d) if (d / "preprocessor_config.json").exists() else None
     vp = Qwen3VLVideoProcessor.from_pretrained(d) if (d / "video_preprocessor_config.json").exists() else None
-    return make_processor(tokenizer, {"vision": {}, "min_pixels": IMAGE_MIN_PIXELS, "max_pixels": IMAGE_MAX_PIXELS,
-                                      "video_min_pixels": VIDEO_MIN_PIXELS, "video_max_pixels": VIDEO_MAX_PIXELS},
-                          ip, vp)
+    return make_processor(
+        tokenizer,
+        {
+            "vision": {},
+            "min_pixels": IMAGE_MIN_PIXELS,
+            "max_pixels": IMAGE_MAX_PIXELS,
+            "video_min_pixels": VIDEO_MIN_PIXELS,
+            "video_max_pixels": VIDEO_MAX_PIXELS,
+        },
+        ip,
+        vp,
+    )
 
 
 # transformers 5.24: the linear-attention layers (3 of every 4) run a causal conv1d and the gated delta rule along
 # the whole row; they restart per sample only when handed ``cu_seq_lens_q`` (flash-linear-attention and
 # causal-conv1d kernels). Attention masks and segments never reach them, so packed samples would leak state.
-PACKING_REFUSAL = ("its Gated DeltaNet linear-attention layers carry their recurrent and conv1d state along the "
-                   "packed row; only varlen kernels (cu_seqlens through flash-linear-attention and causal-conv1d) "
-                   "restart it per sample, and vlft does not wire those yet; per-sample attention does not reach "
-                   "those layers")
+PACKING_REFUSAL = (
+    "its Gated DeltaNet linear-attention layers carry their recurrent and conv1d state along the "
+    "packed row; only varlen kernels (cu_seqlens through flash-linear-attention and causal-conv1d) "
+    "restart it per sample, and vlft does not wire those yet; per-sample attention does not reach "
+    "those layers"
+)
 
 TARGETS = Targets(
     vision_attention=QWEN_VISION_ATTENTION,
@@ -145,9 +190,14 @@ TARGETS = Targets(
 _COMMON: dict[str, Any] = dict(
     packing_refusal=PACKING_REFUSAL,  # qwen_family makes it the family's Packing capability's refusal
     towers=QWEN_TOWERS,
-    chat=Chat(processor_class="Qwen3VLProcessor", load_processor=q3vl.load_processor,
-              bundled_processor=bundled_processor, reply_end_token=QWEN_REPLY_END, box_coordinates="relative-1000",
-              template_kwargs={"enable_thinking": False}),
+    chat=Chat(
+        processor_class="Qwen3VLProcessor",
+        load_processor=q3vl.load_processor,
+        bundled_processor=bundled_processor,
+        reply_end_token=QWEN_REPLY_END,
+        box_coordinates="relative-1000",
+        template_kwargs={"enable_thinking": False},
+    ),
     kernels=Kernels(vision_stem=QWEN_VISION_STEM),
 )
 
@@ -171,10 +221,12 @@ QWEN3_5_MOE = qwen_family(
     name="qwen3.5-moe",
     model_types=("qwen3_5_moe",),
     description="Qwen3.5 MoE: hybrid layers, routed + shared experts; fused experts via target_parameters",
-    targets=replace(TARGETS, text_mlp=("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj",
-                                        "mlp.shared_expert.down_proj")),
-    experts=Experts(parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
-                    routers=("mlp.gate", "mlp.shared_expert_gate")),
+    targets=replace(
+        TARGETS, text_mlp=("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj")
+    ),
+    experts=Experts(
+        parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"), routers=("mlp.gate", "mlp.shared_expert_gate")
+    ),
     load_kwargs=fused_experts_load_kwargs,
     tiny=Tiny(build_tiny_moe, RECIPE_MOE),
     **_COMMON,
@@ -184,8 +236,9 @@ FAMILIES = (QWEN3_5, QWEN3_5_MOE)
 
 
 def tiny_dir(moe: bool = False) -> Path:
-    return _tiny.cached_dir("qwen3.5-moe" if moe else "qwen3.5", RECIPE_MOE if moe else RECIPE,
-                            build_tiny_moe if moe else build_tiny)
+    return _tiny.cached_dir(
+        "qwen3.5-moe" if moe else "qwen3.5", RECIPE_MOE if moe else RECIPE, build_tiny_moe if moe else build_tiny
+    )
 
 
 def mtp_parameters(model) -> int:

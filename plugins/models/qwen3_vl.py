@@ -33,13 +33,33 @@ RECIPE: dict[str, Any] = {
     "family": NAME,
     "seed": 1234,
     "vocab_size": 512,
-    "text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-                 rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [4, 2, 2],
-                                  "mrope_interleaved": True}),
-    "vision": dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                   patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
-                   deepstack_visual_indexes=[1, 2]),
+    "text": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 5000000.0,
+            "mrope_section": [4, 2, 2],
+            "mrope_interleaved": True,
+        },
+    ),
+    "vision": dict(
+        depth=4,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=64,
+        deepstack_visual_indexes=[1, 2],
+    ),
     # 128x128 images: 8x8 patches of 16 px, merged 2x2 into 16 tokens.
     "min_pixels": 64 * 64,
     "max_pixels": 128 * 128,
@@ -51,8 +71,9 @@ RECIPE: dict[str, Any] = {
 }
 
 
-def make_processor(tokenizer, recipe: dict | None = None, image_processor=None, video_processor=None,
-                   chat_template: str | None = None):
+def make_processor(
+    tokenizer, recipe: dict | None = None, image_processor=None, video_processor=None, chat_template: str | None = None
+):
     """Qwen3VLProcessor with the family's image/video processors (patch 16, merge 2, mean/std 0.5)."""
     from transformers import (
         Qwen2VLImageProcessor,
@@ -62,19 +83,36 @@ def make_processor(tokenizer, recipe: dict | None = None, image_processor=None, 
 
     r = recipe or RECIPE
     v = r.get("vision", {})
-    common: dict[str, Any] = dict(patch_size=v.get("patch_size", 16), merge_size=v.get("spatial_merge_size", 2),
-                  temporal_patch_size=v.get("temporal_patch_size", 2), image_mean=IMAGE_MEAN, image_std=IMAGE_STD)
+    common: dict[str, Any] = dict(
+        patch_size=v.get("patch_size", 16),
+        merge_size=v.get("spatial_merge_size", 2),
+        temporal_patch_size=v.get("temporal_patch_size", 2),
+        image_mean=IMAGE_MEAN,
+        image_std=IMAGE_STD,
+    )
     if image_processor is None:
         image_processor = Qwen2VLImageProcessor(
-            size={"shortest_edge": r.get("min_pixels", IMAGE_MIN_PIXELS),
-                  "longest_edge": r.get("max_pixels", IMAGE_MAX_PIXELS)}, **common)
+            size={
+                "shortest_edge": r.get("min_pixels", IMAGE_MIN_PIXELS),
+                "longest_edge": r.get("max_pixels", IMAGE_MAX_PIXELS),
+            },
+            **common,
+        )
     if video_processor is None:
         video_processor = Qwen3VLVideoProcessor(
-            size={"shortest_edge": r.get("video_min_pixels", VIDEO_MIN_PIXELS),
-                  "longest_edge": r.get("video_max_pixels", VIDEO_MAX_PIXELS)},
-            cap_pixels_per_frame=False, **common)
-    return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
-                            chat_template=chat_template or _tiny.template("qwen3_vl"))
+            size={
+                "shortest_edge": r.get("video_min_pixels", VIDEO_MIN_PIXELS),
+                "longest_edge": r.get("video_max_pixels", VIDEO_MAX_PIXELS),
+            },
+            cap_pixels_per_frame=False,
+            **common,
+        )
+    return Qwen3VLProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=chat_template or _tiny.template("qwen3_vl"),
+    )
 
 
 def build_tiny(path: Path, recipe: dict | None = None, corpus: list[str] | None = None) -> None:
@@ -100,9 +138,18 @@ def bundled_processor(config_dir: str, tokenizer):
     d = Path(config_dir)
     ip = Qwen2VLImageProcessor.from_pretrained(d) if (d / "preprocessor_config.json").exists() else None
     vp = Qwen3VLVideoProcessor.from_pretrained(d) if (d / "video_preprocessor_config.json").exists() else None
-    return make_processor(tokenizer, {"vision": {}, "min_pixels": IMAGE_MIN_PIXELS, "max_pixels": IMAGE_MAX_PIXELS,
-                                      "video_min_pixels": VIDEO_MIN_PIXELS, "video_max_pixels": VIDEO_MAX_PIXELS},
-                          image_processor=ip, video_processor=vp)
+    return make_processor(
+        tokenizer,
+        {
+            "vision": {},
+            "min_pixels": IMAGE_MIN_PIXELS,
+            "max_pixels": IMAGE_MAX_PIXELS,
+            "video_min_pixels": VIDEO_MIN_PIXELS,
+            "video_max_pixels": VIDEO_MAX_PIXELS,
+        },
+        image_processor=ip,
+        video_processor=vp,
+    )
 
 
 def load_processor(path: str):
@@ -115,24 +162,44 @@ def tiny_dir() -> Path:
     return _tiny.cached_dir(NAME, RECIPE, build_tiny)
 
 
-VISION = QwenVision(patch_size=16, merge_size=2, temporal_patch_size=2, image_min_pixels=IMAGE_MIN_PIXELS,
-                    image_max_pixels=IMAGE_MAX_PIXELS, video_min_pixels=VIDEO_MIN_PIXELS,
-                    video_max_pixels=VIDEO_MAX_PIXELS, video_rule="qwen3")
+VISION = QwenVision(
+    patch_size=16,
+    merge_size=2,
+    temporal_patch_size=2,
+    image_min_pixels=IMAGE_MIN_PIXELS,
+    image_max_pixels=IMAGE_MAX_PIXELS,
+    video_min_pixels=VIDEO_MIN_PIXELS,
+    video_max_pixels=VIDEO_MAX_PIXELS,
+    video_rule="qwen3",
+)
 
 
 # What the MoE family (qwen3_vl_moe) shares with the dense one: the towers with the deepstack mergers, the
 # vision targets, the processor and the patch embedding.
-TOWERS = Towers(vision="model.visual", vision_blocks="model.visual.blocks",
-                vision_mergers=("model.visual.merger", "model.visual.deepstack_merger_list"),
-                decoder_layers="model.language_model.layers", lm_head="lm_head")
-TARGETS = Targets(vision_attention=QWEN_VISION_ATTENTION, vision_mlp=("mlp.linear_fc1", "mlp.linear_fc2"),
-                  text_attention=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
-                  text_mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
-CHAT = Chat(processor_class="Qwen3VLProcessor", load_processor=load_processor, bundled_processor=bundled_processor,
-            reply_end_token=QWEN_REPLY_END, box_coordinates="relative-1000")
+TOWERS = Towers(
+    vision="model.visual",
+    vision_blocks="model.visual.blocks",
+    vision_mergers=("model.visual.merger", "model.visual.deepstack_merger_list"),
+    decoder_layers="model.language_model.layers",
+    lm_head="lm_head",
+)
+TARGETS = Targets(
+    vision_attention=QWEN_VISION_ATTENTION,
+    vision_mlp=("mlp.linear_fc1", "mlp.linear_fc2"),
+    text_attention=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
+    text_mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+)
+CHAT = Chat(
+    processor_class="Qwen3VLProcessor",
+    load_processor=load_processor,
+    bundled_processor=bundled_processor,
+    reply_end_token=QWEN_REPLY_END,
+    box_coordinates="relative-1000",
+)
 
 FAMILY: ModelFamily = qwen_family(
-    VISION, "transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLModel",
+    VISION,
+    "transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLModel",
     ("Qwen3VLTextDecoderLayer", "Qwen3VLVisionBlock"),
     name=NAME,
     model_types=("qwen3_vl",),
@@ -140,12 +207,17 @@ FAMILY: ModelFamily = qwen_family(
     towers=TOWERS,
     targets=TARGETS,
     chat=CHAT,
-    kernels=Kernels(vision_stem=QWEN_VISION_STEM, targets={
-        # transformers 5.24 modeling_qwen3_vl: the vision MLP is not gated (linear_fc1/fc2)
-        "rms_norm": ("Qwen3VLTextRMSNorm",),
-        "gated_mlp": ("Qwen3VLTextMLP",),
-        "rotary": ("transformers.models.qwen3_vl.modeling_qwen3_vl:apply_rotary_pos_emb",
-                   "transformers.models.qwen3_vl.modeling_qwen3_vl:apply_rotary_pos_emb_vision"),
-    }),
+    kernels=Kernels(
+        vision_stem=QWEN_VISION_STEM,
+        targets={
+            # transformers 5.24 modeling_qwen3_vl: the vision MLP is not gated (linear_fc1/fc2)
+            "rms_norm": ("Qwen3VLTextRMSNorm",),
+            "gated_mlp": ("Qwen3VLTextMLP",),
+            "rotary": (
+                "transformers.models.qwen3_vl.modeling_qwen3_vl:apply_rotary_pos_emb",
+                "transformers.models.qwen3_vl.modeling_qwen3_vl:apply_rotary_pos_emb_vision",
+            ),
+        },
+    ),
     tiny=Tiny(build_tiny, RECIPE),
 )

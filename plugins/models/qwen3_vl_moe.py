@@ -30,9 +30,19 @@ from .family import QWEN_VISION_STEM, fused_experts_load_kwargs, qwen_family
 
 NAME = "qwen3-vl-moe"
 
-RECIPE: dict[str, Any] = dict(dense.RECIPE, version=1, family=NAME,
-              text=dict(dense.RECIPE["text"], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                        decoder_sparse_step=1, mlp_only_layers=[]))
+RECIPE: dict[str, Any] = dict(
+    dense.RECIPE,
+    version=1,
+    family=NAME,
+    text=dict(
+        dense.RECIPE["text"],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    ),
+)
 
 
 def build_tiny(path: Path, recipe: dict | None = None, corpus=None) -> None:

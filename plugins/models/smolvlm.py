@@ -43,20 +43,42 @@ from .family import GATED_MLP, SIGLIP_ATTENTION, SIGLIP_MLP, TEXT_ATTENTION
 # chat template to be used for videos after #38105", which the processor itself falls back to): <|im_start|>, then
 # "User:"/"Assistant:" turns closed by <end_of_utterance>\n, images as <image>. A real checkpoint brings its own.
 # The special tokens below are the ones it and the processor write.
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<end_of_utterance>", "<image>", "<fake_token_around_image>",
-                  "<global-img>", "<video>"]
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<end_of_utterance>",
+    "<image>",
+    "<fake_token_around_image>",
+    "<global-img>",
+    "<video>",
+]
 GRID_TOKENS = [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]  # as the checkpoints' 6 x 6
 IMAGE_MEAN = IMAGE_STD = [0.5, 0.5, 0.5]
 
 RECIPE: dict[str, Any] = {
-    "version": 1, "family": "smolvlm", "seed": 1234, "vocab_size": 512,
+    "version": 1,
+    "family": "smolvlm",
+    "seed": 1234,
+    "vocab_size": 512,
     # 32 px tiles of 8 px patches (4 x 4), pixel-shuffled 2 x 2 into 4 tokens a tile; images resized to a
     # 64 px longest edge: up to 2 x 2 tiles + the global image = 5 tiles, 20 <image> tokens
-    "tile": 32, "longest_edge": 64, "scale_factor": 2,
-    "text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-5),
+    "tile": 32,
+    "longest_edge": 64,
+    "scale_factor": 2,
+    "text": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+    ),
     "vision": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=8),
-    "embedding_row_norm": 1.0, "initializer_range": 0.1, "vision_initializer_range": 0.02,
+    "embedding_row_norm": 1.0,
+    "initializer_range": 0.1,
+    "vision_initializer_range": 0.02,
 }
 
 
@@ -66,9 +88,12 @@ def _allow_without_num2words() -> None:
     from transformers.models.smolvlm import processing_smolvlm
 
     if processing_smolvlm.num2words is None:  # pyright: ignore[reportPrivateImportUsage]  # None where it is missing
+
         def num2words(n, *args, **kwargs):
-            raise ImportError("SmolVLM's video prompt spells the frame count with the `num2words` package: "
-                              "pip install num2words (vlft's smolvlm family trains on images only)")
+            raise ImportError(
+                "SmolVLM's video prompt spells the frame count with the `num2words` package: "
+                "pip install num2words (vlft's smolvlm family trains on images only)"
+            )
 
         processing_smolvlm.num2words = num2words  # pyright: ignore[reportPrivateImportUsage]  # the stand-in
 
@@ -80,10 +105,18 @@ def _tokenizer(r: dict, corpus=None):
 
     trained = _tiny.build_tokenizer(r["vocab_size"], SPECIAL_TOKENS, GRID_TOKENS, corpus)
     return PreTrainedTokenizerFast(
-        tokenizer_object=trained.backend_tokenizer, bos_token="<|im_start|>", eos_token="<end_of_utterance>",
-        pad_token="<|endoftext|>", model_max_length=r["text"]["max_position_embeddings"],
-        extra_special_tokens={"fake_image_token": "<fake_token_around_image>", "image_token": "<image>",
-                              "end_of_utterance_token": "<end_of_utterance>", "global_image_token": "<global-img>"})
+        tokenizer_object=trained.backend_tokenizer,
+        bos_token="<|im_start|>",
+        eos_token="<end_of_utterance>",
+        pad_token="<|endoftext|>",
+        model_max_length=r["text"]["max_position_embeddings"],
+        extra_special_tokens={
+            "fake_image_token": "<fake_token_around_image>",
+            "image_token": "<image>",
+            "end_of_utterance_token": "<end_of_utterance>",
+            "global_image_token": "<global-img>",
+        },
+    )
 
 
 def _image_seq_len(r: dict) -> int:
@@ -96,21 +129,37 @@ def make_processor(kind: str, tokenizer, r: dict):
     NOTES.md section 8: a real Idefics3 checkpoint brings its own)."""
     from transformers.models.smolvlm.processing_smolvlm import DEFAULT_CHAT_TEMPLATE
 
-    sizes: dict[str, Any] = dict(size={"longest_edge": r["longest_edge"]}, max_image_size={"longest_edge": r["tile"]},
-                 image_mean=IMAGE_MEAN, image_std=IMAGE_STD)
+    sizes: dict[str, Any] = dict(
+        size={"longest_edge": r["longest_edge"]},
+        max_image_size={"longest_edge": r["tile"]},
+        image_mean=IMAGE_MEAN,
+        image_std=IMAGE_STD,
+    )
     if kind == "idefics3":
         from transformers import Idefics3ImageProcessor, Idefics3Processor
 
-        return Idefics3Processor(image_processor=Idefics3ImageProcessor(**sizes), tokenizer=tokenizer,
-                                 image_seq_len=_image_seq_len(r), chat_template=DEFAULT_CHAT_TEMPLATE)
+        return Idefics3Processor(
+            image_processor=Idefics3ImageProcessor(**sizes),
+            tokenizer=tokenizer,
+            image_seq_len=_image_seq_len(r),
+            chat_template=DEFAULT_CHAT_TEMPLATE,
+        )
     _allow_without_num2words()
     from transformers import SmolVLMImageProcessor, SmolVLMProcessor, SmolVLMVideoProcessor
 
-    video = SmolVLMVideoProcessor(size={"longest_edge": r["tile"]}, max_image_size={"longest_edge": r["tile"]},
-                                  image_mean=IMAGE_MEAN, image_std=IMAGE_STD)
-    return SmolVLMProcessor(image_processor=SmolVLMImageProcessor(**sizes), tokenizer=tokenizer,
-                            video_processor=video, image_seq_len=_image_seq_len(r),
-                            chat_template=DEFAULT_CHAT_TEMPLATE)
+    video = SmolVLMVideoProcessor(
+        size={"longest_edge": r["tile"]},
+        max_image_size={"longest_edge": r["tile"]},
+        image_mean=IMAGE_MEAN,
+        image_std=IMAGE_STD,
+    )
+    return SmolVLMProcessor(
+        image_processor=SmolVLMImageProcessor(**sizes),
+        tokenizer=tokenizer,
+        video_processor=video,
+        image_seq_len=_image_seq_len(r),
+        chat_template=DEFAULT_CHAT_TEMPLATE,
+    )
 
 
 def build_tiny(kind: str, path: Path, recipe: dict | None = None, corpus=None) -> None:
@@ -120,9 +169,15 @@ def build_tiny(kind: str, path: Path, recipe: dict | None = None, corpus=None) -
     r = recipe or RECIPES[kind]
     tok = _tokenizer(r, corpus)
     ids = _tiny.token_ids(tok)
-    text = dict(r["text"], model_type="llama", vocab_size=len(tok), bos_token_id=ids("<|im_start|>"),
-                eos_token_id=ids("<end_of_utterance>"), pad_token_id=ids("<|endoftext|>"),
-                initializer_range=r["initializer_range"])
+    text = dict(
+        r["text"],
+        model_type="llama",
+        vocab_size=len(tok),
+        bos_token_id=ids("<|im_start|>"),
+        eos_token_id=ids("<end_of_utterance>"),
+        pad_token_id=ids("<|endoftext|>"),
+        initializer_range=r["initializer_range"],
+    )
     vision = dict(r["vision"], image_size=r["tile"], initializer_range=r["initializer_range"])
     if kind == "idefics3":
         from transformers import Idefics3Config as Config
@@ -130,9 +185,14 @@ def build_tiny(kind: str, path: Path, recipe: dict | None = None, corpus=None) -
     else:
         from transformers import SmolVLMConfig as Config
         from transformers import SmolVLMForConditionalGeneration as Model
-    config = Config(text_config=text, vision_config=vision, scale_factor=r["scale_factor"],
-                    image_token_id=ids("<image>"), pad_token_id=ids("<|endoftext|>"),  # pyright: ignore[reportCallIssue]  # a PretrainedConfig keyword
-                    tie_word_embeddings=False)
+    config = Config(
+        text_config=text,
+        vision_config=vision,
+        scale_factor=r["scale_factor"],
+        image_token_id=ids("<image>"),
+        pad_token_id=ids("<|endoftext|>"),  # pyright: ignore[reportCallIssue]  # a PretrainedConfig keyword
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(r["seed"])
     model = Model(config)  # pyright: ignore[reportArgumentType]  # both classes chosen by kind: they match
     with torch.no_grad():  # the embedded default's measured init (_tiny.initialise), on this tree
@@ -154,6 +214,7 @@ def load_processor(path: str):
 
 
 # --- image inputs ------------------------------------------------------------------------------------------------
+
 
 def longest_edge(processor, max_pixels: int | None) -> dict:
     """The processor's keyword arguments under ``--max-pixels``: ``size.longest_edge`` lowered to the largest whole
@@ -216,15 +277,22 @@ def vision_dummy(model, modality: str):
 
     vc = inner.vision_model.config
     side = int(vc.image_size)
-    return VisionWarmup(inner, "get_image_features",
-                        {"pixel_values": torch.zeros(1, 1, int(vc.num_channels), side, side),
-                         "pixel_attention_mask": torch.ones(1, 1, side, side, dtype=torch.long)})
+    return VisionWarmup(
+        inner,
+        "get_image_features",
+        {
+            "pixel_values": torch.zeros(1, 1, int(vc.num_channels), side, side),
+            "pixel_attention_mask": torch.ones(1, 1, side, side, dtype=torch.long),
+        },
+    )
 
 
-SIZE_CAP = ("the image's longest edge (SmolVLM's size.longest_edge) is lowered to the largest whole number of "
-            "tiles (max_image_size.longest_edge, the vision encoder's square input) whose square fits --max-pixels; "
-            "never below one tile (then the image is one global tile) nor above the processor's own; the "
-            "tile count is what it saves: rows x cols tiles + 1 global")
+SIZE_CAP = (
+    "the image's longest edge (SmolVLM's size.longest_edge) is lowered to the largest whole number of "
+    "tiles (max_image_size.longest_edge, the vision encoder's square input) whose square fits --max-pixels; "
+    "never below one tile (then the image is one global tile) nor above the processor's own; the "
+    "tile count is what it saves: rows x cols tiles + 1 global"
+)
 
 
 def _family(kind: str) -> ModelFamily:
@@ -232,17 +300,38 @@ def _family(kind: str) -> ModelFamily:
     return ModelFamily(
         name=kind,
         model_types=(kind,),
-        description=(f"{'SmolVLM / SmolVLM2 (256M/500M/2.2B)' if kind == 'smolvlm' else 'Idefics3 (8B)'}: SigLIP "
-                     f"on tiles + a global image, pixel-shuffle connector, Llama text model"),
-        towers=Towers(vision="model.vision_model", vision_blocks="model.vision_model.encoder.layers",
-                      vision_mergers=("model.connector",), decoder_layers="model.text_model.layers", lm_head="lm_head"),
-        targets=Targets(vision_attention=SIGLIP_ATTENTION, vision_mlp=SIGLIP_MLP, text_attention=TEXT_ATTENTION,
-                        text_mlp=GATED_MLP, default="both"),
-        chat=Chat(processor_class=f"{prefix}Processor", load_processor=load_processor,
-                  reply_end_token="<end_of_utterance>", box_coordinates="absolute"),
+        description=(
+            f"{'SmolVLM / SmolVLM2 (256M/500M/2.2B)' if kind == 'smolvlm' else 'Idefics3 (8B)'}: SigLIP "
+            f"on tiles + a global image, pixel-shuffle connector, Llama text model"
+        ),
+        towers=Towers(
+            vision="model.vision_model",
+            vision_blocks="model.vision_model.encoder.layers",
+            vision_mergers=("model.connector",),
+            decoder_layers="model.text_model.layers",
+            lm_head="lm_head",
+        ),
+        targets=Targets(
+            vision_attention=SIGLIP_ATTENTION,
+            vision_mlp=SIGLIP_MLP,
+            text_attention=TEXT_ATTENTION,
+            text_mlp=GATED_MLP,
+            default="both",
+        ),
+        chat=Chat(
+            processor_class=f"{prefix}Processor",
+            load_processor=load_processor,
+            reply_end_token="<end_of_utterance>",
+            box_coordinates="absolute",
+        ),
         image_inputs=processor_image_inputs(
-            {"pixel_values": "concat", "pixel_attention_mask": "concat"}, size_cap=SIZE_CAP,
-            processor_kwargs=longest_edge, reshape=per_tile, image_grids=image_grids, trace=trace_vision),
+            {"pixel_values": "concat", "pixel_attention_mask": "concat"},
+            size_cap=SIZE_CAP,
+            processor_kwargs=longest_edge,
+            reshape=per_tile,
+            image_grids=image_grids,
+            trace=trace_vision,
+        ),
         packing=Packing(),
         sharding=Sharding(("LlamaDecoderLayer", f"{prefix}VisionAttention")),  # the instance's _no_split_modules
         vision_dummy=vision_dummy,

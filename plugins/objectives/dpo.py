@@ -37,30 +37,45 @@ from dataclasses import dataclass
 from vlft import ConfigError, ObjectiveInfo, PairedPreference, Side, hookimpl, non_negative, option, positive
 
 NAME = "dpo"
-DESCRIPTION = ("direct preference optimisation: the chosen reply over the rejected one, against a reference (the "
-               "adapter off, or the --init-adapter weights)")
-FIGURES = ("reward_chosen", "reward_rejected", "reward_margin", "preference_accuracy", "logps_chosen",
-           "logps_rejected")
+DESCRIPTION = (
+    "direct preference optimisation: the chosen reply over the rejected one, against a reference (the "
+    "adapter off, or the --init-adapter weights)"
+)
+FIGURES = ("reward_chosen", "reward_rejected", "reward_margin", "preference_accuracy", "logps_chosen", "logps_rejected")
 
 
 @dataclass(frozen=True)
 class DpoOptions:
-    beta: float = option(0.1, "how strongly the policy is held to the reference (the implicit reward is beta x "
-                              "the log-ratio of policy to reference)", check=positive)
-    dpo_loss: str = option("sigmoid", "sigmoid (-log sigmoid(beta x margin)), ipo (squared distance of the "
-                                      "per-token margin to 1/(2 beta)) or hinge (relu(1 - beta x margin))",
-                           choices=("sigmoid", "ipo", "hinge"))
-    label_smoothing: float = option(0.0, "sigmoid loss only: the share of pairs taken as mislabelled "
-                                         "(conservative DPO), in [0, 0.5)",
-                                    check=lambda v: "" if 0 <= v < 0.5 else "must be in [0, 0.5)")
-    rpo_alpha: float = option(0.0, "weight of the chosen reply's mean token negative log-likelihood added to each "
-                                   "pair's loss (RPO; TRL's rpo_alpha, LLaMA-Factory's pref_ftx): keeps the chosen "
-                                   "answers likely while the margin grows (0: plain DPO)", check=non_negative)
+    beta: float = option(
+        0.1,
+        "how strongly the policy is held to the reference (the implicit reward is beta x "
+        "the log-ratio of policy to reference)",
+        check=positive,
+    )
+    dpo_loss: str = option(
+        "sigmoid",
+        "sigmoid (-log sigmoid(beta x margin)), ipo (squared distance of the "
+        "per-token margin to 1/(2 beta)) or hinge (relu(1 - beta x margin))",
+        choices=("sigmoid", "ipo", "hinge"),
+    )
+    label_smoothing: float = option(
+        0.0,
+        "sigmoid loss only: the share of pairs taken as mislabelled (conservative DPO), in [0, 0.5)",
+        check=lambda v: "" if 0 <= v < 0.5 else "must be in [0, 0.5)",
+    )
+    rpo_alpha: float = option(
+        0.0,
+        "weight of the chosen reply's mean token negative log-likelihood added to each "
+        "pair's loss (RPO; TRL's rpo_alpha, LLaMA-Factory's pref_ftx): keeps the chosen "
+        "answers likely while the margin grows (0: plain DPO)",
+        check=non_negative,
+    )
 
     def __post_init__(self):
         if self.label_smoothing and self.dpo_loss != "sigmoid":
-            raise ConfigError(f"--label-smoothing applies to --dpo-loss sigmoid (conservative DPO); {self.dpo_loss} "
-                              f"takes none")
+            raise ConfigError(
+                f"--label-smoothing applies to --dpo-loss sigmoid (conservative DPO); {self.dpo_loss} takes none"
+            )
 
 
 @dataclass(frozen=True)
@@ -80,9 +95,14 @@ class Dpo(PairedPreference):
             margin = o.beta * (c - r)
             losses = -(1 - o.label_smoothing) * F.logsigmoid(margin) - o.label_smoothing * F.logsigmoid(-margin)
         reward_c, reward_r = o.beta * c.detach(), o.beta * r.detach()
-        figures = {"reward_chosen": reward_c, "reward_rejected": reward_r, "reward_margin": reward_c - reward_r,
-                   "preference_accuracy": (reward_c > reward_r).to(reward_c.dtype),
-                   "logps_chosen": chosen.logps.detach(), "logps_rejected": rejected.logps.detach()}
+        figures = {
+            "reward_chosen": reward_c,
+            "reward_rejected": reward_r,
+            "reward_margin": reward_c - reward_r,
+            "preference_accuracy": (reward_c > reward_r).to(reward_c.dtype),
+            "logps_chosen": chosen.logps.detach(),
+            "logps_rejected": rejected.logps.detach(),
+        }
         if o.rpo_alpha:
             nll = -chosen.mean_logps
             losses = losses + o.rpo_alpha * nll
@@ -99,9 +119,14 @@ def vlft_objectives():
 def vlft_objective(objective, options):
     if objective != NAME:
         return None
-    return Dpo(NAME, DESCRIPTION, options=options, reference=True,
-               figures=FIGURES + (("nll_chosen",) if options.rpo_alpha else ()),
-               sharding_refusal="the reference pass switches the adapter off (or swaps in the --init-adapter "
-                                "weights) and the shared vision pass calls the vision tower outside the sharded "
-                                "root's forward; neither is built for FSDP's sharded parameters yet (data "
-                                "parallel works: leave out --shard)")
+    return Dpo(
+        NAME,
+        DESCRIPTION,
+        options=options,
+        reference=True,
+        figures=FIGURES + (("nll_chosen",) if options.rpo_alpha else ()),
+        sharding_refusal="the reference pass switches the adapter off (or swaps in the --init-adapter "
+        "weights) and the shared vision pass calls the vision tower outside the sharded "
+        "root's forward; neither is built for FSDP's sharded parameters yet (data "
+        "parallel works: leave out --shard)",
+    )

@@ -79,47 +79,80 @@ from vlft import (
 )
 
 NAME = "grpo"
-DESCRIPTION = ("group relative policy optimisation: G sampled completions per prompt, rewarded against the "
-               "record's reply, pushed toward the better ones of their group")
-LAYOUT = ("conversations (the SFT layouts): the prompt up to the last assistant reply, which is the reference "
-          "the rewards read")
+DESCRIPTION = (
+    "group relative policy optimisation: G sampled completions per prompt, rewarded against the "
+    "record's reply, pushed toward the better ones of their group"
+)
+LAYOUT = (
+    "conversations (the SFT layouts): the prompt up to the last assistant reply, which is the reference "
+    "the rewards read"
+)
 
 
 @dataclass(frozen=True)
 class GrpoOptions:
-    reward: list[str] = option(["fields"], "a reward function, repeatable (the rewards add up): a plugin's NAME or "
-                                           "NAME=ARGUMENT (built in: format=REGEX, numeric, and every scorer: fields, "
-                                           "exact, anls, relaxed, iou, ...; see `vlft objectives`) or your "
-                                           "MODULE:FUNCTION", metavar="NAME[=ARG]|MODULE:FUNCTION")
-    num_generations: int = option(8, "completions sampled per prompt (the group whose rewards are compared), at "
-                                     "least 2", check=lambda v: "" if v >= 2 else "must be at least 2 (a group's "
-                                                                                   "rewards are compared)")
+    reward: list[str] = option(
+        ["fields"],
+        "a reward function, repeatable (the rewards add up): a plugin's NAME or "
+        "NAME=ARGUMENT (built in: format=REGEX, numeric, and every scorer: fields, "
+        "exact, anls, relaxed, iou, ...; see `vlft objectives`) or your "
+        "MODULE:FUNCTION",
+        metavar="NAME[=ARG]|MODULE:FUNCTION",
+    )
+    num_generations: int = option(
+        8,
+        "completions sampled per prompt (the group whose rewards are compared), at least 2",
+        check=lambda v: "" if v >= 2 else "must be at least 2 (a group's rewards are compared)",
+    )
     temperature: float = option(1.0, "sampling temperature of the completions", check=positive)
-    top_p: float = option(1.0, "nucleus sampling of the completions (1: off; no top-k either)",
-                          check=lambda v: "" if 0 < v <= 1 else "must be in (0, 1]")
-    beta: float = option(0.04, "the weight of the KL term to the reference (DeepSeekMath's; 0 skips the reference "
-                               "pass)", check=non_negative)
+    top_p: float = option(
+        1.0,
+        "nucleus sampling of the completions (1: off; no top-k either)",
+        check=lambda v: "" if 0 < v <= 1 else "must be in (0, 1]",
+    )
+    beta: float = option(
+        0.04,
+        "the weight of the KL term to the reference (DeepSeekMath's; 0 skips the reference pass)",
+        check=non_negative,
+    )
     clip_epsilon: float = option(0.2, "the policy ratio is clipped to [1 - e, 1 + e] (PPO's clip)", check=positive)
-    num_iterations: int = option(1, "optimizer steps trained on each rollout (TRL's num_iterations, the GRPO "
-                                    "paper's mu): the prompts of N consecutive steps are sampled once, their "
-                                    "completions trained on N times against the sampling policy's "
-                                    "log-probabilities, so the ratio leaves 1 and --clip-epsilon clips (1: each "
-                                    "rollout once)",
-                                 check=lambda v: "" if v >= 1 else "must be at least 1 (each rollout trained on once)")
-    scale_rewards: str = option("group", "advantages: (r - group mean) divided by the group's reward std (group), "
-                                         "the batch's (batch), or not at all (none: Dr. GRPO)",
-                                choices=("group", "batch", "none"))
-    grpo_norm: str = option("token", "loss normalisation: token (the sum over every completion token of the step, "
-                                     "divided by their number: DAPO, Dr. GRPO, TRL's 'dapo') or sequence (each "
-                                     "completion's token mean, averaged over completions: the original GRPO)",
-                            choices=("token", "sequence"))
+    num_iterations: int = option(
+        1,
+        "optimizer steps trained on each rollout (TRL's num_iterations, the GRPO "
+        "paper's mu): the prompts of N consecutive steps are sampled once, their "
+        "completions trained on N times against the sampling policy's "
+        "log-probabilities, so the ratio leaves 1 and --clip-epsilon clips (1: each "
+        "rollout once)",
+        check=lambda v: "" if v >= 1 else "must be at least 1 (each rollout trained on once)",
+    )
+    scale_rewards: str = option(
+        "group",
+        "advantages: (r - group mean) divided by the group's reward std (group), "
+        "the batch's (batch), or not at all (none: Dr. GRPO)",
+        choices=("group", "batch", "none"),
+    )
+    grpo_norm: str = option(
+        "token",
+        "loss normalisation: token (the sum over every completion token of the step, "
+        "divided by their number: DAPO, Dr. GRPO, TRL's 'dapo') or sequence (each "
+        "completion's token mean, averaged over completions: the original GRPO)",
+        choices=("token", "sequence"),
+    )
 
 
 EPS = 1e-4  # added to the std of the rewards (TRL's value)
 # what each logged figure is a mean over (the loss's own unit, completion tokens or completions, is not used)
-FIGURE_UNITS = {"reward": "completions", "reward_std": "completions", "completion_length": "completions",
-                "kl": "completion_tokens", "clip_fraction": "completion_tokens", "completions": PER_STEP,
-                "completion_tokens": PER_STEP, "generation_time_s": PER_STEP, "reward_time_s": PER_STEP}
+FIGURE_UNITS = {
+    "reward": "completions",
+    "reward_std": "completions",
+    "completion_length": "completions",
+    "kl": "completion_tokens",
+    "clip_fraction": "completion_tokens",
+    "completions": PER_STEP,
+    "completion_tokens": PER_STEP,
+    "generation_time_s": PER_STEP,
+    "reward_time_s": PER_STEP,
+}
 
 
 @hookimpl
@@ -133,25 +166,42 @@ def vlft_objective(objective, config, options, rewards):
         return None
     o = options
     chosen = tuple(resolve_rewards(list(o.reward), rewards))
-    figures = ("reward", "reward_std", *[f"reward_{label}" for label, _ in chosen if len(chosen) > 1],
-               *(("kl",) if o.beta else ()), "clip_fraction", "completion_length", "completions",
-               "completion_tokens", "generation_time_s", "reward_time_s")
+    figures = (
+        "reward",
+        "reward_std",
+        *[f"reward_{label}" for label, _ in chosen if len(chosen) > 1],
+        *(("kl",) if o.beta else ()),
+        "clip_fraction",
+        "completion_length",
+        "completions",
+        "completion_tokens",
+        "generation_time_s",
+        "reward_time_s",
+    )
     units = {**FIGURE_UNITS, **{f"reward_{label}": "completions" for label, _ in chosen}}
     return Grpo(
-        NAME, DESCRIPTION, options=o, layout=PromptRecords(config.max_new_tokens),
+        NAME,
+        DESCRIPTION,
+        options=o,
+        layout=PromptRecords(config.max_new_tokens),
         rows_per_record=o.num_generations,
         average_over=Average.COMPLETION_TOKENS if o.grpo_norm == "token" else Average.COMPLETIONS,
-        iterations=o.num_iterations, figures=figures, figure_units=units, reference=bool(o.beta),
+        iterations=o.num_iterations,
+        figures=figures,
+        figure_units=units,
+        reference=bool(o.beta),
         dropout=False,  # sampled in evaluation mode, so trained without dropout: the policy gradient is the sampler's
         generation=Generation(o.num_generations, config.max_new_tokens),
         demo_epochs=1.25,  # 500 steps of 4 prompts x G 8 on the demo set: what raised the reward from an SFT adapter
         packing_refusal="the completions are sampled in the step and trained as padded rows; packed rows are not "
-                        "built for them",
+        "built for them",
         sharding_refusal="the completions are sampled with generate on each process's whole model, and the "
-                         "reference pass switches the adapter off (or swaps in the --init-adapter weights); neither "
-                         "is built for FSDP's sharded parameters (every decoding step would gather every block); "
-                         "data parallel works: leave out --shard",
-        notes=(plan_note(o, o.num_generations),), new_tokens=config.max_new_tokens, rewards=chosen,
+        "reference pass switches the adapter off (or swaps in the --init-adapter weights); neither "
+        "is built for FSDP's sharded parameters (every decoding step would gather every block); "
+        "data parallel works: leave out --shard",
+        notes=(plan_note(o, o.num_generations),),
+        new_tokens=config.max_new_tokens,
+        rewards=chosen,
     )
 
 
@@ -159,18 +209,27 @@ def plan_note(o: GrpoOptions, g: int) -> str:
     """The plan's line on what a step samples and trains."""
     n = o.num_iterations
     when = "each step samples" if n == 1 else f"the first of every {n} steps samples (--num-iterations {n})"
-    trained = ("trains on them once" if n == 1 else
-               f"trains on them for {n} steps, the ratio to the sampling policy clipped to [1 - "
-               f"{o.clip_epsilon}, 1 + {o.clip_epsilon}] (a checkpoint at a multiple of {n} steps resumes "
-               f"exactly, another samples its rollout's prompts again)")
-    loss = ("summed over completion tokens and divided by the step's count (DAPO)" if o.grpo_norm == "token"
-            else "each completion's token mean, averaged over completions")
-    return (f"grpo: {when} {g} completions per prompt (generate with the KV cache, one call per micro-batch), "
-            f"scores them, then {trained}: the loss is {loss}; the vision tower runs once per prompt in the "
-            f"trained pass (its features shared by the G rows)")
+    trained = (
+        "trains on them once"
+        if n == 1
+        else f"trains on them for {n} steps, the ratio to the sampling policy clipped to [1 - "
+        f"{o.clip_epsilon}, 1 + {o.clip_epsilon}] (a checkpoint at a multiple of {n} steps resumes "
+        f"exactly, another samples its rollout's prompts again)"
+    )
+    loss = (
+        "summed over completion tokens and divided by the step's count (DAPO)"
+        if o.grpo_norm == "token"
+        else "each completion's token mean, averaged over completions"
+    )
+    return (
+        f"grpo: {when} {g} completions per prompt (generate with the KV cache, one call per micro-batch), "
+        f"scores them, then {trained}: the loss is {loss}; the vision tower runs once per prompt in the "
+        f"trained pass (its features shared by the G rows)"
+    )
 
 
 # -- rewards -----------------------------------------------------------------------------------------------
+
 
 class RewardError(VlftError):
     """A reward function raised, or answered something that is not one finite number per completion."""
@@ -186,9 +245,11 @@ def resolve_rewards(specs: list[str], offered: dict) -> list[tuple[str, object]]
         else:
             name, _, argument = spec.partition("=")
             if name not in offered:
-                raise ConfigError(f"--reward {spec}: no plugin offers a reward '{name}'; offered: "
-                                  f"{', '.join(sorted(offered)) or 'none'} (`vlft objectives`), or give your "
-                                  f"MODULE:FUNCTION")
+                raise ConfigError(
+                    f"--reward {spec}: no plugin offers a reward '{name}'; offered: "
+                    f"{', '.join(sorted(offered)) or 'none'} (`vlft objectives`), or give your "
+                    f"MODULE:FUNCTION"
+                )
             label, function = name, offered[name].build(argument if "=" in spec else None)
         if label in labels:
             raise ConfigError(f"--reward {spec}: a reward named '{label}' is given twice")
@@ -216,10 +277,15 @@ def score(rewards, completions: list[str], references: list[str], where: list[st
         bad = next((i for i, v in enumerate(values) if not _finite_number(v)), None)
         if len(values) != len(completions) or bad is not None:
             i = bad if bad is not None else 0
-            what = (f"{len(values)} values for {len(completions)} completions" if len(values) != len(completions)
-                    else f"{values[i]!r}, not a finite number")
-            raise RewardError(f"reward '{label}' answered {what} for record {where[i]} (completion "
-                              f"{completions[i]!r}); the run stops here, nothing of this step is written")
+            what = (
+                f"{len(values)} values for {len(completions)} completions"
+                if len(values) != len(completions)
+                else f"{values[i]!r}, not a finite number"
+            )
+            raise RewardError(
+                f"reward '{label}' answered {what} for record {where[i]} (completion "
+                f"{completions[i]!r}); the run stops here, nothing of this step is written"
+            )
         per_reward[label] = [float(v) for v in values]
     totals = [sum(vs) for vs in zip(*per_reward.values())]
     return totals, per_reward
@@ -233,15 +299,17 @@ def _culprit(label, function, completions, references, where, error) -> RewardEr
     """The first completion ``function`` raises on alone, or the batch's first where none does alone."""
     for i in range(len(completions)):
         try:
-            function(completions[i:i + 1], references[i:i + 1], where=where[i:i + 1])
+            function(completions[i : i + 1], references[i : i + 1], where=where[i : i + 1])
         except Exception as e:  # noqa: BLE001 - the one it fails on
             error = e
             break
     else:
         i = 0
-    return RewardError(f"reward '{label}' raised {error.__class__.__name__}: {error} on record {where[i]} "
-                       f"(completion {completions[i]!r}, reference {references[i]!r}); the run stops here, nothing "
-                       f"of this step is written")
+    return RewardError(
+        f"reward '{label}' raised {error.__class__.__name__}: {error} on record {where[i]} "
+        f"(completion {completions[i]!r}, reference {references[i]!r}); the run stops here, nothing "
+        f"of this step is written"
+    )
 
 
 def parse_prompt(obj, add_placeholders=False):
@@ -252,8 +320,10 @@ def parse_prompt(obj, add_placeholders=False):
 
     parsed = parse_record(obj, add_placeholders)
     if not parsed.turns or ROLE_ALIASES.get(parsed.turns[-1].role) != "assistant":
-        raise FormatProblem("the last turn must be the assistant's reply: grpo prompts with the turns before it "
-                            "and its rewards compare the completions with it")
+        raise FormatProblem(
+            "the last turn must be the assistant's reply: grpo prompts with the turns before it "
+            "and its rewards compare the completions with it"
+        )
     return parsed
 
 
@@ -274,16 +344,21 @@ def check_references(records, *, rewards) -> list[str]:
             try:
                 values = list(function([reference], [reference], where=[where[i]]))
             except Exception as e:  # noqa: BLE001 - whatever it raised, reported at this record
-                problems.append(f"{where[i]}: reward '{label}' cannot score this record's reference {reference!r} "
-                                f"({e.__class__.__name__}: {e})")
+                problems.append(
+                    f"{where[i]}: reward '{label}' cannot score this record's reference {reference!r} "
+                    f"({e.__class__.__name__}: {e})"
+                )
                 continue
             if len(values) != 1 or not _finite_number(values[0]):
-                problems.append(f"{where[i]}: reward '{label}' answered {values!r} for this record's reference "
-                                f"{reference!r}, not one finite number")
+                problems.append(
+                    f"{where[i]}: reward '{label}' answered {values!r} for this record's reference "
+                    f"{reference!r}, not one finite number"
+                )
     return problems
 
 
 # -- data: prompts and their references ----------------------------------------------------------------------
+
 
 class PromptEncoder:
     """A record as its prompt (encoded as for generation) with its reference and place; its measure is the
@@ -321,6 +396,7 @@ class PromptCollator:
 
 # -- the rollout: sample, score, advantages, the rows to train -------------------------------------------------
 
+
 @dataclass(frozen=True)
 class PromptRecords:
     """GRPO's record layout (``vlft.contracts.objective.RecordFormat``): the SFT layouts read as prompts with
@@ -341,8 +417,11 @@ class PromptRecords:
 
 def suppressed_tokens(processor) -> tuple[int, ...]:
     """The image and video tokens: a sampled one would ask the model for pictures the row does not have."""
-    return tuple(t for t in (getattr(processor, "image_token_id", None), getattr(processor, "video_token_id", None))
-                 if t is not None)
+    return tuple(
+        t
+        for t in (getattr(processor, "image_token_id", None), getattr(processor, "video_token_id", None))
+        if t is not None
+    )
 
 
 @dataclass(frozen=True)
@@ -382,18 +461,32 @@ class Grpo(Objective):
             batches.append(self._compared(net, batch, passes))
             units += n
         device = batches[0]["input_ids"].device
-        return Prepared(batches, units, {"generation_time_s": torch.tensor(generation_s, device=device),
-                                         "reward_time_s": torch.tensor(reward_s, device=device)})
+        return Prepared(
+            batches,
+            units,
+            {
+                "generation_time_s": torch.tensor(generation_s, device=device),
+                "reward_time_s": torch.tensor(reward_s, device=device),
+            },
+        )
 
     def _sample(self, net, host: dict, device, tokenizer, suppress):
         from vlft.data.batching import to_device
 
         o = self.options
         prompt = to_device(host, device)  # the references and places stay on the host
-        sequences = net.generate(**prompt, do_sample=True, temperature=o.temperature, top_p=o.top_p, top_k=0,
-                                 max_new_tokens=self.new_tokens, num_return_sequences=o.num_generations,
-                                 pad_token_id=tokenizer.pad_token_id, use_cache=True,
-                                 **({"suppress_tokens": list(suppress)} if suppress else {}))
+        sequences = net.generate(
+            **prompt,
+            do_sample=True,
+            temperature=o.temperature,
+            top_p=o.top_p,
+            top_k=0,
+            max_new_tokens=self.new_tokens,
+            num_return_sequences=o.num_generations,
+            pad_token_id=tokenizer.pad_token_id,
+            use_cache=True,
+            **({"suppress_tokens": list(suppress)} if suppress else {}),
+        )
         return host, prompt, sequences
 
     def _rows(self, host: dict, prompt: dict, sequences, tokenizer, suppress):
@@ -424,15 +517,18 @@ class Grpo(Objective):
             return t.reshape(b, g, *t.shape[1:]).transpose(0, 1).reshape(b * g, *t.shape[1:])
 
         completion, mask = group_major(completion), group_major(mask)
-        rows = {"input_ids": group_major(sequences),
-                "attention_mask": torch.cat([prompt["attention_mask"].repeat(g, 1), mask.long()], 1)}
+        rows = {
+            "input_ids": group_major(sequences),
+            "attention_mask": torch.cat([prompt["attention_mask"].repeat(g, 1), mask.long()], 1),
+        }
         shared = {}
         for key, value in prompt.items():
             if key in rows:
                 continue
             if value.dim() >= 2 and tuple(value.shape[:2]) == (b, length):  # per-token inputs: rows of their own
-                tail = torch.zeros((b * g, completion.shape[1], *value.shape[2:]), dtype=value.dtype,
-                                   device=value.device)
+                tail = torch.zeros(
+                    (b * g, completion.shape[1], *value.shape[2:]), dtype=value.dtype, device=value.device
+                )
                 rows[key] = torch.cat([value.repeat(g, *[1] * (value.dim() - 1)), tail], 1)
             else:  # the prompts' images, given once (the core repeats their features for the g groups)
                 shared[key] = value
@@ -443,14 +539,19 @@ class Grpo(Objective):
         batch[SHARED] = shared
         lengths = mask.sum(1)
         n_tokens = int(lengths.sum())
-        figures = {"reward": rewards.sum(), "reward_std": spread.sum(),
-                   **({f"reward_{k}": torch.tensor(sum(v), device=rewards.device) for k, v in per_reward.items()}
-                      if len(per_reward) > 1 else {}),
-                   "completion_length": lengths.sum().float(),
-                   "completions": torch.tensor(float(b * g), device=rewards.device),
-                   "completion_tokens": torch.tensor(float(n_tokens), device=rewards.device)}
-        batch[OWN] = {"advantages": group_major(advantages), "groups": g, "suppressed": suppress,
-                      "figures": figures}
+        figures = {
+            "reward": rewards.sum(),
+            "reward_std": spread.sum(),
+            **(
+                {f"reward_{k}": torch.tensor(sum(v), device=rewards.device) for k, v in per_reward.items()}
+                if len(per_reward) > 1
+                else {}
+            ),
+            "completion_length": lengths.sum().float(),
+            "completions": torch.tensor(float(b * g), device=rewards.device),
+            "completion_tokens": torch.tensor(float(n_tokens), device=rewards.device),
+        }
+        batch[OWN] = {"advantages": group_major(advantages), "groups": g, "suppressed": suppress, "figures": figures}
         return batch, (n_tokens if self.options.grpo_norm == "token" else b * g), reward_s
 
     def _compared(self, net, batch: dict, passes) -> dict:
@@ -463,11 +564,11 @@ class Grpo(Objective):
         kept = {}
         with torch.no_grad():
             if o.beta and passes.has_reference:
-                kept["ref_logps"], _ = passes.reference_token_logps(batch, own["groups"], o.temperature,
-                                                                    own["suppressed"])
+                kept["ref_logps"], _ = passes.reference_token_logps(
+                    batch, own["groups"], o.temperature, own["suppressed"]
+                )
             if self.iterations > 1:
-                kept["old_logps"], _ = passes.token_logps(net, batch, own["groups"], o.temperature,
-                                                          own["suppressed"])
+                kept["old_logps"], _ = passes.token_logps(net, batch, own["groups"], o.temperature, own["suppressed"])
         return {**batch, OWN: {**own, **kept}}
 
     def loss(self, model, batch: dict, passes):
@@ -477,8 +578,9 @@ class Grpo(Objective):
         o, own = self.options, batch[OWN]
         logps, mask = passes.token_logps(model, batch, own["groups"], o.temperature, own["suppressed"])
         old = own["old_logps"] if "old_logps" in own else logps.detach()  # a rollout's only pass: the sampler's
-        per_token, kl, clipped = grpo_token_loss(logps, old, own.get("ref_logps"), own["advantages"],
-                                                 epsilon=o.clip_epsilon, beta=o.beta)
+        per_token, kl, clipped = grpo_token_loss(
+            logps, old, own.get("ref_logps"), own["advantages"], epsilon=o.clip_epsilon, beta=o.beta
+        )
         m = mask.to(per_token.dtype)
         figures = dict(own["figures"])
         figures["clip_fraction"] = (clipped.to(m.dtype) * m).sum()
@@ -504,7 +606,7 @@ def process_stream(device):
     if rank == 0:
         yield
         return
-    seed = int(torch.randint(0, 2 ** 62, (1,))) + rank
+    seed = int(torch.randint(0, 2**62, (1,))) + rank
     module = None if device.type == "cpu" else torch.get_device_module(device.type)
     cpu_state = torch.get_rng_state()
     device_state = module.get_rng_state() if module is not None else None
@@ -543,6 +645,7 @@ def group_advantages(rewards, groups: int, scale: str):
 
 
 # -- the loss ----------------------------------------------------------------------------------------------
+
 
 def grpo_token_loss(logps, old_logps, ref_logps, advantages, *, epsilon: float, beta: float):
     """(per-token loss, per-token KL or None, per-token clipped flags), all ``[n, T]``, from per-token

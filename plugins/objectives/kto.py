@@ -43,20 +43,37 @@ from vlft import (
 )
 
 NAME = "kto"
-DESCRIPTION = ("Kahneman-Tversky optimisation: unpaired replies marked desirable or not, against a reference and "
-               "the batch's KL estimate")
-FIGURES = ("kl", "reward_desirable", "reward_undesirable", "logps_desirable", "logps_undesirable", "desirable",
-           "undesirable")
-UNITS = {"reward_desirable": "desirable", "logps_desirable": "desirable", "reward_undesirable": "undesirable",
-         "logps_undesirable": "undesirable", "desirable": PER_STEP, "undesirable": PER_STEP}
+DESCRIPTION = (
+    "Kahneman-Tversky optimisation: unpaired replies marked desirable or not, against a reference and "
+    "the batch's KL estimate"
+)
+FIGURES = (
+    "kl",
+    "reward_desirable",
+    "reward_undesirable",
+    "logps_desirable",
+    "logps_undesirable",
+    "desirable",
+    "undesirable",
+)
+UNITS = {
+    "reward_desirable": "desirable",
+    "logps_desirable": "desirable",
+    "reward_undesirable": "undesirable",
+    "logps_undesirable": "undesirable",
+    "desirable": PER_STEP,
+    "undesirable": PER_STEP,
+}
 
 
 @dataclass(frozen=True)
 class KtoOptions:
-    beta: float = option(0.1, "how strongly the policy is held to the reference (the reward is beta x the "
-                              "log-ratio)", check=positive)
-    desirable_weight: float = option(1.0, "weight of a desirable record's loss (raise it where desirable records "
-                                          "are fewer)", check=non_negative)
+    beta: float = option(
+        0.1, "how strongly the policy is held to the reference (the reward is beta x the log-ratio)", check=positive
+    )
+    desirable_weight: float = option(
+        1.0, "weight of a desirable record's loss (raise it where desirable records are fewer)", check=non_negative
+    )
     undesirable_weight: float = option(1.0, "weight of an undesirable record's loss", check=non_negative)
 
 
@@ -76,13 +93,22 @@ class Kto(Objective):
         z = (kl_logps - ref_kl).mean().clamp(min=0)
         ratio = logps - ref
         desirable = own["desirable"]
-        losses = torch.where(desirable, o.desirable_weight * (1 - torch.sigmoid(o.beta * (ratio - z))),
-                             o.undesirable_weight * (1 - torch.sigmoid(o.beta * (z - ratio))))
+        losses = torch.where(
+            desirable,
+            o.desirable_weight * (1 - torch.sigmoid(o.beta * (ratio - z))),
+            o.undesirable_weight * (1 - torch.sigmoid(o.beta * (z - ratio))),
+        )
         d = desirable.to(ratio.dtype)
         rewards, logps = o.beta * ratio.detach(), logps.detach()
-        figures = {"kl": z * len(d), "reward_desirable": (rewards * d).sum(),
-                   "reward_undesirable": (rewards * (1 - d)).sum(), "logps_desirable": (logps * d).sum(),
-                   "logps_undesirable": (logps * (1 - d)).sum(), "desirable": d.sum(), "undesirable": (1 - d).sum()}
+        figures = {
+            "kl": z * len(d),
+            "reward_desirable": (rewards * d).sum(),
+            "reward_undesirable": (rewards * (1 - d)).sum(),
+            "logps_desirable": (logps * d).sum(),
+            "logps_undesirable": (logps * (1 - d)).sum(),
+            "desirable": d.sum(),
+            "undesirable": (1 - d).sum(),
+        }
         return losses.sum(), figures
 
 
@@ -96,19 +122,29 @@ def vlft_objective(objective, config, options):
     if objective != NAME:
         return None
     if config.batch_size < 2:
-        raise ConfigError(f"--objective kto needs --batch-size 2 or more (got {config.batch_size}): its reference "
-                          f"point pairs each record's prompt with another record's reply in the micro-batch")
+        raise ConfigError(
+            f"--objective kto needs --batch-size 2 or more (got {config.batch_size}): its reference "
+            f"point pairs each record's prompt with another record's reply in the micro-batch"
+        )
     return Kto(
-        NAME, DESCRIPTION, options=options, layout=Layout.UNPAIRED_PREFERENCES,
+        NAME,
+        DESCRIPTION,
+        options=options,
+        layout=Layout.UNPAIRED_PREFERENCES,
         rows_per_record=2,  # the record's row and its mismatched row (the KL estimate's)
-        average_over=Average.RECORDS, figures=FIGURES, figure_units=UNITS, reference=True,
+        average_over=Average.RECORDS,
+        figures=FIGURES,
+        figure_units=UNITS,
+        reference=True,
         dropout=False,  # TRL's default (disable_dropout): the trained pass computes what the reference's does
         demo_epochs=2,
         packing_refusal="a record's row and its mismatched row are scored row by row; packed rows are not built "
-                        "for them",
+        "for them",
         sharding_refusal="the reference pass switches the adapter off (or swaps in the --init-adapter weights) and "
-                         "the shared vision pass calls the vision tower outside the sharded root's forward; neither "
-                         "is built for FSDP's sharded parameters yet (data parallel works: leave out --shard)",
-        notes=("kto: each step runs the reference on the records' rows and their mismatched rows, the policy on "
-               "the mismatched rows without gradients (the KL estimate), then the policy's trained pass",),
+        "the shared vision pass calls the vision tower outside the sharded root's forward; neither "
+        "is built for FSDP's sharded parameters yet (data parallel works: leave out --shard)",
+        notes=(
+            "kto: each step runs the reference on the records' rows and their mismatched rows, the policy on "
+            "the mismatched rows without gradients (the KL estimate), then the policy's trained pass",
+        ),
     )

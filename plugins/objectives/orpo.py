@@ -26,13 +26,18 @@ from dataclasses import dataclass
 from vlft import ObjectiveInfo, PairedPreference, Side, hookimpl, option, positive
 
 NAME = "orpo"
-DESCRIPTION = "odds ratio preference optimisation: the chosen reply's NLL plus its odds over the rejected one's, no reference"
+DESCRIPTION = (
+    "odds ratio preference optimisation: the chosen reply's NLL plus its odds over the rejected one's, no reference"
+)
 
 
 @dataclass(frozen=True)
 class OrpoOptions:
-    orpo_lambda: float = option(0.1, "weight of the odds-ratio term beside the chosen reply's NLL (the paper's "
-                                     "lambda, TRL's beta)", check=positive)
+    orpo_lambda: float = option(
+        0.1,
+        "weight of the odds-ratio term beside the chosen reply's NLL (the paper's lambda, TRL's beta)",
+        check=positive,
+    )
 
 
 @dataclass(frozen=True)
@@ -44,8 +49,11 @@ class Orpo(PairedPreference):
         log_odds = (c - r) - (log1mexp(c) - log1mexp(r))
         nll = -c
         losses = nll - self.options.orpo_lambda * F.logsigmoid(log_odds)
-        return losses, {"nll_chosen": nll.detach(), "log_odds_ratio": log_odds.detach(),
-                        "preference_accuracy": (c > r).to(c.dtype)}
+        return losses, {
+            "nll_chosen": nll.detach(),
+            "log_odds_ratio": log_odds.detach(),
+            "preference_accuracy": (c > r).to(c.dtype),
+        }
 
 
 def log1mexp(x):
@@ -64,5 +72,4 @@ def vlft_objectives():
 def vlft_objective(objective, options):
     if objective != NAME:
         return None
-    return Orpo(NAME, DESCRIPTION, options=options,
-                figures=("nll_chosen", "log_odds_ratio", "preference_accuracy"))
+    return Orpo(NAME, DESCRIPTION, options=options, figures=("nll_chosen", "log_odds_ratio", "preference_accuracy"))

@@ -26,15 +26,21 @@ NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 def vlft_rewards():
     return [
         Reward("format", "1 if the whole completion matches the regex, else 0", _format, argument="REGEX"),
-        Reward("numeric", "1 if the completion's last number equals the reference's (relative tolerance, default "
-                          "1e-6), else 0", _numeric, argument="TOLERANCE (optional)"),
+        Reward(
+            "numeric",
+            "1 if the completion's last number equals the reference's (relative tolerance, default 1e-6), else 0",
+            _numeric,
+            argument="TOLERANCE (optional)",
+        ),
     ]
 
 
 def _format(argument):
     if not argument:
-        raise ConfigError("--reward format needs a regex the whole completion must match, e.g. "
-                          "--reward 'format=colour: \\w+, defect: \\w+'")
+        raise ConfigError(
+            "--reward format needs a regex the whole completion must match, e.g. "
+            "--reward 'format=colour: \\w+, defect: \\w+'"
+        )
     try:
         pattern = re.compile(argument)
     except re.error as e:
@@ -42,6 +48,7 @@ def _format(argument):
 
     def format_reward(completions, references, **context):
         return [float(pattern.fullmatch(c.strip()) is not None) for c in completions]
+
     return format_reward
 
 
@@ -67,4 +74,5 @@ def _numeric(argument):
             got = last_number(completion)
             out.append(float(got is not None and math.isclose(got, want, rel_tol=tolerance, abs_tol=tolerance)))
         return out
+
     return numeric_reward

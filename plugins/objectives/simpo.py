@@ -21,16 +21,20 @@ from dataclasses import dataclass
 from vlft import ObjectiveInfo, PairedPreference, Side, hookimpl, non_negative, option, positive
 
 NAME = "simpo"
-DESCRIPTION = "simple preference optimisation: length-normalised rewards, the chosen over the rejected by a margin, no reference"
+DESCRIPTION = (
+    "simple preference optimisation: length-normalised rewards, the chosen over the rejected by a margin, no reference"
+)
 FIGURES = ("reward_chosen", "reward_rejected", "reward_margin", "preference_accuracy")
 
 
 @dataclass(frozen=True)
 class SimpoOptions:
-    beta: float = option(2.0, "scale of the reward, beta x the reply's mean token log-probability (the paper's "
-                              "2 to 2.5)", check=positive)
-    simpo_gamma: float = option(1.0, "target margin between the chosen and the rejected reward (TRL's "
-                                     "simpo_gamma)", check=non_negative)
+    beta: float = option(
+        2.0, "scale of the reward, beta x the reply's mean token log-probability (the paper's 2 to 2.5)", check=positive
+    )
+    simpo_gamma: float = option(
+        1.0, "target margin between the chosen and the rejected reward (TRL's simpo_gamma)", check=non_negative
+    )
 
 
 @dataclass(frozen=True)
@@ -42,8 +46,12 @@ class Simpo(PairedPreference):
         c, r = chosen.mean_logps, rejected.mean_logps
         losses = -F.logsigmoid(o.beta * (c - r) - o.simpo_gamma)  # as TRL's CPO computes it (rounding alike)
         reward_c, reward_r = o.beta * c.detach(), o.beta * r.detach()
-        return losses, {"reward_chosen": reward_c, "reward_rejected": reward_r, "reward_margin": reward_c - reward_r,
-                        "preference_accuracy": (reward_c > reward_r).to(reward_c.dtype)}
+        return losses, {
+            "reward_chosen": reward_c,
+            "reward_rejected": reward_r,
+            "reward_margin": reward_c - reward_r,
+            "preference_accuracy": (reward_c > reward_r).to(reward_c.dtype),
+        }
 
 
 @hookimpl

@@ -14,5 +14,4 @@ from . import boxes, choices, fields, numbers, structured, text
 
 @hookimpl
 def vlft_scorers():
-    return [*text.SCORERS, *fields.SCORERS, *numbers.SCORERS, *choices.SCORERS, *boxes.SCORERS,
-            *structured.SCORERS]
+    return [*text.SCORERS, *fields.SCORERS, *numbers.SCORERS, *choices.SCORERS, *boxes.SCORERS, *structured.SCORERS]

@@ -20,8 +20,10 @@ import re
 from vlft import Scorer
 
 NUM = r"[-+]?\d+(?:\.\d+)?"
-BOX = re.compile(rf"\[\s*({NUM})\s*,\s*({NUM})\s*,\s*({NUM})\s*,\s*({NUM})\s*\]"
-                 rf"|\(\s*({NUM})\s*,\s*({NUM})\s*\)\s*,?\s*\(\s*({NUM})\s*,\s*({NUM})\s*\)")
+BOX = re.compile(
+    rf"\[\s*({NUM})\s*,\s*({NUM})\s*,\s*({NUM})\s*,\s*({NUM})\s*\]"
+    rf"|\(\s*({NUM})\s*,\s*({NUM})\s*\)\s*,?\s*\(\s*({NUM})\s*,\s*({NUM})\s*\)"
+)
 RANGES = {"absolute": (0.0, float("inf")), "relative-1000": (0.0, 1000.0), "relative-1": (0.0, 1.0)}
 CORRECT_AT = 0.5
 
@@ -59,9 +61,11 @@ def reference_boxes(reference: str, context) -> list[Box]:
         raise ValueError(f"the reference {reference!r} holds no box ([x1, y1, x2, y2] or (x1,y1),(x2,y2))")
     for box in found:
         if not all(low <= v <= high for v in box):
-            raise ValueError(f"the reference box {list(box)} is outside the {convention} range of the model "
-                             f"family ({low:g} to {high:g}); vlft never converts boxes: write them in the "
-                             f"family's convention")
+            raise ValueError(
+                f"the reference box {list(box)} is outside the {convention} range of the model "
+                f"family ({low:g} to {high:g}); vlft never converts boxes: write them in the "
+                f"family's convention"
+            )
     return found
 
 
@@ -86,8 +90,10 @@ def iou_score(predictions, references, **context):
 
 def iou_figures(predictions, references, values, **context):
     every = [v for each in pairs(predictions, references, context) for v in each]
-    return {"iou": sum(values) / len(values) if values else 0.0,
-            "iou_accuracy": sum(v >= CORRECT_AT for v in every) / len(every) if every else 0.0}
+    return {
+        "iou": sum(values) / len(values) if values else 0.0,
+        "iou_accuracy": sum(v >= CORRECT_AT for v in every) / len(every) if every else 0.0,
+    }
 
 
 def iou_fit(references, **context):
@@ -101,6 +107,12 @@ def iou_fit(references, **context):
 
 
 SCORERS = [
-    Scorer("iou", "grounding: IoU of the answer's box with the reference's, correct at >= 0.5, in the family's "
-                  "coordinate convention", iou_score, iou_figures, iou_fit),
+    Scorer(
+        "iou",
+        "grounding: IoU of the answer's box with the reference's, correct at >= 0.5, in the family's "
+        "coordinate convention",
+        iou_score,
+        iou_figures,
+        iou_fit,
+    ),
 ]

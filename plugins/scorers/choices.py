@@ -60,8 +60,11 @@ def choice_score(predictions, references, **context):
         options = options_of(record)
         wanted = chosen_letter(reference, options)
         if wanted is None:
-            raise ValueError(f"the reference {reference!r} names no option (a letter"
-                             + (f" of {', '.join(sorted(options))}" if options else "") + " or an option's text)")
+            raise ValueError(
+                f"the reference {reference!r} names no option (a letter"
+                + (f" of {', '.join(sorted(options))}" if options else "")
+                + " or an option's text)"
+            )
         out.append(float(chosen_letter(prediction, options) == wanted))
     return out
 
@@ -71,6 +74,10 @@ def choice_figures(predictions, references, values, **context):
 
 
 SCORERS = [
-    Scorer("choice", "multiple choice: 1 if the answer chooses the reference's option (by letter), else 0",
-           choice_score, choice_figures),
+    Scorer(
+        "choice",
+        "multiple choice: 1 if the answer chooses the reference's option (by letter), else 0",
+        choice_score,
+        choice_figures,
+    ),
 ]

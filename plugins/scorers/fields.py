@@ -45,8 +45,9 @@ def fields_score(predictions, references, **context):
     for prediction, reference in zip(predictions, references):
         wanted = parse_fields(reference)
         if not wanted:
-            raise ValueError(f"the reference {reference!r} holds no 'field: value' pairs; score it with exact "
-                             f"(or another scorer)")
+            raise ValueError(
+                f"the reference {reference!r} holds no 'field: value' pairs; score it with exact (or another scorer)"
+            )
         got = parse_fields(prediction)
         out.append(sum(got.get(k) == v for k, v in wanted.items()) / len(wanted))
     return out
@@ -58,8 +59,12 @@ def fields_figures(predictions, references, values, **context):
         got = parse_fields(prediction)
         for name, value in parse_fields(reference).items():
             pairs[name].append((got.get(name), value))
-    return {"fields": {name: {"accuracy": sum(p == r for p, r in field) / len(field), "f1": macro_f1(field)}
-                       for name, field in sorted(pairs.items())}}
+    return {
+        "fields": {
+            name: {"accuracy": sum(p == r for p, r in field) / len(field), "f1": macro_f1(field)}
+            for name, field in sorted(pairs.items())
+        }
+    }
 
 
 def fields_fit(references, **context):
@@ -67,6 +72,12 @@ def fields_fit(references, **context):
 
 
 SCORERS = [
-    Scorer("fields", "per-field accuracy and macro F1 of 'field: value' answers (a reward: the share of the "
-                     "reference's pairs right)", fields_score, fields_figures, fields_fit),
+    Scorer(
+        "fields",
+        "per-field accuracy and macro F1 of 'field: value' answers (a reward: the share of the "
+        "reference's pairs right)",
+        fields_score,
+        fields_figures,
+        fields_fit,
+    ),
 ]

@@ -29,8 +29,9 @@ def relaxed_correct(prediction: str, reference: str) -> bool:
 
 
 def relaxed_score(predictions, references, **context):
-    return [float(any(relaxed_correct(p, r) for r in rs))
-            for p, rs in zip(predictions, answers_of(references, context))]
+    return [
+        float(any(relaxed_correct(p, r) for r in rs)) for p, rs in zip(predictions, answers_of(references, context))
+    ]
 
 
 def relaxed_figures(predictions, references, values, **context):
@@ -42,6 +43,11 @@ def relaxed_fit(references, **context):
 
 
 SCORERS = [
-    Scorer("relaxed", "relaxed accuracy: a number within 5% of the reference, other answers exact (ChartQA)",
-           relaxed_score, relaxed_figures, relaxed_fit),
+    Scorer(
+        "relaxed",
+        "relaxed accuracy: a number within 5% of the reference, other answers exact (ChartQA)",
+        relaxed_score,
+        relaxed_figures,
+        relaxed_fit,
+    ),
 ]

@@ -25,7 +25,7 @@ FENCE = re.compile(r"```(?:json)?\s*(.*?)```", re.S)
 def json_object(text: str) -> dict | None:
     candidates = [text.strip(), *FENCE.findall(text)]
     if "{" in text and "}" in text:
-        candidates.append(text[text.index("{"):text.rindex("}") + 1])
+        candidates.append(text[text.index("{") : text.rindex("}") + 1])
     for candidate in candidates:
         try:
             value = json.loads(candidate)
@@ -82,8 +82,10 @@ def json_score(predictions, references, **context):
 
 def json_figures(predictions, references, values, **context):
     n = len(values)
-    return {"json_f1": sum(values) / n if n else 0.0,
-            "json_valid": sum(json_object(p) is not None for p in predictions) / n if n else 0.0}
+    return {
+        "json_f1": sum(values) / n if n else 0.0,
+        "json_valid": sum(json_object(p) is not None for p in predictions) / n if n else 0.0,
+    }
 
 
 def json_fit(references, **context):
@@ -91,6 +93,11 @@ def json_fit(references, **context):
 
 
 SCORERS = [
-    Scorer("json", "JSON-field F1: the answer's JSON leaf fields against the reference's (structured extraction)",
-           json_score, json_figures, json_fit),
+    Scorer(
+        "json",
+        "JSON-field F1: the answer's JSON leaf fields against the reference's (structured extraction)",
+        json_score,
+        json_figures,
+        json_fit,
+    ),
 ]

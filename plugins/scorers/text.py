@@ -38,9 +38,12 @@ WORD = re.compile(r"[^\W_]+")
 
 # -- exact match -------------------------------------------------------------------------------------------------
 
+
 def exact_score(predictions, references, **context):
-    return [float(any(normalise(p) == normalise(r) for r in rs))
-            for p, rs in zip(predictions, answers_of(references, context))]
+    return [
+        float(any(normalise(p) == normalise(r) for r in rs))
+        for p, rs in zip(predictions, answers_of(references, context))
+    ]
 
 
 def exact_figures(predictions, references, values, **context):
@@ -52,6 +55,7 @@ def always(references, **context):
 
 
 # -- ANLS ----------------------------------------------------------------------------------------------------------
+
 
 def nls(prediction: str, reference: str) -> float:
     """Normalised Levenshtein similarity as ANLS counts it: 1 - NL below the threshold, else 0."""
@@ -66,6 +70,7 @@ def anls_score(predictions, references, **context):
 
 
 # -- character error rate -------------------------------------------------------------------------------------
+
 
 def _edits(predictions, references):
     return [(levenshtein(p.strip(), r.strip()), len(r.strip())) for p, r in zip(predictions, references)]
@@ -88,6 +93,7 @@ def cer_figures(predictions, references, values, **context):
 
 # -- BLEU ------------------------------------------------------------------------------------------------------------
 
+
 def bleu_score(predictions, references, **context):
     import sacrebleu  # the reference implementation, loaded when BLEU scores
 
@@ -101,6 +107,7 @@ def bleu_figures(predictions, references, values, **context):
 
 
 # -- ROUGE-L -------------------------------------------------------------------------------------------------------
+
 
 def words(text: str) -> list[str]:
     return WORD.findall(text.lower())
@@ -136,6 +143,7 @@ def rouge_figures(predictions, references, values, **context):
 
 # -- CIDEr-D -------------------------------------------------------------------------------------------------------
 
+
 def cider_score(predictions, references, **context):
     from pycocoevalcap.cider.cider_scorer import CiderScorer  # the reference implementation, loaded when CIDEr scores
 
@@ -148,16 +156,33 @@ def cider_score(predictions, references, **context):
 
 
 SCORERS = [
-    Scorer("exact", "1 if the answer equals the reference (white space collapsed), else 0", exact_score,
-           exact_figures, always),
-    Scorer("anls", "average normalised Levenshtein similarity, 0 at a distance of 0.5 or more (DocVQA)",
-           anls_score),
-    Scorer("cer", "character error rate: edits over the reference's characters (OCR; a reward of 1 - CER)",
-           cer_score, cer_figures, lower_is_better=("cer",)),
-    Scorer("bleu", "BLEU-4 as sacrebleu computes it (captions): the corpus BLEU, each answer's sentence BLEU",
-           bleu_score, bleu_figures),
-    Scorer("rouge", "ROUGE-L F1: the longest common word subsequence (captions, summaries)", rouge_score,
-           rouge_figures),
-    Scorer("cider", "CIDEr-D as pycocoevalcap computes it (captions): tf-idf n-gram consensus with the references, "
-                    "0 to 10", cider_score),
+    Scorer(
+        "exact",
+        "1 if the answer equals the reference (white space collapsed), else 0",
+        exact_score,
+        exact_figures,
+        always,
+    ),
+    Scorer("anls", "average normalised Levenshtein similarity, 0 at a distance of 0.5 or more (DocVQA)", anls_score),
+    Scorer(
+        "cer",
+        "character error rate: edits over the reference's characters (OCR; a reward of 1 - CER)",
+        cer_score,
+        cer_figures,
+        lower_is_better=("cer",),
+    ),
+    Scorer(
+        "bleu",
+        "BLEU-4 as sacrebleu computes it (captions): the corpus BLEU, each answer's sentence BLEU",
+        bleu_score,
+        bleu_figures,
+    ),
+    Scorer(
+        "rouge", "ROUGE-L F1: the longest common word subsequence (captions, summaries)", rouge_score, rouge_figures
+    ),
+    Scorer(
+        "cider",
+        "CIDEr-D as pycocoevalcap computes it (captions): tf-idf n-gram consensus with the references, 0 to 10",
+        cider_score,
+    ),
 ]

@@ -81,12 +81,14 @@ class Observer:
         def hook(module, args, output):
             if module.training:
                 self.linear_dtypes[tower].add(output.dtype)
+
         return hook
 
     def _attention_hook(self, tower):
         def hook(module, args):
             if module.training:
                 self.forward_attention[tower].add(module.config._attn_implementation)
+
         return hook
 
     @contextlib.contextmanager
@@ -108,27 +110,31 @@ class Observer:
 
 # -- checks ------------------------------------------------------------------------------------------
 
+
 def check_autocast(observer: Observer, expected: torch.dtype) -> None:
     """Every linear layer of both towers computed in ``expected`` during the training steps."""
     for tower in TOWERS:
         seen = observer.linear_dtypes[tower]
         assert seen, f"no {tower} linear layer ran in a training step: nothing was observed"
-        assert seen == {expected}, f"{tower} linear layers computed in {sorted(map(str, seen))} in the training " \
-                                   f"steps; expected {expected}"
+        assert seen == {expected}, (
+            f"{tower} linear layers computed in {sorted(map(str, seen))} in the training steps; expected {expected}"
+        )
 
 
 def check_attention(observer: Observer, expected: dict[str, str]) -> None:
     """Each tower was loaded with, and dispatched every training forward on, the expected implementation."""
-    assert observer.loaded_attention == expected, \
-        f"towers loaded with {observer.loaded_attention}; expected {expected}"
+    assert observer.loaded_attention == expected, f"towers loaded with {observer.loaded_attention}; expected {expected}"
     for tower in TOWERS:
         seen = observer.forward_attention[tower]
-        assert seen == {expected[tower]}, \
-            f"{tower} attention modules ran {sorted(seen) or 'nothing'} in the training steps; " \
+        assert seen == {expected[tower]}, (
+            f"{tower} attention modules ran {sorted(seen) or 'nothing'} in the training steps; "
             f"expected {expected[tower]}"
+        )
     if "sdpa" not in expected.values():
-        assert observer.sdpa_calls == 0, f"scaled_dot_product_attention ran {observer.sdpa_calls} times in the " \
-                                         f"training steps, though neither tower should use it ({expected})"
+        assert observer.sdpa_calls == 0, (
+            f"scaled_dot_product_attention ran {observer.sdpa_calls} times in the "
+            f"training steps, though neither tower should use it ({expected})"
+        )
 
 
 def check_parameters(model, device_type: str, frozen_dtype: torch.dtype) -> None:
@@ -145,16 +151,21 @@ def check_parameters(model, device_type: str, frozen_dtype: torch.dtype) -> None
 
 
 def tf32_switches() -> dict:
-    return {"cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
-            "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
-            "float32_matmul_precision": torch.get_float32_matmul_precision()}
+    return {
+        "cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+    }
 
 
 def check_tf32(expected_on: bool) -> None:
     """The process-wide TF32 switches (matmul, cuDNN, matmul precision) all say ``expected_on``."""
     s = tf32_switches()
-    want = {"cuda.matmul.allow_tf32": expected_on, "cudnn.allow_tf32": expected_on,
-            "float32_matmul_precision": "high" if expected_on else "highest"}
+    want = {
+        "cuda.matmul.allow_tf32": expected_on,
+        "cudnn.allow_tf32": expected_on,
+        "float32_matmul_precision": "high" if expected_on else "highest",
+    }
     assert s == want, f"TF32 switches are {s}; expected {want}"
 
 
@@ -231,8 +242,10 @@ def check_non_finite_step_is_undone_on_the_device(session) -> None:
     session.model.train()
 
     def snapshot():
-        return ([p.detach().clone() for p in params],
-                [{k: v.clone() if torch.is_tensor(v) else v for k, v in optimizer.state[p].items()} for p in params])
+        return (
+            [p.detach().clone() for p in params],
+            [{k: v.clone() if torch.is_tensor(v) else v for k, v in optimizer.state[p].items()} for p in params],
+        )
 
     def step(poison: bool):
         handle = params[0].register_hook(lambda g: torch.full_like(g, math.nan)) if poison else None
@@ -268,12 +281,14 @@ def check_memory_reader(reader, device, nbytes: int = 64 << 20) -> torch.Tensor:
     before = reader()
     block = torch.ones(nbytes, dtype=torch.uint8, device=device)  # written, so a host counts its pages too
     after = reader()
-    assert after.peak_bytes is not None and after.peak_bytes >= nbytes, \
+    assert after.peak_bytes is not None and after.peak_bytes >= nbytes, (
         f"peak {after.peak_bytes} bytes after allocating {nbytes} on {device}"
+    )
     if before.current_bytes is not None:
-        assert after.current_bytes - before.current_bytes >= nbytes, \
-            f"current bytes went from {before.current_bytes} to {after.current_bytes} after allocating {nbytes} " \
+        assert after.current_bytes - before.current_bytes >= nbytes, (
+            f"current bytes went from {before.current_bytes} to {after.current_bytes} after allocating {nbytes} "
             f"on {device}: the reader does not read that device"
+        )
         assert after.peak_bytes >= after.current_bytes
     return block
 
@@ -281,8 +296,10 @@ def check_memory_reader(reader, device, nbytes: int = 64 << 20) -> torch.Tensor:
 def check_memory_readers_per_device(registry, backend: str, device_type: str, count: int) -> None:
     """The backend's reader for device 0 sees a block there; with two devices, a block on device 1 is
     seen by device 1's reader only (a local-rank mix-up would show up here)."""
-    readers = [registry.first("vlft_memory_reader", backend=backend, device=torch.device(device_type, i))
-               for i in range(min(count, 2))]
+    readers = [
+        registry.first("vlft_memory_reader", backend=backend, device=torch.device(device_type, i))
+        for i in range(min(count, 2))
+    ]
     block = check_memory_reader(readers[0], torch.device(device_type, 0))
     if len(readers) == 2:
         before = readers[0]().current_bytes
@@ -294,6 +311,7 @@ def check_memory_readers_per_device(registry, backend: str, device_type: str, co
 
 # -- running ------------------------------------------------------------------------------------------
 
+
 def observed_run(tmp_path, train, val, plugins=(), **values):
     """``vlft run`` (``execute``) with an ``Observer`` next to the installed plugins and ``plugins``.
 
@@ -304,10 +322,22 @@ def observed_run(tmp_path, train, val, plugins=(), **values):
     from vlft.registry import load_registry
 
     observer = Observer()
-    config = build_config({}, {
-        "steps": 2, "batch_size": 4, "eval_samples": 1, "max_new_tokens": 2, "eval_every": 0, "save_every": 0,
-        "log_every": 1, "data": str(train), "val_data": str(val), "output": str(tmp_path / "run"), **values,
-    })
+    config = build_config(
+        {},
+        {
+            "steps": 2,
+            "batch_size": 4,
+            "eval_samples": 1,
+            "max_new_tokens": 2,
+            "eval_every": 0,
+            "save_every": 0,
+            "log_every": 1,
+            "data": str(train),
+            "val_data": str(val),
+            "output": str(tmp_path / "run"),
+            **values,
+        },
+    )
     with observer.counting_sdpa():
         result = execute(load_registry(plugins=(*plugins, observer)), config, progress=False)
     return result, observer
@@ -319,8 +349,19 @@ def prepared(train, tmp_path, plugins=(), **values):
     from vlft.registry import load_registry
     from vlft.training.trainer import build_trainer
 
-    config = build_config({}, {"steps": 8, "batch_size": 4, "eval_every": 0, "save_every": 0, "data": str(train),
-                               "output": str(tmp_path / "session"), "warmup_ratio": 0.0, **values})
+    config = build_config(
+        {},
+        {
+            "steps": 8,
+            "batch_size": 4,
+            "eval_every": 0,
+            "save_every": 0,
+            "data": str(train),
+            "output": str(tmp_path / "session"),
+            "warmup_ratio": 0.0,
+            **values,
+        },
+    )
     return build_trainer(load_registry(plugins=plugins), config)
 
 
@@ -333,8 +374,11 @@ _MISSING = object()
 
 
 def _process_state() -> dict:
-    return {name: dict(vars(m)) for name, m in list(sys.modules.items())
-            if m is not None and name.split(".")[0] in PROCESS_WIDE}
+    return {
+        name: dict(vars(m))
+        for name, m in list(sys.modules.items())
+        if m is not None and name.split(".")[0] in PROCESS_WIDE
+    }
 
 
 def _restore(state: dict) -> None:
@@ -411,8 +455,12 @@ def kernel_step(model, batch, device, dtype) -> dict:
     sync()
     seconds = time.perf_counter() - t0
     real = batch["attention_mask"].bool()
-    return {"loss": loss.detach().double().cpu(), "logits": logits.detach()[real].double().cpu(), "seconds": seconds,
-            "grads": {n: p.grad.detach().double().cpu() for n, p in model.named_parameters() if p.grad is not None}}
+    return {
+        "loss": loss.detach().double().cpu(),
+        "logits": logits.detach()[real].double().cpu(),
+        "seconds": seconds,
+        "grads": {n: p.grad.detach().double().cpu() for n, p in model.named_parameters() if p.grad is not None},
+    }
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -428,14 +476,18 @@ def kernel_errors(patched: dict, unpatched: dict, exact: dict, u: float) -> list
     pairs = [("logits", patched["logits"], unpatched["logits"], exact["logits"])]
     if set(patched["grads"]) != set(exact["grads"]):
         failures.append(f"gradients of other parameters: {sorted(set(patched['grads']) ^ set(exact['grads']))[:4]}")
-    pairs += [(f"grad {n}", patched["grads"][n], unpatched["grads"][n], g)
-              for n, g in exact["grads"].items() if n in patched["grads"]]
+    pairs += [
+        (f"grad {n}", patched["grads"][n], unpatched["grads"][n], g)
+        for n, g in exact["grads"].items()
+        if n in patched["grads"]
+    ]
     for what, got, ref, want in pairs:
         err, ref_err = _rel(got, want), _rel(ref, want)
         tol = KERNEL_TOLERANCE_FACTOR * ref_err + u
         if not err <= tol:
-            failures.append(f"{what}: relative error {err:.2e} > {KERNEL_TOLERANCE_FACTOR} x {ref_err:.2e} "
-                            f"(unpatched) + {u:.1e}")
+            failures.append(
+                f"{what}: relative error {err:.2e} > {KERNEL_TOLERANCE_FACTOR} x {ref_err:.2e} (unpatched) + {u:.1e}"
+            )
     return failures
 
 
@@ -454,8 +506,9 @@ def _exact_step(model, batch) -> dict:
     return kernel_step(exact.train(), host, torch.device("cpu"), None)
 
 
-def compare_each_patch(backend: str, registry=None,
-                       **config_values) -> tuple[list[str], dict[str, list[str]], list[str]]:
+def compare_each_patch(
+    backend: str, registry=None, **config_values
+) -> tuple[list[str], dict[str, list[str]], list[str]]:
     """Every kernel patch ``backend`` offers whose condition holds here (opt-in ones too), taken as a run takes
     it (``--kernels NAME``: the plan lists it, ``setup.base_model`` applies it) and set against the run without it
     (``--kernels none``) on the embedded model and one batch of the demo data: (report lines, {patch:
@@ -493,8 +546,14 @@ def compare_each_patch(backend: str, registry=None,
         return resolve_policies(registry, config, model_dir, model_config, family=family), config
 
     unpatched_plan, none_config = plan_for("none")
-    offered = [k for ks in registry.hook.vlft_kernel_patches(backend=backend, config=base, model_config=model_config,
-                                                             family=family) if ks for k in ks]
+    offered = [
+        k
+        for ks in registry.hook.vlft_kernel_patches(
+            backend=backend, config=base, model_config=model_config, family=family
+        )
+        if ks
+        for k in ks
+    ]
     lines = [f"{backend}: offered {[k.name for k in offered]}"]
     lines += [f"  declined {k.name}: {k.reason}" for k in offered if not k.available]
     usable = [k for k in offered if k.available]
@@ -503,8 +562,7 @@ def compare_each_patch(backend: str, registry=None,
     processor = load_processor(model_dir, family, registry)
     encoder = SampleEncoder(processor, family=family)
     ds = write_demo_dataset(tempfile.mkdtemp(prefix="kernels-"), 8, 2)
-    batch = collator_for(processor, family)(
-        [encoder.encode(r) for r in read_records(ds.train)[:2]])
+    batch = collator_for(processor, family)([encoder.encode(r) for r in read_records(ds.train)[:2]])
     dtype_name = unpatched_plan.precision.autocast_dtype
     dtype = getattr(torch, dtype_name) if dtype_name else None
     ref, _ = base_model(registry, unpatched_plan)
@@ -523,8 +581,10 @@ def compare_each_patch(backend: str, registry=None,
     ref_attention = tower_attention(ref)
     del ref
     clean = _process_state()  # after the unpatched path imported all it needs: what is new is a patch's
-    lines.append(f"  unpatched: loss {float(unpatched['loss']):.6f} (float64 host: {float(exact['loss']):.6f}), logits "
-                 f"error {_rel(unpatched['logits'], exact['logits']):.2e}, step {unpatched['seconds'] * 1e3:.1f} ms")
+    lines.append(
+        f"  unpatched: loss {float(unpatched['loss']):.6f} (float64 host: {float(exact['loss']):.6f}), logits "
+        f"error {_rel(unpatched['logits'], exact['logits']):.2e}, step {unpatched['seconds'] * 1e3:.1f} ms"
+    )
 
     failures: dict[str, list[str]] = {}
     for k in usable:
@@ -548,8 +608,9 @@ def compare_each_patch(backend: str, registry=None,
         finally:
             _restore(clean)
         if not new_calls and not retyped:
-            problems.append("took no effect: its forward called nothing the unpatched one does not, and no "
-                            "parameter changed dtype")
+            problems.append(
+                "took no effect: its forward called nothing the unpatched one does not, and no parameter changed dtype"
+            )
         for tower, impl in k.attention.items():
             if attention[tower] != impl or observer.forward_attention[tower] != {impl}:
                 ran = sorted(observer.forward_attention[tower])
@@ -557,9 +618,11 @@ def compare_each_patch(backend: str, registry=None,
             elif ref_attention[tower] == impl:
                 problems.append(f"{tower} tower: the backend already uses {impl} without the patch")
         problems += kernel_errors(patched, unpatched, exact, u)
-        lines.append(f"  {k.name}: loss {float(patched['loss']):.6f}, logits error "
-                     f"{_rel(patched['logits'], exact['logits']):.2e}; step {patched['seconds'] * 1e3:.1f} ms vs "
-                     f"{unpatched['seconds'] * 1e3:.1f} ms unpatched; new in its forward: {new_calls[:6]}"
-                     + (f" (+{len(new_calls) - 6})" if len(new_calls) > 6 else "")
-                     + (f"; parameters retyped: {len(retyped)}" if retyped else ""))
+        lines.append(
+            f"  {k.name}: loss {float(patched['loss']):.6f}, logits error "
+            f"{_rel(patched['logits'], exact['logits']):.2e}; step {patched['seconds'] * 1e3:.1f} ms vs "
+            f"{unpatched['seconds'] * 1e3:.1f} ms unpatched; new in its forward: {new_calls[:6]}"
+            + (f" (+{len(new_calls) - 6})" if len(new_calls) > 6 else "")
+            + (f"; parameters retyped: {len(retyped)}" if retyped else "")
+        )
     return lines, {k: v for k, v in failures.items() if v}, [k.name for k in usable]

@@ -47,8 +47,19 @@ def data(tmp_path_factory):
 
 def train(tmp_path, data, backend: str, method: str, **extra):
     """``vlft run`` on the device with an observer; returns (result, observer) after the run-level checks."""
-    result, observer = observed_run(tmp_path, *data, backend=backend, method=method, steps=STEPS, batch_size=8,
-                                    eval_samples=4, max_new_tokens=8, lr=3e-3, warmup_ratio=0.0, **extra)
+    result, observer = observed_run(
+        tmp_path,
+        *data,
+        backend=backend,
+        method=method,
+        steps=STEPS,
+        batch_size=8,
+        eval_samples=4,
+        max_new_tokens=8,
+        lr=3e-3,
+        warmup_ratio=0.0,
+        **extra,
+    )
     losses = [r["loss"] for r in result.metrics]
     assert len(losses) == STEPS and all(math.isfinite(x) for x in losses), losses
     # a sanity check only: a wrong but finite policy lowers the loss too; the checks of each test decide
@@ -60,8 +71,10 @@ def train(tmp_path, data, backend: str, method: str, **extra):
     param_bytes = sum(p.numel() * p.element_size() for p in observer.model.parameters())
     assert summary["peak_memory_bytes"] >= param_bytes, (summary["peak_memory_bytes"], param_bytes)
     assert (result.output / "adapter" / "adapter_model.safetensors").is_file()
-    print(f"{backend} {method} {extra}: losses {[round(x, 4) for x in losses]}, peak memory "
-          f"{summary['peak_memory_bytes'] / 2**20:.1f} MiB, {summary['train_time_s']:.1f} s")
+    print(
+        f"{backend} {method} {extra}: losses {[round(x, 4) for x in losses]}, peak memory "
+        f"{summary['peak_memory_bytes'] / 2**20:.1f} MiB, {summary['train_time_s']:.1f} s"
+    )
     return result, observer
 
 
@@ -70,14 +83,32 @@ def run_reversed(marker: str) -> None:
     if os.environ.get("VLFT_TEST_ORDER") == "reverse":
         pytest.skip("this is the reversed run")
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker, "-k", "not reverse_order",
-         str(REPO / "tests" / "hardware"), str(REPO / "tests" / "parity")],
-        env={**os.environ, "VLFT_TEST_ORDER": "reverse"}, cwd=REPO, capture_output=True, text=True, timeout=1800)
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            marker,
+            "-k",
+            "not reverse_order",
+            str(REPO / "tests" / "hardware"),
+            str(REPO / "tests" / "parity"),
+        ],
+        env={**os.environ, "VLFT_TEST_ORDER": "reverse"},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout, proc.stdout[-2000:]
 
 
 # -- CUDA ----------------------------------------------------------------------------------------------
+
 
 def capability(index: int = 0) -> tuple[int, int]:
     return tuple(torch.cuda.get_device_capability(index))
@@ -208,8 +239,15 @@ def test_cuda_nf4_trains_on_4bit_weights_and_exports_merged_into_them(tmp_path, 
     code, output = cli_invoke("export", "--adapter", result.output, "--output", merged, "--dtype", "fp32")
     assert code == 0, output
     assert "(its NF4 weights, dequantized)" in output
-    logits = export_logits(result.output, merged, read_records(data[1]), attn="sdpa", backend="cuda",
-                           param_dtype="nf4", rounded=torch.bfloat16)
+    logits = export_logits(
+        result.output,
+        merged,
+        read_records(data[1]),
+        attn="sdpa",
+        backend="cuda",
+        param_dtype="nf4",
+        rounded=torch.bfloat16,
+    )
     # The trained model computes in bf16 on its 4-bit weights dequantized to bf16; the fp32 merge of those same
     # dequantized weights is the exact answer. Its own run under bf16 autocast rounds weights and activations
     # as the trained model does: that distance, measured on the same inputs, is bf16's share. Within twice it,
@@ -217,8 +255,10 @@ def test_cuda_nf4_trains_on_4bit_weights_and_exports_merged_into_them(tmp_path, 
     rounding = float((logits["exported_rounded"] - logits["exported"]).abs().max())
     off_merged = float((logits["adapted"] - logits["exported"]).abs().max())
     off_base = float((logits["adapted"] - logits["base"]).abs().max())
-    print(f"nf4 export: max |logit| difference: trained vs merged {off_merged:.4f}, trained vs base {off_base:.4f}, "
-          f"bf16 rounding of the merged model {rounding:.4f}")
+    print(
+        f"nf4 export: max |logit| difference: trained vs merged {off_merged:.4f}, trained vs base {off_base:.4f}, "
+        f"bf16 rounding of the merged model {rounding:.4f}"
+    )
     assert rounding > 0, "the merged model gave the same logits in fp32 and bf16: autocast did not run"
     assert off_merged <= 2 * rounding
     assert off_base > 2 * rounding, "the adapter moves the logits no more than bf16 rounding does"
@@ -265,14 +305,19 @@ def test_npu_patch_reroutes_a_model_loaded_with_sdpa_to_eager_on_the_device(mode
     policy = registry.first("vlft_attention_implementation", backend="ascend", config=config, model_config=None)
     model = base_model(model_dir, attn="sdpa").to(device)  # as a torch_npu-unaware loader would leave it
     family = resolve_family(registry, model.config)
-    patched = [p for ps in registry.hook.vlft_patch_model(backend="ascend", model=model, config=config,
-                                                          attention=policy, family=family) if ps for p in ps]
+    patched = [
+        p
+        for ps in registry.hook.vlft_patch_model(
+            backend="ascend", model=model, config=config, attention=policy, family=family
+        )
+        if ps
+        for p in ps
+    ]
     assert patched, "nothing was patched, though both towers were loaded with sdpa"
     observer = Observer()
     observer.watch(model)
     enc = SampleEncoder(processor, family)
-    batch = collator_for(processor, family)(
-        [enc.encode(r) for r in read_records(data[0])[:2]])
+    batch = collator_for(processor, family)([enc.encode(r) for r in read_records(data[0])[:2]])
     model.train()
     with observer.counting_sdpa(), autocast_context(device, torch.float16):
         model(**model_inputs(to_device(batch, device))).logits.float().sum().backward()

@@ -15,9 +15,11 @@ def available_accelerators() -> list:
     from vlft.registry import get_registry
 
     reg = get_registry()
-    return [pytest.param(name, marks=[DEVICE_MARKERS[info.device_type]] if info.device_type in DEVICE_MARKERS else [])
-            for name, info in sorted(reg.backends.items())
-            if info.device_type != "cpu" and reg.first("vlft_probe_backend", backend=name).available]
+    return [
+        pytest.param(name, marks=[DEVICE_MARKERS[info.device_type]] if info.device_type in DEVICE_MARKERS else [])
+        for name, info in sorted(reg.backends.items())
+        if info.device_type != "cpu" and reg.first("vlft_probe_backend", backend=name).available
+    ]
 
 
 def pytest_generate_tests(metafunc):

@@ -59,8 +59,9 @@ def non_finite_step_is_not_applied(s, batch) -> dict:
     s.model.train()
     skipped = []
     for on_host in (True, False):
-        out = train_step_on(s.model, s.optimizer, s.scheduler, [poisoned],
-                            dataclasses.replace(s.policy, flags_on_host=on_host))
+        out = train_step_on(
+            s.model, s.optimizer, s.scheduler, [poisoned], dataclasses.replace(s.policy, flags_on_host=on_host)
+        )
         skipped.append(bool(out.skipped))
     after = shards()
     same = all(torch.equal(a, b) for a, b in zip(before[0] + before[1], after[0] + after[1]))

@@ -28,9 +28,23 @@ from vlft.data.records import read_records
 
 def _cfg(small_data, out, **over):
     train, val = small_data
-    values = dict(backend="cpu", method="lora", data=str(train), val_data=str(val), output=str(out), steps=4,
-                  batch_size=8, log_every=1, eval_every=0, eval_samples=2, max_new_tokens=4, save_every=0,
-                  seed=5, lr=2e-3, warmup_ratio=0.0)
+    values = dict(
+        backend="cpu",
+        method="lora",
+        data=str(train),
+        val_data=str(val),
+        output=str(out),
+        steps=4,
+        batch_size=8,
+        log_every=1,
+        eval_every=0,
+        eval_samples=2,
+        max_new_tokens=4,
+        save_every=0,
+        seed=5,
+        lr=2e-3,
+        warmup_ratio=0.0,
+    )
     values.update(over)
     return values
 
@@ -38,9 +52,26 @@ def _cfg(small_data, out, **over):
 def test_a_failing_rank_stops_the_others_with_a_clear_message(small_data, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"conversations": []}\n')
-    proc = subprocess.run([sys.executable, "-m", "vlft", "run", "--nproc-per-node", "2", "--backend", "cpu",
-                           "--data", str(bad), "--output", str(tmp_path / "o")],
-                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vlft",
+            "run",
+            "--nproc-per-node",
+            "2",
+            "--backend",
+            "cpu",
+            "--data",
+            str(bad),
+            "--output",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
     assert proc.returncode != 0
     assert "no assistant turn" in proc.stderr and "a training process failed" in proc.stderr
     assert not (tmp_path / "o").exists()
@@ -183,8 +214,7 @@ def test_gradient_accumulation_computes_what_one_big_batch_computes(small_data, 
     apart on the loss at 1 thread): ``float64_reference.float64_throughout`` computes them in float64."""
     data = str(_varied_replies(small_data[0], tmp_path / "varied.jsonl"))
     big, wb = _step_figures(small_data, tmp_path / "big", data=data, batch_size=4, steps=6, float64=True)
-    acc, wa = _step_figures(small_data, tmp_path / "acc", data=data, batch_size=2, grad_accum=2, steps=6,
-                            float64=True)
+    acc, wa = _step_figures(small_data, tmp_path / "acc", data=data, batch_size=2, grad_accum=2, steps=6, float64=True)
     assert all(w.dtype == torch.float64 for w in wa.values())
     _assert_same_training(big, wb, acc, wa)
     assert big[-1][0] < big[0][0]  # the adapter moved
@@ -225,8 +255,7 @@ def test_the_accumulation_check_sees_a_per_micro_batch_mean(small_data, tmp_path
         return real_sum(*args, **kwargs) * (factors.pop(0) if factors else 1.0)
 
     monkeypatch.setattr(vlft.training.step, "batch_loss_sum", rescaled_sum)
-    acc, wa = _step_figures(small_data, tmp_path / "acc", data=data, batch_size=2, grad_accum=2, steps=6,
-                            float64=True)
+    acc, wa = _step_figures(small_data, tmp_path / "acc", data=data, batch_size=2, grad_accum=2, steps=6, float64=True)
     assert not factors and calls.count(True) == 12  # the bug ran, on each of the 6 x 2 micro-batches
     with pytest.raises(AssertionError):
         _assert_same_training(big, wb, acc, wa)
@@ -244,11 +273,31 @@ def test_vlft_parity_command_prints_the_table_and_exits_1_beyond_tolerance(small
     from vlft.cli import cli
 
     tight_path = tmp_path / "tight.json"
-    tight = subprocess.run([*vlft_command(), "parity", "--backends", "cpu,cpu", "--precision", "fp32,bf16",
-                            "--steps", "2", "--batch-size", "2", "--data", str(small_data[0]),
-                            "--output", str(tight_path), "--tolerance", "fp32"],
-                           capture_output=True, text=True, cwd=tmp_path, timeout=600,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})  # one thread: robust on a busy host
+    tight = subprocess.run(
+        [
+            *vlft_command(),
+            "parity",
+            "--backends",
+            "cpu,cpu",
+            "--precision",
+            "fp32,bf16",
+            "--steps",
+            "2",
+            "--batch-size",
+            "2",
+            "--data",
+            str(small_data[0]),
+            "--output",
+            str(tight_path),
+            "--tolerance",
+            "fp32",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # one thread: robust on a busy host
 
     def table(stdout):
         return [line.split() for line in stdout.splitlines() if line.split() and line.split()[0].isdigit()]
@@ -270,8 +319,24 @@ def test_vlft_parity_command_prints_the_table_and_exits_1_beyond_tolerance(small
 
     monkeypatch.setattr(vlft.commands.parity, "_spawn_worker", replay)
     loose_path = tmp_path / "loose.json"
-    loose = CliRunner().invoke(cli, ["parity", "--backends", "cpu,cpu", "--precision", "fp32,bf16", "--steps", "2",
-                                     "--batch-size", "2", "--data", str(small_data[0]), "--output", str(loose_path)])
+    loose = CliRunner().invoke(
+        cli,
+        [
+            "parity",
+            "--backends",
+            "cpu,cpu",
+            "--precision",
+            "fp32,bf16",
+            "--steps",
+            "2",
+            "--batch-size",
+            "2",
+            "--data",
+            str(small_data[0]),
+            "--output",
+            str(loose_path),
+        ],
+    )
     assert loose.exit_code == 0, loose.output
     loose_json = json.loads(loose_path.read_text())
     assert loose_json["tolerance"]["name"] == "bf16" and loose_json["passed"]

@@ -32,9 +32,24 @@ STEPS = 10
 
 def _values(small_data, out, **over) -> dict:
     train, val = small_data
-    values = dict(backend="cpu", method="lora", data=str(train), val_data=str(val), output=str(out), steps=STEPS,
-                  batch_size=4, log_every=1, eval_every=0, eval_samples=3, max_new_tokens=4, save_every=5,
-                  seed=5, lr=2e-3, warmup_ratio=0.0, adapter={"lora_dropout": 0.0})
+    values = dict(
+        backend="cpu",
+        method="lora",
+        data=str(train),
+        val_data=str(val),
+        output=str(out),
+        steps=STEPS,
+        batch_size=4,
+        log_every=1,
+        eval_every=0,
+        eval_samples=3,
+        max_new_tokens=4,
+        save_every=5,
+        seed=5,
+        lr=2e-3,
+        warmup_ratio=0.0,
+        adapter={"lora_dropout": 0.0},
+    )
     values.update(over)
     return values
 
@@ -89,8 +104,13 @@ def sharded_values(small_data, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def sharded(sharded_values) -> Path:
-    proc = subprocess.run([*vlft_command(), "run", "--nproc-per-node", "2", "--quiet", *run_flags(sharded_values)],
-                          capture_output=True, text=True, env=ENV, timeout=600)
+    proc = subprocess.run(
+        [*vlft_command(), "run", "--nproc-per-node", "2", "--quiet", *run_flags(sharded_values)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return Path(sharded_values["output"])
 
@@ -101,8 +121,13 @@ def data_parallel(small_data, tmp_path_factory) -> Path:
     script = Path(sys.executable).with_name("torchrun")
     torchrun = [str(script)] if script.is_file() else [sys.executable, "-m", "torch.distributed.run"]
     values = _values(small_data, out, batch_size=2, save_every=0)
-    proc = subprocess.run([*torchrun, "--standalone", "--nproc-per-node", "2", "-m", "vlft", "run", "--quiet",
-                           *run_flags(values)], capture_output=True, text=True, env=ENV, timeout=600)
+    proc = subprocess.run(
+        [*torchrun, "--standalone", "--nproc-per-node", "2", "-m", "vlft", "run", "--quiet", *run_flags(values)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -142,10 +167,23 @@ def test_two_sharded_processes_train_as_one_process_with_the_same_global_batch(u
 def test_sharded_gradient_accumulation_trains_as_one_process(unsharded, sharded_values, tmp_path):
     """2 sharded processes x batch 1 x 2 micro-batches against 1 process x batch 4: the unreduced gradients
     of the first micro-batch (set_requires_gradient_sync off) must add up with the last one's."""
-    values = {**sharded_values, "output": str(tmp_path / "run"), "batch_size": 1, "grad_accum": 2,
-              "save_every": 0, "eval_samples": 1, "max_new_tokens": 1, "grad_checkpointing": "off"}
-    proc = subprocess.run([*vlft_command(), "run", "--nproc-per-node", "2", "--quiet", *run_flags(values)],
-                          capture_output=True, text=True, env=ENV, timeout=600)
+    values = {
+        **sharded_values,
+        "output": str(tmp_path / "run"),
+        "batch_size": 1,
+        "grad_accum": 2,
+        "save_every": 0,
+        "eval_samples": 1,
+        "max_new_tokens": 1,
+        "grad_checkpointing": "off",
+    }
+    proc = subprocess.run(
+        [*vlft_command(), "run", "--nproc-per-node", "2", "--quiet", *run_flags(values)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = _metrics(unsharded), _metrics(tmp_path / "run")
     assert len(a) == len(b) == STEPS
@@ -173,8 +211,9 @@ def test_each_process_holds_half_of_the_base_weights(sharded):
         assert held == pytest.approx(whole / 2, rel=0.02)
 
 
-def test_the_adapter_of_a_sharded_model_loads_with_plain_peft_and_gives_its_logits(sharded, sharded_values,
-                                                                                   model_dir, tmp_path):
+def test_the_adapter_of_a_sharded_model_loads_with_plain_peft_and_gives_its_logits(
+    sharded, sharded_values, model_dir, tmp_path
+):
     """A worker shards the model of the step-5 checkpoint over 2 processes (rank 1 may not read the weights:
     it receives its share from rank 0), takes its logits and saves its adapter through the sharded path;
     plain ``PeftModel.from_pretrained`` on one process must agree."""
@@ -185,9 +224,24 @@ def test_the_adapter_of_a_sharded_model_loads_with_plain_peft_and_gives_its_logi
     config = tmp_path / "config.json"
     config.write_text(json.dumps({**sharded_values, "output": str(tmp_path / "unused")}))
     checkpoint = sharded / "checkpoints" / "step-000005"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(HERE / "fsdp_worker.py"), str(config), str(checkpoint), str(tmp_path)],
-                          capture_output=True, text=True, env=ENV, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(HERE / "fsdp_worker.py"),
+            str(config),
+            str(checkpoint),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = torch.load(tmp_path / "sharded.pt", weights_only=False)
     # then a step with NaN pixels: skipped, and rank 0's shards of adapter and AdamW state untouched
@@ -217,10 +271,27 @@ def test_two_torchrun_agents_resume_a_sharded_run_with_the_uninterrupted_losses(
         shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-000005"]
     port = _free_port()
-    args = [*vlft_command(), "run", "--quiet", "--resume", *run_flags({**sharded_values, "output": str(out)}),
-            "--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    agents = [subprocess.Popen([*args, "--node-rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env=ENV) for r in (0, 1)]
+    args = [
+        *vlft_command(),
+        "run",
+        "--quiet",
+        "--resume",
+        *run_flags({**sharded_values, "output": str(out)}),
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+    ]
+    agents = [
+        subprocess.Popen(
+            [*args, "--node-rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV
+        )
+        for r in (0, 1)
+    ]
     try:
         results = [a.communicate(timeout=600) for a in agents]
     finally:
@@ -286,8 +357,8 @@ def mixed_data(small_data, tmp_path_factory) -> tuple[Path, Path]:
     text_only = set()
     for rank in (0, 1):
         order = EpochSampler(len(records), 5, 0, rank, 2).indices()  # seed 5 as _values, batch 2 per process
-        for step in ((1, 3) if rank == 1 else (2,)):
-            text_only.update(order[(step - 1) * 2:step * 2])
+        for step in (1, 3) if rank == 1 else (2,):
+            text_only.update(order[(step - 1) * 2 : step * 2])
     for i in text_only:
         rec = records[i]
         del rec["image"]
@@ -304,22 +375,30 @@ def mixed_reference(mixed_data, tmp_path_factory) -> Path:
     from vlft.registry import get_registry
 
     out = tmp_path_factory.mktemp("mixed-one") / "run"
-    execute(get_registry(), build_config({}, _values(mixed_data, out, steps=MIXED_STEPS, save_every=0,
-                                                      eval_samples=1, max_new_tokens=1)), progress=False)
+    execute(
+        get_registry(),
+        build_config({}, _values(mixed_data, out, steps=MIXED_STEPS, save_every=0, eval_samples=1, max_new_tokens=1)),
+        progress=False,
+    )
     return out
 
 
 @pytest.mark.parametrize("shard", ["none", "fsdp"])
-def test_text_only_batches_beside_image_batches_train_as_one_process(mixed_data, mixed_reference, shard,
-                                                                     tmp_path):
+def test_text_only_batches_beside_image_batches_train_as_one_process(mixed_data, mixed_reference, shard, tmp_path):
     """One process's batch has no image while the other's has: every process still runs the vision tower
     (a dummy image whose output counts 0), so DDP finds no unused parameter, FSDP gathers the same blocks on
     every process, and the losses are those of one process with the same global batch."""
     out = tmp_path / "run"
-    values = _values(mixed_data, out, batch_size=2, steps=MIXED_STEPS, save_every=0, eval_samples=1,
-                     max_new_tokens=1, shard=shard)
-    proc = subprocess.run([*vlft_command(), "run", "--nproc-per-node", "2", "--quiet", *run_flags(values)],
-                          capture_output=True, text=True, env=ENV, timeout=300)
+    values = _values(
+        mixed_data, out, batch_size=2, steps=MIXED_STEPS, save_every=0, eval_samples=1, max_new_tokens=1, shard=shard
+    )
+    proc = subprocess.run(
+        [*vlft_command(), "run", "--nproc-per-node", "2", "--quiet", *run_flags(values)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = _metrics(mixed_reference), _metrics(out)
     assert [m["step"] for m in a] == [m["step"] for m in b] == list(range(1, MIXED_STEPS + 1))

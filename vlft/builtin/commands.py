@@ -26,17 +26,28 @@ from vlft.registry import DISABLE_ENV, get_registry
 @click.option("--json", "as_json", is_flag=True, help="With --dry-run: print the plan as JSON.")
 @click.option("--verbose", is_flag=True, help="With --dry-run: list every adapted module, not the groups.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-@click.option("--nproc-per-node", type=int, default=1, show_default=True,
-              help="Processes (devices) per machine; above 1 the run goes through torchrun.")
+@click.option(
+    "--nproc-per-node",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Processes (devices) per machine; above 1 the run goes through torchrun.",
+)
 @click.option("--nnodes", type=int, default=1, show_default=True, help="Machines (passed to torchrun).")
 @click.option("--node-rank", type=int, default=0, show_default=True, help="This machine's rank (torchrun).")
 @click.option("--master-addr", default=None, help="Rendezvous host (torchrun); default 127.0.0.1.")
-@click.option("--master-port", type=int, default=None,
-              help="Rendezvous port (torchrun); default: on one machine torchrun's own rendezvous on a free port, "
-                   "on several 29500.")
+@click.option(
+    "--master-port",
+    type=int,
+    default=None,
+    help="Rendezvous port (torchrun); default: on one machine torchrun's own rendezvous on a free port, "
+    "on several 29500.",
+)
 @click.pass_context
 @user_errors  # params: click passes each option as an argument of its own
-def run(ctx, config_file, as_json, verbose, quiet, nproc_per_node, nnodes, node_rank, master_addr, master_port, **params):
+def run(
+    ctx, config_file, as_json, verbose, quiet, nproc_per_node, nnodes, node_rank, master_addr, master_port, **params
+):
     """Fine-tune a model with an adapter method on a backend, evaluate it before and after, save the adapter."""
     from vlft.training.launch import LaunchOptions, end_worker, relaunch
 
@@ -102,20 +113,34 @@ def plugins(as_json):
     by_family = bundled_by_family(registry, families)
     names = sorted({n for n, _ in registry.pm.list_name_plugin() if n})
     probes = {name: registry.first("vlft_probe_backend", backend=name) for name in registry.backends}
-    dist = {name: registry.first("vlft_distributed_options", backend=name, config=RunConfig())
-            for name in registry.backends}
+    dist = {
+        name: registry.first("vlft_distributed_options", backend=name, config=RunConfig()) for name in registry.backends
+    }
     data = {
-        "plugins": [{"name": n, "status": "broken" if n in family_problems else "loaded",
-                     **({"error": family_problems[n]} if n in family_problems else {}),
-                     **({"notes": registry.notes[n]} if n in registry.notes else {})} for n in names]
+        "plugins": [
+            {
+                "name": n,
+                "status": "broken" if n in family_problems else "loaded",
+                **({"error": family_problems[n]} if n in family_problems else {}),
+                **({"notes": registry.notes[n]} if n in registry.notes else {}),
+            }
+            for n in names
+        ]
         + [{"name": n, "status": "broken", "error": e} for n, e in sorted(registry.broken.items())]
         + [{"name": n, "status": "disabled"} for n in registry.disabled],
         "backends": [
-            {"name": b.name, "description": b.description, "device_type": b.device_type, "priority": b.priority,
-             "plugin": registry.owners[("backend", b.name)], "available": probes[b.name].available,
-             "reason": probes[b.name].reason, "device_count": probes[b.name].device_count,
-             "fsdp": bool(dist[b.name] and dist[b.name].fsdp),
-             "fsdp_reason": dist[b.name].fsdp_reason if dist[b.name] else "no distributed options"}
+            {
+                "name": b.name,
+                "description": b.description,
+                "device_type": b.device_type,
+                "priority": b.priority,
+                "plugin": registry.owners[("backend", b.name)],
+                "available": probes[b.name].available,
+                "reason": probes[b.name].reason,
+                "device_count": probes[b.name].device_count,
+                "fsdp": bool(dist[b.name] and dist[b.name].fsdp),
+                "fsdp_reason": dist[b.name].fsdp_reason if dist[b.name] else "no distributed options",
+            }
             for b in sorted(registry.backends.values(), key=lambda b: -b.priority)
         ],
         "methods": [
@@ -127,9 +152,15 @@ def plugins(as_json):
             for o in sorted(registry.objectives.values(), key=lambda o: o.name)
         ],
         "model_families": [
-            {"name": f.name, "model_types": list(f.model_types), "description": f.description, "plugin": f.plugin,
-             "box_coordinates": f.chat.box_coordinates, "embedded": f"embedded:{f.name}" if f.tiny else None,
-             "bundled_configs": by_family.get(f.name, [])}
+            {
+                "name": f.name,
+                "model_types": list(f.model_types),
+                "description": f.description,
+                "plugin": f.plugin,
+                "box_coordinates": f.chat.box_coordinates,
+                "embedded": f"embedded:{f.name}" if f.tiny else None,
+                "bundled_configs": by_family.get(f.name, []),
+            }
             for f in families
         ],
         "bundled_configs": bundled_names(registry),
@@ -151,8 +182,9 @@ def plugins(as_json):
     for b in data["backends"]:
         state = f"available ({b['device_count']} device(s))" if b["available"] else f"unavailable: {b['reason']}"
         shard = "--shard fsdp: yes" if b["fsdp"] else f"--shard fsdp: no ({b['fsdp_reason'] or 'not offered'})"
-        click.echo(f"  {b['name']:<8} {state}\n           {b['description']} (plugin {b['plugin']})\n"
-                   f"           {shard}")
+        click.echo(
+            f"  {b['name']:<8} {state}\n           {b['description']} (plugin {b['plugin']})\n           {shard}"
+        )
     click.echo("methods:")
     for m in data["methods"]:
         click.echo(f"  {m['name']:<8} {m['description']} (plugin {m['plugin']})")
@@ -166,8 +198,10 @@ def plugins(as_json):
     names = max([13, *(len(f["name"]) for f in data["model_families"])])
     types = max([14, *(len(", ".join(f["model_types"])) for f in data["model_families"])])
     for f in data["model_families"]:
-        click.echo(f"  {f['name']:<{names}} {', '.join(f['model_types']):<{types}} boxes {f['box_coordinates']:<14} "
-                   f"{f['description']} (plugin {f['plugin']})")
+        click.echo(
+            f"  {f['name']:<{names}} {', '.join(f['model_types']):<{types}} boxes {f['box_coordinates']:<14} "
+            f"{f['description']} (plugin {f['plugin']})"
+        )
     click.echo("bundled configs (--model NAME --dry-run plans offline): " + ", ".join(data["bundled_configs"]))
     if registry.broken or family_problems:
         click.echo(f"(block a broken plugin with {DISABLE_ENV}=name)")
@@ -181,9 +215,11 @@ def methods():
     for info in sorted(registry.methods.values(), key=lambda m: m.name):
         d = registry.first("vlft_adapter_defaults", method=info.name, config=RunConfig())
         click.echo(f"{info.name}: {info.description}")
-        click.echo(f"  lr {d.lr:g}; default targets: {d.default_targets} "
-                   f"(text: {', '.join(d.text_modules) or '-'}; vision: {', '.join(d.vision_modules) or '-'}, "
-                   f"last {RunConfig().vision_last_n} blocks)")
+        click.echo(
+            f"  lr {d.lr:g}; default targets: {d.default_targets} "
+            f"(text: {', '.join(d.text_modules) or '-'}; vision: {', '.join(d.vision_modules) or '-'}, "
+            f"last {RunConfig().vision_last_n} blocks)"
+        )
         for key, value in d.hyperparameters.items():
             click.echo(f"  {key} = {value!r}" + (f"  # {d.help[key]}" if d.help.get(key) else ""))
         for note in d.notes:
@@ -201,11 +237,14 @@ def objectives():
         o = registry.objective_for(RunConfig(objective=info.name))
         click.echo(f"{info.name}: {info.description}")
         click.echo(f"  data: {o.layout.description}")
-        click.echo(f"  loss averaged over {o.average_over.value}" + (f"; {o.rows_per_record} sequences per record"
-                                                                   if o.rows_per_record > 1 else ""))
+        click.echo(
+            f"  loss averaged over {o.average_over.value}"
+            + (f"; {o.rows_per_record} sequences per record" if o.rows_per_record > 1 else "")
+        )
         if o.reference:
-            click.echo(f"  reference: {reference_description(False)} (with --init-adapter: "
-                       f"{reference_description(True)})")
+            click.echo(
+                f"  reference: {reference_description(False)} (with --init-adapter: {reference_description(True)})"
+            )
         for spec in option_specs(info.options):
             click.echo(f"  {spec.flag} {spec.default!r}  # {spec.help}")
         if o.figures:
@@ -216,8 +255,11 @@ def objectives():
     if registry.rewards:  # what objectives that score generations (grpo) take as --reward
         click.echo("reward functions (--reward NAME[=ARGUMENT], or your MODULE:FUNCTION):")
         for reward in sorted(registry.rewards.values(), key=lambda r: r.name):
-            click.echo(f"  {reward.name}" + (f"={reward.argument}" if reward.argument else "")
-                       + f": {reward.description} ({registry.owners[('reward', reward.name)]})")
+            click.echo(
+                f"  {reward.name}"
+                + (f"={reward.argument}" if reward.argument else "")
+                + f": {reward.description} ({registry.owners[('reward', reward.name)]})"
+            )
 
 
 @click.command()
@@ -227,9 +269,11 @@ def scorers():
     registry = get_registry()
     for c in sorted(registry.scorers.values(), key=lambda c: c.name):
         click.echo(f"{c.name}: {c.description} ({registry.owners[('scorer', c.name)]})")
-        click.echo("  auto: " + ("picks it where the references take its form" if c.fits is not None else
-                                 "only when named")
-                   + (f"; lower is better: {', '.join(c.lower_is_better)}" if c.lower_is_better else ""))
+        click.echo(
+            "  auto: "
+            + ("picks it where the references take its form" if c.fits is not None else "only when named")
+            + (f"; lower is better: {', '.join(c.lower_is_better)}" if c.lower_is_better else "")
+        )
 
 
 @click.command("demo-data")
@@ -237,13 +281,22 @@ def scorers():
 @click.option("--train", "n_train", default=1600, show_default=True, help="Training samples.")
 @click.option("--val", "n_val", default=400, show_default=True, help="Validation samples.")
 @click.option("--seed", default=0, show_default=True)
-@click.option("--task", type=click.Choice(["inspection", "counting", "grounding"]), default="inspection",
-              show_default=True, help="inspection: the embedded product set (fields); counting: discs to count "
-              "(relaxed accuracy); grounding: a square's box (IoU), in --box-coordinates.")
-@click.option("--box-coordinates", type=click.Choice(["absolute", "relative-1000", "relative-1"]),
-              default="absolute", show_default=True,
-              help="grounding: the convention of the model family you train (`vlft plugins` lists each family's); "
-                   "absolute suits the embedded Qwen2.5-VL.")
+@click.option(
+    "--task",
+    type=click.Choice(["inspection", "counting", "grounding"]),
+    default="inspection",
+    show_default=True,
+    help="inspection: the embedded product set (fields); counting: discs to count "
+    "(relaxed accuracy); grounding: a square's box (IoU), in --box-coordinates.",
+)
+@click.option(
+    "--box-coordinates",
+    type=click.Choice(["absolute", "relative-1000", "relative-1"]),
+    default="absolute",
+    show_default=True,
+    help="grounding: the convention of the model family you train (`vlft plugins` lists each family's); "
+    "absolute suits the embedded Qwen2.5-VL.",
+)
 @user_errors
 def demo_data(out, n_train, n_val, seed, task, box_coordinates):
     """Write a synthetic data set (JSONL + images) to OUT: the embedded product-inspection set, or a counting or
@@ -251,8 +304,11 @@ def demo_data(out, n_train, n_val, seed, task, box_coordinates):
     from vlft.data.demo import write_demo_dataset
     from vlft.data.demo_tasks import write_task_dataset
 
-    ds = (write_demo_dataset(out, n_train=n_train, n_val=n_val, seed=seed) if task == "inspection" else
-          write_task_dataset(out, task, n_train=n_train, n_val=n_val, seed=seed, box_coordinates=box_coordinates))
+    ds = (
+        write_demo_dataset(out, n_train=n_train, n_val=n_val, seed=seed)
+        if task == "inspection"
+        else write_task_dataset(out, task, n_train=n_train, n_val=n_val, seed=seed, box_coordinates=box_coordinates)
+    )
     click.echo(f"wrote {n_train} training and {n_val} validation samples: {ds.train}, {ds.val}")
 
 
@@ -267,6 +323,20 @@ def vlft_register_commands(cli):
     from vlft.commands.report import report
 
     data.add_command(convert)
-    for command in (run, plugins, methods, objectives, scorers, demo_data, data, doctor, parity, parity_worker, predict,
-                    eval_command, export, report):
+    for command in (
+        run,
+        plugins,
+        methods,
+        objectives,
+        scorers,
+        demo_data,
+        data,
+        doctor,
+        parity,
+        parity_worker,
+        predict,
+        eval_command,
+        export,
+        report,
+    ):
         cli.add_command(command)

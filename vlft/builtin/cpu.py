@@ -56,9 +56,13 @@ def vlft_attention_implementation(backend, config, model_config):
     text = asked.get("text", "eager")
     # packing (--packing): sample by sample on the reference's sdpa or eager (the segments path)
     packing, why = AttentionPolicy(text, text).packing_path()
-    return AttentionPolicy(asked.get("vision", "eager"), text,
-                           "reference backend: eager unless asked" if not asked else "as asked",
-                           packing="segments" if packing == "segments" else "", packing_reason=why)
+    return AttentionPolicy(
+        asked.get("vision", "eager"),
+        text,
+        "reference backend: eager unless asked" if not asked else "as asked",
+        packing="segments" if packing == "segments" else "",
+        packing_reason=why,
+    )
 
 
 def _four_bit() -> tuple[bool, str]:
@@ -71,7 +75,10 @@ def _four_bit() -> tuple[bool, str]:
         return False, "NF4 needs bitsandbytes, which is not installed: pip install 'vlft[qlora]'"
     major, minor = (int(x) for x in version.split(".")[:2])
     if (major, minor) < (0, 48):
-        return False, f"bitsandbytes {version} has no CPU 4-bit kernels (0.48 or newer has); pip install -U bitsandbytes"
+        return (
+            False,
+            f"bitsandbytes {version} has no CPU 4-bit kernels (0.48 or newer has); pip install -U bitsandbytes",
+        )
     return True, f"NF4 through bitsandbytes {version}'s CPU kernels"
 
 
@@ -90,11 +97,19 @@ def vlft_patch_model(backend, model, config, attention):
         return None
     from bitsandbytes.nn import Linear4bit  # pyright: ignore[reportMissingImports]  # the qlora extra, kept out of the venv
 
-    packed = [m for m in model.modules() if isinstance(m, Linear4bit) and getattr(m, "support_avx512bf16_for_cpu", False)]
+    packed = [
+        m for m in model.modules() if isinstance(m, Linear4bit) and getattr(m, "support_avx512bf16_for_cpu", False)
+    ]
     for module in packed:
         module.support_avx512bf16_for_cpu = False
-    return [f"{len(packed)} 4-bit linear(s) kept off bitsandbytes' packed AVX512-BF16 inference path (computes "
-            "as training does)"] if packed else None
+    return (
+        [
+            f"{len(packed)} 4-bit linear(s) kept off bitsandbytes' packed AVX512-BF16 inference path (computes "
+            "as training does)"
+        ]
+        if packed
+        else None
+    )
 
 
 @cpu_hookimpl
@@ -110,19 +125,27 @@ def vlft_precision_policy(backend, config):
 def _precision(config):
     # the reference keeps fp32 base weights whatever it autocasts to; --param-dtype asks otherwise
     if config.precision in ("auto", "fp32"):
-        return PrecisionPolicy("fp32", reason="CPU reference: full precision",
-                               param_reason="CPU reference: fp32 weights")
+        return PrecisionPolicy(
+            "fp32", reason="CPU reference: full precision", param_reason="CPU reference: fp32 weights"
+        )
     if config.precision == "bf16":
-        return PrecisionPolicy("bf16", autocast_dtype="bfloat16", reason="bf16 autocast, as asked",
-                               param_reason="CPU reference: fp32 weights under autocast")
+        return PrecisionPolicy(
+            "bf16",
+            autocast_dtype="bfloat16",
+            reason="bf16 autocast, as asked",
+            param_reason="CPU reference: fp32 weights under autocast",
+        )
     if config.precision == "fp16":
         import torch
 
         return PrecisionPolicy(
-            "fp16", autocast_dtype="float16", loss_scaling=True, init_scale=2.0 ** 16,
+            "fp16",
+            autocast_dtype="float16",
+            loss_scaling=True,
+            init_scale=2.0**16,
             reason="fp16 autocast with dynamic loss scaling, as asked",
             param_reason="CPU reference: fp32 weights under autocast",
-            make_scaler=lambda: torch.amp.GradScaler("cpu", init_scale=2.0 ** 16),
+            make_scaler=lambda: torch.amp.GradScaler("cpu", init_scale=2.0**16),
         )
     raise ConfigError(f"backend cpu does not support precision '{config.precision}'")
 
@@ -138,10 +161,16 @@ def vlft_dataloader_options(backend, config, options: DataLoaderOptions):
 @cpu_hookimpl
 def vlft_distributed_options(backend, config):
     return DistributedOptions(
-        "gloo", timeout_s=600, reason="gloo is torch's CPU process group",
-        fsdp=True, sum_reductions=True,
-        fsdp_reason=("FSDP2 on gloo; its gradients reduce with SUM and are divided by FSDP itself, because "
-                     "gloo's averaged reduce-scatter has summed instead of averaged in some torch versions"))
+        "gloo",
+        timeout_s=600,
+        reason="gloo is torch's CPU process group",
+        fsdp=True,
+        sum_reductions=True,
+        fsdp_reason=(
+            "FSDP2 on gloo; its gradients reduce with SUM and are divided by FSDP itself, because "
+            "gloo's averaged reduce-scatter has summed instead of averaged in some torch versions"
+        ),
+    )
 
 
 @cpu_hookimpl
@@ -172,7 +201,7 @@ def available_ram() -> int | None:
 @cpu_hookimpl
 def vlft_device_capacity(backend, config):
     # the interpreter, torch and transformers themselves take about half a GiB of RAM
-    return DeviceCapacity(available_ram(), reserved_bytes=512 * 2 ** 20, source="available RAM (/proc/meminfo)")
+    return DeviceCapacity(available_ram(), reserved_bytes=512 * 2**20, source="available RAM (/proc/meminfo)")
 
 
 @cpu_hookimpl

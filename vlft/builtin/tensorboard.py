@@ -41,6 +41,7 @@ def vlft_metric_sink(name, config):
     try:
         import tensorboard  # noqa: F401 - torch's writer needs it; say so before any weight is loaded
     except ImportError:
-        raise ConfigError("--report-to tensorboard needs the tensorboard package: pip install 'vlft[tensorboard]'") \
-            from None
+        raise ConfigError(
+            "--report-to tensorboard needs the tensorboard package: pip install 'vlft[tensorboard]'"
+        ) from None
     return lambda output: TensorBoardSink(Path(output) / "tensorboard")

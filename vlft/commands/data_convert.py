@@ -27,7 +27,8 @@ def convert(src, out, image_root, add_placeholders, columns):
     from vlft.config import parse_columns
     from vlft.data.convert import convert as run_conversion
 
-    done = run_conversion(src, out, image_root=image_root, add_placeholders=add_placeholders,
-                          columns=parse_columns(columns))
+    done = run_conversion(
+        src, out, image_root=image_root, add_placeholders=add_placeholders, columns=parse_columns(columns)
+    )
     beside = f", {done.image_files} image file(s) in {done.images_dir}" if done.images_dir else ""
     click.echo(f"wrote {done.records} records with {done.images} image(s) to {done.out}{beside}")

@@ -36,8 +36,15 @@ def common_checks(registry) -> list[DoctorCheck]:
         except importlib.metadata.PackageNotFoundError:
             checks.append(DoctorCheck(name, False, "not installed", f"pip install {name}"))
     for name, error in sorted(registry.broken.items()):
-        checks.append(DoctorCheck(f"plugin {name}", False, f"failed to load: {error}",
-                                  f"reinstall it, or block it with VLFT_DISABLE_PLUGINS={name}", blocking=False))
+        checks.append(
+            DoctorCheck(
+                f"plugin {name}",
+                False,
+                f"failed to load: {error}",
+                f"reinstall it, or block it with VLFT_DISABLE_PLUGINS={name}",
+                blocking=False,
+            )
+        )
     return checks
 
 
@@ -56,8 +63,11 @@ def backend_checks(registry, name: str) -> list[DoctorCheck]:
         try:
             answer = impl.function(backend=name)
         except Exception as e:  # noqa: BLE001 - one broken plugin must not hide the others
-            answer = [DoctorCheck(f"checks of plugin {impl.plugin_name}", False,
-                                  f"raised {e.__class__.__name__}: {e}", blocking=False)]
+            answer = [
+                DoctorCheck(
+                    f"checks of plugin {impl.plugin_name}", False, f"raised {e.__class__.__name__}: {e}", blocking=False
+                )
+            ]
         checks.extend(answer or [])
     return checks
 
@@ -74,13 +84,20 @@ def diagnose(registry, backend: str = "auto") -> dict:
         if backend != "auto" and info.name != backend:
             continue
         probe = registry.first("vlft_probe_backend", backend=info.name)
-        sections.append({
-            "name": info.name, "device_type": info.device_type, "priority": info.priority,
-            "plugin": registry.owners.get(("backend", info.name)), "available": probe.available,
-            "reason": probe.reason, "device_count": probe.device_count, "versions": probe.versions,
-            "warnings": probe.warnings,
-            "checks": [dataclasses.asdict(c) for c in backend_checks(registry, info.name)],
-        })
+        sections.append(
+            {
+                "name": info.name,
+                "device_type": info.device_type,
+                "priority": info.priority,
+                "plugin": registry.owners.get(("backend", info.name)),
+                "available": probe.available,
+                "reason": probe.reason,
+                "device_count": probe.device_count,
+                "versions": probe.versions,
+                "warnings": probe.warnings,
+                "checks": [dataclasses.asdict(c) for c in backend_checks(registry, info.name)],
+            }
+        )
     try:
         choice = choose_backend(registry, backend)
         chosen, why, available = choice.info.name, choice.reason, choice.probe.available
@@ -91,7 +108,10 @@ def diagnose(registry, backend: str = "auto") -> dict:
     blocking = [c for c in (section["checks"] if section else []) if not c["ok"] and c["blocking"]]
     usable = available and not blocking
     return {
-        "asked": backend, "chosen": chosen, "chosen_because": why, "usable": usable,
+        "asked": backend,
+        "chosen": chosen,
+        "chosen_because": why,
+        "usable": usable,
         "reason": reason if not available else "; ".join(f"{c['name']}: {c['detail']}" for c in blocking),
         "common": [dataclasses.asdict(c) for c in common_checks(registry)],
         "backends": sections,
@@ -108,8 +128,7 @@ def format_report(report: dict) -> str:
     lines = ["common"]
     lines += _format_checks(report["common"])
     for s in report["backends"]:
-        state = (f"available, {s['device_count']} device(s)" if s["available"]
-                 else f"UNAVAILABLE: {s['reason']}")
+        state = f"available, {s['device_count']} device(s)" if s["available"] else f"UNAVAILABLE: {s['reason']}"
         head = f"{s['name']} (device type {s['device_type']}, priority {s['priority']}, plugin {s['plugin']})"
         lines += ["", f"{head}: {state}"]
         if s["versions"]:
@@ -136,8 +155,12 @@ def _format_checks(checks: list[dict]) -> list[str]:
 
 
 @click.command()
-@click.option("--backend", default="auto", show_default=True,
-              help="Backend to check; 'auto' checks all and judges the one `vlft run` would pick.")
+@click.option(
+    "--backend",
+    default="auto",
+    show_default=True,
+    help="Backend to check; 'auto' checks all and judges the one `vlft run` would pick.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def doctor(backend, as_json):
     """Check what each backend needs against this machine: packages, devices, versions, environment.

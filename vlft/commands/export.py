@@ -39,16 +39,20 @@ MERGE_INTO = ("auto", "original", "dequantized")
 
 
 def _merge_base(source, merge_into: str) -> str:
-    """"dequantized" (the NF4 base the run trained on, dequantized) or "original" (the checkpoint's weights)."""
+    """ "dequantized" (the NF4 base the run trained on, dequantized) or "original" (the checkpoint's weights)."""
     four_bit = source.run_config.get("param_dtype") == "nf4"
     if merge_into == "auto":
         return "dequantized" if four_bit else "original"
     if merge_into == "dequantized" and not four_bit:
-        where = (f"{source.run_dir}/config.json says param_dtype {source.run_config.get('param_dtype')!r}"
-                 if source.run_dir else f"{source.adapter_dir} is a bare adapter folder, with no run config to say how "
-                 "its base was quantized")
-        raise ConfigError(f"--merge-into dequantized is for runs that trained on NF4 base weights; {where}. Give the "
-                          "run folder of an nf4 run, or use --merge-into original")
+        where = (
+            f"{source.run_dir}/config.json says param_dtype {source.run_config.get('param_dtype')!r}"
+            if source.run_dir
+            else f"{source.adapter_dir} is a bare adapter folder, with no run config to say how its base was quantized"
+        )
+        raise ConfigError(
+            f"--merge-into dequantized is for runs that trained on NF4 base weights; {where}. Give the "
+            "run folder of an nf4 run, or use --merge-into original"
+        )
     return merge_into
 
 
@@ -60,25 +64,31 @@ def _require_four_bit_loading(registry) -> None:
     try:
         resolve_precision(registry, "cpu", build_config({}, {"backend": "cpu", "param_dtype": "nf4"}))
     except ConfigError as e:
-        raise ConfigError(f"this run trained on NF4 base weights; merging into them as trained loads them in 4-bit "
-                          f"on the CPU and dequantizes them, which cannot run here ({e}). Install bitsandbytes "
-                          "(pip install 'vlft[qlora]'), or pass --merge-into original to merge into the "
-                          "checkpoint's own weights") from None
+        raise ConfigError(
+            f"this run trained on NF4 base weights; merging into them as trained loads them in 4-bit "
+            f"on the CPU and dequantizes them, which cannot run here ({e}). Install bitsandbytes "
+            "(pip install 'vlft[qlora]'), or pass --merge-into original to merge into the "
+            "checkpoint's own weights"
+        ) from None
 
 
 def four_bit_caveat(merge_base: str) -> str:
     """What a user must know about a merged QLoRA adapter (printed, and written into the model card)."""
     if merge_base == "dequantized":
-        return ("caveat: this run trained on 4-bit NF4 base weights, so the adapter went into those weights "
-                "dequantized, not into the original checkpoint: the merged model computes what the trained model "
-                "computed, and its base part differs from the original checkpoint by the 4-bit rounding. "
-                "Quantizing it to NF4 again rounds the merged update as well; to serve in 4-bit, serve the base "
-                "in NF4 with the adapter (--adapter-only). --merge-into original merges into the checkpoint's "
-                "own weights instead")
-    return ("caveat: this run trained on 4-bit NF4 base weights, and the adapter went into the original "
-            "checkpoint's weights (--merge-into original): its update corrects a 4-bit rounding those weights do "
-            "not have, so the merged model does not compute exactly what the trained model did. The default "
-            "(--merge-into auto) merges into the dequantized NF4 weights it trained on")
+        return (
+            "caveat: this run trained on 4-bit NF4 base weights, so the adapter went into those weights "
+            "dequantized, not into the original checkpoint: the merged model computes what the trained model "
+            "computed, and its base part differs from the original checkpoint by the 4-bit rounding. "
+            "Quantizing it to NF4 again rounds the merged update as well; to serve in 4-bit, serve the base "
+            "in NF4 with the adapter (--adapter-only). --merge-into original merges into the checkpoint's "
+            "own weights instead"
+        )
+    return (
+        "caveat: this run trained on 4-bit NF4 base weights, and the adapter went into the original "
+        "checkpoint's weights (--merge-into original): its update corrects a 4-bit rounding those weights do "
+        "not have, so the merged model does not compute exactly what the trained model did. The default "
+        "(--merge-into auto) merges into the dequantized NF4 weights it trained on"
+    )
 
 
 def model_card(source, title: str) -> str:
@@ -89,22 +99,27 @@ def model_card(source, title: str) -> str:
         plan = json.loads((run / "plan.json").read_text()) if (run / "plan.json").is_file() else {}
         config = json.loads((run / "config.json").read_text()) if (run / "config.json").is_file() else {}
         hp = plan.get("method", {}).get("hyperparameters", {})
-        lines += [f"- hyper-parameters: lr {plan.get('method', {}).get('lr')}, "
-                  + ", ".join(f"{k}={v}" for k, v in hp.items()),
-                  f"- adapted modules: {len(plan.get('targets', {}).get('modules', {}))} "
-                  f"({plan.get('targets', {}).get('adapter_parameters', '?')} parameters)",
-                  f"- data: {config.get('data') or 'the embedded product-inspection set'}",
-                  f"- steps: {plan.get('training', {}).get('steps')}, batch size {config.get('batch_size')}, "
-                  f"backend {plan.get('backend', {}).get('name')}"]
+        lines += [
+            f"- hyper-parameters: lr {plan.get('method', {}).get('lr')}, "
+            + ", ".join(f"{k}={v}" for k, v in hp.items()),
+            f"- adapted modules: {len(plan.get('targets', {}).get('modules', {}))} "
+            f"({plan.get('targets', {}).get('adapter_parameters', '?')} parameters)",
+            f"- data: {config.get('data') or 'the embedded product-inspection set'}",
+            f"- steps: {plan.get('training', {}).get('steps')}, batch size {config.get('batch_size')}, "
+            f"backend {plan.get('backend', {}).get('name')}",
+        ]
         if (run / "eval.json").is_file():
             ev = json.loads((run / "eval.json").read_text())
             for when in ("before", "after"):
                 r = ev.get(when)
                 if r:
-                    fields = ", ".join(f"{k} acc {v['accuracy']:.1%} F1 {v['f1']:.1%}"
-                                       for k, v in r.get("fields", {}).items())
-                    lines.append(f"- {when} training: exact match {r['exact_match']:.1%} on {r['samples']} "
-                                 f"validation samples" + (f"; {fields}" if fields else ""))
+                    fields = ", ".join(
+                        f"{k} acc {v['accuracy']:.1%} F1 {v['f1']:.1%}" for k, v in r.get("fields", {}).items()
+                    )
+                    lines.append(
+                        f"- {when} training: exact match {r['exact_match']:.1%} on {r['samples']} "
+                        f"validation samples" + (f"; {fields}" if fields else "")
+                    )
     lines += ["", "Written by `vlft export`."]
     return "\n".join(lines) + "\n"
 
@@ -161,17 +176,31 @@ def _serving_lines(registry, source, model) -> list[str]:
 
 
 @click.command()
-@click.option("--adapter", required=True, metavar="RUN_OR_ADAPTER_DIR",
-              help="A run folder (from `vlft run`) or an adapter folder.")
+@click.option(
+    "--adapter",
+    required=True,
+    metavar="RUN_OR_ADAPTER_DIR",
+    help="A run folder (from `vlft run`) or an adapter folder.",
+)
 @click.option("--model", default=None, help="The base model; default: the run's.")
 @click.option("--output", required=True, type=click.Path(file_okay=False), help="The folder to write (new).")
-@click.option("--dtype", type=click.Choice(["auto", *DTYPES]), default="auto", show_default=True,
-              help="Weights' dtype; auto: the base model's own.")
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", *DTYPES]),
+    default="auto",
+    show_default=True,
+    help="Weights' dtype; auto: the base model's own.",
+)
 @click.option("--adapter-only", is_flag=True, help="Copy the adapter (PEFT folder) with a model card; no merge.")
-@click.option("--merge-into", type=click.Choice(MERGE_INTO), default="auto", show_default=True,
-              help="The base weights the adapter is folded into. auto: for a run trained with --param-dtype nf4, "
-                   "its NF4 base dequantized (what it trained on; saved bf16 under --dtype auto; needs "
-                   "bitsandbytes), otherwise the checkpoint's own; original: the checkpoint's own.")
+@click.option(
+    "--merge-into",
+    type=click.Choice(MERGE_INTO),
+    default="auto",
+    show_default=True,
+    help="The base weights the adapter is folded into. auto: for a run trained with --param-dtype nf4, "
+    "its NF4 base dequantized (what it trained on; saved bf16 under --dtype auto; needs "
+    "bitsandbytes), otherwise the checkpoint's own; original: the checkpoint's own.",
+)
 @user_errors
 def export(adapter, model, output, dtype, adapter_only, merge_into):
     """Fold the adapter into the base weights and write a model folder that plain transformers loads."""
@@ -193,21 +222,29 @@ def export(adapter, model, output, dtype, adapter_only, merge_into):
     caveat = four_bit_caveat(merge_base) if source.run_config.get("param_dtype") == "nf4" else None
     with _staged(out) as tmp:
         if merge_base == "dequantized":
-            loaded = load_for_inference(registry, source, model, LoadOptions(backend="cpu", param_dtype="nf4",
-                                                                             on_device=False, dequantize=True))
+            loaded = load_for_inference(
+                registry, source, model, LoadOptions(backend="cpu", param_dtype="nf4", on_device=False, dequantize=True)
+            )
         else:
-            loaded = load_for_inference(registry, source, model, LoadOptions(backend="cpu", precision="fp32",
-                                                                             param_dtype="fp32", on_device=False))
+            loaded = load_for_inference(
+                registry,
+                source,
+                model,
+                LoadOptions(backend="cpu", precision="fp32", param_dtype="fp32", on_device=False),
+            )
         method = source.method
         merged = registry.pm.hook.vlft_merge_adapter(method=method, model=loaded.model)
         if merged is None:
-            raise ConfigError(f"method {method} cannot fold its adapter into the base weights (its plugin does "
-                              "not implement vlft_merge_adapter); use --adapter-only to export the adapter")
+            raise ConfigError(
+                f"method {method} cannot fold its adapter into the base weights (its plugin does "
+                "not implement vlft_merge_adapter); use --adapter-only to export the adapter"
+            )
         if dtype == "auto" and merge_base == "dequantized":
             target = "bfloat16"  # the dequantized base weights are bf16 values: fp32 would double the file
         else:
-            target = DTYPES.get(dtype) or str(getattr(load_model_config(loaded.model_path, registry), "dtype", None)
-                                               or "float32").replace("torch.", "")
+            target = DTYPES.get(dtype) or str(
+                getattr(load_model_config(loaded.model_path, registry), "dtype", None) or "float32"
+            ).replace("torch.", "")
         merged = merged.to(getattr(torch, target))
         merged.save_pretrained(tmp, safe_serialization=True)
         loaded.processor.save_pretrained(tmp)

@@ -48,8 +48,9 @@ def weight_digest(model, targets: list[str]) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {}
     params = dict(model.named_parameters())
     for target in targets:
-        flat = torch.cat([p.detach().float().flatten().cpu() for n, p in params.items()
-                          if p.requires_grad and f"{target}." in n])
+        flat = torch.cat(
+            [p.detach().float().flatten().cpu() for n, p in params.items() if p.requires_grad and f"{target}." in n]
+        )
         direction = torch.randn(flat.numel(), generator=torch.Generator().manual_seed(flat.numel()))
         out[target] = [float(flat.norm()), float(flat @ direction) / math.sqrt(flat.numel())]
     return out
@@ -76,8 +77,7 @@ def run_worker(backend: str, precision: str, options: WorkerOptions) -> dict:
     from vlft.training.trainer import build_trainer
 
     # a trainer without a run folder writes nothing
-    values = dict(backend=backend, precision=precision, **asdict(options), eval_every=0, save_every=0,
-                  warmup_ratio=0.0)
+    values = dict(backend=backend, precision=precision, **asdict(options), eval_every=0, save_every=0, warmup_ratio=0.0)
     config = build_config({}, {k: v for k, v in values.items() if v is not None})
     try:
         trainer = build_trainer(get_registry(), config)
@@ -88,16 +88,24 @@ def run_worker(backend: str, precision: str, options: WorkerOptions) -> dict:
     trainer.model.train()
     for group in trainer.batches():
         result = trainer.train_step(group)
-        records.append({
-            "step": trainer.step,
-            "loss": result.loss,
-            "grad_norm": float(result.grad_norm),
-            "weights": weight_digest(trainer.model, plan.targets),
-        })
+        records.append(
+            {
+                "step": trainer.step,
+                "loss": result.loss,
+                "grad_norm": float(result.grad_norm),
+                "weights": weight_digest(trainer.model, plan.targets),
+            }
+        )
         if trainer.step >= options.steps:
             break
-    return {"backend": backend, "available": True, "precision": plan.precision.name,
-            "device": str(trainer.device), "attention": asdict(plan.attention), "steps": records}
+    return {
+        "backend": backend,
+        "available": True,
+        "precision": plan.precision.name,
+        "device": str(trainer.device),
+        "attention": asdict(plan.attention),
+        "steps": records,
+    }
 
 
 def rel_diff(a: float, b: float) -> float:
@@ -141,8 +149,18 @@ def default_output(names: list[str]) -> Path:
 
 
 def _spawn_worker(index: int, backend: str, precision: str, opts: dict, out: Path, probe_only=False) -> dict:
-    cmd = [sys.executable, "-m", "vlft", "parity-worker", "--backend", backend, "--precision", precision,
-           "--out", str(out)] + (["--probe-only"] if probe_only else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "vlft",
+        "parity-worker",
+        "--backend",
+        backend,
+        "--precision",
+        precision,
+        "--out",
+        str(out),
+    ] + (["--probe-only"] if probe_only else [])
     for key in ("method", "steps", "batch_size", "seed", "model", "data", "attn"):
         if opts.get(key) is not None:
             cmd += [f"--{key.replace('_', '-')}", str(opts[key])]
@@ -157,19 +175,32 @@ def _spawn_worker(index: int, backend: str, precision: str, opts: dict, out: Pat
 @click.option("--backends", required=True, help="Two backends to compare, e.g. cpu,cuda (cpu,cpu checks the harness).")
 @click.option("--method", default="lora", show_default=True)
 @click.option("--steps", default=5, show_default=True, type=int)
-@click.option("--precision", default="fp32", show_default=True,
-              help="One precision for both, or one per backend: fp32,bf16; auto is the backend's default "
-                   "policy (what `vlft run` uses), compared at the tolerance of the precision it resolves to.")
-@click.option("--tolerance", type=click.Choice(["auto", *TOLERANCES]), default="auto", show_default=True,
-              help="Tolerance set; auto follows the looser of the two precisions.")
+@click.option(
+    "--precision",
+    default="fp32",
+    show_default=True,
+    help="One precision for both, or one per backend: fp32,bf16; auto is the backend's default "
+    "policy (what `vlft run` uses), compared at the tolerance of the precision it resolves to.",
+)
+@click.option(
+    "--tolerance",
+    type=click.Choice(["auto", *TOLERANCES]),
+    default="auto",
+    show_default=True,
+    help="Tolerance set; auto follows the looser of the two precisions.",
+)
 @click.option("--batch-size", default=4, show_default=True, type=int)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--model", default=None, help="Model directory (default: the embedded model).")
 @click.option("--data", default=None, help="Training data (default: the embedded set).")
 @click.option("--attn", default=None, help="Attention for both backends (default: each backend's).")
-@click.option("--output", "output", default=None, type=click.Path(dir_okay=False),
-              help="Where to write the figures as JSON [default: parity.json in a new folder "
-                   "runs/parity-<time>-A-B/].")
+@click.option(
+    "--output",
+    "output",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Where to write the figures as JSON [default: parity.json in a new folder runs/parity-<time>-A-B/].",
+)
 # params: click passes each option as an argument of its own
 def parity(backends, method, steps, precision, tolerance, batch_size, seed, model, data, attn, output):
     """Run the same seeded steps on two backends and compare loss, gradient norm and adapter weights."""
@@ -210,19 +241,36 @@ def parity(backends, method, steps, precision, tolerance, batch_size, seed, mode
     asked, precisions = precisions, [r["precision"] for r in results]  # "auto" resolved by each backend
     tol_name, tol = tolerance_for(precisions, None if tolerance == "auto" else tolerance)
     rows = compare(results[0], results[1], tol)
-    label_a, label_b = (f"{n}/{p}" + (f"#{i}" if names[0] == names[1] and precisions[0] == precisions[1] else "")
-                        for i, (n, p) in enumerate(zip(names, precisions)))
-    click.echo(f"{label_a} vs {label_b}: {method}, {steps} steps, seed {seed}; tolerance '{tol_name}' "
-               f"(relative: loss {tol['loss']:g}, grad norm {tol['grad_norm']:g}, weights {tol['weights']:g})")
-    click.echo(f"{'step':>4}  {'loss ' + label_a:>16}  {'loss ' + label_b:>16}  {'Δloss':>9}  {'Δgrad':>9}  "
-               f"{'Δweights':>9}  verdict")
+    label_a, label_b = (
+        f"{n}/{p}" + (f"#{i}" if names[0] == names[1] and precisions[0] == precisions[1] else "")
+        for i, (n, p) in enumerate(zip(names, precisions))
+    )
+    click.echo(
+        f"{label_a} vs {label_b}: {method}, {steps} steps, seed {seed}; tolerance '{tol_name}' "
+        f"(relative: loss {tol['loss']:g}, grad norm {tol['grad_norm']:g}, weights {tol['weights']:g})"
+    )
+    click.echo(
+        f"{'step':>4}  {'loss ' + label_a:>16}  {'loss ' + label_b:>16}  {'Δloss':>9}  {'Δgrad':>9}  "
+        f"{'Δweights':>9}  verdict"
+    )
     for r in rows:
-        click.echo(f"{r.step:>4}  {r.loss_a:>16.6f}  {r.loss_b:>16.6f}  {r.loss_diff:>9.2e}  {r.grad_norm_diff:>9.2e}"
-                   f"  {r.worst_weight_diff:>9.2e}  {'ok' if r.ok else 'DIVERGED'}")
+        click.echo(
+            f"{r.step:>4}  {r.loss_a:>16.6f}  {r.loss_b:>16.6f}  {r.loss_diff:>9.2e}  {r.grad_norm_diff:>9.2e}"
+            f"  {r.worst_weight_diff:>9.2e}  {'ok' if r.ok else 'DIVERGED'}"
+        )
     first_bad = next((r for r in rows if not r.ok), None)
-    report = {"backends": names, "precisions": precisions, "asked": asked, "method": method, "steps": steps,
-              "seed": seed, "tolerance": {"name": tol_name, **tol}, "passed": first_bad is None,
-              "comparison": [asdict(r) for r in rows], "runs": results}
+    report = {
+        "backends": names,
+        "precisions": precisions,
+        "asked": asked,
+        "method": method,
+        "steps": steps,
+        "seed": seed,
+        "tolerance": {"name": tol_name, **tol},
+        "passed": first_bad is None,
+        "comparison": [asdict(r) for r in rows],
+        "runs": results,
+    }
     out_path = Path(output) if output else default_output(names)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(report, indent=2))
@@ -235,8 +283,10 @@ def parity(backends, method, steps, precision, tolerance, batch_size, seed, mode
             what.append(f"gradient norm differs by {first_bad.grad_norm_diff:.2e}")
         if first_bad.worst_weight_diff > tol["weights"]:
             what.append(f"weights of {first_bad.worst_module} differ by {first_bad.worst_weight_diff:.2e}")
-        click.echo(f"DIVERGED first at step {first_bad.step}: {'; '.join(what)} (module most apart: "
-                   f"{first_bad.worst_module}). Figures in {out_path}")
+        click.echo(
+            f"DIVERGED first at step {first_bad.step}: {'; '.join(what)} (module most apart: "
+            f"{first_bad.worst_module}). Figures in {out_path}"
+        )
         sys.exit(1)
     click.echo(f"PASSED: every step within tolerance. Figures in {out_path}")
 
@@ -261,8 +311,11 @@ def parity_worker(backend, precision, out, method, steps, batch_size, seed, mode
         from vlft.registry import get_registry
 
         choice = choose_backend(get_registry(), backend)
-        result = {"backend": backend, "available": choice.probe.available,
-                  "reason": f"backend '{backend}' is not available here: {choice.probe.reason}"}
+        result = {
+            "backend": backend,
+            "available": choice.probe.available,
+            "reason": f"backend '{backend}' is not available here: {choice.probe.reason}",
+        }
     else:
         result = run_worker(backend, precision, WorkerOptions(method, steps, batch_size, seed, model, data, attn))
     Path(out).write_text(json.dumps(result))

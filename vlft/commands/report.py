@@ -77,11 +77,17 @@ def read_run(path: str | os.PathLike, name: str) -> RunData:
     if not p.is_dir():
         raise ConfigError(f"{path}: no such folder; give run folders written by `vlft run`")
     if not any((p / f).is_file() for f in RUN_FILES):
-        raise ConfigError(f"{path}: not a run folder (none of {', '.join(RUN_FILES)} is there); "
-                          "give folders written by `vlft run` (its --output)")
+        raise ConfigError(
+            f"{path}: not a run folder (none of {', '.join(RUN_FILES)} is there); "
+            "give folders written by `vlft run` (its --output)"
+        )
     run = RunData(p, name)
-    for file, attr in (("plan.json", "plan"), ("config.json", "config"), ("eval.json", "eval"),
-                       ("summary.json", "summary")):
+    for file, attr in (
+        ("plan.json", "plan"),
+        ("config.json", "config"),
+        ("eval.json", "eval"),
+        ("summary.json", "summary"),
+    ):
         f = p / file
         if not f.is_file():
             run.notes.append(f"{file} is missing" + (" (the run did not finish)" if file == "summary.json" else ""))
@@ -131,9 +137,26 @@ def _total_time(seconds: list[float]) -> str:
 def table_rows(runs: list[RunData]) -> tuple[list[str], list[list[str]]]:
     """The comparison table: one row per run."""
     fields = sorted({k for r in runs for k in (_get(r.eval, "after", "fields") or {})})
-    header = ["run", "backend", "device", "method", "precision", "adapted modules", "adapter params", "steps",
-              "median step time", "eval time", "checkpoint time", "samples/s", "tokens/s", "effective tokens/s", "MFU",
-              "peak memory", "exact match before", "exact match after"]
+    header = [
+        "run",
+        "backend",
+        "device",
+        "method",
+        "precision",
+        "adapted modules",
+        "adapter params",
+        "steps",
+        "median step time",
+        "eval time",
+        "checkpoint time",
+        "samples/s",
+        "tokens/s",
+        "effective tokens/s",
+        "MFU",
+        "peak memory",
+        "exact match before",
+        "exact match after",
+    ]
     header += [f"{f} acc / F1 after" for f in fields]
     figures = scorer_figures(runs)
     header += [f"{f} before / after" for f in figures]
@@ -161,19 +184,28 @@ def table_rows(runs: list[RunData]) -> tuple[list[str], list[list[str]]]:
             device += f" ({world} process{'es' if world > 1 else ''}{', FSDP' if sharded else ''})"
         modules = _get(r.plan, "targets", "modules")
         steps = _get(r.summary, "steps") or (logged[-1]["step"] if logged else None)
-        row = [r.name, backend, device, _get(r.plan, "method", "name") or _get(r.summary, "method") or "-",
-               _get(r.plan, "precision", "name") or "-",
-               str(len(modules)) if modules is not None else "-",
-               f"{_get(r.plan, 'targets', 'adapter_parameters'):,}"
-               if _get(r.plan, "targets", "adapter_parameters") is not None else "-",
-               str(steps) if steps is not None else "-",
-               f"{step_time:.3f} s" if step_time is not None else "-",
-               _total_time(evals), _total_time(saves),
-               f"{sps:.2f}" if sps is not None else "-",
-               f"{tps:,.0f}" if tps is not None else "-", f"{eff:,.0f}" if eff is not None else "-",
-               _pct(mfu),
-               f"{peak / 2**30:.2f} GiB" if peak else "-",
-               _pct(_get(r.eval, "before", "exact_match")), _pct(_get(r.eval, "after", "exact_match"))]
+        row = [
+            r.name,
+            backend,
+            device,
+            _get(r.plan, "method", "name") or _get(r.summary, "method") or "-",
+            _get(r.plan, "precision", "name") or "-",
+            str(len(modules)) if modules is not None else "-",
+            f"{_get(r.plan, 'targets', 'adapter_parameters'):,}"
+            if _get(r.plan, "targets", "adapter_parameters") is not None
+            else "-",
+            str(steps) if steps is not None else "-",
+            f"{step_time:.3f} s" if step_time is not None else "-",
+            _total_time(evals),
+            _total_time(saves),
+            f"{sps:.2f}" if sps is not None else "-",
+            f"{tps:,.0f}" if tps is not None else "-",
+            f"{eff:,.0f}" if eff is not None else "-",
+            _pct(mfu),
+            f"{peak / 2**30:.2f} GiB" if peak else "-",
+            _pct(_get(r.eval, "before", "exact_match")),
+            _pct(_get(r.eval, "after", "exact_match")),
+        ]
         for f in fields:
             m = _get(r.eval, "after", "fields", f)
             row.append(f"{m['accuracy']:.1%} / {m['f1']:.1%}" if m else "-")
@@ -218,7 +250,8 @@ def config_differences(runs: list[RunData]) -> list[tuple[str, list[str]]]:
             "resolved.precision": _get(r.plan, "precision", "name"),
             "resolved.param_dtype": _get(r.plan, "param_dtype", "dtype"),
             "resolved.attention": f"vision={_get(r.plan, 'attention', 'vision')} text={_get(r.plan, 'attention', 'text')}"
-            if r.plan else None,
+            if r.plan
+            else None,
             "resolved.lr": _get(r.plan, "method", "lr"),
             "resolved.checkpointing": _get(r.plan, "checkpointing", "enabled"),
             "resolved.model": _get(r.plan, "model"),
@@ -276,8 +309,9 @@ def draw_plots(runs: list[RunData], plots: list[Plot], folder: Path) -> dict[str
         fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
         lines = [(name, xs, ys, "-") for name, xs, ys in series(runs, plot.key, plot.scale)]
         if plot.validation:
-            lines += [(f"{name} (validation)", xs, ys, "--")
-                      for name, xs, ys in series(runs, f"val_{plot.key}", plot.scale)]
+            lines += [
+                (f"{name} (validation)", xs, ys, "--") for name, xs, ys in series(runs, f"val_{plot.key}", plot.scale)
+            ]
         for name, xs, ys, style in lines:
             ax.plot(xs, ys, style, marker="o" if len(xs) < 30 else None, markersize=3, label=name)
         ax.set_title(plot.title)
@@ -324,9 +358,18 @@ def write_report(runs: list[RunData], output: Path) -> Path:
         diff_rows = [[k, *vals] for k, vals in diffs]
         sources = ", ".join(f"{r.name} = {r.path}" for r in runs)
 
-        md = ["# vlft report", "", f"Runs: {sources}", "", "## Comparison", "", _md_table(header, rows), "",
-              "Median step time and samples/s leave out the first logged window (start-up); "
-              "accuracy / F1 are per field, after training."]
+        md = [
+            "# vlft report",
+            "",
+            f"Runs: {sources}",
+            "",
+            "## Comparison",
+            "",
+            _md_table(header, rows),
+            "",
+            "Median step time and samples/s leave out the first logged window (start-up); "
+            "accuracy / F1 are per field, after training.",
+        ]
         for heading, plots in sections:
             md += ["", f"## {heading}", ""] + [f"![{plot.title}]({plot.file})" for plot in plots]
         md += ["", "## What differs between the runs", ""]
@@ -335,10 +378,16 @@ def write_report(runs: list[RunData], output: Path) -> Path:
             md += ["", "## Notes", ""] + [f"- {n}" for n in notes]
         (tmp / "report.md").write_text("\n".join(md) + "\n")
 
-        figures = "".join(f"<h2>{html.escape(heading)}</h2>" + "".join(
-            f'<figure><img alt="{html.escape(plot.title)}" src="data:image/png;base64,'
-            f'{base64.b64encode((tmp / plot.file).read_bytes()).decode()}"><figcaption>{html.escape(plot.title)}'
-            f"</figcaption></figure>" for plot in plots) for heading, plots in sections)
+        figures = "".join(
+            f"<h2>{html.escape(heading)}</h2>"
+            + "".join(
+                f'<figure><img alt="{html.escape(plot.title)}" src="data:image/png;base64,'
+                f'{base64.b64encode((tmp / plot.file).read_bytes()).decode()}"><figcaption>{html.escape(plot.title)}'
+                f"</figcaption></figure>"
+                for plot in plots
+            )
+            for heading, plots in sections
+        )
         page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>vlft report</title>
 <style>
@@ -377,8 +426,13 @@ def run_names(paths: list[str]) -> list[str]:
 
 @click.command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path())
-@click.option("--output", default="report", show_default=True, type=click.Path(file_okay=False),
-              help="The report folder to write (new or empty).")
+@click.option(
+    "--output",
+    default="report",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="The report folder to write (new or empty).",
+)
 @user_errors
 def report(runs, output):
     """Compare run folders: a table, loss/LR/step-time/memory plots, each objective's figures (DPO's reward

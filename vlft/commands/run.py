@@ -82,14 +82,26 @@ def execute(registry: Registry, config: RunConfig, progress: bool = True) -> Run
     identity = run_identity(config, registry.objective_for(config).describe()["options"])
     resume_from = _checkpoint_to_resume(config, output, identity)
     if resume_from is not None and (complete := _completed(output, resume_from, config)) is not None:
-        log(f"--resume: the run in {output} is complete ({complete['steps']} steps, checkpoint "
-            f"{resume_from.name}); nothing to train. Its adapter: {complete.get('adapter')}", config.rank)
+        log(
+            f"--resume: the run in {output} is complete ({complete['steps']} steps, checkpoint "
+            f"{resume_from.name}); nothing to train. Its adapter: {complete.get('adapter')}",
+            config.rank,
+        )
         return RunResult(output, None, metrics=[])
-    trainer = build_trainer(registry, config, resume_from=resume_from, choice=choice,
-                            output=RunOutput(output, identity, tuple(sink_factories)), progress=progress)
-    description = trainer.describe([
-        f"evaluation generates in batches of {eval_batch_size(config)} (the training micro-batch, at most 16), "
-        f"after training, once the adapter is saved and the optimizer state freed"])
+    trainer = build_trainer(
+        registry,
+        config,
+        resume_from=resume_from,
+        choice=choice,
+        output=RunOutput(output, identity, tuple(sink_factories)),
+        progress=progress,
+    )
+    description = trainer.describe(
+        [
+            f"evaluation generates in batches of {eval_batch_size(config)} (the training micro-batch, at most 16), "
+            f"after training, once the adapter is saved and the optimizer state freed"
+        ]
+    )
     sharding = sharding_figures(trainer) if trainer.sharded else None
     write_plan(trainer, description)
     before = evaluate_before(trainer)
@@ -127,8 +139,13 @@ def _checkpoint_to_resume(config: RunConfig, output: Path, identity: dict) -> Pa
         return None
     resume_from = newest_checkpoint(output / "checkpoints", report=lambda m: log(m, config.rank))
     saved = resume_from / RUN_IDENTITY
-    check_same_run(json.loads(saved.read_text()) if saved.exists() else None, identity, resume_from,
-                   config.force_resume, lambda m: log(m, config.rank))
+    check_same_run(
+        json.loads(saved.read_text()) if saved.exists() else None,
+        identity,
+        resume_from,
+        config.force_resume,
+        lambda m: log(m, config.rank),
+    )
     return resume_from
 
 
@@ -141,8 +158,10 @@ def write_plan(trainer: Trainer, description: dict) -> None:
     (output / "plan.json").write_text(json.dumps(description, indent=2, default=str))
     (output / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
     log(format_plan(description))
-    log(f"data         {len(trainer.plan.train_records)} training and {len(trainer.plan.val_records)} validation "
-        f"records")
+    log(
+        f"data         {len(trainer.plan.train_records)} training and {len(trainer.plan.val_records)} validation "
+        f"records"
+    )
     log(f"output       {output}")
 
 
@@ -150,11 +169,16 @@ def generation_eval(trainer: Trainer) -> dict:
     """The greedy answers' scores on the first ``--eval-samples`` validation records."""
     config, plan = trainer.config, trainer.plan
     records = plan.val_records[: config.eval_samples] if config.eval_samples else plan.val_records
-    decoding = Decoding(config.max_new_tokens, eval_batch_size(config), trainer.autocast_dtype,
-                        synced=trainer.sharded)
-    return evaluate_generation(trainer.model, plan.encoder, records, trainer.device, decoding=decoding,
-                               share=(config.rank, config.world_size),
-                               scorers=plan.scorers.chosen if plan.scorers else None)
+    decoding = Decoding(config.max_new_tokens, eval_batch_size(config), trainer.autocast_dtype, synced=trainer.sharded)
+    return evaluate_generation(
+        trainer.model,
+        plan.encoder,
+        records,
+        trainer.device,
+        decoding=decoding,
+        share=(config.rank, config.world_size),
+        scorers=plan.scorers.chosen if plan.scorers else None,
+    )
 
 
 def validation_figures(trainer: Trainer) -> dict | None:
@@ -174,9 +198,12 @@ def evaluate_before(trainer: Trainer) -> dict:
         iterations = plan.objective.iterations
         if start % iterations:  # the kept rollout is not checkpointed (training.rollouts says why)
             first, last = start + 1, start - start % iterations + iterations
-            log(f"resumed inside a rollout (--num-iterations {iterations}): the prompts of "
+            log(
+                f"resumed inside a rollout (--num-iterations {iterations}): the prompts of "
                 f"{f'step {first}' if first == last else f'steps {first}-{last}'} are sampled again by the "
-                f"resumed weights (a checkpoint at a multiple of {iterations} steps resumes exactly)", rank)
+                f"resumed weights (a checkpoint at a multiple of {iterations} steps resumes exactly)",
+                rank,
+            )
         eval_path = output / "eval.json"
         before = json.loads(eval_path.read_text()).get("before") if eval_path.exists() else None
         if before is not None:
@@ -199,14 +226,23 @@ def evaluate_before(trainer: Trainer) -> dict:
 def train(trainer: Trainer) -> list[dict]:
     """The trainer's loop; a stop writes its summary (and an interruption says how to continue)."""
     config, output, rank = trainer.config, trainer.folder, trainer.config.rank
-    log(f"training     {trainer.settings.total_steps} steps of "
-        f"{config.batch_size * config.grad_accum * config.world_size} samples", rank)
+    log(
+        f"training     {trainer.settings.total_steps} steps of "
+        f"{config.batch_size * config.grad_accum * config.world_size} samples",
+        rank,
+    )
     try:
         return trainer.train()
     except Interrupted as e:
         command = resume_command(sys.argv, output, config.world_size)
-        stopped_summary(trainer, "interrupted", e.step, signal=e.signum,
-                        checkpoint=str(e.checkpoint) if e.checkpoint else None, resume_command=command)
+        stopped_summary(
+            trainer,
+            "interrupted",
+            e.step,
+            signal=e.signum,
+            checkpoint=str(e.checkpoint) if e.checkpoint else None,
+            resume_command=command,
+        )
         log(f"interrupted after step {e.step}; checkpoint {e.checkpoint}. Continue with:\n  {command}", rank)
         if trainer.distributed:
             torch.distributed.destroy_process_group()
@@ -220,9 +256,14 @@ def train(trainer: Trainer) -> list[dict]:
         raise
     except CheckpointWriteError as e:
         newest = _newest_checkpoint(trainer)
-        stopped_summary(trainer, "stopped: checkpoint write failed", None, error=str(e),
-                        checkpoint=str(newest) if newest else None,
-                        resume_command=resume_command(sys.argv, output, config.world_size) if newest else None)
+        stopped_summary(
+            trainer,
+            "stopped: checkpoint write failed",
+            None,
+            error=str(e),
+            checkpoint=str(newest) if newest else None,
+            resume_command=resume_command(sys.argv, output, config.world_size) if newest else None,
+        )
         raise
 
 
@@ -235,9 +276,17 @@ def stopped_summary(trainer: Trainer, status: str, step: int | None, **extra) ->
     if trainer.config.rank != 0:
         return
     done = trainer.outcome()
-    summary = {"status": status, "step": step, "steps": done.steps, "resumed_from": done.resumed_from,
-               "train_time_s": done.train_time_s, "skipped_steps": done.skipped_steps, "skipped": done.skipped,
-               "scaler_backoffs": done.scaler_backoffs, **extra}
+    summary = {
+        "status": status,
+        "step": step,
+        "steps": done.steps,
+        "resumed_from": done.resumed_from,
+        "train_time_s": done.train_time_s,
+        "skipped_steps": done.skipped_steps,
+        "skipped": done.skipped,
+        "scaler_backoffs": done.scaler_backoffs,
+        **extra,
+    }
     path = trainer.folder / "summary.json"
     try:
         write_atomically(path, json.dumps(summary, indent=2))
@@ -260,13 +309,22 @@ def evaluate_after(trainer: Trainer) -> tuple[dict | None, str | None]:
         if trainer.distributed:
             raise  # the other processes wait in the evaluation's collectives: stop them all
         error = f"{e.__class__.__name__}: {e}"
-        log(f"the evaluation after training failed ({error}); the adapter is saved in "
-            f"{trainer.folder / 'adapter'}. Score it again with: vlft predict", rank)
+        log(
+            f"the evaluation after training failed ({error}); the adapter is saved in "
+            f"{trainer.folder / 'adapter'}. Score it again with: vlft predict",
+            rank,
+        )
         return None, error
 
 
-def write_summary(trainer: Trainer, before: dict, after: dict | None, records: list[dict],
-                  eval_error: str | None = None, sharding: dict | None = None) -> None:
+def write_summary(
+    trainer: Trainer,
+    before: dict,
+    after: dict | None,
+    records: list[dict],
+    eval_error: str | None = None,
+    sharding: dict | None = None,
+) -> None:
     config, plan, output = trainer.config, trainer.plan, trainer.folder
     if config.rank != 0:
         return
@@ -274,34 +332,46 @@ def write_summary(trainer: Trainer, before: dict, after: dict | None, records: l
     _write_eval(output, before, after)
     mem: MemoryStats = trainer.memory_reader()
     summary = {
-        "backend": plan.backend.info.name, "method": plan.method.name, "objective": plan.objective.name,
-        "init_adapter": plan.init_adapter, "steps": done.steps,
-        "resumed_from": done.resumed_from, "train_time_s": done.train_time_s,
-        "final_loss": records[-1]["loss"] if records else None, "peak_memory_bytes": mem.peak_bytes,
+        "backend": plan.backend.info.name,
+        "method": plan.method.name,
+        "objective": plan.objective.name,
+        "init_adapter": plan.init_adapter,
+        "steps": done.steps,
+        "resumed_from": done.resumed_from,
+        "train_time_s": done.train_time_s,
+        "final_loss": records[-1]["loss"] if records else None,
+        "peak_memory_bytes": mem.peak_bytes,
         "exact_match_before": before.get("exact_match"),
-        "exact_match_after": after.get("exact_match") if after is not None else None, "eval_error": eval_error,
+        "exact_match_after": after.get("exact_match") if after is not None else None,
+        "eval_error": eval_error,
         "adapter": str(output / "adapter"),
-        "param_dtype": plan.precision.param_dtype, "checkpointing": plan.checkpointing,
+        "param_dtype": plan.precision.param_dtype,
+        "checkpointing": plan.checkpointing,
         "memory_estimate_bytes": plan.memory.total_bytes() if plan.memory else None,
         **_validation_summary(before, after),
         "skipped_too_long": plan.lengths.get("skipped_samples", []),
-        "status": "completed", "skipped_steps": done.skipped_steps, "skipped": done.skipped,
+        "status": "completed",
+        "skipped_steps": done.skipped_steps,
+        "skipped": done.skipped,
         "scaler_backoffs": done.scaler_backoffs,
         "sharding": sharding,
     }
     if config.early_stopping_patience:
-        summary["early_stopping"] = {"stopped_early": any(r.get("early_stop") for r in records),
-                                     "best_step": done.best_step, "best_val_loss": done.best_val_loss,
-                                     "best_adapter": str(output / "adapter-best")
-                                     if done.best_step is not None else None}
+        summary["early_stopping"] = {
+            "stopped_early": any(r.get("early_stop") for r in records),
+            "best_step": done.best_step,
+            "best_val_loss": done.best_val_loss,
+            "best_adapter": str(output / "adapter-best") if done.best_step is not None else None,
+        }
     (output / "summary.json").write_text(json.dumps(summary, indent=2))
     if after is not None:
         print(format_table(before, after))
     for name, value in (before.get("validation") or {}).items():
         later = ((after or {}).get("validation") or {}).get(name)
         print(f"{name:<28} {value:10.4f} -> " + (f"{later:.4f}" if later is not None else "-"))
-    print(f"adapter saved to {output / 'adapter'} ({done.steps - done.resumed_from} steps in "
-          f"{done.train_time_s:.0f} s)")
+    print(
+        f"adapter saved to {output / 'adapter'} ({done.steps - done.resumed_from} steps in {done.train_time_s:.0f} s)"
+    )
     print(f"compare it with other runs: vlft report {output} [OTHER_RUN ...] --output {output}-report")
 
 
@@ -317,10 +387,18 @@ def sharding_figures(trainer: Trainer) -> dict:
     here, whole = base_bytes(trainer.model)
     per_rank: list = [None] * config.world_size
     torch.distributed.all_gather_object(per_rank, here)
-    log(f"sharded      base weights per process {', '.join(gib(b) for b in per_rank)} of {gib(whole)} "
-        f"({len(per_rank)} process(es))", config.rank)
-    return {"strategy": "fsdp", "world_size": config.world_size, "base_bytes_per_process": per_rank,
-            "base_bytes_whole": whole, "wrapped": trainer.plan.sharding.wrapped}
+    log(
+        f"sharded      base weights per process {', '.join(gib(b) for b in per_rank)} of {gib(whole)} "
+        f"({len(per_rank)} process(es))",
+        config.rank,
+    )
+    return {
+        "strategy": "fsdp",
+        "world_size": config.world_size,
+        "base_bytes_per_process": per_rank,
+        "base_bytes_whole": whole,
+        "wrapped": trainer.plan.sharding.wrapped,
+    }
 
 
 def metric_sinks(registry: Registry, config: RunConfig) -> list:
@@ -338,8 +416,10 @@ def _validation_summary(before: dict, after: dict | None) -> dict:
     """The objective's validation figures before and after training (a preference objective's accuracy)."""
     if "validation" not in before:
         return {}
-    return {"validation_before": before["validation"],
-            "validation_after": after.get("validation") if after is not None else None}
+    return {
+        "validation_before": before["validation"],
+        "validation_after": after.get("validation") if after is not None else None,
+    }
 
 
 def _write_eval(output: Path, before: dict | None, after: dict | None) -> None:

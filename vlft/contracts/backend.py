@@ -100,8 +100,21 @@ class KernelPatch:
     backend: str = ""  # the backend that offers it
 
     def describe(self) -> dict:
-        return {k: getattr(self, k) for k in ("name", "replaces", "why", "condition", "available", "reason",
-                                              "default", "attention", "check", "backend")}
+        return {
+            k: getattr(self, k)
+            for k in (
+                "name",
+                "replaces",
+                "why",
+                "condition",
+                "available",
+                "reason",
+                "default",
+                "attention",
+                "check",
+                "backend",
+            )
+        }
 
 
 @contract

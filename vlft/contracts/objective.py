@@ -45,8 +45,15 @@ PER_STEP = "steps"  # a figure unit: the figure is a mean per process and step (
 
 # -- options ---------------------------------------------------------------------------------------------------
 
-def option(default: Any, help: str, *, check: Callable[[Any], str] | None = None,
-           choices: tuple[str, ...] = (), metavar: str = "") -> Any:
+
+def option(
+    default: Any,
+    help: str,
+    *,
+    check: Callable[[Any], str] | None = None,
+    choices: tuple[str, ...] = (),
+    metavar: str = "",
+) -> Any:
     """A field of an objective's options class: its default, its help (``vlft run --help``, ``vlft
     objectives``), and ``check(value) -> ''`` or what is wrong with a value (``'must be positive'``)."""
     metadata = {"help": help, "check": check, "choices": tuple(choices), "metavar": metavar}
@@ -82,8 +89,17 @@ def option_specs(options: type | None) -> tuple[OptionSpec, ...]:
     for f in dataclasses.fields(options):
         kind = typing.get_origin(hints[f.name]) or hints[f.name]
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        specs.append(OptionSpec(f.name, kind, default, f.metadata.get("help", ""), f.metadata.get("check"),
-                                f.metadata.get("choices", ()), f.metadata.get("metavar", "")))
+        specs.append(
+            OptionSpec(
+                f.name,
+                kind,
+                default,
+                f.metadata.get("help", ""),
+                f.metadata.get("check"),
+                f.metadata.get("choices", ()),
+                f.metadata.get("metavar", ""),
+            )
+        )
     return tuple(specs)
 
 
@@ -98,10 +114,13 @@ def resolve_options(objective: str, options: type | None, given: Mapping[str, An
             flag = "--" + name.replace("_", "-")
             others = [o for o in owners.get(name, []) if o != objective]
             takers = ", ".join(others[:-1]) + (" and " if len(others) > 1 else "") + (others[-1] if others else "")
-            raise ConfigError(f"{flag} is not an option of the {objective} objective"
-                              + (f" ({takers} take{'s' if len(others) == 1 else ''} it)" if others else "")
-                              + "; its options: "
-                              + (", ".join(s.flag for s in specs.values()) or "none") + " (`vlft objectives`)")
+            raise ConfigError(
+                f"{flag} is not an option of the {objective} objective"
+                + (f" ({takers} take{'s' if len(others) == 1 else ''} it)" if others else "")
+                + "; its options: "
+                + (", ".join(s.flag for s in specs.values()) or "none")
+                + " (`vlft objectives`)"
+            )
     if options is None:
         return None
     values = {name: _checked(specs[name], value, objective) for name, value in given.items()}
@@ -154,6 +173,7 @@ def non_negative(value) -> str:
 
 # -- what a plugin names ---------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class ObjectiveInfo:
     """What ``vlft_objectives()`` answers: one entry per training objective a plugin offers (``--objective``),
@@ -184,16 +204,21 @@ class Reward:
 
 # -- what an objective is --------------------------------------------------------------------------------------
 
+
 class Layout(enum.Enum):
     """The record layouts the core reads, checks and batches for an objective (README "Data"); an objective
     with a layout of its own gives a ``RecordFormat`` instead (GRPO's prompts)."""
 
     CONVERSATIONS = "conversations: user turns and the assistant replies to learn"
-    PREFERENCE_PAIRS = ("preferences: a prompt and its images with a chosen and a rejected reply (LLaMA-Factory: "
-                        "conversations/messages + chosen + rejected + images; TRL: prompt + chosen + rejected + "
-                        "images)")
-    UNPAIRED_PREFERENCES = ("unpaired preferences: a prompt and its images with one reply marked desirable or "
-                            "not (LLaMA-Factory: messages + kto_tag or label; TRL: prompt + completion + label)")
+    PREFERENCE_PAIRS = (
+        "preferences: a prompt and its images with a chosen and a rejected reply (LLaMA-Factory: "
+        "conversations/messages + chosen + rejected + images; TRL: prompt + chosen + rejected + "
+        "images)"
+    )
+    UNPAIRED_PREFERENCES = (
+        "unpaired preferences: a prompt and its images with one reply marked desirable or "
+        "not (LLaMA-Factory: messages + kto_tag or label; TRL: prompt + completion + label)"
+    )
 
     @property
     def description(self) -> str:
@@ -281,15 +306,17 @@ class Passes(Protocol):
         ``--init-adapter`` weights)."""
         ...
 
-    def token_logps(self, model: Any, batch: dict, groups: int = 1, temperature: float = 1.0,
-                    suppressed: tuple[int, ...] = ()) -> tuple[Any, Any]:
+    def token_logps(
+        self, model: Any, batch: dict, groups: int = 1, temperature: float = 1.0, suppressed: tuple[int, ...] = ()
+    ) -> tuple[Any, Any]:
         """(per-token log-probabilities ``[rows, P]`` at the labelled positions, their mask), from the logits
         divided by ``temperature`` with the ``suppressed`` token ids out of the softmax (a sampler's
         distribution)."""
         ...
 
-    def reference_token_logps(self, batch: dict, groups: int = 1, temperature: float = 1.0,
-                              suppressed: tuple[int, ...] = ()) -> tuple[Any, Any]:
+    def reference_token_logps(
+        self, batch: dict, groups: int = 1, temperature: float = 1.0, suppressed: tuple[int, ...] = ()
+    ) -> tuple[Any, Any]:
         """``token_logps`` under the reference model (as ``reference_sequence_logps``)."""
         ...
 
@@ -309,52 +336,91 @@ class Objective:
 
     name: str = field(metadata={"help": "What `--objective` selects, e.g. 'dpo'."})
     description: str = _field("", "One line for `vlft objectives` and the plan.")
-    options: Any = _field(None, "The resolved options (an instance of `ObjectiveInfo.options`), shown in the "
-                                "plan and plan.json.", compare=False)
-    layout: Layout | RecordFormat = _field(Layout.CONVERSATIONS, "A `Layout` the core reads (conversations, "
-                                           "preference pairs, unpaired preferences) or the objective's own "
-                                           "`RecordFormat` (parse, encoder, collate).", compare=False)
+    options: Any = _field(
+        None,
+        "The resolved options (an instance of `ObjectiveInfo.options`), shown in the plan and plan.json.",
+        compare=False,
+    )
+    layout: Layout | RecordFormat = _field(
+        Layout.CONVERSATIONS,
+        "A `Layout` the core reads (conversations, "
+        "preference pairs, unpaired preferences) or the objective's own "
+        "`RecordFormat` (parse, encoder, collate).",
+        compare=False,
+    )
     rows_per_record: int = _field(1, "Sequences the model runs per record (DPO: 2); the memory plan counts them.")
-    average_over: Average = _field(Average.LABEL_TOKENS, "An `Average`: label tokens, records, or the completion "
-                                                         "tokens or completions `prepare` counts.")
-    figures: tuple[str, ...] = _field((), "The figures `loss` returns, logged as means (metrics.jsonl, "
-                                          "--report-to) and, as val_<figure>, in validation.")
-    figure_units: Mapping[str, str] = _field({}, "{figure: what its mean is over} where not the loss's units: "
-                                                 "another figure counting its units (GRPO's 'reward' over "
-                                                 "'completions'), or PER_STEP ('steps': a count, a time).",
-                                             compare=False)
-    reference: bool = _field(False, "Whether the loss compares with a reference model: the adapter off, or the "
-                                    "adapter --init-adapter loaded (kept frozen); the run keeps it and the memory "
-                                    "plan counts the --init-adapter copy.")
-    dropout: bool = _field(True, "False: every dropout layer is off for the whole run (TRL's disable_dropout), so "
-                                 "the trained pass computes what the reference pass and generation compute (both "
-                                 "in evaluation mode).")
-    iterations: int = _field(1, "Steps each prepared batch is trained on (GRPO's --num-iterations): the data order "
-                                "draws a step's records for that many steps in a row and the core hands `loss` "
-                                "the same prepared batches again.")
-    generation: Generation | None = _field(None, "What a step generates (`Generation`), for the memory plan's KV "
-                                                 "cache; None: nothing.")
-    demo_epochs: float | None = _field(None, "Epochs on the demo data when neither --epochs nor --steps is given "
-                                             "(None: SFT's).")
+    average_over: Average = _field(
+        Average.LABEL_TOKENS,
+        "An `Average`: label tokens, records, or the completion tokens or completions `prepare` counts.",
+    )
+    figures: tuple[str, ...] = _field(
+        (),
+        "The figures `loss` returns, logged as means (metrics.jsonl, --report-to) and, as val_<figure>, in validation.",
+    )
+    figure_units: Mapping[str, str] = _field(
+        {},
+        "{figure: what its mean is over} where not the loss's units: "
+        "another figure counting its units (GRPO's 'reward' over "
+        "'completions'), or PER_STEP ('steps': a count, a time).",
+        compare=False,
+    )
+    reference: bool = _field(
+        False,
+        "Whether the loss compares with a reference model: the adapter off, or the "
+        "adapter --init-adapter loaded (kept frozen); the run keeps it and the memory "
+        "plan counts the --init-adapter copy.",
+    )
+    dropout: bool = _field(
+        True,
+        "False: every dropout layer is off for the whole run (TRL's disable_dropout), so "
+        "the trained pass computes what the reference pass and generation compute (both "
+        "in evaluation mode).",
+    )
+    iterations: int = _field(
+        1,
+        "Steps each prepared batch is trained on (GRPO's --num-iterations): the data order "
+        "draws a step's records for that many steps in a row and the core hands `loss` "
+        "the same prepared batches again.",
+    )
+    generation: Generation | None = _field(
+        None, "What a step generates (`Generation`), for the memory plan's KV cache; None: nothing."
+    )
+    demo_epochs: float | None = _field(
+        None, "Epochs on the demo data when neither --epochs nor --steps is given (None: SFT's)."
+    )
     packing_refusal: str = _field("", "Why --packing cannot lay its rows out ('' it can; auto then pads).")
-    sharding_refusal: str = _field("", "Why --shard fsdp cannot run it ('' it can); the run stops before any "
-                                       "process starts.")
+    sharding_refusal: str = _field(
+        "", "Why --shard fsdp cannot run it ('' it can); the run stops before any process starts."
+    )
     notes: tuple[str, ...] = _field((), "Lines for the plan.")
 
     def __post_init__(self):
         """A value of the contract before plugin API 3 (a string where an enum or a bool is read now) is named
         with what replaced it, not left to fail inside a step."""
-        wrong = [(name, want) for name, want in (("average_over", Average), ("reference", bool), ("layout", None),
-                                                  ("generation", Generation))
-                 if not _fits(getattr(self, name), want)]
+        wrong = [
+            (name, want)
+            for name, want in (
+                ("average_over", Average),
+                ("reference", bool),
+                ("layout", None),
+                ("generation", Generation),
+            )
+            if not _fits(getattr(self, name), want)
+        ]
         if wrong:
-            raise ContractChanged("; ".join(
-                f"Objective({name}={getattr(self, name)!r}): plugin API 3 takes "
-                + {"average_over": "a vlft.Average (Average.RECORDS, Average.LABEL_TOKENS, ...)",
-                   "reference": "a bool (True: the loss compares with a reference model)",
-                   "layout": "a vlft.Layout or a format with parse, encoder and collate methods",
-                   "generation": "a vlft.Generation(sequences_per_record, new_tokens) or None"}[name]
-                for name, _ in wrong) + " (see docs/plugin-api-changes.md#plugin-api-3)")
+            raise ContractChanged(
+                "; ".join(
+                    f"Objective({name}={getattr(self, name)!r}): plugin API 3 takes "
+                    + {
+                        "average_over": "a vlft.Average (Average.RECORDS, Average.LABEL_TOKENS, ...)",
+                        "reference": "a bool (True: the loss compares with a reference model)",
+                        "layout": "a vlft.Layout or a format with parse, encoder and collate methods",
+                        "generation": "a vlft.Generation(sequences_per_record, new_tokens) or None",
+                    }[name]
+                    for name, _ in wrong
+                )
+                + " (see docs/plugin-api-changes.md#plugin-api-3)"
+            )
 
     @property
     def supervised(self) -> bool:
@@ -383,16 +449,26 @@ class Objective:
         """Plain data for the plan and `vlft objectives`."""
         layout = self.layout.description
         options = self.options
-        options = dataclasses.asdict(options) if dataclasses.is_dataclass(options) and not isinstance(options, type) \
-            else {}
-        return {"name": self.name, "description": self.description, "options": options, "layout": layout,
-                "rows_per_record": self.rows_per_record, "average_over": self.average_over.value,
-                "figures": list(self.figures), "reference": self.reference, "notes": list(self.notes),
-                "dropout": self.dropout,
-                **({"generation": dataclasses.asdict(self.generation)} if self.generation else {})}
+        options = (
+            dataclasses.asdict(options) if dataclasses.is_dataclass(options) and not isinstance(options, type) else {}
+        )
+        return {
+            "name": self.name,
+            "description": self.description,
+            "options": options,
+            "layout": layout,
+            "rows_per_record": self.rows_per_record,
+            "average_over": self.average_over.value,
+            "figures": list(self.figures),
+            "reference": self.reference,
+            "notes": list(self.notes),
+            "dropout": self.dropout,
+            **({"generation": dataclasses.asdict(self.generation)} if self.generation else {}),
+        }
 
 
 # -- preference pairs ------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Side:
@@ -420,14 +496,18 @@ class PairedPreference(Objective):
     average_over: Average = Average.RECORDS
     dropout: bool = False  # TRL's default (disable_dropout): the two rows of a pair see one model
     demo_epochs: float | None = 2
-    packing_refusal: str = ("the chosen and rejected rows of a pair are scored row by row; packed rows are not "
-                            "built for them")
-    sharding_refusal: str = ("the shared vision pass calls the vision tower outside the sharded root's forward, "
-                             "which is not built for FSDP's sharded parameters yet (data parallel works: leave "
-                             "out --shard)")
+    packing_refusal: str = (
+        "the chosen and rejected rows of a pair are scored row by row; packed rows are not built for them"
+    )
+    sharding_refusal: str = (
+        "the shared vision pass calls the vision tower outside the sharded root's forward, "
+        "which is not built for FSDP's sharded parameters yet (data parallel works: leave "
+        "out --shard)"
+    )
     notes: tuple[str, ...] = (
         "each image is encoded once per pass: one vision pass feeds the chosen and the rejected row (where the "
-        "model takes precomputed features)",)
+        "model takes precomputed features)",
+    )
 
     def loss(self, model, batch: dict, passes: Passes) -> tuple[Any, dict]:
         """The reference's pass first (no gradients: its activations are gone before the trained pass's), then
@@ -455,8 +535,11 @@ def _fits(value: Any, want: type | None) -> bool:
 
 def reference_description(init_adapter: bool) -> str:
     """What the reference model is, in words (the plan and `vlft objectives`)."""
-    return ("the adapter as --init-adapter loaded it (kept frozen)" if init_adapter
-            else "the base model (the adapter switched off)")
+    return (
+        "the adapter as --init-adapter loaded it (kept frozen)"
+        if init_adapter
+        else "the base model (the adapter switched off)"
+    )
 
 
 def objective_help() -> dict[str, str]:

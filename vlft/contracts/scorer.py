@@ -36,8 +36,10 @@ class Scorer:
 
     def as_reward(self) -> Reward:
         """The scorer as a reward function (``--reward NAME``, no argument)."""
+
         def build(argument):
             if argument is not None:
                 raise ConfigError(f"--reward {self.name}={argument}: the {self.name} scorer takes no argument")
             return self.score
+
         return Reward(self.name, self.description + " (a scorer: vlft eval --scorer " + self.name + ")", build)

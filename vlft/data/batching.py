@@ -19,8 +19,13 @@ class Collator:
     ``padding_side`` is "right" for training and "left" for generation.
     """
 
-    def __init__(self, pad_token_id: int, batch_inputs: dict | None = None, padding_side: str = "right",
-                 pad_to: int | None = None):
+    def __init__(
+        self,
+        pad_token_id: int,
+        batch_inputs: dict | None = None,
+        padding_side: str = "right",
+        pad_to: int | None = None,
+    ):
         self.pad_token_id = pad_token_id
         self.batch_inputs = dict(batch_inputs or {})
         self.padding_side = padding_side
@@ -133,8 +138,11 @@ def batch_counts(batch: dict) -> tuple[int, int]:
 def to_device(batch: dict, device: torch.device, non_blocking: bool = False) -> dict:
     """The batch's tensors on ``device`` (those of a nested dict too: ``data.pairs``' shared inputs), less what
     only the host reads (``HOST_KEYS``)."""
-    return {k: to_device(v, device, non_blocking) if isinstance(v, dict) else v.to(device, non_blocking=non_blocking)
-            for k, v in batch.items() if k not in HOST_KEYS}
+    return {
+        k: to_device(v, device, non_blocking) if isinstance(v, dict) else v.to(device, non_blocking=non_blocking)
+        for k, v in batch.items()
+        if k not in HOST_KEYS
+    }
 
 
 def model_inputs(batch: dict) -> dict:

@@ -65,7 +65,7 @@ class EmbeddedImage:
 
 
 def file_format(path: Path) -> str | None:
-    """"parquet", "arrow" or None (a JSON file), from the first bytes and the suffix: a Parquet file named
+    """ "parquet", "arrow" or None (a JSON file), from the first bytes and the suffix: a Parquet file named
     ``.jsonl`` is still read as Parquet, and an empty or broken ``.parquet`` gets the Parquet reader's message."""
     try:
         with open(path, "rb") as f:
@@ -109,14 +109,18 @@ def _folder_files(folder: Path) -> list[Path]:
         return files
     if (folder / "dataset_dict.json").is_file():
         splits = sorted(p.name for p in folder.iterdir() if (p / "state.json").is_file())
-        raise DataError(f"{folder} holds several splits ({', '.join(splits) or 'none saved'}), a saved "
-                        f"DatasetDict: give one split's folder, e.g. --data {folder / (splits[0] if splits else 'train')}")
+        raise DataError(
+            f"{folder} holds several splits ({', '.join(splits) or 'none saved'}), a saved "
+            f"DatasetDict: give one split's folder, e.g. --data {folder / (splits[0] if splits else 'train')}"
+        )
     shards = sorted(p for p in folder.iterdir() if p.suffix in SHARD_SUFFIXES and p.is_file())
     if shards:
         return shards
-    raise DataError(f"{folder} is a folder, but neither a saved `datasets` folder (state.json beside "
-                    f"data-*.arrow) nor a folder of .parquet / .arrow shards; give a data file, such a folder, or "
-                    f"a glob such as '{folder}/*.jsonl'")
+    raise DataError(
+        f"{folder} is a folder, but neither a saved `datasets` folder (state.json beside "
+        f"data-*.arrow) nor a folder of .parquet / .arrow shards; give a data file, such a folder, or "
+        f"a glob such as '{folder}/*.jsonl'"
+    )
 
 
 def check_column_map(columns: dict[str, str] | None) -> dict[str, str]:
@@ -124,8 +128,10 @@ def check_column_map(columns: dict[str, str] | None) -> dict[str, str]:
     columns = dict(columns or {})
     unknown = sorted(set(columns) - set(RECORD_KEYS))
     if unknown:
-        raise DataError(f"--columns maps {', '.join(map(repr, unknown))}, which no layout reads; the names vlft "
-                        f"reads are {', '.join(RECORD_KEYS)} (write OURS=THEIRS, e.g. messages=conv)")
+        raise DataError(
+            f"--columns maps {', '.join(map(repr, unknown))}, which no layout reads; the names vlft "
+            f"reads are {', '.join(RECORD_KEYS)} (write OURS=THEIRS, e.g. messages=conv)"
+        )
     return columns
 
 
@@ -157,12 +163,15 @@ def unread_columns(spec: str | os.PathLike, columns: dict[str, str] | None = Non
 
 
 def _image_shape(type_) -> str | None:
-    """"one" for a ``{"bytes", ...}`` struct column, "list" for a list of them, else None."""
+    """ "one" for a ``{"bytes", ...}`` struct column, "list" for a list of them, else None."""
     import pyarrow as pa  # a columnar file is being read
 
     def is_image(t) -> bool:
-        return pa.types.is_struct(t) and t.get_field_index("bytes") >= 0 and (
-            pa.types.is_binary(t.field("bytes").type) or pa.types.is_large_binary(t.field("bytes").type))
+        return (
+            pa.types.is_struct(t)
+            and t.get_field_index("bytes") >= 0
+            and (pa.types.is_binary(t.field("bytes").type) or pa.types.is_large_binary(t.field("bytes").type))
+        )
 
     if is_image(type_):
         return "one"
@@ -192,16 +201,20 @@ def read_rows(path: Path, rows, label: str, columns: dict[str, str] | None = Non
     table = _opened(path)
     read, shapes = _row_plan(table, label, columns)
     file = str(Path(path).resolve())
-    return [(_where(label, group, row), _row_object(cells, read, shapes, file, row))
-            for row, group, cells in table.rows(list(read), [int(r) for r in rows])]
+    return [
+        (_where(label, group, row), _row_object(cells, read, shapes, file, row))
+        for row, group, cells in table.rows(list(read), [int(r) for r in rows])
+    ]
 
 
 def _row_plan(table: _Table, label: str, columns: dict[str, str] | None) -> tuple[dict[str, str], dict]:
     """({the file's column: the key it is read as}, {column: its image shape or None})."""
     read, _ = _reading_plan(table.schema.names, check_column_map(columns))
     if not read:
-        raise DataError(f"{label}: none of its columns ({', '.join(table.schema.names)}) is one vlft reads "
-                        f"({', '.join(RECORD_KEYS)}); map the set's own names with --columns OURS=THEIRS")
+        raise DataError(
+            f"{label}: none of its columns ({', '.join(table.schema.names)}) is one vlft reads "
+            f"({', '.join(RECORD_KEYS)}); map the set's own names with --columns OURS=THEIRS"
+        )
     return read, {name: _image_shape(table.schema.field(name).type) for name in read}
 
 
@@ -252,8 +265,10 @@ class _Table:
                 self.schema = self.table.schema
         except (pa.ArrowException, OSError) as e:
             kind = "Parquet" if self.format == "parquet" else "Arrow (IPC file or stream)"
-            raise DataError(f"{path}: cannot be read as {kind} ({e}); the file is damaged or not {kind} at all "
-                            f"(a partial download?): download or export it again") from None
+            raise DataError(
+                f"{path}: cannot be read as {kind} ({e}); the file is damaged or not {kind} at all "
+                f"(a partial download?): download or export it again"
+            ) from None
 
     def batches(self, names: list[str], label: str) -> Iterator[tuple[int | None, int, Any]]:
         """(row group or None, the batch's first row, the batch), ``BATCH_ROWS`` rows at most at a time."""
@@ -272,8 +287,10 @@ class _Table:
                     yield group, first, batch
                     first += batch.num_rows
             except (pa.ArrowException, OSError) as e:
-                raise DataError(f"{label}: row group {group} cannot be read as Parquet ({e}); the file is "
-                                f"damaged: download or export it again") from None
+                raise DataError(
+                    f"{label}: row group {group} cannot be read as Parquet ({e}); the file is "
+                    f"damaged: download or export it again"
+                ) from None
 
     def rows(self, names: list[str], rows: list[int]) -> list[tuple[int, int | None, dict]]:
         """(row, row group or None, {column: value}) of each row, in order; a Parquet row group's columns are
@@ -286,7 +303,9 @@ class _Table:
             if self.format == "parquet":
                 group = self._group_of(rows[start])
                 lo, hi = self.group_starts[group], self.group_starts[group + 1]
-                table = self._kept((group, tuple(names)), lambda group=group: self.parquet.read_row_group(group, columns=names))
+                table = self._kept(
+                    (group, tuple(names)), lambda group=group: self.parquet.read_row_group(group, columns=names)
+                )
             else:
                 group, lo, hi, table = None, 0, self.table.num_rows, self.table.select(names)
             end = start + 1
@@ -363,6 +382,8 @@ def read_image_bytes(ref: StoredImage) -> bytes:
         value = value[ref.item]
     data = value.get("bytes") if isinstance(value, dict) else None
     if data is None:
-        raise DataError(f"{ref.file}: row {ref.row}, column '{ref.column}': the image's bytes are gone (the file "
-                        f"changed after it was checked)")
+        raise DataError(
+            f"{ref.file}: row {ref.row}, column '{ref.column}': the image's bytes are gone (the file "
+            f"changed after it was checked)"
+        )
     return data

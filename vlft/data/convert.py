@@ -41,8 +41,13 @@ class Converted:
     images_dir: Path | None = None
 
 
-def convert(src: str | os.PathLike, out: str | os.PathLike, image_root: str | None = None,
-            add_placeholders: bool = False, columns: dict[str, str] | None = None) -> Converted:
+def convert(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    image_root: str | None = None,
+    add_placeholders: bool = False,
+    columns: dict[str, str] | None = None,
+) -> Converted:
     """Read and check ``src`` (any format ``--data`` takes), then write it to ``out`` (``.parquet``, ``.jsonl``)."""
     out = Path(out)
     kind = {".parquet": "parquet", ".jsonl": "jsonl"}.get(out.suffix)
@@ -83,23 +88,29 @@ def _write_parquet(records: list[Record], out: Path) -> Converted:
 
     with_loss = any(not t.trained for r in records for t in r.turns)
     message = [("role", pa.string()), ("content", pa.string())] + ([("loss", pa.bool_())] if with_loss else [])
-    fields = [("messages", pa.list_(pa.struct(message))),
-              ("images", pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())])))]
+    fields = [
+        ("messages", pa.list_(pa.struct(message))),
+        ("images", pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))),
+    ]
     if any(r.videos for r in records):
         fields.append(("videos", pa.list_(pa.string())))
     if any(r.id is not None for r in records):
         fields.append(("id", pa.string()))
-    schema = pa.schema(fields, metadata={"huggingface": json.dumps(_features(schema_names=[n for n, _ in fields],
-                                                                             with_loss=with_loss))})
+    schema = pa.schema(
+        fields,
+        metadata={"huggingface": json.dumps(_features(schema_names=[n for n, _ in fields], with_loss=with_loss))},
+    )
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     images = 0
     try:
         with pq.ParquetWriter(str(tmp), schema) as writer:
             for start in range(0, len(records), ROW_GROUP_ROWS):
                 rows = []
-                for r in records[start:start + ROW_GROUP_ROWS]:
-                    row = {"messages": _messages(r, with_loss),
-                           "images": [dict(zip(("bytes", "path"), _image_bytes(s))) for s in r.images]}
+                for r in records[start : start + ROW_GROUP_ROWS]:
+                    row = {
+                        "messages": _messages(r, with_loss),
+                        "images": [dict(zip(("bytes", "path"), _image_bytes(s))) for s in r.images],
+                    }
                     if "videos" in schema.names:
                         row["videos"] = list(r.videos)
                     if "id" in schema.names:
@@ -116,12 +127,17 @@ def _write_parquet(records: list[Record], out: Path) -> Converted:
 def _features(schema_names: list[str], with_loss: bool) -> dict:
     """`datasets`' description of the columns (the schema metadata it reads), so `datasets` and TRL open the
     images as ``Image`` features. The list-of-dict and ``Sequence`` forms: read by `datasets` 2 to 5."""
+
     def value(dtype: str) -> dict:
         return {"dtype": dtype, "_type": "Value"}
 
     message = {"role": value("string"), "content": value("string"), **({"loss": value("bool")} if with_loss else {})}
-    known = {"messages": [message], "images": {"feature": {"_type": "Image"}, "_type": "Sequence"},
-             "videos": {"feature": value("string"), "_type": "Sequence"}, "id": value("string")}
+    known = {
+        "messages": [message],
+        "images": {"feature": {"_type": "Image"}, "_type": "Sequence"},
+        "videos": {"feature": value("string"), "_type": "Sequence"},
+        "id": value("string"),
+    }
     return {"info": {"features": {name: known[name] for name in schema_names}}}
 
 

@@ -64,8 +64,12 @@ def draw_product(colour: str, defect: str, rng: random.Random) -> Image.Image:
     img = Image.new("RGB", (size, size), bg)
     d = ImageDraw.Draw(img)
     margin = rng.randint(8, 18)
-    box = (margin + rng.randint(-4, 4), margin + rng.randint(-4, 4),
-           size - margin + rng.randint(-4, 4), size - margin + rng.randint(-4, 4))
+    box = (
+        margin + rng.randint(-4, 4),
+        margin + rng.randint(-4, 4),
+        size - margin + rng.randint(-4, 4),
+        size - margin + rng.randint(-4, 4),
+    )
     base = COLOURS[colour]
     fill = tuple(max(0, min(255, c + rng.randint(-20, 20))) for c in base)
     d.rounded_rectangle(box, radius=rng.randint(6, 16), fill=fill, outline=(60, 60, 60), width=2)
@@ -160,8 +164,7 @@ def wrong_answer(answer: str, rng: random.Random, field: str) -> str:
     return answer_for(values["colour"], values["defect"])
 
 
-def write_demo_preferences(out: str | os.PathLike, n_train: int = 1600, n_val: int = 400,
-                           seed: int = 0) -> DemoDataset:
+def write_demo_preferences(out: str | os.PathLike, n_train: int = 1600, n_val: int = 400, seed: int = 0) -> DemoDataset:
     """The demo task as preference pairs, beside the demo data set in ``out`` (written first if missing) and
     on its images: each record's question with the right answer chosen and, rejected, the same answer with the
     colour (even records) or the defect (odd ones) changed to another value, in LLaMA-Factory's preference
@@ -179,8 +182,17 @@ def write_demo_preferences(out: str | os.PathLike, n_train: int = 1600, n_val: i
             rec = json.loads(line)
             *prompt, reply = rec["conversations"]
             rejected = wrong_answer(reply["value"], rng, "colour" if i % 2 == 0 else "defect")
-            lines.append(json.dumps({"id": rec["id"], "images": [rec["image"]], "conversations": prompt,
-                                     "chosen": reply, "rejected": {"from": reply["from"], "value": rejected}}))
+            lines.append(
+                json.dumps(
+                    {
+                        "id": rec["id"],
+                        "images": [rec["image"]],
+                        "conversations": prompt,
+                        "chosen": reply,
+                        "rejected": {"from": reply["from"], "value": rejected},
+                    }
+                )
+            )
         tmp = target.with_name(f".{name}.{os.getpid()}.tmp")
         tmp.write_text("".join(x + "\n" for x in lines), encoding="utf-8")
         os.replace(tmp, target)
@@ -211,21 +223,53 @@ def write_demo_unpaired(out: str | os.PathLike, n_train: int = 1600, n_val: int 
             desirable = i % 8 in (0, 3, 5, 6)
             reply = rec["chosen" if desirable else "rejected"]
             messages = [{"role": t["from"], "content": t["value"]} for t in [*rec["conversations"], reply]]
-            lines.append(json.dumps({"id": rec["id"], "images": rec["images"], "messages": messages,
-                                     "label": desirable}))
+            lines.append(
+                json.dumps({"id": rec["id"], "images": rec["images"], "messages": messages, "label": desirable})
+            )
         tmp = target.with_name(f".{name}.{os.getpid()}.tmp")
         tmp.write_text("".join(x + "\n" for x in lines), encoding="utf-8")
         os.replace(tmp, target)
     return DemoDataset(ds.root, paths[0], paths[1])
 
 
-WORDS = ("the", "product", "box", "surface", "left", "right", "corner", "edge", "colour", "scratch", "crack", "stain",
-         "hole", "small", "large", "near", "top", "bottom", "visible", "clean", "worn", "label", "seal", "panel")
+WORDS = (
+    "the",
+    "product",
+    "box",
+    "surface",
+    "left",
+    "right",
+    "corner",
+    "edge",
+    "colour",
+    "scratch",
+    "crack",
+    "stain",
+    "hole",
+    "small",
+    "large",
+    "near",
+    "top",
+    "bottom",
+    "visible",
+    "clean",
+    "worn",
+    "label",
+    "seal",
+    "panel",
+)
 
 
-def write_varied_dataset(out: str | os.PathLike, n: int = 64, seed: int = 0, min_side: int = 224,
-                         max_side: int = 1024, max_images: int = 3, answer_words: tuple[int, int] = (5, 200),
-                         max_turns: int = 3) -> Path:
+def write_varied_dataset(
+    out: str | os.PathLike,
+    n: int = 64,
+    seed: int = 0,
+    min_side: int = 224,
+    max_side: int = 1024,
+    max_images: int = 3,
+    answer_words: tuple[int, int] = (5, 200),
+    max_turns: int = 3,
+) -> Path:
     """A variable-length set with the shapes of real fine-tuning data, written to ``out/train.jsonl``:
     0 to ``max_images`` images per record (some records text-only) of random sides in
     [``min_side``, ``max_side``] (dynamic resolution: each is resized by the processor's own rule), 1 to

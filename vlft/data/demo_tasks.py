@@ -82,16 +82,33 @@ def _records(task: str, n: int, rng: random.Random, prefix: str, img_dir: Path, 
             img.save(img_dir / name, optimize=False)
             question = "Where is the square? Answer with its box [x1, y1, x2, y2]."
             answer = box_text(box, box_coordinates)
-        yield {"id": f"{prefix}-{i}", "image": f"imgs/{name}",
-               "conversations": [{"from": "user", "value": "<image>\n" + question},
-                                 {"from": "assistant", "value": answer}]}
+        yield {
+            "id": f"{prefix}-{i}",
+            "image": f"imgs/{name}",
+            "conversations": [
+                {"from": "user", "value": "<image>\n" + question},
+                {"from": "assistant", "value": answer},
+            ],
+        }
 
 
-def write_task_dataset(out: str | os.PathLike, task: str, n_train: int = 400, n_val: int = 40, seed: int = 0,
-                       box_coordinates: str = "absolute") -> DemoDataset:
+def write_task_dataset(
+    out: str | os.PathLike,
+    task: str,
+    n_train: int = 400,
+    n_val: int = 40,
+    seed: int = 0,
+    box_coordinates: str = "absolute",
+) -> DemoDataset:
     """Write ``train.jsonl``, ``val.jsonl`` and ``imgs/`` of ``task`` under ``out`` (a temporary folder renamed into
     place, as the product set is)."""
     if task not in TASKS:
         raise ValueError(f"unknown demo task {task!r}; one of {', '.join(TASKS)}")
-    return write_splits(Path(out), lambda n, rng, split, imgs: _records(task, n, rng, split, imgs, box_coordinates),
-                        n_train, n_val, seed, prefix=".demo-task-")
+    return write_splits(
+        Path(out),
+        lambda n, rng, split, imgs: _records(task, n, rng, split, imgs, box_coordinates),
+        n_train,
+        n_val,
+        seed,
+        prefix=".demo-task-",
+    )

@@ -66,8 +66,9 @@ class SampleEncoder:
     own rule (``ImageInputs.size_cap``).
     """
 
-    def __init__(self, processor, family, max_pixels: int | None = None, video_fps: float = 2.0,
-                 video_max_frames: int = 16):
+    def __init__(
+        self, processor, family, max_pixels: int | None = None, video_fps: float = 2.0, video_max_frames: int = 16
+    ):
         self.processor = processor
         self.family = family
         self.template_kwargs = dict(self.family.chat.template_kwargs)
@@ -78,8 +79,10 @@ class SampleEncoder:
         self.append_end = bool(self.family.chat.reply_end_appended and self.eos_text)
         self.images = self.family.image_inputs
         if max_pixels is not None and self.images is not None and not self.images.size_cap:
-            raise ConfigError(f"--max-pixels: the {self.family.name} family has no image size cap "
-                              "(ImageInputs.size_cap is empty): its processor sizes every image itself")
+            raise ConfigError(
+                f"--max-pixels: the {self.family.name} family has no image size cap "
+                "(ImageInputs.size_cap is empty): its processor sizes every image itself"
+            )
         self.max_pixels = max_pixels
 
     def render(self, turns: list[Turn], add_generation_prompt: bool) -> str:
@@ -128,8 +131,8 @@ class SampleEncoder:
             full = self.render(turns[: i + 1], add_generation_prompt=False)
             if not prompt.startswith(done) or not full.startswith(prompt):
                 raise _NotPrefix
-            pieces.append((prompt[len(done):], False))
-            reply = full[len(prompt):]
+            pieces.append((prompt[len(done) :], False))
+            reply = full[len(prompt) :]
             end = reply.find(self.eos_text) if self.eos_text else -1
             if end < 0 and self.append_end:
                 # the reply ends where the next turn's role token begins: trained here, left out of the next
@@ -148,11 +151,15 @@ class SampleEncoder:
     def _media(self, record: Record, decode: bool) -> Media:
         """The record's images (decoded, or only their sizes) and clips, after refusing what the family lacks."""
         if record.images and self.images is None:
-            raise DataError(f"{record.where}: images are not supported for the {self.family.name} family (it "
-                            "declares no image_inputs)")
+            raise DataError(
+                f"{record.where}: images are not supported for the {self.family.name} family (it "
+                "declares no image_inputs)"
+            )
         if record.videos and self.family.video_inputs is None:
-            raise DataError(f"{record.where}: videos are not supported for the {self.family.name} family (it "
-                            "declares no video_inputs)")
+            raise DataError(
+                f"{record.where}: videos are not supported for the {self.family.name} family (it "
+                "declares no video_inputs)"
+            )
         if decode:
             images = [load_image(s) for s in record.images]
             sizes = [img.size for img in images]
@@ -199,8 +206,9 @@ class SampleEncoder:
 
     def measure_labelled(self, record: Record) -> tuple[int, list[tuple[int, int, int]], int]:
         """``measure`` and the number of label tokens the loss counts (the positions the head runs at)."""
-        input_ids, labels, _, grids = self._write(self.pieces(record.turns, record.where),
-                                                  self._prepare(self._media(record, decode=False)))
+        input_ids, labels, _, grids = self._write(
+            self.pieces(record.turns, record.where), self._prepare(self._media(record, decode=False))
+        )
         return len(input_ids), grids, sum(1 for x in labels[1:] if x != IGNORE_INDEX)
 
     def encode(self, record: Record) -> dict:

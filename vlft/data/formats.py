@@ -102,17 +102,24 @@ class _Media:
             parts = "".join(
                 f"; an {noun} part without a source (keys found: {', '.join(repr(k) for k in keys)}; a source "
                 f"is one of {', '.join(repr(k) for k in _SOURCE_KEYS[kind])}) counts as a placeholder for "
-                f"'{noun}s'" for keys in self.sourceless[kind][:3])
+                f"'{noun}s'"
+                for keys in self.sourceless[kind][:3]
+            )
             raise FormatProblem(
                 f"{open_slots} {kind} placeholder(s){extra} but {len(listed)} {noun}(s) in '{noun}s'{parts}; "
                 f"put one {kind} in the text for each {noun}"
-                + (" (or pass --add-placeholders to put them at the start of the first user turn)"
-                   if kind == IMAGE and not slots else "")
+                + (
+                    " (or pass --add-placeholders to put them at the start of the first user turn)"
+                    if kind == IMAGE and not slots
+                    else ""
+                )
             )
         indexed = [value for inline, value in slots if not inline and value is not None]
         if indexed and sorted(indexed) != list(range(len(listed))):
-            raise FormatProblem(f"{kind} parts name the indices {indexed} of '{noun_of(kind)}s', which holds "
-                                f"{len(listed)}; each index must name a different entry, from 0")
+            raise FormatProblem(
+                f"{kind} parts name the indices {indexed} of '{noun_of(kind)}s', which holds "
+                f"{len(listed)}; each index must name a different entry, from 0"
+            )
         it = iter(listed)
         return [value if inline else (listed[value] if value is not None else next(it)) for inline, value in slots]
 
@@ -133,8 +140,9 @@ def _as_list(obj: dict, *keys: str) -> list:
     return []
 
 
-_SOURCE_KEYS = {kind: (name, "value", "url", "path", f"{name}_url", "base64")
-                for kind, name in ((IMAGE, "image"), (VIDEO, "video"))}
+_SOURCE_KEYS = {
+    kind: (name, "value", "url", "path", f"{name}_url", "base64") for kind, name in ((IMAGE, "image"), (VIDEO, "video"))
+}
 
 
 def _part_source(part: dict, kind: str) -> Any:
@@ -178,9 +186,10 @@ def _content(value: Any, media: _Media, turn: int) -> str:
             out.append(media.part(VIDEO, _part_source(part, "video"), list(part)))
         else:
             raise FormatProblem(
-                f"turn {turn}, part {k}: unknown content part {part!r}; parts are {{\"type\": \"text\", \"text\"}}, "
-                "{\"type\": \"image\", \"image\"}, {\"type\": \"image_url\", \"image_url\": {\"url\"}} or "
-                "{\"type\": \"video\", \"video\"}")
+                f'turn {turn}, part {k}: unknown content part {part!r}; parts are {{"type": "text", "text"}}, '
+                '{"type": "image", "image"}, {"type": "image_url", "image_url": {"url"}} or '
+                '{"type": "video", "video"}'
+            )
     return "".join(out)
 
 
@@ -214,7 +223,7 @@ def read_messages(obj: dict, add_placeholders: bool = False) -> Parsed:
     """``{"messages": [{"role", "content", "loss"?}], "images"?, "videos"?, "system"?}``."""
     msgs = obj["messages"]
     if not isinstance(msgs, list):
-        raise FormatProblem("'messages' must be a list of {\"role\", \"content\"} objects")
+        raise FormatProblem('\'messages\' must be a list of {"role", "content"} objects')
     media, turns = _Media(), []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
@@ -228,7 +237,7 @@ def read_conversations(obj: dict, add_placeholders: bool = False) -> Parsed:
     key = "conversations" if "conversations" in obj else "conversation"
     convo = obj[key]
     if not isinstance(convo, list):
-        raise FormatProblem(f"'{key}' must be a list of {{\"from\", \"value\"}} objects")
+        raise FormatProblem(f'\'{key}\' must be a list of {{"from", "value"}} objects')
     media, turns = _Media(), []
     for i, t in enumerate(convo):
         if isinstance(t, dict) and "from" in t and "value" in t:
@@ -244,8 +253,7 @@ def read_conversations(obj: dict, add_placeholders: bool = False) -> Parsed:
 def read_query_response(obj: dict, add_placeholders: bool = False) -> Parsed:
     """ms-swift: ``{"query", "response", "history"?: [[q, r], ...], "system"?, "images"?}``."""
     history = obj.get("history") or []
-    if not isinstance(history, list) or any(
-            not isinstance(h, (list, tuple)) or len(h) != 2 for h in history):
+    if not isinstance(history, list) or any(not isinstance(h, (list, tuple)) or len(h) != 2 for h in history):
         raise FormatProblem("'history' must be a list of [query, response] pairs")
     media, turns = _Media(), []
     for i, value in enumerate([x for pair in history for x in pair] + [obj["query"], obj.get("response")]):
@@ -260,7 +268,7 @@ def read_texts(obj: dict, add_placeholders: bool = False) -> Parsed:
     images stand at the start of the first user turn unless a text places them itself."""
     pairs = obj["texts"]
     if not isinstance(pairs, list) or not pairs:
-        raise FormatProblem("'texts' must be a non-empty list of {\"user\", \"assistant\"} objects")
+        raise FormatProblem('\'texts\' must be a non-empty list of {"user", "assistant"} objects')
     media, turns = _Media(), []
     for i, pair in enumerate(pairs):
         if not isinstance(pair, dict) or not isinstance(pair.get("user"), str):
@@ -272,13 +280,31 @@ def read_texts(obj: dict, add_placeholders: bool = False) -> Parsed:
     return _finish("texts", obj, turns, media, add_placeholders=True)
 
 
-READERS = (("messages", read_messages), ("conversations", read_conversations),
-           ("conversation", read_conversations), ("query", read_query_response), ("texts", read_texts))
+READERS = (
+    ("messages", read_messages),
+    ("conversations", read_conversations),
+    ("conversation", read_conversations),
+    ("query", read_query_response),
+    ("texts", read_texts),
+)
 
 
 # every key some layout reads: a column outside these is listed as not read (``--columns`` maps one in)
-RECORD_KEYS = ("messages", "conversations", "conversation", "query", "response", "history", "texts", "system",
-               "images", "image", "videos", "video", "id")
+RECORD_KEYS = (
+    "messages",
+    "conversations",
+    "conversation",
+    "query",
+    "response",
+    "history",
+    "texts",
+    "system",
+    "images",
+    "image",
+    "videos",
+    "video",
+    "id",
+)
 
 
 def parse_record(obj: dict, add_placeholders: bool = False) -> Parsed:
@@ -290,7 +316,8 @@ def parse_record(obj: dict, add_placeholders: bool = False) -> Parsed:
     raise FormatProblem(
         f"record has neither 'conversations' nor 'messages' (nor 'conversation', 'texts' or swift's "
         f"'query'/'response'); "
-        f"its keys: {keys}. See README 'Data' for the accepted layouts")
+        f"its keys: {keys}. See README 'Data' for the accepted layouts"
+    )
 
 
 def stray_marker(text: str) -> str | None:

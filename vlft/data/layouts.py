@@ -35,11 +35,15 @@ def _same(x):
 FORMATS = {
     Layout.CONVERSATIONS: Format(Layout.CONVERSATIONS.description, parse_record, _same, _same),
     Layout.PREFERENCE_PAIRS: Format(Layout.PREFERENCE_PAIRS.description, parse_preference, PairEncoder, PairCollator),
-    Layout.UNPAIRED_PREFERENCES: Format(Layout.UNPAIRED_PREFERENCES.description, parse_unpaired, UnpairedEncoder,
-                                        UnpairedCollator),
+    Layout.UNPAIRED_PREFERENCES: Format(
+        Layout.UNPAIRED_PREFERENCES.description, parse_unpaired, UnpairedEncoder, UnpairedCollator
+    ),
 }
-DEMO_WRITERS = {Layout.CONVERSATIONS: demo.write_demo_dataset, Layout.PREFERENCE_PAIRS: demo.write_demo_preferences,
-                Layout.UNPAIRED_PREFERENCES: demo.write_demo_unpaired}
+DEMO_WRITERS = {
+    Layout.CONVERSATIONS: demo.write_demo_dataset,
+    Layout.PREFERENCE_PAIRS: demo.write_demo_preferences,
+    Layout.UNPAIRED_PREFERENCES: demo.write_demo_unpaired,
+}
 
 
 def record_format(layout) -> Any:

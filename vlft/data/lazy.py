@@ -30,8 +30,15 @@ from vlft.data.records import Record, read_records_collecting, record_at, record
 class ColumnarRecords(Sequence):
     """Checked rows of columnar files as (file, row) places; ``records[i]`` is the row's ``Record``."""
 
-    def __init__(self, files: list[tuple[str, str]], reading: dict, file_of: np.ndarray, rows: np.ndarray,
-                 media: dict[str, tuple[int, int]], modalities: frozenset):
+    def __init__(
+        self,
+        files: list[tuple[str, str]],
+        reading: dict,
+        file_of: np.ndarray,
+        rows: np.ndarray,
+        media: dict[str, tuple[int, int]],
+        modalities: frozenset,
+    ):
         self.files = files  # (absolute path, label as locations name it)
         self.reading = reading  # record_at's image_root, add_placeholders, columns, parse
         self.file_of, self.rows = file_of, rows
@@ -68,8 +75,7 @@ class ColumnarRecords(Sequence):
 
     def take(self, indices) -> ColumnarRecords:
         idx = np.asarray(indices, dtype=np.int64)
-        return ColumnarRecords(self.files, self.reading, self.file_of[idx], self.rows[idx], self.media,
-                               self.modalities)
+        return ColumnarRecords(self.files, self.reading, self.file_of[idx], self.rows[idx], self.media, self.modalities)
 
     @staticmethod
     def concat(parts: list[ColumnarRecords]) -> ColumnarRecords:
@@ -82,10 +88,14 @@ class ColumnarRecords(Sequence):
             file_of.append(remap[part.file_of])
         files = sorted(where, key=lambda f: where[f])
         media = {k: v for part in parts for k, v in part.media.items()}
-        return ColumnarRecords(files, parts[0].reading if parts else {},
-                               np.concatenate(file_of) if file_of else np.zeros(0, np.int32),
-                               np.concatenate([p.rows for p in parts]) if parts else np.zeros(0, np.int64),
-                               media, frozenset().union(*(p.modalities for p in parts)))
+        return ColumnarRecords(
+            files,
+            parts[0].reading if parts else {},
+            np.concatenate(file_of) if file_of else np.zeros(0, np.int32),
+            np.concatenate([p.rows for p in parts]) if parts else np.zeros(0, np.int64),
+            media,
+            frozenset().union(*(p.modalities for p in parts)),
+        )
 
 
 class _KeptRows:
@@ -112,23 +122,31 @@ class _KeptRows:
         return False
 
     def records(self, reading: dict) -> ColumnarRecords:
-        return ColumnarRecords(self.files, reading, np.frombuffer(self.file_of, dtype=np.int32).copy(),
-                               np.frombuffer(self.rows, dtype=np.int64).copy(), self.media,
-                               frozenset(self.modalities))
+        return ColumnarRecords(
+            self.files,
+            reading,
+            np.frombuffer(self.file_of, dtype=np.int32).copy(),
+            np.frombuffer(self.rows, dtype=np.int64).copy(),
+            self.media,
+            frozenset(self.modalities),
+        )
 
 
-def read_compact(path: str | Path, image_root=None, add_placeholders: bool = False, columns: dict | None = None,
-                 parse=None):
+def read_compact(
+    path: str | Path, image_root=None, add_placeholders: bool = False, columns: dict | None = None, parse=None
+):
     """``read_records_collecting`` for a run: a set made only of columnar files comes back as
     ``ColumnarRecords`` (every row checked as before, only the valid rows' places kept); others as the list."""
     path = Path(path)
     files = data_files(path)
     if not all(file_format(f) is not None for f in files):
-        return read_records_collecting(path, image_root=image_root, add_placeholders=add_placeholders,
-                                       columns=columns, parse=parse)
+        return read_records_collecting(
+            path, image_root=image_root, add_placeholders=add_placeholders, columns=columns, parse=parse
+        )
     kept = _KeptRows(files, lambda f: f"{path.name}/{f.name}" if path.is_dir() else f.name)
-    _, problems = read_records_collecting(path, image_root=image_root, add_placeholders=add_placeholders,
-                                          columns=columns, keep=kept.keep, parse=parse)
+    _, problems = read_records_collecting(
+        path, image_root=image_root, add_placeholders=add_placeholders, columns=columns, keep=kept.keep, parse=parse
+    )
     close(files)  # the run keeps places, not the files' pages the check read
     reading = {"image_root": image_root, "add_placeholders": add_placeholders, "columns": columns, "parse": parse}
     return kept.records(reading), problems
@@ -164,8 +182,9 @@ def media_files(records: Sequence) -> dict[str, tuple[int, int]] | None:
 
 
 def modalities(records: Sequence) -> set[str]:
-    """"image" / "video" where the records hold them (columnar: as noted while they were checked)."""
+    """ "image" / "video" where the records hold them (columnar: as noted while they were checked)."""
     if isinstance(records, ColumnarRecords):
         return set(records.modalities)
-    return {m for m, has in (("image", any(r.images for r in records)), ("video", any(r.videos for r in records)))
-            if has}
+    return {
+        m for m, has in (("image", any(r.images for r in records)), ("video", any(r.videos for r in records))) if has
+    }

@@ -22,13 +22,18 @@ class LengthReport:
     lengths: MutableSequence[int]  # a list, or compact_report's int array
     grids: list[list[tuple[int, int, int]]] | PackedGrids
     skipped: list[dict] = field(default_factory=list)  # {"where", "length"} of samples over --max-length
-    labelled: MutableSequence[int] = field(default_factory=list)  # label tokens per sample: the positions the head runs at
+    labelled: MutableSequence[int] = field(
+        default_factory=list
+    )  # label tokens per sample: the positions the head runs at
 
     def describe(self, limit: int | None) -> dict:
         ordered = sorted(self.lengths)
         return {
-            "max_length": limit, "samples": len(ordered), "longest": ordered[-1] if ordered else 0,
-            "median": ordered[len(ordered) // 2] if ordered else 0, "skipped": len(self.skipped),
+            "max_length": limit,
+            "samples": len(ordered),
+            "longest": ordered[-1] if ordered else 0,
+            "median": ordered[len(ordered) // 2] if ordered else 0,
+            "skipped": len(self.skipped),
             "skipped_samples": self.skipped,
         }
 
@@ -119,7 +124,7 @@ def iter_measured(records: Sequence[Record], encoder: SampleEncoder, progress=No
             tick(1)
         return
     size = max(64, len(records) // (workers * 8))
-    chunks = [records[i:i + size] for i in range(0, len(records), size)]
+    chunks = [records[i : i + size] for i in range(0, len(records), size)]
     _WORKER_ENCODER[:] = [encoder]
     # forked workers inherit the encoder (processor, tokenizer) instead of loading it again
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -132,8 +137,14 @@ def iter_measured(records: Sequence[Record], encoder: SampleEncoder, progress=No
         _WORKER_ENCODER.clear()
 
 
-def check_lengths(records: Sequence[Record], encoder: SampleEncoder, max_length: int | None, skip: bool,
-                  what: str = "data", progress=None) -> tuple[Sequence[Record], LengthReport]:
+def check_lengths(
+    records: Sequence[Record],
+    encoder: SampleEncoder,
+    max_length: int | None,
+    skip: bool,
+    what: str = "data",
+    progress=None,
+) -> tuple[Sequence[Record], LengthReport]:
     """Measure every record; over ``max_length`` is an error naming each one, or with ``skip`` is dropped.
 
     Samples are never truncated: a cut could fall inside an image's tokens, which the model cannot read.
@@ -157,9 +168,10 @@ def check_lengths(records: Sequence[Record], encoder: SampleEncoder, max_length:
         more = len(too_long) - MAX_REPORTED_PROBLEMS
         raise DataError(
             f"{len(too_long)} sample(s) in the {what} are longer than --max-length {max_length} (image tokens "
-            f"included):\n  {shown}" + (f"\n  ... and {more} more" if more > 0 else "")
+            f"included):\n  {shown}"
+            + (f"\n  ... and {more} more" if more > 0 else "")
             + "\nRaise --max-length, lower --max-pixels (fewer image tokens), or pass --skip-too-long to leave "
-              "them out (they are counted and listed in the summary); nothing was written."
+            "them out (they are counted and listed in the summary); nothing was written."
         )
     report.skipped = [{"where": where, "length": n} for where, n in too_long]
     if not kept:

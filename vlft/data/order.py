@@ -50,8 +50,17 @@ class EpochSampler(torch.utils.data.Sampler):
     trained on, which is how ``--resume`` continues mid-epoch.
     """
 
-    def __init__(self, n: int, seed: int, epoch: int, rank: int = 0, world_size: int = 1, start: int = 0,
-                 lengths: Sequence[int] | None = None, batch_size: int = 1):
+    def __init__(
+        self,
+        n: int,
+        seed: int,
+        epoch: int,
+        rank: int = 0,
+        world_size: int = 1,
+        start: int = 0,
+        lengths: Sequence[int] | None = None,
+        batch_size: int = 1,
+    ):
         self.n, self.seed, self.epoch, self.rank, self.world_size, self.start = n, seed, epoch, rank, world_size, start
         self.lengths, self.batch_size = lengths, batch_size
 
@@ -62,9 +71,11 @@ class EpochSampler(torch.utils.data.Sampler):
         perm = torch.randperm(self.n, generator=g)
         usable = self.n - self.n % self.world_size
         if self.lengths is not None:
-            perm = torch.tensor(grouped_by_length(perm[:usable].tolist(), self.lengths,
-                                                  self.batch_size * self.world_size, g), dtype=torch.int64)
-        return perm[self.rank:usable:self.world_size][self.start:].numpy()
+            perm = torch.tensor(
+                grouped_by_length(perm[:usable].tolist(), self.lengths, self.batch_size * self.world_size, g),
+                dtype=torch.int64,
+            )
+        return perm[self.rank : usable : self.world_size][self.start :].numpy()
 
     def indices(self) -> list[int]:
         return self.order().tolist()
@@ -85,16 +96,16 @@ def grouped_by_length(order: list[int], lengths: Sequence[int], global_batch: in
     span = global_batch * GROUP_SPAN
     full, partial = [], []
     for i in range(0, len(order), span):
-        window = sorted(order[i:i + span], key=lambda j: -lengths[j])  # stable: ties keep the shuffle's order
+        window = sorted(order[i : i + span], key=lambda j: -lengths[j])  # stable: ties keep the shuffle's order
         for k in range(0, len(window), global_batch):
-            (full if len(window) - k >= global_batch else partial).append(window[k:k + global_batch])
+            (full if len(window) - k >= global_batch else partial).append(window[k : k + global_batch])
     shuffled = [full[i] for i in torch.randperm(len(full), generator=generator).tolist()]
     return [j for batch in shuffled + partial for j in batch]
 
 
 def worker_init(worker_id: int) -> None:
     # DataLoader seeds torch per worker; give Python and NumPy the same stream
-    seed = torch.initial_seed() % 2 ** 32
+    seed = torch.initial_seed() % 2**32
     random.seed(seed)
     np.random.seed(seed)
 
@@ -123,12 +134,24 @@ def _groups(dataset, collate, settings: DataOrder, start_group: int):
     # fewer samples per process than one step: keep the incomplete batch, or an epoch would yield nothing
     short = len(dataset) // settings.world_size < micro * settings.grad_accum
     while True:
-        sampler = EpochSampler(len(dataset), settings.seed, epoch, settings.rank, settings.world_size,
-                               start=step_in_epoch * micro * settings.grad_accum, lengths=settings.lengths,
-                               batch_size=micro)
+        sampler = EpochSampler(
+            len(dataset),
+            settings.seed,
+            epoch,
+            settings.rank,
+            settings.world_size,
+            start=step_in_epoch * micro * settings.grad_accum,
+            lengths=settings.lengths,
+            batch_size=micro,
+        )
         loader = torch.utils.data.DataLoader(
-            dataset, batch_size=micro, sampler=sampler, collate_fn=collate, drop_last=not short,
-            worker_init_fn=worker_init, generator=torch.Generator().manual_seed(settings.seed + epoch),
+            dataset,
+            batch_size=micro,
+            sampler=sampler,
+            collate_fn=collate,
+            drop_last=not short,
+            worker_init_fn=worker_init,
+            generator=torch.Generator().manual_seed(settings.seed + epoch),
             **settings.loader_kwargs,
         )
         group: list[dict] = []
@@ -144,8 +167,10 @@ def _groups(dataset, collate, settings: DataOrder, start_group: int):
             yield group  # the whole (small) epoch as one step of fewer samples
             step_in_epoch += 1
         if step_in_epoch == 0:
-            raise RuntimeError(f"an epoch of {len(dataset)} samples gave no batch (batch {micro} x accumulation "
-                               f"{settings.grad_accum} x {settings.world_size} processes)")
+            raise RuntimeError(
+                f"an epoch of {len(dataset)} samples gave no batch (batch {micro} x accumulation "
+                f"{settings.grad_accum} x {settings.world_size} processes)"
+            )
         epoch += 1
         step_in_epoch = 0
 
@@ -153,8 +178,15 @@ def _groups(dataset, collate, settings: DataOrder, start_group: int):
 DEFAULT_EPOCHS = 3
 
 
-def total_steps_for(n_samples: int, steps: int | None, epochs: float | None, batch_size: int, grad_accum: int,
-                    world_size: int, repeat: int = 1) -> int:
+def total_steps_for(
+    n_samples: int,
+    steps: int | None,
+    epochs: float | None,
+    batch_size: int,
+    grad_accum: int,
+    world_size: int,
+    repeat: int = 1,
+) -> int:
     """``steps``, or the steps of ``epochs`` passes (each group of batches drawn for ``repeat`` steps)."""
     if steps is not None:
         return steps
@@ -168,9 +200,16 @@ def step_indices(n_samples: int, settings: DataOrder, step: int) -> list[int]:
     per_epoch = steps_per_epoch(n_samples, settings.batch_size, settings.grad_accum, settings.world_size)
     epoch, step_in_epoch = divmod((step - 1) // settings.repeat, per_epoch)
     span = settings.batch_size * settings.grad_accum
-    order = EpochSampler(n_samples, settings.seed, epoch, settings.rank, settings.world_size,
-                         lengths=settings.lengths, batch_size=settings.batch_size).indices()
-    return order[step_in_epoch * span:(step_in_epoch + 1) * span]
+    order = EpochSampler(
+        n_samples,
+        settings.seed,
+        epoch,
+        settings.rank,
+        settings.world_size,
+        lengths=settings.lengths,
+        batch_size=settings.batch_size,
+    ).indices()
+    return order[step_in_epoch * span : (step_in_epoch + 1) * span]
 
 
 def run_micro_batches(n_samples: int, settings: DataOrder, total_steps: int, max_epochs: int = 64):
@@ -182,8 +221,15 @@ def run_micro_batches(n_samples: int, settings: DataOrder, total_steps: int, max
     groups = math.ceil(total_steps / settings.repeat)
     for epoch in range(min(math.ceil(groups / per_epoch), max_epochs)):
         for rank in range(settings.world_size):
-            order = EpochSampler(n_samples, settings.seed, epoch, rank, settings.world_size,
-                                 lengths=settings.lengths, batch_size=settings.batch_size).indices()
+            order = EpochSampler(
+                n_samples,
+                settings.seed,
+                epoch,
+                rank,
+                settings.world_size,
+                lengths=settings.lengths,
+                batch_size=settings.batch_size,
+            ).indices()
             usable = min(len(order) // settings.batch_size, per_epoch * settings.grad_accum) * settings.batch_size
             for i in range(0, usable, settings.batch_size):
-                yield order[i:i + settings.batch_size]
+                yield order[i : i + settings.batch_size]

@@ -62,8 +62,13 @@ def resolve_packing(mode: str, attention, family) -> PackingPlan:
     else:
         refusal = family.packing.refusal
     path, why = attention.packing_path()
-    cannot = (f"the {family.name} family cannot pack: {refusal}" if refusal and family else
-              "" if path else f"the text attention cannot keep packed samples apart: {why}")
+    cannot = (
+        f"the {family.name} family cannot pack: {refusal}"
+        if refusal and family
+        else ""
+        if path
+        else f"the text attention cannot keep packed samples apart: {why}"
+    )
     if cannot:
         if mode == "on":
             raise ConfigError(f"--packing on: {cannot}; use --packing auto or off (padded batches)")
@@ -92,12 +97,18 @@ def settle_auto(plan: PackingPlan, mode: str, ratio: float) -> PackingPlan:
         return plan
     gain = ratio * CEILING_SHARE
     if gain <= 1:
-        return PackingPlan(False, reason=f"auto: padded, since this run's micro-batches compute {ratio:.2f} "
-                                         f"positions per real token and packing was measured at "
-                                         f"{CEILING_SHARE:.2f} of that ceiling ({gain:.2f}x padding's speed); "
-                                         f"--packing on packs anyway")
-    return dataclasses.replace(plan, reason=f"{plan.reason}; padded micro-batches would compute {ratio:.2f} "
-                                            f"positions per real token (expected {gain:.2f}x padding's speed)")
+        return PackingPlan(
+            False,
+            reason=f"auto: padded, since this run's micro-batches compute {ratio:.2f} "
+            f"positions per real token and packing was measured at "
+            f"{CEILING_SHARE:.2f} of that ceiling ({gain:.2f}x padding's speed); "
+            f"--packing on packs anyway",
+        )
+    return dataclasses.replace(
+        plan,
+        reason=f"{plan.reason}; padded micro-batches would compute {ratio:.2f} "
+        f"positions per real token (expected {gain:.2f}x padding's speed)",
+    )
 
 
 def sample_positions(sample: dict, positions, model_config, owner: str = "") -> torch.Tensor:
@@ -108,8 +119,7 @@ def sample_positions(sample: dict, positions, model_config, owner: str = "") -> 
     text = torch.arange(len(ids), dtype=torch.long).unsqueeze(0)
     if positions is None:
         return text
-    rope = call_plugin(owner or "the model family", "positions.rope_index", positions.rope_index, model_config,
-                       sample)
+    rope = call_plugin(owner or "the model family", "positions.rope_index", positions.rope_index, model_config, sample)
     return torch.cat([text, rope.reshape(positions.rows, -1).to(torch.long)])
 
 
@@ -121,8 +131,7 @@ class PackingCollator:
     positions are built here, in the data stage (a DataLoader worker, where there is one), not in the
     training step. ``batch_inputs`` is how the family's inputs join (``ImageInputs.batch_inputs``)."""
 
-    def __init__(self, plan: PackingPlan, positions, model_config, batch_inputs: dict | None = None,
-                 owner: str = ""):
+    def __init__(self, plan: PackingPlan, positions, model_config, batch_inputs: dict | None = None, owner: str = ""):
         self.plan, self.positions, self.model_config = plan, positions, model_config
         self.batch_inputs = dict(batch_inputs or {})
         self.owner = owner  # how errors name the family (a string: the collator goes to DataLoader workers)
@@ -142,8 +151,9 @@ class PackingCollator:
         batch = {"input_ids": input_ids, "position_ids": positions[0] if self.positions is None else positions}
         for key, how in self.batch_inputs.items():
             if how == "sequence":  # one value per token: laid end to end like input_ids (0 where a sample has none)
-                batch[key] = torch.cat([s[key] if key in s else torch.zeros(len(s["input_ids"]), dtype=torch.long)
-                                        for s in samples])[None]
+                batch[key] = torch.cat(
+                    [s[key] if key in s else torch.zeros(len(s["input_ids"]), dtype=torch.long) for s in samples]
+                )[None]
         batch["sample_lengths"] = torch.tensor([len(i) for i in ids])
         if labels:
             batch["labels"] = torch.cat(labels)[None]

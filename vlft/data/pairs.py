@@ -55,13 +55,11 @@ class PairCollator:
     def __init__(self, rows, row_keys: tuple[str, ...] = ("input_ids", "labels")):
         self.rows = rows  # the plain collator: padding, attention mask, token types
         # per-token inputs besides input_ids and labels (a family's 'sequence' batch inputs) are rows' too
-        self.row_keys = set(row_keys) | {k for k, how in getattr(rows, "batch_inputs", {}).items()
-                                         if how == "sequence"}
+        self.row_keys = set(row_keys) | {k for k, how in getattr(rows, "batch_inputs", {}).items() if how == "sequence"}
 
     def __call__(self, pairs: list[dict]) -> dict:
         chosen = [p["chosen"] for p in pairs]
-        rows = [{k: v for k, v in s.items() if k in self.row_keys}
-                for s in chosen + [p["rejected"] for p in pairs]]
+        rows = [{k: v for k, v in s.items() if k in self.row_keys} for s in chosen + [p["rejected"] for p in pairs]]
         batch = self.rows(rows)
         once = self.rows(chosen)
         batch[SHARED] = {k: v for k, v in once.items() if k not in batch}
@@ -83,8 +81,11 @@ class UnpairedEncoder:
     def encode(self, record: Record) -> dict:
         sample = self.base.encode(record)
         labelled = (sample["labels"] != IGNORE_INDEX).nonzero()
-        return {**sample, "split": int(labelled[0]) if len(labelled) else len(sample["labels"]),
-                "desirable": bool(record.desirable)}
+        return {
+            **sample,
+            "split": int(labelled[0]) if len(labelled) else len(sample["labels"]),
+            "desirable": bool(record.desirable),
+        }
 
 
 class UnpairedCollator:
@@ -93,14 +94,15 @@ class UnpairedCollator:
 
     def __init__(self, rows, row_keys: tuple[str, ...] = ("input_ids", "labels")):
         self.rows = rows
-        self.row_keys = set(row_keys) | {k for k, how in getattr(rows, "batch_inputs", {}).items()
-                                         if how == "sequence"}
+        self.row_keys = set(row_keys) | {k for k, how in getattr(rows, "batch_inputs", {}).items() if how == "sequence"}
 
     def __call__(self, samples: list[dict]) -> dict:
         keys = [k for k in samples[0] if k in self.row_keys]
         matched = [{k: s[k] for k in keys} for s in samples]
-        kl = [{k: torch.cat([s[k][:s["split"]], other[k][other["split"]:]]) for k in keys}
-              for s, other in zip(samples, samples[-1:] + samples[:-1])]
+        kl = [
+            {k: torch.cat([s[k][: s["split"]], other[k][other["split"] :]]) for k in keys}
+            for s, other in zip(samples, samples[-1:] + samples[:-1])
+        ]
         batch = self.rows(matched)
         once = self.rows([{k: v for k, v in s.items() if k not in ("split", "desirable")} for s in samples])
         batch[SHARED] = {k: v for k, v in once.items() if k not in batch}

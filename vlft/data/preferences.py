@@ -44,12 +44,16 @@ def parse_preference(obj: dict, add_placeholders: bool = False) -> Parsed:
     """The chosen conversation, its ``rejected`` the rejected one; ``FormatProblem`` says what to fix."""
     missing = [k for k in SIDES if obj.get(k) in (None, "", [])]
     if missing:
-        raise FormatProblem(f"no '{missing[0]}' reply: a preference record needs both 'chosen' and 'rejected' "
-                            f"(its keys: {', '.join(sorted(map(str, obj)))})")
+        raise FormatProblem(
+            f"no '{missing[0]}' reply: a preference record needs both 'chosen' and 'rejected' "
+            f"(its keys: {', '.join(sorted(map(str, obj)))})"
+        )
     key = next((k for k in PROMPT_KEYS if k in obj), None)
     if key is None:
-        raise FormatProblem("a preference record needs its prompt beside 'chosen' and 'rejected': 'prompt' (TRL) or "
-                            f"'conversations'/'messages' (LLaMA-Factory); its keys: {', '.join(sorted(map(str, obj)))}")
+        raise FormatProblem(
+            "a preference record needs its prompt beside 'chosen' and 'rejected': 'prompt' (TRL) or "
+            f"'conversations'/'messages' (LLaMA-Factory); its keys: {', '.join(sorted(map(str, obj)))}"
+        )
     turns_key = "messages" if key == "prompt" else key
     prompt = _turns(obj[key], "user", turns_key, key)
     rest = {k: v for k, v in obj.items() if k not in SIDES and k not in PROMPT_KEYS}
@@ -66,11 +70,14 @@ def parse_preference(obj: dict, add_placeholders: bool = False) -> Parsed:
             raise FormatProblem(f"{side}: {e}") from None
     chosen, rejected = sides["chosen"], sides["rejected"]
     if chosen.images != rejected.images or chosen.videos != rejected.videos:
-        counts = [f"{len(p.images)} image(s)" + (f" and {len(p.videos)} video(s)" if p.videos else "")
-                  for p in (chosen, rejected)]
-        raise FormatProblem(f"chosen and rejected must share the prompt's images: chosen has {counts[0]}, rejected "
-                            f"{counts[1]}" + (" (different ones)" if counts[0] == counts[1] else "")
-                            + "; put images in the prompt only")
+        counts = [
+            f"{len(p.images)} image(s)" + (f" and {len(p.videos)} video(s)" if p.videos else "")
+            for p in (chosen, rejected)
+        ]
+        raise FormatProblem(
+            f"chosen and rejected must share the prompt's images: chosen has {counts[0]}, rejected "
+            f"{counts[1]}" + (" (different ones)" if counts[0] == counts[1] else "") + "; put images in the prompt only"
+        )
     for side, parsed in sides.items():
         _prompt_replies_untrained(parsed, len(prompt))
         problem = _check_turns(parsed)
@@ -79,12 +86,15 @@ def parse_preference(obj: dict, add_placeholders: bool = False) -> Parsed:
     n = len(prompt) + (1 if "system" in obj and obj["system"] is not None else 0)
     replies = [[t.text for t in p.turns[n:]] for p in (chosen, rejected)]
     if replies[0] == replies[1]:
-        raise FormatProblem(f"chosen and rejected are the same reply ({replies[0][-1][:60]!r}): there is nothing to "
-                            "prefer; drop the record or give a different rejected reply")
+        raise FormatProblem(
+            f"chosen and rejected are the same reply ({replies[0][-1][:60]!r}): there is nothing to "
+            "prefer; drop the record or give a different rejected reply"
+        )
     marker = next((m for t in rejected.turns[n:] if (m := stray_marker(t.text))), None)
     if marker:
-        raise FormatProblem(f"rejected: '{marker}' looks like an image marker vlft does not read; images belong in "
-                            "the prompt")
+        raise FormatProblem(
+            f"rejected: '{marker}' looks like an image marker vlft does not read; images belong in the prompt"
+        )
     chosen.layout = f"preference ({'trl' if key == 'prompt' else key})"
     chosen.rejected = rejected.turns
     return chosen
@@ -105,7 +115,7 @@ def _prompt_replies_untrained(parsed: Parsed, n_prompt: int) -> None:
     """Assistant turns inside the prompt (an earlier exchange) stay in the context and out of the loss: only the
     side's own reply is scored."""
     system = 1 if parsed.turns and parsed.turns[0].role == "system" else 0
-    for t in parsed.turns[:n_prompt + system]:
+    for t in parsed.turns[: n_prompt + system]:
         if ROLE_ALIASES.get(t.role) == "assistant":
             t.loss = False
 
@@ -117,8 +127,10 @@ def parse_unpaired(obj: dict, add_placeholders: bool = False) -> Parsed:
     """The conversation up to and with its reply, ``desirable`` its tag; ``FormatProblem`` says what to fix."""
     tag = next((k for k in UNPAIRED_TAGS if k in obj), None)
     if tag is None:
-        raise FormatProblem("an unpaired preference record needs 'label' (or LLaMA-Factory's 'kto_tag'): true for "
-                            f"a desirable reply, false for an undesirable one (its keys: {', '.join(sorted(map(str, obj)))})")
+        raise FormatProblem(
+            "an unpaired preference record needs 'label' (or LLaMA-Factory's 'kto_tag'): true for "
+            f"a desirable reply, false for an undesirable one (its keys: {', '.join(sorted(map(str, obj)))})"
+        )
     if not isinstance(obj[tag], bool):
         raise FormatProblem(f"'{tag}' must be true (a desirable reply) or false (an undesirable one), got {obj[tag]!r}")
     rest = {k: v for k, v in obj.items() if k not in UNPAIRED_TAGS}
@@ -129,8 +141,10 @@ def parse_unpaired(obj: dict, add_placeholders: bool = False) -> Parsed:
         reply = _turns(obj["completion"], "assistant", "messages", "completion")
         for i, turn in enumerate(reply):
             if ROLE_ALIASES.get(turn.get("role", turn.get("from"))) != "assistant":
-                raise FormatProblem(f"completion: turn {i} has role {turn.get('role', turn.get('from'))!r}; a "
-                                    "completion holds assistant turns only")
+                raise FormatProblem(
+                    f"completion: turn {i} has role {turn.get('role', turn.get('from'))!r}; a "
+                    "completion holds assistant turns only"
+                )
         rest = {k: v for k, v in rest.items() if k not in ("prompt", "completion")}
         parsed = parse_record({**rest, "messages": [*prompt, *reply]}, add_placeholders)
         _prompt_replies_untrained(parsed, len(prompt))
@@ -138,8 +152,9 @@ def parse_unpaired(obj: dict, add_placeholders: bool = False) -> Parsed:
     else:
         parsed = parse_record(rest, add_placeholders)
         if not parsed.turns or ROLE_ALIASES.get(parsed.turns[-1].role) != "assistant":
-            raise FormatProblem("the last turn must be the assistant's reply: it is what the tag marks desirable "
-                                "or not")
+            raise FormatProblem(
+                "the last turn must be the assistant's reply: it is what the tag marks desirable or not"
+            )
         layout = f"unpaired ({parsed.layout})"
     problem = _check_turns(parsed)
     if problem:

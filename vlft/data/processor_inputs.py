@@ -13,9 +13,18 @@ from vlft.errors import DataError
 
 
 # params: a builder of ImageInputs, every optional part of which a family names by keyword
-def processor_image_inputs(batch_inputs: dict, pixels: str = "pixel_values", size_cap: str = "", grid=None,
-                           patch_size: int = 0, patches_per_token: int = 1, trace=None, processor_kwargs=None,
-                           reshape=None, image_grids=None) -> ImageInputs:
+def processor_image_inputs(
+    batch_inputs: dict,
+    pixels: str = "pixel_values",
+    size_cap: str = "",
+    grid=None,
+    patch_size: int = 0,
+    patches_per_token: int = 1,
+    trace=None,
+    processor_kwargs=None,
+    reshape=None,
+    image_grids=None,
+) -> ImageInputs:
     """``ImageInputs`` for a family whose processor writes each image's token sequence into the text
     (``processor(text=, images=)``, e.g. Gemma 3's ``<start_of_image><image_soft_token>*N<end_of_image>``): the
     processor is called once per rendered piece with that piece's images (those of its ``processor.image_token``
@@ -34,12 +43,21 @@ def processor_image_inputs(batch_inputs: dict, pixels: str = "pixel_values", siz
     ``image_grids(processor, sizes, max_pixels) -> [(t, h, w), ...]``, each image's grid from the processor's own
     numbers, where ``grid`` (which has no processor) cannot give it."""
     if (processor_kwargs is None) != (not size_cap):
-        raise ValueError("processor_image_inputs: size_cap (what --max-pixels means, in words) and processor_kwargs "
-                         "(how the cap reaches the processor) come together")
-    return ImageInputs(prepare=partial(_processor_prepare, processor_kwargs),
-                       write=partial(_processor_write, dict(batch_inputs), grid, reshape, image_grids),
-                       batch_inputs=dict(batch_inputs), pixels=pixels, size_cap=size_cap, grid=grid,
-                       patch_size=patch_size, patches_per_token=patches_per_token, trace=trace)
+        raise ValueError(
+            "processor_image_inputs: size_cap (what --max-pixels means, in words) and processor_kwargs "
+            "(how the cap reaches the processor) come together"
+        )
+    return ImageInputs(
+        prepare=partial(_processor_prepare, processor_kwargs),
+        write=partial(_processor_write, dict(batch_inputs), grid, reshape, image_grids),
+        batch_inputs=dict(batch_inputs),
+        pixels=pixels,
+        size_cap=size_cap,
+        grid=grid,
+        patch_size=patch_size,
+        patches_per_token=patches_per_token,
+        trace=trace,
+    )
 
 
 def _processor_prepare(processor_kwargs, processor, media: Media, max_pixels=None):
@@ -64,8 +82,13 @@ def _processor_write(wanted: dict, grid, reshape, image_grids, processor, texts:
         if n > len(left):
             raise DataError(f"{where}: the rendered conversation has more image placeholders than images")
         mine, left = left[:n], left[n:]
-        out = processor(text=[text], images=[mine] if mine else None, add_special_tokens=(k == 0),
-                        return_tensors="pt", **(kwargs if mine else {}))
+        out = processor(
+            text=[text],
+            images=[mine] if mine else None,
+            add_special_tokens=(k == 0),
+            return_tensors="pt",
+            **(kwargs if mine else {}),
+        )
         ids = out["input_ids"][0].tolist()
         ids_per_text.append(ids)
         for key, parts in sequences.items():

@@ -55,8 +55,11 @@ IGNORE_INDEX = -100
 
 
 ROLE_ALIASES = {
-    "user": "user", "human": "user",
-    "assistant": "assistant", "gpt": "assistant", "model": "assistant",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "model": "assistant",
     "system": "system",
 }
 
@@ -114,7 +117,9 @@ class _Problems:
         more = self.count - len(self.items)
         tail = f"\n  ... and {more} more" if more > 0 else ""
         raise DataError(
-            f"{self.count} problem(s) in {self.path}:\n  " + "\n  ".join(self.items) + tail
+            f"{self.count} problem(s) in {self.path}:\n  "
+            + "\n  ".join(self.items)
+            + tail
             + "\nFix these records (or remove them) and run again; nothing was written."
         )
 
@@ -190,15 +195,20 @@ def _resolve_path(value: str, base_dir: Path, image_root: Path | None, what: str
         if cached is not None and cached.is_file():
             return str(cached.resolve()), None
         hint = f" (looked for {cached})" if cached is not None else ""
-        return None, (f"{what} '{value}' is a URL and vlft reads nothing from the network{hint}; download it "
-                      f"first and give its local path, or keep the download under --image-root DIR as DIR/host/path "
-                      f"(what `wget -x` writes)")
+        return None, (
+            f"{what} '{value}' is a URL and vlft reads nothing from the network{hint}; download it "
+            f"first and give its local path, or keep the download under --image-root DIR as DIR/host/path "
+            f"(what `wget -x` writes)"
+        )
     root = image_root if image_root is not None else base_dir
     candidate = Path(value) if Path(value).is_absolute() else root / value
     if not candidate.exists():
-        rule = ("relative paths are relative to --image-root" if image_root is not None else
-                "relative paths are relative to the data file's folder; pass --image-root DIR if they are "
-                "relative to a dataset root")
+        rule = (
+            "relative paths are relative to --image-root"
+            if image_root is not None
+            else "relative paths are relative to the data file's folder; pass --image-root DIR if they are "
+            "relative to a dataset root"
+        )
         return None, f"{what} '{value}' not found (looked for {candidate}); {rule}"
     problem = image_file_problem(candidate)  # a folder, a device, a link to one: not a file to decode
     if problem:
@@ -263,26 +273,36 @@ def header_size(source: str | bytes | StoredImage) -> tuple[int, int]:
         return img.size
 
 
-def read_records(path: str | Path, check_images: bool = True, image_root: str | Path | None = None,
-                 add_placeholders: bool = False, columns: dict[str, str] | None = None,
-                 parse=None) -> list[Record]:
+def read_records(
+    path: str | Path,
+    check_images: bool = True,
+    image_root: str | Path | None = None,
+    add_placeholders: bool = False,
+    columns: dict[str, str] | None = None,
+    parse=None,
+) -> list[Record]:
     """Read and validate a data file (or a folder or glob of them); raise one DataError listing every problem.
 
     ``image_root``: the folder relative image and video paths start from (default: the data file's).
     ``add_placeholders``: records with images but no placeholder get them at the start of the first user turn.
     ``columns``: the set's own names for the keys the layouts read (``{"messages": "conv"}``).
     """
-    records, problems = read_records_collecting(path, check_images, image_root, add_placeholders, columns,
-                                                parse=parse)
+    records, problems = read_records_collecting(path, check_images, image_root, add_placeholders, columns, parse=parse)
     problems.raise_if_any()
     if not records:
         raise DataError(f"{path} holds no records")
     return records
 
 
-def read_records_collecting(path: str | Path, check_images: bool = True, image_root: str | Path | None = None,
-                            add_placeholders: bool = False, columns: dict[str, str] | None = None,
-                            keep=None, parse=None) -> tuple[list[Record], _Problems]:
+def read_records_collecting(
+    path: str | Path,
+    check_images: bool = True,
+    image_root: str | Path | None = None,
+    add_placeholders: bool = False,
+    columns: dict[str, str] | None = None,
+    keep=None,
+    parse=None,
+) -> tuple[list[Record], _Problems]:
     """The valid records and the problems of the others (``vlft data check`` reports both). ``keep(file,
     row, record)``: says whether a valid record is kept in the list (``data.lazy`` keeps its row instead).
     ``parse``: the layout reader of each record (an objective's, ``Objective.parse``); None: ``parse_record``."""
@@ -305,15 +325,30 @@ def read_records_collecting(path: str | Path, check_images: bool = True, image_r
     return records, problems
 
 
-def record_at(file: Path, row: int, label: str, image_root: str | Path | None = None,
-              add_placeholders: bool = False, columns: dict[str, str] | None = None, parse=None) -> Record:
+def record_at(
+    file: Path,
+    row: int,
+    label: str,
+    image_root: str | Path | None = None,
+    add_placeholders: bool = False,
+    columns: dict[str, str] | None = None,
+    parse=None,
+) -> Record:
     """The record of one row of a columnar file that was checked before, built again from the row (its
     images stay places in the file, decoded when the sample is encoded)."""
     return records_at(file, [row], label, image_root, add_placeholders, columns, parse, sizing=False)[0]
 
 
-def records_at(file: Path, rows, label: str, image_root: str | Path | None = None, add_placeholders: bool = False,
-               columns: dict[str, str] | None = None, parse=None, sizing: bool = True) -> list[Record]:
+def records_at(
+    file: Path,
+    rows,
+    label: str,
+    image_root: str | Path | None = None,
+    add_placeholders: bool = False,
+    columns: dict[str, str] | None = None,
+    parse=None,
+    sizing: bool = True,
+) -> list[Record]:
     """``record_at`` of several rows of one file, read together (a row group's rows in one conversion, not one
     each) and, with ``sizing``, each image's size read from its header, once per distinct image: measuring a
     checked set's rows needs the sizes, not the pixels."""
@@ -339,8 +374,7 @@ class _ImageChecker:
         self.resolved: dict[tuple, tuple] = {}  # (folder, path) -> (source, problem); ("size", path) -> size
         self.sizes: dict[bytes, tuple[int, int] | Exception] = {}  # digest of embedded bytes -> size or problem
 
-    def source(self, value: Any, base_dir: Path) -> tuple[str | bytes | StoredImage | None, tuple | None,
-                                                          str | None]:
+    def source(self, value: Any, base_dir: Path) -> tuple[str | bytes | StoredImage | None, tuple | None, str | None]:
         """(source, (width, height) or None, problem) of one image value of a record."""
         if isinstance(value, EmbeddedImage):
             return value.ref, *self._embedded(value)
@@ -382,12 +416,16 @@ class _ImageChecker:
             self.sizes[key] = found
         if isinstance(found, Exception):
             where = f"column '{image.ref.column}'" + (f", item {image.ref.item}" if image.ref.item is not None else "")
-            return None, f"image ({where}, {len(image.data)} bytes) cannot be read ({found.__class__.__name__}: {found})"
+            return (
+                None,
+                f"image ({where}, {len(image.data)} bytes) cannot be read ({found.__class__.__name__}: {found})",
+            )
         return found, None
 
 
-def _record(where: str, obj: Any, base_dir: Path, images: _ImageChecker, add_placeholders: bool,
-            problems: _Problems, parse=None) -> Record | None:
+def _record(
+    where: str, obj: Any, base_dir: Path, images: _ImageChecker, add_placeholders: bool, problems: _Problems, parse=None
+) -> Record | None:
     """One raw record checked into a Record, or None with its problem added."""
     if not isinstance(obj, dict):
         problems.add(where, f"record must be a JSON object, got {type(obj).__name__}")
@@ -404,9 +442,12 @@ def _record(where: str, obj: Any, base_dir: Path, images: _ImageChecker, add_pla
     turns = [Turn(ROLE_ALIASES[t.role], t.text, t.loss is not False) for t in parsed.turns]
     stray = next(((i, m) for i, t in enumerate(turns) if (m := stray_marker(t.text))), None)
     if stray:
-        problems.add(where, f"turn {stray[0]}: '{stray[1]}' looks like an image marker vlft does not read, so it "
-                            "would be trained as plain text and the model would never see the picture; write "
-                            f"{IMAGE_PLACEHOLDER} where the image stands and list the image under 'images'")
+        problems.add(
+            where,
+            f"turn {stray[0]}: '{stray[1]}' looks like an image marker vlft does not read, so it "
+            "would be trained as plain text and the model would never see the picture; write "
+            f"{IMAGE_PLACEHOLDER} where the image stands and list the image under 'images'",
+        )
         return None
     sources: list[str | bytes | StoredImage] = []
     sizes: list[tuple[int, int]] = []
@@ -421,8 +462,11 @@ def _record(where: str, obj: Any, base_dir: Path, images: _ImageChecker, add_pla
             sizes.append(size)
     videos: list[str] = []
     for value in parsed.videos:
-        source, problem = (_resolve_path(value, base_dir, images.root, "video") if isinstance(value, str) and value
-                           else (None, f"video must be a path, got {value!r}"))
+        source, problem = (
+            _resolve_path(value, base_dir, images.root, "video")
+            if isinstance(value, str) and value
+            else (None, f"video must be a path, got {value!r}")
+        )
         if problem is None and source is not None and images.check:
             problem = video_problem(source, value)
         if problem:
@@ -430,15 +474,27 @@ def _record(where: str, obj: Any, base_dir: Path, images: _ImageChecker, add_pla
             return None
         assert source is not None  # found, as there is no problem
         videos.append(source)
-    rejected = [Turn(ROLE_ALIASES[t.role], t.text, t.loss is not False) for t in parsed.rejected] \
-        if parsed.rejected is not None else None
+    rejected = (
+        [Turn(ROLE_ALIASES[t.role], t.text, t.loss is not False) for t in parsed.rejected]
+        if parsed.rejected is not None
+        else None
+    )
     answers = obj.get("answers")
     if answers is not None and (not isinstance(answers, list) or not all(isinstance(a, str) for a in answers)):
         problems.add(where, f"'answers' must be a list of strings (every acceptable answer), got {answers!r}")
         return None
-    return Record(turns, sources, where, obj.get("id"), sizes if images.check or images.sizing else None, videos,
-                  parsed.layout,
-                  rejected, desirable=parsed.desirable, answers=answers or None)
+    return Record(
+        turns,
+        sources,
+        where,
+        obj.get("id"),
+        sizes if images.check or images.sizing else None,
+        videos,
+        parsed.layout,
+        rejected,
+        desirable=parsed.desirable,
+        answers=answers or None,
+    )
 
 
 def _check_turns(parsed) -> str | None:
@@ -452,8 +508,10 @@ def _check_turns(parsed) -> str | None:
     if "assistant" not in roles:
         return "no assistant turn: there is nothing to learn from this record"
     if all(t.loss is False for t, r in zip(parsed.turns, roles) if r == "assistant"):
-        return "every assistant turn has loss: false, so no token of this record would be trained; drop the record " \
-               "or train at least one reply"
+        return (
+            "every assistant turn has loss: false, so no token of this record would be trained; drop the record "
+            "or train at least one reply"
+        )
     for t, r in zip(parsed.turns, roles):
         if r == "assistant" and (IMAGE_PLACEHOLDER in t.text or "<video>" in t.text):
             return f"an assistant turn contains {IMAGE_PLACEHOLDER}; images belong in user turns"

@@ -32,7 +32,8 @@ def open_image(source: str | bytes) -> Image.Image:
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
             raise ValueError(
                 f"image too large ({e}); vlft refuses images over {Image.MAX_IMAGE_PIXELS} pixels, a guard against "
-                f"decompression bombs: resize it") from None
+                f"decompression bombs: resize it"
+            ) from None
     return img.convert("RGB")
 
 
@@ -60,4 +61,5 @@ def read_text_file(path: Path) -> str:
         line = raw.count(b"\n", 0, e.start) + 1
         raise DataError(
             f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); save the file as "
-            f"UTF-8 (e.g. iconv -f latin1 -t utf-8).") from None
+            f"UTF-8 (e.g. iconv -f latin1 -t utf-8)."
+        ) from None

@@ -1,2 +1,1 @@
-"""Evaluation: scoring answers, generation, and loading a trained adapter for inference.
-"""
+"""Evaluation: scoring answers, generation, and loading a trained adapter for inference."""

@@ -35,11 +35,16 @@ class Decoding:
 
 
 @torch.no_grad()
-def generate_answers(model, encoder: SampleEncoder, records: list[Record], device, decoding: Decoding = Decoding(),
-                     on_batch=None) -> list[str]:
+def generate_answers(
+    model, encoder: SampleEncoder, records: list[Record], device, decoding: Decoding = Decoding(), on_batch=None
+) -> list[str]:
     """Answers to ``records``, as ``decoding`` says; ``on_batch(n)`` is told after each batch of ``n``."""
-    batch_size, max_new_tokens, sampling, synced = (decoding.batch_size, decoding.max_new_tokens, decoding.sampling,
-                                                    decoding.synced)
+    batch_size, max_new_tokens, sampling, synced = (
+        decoding.batch_size,
+        decoding.max_new_tokens,
+        decoding.sampling,
+        decoding.synced,
+    )
     tokenizer = encoder.tokenizer
     collate = collator_for(encoder.processor, encoder.family, padding_side="left")
     was_training = model.training
@@ -47,21 +52,33 @@ def generate_answers(model, encoder: SampleEncoder, records: list[Record], devic
     answers: list[str] = []
     with root_gathered(model) if synced else nullcontext():
         for i in range(0, len(records), batch_size):
-            chunk = records[i:i + batch_size]
+            chunk = records[i : i + batch_size]
             batch = to_device(collate([encoder.encode_prompt(r) for r in chunk]), device)
             with autocast_context(device, decoding.autocast_dtype):
-                out = model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                                     synced_gpus=synced,
-                                     **(dict(do_sample=True, **sampling) if sampling else dict(do_sample=False)))
-            answers += tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+                out = model.generate(
+                    **batch,
+                    max_new_tokens=max_new_tokens,
+                    pad_token_id=tokenizer.pad_token_id,
+                    synced_gpus=synced,
+                    **(dict(do_sample=True, **sampling) if sampling else dict(do_sample=False)),
+                )
+            answers += tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
             if on_batch is not None:
                 on_batch(len(chunk))
     model.train(was_training)
     return [a.strip() for a in answers]
 
 
-def evaluate_generation(model, encoder, records, device, decoding: Decoding = Decoding(),
-                        share: tuple[int, int] = (0, 1), on_batch=None, scorers=None) -> dict:
+def evaluate_generation(
+    model,
+    encoder,
+    records,
+    device,
+    decoding: Decoding = Decoding(),
+    share: tuple[int, int] = (0, 1),
+    on_batch=None,
+    scorers=None,
+) -> dict:
     """Score greedy answers on ``records``; with several processes (``share``: this one's rank and their
     number) each does a share and rank 0 gathers. ``on_batch(n)`` is told after each batch of ``n`` answers (a
     progress bar). ``scorers``: ``[(label, Scorer)]`` as ``choose_scorers`` chose them (None: ``auto`` on these
@@ -95,4 +112,3 @@ def evaluate_generation(model, encoder, records, device, decoding: Decoding = De
         {"where": records[i].where, "reference": records[i].reference, "prediction": a} for i, a in pairs[:5]
     ]
     return result
-

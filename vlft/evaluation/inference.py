@@ -58,8 +58,9 @@ def _base_model_path(source: AdapterSource | None, model: str | None, registry) 
     if base and not base.startswith((".", "/", "~")) and base.count("/") == 1:
         return base  # a hub id
     where = source.run_dir or source.adapter_dir
-    raise ConfigError(f"--adapter {where}: its base model {base!r} is not on this machine; pass --model with "
-                      "the base model's folder")
+    raise ConfigError(
+        f"--adapter {where}: its base model {base!r} is not on this machine; pass --model with the base model's folder"
+    )
 
 
 @dataclass(frozen=True)
@@ -80,8 +81,9 @@ class LoadOptions:
     dequantize: bool = False
 
 
-def load_for_inference(registry: Registry, adapter: str | AdapterSource | None, model: str | None,
-                       options: LoadOptions = LoadOptions()) -> Loaded:
+def load_for_inference(
+    registry: Registry, adapter: str | AdapterSource | None, model: str | None, options: LoadOptions = LoadOptions()
+) -> Loaded:
     """Resolve the policies as ``vlft run`` does, load the base (or merged) model and the adapter on it.
 
     ``adapter``: a run or adapter folder, or the ``AdapterSource`` the caller located already.
@@ -96,9 +98,23 @@ def load_for_inference(registry: Registry, adapter: str | AdapterSource | None, 
         max_pixels = run_cfg.get("max_pixels")  # encode images as the adapter saw them in training
     if param_dtype == "nf4" and not double_quant:
         double_quant = bool(run_cfg.get("double_quant"))  # quantized as the run was
-    config = build_config({}, {k: v for k, v in dict(
-        backend=backend, precision=precision, param_dtype=param_dtype, double_quant=double_quant or None, attn=attn,
-        max_pixels=max_pixels, method=source.method if source else None, model=model_path).items() if v is not None})
+    config = build_config(
+        {},
+        {
+            k: v
+            for k, v in dict(
+                backend=backend,
+                precision=precision,
+                param_dtype=param_dtype,
+                double_quant=double_quant or None,
+                attn=attn,
+                max_pixels=max_pixels,
+                method=source.method if source else None,
+                model=model_path,
+            ).items()
+            if v is not None
+        },
+    )
     choice = choose_backend(registry, config.backend)
     require_available(choice)
     name = choice.info.name
@@ -113,16 +129,23 @@ def load_for_inference(registry: Registry, adapter: str | AdapterSource | None, 
     require_weights(model_path, model, registry)
     processor = load_processor(model_path, family, registry)
     quantized = plan.precision.quantization is not None  # 4-bit weights are made on their device, while loading
-    net = load_model(model_path, plan.attention, plan.precision, device=device if quantized else None,
-                     family=family, keep_float=four_bit_skip(family))
+    net = load_model(
+        model_path,
+        plan.attention,
+        plan.precision,
+        device=device if quantized else None,
+        family=family,
+        keep_float=four_bit_skip(family),
+    )
     if options.dequantize and quantized:
         net = dequantized(net)
     registry.hook.vlft_patch_model(backend=name, model=net, config=config, attention=plan.attention, family=family)
     apply_kernels(plan.kernels, net)
     if source is not None:
         try:
-            net = registry.first("vlft_load_adapter", method=source.method, model=net,
-                                 path=str(source.adapter_dir), trainable=False)
+            net = registry.first(
+                "vlft_load_adapter", method=source.method, model=net, path=str(source.adapter_dir), trainable=False
+            )
         except VlftError:
             raise
         except Exception as e:  # noqa: BLE001 - a mismatched base shows up as a shape or key error in loading

@@ -25,12 +25,17 @@ def score(predictions: list[str], references: list[str], scorers, **context) -> 
         values = list(scorer.score(predictions, references, **context))
         if len(values) != n or not all(finite(v) for v in values):
             raise VlftError(f"scorer '{label}' answered {values!r} for {n} answers, not one finite number each")
-        figures = (scorer.figures(predictions, references, values, **context) if scorer.figures is not None
-                   else {label: sum(values) / n})
+        figures = (
+            scorer.figures(predictions, references, values, **context)
+            if scorer.figures is not None
+            else {label: sum(values) / n}
+        )
         for key, value in figures.items():
             if key in RESERVED or key in result:
-                raise VlftError(f"scorer '{label}' reports the figure '{key}', which "
-                                + ("another scorer reports too" if key in result else "the result keeps for itself"))
+                raise VlftError(
+                    f"scorer '{label}' reports the figure '{key}', which "
+                    + ("another scorer reports too" if key in result else "the result keeps for itself")
+                )
             result[key] = value
         figures_of[label] = list(figures)
         lower += [f for f in scorer.lower_is_better if f in figures]

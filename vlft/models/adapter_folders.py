@@ -36,17 +36,21 @@ def locate_adapter(registry: Registry, path: str | os.PathLike, flag: str = "--a
     """A run folder or an adapter folder -> ``AdapterSource``; anything else is one clear error (naming ``flag``)."""
     p = Path(path)
     if not p.is_dir():
-        raise ConfigError(f"{flag} {path}: no such folder; give a run folder (from `vlft run`) "
-                          "or an adapter folder (holding adapter_config.json)")
+        raise ConfigError(
+            f"{flag} {path}: no such folder; give a run folder (from `vlft run`) "
+            "or an adapter folder (holding adapter_config.json)"
+        )
     if (p / "adapter_config.json").is_file():
         adapter_dir = p
         run_dir = p.parent if (p.parent / "plan.json").is_file() else None
     elif (p / "adapter" / "adapter_config.json").is_file():
         adapter_dir, run_dir = p / "adapter", p
     else:
-        hint = ("it holds plan.json but no adapter/ (the run did not finish; its checkpoints/ hold adapters)"
-                if (p / "plan.json").is_file() else "it holds neither adapter/adapter_config.json nor "
-                "adapter_config.json")
+        hint = (
+            "it holds plan.json but no adapter/ (the run did not finish; its checkpoints/ hold adapters)"
+            if (p / "plan.json").is_file()
+            else "it holds neither adapter/adapter_config.json nor adapter_config.json"
+        )
         raise ConfigError(f"{flag} {path}: not a run folder or an adapter folder: {hint}")
     adapter_config = _read_json(adapter_dir / "adapter_config.json", "the adapter config")
     method, base, run_config = None, adapter_config.get("base_model_name_or_path"), {}
@@ -60,8 +64,10 @@ def locate_adapter(registry: Registry, path: str | os.PathLike, flag: str = "--a
         peft_type = str(adapter_config.get("peft_type", "")).lower()
         method = peft_type if peft_type in registry.methods else None
         if method is None:
-            raise ConfigError(f"{flag} {path}: adapter type {adapter_config.get('peft_type')!r} is not a method "
-                              f"of any installed plugin ({', '.join(sorted(registry.methods))}); "
-                              "give the run folder instead, whose plan.json names the method")
+            raise ConfigError(
+                f"{flag} {path}: adapter type {adapter_config.get('peft_type')!r} is not a method "
+                f"of any installed plugin ({', '.join(sorted(registry.methods))}); "
+                "give the run folder instead, whose plan.json names the method"
+            )
     registry.method(method)  # an unknown method is an error naming the valid ones
     return AdapterSource(adapter_dir, run_dir, method, base, run_config)

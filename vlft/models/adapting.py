@@ -1,5 +1,4 @@
-"""Making a loaded model trainable: activation checkpointing, fp32 trainable weights, adapters in autocast.
-"""
+"""Making a loaded model trainable: activation checkpointing, fp32 trainable weights, adapters in autocast."""
 
 from __future__ import annotations
 

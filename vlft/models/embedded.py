@@ -33,8 +33,10 @@ def tokenizer_corpus() -> list[str]:
     for colour in demo_data.COLOURS:
         for defect in demo_data.DEFECTS:
             lines.append(demo_data.answer_for(colour, defect))
-    lines.append("the a an is are what which where how many colour color defect product image picture "
-                 "answer question describe damage object shape size left right top bottom yes no")
+    lines.append(
+        "the a an is are what which where how many colour color defect product image picture "
+        "answer question describe damage object shape size left right top bottom yes no"
+    )
     return lines
 
 
@@ -46,9 +48,11 @@ def default_family(registry):
 
     name = registry.hook.vlft_default_model_family()
     if name is None:
-        raise ConfigError("no installed plugin names a default model family (vlft_default_model_family), so "
-                          "there is no embedded default model: pass --model DIR or --model embedded:<family> "
-                          "(see `vlft plugins`)")
+        raise ConfigError(
+            "no installed plugin names a default model family (vlft_default_model_family), so "
+            "there is no embedded default model: pass --model DIR or --model embedded:<family> "
+            "(see `vlft plugins`)"
+        )
     return family_named(registry, name)
 
 

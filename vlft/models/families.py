@@ -64,8 +64,9 @@ _PATH_STEP = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_"
 
 
 def _dotted(path: str) -> bool:
-    return bool(path) and all(step and not step[0].isdigit() and all(c in _PATH_STEP for c in step)
-                              for step in path.split("."))
+    return bool(path) and all(
+        step and not step[0].isdigit() and all(c in _PATH_STEP for c in step) for step in path.split(".")
+    )
 
 
 def check_family(family: Any) -> list[str]:
@@ -80,8 +81,13 @@ def check_family(family: Any) -> list[str]:
             problems.append(f"{field_name} {what}")
 
     need(isinstance(family.name, str) and bool(family.name), "name", "must be a non-empty string")
-    need(isinstance(family.model_types, tuple) and bool(family.model_types)
-         and all(isinstance(t, str) for t in family.model_types), "model_types", "must be a non-empty tuple of str")
+    need(
+        isinstance(family.model_types, tuple)
+        and bool(family.model_types)
+        and all(isinstance(t, str) for t in family.model_types),
+        "model_types",
+        "must be a non-empty tuple of str",
+    )
     for name in ("load_kwargs", "vision_dummy", "trace_layer_kwargs"):
         v = getattr(family, name)
         need(v is None or callable(v), name, f"must be callable or None, not {type(v).__name__}")
@@ -90,22 +96,30 @@ def check_family(family: Any) -> list[str]:
         if v is None and part in CAPABILITIES:
             continue
         if not isinstance(v, cls):
-            problems.append(f"{part} must be a vlft.{cls.__name__}{' or None' if part in CAPABILITIES else ''}, "
-                            f"not {type(v).__name__}")
+            problems.append(
+                f"{part} must be a vlft.{cls.__name__}{' or None' if part in CAPABILITIES else ''}, "
+                f"not {type(v).__name__}"
+            )
             continue
         for f in fields(cls):
             x = getattr(v, f.name)
             if "Callable" in str(f.type):
-                need(callable(x) or (x is None and "None" in str(f.type)), f"{part}.{f.name}",
-                     f"must be callable{' or None' if 'None' in str(f.type) else ''}, not {type(x).__name__}")
+                need(
+                    callable(x) or (x is None and "None" in str(f.type)),
+                    f"{part}.{f.name}",
+                    f"must be callable{' or None' if 'None' in str(f.type) else ''}, not {type(x).__name__}",
+                )
     towers = family.towers if isinstance(family.towers, GROUPS["towers"]) else None
     if towers is not None:
         for name in ("decoder_layers", "lm_head"):
             need(_dotted(getattr(towers, name)), f"towers.{name}", "must be a dotted module path")
         if towers.vision or towers.vision_blocks:
             need(_dotted(towers.vision), "towers.vision", "must be a dotted module path")
-            need(towers.vision_blocks.startswith(towers.vision + ".") and _dotted(towers.vision_blocks),
-                 "towers.vision_blocks", "must be a dotted module path under towers.vision")
+            need(
+                towers.vision_blocks.startswith(towers.vision + ".") and _dotted(towers.vision_blocks),
+                "towers.vision_blocks",
+                "must be a dotted module path under towers.vision",
+            )
         for m in towers.vision_mergers:  # a projector may live outside the tower (Gemma 3, LLaVA): still vision side
             need(_dotted(m), "towers.vision_mergers", f"entry {m!r} must be a dotted module path")
     if isinstance(family.targets, GROUPS["targets"]):
@@ -118,26 +132,40 @@ def check_family(family: Any) -> list[str]:
     images = given("image_inputs")
     if images is not None:
         joins = images.batch_inputs
-        need(isinstance(joins, dict) and all(h in BATCH_JOINS for h in joins.values()), "image_inputs.batch_inputs",
-             f"must map each input name to one of {BATCH_JOINS}")
-        need(isinstance(joins, dict) and images.pixels in joins, "image_inputs.pixels",
-             "must be one of image_inputs.batch_inputs")
+        need(
+            isinstance(joins, dict) and all(h in BATCH_JOINS for h in joins.values()),
+            "image_inputs.batch_inputs",
+            f"must map each input name to one of {BATCH_JOINS}",
+        )
+        need(
+            isinstance(joins, dict) and images.pixels in joins,
+            "image_inputs.pixels",
+            "must be one of image_inputs.batch_inputs",
+        )
         need(images.grid is None or images.patch_size > 0, "image_inputs.patch_size", "must be > 0 with a grid")
     video = given("video_inputs")
     if video is not None:
         need(images is not None, "video_inputs", "needs image_inputs (its prepare receives the clips)")
-        need(images is None or not isinstance(images.batch_inputs, dict) or video.pixels in images.batch_inputs,
-             "video_inputs.pixels", "must be one of image_inputs.batch_inputs")
+        need(
+            images is None or not isinstance(images.batch_inputs, dict) or video.pixels in images.batch_inputs,
+            "video_inputs.pixels",
+            "must be one of image_inputs.batch_inputs",
+        )
     sharding = given("sharding")
     if sharding is not None:
-        need(isinstance(sharding.no_split_modules, tuple) and all(isinstance(c, str) for c in sharding.no_split_modules),
-             "sharding.no_split_modules", "must be a tuple of class names")
+        need(
+            isinstance(sharding.no_split_modules, tuple) and all(isinstance(c, str) for c in sharding.no_split_modules),
+            "sharding.no_split_modules",
+            "must be a tuple of class names",
+        )
     return problems
 
 
 def how_to_add() -> str:
-    return ("add one with a plugin that answers the vlft_model_families hook (see docs/writing-plugins.md, "
-            "'A model family')")
+    return (
+        "add one with a plugin that answers the vlft_model_families hook (see docs/writing-plugins.md, "
+        "'A model family')"
+    )
 
 
 def resolve_family(registry, model_config, where: str = "") -> ModelFamily:
@@ -151,8 +179,12 @@ def resolve_family(registry, model_config, where: str = "") -> ModelFamily:
         raise ConfigError(
             f"{where + ' is ' if where else ''}a '{model_type}' model, which is not a model family vlft knows: "
             f"installed families: {'; '.join(names) or 'none'}. To train it, {how_to_add()}"
-            + (f" (plugins that failed to load: {', '.join(sorted(registry.broken))}; see `vlft plugins`)"
-               if registry.broken else ""))
+            + (
+                f" (plugins that failed to load: {', '.join(sorted(registry.broken))}; see `vlft plugins`)"
+                if registry.broken
+                else ""
+            )
+        )
     return fam
 
 
@@ -161,8 +193,10 @@ def family_named(registry, name: str) -> ModelFamily:
     for fam in installed_families(registry):
         if fam.name == name:
             return fam
-    raise ConfigError(f"--model {EMBEDDED_PREFIX}{name}: no installed model family is called '{name}'; installed: "
-                      f"{', '.join(f.name for f in installed_families(registry)) or 'none'}")
+    raise ConfigError(
+        f"--model {EMBEDDED_PREFIX}{name}: no installed model family is called '{name}'; installed: "
+        f"{', '.join(f.name for f in installed_families(registry)) or 'none'}"
+    )
 
 
 def bundled_configs(registry) -> dict:
@@ -213,9 +247,15 @@ def target_names(family: ModelFamily, tower: str, parts: tuple[str, ...] = ADAPT
     return attention + (t.text_mlp if "mlp" in parts else ())
 
 
-def select_target_modules(model, family: ModelFamily, targets: str, vision_last_n: int,
-                          experts: bool = False, parts: tuple[str, ...] = ADAPTED_PARTS,
-                          leaves: dict[str, tuple[str, ...]] | None = None) -> FamilyTargets:
+def select_target_modules(
+    model,
+    family: ModelFamily,
+    targets: str,
+    vision_last_n: int,
+    experts: bool = False,
+    parts: tuple[str, ...] = ADAPTED_PARTS,
+    leaves: dict[str, tuple[str, ...]] | None = None,
+) -> FamilyTargets:
     """Full names of the nn.Linear modules (and, with ``experts``, fused expert parameters) to adapt.
 
     ``targets`` is vision / text / both / auto. Only modules that exist and are nn.Linear are returned, so a
@@ -239,8 +279,11 @@ def select_target_modules(model, family: ModelFamily, targets: str, vision_last_
     def linear_names(container_path, index, rel_names, tower):
         if leaves and leaves.get(tower):
             block = resolve_module(base, f"{container_path}.{index}")
-            named = [f"{prefix}{container_path}.{index}.{name}" for name, mod in block.named_modules()
-                     if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in leaves[tower]]
+            named = [
+                f"{prefix}{container_path}.{index}.{name}"
+                for name, mod in block.named_modules()
+                if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in leaves[tower]
+            ]
             if named:  # names of another family's modules (LoRA's Qwen vision names on SigLIP) fall back
                 return named
         out = []
@@ -327,8 +370,13 @@ def count_parameters(model, family: ModelFamily) -> dict[str, int]:
             vision += n
         if experts and clean.endswith(experts):
             in_experts += n
-    return {"total": total, "vision": vision, "text": total - vision, "experts": in_experts,
-            "expert_adapter": expert_adapter}
+    return {
+        "total": total,
+        "vision": vision,
+        "text": total - vision,
+        "experts": in_experts,
+        "expert_adapter": expert_adapter,
+    }
 
 
 def family_of_model(model, registry) -> ModelFamily:

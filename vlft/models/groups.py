@@ -18,7 +18,7 @@ def _clean(name: str) -> str:
     """A parameter's name without PEFT's wrapping, so it starts with the family's paths."""
     for wrap in ("base_model.model.",):
         if name.startswith(wrap):
-            name = name[len(wrap):]
+            name = name[len(wrap) :]
     return name.replace(".modules_to_save.default", "").replace(".original_module", "")
 
 
@@ -34,8 +34,11 @@ def tower_of(name: str, family) -> str:
 
 def learning_rates(lr: float, config) -> dict[str, float]:
     """The absolute learning rate of each group: ``--lr-vision``/``--lr-merger`` or the run's ``lr``."""
-    return {"text": lr, "vision": config.lr_vision if config.lr_vision is not None else lr,
-            "merger": config.lr_merger if config.lr_merger is not None else lr}
+    return {
+        "text": lr,
+        "vision": config.lr_vision if config.lr_vision is not None else lr,
+        "merger": config.lr_merger if config.lr_merger is not None else lr,
+    }
 
 
 def trainable_groups(model, family) -> dict[str, list]:
@@ -50,24 +53,32 @@ def trainable_groups(model, family) -> dict[str, list]:
 def describe_groups(model, family, lr: float, config) -> dict[str, dict]:
     """For the plan: each group's learning rate and trainable parameter count."""
     lrs = learning_rates(lr, config)
-    return {g: {"lr": lrs[g], "parameters": sum(p.numel() for _, p in ps)}
-            for g, ps in trainable_groups(model, family).items()}
+    return {
+        g: {"lr": lrs[g], "parameters": sum(p.numel() for _, p in ps)}
+        for g, ps in trainable_groups(model, family).items()
+    }
 
 
 def optimizer_groups(model, family, lr: float, config) -> list[dict]:
     """AdamW parameter groups: ``{"name", "params", "lr"}`` per tower that has trainable parameters."""
     lrs = learning_rates(lr, config)
-    return [{"name": g, "params": [p for _, p in ps], "lr": lrs[g]}
-            for g, ps in trainable_groups(model, family).items()]
+    return [
+        {"name": g, "params": [p for _, p in ps], "lr": lrs[g]} for g, ps in trainable_groups(model, family).items()
+    ]
 
 
 def check_merger_trained(model, family, method: str) -> int:
     """After ``--train-merger``: the number of merger parameters in full training; a method that did not
     train them (ignoring ``config.train_merger``) is an error rather than a silent no-op."""
-    names = [n for n, p in model.named_parameters() if p.requires_grad and ".modules_to_save." in n
-             and tower_of(n, family) == "merger"]
+    names = [
+        n
+        for n, p in model.named_parameters()
+        if p.requires_grad and ".modules_to_save." in n and tower_of(n, family) == "merger"
+    ]
     if not names:
-        raise ConfigError(f"--train-merger: method {method} did not make the merger trainable (its plugin ignores "
-                          "config.train_merger; PEFT methods pass the family's vision_mergers as modules_to_save)")
+        raise ConfigError(
+            f"--train-merger: method {method} did not make the merger trainable (its plugin ignores "
+            "config.train_merger; PEFT methods pass the family's vision_mergers as modules_to_save)"
+        )
     chosen = set(names)
     return sum(p.numel() for n, p in model.named_parameters() if n in chosen)

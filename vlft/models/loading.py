@@ -32,19 +32,23 @@ def resolve_model_path(model: str | None, registry) -> str:
     if model is None or model == EMBEDDED_PREFIX.rstrip(":"):
         return str(embedded_model_dir(registry))
     if model.startswith(EMBEDDED_PREFIX):
-        return str(embedded_family_dir(family_named(registry, model[len(EMBEDDED_PREFIX):])))
+        return str(embedded_family_dir(family_named(registry, model[len(EMBEDDED_PREFIX) :])))
     path = Path(model).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
-            raise ConfigError(f"--model {model}: no config.json there; point --model at a model directory "
-                              "(config.json, weights, processor files)")
+            raise ConfigError(
+                f"--model {model}: no config.json there; point --model at a model directory "
+                "(config.json, weights, processor files)"
+            )
         return str(path.resolve())
     if (bundled := bundled_config(model, registry)) is not None and not path.exists():
         return str(bundled)
     if model.startswith((".", "/", "~")) or model.count("/") != 1:
-        raise ConfigError(f"--model {model}: directory not found (bundled configs for planning: "
-                          f"{', '.join(bundled_names(registry))}; tiny offline models: embedded:<family>, see "
-                          "`vlft plugins`)")
+        raise ConfigError(
+            f"--model {model}: directory not found (bundled configs for planning: "
+            f"{', '.join(bundled_names(registry))}; tiny offline models: embedded:<family>, see "
+            "`vlft plugins`)"
+        )
     return model  # a hub id: transformers resolves it (its cache, or the network where there is one)
 
 
@@ -103,7 +107,8 @@ def check_weight_format(path: str, trust_pickle: bool) -> None:
         raise ConfigError(
             f"{path} holds pickled weights ({', '.join(pickled[:3])}{', ...' if len(pickled) > 3 else ''}) and no "
             f".safetensors; loading a pickle can run code stored in it. Convert the weights to safetensors "
-            f"(model.save_pretrained(dir) in a trusted session), or pass --trust-pickle if you trust the file.")
+            f"(model.save_pretrained(dir) in a trusted session), or pass --trust-pickle if you trust the file."
+        )
 
 
 def load_model(path: str, attention, precision, device=None, trust_pickle: bool = False, keep_float=(), *, family):
@@ -119,17 +124,21 @@ def load_model(path: str, attention, precision, device=None, trust_pickle: bool 
     check_weight_format(path, trust_pickle)
     extra = {}
     if precision.quantization == "nf4":
-        extra = dict(quantization_config=four_bit_config(precision, keep_float),
-                     device_map={"": str(device) if device is not None else "cpu"})
+        extra = dict(
+            quantization_config=four_bit_config(precision, keep_float),
+            device_map={"": str(device) if device is not None else "cpu"},
+        )
     try:
         model = AutoModelForImageTextToText.from_pretrained(
-            path, dtype=getattr(torch, precision.param_dtype),
+            path,
+            dtype=getattr(torch, precision.param_dtype),
             attn_implementation=attention.as_attn_implementation(),
             use_safetensors=None if trust_pickle else True,
             # no hub kernels: transformers 5.25 turns them on by default, fetches their code from the hub (none
             # here, nor on an offline cluster) and re-kernelizes at every train()/eval(); the backend's kernel
             # patches (--kernels) are the run's kernels, each in the plan
-            use_kernels=False, **extra,
+            use_kernels=False,
+            **extra,
             **family_load_kwargs(family, precision.param_dtype),
         )
     except ImportError as e:
@@ -154,9 +163,13 @@ def four_bit_config(precision, keep_float=()):
         BitsAndBytesConfig,  # only for nf4 runs (its import looks for bitsandbytes)
     )
 
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
-                              bnb_4bit_use_double_quant=precision.double_quant,
-                              llm_int8_skip_modules=list(keep_float) or None)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_use_double_quant=precision.double_quant,
+        llm_int8_skip_modules=list(keep_float) or None,
+    )
 
 
 def tower_attention(model) -> dict[str, str | None]:
@@ -176,8 +189,11 @@ def empty_model(path: str, attention, precision, *, family):
     config = read_model_config(path)
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(
-            config, dtype=getattr(torch, precision.param_dtype), attn_implementation=attention.as_attn_implementation(),
-            **family_load_kwargs(family, precision.param_dtype))
+            config,
+            dtype=getattr(torch, precision.param_dtype),
+            attn_implementation=attention.as_attn_implementation(),
+            **family_load_kwargs(family, precision.param_dtype),
+        )
     try:  # from_pretrained reads it too: generation (EOS ids) must stop where rank 0's does
         model.generation_config = GenerationConfig.from_pretrained(path)
     except OSError:

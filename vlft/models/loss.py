@@ -26,16 +26,19 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     shift_logits = logits[:, :-1, :].to(torch.promote_types(logits.dtype, torch.float32))
     shift_labels = labels[:, 1:]
     return torch.nn.functional.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),
-        ignore_index=IGNORE_INDEX, reduction="sum",
+        shift_logits.reshape(-1, shift_logits.size(-1)),
+        shift_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
     )
 
 
 def kept_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """``token_loss_sum`` for logits taken at ``label_positions`` only (``logits [B, P, V]``, ``targets [B, P]``)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
-                                             ignore_index=IGNORE_INDEX, reduction="sum")
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
 
 
 def labelled_logits(model, inputs: dict, batch: dict, autocast=None) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -56,8 +59,10 @@ def labelled_logits(model, inputs: dict, batch: dict, autocast=None) -> tuple[to
     if logits.dim() == 3 and logits.shape[:2] == kept.shape:
         return logits, kept
     if logits.shape[1] != batch["labels"].shape[1]:
-        raise RuntimeError(f"the model returned logits of shape {tuple(logits.shape)} for logits_to_keep of "
-                           f"shape {tuple(batch['logit_positions'].shape)}")
+        raise RuntimeError(
+            f"the model returned logits of shape {tuple(logits.shape)} for logits_to_keep of "
+            f"shape {tuple(batch['logit_positions'].shape)}"
+        )
     return logits[:, :-1], batch["labels"][:, 1:]
 
 
@@ -84,6 +89,7 @@ def sequence_logps(model, inputs: dict, batch: dict, autocast=None) -> tuple[tor
         kept = logits[:, :-1], batch["labels"][:, 1:]
     logits, targets = kept
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    per_token = -torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
-                                                   ignore_index=IGNORE_INDEX, reduction="none")
+    per_token = -torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+    )
     return per_token.view(targets.shape).sum(1), (targets != IGNORE_INDEX).sum(1)

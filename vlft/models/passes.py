@@ -29,8 +29,15 @@ class StepPasses:
     None where the objective takes none), its sample encoder, and how batches move (``labels_only``: each row
     batch carries its labelled positions, so the head runs there only; ``non_blocking`` copies)."""
 
-    def __init__(self, device, autocast_dtype=None, reference=None, encoder=None, labels_only: bool = True,
-                 non_blocking: bool = False):
+    def __init__(
+        self,
+        device,
+        autocast_dtype=None,
+        reference=None,
+        encoder=None,
+        labels_only: bool = True,
+        non_blocking: bool = False,
+    ):
         self.device, self.reference, self.encoder = device, reference, encoder
         self.autocast = autocast_context(device, autocast_dtype) if device is not None else nullcontext()
         self.labels_only, self.non_blocking = labels_only, non_blocking
@@ -79,8 +86,9 @@ class StepPasses:
 
     def _reference(self):
         if self.reference is None:
-            raise ValueError("this run keeps no reference model: the objective must say it takes one "
-                             "(Objective.reference)")
+            raise ValueError(
+                "this run keeps no reference model: the objective must say it takes one (Objective.reference)"
+            )
         return self.reference()
 
 
@@ -92,8 +100,10 @@ def token_logps(model, inputs: dict, batch: dict, autocast: Any, temperature: fl
     vocabulary."""
     kept = labelled_logits(model, inputs, batch, autocast)
     if kept is None:
-        raise ValueError("token log-probabilities are read at the batch's labelled positions: give the batch them "
-                         "(Passes.to_device, or data.batching.with_label_positions)")
+        raise ValueError(
+            "token log-probabilities are read at the batch's labelled positions: give the batch them "
+            "(Passes.to_device, or data.batching.with_label_positions)"
+        )
     logits, targets = kept
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if temperature != 1.0:

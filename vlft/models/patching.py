@@ -37,10 +37,16 @@ def _pinned_class(cls: type, kernel: str) -> type:
         counter[0] += 1
         return getattr(self, FORWARD)(*args, **kwargs)
 
-    namespace = {"forward": forward, KERNEL: kernel, CALLS: counter, "__module__": cls.__module__,
-                 "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
-                 # kernels' kernelize skips a layer whose condition says no (the pin is ours, not a hub kernel)
-                 "kernel_condition": staticmethod(lambda module: False)}
+    namespace = {
+        "forward": forward,
+        KERNEL: kernel,
+        CALLS: counter,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "__doc__": cls.__doc__,
+        # kernels' kernelize skips a layer whose condition says no (the pin is ours, not a hub kernel)
+        "kernel_condition": staticmethod(lambda module: False),
+    }
     return type(cls.__name__, (cls,), namespace)
 
 
@@ -136,19 +142,24 @@ class PatchWatch:
             state = now[kernel]
             ran = state.calls - self.counts.get(kernel, 0)
             if state.modules < modules:
-                problems.append(f"{kernel}: {modules - state.modules} of its {modules} patched module(s) are no "
-                                "longer patched")
+                problems.append(
+                    f"{kernel}: {modules - state.modules} of its {modules} patched module(s) are no longer patched"
+                )
             elif state.shadowed:
-                problems.append(f"{kernel}: a forward was bound over it on {len(state.shadowed)} of its {modules} "
-                                f"module(s) (e.g. {state.shadowed[0]})")
+                problems.append(
+                    f"{kernel}: a forward was bound over it on {len(state.shadowed)} of its {modules} "
+                    f"module(s) (e.g. {state.shadowed[0]})"
+                )
             elif ran == 0:
                 problems.append(f"{kernel}: its forward ran 0 times in the step ({modules} module(s) patched)")
         if problems:
             raise KernelPatchLost(
                 f"step {step} ({where}) did not run kernel patch(es) the plan lists as applied: "
-                + "; ".join(problems) + ". Something replaced them after set-up; the run stops rather than "
+                + "; ".join(problems)
+                + ". Something replaced them after set-up; the run stops rather than "
                 "train with other kernels than its plan says. Run with --kernels none (or without that patch) "
-                "and report it.")
+                "and report it."
+            )
 
 
 class KernelPatchLost(VlftError):

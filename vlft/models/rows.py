@@ -38,8 +38,7 @@ def row_inputs(model, batch: dict, groups: int, share_features: bool = True) -> 
     and repeat its features, where the model takes them (see the module docstring)."""
     inputs = {k: v for k, v in batch.items() if k not in (SHARED, *LOSS_KEYS, *HOST_KEYS)}
     shared = dict(batch.get(SHARED) or {})
-    features = _features(model, shared, groups) if share_features and shared and takes_vision_features(model) \
-        else None
+    features = _features(model, shared, groups) if share_features and shared and takes_vision_features(model) else None
     if features is not None:
         for key, _ in features.values():
             shared.pop(key)

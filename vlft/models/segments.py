@@ -104,7 +104,7 @@ def _attention(name: str):
         for b, samples in enumerate(_BOUNDS.of(position_ids)):
             parts = []
             for s, e in samples:
-                q, k, v = query[b:b + 1, :, s:e], key[b:b + 1, :, s:e], value[b:b + 1, :, s:e]
+                q, k, v = query[b : b + 1, :, s:e], key[b : b + 1, :, s:e], value[b : b + 1, :, s:e]
                 if name == "sdpa":
                     out, _ = run(module, q, k, v, None, is_causal=True, **kwargs)
                 else:

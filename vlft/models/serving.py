@@ -41,18 +41,26 @@ class ServingCheck:
     def lines(self) -> list[str]:
         """What a user serving with vLLM needs to know, one point a line."""
         if self.missing:
-            return [f"vLLM: {len(self.missing)} adapter name(s) match no linear layer of the base model (e.g. "
-                    f"{self.missing[0]}); was the adapter trained on another model?"]
+            return [
+                f"vLLM: {len(self.missing)} adapter name(s) match no linear layer of the base model (e.g. "
+                f"{self.missing[0]}); was the adapter trained on another model?"
+            ]
         if self.blockers:
-            return [f"vLLM will refuse this adapter: {'; '.join(self.blockers)}. Serve the merged model instead "
-                    "(vlft export without --adapter-only)"]
-        out = [f"vLLM: {len(self.modules)} adapted modules, names as vLLM's LoRA loader takes them "
-               "(base_model.model.<module>.lora_A/B.weight)"]
+            return [
+                f"vLLM will refuse this adapter: {'; '.join(self.blockers)}. Serve the merged model instead "
+                "(vlft export without --adapter-only)"
+            ]
+        out = [
+            f"vLLM: {len(self.modules)} adapted modules, names as vLLM's LoRA loader takes them "
+            "(base_model.model.<module>.lora_A/B.weight)"
+        ]
         if self.vision:
-            out.append(f"vLLM: {len(self.vision)} of them are in the vision tower or the merger: serve with "
-                       "`vllm serve BASE --enable-lora --enable-tower-connector-lora` (vLLM with PR #26674), "
-                       "or merge (vlft export without --adapter-only); without that flag vLLM leaves them out "
-                       "and serves the text adapters only")
+            out.append(
+                f"vLLM: {len(self.vision)} of them are in the vision tower or the merger: serve with "
+                "`vllm serve BASE --enable-lora --enable-tower-connector-lora` (vLLM with PR #26674), "
+                "or merge (vlft export without --adapter-only); without that flag vLLM leaves them out "
+                "and serves the text adapters only"
+            )
         return out
 
 
@@ -68,8 +76,10 @@ def check_for_serving(adapter_dir: Path, model, family) -> ServingCheck:
     if str(config.get("peft_type", "")).upper() != "LORA":
         check.blockers.append(f"vLLM serves LoRA adapters, this one is {config.get('peft_type')}")
     if config.get("modules_to_save"):
-        check.blockers.append(f"modules trained in full (modules_to_save {config['modules_to_save']}, "
-                              "from --train-merger) are not supported")
+        check.blockers.append(
+            f"modules trained in full (modules_to_save {config['modules_to_save']}, "
+            "from --train-merger) are not supported"
+        )
     if config.get("use_dora"):
         check.blockers.append("DoRA (use_dora) is not supported")
     if config.get("bias", "none") != "none":
@@ -78,7 +88,7 @@ def check_for_serving(adapter_dir: Path, model, family) -> ServingCheck:
     roots = tuple(r + "." for r in family.vision_side() if r)
     unparsed = []
     for key in tensor_names(adapter_dir):
-        name = key[len(PREFIX):] if key.startswith(PREFIX) else None
+        name = key[len(PREFIX) :] if key.startswith(PREFIX) else None
         suffix = next((s for s in LORA_SUFFIXES if key.endswith(s)), None)
         if name is None or suffix is None:
             unparsed.append(key)

@@ -30,8 +30,9 @@ class TargetPlan:
 def select_targets(model, defaults, targets: str, vision_last_n: int, family, experts: bool = False) -> TargetPlan:
     """Full module names to adapt for ``targets`` ("vision", "text", "both" or "auto")."""
     towers = defaults.default_targets if targets == "auto" else targets
-    ft = select_target_modules(model, family, towers, vision_last_n, experts=experts,
-                               leaves=method_leaves(defaults, family))
+    ft = select_target_modules(
+        model, family, towers, vision_last_n, experts=experts, leaves=method_leaves(defaults, family)
+    )
     if not ft.modules and not ft.parameters:
         raise ConfigError(
             f"no modules to adapt for --targets {towers} with --vision-last-n {vision_last_n}: the {family.name} "
@@ -47,8 +48,10 @@ def method_leaves(defaults, family) -> dict[str, tuple[str, ...]]:
     that asks for the family's attention projections, or for nothing, gets the family's full default set
     (which knows, say, a hybrid model's linear-attention projections)."""
     out = {}
-    for tower, names, default in (("text", defaults.text_modules, target_names(family, "text")),
-                                  ("vision", defaults.vision_modules, target_names(family, "vision"))):
+    for tower, names, default in (
+        ("text", defaults.text_modules, target_names(family, "text")),
+        ("vision", defaults.vision_modules, target_names(family, "vision")),
+    ):
         family_leaves = {rel.rsplit(".", 1)[-1] for rel in default}
         if names and not set(names) <= family_leaves:
             out[tower] = tuple(names)

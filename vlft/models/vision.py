@@ -112,6 +112,8 @@ def install_vision_warmup(model, modalities: set[str], family, sharded: bool = F
     # added to the input embeddings, the zero makes the decoder depend on the tower as real pixels do, so
     # backward reaches the tower after the decoder on every process, in the same order (FSDP's reductions
     # must match: added to the output instead, a process without images reduced the tower's gradients early)
-    return [inner.register_forward_pre_hook(pre_forward, with_kwargs=True),
-            inner.get_input_embeddings().register_forward_hook(on_embeddings),
-            inner.register_forward_hook(post_forward, with_kwargs=True)]
+    return [
+        inner.register_forward_pre_hook(pre_forward, with_kwargs=True),
+        inner.get_input_embeddings().register_forward_hook(on_embeddings),
+        inner.register_forward_hook(post_forward, with_kwargs=True),
+    ]

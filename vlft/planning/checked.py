@@ -48,21 +48,45 @@ def _processor_identity(encoder) -> dict:
     proc = encoder.processor
     tok = encoder.tokenizer
     ip = getattr(proc, "image_processor", None)
-    return {"class": type(proc).__name__, "chat_template": getattr(proc, "chat_template", None) or "",
-            "tokenizer": getattr(tok, "name_or_path", ""), "vocab": len(tok),
-            "eos": tok.eos_token, "family": encoder.family.name,
-            "image_processor": json.dumps(ip.to_dict(), sort_keys=True, default=str) if ip is not None else "",
-            "max_pixels": encoder.max_pixels,
-            "video": [encoder.video_fps, encoder.video_max_frames]}
+    return {
+        "class": type(proc).__name__,
+        "chat_template": getattr(proc, "chat_template", None) or "",
+        "tokenizer": getattr(tok, "name_or_path", ""),
+        "vocab": len(tok),
+        "eos": tok.eos_token,
+        "family": encoder.family.name,
+        "image_processor": json.dumps(ip.to_dict(), sort_keys=True, default=str) if ip is not None else "",
+        "max_pixels": encoder.max_pixels,
+        "video": [encoder.video_fps, encoder.video_max_frames],
+    }
 
 
 def cache_key(config, encoder, files: list[Path]) -> str:
     """The key of ``config``'s checked data: data files' contents, the options that read them, the processor."""
-    options = {k: getattr(config, k, None) for k in (
-        "data", "val_data", "columns", "image_root", "add_placeholders", "max_length", "skip_too_long", "max_pixels",
-        "video_fps", "video_max_frames", "seed", "objective", "max_new_tokens")}
-    payload = {"version": VERSION, "files": [_file_digest(f) for f in files], "options": options,
-               "processor": _processor_identity(encoder)}
+    options = {
+        k: getattr(config, k, None)
+        for k in (
+            "data",
+            "val_data",
+            "columns",
+            "image_root",
+            "add_placeholders",
+            "max_length",
+            "skip_too_long",
+            "max_pixels",
+            "video_fps",
+            "video_max_frames",
+            "seed",
+            "objective",
+            "max_new_tokens",
+        )
+    }
+    payload = {
+        "version": VERSION,
+        "files": [_file_digest(f) for f in files],
+        "options": options,
+        "processor": _processor_identity(encoder),
+    }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 

@@ -35,12 +35,15 @@ def decide(plan: MemoryPlan, basis: MemoryBasis, config: RunConfig, can_shard: b
         _fix_smaller_batches(plan, replan, ckpt, config.batch_size, config.grad_accum),
         _fix_fewer_pixels(plan, replan, ckpt, config.max_pixels, family),
         _fix_sharding(plan, basis.model, basis.compute_dtype, ckpt, family)
-        if can_shard and plan.shard_world == 1 else None,
+        if can_shard and plan.shard_world == 1
+        else None,
     ]
     if not any(f and f.endswith("(fits)") for f in fixes):
         fixes.append(_fix_combined(plan, basis, ckpt, config))
-    fixes.append("--max-length N with --skip-too-long (leave out the longest samples), or fewer targets "
-                 "(--targets text, a smaller --vision-last-n)")
+    fixes.append(
+        "--max-length N with --skip-too-long (leave out the longest samples), or fewer targets "
+        "(--targets text, a smaller --vision-last-n)"
+    )
     plan.fixes = [f for f in fixes if f]
 
 
@@ -55,8 +58,9 @@ def _settle_checkpointing(plan: MemoryPlan, asked: str) -> None:
         plan.checkpointing, plan.checkpointing_reason = False, "auto: off (the run fits without it)"
     else:
         plan.checkpointing = True
-        plan.checkpointing_reason = (f"auto: on (without it {gib(plan.total_bytes(False))} would not fit "
-                                     f"{gib(plan.capacity_bytes)})")
+        plan.checkpointing_reason = (
+            f"auto: on (without it {gib(plan.total_bytes(False))} would not fit {gib(plan.capacity_bytes)})"
+        )
 
 
 def _usable(plan: MemoryPlan) -> float:
@@ -70,17 +74,27 @@ def _verdict(plan: MemoryPlan, n: int) -> str:
 
 def _replanner(plan: MemoryPlan, basis: MemoryBasis):
     """The same plan for another batch shape (re-estimated, not scaled)."""
+
     def replan(shape: BatchShape) -> MemoryPlan:
         return plan_memory(_rebased(plan, basis, plan.base_dtype), shape)
+
     return replan
 
 
 def _rebased(plan: MemoryPlan, basis: MemoryBasis, param_dtype: str) -> MemoryBasis:
     """``basis`` with ``plan``'s capacity, sharding and guard and the base weights in ``param_dtype``, unquantized."""
-    return dataclasses.replace(basis, param_dtype=param_dtype, reserved_bytes=plan.reserved_bytes,
-                               capacity_bytes=plan.capacity_bytes, capacity_source=plan.capacity_source,
-                               shard_world=plan.shard_world, gathered_bytes=plan.gathered_bytes,
-                               quantization=None, double_quant=False, guard_copy=bool(plan.guard_copy_bytes))
+    return dataclasses.replace(
+        basis,
+        param_dtype=param_dtype,
+        reserved_bytes=plan.reserved_bytes,
+        capacity_bytes=plan.capacity_bytes,
+        capacity_source=plan.capacity_source,
+        shard_world=plan.shard_world,
+        gathered_bytes=plan.gathered_bytes,
+        quantization=None,
+        double_quant=False,
+        guard_copy=bool(plan.guard_copy_bytes),
+    )
 
 
 def _fix_checkpointing(plan: MemoryPlan) -> str | None:
@@ -103,11 +117,17 @@ def _fix_smaller_batches(plan: MemoryPlan, replan, ckpt: bool, batch_size: int, 
     per = len(plan.batch.grids) / max(plan.batch.samples, 1)
     while b > 1:
         b //= 2
-        n = replan(BatchShape(b, plan.batch.tokens, plan.batch.grids[: round(per * b)], plan.batch.labelled)).total_bytes(ckpt)
+        n = replan(
+            BatchShape(b, plan.batch.tokens, plan.batch.grids[: round(per * b)], plan.batch.labelled)
+        ).total_bytes(ckpt)
         if n <= _usable(plan) or b == 1:
             accum = grad_accum * batch_size // b
-            return (f"--batch-size {b} --grad-accum {accum} (same samples per step"
-                    + (", with checkpointing" if ckpt else "") + f"): {gib(n)}" + _verdict(plan, n))
+            return (
+                f"--batch-size {b} --grad-accum {accum} (same samples per step"
+                + (", with checkpointing" if ckpt else "")
+                + f"): {gib(n)}"
+                + _verdict(plan, n)
+            )
     return None
 
 
@@ -120,8 +140,11 @@ def _resizable(family) -> bool:
 def _fix_fewer_pixels(plan: MemoryPlan, replan, ckpt: bool, max_pixels: int | None, family) -> str | None:
     if not _resizable(family):
         return None
-    if not plan.batch.patches or (max_pixels is not None and max_pixels <= PIXELS) or \
-            not any(h * w * family.image_inputs.patch_size ** 2 > PIXELS for _, h, w in plan.batch.grids):
+    if (
+        not plan.batch.patches
+        or (max_pixels is not None and max_pixels <= PIXELS)
+        or not any(h * w * family.image_inputs.patch_size**2 > PIXELS for _, h, w in plan.batch.grids)
+    ):
         return None
     n = replan(_fewer_pixels_shape(plan.batch, family)).total_bytes(ckpt)
     return f"--max-pixels {PIXELS} (448x448 images): about {gib(n)}" + _verdict(plan, n)
@@ -150,8 +173,12 @@ def _fix_combined(plan: MemoryPlan, basis: MemoryBasis, ckpt: bool, config: RunC
         options.append("half")
     if plan.batch.samples > 1:
         options.append("batch")
-    if _resizable(family) and plan.batch.patches and not (max_pixels is not None and max_pixels <= PIXELS) and \
-            any(h * w * family.image_inputs.patch_size ** 2 > PIXELS for _, h, w in plan.batch.grids):
+    if (
+        _resizable(family)
+        and plan.batch.patches
+        and not (max_pixels is not None and max_pixels <= PIXELS)
+        and any(h * w * family.image_inputs.patch_size**2 > PIXELS for _, h, w in plan.batch.grids)
+    ):
         options.append("pixels")
     per = len(plan.batch.grids) / max(plan.batch.samples, 1)
     plans: dict = {}
@@ -159,8 +186,9 @@ def _fix_combined(plan: MemoryPlan, basis: MemoryBasis, ckpt: bool, config: RunC
     def total(chosen, samples: int) -> int:
         key = ("half" in chosen, samples, "pixels" in chosen)
         if key not in plans:
-            shape = BatchShape(samples, plan.batch.tokens, plan.batch.grids[: round(per * samples)],
-                               plan.batch.labelled)
+            shape = BatchShape(
+                samples, plan.batch.tokens, plan.batch.grids[: round(per * samples)], plan.batch.labelled
+            )
             if "pixels" in chosen:
                 shape = _fewer_pixels_shape(shape, family)
             dtype = "bfloat16" if "half" in chosen else plan.base_dtype
@@ -197,7 +225,10 @@ def _fix_sharding(plan: MemoryPlan, model, compute_dtype, ckpt: bool, family) ->
     for n in (2, 4, 8, 16, 32, 64):
         total = dataclasses.replace(plan, shard_world=n, gathered_bytes=gathered, fixes=[]).total_bytes(ckpt)
         if total <= _usable(plan):
-            return (f"--shard fsdp over {n} processes (--nproc-per-node {n}, or --nnodes with "
-                    f"--nproc-per-node making {n}" + (", with checkpointing" if ckpt else "")
-                    + f"): {gib(total)} per process (fits)")
+            return (
+                f"--shard fsdp over {n} processes (--nproc-per-node {n}, or --nnodes with "
+                f"--nproc-per-node making {n}"
+                + (", with checkpointing" if ckpt else "")
+                + f"): {gib(total)} per process (fits)"
+            )
     return None

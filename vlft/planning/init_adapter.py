@@ -23,8 +23,10 @@ def init_adapter_source(registry: Registry, config: RunConfig) -> AdapterSource 
         return None
     source = locate_adapter(registry, config.init_adapter, flag="--init-adapter")
     if source.method != config.method:
-        raise ConfigError(f"--init-adapter {config.init_adapter}: holds a {source.method} adapter, and this run's "
-                          f"method is {config.method}; pass --method {source.method}")
+        raise ConfigError(
+            f"--init-adapter {config.init_adapter}: holds a {source.method} adapter, and this run's "
+            f"method is {config.method}; pass --method {source.method}"
+        )
     return source
 
 
@@ -49,12 +51,16 @@ def check_init_adapter(config: RunConfig, targets: list[str], source: AdapterSou
             f"--init-adapter {where}: adapts {len(adapted)} modules, this run plans {len(targets)}"
             + (f" (only in the adapter: {extra[0]}, ...)" if extra else "")
             + (f" (only in the plan: {missing[0]}, ...)" if missing else "")
-            + "; pass the --targets and --vision-last-n of the run that trained it")
+            + "; pass the --targets and --vision-last-n of the run that trained it"
+        )
     if source.run_config:
         differ = [k for k in SHAPING if source.run_config.get(k) != getattr(config, k)]
         if differ:
-            said = ", ".join(f"{k.replace('_', '-')} {source.run_config.get(k)!r} there, "
-                             f"{getattr(config, k)!r} here" for k in differ)
-            raise ConfigError(f"--init-adapter {where}: trained with other method options ({said}); pass the "
-                              f"options of the run that trained it")
+            said = ", ".join(
+                f"{k.replace('_', '-')} {source.run_config.get(k)!r} there, {getattr(config, k)!r} here" for k in differ
+            )
+            raise ConfigError(
+                f"--init-adapter {where}: trained with other method options ({said}); pass the "
+                f"options of the run that trained it"
+            )
     return str(source.adapter_dir)

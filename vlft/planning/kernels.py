@@ -50,8 +50,10 @@ def choose_kernels(offered: list[KernelPatch], config: RunConfig) -> KernelChoic
         by_name[k.name] = k
     unknown = sorted(names - set(by_name))
     if unknown:
-        raise ConfigError(f"--kernels {config.kernels}: no kernel patch named {', '.join(unknown)} for this backend "
-                          f"and model; offered: {', '.join(by_name) or 'none'}")
+        raise ConfigError(
+            f"--kernels {config.kernels}: no kernel patch named {', '.join(unknown)} for this backend "
+            f"and model; offered: {', '.join(by_name) or 'none'}"
+        )
     for name in sorted(names):
         if not by_name[name].available:
             raise ConfigError(f"--kernels {config.kernels}: {name} cannot be used here: {by_name[name].reason}")
@@ -91,8 +93,12 @@ def with_kernel_attention(policy: AttentionPolicy, choice: KernelChoice) -> Atte
                 changed.append(f"{tower}={impl} by kernel {k.name}")
     if not changed:
         return policy
-    return dataclasses.replace(policy, vision=towers["vision"], text=towers["text"],
-                               reason=f"{policy.reason}; {', '.join(changed)}" if policy.reason else ", ".join(changed))
+    return dataclasses.replace(
+        policy,
+        vision=towers["vision"],
+        text=towers["text"],
+        reason=f"{policy.reason}; {', '.join(changed)}" if policy.reason else ", ".join(changed),
+    )
 
 
 def apply_kernels(choice: KernelChoice | None, model) -> list[str]:
@@ -100,13 +106,14 @@ def apply_kernels(choice: KernelChoice | None, model) -> list[str]:
     it puts in place (``models.patching``: so ``train()``/``eval()`` cannot undo them, and the loop can see
     them run); one line per patch, for the plan."""
     lines = []
-    for k in (choice.chosen if choice else []):
+    for k in choice.chosen if choice else []:
         if k.apply is None:
             continue
         line, pinned = pin_patch(model, k.name, k.apply)
         line = f"kernel {k.name}: {line}" if line else f"kernel {k.name}"
-        lines.append(line + (f" [{pinned} module(s) pinned, checked at step 1 and after each evaluation]"
-                             if pinned else ""))
+        lines.append(
+            line + (f" [{pinned} module(s) pinned, checked at step 1 and after each evaluation]" if pinned else "")
+        )
     return lines
 
 

@@ -35,7 +35,7 @@ from vlft.models.families import base_model
 from vlft.planning.sharding import working_set_bytes
 from vlft.planning.trace import Activations, BatchShape, trace_activations
 
-GIB = 2 ** 30
+GIB = 2**30
 
 
 HEADROOM = 0.05  # allocator fragmentation: plan to use at most 95% of the device
@@ -45,7 +45,7 @@ def gib(n: int | float | None) -> str:
     """Bytes for a person: GiB from 1 GiB up, MiB below."""
     if n is None:
         return "unknown"
-    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / 2 ** 20:.1f} MiB"
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / 2**20:.1f} MiB"
 
 
 @dataclass
@@ -86,8 +86,9 @@ class MemoryPlan:
 
     @property
     def adapter_state_bytes_per_process(self) -> int:
-        return self.per_process(self.adapter_bytes + self.grad_bytes + self.optimizer_bytes + self.guard_copy_bytes
-                                + self.reference_bytes)
+        return self.per_process(
+            self.adapter_bytes + self.grad_bytes + self.optimizer_bytes + self.guard_copy_bytes + self.reference_bytes
+        )
 
     @property
     def activation_bytes(self) -> int:
@@ -112,23 +113,37 @@ class MemoryPlan:
 
     def describe(self) -> dict:
         return {
-            "base_weights_bytes": self.base_weights, "base_dtype": self.base_dtype,
-            "adapter_parameters": self.adapter_parameters, "adapter_bytes": self.adapter_bytes,
-            "grad_bytes": self.grad_bytes, "optimizer_bytes": self.optimizer_bytes,
+            "base_weights_bytes": self.base_weights,
+            "base_dtype": self.base_dtype,
+            "adapter_parameters": self.adapter_parameters,
+            "adapter_bytes": self.adapter_bytes,
+            "grad_bytes": self.grad_bytes,
+            "optimizer_bytes": self.optimizer_bytes,
             "guard_copy_bytes": self.guard_copy_bytes,
             "reference_bytes": self.reference_bytes,
-            "activation_bytes": self.activation_bytes, "activation_bytes_without_checkpointing": self.activations.full,
+            "activation_bytes": self.activation_bytes,
+            "activation_bytes_without_checkpointing": self.activations.full,
             "activation_bytes_with_checkpointing": self.activations.checkpointed,
             "backward_transient_bytes": self.activations.backward_transient,
-            "logits_bytes": self.logits_bytes, "reserved_bytes": self.reserved_bytes,
-            "batch": self.batch.describe(), "checkpointing": self.checkpointing,
-            "estimate_bytes": self.total_bytes(), "capacity_bytes": self.capacity_bytes,
-            "capacity_source": self.capacity_source, "usable_fraction": 1 - HEADROOM, "fits": self.fits(),
-            "fixes": self.fixes, "sharded_over": self.shard_world, "gathered_bytes": self.gathered_bytes,
+            "logits_bytes": self.logits_bytes,
+            "reserved_bytes": self.reserved_bytes,
+            "batch": self.batch.describe(),
+            "checkpointing": self.checkpointing,
+            "estimate_bytes": self.total_bytes(),
+            "capacity_bytes": self.capacity_bytes,
+            "capacity_source": self.capacity_source,
+            "usable_fraction": 1 - HEADROOM,
+            "fits": self.fits(),
+            "fixes": self.fixes,
+            "sharded_over": self.shard_world,
+            "gathered_bytes": self.gathered_bytes,
             "base_bytes_per_process": self.base_bytes_per_process,
             "adapter_state_bytes_per_process": self.adapter_state_bytes_per_process,
-            **({"generation_bytes": self.generation_bytes, "generation_shape": self.generation_shape}
-               if self.generation_bytes else {}),
+            **(
+                {"generation_bytes": self.generation_bytes, "generation_shape": self.generation_shape}
+                if self.generation_bytes
+                else {}
+            ),
         }
 
     def format(self) -> list[str]:
@@ -139,8 +154,13 @@ def format_memory(d: dict) -> list[str]:
     """The plan's memory lines, from ``MemoryPlan.describe()`` (so dry-run JSON and text agree)."""
     w, batch = d["base_weights_bytes"], d["batch"]
     verdict = {True: "fits", False: "DOES NOT FIT", None: "capacity unknown (pass --device-memory)"}[d["fits"]]
-    adapter = (d["adapter_bytes"] + d["grad_bytes"] + d["optimizer_bytes"] + d.get("guard_copy_bytes", 0)
-               + d.get("reference_bytes", 0))
+    adapter = (
+        d["adapter_bytes"]
+        + d["grad_bytes"]
+        + d["optimizer_bytes"]
+        + d.get("guard_copy_bytes", 0)
+        + d.get("reference_bytes", 0)
+    )
     world = d.get("sharded_over", 1)
     lines = [
         f"memory       {gib(d['estimate_bytes'])} estimated per process; device {gib(d['capacity_bytes'])} "
@@ -150,12 +170,14 @@ def format_memory(d: dict) -> list[str]:
         + (f"; sharded over {world} processes: {gib(d['base_bytes_per_process'])} each" if world > 1 else ""),
         f"             adapter {d['adapter_parameters']:,} params, fp32 weights + grads + AdamW"
         + (" + the guard's copy" if d.get("guard_copy_bytes") else "")
-        + (" + the reference's copy" if d.get("reference_bytes") else "") + f": {gib(adapter)}"
+        + (" + the reference's copy" if d.get("reference_bytes") else "")
+        + f": {gib(adapter)}"
         + (f"; {gib(d['adapter_state_bytes_per_process'])} each" if world > 1 else ""),
     ]
     if world > 1:
-        lines.append(f"             gathered whole at a time (the root's parameters + 2 blocks): "
-                     f"{gib(d['gathered_bytes'])}")
+        lines.append(
+            f"             gathered whole at a time (the root's parameters + 2 blocks): {gib(d['gathered_bytes'])}"
+        )
     lines += [
         f"             activations {gib(d['activation_bytes'])} (checkpointing {'on' if d['checkpointing'] else 'off'}; "
         f"on {gib(d['activation_bytes_with_checkpointing'])}, off {gib(d['activation_bytes_without_checkpointing'])})"
@@ -165,8 +187,10 @@ def format_memory(d: dict) -> list[str]:
         f"{gib(d['logits_bytes'])}, runtime reserve {gib(d['reserved_bytes'])}",
     ]
     if d.get("generation_bytes"):
-        lines.append(f"             generation (before the trained pass, not beside it): KV cache + last logits "
-                     f"{gib(d['generation_bytes'])} for {d['generation_shape']}")
+        lines.append(
+            f"             generation (before the trained pass, not beside it): KV cache + last logits "
+            f"{gib(d['generation_bytes'])} for {d['generation_shape']}"
+        )
     return lines + [f"fix          {f}" for f in d["fixes"]]
 
 
@@ -213,8 +237,9 @@ def four_bit_skip(family) -> tuple[str, ...]:
     return (family.towers.lm_head, *family.towers.vision_mergers)
 
 
-def weight_bytes(model, param_dtype, family, quantization: str | None = None,
-                 double_quant: bool = False) -> tuple[dict[str, int], int]:
+def weight_bytes(
+    model, param_dtype, family, quantization: str | None = None, double_quant: bool = False
+) -> tuple[dict[str, int], int]:
     """(frozen base bytes per tower at ``param_dtype``, trainable parameter count); the vision side is what
     the family's vision tower and projectors hold. ``quantization`` "nf4": linear weights at 4 bits with
     their constants (``four_bit_bytes``)."""
@@ -268,11 +293,20 @@ def plan_memory(basis: MemoryBasis, batch: BatchShape) -> MemoryPlan:
     # labelled positions only (``batch.logit_positions``)
     logits = batch.samples * batch.logit_positions * vocab * (logit_itemsize + 4)
     return MemoryPlan(
-        base_weights=towers, base_dtype=f"nf4 linear + {param_dtype}" if basis.quantization else param_dtype,
-        adapter_parameters=trainable, adapter_bytes=4 * trainable,
-        grad_bytes=4 * trainable, optimizer_bytes=8 * trainable, activations=acts, logits_bytes=logits,
-        reserved_bytes=basis.reserved_bytes, batch=batch, capacity_bytes=basis.capacity_bytes,
-        capacity_source=basis.capacity_source, shard_world=basis.shard_world, gathered_bytes=basis.gathered_bytes,
+        base_weights=towers,
+        base_dtype=f"nf4 linear + {param_dtype}" if basis.quantization else param_dtype,
+        adapter_parameters=trainable,
+        adapter_bytes=4 * trainable,
+        grad_bytes=4 * trainable,
+        optimizer_bytes=8 * trainable,
+        activations=acts,
+        logits_bytes=logits,
+        reserved_bytes=basis.reserved_bytes,
+        batch=batch,
+        capacity_bytes=basis.capacity_bytes,
+        capacity_source=basis.capacity_source,
+        shard_world=basis.shard_world,
+        gathered_bytes=basis.gathered_bytes,
         guard_copy_bytes=(4 + 8) * trainable if basis.guard_copy else 0,
     )
 
@@ -281,14 +315,18 @@ def fsdp_gathered_bytes(model, compute_dtype: str | None, family) -> int:
     """What FSDP holds whole at one time: the root's parameters and two blocks (the one running and the next,
     prefetched), at the dtype they are gathered in."""
 
-
     itemsize = torch.empty((), dtype=getattr(torch, compute_dtype)).element_size() if compute_dtype else None
     root, block = working_set_bytes(model, itemsize, family)
     return root + 2 * block
 
 
-def largest_batches(lengths: Sequence[int], grids: Sequence[Sequence[tuple[int, int, int]]], order: DataOrder,
-                    total_steps: int, labelled: Sequence[int] | None = None) -> list[BatchShape]:
+def largest_batches(
+    lengths: Sequence[int],
+    grids: Sequence[Sequence[tuple[int, int, int]]],
+    order: DataOrder,
+    total_steps: int,
+    labelled: Sequence[int] | None = None,
+) -> list[BatchShape]:
     """The micro-batches with the most padded tokens, with the most image patches and (given ``labelled``,
     each sample's labelled tokens) with the most logit positions, over every process and every step the run
     will take in ``order`` (the sampler is seeded, so this is exact). A packed micro-batch is planned as padded:
@@ -309,8 +347,10 @@ def largest_batches(lengths: Sequence[int], grids: Sequence[Sequence[tuple[int, 
     best_logits: BatchShape | None = None
     for idx in run_micro_batches(n, order, total_steps):
         shape = shape_of(idx)
-        if labelled and (best_logits is None or shape.samples * shape.logit_positions
-                         > best_logits.samples * best_logits.logit_positions):
+        if labelled and (
+            best_logits is None
+            or shape.samples * shape.logit_positions > best_logits.samples * best_logits.logit_positions
+        ):
             best_logits = shape
         if best_tokens is None or shape.samples * shape.tokens > best_tokens.samples * best_tokens.tokens:
             best_tokens = shape
@@ -338,5 +378,4 @@ def resized_grids(grids, max_pixels: int, family):
     if images is None or images.grid is None:
         return list(grids)
     patch = images.patch_size
-    return [tuple(family.call("image_inputs.grid", images.grid, h * patch, w * patch, max_pixels))
-            for _, h, w in grids]
+    return [tuple(family.call("image_inputs.grid", images.grid, h * patch, w * patch, max_pixels)) for _, h, w in grids]

@@ -93,9 +93,14 @@ class RunPlan:
         if experts is None:
             return None
         on_experts = sum(n for m, n in self.target_params.items() if m not in self.targets)
-        return {"adapted": bool(self.target_parameters), "parameters": list(experts.parameters),
-                "layers": len({p.rpartition(".")[0] for p in self.target_parameters}),
-                "adapter_parameters": on_experts, "routers": list(experts.routers), "routers_frozen": True}
+        return {
+            "adapted": bool(self.target_parameters),
+            "parameters": list(experts.parameters),
+            "layers": len({p.rpartition(".")[0] for p in self.target_parameters}),
+            "adapter_parameters": on_experts,
+            "routers": list(experts.routers),
+            "routers_frozen": True,
+        }
 
     def objective_description(self) -> dict | None:
         """The objective as the plan shows it, its reference (if it takes one) in words."""
@@ -133,8 +138,12 @@ class RunPlan:
                 "notes": self.adapter.notes,
             },
             "model": self.model_path,
-            "model_family": {"name": self.family.name, "model_types": list(self.family.model_types),
-                             "box_coordinates": self.family.chat.box_coordinates, "parameters": self.model_counts},
+            "model_family": {
+                "name": self.family.name,
+                "model_types": list(self.family.model_types),
+                "box_coordinates": self.family.chat.box_coordinates,
+                "parameters": self.model_counts,
+            },
             "targets": {
                 **self.target_summary,
                 "modules": {m: self.target_params.get(m) for m in self.targets},
@@ -142,23 +151,47 @@ class RunPlan:
                 "experts": self.experts_adapted(),
             },
             "kernels": self.kernels.describe() if self.kernels else None,
-            "optimizer": {"groups": self.param_groups, "train_merger": self.config.train_merger,
-                          "merger_parameters": self.merger_parameters,
-                          "lr_is": "absolute (--lr-vision and --lr-merger are not multipliers of --lr)"},
-            "param_dtype": {"dtype": (f"nf4 linear weights{' (double-quantized)' if self.precision.double_quant else ''}"
-                                      f" + {self.precision.param_dtype}" if self.precision.quantization
-                                      else self.precision.param_dtype), "reason": self.precision.param_reason,
-                            "trainable": "float32"},
-            "checkpointing": {"enabled": self.checkpointing, "asked": self.config.grad_checkpointing,
-                              "reason": self.memory.checkpointing_reason if self.memory else ""},
+            "optimizer": {
+                "groups": self.param_groups,
+                "train_merger": self.config.train_merger,
+                "merger_parameters": self.merger_parameters,
+                "lr_is": "absolute (--lr-vision and --lr-merger are not multipliers of --lr)",
+            },
+            "param_dtype": {
+                "dtype": (
+                    f"nf4 linear weights{' (double-quantized)' if self.precision.double_quant else ''}"
+                    f" + {self.precision.param_dtype}"
+                    if self.precision.quantization
+                    else self.precision.param_dtype
+                ),
+                "reason": self.precision.param_reason,
+                "trainable": "float32",
+            },
+            "checkpointing": {
+                "enabled": self.checkpointing,
+                "asked": self.config.grad_checkpointing,
+                "reason": self.memory.checkpointing_reason if self.memory else "",
+            },
             "lengths": self.lengths,
             "memory": self.memory.describe() if self.memory else None,
             "notes": list(self.notes),
             "scorers": self.scorers.describe() if self.scorers else None,
             "training": {
                 k: getattr(self.config, k)
-                for k in ("steps", "epochs", "batch_size", "grad_accum", "weight_decay", "warmup_ratio",
-                          "max_grad_norm", "seed", "deterministic", "save_every", "keep_checkpoints", "world_size")
+                for k in (
+                    "steps",
+                    "epochs",
+                    "batch_size",
+                    "grad_accum",
+                    "weight_decay",
+                    "warmup_ratio",
+                    "max_grad_norm",
+                    "seed",
+                    "deterministic",
+                    "save_every",
+                    "keep_checkpoints",
+                    "world_size",
+                )
             },
         }
 
@@ -206,8 +239,9 @@ def resolve_precision(registry: Registry, backend: str, config: RunConfig):
         raise ConfigError("--double-quant applies to --param-dtype nf4 only")
     if asked == "auto" and config.param_dtype in HALF_DTYPES:
         asked = config.param_dtype
-    policy = registry.first("vlft_precision_policy", backend=backend,
-                            config=dataclasses.replace(config, precision=asked))
+    policy = registry.first(
+        "vlft_precision_policy", backend=backend, config=dataclasses.replace(config, precision=asked)
+    )
     if config.param_dtype == "auto":
         return policy
     dtype = HALF_DTYPES.get(config.param_dtype, "float32")
@@ -226,20 +260,34 @@ def _four_bit_precision(registry: Registry, backend: str, config: RunConfig):
     whether it can (``four_bit``) and why not."""
     if config.precision not in ("auto", "bf16"):
         raise ConfigError(f"--param-dtype nf4 computes in bf16; use --precision bf16 (or auto), not {config.precision}")
-    policy = registry.first("vlft_precision_policy", backend=backend,
-                            config=dataclasses.replace(config, precision="bf16", param_dtype="bf16"))
+    policy = registry.first(
+        "vlft_precision_policy",
+        backend=backend,
+        config=dataclasses.replace(config, precision="bf16", param_dtype="bf16"),
+    )
     if not policy.four_bit:
-        raise ConfigError(f"--param-dtype nf4: backend {backend} cannot train on 4-bit weights: "
-                          f"{policy.four_bit_reason or 'it does not offer them'}")
+        raise ConfigError(
+            f"--param-dtype nf4: backend {backend} cannot train on 4-bit weights: "
+            f"{policy.four_bit_reason or 'it does not offer them'}"
+        )
     policy.param_dtype, policy.autocast_dtype = "bfloat16", "bfloat16"
     policy.quantization, policy.double_quant = "nf4", config.double_quant
-    policy.param_reason = (f"nf4 linear weights (absmax per 64-block{', double-quantized' if config.double_quant else ''}"
-                           f"), the rest bf16, as asked; {policy.four_bit_reason}")
+    policy.param_reason = (
+        f"nf4 linear weights (absmax per 64-block{', double-quantized' if config.double_quant else ''}"
+        f"), the rest bf16, as asked; {policy.four_bit_reason}"
+    )
     return policy
 
 
-def resolve_policies(registry: Registry, config: RunConfig, model_path: str, model_config,
-                     backend: BackendChoice | None = None, *, family: ModelFamily) -> RunPlan:
+def resolve_policies(
+    registry: Registry,
+    config: RunConfig,
+    model_path: str,
+    model_config,
+    backend: BackendChoice | None = None,
+    *,
+    family: ModelFamily,
+) -> RunPlan:
     """Ask the plugins once for every policy: a plan of the policies alone (``preflight.plan_run`` adds what the
     data and the model's shape decide). A real run passes the ``backend`` it has already set up the device for,
     so policies that read device properties see the right device."""
@@ -255,11 +303,18 @@ def resolve_policies(registry: Registry, config: RunConfig, model_path: str, mod
     objective = resolve_objective(registry, config)
     precision = resolve_precision(registry, name, config)
     distributed = registry.first("vlft_distributed_options", backend=name, config=config)
-    offered = [k for ks in registry.hook.vlft_kernel_patches(backend=name, config=config, model_config=model_config,
-                                                             family=family) if ks for k in ks]
+    offered = [
+        k
+        for ks in registry.hook.vlft_kernel_patches(
+            backend=name, config=config, model_config=model_config, family=family
+        )
+        if ks
+        for k in ks
+    ]
     kernels = choose_kernels(offered, config)
-    attention = with_kernel_attention(registry.first("vlft_attention_implementation", backend=name, config=config,
-                                                     model_config=model_config), kernels)
+    attention = with_kernel_attention(
+        registry.first("vlft_attention_implementation", backend=name, config=config, model_config=model_config), kernels
+    )
     return RunPlan(
         config=config,
         backend=backend,
@@ -284,8 +339,10 @@ def resolve_objective(registry: Registry, config: RunConfig) -> Objective:
     run sharded is refused with its reason."""
     objective = registry.objective_for(config)
     if config.shard == "fsdp" and objective.sharding_refusal:
-        raise ConfigError(f"--shard fsdp: the {objective.name} objective cannot run sharded: "
-                          f"{objective.sharding_refusal}; nothing was started.")
+        raise ConfigError(
+            f"--shard fsdp: the {objective.name} objective cannot run sharded: "
+            f"{objective.sharding_refusal}; nothing was started."
+        )
     return objective
 
 
@@ -294,25 +351,30 @@ def objective_packing(packing: PackingPlan, objective: Objective, mode: str) -> 
     if not packing.enabled or not objective.packing_refusal:
         return packing
     if mode == "on":
-        raise ConfigError(f"--packing on: the {objective.name} objective cannot pack: {objective.packing_refusal}; "
-                          f"use --packing auto or off (padded batches)")
-    return PackingPlan(False, reason=f"auto: padded, since the {objective.name} objective cannot pack: "
-                                     f"{objective.packing_refusal}")
+        raise ConfigError(
+            f"--packing on: the {objective.name} objective cannot pack: {objective.packing_refusal}; "
+            f"use --packing auto or off (padded batches)"
+        )
+    return PackingPlan(
+        False, reason=f"auto: padded, since the {objective.name} objective cannot pack: {objective.packing_refusal}"
+    )
 
 
 def _sharding_lines(sh: dict | None) -> list[str]:
     if not sh or sh["strategy"] == "none":
         return [f"sharding     none ({sh['reason']})"] if sh else []
     blocks = " + ".join(f"{n} {cls}" for cls, n in sh["wrapped"].items()) or "the model's blocks"
-    return [f"sharding     fsdp over {sh['world_size']} process(es) ({sh['reason']})",
-            f"             fully_shard on {blocks}, then the root; parameters gathered in "
-            f"{sh['param_dtype'] or 'their own dtype'}, gradients reduced in {sh['reduce_dtype']}"
-            + (" (SUM, divided by FSDP)" if sh["sum_reductions"] else ""),
-            "             evaluation: each process answers an equal share (padded with repeats whose answers are "
-            "dropped), all decoding in step (synced_gpus); every decoding step gathers every block, so it is "
-            "slower than unsharded",
-            "             checkpoints: AdamW state in one share per process (torch.distributed.checkpoint), the "
-            "adapter gathered and saved once by rank 0"]
+    return [
+        f"sharding     fsdp over {sh['world_size']} process(es) ({sh['reason']})",
+        f"             fully_shard on {blocks}, then the root; parameters gathered in "
+        f"{sh['param_dtype'] or 'their own dtype'}, gradients reduced in {sh['reduce_dtype']}"
+        + (" (SUM, divided by FSDP)" if sh["sum_reductions"] else ""),
+        "             evaluation: each process answers an equal share (padded with repeats whose answers are "
+        "dropped), all decoding in step (synced_gpus); every decoding step gathers every block, so it is "
+        "slower than unsharded",
+        "             checkpoints: AdamW state in one share per process (torch.distributed.checkpoint), the "
+        "adapter gathered and saved once by rank 0",
+    ]
 
 
 def _count(n: int) -> str:
@@ -337,7 +399,7 @@ def _split_name(name: str) -> tuple[str, int, str] | None:
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part.isdigit() and i > 0:
-            return ".".join(parts[:i]), int(part), ".".join(parts[i + 1:])
+            return ".".join(parts[:i]), int(part), ".".join(parts[i + 1 :])
     return None
 
 
@@ -399,8 +461,10 @@ def group_modules(modules: dict[str, int | None], summary: dict) -> list[str]:
             names = [n for i in run for n in layers[i]]
             span = f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}"
             params = sum(modules[n] or 0 for n in names)
-            lines.append(f"{label} {span}: {', '.join(kinds(layers[run[0]]))} "
-                         f"({len(names)} module{'s' if len(names) != 1 else ''}, {_count(params)})")
+            lines.append(
+                f"{label} {span}: {', '.join(kinds(layers[run[0]]))} "
+                f"({len(names)} module{'s' if len(names) != 1 else ''}, {_count(params)})"
+            )
     lines += [f"{name} (1 module, {_count(modules[name] or 0)})" for name in others]
     return lines
 
@@ -409,14 +473,18 @@ def _objective_lines(obj: dict | None, init_adapter: str | None) -> list[str]:
     if not obj:
         return []
     options = " ".join(f"{k}={v}" for k, v in obj["options"].items())
-    lines = [f"objective    {obj['name']}" + (f" {options}" if options else "") + f": {obj['description']}",
-             f"             data: {obj['layout']}; loss averaged over {obj['average_over']}"
-             + (f"; {obj['rows_per_record']} sequences per record" if obj["rows_per_record"] > 1 else "")]
+    lines = [
+        f"objective    {obj['name']}" + (f" {options}" if options else "") + f": {obj['description']}",
+        f"             data: {obj['layout']}; loss averaged over {obj['average_over']}"
+        + (f"; {obj['rows_per_record']} sequences per record" if obj["rows_per_record"] > 1 else ""),
+    ]
     if obj["reference"]:
         lines.append(f"             reference: {obj['reference']}, without gradients, before the trained pass")
     if not obj["dropout"]:
-        lines.append("             dropout: off in every pass (the trained pass computes what the reference and "
-                     "generation compute)")
+        lines.append(
+            "             dropout: off in every pass (the trained pass computes what the reference and "
+            "generation compute)"
+        )
     if obj["figures"]:
         lines.append(f"             logs: {', '.join(obj['figures'])} (and val_ of each)")
     if init_adapter:
@@ -428,8 +496,15 @@ def _family_lines(fam: dict | None) -> list[str]:
     if not fam:
         return []
     c = fam.get("parameters") or {}
-    counts = (f": {c['total']:,} parameters ({c['vision']:,} vision" + (f", {c['experts']:,} in experts"
-              if c.get("experts") else "") + ")") if c else ""
+    counts = (
+        (
+            f": {c['total']:,} parameters ({c['vision']:,} vision"
+            + (f", {c['experts']:,} in experts" if c.get("experts") else "")
+            + ")"
+        )
+        if c
+        else ""
+    )
     return [f"family       {fam['name']} ({', '.join(fam['model_types'])}){counts}; boxes {fam['box_coordinates']}"]
 
 
@@ -456,8 +531,11 @@ def format_plan(desc: dict, verbose: bool = False) -> str:
         f"attention    vision={a['vision']} text={a['text']}" + (f"  ({a['reason']})" if a["reason"] else ""),
         *([f"packing      {'on' if pk['enabled'] else 'off'}: {pk['reason']}"] if (pk := desc.get("packing")) else []),
         f"precision    {p['name']}: params {p['param_dtype']}, autocast {p['autocast_dtype'] or 'off'}, "
-        + (f"dynamic loss scaling (initial scale {p['init_scale']:g}, growth interval {p['growth_interval']})"
-           if p["loss_scaling"] else "no loss scaling")
+        + (
+            f"dynamic loss scaling (initial scale {p['init_scale']:g}, growth interval {p['growth_interval']})"
+            if p["loss_scaling"]
+            else "no loss scaling"
+        )
         + (f"  ({p['reason']})" if p["reason"] else ""),
         f"dataloader   pin_memory={dl['pin_memory']} num_workers={dl['num_workers']}"
         + (f" prefetch_factor={dl['prefetch_factor']}" if dl["prefetch_factor"] else ""),
@@ -477,22 +555,28 @@ def format_plan(desc: dict, verbose: bool = False) -> str:
         lines += [f"             {line}" for line in group_modules(t["modules"], t)]
     ex = t.get("experts")
     if ex:
-        lines.append(f"experts      {', '.join(ex['parameters'])}: "
-                     + (f"adapted in {ex['layers']} layers ({ex['adapter_parameters']:,} adapter parameters)"
-                        if ex["adapted"] else "not adapted (lora: --adapter-opt target_experts=true adapts them)")
-                     + f"; router {', '.join(ex['routers'])} frozen")
+        lines.append(
+            f"experts      {', '.join(ex['parameters'])}: "
+            + (
+                f"adapted in {ex['layers']} layers ({ex['adapter_parameters']:,} adapter parameters)"
+                if ex["adapted"]
+                else "not adapted (lora: --adapter-opt target_experts=true adapts them)"
+            )
+            + f"; router {', '.join(ex['routers'])} frozen"
+        )
     pd, ck, ln = desc["param_dtype"], desc["checkpointing"], desc["lengths"]
-    lines.append(f"weights      base {pd['dtype']}" + (f" ({pd['reason']})" if pd["reason"] else "")
-                 + ", trainable float32")
+    lines.append(
+        f"weights      base {pd['dtype']}" + (f" ({pd['reason']})" if pd["reason"] else "") + ", trainable float32"
+    )
     lines += _optimizer_lines(desc.get("optimizer"))
     lines.append(f"checkpoint   {'on' if ck['enabled'] else 'off'} ({ck['reason']})")
     if ln:
-        lines.append(f"lengths      longest {ln['longest']} tokens, median {ln['median']}, limit "
-                     f"{ln['max_length'] or 'none'}" + (f"; {ln['skipped']} sample(s) over it skipped"
-                                                        if ln["skipped"] else ""))
+        lines.append(
+            f"lengths      longest {ln['longest']} tokens, median {ln['median']}, limit "
+            f"{ln['max_length'] or 'none'}" + (f"; {ln['skipped']} sample(s) over it skipped" if ln["skipped"] else "")
+        )
         lines += [f"             skipped {s['where']} ({s['length']} tokens)" for s in ln["skipped_samples"][:20]]
     if desc["memory"]:
-
         lines += format_memory(desc["memory"])
     lines += format_kernels(desc.get("kernels"))
     if desc.get("scorers"):

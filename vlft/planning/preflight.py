@@ -89,9 +89,13 @@ def read_training_files_unweighted(config: RunConfig, objective=None) -> tuple[l
     files, val_path = resolve_data_paths(config, objective)
     train, messages = [], []
     for path, weight in files:
-        records, problems = read_compact(path, image_root=config.image_root,  # columnar: rows, not objects
-                                         add_placeholders=config.add_placeholders,
-                                         columns=parse_columns(config.columns), parse=_parse(objective))
+        records, problems = read_compact(
+            path,
+            image_root=config.image_root,  # columnar: rows, not objects
+            add_placeholders=config.add_placeholders,
+            columns=parse_columns(config.columns),
+            parse=_parse(objective),
+        )
         try:
             problems.raise_if_any()
         except DataError as e:
@@ -122,8 +126,9 @@ def load_and_check_data(config: RunConfig, encoder, objective=None) -> tuple[Seq
             found.update(checked.media_files(part) if noted is None else noted)
         return found
 
-    train, val, lengths = checked.checked(config, encoder, paths,
-                                          lambda: _load_and_check_data(config, encoder, objective), media)
+    train, val, lengths = checked.checked(
+        config, encoder, paths, lambda: _load_and_check_data(config, encoder, objective), media
+    )
     check_enough_records(len(train), config)
     return train, val, lengths
 
@@ -143,18 +148,20 @@ def _load_and_check_data(config: RunConfig, encoder, objective=None) -> tuple[Se
         held = np.zeros(len(order), dtype=bool)
         held[order[:n_val]] = True
         del order
-        val = concat([take(records, np.flatnonzero(held[starts[f]:starts[f + 1]]))
-                      for f, (records, _) in enumerate(files)])
-        kept = [(take(records, np.flatnonzero(~held[starts[f]:starts[f + 1]])), w)
-                for f, (records, w) in enumerate(files)]
+        val = concat(
+            [take(records, np.flatnonzero(held[starts[f] : starts[f + 1]])) for f, (records, _) in enumerate(files)]
+        )
+        kept = [
+            (take(records, np.flatnonzero(~held[starts[f] : starts[f + 1]])), w) for f, (records, w) in enumerate(files)
+        ]
         if sum(len(r) for r, _ in kept):
             files = kept
     train = concat([weighted(records, weight, config.seed) for records, weight in files])
     # measuring renders every record with the chat template, which checks it splits into prompt and reply
-    train, lengths = check_lengths(train, encoder, config.max_length, config.skip_too_long,
-                                            "training data")
-    val, val_lengths = check_lengths(val, encoder, config.max_length, config.skip_too_long,
-                                              "validation data") if val else (val, None)
+    train, lengths = check_lengths(train, encoder, config.max_length, config.skip_too_long, "training data")
+    val, val_lengths = (
+        check_lengths(val, encoder, config.max_length, config.skip_too_long, "validation data") if val else (val, None)
+    )
     if val_lengths is not None:
         lengths.skipped += [dict(s, split="validation") for s in val_lengths.skipped]
     check_enough_records(len(train), config)
@@ -163,8 +170,13 @@ def _load_and_check_data(config: RunConfig, encoder, objective=None) -> tuple[Se
 
 def _read_validation(path: Path, config: RunConfig, objective=None):
     """The validation file's records (columnar: their rows), every one checked; its problems raised."""
-    records, problems = read_compact(path, image_root=config.image_root, add_placeholders=config.add_placeholders,
-                                     columns=parse_columns(config.columns), parse=_parse(objective))
+    records, problems = read_compact(
+        path,
+        image_root=config.image_root,
+        add_placeholders=config.add_placeholders,
+        columns=parse_columns(config.columns),
+        parse=_parse(objective),
+    )
     problems.raise_if_any()
     if not records:
         raise DataError(f"{path} holds no records")
@@ -188,8 +200,9 @@ def unread_column_notes(config: RunConfig) -> list[str]:
     notes = []
     for spec in [p for p, _ in files] + ([val_path] if val_path is not None else []):
         for file, names in unread_columns(spec, parse_columns(config.columns)).items():
-            notes.append(f"{file}: columns not read: {', '.join(names)} (--columns OURS=THEIRS reads one as a "
-                         f"key vlft knows)")
+            notes.append(
+                f"{file}: columns not read: {', '.join(names)} (--columns OURS=THEIRS reads one as a key vlft knows)"
+            )
     return notes
 
 
@@ -199,7 +212,8 @@ def check_enough_records(n_train: int, config: RunConfig) -> None:
     if n_train < config.world_size:
         raise DataError(
             f"{n_train} training record(s) for {config.world_size} processes: every process needs at least one "
-            f"record. Add records or run on at most {max(n_train, 1)} process(es); nothing was written.")
+            f"record. Add records or run on at most {max(n_train, 1)} process(es); nothing was written."
+        )
 
 
 @dataclass(frozen=True)
@@ -220,12 +234,22 @@ def plan_targets(registry: Registry, plan: RunPlan, model) -> tuple[torch.nn.Mod
 
     experts = plan.adapter.target_experts
     if experts and plan.family.experts is None:
-        raise ConfigError(f"{plan.method.name}: target_experts=true, but the {plan.family.name} family has no fused "
-                          f"expert weights (not a mixture-of-experts model)")
-    tp = select_targets(model, plan.adapter, plan.config.targets, plan.config.vision_last_n, plan.family,
-                        experts=experts)
-    adapted = registry.first("vlft_apply_adapter", method=plan.method.name, model=model, targets=tp.modules,
-                             config=plan.config, target_parameters=tp.parameters, family=plan.family)
+        raise ConfigError(
+            f"{plan.method.name}: target_experts=true, but the {plan.family.name} family has no fused "
+            f"expert weights (not a mixture-of-experts model)"
+        )
+    tp = select_targets(
+        model, plan.adapter, plan.config.targets, plan.config.vision_last_n, plan.family, experts=experts
+    )
+    adapted = registry.first(
+        "vlft_apply_adapter",
+        method=plan.method.name,
+        model=model,
+        targets=tp.modules,
+        config=plan.config,
+        target_parameters=tp.parameters,
+        family=plan.family,
+    )
     # the fused experts' adapters sit on the experts module (PEFT names them experts[.base_layer].lora_*)
     owners = tp.modules + sorted({p.rpartition(".")[0] for p in tp.parameters})
     counts: dict[str, int] = {}
@@ -241,10 +265,15 @@ def plan_targets(registry: Registry, plan: RunPlan, model) -> tuple[torch.nn.Mod
     routers = set(frozen_router_parameters(adapted, plan.family))
     training = [n for n, p in base_model(adapted).named_parameters() if p.requires_grad and n in routers]
     if training:
-        raise ConfigError(f"method {plan.method.name} made router parameters trainable ({training[0]}, ...); "
-                          f"routers must stay frozen")
-    summary = {"towers": tp.towers, "vision_blocks": tp.vision_blocks, "vision_depth": tp.vision_depth,
-               "text_layers": tp.text_layers}
+        raise ConfigError(
+            f"method {plan.method.name} made router parameters trainable ({training[0]}, ...); routers must stay frozen"
+        )
+    summary = {
+        "towers": tp.towers,
+        "vision_blocks": tp.vision_blocks,
+        "vision_depth": tp.vision_depth,
+        "text_layers": tp.text_layers,
+    }
     return adapted, TargetChoice(tp.modules, tp.parameters, summary, counts, merger, groups)
 
 
@@ -280,34 +309,61 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> RunPlan:
     sharding = policies.sharding
     if sharding.enabled:
         sharding = dataclasses.replace(sharding, wrapped=count_blocks(skeleton, family))
-    capacity = registry.hook.vlft_device_capacity(backend=policies.backend.info.name, config=config) or \
-        DeviceCapacity(None, 0, f"backend {policies.backend.info.name} does not report its memory")
+    capacity = registry.hook.vlft_device_capacity(backend=policies.backend.info.name, config=config) or DeviceCapacity(
+        None, 0, f"backend {policies.backend.info.name} does not report its memory"
+    )
     memory_plan = _memory_plan(policies, skeleton, model_config, data, capacity, init_source is not None)
     notes = [*data.notes, *_memory_notes(policies, memory_plan)]
     init_adapter = None
     if init_source is not None:
-        init_adapter = check_init_adapter(config, targets.modules, init_source,
-                                          [n for n, _ in base_model(skeleton).named_modules()])
+        init_adapter = check_init_adapter(
+            config, targets.modules, init_source, [n for n, _ in base_model(skeleton).named_modules()]
+        )
     if sharding.enabled:
-        notes.append(f"--shard fsdp: rank 0 alone reads the base weights, into its host memory "
-                     f"({memory.gib(sum(memory_plan.base_weights.values()))}); the other processes build "
-                     f"the model without weights and receive their 1/{config.world_size} shares from it")
+        notes.append(
+            f"--shard fsdp: rank 0 alone reads the base weights, into its host memory "
+            f"({memory.gib(sum(memory_plan.base_weights.values()))}); the other processes build "
+            f"the model without weights and receive their 1/{config.world_size} shares from it"
+        )
     return dataclasses.replace(
-        policies, targets=targets.modules, target_parameters=targets.parameters, target_summary=targets.summary,
-        target_params=targets.params, merger_parameters=targets.merger_parameters, param_groups=targets.param_groups,
-        packing=data.packing, sharding=sharding, memory=memory_plan, lengths=data.lengths.describe(config.max_length),
-        notes=tuple(notes), model_counts=count_parameters(skeleton, family), peak_flops=capacity.peak_flops,
-        init_adapter=init_adapter, scorers=scorers, model_config=model_config, processor=processor,
-        encoder=encoder, train_records=data.train, val_records=data.val, train_lengths=data.lengths.lengths,
-        total_steps=data.total_steps, skeleton=skeleton)
+        policies,
+        targets=targets.modules,
+        target_parameters=targets.parameters,
+        target_summary=targets.summary,
+        target_params=targets.params,
+        merger_parameters=targets.merger_parameters,
+        param_groups=targets.param_groups,
+        packing=data.packing,
+        sharding=sharding,
+        memory=memory_plan,
+        lengths=data.lengths.describe(config.max_length),
+        notes=tuple(notes),
+        model_counts=count_parameters(skeleton, family),
+        peak_flops=capacity.peak_flops,
+        init_adapter=init_adapter,
+        scorers=scorers,
+        model_config=model_config,
+        processor=processor,
+        encoder=encoder,
+        train_records=data.train,
+        val_records=data.val,
+        train_lengths=data.lengths.lengths,
+        total_steps=data.total_steps,
+        skeleton=skeleton,
+    )
 
 
 def _encoder(registry: Registry, policies: RunPlan, model_path: str):
     """The processor, and the encoder of the objective's samples."""
     config, family, objective = policies.config, policies.family, policies.objective
     processor = load_processor(model_path, family, registry)
-    encoder = SampleEncoder(processor, max_pixels=config.max_pixels, video_fps=config.video_fps,
-                            video_max_frames=config.video_max_frames, family=family)
+    encoder = SampleEncoder(
+        processor,
+        max_pixels=config.max_pixels,
+        video_fps=config.video_fps,
+        video_max_frames=config.video_max_frames,
+        family=family,
+    )
     encoder = record_format(objective.layout).encoder(encoder)  # DPO's: chosen and rejected sharing the images
     return processor, encoder
 
@@ -320,17 +376,31 @@ def _read_data(registry: Registry, policies: RunPlan, model_path: str, encoder) 
     check_for_objective(objective, train, val)
     notes = [*objective.notes, *unread_column_notes(config)]
     if is_bundled(model_path, registry):
-        notes.append("bundled config without weights: text lengths counted with the embedded tokenizer "
-                     "(a stand-in; image tokens are exact)")
+        notes.append(
+            "bundled config without weights: text lengths counted with the embedded tokenizer "
+            "(a stand-in; image tokens are exact)"
+        )
     epochs = config.epochs
     if epochs is None and config.steps is None and not config.data:
         epochs = objective.demo_epochs or RECOMMENDED_EPOCHS
-    total_steps = total_steps_for(len(train), config.steps, epochs, config.batch_size, config.grad_accum,
-                                  config.world_size, objective.iterations)
-    order = DataOrder(config.batch_size, config.grad_accum, config.seed, world_size=config.world_size,
-                      lengths=lengths.lengths if config.group_by_length else None, repeat=objective.iterations)
-    packing = settle_auto(policies.packing, config.packing, padding_ratio(  # auto: packs where the data pads
-        lengths.lengths, list(run_micro_batches(len(train), order, total_steps))))
+    total_steps = total_steps_for(
+        len(train), config.steps, epochs, config.batch_size, config.grad_accum, config.world_size, objective.iterations
+    )
+    order = DataOrder(
+        config.batch_size,
+        config.grad_accum,
+        config.seed,
+        world_size=config.world_size,
+        lengths=lengths.lengths if config.group_by_length else None,
+        repeat=objective.iterations,
+    )
+    packing = settle_auto(
+        policies.packing,
+        config.packing,
+        padding_ratio(  # auto: packs where the data pads
+            lengths.lengths, list(run_micro_batches(len(train), order, total_steps))
+        ),
+    )
     return _Data(train, val, lengths, total_steps, packing, notes)
 
 
@@ -338,17 +408,25 @@ def _adapted_skeleton(registry: Registry, policies: RunPlan, model_config) -> tu
     """The targets chosen and adapted on a weightless copy, in the dtype the layers will compute in."""
     precision = policies.precision
     compute = precision.autocast_dtype or precision.param_dtype
-    skeleton, targets = plan_targets(registry, policies, trace.skeleton(
-        model_config, policies.attention, getattr(torch, compute),
-        family_load_kwargs(policies.family, precision.param_dtype)))
+    skeleton, targets = plan_targets(
+        registry,
+        policies,
+        trace.skeleton(
+            model_config,
+            policies.attention,
+            getattr(torch, compute),
+            family_load_kwargs(policies.family, precision.param_dtype),
+        ),
+    )
     if precision.autocast_dtype:  # under autocast the adapters compute in its dtype too (see model.py)
         skeleton.to(getattr(torch, compute))
         compute_adapters_in_autocast_dtype(skeleton)
     return skeleton, targets
 
 
-def _memory_plan(policies: RunPlan, skeleton, model_config, data: _Data, capacity: DeviceCapacity,
-                 init_adapter: bool) -> memory.MemoryPlan:
+def _memory_plan(
+    policies: RunPlan, skeleton, model_config, data: _Data, capacity: DeviceCapacity, init_adapter: bool
+) -> memory.MemoryPlan:
     """The memory plan of the largest batches against the device's capacity, with checkpointing settled and,
     when it does not fit, the fixes that would make it fit."""
     config, family, objective, precision = policies.config, policies.family, policies.objective, policies.precision
@@ -357,28 +435,50 @@ def _memory_plan(policies: RunPlan, skeleton, model_config, data: _Data, capacit
     if config.device_memory:
         total, source = parse_bytes(config.device_memory, "--device-memory"), f"--device-memory {config.device_memory}"
     lengths = data.lengths
-    order = DataOrder(config.batch_size, config.grad_accum, config.seed, world_size=config.world_size,
-                      lengths=lengths.lengths if config.group_by_length else None)
-    shapes = memory.largest_batches(lengths.lengths, lengths.grids, order,
-                                    math.ceil(data.total_steps / objective.iterations),  # the steps drawing batches
-                                    labelled=lengths.labelled)
+    order = DataOrder(
+        config.batch_size,
+        config.grad_accum,
+        config.seed,
+        world_size=config.world_size,
+        lengths=lengths.lengths if config.group_by_length else None,
+    )
+    shapes = memory.largest_batches(
+        lengths.lengths,
+        lengths.grids,
+        order,
+        math.ceil(data.total_steps / objective.iterations),  # the steps drawing batches
+        labelled=lengths.labelled,
+    )
     if objective.rows_per_record > 1:  # every record runs as that many rows (its images once: models.rows)
         shapes = [dataclasses.replace(shape, samples=shape.samples * objective.rows_per_record) for shape in shapes]
     shard_world, gathered = 1, 0
     if policies.sharding.enabled:
         shard_world, gathered = config.world_size, memory.fsdp_gathered_bytes(skeleton, compute, family)
-    basis = memory.MemoryBasis(skeleton, model_config, precision.param_dtype, precision.autocast_dtype, family,
-                               reserved_bytes=capacity.reserved_bytes, capacity_bytes=total, capacity_source=source,
-                               shard_world=shard_world, gathered_bytes=gathered, quantization=precision.quantization,
-                               double_quant=precision.double_quant, guard_copy=guard_copies(policies))
+    basis = memory.MemoryBasis(
+        skeleton,
+        model_config,
+        precision.param_dtype,
+        precision.autocast_dtype,
+        family,
+        reserved_bytes=capacity.reserved_bytes,
+        capacity_bytes=total,
+        capacity_source=source,
+        shard_world=shard_world,
+        gathered_bytes=gathered,
+        quantization=precision.quantization,
+        double_quant=precision.double_quant,
+        guard_copy=guard_copies(policies),
+    )
     planned = memory.worst_plan(basis, shapes)
     if objective.generation:  # the step samples (GRPO): its KV cache, in the compute dtype
         worst = max(shapes, key=lambda shape: shape.samples * shape.tokens)
         planned.generation_bytes = memory.generation_bytes(model_config, compute, worst.samples, worst.tokens)
-        planned.generation_shape = (f"{worst.samples} sequences ({config.batch_size} prompts x "
-                                    f"{objective.generation.sequences_per_record}) x "
-                                    f"{worst.tokens} tokens (prompt + "
-                                    f"{objective.generation.new_tokens} new)")
+        planned.generation_shape = (
+            f"{worst.samples} sequences ({config.batch_size} prompts x "
+            f"{objective.generation.sequences_per_record}) x "
+            f"{worst.tokens} tokens (prompt + "
+            f"{objective.generation.new_tokens} new)"
+        )
     if objective.reference and init_adapter:  # the reference keeps the adapter the run started from
         planned.reference_bytes = 4 * planned.adapter_parameters
     fixes.decide(planned, basis, config, can_shard=bool(policies.distributed and policies.distributed.fsdp))
@@ -386,7 +486,8 @@ def _memory_plan(policies: RunPlan, skeleton, model_config, data: _Data, capacit
         # a processor-writes-the-tokens family without ImageInputs.grid: no grid, so no tower to trace
         planned.activations.untraced.append(
             f"vision activations of the {family.name} family (its image inputs give no patch grids: "
-            "ImageInputs.grid; the plan counts 0 image patches)")
+            "ImageInputs.grid; the plan counts 0 image patches)"
+        )
     return planned
 
 
@@ -394,9 +495,11 @@ def _memory_notes(policies: RunPlan, planned: memory.MemoryPlan) -> list[str]:
     notes = []
     objective = policies.objective
     if objective.reference:
-        notes.append(f"{objective.name}: the reference pass runs without gradients before the trained pass, "
-                     "so its activations are freed before the trained pass's; it keeps only the "
-                     "log-probabilities the loss compares")
+        notes.append(
+            f"{objective.name}: the reference pass runs without gradients before the trained pass, "
+            "so its activations are freed before the trained pass's; it keeps only the "
+            "log-probabilities the loss compares"
+        )
     return notes + [f"not traced, counted as 0: {what}" for what in planned.activations.untraced]
 
 
@@ -406,9 +509,13 @@ def check_for_objective(objective, train, val) -> None:
     if problems:
         shown = problems[:MAX_REPORTED_PROBLEMS]
         more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
-        raise DataError(f"{len(problems)} problem(s) for the {objective.name} objective:\n  " + "\n  ".join(shown)
-                        + more + "\nFix these records (or the objective's options) and run again; nothing was "
-                                 "written.")
+        raise DataError(
+            f"{len(problems)} problem(s) for the {objective.name} objective:\n  "
+            + "\n  ".join(shown)
+            + more
+            + "\nFix these records (or the objective's options) and run again; nothing was "
+            "written."
+        )
 
 
 def check_fits(plan: RunPlan) -> None:
@@ -417,7 +524,8 @@ def check_fits(plan: RunPlan) -> None:
     if m is None or m.fits() is not False or plan.config.no_memory_check:
         return
     raise ConfigError(
-        "the run will not fit its device: " + "\n".join(m.format())
+        "the run will not fit its device: "
+        + "\n".join(m.format())
         + "\nApply one of the fixes above (or pass --no-memory-check to try anyway); nothing was loaded or written."
     )
 
@@ -427,8 +535,11 @@ def fused_optimizer(plan: RunPlan) -> bool:
     non-finite flag is read on the host and whose default AdamW stays the reference), the backend says its
     device runs it (``PrecisionPolicy``), and the parameters are not sharded (FSDP's DTensors keep the default
     implementation)."""
-    return (bool(plan.precision.fused_optimizer) and plan.backend.info.device_type != "cpu"
-            and not (plan.sharding and plan.sharding.enabled))
+    return (
+        bool(plan.precision.fused_optimizer)
+        and plan.backend.info.device_type != "cpu"
+        and not (plan.sharding and plan.sharding.enabled)
+    )
 
 
 def guard_copies(plan: RunPlan) -> bool:

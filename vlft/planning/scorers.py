@@ -59,17 +59,21 @@ def choose_scorers(offered: dict[str, Scorer], spec: str | None, references: lis
         elif name in offered:
             scorer = offered[name]
         else:
-            raise ConfigError(f"--scorer {name}: no plugin offers a scorer '{name}'; offered: "
-                              f"{', '.join(sorted(offered)) or 'none'} (`vlft scorers`), auto, or your "
-                              f"MODULE:FUNCTION")
+            raise ConfigError(
+                f"--scorer {name}: no plugin offers a scorer '{name}'; offered: "
+                f"{', '.join(sorted(offered)) or 'none'} (`vlft scorers`), auto, or your "
+                f"MODULE:FUNCTION"
+            )
         if scorer.name in choice.why:
             raise ConfigError(f"--scorer {spec}: the scorer '{scorer.name}' is named twice")
         choice.chosen.append((scorer.name, scorer))
         choice.why[scorer.name] = "asked"
     problems = check_references(choice.chosen, references, context)
     if problems:
-        raise ConfigError("--scorer: the references cannot be scored as asked (nothing was loaded or written):\n  "
-                          + "\n  ".join(problems))
+        raise ConfigError(
+            "--scorer: the references cannot be scored as asked (nothing was loaded or written):\n  "
+            + "\n  ".join(problems)
+        )
     return choice
 
 
@@ -124,16 +128,21 @@ def scoring_context(records, family) -> dict:
     """What a scorer is told besides the answers: each record's place, the records (prompts, images), the
     family's box convention and, where records list them (``"answers": [...]``), every acceptable answer (the
     reference first)."""
-    context = {"where": [r.where for r in records], "records": list(records),
-               "box_coordinates": family.chat.box_coordinates if family is not None else None}
+    context = {
+        "where": [r.where for r in records],
+        "records": list(records),
+        "box_coordinates": family.chat.box_coordinates if family is not None else None,
+    }
     if any(getattr(r, "answers", None) for r in records):
-        context["answers"] = [[r.reference, *[a for a in (getattr(r, "answers", None) or []) if a != r.reference]]
-                              for r in records]
+        context["answers"] = [
+            [r.reference, *[a for a in (getattr(r, "answers", None) or []) if a != r.reference]] for r in records
+        ]
     return context
 
 
 def scorers_for_run(registry, config, val_records, family) -> ScorerChoice:
     """``--scorer`` of a run, on the validation records the before/after test scores (``--eval-samples``)."""
-    records = list(val_records[:config.eval_samples] if config.eval_samples else val_records)
-    return choose_scorers(registry.scorers, config.scorer, [r.reference for r in records],
-                          **scoring_context(records, family))
+    records = list(val_records[: config.eval_samples] if config.eval_samples else val_records)
+    return choose_scorers(
+        registry.scorers, config.scorer, [r.reference for r in records], **scoring_context(records, family)
+    )

@@ -35,33 +35,50 @@ class ShardingPlan:
         return self.strategy == "fsdp"
 
     def describe(self) -> dict:
-        return {"strategy": self.strategy, "world_size": self.world_size, "wrapped": self.wrapped,
-                "param_dtype": self.param_dtype, "reduce_dtype": self.reduce_dtype,
-                "sum_reductions": self.sum_reductions, "reason": self.reason}
+        return {
+            "strategy": self.strategy,
+            "world_size": self.world_size,
+            "wrapped": self.wrapped,
+            "param_dtype": self.param_dtype,
+            "reduce_dtype": self.reduce_dtype,
+            "sum_reductions": self.sum_reductions,
+            "reason": self.reason,
+        }
 
 
 def resolve_sharding(config, distributed, backend: str, precision) -> ShardingPlan:
     """The plan for ``--shard``; a backend whose ``DistributedOptions`` do not offer FSDP is a clear error."""
     if config.shard != "fsdp":
-        why = ("data parallel: every process holds the whole model" if config.world_size > 1
-               else "one process holds the whole model")
+        why = (
+            "data parallel: every process holds the whole model"
+            if config.world_size > 1
+            else "one process holds the whole model"
+        )
         return ShardingPlan("none", config.world_size, reason=why)
     require_fsdp(distributed, backend)
     return ShardingPlan(
-        "fsdp", config.world_size, param_dtype=precision.autocast_dtype, reduce_dtype="float32",
+        "fsdp",
+        config.world_size,
+        param_dtype=precision.autocast_dtype,
+        reduce_dtype="float32",
         sum_reductions=distributed.sum_reductions,
-        reason=distributed.fsdp_reason or f"FSDP2 on {distributed.process_group_backend}")
+        reason=distributed.fsdp_reason or f"FSDP2 on {distributed.process_group_backend}",
+    )
 
 
 def require_fsdp(distributed, backend: str) -> None:
     """A clear error when ``backend``'s ``DistributedOptions`` do not offer FSDP2."""
     if distributed is None or not distributed.fsdp:
-        why = (distributed.fsdp_reason if distributed is not None and distributed.fsdp_reason
-               else "its plugin does not say its process group supports FSDP2")
+        why = (
+            distributed.fsdp_reason
+            if distributed is not None and distributed.fsdp_reason
+            else "its plugin does not say its process group supports FSDP2"
+        )
         raise ConfigError(
             f"--shard fsdp: backend {backend} does not support sharded training ({why}). Run without --shard "
             f"(data parallel, every process holds the whole model), or choose a backend that supports it "
-            f"(vlft plugins lists them); nothing was started.")
+            f"(vlft plugins lists them); nothing was started."
+        )
 
 
 def transformers_model(model):
@@ -72,11 +89,16 @@ def transformers_model(model):
 def block_classes(model, family) -> list[str]:
     """The class names that must not be split across devices: the units FSDP shards. The family's
     ``no_split_modules`` where it names them, else what the transformers model class declares."""
-    names = (family.sharding.no_split_modules if family.sharding is not None else ()) or \
-        getattr(transformers_model(model), "_no_split_modules", None) or []
+    names = (
+        (family.sharding.no_split_modules if family.sharding is not None else ())
+        or getattr(transformers_model(model), "_no_split_modules", None)
+        or []
+    )
     if not names:
-        raise ConfigError(f"--shard fsdp: {type(transformers_model(model)).__name__} names no _no_split_modules, "
-                          f"so vlft cannot tell which blocks to shard")
+        raise ConfigError(
+            f"--shard fsdp: {type(transformers_model(model)).__name__} names no _no_split_modules, "
+            f"so vlft cannot tell which blocks to shard"
+        )
     return list(names)
 
 
@@ -94,6 +116,7 @@ def working_set_bytes(model, itemsize: int | None, family) -> tuple[int, int]:
     """(root bytes, largest block bytes) at the gathered dtype's ``itemsize`` (None: each
     parameter's own). The root's parameters (embeddings, head, norms, patch embedding, merger) stay gathered
     through forward and backward; blocks are gathered one at a time, with the next one prefetched."""
+
     def size(params) -> int:
         return sum(p.numel() * (itemsize or p.element_size()) for p in params)
 

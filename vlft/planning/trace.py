@@ -47,8 +47,13 @@ class BatchShape:
         return sum(t * h * w for t, h, w in self.grids)
 
     def describe(self) -> dict:
-        return {"samples": self.samples, "tokens_per_sample": self.tokens, "images": len(self.grids),
-                "image_patches": self.patches, "logit_positions_per_sample": self.logit_positions}
+        return {
+            "samples": self.samples,
+            "tokens_per_sample": self.tokens,
+            "images": len(self.grids),
+            "image_patches": self.patches,
+            "logit_positions_per_sample": self.logit_positions,
+        }
 
 
 FUSED_ATTENTION = "vlft_memory_trace_fused"
@@ -120,8 +125,11 @@ def _register_meta_experts() -> None:
 
         if getattr(self, "has_gate", True):
             mid = linear(rows, self.gate_up_proj)
-            mid = self._apply_gate(mid) if hasattr(self, "_apply_gate") else self.act_fn(mid.chunk(2, -1)[0]) * \
-                mid.chunk(2, -1)[1]
+            mid = (
+                self._apply_gate(mid)
+                if hasattr(self, "_apply_gate")
+                else self.act_fn(mid.chunk(2, -1)[0]) * mid.chunk(2, -1)[1]
+            )
         else:
             mid = self.act_fn(linear(rows, self.up_proj))
         out = linear(mid, self.down_proj) * top_k_weights.reshape(-1, 1).to(mid.dtype)
@@ -138,7 +146,6 @@ def skeleton(model_config, attention, dtype, load_kwargs=None):
     what a fused kernel saves; eager runs as it is.
     """
 
-
     _register_fused_attention()
     cfg = copy.deepcopy(model_config)
 
@@ -147,8 +154,9 @@ def skeleton(model_config, attention, dtype, load_kwargs=None):
 
     impls = {"vision_config": impl(attention.vision), "text_config": impl(attention.text), "": impl(attention.text)}
     with torch.device("meta"):
-        model = AutoModelForImageTextToText.from_config(cfg, attn_implementation=impls, dtype=dtype,
-                                                        **(load_kwargs or {}))
+        model = AutoModelForImageTextToText.from_config(
+            cfg, attn_implementation=impls, dtype=dtype, **(load_kwargs or {})
+        )
     if (load_kwargs or {}).get("experts_implementation") == "eager":  # the eager loop has no meta kernel
         _register_meta_experts()
         model.set_experts_implementation(META_EXPERTS)
@@ -227,8 +235,9 @@ def trace_activations(model, batch: BatchShape, family) -> Activations:
 
     with meter.hooks(), _autocast_accepts_meta():
         image_features = None
-        blocks = (set(map(id, resolve_module(base_model(model), family.towers.vision_blocks))) if tower is not None
-                  else set())
+        blocks = (
+            set(map(id, resolve_module(base_model(model), family.towers.vision_blocks))) if tower is not None else set()
+        )
 
         def run_vision(module, fn, block_input=None):
             """The tracer's wrapper per block/merger; a block's input is what a checkpoint keeps."""
@@ -241,22 +250,25 @@ def trace_activations(model, batch: BatchShape, family) -> Activations:
             if trace_vision is None:
                 untraced.append(f"vision activations of the {family.name} family (it gives no tracer)")
             else:
-                image_features = family.call("image_inputs.trace", trace_vision, tower, batch.grids, dtype,
-                                             run_vision)
+                image_features = family.call("image_inputs.trace", trace_vision, tower, batch.grids, dtype, run_vision)
         hidden = torch.empty(batch.samples, batch.tokens, text.config.hidden_size, device="meta", dtype=dtype)
         if image_features is not None and image_features.requires_grad:
             hidden.requires_grad_(True)  # adapted vision: its features flow into the text model's input
         rows = (family.positions.rows,) if family.positions is not None else ()
         pos = torch.zeros(*rows, batch.samples, batch.tokens, dtype=torch.long, device="meta")
         pes = _position_embeddings(text, hidden, pos)
-        extra = family.call("trace_layer_kwargs", family.trace_layer_kwargs, text, hidden) \
-            if family.trace_layer_kwargs is not None else {}
+        extra = (
+            family.call("trace_layer_kwargs", family.trace_layer_kwargs, text, hidden)
+            if family.trace_layer_kwargs is not None
+            else {}
+        )
         for i, layer in enumerate(text.layers):
             if grad or _trainable(layer):
                 inputs.append(hidden.numel() * hidden.element_size())
             pe = pes[i]
-            hidden = run_layer(layer, lambda lay=layer, h=hidden, pe=pe: lay(h, attention_mask=None,
-                                                                                position_embeddings=pe, **extra))
+            hidden = run_layer(
+                layer, lambda lay=layer, h=hidden, pe=pe: lay(h, attention_mask=None, position_embeddings=pe, **extra)
+            )
         # the head runs at the labelled positions only (``models.loss.batch_loss_sum``)
         kept = batch.logit_positions
         labels = torch.zeros(batch.samples, kept, dtype=torch.long, device="meta")
@@ -270,5 +282,10 @@ def trace_activations(model, batch: BatchShape, family) -> Activations:
     full = meter.bytes
     # non-reentrant checkpointing keeps each layer's input; backward recomputes one layer at a time
     checkpointed = sum(inputs) + layer_max + head
-    return Activations(full=full, checkpointed=min(full, checkpointed), per_layer_max=layer_max, untraced=untraced,
-                       backward_transient=largest_saved)
+    return Activations(
+        full=full,
+        checkpointed=min(full, checkpointed),
+        per_layer_max=layer_max,
+        untraced=untraced,
+        backward_transient=largest_saved,
+    )

@@ -36,8 +36,15 @@ from vlft.training.fsdp import OPTIMIZER_DIR, save_optimizer
 class CheckpointStore:
     """``checkpoints/step-NNNNNN/``: adapter, optimizer, scheduler, scaler and RNG state; last K kept."""
 
-    def __init__(self, root: Path, keep: int, save_adapter: Callable[[Any, Path], None], *,
-                 identity: dict | None = None, collective: bool = False):
+    def __init__(
+        self,
+        root: Path,
+        keep: int,
+        save_adapter: Callable[[Any, Path], None],
+        *,
+        identity: dict | None = None,
+        collective: bool = False,
+    ):
         self.root = root
         self.keep = keep
         self.save_adapter = save_adapter
@@ -122,8 +129,12 @@ class CheckpointStore:
         why = "the disk is full" if nospace else f"{e.__class__.__name__}: {e}"
         return CheckpointWriteError(
             f"writing the checkpoint of step {step} in {self.root} failed ({why}); the run stops here. "
-            + (f"The previous checkpoint {previous.name} is intact: free space (or fix the cause) and run again "
-               f"with --resume." if previous else "There is no earlier checkpoint.")
+            + (
+                f"The previous checkpoint {previous.name} is intact: free space (or fix the cause) and run again "
+                f"with --resume."
+                if previous
+                else "There is no earlier checkpoint."
+            )
         )
 
     def _write(self, folder: Path, state: dict, adapter) -> None:
@@ -133,7 +144,9 @@ class CheckpointStore:
             (folder / RUN_IDENTITY).write_text(json.dumps(self.identity, indent=2, sort_keys=True))
 
 
-def training_state(step: int, optimizer, scheduler, scaler, device: torch.device, reference: dict | None = None) -> dict:
+def training_state(
+    step: int, optimizer, scheduler, scaler, device: torch.device, reference: dict | None = None
+) -> dict:
     """What state.pt holds: the step, the optimizer's state (None: written in shares, ``save_collective``), the
     scheduler's, the loss scaler's and the RNG state; and a preference objective's reference weights
     (``models.reference.Reference.state``), so a resumed run has the reference it started with."""
@@ -242,8 +255,13 @@ def remove_partial(root: Path) -> list[Path]:
 def rng_state(device: torch.device) -> dict:
     """Plain values and tensors only, so that ``state.pt`` loads with ``weights_only=True``."""
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    numpy_state = [name, torch.from_numpy(keys.astype(np.int64)),  # pyright: ignore[reportAttributeAccessIssue]  # legacy tuple form
-                   int(pos), int(has_gauss), float(cached)]
+    numpy_state = [
+        name,
+        torch.from_numpy(keys.astype(np.int64)),  # pyright: ignore[reportAttributeAccessIssue]  # legacy tuple form
+        int(pos),
+        int(has_gauss),
+        float(cached),
+    ]
     state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if device.type != "cpu":
         state["device"] = torch.get_device_module(device.type).get_rng_state()
@@ -276,8 +294,9 @@ def newest_checkpoint(root: Path, report=None) -> Path:
         skipped.append(f"{candidate.name}: {problem}")
         report(f"resume: skipping {candidate.name}: {problem}")
     detail = ("; skipped " + "; ".join(skipped)) if skipped else ""
-    raise VlftError(f"--resume: no complete checkpoint in {root}{detail}. Start the run again without --resume "
-                    f"(in a new --output).")
+    raise VlftError(
+        f"--resume: no complete checkpoint in {root}{detail}. Start the run again without --resume (in a new --output)."
+    )
 
 
 def load_state(path: Path) -> dict:
@@ -293,8 +312,10 @@ def load_state(path: Path) -> dict:
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         first = str(e).split("WeightsUnpickler error:", 1)[-1].strip().splitlines()[0]
-        raise VlftError(f"--resume: {path} holds not only tensors and plain values ({first}); it is not "
-                        f"unpickled, since unpickling runs code. Resume from a checkpoint vlft wrote.") from None
+        raise VlftError(
+            f"--resume: {path} holds not only tensors and plain values ({first}); it is not "
+            f"unpickled, since unpickling runs code. Resume from a checkpoint vlft wrote."
+        ) from None
 
 
 def read_checkpoint(checkpoint: Path, sharded: bool) -> dict:
@@ -307,5 +328,6 @@ def read_checkpoint(checkpoint: Path, sharded: bool) -> dict:
         raise VlftError(
             f"--resume: {checkpoint} was written {'with' if written_sharded else 'without'} --shard fsdp; resume "
             f"it {'with' if written_sharded else 'without'} --shard fsdp (the optimizer state is stored "
-            f"{'in shares, one per process' if written_sharded else 'whole'})")
+            f"{'in shares, one per process' if written_sharded else 'whole'})"
+        )
     return state

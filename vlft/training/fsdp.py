@@ -43,8 +43,10 @@ def shard_model(model, plan: ShardingPlan, device, whole: dict | None = None, *,
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (plan.world_size,))
-    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, plan.param_dtype) if plan.param_dtype else None,
-                              reduce_dtype=getattr(torch, plan.reduce_dtype))
+    mp = MixedPrecisionPolicy(
+        param_dtype=getattr(torch, plan.param_dtype) if plan.param_dtype else None,
+        reduce_dtype=getattr(torch, plan.reduce_dtype),
+    )
     for _, block in blocks(model, family):  # the plan family's no_split_modules, as the plan counted them
         fully_shard(block, mesh=mesh, mp_policy=mp)
     root = fully_shard(transformers_model(model), mesh=mesh, mp_policy=mp)
@@ -99,8 +101,7 @@ def receive_from_rank0(model, state: dict | None, device) -> None:
             torch.distributed.broadcast(buffer, src=0)
     full = state if main else {}
     assert full is not None, "rank 0 passes the full state dict it loaded"
-    set_model_state_dict(model, full,
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
 @contextmanager

@@ -30,8 +30,14 @@ class LaunchOptions:
 
 
 def torchrun_command(opts: LaunchOptions, vlft_args: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={opts.nproc_per_node}",
-           f"--nnodes={opts.nnodes}", f"--node-rank={opts.node_rank}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={opts.nproc_per_node}",
+        f"--nnodes={opts.nnodes}",
+        f"--node-rank={opts.node_rank}",
+    ]
     if opts.nnodes == 1 and opts.master_port is None:
         # torchrun's own rendezvous binds port 0 and keeps the socket: a port found free and then
         # closed here could be taken by another job (a second test suite) before torchrun binds it

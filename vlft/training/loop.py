@@ -114,8 +114,9 @@ class Window:
         names = sorted(self.figures)
         counts = torch.tensor([self.tokens, self.positions, self.real], device=self.device, dtype=torch.float64)
         if world_size > 1:
-            both = torch.cat([loss_sum.double().reshape(1), counts,
-                              *[self.figures[n].double().reshape(1) for n in names]])
+            both = torch.cat(
+                [loss_sum.double().reshape(1), counts, *[self.figures[n].double().reshape(1) for n in names]]
+            )
             torch.distributed.all_reduce(both)
             loss_sum, counts, sums = both[0], both[1:4], both[4:].tolist()
         else:  # one read for all of them: the loop reads the device here anyway
@@ -124,7 +125,8 @@ class Window:
         return WindowFigures(
             loss=float(loss_sum) / max(labels, 1.0),
             means=figure_means(dict(zip(names, sums)), self.figure_units, labels, self.steps * world_size),
-            totals={"labels": labels, "positions": positions, "real": real})
+            totals={"labels": labels, "positions": positions, "real": real},
+        )
 
 
 @dataclass(frozen=True)
@@ -139,19 +141,27 @@ class WindowFigures:
 def figure_means(sums: dict[str, float], units: dict[str, str], loss_units: float, steps: float) -> dict:
     """Each figure's mean: over the figure ``units`` names for it (GRPO's reward over its 'completions'), per
     process and step ('steps'), or over the loss's units (label tokens or records)."""
+
     def over(name: str) -> float:
         unit = units.get(name)
         if unit == "steps":
             return steps
         return sums.get(unit, 0.0) if unit is not None else loss_units
+
     return {n: v / max(over(n), 1.0) for n, v in sums.items()}
 
 
 def progress_bar(settings: LoopSettings, start_step: int, progress: bool):
     # in a terminal the bar redraws often; in a log file a line every 15 s is plenty
-    return tqdm(total=settings.total_steps, initial=start_step, desc="train", unit="step",
-                disable=not (progress and settings.rank == 0), dynamic_ncols=True,
-                mininterval=0.2 if sys.stderr.isatty() else 15.0)
+    return tqdm(
+        total=settings.total_steps,
+        initial=start_step,
+        desc="train",
+        unit="step",
+        disable=not (progress and settings.rank == 0),
+        dynamic_ncols=True,
+        mininterval=0.2 if sys.stderr.isatty() else 15.0,
+    )
 
 
 def throughput(totals: dict, elapsed: float, settings: LoopSettings, per_record: bool = False) -> dict:
@@ -165,8 +175,9 @@ def throughput(totals: dict, elapsed: float, settings: LoopSettings, per_record:
     if not per_record:
         out["label_tokens_per_s"] = totals["labels"] / elapsed
     if settings.peak_flops and settings.flops_per_token:
-        out["mfu"] = out["effective_tokens_per_s"] * settings.flops_per_token / (settings.peak_flops
-                                                                                 * settings.world_size)
+        out["mfu"] = (
+            out["effective_tokens_per_s"] * settings.flops_per_token / (settings.peak_flops * settings.world_size)
+        )
     return out
 
 

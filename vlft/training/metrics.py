@@ -1,5 +1,4 @@
-"""``metrics.jsonl`` and the metric sinks (``--report-to``): what the loop logs, one line per logged step.
-"""
+"""``metrics.jsonl`` and the metric sinks (``--report-to``): what the loop logs, one line per logged step."""
 
 from __future__ import annotations
 
@@ -18,8 +17,11 @@ class MetricsLog:
         """Drop lines past ``step``: a resumed run rewrites them."""
         if self.path is None or not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+        kept = [
+            line
+            for line in self.path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step
+        ]
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: dict) -> None:

@@ -16,10 +16,32 @@ from vlft.errors import VlftError
 
 # RunConfig fields that change the trajectory (the data order, the update, the schedule)
 TRAJECTORY_FIELDS = (
-    "method", "adapter", "targets", "vision_last_n", "batch_size", "grad_accum", "lr", "lr_vision", "lr_merger",
-    "train_merger", "weight_decay",
-    "warmup_ratio", "max_grad_norm", "steps", "epochs", "seed", "precision", "param_dtype", "double_quant", "max_pixels",
-    "max_length", "skip_too_long", "world_size", "add_placeholders", "video_fps", "video_max_frames",
+    "method",
+    "adapter",
+    "targets",
+    "vision_last_n",
+    "batch_size",
+    "grad_accum",
+    "lr",
+    "lr_vision",
+    "lr_merger",
+    "train_merger",
+    "weight_decay",
+    "warmup_ratio",
+    "max_grad_norm",
+    "steps",
+    "epochs",
+    "seed",
+    "precision",
+    "param_dtype",
+    "double_quant",
+    "max_pixels",
+    "max_length",
+    "skip_too_long",
+    "world_size",
+    "add_placeholders",
+    "video_fps",
+    "video_max_frames",
 )
 
 
@@ -43,8 +65,9 @@ def model_identity(path: str | None) -> dict:
     p = Path(path)
     if not p.is_dir():
         return {"model": str(path)}
-    weights = {f.name: f.stat().st_size for f in sorted(p.iterdir())
-               if f.suffix in (".safetensors", ".bin", ".pt", ".pth")}
+    weights = {
+        f.name: f.stat().st_size for f in sorted(p.iterdir()) if f.suffix in (".safetensors", ".bin", ".pt", ".pth")
+    }
     return {"config": file_identity(str(p / "config.json")), "weights": weights}
 
 
@@ -59,8 +82,10 @@ def run_identity(config, objective_options: dict | None = None) -> dict:
     if config.objective != "sft":  # keys only where they are not the default, so older checkpoints still compare
         options = objective_options or {}
         # as JSON reads them back (a tuple as a list)
-        ident["objective"] = {"objective": config.objective,
-                              **{k: list(v) if isinstance(v, tuple) else v for k, v in options.items()}}
+        ident["objective"] = {
+            "objective": config.objective,
+            **{k: list(v) if isinstance(v, tuple) else v for k, v in options.items()},
+        }
     if config.init_adapter:
         ident["init_adapter"] = adapter_identity(config.init_adapter)
     return ident
@@ -91,8 +116,9 @@ def identity_differences(saved: dict, current: dict) -> list[str]:
     diffs = []
     for key in sorted(set(saved) | set(current)):
         if saved.get(key) != current.get(key):
-            diffs.append(f"{key.replace('_', '-')}: {_short(saved.get(key))} in the checkpoint, "
-                         f"{_short(current.get(key))} now")
+            diffs.append(
+                f"{key.replace('_', '-')}: {_short(saved.get(key))} in the checkpoint, {_short(current.get(key))} now"
+            )
     return diffs
 
 
@@ -111,12 +137,16 @@ def check_same_run(saved: dict | None, current: dict, checkpoint: Path, force: b
         return
     listing = "\n  ".join(diffs)
     if force:
-        warn(f"WARNING --force-resume: continuing {checkpoint} with a different training configuration:\n  "
-             f"{listing}\nThe result is not the run the checkpoint started.")
+        warn(
+            f"WARNING --force-resume: continuing {checkpoint} with a different training configuration:\n  "
+            f"{listing}\nThe result is not the run the checkpoint started."
+        )
         return
-    raise VlftError(f"--resume: {checkpoint} was trained with a different configuration:\n  {listing}\n"
-                    f"Resume with the original values, start a new run (another --output), or pass --force-resume "
-                    f"to continue anyway. Logging, evaluation and output settings may change freely.")
+    raise VlftError(
+        f"--resume: {checkpoint} was trained with a different configuration:\n  {listing}\n"
+        f"Resume with the original values, start a new run (another --output), or pass --force-resume "
+        f"to continue anyway. Logging, evaluation and output settings may change freely."
+    )
 
 
 def resume_command(argv: list[str], output: Path, world_size: int = 1) -> str:

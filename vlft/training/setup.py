@@ -61,9 +61,12 @@ def init_distributed(plan: RunPlan, device) -> None:
         # HashStore is public (documented in torch.distributed); torch's __init__ just does not re-export it
         store = torch.distributed.HashStore() if solo else None  # pyright: ignore[reportPrivateImportUsage]
         torch.distributed.init_process_group(
-            backend=dist.process_group_backend, timeout=datetime.timedelta(seconds=dist.timeout_s),
+            backend=dist.process_group_backend,
+            timeout=datetime.timedelta(seconds=dist.timeout_s),
             device_id=device if device.type != "cpu" else None,
-            store=store, rank=0 if solo else -1, world_size=1 if solo else -1,
+            store=store,
+            rank=0 if solo else -1,
+            world_size=1 if solo else -1,
         )
         if plan.config.world_size > 1:
             joined_group()
@@ -78,12 +81,23 @@ def base_model(registry: Registry, plan: RunPlan, device=None):
         model = empty_model(plan.model_path, attention, plan.precision, family=plan.family)
     else:
         quantized = plan.precision.quantization is not None  # 4-bit weights are quantized onto the device
-        model = load_model(plan.model_path, attention, plan.precision, device=device if quantized else None,
-                           trust_pickle=config.trust_pickle, keep_float=four_bit_skip(plan.family),
-                           family=plan.family)
-    patches = [p for ps in registry.hook.vlft_patch_model(backend=backend, model=model, config=config,
-                                                              attention=attention, family=plan.family)
-               if ps for p in ps]
+        model = load_model(
+            plan.model_path,
+            attention,
+            plan.precision,
+            device=device if quantized else None,
+            trust_pickle=config.trust_pickle,
+            keep_float=four_bit_skip(plan.family),
+            family=plan.family,
+        )
+    patches = [
+        p
+        for ps in registry.hook.vlft_patch_model(
+            backend=backend, model=model, config=config, attention=attention, family=plan.family
+        )
+        if ps
+        for p in ps
+    ]
     patches += apply_kernels(plan.kernels, model)  # the chosen kernel patches, once, before the adapter
     return model, patches
 
@@ -98,14 +112,22 @@ def adapted(registry: Registry, plan: RunPlan, model, resume_from: Path | None):
         path = str(resume_from / "adapter") if resume_from is not None else plan.init_adapter
         model = registry.first("vlft_load_adapter", method=plan.method.name, model=model, path=path, trainable=True)
     else:  # the targets were chosen on the weightless copy in preflight
-        model = registry.first("vlft_apply_adapter", method=plan.method.name, model=model, targets=plan.targets,
-                               config=config, target_parameters=plan.target_parameters, family=plan.family)
+        model = registry.first(
+            "vlft_apply_adapter",
+            method=plan.method.name,
+            model=model,
+            targets=plan.targets,
+            config=config,
+            target_parameters=plan.target_parameters,
+            family=plan.family,
+        )
     if plan.precision.quantization:
         # k-bit preparation as PEFT's prepare_model_for_kbit_training, less its fp32 upcast of every frozen
         # bf16 weight (embeddings and head: +2.2 GB on a 7B): base frozen (PEFT did), trainable fp32 (below),
         # non-reentrant checkpointing (below) needs no input_require_grads
-        notes.append("nf4: frozen bf16 weights kept bf16 (no fp32 upcast as prepare_model_for_kbit_training "
-                     "does); adapters fp32")
+        notes.append(
+            "nf4: frozen bf16 weights kept bf16 (no fp32 upcast as prepare_model_for_kbit_training does); adapters fp32"
+        )
     cast = upcast_trainable(model)
     if cast:
         notes.append(f"{len(cast)} trainable parameter(s) upcast to fp32 (e.g. {cast[0]})")
@@ -143,8 +165,10 @@ def reference_model(model, plan: RunPlan, device, resume_from: Path | None, kept
     if resume_from is None:
         return Reference(model, Reference.capture(model))
     if not kept:
-        raise VlftError(f"--resume: {resume_from} keeps no reference weights of --init-adapter {plan.init_adapter} "
-                        f"(it was not written by a {plan.objective.name} run); start the run again")
+        raise VlftError(
+            f"--resume: {resume_from} keeps no reference weights of --init-adapter {plan.init_adapter} "
+            f"(it was not written by a {plan.objective.name} run); start the run again"
+        )
     return Reference(model, {n: t.to(device) for n, t in kept.items()})
 
 
@@ -176,13 +200,23 @@ def loop_settings(plan: RunPlan, model) -> LoopSettings:
     """The data order and what the loop does around the steps, with the MFU figures of ``model``."""
     config = plan.config
     return LoopSettings(
-        total_steps=plan.total_steps, batch_size=config.batch_size, grad_accum=config.grad_accum, seed=config.seed,
-        rank=config.rank, world_size=config.world_size, log_every=config.log_every, eval_every=config.eval_every,
-        save_every=config.save_every, keep_checkpoints=config.keep_checkpoints,
-        early_stopping_patience=config.early_stopping_patience, loader_kwargs=plan.dataloader.loader_kwargs(),
-        max_skipped_steps=config.max_skipped_steps, repeat=plan.objective.iterations,
+        total_steps=plan.total_steps,
+        batch_size=config.batch_size,
+        grad_accum=config.grad_accum,
+        seed=config.seed,
+        rank=config.rank,
+        world_size=config.world_size,
+        log_every=config.log_every,
+        eval_every=config.eval_every,
+        save_every=config.save_every,
+        keep_checkpoints=config.keep_checkpoints,
+        early_stopping_patience=config.early_stopping_patience,
+        loader_kwargs=plan.dataloader.loader_kwargs(),
+        max_skipped_steps=config.max_skipped_steps,
+        repeat=plan.objective.iterations,
         lengths=plan.train_lengths if config.group_by_length else None,
-        peak_flops=plan.peak_flops, flops_per_token=model_flops_per_token(model),
+        peak_flops=plan.peak_flops,
+        flops_per_token=model_flops_per_token(model),
     )
 
 
@@ -191,8 +225,13 @@ def training_collator(plan: RunPlan, model_config, processor):
     and the model config resolved at plan time (positions are built in the data stage)."""
     if plan.packing.enabled:
         images = plan.family.image_inputs
-        return PackingCollator(plan.packing, plan.family.positions, model_config,
-                               images.batch_inputs if images is not None else {}, owner=plan.family.label())
+        return PackingCollator(
+            plan.packing,
+            plan.family.positions,
+            model_config,
+            images.batch_inputs if images is not None else {},
+            owner=plan.family.label(),
+        )
     return collator_for(processor, plan.family)
 
 

@@ -75,8 +75,12 @@ class StopRequest:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             raise KeyboardInterrupt
         self.signum = signum
-        print(f"\n{signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
-              f"(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+        print(
+            f"\n{signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
+            f"(Ctrl-C again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -104,6 +108,5 @@ class StopRequest:
             work, array = self._pending
             work.wait()  # started a step ago, on the host
             value = int(array[0])
-        self._pending = None if value else host_all_reduce([self.signum or 0], np.int32,
-                                                           torch.distributed.ReduceOp.MAX)
+        self._pending = None if value else host_all_reduce([self.signum or 0], np.int32, torch.distributed.ReduceOp.MAX)
         return value or None

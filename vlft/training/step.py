@@ -80,8 +80,9 @@ class StepPolicy:
 
     def passes(self, non_blocking: bool = False) -> StepPasses:
         """What the objective's ``prepare`` and ``loss`` run through (``vlft.Passes``)."""
-        return StepPasses(self.device, self.autocast_dtype, self.reference, self.encoder, self.labels_only,
-                          non_blocking)
+        return StepPasses(
+            self.device, self.autocast_dtype, self.reference, self.encoder, self.labels_only, non_blocking
+        )
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,7 @@ def start_global_label_count(count: int, world_size: int):
     def result() -> float:
         work.wait()
         return float(max(total[0], 1))
+
     return result
 
 
@@ -128,9 +130,16 @@ def global_label_count(count: int, world_size: int, device: torch.device | None 
     return start_global_label_count(count, world_size)()
 
 
-def train_step(model, optimizer, scheduler, micro_batches: list[dict], policy: StepPolicy,
-               local_tokens: int, global_tokens: float | None = None, passes: StepPasses | None = None
-               ) -> StepResult:
+def train_step(
+    model,
+    optimizer,
+    scheduler,
+    micro_batches: list[dict],
+    policy: StepPolicy,
+    local_tokens: int,
+    global_tokens: float | None = None,
+    passes: StepPasses | None = None,
+) -> StepResult:
     """One optimizer step over ``micro_batches`` (already on the device).
 
     ``local_tokens`` is this process's count of what the loss is averaged over (label tokens, records, ...:
@@ -187,14 +196,22 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], policy: S
         with warnings.catch_warnings():
             # a step the scaler skipped still advances the schedule (it counts the run's steps, which resuming
             # relies on); torch warns of exactly that when the first step is a back-off, as fp16 runs often start
-            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before",
-                                    category=UserWarning)
+            warnings.filterwarnings(
+                "ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before", category=UserWarning
+            )
             scheduler.step()
     else:
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_sum=total, grad_norm=grad_norm, local_units=local_tokens, global_units=n_tokens,
-                      skipped=~finite, backoff=backoff, figures=figures)
+    return StepResult(
+        loss_sum=total,
+        grad_norm=grad_norm,
+        local_units=local_tokens,
+        global_units=n_tokens,
+        skipped=~finite,
+        backoff=backoff,
+        figures=figures,
+    )
 
 
 # below this loss scale an overflow is the gradients' own, not the scale's: fp16 holds up to 65504 unscaled
@@ -239,8 +256,13 @@ def guarded_step(optimizer, finite: torch.Tensor) -> None:
                 if p.grad is None:
                     continue
                 state = optimizer.state.get(p, {})
-                saved.append((p, local(p).clone(), {k: local(v).clone() for k, v in state.items()
-                                                    if torch.is_tensor(v) and v.device == p.device}))
+                saved.append(
+                    (
+                        p,
+                        local(p).clone(),
+                        {k: local(v).clone() for k, v in state.items() if torch.is_tensor(v) and v.device == p.device},
+                    )
+                )
     optimizer.step()
     with torch.no_grad():
         for p, old_p, old_state in saved:
@@ -262,8 +284,9 @@ def settle_step_counters(optimizer, skipped: int, device: torch.device) -> None:
             step -= skipped
 
 
-def train_step_on(model, optimizer, scheduler, host_batches: list[dict], policy: StepPolicy,
-                  non_blocking: bool = False) -> StepResult:
+def train_step_on(
+    model, optimizer, scheduler, host_batches: list[dict], policy: StepPolicy, non_blocking: bool = False
+) -> StepResult:
     """``train_step`` on batches still on the host: the objective prepares them (``Objective.prepare``: counted
     on the host and moved, or GRPO's completions sampled and scored), then its units are summed over processes
     (a host reduction) and the step runs; what preparing measured joins the step's figures."""

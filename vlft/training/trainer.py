@@ -92,8 +92,15 @@ class TrainingOutcome:
     best_val_loss: float | None
 
 
-def build_trainer(registry: Registry, config: RunConfig, *, resume_from: Path | None = None, choice=None,
-                  output: RunOutput | None = None, progress: bool = True) -> Trainer:
+def build_trainer(
+    registry: Registry,
+    config: RunConfig,
+    *,
+    resume_from: Path | None = None,
+    choice=None,
+    output: RunOutput | None = None,
+    progress: bool = True,
+) -> Trainer:
     """Check everything (``preflight``), then the trainer, set up and ready for its first step.
 
     ``resume_from``: a checkpoint folder the trainer continues from. ``choice``: the backend already chosen (and
@@ -109,8 +116,9 @@ def build_trainer(registry: Registry, config: RunConfig, *, resume_from: Path | 
         init_distributed(plan, device)
         if output is not None and config.world_size > 1:
             output = RunOutput(_shared_folder(output.folder), output.identity, output.sinks)
-    return Trainer(registry=registry, plan=plan, device=device, resume_from=resume_from, output=output,
-                   progress=progress)
+    return Trainer(
+        registry=registry, plan=plan, device=device, resume_from=resume_from, output=output, progress=progress
+    )
 
 
 def _shared_folder(folder: Path) -> Path:
@@ -125,8 +133,16 @@ class Trainer:
     policy, the data and its order, the checkpoints and metrics, the step counter, and what the loop builds up
     (the window being logged, the steps whose skip flags are not read yet, early stopping, skipped steps)."""
 
-    def __init__(self, *, registry: Registry, plan: RunPlan, device, resume_from: Path | None = None,
-                 output: RunOutput | None = None, progress: bool = True):
+    def __init__(
+        self,
+        *,
+        registry: Registry,
+        plan: RunPlan,
+        device,
+        resume_from: Path | None = None,
+        output: RunOutput | None = None,
+        progress: bool = True,
+    ):
         config = plan.config
         self.plan, self.config, self.device, self.progress = plan, config, device, progress
         self.registry = registry
@@ -153,13 +169,23 @@ class Trainer:
         objective = plan.objective
         if not objective.dropout:
             disable_dropout(self.model)
-        self.reference = (reference_model(self.model, plan, device, resume_from, kept_reference)
-                          if objective.reference else None)
-        self.policy = StepPolicy(device, self.autocast_dtype, self.scaler, config.max_grad_norm, config.grad_accum,
-                                 config.world_size, flags_on_host=device.type == "cpu",
-                                 fused_optimizer=fused_optimizer(plan), objective=objective,
-                                 reference=self.reference, encoder=plan.encoder,
-                                 prepare=step_prepare(objective, self.start_step))
+        self.reference = (
+            reference_model(self.model, plan, device, resume_from, kept_reference) if objective.reference else None
+        )
+        self.policy = StepPolicy(
+            device,
+            self.autocast_dtype,
+            self.scaler,
+            config.max_grad_norm,
+            config.grad_accum,
+            config.world_size,
+            flags_on_host=device.type == "cpu",
+            fused_optimizer=fused_optimizer(plan),
+            objective=objective,
+            reference=self.reference,
+            encoder=plan.encoder,
+            prepare=step_prepare(objective, self.start_step),
+        )
         # what it trains and validates on, in which order
         self.settings = loop_settings(plan, self.model)
         self.collate = run_collator(plan)
@@ -168,8 +194,10 @@ class Trainer:
         self.output = output.folder if output is not None else None
         self.checkpoints = self._checkpoint_store(output)
         main = output if config.rank == 0 else None  # rank 0 writes the metrics
-        self.metrics = MetricsLog(main.folder / "metrics.jsonl" if main else None,
-                                  [open_sink(main.folder) for open_sink in main.sinks] if main else None)
+        self.metrics = MetricsLog(
+            main.folder / "metrics.jsonl" if main else None,
+            [open_sink(main.folder) for open_sink in main.sinks] if main else None,
+        )
         if resume_from is not None:
             self.metrics.truncate_after(self.start_step)  # the lines past the checkpoint are written again
         # what training builds up
@@ -208,9 +236,15 @@ class Trainer:
 
     def outcome(self) -> TrainingOutcome:
         return TrainingOutcome(
-            steps=self.settings.total_steps, resumed_from=self.start_step, train_time_s=self.train_time,
-            skipped_steps=self.skips.total, skipped=self.skips.steps, scaler_backoffs=self.skips.scaler_backoffs,
-            best_step=self.best.get("step"), best_val_loss=self.best.get("val_loss"))
+            steps=self.settings.total_steps,
+            resumed_from=self.start_step,
+            train_time_s=self.train_time,
+            skipped_steps=self.skips.total,
+            skipped=self.skips.steps,
+            scaler_backoffs=self.skips.scaler_backoffs,
+            best_step=self.best.get("step"),
+            best_val_loss=self.best.get("val_loss"),
+        )
 
     # -- one step -------------------------------------------------------------------------------------------
 
@@ -247,8 +281,9 @@ class Trainer:
         settings = self.settings
         bar = progress_bar(settings, self.start_step, self.progress)
         self.window = Window(self.device, self.policy.figure_units)
-        self.patience = EarlyStopping(settings.early_stopping_patience,
-                                      self._save_best if self.config.early_stopping_patience else None)
+        self.patience = EarlyStopping(
+            settings.early_stopping_patience, self._save_best if self.config.early_stopping_patience else None
+        )
         self.wants_eval = bool(settings.eval_every)
         self.early_stop, saved_step = False, None
         self.watch = PatchWatch(self.model)
@@ -267,8 +302,12 @@ class Trainer:
             elif self.wants_eval and self.step % settings.eval_every == 0:
                 self._evaluate_between_logs(model)
             saved = None
-            if self.checkpoints is not None and settings.save_every and self.step % settings.save_every == 0 \
-                    and not last:
+            if (
+                self.checkpoints is not None
+                and settings.save_every
+                and self.step % settings.save_every == 0
+                and not last
+            ):
                 saved, save_s = self.window.timed(lambda: self.save(model))
                 if self.is_main:
                     self.metrics.write({"step": self.step, "checkpoint_time_s": save_s})
@@ -302,7 +341,8 @@ class Trainer:
         if self.config.world_size > 1 and not self.sharded:
             device = self.device
             return torch.nn.parallel.DistributedDataParallel(
-                self.model, device_ids=[device.index] if device.type != "cpu" and device.index is not None else None)
+                self.model, device_ids=[device.index] if device.type != "cpu" and device.index is not None else None
+            )
         return self.model
 
     def _log(self, result: StepResult, last: bool, bar, model) -> None:
@@ -323,20 +363,30 @@ class Trainer:
         if self.is_main:
             self.metrics.write(record)
             # refresh=False: the bar draws at its own interval (one line per 15 s in a log file), not per log
-            bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
-                            **({"tok/s": f"{record['tokens_per_s']:,.0f}",
-                                "eff": f"{record['effective_tokens_per_s']:,.0f}"}
-                               if record.get("tokens_per_s") else {}),
-                            **({"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}), refresh=False)
+            bar.set_postfix(
+                loss=f"{record['loss']:.4f}",
+                lr=f"{record['lr']:.2e}",
+                **(
+                    {"tok/s": f"{record['tokens_per_s']:,.0f}", "eff": f"{record['effective_tokens_per_s']:,.0f}"}
+                    if record.get("tokens_per_s")
+                    else {}
+                ),
+                **({"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}),
+                refresh=False,
+            )
         self.window.reset()
 
     def _evaluate_between_logs(self, model) -> None:
         figures, eval_s = self.window.timed(self.evaluate)
         self._back_to_training(model)
         self.early_stop, saved_s = self._patience(figures["val_loss"])
-        line = {"step": self.step, **figures, "eval_time_s": eval_s,
-                **({"checkpoint_time_s": saved_s} if saved_s is not None else {}),
-                **({"early_stop": True} if self.early_stop else {})}
+        line = {
+            "step": self.step,
+            **figures,
+            "eval_time_s": eval_s,
+            **({"checkpoint_time_s": saved_s} if saved_s is not None else {}),
+            **({"early_stop": True} if self.early_stop else {}),
+        }
         if self.early_stop:
             self.records.append(line)
         if self.is_main:
@@ -397,19 +447,23 @@ class Trainer:
             where = [records[i].where for i in step_indices(len(self.dataset), settings, step)] if records else []
             entry = {"step": step, "skipped": "non-finite loss or gradient norm", "records": where}
             skips.steps.append(entry)
-            print(f"step {step} skipped: non-finite loss or gradient norm (records {', '.join(where)})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"step {step} skipped: non-finite loss or gradient norm (records {', '.join(where)})",
+                file=sys.stderr,
+                flush=True,
+            )
             if self.is_main:
                 self.metrics.write(entry)
             if settings.max_skipped_steps and skips.consecutive >= settings.max_skipped_steps:
                 pending.clear()
-                last = skips.steps[-skips.consecutive:]
+                last = skips.steps[-skips.consecutive :]
                 raise NonFiniteStop(
                     f"{skips.consecutive} consecutive steps had a non-finite loss or gradient norm (steps "
                     f"{', '.join(str(e['step']) for e in last)}; records "
                     f"{', '.join(sorted({w for e in last for w in e['records']}))}); the run stops. No skipped "
                     f"step was applied, so the newest checkpoint holds the last good weights. Lower --lr, use "
-                    f"--precision fp32 or bf16, check these records, or raise --max-skipped-steps.")
+                    f"--precision fp32 or bf16, check these records, or raise --max-skipped-steps."
+                )
         if self.scaler is None:  # the scaler's skipped steps never reached the optimizer
             settle_step_counters(self.optimizer, n_skipped, self.device)
         pending.clear()
@@ -429,8 +483,10 @@ class Trainer:
         the first evaluation)."""
         config, records, encoder = self.config, self.plan.val_records, self.plan.encoder
         size = config.batch_size
-        return [self.collate([encoder.encode(r) for r in records[i:i + size]])
-                for i in range(0, min(len(records), config.eval_batches * size), size)]
+        return [
+            self.collate([encoder.encode(r) for r in records[i : i + size]])
+            for i in range(0, min(len(records), config.eval_batches * size), size)
+        ]
 
     # -- saving and resuming --------------------------------------------------------------------------------
 
@@ -438,8 +494,9 @@ class Trainer:
         """What a checkpoint's state.pt holds (``checkpoints.training_state``); the optimizer's state is left out
         when sharded (each process writes its share)."""
         reference = self.reference.state() if self.reference is not None else None
-        return training_state(self.step, None if self.sharded else self.optimizer, self.scheduler, self.scaler,
-                              self.device, reference)
+        return training_state(
+            self.step, None if self.sharded else self.optimizer, self.scheduler, self.scaler, self.device, reference
+        )
 
     def load_state_dict(self, state: dict) -> None:
         """Optimizer (unless sharded: ``load_checkpoint`` reads its shares), scheduler, scaler, RNG and step."""
@@ -516,8 +573,13 @@ class Trainer:
     def _checkpoint_store(self, output: RunOutput | None) -> CheckpointStore | None:
         if output is None:
             return None
-        return CheckpointStore(output.folder / "checkpoints", self.config.keep_checkpoints, self._write_adapter,
-                               identity=output.identity, collective=self.sharded)
+        return CheckpointStore(
+            output.folder / "checkpoints",
+            self.config.keep_checkpoints,
+            self._write_adapter,
+            identity=output.identity,
+            collective=self.sharded,
+        )
 
     # -- after training -------------------------------------------------------------------------------------
 

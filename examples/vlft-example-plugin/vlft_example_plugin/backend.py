@@ -60,8 +60,14 @@ def native_bf16() -> bool | None:
 @hookimpl
 def vlft_backends():
     # priority below the cpu reference (0): `--backend auto` never picks this one by surprise
-    return [BackendInfo(NAME, "CPU with bf16 base weights and bf16 autocast (half the weight memory of cpu)",
-                        device_type="cpu", priority=-1)]
+    return [
+        BackendInfo(
+            NAME,
+            "CPU with bf16 base weights and bf16 autocast (half the weight memory of cpu)",
+            device_type="cpu",
+            priority=-1,
+        )
+    ]
 
 
 @cpu_bf16_hookimpl
@@ -85,8 +91,11 @@ def vlft_setup_device(backend, config):
 def vlft_attention_implementation(backend, config, model_config):
     asked = parse_attn(config.attn) or {}  # the user's --attn, per tower
     # sdpa does not keep the attention matrix for backward the way eager does
-    return AttentionPolicy(asked.get("vision", "sdpa"), asked.get("text", "sdpa"),
-                           "as asked" if asked else "cpu-bf16: sdpa saves attention memory")
+    return AttentionPolicy(
+        asked.get("vision", "sdpa"),
+        asked.get("text", "sdpa"),
+        "as asked" if asked else "cpu-bf16: sdpa saves attention memory",
+    )
 
 
 @cpu_bf16_hookimpl
@@ -94,9 +103,13 @@ def vlft_precision_policy(backend, config):
     if config.precision not in ("auto", "bf16"):
         # refuse what this backend is not for, and name the one that is
         raise ConfigError(f"backend {NAME} computes in bf16; for --precision {config.precision} use --backend cpu")
-    return PrecisionPolicy("bf16", param_dtype="bfloat16", autocast_dtype="bfloat16",
-                           reason="bf16 autocast; no loss scaling (bf16 has fp32's range)",
-                           param_reason=f"{NAME}: bf16 base weights, half the memory of fp32")
+    return PrecisionPolicy(
+        "bf16",
+        param_dtype="bfloat16",
+        autocast_dtype="bfloat16",
+        reason="bf16 autocast; no loss scaling (bf16 has fp32's range)",
+        param_reason=f"{NAME}: bf16 base weights, half the memory of fp32",
+    )
 
 
 @cpu_bf16_hookimpl
@@ -111,8 +124,12 @@ def vlft_dataloader_options(backend, config, options: DataLoaderOptions):
 def vlft_distributed_options(backend, config):
     # fsdp=True would let --shard fsdp run here too (gloo has the collectives); this example leaves it
     # off, so the error a user gets for a backend without sharding can be seen
-    return DistributedOptions("gloo", timeout_s=600, reason="gloo is torch's CPU process group",
-                              fsdp_reason="the example backend has not been tried with FSDP2")
+    return DistributedOptions(
+        "gloo",
+        timeout_s=600,
+        reason="gloo is torch's CPU process group",
+        fsdp_reason="the example backend has not been tried with FSDP2",
+    )
 
 
 @cpu_bf16_hookimpl
@@ -132,7 +149,7 @@ def vlft_device_capacity(backend, config):
     except (OSError, StopIteration):
         # the memory plan then asks for --device-memory instead of guessing
         return DeviceCapacity(None, source="MemAvailable unknown on this OS")
-    return DeviceCapacity(available, reserved_bytes=512 * 2 ** 20, source="available RAM (/proc/meminfo)")
+    return DeviceCapacity(available, reserved_bytes=512 * 2**20, source="available RAM (/proc/meminfo)")
 
 
 @cpu_bf16_hookimpl
@@ -152,9 +169,15 @@ def vlft_doctor_checks(backend):
     native = native_bf16()
     detail = {True: "native (cpuinfo flags)", False: "emulated: slower than fp32", None: "unknown on this OS"}
     # advice, not a blocker: the backend runs either way
-    return [DoctorCheck("native bf16", native is not False, detail[native],
-                        fix="" if native is not False else "use --backend cpu for speed; cpu-bf16 for memory",
-                        blocking=False)]
+    return [
+        DoctorCheck(
+            "native bf16",
+            native is not False,
+            detail[native],
+            fix="" if native is not False else "use --backend cpu for speed; cpu-bf16 for memory",
+            blocking=False,
+        )
+    ]
 
 
 @hookimpl
@@ -179,5 +202,7 @@ def vlft_register_commands(cli):
                 a @ a
             timings[dtype] = (time.perf_counter() - start) / repeat
         ratio = timings[torch.float32] / timings[torch.bfloat16]
-        click.echo(f"fp32 {timings[torch.float32] * 1e3:.2f} ms, bf16 {timings[torch.bfloat16] * 1e3:.2f} ms "
-                   f"per {size}x{size} product: bf16 is {ratio:.2f}x the speed of fp32")
+        click.echo(
+            f"fp32 {timings[torch.float32] * 1e3:.2f} ms, bf16 {timings[torch.bfloat16] * 1e3:.2f} ms "
+            f"per {size}x{size} product: bf16 is {ratio:.2f}x the speed of fp32"
+        )

@@ -56,15 +56,15 @@ TEMPLATE = (
     "    {%- endif -%}\n"
     "    {%- set loop_messages = messages[1:] -%}\n"
     "{%- else -%}\n"
-    "    {%- set first_user_prefix = \"\" -%}\n"
+    '    {%- set first_user_prefix = "" -%}\n'
     "    {%- set loop_messages = messages -%}\n"
     "{%- endif -%}\n"
     "{%- for message in loop_messages -%}\n"
     "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
-    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    '        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}\n'
     "    {%- endif -%}\n"
     "    {%- if (message['role'] == 'assistant') -%}\n"
-    "        {%- set role = \"model\" -%}\n"
+    '        {%- set role = "model" -%}\n'
     "    {%- else -%}\n"
     "        {%- set role = message['role'] -%}\n"
     "    {%- endif -%}\n"
@@ -80,7 +80,7 @@ TEMPLATE = (
     "            {%- endif -%}\n"
     "        {%- endfor -%}\n"
     "    {%- else -%}\n"
-    "        {{ raise_exception(\"Invalid content type\") }}\n"
+    '        {{ raise_exception("Invalid content type") }}\n'
     "    {%- endif -%}\n"
     "    {{ '<end_of_turn>\\n' }}\n"
     "{%- endfor -%}\n"
@@ -88,23 +88,48 @@ TEMPLATE = (
     "    {{'<start_of_turn>model\\n'}}\n"
     "{%- endif -%}\n"
 )
-SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
-                  "<end_of_image>", "<image_soft_token>"]
+SPECIAL_TOKENS = [
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<start_of_image>",
+    "<end_of_image>",
+    "<image_soft_token>",
+]
 
 RECIPE = {
-    "version": 2, "family": NAME, "seed": 1234, "vocab_size": 512,  # 2: the projector initialised (not zeros)
+    "version": 2,
+    "family": NAME,
+    "seed": 1234,
+    "vocab_size": 512,  # 2: the projector initialised (not zeros)
     # 32 px images, patch 8 -> 4x4 patches, pooled to mm_tokens_per_image = 4 (2x2)
-    "image_size": 32, "mm_tokens_per_image": 4,
-    "text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, sliding_window=64, max_position_embeddings=4096),
+    "image_size": 32,
+    "mm_tokens_per_image": 4,
+    "text": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=64,
+        max_position_embeddings=4096,
+    ),
     "vision": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=8),
     "initializer_range": 0.1,
 }
 
 
 DEFAULT_CORPUS = [
-    "user", "model", "What colour is the product?", "What defect does the product have?",
-    "The product is red and has a scratch.", "The product is blue and has no defect.",
+    "user",
+    "model",
+    "What colour is the product?",
+    "What defect does the product have?",
+    "The product is red and has a scratch.",
+    "The product is blue and has no defect.",
     "the a an is are what which where how many colour defect product image answer question yes no",
 ]
 
@@ -117,13 +142,26 @@ def _tokenizer(r, corpus=None):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=r["vocab_size"], special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=r["vocab_size"],
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(list(corpus or DEFAULT_CORPUS) * 4, trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, model_max_length=r["text"]["max_position_embeddings"], bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
-        extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
-                              "image_token": "<image_soft_token>"})
+        tokenizer_object=tok,
+        model_max_length=r["text"]["max_position_embeddings"],
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        extra_special_tokens={
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+            "image_token": "<image_soft_token>",
+        },
+    )
 
 
 def build_tiny(path: Path, recipe: dict | None = None, corpus=None) -> None:
@@ -134,15 +172,24 @@ def build_tiny(path: Path, recipe: dict | None = None, corpus=None) -> None:
     tok = _tokenizer(r, corpus)
     ids = tok.convert_tokens_to_ids
     ip = Gemma3ImageProcessor(size={"height": r["image_size"], "width": r["image_size"]})
-    processor = Gemma3Processor(image_processor=ip, tokenizer=tok, image_seq_length=r["mm_tokens_per_image"],
-                                chat_template=TEMPLATE)
+    processor = Gemma3Processor(
+        image_processor=ip, tokenizer=tok, image_seq_length=r["mm_tokens_per_image"], chat_template=TEMPLATE
+    )
     config = Gemma3Config(
-        text_config=dict(r["text"], vocab_size=len(tok), initializer_range=r["initializer_range"],
-                         bos_token_id=ids("<bos>"), eos_token_id=[ids("<eos>"), ids("<end_of_turn>")],
-                         pad_token_id=ids("<pad>")),
+        text_config=dict(
+            r["text"],
+            vocab_size=len(tok),
+            initializer_range=r["initializer_range"],
+            bos_token_id=ids("<bos>"),
+            eos_token_id=[ids("<eos>"), ids("<end_of_turn>")],
+            pad_token_id=ids("<pad>"),
+        ),
         vision_config=dict(r["vision"], image_size=r["image_size"]),
-        mm_tokens_per_image=r["mm_tokens_per_image"], image_token_id=ids("<image_soft_token>"),
-        boi_token_id=ids("<start_of_image>"), eoi_token_id=ids("<end_of_image>"))
+        mm_tokens_per_image=r["mm_tokens_per_image"],
+        image_token_id=ids("<image_soft_token>"),
+        boi_token_id=ids("<start_of_image>"),
+        eoi_token_id=ids("<end_of_image>"),
+    )
     torch.manual_seed(r["seed"])
     model = Gemma3ForConditionalGeneration(config)
     # transformers initialises the projector's input projection to zeros (a real checkpoint overwrites it);
@@ -180,11 +227,16 @@ def vision_dummy(model, modality: str):
     the tower at every step. Gemma 3 has no video tower."""
     import torch
 
-
     if modality != "image":
         return None
-    inner = next((m for m in model.modules() if hasattr(m, "get_image_features") and hasattr(m, "vision_tower")
-                  and hasattr(m, "get_input_embeddings")), None)
+    inner = next(
+        (
+            m
+            for m in model.modules()
+            if hasattr(m, "get_image_features") and hasattr(m, "vision_tower") and hasattr(m, "get_input_embeddings")
+        ),
+        None,
+    )
     if inner is None:
         return None
     vc = inner.vision_tower.config
@@ -227,24 +279,34 @@ FAMILY = ModelFamily(
     name=NAME,
     model_types=("gemma3",),
     description="Gemma 3 (4B/12B/27B): SigLIP + Gemma 3, fixed 256 tokens per image (third-party example)",
-    towers=Towers(vision="model.vision_tower", vision_blocks="model.vision_tower.encoder.layers",
-                  vision_mergers=("model.multi_modal_projector",), decoder_layers="model.language_model.layers",
-                  lm_head="lm_head"),
-    targets=Targets(vision_attention=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"),
-                    vision_mlp=("mlp.fc1", "mlp.fc2"),
-                    text_attention=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
-                    text_mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"), default="both"),
+    towers=Towers(
+        vision="model.vision_tower",
+        vision_blocks="model.vision_tower.encoder.layers",
+        vision_mergers=("model.multi_modal_projector",),
+        decoder_layers="model.language_model.layers",
+        lm_head="lm_head",
+    ),
+    targets=Targets(
+        vision_attention=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"),
+        vision_mlp=("mlp.fc1", "mlp.fc2"),
+        text_attention=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
+        text_mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+        default="both",
+    ),
     # load_processor None: AutoProcessor
     chat=Chat(processor_class="Gemma3Processor", reply_end_token="<end_of_turn>", box_coordinates="absolute"),
     # Gemma3Processor writes <start_of_image><image_soft_token>*N<end_of_image> itself, and returns
     # token_type_ids (1 on image tokens: they attend both ways) beside the pixels. Without pan-and-scan every
     # image is resized to the processor's square size: no size cap for --max-pixels to set. The plan counts each
     # image's pooled patches and traces the SigLIP layers (image_grids, trace_vision).
-    image_inputs=processor_image_inputs({"pixel_values": "concat", "token_type_ids": "sequence"},
-                                        image_grids=image_grids, trace=trace_vision),
+    image_inputs=processor_image_inputs(
+        {"pixel_values": "concat", "token_type_ids": "sequence"}, image_grids=image_grids, trace=trace_vision
+    ),
     # no video_inputs: Gemma 3 has no video tower; no positions: plain 1-D positions
-    packing=Packing(refusal="its token_type_ids make image tokens attend both ways, and vlft has not checked "
-                            "that Gemma 3 keeps that bidirectional attention inside each packed sample"),
+    packing=Packing(
+        refusal="its token_type_ids make image tokens attend both ways, and vlft has not checked "
+        "that Gemma 3 keeps that bidirectional attention inside each packed sample"
+    ),
     sharding=Sharding(("Gemma3DecoderLayer", "SiglipEncoderLayer")),
     vision_dummy=vision_dummy,
     tiny=Tiny(build_tiny, RECIPE),
@@ -255,4 +317,3 @@ FAMILY = ModelFamily(
 def vlft_model_families():
     """`vlft plugins` lists it; `--model embedded:gemma3` finds its tiny model here."""
     return [FAMILY]
-

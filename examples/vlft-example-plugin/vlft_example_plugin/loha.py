@@ -32,7 +32,9 @@ class LoHaOptions:
 
     r: int = field(default=8, metadata={"help": "Rank of each of the two low-rank products."})
     alpha: int = field(default=16, metadata={"help": "Scale: the update is multiplied by alpha / r."})
-    rank_dropout: float = field(default=0.0, metadata={"help": "In training, dropout on the rows (outputs) of each update."})
+    rank_dropout: float = field(
+        default=0.0, metadata={"help": "In training, dropout on the rows (outputs) of each update."}
+    )
     module_dropout: float = field(default=0.0, metadata={"help": "Probability of skipping a whole adapted layer."})
 
 
@@ -61,10 +63,13 @@ def vlft_adapter_defaults(method, config):
         return None
     chosen = options(config.adapter)  # checking here makes a bad --adapter-opt fail before anything loads
     return AdapterDefaults(
-        method=NAME, lr=LR, hyperparameters=dataclasses.asdict(chosen),
+        method=NAME,
+        lr=LR,
+        hyperparameters=dataclasses.asdict(chosen),
         help={f.name: f.metadata["help"] for f in dataclasses.fields(LoHaOptions)},
         # leaf names of the linear layers to adapt; vlft turns them into full names in the chosen blocks
-        text_modules=("q_proj", "k_proj", "v_proj", "o_proj"), vision_modules=("qkv", "proj"),
+        text_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
+        vision_modules=("qkv", "proj"),
         default_targets="both",
     )
 
@@ -76,7 +81,9 @@ def vlft_apply_adapter(method, model, targets, config):
     from peft import LoHaConfig, get_peft_model  # imported here: listing plugins must stay cheap
 
     # targets are full module names, so PEFT adapts exactly those and nothing else
-    return get_peft_model(model, LoHaConfig(target_modules=list(targets), **dataclasses.asdict(options(config.adapter))))
+    return get_peft_model(
+        model, LoHaConfig(target_modules=list(targets), **dataclasses.asdict(options(config.adapter)))
+    )
 
 
 @hookimpl
