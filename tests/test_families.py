@@ -138,7 +138,7 @@ def _dry_run(**values):
     from vlft.planning.preflight import plan_run
     from vlft.registry import load_registry
 
-    return json.loads(json.dumps(plan_run(load_registry(), build_config({}, values)).plan.describe(), default=str))
+    return json.loads(json.dumps(plan_run(load_registry(), build_config({}, values)).describe(), default=str))
 
 
 def test_bundled_qwen3_vl_8b_plans_offline_with_its_published_parameter_count():
@@ -211,7 +211,7 @@ def test_an_unknown_model_type_names_the_installed_families_and_how_to_add_one(t
     with pytest.raises(ConfigError) as e:
         load_model_config(str(tmp_path), installed())
     text = str(e.value)
-    assert "'llava'" in text and "qwen3-vl" in text and "qwen2.5-vl" in text and "vlft_model_family" in text
+    assert "'llava'" in text and "qwen3-vl" in text and "qwen2.5-vl" in text and "vlft_model_families" in text
 
 
 def test_multi_turn_qwen3_5_records_split_at_each_reply():

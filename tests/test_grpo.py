@@ -176,7 +176,7 @@ def test_reward_specs_resolve_plugins_and_user_functions():
     assert chosen[2][1] is user_reward
     with pytest.raises(
         ConfigError,
-        match="no plugin offers a reward 'nosuch'; offered: anls, bleu, cer, choice, "
+        match="no plugin offers a reward 'nosuch'; offered: anls, bleu, cer, choice, cider, "
         "exact, fields, format, iou, json, numeric, relaxed, rouge",
     ):
         grpo.resolve_rewards(["nosuch"], offered())

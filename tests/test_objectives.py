@@ -213,7 +213,7 @@ def test_the_dry_run_and_vlft_objectives_show_the_objective(pref, tmp_path, regi
 
     assert registry.objective_for(RunConfig()).supervised
     with pytest.raises(
-        ConfigError, match="unknown objective 'ppo'; valid objectives: dpo, grpo, kto, orpo, simpo, sft"
+        ConfigError, match="unknown objective 'ppo'; valid objectives: dpo, grpo, kto, orpo, sft, simpo"
     ):
         registry.objective("ppo")
     # an option the objective does not declare is refused before anything loads, naming whose it is

@@ -120,7 +120,7 @@ def _run_options() -> dict[str, click.Parameter]:
     return {
         max(p.opts, key=len): p
         for p in run.get_params(click.Context(run))
-        if isinstance(p, click.Option) and p.name != "help"
+        if isinstance(p, click.Option) and p.name != "help" and "--help" not in p.opts
     }
 
 

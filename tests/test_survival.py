@@ -55,13 +55,14 @@ def logged_steps(output: Path) -> list[int]:
 
 def test_non_finite_steps_are_not_applied_and_too_many_stop_the_run(small_data, tmp_path, monkeypatch):
     import vlft.data.encoding
+    import vlft.models.passes
     import vlft.training.step
 
     # steps 2, 4 and 5 produce a NaN loss (a patched loss)
     nan_steps = {2, 4, 5}
     calls = {"step": 0}
     real_loss, real_step, real_get = (
-        vlft.training.step.batch_loss_sum,
+        vlft.models.passes.batch_loss_sum,
         vlft.training.step.train_step,
         vlft.data.encoding.EncodedDataset.__getitem__,
     )
@@ -92,7 +93,7 @@ def test_non_finite_steps_are_not_applied_and_too_many_stop_the_run(small_data, 
         drawn.append(index)
         return real_get(self, index)
 
-    monkeypatch.setattr(vlft.training.step, "batch_loss_sum", nan_loss)
+    monkeypatch.setattr(vlft.models.passes, "batch_loss_sum", nan_loss)
     monkeypatch.setattr(vlft.training.step, "train_step", watched_step)
     monkeypatch.setattr(vlft.data.encoding.EncodedDataset, "__getitem__", watched_get)
     out = tmp_path / "run"
@@ -727,6 +728,7 @@ def test_fp16_scaler_back_offs_at_the_start_do_not_stop_the_run_and_a_nan_loss_s
     model; 2**28 does, for real, in its fp16 gradients): the scaler backs off step after step, more often than
     --max-skipped-steps, and the run completes; those steps are counted as back-offs, not as skipped steps.
     Then a NaN loss (a patched loss) is not explained by the scaler: it stops the run."""
+    import vlft.models.passes
     import vlft.training.step
 
     class StartsHigh(torch.amp.GradScaler):  # the CPU backend's scaler, started at 2**28
@@ -754,8 +756,8 @@ def test_fp16_scaler_back_offs_at_the_start_do_not_stop_the_run_and_a_nan_loss_s
     assert scales[0] <= 2.0**27 and scales[-1] <= 2.0 ** (28 - summary["scaler_backoffs"])  # it backed off
     assert [m["scaler_backoffs"] for m in metrics][-1] == summary["scaler_backoffs"]
 
-    real_loss = vlft.training.step.batch_loss_sum
-    monkeypatch.setattr(vlft.training.step, "batch_loss_sum", lambda *a, **k: real_loss(*a, **k) * float("nan"))
+    real_loss = vlft.models.passes.batch_loss_sum
+    monkeypatch.setattr(vlft.models.passes, "batch_loss_sum", lambda *a, **k: real_loss(*a, **k) * float("nan"))
     code, output = cli_invoke("run", "--quiet", *run_flags(short_values(small_data, tmp_path / "nan", **values)))
     assert code != 0 and "3 consecutive steps" in output, output
 

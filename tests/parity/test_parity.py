@@ -235,11 +235,12 @@ def test_the_accumulation_check_sees_a_per_micro_batch_mean(small_data, tmp_path
     count and the micro-batch means averaged, instead of the step's sum over the step's label count. The bug
     is injected into vlft's step for this test only: each micro-batch's loss sum is rescaled so that
     ``sum * world / step_tokens`` becomes ``mean / micro_batches`` (with one micro-batch it changes nothing)."""
+    import vlft.models.passes
     import vlft.training.step
 
     data = str(_varied_replies(small_data[0], tmp_path / "varied.jsonl"))
     big, wb = _step_figures(small_data, tmp_path / "big", data=data, batch_size=4, steps=6, float64=True)
-    real_step, real_sum = vlft.training.step.train_step, vlft.training.step.batch_loss_sum
+    real_step, real_sum = vlft.training.step.train_step, vlft.models.passes.batch_loss_sum
     factors = []
 
     def step_with_per_micro_batch_means(model, optimizer, scheduler, micro_batches, *rest):
@@ -254,7 +255,7 @@ def test_the_accumulation_check_sees_a_per_micro_batch_mean(small_data, tmp_path
         calls.append(bool(factors))
         return real_sum(*args, **kwargs) * (factors.pop(0) if factors else 1.0)
 
-    monkeypatch.setattr(vlft.training.step, "batch_loss_sum", rescaled_sum)
+    monkeypatch.setattr(vlft.models.passes, "batch_loss_sum", rescaled_sum)
     acc, wa = _step_figures(small_data, tmp_path / "acc", data=data, batch_size=2, grad_accum=2, steps=6, float64=True)
     assert not factors and calls.count(True) == 12  # the bug ran, on each of the 6 x 2 micro-batches
     with pytest.raises(AssertionError):
