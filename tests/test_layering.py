@@ -11,8 +11,8 @@ at module level, under ``TYPE_CHECKING`` or inside a function.
 The plugin packages (``plugins/`` as vlft/plugins.py maps them, and each plugin under ``examples/``) stand on
 top of all of it: ``vlft`` imports none of them, none imports another, and inside one a part never imports
 its package's hook module (``__init__``), which imports the parts. Their imports of vlft modules outside the
-face (``vlft``'s private floors) are listed in ``PRIVATE_IMPORTS`` until issue 30 gives plugins a public
-surface; a new one fails, named. A plugin imports only ``vlft`` and ``vlft.testing`` (the guide names no
+face (``vlft``'s private floors) are listed in ``PRIVATE_IMPORTS`` (none today: issue 41 gave plugins a public
+surface); a new one fails, named. A plugin imports only ``vlft`` and ``vlft.testing`` (the guide names no
 other module), so an import of ``vlft.errors`` or ``vlft.policies`` counts as private too; so do the guide's
 code examples (``docs/*.md``), read the same way.
 
@@ -57,23 +57,9 @@ WORD = re.compile(r"[A-Za-z][A-Za-z'-]*")
 REASON_WORDS = 3
 
 # Every import of a private vlft module (a floor above the face) by a plugin, with the reason it has one
-# today. Issue 30 gives plugins a public surface for these; until then each is listed, and a new one fails.
-PRIVATE_IMPORTS = {
-    (
-        "vlft_objectives.grpo",
-        "vlft.data.batching",
-    ): "to_device, with_label_positions: the prompts moved for sampling, the completions' labelled positions "
-    "(issue 30)",
-    (
-        "vlft_objectives.grpo",
-        "vlft.data.formats",
-    ): "FormatProblem, parse_record: the SFT layouts, checked further for what GRPO reads (issue 30)",
-    (
-        "vlft_objectives.grpo",
-        "vlft.data.records",
-    ): "IGNORE_INDEX, ROLE_ALIASES: the label that counts nothing, the role names of the layouts (issue 30)",
-    ("vlft_objectives.grpo", "vlft.models.rows"): "unwrapped: the model DDP wraps, whose generate samples (issue 30)",
-}
+# today; a new one fails. None is left: GRPO reads the layouts and the label id from ``vlft`` and moves its
+# batches through ``vlft.Passes``.
+PRIVATE_IMPORTS: dict[tuple[str, str], str] = {}
 
 
 def plugin_packages(root: Path = ROOT) -> dict[str, Path]:

@@ -16,6 +16,9 @@ The contracts carry a version, ``PLUGIN_API``: a plugin may say which one it was
 (``VLFT_PLUGIN_API = 3`` in its module), and docs/plugin-api-changes.md lists what changed between them.
 """
 
+import importlib
+from typing import TYPE_CHECKING
+
 from vlft.backend import BackendHookimpl, hookimpl_for
 from vlft.config import RunConfig, parse_attn
 from vlft.contracts import PLUGIN_API, ContractChanged
@@ -141,4 +144,28 @@ __all__ = [
     "non_negative",
     "option",
     "positive",
+    # the SFT layouts, for an objective that reads them further (loaded on first use: see __getattr__)
+    "FormatProblem",
+    "IGNORE_INDEX",
+    "ROLE_ALIASES",
+    "parse_record",
 ]
+
+if TYPE_CHECKING:
+    from vlft.data.formats import FormatProblem, parse_record
+    from vlft.data.records import IGNORE_INDEX, ROLE_ALIASES
+
+# Names from the data floor, loaded on first use: they bring PIL and the layout readers, and importing
+# ``vlft`` stays cheap for a plugin module that needs none of them (PEP 562).
+_LAZY = {
+    "FormatProblem": "vlft.data.formats",
+    "parse_record": "vlft.data.formats",
+    "IGNORE_INDEX": "vlft.data.records",
+    "ROLE_ALIASES": "vlft.data.records",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'vlft' has no attribute {name!r}")

@@ -203,11 +203,6 @@ def cli():
 
     Backends and methods are plugins: `vlft plugins` lists them.
     """
-    import warnings
-
-    # PEFT still asks transformers' deprecated `is_gradient_checkpointing` while wrapping a model: a
-    # warning about library internals the user can do nothing about (vlft itself uses the new names)
-    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 
 def as_arguments(flags: dict) -> list[str]:

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
 import os
 import sys
 
@@ -18,10 +20,27 @@ def user_attribute(spec: str, option: str):
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
-            if e.name != module_name.split(".")[0] or os.getcwd() in sys.path:
+            if e.name != module_name.split(".")[0]:
                 raise
-            sys.path.insert(0, os.getcwd())  # a module beside the user, as `python -m` would find it
-            module = importlib.import_module(module_name)
+            module = import_beside_user(module_name, e)
     except Exception as e:  # noqa: BLE001 - any import failure is the user's module's: say so, with the error
         raise ConfigError(f"{option} {spec}: cannot import {module_name} ({e.__class__.__name__}: {e})") from None
     return module_name, attr, getattr(module, attr, None)
+
+
+def import_beside_user(module_name: str, missing: ModuleNotFoundError):
+    """``module_name`` from the working folder, as ``python -m`` would find it, for a ``vlft`` started by its
+    console script (whose ``sys.path`` lacks the folder). The folder is searched for this one module; it is not
+    added to ``sys.path`` (a run changes no process-wide import state)."""
+    top = module_name.split(".")[0]
+    spec = importlib.machinery.PathFinder.find_spec(top, [os.getcwd()])
+    if spec is None or spec.loader is None:
+        raise missing
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[top] = module  # its submodules (``pkg.rewards``) and its own imports of itself find it
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[top]
+        raise
+    return importlib.import_module(module_name)

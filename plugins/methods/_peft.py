@@ -7,6 +7,8 @@ loaded or merged; `vlft plugins` imports every method plugin just to list it.
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from contextlib import contextmanager
 from typing import Any
 
 from vlft import ConfigError, hookimpl
@@ -76,7 +78,8 @@ def io_hooks(name: str):
             return None
         from peft import PeftModel
 
-        return PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
+        with quiet_wrapping():
+            return PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
 
     @hookimpl
     def vlft_merge_adapter(method, model):
@@ -85,3 +88,12 @@ def io_hooks(name: str):
         return model.merge_and_unload()
 
     return vlft_save_adapter, vlft_load_adapter, vlft_merge_adapter
+
+
+@contextmanager
+def quiet_wrapping():
+    """PEFT still asks transformers' deprecated ``is_gradient_checkpointing`` while it wraps a model: a warning
+    about library internals the user can do nothing about, silenced for the wrapping only."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield

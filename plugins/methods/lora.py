@@ -93,15 +93,16 @@ def vlft_apply_adapter(method, model, targets, config, target_parameters, family
 
     kwargs = dataclasses.asdict(_options(config))
     kwargs.pop("target_experts")  # vlft's switch; the expert names arrive as target_parameters
-    return get_peft_model(
-        model,
-        LoraConfig(
-            target_modules=list(targets),
-            target_parameters=list(target_parameters) or None,
-            modules_to_save=_peft.modules_to_save(model, config, family),
-            **kwargs,
-        ),
-    )
+    with _peft.quiet_wrapping():
+        return get_peft_model(
+            model,
+            LoraConfig(
+                target_modules=list(targets),
+                target_parameters=list(target_parameters) or None,
+                modules_to_save=_peft.modules_to_save(model, config, family),
+                **kwargs,
+            ),
+        )
 
 
 # saving, loading and merging are PEFT's own, the same for every PEFT method

@@ -101,12 +101,16 @@ def vlft_apply_adapter(method, model, targets, config, target_parameters, family
     block = choose_block_size(model, targets, options.oft_block_size)
     kwargs = dataclasses.asdict(options)
     kwargs["oft_block_size"] = block
-    return get_peft_model(
-        model,
-        OFTConfig(
-            r=0, target_modules=list(targets), modules_to_save=_peft.modules_to_save(model, config, family), **kwargs
-        ),
-    )
+    with _peft.quiet_wrapping():
+        return get_peft_model(
+            model,
+            OFTConfig(
+                r=0,
+                target_modules=list(targets),
+                modules_to_save=_peft.modules_to_save(model, config, family),
+                **kwargs,
+            ),
+        )
 
 
 # saving, loading and merging are PEFT's own, the same for every PEFT method

@@ -262,9 +262,11 @@ def trace_vision(tower, grids, dtype, run_block):
 
 
 def vision_dummy(model, modality: str):
-    """One blank tile through ``get_image_features`` (the model's own path, connector included) on a step without
-    images, so DDP and FSDP see every process use the tower. The model keeps an all-zero image when it is the only
-    one (``real_images_inds[0] |= ~any``). No video tower of its own (frames are images)."""
+    """One grey tile through ``get_image_features`` (the model's own path, connector included) on a step without
+    images, so DDP and FSDP see every process use the tower. Not an all-zero tile: both models drop all-zero
+    images as padding, and Idefics3 (unlike SmolVLM's ``real_images_inds[0] |= ~any``) then runs the tower on
+    none and fails (``pos_ids.reshape(0, -1)``). The core multiplies the output by 0, so the value is immaterial.
+    No video tower of its own (frames are images)."""
     if modality != "image":
         return None
     inner = None
@@ -281,7 +283,7 @@ def vision_dummy(model, modality: str):
         inner,
         "get_image_features",
         {
-            "pixel_values": torch.zeros(1, 1, int(vc.num_channels), side, side),
+            "pixel_values": torch.ones(1, 1, int(vc.num_channels), side, side),
             "pixel_attention_mask": torch.ones(1, 1, side, side, dtype=torch.long),
         },
     )

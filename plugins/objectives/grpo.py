@@ -315,8 +315,7 @@ def _culprit(label, function, completions, references, where, error) -> RewardEr
 def parse_prompt(obj, add_placeholders=False):
     """The SFT layouts, checked for what GRPO reads: the record ends with the assistant's reply (the
     reference the rewards read; FormatProblem: file:line)."""
-    from vlft.data.formats import FormatProblem, parse_record  # the core's layouts (loaded at plan time)
-    from vlft.data.records import ROLE_ALIASES  # user/human, assistant/gpt: the core's role names
+    from vlft import ROLE_ALIASES, FormatProblem, parse_record  # the core's layouts, loaded at plan time only
 
     parsed = parse_record(obj, add_placeholders)
     if not parsed.turns or ROLE_ALIASES.get(parsed.turns[-1].role) != "assistant":
@@ -441,22 +440,21 @@ class Grpo(Objective):
         rollout trained on over several steps, the sampling policy's; and the units the loss is averaged over."""
         import torch  # the step runs torch already; the plugin module itself stays light
 
-        from vlft.models.rows import unwrapped
-
-        net = unwrapped(model)  # generate is the PEFT model's, not DDP's
+        net = passes.sampler(model)  # generate is the PEFT model's, not DDP's
         tokenizer, suppress = passes.encoder.tokenizer, suppressed_tokens(passes.encoder.processor)
         t0 = time.perf_counter()
         was_training = net.training
         net.eval()  # no dropout while sampling (nor in the trained pass: Objective.dropout)
         try:
             with torch.no_grad(), passes.autocast, process_stream(passes.device):
-                sampled = [self._sample(net, b, passes.device, tokenizer, suppress) for b in host_batches]
+                sampled = [self._sample(net, b, passes, tokenizer, suppress) for b in host_batches]
         finally:
             net.train(was_training)
         generation_s = time.perf_counter() - t0  # the decoding below waited for the device
         batches, units, reward_s = [], 0, 0.0
         for host, prompt, sequences in sampled:
             batch, n, seconds = self._rows(host, prompt, sequences, tokenizer, suppress)
+            batch = passes.with_positions(batch)
             reward_s += seconds
             batches.append(self._compared(net, batch, passes))
             units += n
@@ -470,11 +468,9 @@ class Grpo(Objective):
             },
         )
 
-    def _sample(self, net, host: dict, device, tokenizer, suppress):
-        from vlft.data.batching import to_device
-
+    def _sample(self, net, host: dict, passes, tokenizer, suppress):
         o = self.options
-        prompt = to_device(host, device)  # the references and places stay on the host
+        prompt = passes.to_device(host)  # the references and places stay on the host
         sequences = net.generate(
             **prompt,
             do_sample=True,
@@ -494,8 +490,7 @@ class Grpo(Objective):
         decoding and scoring them took)."""
         import torch
 
-        from vlft.data.batching import with_label_positions
-        from vlft.data.records import IGNORE_INDEX
+        from vlft import IGNORE_INDEX  # with the layouts: loaded when a step runs, not with the plugin
 
         g, b = self.options.num_generations, host["records"]
         length = prompt["input_ids"].shape[1]
@@ -535,8 +530,7 @@ class Grpo(Objective):
         labels = torch.full_like(rows["input_ids"], IGNORE_INDEX)
         labels[:, length:] = torch.where(mask, completion, torch.full_like(completion, IGNORE_INDEX))
         rows["labels"] = labels
-        batch = with_label_positions(rows)
-        batch[SHARED] = shared
+        batch = {**rows, SHARED: shared}
         lengths = mask.sum(1)
         n_tokens = int(lengths.sum())
         figures = {

@@ -177,7 +177,7 @@ def generation_eval(trainer: Trainer) -> dict:
         trainer.device,
         decoding=decoding,
         share=(config.rank, config.world_size),
-        scorers=plan.scorers.chosen if plan.scorers else None,
+        scorers=plan.scorers.chosen if plan.scorers else [],
     )
 
 

@@ -293,6 +293,15 @@ class Passes(Protocol):
         """The batch on the device, with each row batch's labelled positions (the head runs there only)."""
         ...
 
+    def with_positions(self, batch: dict) -> dict:
+        """``batch`` (and each row batch nested in it) with its labelled positions, for rows an objective built
+        on the device itself (GRPO's completions): what ``to_device`` adds on the way."""
+        ...
+
+    def sampler(self, model: Any) -> Any:
+        """The model whose ``generate`` samples: the adapted model itself, not a data-parallel wrapper."""
+        ...
+
     def token_loss_sum(self, model: Any, batch: dict) -> Any:
         """The next-token cross-entropy summed over the batch's label tokens."""
         ...

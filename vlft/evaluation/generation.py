@@ -17,7 +17,7 @@ from vlft.data.encoding import SampleEncoder
 from vlft.data.records import Record
 from vlft.evaluation.scoring import score
 from vlft.models.loss import autocast_context
-from vlft.planning.scorers import choose_scorers, scoring_context
+from vlft.planning.scorers import scoring_context
 from vlft.training.fsdp import root_gathered
 
 
@@ -77,12 +77,13 @@ def evaluate_generation(
     decoding: Decoding = Decoding(),
     share: tuple[int, int] = (0, 1),
     on_batch=None,
-    scorers=None,
+    *,
+    scorers: list,
 ) -> dict:
     """Score greedy answers on ``records``; with several processes (``share``: this one's rank and their
     number) each does a share and rank 0 gathers. ``on_batch(n)`` is told after each batch of ``n`` answers (a
-    progress bar). ``scorers``: ``[(label, Scorer)]`` as ``choose_scorers`` chose them (None: ``auto`` on these
-    records, from the installed plugins).
+    progress bar). ``scorers``: ``[(label, Scorer)]`` as ``choose_scorers`` chose them (at plan time, from the
+    run's plugins).
 
     ``decoding.synced`` (a sharded model, whose every forward pass gathers weights from all processes): the
     shares are padded to the same length with repeats of a record, whose answers are dropped, and every process
@@ -103,10 +104,6 @@ def evaluate_generation(
     scored = [records[i] for i, _ in pairs]
     references = [r.reference for r in scored]
     context = scoring_context(scored, getattr(encoder, "family", None))
-    if scorers is None:
-        from vlft.registry import get_registry  # the process's plugins, for a caller that chose none
-
-        scorers = choose_scorers(get_registry().scorers, "auto", references, **context).chosen
     result = score(predictions, references, scorers, **context)
     result["examples"] = [
         {"where": records[i].where, "reference": records[i].reference, "prediction": a} for i, a in pairs[:5]

@@ -21,7 +21,7 @@ from vlft.data.batching import (
 )
 from vlft.data.records import IGNORE_INDEX
 from vlft.models.loss import autocast_context, batch_loss_sum, labelled_logits, sequence_logps
-from vlft.models.rows import row_inputs
+from vlft.models.rows import row_inputs, unwrapped
 
 
 class StepPasses:
@@ -54,14 +54,16 @@ class StepPasses:
         raise ValueError(f"an objective averaging over {average.value} counts them in its own prepare")
 
     def to_device(self, host_batch: dict) -> dict:
-        return to_device(self._positions(host_batch), self.device, self.non_blocking)
+        batch = self.with_positions(host_batch) if self.labels_only else host_batch
+        return to_device(batch, self.device, self.non_blocking)
 
-    def _positions(self, batch: dict) -> dict:
+    def with_positions(self, batch: dict) -> dict:
         """``batch`` and every row batch nested in it (KTO's KL rows) with their labelled positions."""
-        if not self.labels_only:
-            return batch
-        nested = {k: self._positions(v) for k, v in batch.items() if isinstance(v, dict)}
+        nested = {k: self.with_positions(v) for k, v in batch.items() if isinstance(v, dict)}
         return {**(with_label_positions(batch) if "labels" in batch else batch), **nested}
+
+    def sampler(self, model):
+        return unwrapped(model)
 
     def token_loss_sum(self, model, batch: dict):
         return batch_loss_sum(model, model_inputs(batch), batch, self.autocast)
