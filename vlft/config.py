@@ -211,6 +211,12 @@ class RunConfig:
         "state split over the processes, for models that fit no single device).",
         choices=("none", "fsdp"),
     )
+    sequence_parallel: int = opt(
+        1,
+        "Split each sample's sequence over N processes (Ulysses: an all-to-all over the text model's "
+        "attention heads), for samples too long for one device; N divides the processes, which form "
+        "groups of N that train on the same batches.",
+    )
     no_memory_check: bool = opt(False, "Train even when the memory plan says the run will not fit.", flag=True)
     attn: str | None = opt(None, "Attention: one implementation, or per tower as 'vision=eager,text=sdpa'.")
     kernels: str = opt(
@@ -240,6 +246,16 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @property
+    def data_world(self) -> int:
+        """How many different batches a step draws: the processes, less those that split one sequence."""
+        return max(self.world_size // max(self.sequence_parallel, 1), 1)
+
+    @property
+    def data_rank(self) -> int:
+        """Which of the ``data_world`` shares of the data this process trains on (its sequence group's)."""
+        return self.rank // max(self.sequence_parallel, 1)
 
 
 def user_fields() -> list[dataclasses.Field]:
@@ -414,7 +430,7 @@ def validate(cfg: RunConfig) -> None:
         value = getattr(cfg, f.name)
         if choices and value not in choices:
             raise ConfigError(f"--{f.name.replace('_', '-')} must be one of {', '.join(choices)}, got '{value}'")
-    positive = ("batch_size", "grad_accum", "keep_checkpoints", "log_every")
+    positive = ("batch_size", "grad_accum", "keep_checkpoints", "log_every", "sequence_parallel")
     for name in positive:
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")

@@ -83,13 +83,13 @@ def sample_bounds(positions: torch.Tensor) -> list[list[tuple[int, int]]]:
     return [[(s, e) for s, e in zip(b, b[1:] + [length])] for b in bounds]
 
 
-def _eager(module):
+def eager_attention(module):
     """The model's own eager attention (each transformers model module defines ``eager_attention_forward``)."""
     return sys.modules[type(module).__module__].eager_attention_forward
 
 
 def _underlying(name: str, module):
-    return sdpa_attention_forward if name == "sdpa" else _eager(module)
+    return sdpa_attention_forward if name == "sdpa" else eager_attention(module)
 
 
 def _attention(name: str):

@@ -16,6 +16,7 @@ from vlft.planning.memory import (
     plan_memory,
     resized_grids,
 )
+from vlft.planning.sequence import split_problem
 from vlft.planning.trace import BatchShape
 
 
@@ -37,6 +38,7 @@ def decide(plan: MemoryPlan, basis: MemoryBasis, config: RunConfig, can_shard: b
         _fix_sharding(plan, basis.model, basis.compute_dtype, ckpt, family)
         if can_shard and plan.shard_world == 1
         else None,
+        _fix_sequence_split(plan, basis, ckpt) if plan.sequence_split == 1 else None,
     ]
     if not any(f and f.endswith("(fits)") for f in fixes):
         fixes.append(_fix_combined(plan, basis, ckpt, config))
@@ -230,5 +232,21 @@ def _fix_sharding(plan: MemoryPlan, model, compute_dtype, ckpt: bool, family) ->
                 f"--nproc-per-node making {n}"
                 + (", with checkpointing" if ckpt else "")
                 + f"): {gib(total)} per process (fits)"
+            )
+    return None
+
+
+def _fix_sequence_split(plan: MemoryPlan, basis: MemoryBasis, ckpt: bool) -> str | None:
+    """The fewest processes splitting each sample (``--sequence-parallel``) for the run to fit, where the model
+    can split: the text layers' activations are what a long sample fills a device with."""
+    for n in (2, 4, 8, 16):
+        if split_problem(n, basis.model_config, basis.family, basis.model):
+            return None
+        split = plan_memory(dataclasses.replace(basis, sequence_split=n), plan.batch)
+        total = split.total_bytes(ckpt)
+        if total <= _usable(plan):
+            return (
+                f"--sequence-parallel {n} (--nproc-per-node {n}: each process holds 1/{n} of each sample's tokens in "
+                f"the text model" + (", with checkpointing" if ckpt else "") + f"): {gib(total)} per process (fits)"
             )
     return None

@@ -75,6 +75,7 @@ class MemoryPlan:
     # so the peak holds the larger of the two working sets, not their sum
     generation_bytes: int = 0
     generation_shape: str = ""
+    sequence_split: int = 1  # --sequence-parallel: the text model's activations are each process's 1/N of a sample
 
     def per_process(self, n: int) -> int:
         """``n`` bytes of sharded state as one process holds them."""
@@ -136,6 +137,7 @@ class MemoryPlan:
             "fits": self.fits(),
             "fixes": self.fixes,
             "sharded_over": self.shard_world,
+            "sequence_split": self.sequence_split,
             "gathered_bytes": self.gathered_bytes,
             "base_bytes_per_process": self.base_bytes_per_process,
             "adapter_state_bytes_per_process": self.adapter_state_bytes_per_process,
@@ -182,7 +184,12 @@ def format_memory(d: dict) -> list[str]:
         f"             activations {gib(d['activation_bytes'])} (checkpointing {'on' if d['checkpointing'] else 'off'}; "
         f"on {gib(d['activation_bytes_with_checkpointing'])}, off {gib(d['activation_bytes_without_checkpointing'])})"
         f" for the largest batch: {batch['samples']} x {batch['tokens_per_sample']} tokens, "
-        f"{batch['image_patches']} image patches",
+        f"{batch['image_patches']} image patches"
+        + (
+            f" (per process: the text model on 1/{d['sequence_split']} of the tokens, --sequence-parallel)"
+            if d.get("sequence_split", 1) > 1
+            else ""
+        ),
         f"             backward working space {gib(d.get('backward_transient_bytes', 0))}, logits "
         f"{gib(d['logits_bytes'])}, runtime reserve {gib(d['reserved_bytes'])}",
     ]
@@ -276,6 +283,7 @@ class MemoryBasis:
     quantization: str | None = None
     double_quant: bool = False
     guard_copy: bool = False  # the adapter's weights and AdamW moments cloned before each step (``guarded_step``)
+    sequence_split: int = 1  # --sequence-parallel N: each process runs the text layers on 1/N of a sample's tokens
 
 
 def plan_memory(basis: MemoryBasis, batch: BatchShape) -> MemoryPlan:
@@ -285,7 +293,7 @@ def plan_memory(basis: MemoryBasis, batch: BatchShape) -> MemoryPlan:
     pdtype = getattr(torch, param_dtype)
     family = basis.family
     towers, trainable = weight_bytes(model, pdtype, family, basis.quantization, basis.double_quant)
-    acts = trace_activations(model, batch, family)
+    acts = trace_activations(model, batch, family, basis.sequence_split)
     model_config = basis.model_config
     vocab = model_config.text_config.vocab_size if hasattr(model_config, "text_config") else model_config.vocab_size
     logit_itemsize = torch.empty((), dtype=getattr(torch, compute_dtype or param_dtype)).element_size()
@@ -308,6 +316,7 @@ def plan_memory(basis: MemoryBasis, batch: BatchShape) -> MemoryPlan:
         shard_world=basis.shard_world,
         gathered_bytes=basis.gathered_bytes,
         guard_copy_bytes=(4 + 8) * trainable if basis.guard_copy else 0,
+        sequence_split=basis.sequence_split,
     )
 
 

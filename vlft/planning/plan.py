@@ -65,6 +65,7 @@ class RunPlan:
     lengths: dict[str, Any] = field(default_factory=dict)  # sample lengths: longest, skipped, limit
     notes: tuple[str, ...] = ()
     sharding: Any = None  # sharding.ShardingPlan: how the processes hold the model (--shard)
+    sequence: Any = None  # sequence.SequencePlan: how many processes split each sample (--sequence-parallel)
     model_counts: dict[str, int] = field(default_factory=dict)  # parameters: total, vision, experts, ...
     kernels: KernelChoice | None = None  # the backends' kernel patches, chosen and declined (--kernels)
     param_groups: dict[str, dict] = field(default_factory=dict)  # AdamW group -> {"lr", "parameters"}
@@ -129,6 +130,7 @@ class RunPlan:
             "dataloader": dataclasses.asdict(self.dataloader),
             "distributed": dataclasses.asdict(self.distributed),
             "sharding": self.sharding.describe() if self.sharding else None,
+            "sequence_parallel": self.sequence.describe() if self.sequence else None,
             "objective": self.objective_description(),
             "init_adapter": self.init_adapter,
             "method": {
@@ -360,6 +362,15 @@ def objective_packing(packing: PackingPlan, objective: Objective, mode: str) -> 
     )
 
 
+def _sequence_lines(sp: dict | None) -> list[str]:
+    if not sp or sp["size"] == 1:
+        return []
+    return [
+        f"sequence     split over {sp['size']} processes (Ulysses: each holds 1/{sp['size']} of a sample's tokens "
+        f"and attends with {sp['heads_per_process']} heads over all of them); they train on the same batches"
+    ]
+
+
 def _sharding_lines(sh: dict | None) -> list[str]:
     if not sh or sh["strategy"] == "none":
         return [f"sharding     none ({sh['reason']})"] if sh else []
@@ -542,6 +553,7 @@ def format_plan(desc: dict, verbose: bool = False) -> str:
         f"distributed  {dist['process_group_backend']} (timeout {dist['timeout_s']} s)"
         + "".join(f"\n             {k}={v}" for k, v in dist["env"].items()),
         *_sharding_lines(desc.get("sharding")),
+        *_sequence_lines(desc.get("sequence_parallel")),
         f"method       {m['name']} lr={m['lr']:g} " + " ".join(f"{k}={v}" for k, v in m["hyperparameters"].items()),
         *_objective_lines(desc.get("objective"), desc.get("init_adapter")),
         f"model        {desc['model']}",

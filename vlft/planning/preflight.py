@@ -54,6 +54,7 @@ from vlft.planning import checked, fixes, memory, trace
 from vlft.planning.init_adapter import check_init_adapter, init_adapter_source
 from vlft.planning.plan import RunPlan, resolve_policies
 from vlft.planning.scorers import scorers_for_run
+from vlft.planning.sequence import plan_sequence_split
 from vlft.planning.sharding import count_blocks
 from vlft.registry import Registry
 
@@ -209,9 +210,9 @@ def unread_column_notes(config: RunConfig) -> list[str]:
 def check_enough_records(n_train: int, config: RunConfig) -> None:
     """Every process needs at least one training record; fewer than one batch trains on a smaller batch."""
 
-    if n_train < config.world_size:
+    if n_train < config.data_world:  # processes that split one sequence (--sequence-parallel) share records
         raise DataError(
-            f"{n_train} training record(s) for {config.world_size} processes: every process needs at least one "
+            f"{n_train} training record(s) for {config.data_world} processes: every process needs at least one "
             f"record. Add records or run on at most {max(n_train, 1)} process(es); nothing was written."
         )
 
@@ -306,6 +307,7 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> RunPlan:
     data = _read_data(registry, policies, model_path, encoder)
     scorers = scorers_for_run(registry, config, data.val, family)  # --scorer, on the references it will score
     skeleton, targets = _adapted_skeleton(registry, policies, model_config)
+    sequence = plan_sequence_split(config, model_config, family, policies.attention, policies.objective, skeleton)
     sharding = policies.sharding
     if sharding.enabled:
         sharding = dataclasses.replace(sharding, wrapped=count_blocks(skeleton, family))
@@ -335,6 +337,7 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> RunPlan:
         param_groups=targets.param_groups,
         packing=data.packing,
         sharding=sharding,
+        sequence=sequence,
         memory=memory_plan,
         lengths=data.lengths.describe(config.max_length),
         notes=tuple(notes),
@@ -384,13 +387,13 @@ def _read_data(registry: Registry, policies: RunPlan, model_path: str, encoder) 
     if epochs is None and config.steps is None and not config.data:
         epochs = objective.demo_epochs or RECOMMENDED_EPOCHS
     total_steps = total_steps_for(
-        len(train), config.steps, epochs, config.batch_size, config.grad_accum, config.world_size, objective.iterations
+        len(train), config.steps, epochs, config.batch_size, config.grad_accum, config.data_world, objective.iterations
     )
     order = DataOrder(
         config.batch_size,
         config.grad_accum,
         config.seed,
-        world_size=config.world_size,
+        world_size=config.data_world,
         lengths=lengths.lengths if config.group_by_length else None,
         repeat=objective.iterations,
     )
@@ -439,7 +442,7 @@ def _memory_plan(
         config.batch_size,
         config.grad_accum,
         config.seed,
-        world_size=config.world_size,
+        world_size=config.data_world,
         lengths=lengths.lengths if config.group_by_length else None,
     )
     shapes = memory.largest_batches(
@@ -468,6 +471,7 @@ def _memory_plan(
         quantization=precision.quantization,
         double_quant=precision.double_quant,
         guard_copy=guard_copies(policies),
+        sequence_split=config.sequence_parallel,
     )
     planned = memory.worst_plan(basis, shapes)
     if objective.generation:  # the step samples (GRPO): its KV cache, in the compute dtype
@@ -482,6 +486,8 @@ def _memory_plan(
     if objective.reference and init_adapter:  # the reference keeps the adapter the run started from
         planned.reference_bytes = 4 * planned.adapter_parameters
     fixes.decide(planned, basis, config, can_shard=bool(policies.distributed and policies.distributed.fsdp))
+    if not policies.objective.supervised:  # the split trains the supervised loss only (planning.sequence)
+        planned.fixes = [f for f in planned.fixes if not f.startswith("--sequence-parallel")]
     if family.image_inputs is not None and not _any_grid(lengths.grids) and "image" in lazy_modalities(data.train):
         # a processor-writes-the-tokens family without ImageInputs.grid: no grid, so no tower to trace
         planned.activations.untraced.append(

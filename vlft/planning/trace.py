@@ -18,10 +18,12 @@ from typing import TYPE_CHECKING
 
 import torch
 from transformers import AttentionInterface, AutoModelForImageTextToText
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from vlft.measure import SavedTensorMeter
 from vlft.models.families import base_model, resolve_module
 from vlft.models.loss import kept_loss_sum
+from vlft.models.segments import eager_attention
 
 if TYPE_CHECKING:
     from vlft.planning.trace import BatchShape
@@ -57,6 +59,7 @@ class BatchShape:
 
 
 FUSED_ATTENTION = "vlft_memory_trace_fused"
+SPLIT_TRACE = "vlft_memory_trace_split"
 
 
 @dataclass
@@ -176,6 +179,28 @@ def _trainable(module) -> bool:
 
 
 @contextlib.contextmanager
+def _split_attention(text, n: int):
+    """The text model's attention as each process of a sequence split runs it, for tracing: the chunk's
+    ``[B, H, L/N, D]`` queries, keys and values viewed as ``[B, H/N, L, D]`` (what the all-to-all gives it) and
+    attended with the traced implementation, the output viewed back."""
+    underlying = text.config._attn_implementation
+
+    def attend(module, query, key, value, attention_mask, **kwargs):
+        inner = eager_attention(module) if underlying == "eager" else ALL_ATTENTION_FUNCTIONS[underlying]
+        b, h, t, d = query.shape
+        q, k, v = (x.reshape(b, x.shape[1] // n, t * n, d) for x in (query, key, value))
+        out, _ = inner(module, q, k, v, None, **kwargs)
+        return out.reshape(b, t, h, d), None
+
+    AttentionInterface.register(SPLIT_TRACE, attend)
+    text.config._attn_implementation_internal = SPLIT_TRACE  # this config alone (not a vision sub-config)
+    try:
+        yield
+    finally:
+        text.config._attn_implementation_internal = underlying
+
+
+@contextlib.contextmanager
 def _autocast_accepts_meta():
     """``torch.autocast(device_type="meta", ...)`` raises ("unsupported scalarType"); PEFT's LoRA on fused expert
     weights (``target_parameters``) opens a disabled one around its weight update W + s*B@A, which on the meta
@@ -206,8 +231,14 @@ def _position_embeddings(text, hidden, pos) -> list:
     return [tables[t] for t in types[:n]]
 
 
-def trace_activations(model, batch: BatchShape, family) -> Activations:
+def trace_activations(model, batch: BatchShape, family, sequence: int = 1) -> Activations:
     """Run the adapted meta model's layers once on ``batch``'s shapes and count what autograd saves.
+
+    ``sequence`` (``--sequence-parallel``): each process runs the text layers on 1/N of a sample's tokens and
+    attends with 1/N of the heads over all of them (the vision tower and the head on all of them): the text
+    layers are traced on 1/N of the tokens, their attention on the same tensors viewed as 1/N of the heads over
+    every token (``_split_attention``: the shapes are what count here, and eager's ``[heads/N, L, L]`` scores
+    are N times a chunk's own).
 
     The vision tower runs through the family's ``trace_vision`` (a family without one: its vision
     activations are not counted, and ``Activations.untraced`` says so); the text layers and the head run
@@ -233,7 +264,7 @@ def trace_activations(model, batch: BatchShape, family) -> Activations:
             largest_saved = max([largest_saved, *itertools.islice(meter.storages.values(), seen, None)])
         return out
 
-    with meter.hooks(), _autocast_accepts_meta():
+    with meter.hooks(), _autocast_accepts_meta(), contextlib.ExitStack() as stack:
         image_features = None
         blocks = (
             set(map(id, resolve_module(base_model(model), family.towers.vision_blocks))) if tower is not None else set()
@@ -251,12 +282,15 @@ def trace_activations(model, batch: BatchShape, family) -> Activations:
                 untraced.append(f"vision activations of the {family.name} family (it gives no tracer)")
             else:
                 image_features = family.call("image_inputs.trace", trace_vision, tower, batch.grids, dtype, run_vision)
-        hidden = torch.empty(batch.samples, batch.tokens, text.config.hidden_size, device="meta", dtype=dtype)
+        tokens = -(-batch.tokens // sequence)
+        hidden = torch.empty(batch.samples, tokens, text.config.hidden_size, device="meta", dtype=dtype)
         if image_features is not None and image_features.requires_grad:
             hidden.requires_grad_(True)  # adapted vision: its features flow into the text model's input
         rows = (family.positions.rows,) if family.positions is not None else ()
-        pos = torch.zeros(*rows, batch.samples, batch.tokens, dtype=torch.long, device="meta")
+        pos = torch.zeros(*rows, batch.samples, tokens, dtype=torch.long, device="meta")
         pes = _position_embeddings(text, hidden, pos)
+        if sequence > 1:
+            stack.enter_context(_split_attention(text, sequence))
         extra = (
             family.call("trace_layer_kwargs", family.trace_layer_kwargs, text, hidden)
             if family.trace_layer_kwargs is not None
@@ -274,6 +308,8 @@ def trace_activations(model, batch: BatchShape, family) -> Activations:
         labels = torch.zeros(batch.samples, kept, dtype=torch.long, device="meta")
         head_before = meter.bytes
         normed = text.norm(hidden)
+        if sequence > 1:  # the chunks gathered: the head reads the whole row
+            normed = torch.cat([normed] * sequence, dim=1)[:, : batch.tokens]
         if kept < batch.tokens:
             normed = torch.take_along_dim(normed, labels[..., None], dim=1)
         logits = lm_head(normed)

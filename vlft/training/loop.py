@@ -32,6 +32,11 @@ class LoopSettings(DataOrder):
     # MFU: the device's peak FLOP/s where the backend knows it, and the model FLOPs of one (non-padding) token
     peak_flops: float | None = None
     flops_per_token: float = 0.0
+    # the processes (every collective is theirs) and this one's rank; more than the data's shares (``world_size``)
+    # where ``sequence_parallel`` processes split each sample and train on the same batches
+    processes: int = 1
+    process_rank: int = 0
+    sequence_parallel: int = 1
 
 
 @dataclass
@@ -107,9 +112,10 @@ class Window:
         self.real += sum(real for _, real in counts)
         self.steps += 1
 
-    def close(self, world_size: int) -> WindowFigures:
+    def close(self, world_size: int, copies: int = 1) -> WindowFigures:
         """The window's loss over all processes' label tokens (or records: the loss's units), its token counts
-        and the objective's figures' means (over the same units), in one all-reduce under torchrun."""
+        and the objective's figures' means (over the same units), in one all-reduce under torchrun. ``copies``:
+        how many processes computed each batch's sums (``--sequence-parallel``), counted once."""
         loss_sum = self.loss
         names = sorted(self.figures)
         counts = torch.tensor([self.tokens, self.positions, self.real], device=self.device, dtype=torch.float64)
@@ -118,13 +124,14 @@ class Window:
                 [loss_sum.double().reshape(1), counts, *[self.figures[n].double().reshape(1) for n in names]]
             )
             torch.distributed.all_reduce(both)
+            both = both / copies
             loss_sum, counts, sums = both[0], both[1:4], both[4:].tolist()
         else:  # one read for all of them: the loop reads the device here anyway
             sums = torch.stack([self.figures[n].double() for n in names]).tolist() if names else []
         labels, positions, real = counts.tolist()
         return WindowFigures(
             loss=float(loss_sum) / max(labels, 1.0),
-            means=figure_means(dict(zip(names, sums)), self.figure_units, labels, self.steps * world_size),
+            means=figure_means(dict(zip(names, sums)), self.figure_units, labels, self.steps * world_size // copies),
             totals={"labels": labels, "positions": positions, "real": real},
         )
 
@@ -158,7 +165,7 @@ def progress_bar(settings: LoopSettings, start_step: int, progress: bool):
         initial=start_step,
         desc="train",
         unit="step",
-        disable=not (progress and settings.rank == 0),
+        disable=not (progress and settings.process_rank == 0),
         dynamic_ncols=True,
         mininterval=0.2 if sys.stderr.isatty() else 15.0,
     )
@@ -176,7 +183,7 @@ def throughput(totals: dict, elapsed: float, settings: LoopSettings, per_record:
         out["label_tokens_per_s"] = totals["labels"] / elapsed
     if settings.peak_flops and settings.flops_per_token:
         out["mfu"] = (
-            out["effective_tokens_per_s"] * settings.flops_per_token / (settings.peak_flops * settings.world_size)
+            out["effective_tokens_per_s"] * settings.flops_per_token / (settings.peak_flops * settings.processes)
         )
     return out
 

@@ -61,12 +61,18 @@ class StepPolicy:
     reference: Any = None
     encoder: Any = None
     prepare: Any = None
+    # --sequence-parallel: the text model's split (``training.sequence.SequenceSplit``), on around the loss only
+    split: Any = None
 
     def __post_init__(self):
         if self.objective is None:
             self.objective = Objective("sft")
         if self.prepare is None:
             self.prepare = self.objective.prepare
+
+    def splitting(self):
+        """The block in which the text model's forwards split their sequences (``--sequence-parallel``)."""
+        return self.split.on() if self.split is not None else nullcontext()
 
     @property
     def figure_units(self) -> dict:
@@ -158,7 +164,7 @@ def train_step(
             sync = model.no_sync()  # DDP: all-reduce only on the last micro-batch
         elif hasattr(model, "set_requires_gradient_sync") and last:
             model.set_requires_gradient_sync(i == last)  # FSDP: reduce-scatter only on the last one
-        with sync:
+        with sync, policy.splitting():
             loss_sum, parts = policy.objective.loss(model, batch, passes)
             loss = loss_sum * scale
             (policy.scaler.scale(loss) if policy.scaler is not None else loss).backward()

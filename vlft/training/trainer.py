@@ -50,6 +50,7 @@ from vlft.training.loop import (
     throughput,
 )
 from vlft.training.metrics import MetricsLog
+from vlft.training.sequence import install_sequence_split
 from vlft.training.setup import (
     adapted,
     adapter_to_save,
@@ -153,6 +154,9 @@ class Trainer:
         self.model, self.setup_notes = adapted(registry, plan, model, resume_from)
         place(self.model, plan, device)
         install_vision_warmup(self.model, modalities(plan.train_records), plan.family, sharded=self.sharded)
+        split = None
+        if plan.sequence is not None and plan.sequence.enabled:
+            split = install_sequence_split(self.model, plan.family, plan.sequence.size)
         # how it trains
         precision = plan.precision
         self.autocast_dtype = getattr(torch, precision.autocast_dtype) if precision.autocast_dtype else None
@@ -185,6 +189,7 @@ class Trainer:
             reference=self.reference,
             encoder=plan.encoder,
             prepare=step_prepare(objective, self.start_step),
+            split=split,
         )
         # what it trains and validates on, in which order
         self.settings = loop_settings(plan, self.model)
@@ -312,7 +317,7 @@ class Trainer:
                 if self.is_main:
                     self.metrics.write({"step": self.step, "checkpoint_time_s": save_s})
                 saved_step = self.step
-            signum = stop.agreed(settings.world_size, self.device) if not last else None
+            signum = stop.agreed(settings.processes, self.device) if not last else None
             if signum:
                 if saved is None and self.checkpoints is not None:
                     saved = self.save(model)
@@ -400,7 +405,7 @@ class Trainer:
     def _record(self, result: StepResult) -> dict:
         """One line of metrics.jsonl for the window ending at this step."""
         window = self.window
-        figures = window.close(self.settings.world_size)
+        figures = window.close(self.settings.processes, self.settings.sequence_parallel)
         elapsed = time.perf_counter() - window.start - window.paused  # training steps only
         record = {
             "step": self.step,
@@ -473,9 +478,10 @@ class Trainer:
     def evaluate(self) -> dict:
         """The validation figures: ``val_loss`` (the objective's loss) and the objective's ``val_<figure>``."""
         objective = self.plan.objective
-        if objective.supervised:
-            return {"val_loss": validation_loss(self.model, self.val_batches, self.device, self.autocast_dtype)}
-        return objective_validation(self.model, self.val_batches, self.policy.passes(), objective)
+        with self.policy.splitting():
+            if objective.supervised:
+                return {"val_loss": validation_loss(self.model, self.val_batches, self.device, self.autocast_dtype)}
+            return objective_validation(self.model, self.val_batches, self.policy.passes(), objective)
 
     @functools.cached_property
     def val_batches(self) -> list[dict]:
@@ -534,7 +540,7 @@ class Trainer:
                 path = store.save(step, self.state_dict(), model_for_saving(model))
             except Exception as e:  # noqa: BLE001 - any failure: the other processes must hear of it, not wait
                 problem = e
-        if self.settings.world_size > 1:
+        if self.settings.processes > 1:
             # rank 0 writes alone; the others learn whether it did (a barrier would leave them waiting until the
             # process-group timeout when rank 0 stops): every process stops with rank 0's message
             said = [None if problem is None else problem_message(problem, step)]
