@@ -58,6 +58,8 @@ def run(
     launch = LaunchOptions(nproc_per_node, nnodes, node_rank, master_addr, master_port)
     if launch.wanted and not config.dry_run and config.shard == "fsdp":
         check_sharding(get_registry(), config)  # before torchrun starts any process
+    if launch.wanted and not config.dry_run and config.sequence_parallel > 1:
+        check_sequence_split(get_registry(), config, nproc_per_node * nnodes)
     if launch.wanted and not config.dry_run:
         args = ["run", *as_arguments(flags)] + (["--config", config_file] if config_file else [])
         code = relaunch(launch, args + (["--quiet"] if quiet else []))
@@ -94,6 +96,17 @@ def check_sharding(registry, config) -> None:
     name = choose_backend(registry, config.backend).info.name
     require_fsdp(registry.first("vlft_distributed_options", backend=name, config=config), name)
     resolve_objective(registry, config)
+
+
+def check_sequence_split(registry, config, processes: int) -> None:
+    """``--sequence-parallel N`` that does not divide the processes, or for an objective it cannot split: the error,
+    before any process starts (what the model allows is checked with its plan, in the processes)."""
+    import dataclasses
+
+    from vlft.planning.plan import resolve_objective
+    from vlft.planning.sequence import check_processes
+
+    check_processes(dataclasses.replace(config, world_size=processes), resolve_objective(registry, config))
 
 
 @click.command()

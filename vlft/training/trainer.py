@@ -153,7 +153,12 @@ class Trainer:
         model, self.patches = base_model(registry, plan, device)
         self.model, self.setup_notes = adapted(registry, plan, model, resume_from)
         place(self.model, plan, device)
-        install_vision_warmup(self.model, modalities(plan.train_records), plan.family, sharded=self.sharded)
+        towers = modalities(plan.train_records)
+        if not towers and (config.world_size > 1 or self.sharded):
+            # text-only data: the vision adapter still takes part in every step, or DDP stops at the second
+            # step on parameters no loss used (and FSDP's gathers fall out of step)
+            towers = {"image"}
+        install_vision_warmup(self.model, towers, plan.family, sharded=self.sharded)
         split = None
         if plan.sequence is not None and plan.sequence.enabled:
             split = install_sequence_split(self.model, plan.family, plan.sequence.size)
