@@ -4,14 +4,13 @@ predict``, ``vlft eval`` and ``vlft export`` on the run, the merged model checke
 
 One vision tower of each kind trains under 2 processes (``vlft run --nproc-per-node 2``), where a warm-up
 that went wrong stops the run (a collective mismatch, an unused parameter): Qwen2-VL's and Gemma 3's
-(SigLIP; from the example plugin, which ``make test`` installs), Idefics3's (SigLIP on tiles, whose
-pixels join per tile; SmolVLM's code, but its model drops an all-zero warm-up tile and then ran the tower on
-none), LLaVA-OneVision's (SigLIP on any-resolution tiles, a record of 2 images tiled
+(SigLIP; from the example plugin, which ``make test`` installs), SmolVLM's (SigLIP on tiles, whose
+pixels join per tile), LLaVA-OneVision's (SigLIP on any-resolution tiles, a record of 2 images tiled
 otherwise than one of 1), GLM-4.1V's (its processor writing the image tokens, a Conv2d merge before
 the merger) and Gemma 4's (2-D rotary positions, k x k pooled patches padded to the image budget) data
 parallel, Qwen3-VL's (deepstack)
 sharded (``--shard fsdp``, whose gathers and reductions must run in the same order on every process). The families
-that share Qwen3-VL's tower (Qwen3-VL MoE, Qwen3.5, Qwen3.5 MoE), and SmolVLM, train in one process through the CLI, with
+that share Qwen3-VL's tower (Qwen3-VL MoE, Qwen3.5, Qwen3.5 MoE) train in one process through the CLI, with
 the same warm-up (it runs on one process too). The default family (Qwen2.5-VL) has these runs in
 test_packing_runs.py and test_after_training.py. One run per family, shared by its checks.
 """
@@ -36,7 +35,6 @@ FAMILIES = [
     "qwen3.5-moe",
     "gemma3",
     "smolvlm",
-    "idefics3",
     "llava-onevision",
     "glm4.1v",
     "gemma4",
@@ -45,7 +43,7 @@ TWO_PROCESSES = {
     "qwen2-vl",
     "qwen3-vl",
     "gemma3",
-    "idefics3",
+    "smolvlm",
     "llava-onevision",
     "glm4.1v",
     "gemma4",

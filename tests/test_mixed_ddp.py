@@ -111,10 +111,14 @@ def test_qwen3_vl_trains_under_two_process_ddp_on_mixed_data(ddp_run):
     assert vision_b and max(float(v.abs().max()) for v in vision_b) > 0
 
 
-def test_llava_onevision_trains_under_two_process_ddp_with_a_text_only_process(two_records, tmp_path):
+@pytest.mark.parametrize(
+    ("family", "tower"), [("llava-onevision", ".vision_tower."), ("idefics3", ".vision_model.")]
+)
+def test_a_tiled_tower_trains_under_two_process_ddp_with_a_text_only_process(two_records, tmp_path, family, tower):
     """The same two records on LLaVA-OneVision (SigLIP on any-resolution tiles, the projector and image_newline
     beside the tower): the text-only process runs the family's dummy tile, or DDP stops at the second step on
-    parameters that took no part in the first step's loss."""
+    parameters that took no part in the first step's loss. And on Idefics3, whose model drops an all-zero tile
+    as padding and then ran its tower on no image at all (``pos_ids.reshape(0, -1)`` on the first step)."""
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
@@ -126,7 +130,7 @@ def test_llava_onevision_trains_under_two_process_ddp_with_a_text_only_process(t
         "--backend",
         "cpu",
         "--model",
-        "embedded:llava-onevision",
+        f"embedded:{family}",
         "--data",
         str(two_records),
         "--val-data",
@@ -158,5 +162,5 @@ def test_llava_onevision_trains_under_two_process_ddp_with_a_text_only_process(t
     assert json.loads((out / "config.json").read_text())["world_size"] == 2
     assert summary["status"] == "completed" and summary["steps"] == 2
     weights = load_file(str(out / "adapter" / "adapter_model.safetensors"))
-    vision_b = [v for k, v in weights.items() if "lora_B" in k and ".vision_tower." in k]
+    vision_b = [v for k, v in weights.items() if "lora_B" in k and tower in k]
     assert vision_b and max(float(v.abs().max()) for v in vision_b) > 0
