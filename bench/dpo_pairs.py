@@ -9,10 +9,11 @@ records, the defect on odd ones). Two commands:
         the demo data set in DEMO_DIR (written if missing), its built-in pairs, and ``random-train.jsonl`` /
         ``random-val.jsonl``: the same records, each rejected answer's field (colour or defect) and its
         wrong value drawn at random;
-    python bench/dpo_pairs.py margins RUN_DIR PAIRS.jsonl [PAIRS.jsonl ...]
-        each pair's DPO margin (the chosen reply's log-ratio minus the rejected one's; the policy is
-        RUN_DIR/adapter, the reference the base model, as in the run), and the preference accuracy (margin > 0)
-        by what the rejected answer changed: the field, the right and the wrong value, the product's colour.
+    python bench/dpo_pairs.py margins ADAPTER_DIR PAIRS.jsonl [PAIRS.jsonl ...]
+        each pair's DPO margin (the chosen reply's log-ratio minus the rejected one's; the policy is the
+        adapter, a run's ``adapter/`` or a checkpoint's, the reference the base model, as in the run), and the
+        preference accuracy (margin > 0) by what the rejected answer changed: the field, the right and the
+        wrong value, the product's colour.
 
 ``docs/preference-training.md`` ("Held-back pairs") reports what these gave.
 """
@@ -64,8 +65,8 @@ def colour_distance(a: str, b: str) -> float:
     return sum((x - y) ** 2 for x, y in zip(COLOURS[a], COLOURS[b])) ** 0.5
 
 
-def pair_margins(run: Path, pairs: Path) -> list[tuple[dict, float]]:
-    """(each pair's record, its margin) under RUN/adapter against the base model, in evaluation mode."""
+def pair_margins(adapter: Path, pairs: Path) -> list[tuple[dict, float]]:
+    """(each pair's record, its margin) under ``adapter`` against the base model, in evaluation mode."""
     import torch
 
     from vlft.config import build_config
@@ -84,7 +85,7 @@ def pair_margins(run: Path, pairs: Path) -> list[tuple[dict, float]]:
             output=tempfile.mkdtemp(prefix="dpo-margins-"),
             steps=1,
             batch_size=BATCH,
-            init_adapter=str(run / "adapter"),
+            init_adapter=str(adapter),
         ),
     )
     trainer = build_trainer(load_registry(), config, progress=False)
@@ -142,7 +143,7 @@ def main() -> None:
     p = sub.add_parser("pairs")
     p.add_argument("root", type=Path)
     m = sub.add_parser("margins")
-    m.add_argument("run", type=Path)
+    m.add_argument("adapter", type=Path)
     m.add_argument("pairs", type=Path, nargs="+")
     args = parser.parse_args()
     if args.command == "pairs":
@@ -150,8 +151,8 @@ def main() -> None:
         print("written", args.root)
         return
     for pairs in args.pairs:
-        print(f"== {args.run} on {pairs}")
-        report(pair_margins(args.run, pairs))
+        print(f"== {args.adapter} on {pairs}")
+        report(pair_margins(args.adapter, pairs))
 
 
 if __name__ == "__main__":
