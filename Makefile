@@ -16,9 +16,9 @@ PIP_INSTALL = $(PY) -m pip install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS)
 # 4-bit tests (tests/test_qlora.py) in a second pass with it on PYTHONPATH.
 QLORA_SITE := $(VENV)/qlora-site
 QLORA_PKGS ?= bitsandbytes>=0.48
-# trl, for the side-by-side checks against TRL only (tests/test_dpo_trl.py, bench/test_objectives.py), in a folder
-# of its own without its dependencies: the venv's torch, transformers, peft, accelerate and datasets stay as
-# they are, and vlft never imports it.
+# trl, for the side-by-side checks against TRL only (tests/test_dpo_trl.py, tests/test_preference_trl.py,
+# bench/test_objectives.py), in a folder of its own without its dependencies: the venv's torch, transformers,
+# peft, accelerate and datasets stay as they are, and vlft never imports it.
 TRL_SITE := $(VENV)/trl-site
 TRL_PKGS ?= trl==1.16.*
 
@@ -69,7 +69,7 @@ test: $(STAMP) lint
 	PYTHONPATH=$(abspath $(QLORA_SITE)) VLFT_REQUIRE_QLORA=1 $(PY) -m pytest -q tests/test_qlora.py \
 	    bench/test_memory.py -k 'qlora or nf4'
 	PYTHONPATH=$(abspath $(TRL_SITE)) VLFT_REQUIRE_TRL=1 $(PY) -m pytest -q tests/test_dpo_trl.py \
-	    bench/test_objectives.py
+	    tests/test_preference_trl.py bench/test_objectives.py
 
 # The suite on the newest versions pyproject.toml allows (no constraints, the newest matched torch pair), in a
 # venv of its own: a new transformers shows up here as a failing run, its version named in pytest's header,

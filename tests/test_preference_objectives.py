@@ -261,8 +261,39 @@ def test_kto_trains_from_an_adapter_as_its_reference_and_resumes(kto_run, tmp_pa
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (key, a, b)
 
 
+def _kl_point_worker(rank: int, init: str, queue) -> None:
+    import torch
+
+    from vlft.plugins import serve_checkout
+
+    serve_checkout()
+    from vlft_objectives import kto
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    try:
+        queue.put((rank, float(kto._mean_over_processes(torch.tensor([-1.0, 3.0][rank])))))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_ktos_kl_point_is_the_mean_over_processes(tmp_path):
+    """KTO's KL point under data parallelism is the processes' mean estimate, the same on each (TRL's and the
+    paper's code): two processes estimating -1 and 3 both take 1 (each alone would take 0 and 3)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_kl_point_worker, args=(r, str(tmp_path / "init"), queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    assert got == {0: 1.0, 1: 1.0}
+
+
 def test_kto_and_simpo_train_under_two_processes(kto_run, demo, tmp_path):
-    """KTO, two processes of 2 records each (each estimates its KL point on its own records), from its own
+    """KTO, two processes of 2 records each (the KL point: the mean of both processes' estimates), from its own
     trained adapter as the reference: step 1 is the weights' mean of 0.5 over both processes' records.
     SimPO, two processes of one pair each, from KTO's adapter: its loss is the mean of the pairs' losses,
     at least the loss of the mean margin (-log sigmoid is convex)."""

@@ -16,7 +16,9 @@ batches (chosen rows, then rejected rows, the images once) come from the same re
   log odds ratio.
 - KTO: TRL's KTOTrainer itself (its vision collator's layout, given vlft's rows: each record's row, and the
   record's prompt with the previous record's reply as TRL cycles them), on the same model and adapter:
-  the loss equals vlft's. Its reference is the adapter switched off in both.
+  the loss equals vlft's. The reference is the fresh adapter in both: vlft switches it off, TRL copies the
+  adapter it is given into a frozen "ref" adapter (as vlft's ``--init-adapter`` reference), so the noise is
+  added after TRL made that copy (before, TRL's reference would be the noisy policy itself: loss 0.5).
 
 Tolerances: float32 sums of ~10 token log-probabilities of size ~10 (|error| ~ 1e-5 on a sum); each loss is
 a bounded smooth function of such sums with slope <= beta (2.0 at most): 1e-5 is allowed.
@@ -190,7 +192,6 @@ def test_ktos_loss_equals_trls_ktotrainer(setup, tmp_path):
         target_parameters=[],
         family=plan.family,
     )
-    _add(model, setup.noise)
     kl, shared = host[OWN]["kl"], host[SHARED]
     layout = {
         "input_ids": host["input_ids"],
@@ -223,6 +224,10 @@ def test_ktos_loss_equals_trls_ktotrainer(setup, tmp_path):
     trainer = KTOTrainer(
         model=model, args=args, train_dataset=rows, processing_class=s.plan.processor, data_collator=lambda _: layout
     )
+    # the noise after the trainer is built: given a PEFT model, KTOTrainer copies its adapter as it finds it into a
+    # frozen "ref" adapter, the reference (the fresh LoRA here: the adapter off, vlft's reference)
+    assert "ref" in model.peft_config
+    _add(model, setup.noise)
     with torch.no_grad():
         theirs = float(trainer._compute_loss(trainer.model.eval(), layout, False))
     print(f"KTO: vlft {mine:.9f}, TRL {theirs:.9f}, kl {figures['kl'] / 4:.5f}")

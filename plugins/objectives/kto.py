@@ -11,9 +11,8 @@ adapter off, or the ``--init-adapter`` weights) and a reference point ``z``, per
 averaged over the step's records (``--beta``, ``--desirable-weight``, ``--undesirable-weight``; TRL's names).
 ``z`` estimates the KL divergence of the policy from the reference as TRL's KTOTrainer does: over the
 micro-batch's mismatched pairs (record i's prompt with record i-1's reply, the first with the last's), the mean
-of their log-ratios, clamped at 0, without gradients. So a micro-batch needs at least 2 records
-(``--batch-size``). Under data parallelism each process estimates ``z`` on its own micro-batch (TRL averages it
-over processes first).
+of their log-ratios, averaged over the data-parallel processes, clamped at 0, without gradients. So a
+micro-batch needs at least 2 records (``--batch-size``).
 
 Logged: ``kl`` (``z``, a mean over the records), ``reward_desirable`` and ``reward_undesirable`` (``beta r``,
 means over the desirable and the undesirable records), ``logps_desirable`` and ``logps_undesirable`` (the
@@ -90,7 +89,7 @@ class Kto(Objective):
         with torch.no_grad():
             kl_logps, _ = passes.sequence_logps(model, mismatched)
         logps, _ = passes.sequence_logps(model, batch)
-        z = (kl_logps - ref_kl).mean().clamp(min=0)
+        z = _mean_over_processes((kl_logps - ref_kl).mean()).clamp(min=0)
         ratio = logps - ref
         desirable = own["desirable"]
         losses = torch.where(
@@ -110,6 +109,20 @@ class Kto(Objective):
             "undesirable": (1 - d).sum(),
         }
         return losses.sum(), figures
+
+
+def _mean_over_processes(value):
+    """``value`` averaged over the data-parallel processes (each process's micro-batch mean, then their mean),
+    as TRL's KTOTrainer and the paper's code (HALOs) take the KL point: every process then shifts its rewards by
+    the same ``z``. Every process runs the same micro-batches in training and the same validation batches, so
+    each reaches this collective alike."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    value = value.detach().clone()
+    dist.all_reduce(value)
+    return value / dist.get_world_size()
 
 
 @hookimpl
