@@ -507,7 +507,7 @@ def test_under_torchrun_the_other_processes_take_local_rank_0s_check(own_data, m
 def test_throughput_counts_every_position_the_effective_ones_and_the_mfu_where_the_peak_is_known():
     from vlft.training.loop import LoopSettings, throughput
 
-    settings = LoopSettings(total_steps=1, batch_size=1, grad_accum=1, seed=0, world_size=2)
+    settings = LoopSettings(total_steps=1, batch_size=1, grad_accum=1, seed=0, world_size=2, processes=2)
     totals = {"positions": 1000.0, "real": 600.0, "labels": 50.0}
     out = throughput(totals, 2.0, settings)
     assert out == {"tokens_per_s": 500.0, "effective_tokens_per_s": 300.0, "label_tokens_per_s": 25.0}
