@@ -206,7 +206,7 @@ def test_the_dry_run_and_vlft_objectives_show_the_objective(pref, tmp_path, regi
     assert code != 0 and "unknown key 'betta'" in output and "beta, " in output  # the valid keys listed
     code, output = cli_invoke("objectives")
     assert code == 0 and "dpo: direct preference optimisation" in output and "sft: supervised" in output
-    assert "no --shard fsdp:" in output
+    assert "no --packing:" in output
     names = {i.name for infos in registry.pm.hook.vlft_objectives() for i in infos}
     assert {"sft", "dpo"} <= names
     from vlft.config import RunConfig

@@ -185,6 +185,7 @@ class Trainer:
             reference=self.reference,
             encoder=plan.encoder,
             prepare=step_prepare(objective, self.start_step),
+            sharded=self.sharded,
         )
         # what it trains and validates on, in which order
         self.settings = loop_settings(plan, self.model)
