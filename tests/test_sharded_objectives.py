@@ -94,6 +94,7 @@ def grpo_runs(pref, dpo_runs, tmp_path_factory):
     """{'one' | 'two': (run folder, [each process's sampled lines: {prompt, new}, one a step])}: GRPO from the
     one-process DPO adapter, one process and 2 sharded processes."""
     import grpo_samples
+
     from vlft.testing import registry_with
 
     root = tmp_path_factory.mktemp("sharded-grpo")
@@ -129,10 +130,10 @@ def hand_step_one(drawn: list[list[list[int]]]) -> dict:
     """Step 1's loss and figures, by hand, from each process's completions (``drawn``: per process, its G
     sampled token lists): the characters reward, the group advantages, and the token-normalised loss with the
     ratio 1 and the KL 0 (the policy is its reference and the sampler): ``-sum A_i L_i / sum L_i``."""
+    import grpo_samples
     import torch
     from transformers import AutoTokenizer
 
-    import grpo_samples
     import vlft_objectives.grpo as grpo
     from vlft.models.embedded import embedded_model_dir
 
@@ -147,7 +148,11 @@ def hand_step_one(drawn: list[list[list[int]]]) -> dict:
         weighted += sum(-a * len(t) for a, t in zip(advantages.tolist(), kept))
         tokens += sum(len(t) for t in kept)
         rewards += scored
-    return {"loss": weighted / tokens, "reward": sum(rewards) / len(rewards), "completion_length": tokens / len(rewards)}
+    return {
+        "loss": weighted / tokens,
+        "reward": sum(rewards) / len(rewards),
+        "completion_length": tokens / len(rewards),
+    }
 
 
 def test_grpo_sharded_samples_and_trains_as_one_process(grpo_runs):

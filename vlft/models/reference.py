@@ -97,6 +97,7 @@ def _exchange(param: torch.Tensor, kept: torch.Tensor) -> None:
     """Exchange a parameter's values with the kept ones: their storages, or for FSDP's shares a copy in place
     (see the module docstring)."""
     if isinstance(param, DTensor):
+        assert isinstance(kept, DTensor), "a sharded parameter's kept weights are its shares (capture, resumed)"
         mine, theirs = param.to_local(), kept.to_local()
         held = mine.clone()
         mine.copy_(theirs)
