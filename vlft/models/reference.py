@@ -49,8 +49,8 @@ class Reference:
         initial = {}
         for name, whole in kept.items():
             p, whole = params[name], whole.to(device)
-            if isinstance(p, DTensor):  # every process holds the whole kept tensor: each keeps its own shares
-                whole = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
+            if isinstance(p, DTensor):  # each process keeps its own shares (rank 0's sent: all hold the same)
+                whole = distribute_tensor(whole, p.device_mesh, p.placements)
             initial[name] = whole
         return cls(model, initial)
 
