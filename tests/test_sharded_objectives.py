@@ -103,13 +103,13 @@ def grpo_runs(pref, dpo_runs, tmp_path_factory):
     data.write_text((json.dumps(record) + "\n") * 4)
     extra = [
         *("--objective", "grpo", "--reward", "grpo_samples:characters", "--init-adapter", str(dpo_runs[0])),
-        *("--num-generations", str(G), "--max-new-tokens", "8", "--temperature", "1.0"),
+        *("--num-generations", str(G), "--max-new-tokens", "24", "--temperature", "1.0"),
     ]
     runs = {}
     for name in ("one", "two"):
         out, samples = root / name, root / f"{name}-samples"
         samples.mkdir()
-        argv = ["run", *extra, *common(data, data, out, 1)]
+        argv = ["run", *common(data, data, out, 1), *extra]  # extra's --max-new-tokens last: the completions
         env = {grpo_samples.FOLDER_ENV: str(samples)}
         if name == "one":
             os.environ.update(env)
@@ -166,6 +166,7 @@ def test_grpo_sharded_samples_and_trains_as_one_process(grpo_runs):
     for out, drawn in ((one, [one_samples[0]["new"]]), (two, [r[0]["new"] for r in two_samples])):
         first = logged(out)[0]
         want = hand_step_one(drawn)
+        assert abs(want["loss"]) > 1e-3, want  # completions of several lengths: not the 0 of equal ones
         for key, value in want.items():
             assert first[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (out.name, key, first, want)
     steps = logged(two)
