@@ -37,3 +37,9 @@ def vlft_patch_model(backend, model, config, attention, family):
 
     model.generate = recording_generate
     return [f"grpo_samples: generate's sampled tokens written to {folder}"]
+
+
+def characters(completions, references, **context):
+    """A reward for tests (``--reward grpo_samples:characters``): each completion's length in characters, so
+    the completions of one prompt are told apart from an untrained model's first step on."""
+    return [len(c) / 10 for c in completions]

@@ -973,10 +973,6 @@ def test_bad_data_and_options_stop_before_step_1(demo, tmp_path):
         (["--reward", "format=("], "--reward format=(: not a regular expression"),
         (["--num-generations", "1"], "--num-generations (grpo) must be at least 2"),
         (["--top-p", "0"], "--top-p (grpo) must be in (0, 1]"),
-        (
-            ["--shard", "fsdp", "--nproc-per-node", "2"],
-            "--shard fsdp: the grpo objective cannot run sharded: the completions are sampled",
-        ),
         (["--packing", "on"], "--packing on: the grpo objective cannot pack"),
     ):
         code, output = cli_invoke(*base, "--data", demo.train, "--val-data", demo.val, *flags)

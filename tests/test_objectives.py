@@ -206,7 +206,7 @@ def test_the_dry_run_and_vlft_objectives_show_the_objective(pref, tmp_path, regi
     assert code != 0 and "unknown key 'betta'" in output and "beta, " in output  # the valid keys listed
     code, output = cli_invoke("objectives")
     assert code == 0 and "dpo: direct preference optimisation" in output and "sft: supervised" in output
-    assert "no --shard fsdp:" in output
+    assert "no --packing:" in output
     names = {i.name for infos in registry.pm.hook.vlft_objectives() for i in infos}
     assert {"sft", "dpo"} <= names
     from vlft.config import RunConfig
@@ -531,23 +531,34 @@ def test_two_processes_train_as_one(dpo_run, pref, tmp_path):
 
 
 def test_fsdp_and_packing_are_refused_with_the_reason(pref, tmp_path):
+    """An objective that says it cannot run sharded (``Objective.sharding_refusal``; dpo runs sharded:
+    tests/test_sharded_objectives.py) stops ``--shard fsdp`` with its reason before any process starts; dpo
+    stops ``--packing on`` with its own."""
+    from vlft.testing import registry_with
+
     out = tmp_path / "run"
+    unshardable = registry_with(PerRecordPlugin("the loss reads every record whole on one process"))
     code, output = cli_invoke(
         "run",
         "--objective",
-        "dpo",
+        "sft-per-record",
         "--backend",
         "cpu",
         "--data",
-        pref.train,
+        pref.root / "train.jsonl",
         "--output",
         out,
         "--shard",
         "fsdp",
         "--nproc-per-node",
         "2",
+        registry=unshardable,
     )
-    assert code != 0 and "--shard fsdp: the dpo objective cannot run sharded: the reference pass" in output
+    assert code != 0 and not out.exists(), output
+    assert (
+        "--shard fsdp: the sft-per-record objective cannot run sharded: the loss reads every record whole on one "
+        "process; nothing was started" in output
+    )
     code, output = cli_invoke(
         "run",
         "--objective",
@@ -656,6 +667,9 @@ class PerRecord(Objective):
 
 
 class PerRecordPlugin:
+    def __init__(self, sharding_refusal: str = ""):
+        self.sharding_refusal = sharding_refusal
+
     @hookimpl
     def vlft_objectives(self):
         return [
@@ -673,6 +687,7 @@ class PerRecordPlugin:
             "supervised loss averaged per record",
             average_over=Average.RECORDS,
             figures=("label_tokens",),
+            sharding_refusal=self.sharding_refusal,
         )
 
 

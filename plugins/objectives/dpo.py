@@ -125,8 +125,4 @@ def vlft_objective(objective, options):
         options=options,
         reference=True,
         figures=FIGURES + (("nll_chosen",) if options.rpo_alpha else ()),
-        sharding_refusal="the reference pass switches the adapter off (or swaps in the --init-adapter "
-        "weights) and the shared vision pass calls the vision tower outside the sharded "
-        "root's forward; neither is built for FSDP's sharded parameters yet (data "
-        "parallel works: leave out --shard)",
     )

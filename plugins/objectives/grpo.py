@@ -195,18 +195,14 @@ def vlft_objective(objective, config, options, rewards):
         demo_epochs=1.25,  # 500 steps of 4 prompts x G 8 on the demo set: what raised the reward from an SFT adapter
         packing_refusal="the completions are sampled in the step and trained as padded rows; packed rows are not "
         "built for them",
-        sharding_refusal="the completions are sampled with generate on each process's whole model, and the "
-        "reference pass switches the adapter off (or swaps in the --init-adapter weights); neither "
-        "is built for FSDP's sharded parameters (every decoding step would gather every block); "
-        "data parallel works: leave out --shard",
-        notes=(plan_note(o, o.num_generations),),
+        notes=(plan_note(o, o.num_generations, sharded=config.shard == "fsdp"),),
         new_tokens=config.max_new_tokens,
         rewards=chosen,
     )
 
 
-def plan_note(o: GrpoOptions, g: int) -> str:
-    """The plan's line on what a step samples and trains."""
+def plan_note(o: GrpoOptions, g: int, sharded: bool = False) -> str:
+    """The plan's line on what a step samples and trains (``sharded``: --shard fsdp)."""
     n = o.num_iterations
     when = "each step samples" if n == 1 else f"the first of every {n} steps samples (--num-iterations {n})"
     trained = (
@@ -221,10 +217,17 @@ def plan_note(o: GrpoOptions, g: int) -> str:
         if o.grpo_norm == "token"
         else "each completion's token mean, averaged over completions"
     )
+    generate = "generate with the KV cache, one call per micro-batch" + (
+        ", every process decoding in step" if sharded else ""
+    )
+    vision = (
+        "once per row in the trained pass (inside the sharded forward)"
+        if sharded
+        else "once per prompt in the trained pass (its features shared by the G rows)"
+    )
     return (
-        f"grpo: {when} {g} completions per prompt (generate with the KV cache, one call per micro-batch), "
-        f"scores them, then {trained}: the loss is {loss}; the vision tower runs once per prompt in the "
-        f"trained pass (its features shared by the G rows)"
+        f"grpo: {when} {g} completions per prompt ({generate}), scores them, then {trained}: the loss is {loss}; "
+        f"the vision tower runs {vision}"
     )
 
 
@@ -471,8 +474,9 @@ class Grpo(Objective):
     def _sample(self, net, host: dict, passes, tokenizer, suppress):
         o = self.options
         prompt = passes.to_device(host)  # the references and places stay on the host
-        sequences = net.generate(
-            **prompt,
+        sequences = passes.generate(
+            net,
+            prompt,
             do_sample=True,
             temperature=o.temperature,
             top_p=o.top_p,

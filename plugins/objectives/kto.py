@@ -153,9 +153,6 @@ def vlft_objective(objective, config, options):
         demo_epochs=2,
         packing_refusal="a record's row and its mismatched row are scored row by row; packed rows are not built "
         "for them",
-        sharding_refusal="the reference pass switches the adapter off (or swaps in the --init-adapter weights) and "
-        "the shared vision pass calls the vision tower outside the sharded root's forward; neither "
-        "is built for FSDP's sharded parameters yet (data parallel works: leave out --shard)",
         notes=(
             "kto: each step runs the reference on the records' rows and their mismatched rows, the policy on "
             "the mismatched rows without gradients (the KL estimate), then the policy's trained pass",

@@ -306,6 +306,13 @@ class Passes(Protocol):
         """The next-token cross-entropy summed over the batch's label tokens."""
         ...
 
+    def generate(self, model: Any, inputs: dict, **options) -> Any:
+        """``model.generate(**inputs, **options)`` (the prompts on the device: ``to_device``) as the run allows
+        it: under ``--shard fsdp`` each decoding step gathers every block, so every process decodes until all
+        are done (``synced_gpus``) with the sharded root's parameters gathered. Call it on every process, the
+        same number of times."""
+        ...
+
     def sequence_logps(self, model: Any, batch: dict, groups: int = 1) -> tuple[Any, Any]:
         """(each row's summed log-probability of its label tokens, fp32 at least; each row's label count)."""
         ...
@@ -508,14 +515,9 @@ class PairedPreference(Objective):
     packing_refusal: str = (
         "the chosen and rejected rows of a pair are scored row by row; packed rows are not built for them"
     )
-    sharding_refusal: str = (
-        "the shared vision pass calls the vision tower outside the sharded root's forward, "
-        "which is not built for FSDP's sharded parameters yet (data parallel works: leave "
-        "out --shard)"
-    )
     notes: tuple[str, ...] = (
         "each image is encoded once per pass: one vision pass feeds the chosen and the rejected row (where the "
-        "model takes precomputed features)",
+        "model takes precomputed features; under --shard fsdp once per row, inside the sharded forward)",
     )
 
     def loss(self, model, batch: dict, passes: Passes) -> tuple[Any, dict]:

@@ -6,7 +6,8 @@ computes what it needs through it and imports nothing else of vlft.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -27,7 +28,14 @@ from vlft.models.rows import row_inputs, unwrapped
 class StepPasses:
     """``vlft.Passes`` for one run: its device and autocast, its reference model (``models.reference.Reference``;
     None where the objective takes none), its sample encoder, and how batches move (``labels_only``: each row
-    batch carries its labelled positions, so the head runs there only; ``non_blocking`` copies)."""
+    batch carries its labelled positions, so the head runs there only; ``non_blocking`` copies).
+
+    ``gathered``: None for a whole model; under ``--shard fsdp`` the context that keeps the sharded root's own
+    parameters gathered (``training.fsdp.root_gathered``). A sharded model's root parameters (embeddings,
+    patch embedding, merger) are gathered by its forward alone, so the vision tower is not called apart from it
+    (row batches repeat their images for each group of rows, encoded once per row) and ``generate``, which
+    calls the vision tower before the root's forward, runs inside ``gathered``; every process decodes until all
+    are done (``synced_gpus``), since each decoding step gathers every block."""
 
     def __init__(
         self,
@@ -37,10 +45,16 @@ class StepPasses:
         encoder=None,
         labels_only: bool = True,
         non_blocking: bool = False,
+        gathered: Callable[[Any], AbstractContextManager] | None = None,
     ):
         self.device, self.reference, self.encoder = device, reference, encoder
         self.autocast = autocast_context(device, autocast_dtype) if device is not None else nullcontext()
         self.labels_only, self.non_blocking = labels_only, non_blocking
+        self.gathered = gathered
+
+    @property
+    def sharded(self) -> bool:
+        return self.gathered is not None
 
     @property
     def has_reference(self) -> bool:
@@ -68,9 +82,14 @@ class StepPasses:
     def token_loss_sum(self, model, batch: dict):
         return batch_loss_sum(model, model_inputs(batch), batch, self.autocast)
 
+    def generate(self, model, inputs: dict, **options):
+        synced = {"synced_gpus": True} if self.sharded else {}
+        with self.gathered(model) if self.gathered is not None else nullcontext():
+            return model.generate(**inputs, **options, **synced)
+
     def sequence_logps(self, model, batch: dict, groups: int = 1):
         with self.autocast:
-            inputs = row_inputs(model, batch, groups)
+            inputs = row_inputs(model, batch, groups, share_features=not self.sharded)
         return sequence_logps(model, inputs, batch, self.autocast)
 
     def reference_sequence_logps(self, batch: dict, groups: int = 1):
@@ -79,7 +98,7 @@ class StepPasses:
 
     def token_logps(self, model, batch: dict, groups: int = 1, temperature: float = 1.0, suppressed=()):
         with self.autocast:
-            inputs = row_inputs(model, batch, groups)
+            inputs = row_inputs(model, batch, groups, share_features=not self.sharded)
         return token_logps(model, inputs, batch, self.autocast, temperature, suppressed)
 
     def reference_token_logps(self, batch: dict, groups: int = 1, temperature: float = 1.0, suppressed=()):

@@ -169,7 +169,7 @@ def reference_model(model, plan: RunPlan, device, resume_from: Path | None, kept
             f"--resume: {resume_from} keeps no reference weights of --init-adapter {plan.init_adapter} "
             f"(it was not written by a {plan.objective.name} run); start the run again"
         )
-    return Reference(model, {n: t.to(device) for n, t in kept.items()})
+    return Reference.resumed(model, kept, device)
 
 
 def optimizer_and_schedule(model, plan: RunPlan):

@@ -32,6 +32,7 @@ from transformers import get_cosine_schedule_with_warmup
 from vlft.contracts.objective import Average, Objective
 from vlft.models.passes import StepPasses
 from vlft.planning.sharding import local
+from vlft.training.fsdp import root_gathered
 from vlft.training.signals import host_all_reduce
 
 
@@ -63,6 +64,9 @@ class StepPolicy:
     prepare: Any = None
     # --sequence-parallel: the text model's split (``training.sequence.SequenceSplit``), on around the loss only
     split: Any = None
+    # --shard fsdp: the passes keep the vision tower inside the sharded forward and generate in step with the
+    # other processes (``models.passes.StepPasses``)
+    sharded: bool = False
 
     def __post_init__(self):
         if self.objective is None:
@@ -87,7 +91,13 @@ class StepPolicy:
     def passes(self, non_blocking: bool = False) -> StepPasses:
         """What the objective's ``prepare`` and ``loss`` run through (``vlft.Passes``)."""
         return StepPasses(
-            self.device, self.autocast_dtype, self.reference, self.encoder, self.labels_only, non_blocking
+            self.device,
+            self.autocast_dtype,
+            self.reference,
+            self.encoder,
+            self.labels_only,
+            non_blocking,
+            gathered=root_gathered if self.sharded else None,
         )
 
 

@@ -195,6 +195,7 @@ class Trainer:
             encoder=plan.encoder,
             prepare=step_prepare(objective, self.start_step),
             split=split,
+            sharded=self.sharded,
         )
         # what it trains and validates on, in which order
         self.settings = loop_settings(plan, self.model)
