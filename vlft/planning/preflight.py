@@ -487,6 +487,7 @@ def _memory_plan(
         quantization=precision.quantization,
         double_quant=precision.double_quant,
         guard_copy=guard_copies(policies),
+        offload=policies.sharding.offload == "cpu",
     )
     planned = memory.worst_plan(basis, shapes)
     if objective.generation:  # the step samples (GRPO): its KV cache, in the compute dtype
