@@ -56,16 +56,14 @@ def shard_model(
     # --offload cpu: the shares live on the host (pinned where the device copies from pinned memory faster)
     offload = CPUOffloadPolicy(pin_memory=device.type != "cpu") if plan.offload == "cpu" else OffloadPolicy()
     home = torch.device("cpu") if plan.offload == "cpu" else device
-    kept = None
-    if plan.loading == "each":
-        assert read_from is not None, "per-process loading reads the checkpoint's folder"
-        names = checkpoint_names(read_from, model)
-        kept = emptied_keeping(model, names)
+    each = read_from if plan.loading == "each" else None  # the folder each process reads its own shares from
+    names = checkpoint_names(each, model) if each is not None else {}
+    kept = emptied_keeping(model, names) if each is not None else {}
     for _, block in blocks(model, family):  # the plan family's no_split_modules, as the plan counted them
         fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload)
     root = fully_shard(transformers_model(model), mesh=mesh, mp_policy=mp, offload_policy=offload)
-    if kept is not None:
-        read_own_shares(model, read_from, home, names, kept)
+    if each is not None:
+        read_own_shares(model, each, home, names, kept)
     elif plan.world_size > 1:
         receive_from_rank0(model, whole, home)
     # FSDP takes as root the first sharded module whose forward runs; generate runs the vision tower's
@@ -106,7 +104,7 @@ def read_own_shares(model, path: str, device, names: dict[str, str], kept: dict)
     ``HuggingFaceStorageReader``: one slice at a time, never a whole tensor it does not own), then puts back
     what was ``kept`` and computes the buffers the checkpoint does not hold (rotary frequencies) as
     transformers does when it loads (``computed_buffers``)."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 
     model.to_empty(device=device)
     tf = transformers_model(model)
