@@ -132,7 +132,9 @@ def measure(model: Path, data: Path, val: Path, out: Path, nproc: int, loading: 
         "--quiet",
     ]
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     peaks: dict[int, int] = {}
     step1 = None
     metrics = out / "metrics.jsonl"

@@ -215,14 +215,14 @@ def checkpoint_names(path: str, model) -> dict[str, str]:
     with the reason where a process cannot read its share on its own: no safetensors files, a tensor
     transformers converts while loading (fused experts: one model tensor from several), or a weight the
     checkpoint lacks (transformers would initialise it)."""
-    from safetensors import safe_open
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-
     folder = Path(path)
     files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
     if not files:
         raise SharesUnreadable(f"{path} is not a folder of .safetensors files")
+    from safetensors import safe_open
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
     stored: list[str] = []
     for file in files:  # the headers only
         with safe_open(str(file), framework="pt") as f:
