@@ -178,6 +178,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--out", default=str(HERE / "results" / "loading_memory.json"))
     parser.add_argument("--work", default="/tmp/vlft-loading-bench")
+    parser.add_argument(
+        "--only", action="append", help="PROCESSES:LOADING (e.g. 2:auto), repeatable; the others kept from --out"
+    )
     args = parser.parse_args()
     from vlft.data.demo import write_demo_dataset
     from vlft.models.embedded import cache_root
@@ -185,23 +188,27 @@ def main() -> None:
     model = checkpoint()
     weights = sum(f.stat().st_size for f in model.glob("*.safetensors"))
     demo = write_demo_dataset(cache_root() / "demo-data")
-    train, val = demo.train, demo.val
-    work = Path(args.work)
-    results = {"checkpoint_bytes": weights, "baseline_bytes": baseline_bytes(), "runs": []}
+    out_file = Path(args.out)
+    results = json.loads(out_file.read_text()) if args.only and out_file.exists() else {"runs": []}
+    results.update(checkpoint_bytes=weights, baseline_bytes=baseline_bytes())
     print(f"checkpoint {weights / 2**30:.2f} GiB at {model}; baseline {results['baseline_bytes'] / 2**30:.2f} GiB")
+    wanted = [(int(n), loading) for n, loading in (x.split(":") for x in args.only)] if args.only else None
     for nproc in (1, 2):
         for loading in ("auto", "rank0"):
-            out = work / f"{loading}-{nproc}"
+            if wanted is not None and (nproc, loading) not in wanted:
+                continue
+            out = Path(args.work) / f"{loading}-{nproc}"
             if out.exists():
                 import shutil
 
                 shutil.rmtree(out)
-            r = measure(model, Path(train), Path(val), out, nproc, loading)
+            r = measure(model, demo.train, demo.val, out, nproc, loading)
+            results["runs"] = [x for x in results["runs"] if (x["processes"], x["loading_asked"]) != (nproc, loading)]
             results["runs"].append(r)
             peaks = ", ".join(f"rank {k}: {v / 2**30:.2f} GiB" for k, v in r["peak_rss_bytes"].items())
             print(f"{nproc} process(es), loading {r['loading']}: {peaks}; step 1 after {r['seconds_to_step_1']} s")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    out_file.write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":
