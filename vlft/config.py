@@ -217,6 +217,20 @@ class RunConfig:
         "attention heads), for samples too long for one device; N divides the processes, which form "
         "groups of N that train on the same batches.",
     )
+    shard_loading: str = opt(
+        "auto",
+        "--shard fsdp: how the base weights are read. auto: each process reads only its own "
+        "shares from the safetensors files (rank 0's path where that cannot work, the plan says "
+        "why); rank0: rank 0 reads the whole checkpoint and sends the shares out.",
+        choices=("auto", "rank0"),
+    )
+    offload: str = opt(
+        "none",
+        "--shard fsdp: none, or cpu (FSDP2's CPUOffloadPolicy: base weights, adapter, gradients "
+        "and AdamW state kept on the host, copied to the device block by block; the optimizer "
+        "steps on the host). Slower; for models whose shares do not fit the device.",
+        choices=("none", "cpu"),
+    )
     no_memory_check: bool = opt(False, "Train even when the memory plan says the run will not fit.", flag=True)
     attn: str | None = opt(None, "Attention: one implementation, or per tower as 'vision=eager,text=sdpa'.")
     kernels: str = opt(
@@ -461,6 +475,17 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("--skip-too-long needs --max-length N (the length above which samples are skipped)")
     if cfg.device_memory is not None:
         parse_bytes(cfg.device_memory, "--device-memory")
+    if cfg.offload != "none" and cfg.shard != "fsdp":
+        raise ConfigError(
+            f"--offload {cfg.offload} needs --shard fsdp: it is FSDP2's offload policy, which keeps each process's "
+            "shares on the host; an unsharded model has no shares to keep there. Add --shard fsdp (one or more "
+            "processes), or leave out --offload"
+        )
+    if cfg.shard_loading != "auto" and cfg.shard != "fsdp":
+        raise ConfigError(
+            f"--shard-loading {cfg.shard_loading} needs --shard fsdp (without sharding every process loads the "
+            "whole model); add --shard fsdp or leave out --shard-loading"
+        )
     if cfg.max_pixels is not None and cfg.max_pixels < 28 * 28:
         raise ConfigError(f"--max-pixels must be at least {28 * 28} (one merged patch), got {cfg.max_pixels}")
     parse_attn(cfg.attn)

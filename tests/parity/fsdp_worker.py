@@ -20,13 +20,12 @@ from vlft.training.trainer import build_trainer
 
 def main(config_path: str, checkpoint: str, out: str) -> None:
     config = build_config({}, json.loads(Path(config_path).read_text()))
-    if config.rank != 0:  # only rank 0 reads the weights; the others receive their shares from it
-        import vlft.training.setup  # where the trainer finds load_model
+    import vlft.training.setup  # where the trainer finds load_model
 
-        def refuse(*args, **kwargs):
-            raise AssertionError(f"rank {config.rank} read the model's weights")
+    def refuse(*args, **kwargs):  # each process reads only its own shares: none loads the whole checkpoint
+        raise AssertionError(f"rank {config.rank} loaded the whole checkpoint")
 
-        vlft.training.setup.load_model = refuse
+    vlft.training.setup.load_model = refuse
     s = build_trainer(get_registry(), config, resume_from=Path(checkpoint))
     assert s.sharded and s.config.world_size == 2
     batch = s.collate([s.plan.encoder.encode(r) for r in s.plan.val_records[:4]])

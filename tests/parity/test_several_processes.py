@@ -2,12 +2,14 @@
 
 Both give the training of one process with the same global batch. Sharded: evaluation gives the unsharded
 answers, the saved adapter loads with plain PEFT and gives the sharded model's logits, two torchrun agents
-resume a run exactly, each process holds its share of the weights (and only rank 0 reads them), and a
+resume a run exactly, each process holds its share of the weights (and reads only its share: no process
+loads the whole checkpoint), rank 0 reading the checkpoint for all (with CPU offload) trains the same, and a
 backend that does not offer sharding is refused before any process group starts.
 
-The tests share three runs of 10 steps: one process of batch 4; 2 data-parallel processes of batch 2
+The tests share four runs of 10 steps: one process of batch 4; 2 data-parallel processes of batch 2
 (started with plain ``torchrun -m vlft run``); 2 sharded processes of batch 2 (``vlft run --nproc-per-node 2
---shard fsdp``, checkpoint at step 5, activation checkpointing on).
+--shard fsdp``, checkpoint at step 5, activation checkpointing on), each reading its own shares; the same
+with rank 0 reading the checkpoint for all and ``--offload cpu``.
 """
 
 from __future__ import annotations
@@ -192,6 +194,64 @@ def test_sharded_gradient_accumulation_trains_as_one_process(unsharded, sharded_
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4), (x, y)
 
 
+@pytest.fixture(scope="module")
+def rank0_offloaded(sharded_values, tmp_path_factory) -> Path:
+    """The sharded run again with rank 0 reading the whole checkpoint (``--shard-loading rank0``) and FSDP2's
+    CPU offload (``--offload cpu``), without checkpoints and with the shortest evaluation."""
+    out = tmp_path_factory.mktemp("rank0-offload") / "run"
+    values = {
+        **sharded_values,
+        "output": str(out),
+        "shard_loading": "rank0",
+        "offload": "cpu",
+        "save_every": 0,
+        "eval_samples": 1,
+        "max_new_tokens": 1,
+    }
+    proc = subprocess.run(
+        [*vlft_command(), "run", "--nproc-per-node", "2", "--quiet", *run_flags(values)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_each_process_reading_its_own_shares_trains_as_rank_0_reading_them_all(sharded, rank0_offloaded):
+    """The same 2-process sharded run, its base weights read two ways (each process its own ranges of the
+    safetensors files, under the names transformers' conversion mapping gives them; rank 0 the whole checkpoint,
+    sent out), the second also with --offload cpu: the same loss and gradient norm at every step. The rotary
+    buffers the checkpoint does not hold are computed by each process as from_pretrained computes them."""
+    each, rank0 = (json.loads((run / "plan.json").read_text())["sharding"] for run in (sharded, rank0_offloaded))
+    assert (each["loading"], each["offload"]) == ("each", "none"), each
+    assert (rank0["loading"], rank0["offload"], rank0["loading_reason"]) == ("rank0", "cpu", "--shard-loading rank0")
+    a, b = _metrics(sharded), _metrics(rank0_offloaded)
+    assert [m["step"] for m in a] == [m["step"] for m in b] == list(range(1, STEPS + 1))
+    for x, y in zip(a, b):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-6), (x, y)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), (x, y)
+    _same_weights(_adapter(sharded / "adapter"), _adapter(rank0_offloaded / "adapter"))
+
+
+def test_offload_and_shard_loading_need_shard_fsdp(small_data, tmp_path):
+    from vlft.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--offload cpu needs --shard fsdp"):
+        build_config({}, _values(small_data, tmp_path / "out", offload="cpu"))
+    with pytest.raises(ConfigError, match="--shard-loading rank0 needs --shard fsdp"):
+        build_config({}, _values(small_data, tmp_path / "out", shard_loading="rank0"))
+
+
+def test_a_folder_without_safetensors_is_read_by_rank_0_with_the_reason(tmp_path):
+    from vlft.models.loading import SharesUnreadable, checkpoint_names
+
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(SharesUnreadable, match="is not a folder of .safetensors files"):
+        checkpoint_names(str(tmp_path), torch.nn.Linear(2, 2))
+
+
 def test_evaluation_under_sharding_gives_the_unsharded_answers(unsharded, sharded):
     """3 validation records over 2 processes: one process pads its share, and decoding stays in step."""
     a = json.loads((unsharded / "eval.json").read_text())
@@ -214,8 +274,8 @@ def test_each_process_holds_half_of_the_base_weights(sharded):
 def test_the_adapter_of_a_sharded_model_loads_with_plain_peft_and_gives_its_logits(
     sharded, sharded_values, model_dir, tmp_path
 ):
-    """A worker shards the model of the step-5 checkpoint over 2 processes (rank 1 may not read the weights:
-    it receives its share from rank 0), takes its logits and saves its adapter through the sharded path;
+    """A worker shards the model of the step-5 checkpoint over 2 processes (no process may load the whole
+    checkpoint: each reads its own shares), takes its logits and saves its adapter through the sharded path;
     plain ``PeftModel.from_pretrained`` on one process must agree."""
     from peft import PeftModel
 

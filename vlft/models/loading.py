@@ -199,3 +199,79 @@ def empty_model(path: str, attention, precision, *, family):
     except OSError:
         pass
     return model.eval()
+
+
+class SharesUnreadable(Exception):
+    """Why each process cannot read only its own shares of a checkpoint (rank 0 then reads it whole)."""
+
+
+def checkpoint_names(path: str, model) -> dict[str, str]:
+    """For per-process loading under ``--shard fsdp``: each tensor of the checkpoint at ``path`` under the name
+    it has in ``model``'s state dict (the transformers model's: a PEFT wrapper's ``base_layer`` included), as
+    ``{model name: checkpoint name}``.
+
+    The checkpoint's names go through the renamings transformers applies when it loads (its conversion mapping:
+    Qwen2.5-VL's ``model.layers.*`` becomes ``model.language_model.layers.*``). Raises ``SharesUnreadable``
+    with the reason where a process cannot read its share on its own: no safetensors files, a tensor
+    transformers converts while loading (fused experts: one model tensor from several), or a weight the
+    checkpoint lacks (transformers would initialise it)."""
+    folder = Path(path)
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        raise SharesUnreadable(f"{path} is not a folder of .safetensors files")
+    from safetensors import safe_open
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    stored: list[str] = []
+    for file in files:  # the headers only
+        with safe_open(str(file), framework="pt") as f:
+            stored += list(f.keys())
+    tf = model.get_base_model() if hasattr(model, "get_base_model") else model
+    plain = {_without_adapter_layers(k): k for k in tf.state_dict()}
+    present = dict.fromkeys(plain, True)
+    mapping = get_model_conversion_mapping(tf)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    names: dict[str, str] = {}
+    for key in stored:  # as transformers' convert_and_load_state_dict_in_model renames them
+        renamed, converted = rename_source_key(key, renamings, converters, tf.base_model_prefix, present)
+        if renamed not in plain and key in plain:
+            renamed, converted = rename_source_key(key, [], [], tf.base_model_prefix, present)
+        if converted is not None:
+            raise SharesUnreadable(f"transformers converts {key} while loading ({converted}), not only renames it")
+        if renamed in plain:  # others transformers ignores too (it warns of unexpected keys)
+            names[plain[renamed]] = key
+    tied = set(getattr(tf, "all_tied_weights_keys", None) or {})
+    params = {n for n, p in tf.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    missing = sorted(params - set(names) - {plain[k] for k in tied if k in plain})
+    if missing:
+        raise SharesUnreadable(f"the checkpoint lacks {missing[0]} (transformers would initialise it)")
+    return names
+
+
+def _without_adapter_layers(name: str) -> str:
+    """A state-dict name as the model had it before a PEFT method wrapped the layer (``q_proj.base_layer.weight``
+    -> ``q_proj.weight``)."""
+    return name.replace(".base_layer.", ".")
+
+
+def with_stand_in_weights(model):
+    """``model`` (built on 'meta') with each parameter a stand-in on the host: its shape and dtype, every element
+    one shared NaN (no memory), ties kept. A method adapts it as it would the loaded model: its adapter is
+    initialised on the host with the loaded model's seeds, where on 'meta' it would be lost; an initialisation
+    that reads the base weights (DoRA's magnitudes) reads NaN, which ``kept_values`` finds."""
+    swap_parameters(model, lambda p: torch.full((), float("nan"), dtype=p.dtype).expand(p.shape))
+    return model
+
+
+def swap_parameters(model, make) -> None:
+    """Every parameter replaced by ``make(parameter)`` (its ``requires_grad`` kept), each shared one once, so
+    that tied parameters stay tied."""
+    new: dict[int, tuple] = {}  # id -> (the old parameter, kept alive so that no other takes its id; the new)
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                if id(p) not in new:
+                    new[id(p)] = (p, torch.nn.Parameter(make(p), requires_grad=p.requires_grad))
+                module._parameters[name] = new[id(p)][1]

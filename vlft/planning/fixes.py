@@ -39,6 +39,7 @@ def decide(plan: MemoryPlan, basis: MemoryBasis, config: RunConfig, can_shard: b
         if can_shard and plan.shard_world == 1
         else None,
         _fix_sequence_split(plan, basis, ckpt) if plan.sequence_split == 1 else None,
+        _fix_offload(plan, basis.model, basis.compute_dtype, ckpt, family, can_shard),
     ]
     if not any(f and f.endswith("(fits)") for f in fixes):
         fixes.append(_fix_combined(plan, basis, ckpt, config))
@@ -96,6 +97,7 @@ def _rebased(plan: MemoryPlan, basis: MemoryBasis, param_dtype: str) -> MemoryBa
         quantization=None,
         double_quant=False,
         guard_copy=bool(plan.guard_copy_bytes),
+        offload=plan.offload,
     )
 
 
@@ -250,3 +252,21 @@ def _fix_sequence_split(plan: MemoryPlan, basis: MemoryBasis, ckpt: bool) -> str
                 f"the text model" + (", with checkpointing" if ckpt else "") + f"): {gib(total)} per process (fits)"
             )
     return None
+
+
+def _fix_offload(plan: MemoryPlan, model, compute_dtype, ckpt: bool, family, can_shard: bool) -> str | None:
+    """--offload cpu (FSDP2's CPUOffloadPolicy): the device keeps only what is gathered and the activations; the
+    shares move to the host, which the line states. Under --shard fsdp already, or as sharding's companion
+    (over the processes the run has)."""
+    if plan.offload or not (can_shard or plan.shard_world > 1):
+        return None
+    world = plan.shard_world
+    gathered = plan.gathered_bytes or fsdp_gathered_bytes(model, compute_dtype, family)
+    offloaded = dataclasses.replace(plan, gathered_bytes=gathered, offload=True, fixes=[])
+    n = offloaded.total_bytes(ckpt)
+    return (
+        ("--offload cpu" if world > 1 else "--shard fsdp --offload cpu")
+        + f": {gib(n)} on the device, {gib(offloaded.host_bytes_per_process)} of host memory per process; slower "
+        "(each block copied to the device at every forward and backward, the AdamW step on the host)"
+        + _verdict(plan, n)
+    )

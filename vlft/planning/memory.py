@@ -76,6 +76,9 @@ class MemoryPlan:
     generation_bytes: int = 0
     generation_shape: str = ""
     sequence_split: int = 1  # --sequence-parallel: the text model's activations are each process's 1/N of a sample
+    # --offload cpu: the shares of the base weights and of the adapter's weights, gradients and AdamW state
+    # live in host memory (FSDP2 CPUOffloadPolicy), not the device's
+    offload: bool = False
 
     def per_process(self, n: int) -> int:
         """``n`` bytes of sharded state as one process holds them."""
@@ -95,11 +98,19 @@ class MemoryPlan:
     def activation_bytes(self) -> int:
         return self.activations.checkpointed if self.checkpointing else self.activations.full
 
+    @property
+    def host_bytes_per_process(self) -> int:
+        """What ``--offload cpu`` keeps in each process's host memory: its shares of the base weights and of the
+        adapter's weights, gradients and AdamW state."""
+        return self.base_bytes_per_process + self.adapter_state_bytes_per_process
+
     def counted_bytes(self, checkpointing: bool | None = None) -> int:
-        """Weights + adapter state + saved activations: what bench/ counts on the CPU."""
+        """Weights + adapter state + saved activations: what bench/ counts on the CPU (on the device: without
+        the shares ``--offload cpu`` keeps on the host)."""
         ckpt = self.checkpointing if checkpointing is None else checkpointing
         act = self.activations.checkpointed if ckpt else self.activations.full
-        return self.base_bytes_per_process + self.adapter_state_bytes_per_process + self.gathered_bytes + act
+        held = 0 if self.offload else self.host_bytes_per_process
+        return held + self.gathered_bytes + act
 
     def total_bytes(self, checkpointing: bool | None = None) -> int:
         ckpt = self.checkpointing if checkpointing is None else checkpointing
@@ -141,6 +152,7 @@ class MemoryPlan:
             "gathered_bytes": self.gathered_bytes,
             "base_bytes_per_process": self.base_bytes_per_process,
             "adapter_state_bytes_per_process": self.adapter_state_bytes_per_process,
+            **({"offload": "cpu", "host_bytes_per_process": self.host_bytes_per_process} if self.offload else {}),
             **(
                 {"generation_bytes": self.generation_bytes, "generation_shape": self.generation_shape}
                 if self.generation_bytes
@@ -179,6 +191,12 @@ def format_memory(d: dict) -> list[str]:
     if world > 1:
         lines.append(
             f"             gathered whole at a time (the root's parameters + 2 blocks): {gib(d['gathered_bytes'])}"
+        )
+    if d.get("offload"):
+        lines.append(
+            f"             --offload cpu: the shares of the base weights and of the adapter's state on the host, "
+            f"{gib(d['host_bytes_per_process'])} per process, not counted on the device; cost: every block copied "
+            "host to device each forward and backward, gradients back, the AdamW step on the host"
         )
     lines += [
         f"             activations {gib(d['activation_bytes'])} (checkpointing {'on' if d['checkpointing'] else 'off'}; "
@@ -284,6 +302,7 @@ class MemoryBasis:
     double_quant: bool = False
     guard_copy: bool = False  # the adapter's weights and AdamW moments cloned before each step (``guarded_step``)
     sequence_split: int = 1  # --sequence-parallel N: each process runs the text layers on 1/N of a sample's tokens
+    offload: bool = False  # --offload cpu: the shares on the host (``MemoryPlan.offload``)
 
 
 def plan_memory(basis: MemoryBasis, batch: BatchShape) -> MemoryPlan:
@@ -317,6 +336,7 @@ def plan_memory(basis: MemoryBasis, batch: BatchShape) -> MemoryPlan:
         gathered_bytes=basis.gathered_bytes,
         guard_copy_bytes=(4 + 8) * trainable if basis.guard_copy else 0,
         sequence_split=basis.sequence_split,
+        offload=basis.offload,
     )
 
 

@@ -380,6 +380,19 @@ def _sharding_lines(sh: dict | None) -> list[str]:
         f"             fully_shard on {blocks}, then the root; parameters gathered in "
         f"{sh['param_dtype'] or 'their own dtype'}, gradients reduced in {sh['reduce_dtype']}"
         + (" (SUM, divided by FSDP)" if sh["sum_reductions"] else ""),
+        (
+            "             loading: each process reads only its own shares of the safetensors files"
+            if sh["loading"] == "each"
+            else f"             loading: rank 0 reads the whole checkpoint and sends the shares out ({sh['loading_reason']})"
+        ),
+        *(
+            [
+                "             offload: cpu (FSDP2 CPUOffloadPolicy: shares, gradients and AdamW state on the host, "
+                "copied to the device block by block each forward and backward; the optimizer steps on the host)"
+            ]
+            if sh["offload"] == "cpu"
+            else []
+        ),
         "             evaluation: each process answers an equal share (padded with repeats whose answers are "
         "dropped), all decoding in step (synced_gpus); every decoding step gathers every block, so it is "
         "slower than unsharded",

@@ -55,7 +55,7 @@ from vlft.planning.init_adapter import check_init_adapter, init_adapter_source
 from vlft.planning.plan import RunPlan, resolve_policies
 from vlft.planning.scorers import scorers_for_run
 from vlft.planning.sequence import plan_sequence_split
-from vlft.planning.sharding import count_blocks
+from vlft.planning.sharding import count_blocks, loading_bytes, loading_choice
 from vlft.registry import Registry
 
 DEFAULT_DATA_DIR_NAME = "demo-data"
@@ -310,7 +310,10 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> RunPlan:
     sequence = plan_sequence_split(config, model_config, family, policies.attention, policies.objective, skeleton)
     sharding = policies.sharding
     if sharding.enabled:
-        sharding = dataclasses.replace(sharding, wrapped=count_blocks(skeleton, family))
+        loading, why = loading_choice(config, model_path, skeleton, policies.precision.quantization)
+        sharding = dataclasses.replace(
+            sharding, wrapped=count_blocks(skeleton, family), loading=loading, loading_reason=why
+        )
     capacity = registry.hook.vlft_device_capacity(backend=policies.backend.info.name, config=config) or DeviceCapacity(
         None, 0, f"backend {policies.backend.info.name} does not report its memory"
     )
@@ -322,11 +325,7 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> RunPlan:
             config, targets.modules, init_source, [n for n, _ in base_model(skeleton).named_modules()]
         )
     if sharding.enabled:
-        notes.append(
-            f"--shard fsdp: rank 0 alone reads the base weights, into its host memory "
-            f"({memory.gib(sum(memory_plan.base_weights.values()))}); the other processes build "
-            f"the model without weights and receive their 1/{config.world_size} shares from it"
-        )
+        notes.append(_loading_note(sharding, memory_plan, skeleton, policies.precision.param_dtype))
     return dataclasses.replace(
         policies,
         targets=targets.modules,
@@ -353,6 +352,26 @@ def plan_run(registry: Registry, config: RunConfig, choice=None) -> RunPlan:
         train_lengths=data.lengths.lengths,
         total_steps=data.total_steps,
         skeleton=skeleton,
+    )
+
+
+def _loading_note(sharding, memory_plan: memory.MemoryPlan, skeleton, param_dtype: str) -> str:
+    """What loading the base weights under --shard fsdp holds in each process's host memory, and why."""
+    whole, world = sum(memory_plan.base_weights.values()), sharding.world_size
+    itemsize = torch.empty((), dtype=getattr(torch, param_dtype)).element_size()
+    largest = max((p.numel() * itemsize for p in skeleton.parameters() if not p.requires_grad), default=0)
+    host = memory.gib(loading_bytes(whole, largest, world, sharding.loading))
+    if sharding.loading == "each":
+        return (
+            f"--shard fsdp: each process reads only its own 1/{world} shares of the base weights from the "
+            f"safetensors files (torch.distributed.checkpoint's HuggingFaceStorageReader): host memory for "
+            f"loading {host} per process (its share of {memory.gib(whole)}, plus the largest tensor, "
+            f"{memory.gib(largest)}, in flight)"
+        )
+    return (
+        f"--shard fsdp: rank 0 alone reads the base weights, into its host memory ({memory.gib(whole)}; "
+        f"{host} for loading, with its own share); the other processes build the model without weights and "
+        f"receive their 1/{world} shares from it. Each process cannot read its own: {sharding.loading_reason}"
     )
 
 
@@ -472,6 +491,7 @@ def _memory_plan(
         double_quant=precision.double_quant,
         guard_copy=guard_copies(policies),
         sequence_split=config.sequence_parallel,
+        offload=policies.sharding.offload == "cpu",
     )
     planned = memory.worst_plan(basis, shapes)
     if objective.generation:  # the step samples (GRPO): its KV cache, in the compute dtype

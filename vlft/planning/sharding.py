@@ -29,6 +29,10 @@ class ShardingPlan:
     reduce_dtype: str = "float32"
     sum_reductions: bool = False
     reason: str = ""
+    # "each": every process reads its own shares from the safetensors files; "rank0": rank 0 reads them all
+    loading: str = "rank0"
+    loading_reason: str = ""
+    offload: str = "none"  # "cpu": FSDP2's CPUOffloadPolicy (--offload cpu)
 
     @property
     def enabled(self) -> bool:
@@ -43,6 +47,9 @@ class ShardingPlan:
             "reduce_dtype": self.reduce_dtype,
             "sum_reductions": self.sum_reductions,
             "reason": self.reason,
+            "loading": self.loading,
+            "loading_reason": self.loading_reason,
+            "offload": self.offload,
         }
 
 
@@ -63,7 +70,36 @@ def resolve_sharding(config, distributed, backend: str, precision) -> ShardingPl
         reduce_dtype="float32",
         sum_reductions=distributed.sum_reductions,
         reason=distributed.fsdp_reason or f"FSDP2 on {distributed.process_group_backend}",
+        offload=config.offload,
     )
+
+
+def loading_choice(config, model_path: str, skeleton, quantization: str | None) -> tuple[str, str]:
+    """(loading, why) for ``ShardingPlan``: "each" process reads its own shares where it can, else "rank0"
+    with the reason each process cannot (or --shard-loading rank0). ``skeleton``: the adapted weightless model,
+    whose names the checkpoint's are matched to as the run will match them."""
+    from vlft.models.loading import SharesUnreadable, checkpoint_names
+
+    if config.shard_loading == "rank0":
+        return "rank0", "--shard-loading rank0"
+    if quantization:
+        return "rank0", f"--param-dtype {quantization}: transformers quantizes each weight whole while it loads"
+    try:
+        checkpoint_names(model_path, skeleton)
+    except SharesUnreadable as e:
+        return "rank0", str(e)
+    return "each", "each process reads only its own shares of the safetensors files"
+
+
+def loading_bytes(whole: int, largest: int, world: int, loading: str) -> int:
+    """Host bytes the busiest process holds while the base weights (``whole`` bytes, ``largest`` the largest
+    tensor) are read. Each process reading its own: its share of every weight plus one slice in flight (at most
+    a share of the largest tensor; counted as the whole tensor). Rank 0 reading for all: the whole model, plus
+    its own share once sharded."""
+    share = -(-whole // world)
+    if loading == "each":
+        return share + largest
+    return whole + (share if world > 1 else 0)
 
 
 def require_fsdp(distributed, backend: str) -> None:

@@ -24,7 +24,7 @@ from vlft.models.adapting import (
     upcast_trainable,
 )
 from vlft.models.groups import optimizer_groups
-from vlft.models.loading import empty_model, load_model
+from vlft.models.loading import empty_model, load_model, with_stand_in_weights
 from vlft.models.reference import Reference
 from vlft.models.segments import with_segments
 from vlft.planning.kernels import apply_kernels
@@ -73,11 +73,14 @@ def init_distributed(plan: RunPlan, device) -> None:
 
 
 def base_model(registry: Registry, plan: RunPlan, device=None):
-    """The base model with the backend's patches. Sharded over several processes, only rank 0 reads the
-    weights; the others build it on 'meta' and receive their shares once it is sharded (``place``)."""
+    """The base model with the backend's patches. Sharded, each process builds it without weights and reads its
+    own shares once it is sharded (``place``); or, where it cannot (the plan says why), rank 0 reads the weights
+    and the others build it on 'meta' and receive their shares from it."""
     config, backend = plan.config, plan.backend.info.name
     attention = with_segments(plan.attention, plan.packing)  # packed on sdpa/eager: attended per sample
-    if plan.sharding.enabled and config.world_size > 1 and config.rank != 0:
+    if plan.sharding.enabled and plan.sharding.loading == "each":  # every process reads its own shares (place)
+        model = with_stand_in_weights(empty_model(plan.model_path, attention, plan.precision, family=plan.family))
+    elif plan.sharding.enabled and config.world_size > 1 and config.rank != 0:
         model = empty_model(plan.model_path, attention, plan.precision, family=plan.family)
     else:
         quantized = plan.precision.quantization is not None  # 4-bit weights are quantized onto the device
@@ -145,8 +148,9 @@ def place(model, plan: RunPlan, device) -> None:
         if plan.precision.quantization is None:  # a 4-bit model was loaded onto its device
             model.to(device)
         return
-    whole = model.state_dict() if config.world_size > 1 and config.rank == 0 else None
-    shard_model(model, plan.sharding, device, whole, family=plan.family)
+    rank0 = plan.sharding.loading == "rank0" and config.world_size > 1 and config.rank == 0
+    whole = model.state_dict() if rank0 else None
+    shard_model(model, plan.sharding, device, whole, family=plan.family, read_from=plan.model_path)
 
 
 def disable_dropout(model) -> None:
