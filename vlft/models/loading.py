@@ -5,12 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from transformers import (
     AutoConfig,
     AutoModelForImageTextToText,
     AutoProcessor,
     GenerationConfig,
 )
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
 from vlft.errors import ConfigError
 from vlft.models.bundled import bundled_config, bundled_names, is_bundled
@@ -219,10 +222,6 @@ def checkpoint_names(path: str, model) -> dict[str, str]:
     files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
     if not files:
         raise SharesUnreadable(f"{path} is not a folder of .safetensors files")
-    from safetensors import safe_open
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-
     stored: list[str] = []
     for file in files:  # the headers only
         with safe_open(str(file), framework="pt") as f:

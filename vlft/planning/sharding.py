@@ -78,7 +78,7 @@ def loading_choice(config, model_path: str, skeleton, quantization: str | None) 
     """(loading, why) for ``ShardingPlan``: "each" process reads its own shares where it can, else "rank0"
     with the reason each process cannot (or --shard-loading rank0). ``skeleton``: the adapted weightless model,
     whose names the checkpoint's are matched to as the run will match them."""
-    from vlft.models.loading import SharesUnreadable, checkpoint_names
+    from vlft.models.loading import SharesUnreadable, checkpoint_names  # torch's stage: this module stays light
 
     if config.shard_loading == "rank0":
         return "rank0", "--shard-loading rank0"

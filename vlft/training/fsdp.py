@@ -20,6 +20,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
@@ -27,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
+from transformers import PreTrainedModel
 
 from vlft.errors import VlftError
 from vlft.models.loading import checkpoint_names, swap_parameters
@@ -104,8 +106,6 @@ def read_own_shares(model, path: str, device, names: dict[str, str], kept: dict)
     ``HuggingFaceStorageReader``: one slice at a time, never a whole tensor it does not own), then puts back
     what was ``kept`` and computes the buffers the checkpoint does not hold (rotary frequencies) as
     transformers does when it loads (``computed_buffers``)."""
-    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
-
     model.to_empty(device=device)
     tf = transformers_model(model)
     own = tf.state_dict()
@@ -127,8 +127,6 @@ def computed_buffers(tf, skip: set[str]) -> None:
     """Every buffer of the transformers model ``tf`` not named in ``skip``, computed by the ``_init_weights`` of
     the transformers model that owns it, as ``from_pretrained`` computes the buffers a checkpoint does not hold.
     A buffer that rule leaves unset is an error naming it (its value would be whatever memory held)."""
-    from transformers import PreTrainedModel
-
     owners = {n: m for n, m in tf.named_modules() if isinstance(m, PreTrainedModel)}
     with torch.no_grad():
         for name, module in tf.named_modules():
