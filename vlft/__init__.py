@@ -31,6 +31,7 @@ from vlft.contracts.backend import (
 from vlft.contracts.family import (
     Chat,
     Experts,
+    FamilyReader,
     ImageInputs,
     Kernels,
     Media,
@@ -96,6 +97,7 @@ __all__ = [
     "DistributedOptions",
     "DoctorCheck",
     "Experts",
+    "FamilyReader",
     "ImageInputs",
     "KernelPatch",
     "Kernels",
