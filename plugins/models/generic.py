@@ -189,9 +189,9 @@ def load_processor(path: str):
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(path)
-    tokenizer = getattr(processor, "tokenizer", None)
-    if getattr(processor, "chat_template", None) is None and getattr(tokenizer, "chat_template", None):
-        processor.chat_template = tokenizer.chat_template
+    template = getattr(getattr(processor, "tokenizer", None), "chat_template", None)
+    if getattr(processor, "chat_template", None) is None and template:
+        processor.chat_template = template
     return processor
 
 
@@ -254,9 +254,7 @@ def _read_processor(path: str, model_type: str) -> tuple[Any, dict, dict]:
         raise _refuse(model_type, f"its chat template writes no image placeholder {token!r} for an image part")
     length = int(out["input_ids"].shape[-1])
     joins = {
-        k: _join(v, length)
-        for k, v in out.items()
-        if k not in ("input_ids", "attention_mask") and torch.is_tensor(v)
+        k: _join(v, length) for k, v in out.items() if k not in ("input_ids", "attention_mask") and torch.is_tensor(v)
     }
     pixels = "pixel_values" if "pixel_values" in joins else next((k for k in joins if k.startswith("pixel")), "")
     if not pixels:
