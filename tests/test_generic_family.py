@@ -71,26 +71,36 @@ def _messages(record) -> list[dict]:
     return messages
 
 
-def test_labels_are_the_templates_assistant_spans(mistral3, mixed):
-    """Every sample's trained positions are exactly those the template marks as the assistant's (the same template
-    with ``{% generation %}`` markers, through transformers' ``return_assistant_tokens_mask``): replies and their
-    </s>, never the prompt, the [IMG]/[IMG_BREAK]/[IMG_END] tokens the processor wrote, or the [INST] markers."""
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory) -> Path:
+    return build("llava", tmp_path_factory.mktemp("ckpt") / "llava")
+
+
+@pytest.mark.parametrize("kind", ["mistral3", "llava"])
+def test_labels_are_the_templates_assistant_spans(kind, request, mixed):
+    """Every sample's trained positions are exactly those the template marks as the assistant's, through
+    transformers' ``return_assistant_tokens_mask``: replies and their </s>, never the prompt, the image tokens the
+    processor wrote ([IMG]/[IMG_BREAK]/[IMG_END]) or the turn markers. Mistral 3's template has no markers (vlft
+    splits it prefix by prefix; the oracle is the same template with markers added); LLaVA's has them (vlft cuts at
+    its spans)."""
     from vlft.data.encoding import SampleEncoder
     from vlft.data.records import IGNORE_INDEX, read_records
     from vlft.models.loading import load_processor, model_config_and_family
 
+    folder = request.getfixturevalue(kind)
     registry = installed()
-    _, family = model_config_and_family(str(mistral3), registry)
-    processor = load_processor(str(mistral3), family, registry)
+    _, family = model_config_and_family(str(folder), registry)
+    assert family.name == "generic"
+    processor = load_processor(str(folder), family, registry)
     encoder = SampleEncoder(processor, family)
     records = read_records(mixed[0])
     assert any(len(r.images) == 2 for r in records) and any(len(r.turns) > 2 for r in records)
-    image_ids = set(processor.image_token_ids)
+    image_ids = set(getattr(processor, "image_token_ids", None) or [processor.image_token_id])
     for record in records:
         sample = encoder.encode(record)
         oracle = processor.apply_chat_template(
             _messages(record),
-            chat_template=MARKED["mistral3"],
+            chat_template=MARKED.get(kind),
             tokenize=True,
             return_dict=True,
             return_assistant_tokens_mask=True,
@@ -157,16 +167,15 @@ def test_predict_eval_export_and_plain_peft_reload(run, mistral3, mixed, tmp_pat
     assert all(torch.allclose(p, theirs[n], atol=1e-6) for n, p in reloaded.named_parameters())
 
 
-def test_a_second_model_type_is_read_and_planned(tmp_path):
+def test_a_second_model_type_is_read_and_planned(llava, mixed):
     """LLaVA (CLIP + Llama; a template with {% generation %} markers): the dry run names what it found."""
-    llava = build("llava", tmp_path / "llava")
-    code, output = cli_invoke("run", "--model", llava, "--dry-run", "--backend", "cpu", "--output", tmp_path / "o")
+    code, output = cli_invoke("run", "--model", llava, "--data", mixed[0], "--dry-run", "--backend", "cpu")
     assert code == 0, output
     assert "generic (llava)" in output and "model.vision_tower" in output and "<image>" in output
     assert "{% generation %} markers" in output
 
 
-def test_a_checkpoint_it_cannot_read_is_refused_naming_what_is_missing(mistral3, tmp_path):
+def test_a_checkpoint_it_cannot_read_is_refused_naming_what_is_missing(mistral3, mixed, tmp_path):
     """No chat template, then no processor at all: refused before any step, naming the part; a model type
     transformers does not map to image-text-to-text is left to the usual error."""
     bare = tmp_path / "no-template"
@@ -178,14 +187,14 @@ def test_a_checkpoint_it_cannot_read_is_refused_naming_what_is_missing(mistral3,
             cfg = json.loads((bare / name).read_text())
             cfg.pop("chat_template", None)
             (bare / name).write_text(json.dumps(cfg))
-    code, output = cli_invoke("run", "--model", bare, "--dry-run", "--backend", "cpu", "--output", tmp_path / "o")
+    code, output = cli_invoke("run", "--model", bare, "--data", mixed[0], "--dry-run", "--backend", "cpu")
     assert code != 0 and "generic family cannot read this 'mistral3' checkpoint" in output
     assert "no chat template" in output and "Traceback" not in output
 
     weights_only = tmp_path / "weights-only"
     weights_only.mkdir()
     shutil.copy(mistral3 / "config.json", weights_only / "config.json")
-    code, output = cli_invoke("run", "--model", weights_only, "--dry-run", "--backend", "cpu")
+    code, output = cli_invoke("run", "--model", weights_only, "--data", mixed[0], "--dry-run", "--backend", "cpu")
     assert code != 0 and "its processor does not load" in output and "Traceback" not in output
 
 

@@ -17,10 +17,10 @@ What a built-in family declares by hand is read from the checkpoint instead:
   probe conversation, the token that closes an assistant reply and whether the template marks replies with
   ``{% generation %}``.
 
-Labels: the core renders each turn's prefix with the checkpoint's template and trains the assistant pieces;
-this family then checks every sample token for token: the pieces' ids laid end to end must equal the ids of
-the whole render through the processor, or the sample is refused (a template whose turn boundary splits a
-token would otherwise train the wrong positions).
+Labels: the core trains the spans the template marks with ``{% generation %}``, else renders each turn's prefix
+with the checkpoint's template and trains the assistant pieces; this family then checks every sample token for
+token: the pieces' ids laid end to end must equal the ids of the whole render through the processor, or the
+sample is refused (a template whose turn boundary splits a token would otherwise train the wrong positions).
 
 What it does not do yet, and says so: packing (refused: whether the text model keeps packed samples apart is
 not read from the checkpoint), video, ``--max-pixels`` (the processor sizes every image itself), the memory
@@ -38,7 +38,7 @@ import re
 from dataclasses import replace
 from typing import Any
 
-from vlft import Chat, FamilyReader, ModelFamily, Packing, Sharding, Targets, Towers
+from vlft import Chat, FamilyReader, ModelFamily, Packing, Targets, Towers
 
 NAME = "generic"
 TEXT_NAMES = ("language_model", "text_model")
@@ -263,7 +263,9 @@ def _read_processor(path: str, model_type: str) -> tuple[Any, dict, dict]:
     extra = [t for t in _image_token_strings(processor) if t != token]
     found = {
         "image token": token + (f" (expanded with {', '.join(extra)})" if extra else ""),
-        "template": "{% generation %} markers" if GENERATION_MARKER.search(template) else "no generation markers",
+        "template": "{% generation %} markers (their spans train)"
+        if GENERATION_MARKER.search(template)
+        else "no generation markers (each turn's rendered prefix, checked token for token)",
         "reply end": end or "none after a reply (the reply trains to the next turn)",
         "inputs": ", ".join(f"{k} ({v})" for k, v in joins.items()),
     }
@@ -359,7 +361,6 @@ def read(model_config, path: str | None) -> ModelFamily | None:
     except Exception as e:  # noqa: BLE001 - a config transformers cannot build a model from
         raise _refuse(model_type, f"transformers cannot build its model ({type(e).__name__}: {e})") from None
     towers, targets, found = _towers(model, model_type)
-    no_split = tuple(getattr(model, "_no_split_modules", None) or ())
     processor_class, chat, image_inputs, dummy = "", Chat(), None, None
     if path is not None:
         processor, conv, seen = _read_processor(path, model_type)
@@ -378,7 +379,6 @@ def read(model_config, path: str | None) -> ModelFamily | None:
         chat=chat,
         image_inputs=image_inputs,
         packing=Packing(refusal=PACKING_REFUSAL),
-        sharding=Sharding(no_split) if no_split else None,
         vision_dummy=dummy,
     )
     _READ[key] = family
