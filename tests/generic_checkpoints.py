@@ -5,7 +5,7 @@ a chat template in the real model's style, ``save_pretrained`` into a folder. No
 ``build(kind, path)``: 'mistral3' (Pixtral vision tower, patch merger, Mistral text; its processor writes
 ``[IMG]`` rows closed by ``[IMG_BREAK]`` and ``[IMG_END]``; Mistral-Small-3.1's template, which has no
 ``{% generation %}`` markers) or 'llava' (CLIP + Llama, LLaVA-1.5's template with ``{% generation %}``
-markers). ``MARKED['mistral3']`` is that template with the markers added: the tests' oracle for the assistant
+markers) or 'internvl' (InternViT + Qwen2, tiles of <img><IMG_CONTEXT>...</img>; InternVL 3's template). ``MARKED['mistral3']`` is that template with the markers added: the tests' oracle for the assistant
 spans."""
 
 from __future__ import annotations
@@ -49,6 +49,40 @@ LLAVA_TEMPLATE = (
     "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
 )
 
+INTERNVL_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}{{ '<IMG_CONTEXT>\n' }}"
+    "{% elif content['type'] == 'video' %}{{ '<video>\n' }}"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# the same render, the assistant's text and <|im_end|> marked
+MARKED["internvl"] = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{% for content in message['content'] %}{{ content['text'] }}{% endfor %}"
+    "{{ '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{% else %}"
+    "{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}{{ '<IMG_CONTEXT>\\n' }}"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{{ '<|im_end|>\\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
@@ -149,6 +183,65 @@ def build_llava(path: Path) -> Path:
     return _save(path, model, processor)
 
 
+def build_internvl(path: Path) -> Path:
+    """InternVL 3 as the -hf checkpoints have it (InternViT, pixel-shuffle projector, Qwen2 text; the processor writes
+    <img><IMG_CONTEXT>*N</img> per tile), its tokenizer naming the image tokens as the processor reads them."""
+    import torch
+    from transformers import (
+        GotOcr2ImageProcessor,
+        InternVLConfig,
+        InternVLForConditionalGeneration,
+        InternVLProcessor,
+        InternVLVideoProcessor,
+        PreTrainedTokenizerFast,
+    )
+
+    names = dict(start_image_token="<img>", end_image_token="</img>", context_image_token="<IMG_CONTEXT>")
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *names.values(), "<video>"]
+    base = _tokenizer(specials, eos="<|im_end|>", pad="<|endoftext|>", bos="<|endoftext|>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=base.backend_tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        video_token="<video>",
+        **names,
+    )
+    ids = tokenizer.convert_tokens_to_ids
+    config = InternVLConfig(
+        text_config=dict(
+            TEXT,
+            model_type="qwen2",
+            vocab_size=len(tokenizer),
+            eos_token_id=ids("<|im_end|>"),
+            pad_token_id=ids("<|endoftext|>"),
+            max_position_embeddings=4096,
+        ),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=[32, 32],
+            patch_size=[8, 8],
+        ),
+        image_token_id=ids("<IMG_CONTEXT>"),
+        image_seq_length=4,  # (32 / 8)^2 patches, pixel-shuffled by 0.5 a side
+        downsample_ratio=0.5,
+    )
+    torch.manual_seed(0)
+    model = InternVLForConditionalGeneration(config)
+    _finish(model, tokenizer)
+    size = {"height": 32, "width": 32}
+    processor = InternVLProcessor(
+        image_processor=GotOcr2ImageProcessor(size=size, crop_to_patches=True, max_patches=2),
+        tokenizer=tokenizer,
+        video_processor=InternVLVideoProcessor(size=size),
+        image_seq_length=4,
+        chat_template=INTERNVL_TEMPLATE,
+    )
+    return _save(path, model, processor)
+
+
 def _finish(model, tokenizer) -> None:
     ids = tokenizer.convert_tokens_to_ids
     model.generation_config.eos_token_id = ids(tokenizer.eos_token)
@@ -163,7 +256,7 @@ def _save(path: Path, model, processor) -> Path:
     return path
 
 
-BUILDERS = {"mistral3": build_mistral3, "llava": build_llava}
+BUILDERS = {"mistral3": build_mistral3, "llava": build_llava, "internvl": build_internvl}
 
 
 def build(kind: str, path: Path) -> Path:

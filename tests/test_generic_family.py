@@ -76,13 +76,18 @@ def llava(tmp_path_factory) -> Path:
     return build("llava", tmp_path_factory.mktemp("ckpt") / "llava")
 
 
-@pytest.mark.parametrize("kind", ["mistral3", "llava"])
+@pytest.fixture(scope="module")
+def internvl(tmp_path_factory) -> Path:
+    return build("internvl", tmp_path_factory.mktemp("ckpt") / "internvl")
+
+
+@pytest.mark.parametrize("kind", ["mistral3", "llava", "internvl"])
 def test_labels_are_the_templates_assistant_spans(kind, request, mixed):
     """Every sample's trained positions are exactly those the template marks as the assistant's, through
     transformers' ``return_assistant_tokens_mask``: replies and their </s>, never the prompt, the image tokens the
     processor wrote ([IMG]/[IMG_BREAK]/[IMG_END]) or the turn markers. Mistral 3's template has no markers (vlft
-    splits it prefix by prefix; the oracle is the same template with markers added); LLaVA's has them (vlft cuts at
-    its spans)."""
+    splits it prefix by prefix; the oracle is the same template with markers added), nor has InternVL 3's (tiles of
+    <img><IMG_CONTEXT>...</img>); LLaVA's has them (vlft cuts at its spans)."""
     from vlft.data.encoding import SampleEncoder
     from vlft.data.records import IGNORE_INDEX, read_records
     from vlft.models.loading import load_processor, model_config_and_family
