@@ -59,6 +59,21 @@ def _chat_messages(turns: list[Turn]) -> list[dict]:
     return messages
 
 
+def _on_token_bounds(tokenizer, text: str, spans: list) -> list[tuple[int, int]]:
+    """Each (start, end) character span widened to the tokens of ``text`` it overlaps, as transformers' assistant
+    mask counts a token (a reply's first word may carry the space before it: byte-level BPE's " hole"), so the
+    pieces split where the whole render's tokens do."""
+    try:
+        offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    except (NotImplementedError, ValueError, TypeError):  # a slow tokenizer has no offsets: the spans as they are
+        return [tuple(span) for span in spans]
+    out = []
+    for start, end in spans:
+        inside = [(a, b) for a, b in offsets if a < end and b > start]
+        out.append((min(start, inside[0][0]), max(end, inside[-1][1])) if inside else (start, end))
+    return out
+
+
 class SampleEncoder:
     """Turns a Record into model inputs with assistant-only labels.
 
@@ -126,7 +141,7 @@ class SampleEncoder:
             raise _NotPrefix
         pieces: list[tuple[str, bool]] = []
         done = 0
-        for (start, end), turn in zip(spans, replies):
+        for (start, end), turn in zip(_on_token_bounds(self.tokenizer, full, spans), replies):
             if self.eos_text and not full[start:end].endswith(self.eos_text) and full.startswith(self.eos_text, end):
                 end += len(self.eos_text)
             pieces += [(full[done:start], False), (full[start:end], turn.trained)]
