@@ -129,7 +129,6 @@ def test_the_run_trains_the_generic_family_and_the_plan_says_what_it_found(run):
     for found in ("model.vision_tower", "model.multi_modal_projector", "model.language_model.layers", "[IMG]"):
         assert found in fam["description"], fam["description"]
     assert "[IMG_BREAK]" in fam["description"] and "no generation markers" in fam["description"]
-    assert not plan["packing"]["enabled"] and "generic family cannot pack" in plan["packing"]["reason"]
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in logged if "loss" in m] == [1, 2, 3]
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in logged if "loss" in m)
@@ -181,8 +180,10 @@ def test_a_second_model_type_is_read_and_planned(llava, mixed):
 
 
 def test_a_checkpoint_it_cannot_read_is_refused_naming_what_is_missing(mistral3, mixed, tmp_path):
-    """No chat template, then no processor at all: refused before any step, naming the part; a model type
-    transformers does not map to image-text-to-text is left to the usual error."""
+    """No chat template, then no processor at all: refused before any step, naming the part; and packing, which
+    the generic family does not claim, refused with its reason."""
+    code, output = cli_invoke("run", "--model", mistral3, "--data", mixed[0], "--dry-run", "--packing", "on")
+    assert code != 0 and "the generic family cannot pack: whether its text model takes 1-D positions" in output
     bare = tmp_path / "no-template"
     shutil.copytree(mistral3, bare)
     for name in ("chat_template.jinja", "chat_template.json"):
