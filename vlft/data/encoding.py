@@ -127,6 +127,7 @@ class SampleEncoder:
         template = getattr(self.processor, "chat_template", None)
         if not isinstance(template, str) or not _GENERATION.search(template):
             raise _NotPrefix
+        # transformers' own renderer, loaded only for a marked template: it returns the marked character spans
         from transformers.utils.chat_template_utils import render_jinja_template
 
         rendered, spans = render_jinja_template(
