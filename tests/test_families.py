@@ -205,13 +205,15 @@ def test_expert_lora_on_the_tiny_moe_trains_the_experts_and_never_the_router(sma
 
 
 def test_an_unknown_model_type_names_the_installed_families_and_how_to_add_one(tmp_path):
+    """A model type no family owns and no reader takes (the generic family reads image-text-to-text types only)."""
     from vlft.models.loading import load_model_config
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(ConfigError) as e:
         load_model_config(str(tmp_path), installed())
     text = str(e.value)
-    assert "'llava'" in text and "qwen3-vl" in text and "qwen2.5-vl" in text and "vlft_model_families" in text
+    assert "'bert'" in text and "qwen3-vl" in text and "qwen2.5-vl" in text and "vlft_model_families" in text
+    assert "no family reader takes it (generic: any model_type" in text
 
 
 def test_multi_turn_qwen3_5_records_split_at_each_reply():

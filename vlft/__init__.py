@@ -34,6 +34,7 @@ from vlft.contracts.backend import (
 from vlft.contracts.family import (
     Chat,
     Experts,
+    FamilyReader,
     ImageInputs,
     Kernels,
     Media,
@@ -99,6 +100,7 @@ __all__ = [
     "DistributedOptions",
     "DoctorCheck",
     "Experts",
+    "FamilyReader",
     "ImageInputs",
     "KernelPatch",
     "Kernels",

@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # annotations only: importing this module loads neither torch
         MemoryStats,
         ProbeResult,
     )
-    from vlft.contracts.family import ModelFamily
+    from vlft.contracts.family import FamilyReader, ModelFamily
     from vlft.contracts.method import AdapterDefaults, MethodInfo
     from vlft.contracts.objective import Objective, ObjectiveInfo, Reward
     from vlft.contracts.scorer import Scorer
@@ -85,6 +85,18 @@ def vlft_model_families() -> list[ModelFamily]:
     ``config.model_type`` (asked once at plan time, kept in the ``RunPlan``), the error for one no family
     owns naming them all. Plugins are asked last-registered first: a plugin takes over a family another
     offers (the same name, or the same model type) by registering after it or with ``tryfirst=True``.
+    """
+    ...
+
+
+@hookspec
+def vlft_family_readers() -> list[FamilyReader]:
+    """Return a list of ``FamilyReader`` for the checkpoints this plugin reads a family from itself.
+
+    Asked at plan time only for a checkpoint whose ``model_type`` no offered ``ModelFamily`` owns (so a family
+    plugin always overrides a reader): each reader's ``read(model_config, path)`` in turn, last-registered
+    plugin first; the first family read is the checkpoint's, kept in the ``RunPlan``. ``vlft plugins`` lists
+    the readers.
     """
     ...
 

@@ -1,5 +1,5 @@
 """vlft_models: the built-in model-family plugins (Qwen2-VL, Qwen2.5-VL, Qwen3-VL dense and MoE, Qwen3.5
-dense and MoE, SmolVLM / SmolVLM2 and Idefics3, LLaVA-OneVision, GLM-4.1V and GLM-4.6V, Gemma 4), registered as entry point ``models = "vlft_models"`` in group "vlft" (package-dir
+dense and MoE, SmolVLM / SmolVLM2 and Idefics3, LLaVA-OneVision, GLM-4.1V and GLM-4.6V, Gemma 4), and the generic family read from any other image-text-to-text checkpoint (generic.py), registered as entry point ``models = "vlft_models"`` in group "vlft" (package-dir
 ``vlft_models = "plugins/models"``). NOTES.md has the facts and traps per family.
 
 Importing this package imports neither torch nor transformers.
@@ -58,6 +58,15 @@ def bundled_config_dir(name: str) -> Path | None:
 def vlft_model_families():
     """All families this plugin offers (for `vlft plugins` and the unknown-model_type error)."""
     return list(_families())
+
+
+@hookimpl
+def vlft_family_readers():
+    """The generic family, read from any checkpoint transformers maps to AutoModelForImageTextToText that no
+    family here (or in another plugin) owns."""
+    from .generic import READER
+
+    return [READER]
 
 
 @hookimpl

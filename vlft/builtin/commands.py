@@ -119,7 +119,7 @@ def plugins(as_json):
         bundled_by_family,
         bundled_names,
     )
-    from vlft.models.families import offered_families
+    from vlft.models.families import family_readers, offered_families
 
     registry = get_registry()
     families, family_problems = offered_families(registry)  # a plugin whose families fail is listed broken
@@ -176,6 +176,9 @@ def plugins(as_json):
             }
             for f in families
         ],
+        "family_readers": [
+            {"name": r.name, "description": r.description, "plugin": plugin} for plugin, r in family_readers(registry)
+        ],
         "bundled_configs": bundled_names(registry),
         "scorers": [
             {"name": c.name, "description": c.description, "plugin": registry.owners[("scorer", c.name)]}
@@ -215,6 +218,8 @@ def plugins(as_json):
             f"  {f['name']:<{names}} {', '.join(f['model_types']):<{types}} boxes {f['box_coordinates']:<14} "
             f"{f['description']} (plugin {f['plugin']})"
         )
+    for r in data["family_readers"]:
+        click.echo(f"  any other model_type: {r['name']} family, {r['description']} (plugin {r['plugin']})")
     click.echo("bundled configs (--model NAME --dry-run plans offline): " + ", ".join(data["bundled_configs"]))
     if registry.broken or family_problems:
         click.echo(f"(block a broken plugin with {DISABLE_ENV}=name)")

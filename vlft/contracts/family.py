@@ -555,3 +555,23 @@ class VisionWarmup:
     module: Any
     method: str
     inputs: dict
+
+
+@contract
+@dataclass(frozen=True)
+class FamilyReader:
+    """A family read from a checkpoint itself (``vlft_family_readers``), for a ``model_type`` no plugin's
+    ``ModelFamily`` owns: asked at plan time with the checkpoint's config and folder, after every offered
+    family declined it."""
+
+    name: str = field(metadata={"help": "Short name, as `vlft plugins` lists it, e.g. 'generic'."})
+    description: str = field(metadata={"help": "One line for `vlft plugins`: which checkpoints it reads."})
+    read: Callable[..., Any] = field(
+        compare=False,
+        metadata={
+            "help": "read(model_config, path: str | None) -> ModelFamily or None: the family of this checkpoint, "
+            "its towers and targets found in the model's module tree and its chat conventions in the processor "
+            "at `path` (None: a model already loaded, no folder to read), or None where the checkpoint is not one "
+            "it reads. It raises vlft.ConfigError naming what it could not find in a checkpoint it should read."
+        },
+    )

@@ -1,7 +1,8 @@
 """From a validated record to model inputs: chat-template rendering, assistant-only labels, image
 tensors (lengths: ``data.lengths``; batches: ``data.batching``).
 
-Labels: only assistant replies count in the loss. The mask comes from
+Labels: only assistant replies count in the loss. Where the chat template marks
+them (``{% generation %}``), the mask is its spans; otherwise it comes from
 rendering the conversation prefix by prefix with the processor's own chat
 template and tokenising the pieces, so it needs no token ids of any
 particular tokenizer. Templates that render earlier turns differently once
@@ -38,6 +39,7 @@ class _NotPrefix(Exception):
     """The template does not render the conversation prefix by prefix."""
 
 
+_GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")  # a template's assistant-span markers
 _PLACEHOLDERS = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|<video>)")
 
 
@@ -55,6 +57,21 @@ def _chat_messages(turns: list[Turn]) -> list[dict]:
                 parts.append({"type": "text", "text": chunk})
         messages.append({"role": t.role, "content": parts})
     return messages
+
+
+def _on_token_bounds(tokenizer, text: str, spans: list) -> list[tuple[int, int]]:
+    """Each (start, end) character span widened to the tokens of ``text`` it overlaps, as transformers' assistant
+    mask counts a token (a reply's first word may carry the space before it: byte-level BPE's " hole"), so the
+    pieces split where the whole render's tokens do."""
+    try:
+        offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    except (NotImplementedError, ValueError, TypeError):  # a slow tokenizer has no offsets: the spans as they are
+        return [tuple(span) for span in spans]
+    out = []
+    for start, end in spans:
+        inside = [(a, b) for a, b in offsets if a < end and b > start]
+        out.append((min(start, inside[0][0]), max(end, inside[-1][1])) if inside else (start, end))
+    return out
 
 
 class SampleEncoder:
@@ -91,11 +108,47 @@ class SampleEncoder:
         )
 
     def pieces(self, turns: list[Turn], where: str = "") -> list[tuple[str, bool]]:
-        """The rendered conversation as (text, trained) pieces, in order."""
+        """The rendered conversation as (text, trained) pieces, in order: the template's own assistant spans where
+        it marks them with ``{% generation %}``, else prefix by prefix."""
+        try:
+            return self._pieces_from_markers(turns)
+        except _NotPrefix:
+            pass
         try:
             return self._pieces_by_prefix(turns)
         except _NotPrefix:
             return self._pieces_from_whole(turns, where)
+
+    def _pieces_from_markers(self, turns: list[Turn]) -> list[tuple[str, bool]]:
+        """One render of the whole conversation cut at the spans the template marks as the assistant's (transformers'
+        ``return_assistant_tokens_mask`` reads the same), one per reply, each trained with its reply-end token where
+        the template writes it right after the span. _NotPrefix where the template has no markers, or its render
+        or its span count differs from what the other methods see."""
+        template = getattr(self.processor, "chat_template", None)
+        if not isinstance(template, str) or not _GENERATION.search(template):
+            raise _NotPrefix
+        # transformers' own renderer, loaded only for a marked template: it returns the marked character spans
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        rendered, spans = render_jinja_template(
+            [_chat_messages(turns)],
+            chat_template=template,
+            return_assistant_tokens_mask=True,
+            **{**self.tokenizer.special_tokens_map, **self.template_kwargs},
+        )
+        full, spans = rendered[0], sorted(spans[0])
+        replies = [t for t in turns if t.role == "assistant"]
+        if full != self.render(turns, add_generation_prompt=False) or len(spans) != len(replies):
+            raise _NotPrefix
+        pieces: list[tuple[str, bool]] = []
+        done = 0
+        for (start, end), turn in zip(_on_token_bounds(self.tokenizer, full, spans), replies):
+            if self.eos_text and not full[start:end].endswith(self.eos_text) and full.startswith(self.eos_text, end):
+                end += len(self.eos_text)
+            pieces += [(full[done:start], False), (full[start:end], turn.trained)]
+            done = end
+        pieces.append((full[done:], False))
+        return [p for p in pieces if p[0]]
 
     def _pieces_from_whole(self, turns: list[Turn], where: str) -> list[tuple[str, bool]]:
         """One render of the whole conversation; each reply from where the render up to its generation prompt

@@ -9,6 +9,7 @@ from __future__ import annotations
 from functools import partial
 
 from vlft.contracts.family import ImageInputs, Media, Written
+from vlft.data.batching import join_images
 from vlft.errors import DataError
 
 
@@ -29,7 +30,8 @@ def processor_image_inputs(
     (``processor(text=, images=)``, e.g. Gemma 3's ``<start_of_image><image_soft_token>*N<end_of_image>``): the
     processor is called once per rendered piece with that piece's images (those of its ``processor.image_token``
     placeholders), and the outputs ``batch_inputs`` names are kept: 'sequence' ones laid end to end over the
-    pieces (0 where a piece has none), 'concat' ones joined along dim 0. Measuring processes blank images of
+    pieces (0 where a piece has none), 'concat' ones joined along dim 0 ('concat_padded' ones padded first, as a
+    batch joins them). Measuring processes blank images of
     the recorded sizes (no pixels decoded). ``grid(height, width, max_pixels)``, where given, is each image's patch
     grid (the processor writes none): the memory plan counts its patches and, with ``trace``, traces the tower;
     without it the plan says it counted no vision activations.
@@ -76,7 +78,7 @@ def _processor_write(wanted: dict, grid, reshape, image_grids, processor, texts:
     placeholder = processor.image_token or ""
     ids_per_text: list[list[int]] = []
     sequences: dict[str, list] = {k: [] for k, how in wanted.items() if how == "sequence"}
-    stacked: dict[str, list] = {k: [] for k, how in wanted.items() if how == "concat"}
+    stacked: dict[str, list] = {k: [] for k, how in wanted.items() if how in ("concat", "concat_padded")}
     for k, text in enumerate(texts):
         n = text.count(placeholder) if placeholder else 0
         if n > len(left):
@@ -98,7 +100,8 @@ def _processor_write(wanted: dict, grid, reshape, image_grids, processor, texts:
                 parts.append(reshape(key, out[key]) if reshape is not None else out[key])
     if left:
         raise DataError(f"{where}: {len(left)} image(s) have no placeholder in the rendered conversation")
-    extra = {key: torch.cat(parts) for key, parts in (*sequences.items(), *stacked.items()) if parts}
+    extra = {key: torch.cat(parts) for key, parts in sequences.items() if parts}
+    extra.update({key: join_images(parts, wanted[key]) for key, parts in stacked.items() if parts})
     if image_grids is not None:
         grids = [tuple(g) for g in image_grids(processor, [img.size for img in prepared[0]], max_pixels)]
     elif grid is not None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from vlft.contracts.family import BATCH_JOINS, CAPABILITIES, FAMILY_TOWERS, GROUPS, ModelFamily
-from vlft.errors import ConfigError, PluginError
+from vlft.errors import ConfigError, PluginError, call_plugin
 
 EMBEDDED_PREFIX = "embedded:"
 
@@ -168,17 +168,46 @@ def how_to_add() -> str:
     )
 
 
-def resolve_family(registry, model_config, where: str = "") -> ModelFamily:
-    """The family that owns ``model_config.model_type`` (the first installed one that lists it): asked once,
-    at plan time."""
+def family_readers(registry) -> list[tuple[str, Any]]:
+    """(plugin, ``FamilyReader``) of every reader the installed plugins offer, in the order they are asked."""
+    from vlft.contracts.family import FamilyReader
+
+    out = []
+    for impl in reversed(registry.hook.vlft_family_readers.get_hookimpls()):
+        for reader in impl.function() or []:
+            if not isinstance(reader, FamilyReader):
+                raise PluginError(
+                    f"plugin {impl.plugin_name}, vlft_family_readers: answered a {type(reader).__name__}, "
+                    "not a vlft.FamilyReader"
+                )
+            out.append((impl.plugin_name, reader))
+    return out
+
+
+def read_family(registry, model_config, path: str | None) -> ModelFamily | None:
+    """The family the first reader that takes the checkpoint reads from it (checked like an offered one), or
+    None where none takes it. A reader's ConfigError (what it could not find) passes as it is."""
+    for plugin, reader in family_readers(registry):
+        fam = call_plugin(f"reader '{reader.name}' (plugin {plugin})", "read", reader.read, model_config, path)
+        if fam is not None:
+            return loaded_family(fam, plugin)
+    return None
+
+
+def resolve_family(registry, model_config, where: str = "", path: str | None = None) -> ModelFamily:
+    """The family that owns ``model_config.model_type`` (the first installed one that lists it), else the one a
+    family reader reads from the checkpoint at ``path``: asked once, at plan time."""
     model_type = getattr(model_config, "model_type", None)
     families = installed_families(registry)
-    fam = next((f for f in families if f.owns(model_type)), None)
+    fam = next((f for f in families if f.owns(model_type)), None) or read_family(registry, model_config, path)
     if fam is None:
         names = [f"{f.name} ({', '.join(f.model_types)})" for f in families]
+        readers = [f"{r.name}: {r.description}" for _, r in family_readers(registry)]
         raise ConfigError(
             f"{where + ' is ' if where else ''}a '{model_type}' model, which is not a model family vlft knows: "
-            f"installed families: {'; '.join(names) or 'none'}. To train it, {how_to_add()}"
+            f"installed families: {'; '.join(names) or 'none'}"
+            + (f"; and no family reader takes it ({'; '.join(readers)})" if readers else "")
+            + f". To train it, {how_to_add()}"
             + (
                 f" (plugins that failed to load: {', '.join(sorted(registry.broken))}; see `vlft plugins`)"
                 if registry.broken
@@ -382,7 +411,7 @@ def count_parameters(model, family: ModelFamily) -> dict[str, int]:
 def family_of_model(model, registry) -> ModelFamily:
     """The family of a loaded (or meta) model among ``registry``'s, for helpers called outside a plan (tests,
     bench scripts); a run passes the plan's family instead."""
-    return resolve_family(registry, base_model(model).config)
+    return resolve_family(registry, base_model(model).config)  # no folder: a reader reads the config alone
 
 
 def family_load_kwargs(family, param_dtype: str) -> dict:

@@ -66,14 +66,14 @@ def read_model_config(path: str):
 def load_model_config(path: str, registry):
     """The checkpoint's config, refused unless an installed model family owns its ``model_type``."""
     config = read_model_config(path)
-    resolve_family(registry, config, where=str(path))
+    resolve_family(registry, config, where=str(path), path=path)
     return config
 
 
 def model_config_and_family(path: str, registry):
     """(config, ModelFamily) of a checkpoint: the family asked for once, here."""
     config = read_model_config(path)
-    return config, resolve_family(registry, config, where=str(path))
+    return config, resolve_family(registry, config, where=str(path), path=path)
 
 
 def load_processor(path: str, family, registry):

@@ -142,6 +142,7 @@ class RunPlan:
             "model": self.model_path,
             "model_family": {
                 "name": self.family.name,
+                "description": self.family.description,
                 "model_types": list(self.family.model_types),
                 "box_coordinates": self.family.chat.box_coordinates,
                 "parameters": self.model_counts,
@@ -529,7 +530,10 @@ def _family_lines(fam: dict | None) -> list[str]:
         if c
         else ""
     )
-    return [f"family       {fam['name']} ({', '.join(fam['model_types'])}){counts}; boxes {fam['box_coordinates']}"]
+    return [
+        f"family       {fam['name']} ({', '.join(fam['model_types'])}){counts}; boxes {fam['box_coordinates']}",
+        *([f"             {fam['description']}"] if fam.get("description") else []),
+    ]
 
 
 def _optimizer_lines(opt: dict | None) -> list[str]:

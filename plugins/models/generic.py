@@ -1,0 +1,393 @@
+"""The generic family: read from a checkpoint whose ``model_type`` no family plugin owns, where transformers maps
+it to ``AutoModelForImageTextToText`` (``vlft_family_readers``).
+
+What a built-in family declares by hand is read from the checkpoint instead:
+
+- the module tree, built on the meta device from the config (no weights read): the text model (a module named
+  ``language_model`` or ``text_model``) and its decoder layers (its longest ModuleList), the vision tower
+  (``vision_tower``, ``visual``, ``vision_model``, ...) and its blocks (its longest ModuleList), the projector
+  (``multi_modal_projector``, ``mm_projector``, ``connector``, ...; ``--train-merger`` trains it), the head;
+- the targets: every nn.Linear of a decoder layer under an attention module (a step of its path holding
+  "attn" or "attention") or an MLP ("mlp", "feed_forward", "ffn"), likewise in the vision blocks; fused or
+  listed experts and routers are left out (a MoE checkpoint trains its attention and shared MLP only);
+- the processor (``AutoProcessor``; the tokenizer's chat template where the processor has none): its image
+  placeholder (``processor.image_token``), which the processor expands itself (tiles, row breaks, boundaries:
+  they all lie in the prompt pieces, out of the loss), the model inputs it returns for an image (each kept:
+  per-token ones laid end to end, pixel tensors padded to the batch's largest, the rest joined), and, from a
+  probe conversation, the token that closes an assistant reply and whether the template marks replies with
+  ``{% generation %}``.
+
+Labels: the core trains the spans the template marks with ``{% generation %}``, else renders each turn's prefix
+with the checkpoint's template and trains the assistant pieces; this family then checks every sample token for
+token: the pieces' ids laid end to end must equal the ids of the whole render through the processor, or the
+sample is refused (a template whose turn boundary splits a token would otherwise train the wrong positions).
+
+What it does not do yet, and says so: packing (refused: whether the text model keeps packed samples apart is
+not read from the checkpoint), video, ``--max-pixels`` (the processor sizes every image itself), the memory
+plan's vision count and trace (no grid: the plan says it counted no vision activations).
+
+A checkpoint it cannot read is refused with a ConfigError naming what it could not find.
+
+Imports inside functions: torch and transformers load only when a checkpoint is read.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import replace
+from typing import Any
+
+from vlft import Chat, FamilyReader, ModelFamily, Packing, Targets, Towers
+
+NAME = "generic"
+TEXT_NAMES = ("language_model", "text_model")
+VISION_NAMES = ("vision_tower", "visual", "vision_model", "vision_encoder", "image_encoder", "vision")
+PROJECTOR_NAMES = (
+    "multi_modal_projector",
+    "mm_projector",
+    "connector",
+    "projector",
+    "vision_projector",
+    "merger",
+    "mlp1",
+    "visual_projection",
+)
+BLOCK_LISTS = ("layers", "layer", "blocks", "h")
+ATTENTION_STEPS = ("attn", "attention")
+MLP_STEPS = ("mlp", "feed_forward", "ffn")
+PROBE_SIZE = (64, 64)  # the blank image of the probe conversation and of the vision warm-up
+PROBE_REPLY = "probe reply"
+GENERATION_MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
+PACKING_REFUSAL = (
+    "whether its text model takes 1-D positions and keeps packed samples apart is not read from the checkpoint "
+    "yet (a family plugin for the model type can declare it)"
+)
+
+_READ: dict[tuple, ModelFamily] = {}  # (folder, model_type) -> its family: read once per process
+
+
+def _refuse(model_type: str, what: str):
+    from vlft import ConfigError
+
+    return ConfigError(f"the {NAME} family cannot read this '{model_type}' checkpoint: {what}")
+
+
+# --- the module tree --------------------------------------------------------------------------------------------
+
+
+def _meta_model(model_config):
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    with torch.device("meta"):
+        return AutoModelForImageTextToText.from_config(model_config)
+
+
+def _named(modules: dict, names: tuple[str, ...], outside: str = "") -> str:
+    """The shortest module path whose last step is one of ``names`` (earlier names first), not under ``outside``."""
+    for name in names:
+        found = [
+            p
+            for p in modules
+            if p.rsplit(".", 1)[-1] == name and not (outside and (p == outside or p.startswith(outside + ".")))
+        ]
+        if found:
+            return min(found, key=lambda p: (p.count("."), len(p)))
+    return ""
+
+
+def _longest_list(modules: dict, under: str) -> str:
+    """The ModuleList of blocks under ``under``: the longest one named like a block list (the shallowest on ties)."""
+    import torch
+
+    lists = [
+        (len(m), -p.count("."), p)
+        for p, m in modules.items()
+        if p.startswith(under + ".")
+        and isinstance(m, torch.nn.ModuleList)
+        and len(m)
+        and p.rsplit(".", 1)[-1] in BLOCK_LISTS
+    ]
+    return max(lists)[2] if lists else ""
+
+
+def _linear_names(blocks) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(attention, MLP) nn.Linear paths relative to a block, over every block (hybrid layers differ); experts
+    and routers left out."""
+    import torch
+
+    attention: list[str] = []
+    mlp: list[str] = []
+    for block in blocks:
+        for rel, m in block.named_modules():
+            if not isinstance(m, torch.nn.Linear) or "expert" in rel or rel.endswith((".gate", "router")):
+                continue
+            steps = rel.split(".")[:-1]
+            if any(s in step for step in steps for s in ATTENTION_STEPS):
+                attention.append(rel)
+            elif any(s in step for step in steps for s in MLP_STEPS):
+                mlp.append(rel)
+    return tuple(dict.fromkeys(attention)), tuple(dict.fromkeys(mlp))
+
+
+def _towers(model, model_type: str) -> tuple[Towers, Targets, dict]:
+    """Towers and targets from the module tree, and what was found (for the description)."""
+    modules = dict(model.named_modules())
+    text = _named(modules, TEXT_NAMES)
+    if not text:
+        raise _refuse(model_type, f"no text model (a module named {' or '.join(TEXT_NAMES)}) in {_top(model)}")
+    layers = _longest_list(modules, text)
+    if not layers:
+        raise _refuse(model_type, f"no decoder layers (a ModuleList named {'/'.join(BLOCK_LISTS)}) under {text}")
+    vision = _named(modules, VISION_NAMES, outside=text)
+    if not vision:
+        raise _refuse(model_type, f"no vision tower (a module named {', '.join(VISION_NAMES)}) in {_top(model)}")
+    blocks = _longest_list(modules, vision)
+    if not blocks:
+        raise _refuse(model_type, f"no vision blocks (a ModuleList named {'/'.join(BLOCK_LISTS)}) under {vision}")
+    if "lm_head" not in modules:
+        raise _refuse(model_type, f"no output head 'lm_head' in {_top(model)}")
+    projector = _named(modules, PROJECTOR_NAMES, outside=text)
+    text_attention, text_mlp = _linear_names(modules[layers])
+    if not text_attention:
+        raise _refuse(model_type, f"no attention nn.Linear modules in the decoder layers {layers}")
+    vision_attention, vision_mlp = _linear_names(modules[blocks])
+    towers = Towers(
+        vision=vision,
+        vision_blocks=blocks,
+        vision_mergers=(projector,) if projector else (),
+        decoder_layers=layers,
+        lm_head="lm_head",
+    )
+    targets = Targets(
+        vision_attention=vision_attention,
+        vision_mlp=vision_mlp,
+        text_attention=text_attention,
+        text_mlp=text_mlp,
+        default="both",
+    )
+    found = {
+        "vision": f"{vision} ({len(modules[blocks])} blocks in {blocks})",
+        "projector": projector or "none found (--train-merger has none to train)",
+        "text": f"{layers} ({len(modules[layers])} layers)",
+        "targets": f"text {', '.join(text_attention + text_mlp)}; vision {', '.join(vision_attention + vision_mlp)}",
+    }
+    return towers, targets, found
+
+
+def _top(model) -> str:
+    return f"{type(model).__name__} (top modules: {', '.join(n for n, _ in model.named_children())})"
+
+
+# --- the processor ----------------------------------------------------------------------------------------------
+
+
+def load_processor(path: str):
+    """AutoProcessor, given the tokenizer's chat template where the processor itself has none (older
+    checkpoints keep it in tokenizer_config.json only)."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(path)
+    template = getattr(getattr(processor, "tokenizer", None), "chat_template", None)
+    if getattr(processor, "chat_template", None) is None and template:
+        processor.chat_template = template
+    return processor
+
+
+def _probe_messages(reply: bool) -> list[dict]:
+    user = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the product."}]}
+    assistant = {"role": "assistant", "content": [{"type": "text", "text": PROBE_REPLY}]}
+    return [user, assistant] if reply else [user]
+
+
+def _reply_end(processor, full: str) -> str:
+    """The first special token the template writes after a reply (the probe's): where a reply ends."""
+    tokenizer = processor.tokenizer
+    at = full.rfind(PROBE_REPLY)
+    after = full[at + len(PROBE_REPLY) :] if at >= 0 else ""
+    specials = {str(t) for t in tokenizer.all_special_tokens} | {
+        str(t.content) for t in tokenizer.added_tokens_decoder.values() if t.special
+    }
+    hits = [(after.find(t), -len(t), t) for t in specials if t and t in after]
+    return min(hits)[2] if hits else ""
+
+
+def _join(value, length: int) -> str:
+    """How a batch joins one processor output: per token, padded pixels, or joined as it is."""
+    if value.dim() == 2 and value.shape[0] == 1 and value.shape[1] == length:
+        return "sequence"
+    return "concat_padded" if value.dim() >= 3 else "concat"
+
+
+def _read_processor(path: str, model_type: str) -> tuple[Any, dict, dict]:
+    """The processor's conventions from a probe conversation (one blank image, one reply): (processor,
+    {model input: how a batch joins it}, the image inputs for the vision warm-up), and what was found."""
+    import torch
+    from PIL import Image
+
+    try:
+        processor = load_processor(path)
+    except Exception as e:  # noqa: BLE001 - any loader failure is the checkpoint's missing part
+        raise _refuse(model_type, f"its processor does not load from {path} ({type(e).__name__}: {e})") from None
+    if getattr(processor, "tokenizer", None) is None or getattr(processor, "image_processor", None) is None:
+        raise _refuse(model_type, f"its processor ({type(processor).__name__}) has no tokenizer and image processor")
+    token = getattr(processor, "image_token", None)
+    if not token:
+        raise _refuse(model_type, f"its processor ({type(processor).__name__}) names no image_token")
+    template = processor.chat_template
+    if not isinstance(template, str) or not template:
+        raise _refuse(
+            model_type,
+            "it has no chat template (chat_template.jinja, or chat_template in processor_config.json or "
+            "tokenizer_config.json); add the model's template there",
+        )
+    try:
+        prompt = processor.apply_chat_template(_probe_messages(False), tokenize=False, add_generation_prompt=True)
+        full = processor.apply_chat_template(_probe_messages(True), tokenize=False)
+        out = processor(text=[prompt], images=[[Image.new("RGB", PROBE_SIZE)]], return_tensors="pt")
+    except Exception as e:  # noqa: BLE001 - the template or the processor failing on a plain conversation
+        raise _refuse(
+            model_type, f"its processor cannot encode a one-image conversation ({type(e).__name__}: {e})"
+        ) from None
+    if token not in prompt:
+        raise _refuse(model_type, f"its chat template writes no image placeholder {token!r} for an image part")
+    length = int(out["input_ids"].shape[-1])
+    joins = {
+        k: _join(v, length) for k, v in out.items() if k not in ("input_ids", "attention_mask") and torch.is_tensor(v)
+    }
+    pixels = "pixel_values" if "pixel_values" in joins else next((k for k in joins if k.startswith("pixel")), "")
+    if not pixels:
+        raise _refuse(model_type, f"its processor returns no pixel input for an image (it returns {sorted(out)})")
+    end = _reply_end(processor, full)
+    extra = [t for t in _image_token_strings(processor) if t != token]
+    found = {
+        "image token": token + (f" (expanded with {', '.join(extra)})" if extra else ""),
+        "template": "{% generation %} markers (their spans train)"
+        if GENERATION_MARKER.search(template)
+        else "no generation markers (each turn's rendered prefix, checked token for token)",
+        "reply end": end or "none after a reply (the reply trains to the next turn)",
+        "inputs": ", ".join(f"{k} ({v})" for k, v in joins.items()),
+    }
+    warmup = {k: v for k, v in out.items() if joins.get(k) in ("concat", "concat_padded")}
+    return processor, {"joins": joins, "pixels": pixels, "end": end, "warmup": warmup}, found
+
+
+def _image_token_strings(processor) -> list[str]:
+    ids = getattr(processor, "image_token_ids", None)
+    if not isinstance(ids, (list, tuple)):
+        return []
+    return [str(processor.tokenizer.convert_ids_to_tokens(int(i))) for i in ids if i is not None]
+
+
+# --- image inputs: the processor writes the image tokens; every sample checked token for token ----------------
+
+
+def _image_inputs(joins: dict, pixels: str):
+    from vlft import processor_image_inputs
+
+    base = processor_image_inputs(joins, pixels=pixels)
+
+    def prepare(processor, media, max_pixels=None):
+        return base.prepare(processor, media, max_pixels), media
+
+    def write(processor, texts: list[str], prepared):
+        inner, media = prepared
+        written = base.write(processor, texts, inner)
+        _check_whole(processor, texts, media, [i for ids in written.ids for i in ids])
+        return written
+
+    return replace(base, prepare=prepare, write=write)
+
+
+def _check_whole(processor, texts: list[str], media, ids: list[int]) -> None:
+    """The pieces' ids laid end to end equal the whole render's, or the sample is refused: the labels follow
+    the pieces, so a turn boundary inside a token would train the wrong positions."""
+    from PIL import Image
+
+    from vlft import DataError
+
+    images = media.images if media.images is not None else [Image.new("RGB", s) for s in media.sizes]
+    whole = processor(text=["".join(texts)], images=[images] if images else None, return_tensors="pt")
+    expected = whole["input_ids"][0].tolist()
+    if expected != ids:
+        at = next((i for i, (a, b) in enumerate(zip(expected, ids)) if a != b), min(len(expected), len(ids)))
+        raise DataError(
+            f"{media.where}: the {NAME} family: the conversation's turns tokenized one by one differ from the "
+            f"whole render at token {at} ({len(ids)} against {len(expected)} tokens): the chat template's turn "
+            "boundaries split a token, so the assistant-only labels would be misplaced"
+        )
+
+
+def vision_dummy(model, modality: str, warmup: dict | None = None):
+    """The probe's blank image through the innermost ``get_image_features`` (the inputs it names), so a batch
+    without an image runs the tower too. None for video (the generic family takes none)."""
+    from vlft import VisionWarmup
+
+    if modality != "image" or not warmup:
+        return None
+    inner = None
+    for module in model.modules():
+        if hasattr(module, "get_image_features") and hasattr(module, "get_input_embeddings"):
+            inner = module  # the innermost (the ForConditionalGeneration delegates to it)
+    if inner is None:
+        return None
+    names = inspect.signature(inner.get_image_features).parameters
+    return VisionWarmup(inner, "get_image_features", {k: v for k, v in warmup.items() if k in names})
+
+
+# --- the reader -------------------------------------------------------------------------------------------------
+
+
+def _maps_to_image_text_to_text(model_type: str) -> bool:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+
+def read(model_config, path: str | None) -> ModelFamily | None:
+    """The family of a checkpoint of a ``model_type`` transformers maps to AutoModelForImageTextToText (None for
+    any other), read once per folder."""
+    from functools import partial
+
+    model_type = str(getattr(model_config, "model_type", "") or "")
+    if not _maps_to_image_text_to_text(model_type):
+        return None
+    key = (str(path), model_type)
+    if key in _READ:
+        return _READ[key]
+    try:
+        model = _meta_model(model_config)
+    except Exception as e:  # noqa: BLE001 - a config transformers cannot build a model from
+        raise _refuse(model_type, f"transformers cannot build its model ({type(e).__name__}: {e})") from None
+    towers, targets, found = _towers(model, model_type)
+    processor_class, chat, image_inputs, dummy = "", Chat(), None, None
+    if path is not None:
+        processor, conv, seen = _read_processor(path, model_type)
+        found.update(seen)
+        processor_class = type(processor).__name__
+        chat = Chat(processor_class=processor_class, load_processor=load_processor, reply_end_token=conv["end"])
+        image_inputs = _image_inputs(conv["joins"], conv["pixels"])
+        dummy = partial(vision_dummy, warmup=conv["warmup"])
+    description = f"{NAME} family, read from the checkpoint: " + "; ".join(f"{k} {v}" for k, v in found.items())
+    family = ModelFamily(
+        name=NAME,
+        model_types=(model_type,),
+        description=description,
+        towers=towers,
+        targets=targets,
+        chat=chat,
+        image_inputs=image_inputs,
+        packing=Packing(refusal=PACKING_REFUSAL),
+        vision_dummy=dummy,
+    )
+    _READ[key] = family
+    return family
+
+
+READER = FamilyReader(
+    name=NAME,
+    description="any model_type transformers maps to AutoModelForImageTextToText: towers, targets, image token "
+    "and chat template read from the checkpoint",
+    read=read,
+)
