@@ -61,6 +61,10 @@ RUN_OPTION_TESTS = {
     "--epochs": "test_run_options.py::test_training_options_take_effect_in_a_real_run",
     "--batch-size": "test_run.py::test_short_run_writes_adapter_metrics_and_eval",
     "--grad-accum": "parity/test_several_processes.py::test_sharded_gradient_accumulation_trains_as_one_process",
+    "--shard-loading": "parity/test_several_processes.py::"
+    "test_each_process_reading_its_own_shares_trains_as_rank_0_reading_them_all",
+    "--offload": "parity/test_several_processes.py::test_each_process_reading_its_own_shares_trains_as_rank_0_reading_them_all",
+    "--sequence-parallel": "test_sequence_parallel.py::test_a_long_video_record_refused_at_one_process_trains_split_over_two",
     "--packing": PACK + "test_two_data_parallel_processes_packed_train_as_one_padded_process",
     "--lr": "test_run.py::test_short_run_writes_adapter_metrics_and_eval",
     "--lr-vision": TOWERS,

@@ -9,7 +9,6 @@ from __future__ import annotations
 from functools import partial
 
 from vlft.contracts.family import ImageInputs, Media, Written
-from vlft.data.batching import join_images
 from vlft.errors import DataError
 
 
@@ -101,6 +100,8 @@ def _processor_write(wanted: dict, grid, reshape, image_grids, processor, texts:
     if left:
         raise DataError(f"{where}: {len(left)} image(s) have no placeholder in the rendered conversation")
     extra = {key: torch.cat(parts) for key, parts in sequences.items() if parts}
+    from vlft.data.batching import join_images  # torch's: loaded when a record is encoded (the module docstring)
+
     extra.update({key: join_images(parts, wanted[key]) for key, parts in stacked.items() if parts})
     if image_grids is not None:
         grids = [tuple(g) for g in image_grids(processor, [img.size for img in prepared[0]], max_pixels)]
