@@ -175,7 +175,7 @@ def test_ktos_loss_equals_trls_ktotrainer(setup, tmp_path):
     s, host = setup.s, setup.host
     desirable = host[OWN]["desirable"]
     assert 0 < int(desirable.sum()) < 4  # both kinds of record in the batch
-    batch = to_device(StepPasses(s.device)._positions(host), s.device)
+    batch = to_device(StepPasses(s.device).with_positions(host), s.device)
     with torch.no_grad():
         mine, figures = s.plan.objective.loss(s.model, batch, StepPasses(s.device, None, Reference(s.model)))
     mine = float(mine) / 4
