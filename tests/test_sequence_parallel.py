@@ -74,9 +74,15 @@ def _steps(out: Path) -> list[dict]:
 def _same_training(one: Path, split: Path) -> None:
     a, b = _steps(one), _steps(split)
     assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2]
+    # the split reorders fp32 sums only: the attention's softmax and matmuls over each head's whole row are the
+    # same products, but kernels block them by head count and length, and the gradients are summed over the group
+    # and averaged by DDP/FSDP in another order. The same bounds as every data-parallel comparison in the suite
+    # (parity/test_several_processes.py): a step's loss to 1e-5, its gradient norm (a sum of squares over every
+    # adapter weight, after the AdamW step's sensitivity) to 1e-4. A wrong split is far outside them: without the
+    # gather's gradient sum the norm halves.
     for x, y in zip(a, b):
-        assert y["loss"] == pytest.approx(x["loss"], rel=1e-6), (x, y)
-        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), (x, y)
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), (x, y)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4), (x, y)
     plan = json.loads((split / "plan.json").read_text())
     assert plan["sequence_parallel"] == {"size": 2, "heads_per_process": 2}
     assert plan["memory"]["sequence_split"] == 2
