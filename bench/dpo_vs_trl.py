@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as `python bench/<this>.py`
     sys.path.insert(1, str(REPO))
 
-from bench.support.versus import interleaved, options  # noqa: E402 - after the repository is on the path
+from bench.support.versus import interleaved, options, trl_messages, trl_model  # noqa: E402 - after the repository is on the path
 
 
 def vlft_stepper(objective: str, data, registry):
@@ -57,54 +57,17 @@ def trl_stepper(pairs, registry, folder: Path):
     from PIL import Image
     from trl import DPOConfig, DPOTrainer
 
-    from vlft.config import build_config
     from vlft.data.layouts import record_format
     from vlft.data.records import read_records
-    from vlft.models.loading import load_model
-    from vlft.planning.preflight import plan_run
 
-    config = build_config(
-        {},
-        dict(
-            backend="cpu",
-            objective="dpo",
-            data=str(pairs[0]),
-            val_data=str(pairs[1]),
-            output=tempfile.mkdtemp(),
-            steps=1,
-            batch_size=4,
-        ),
-    )
-    plan = plan_run(registry, config)
-    model = registry.first(
-        "vlft_apply_adapter",
-        method="lora",
-        model=load_model(plan.model_path, plan.attention, plan.precision, family=plan.family),
-        targets=plan.targets,
-        config=config,
-        target_parameters=[],
-        family=plan.family,
-    )
-
-    def messages(turns):
-        return [
-            {
-                "role": t.role,
-                "content": [
-                    {"type": "image"} if part == "<image>" else {"type": "text", "text": part}
-                    for part in t.text.replace("<image>", "\0<image>\0").split("\0")
-                    if part
-                ],
-            }
-            for t in turns
-        ]
+    plan, model = trl_model(registry, "dpo", pairs, batch_size=4)
 
     rows = [
         {
             "images": [Image.open(r.images[0]).convert("RGB")],
-            "prompt": messages(r.turns[:-1]),
-            "chosen": messages(r.turns[-1:]),
-            "rejected": messages(r.rejected[-1:]),
+            "prompt": trl_messages(r.turns[:-1]),
+            "chosen": trl_messages(r.turns[-1:]),
+            "rejected": trl_messages(r.rejected[-1:]),
         }
         for r in read_records(pairs[0], parse=record_format(plan.objective.layout).parse)
     ]

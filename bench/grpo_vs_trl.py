@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as `python bench/<this>.py`
     sys.path.insert(1, str(REPO))
 
-from bench.support.versus import interleaved, options  # noqa: E402 - after the repository is on the path
+from bench.support.versus import interleaved, options, trl_messages, trl_model  # noqa: E402 - after the repository is on the path
 
 G, PROMPTS, NEW_TOKENS, BETA = 4, 4, 16, 0.04
 
@@ -68,50 +68,17 @@ def trl_stepper(data, registry, folder: Path):
     from PIL import Image
     from trl import GRPOConfig, GRPOTrainer
 
-    from vlft.config import build_config
     from vlft.data.records import read_records
-    from vlft.models.loading import load_model
-    from vlft.planning.preflight import plan_run
     from vlft_scorers.fields import fields_score  # the fields reward vlft GRPO uses (a scorer, seen as a reward)
 
-    config = build_config(
-        {},
-        dict(
-            backend="cpu",
-            objective="grpo",
-            data=str(data[0]),
-            val_data=str(data[1]),
-            output=tempfile.mkdtemp(),
-            steps=1,
-            batch_size=PROMPTS,
-        ),
-    )
-    plan = plan_run(registry, config)
-    model = registry.first(
-        "vlft_apply_adapter",
-        method="lora",
-        model=load_model(plan.model_path, plan.attention, plan.precision, family=plan.family),
-        targets=plan.targets,
-        config=config,
-        target_parameters=[],
-        family=plan.family,
-    )
-
-    def messages(turns):
-        return [
-            {
-                "role": t.role,
-                "content": [
-                    {"type": "image"} if part == "<image>" else {"type": "text", "text": part}
-                    for part in t.text.replace("<image>", "\0<image>\0").split("\0")
-                    if part
-                ],
-            }
-            for t in turns
-        ]
+    plan, model = trl_model(registry, "grpo", data, batch_size=PROMPTS)
 
     rows = [
-        {"image": Image.open(r.images[0]).convert("RGB"), "prompt": messages(r.turns[:-1]), "reference": r.reference}
+        {
+            "image": Image.open(r.images[0]).convert("RGB"),
+            "prompt": trl_messages(r.turns[:-1]),
+            "reference": r.reference,
+        }
         for r in read_records(data[0])
     ]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from pathlib import Path
 
 
 @functools.cache
@@ -51,6 +52,22 @@ def run_flags(values: dict) -> list[str]:
         else:
             args += [f"--{key.replace('_', '-')}", str(value)]
     return args
+
+
+BRIEF = dict(backend="cpu", log_every=1, eval_every=0, eval_samples=1, max_new_tokens=1, save_every=0)
+
+
+def brief_flags(**values) -> list[str]:
+    """``vlft run`` flags of a brief run: quiet, on the CPU, losses logged each step, no evaluation during training
+    and one sample scored after it, no checkpoints; ``values`` (``run_flags``' dict) over those."""
+    return ["--quiet", *run_flags({**BRIEF, **values})]
+
+
+def brief_config(**values):
+    """The config a brief run (``brief_flags``) resolves to, for a test that builds the trainer itself."""
+    from vlft.config import build_config
+
+    return build_config({}, {**BRIEF, **{k: str(v) if isinstance(v, Path) else v for k, v in values.items()}})
 
 
 def die_at_step(monkeypatch, n: int) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import cli_invoke, export_logits, vlft_command
+from helpers import brief_flags, cli_invoke, export_logits, vlft_command
 
 FAMILIES = [
     "qwen2-vl",
@@ -76,36 +76,11 @@ def family_run(request, mixed, tmp_path_factory) -> tuple[str, Path]:
         "run",
         "--nproc-per-node",
         str(processes),
-        "--quiet",
-        "--backend",
-        "cpu",
-        "--model",
-        f"embedded:{family}",
-        "--data",
-        str(train),
-        "--val-data",
-        str(val),
-        "--output",
-        str(out),
-        "--steps",
-        "3",
-        "--batch-size",
-        "2",
-        "--log-every",
-        "1",
-        "--eval-every",
-        "0",
-        "--eval-samples",
-        "1",
-        "--max-new-tokens",
-        "2",
-        "--save-every",
-        "0",
-        "--lr",
-        "3e-3",
-        "--seed",
-        "2",
-    ]
+        *brief_flags(
+            model=f"embedded:{family}", data=train, val_data=val, output=out, steps=3, batch_size=2,
+            max_new_tokens=2, lr=3e-3, seed=2,
+        ),
+    ]  # fmt: skip
     if family in SHARDED:
         args += ["--shard", "fsdp"]
     if processes == 1:

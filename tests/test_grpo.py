@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import vlft_objectives.grpo as grpo
-from helpers import cli_invoke, die_at_step, installed
+from helpers import brief_config, brief_flags, cli_invoke, die_at_step, installed
 from vlft import Average, ConfigError
 from vlft_objectives.rewards import vlft_rewards
 
@@ -227,33 +227,9 @@ def sft_adapter(demo, tmp_path_factory):
     """An SFT run of a few steps from the base: enough to answer in the 'colour: X, defect: Y' form, so the
     fields reward has something to read (from the base every reward is 0 and every advantage too)."""
     out = tmp_path_factory.mktemp("grpo-sft") / "sft"
+    values = dict(data=demo.train, val_data=demo.val, output=out, steps=SFT_STEPS, batch_size=4, lr=2e-3)
     code, output = cli_invoke(
-        "run",
-        "--backend",
-        "cpu",
-        "--data",
-        demo.train,
-        "--val-data",
-        demo.val,
-        "--output",
-        out,
-        "--steps",
-        SFT_STEPS,
-        "--batch-size",
-        "4",
-        "--lr",
-        "2e-3",
-        "--eval-every",
-        "0",
-        "--eval-samples",
-        "8",
-        "--max-new-tokens",
-        "16",
-        "--save-every",
-        "0",
-        "--adapter-opt",
-        "lora_dropout=0",
-        "--quiet",
+        "run", *brief_flags(eval_samples=8, max_new_tokens=16, adapter={"lora_dropout": 0}, **values)
     )
     assert code == 0, output
     return out
@@ -267,45 +243,24 @@ def grpo_args(demo, sft, out, *extra) -> list:
     4; LoRA dropout 0, so the resumed run can draw the same computation."""
     return [
         "run",
-        "--objective",
-        "grpo",
-        "--reward",
-        "fields",
-        "--init-adapter",
-        sft,
-        "--backend",
-        "cpu",
-        "--data",
-        demo.train,
-        "--val-data",
-        demo.val,
-        "--output",
-        out,
-        "--steps",
-        "4",
-        "--batch-size",
-        "2",
-        "--num-generations",
-        "4",
-        "--max-new-tokens",
-        "16",
-        "--temperature",
-        "0.7",
-        "--lr",
-        "3e-4",
-        "--log-every",
-        "1",
-        "--eval-every",
-        "0",
-        "--eval-samples",
-        "8",
-        "--save-every",
-        "2",
-        "--seed",
-        "1",
-        "--adapter-opt",
-        "lora_dropout=0",
-        "--quiet",
+        *brief_flags(
+            objective="grpo",
+            reward="fields",
+            init_adapter=sft,
+            data=demo.train,
+            val_data=demo.val,
+            output=out,
+            steps=4,
+            batch_size=2,
+            num_generations=4,
+            max_new_tokens=16,
+            temperature=0.7,
+            lr=3e-4,
+            eval_samples=8,
+            save_every=2,
+            seed=1,
+            adapter={"lora_dropout": 0},
+        ),
         *extra,
     ]
 
@@ -1084,25 +1039,7 @@ def test_the_chain_sft_dpo_grpo_runs_as_three_runs(demo, tmp_path):
     from vlft.data.demo import write_demo_preferences
 
     pref = write_demo_preferences(tmp_path / "pref", n_train=8, n_val=2, seed=4)
-    common = [
-        "--backend",
-        "cpu",
-        "--batch-size",
-        "2",
-        "--steps",
-        "2",
-        "--log-every",
-        "1",
-        "--eval-every",
-        "0",
-        "--eval-samples",
-        "2",
-        "--max-new-tokens",
-        "16",
-        "--save-every",
-        "0",
-        "--quiet",
-    ]
+    common = brief_flags(batch_size=2, steps=2, eval_samples=2, max_new_tokens=16)
     sft = tmp_path / "sft"
     code, output = cli_invoke(
         "run", "--data", demo.train, "--val-data", demo.val, "--output", sft, "--lr", "2e-3", *common
@@ -1161,23 +1098,15 @@ def test_the_chain_sft_dpo_grpo_runs_as_three_runs(demo, tmp_path):
 def test_no_hook_is_called_inside_a_grpo_step(demo, registry, tmp_path, monkeypatch):
     """Sampling, rewards and the loss run inside the step from what the plan resolved: no hook is asked."""
     from test_run import hook_calls_inside_steps
-    from vlft.config import build_config
 
-    config = build_config(
-        {},
-        dict(
-            backend="cpu",
-            objective="grpo",
-            data=str(demo.train),
-            val_data=str(demo.val),
-            output=str(tmp_path / "r"),
-            steps=2,
-            batch_size=1,
-            max_new_tokens=4,
-            eval_every=0,
-            eval_samples=1,
-            save_every=0,
-            objective_options={"num_generations": 2},
-        ),
+    config = brief_config(
+        objective="grpo",
+        data=demo.train,
+        val_data=demo.val,
+        output=tmp_path / "r",
+        steps=2,
+        batch_size=1,
+        max_new_tokens=4,
+        objective_options={"num_generations": 2},
     )
     assert hook_calls_inside_steps(registry, config, monkeypatch) == []

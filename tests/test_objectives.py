@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import cli_invoke, die_at_step, vlft_command
+from helpers import brief_config, brief_flags, cli_invoke, die_at_step, vlft_command
 from vlft import Average, ConfigError, Objective, ObjectiveInfo, hookimpl
 
 LN2 = math.log(2)
@@ -47,39 +47,22 @@ def dpo_args(pref, out, *extra) -> list:
     runs over other numbers of processes draw the same computation."""
     return [
         "run",
-        "--objective",
-        "dpo",
-        "--backend",
-        "cpu",
-        "--data",
-        pref.train,
-        "--val-data",
-        pref.val,
-        "--output",
-        out,
-        "--steps",
-        "4",
-        "--batch-size",
-        "2",
-        "--log-every",
-        "1",
-        "--eval-every",
-        "2",
-        "--eval-batches",
-        "1",
-        "--eval-samples",
-        "2",
-        "--max-new-tokens",
-        "4",
-        "--save-every",
-        "2",
-        "--seed",
-        "1",
-        "--lr",
-        "3e-3",
-        "--adapter-opt",
-        "lora_dropout=0",
-        "--quiet",
+        *brief_flags(
+            objective="dpo",
+            data=pref.train,
+            val_data=pref.val,
+            output=out,
+            steps=4,
+            batch_size=2,
+            eval_every=2,
+            eval_batches=1,
+            eval_samples=2,
+            max_new_tokens=4,
+            save_every=2,
+            seed=1,
+            lr=3e-3,
+            adapter={"lora_dropout": 0},
+        ),
         *extra,
     ]
 
@@ -233,57 +216,17 @@ def test_sft_then_dpo_from_its_adapter(pref, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
     sft = tmp_path / "sft"
-    common = [
-        "--backend",
-        "cpu",
-        "--batch-size",
-        "2",
-        "--log-every",
-        "1",
-        "--eval-every",
-        "0",
-        "--eval-samples",
-        "2",
-        "--max-new-tokens",
-        "4",
-        "--save-every",
-        "0",
-        "--seed",
-        "1",
-        "--lr",
-        "3e-3",
-        "--adapter-opt",
-        "lora_dropout=0",
-        "--quiet",
-    ]
+    common = brief_flags(batch_size=2, eval_samples=2, max_new_tokens=4, seed=1, lr=3e-3, adapter={"lora_dropout": 0})
     code, output = cli_invoke(
-        "run",
-        "--data",
-        pref.root / "train.jsonl",
-        "--val-data",
-        pref.root / "val.jsonl",
-        "--output",
-        sft,
-        "--steps",
-        "3",
-        *common,
-    )
+        "run", "--data", pref.root / "train.jsonl", "--val-data", pref.root / "val.jsonl", "--output", sft,
+        "--steps", "3", *common,
+    )  # fmt: skip
     assert code == 0, output
     dpo = tmp_path / "dpo"
     dpo_flags = [
-        "run",
-        "--objective",
-        "dpo",
-        "--init-adapter",
-        sft,
-        "--data",
-        pref.train,
-        "--val-data",
-        pref.val,
-        "--steps",
-        "3",
-        *common,
-    ]
+        "run", "--objective", "dpo", "--init-adapter", sft, "--data", pref.train, "--val-data", pref.val,
+        "--steps", "3", *common,
+    ]  # fmt: skip
     code, output = cli_invoke(*dpo_flags, "--output", dpo)
     assert code == 0, output
     first = logged(dpo)[0]
@@ -311,36 +254,14 @@ def test_sft_then_dpo_from_its_adapter(pref, tmp_path, monkeypatch):
 
     # an adapter of another method, or on other modules, is refused before anything is written
     code, output = cli_invoke(
-        "run",
-        "--objective",
-        "dpo",
-        "--init-adapter",
-        sft,
-        "--method",
-        "oft",
-        "--data",
-        pref.train,
-        "--output",
-        tmp_path / "no1",
-        "--steps",
-        "1",
-    )
+        "run", "--objective", "dpo", "--init-adapter", sft, "--method", "oft", "--data", pref.train,
+        "--output", tmp_path / "no1", "--steps", "1",
+    )  # fmt: skip
     assert code != 0 and "holds a lora adapter" in output and not (tmp_path / "no1").exists()
     code, output = cli_invoke(
-        "run",
-        "--objective",
-        "dpo",
-        "--init-adapter",
-        sft,
-        "--targets",
-        "text",
-        "--data",
-        pref.train,
-        "--output",
-        tmp_path / "no2",
-        "--steps",
-        "1",
-    )
+        "run", "--objective", "dpo", "--init-adapter", sft, "--targets", "text", "--data", pref.train,
+        "--output", tmp_path / "no2", "--steps", "1",
+    )  # fmt: skip
     assert code != 0 and "this run plans 8" in output and not (tmp_path / "no2").exists()
 
 
@@ -352,41 +273,9 @@ def test_dpo_loss_options_take_effect(pref, tmp_path):
 
     def run(name, *flags):
         out = tmp_path / name
-        code, output = cli_invoke(
-            "run",
-            "--objective",
-            "dpo",
-            "--backend",
-            "cpu",
-            "--data",
-            pref.train,
-            "--val-data",
-            pref.val,
-            "--output",
-            out,
-            "--steps",
-            "3",
-            "--batch-size",
-            "1",
-            "--log-every",
-            "1",
-            "--eval-every",
-            "0",
-            "--eval-samples",
-            "1",
-            "--max-new-tokens",
-            "1",
-            "--save-every",
-            "0",
-            "--lr",
-            "1e-2",
-            "--seed",
-            "2",
-            "--adapter-opt",
-            "lora_dropout=0",
-            "--quiet",
-            *flags,
-        )
+        values = dict(data=pref.train, val_data=pref.val, output=out, steps=3, batch_size=1, lr=1e-2, seed=2)
+        flags = brief_flags(objective="dpo", adapter={"lora_dropout": 0}, **values) + list(flags)
+        code, output = cli_invoke("run", *flags)
         assert code == 0, output
         return logged(out)
 
@@ -581,7 +470,6 @@ def test_fsdp_and_packing_are_refused_with_the_reason(pref, tmp_path):
 def test_one_vision_pass_feeds_both_rows_and_every_adapter_gets_a_gradient(pref, registry, tmp_path):
     """The chosen and rejected rows of a pair share one vision pass, with the log-probabilities of the images
     repeated for each row (exactly: the same features), and the DPO loss reaches every adapter weight."""
-    from vlft.config import build_config
     from vlft.data.batching import to_device, with_label_positions
     from vlft.models.families import base_model
     from vlft.models.loss import sequence_logps
@@ -590,19 +478,10 @@ def test_one_vision_pass_feeds_both_rows_and_every_adapter_gets_a_gradient(pref,
     from vlft.models.rows import row_inputs
     from vlft.training.trainer import build_trainer
 
-    config = build_config(
-        {},
-        dict(
-            backend="cpu",
-            objective="dpo",
-            data=str(pref.train),
-            val_data=str(pref.val),
-            output=str(tmp_path / "r"),
-            steps=1,
-            batch_size=2,
-            adapter={"lora_dropout": 0.0},
-        ),
-    )
+    config = brief_config(
+        objective="dpo", data=pref.train, val_data=pref.val, output=tmp_path / "r", steps=1, batch_size=2,
+        adapter={"lora_dropout": 0.0},
+    )  # fmt: skip
     s = build_trainer(registry, config)
     with torch.no_grad():  # a trained-looking adapter: every part of it in the computation
         for p in s.model.parameters():
@@ -633,23 +512,9 @@ def test_one_vision_pass_feeds_both_rows_and_every_adapter_gets_a_gradient(pref,
 
 def test_no_hook_is_called_inside_a_dpo_step(pref, registry, tmp_path, monkeypatch):
     from test_run import hook_calls_inside_steps
-    from vlft.config import build_config
 
-    config = build_config(
-        {},
-        dict(
-            backend="cpu",
-            objective="dpo",
-            data=str(pref.train),
-            val_data=str(pref.val),
-            output=str(tmp_path / "r"),
-            steps=2,
-            batch_size=2,
-            eval_every=0,
-            eval_samples=1,
-            max_new_tokens=1,
-            save_every=0,
-        ),
+    config = brief_config(
+        objective="dpo", data=pref.train, val_data=pref.val, output=tmp_path / "r", steps=2, batch_size=2
     )
     assert hook_calls_inside_steps(registry, config, monkeypatch) == []
 

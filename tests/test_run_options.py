@@ -21,7 +21,7 @@ import pytest
 import run_option_index
 import torch
 
-from helpers import cli_invoke
+from helpers import brief_flags, cli_invoke
 from vlft.cli import cli
 
 PACK = "test_packing_runs.py::"
@@ -156,26 +156,7 @@ def demo(tmp_path_factory) -> tuple[Path, Path]:
     return ds.train, ds.val
 
 
-BASE = (
-    "run",
-    "--quiet",
-    "--backend",
-    "cpu",
-    "--batch-size",
-    "2",
-    "--log-every",
-    "1",
-    "--eval-every",
-    "0",
-    "--eval-samples",
-    "1",
-    "--max-new-tokens",
-    "2",
-    "--save-every",
-    "0",
-    "--seed",
-    "4",
-)
+BASE = ("run", *brief_flags(batch_size=2, max_new_tokens=2, seed=4))
 
 
 class _RunSpies:
@@ -324,19 +305,10 @@ def test_resume_refuses_a_changed_run_unless_forced(demo, tmp_path, monkeypatch)
     train, val = demo
     out = tmp_path / "run"
     common = (
-        *BASE[:-4],
-        "--seed",
-        "4",
-        "--data",
-        train,
-        "--val-data",
-        val,
-        "--output",
-        out,
-        "--steps",
-        "4",
-        "--save-every",
-        "2",
+        "run",
+        *brief_flags(
+            batch_size=2, max_new_tokens=2, seed=4, save_every=2, data=train, val_data=val, output=out, steps=4
+        ),
     )
     die_at_step(monkeypatch, 3)
     code, output = cli_invoke(*common)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import vlft_command
+from helpers import brief_flags, vlft_command
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 WORDS = "near worn visible box clean colour bottom edge corner seal hole left panel label right product scratch".split()
@@ -31,33 +31,7 @@ def _run(out: Path, data: Path, processes: int, *extra: str, check: bool = True)
         "run",
         "--nproc-per-node",
         str(processes),
-        "--quiet",
-        "--backend",
-        "cpu",
-        "--data",
-        str(data),
-        "--val-data",
-        str(data),
-        "--output",
-        str(out),
-        "--steps",
-        "2",
-        "--log-every",
-        "1",
-        "--eval-every",
-        "0",
-        "--eval-samples",
-        "1",
-        "--max-new-tokens",
-        "1",
-        "--save-every",
-        "0",
-        "--lr",
-        "3e-3",
-        "--seed",
-        "2",
-        "--adapter-opt",
-        "lora_dropout=0",
+        *brief_flags(data=data, val_data=data, output=out, steps=2, lr=3e-3, seed=2, adapter={"lora_dropout": 0}),
         *extra,
     ]
     proc = subprocess.run([*vlft_command(), *args], capture_output=True, text=True, env=ENV, timeout=600)
