@@ -2,17 +2,14 @@
 images, so a micro-batch often has no image and the vision warm-up must run the tower), then ``vlft
 predict``, ``vlft eval`` and ``vlft export`` on the run, the merged model checked against base + adapter.
 
-One vision tower of each kind trains under 2 processes (``vlft run --nproc-per-node 2``), where a warm-up
-that went wrong stops the run (a collective mismatch, an unused parameter): Qwen2-VL's and Gemma 3's
-(SigLIP; from the example plugin, which ``make test`` installs), SmolVLM's (SigLIP on tiles, whose
-pixels join per tile), LLaVA-OneVision's (SigLIP on any-resolution tiles, a record of 2 images tiled
-otherwise than one of 1), GLM-4.1V's (its processor writing the image tokens, a Conv2d merge before
-the merger) and Gemma 4's (2-D rotary positions, k x k pooled patches padded to the image budget) data
-parallel, Qwen3-VL's (deepstack)
-sharded (``--shard fsdp``, whose gathers and reductions must run in the same order on every process). The families
-that share Qwen3-VL's tower (Qwen3-VL MoE, Qwen3.5, Qwen3.5 MoE) train in one process through the CLI, with
-the same warm-up (it runs on one process too). The default family (Qwen2.5-VL) has these runs in
-test_packing_runs.py and test_after_training.py. One run per family, shared by its checks.
+Every family trains under 2 processes (``vlft run --nproc-per-node 2``), where a warm-up that went wrong
+stops the run (a collective mismatch, an unused parameter): SigLIP towers (Gemma 3 from the example plugin,
+which ``make test`` installs; SmolVLM's tiles; LLaVA-OneVision's any-resolution tiles, a record of 2 images
+tiled otherwise than one of 1), the Qwen towers (windowed, deepstack, MoE and hybrid text models), GLM-4.1V's
+and GLM-4.6V's (the processor writing the image tokens, a Conv2d merge before the merger) and Gemma 4's (2-D
+rotary positions, k x k pooled patches padded to the image budget) data parallel; Qwen3-VL's sharded
+(``--shard fsdp``, whose gathers and reductions must run in the same order on every process). Idefics3's run is
+in test_mixed_ddp.py. One run per family, shared by its checks.
 """
 
 from __future__ import annotations
@@ -29,6 +26,7 @@ from helpers import brief_flags, cli_invoke, export_logits, vlft_command
 
 FAMILIES = [
     "qwen2-vl",
+    "qwen2.5-vl",
     "qwen3-vl",
     "qwen3-vl-moe",
     "qwen3.5",
@@ -37,17 +35,12 @@ FAMILIES = [
     "smolvlm",
     "llava-onevision",
     "glm4.1v",
+    "glm4.6v",
     "gemma4",
 ]
-TWO_PROCESSES = {
-    "qwen2-vl",
-    "qwen3-vl",
-    "gemma3",
-    "smolvlm",
-    "llava-onevision",
-    "glm4.1v",
-    "gemma4",
-}  # one of each tower
+# every family under 2-process DDP on the mixed data (idefics3 in test_mixed_ddp, which puts a text-only record
+# on one process at every step)
+TWO_PROCESSES = set(FAMILIES)
 SHARDED = {"qwen3-vl"}
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
