@@ -246,11 +246,13 @@ def qwen_family(
     no_split_modules: tuple[str, ...],
     packing_refusal: str = "",
     experts: Experts | None = None,
+    marked_inputs: dict[str, tuple[str, ...]] | None = None,
     **fields_,
 ) -> ModelFamily:
     """A ModelFamily with the Qwen towers and warm-up, ``fields_`` on top, and its capabilities: image and video
     inputs by ``vision``'s numbers (with the Qwen vision tracer for the memory plan), 3-D positions by
-    ``rope_class``'s ``get_rope_index``, packing (or its refusal), FSDP units and, for a MoE family, ``experts``."""
+    ``rope_class``'s ``get_rope_index``, packing (or its refusal), FSDP units with the inputs a sequence split
+    cuts besides the tokens (``marked_inputs``) and, for a MoE family, ``experts``."""
     base = dict(towers=QWEN_TOWERS, vision_dummy=qwen_vision_dummy)
     base.update(fields_)
     return ModelFamily(
@@ -258,7 +260,7 @@ def qwen_family(
         **vision.capabilities(trace=_trace.trace_qwen_vision),
         positions=Positions(SampleRopeIndex(rope_index_from_class(rope_class))),
         packing=Packing(refusal=packing_refusal),
-        sharding=Sharding(no_split_modules),
+        sharding=Sharding(no_split_modules, marked_inputs or {}),
         experts=experts,
     )
 

@@ -197,6 +197,10 @@ CHAT = Chat(
     box_coordinates="relative-1000",
 )
 
+# the text model adds the deepstack mergers' features at the image and video tokens of its first layers: one row a
+# marked position, which a sequence split cuts with the tokens
+DEEPSTACK = {"visual_pos_masks": ("deepstack_visual_embeds",)}
+
 FAMILY: ModelFamily = qwen_family(
     VISION,
     "transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLModel",
@@ -219,5 +223,6 @@ FAMILY: ModelFamily = qwen_family(
             ),
         },
     ),
+    marked_inputs=DEEPSTACK,
     tiny=Tiny(build_tiny, RECIPE),
 )

@@ -83,5 +83,6 @@ FAMILY = qwen_family(
     model_types=("qwen3_vl_moe",),
     description="Qwen3-VL MoE (30B-A3B/235B-A22B): attention adapters; fused experts via target_parameters",
     load_kwargs=fused_experts_load_kwargs,
+    marked_inputs=dense.DEEPSTACK,
     tiny=Tiny(build_tiny, RECIPE),
 )

@@ -184,10 +184,22 @@ class Packing:
 @contract
 @dataclass(frozen=True)
 class Sharding:
-    """How ``--shard fsdp`` cuts the model."""
+    """How the model's work is cut over processes: ``--shard fsdp``'s units, and what ``--sequence-parallel``
+    cuts besides the tokens."""
 
     no_split_modules: tuple[str, ...] = field(
         metadata={"help": "Block classes FSDP shards as units (the model class's `_no_split_modules`)."}
+    )
+    marked_inputs: dict[str, tuple[str, ...]] = field(
+        default_factory=dict,
+        metadata={
+            "help": "The text model's inputs that mark positions of the sequence (a [batch, tokens] boolean mask), "
+            "each with the inputs that hold one row per marked position (a tensor, or a list of tensors), in the "
+            "mask's row-major order: Qwen3-VL's {'visual_pos_masks': ('deepstack_visual_embeds',)}, the image "
+            "features its first decoder layers add at the image tokens. --sequence-parallel keeps each process's "
+            "part of the mask and the rows of its marked positions. Empty: none (--sequence-parallel refuses a "
+            "text model that takes inputs it does not know)."
+        },
     )
 
 

@@ -158,6 +158,13 @@ def check_family(family: Any) -> list[str]:
             "sharding.no_split_modules",
             "must be a tuple of class names",
         )
+        marked = sharding.marked_inputs
+        need(
+            isinstance(marked, dict)
+            and all(isinstance(v, tuple) and all(isinstance(n, str) for n in (k, *v)) for k, v in marked.items()),
+            "sharding.marked_inputs",
+            "must be a dict of a mask input's name -> a tuple of its row inputs' names",
+        )
     return problems
 
 

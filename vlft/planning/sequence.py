@@ -79,10 +79,13 @@ def split_problem(n: int, model_config, family, skeleton, text_attention: str = 
     if others:
         return f"the text model has {', '.join(others)} layers; the split masks full causal attention only"
     text = resolve_module(base_model(skeleton), family.towers.decoder_layers.rpartition(".")[0])
-    extra = sorted(set(inspect.signature(type(text).forward).parameters) - PLAIN_INPUTS)
+    marked_inputs = family.sharding.marked_inputs if family.sharding is not None else {}
+    marked = set(marked_inputs) | {n for rows in marked_inputs.values() for n in rows}
+    extra = sorted(set(inspect.signature(type(text).forward).parameters) - PLAIN_INPUTS - marked)
     if extra:
         return (
-            f"{family.name}'s text model takes {', '.join(extra)} beside its tokens, which the split does not cut yet"
+            f"{family.name}'s text model takes {', '.join(extra)} beside its tokens, which the split does not cut "
+            "(a family that declares them in Sharding.marked_inputs is split)"
         )
     return None
 

@@ -57,6 +57,7 @@ class SequenceSplit:
     mask: torch.Tensor | None = field(default=None, repr=False)  # the whole row's, where the attention needs one
     text_positions: torch.Tensor | None = field(default=None, repr=False)  # a packed row's, whole
     text_modules: frozenset = frozenset()  # ids of the text model's modules: only their attention is split
+    marked: dict = field(default_factory=dict)  # the family's marked inputs: mask name -> the row inputs' names
 
     @contextmanager
     def on(self):
@@ -96,6 +97,9 @@ class SequenceSplit:
         kwargs = dict(kwargs, input_ids=None, attention_mask=None)  # the attention masks the whole row itself
         kwargs["inputs_embeds"] = _pad(embeds, 1, padded)[:, chunk]
         kwargs["position_ids"] = _pad(positions, positions.dim() - 1, padded)[..., chunk]
+        for mask, rows_of in self.marked.items():
+            if kwargs.get(mask) is not None:
+                kwargs.update(_marked_part(kwargs, mask, rows_of, padded, chunk))
         return args, kwargs
 
     def gather_outputs(self, module, args, kwargs, output):
@@ -142,6 +146,24 @@ def causal_mask(keys, rows: int, length: int, padded: int, dtype: torch.dtype, d
     allowed = allowed | torch.eye(padded, dtype=torch.bool, device=device)[None]
     mask = torch.zeros(rows, 1, padded, padded, dtype=dtype, device=device)
     return mask.masked_fill(~allowed[:, None], torch.finfo(dtype).min)
+
+
+def _marked_part(kwargs: dict, mask: str, rows_of: tuple[str, ...], padded: int, chunk: slice) -> dict:
+    """This chunk's part of a mask input ``[B, L]`` (``Sharding.marked_inputs``) and of the inputs holding a
+    row per marked position: the rows of the positions in the chunk, in the mask's row-major order."""
+    whole = kwargs[mask].bool()
+    whole = torch.cat([whole, whole.new_zeros(whole.shape[0], padded - whole.shape[1])], 1)
+    ours = torch.zeros_like(whole)
+    ours[:, chunk] = True
+    kept = ours[whole]  # one entry per marked position: whether it lies in this chunk
+    part: dict = {mask: whole[:, chunk]}
+    for name in rows_of:
+        rows = kwargs.get(name)
+        if isinstance(rows, (list, tuple)):
+            part[name] = [r[kept] for r in rows]
+        elif rows is not None:
+            part[name] = rows[kept]
+    return part
 
 
 def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
@@ -211,7 +233,13 @@ def install_sequence_split(model, family, size: int) -> SequenceSplit:
             assert isinstance(made, dist.ProcessGroup), f"rank {rank} is a member of {ranks}"
             group = made
     text = resolve_module(base_model(unwrapped(model)), family.towers.decoder_layers.rpartition(".")[0])
-    split = SequenceSplit(group, size, rank % size, underlying=text.config._attn_implementation)
+    split = SequenceSplit(
+        group,
+        size,
+        rank % size,
+        underlying=text.config._attn_implementation,
+        marked=dict(family.sharding.marked_inputs) if family.sharding is not None else {},
+    )
     AttentionInterface.register(NAME, split.attend)  # one model a process: the name is this run's
     # outside a split forward (generation) the model builds the masks it builds for the attention it wraps
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS[split.underlying])
