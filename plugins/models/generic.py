@@ -305,11 +305,11 @@ def _check_whole(processor, texts: list[str], media, ids: list[int]) -> None:
     the pieces, so a turn boundary inside a token would train the wrong positions."""
     from PIL import Image
 
-    from vlft import DataError
+    from vlft import DataError, clip_arguments
 
     images = media.images if media.images is not None else [Image.new("RGB", s) for s in media.sizes]
     whole = processor(
-        text=["".join(texts)], images=[images] if images else None, return_tensors="pt", **_clip_arguments(media)
+        text=["".join(texts)], images=[images] if images else None, return_tensors="pt", **clip_arguments(media.videos)
     )
     expected = whole["input_ids"][0].tolist()
     if expected != ids:
@@ -343,12 +343,6 @@ def vision_dummy(model, modality: str, warmup: dict | None = None, video_warmup:
 # --- video: through the processor's video processor, where it has one and the model a video path ---------------
 
 
-def _clip_arguments(media) -> dict:
-    """The processor's video arguments for a record's clips: the frames vlft sampled, not sampled again."""
-    clips = [frames for frames, _ in media.videos]
-    return {"videos": clips, "do_sample_frames": False} if clips else {}
-
-
 def _read_video(processor, model, image_joins: dict) -> tuple[Any, dict, str]:
     """(VideoInputs or None, {"joins": the clip's model inputs, "warmup": its inputs for the tower warm-up}, what
     was found or why video is refused). A probe clip of two blank frames goes through the checkpoint's template
@@ -357,6 +351,8 @@ def _read_video(processor, model, image_joins: dict) -> tuple[Any, dict, str]:
     takes."""
     import torch
 
+    from vlft import clip_arguments
+
     token = getattr(processor, "video_token", None)
     if getattr(processor, "video_processor", None) is None or not token:
         return None, {}, f"none (its processor ({type(processor).__name__}) has no video processor and video_token)"
@@ -364,7 +360,7 @@ def _read_video(processor, model, image_joins: dict) -> tuple[Any, dict, str]:
     try:
         prompt = processor.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
         clip = torch.zeros((2, 3, *PROBE_SIZE), dtype=torch.uint8)
-        out = processor(text=[prompt], videos=[clip], do_sample_frames=False, return_tensors="pt")
+        out = processor(text=[prompt], return_tensors="pt", **clip_arguments([(clip, 2.0)]))
     except Exception as e:  # noqa: BLE001 - the template or the video processor failing on a plain clip
         return None, {}, f"none (its processor cannot encode a one-clip conversation: {type(e).__name__}: {e})"
     if token not in prompt:

@@ -46,7 +46,8 @@ def processor_image_inputs(
 
     Clips (a record's videos, where the family declares ``video_inputs``) go the same way: each piece's
     ``processor.video_token`` placeholders take the next clips, passed as the frames vlft sampled
-    (``do_sample_frames=False``), and the processor writes their tokens and returns their inputs."""
+    (``do_sample_frames=False``, with each frame's time in ``video_metadata``), and the processor writes their
+    tokens and returns their inputs."""
     if (processor_kwargs is None) != (not size_cap):
         raise ValueError(
             "processor_image_inputs: size_cap (what --max-pixels means, in words) and processor_kwargs "
@@ -69,7 +70,7 @@ def _processor_prepare(processor_kwargs, processor, media: Media, max_pixels=Non
     from PIL import Image
 
     images = media.images if media.images is not None else [Image.new("RGB", size) for size in media.sizes]
-    clips = [frames for frames, _ in media.videos]
+    clips = list(media.videos)
     if processor_kwargs is None or max_pixels is None:
         return images, media.where, None, {}, clips
     return images, media.where, max_pixels, dict(processor_kwargs(processor, max_pixels)), clips
@@ -123,13 +124,22 @@ def _processor_write(wanted: dict, grid, reshape, image_grids, processor, texts:
 
 def _piece_clips(processor, text: str, clips: list, where: str) -> tuple[dict, list]:
     """The processor's video arguments for one rendered piece (the clips of its ``processor.video_token``
-    placeholders, frames already sampled at the run's ``--video-fps``: the processor must not sample again),
-    and the clips left for the pieces after it. A record reaches here with clips only where its family
-    declares ``video_inputs``."""
+    placeholders), and the clips left for the pieces after it. A record reaches here with clips only where its
+    family declares ``video_inputs``."""
     token = getattr(processor, "video_token", None) or ""
     n = text.count(token) if token and clips else 0
     if n > len(clips):
         raise DataError(f"{where}: the rendered conversation has more video placeholders than videos")
-    if not n:
-        return {}, clips
-    return {"videos": clips[:n], "do_sample_frames": False}, clips[n:]
+    return (clip_arguments(clips[:n]) if n else {}), clips[n:]
+
+
+def clip_arguments(clips: list) -> dict:
+    """A processor's video arguments for clips of (frames ``[T, C, H, W]``, the rate they were sampled at): the
+    frames vlft sampled at the run's ``--video-fps`` (the processor must not sample again), and where each frame
+    lies in time (the processors that write timestamps between frames, GLM-4.1V's and SmolVLM2's, read them
+    from ``video_metadata``)."""
+    metadata = [
+        {"total_num_frames": len(f), "fps": rate, "frames_indices": list(range(len(f))), "duration": len(f) / rate}
+        for f, rate in clips
+    ]
+    return {"videos": [f for f, _ in clips], "do_sample_frames": False, "video_metadata": metadata} if clips else {}
