@@ -196,3 +196,50 @@ def test_a_run_of_the_generic_family_trains_on_clips_at_the_runs_rate(clip_data,
     weights = load_file(str(out / "adapter" / "adapter_model.safetensors"))
     vision_b = [v for k, v in weights.items() if "lora_B" in k and "vision_tower" in k]
     assert vision_b and max(float(v.abs().max()) for v in vision_b) > 0
+
+
+def test_glm_video_positions_are_the_models_and_a_packed_run_trains_on_clips(clip_data, tmp_path):
+    """GLM-4.1V's clips (frames written by its processor after each frame's second): the positions packing builds
+    for a video sample (the family's rope index) equal those the model computes unpacked, and a real `vlft run
+    --packing` on clips, images and text trains 2 steps."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from vlft.data.encoding import SampleEncoder
+    from vlft.data.records import read_records
+    from vlft.models.embedded import embedded_family_dir
+    from vlft.models.families import family_named
+    from vlft.models.loading import load_processor
+
+    registry = installed()
+    family = family_named(registry, "glm4.1v")
+    folder = embedded_family_dir(family)
+    processor = load_processor(str(folder), family, registry)
+    [record] = read_records(clip_data / "one.jsonl")
+    sample = SampleEncoder(processor, family, video_fps=2.0, video_max_frames=4).encode(record)
+    model = AutoModelForImageTextToText.from_pretrained(folder).eval()
+    captured = []
+    hook = model.model.language_model.register_forward_pre_hook(
+        lambda mod, args, kwargs: captured.append(kwargs["position_ids"]), with_kwargs=True
+    )
+    inputs = {k: (v.unsqueeze(0) if k in ("input_ids", "mm_token_type_ids") else v) for k, v in sample.items()}
+    try:
+        with torch.no_grad():
+            model(**{k: v for k, v in inputs.items() if k != "labels"})
+    finally:
+        hook.remove()
+    mine = family.positions.rope_index(model.config, sample)
+    assert torch.equal(mine[:, 0].long(), captured[0][-3:, 0].long())
+    assert int(mine.max()) < len(sample["input_ids"])  # the frames' positions are compressed: a real clip
+
+    out = tmp_path / "run"
+    code, output = cli_invoke(
+        "run", "--quiet", "--backend", "cpu", "--model", "embedded:glm4.1v", "--data", clip_data / "mixed.jsonl",
+        "--val-data", clip_data / "one.jsonl", "--output", out, "--steps", "2", "--batch-size", "2",
+        "--packing", "on", "--eval-every", "0", "--eval-samples", "1", "--max-new-tokens", "2", "--save-every", "0",
+        "--video-fps", "2", "--video-max-frames", "4",
+    )  # fmt: skip
+    assert code == 0, output
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(torch.isfinite(torch.tensor(m["loss"])) for m in logged if "loss" in m)
