@@ -22,8 +22,13 @@ with the checkpoint's template and trains the assistant pieces; this family then
 token: the pieces' ids laid end to end must equal the ids of the whole render through the processor, or the
 sample is refused (a template whose turn boundary splits a token would otherwise train the wrong positions).
 
+Video, where the processor has a video processor and ``video_token`` and the model a video path (its
+``get_video_features``, or the image input the processor folds the frames into, as InternVL's does): a probe clip
+gives the inputs a batch joins; clips go through the processor as the frames vlft sampled (``vlft.clip_arguments``),
+labels and the warm-up as for images. Otherwise video records are refused, and the description says why.
+
 What it does not do yet, and says so: packing (refused: whether the text model keeps packed samples apart is
-not read from the checkpoint), video, ``--max-pixels`` (the processor sizes every image itself), the memory
+not read from the checkpoint), ``--max-pixels`` (the processor sizes every image itself), the memory
 plan's vision count and trace (no grid: the plan says it counted no vision activations).
 
 A checkpoint it cannot read is refused with a ConfigError naming what it could not find.
