@@ -5,7 +5,8 @@ a chat template in the real model's style, ``save_pretrained`` into a folder. No
 ``build(kind, path)``: 'mistral3' (Pixtral vision tower, patch merger, Mistral text; its processor writes
 ``[IMG]`` rows closed by ``[IMG_BREAK]`` and ``[IMG_END]``; Mistral-Small-3.1's template, which has no
 ``{% generation %}`` markers) or 'llava' (CLIP + Llama, LLaVA-1.5's template with ``{% generation %}``
-markers) or 'internvl' (InternViT + Qwen2, tiles of <img><IMG_CONTEXT>...</img>; InternVL 3's template). ``MARKED['mistral3']`` is that template with the markers added: the tests' oracle for the assistant
+markers) or 'internvl' (InternViT + Qwen2, tiles of <img><IMG_CONTEXT>...</img>; InternVL 3's template; clips as frames of
+tiles) or 'llava_next_video' (CLIP + Llama, clips through ``get_video_features``). ``MARKED['mistral3']`` is that template with the markers added: the tests' oracle for the assistant
 spans."""
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ LLAVA_TEMPLATE = (
     "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+# LLaVA-NeXT-Video's (llava-hf): images, then clips, then the text of each turn; replies marked
+LLAVA_NEXT_VIDEO_TEMPLATE = LLAVA_TEMPLATE.replace(
+    "{{ '<image>\n' }}{% endfor %}",
+    "{{ '<image>\n' }}{% endfor %}"
+    "{% for item in message['content'] | selectattr('type', 'equalto', 'video') %}{{ '<video>\n' }}{% endfor %}",
 )
 
 INTERNVL_TEMPLATE = (
@@ -183,6 +191,65 @@ def build_llava(path: Path) -> Path:
     return _save(path, model, processor)
 
 
+def build_llava_next_video(path: Path) -> Path:
+    """LLaVA-NeXT-Video as llava-hf has it: CLIP + Llama, any-resolution image tiles with row breaks, and clips
+    through ``get_video_features`` (``pixel_values_videos``, each frame's patches pooled 2 x 2)."""
+    import torch
+    from transformers import (
+        LlavaNextImageProcessor,
+        LlavaNextVideoConfig,
+        LlavaNextVideoForConditionalGeneration,
+        LlavaNextVideoProcessor,
+        LlavaNextVideoVideoProcessor,
+    )
+
+    tokenizer = _tokenizer(["<unk>", "<s>", "</s>", "<pad>", "<image>", "<video>"], eos="</s>", pad="<pad>", bos="<s>")
+    ids = tokenizer.convert_tokens_to_ids
+    pinpoints = [[32, 32], [32, 64], [64, 32], [64, 64]]
+    config = LlavaNextVideoConfig(
+        text_config=dict(
+            TEXT,
+            model_type="llama",
+            vocab_size=len(tokenizer),
+            bos_token_id=ids("<s>"),
+            eos_token_id=ids("</s>"),
+            pad_token_id=ids("<pad>"),
+            max_position_embeddings=4096,
+        ),
+        vision_config=dict(
+            model_type="clip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+            projection_dim=32,
+        ),
+        image_token_index=ids("<image>"),
+        video_token_index=ids("<video>"),
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        image_grid_pinpoints=pinpoints,
+        image_seq_length=16,
+        video_seq_length=4,
+    )
+    torch.manual_seed(0)
+    model = LlavaNextVideoForConditionalGeneration(config)
+    _finish(model, tokenizer)
+    square = {"shortest_edge": 32}, {"height": 32, "width": 32}
+    processor = LlavaNextVideoProcessor(
+        video_processor=LlavaNextVideoVideoProcessor(size=square[0], crop_size=square[1]),
+        image_processor=LlavaNextImageProcessor(size=square[0], crop_size=square[1], image_grid_pinpoints=pinpoints),
+        tokenizer=tokenizer,
+        chat_template=LLAVA_NEXT_VIDEO_TEMPLATE,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+    )
+    return _save(path, model, processor)
+
+
 def build_internvl(path: Path) -> Path:
     """InternVL 3 as the -hf checkpoints have it (InternViT, pixel-shuffle projector, Qwen2 text; the processor writes
     <img><IMG_CONTEXT>*N</img> per tile), its tokenizer naming the image tokens as the processor reads them."""
@@ -256,7 +323,12 @@ def _save(path: Path, model, processor) -> Path:
     return path
 
 
-BUILDERS = {"mistral3": build_mistral3, "llava": build_llava, "internvl": build_internvl}
+BUILDERS = {
+    "mistral3": build_mistral3,
+    "llava": build_llava,
+    "internvl": build_internvl,
+    "llava_next_video": build_llava_next_video,
+}
 
 
 def build(kind: str, path: Path) -> Path:

@@ -70,7 +70,7 @@ from vlft.contracts.objective import (
 )
 from vlft.contracts.scorer import Scorer
 from vlft.contracts.sinks import MetricSink
-from vlft.data.processor_inputs import processor_image_inputs
+from vlft.data.processor_inputs import clip_arguments, processor_image_inputs
 from vlft.errors import BackendUnavailable, ConfigError, DataError, VlftError
 from vlft.hookspecs import hookimpl
 from vlft.policies import (
@@ -130,6 +130,7 @@ __all__ = [
     "hookimpl_for",
     "parse_attn",
     "processor_image_inputs",
+    "clip_arguments",
     "tokenize_pieces",
     "user_attribute",
     # the objective contract (vlft/contracts/objective.py)

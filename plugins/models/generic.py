@@ -22,8 +22,13 @@ with the checkpoint's template and trains the assistant pieces; this family then
 token: the pieces' ids laid end to end must equal the ids of the whole render through the processor, or the
 sample is refused (a template whose turn boundary splits a token would otherwise train the wrong positions).
 
+Video, where the processor has a video processor and ``video_token`` and the model a video path (its
+``get_video_features``, or the image input the processor folds the frames into, as InternVL's does): a probe clip
+gives the inputs a batch joins; clips go through the processor as the frames vlft sampled (``vlft.clip_arguments``),
+labels and the warm-up as for images. Otherwise video records are refused, and the description says why.
+
 What it does not do yet, and says so: packing (refused: whether the text model keeps packed samples apart is
-not read from the checkpoint), video, ``--max-pixels`` (the processor sizes every image itself), the memory
+not read from the checkpoint), ``--max-pixels`` (the processor sizes every image itself), the memory
 plan's vision count and trace (no grid: the plan says it counted no vision activations).
 
 A checkpoint it cannot read is refused with a ConfigError naming what it could not find.
@@ -38,7 +43,7 @@ import re
 from dataclasses import replace
 from typing import Any
 
-from vlft import Chat, FamilyReader, ModelFamily, Packing, Targets, Towers
+from vlft import Chat, FamilyReader, ModelFamily, Packing, Targets, Towers, VideoInputs
 
 NAME = "generic"
 TEXT_NAMES = ("language_model", "text_model")
@@ -305,10 +310,12 @@ def _check_whole(processor, texts: list[str], media, ids: list[int]) -> None:
     the pieces, so a turn boundary inside a token would train the wrong positions."""
     from PIL import Image
 
-    from vlft import DataError
+    from vlft import DataError, clip_arguments
 
     images = media.images if media.images is not None else [Image.new("RGB", s) for s in media.sizes]
-    whole = processor(text=["".join(texts)], images=[images] if images else None, return_tensors="pt")
+    whole = processor(
+        text=["".join(texts)], images=[images] if images else None, return_tensors="pt", **clip_arguments(media.videos)
+    )
     expected = whole["input_ids"][0].tolist()
     if expected != ids:
         at = next((i for i, (a, b) in enumerate(zip(expected, ids)) if a != b), min(len(expected), len(ids)))
@@ -319,21 +326,65 @@ def _check_whole(processor, texts: list[str], media, ids: list[int]) -> None:
         )
 
 
-def vision_dummy(model, modality: str, warmup: dict | None = None):
+def vision_dummy(model, modality: str, warmup: dict | None = None, video_warmup: dict | None = None):
     """The probe's blank image through the innermost ``get_image_features`` (the inputs it names), so a batch
-    without an image runs the tower too. None for video (the generic family takes none)."""
+    without an image runs the tower too; for video the probe's blank clip through ``get_video_features``, where
+    the model has one (a model whose processor folds frames into the image input runs the image warm-up)."""
     from vlft import VisionWarmup
 
-    if modality != "image" or not warmup:
+    method, inputs = ("get_image_features", warmup) if modality == "image" else ("get_video_features", video_warmup)
+    if modality not in ("image", "video") or not inputs:
         return None
     inner = None
     for module in model.modules():
-        if hasattr(module, "get_image_features") and hasattr(module, "get_input_embeddings"):
+        if hasattr(module, method) and hasattr(module, "get_input_embeddings"):
             inner = module  # the innermost (the ForConditionalGeneration delegates to it)
     if inner is None:
         return None
-    names = inspect.signature(inner.get_image_features).parameters
-    return VisionWarmup(inner, "get_image_features", {k: v for k, v in warmup.items() if k in names})
+    names = inspect.signature(getattr(inner, method)).parameters
+    return VisionWarmup(inner, method, {k: v for k, v in inputs.items() if k in names})
+
+
+# --- video: through the processor's video processor, where it has one and the model a video path ---------------
+
+
+def _read_video(processor, model, image_joins: dict) -> tuple[Any, dict, str]:
+    """(VideoInputs or None, {"joins": the clip's model inputs, "warmup": its inputs for the tower warm-up}, what
+    was found or why video is refused). A probe clip of two blank frames goes through the checkpoint's template
+    and processor: the video path is the model's ``get_video_features``, or the image input where the processor
+    folds the frames into it (InternVL's ``pixel_values``); the pixels input must be one the model's forward
+    takes."""
+    import torch
+
+    from vlft import clip_arguments
+
+    token = getattr(processor, "video_token", None)
+    if getattr(processor, "video_processor", None) is None or not token:
+        return None, {}, f"none (its processor ({type(processor).__name__}) has no video processor and video_token)"
+    user = {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Describe the clip."}]}
+    try:
+        prompt = processor.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
+        clip = torch.zeros((2, 3, *PROBE_SIZE), dtype=torch.uint8)
+        out = processor(text=[prompt], return_tensors="pt", **clip_arguments([(clip, 2.0)]))
+    except Exception as e:  # noqa: BLE001 - the template or the video processor failing on a plain clip
+        return None, {}, f"none (its processor cannot encode a one-clip conversation: {type(e).__name__}: {e})"
+    if token not in prompt:
+        return None, {}, f"none (its chat template writes no video placeholder {token!r} for a video part)"
+    length = int(out["input_ids"].shape[-1])
+    joins = {
+        k: _join(v, length) for k, v in out.items() if k not in ("input_ids", "attention_mask") and torch.is_tensor(v)
+    }
+    pixels = "pixel_values_videos" if "pixel_values_videos" in joins else next((k for k in joins if "pixel" in k), "")
+    takes = inspect.signature(model.forward).parameters
+    if not pixels or pixels not in takes:
+        return None, {}, f"none (the model's forward takes no video pixels input; the processor returns {sorted(out)})"
+    folded = pixels in image_joins
+    if not folded and not any(hasattr(m, "get_video_features") for m in model.modules()):
+        return None, {}, f"none (the processor returns {pixels}, but the model has no get_video_features)"
+    warmup = {} if folded else {k: v for k, v in out.items() if joins.get(k) in ("concat", "concat_padded")}
+    how = f"{pixels}, the frames as images" if folded else f"{pixels} through get_video_features"
+    found = f"{token} ({type(processor.video_processor).__name__}: {how}; frames sampled by --video-fps/-max-frames)"
+    return VideoInputs(pixels=pixels), {"joins": joins, "warmup": warmup}, found
 
 
 # --- the reader -------------------------------------------------------------------------------------------------
@@ -361,14 +412,15 @@ def read(model_config, path: str | None) -> ModelFamily | None:
     except Exception as e:  # noqa: BLE001 - a config transformers cannot build a model from
         raise _refuse(model_type, f"transformers cannot build its model ({type(e).__name__}: {e})") from None
     towers, targets, found = _towers(model, model_type)
-    processor_class, chat, image_inputs, dummy = "", Chat(), None, None
+    processor_class, chat, image_inputs, video_inputs, dummy = "", Chat(), None, None, None
     if path is not None:
         processor, conv, seen = _read_processor(path, model_type)
         found.update(seen)
+        video_inputs, video, found["video"] = _read_video(processor, model, conv["joins"])
         processor_class = type(processor).__name__
         chat = Chat(processor_class=processor_class, load_processor=load_processor, reply_end_token=conv["end"])
-        image_inputs = _image_inputs(conv["joins"], conv["pixels"])
-        dummy = partial(vision_dummy, warmup=conv["warmup"])
+        image_inputs = _image_inputs({**conv["joins"], **video.get("joins", {})}, conv["pixels"])
+        dummy = partial(vision_dummy, warmup=conv["warmup"], video_warmup=video.get("warmup"))
     description = f"{NAME} family, read from the checkpoint: " + "; ".join(f"{k} {v}" for k, v in found.items())
     family = ModelFamily(
         name=NAME,
@@ -378,6 +430,7 @@ def read(model_config, path: str | None) -> ModelFamily | None:
         targets=targets,
         chat=chat,
         image_inputs=image_inputs,
+        video_inputs=video_inputs,
         packing=Packing(refusal=PACKING_REFUSAL),
         vision_dummy=dummy,
     )

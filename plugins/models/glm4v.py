@@ -21,8 +21,12 @@ scaled up. ``--max-pixels`` means pixels of one image here too: the family passe
 Positions: 3-D mRoPE by ``Glm4vModel.get_rope_index`` (same signature as Qwen3-VL's; an image's positions after
 it advance by max(h, w) / merge, not by its largest position + 1 as in Qwen2-VL), called unbound on the config
 (``family.rope_index_from_class``) with the sample's own ``mm_token_type_ids`` (GLM marks video frames with the
-image token too: the type, not the id, tells them apart). Video is left out (no ``video_inputs``: the processor
-writes timestamps between frames that vlft's clip path does not give it yet).
+image token too: the type, not the id, tells them apart).
+
+Video: the processor takes the clips vlft sampled at ``--video-fps`` (``vlft.clip_arguments``), writes each frame
+pair's ``<|begin_of_image|><|image|>...<|end_of_image|>`` after the frame's second from ``video_metadata``, and
+returns ``pixel_values_videos`` and ``video_grid_thw`` (each frame pair one temporal patch), which the rope index
+reads beside the images'.
 
 The template (``templates/glm4v.jinja``, GLM-4.1V's layout, reconstructed: see NOTES.md) leaves every assistant
 reply open: the turn ends where the next ``<|user|>`` begins, and the checkpoints' generation config stops on
@@ -39,7 +43,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from vlft import Chat, ModelFamily, Packing, Positions, Sharding, Targets, Tiny, processor_image_inputs
+from vlft import Chat, ModelFamily, Packing, Positions, Sharding, Targets, Tiny, VideoInputs, processor_image_inputs
 
 from . import _tiny
 from ._warmup import qwen_vision_dummy
@@ -290,12 +294,19 @@ class SampleRopeIndex:
             model_config,
             sample["input_ids"],
             image_grid_thw=sample.get("image_grid_thw"),
+            video_grid_thw=sample.get("video_grid_thw"),
             mm_token_type_ids_=sample.get("mm_token_type_ids"),
         )
 
 
 IMAGE_INPUTS = processor_image_inputs(
-    {"pixel_values": "concat", "image_grid_thw": "concat", "mm_token_type_ids": "sequence"},
+    {
+        "pixel_values": "concat",
+        "image_grid_thw": "concat",
+        "pixel_values_videos": "concat",
+        "video_grid_thw": "concat",
+        "mm_token_type_ids": "sequence",
+    },
     size_cap="pixels per image: each image is resized keeping its aspect ratio to at most this many pixels, each "
     "side a multiple of 28 (patch 14 x merge 2); the GLM processor's budget (size['longest_edge']) counts "
     "the 2-frame clip an image is resized as, so it is given twice this",
@@ -330,6 +341,7 @@ def _family(
         ),  # GLM-4.1V/4.5V grounding: [x1, y1, x2, y2] normalised to 0-1000
         vision_dummy=qwen_vision_dummy,  # the same tower inputs as Qwen's: patches [merge^2, C*T*P*P], grid (1, m, m)
         image_inputs=IMAGE_INPUTS,
+        video_inputs=VideoInputs(pixels="pixel_values_videos"),
         positions=Positions(SampleRopeIndex(rope_index_from_class(model_class))),
         packing=Packing(refusal=""),
         sharding=Sharding(("Glm4vTextDecoderLayer", "Glm4vVisionBlock")),

@@ -42,7 +42,12 @@ def processor_image_inputs(
     meet; ``grid`` then gets ``max_pixels`` too); ``reshape(name, tensor) -> tensor``, each kept output as the batch joins
     it (SmolVLM's ``[1, tiles, ...]`` pixels as ``[tiles, 1, ...]``, so 'concat' joins samples of any tile count);
     ``image_grids(processor, sizes, max_pixels) -> [(t, h, w), ...]``, each image's grid from the processor's own
-    numbers, where ``grid`` (which has no processor) cannot give it."""
+    numbers, where ``grid`` (which has no processor) cannot give it.
+
+    Clips (a record's videos, where the family declares ``video_inputs``) go the same way: each piece's
+    ``processor.video_token`` placeholders take the next clips, passed as the frames vlft sampled
+    (``do_sample_frames=False``, with each frame's time in ``video_metadata``), and the processor writes their
+    tokens and returns their inputs."""
     if (processor_kwargs is None) != (not size_cap):
         raise ValueError(
             "processor_image_inputs: size_cap (what --max-pixels means, in words) and processor_kwargs "
@@ -65,15 +70,17 @@ def _processor_prepare(processor_kwargs, processor, media: Media, max_pixels=Non
     from PIL import Image
 
     images = media.images if media.images is not None else [Image.new("RGB", size) for size in media.sizes]
+    clips = list(media.videos)
     if processor_kwargs is None or max_pixels is None:
-        return images, media.where, None, {}
-    return images, media.where, max_pixels, dict(processor_kwargs(processor, max_pixels))
+        return images, media.where, None, {}, clips
+    return images, media.where, max_pixels, dict(processor_kwargs(processor, max_pixels)), clips
 
 
 def _processor_write(wanted: dict, grid, reshape, image_grids, processor, texts: list[str], prepared) -> Written:
     import torch
 
     left, where, max_pixels, kwargs = list(prepared[0]), prepared[1], prepared[2], prepared[3]
+    clips = list(prepared[4]) if len(prepared) > 4 else []
     placeholder = processor.image_token or ""
     ids_per_text: list[list[int]] = []
     sequences: dict[str, list] = {k: [] for k, how in wanted.items() if how == "sequence"}
@@ -83,12 +90,14 @@ def _processor_write(wanted: dict, grid, reshape, image_grids, processor, texts:
         if n > len(left):
             raise DataError(f"{where}: the rendered conversation has more image placeholders than images")
         mine, left = left[:n], left[n:]
+        videos, clips = _piece_clips(processor, text, clips, where)
         out = processor(
             text=[text],
             images=[mine] if mine else None,
             add_special_tokens=(k == 0),
             return_tensors="pt",
             **(kwargs if mine else {}),
+            **videos,
         )
         ids = out["input_ids"][0].tolist()
         ids_per_text.append(ids)
@@ -97,8 +106,9 @@ def _processor_write(wanted: dict, grid, reshape, image_grids, processor, texts:
         for key, parts in stacked.items():
             if key in out:
                 parts.append(reshape(key, out[key]) if reshape is not None else out[key])
-    if left:
-        raise DataError(f"{where}: {len(left)} image(s) have no placeholder in the rendered conversation")
+    if left or clips:
+        what = f"{len(left)} image(s)" if left else f"{len(clips)} video(s)"
+        raise DataError(f"{where}: {what} have no placeholder in the rendered conversation")
     extra = {key: torch.cat(parts) for key, parts in sequences.items() if parts}
     from vlft.data.batching import join_images  # torch's: loaded when a record is encoded (the module docstring)
 
@@ -110,3 +120,26 @@ def _processor_write(wanted: dict, grid, reshape, image_grids, processor, texts:
     else:
         grids = []
     return Written(ids_per_text, extra, grids)
+
+
+def _piece_clips(processor, text: str, clips: list, where: str) -> tuple[dict, list]:
+    """The processor's video arguments for one rendered piece (the clips of its ``processor.video_token``
+    placeholders), and the clips left for the pieces after it. A record reaches here with clips only where its
+    family declares ``video_inputs``."""
+    token = getattr(processor, "video_token", None) or ""
+    n = text.count(token) if token and clips else 0
+    if n > len(clips):
+        raise DataError(f"{where}: the rendered conversation has more video placeholders than videos")
+    return (clip_arguments(clips[:n]) if n else {}), clips[n:]
+
+
+def clip_arguments(clips: list) -> dict:
+    """A processor's video arguments for clips of (frames ``[T, C, H, W]``, the rate they were sampled at): the
+    frames vlft sampled at the run's ``--video-fps`` (the processor must not sample again), and where each frame
+    lies in time (the processors that write timestamps between frames, GLM-4.1V's and SmolVLM2's, read them
+    from ``video_metadata``)."""
+    metadata = [
+        {"total_num_frames": len(f), "fps": rate, "frames_indices": list(range(len(f))), "duration": len(f) / rate}
+        for f, rate in clips
+    ]
+    return {"videos": [f for f, _ in clips], "do_sample_frames": False, "video_metadata": metadata} if clips else {}

@@ -1,0 +1,245 @@
+"""Video records in every family: a family with video takes a clip at the run's ``--video-fps`` and
+``--video-max-frames`` (the frames the model receives are min(rate x duration, cap), rounded up to an even count,
+a temporal patch being 2 frames) and the length check and memory plan count its tokens; a family without video
+refuses the record naming itself, before step 1. The generic family takes video where the checkpoint's processor
+has a video processor and the model a video path: a real run on a tiny InternVL checkpoint (frames folded into the
+image input), and the encoding of a tiny LLaVA-NeXT-Video one (clips through ``get_video_features``).
+
+The test clip: 12 frames at 4 fps (3 s). At 2 fps, 6 frames; capped at 4, 4; at 1 fps, 3, made 4."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from generic_checkpoints import build
+
+from helpers import cli_invoke, installed
+
+QUESTION, ANSWER = "What colour is the product?", "red"
+CLIP_FRAMES, CLIP_FPS = 12, 4
+RATES = [((2.0, 16), 6), ((2.0, 4), 4), ((1.0, 16), 4)]  # (--video-fps, --video-max-frames) -> frames received
+
+
+def _family_names() -> list[str]:
+    from vlft.models.families import installed_families
+
+    return [f.name for f in installed_families(installed()) if f.tiny is not None]
+
+
+def _mp4(path: Path) -> Path:
+    av = pytest.importorskip("av", reason="writing a test video needs PyAV (pip install av), not installed here")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("mpeg4", rate=CLIP_FPS)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for i in range(CLIP_FRAMES):
+            arr = np.full((48, 64, 3), (i * 20) % 256, dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return path
+
+
+def _write(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _video(question=QUESTION, answer=ANSWER) -> dict:
+    return {
+        "video": "clips/a.mp4",
+        "conversations": [{"from": "human", "value": f"<video>\n{question}"}, {"from": "gpt", "value": answer}],
+    }
+
+
+@pytest.fixture(scope="module")
+def clip_data(tmp_path_factory) -> Path:
+    """A folder with the clip, an image, and data files: one video record, and a mixed set (video, image, text)."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("video")
+    _mp4(root / "clips" / "a.mp4")
+    Image.new("RGB", (40, 30), (200, 10, 10)).save(root / "red.png")
+    _write(root / "one.jsonl", [_video()])
+    image = {"image": "red.png", "conversations": [{"from": "human", "value": f"<image>\n{QUESTION}"}]}
+    image["conversations"].append({"from": "gpt", "value": ANSWER})
+    text = {"conversations": [{"from": "human", "value": "Say yes."}, {"from": "gpt", "value": "yes"}]}
+    _write(root / "mixed.jsonl", [_video(), text, image, _video("How many frames?", "four"), text])
+    return root
+
+
+def _frames(sample: dict, processor) -> int:
+    """The frames of the record's one clip as the model receives them, read from its inputs."""
+    if "video_grid_thw" in sample:  # Qwen: (t, h, w) patches, t a temporal patch of frames
+        return int(sample["video_grid_thw"][:, 0].sum()) * processor.video_processor.temporal_patch_size
+    if "pixel_values_videos" in sample and sample["pixel_values_videos"].dim() == 5:  # [clips, frames, C, H, W]
+        return int(sample["pixel_values_videos"].shape[1])
+    if "pixel_values" in sample and sample["pixel_values"].dim() == 4:  # frames folded into the images (InternVL)
+        return int(sample["pixel_values"].shape[0])
+    raise AssertionError(f"no clip input this test knows in {sorted(sample)}: add the family's layout here")
+
+
+def _check_rates(processor, family, record) -> None:
+    from vlft.data.encoding import SampleEncoder
+
+    lengths = []
+    for (fps, cap), frames in RATES:
+        encoder = SampleEncoder(processor, family, video_fps=fps, video_max_frames=cap)
+        sample = encoder.encode(record)
+        assert _frames(sample, processor) == frames, (family.name, fps, cap)
+        assert encoder.measure(record)[0] == len(sample["input_ids"]), family.name  # the length check's count
+        assert (sample["labels"] != -100).sum() > 0
+        lengths.append(len(sample["input_ids"]))
+    assert lengths[0] > lengths[1] == lengths[2], (family.name, lengths)  # 6 frames cost more tokens than 4
+
+
+@pytest.mark.parametrize("name", _family_names())
+def test_each_family_takes_a_clip_at_the_runs_rate_or_refuses_it_naming_itself(name, clip_data):
+    from vlft import DataError
+    from vlft.data.encoding import SampleEncoder
+    from vlft.data.records import read_records
+    from vlft.models.embedded import embedded_family_dir
+    from vlft.models.families import family_named
+    from vlft.models.loading import load_processor
+
+    registry = installed()
+    family = family_named(registry, name)
+    processor = load_processor(str(embedded_family_dir(family)), family, registry)
+    [record] = read_records(clip_data / "one.jsonl")
+    if family.video_inputs is None:
+        with pytest.raises(DataError, match=f"videos are not supported for the {name} family"):
+            SampleEncoder(processor, family).measure(record)
+        return
+    _check_rates(processor, family, record)
+
+
+@pytest.mark.parametrize("kind", ["internvl", "llava_next_video"])
+def test_the_generic_family_takes_a_clip_where_the_processor_and_model_have_a_video_path(
+    kind, clip_data, tmp_path_factory
+):
+    from vlft.data.records import read_records
+    from vlft.models.loading import load_processor, model_config_and_family
+
+    folder = build(kind, tmp_path_factory.mktemp("ckpt") / kind)
+    registry = installed()
+    _, family = model_config_and_family(str(folder), registry)
+    assert family.name == "generic" and family.video_inputs is not None
+    assert "video <video>" in family.description, family.description
+    processor = load_processor(str(folder), family, registry)
+    [record] = read_records(clip_data / "one.jsonl")
+    _check_rates(processor, family, record)
+
+
+def test_a_generic_checkpoint_without_a_video_processor_refuses_a_clip_saying_why(clip_data, tmp_path_factory):
+    from vlft import DataError
+    from vlft.data.encoding import SampleEncoder
+    from vlft.data.records import read_records
+    from vlft.models.loading import load_processor, model_config_and_family
+
+    folder = build("mistral3", tmp_path_factory.mktemp("ckpt") / "mistral3")
+    registry = installed()
+    _, family = model_config_and_family(str(folder), registry)
+    assert family.video_inputs is None and "video none (its processor (PixtralProcessor) has no video" in (
+        family.description
+    )
+    [record] = read_records(clip_data / "one.jsonl")
+    with pytest.raises(DataError, match="videos are not supported for the generic family"):
+        SampleEncoder(load_processor(str(folder), family, registry), family).measure(record)
+
+
+def test_a_family_without_video_refuses_a_clip_before_step_1(clip_data, tmp_path):
+    """Through the CLI: the run stops at the data check, naming the family, and writes no step."""
+    from vlft.models.families import installed_families
+
+    name = next(f.name for f in installed_families(installed()) if f.video_inputs is None and f.tiny is not None)
+    out = tmp_path / "run"
+    code, output = cli_invoke(
+        "run", "--quiet", "--backend", "cpu", "--model", f"embedded:{name}", "--data", clip_data / "one.jsonl",
+        "--output", out, "--steps", "2", "--eval-every", "0", "--save-every", "0",
+    )  # fmt: skip
+    assert code != 0 and f"videos are not supported for the {name} family" in output, output
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_a_run_of_the_generic_family_trains_on_clips_at_the_runs_rate(clip_data, tmp_path_factory):
+    """A real `vlft run --model DIR` on a tiny InternVL checkpoint (no vlft family owns 'internvl'): clips, images
+    and text-only records together, 2 steps; the plan's longest sample is the clip at --video-max-frames 4, and the
+    vision tower's adapters trained."""
+    from safetensors.torch import load_file
+
+    from vlft.data.encoding import SampleEncoder
+    from vlft.data.records import read_records
+    from vlft.models.loading import load_processor, model_config_and_family
+
+    folder = build("internvl", tmp_path_factory.mktemp("ckpt") / "internvl")
+    out = tmp_path_factory.mktemp("run") / "run"
+    code, output = cli_invoke(
+        "run", "--quiet", "--backend", "cpu", "--model", folder, "--data", clip_data / "mixed.jsonl",
+        "--val-data", clip_data / "one.jsonl", "--output", out, "--steps", "2", "--batch-size", "2", "--log-every", "1", "--eval-every", "0",
+        "--eval-samples", "1", "--max-new-tokens", "2", "--save-every", "0", "--lr", "3e-3",
+        "--video-fps", "2", "--video-max-frames", "4",
+    )  # fmt: skip
+    assert code == 0, output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 2
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["model_family"]["name"] == "generic" and "video <video>" in plan["model_family"]["description"]
+    registry = installed()
+    _, family = model_config_and_family(str(folder), registry)
+    encoder = SampleEncoder(load_processor(str(folder), family, registry), family, video_fps=2.0, video_max_frames=4)
+    clips = [encoder.measure(r)[0] for r in read_records(clip_data / "mixed.jsonl") if r.videos]
+    assert plan["lengths"]["longest"] == max(clips)
+    weights = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    vision_b = [v for k, v in weights.items() if "lora_B" in k and "vision_tower" in k]
+    assert vision_b and max(float(v.abs().max()) for v in vision_b) > 0
+
+
+def test_glm_video_positions_are_the_models_and_a_packed_run_trains_on_clips(clip_data, tmp_path):
+    """GLM-4.1V's clips (frames written by its processor after each frame's second): the positions packing builds
+    for a video sample (the family's rope index) equal those the model computes unpacked, and a real `vlft run
+    --packing` on clips, images and text trains 2 steps."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from vlft.data.encoding import SampleEncoder
+    from vlft.data.records import read_records
+    from vlft.models.embedded import embedded_family_dir
+    from vlft.models.families import family_named
+    from vlft.models.loading import load_processor
+
+    registry = installed()
+    family = family_named(registry, "glm4.1v")
+    folder = embedded_family_dir(family)
+    processor = load_processor(str(folder), family, registry)
+    [record] = read_records(clip_data / "one.jsonl")
+    sample = SampleEncoder(processor, family, video_fps=2.0, video_max_frames=4).encode(record)
+    model = AutoModelForImageTextToText.from_pretrained(folder).eval()
+    captured = []
+    hook = model.model.language_model.register_forward_pre_hook(
+        lambda mod, args, kwargs: captured.append(kwargs["position_ids"]), with_kwargs=True
+    )
+    inputs = {k: (v.unsqueeze(0) if k in ("input_ids", "mm_token_type_ids") else v) for k, v in sample.items()}
+    try:
+        with torch.no_grad():
+            model(**{k: v for k, v in inputs.items() if k != "labels"})
+    finally:
+        hook.remove()
+    mine = family.positions.rope_index(model.config, sample)
+    assert torch.equal(mine[:, 0].long(), captured[0][-3:, 0].long())
+    assert int(mine.max()) < len(sample["input_ids"])  # the frames' positions are compressed: a real clip
+
+    out = tmp_path / "run"
+    code, output = cli_invoke(
+        "run", "--quiet", "--backend", "cpu", "--model", "embedded:glm4.1v", "--data", clip_data / "mixed.jsonl",
+        "--val-data", clip_data / "one.jsonl", "--output", out, "--steps", "2", "--batch-size", "2",
+        "--packing", "on", "--eval-every", "0", "--eval-samples", "1", "--max-new-tokens", "2", "--save-every", "0",
+        "--video-fps", "2", "--video-max-frames", "4",
+    )  # fmt: skip
+    assert code == 0, output
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(torch.isfinite(torch.tensor(m["loss"])) for m in logged if "loss" in m)
