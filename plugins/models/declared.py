@@ -1,0 +1,236 @@
+"""Built-in families declared on the generic family (generic.py): InternVL 3 / 3.5 (``internvl``) so far.
+
+The generic family reads a checkpoint's towers, targets, processor and chat template at plan time; what it cannot
+read a family states here as facts, each a line or a small function:
+
+- the towers and targets: what the generic reader finds in the module tree, written down (a family exists before
+  any checkpoint is read: `vlft plugins`, `--model embedded:<name>` and the plan of a bundled config ask for it);
+  tests/test_declared_families.py checks the two agree on the tiny model;
+- packing: the text model takes 1-D ``position_ids`` through transformers' attention interface (the core's
+  segments attention keeps packed samples apart; check_family's packing check: packed and padded losses equal),
+  the vision tower runs each tile alone, the pixels join in sample order;
+- ``--max-pixels``: the family's own cap, as its processor takes it (``size_cap`` in words, ``processor_kwargs``
+  how it reaches the processor);
+- the memory plan's vision count: each image's tiles from the image processor's own count
+  (``get_number_of_image_patches``), one grid (tiles, s, s) per image with s x s the tokens of a tile, and the
+  tower traced over them;
+- the vision warm-up's input (the generic ``vision_dummy`` with one blank tile of the tower's size);
+- a tiny model built from the config class (``--model embedded:<name>``, offline).
+
+The processor writes each image's tokens itself (``vlft.processor_image_inputs``), and loads as the generic
+family loads it (``generic.load_processor``: the tokenizer's template where the processor has none).
+
+Imports inside functions: torch, tokenizers and transformers load only when a tiny model or a processor is built
+or loaded, or a run builds its dummy image.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from vlft import Chat, ModelFamily, Packing, Targets, Tiny, Towers, processor_image_inputs
+
+from . import _tiny, generic
+from .family import GATED_MLP, TEXT_ATTENTION
+
+# --- InternVL 3 / 3.5 ---------------------------------------------------------------------------------------------
+#
+# transformers 5.2x InternVLForConditionalGeneration: model.vision_tower (InternViT: encoder.layer[i] with
+# attention.{q,k,v}_proj, attention.projection_layer, mlp.fc1/fc2; a CLS token before the patches), the
+# pixel-shuffle projector model.multi_modal_projector, model.language_model (Qwen2 for InternVL 3, Qwen3 for 3.5;
+# 1-D RoPE). GotOcr2ImageProcessor cuts an image into up to max_patches tiles of the tower's square (the grid of
+# the closest aspect ratio) plus a thumbnail when it cuts more than one; each tile costs image_seq_length
+# <IMG_CONTEXT> tokens, the image's run closed by <img> ... </img>; pixel_values [tiles, 3, S, S].
+
+INTERNVL = "internvl"
+INTERNVL_IMAGE_TOKENS = dict(start_image_token="<img>", end_image_token="</img>", context_image_token="<IMG_CONTEXT>")
+INTERNVL_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *INTERNVL_IMAGE_TOKENS.values(), "<video>"]
+INTERNVL_RECIPE: dict[str, Any] = {
+    "version": 1,
+    "family": INTERNVL,
+    "seed": 1234,
+    "vocab_size": 512,
+    # 32 px tiles of 8 px patches (4 x 4), pixel-shuffled by 0.5 into 4 tokens a tile; up to 4 tiles + the
+    # thumbnail an image
+    "tile": 32,
+    "max_patches": 4,
+    "downsample_ratio": 0.5,
+    "text": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    ),
+    "vision": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=8),
+    "embedding_row_norm": 1.0,
+    "initializer_range": 0.1,
+    "vision_initializer_range": 0.02,
+}
+INTERNVL_SIZE_CAP = (
+    "the tiling's max_patches lowered to the number of whole tiles (the vision tower's square input) that fit "
+    "--max-pixels, never below one (the image is then one tile) nor above the processor's own; the thumbnail tile "
+    "the tiling adds when it cuts more than one comes on top"
+)
+
+
+def _tile(processor) -> int:
+    size = processor.image_processor.size
+    return int(size["height"] if isinstance(size, dict) else size.height)
+
+
+def internvl_max_patches(processor, max_pixels: int | None) -> dict:
+    """The processor's keyword arguments under ``--max-pixels``: ``max_patches`` lowered to the whole tiles that
+    fit the budget (at least one, at most the processor's own)."""
+    if max_pixels is None:
+        return {}
+    own = int(processor.image_processor.max_patches)
+    fits = max(1, int(max_pixels) // _tile(processor) ** 2)
+    return {"max_patches": fits} if fits < own else {}
+
+
+def internvl_grids(processor, sizes, max_pixels=None) -> list:
+    """Each image's (tiles, s, s): its tiles by the image processor's own count, s x s the tokens of a tile
+    (``image_seq_length``, after the pixel shuffle)."""
+    import math
+
+    kwargs = internvl_max_patches(processor, max_pixels)
+    side = math.isqrt(int(processor.image_seq_length))
+    count = processor.image_processor.get_number_of_image_patches
+    return [(int(count(h, w, kwargs)), side, side) for w, h in sizes]
+
+
+def internvl_trace(tower, grids, dtype, run_block):
+    """InternViT's layers on the meta device for the memory plan: every tile a sequence of its patches and the
+    CLS token. The pixel-shuffle projector lives outside the tower and is not traced."""
+    import torch
+
+    tiles = sum(int(t) for t, _, _ in grids)
+    config = tower.config
+    side = config.image_size[0] if isinstance(config.image_size, (list, tuple)) else config.image_size
+    patch = config.patch_size[0] if isinstance(config.patch_size, (list, tuple)) else config.patch_size
+    hidden = torch.empty(tiles, (int(side) // int(patch)) ** 2 + 1, config.hidden_size, device="meta", dtype=dtype)
+    for layer in tower.encoder.layer:
+        hidden = run_block(layer, lambda m=layer, h=hidden: m(h), hidden)
+        hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+    return hidden
+
+
+def internvl_dummy(model, modality: str):
+    """One blank tile of the tower's size through the generic warm-up (the innermost ``get_image_features``)."""
+    import torch
+
+    vision = model.config.vision_config
+    h, w = (vision.image_size if isinstance(vision.image_size, (list, tuple)) else (vision.image_size,) * 2)[:2]
+    pixels = torch.zeros(1, int(vision.num_channels), int(h), int(w))
+    return generic.vision_dummy(model, modality, warmup={"pixel_values": pixels})
+
+
+def internvl_processor(tokenizer, r: dict):
+    from transformers import GotOcr2ImageProcessor, InternVLProcessor, InternVLVideoProcessor
+
+    size = {"height": r["tile"], "width": r["tile"]}
+    return InternVLProcessor(
+        image_processor=GotOcr2ImageProcessor(size=size, crop_to_patches=True, max_patches=r["max_patches"]),
+        tokenizer=tokenizer,
+        video_processor=InternVLVideoProcessor(size=size),
+        image_seq_length=_tile_tokens(r),
+        chat_template=_tiny.template(INTERNVL),
+    )
+
+
+def _tile_tokens(r: dict) -> int:
+    return int((r["tile"] // r["vision"]["patch_size"]) ** 2 * r["downsample_ratio"] ** 2)
+
+
+def build_internvl(path: Path, recipe: dict | None = None, corpus=None) -> None:
+    """A tiny random InternVL 3 (InternViT, pixel-shuffle projector, Qwen2) with its processor and a
+    ChatML template, its tokenizer naming the image tokens as the processor reads them."""
+    import torch
+    from transformers import InternVLConfig, InternVLForConditionalGeneration, PreTrainedTokenizerFast
+
+    r = recipe or INTERNVL_RECIPE
+    trained = _tiny.build_tokenizer(r["vocab_size"], INTERNVL_SPECIALS, (), corpus)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=trained.backend_tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        video_token="<video>",
+        model_max_length=r["text"]["max_position_embeddings"],
+        **INTERNVL_IMAGE_TOKENS,
+    )
+    ids = _tiny.token_ids(tokenizer)
+    config = InternVLConfig(
+        text_config=dict(
+            r["text"],
+            model_type="qwen2",
+            vocab_size=len(tokenizer),
+            bos_token_id=ids("<|endoftext|>"),
+            eos_token_id=ids("<|im_end|>"),
+            pad_token_id=ids("<|endoftext|>"),
+            initializer_range=r["initializer_range"],
+        ),
+        vision_config=dict(
+            r["vision"],
+            image_size=[r["tile"], r["tile"]],
+            patch_size=[r["vision"]["patch_size"]] * 2,
+            initializer_range=r["initializer_range"],
+        ),
+        image_token_id=ids("<IMG_CONTEXT>"),
+        image_seq_length=_tile_tokens(r),
+        downsample_ratio=r["downsample_ratio"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(r["seed"])
+    model = InternVLForConditionalGeneration(config)
+    _tiny.initialise(model, r["seed"], r["vision_initializer_range"], r["embedding_row_norm"], "vision_tower")
+    _tiny.finish_generation_config(model, tokenizer)
+    _tiny.save_atomically(Path(path), model, internvl_processor(tokenizer, r), r)
+
+
+def _internvl() -> ModelFamily:
+    return ModelFamily(
+        name=INTERNVL,
+        model_types=(INTERNVL,),
+        description="InternVL 3 / 3.5 (1B-78B, the -hf checkpoints): InternViT on tiles + a thumbnail, "
+        "pixel-shuffle projector, Qwen2/Qwen3 text model",
+        towers=Towers(
+            vision="model.vision_tower",
+            vision_blocks="model.vision_tower.encoder.layer",
+            vision_mergers=("model.multi_modal_projector",),
+            decoder_layers="model.language_model.layers",
+            lm_head="lm_head",
+        ),
+        targets=Targets(
+            vision_attention=("attention.q_proj", "attention.k_proj", "attention.v_proj", "attention.projection_layer"),
+            vision_mlp=("mlp.fc1", "mlp.fc2"),
+            text_attention=TEXT_ATTENTION,
+            text_mlp=GATED_MLP,
+            default="both",
+        ),
+        chat=Chat(
+            processor_class="InternVLProcessor",
+            load_processor=generic.load_processor,
+            reply_end_token="<|im_end|>",
+            box_coordinates="relative-1000",
+        ),
+        image_inputs=processor_image_inputs(
+            {"pixel_values": "concat"},
+            size_cap=INTERNVL_SIZE_CAP,
+            processor_kwargs=internvl_max_patches,
+            image_grids=internvl_grids,
+            trace=internvl_trace,
+        ),
+        # 1-D RoPE through transformers' attention interface; each tile through the tower alone
+        packing=Packing(),
+        # sharding: None, the model class's own units (InternVLVisionLayer and the text model's decoder layer,
+        # Qwen2's or Qwen3's by checkpoint)
+        vision_dummy=internvl_dummy,
+        tiny=Tiny(build_internvl, INTERNVL_RECIPE),
+    )
+
+
+FAMILIES = (_internvl(),)
