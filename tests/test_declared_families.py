@@ -1,0 +1,72 @@
+"""The families declared on the generic family (plugins/models/declared.py), on their tiny models: what each declares
+agrees with what the generic reader reads from the checkpoint, and what the generic family cannot know holds:
+``--max-pixels`` as the family's own cap (fewer tiles and tokens, the processor's own count), the memory plan's
+image tiles equal to the processor's. The contract (targets, image tokens, packing, adapter, a mixed 2-step run)
+is check_family's in tests/test_families_prep.py; the CLI runs (2-process DDP on mixed data, predict, eval,
+export) are tests/test_mixed_ddp.py's and tests/test_family_runs.py's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import vlft_models as vm
+from vlft_models import declared, generic
+
+NAMES = [f.name for f in declared.FAMILIES]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("declared")
+    out = {}
+    for f in declared.FAMILIES:
+        f.tiny.build(root / f.name)
+        out[f.name] = root / f.name
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_declared_facts_are_what_the_generic_reader_reads(built, name):
+    from transformers import AutoConfig
+
+    family = vm.family_named(name)
+    read = generic.read(AutoConfig.from_pretrained(built[name]), str(built[name]))
+    assert read is not None and read.name == "generic"
+    assert family.towers == read.towers
+    for part in ("vision_attention", "vision_mlp", "text_attention", "text_mlp"):
+        assert set(getattr(family.targets, part)) == set(getattr(read.targets, part)), part
+    assert family.chat.reply_end_token == read.chat.reply_end_token
+    assert set(family.image_inputs.batch_inputs) == set(read.image_inputs.batch_inputs)
+
+
+def test_internvl_max_pixels_lowers_the_tiles_and_tokens_as_the_processor_counts_them(built):
+    """A wide image under the family's default, then under a cap of one tile: the written ids equal the processor's
+    own with the cap's keyword arguments, the image tokens fall, and the plan's grids equal the processor's tile
+    count."""
+    from PIL import Image
+
+    from vlft import Media
+
+    name = declared.INTERNVL
+    family = vm.family_named(name)
+    processor = family.chat.load_processor(str(built[name]))
+    images = family.image_inputs
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    image = Image.new("RGB", (120, 40), (200, 30, 30))
+    tokens, tiles = [], []
+    for cap in (None, 32 * 32):
+        written = images.write(processor, [text], images.prepare(processor, Media([image.size], [image]), cap))
+        kwargs = declared.internvl_max_patches(processor, cap)
+        own = processor(text=[text], images=[[image]], return_tensors="pt", **kwargs)
+        assert written.ids[0] == own["input_ids"][0].tolist(), cap
+        assert [g[0] for g in written.grids] == [int(own["pixel_values"].shape[0])], cap
+        tokens.append(written.ids[0].count(processor.image_token_id))
+        tiles.append(written.grids[0][0])
+    assert tokens[1] < tokens[0] and tiles == [tiles[0], 1], (tokens, tiles)
