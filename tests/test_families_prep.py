@@ -59,8 +59,8 @@ NAMES = [f.name for f in FAMILIES]
 # check_family and the adapter test
 QWEN = [f.name for f in FAMILIES if isinstance(getattr(f.image_inputs.prepare, "__self__", None), fam_mod.QwenVision)]
 
-GLM_NAMES = ["glm4.1v", "glm4.6v"]
-DECLARED = ["internvl"]  # declared on the generic family (declared.py): name and model_type alike  # QwenVision's batch-input kinds, written by their processor
+GLM_NAMES = ["glm4.1v", "glm4.6v"]  # QwenVision's batch-input kinds, written by their processor
+DECLARED = {"internvl": "internvl", "llava-next": "llava_next"}  # declared.py's families: {name: model type}
 PROMPT = "What colour is the product?"
 ANSWER = "The product is red and has a scratch."
 
@@ -148,7 +148,7 @@ def test_every_field_has_help_and_every_family_is_consistent():
         "glm4v",
         "glm46v",
         "gemma4",
-        *DECLARED,
+        *DECLARED.values(),
     }
     assert set(NAMES) - set(QWEN) == {"smolvlm", "idefics3", "llava-onevision", *GLM_NAMES, "gemma4", *DECLARED}
 
@@ -159,7 +159,7 @@ def test_each_model_type_has_its_family():
     assert vm.family_for("gemma4").name == "gemma4"
     assert vm.family_for("llava") is None
     assert vm.family_for("llava_onevision").name == "llava-onevision"
-    assert vm.family_for("internvl").name == "internvl"
+    assert all(vm.family_for(model_type).name == name for name, model_type in DECLARED.items())
     assert {f.name for f in vm.vlft_model_families()} == set(NAMES)
 
 

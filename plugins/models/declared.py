@@ -1,4 +1,5 @@
-"""Built-in families declared on the generic family (generic.py): InternVL 3 / 3.5 (``internvl``) so far.
+"""Built-in families declared on the generic family (generic.py): InternVL 3 / 3.5 (``internvl``) and LLaVA-NeXT
+(``llava_next``).
 
 The generic family reads a checkpoint's towers, targets, processor and chat template at plan time; what it cannot
 read a family states here as facts, each a line or a small function:
@@ -26,14 +27,15 @@ or loaded, or a run builds its dummy image.
 
 from __future__ import annotations
 
-from functools import partial
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from vlft import Chat, ModelFamily, Packing, Targets, Tiny, Towers, processor_image_inputs
 
 from . import _tiny, generic
-from .family import GATED_MLP, TEXT_ATTENTION
+from .family import GATED_MLP, SIGLIP_ATTENTION, SIGLIP_MLP, TEXT_ATTENTION
+from .llava_onevision import capped_size
 
 # --- InternVL 3 / 3.5 ---------------------------------------------------------------------------------------------
 #
@@ -233,4 +235,202 @@ def _internvl() -> ModelFamily:
     )
 
 
-FAMILIES = (_internvl(),)
+# --- LLaVA-NeXT (LLaVA-1.6) -----------------------------------------------------------------------------------------
+#
+# transformers 5.2x LlavaNextForConditionalGeneration: model.vision_tower (CLIPVisionModel, no vision_model level:
+# encoder.layers[i] with self_attn.{q,k,v,out}_proj, mlp.fc1/fc2; a CLS token), the 2-layer
+# model.multi_modal_projector, model.image_newline (one per row of tiles), model.language_model (Mistral, Vicuna
+# (Llama) or Yi; 1-D RoPE). Any resolution: the best of image_grid_pinpoints for the image's size is chosen, the image
+# resized and padded to it and cut into tiles of the tower's square, plus one base tile of the whole image:
+# pixel_values [images, tiles, 3, S, S] (the tile count differs by size: the batch pads, 'concat_padded'; the model
+# reads pixel_values[i, :tiles_i], tiles_i from image_sizes and the config's pinpoints), image_sizes [images, 2].
+# Unlike LLaVA-OneVision, an image of a record of several is tiled as a single one: the processor called per
+# rendered piece writes the same tokens as on the whole conversation. The published checkpoints take features from
+# vision_feature_layer -2, so the tower's last block feeds nothing (its adapters, under --vision-last-n, get no
+# gradient); the tiny model takes the last layer's.
+
+LLAVA_NEXT = "llava-next"
+LLAVA_NEXT_SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "<image>", "[INST]", "[/INST]"]
+LLAVA_NEXT_RECIPE: dict[str, Any] = {
+    "version": 1,
+    "family": LLAVA_NEXT,
+    "seed": 1234,
+    "vocab_size": 512,
+    # 32 px tiles of 8 px patches (16 tokens a tile, the CLS dropped); pinpoints up to 2 x 2 tiles
+    "tile": 32,
+    "image_grid_pinpoints": [[32, 32], [32, 64], [64, 32], [64, 64]],
+    "text": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    ),
+    "vision": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=8),
+    "embedding_row_norm": 1.0,
+    "initializer_range": 0.1,
+    "vision_initializer_range": 0.02,
+}
+LLAVA_NEXT_SIZE_CAP = (
+    "a pixel budget per image: scaled down first, aspect ratio kept, so the grid pinpoint the tiling picks (and its "
+    "tiles and tokens) falls with it; the config's pinpoints are unchanged"
+)
+
+
+def _llava_next_tile(processor) -> int:
+    size = processor.image_processor.crop_size
+    return int(size["height"] if isinstance(size, dict) else size.height)
+
+
+def llava_next_grids(processor, sizes, max_pixels=None) -> list:
+    """Each image's (tiles, S/p, S/p): the base tile and the pinpoint's tiles, as the model counts them from
+    image_sizes (the images already scaled under --max-pixels by ``llava_next_image_inputs``)."""
+    from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+    side = _llava_next_tile(processor)
+    per = side // int(processor.patch_size)
+    pinpoints = processor.image_processor.image_grid_pinpoints
+    return [(int(image_size_to_num_patches((h, w), pinpoints, side)), per, per) for w, h in sizes]
+
+
+def llava_next_trace(tower, grids, dtype, run_block):
+    """CLIP's encoder layers on the meta device for the memory plan: every tile a sequence of its patches and the
+    CLS token. The projector and image_newline live outside the tower and are not traced."""
+    import torch
+
+    config = tower.config
+    tiles = sum(int(t) for t, _, _ in grids)
+    seq = (int(config.image_size) // int(config.patch_size)) ** 2 + 1
+    hidden = torch.empty(tiles, seq, config.hidden_size, device="meta", dtype=dtype)
+    for layer in tower.encoder.layers:
+        hidden = run_block(layer, lambda m=layer, h=hidden: m(h, attention_mask=None), hidden)
+        hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+    return hidden
+
+
+def llava_next_image_inputs():
+    """The processor's own image inputs (``vlft.processor_image_inputs``), each image first scaled down under
+    ``--max-pixels`` (the cap is the image's size: the model reads the tiles from image_sizes and the config's
+    pinpoints, so the processor's pinpoints cannot change)."""
+    base = processor_image_inputs(
+        {"pixel_values": "concat_padded", "image_sizes": "concat"},
+        image_grids=llava_next_grids,
+        trace=llava_next_trace,
+    )
+
+    def prepare(processor, media, max_pixels=None):
+        sizes = [capped_size(w, h, max_pixels) for w, h in media.sizes]
+        images = media.images
+        if images is not None:
+            images = [img if img.size == size else img.resize(size) for img, size in zip(images, sizes)]
+        return base.prepare(processor, replace(media, sizes=sizes, images=images), None)
+
+    return replace(base, prepare=prepare, size_cap=LLAVA_NEXT_SIZE_CAP)
+
+
+def llava_next_dummy(model, modality: str):
+    """One blank image of one tile's size (its base tile and its one tile) through the generic warm-up."""
+    import torch
+    from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+    vision = model.config.vision_config
+    side = int(vision.image_size)
+    tiles = image_size_to_num_patches((side, side), model.config.image_grid_pinpoints, side)
+    pixels = torch.zeros(1, tiles, int(vision.num_channels), side, side)
+    warmup = {"pixel_values": pixels, "image_sizes": torch.tensor([[side, side]])}
+    return generic.vision_dummy(model, modality, warmup=warmup)
+
+
+def build_llava_next(path: Path, recipe: dict | None = None, corpus=None) -> None:
+    """A tiny random LLaVA-NeXT (CLIP, 2-layer projector, Mistral) with its processor and LLaVA-1.6-Mistral's
+    [INST] template."""
+    import torch
+    from transformers import (
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextImageProcessor,
+        LlavaNextProcessor,
+    )
+
+    r = recipe or LLAVA_NEXT_RECIPE
+    tokenizer = _tiny.build_tokenizer(r["vocab_size"], LLAVA_NEXT_SPECIALS, (), corpus, eos="</s>", pad="<pad>")
+    tokenizer.bos_token = "<s>"
+    ids = _tiny.token_ids(tokenizer)
+    config = LlavaNextConfig(
+        text_config=dict(
+            r["text"],
+            model_type="mistral",
+            vocab_size=len(tokenizer),
+            bos_token_id=ids("<s>"),
+            eos_token_id=ids("</s>"),
+            pad_token_id=ids("<pad>"),
+            initializer_range=r["initializer_range"],
+        ),
+        vision_config=dict(
+            r["vision"],
+            model_type="clip_vision_model",
+            image_size=r["tile"],
+            projection_dim=r["vision"]["hidden_size"],
+            initializer_range=r["initializer_range"],
+        ),
+        image_token_index=ids("<image>"),
+        image_grid_pinpoints=r["image_grid_pinpoints"],
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(r["seed"])
+    model = LlavaNextForConditionalGeneration(config)
+    _tiny.initialise(model, r["seed"], r["vision_initializer_range"], r["embedding_row_norm"], "vision_tower")
+    _tiny.finish_generation_config(model, tokenizer)
+    side = {"height": r["tile"], "width": r["tile"]}
+    processor = LlavaNextProcessor(
+        image_processor=LlavaNextImageProcessor(
+            size={"shortest_edge": r["tile"]}, crop_size=side, image_grid_pinpoints=r["image_grid_pinpoints"]
+        ),
+        tokenizer=tokenizer,
+        patch_size=r["vision"]["patch_size"],
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=_tiny.template("llava_next"),
+        image_token="<image>",
+    )
+    _tiny.save_atomically(Path(path), model, processor, r)
+
+
+def _llava_next() -> ModelFamily:
+    return ModelFamily(
+        name=LLAVA_NEXT,
+        model_types=("llava_next",),
+        description="LLaVA-NeXT / LLaVA-1.6 (7B-34B): CLIP on any-resolution tiles by grid pinpoints, 2-layer "
+        "projector, Mistral/Vicuna/Yi text model",
+        towers=Towers(
+            vision="model.vision_tower",
+            vision_blocks="model.vision_tower.encoder.layers",
+            vision_mergers=("model.multi_modal_projector",),
+            decoder_layers="model.language_model.layers",
+            lm_head="lm_head",
+        ),
+        targets=Targets(
+            vision_attention=SIGLIP_ATTENTION,  # CLIP's names are SigLIP's
+            vision_mlp=SIGLIP_MLP,
+            text_attention=TEXT_ATTENTION,
+            text_mlp=GATED_MLP,
+            default="both",
+        ),
+        chat=Chat(
+            processor_class="LlavaNextProcessor",
+            load_processor=generic.load_processor,
+            reply_end_token="</s>",
+            box_coordinates="relative-1",
+        ),
+        image_inputs=llava_next_image_inputs(),
+        # 1-D RoPE through transformers' attention interface; each image's tiles through the tower alone
+        packing=Packing(),
+        vision_dummy=llava_next_dummy,
+        tiny=Tiny(build_llava_next, LLAVA_NEXT_RECIPE),
+    )
+
+
+FAMILIES = (_internvl(), _llava_next())
