@@ -42,15 +42,30 @@ def test_the_declared_facts_are_what_the_generic_reader_reads(built, name):
     assert set(family.image_inputs.batch_inputs) == set(read.image_inputs.batch_inputs)
 
 
-def test_internvl_max_pixels_lowers_the_tiles_and_tokens_as_the_processor_counts_them(built):
-    """A wide image under the family's default, then under a cap of one tile: the written ids equal the processor's
-    own with the cap's keyword arguments, the image tokens fall, and the plan's grids equal the processor's tile
-    count."""
+def _internvl_capped(processor, image, cap):
+    return image, declared.internvl_max_patches(processor, cap), lambda pixels: int(pixels.shape[0])
+
+
+def _llava_next_capped(processor, image, cap):
+    from vlft_models.llava_onevision import capped_size
+
+    return image.resize(capped_size(*image.size, cap)), {}, lambda pixels: int(pixels.shape[1])
+
+
+# {family: (an image size the cap cuts, what the processor is given under a cap: image, keyword arguments, and how
+# its pixel_values count the image's tiles)}
+CAPPED = {"internvl": ((120, 40), _internvl_capped), "llava-next": ((64, 64), _llava_next_capped)}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_max_pixels_lowers_the_tiles_and_tokens_as_the_processor_counts_them(built, name):
+    """An image under the family's default, then under a cap of one tile: the written ids equal the processor's own
+    on what the cap gives it (InternVL: a lower max_patches; LLaVA-NeXT: the image scaled down), the image tokens
+    fall, and the plan's grids count the processor's tiles."""
     from PIL import Image
 
     from vlft import Media
 
-    name = declared.INTERNVL
     family = vm.family_named(name)
     processor = family.chat.load_processor(str(built[name]))
     images = family.image_inputs
@@ -59,14 +74,15 @@ def test_internvl_max_pixels_lowers_the_tiles_and_tokens_as_the_processor_counts
         tokenize=False,
         add_generation_prompt=True,
     )
-    image = Image.new("RGB", (120, 40), (200, 30, 30))
+    size, capped = CAPPED[name]
+    image = Image.new("RGB", size, (200, 30, 30))
     tokens, tiles = [], []
     for cap in (None, 32 * 32):
         written = images.write(processor, [text], images.prepare(processor, Media([image.size], [image]), cap))
-        kwargs = declared.internvl_max_patches(processor, cap)
-        own = processor(text=[text], images=[[image]], return_tensors="pt", **kwargs)
+        given, kwargs, count = capped(processor, image, cap)
+        own = processor(text=[text], images=[[given]], return_tensors="pt", **kwargs)
         assert written.ids[0] == own["input_ids"][0].tolist(), cap
-        assert [g[0] for g in written.grids] == [int(own["pixel_values"].shape[0])], cap
+        assert [g[0] for g in written.grids] == [count(own["pixel_values"])], cap
         tokens.append(written.ids[0].count(processor.image_token_id))
         tiles.append(written.grids[0][0])
-    assert tokens[1] < tokens[0] and tiles == [tiles[0], 1], (tokens, tiles)
+    assert tokens[1] < tokens[0] and tiles[1] < tiles[0], (tokens, tiles)
