@@ -86,3 +86,13 @@ def test_max_pixels_lowers_the_tiles_and_tokens_as_the_processor_counts_them(bui
         tokens.append(written.ids[0].count(processor.image_token_id))
         tiles.append(written.grids[0][0])
     assert tokens[1] < tokens[0] and tiles[1] < tiles[0], (tokens, tiles)
+
+
+def test_vlft_plugins_lists_each_declared_family_with_its_model_type():
+    from helpers import cli_invoke
+
+    code, output = cli_invoke("plugins")
+    assert code == 0, output
+    for family in declared.FAMILIES:
+        line = next((x for x in output.splitlines() if f" {family.name} " in f" {x} "), "")
+        assert family.model_types[0] in line, (family.name, output[-2000:])
