@@ -256,7 +256,21 @@ def _save(path: Path, model, processor) -> Path:
     return path
 
 
-BUILDERS = {"mistral3": build_mistral3, "llava": build_llava, "internvl": build_internvl}
+def build_llava_plain(path: Path) -> Path:
+    """LLaVA with its template's {% generation %} markers taken out (MARKED['llava-plain'] keeps them: the oracle)."""
+    build_llava(path)
+    plain = LLAVA_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    (path / "chat_template.jinja").write_text(plain)  # where transformers 5's save_pretrained writes it
+    return path
+
+
+MARKED["llava-plain"] = LLAVA_TEMPLATE
+BUILDERS = {
+    "mistral3": build_mistral3,
+    "llava": build_llava,
+    "llava-plain": build_llava_plain,
+    "internvl": build_internvl,
+}
 
 
 def build(kind: str, path: Path) -> Path:

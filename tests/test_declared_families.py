@@ -46,6 +46,15 @@ def _internvl_capped(processor, image, cap):
     return image, declared.internvl_max_patches(processor, cap), lambda pixels: int(pixels.shape[0])
 
 
+def _mistral3_capped(processor, image, cap):
+    unit = processor.patch_size * processor.spatial_merge_size
+    return (
+        image,
+        declared.mistral3_longest_edge(processor, cap),
+        lambda pixels: pixels.shape[-2] * pixels.shape[-1] // unit**2,
+    )
+
+
 def _llava_next_capped(processor, image, cap):
     from vlft_models.llava_onevision import capped_size
 
@@ -54,14 +63,24 @@ def _llava_next_capped(processor, image, cap):
 
 # {family: (an image size the cap cuts, what the processor is given under a cap: image, keyword arguments, and how
 # its pixel_values count the image's tiles)}
-CAPPED = {"internvl": ((120, 40), _internvl_capped), "llava-next": ((64, 64), _llava_next_capped)}
+CAPPED = {
+    "internvl": ((120, 40), _internvl_capped),
+    "llava-next": ((64, 64), _llava_next_capped),
+    "mistral3": ((120, 40), _mistral3_capped),
+}
+
+
+def _counted(name: str, grid) -> int:
+    """What a grid counts that the cap lowers: tiles (InternVL, LLaVA-NeXT), tokens (Mistral 3: one image, rows x
+    columns of [IMG])."""
+    return grid[1] * grid[2] if name == "mistral3" else grid[0]
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_max_pixels_lowers_the_tiles_and_tokens_as_the_processor_counts_them(built, name):
     """An image under the family's default, then under a cap of one tile: the written ids equal the processor's own
-    on what the cap gives it (InternVL: a lower max_patches; LLaVA-NeXT: the image scaled down), the image tokens
-    fall, and the plan's grids count the processor's tiles."""
+    on what the cap gives it (InternVL: a lower max_patches; LLaVA-NeXT: the image scaled down; Mistral 3: a
+    shorter longest edge), the image tokens fall, and the plan's grids count the processor's tiles (tokens)."""
     from PIL import Image
 
     from vlft import Media
@@ -82,9 +101,9 @@ def test_max_pixels_lowers_the_tiles_and_tokens_as_the_processor_counts_them(bui
         given, kwargs, count = capped(processor, image, cap)
         own = processor(text=[text], images=[[given]], return_tensors="pt", **kwargs)
         assert written.ids[0] == own["input_ids"][0].tolist(), cap
-        assert [g[0] for g in written.grids] == [count(own["pixel_values"])], cap
+        assert [_counted(name, g) for g in written.grids] == [count(own["pixel_values"])], cap
         tokens.append(written.ids[0].count(processor.image_token_id))
-        tiles.append(written.grids[0][0])
+        tiles.append(_counted(name, written.grids[0]))
     assert tokens[1] < tokens[0] and tiles[1] < tiles[0], (tokens, tiles)
 
 

@@ -60,7 +60,11 @@ NAMES = [f.name for f in FAMILIES]
 QWEN = [f.name for f in FAMILIES if isinstance(getattr(f.image_inputs.prepare, "__self__", None), fam_mod.QwenVision)]
 
 GLM_NAMES = ["glm4.1v", "glm4.6v"]  # QwenVision's batch-input kinds, written by their processor
-DECLARED = {"internvl": "internvl", "llava-next": "llava_next"}  # declared.py's families: {name: model type}
+DECLARED = {
+    "internvl": "internvl",
+    "llava-next": "llava_next",
+    "mistral3": "mistral3",
+}  # declared.py's families: {name: model type}
 PROMPT = "What colour is the product?"
 ANSWER = "The product is red and has a scratch."
 

@@ -11,7 +11,7 @@ the merger) and Gemma 4's (2-D rotary positions, k x k pooled patches padded to 
 parallel, Qwen3-VL's (deepstack)
 sharded (``--shard fsdp``, whose gathers and reductions must run in the same order on every process). The families
 that share Qwen3-VL's tower (Qwen3-VL MoE, Qwen3.5, Qwen3.5 MoE) train in one process through the CLI, with
-the same warm-up (it runs on one process too), as do the families declared on the generic family (InternVL, LLaVA-NeXT),
+the same warm-up (it runs on one process too), as do the families declared on the generic family (InternVL, LLaVA-NeXT, Mistral 3),
 whose 2-process runs are tests/test_mixed_ddp.py's. The default family (Qwen2.5-VL) has these runs in
 test_packing_runs.py and test_after_training.py. One run per family, shared by its checks.
 """
@@ -41,6 +41,7 @@ FAMILIES = [
     "gemma4",
     "internvl",
     "llava-next",
+    "mistral3",
 ]
 TWO_PROCESSES = {
     "qwen2-vl",

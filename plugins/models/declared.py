@@ -1,5 +1,5 @@
-"""Built-in families declared on the generic family (generic.py): InternVL 3 / 3.5 (``internvl``) and LLaVA-NeXT
-(``llava_next``).
+"""Built-in families declared on the generic family (generic.py): InternVL 3 / 3.5 (``internvl``), LLaVA-NeXT
+(``llava_next``) and Mistral 3 / Pixtral (``mistral3``).
 
 The generic family reads a checkpoint's towers, targets, processor and chat template at plan time; what it cannot
 read a family states here as facts, each a line or a small function:
@@ -433,4 +433,168 @@ def _llava_next() -> ModelFamily:
     )
 
 
-FAMILIES = (_internvl(), _llava_next())
+# --- Mistral 3 (Mistral Small 3.1 / 3.2, Pixtral's tower) -----------------------------------------------------------
+#
+# transformers 5.2x Mistral3ForConditionalGeneration: model.vision_tower (PixtralVisionModel: transformer.layers[i]
+# with attention.{q,k,v,o}_proj, feed_forward.{gate,up,down}_proj; 2-D rotary positions, each image its own block of
+# the attention), model.multi_modal_projector (a spatial_merge_size^2 patch merger, then 2 linears),
+# model.language_model (Mistral: 1-D RoPE). PixtralImageProcessor scales an image so neither side passes
+# size.longest_edge, then rounds each side up to whole tokens (patch_size x spatial_merge_size px); the processor
+# writes a row of [IMG] per token row closed by [IMG_BREAK], the last by [IMG_END]. pixel_values [images, 3, H, W]
+# (the batch pads: 'concat_padded'; the tower crops each image to its image_sizes).
+
+MISTRAL3 = "mistral3"
+MISTRAL3_SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+MISTRAL3_SPECIALS += ["[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"]
+MISTRAL3_RECIPE: dict[str, Any] = {
+    "version": 1,
+    "family": MISTRAL3,
+    "seed": 1234,
+    "vocab_size": 512,
+    # 8 px patches merged 2 x 2: a token per 16 px; images scaled to a 64 px longest edge (at most 4 x 4 tokens)
+    "longest_edge": 64,
+    "spatial_merge_size": 2,
+    "text": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    ),
+    "vision": dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=8, image_size=64
+    ),
+    "embedding_row_norm": 1.0,
+    "initializer_range": 0.1,
+    "vision_initializer_range": 0.02,
+}
+MISTRAL3_SIZE_CAP = (
+    "the image processor's size.longest_edge lowered to the square root of --max-pixels (an image of any aspect "
+    "then fits the budget, before each side is rounded up to whole tokens), never below one token's side nor above "
+    "the processor's own"
+)
+
+
+def _mistral3_unit(processor) -> int:
+    """The pixels of one token's side: the vision patch times the merge."""
+    return int(processor.patch_size) * int(processor.spatial_merge_size)
+
+
+def mistral3_longest_edge(processor, max_pixels: int | None) -> dict:
+    import math
+
+    if max_pixels is None:
+        return {}
+    own = int(processor.image_processor.size["longest_edge"])
+    edge = max(_mistral3_unit(processor), math.isqrt(int(max_pixels)))
+    return {"size": {"longest_edge": edge}} if edge < own else {}
+
+
+def mistral3_grids(processor, sizes, max_pixels=None) -> list:
+    """Each image's (1, token rows, token columns), by the processor's own resize rule: one [IMG] each."""
+    import numpy as np
+    from transformers.models.pixtral.image_processing_pixtral import get_resize_output_image_size
+
+    edge = mistral3_longest_edge(processor, max_pixels).get("size", processor.image_processor.size)["longest_edge"]
+    unit = _mistral3_unit(processor)
+    out = []
+    for w, h in sizes:
+        rh, rw = get_resize_output_image_size(np.zeros((h, w, 3)), size=(edge, edge), patch_size=(unit, unit))
+        out.append((1, rh // unit, rw // unit))
+    return out
+
+
+def mistral3_dummy(model, modality: str):
+    """One blank image of one token through the generic warm-up."""
+    import torch
+
+    vision = model.config.vision_config
+    side = int(vision.patch_size) * int(model.config.spatial_merge_size)
+    pixels = torch.zeros(1, int(vision.num_channels), side, side)
+    warmup = {"pixel_values": pixels, "image_sizes": torch.tensor([[side, side]])}
+    return generic.vision_dummy(model, modality, warmup=warmup)
+
+
+def build_mistral3(path: Path, recipe: dict | None = None, corpus=None) -> None:
+    """A tiny random Mistral 3 (Pixtral tower, patch merger, Mistral) with its processor and Mistral Small 3.1's
+    template (no {% generation %} markers)."""
+    import torch
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PixtralImageProcessor, PixtralProcessor
+
+    r = recipe or MISTRAL3_RECIPE
+    tokenizer = _tiny.build_tokenizer(r["vocab_size"], MISTRAL3_SPECIALS, (), corpus, eos="</s>", pad="<pad>")
+    tokenizer.bos_token = "<s>"
+    ids = _tiny.token_ids(tokenizer)
+    config = Mistral3Config(
+        text_config=dict(
+            r["text"],
+            model_type="mistral",
+            vocab_size=len(tokenizer),
+            bos_token_id=ids("<s>"),
+            eos_token_id=ids("</s>"),
+            pad_token_id=ids("<pad>"),
+            initializer_range=r["initializer_range"],
+        ),
+        vision_config=dict(r["vision"], model_type="pixtral", initializer_range=r["initializer_range"]),
+        image_token_index=ids("[IMG]"),
+        spatial_merge_size=r["spatial_merge_size"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(r["seed"])
+    model = Mistral3ForConditionalGeneration(config)
+    _tiny.initialise(model, r["seed"], r["vision_initializer_range"], r["embedding_row_norm"], "vision_tower")
+    _tiny.finish_generation_config(model, tokenizer)
+    unit = r["vision"]["patch_size"] * r["spatial_merge_size"]
+    processor = PixtralProcessor(
+        image_processor=PixtralImageProcessor(
+            size={"longest_edge": r["longest_edge"]}, patch_size={"height": unit, "width": unit}
+        ),
+        tokenizer=tokenizer,
+        patch_size=r["vision"]["patch_size"],
+        spatial_merge_size=r["spatial_merge_size"],
+        chat_template=_tiny.template(MISTRAL3),
+    )
+    _tiny.save_atomically(Path(path), model, processor, r)
+
+
+def _mistral3() -> ModelFamily:
+    return ModelFamily(
+        name=MISTRAL3,
+        model_types=(MISTRAL3,),
+        description="Mistral 3 (Mistral Small 3.1 / 3.2, 24B): Pixtral vision tower at native resolution, patch "
+        "merger, Mistral text model",
+        towers=Towers(
+            vision="model.vision_tower",
+            vision_blocks="model.vision_tower.transformer.layers",
+            vision_mergers=("model.multi_modal_projector",),
+            decoder_layers="model.language_model.layers",
+            lm_head="lm_head",
+        ),
+        targets=Targets(
+            vision_attention=("attention.q_proj", "attention.k_proj", "attention.v_proj", "attention.o_proj"),
+            vision_mlp=("feed_forward.gate_proj", "feed_forward.up_proj", "feed_forward.down_proj"),
+            text_attention=TEXT_ATTENTION,
+            text_mlp=GATED_MLP,
+            default="both",
+        ),
+        chat=Chat(
+            processor_class="PixtralProcessor",
+            load_processor=generic.load_processor,
+            reply_end_token="</s>",
+            box_coordinates="absolute",
+        ),
+        image_inputs=processor_image_inputs(
+            {"pixel_values": "concat_padded", "image_sizes": "concat"},
+            size_cap=MISTRAL3_SIZE_CAP,
+            processor_kwargs=mistral3_longest_edge,
+            image_grids=mistral3_grids,
+        ),
+        # 1-D RoPE through transformers' attention interface; each image its own block in the tower
+        packing=Packing(),
+        vision_dummy=mistral3_dummy,
+        tiny=Tiny(build_mistral3, MISTRAL3_RECIPE),
+    )
+
+
+FAMILIES = (_internvl(), _llava_next(), _mistral3())
