@@ -98,7 +98,7 @@ def test_labels_are_the_templates_assistant_spans(kind, request, mixed):
     from vlft.data.records import IGNORE_INDEX, read_records
     from vlft.models.loading import load_processor, model_config_and_family
 
-    folder = request.getfixturevalue(kind)
+    folder = request.getfixturevalue({"llava-plain": "plain"}.get(kind, kind))
     registry = installed()
     _, family = model_config_and_family(str(folder), registry)
     assert family.name == {"internvl": "internvl", "mistral3": "mistral3"}.get(kind, "generic")  # built in: declared.py

@@ -506,13 +506,14 @@ def mistral3_grids(processor, sizes, max_pixels=None) -> list:
 
 
 def mistral3_dummy(model, modality: str):
-    """One blank image of one token through the generic warm-up."""
+    """One blank image of two tokens through the generic warm-up: of one token, ``get_image_features`` squeezes
+    the token dimension away with the batch's (``image_features.squeeze(0)``) and its split fails."""
     import torch
 
     vision = model.config.vision_config
     side = int(vision.patch_size) * int(model.config.spatial_merge_size)
-    pixels = torch.zeros(1, int(vision.num_channels), side, side)
-    warmup = {"pixel_values": pixels, "image_sizes": torch.tensor([[side, side]])}
+    pixels = torch.zeros(1, int(vision.num_channels), side, 2 * side)
+    warmup = {"pixel_values": pixels, "image_sizes": torch.tensor([[side, 2 * side]])}
     return generic.vision_dummy(model, modality, warmup=warmup)
 
 
