@@ -86,7 +86,7 @@ def internvl(tmp_path_factory) -> Path:
     return build("internvl", tmp_path_factory.mktemp("ckpt") / "internvl")
 
 
-@pytest.mark.parametrize("kind", ["mistral3", "llava", "internvl", "llava-plain"])
+@pytest.mark.parametrize("kind", ["mistral3", "llava", "internvl"])
 def test_labels_are_the_templates_assistant_spans(kind, request, mixed):
     """Every sample's trained positions are exactly those the template marks as the assistant's, through
     transformers' ``return_assistant_tokens_mask``: replies and their </s>, never the prompt, the image tokens the
@@ -98,7 +98,7 @@ def test_labels_are_the_templates_assistant_spans(kind, request, mixed):
     from vlft.data.records import IGNORE_INDEX, read_records
     from vlft.models.loading import load_processor, model_config_and_family
 
-    folder = request.getfixturevalue({"llava-plain": "plain"}.get(kind, kind))
+    folder = request.getfixturevalue(kind)
     registry = installed()
     _, family = model_config_and_family(str(folder), registry)
     assert family.name == {"internvl": "internvl", "mistral3": "mistral3"}.get(kind, "generic")  # built in: declared.py
