@@ -323,9 +323,20 @@ def _save(path: Path, model, processor) -> Path:
     return path
 
 
+def build_llava_plain(path: Path) -> Path:
+    """LLaVA with its template's {% generation %} markers taken out: labels from each turn's rendered prefix, which
+    here trains the space the template writes after 'ASSISTANT:' (its prompt ends at the colon), where the markers
+    leave it out."""
+    build_llava(path)
+    plain = LLAVA_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    (path / "chat_template.jinja").write_text(plain)  # where transformers 5's save_pretrained writes it
+    return path
+
+
 BUILDERS = {
     "mistral3": build_mistral3,
     "llava": build_llava,
+    "llava-plain": build_llava_plain,
     "internvl": build_internvl,
     "llava_next_video": build_llava_next_video,
 }

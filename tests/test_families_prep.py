@@ -60,6 +60,11 @@ NAMES = [f.name for f in FAMILIES]
 QWEN = [f.name for f in FAMILIES if isinstance(getattr(f.image_inputs.prepare, "__self__", None), fam_mod.QwenVision)]
 
 GLM_NAMES = ["glm4.1v", "glm4.6v"]  # QwenVision's batch-input kinds, written by their processor
+DECLARED = {
+    "internvl": "internvl",
+    "llava-next": "llava_next",
+    "mistral3": "mistral3",
+}  # declared.py's families: {name: model type}
 PROMPT = "What colour is the product?"
 ANSWER = "The product is red and has a scratch."
 
@@ -147,8 +152,9 @@ def test_every_field_has_help_and_every_family_is_consistent():
         "glm4v",
         "glm46v",
         "gemma4",
+        *DECLARED.values(),
     }
-    assert set(NAMES) - set(QWEN) == {"smolvlm", "idefics3", "llava-onevision", *GLM_NAMES, "gemma4"}
+    assert set(NAMES) - set(QWEN) == {"smolvlm", "idefics3", "llava-onevision", *GLM_NAMES, "gemma4", *DECLARED}
 
 
 def test_each_model_type_has_its_family():
@@ -157,6 +163,7 @@ def test_each_model_type_has_its_family():
     assert vm.family_for("gemma4").name == "gemma4"
     assert vm.family_for("llava") is None
     assert vm.family_for("llava_onevision").name == "llava-onevision"
+    assert all(vm.family_for(model_type).name == name for name, model_type in DECLARED.items())
     assert {f.name for f in vm.vlft_model_families()} == set(NAMES)
 
 
@@ -190,11 +197,12 @@ def test_tiny_model_builds_offline_small_and_of_the_family(tiny, name):
     assert weights < 8e6, f"{name} tiny weights are {weights / 1e6:.1f} MB"
     for dotted in _tower_paths(f):
         resolve_module(model, dotted)
-    assert set(f.sharding.no_split_modules) <= set(model._no_split_modules)
+    units = set(f.sharding.no_split_modules) if f.sharding is not None else set(model._no_split_modules)
+    assert units <= set(model._no_split_modules)  # None (the declared families): the model class's own
     assert processor.tokenizer.convert_tokens_to_ids(processor.image_token) == model.config.image_token_id
     if name not in QWEN:
         if name != "llava-onevision":  # its sharding units are a subset of the model's set, which lists more
-            assert set(f.sharding.no_split_modules) == set(model._no_split_modules)
+            assert units == set(model._no_split_modules)
         return
     v = _vision(f)
     assert processor.image_processor.patch_size == v.patch_size == f.image_inputs.patch_size

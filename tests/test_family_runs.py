@@ -8,8 +8,10 @@ which ``make test`` installs; SmolVLM's tiles; LLaVA-OneVision's any-resolution 
 tiled otherwise than one of 1), the Qwen towers (windowed, deepstack, MoE and hybrid text models), GLM-4.1V's
 and GLM-4.6V's (the processor writing the image tokens, a Conv2d merge before the merger) and Gemma 4's (2-D
 rotary positions, k x k pooled patches padded to the image budget) data parallel; Qwen3-VL's sharded
-(``--shard fsdp``, whose gathers and reductions must run in the same order on every process). Idefics3's run is
-in test_mixed_ddp.py. One run per family, shared by its checks.
+(``--shard fsdp``, whose gathers and reductions must run in the same order on every process). The families
+declared on the generic family (InternVL, LLaVA-NeXT, Mistral 3) and Idefics3 train in one process here: their
+2-process runs are test_mixed_ddp.py's, which puts a text-only record on one process at every step. One run per
+family, shared by its checks.
 """
 
 from __future__ import annotations
@@ -37,10 +39,12 @@ FAMILIES = [
     "glm4.1v",
     "glm4.6v",
     "gemma4",
+    "internvl",
+    "llava-next",
+    "mistral3",
 ]
-# every family under 2-process DDP on the mixed data (idefics3 in test_mixed_ddp, which puts a text-only record
-# on one process at every step)
-TWO_PROCESSES = set(FAMILIES)
+# every family under 2-process DDP on the mixed data, but those test_mixed_ddp runs so
+TWO_PROCESSES = set(FAMILIES) - {"internvl", "llava-next", "mistral3"}
 SHARDED = {"qwen3-vl"}
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 

@@ -1,12 +1,12 @@
 """The generic family (plugins/models/generic.py) on checkpoints of model types no vlft family owns, written by
 plain transformers with their processor and a real-style chat template (tests/generic_checkpoints.py).
 
-One real run through the CLI on a tiny Mistral 3 checkpoint (Pixtral tower, patch merger; its processor writes
-[IMG] rows with [IMG_BREAK] and [IMG_END]), on mixed data (text-only records beside records of 1-2 images, so
+One real run through the CLI on a tiny LLaVA checkpoint whose template has no ``{% generation %}`` markers (CLIP +
+Llama; labels from each turn's rendered prefix), on mixed data (text-only records beside records of 1-2 images, so
 the vision warm-up runs), shared by the checks: the plan names the generic family and what it found, the labels
 are the template's assistant spans, then ``vlft predict``, ``vlft eval``, ``vlft export`` and plain PEFT reload
-of the adapter. A second type (LLaVA, whose template has ``{% generation %}`` markers) is read and planned with
-``--dry-run``; the refusals name what is missing.
+of the adapter. LLaVA with its markers is read and planned with ``--dry-run``; the refusals name what is missing.
+Mistral 3 and InternVL are built in (plugins/models/declared.py): the same label oracle checks their families.
 """
 
 from __future__ import annotations
@@ -46,11 +46,16 @@ def mixed(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def run(mistral3, mixed, tmp_path_factory) -> Path:
+def plain(tmp_path_factory) -> Path:
+    return build("llava-plain", tmp_path_factory.mktemp("ckpt") / "llava-plain")
+
+
+@pytest.fixture(scope="module")
+def run(plain, mixed, tmp_path_factory) -> Path:
     train, val = mixed
     out = tmp_path_factory.mktemp("generic") / "run"
     _vlft(
-        "run", "--quiet", "--backend", "cpu", "--model", mistral3, "--data", train, "--val-data", val,
+        "run", "--quiet", "--backend", "cpu", "--model", plain, "--data", train, "--val-data", val,
         "--output", out, "--steps", "3", "--batch-size", "2", "--log-every", "1", "--eval-every", "0",
         "--eval-samples", "1", "--max-new-tokens", "2", "--save-every", "0", "--lr", "3e-3", "--seed", "2",
     )  # fmt: skip
@@ -87,7 +92,8 @@ def test_labels_are_the_templates_assistant_spans(kind, request, mixed):
     transformers' ``return_assistant_tokens_mask``: replies and their </s>, never the prompt, the image tokens the
     processor wrote ([IMG]/[IMG_BREAK]/[IMG_END]) or the turn markers. Mistral 3's template has no markers (vlft
     splits it prefix by prefix; the oracle is the same template with markers added), nor has InternVL 3's (tiles of
-    <img><IMG_CONTEXT>...</img>); LLaVA's has them (vlft cuts at its spans)."""
+    <img><IMG_CONTEXT>...</img>: built in, declared.py, whose labels the same oracle checks); LLaVA's has them (vlft
+    cuts at its spans)."""
     from vlft.data.encoding import SampleEncoder
     from vlft.data.records import IGNORE_INDEX, read_records
     from vlft.models.loading import load_processor, model_config_and_family
@@ -95,7 +101,7 @@ def test_labels_are_the_templates_assistant_spans(kind, request, mixed):
     folder = request.getfixturevalue(kind)
     registry = installed()
     _, family = model_config_and_family(str(folder), registry)
-    assert family.name == "generic"
+    assert family.name == {"internvl": "internvl", "mistral3": "mistral3"}.get(kind, "generic")  # built in: declared.py
     processor = load_processor(str(folder), family, registry)
     encoder = SampleEncoder(processor, family)
     records = read_records(mixed[0])
@@ -125,10 +131,10 @@ def test_the_run_trains_the_generic_family_and_the_plan_says_what_it_found(run):
     assert summary["status"] == "completed" and summary["steps"] == 3
     plan = json.loads((run / "plan.json").read_text())
     fam = plan["model_family"]
-    assert fam["name"] == "generic" and fam["model_types"] == ["mistral3"]
-    for found in ("model.vision_tower", "model.multi_modal_projector", "model.language_model.layers", "[IMG]"):
+    assert fam["name"] == "generic" and fam["model_types"] == ["llava"]
+    for found in ("model.vision_tower", "model.multi_modal_projector", "model.language_model.layers", "<image>"):
         assert found in fam["description"], fam["description"]
-    assert "[IMG_BREAK]" in fam["description"] and "no generation markers" in fam["description"]
+    assert "no generation markers" in fam["description"]
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in logged if "loss" in m] == [1, 2, 3]
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in logged if "loss" in m)
@@ -139,7 +145,7 @@ def test_the_run_trains_the_generic_family_and_the_plan_says_what_it_found(run):
     assert vision_b and max(float(v.abs().max()) for v in vision_b) > 0  # the tower ran, warm-up included
 
 
-def test_predict_eval_export_and_plain_peft_reload(run, mistral3, mixed, tmp_path):
+def test_predict_eval_export_and_plain_peft_reload(run, plain, mixed, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
@@ -164,7 +170,7 @@ def test_predict_eval_export_and_plain_peft_reload(run, mistral3, mixed, tmp_pat
     assert (logits["adapted"] - logits["base"]).abs().max() > 1e-2
 
     # the adapter folder loads with plain PEFT on the user's own checkpoint, giving the merged model's weights
-    base = AutoModelForImageTextToText.from_pretrained(mistral3, dtype=torch.float32)
+    base = AutoModelForImageTextToText.from_pretrained(plain, dtype=torch.float32)
     reloaded = PeftModel.from_pretrained(base, run / "adapter").merge_and_unload()
     plain = AutoModelForImageTextToText.from_pretrained(merged, dtype=torch.float32)
     theirs = dict(plain.named_parameters())
@@ -179,13 +185,13 @@ def test_a_second_model_type_is_read_and_planned(llava, mixed):
     assert "{% generation %} markers" in output
 
 
-def test_a_checkpoint_it_cannot_read_is_refused_naming_what_is_missing(mistral3, mixed, tmp_path):
+def test_a_checkpoint_it_cannot_read_is_refused_naming_what_is_missing(plain, mixed, tmp_path):
     """No chat template, then no processor at all: refused before any step, naming the part; and packing, which
     the generic family does not claim, refused with its reason."""
-    code, output = cli_invoke("run", "--model", mistral3, "--data", mixed[0], "--dry-run", "--packing", "on")
+    code, output = cli_invoke("run", "--model", plain, "--data", mixed[0], "--dry-run", "--packing", "on")
     assert code != 0 and "the generic family cannot pack: whether its text model takes 1-D positions" in output
     bare = tmp_path / "no-template"
-    shutil.copytree(mistral3, bare)
+    shutil.copytree(plain, bare)
     for name in ("chat_template.jinja", "chat_template.json"):
         (bare / name).unlink(missing_ok=True)
     for name in ("processor_config.json", "tokenizer_config.json"):
@@ -194,12 +200,12 @@ def test_a_checkpoint_it_cannot_read_is_refused_naming_what_is_missing(mistral3,
             cfg.pop("chat_template", None)
             (bare / name).write_text(json.dumps(cfg))
     code, output = cli_invoke("run", "--model", bare, "--data", mixed[0], "--dry-run", "--backend", "cpu")
-    assert code != 0 and "generic family cannot read this 'mistral3' checkpoint" in output
+    assert code != 0 and "generic family cannot read this 'llava' checkpoint" in output
     assert "no chat template" in output and "Traceback" not in output
 
     weights_only = tmp_path / "weights-only"
     weights_only.mkdir()
-    shutil.copy(mistral3 / "config.json", weights_only / "config.json")
+    shutil.copy(plain / "config.json", weights_only / "config.json")
     code, output = cli_invoke("run", "--model", weights_only, "--data", mixed[0], "--dry-run", "--backend", "cpu")
     assert code != 0 and "its processor does not load" in output and "Traceback" not in output
 

@@ -111,12 +111,22 @@ def test_qwen3_vl_trains_under_two_process_ddp_on_mixed_data(ddp_run):
     assert vision_b and max(float(v.abs().max()) for v in vision_b) > 0
 
 
-@pytest.mark.parametrize(("family", "tower"), [("llava-onevision", ".vision_tower."), ("idefics3", ".vision_model.")])
+@pytest.mark.parametrize(
+    ("family", "tower"),
+    [
+        ("llava-onevision", ".vision_tower."),
+        ("idefics3", ".vision_model."),
+        ("internvl", ".vision_tower."),
+        ("llava-next", ".vision_tower."),
+        ("mistral3", ".vision_tower."),
+    ],
+)
 def test_a_tiled_tower_trains_under_two_process_ddp_with_a_text_only_process(two_records, tmp_path, family, tower):
     """The same two records on LLaVA-OneVision (SigLIP on any-resolution tiles, the projector and image_newline
     beside the tower): the text-only process runs the family's dummy tile, or DDP stops at the second step on
     parameters that took no part in the first step's loss. And on Idefics3, whose model drops an all-zero tile
-    as padding and then ran its tower on no image at all (``pos_ids.reshape(0, -1)`` on the first step)."""
+    as padding and then ran its tower on no image at all (``pos_ids.reshape(0, -1)`` on the first step). And on
+    the families declared on the generic family (InternVL, LLaVA-NeXT, Mistral 3: the generic warm-up with one blank tile)."""
     from safetensors.torch import load_file
 
     out = tmp_path / "run"

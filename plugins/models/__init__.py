@@ -19,7 +19,7 @@ DEFAULT_FAMILY = "qwen2.5-vl"
 
 
 def _families() -> tuple[ModelFamily, ...]:
-    from . import gemma4, glm4v, llava_onevision, qwen2_vl, qwen3_5, qwen3_vl, qwen3_vl_moe, smolvlm
+    from . import declared, gemma4, glm4v, llava_onevision, qwen2_vl, qwen3_5, qwen3_vl, qwen3_vl_moe, smolvlm
 
     return (
         *qwen2_vl.FAMILIES,
@@ -30,6 +30,7 @@ def _families() -> tuple[ModelFamily, ...]:
         llava_onevision.FAMILY,
         *glm4v.FAMILIES,
         gemma4.FAMILY,
+        *declared.FAMILIES,
     )
 
 
