@@ -20,7 +20,9 @@ transformers, the plan: ``before``):
   tensor (the plan's figure: ``vlft.planning.sharding.loading_bytes``) plus ``SLACK``;
 * its resident memory (``VmHWM``, the kernel's peak since that point) by at most that plus the pages of the
   safetensors files it touched, at most its share again: safetensors maps the files and copies each slice out;
-  those pages are the kernel's page cache (``RssFile``), which it reclaims under pressure, not the process's.
+  those pages are the kernel's page cache (``RssFile``), which it reclaims under pressure, not the process's;
+* through step 1, its own memory grows by at most the plan's estimate per process (``estimate_bytes``: its
+  shares, the blocks gathered at a time, the adapter's state, the activations) plus ``SLACK``.
 """
 
 from __future__ import annotations
@@ -91,31 +93,54 @@ def weight_bytes(model: Path) -> tuple[int, int]:
     return sum(sizes), max(sizes)
 
 
-def probed_run(model: Path, data: Path, out: Path, nproc: int, loading: str, *extra: str, steps: int = 1) -> dict:
+def probed_run(  # params: the run's shape, each a flag the bench and the suite's test set apart
+    model: Path,
+    data: Path,
+    out: Path,
+    nproc: int,
+    loading: str,
+    *extra: str,
+    steps: int = 1,
+    backend: str = "cpu",
+    stop: str | None = None,
+) -> dict:
     """One ``vlft run --shard fsdp`` of ``steps`` steps of batch 1, each process a ``loading_probe`` worker: per
-    rank the probe's points, the steps' metrics, the plan's sharding, and the seconds from start to step 1."""
+    rank the probe's points, the steps' metrics, the plan's sharding, and the seconds from start to step 1.
+    ``stop="after_loading"`` ends every process once its weights are read (no metrics then)."""
     # the evaluation before training: 1 generated token of 1 record, the validation loss over every --val-data
     # record (one)
     val = out.parent / f"{out.name}-val.jsonl"
     record = json.loads(Path(data).read_text().splitlines()[0])
     record["image"] = str(Path(data).parent / record["image"])  # relative to the data file's folder
     val.write_text(json.dumps(record) + "\n")
-    args = ["run", "--backend", "cpu", "--model", str(model), "--data", str(data), "--val-data", str(val)]
+    args = ["run", "--backend", backend, "--model", str(model), "--data", str(data), "--val-data", str(val)]
     args += ["--output", str(out), "--steps", str(steps), "--batch-size", "1", "--max-length", "256"]
-    args += ["--max-pixels", str(28 * 28 * 4), "--eval-samples", "1", "--max-new-tokens", "1", "--save-every", "0", "--log-every", "1"]
+    args += [
+        "--max-pixels",
+        str(28 * 28 * 4),
+        "--eval-samples",
+        "1",
+        "--max-new-tokens",
+        "1",
+        "--save-every",
+        "0",
+        "--log-every",
+        "1",
+    ]
     args += ["--shard", "fsdp"]
     args += ["--shard-loading", loading, "--no-memory-check", "--quiet", *extra]
     launch = [sys.executable]
     if nproc > 1:
         launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     probe = out.parent / f"{out.name}-probe.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **({"VLFT_PROBE_STOP": stop} if stop else {})}
     start = time.monotonic()
     proc = subprocess.run([*launch, str(HERE / "loading_probe.py"), str(probe), *args], capture_output=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{loading} x{nproc} failed:\n{proc.stderr.decode()[-3000:]}")
     ranks = {str(r): json.loads(Path(f"{probe}.{r}").read_text()) for r in range(nproc)}
-    metrics = [m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
+    lines = (out / "metrics.jsonl").read_text().splitlines() if stop is None else []
+    metrics = [m for m in map(json.loads, lines) if "loss" in m]
     plan = json.loads((out / "plan.json").read_text())
     first = min(p["imports"]["t"] for p in ranks.values())
     return {
@@ -127,7 +152,10 @@ def probed_run(model: Path, data: Path, out: Path, nproc: int, loading: str, *ex
         "ranks": ranks,
         "losses": [m["loss"] for m in metrics],
         "step_time_s": [m["step_time_s"] for m in metrics],
-        "seconds_to_step_1": round(max(p["after_step_1"]["t"] for p in ranks.values()) - first, 1),
+        "peak_memory_bytes": [m["peak_memory_bytes"] for m in metrics],  # rank 0's, by the backend's reader
+        "seconds_to_step_1": (
+            round(max(p["after_step_1"]["t"] for p in ranks.values()) - first, 1) if stop is None else None
+        ),
         "seconds_loading": round(max(p["after_loading"]["t"] - p["before_loading"]["t"] for p in ranks.values()), 1),
         "wall_s": round(time.monotonic() - start, 1),
     }
@@ -149,12 +177,16 @@ def loading_figures(point: dict, share: int) -> dict:
         "own_growth_over_share": round(own / share, 3),
         "resident_growth_over_share": round(resident / share, 3),
         "peak_through_step_1_bytes": point["after_step_1"]["VmHWM"] if "after_step_1" in point else None,
+        "own_growth_through_step_1_bytes": (
+            point["after_step_1"]["anon_peak"] - before["RssAnon"] if "after_step_1" in point else None
+        ),
     }
 
 
 def bound_violations(run: dict, whole: int, largest: int) -> list[str]:
     """Each process reading its own shares that held more than its share plus the stated overhead (the module's
-    docstring), named with its figures; empty when every process kept within it."""
+    docstring), or whose own memory through step 1 grew past the plan's estimate per process, named with its
+    figures; empty when every process kept within it."""
     from vlft.planning.sharding import loading_bytes
 
     world = run["processes"]
@@ -172,6 +204,12 @@ def bound_violations(run: dict, whole: int, largest: int) -> list[str]:
             bad.append(
                 f"rank {rank}: its resident memory grew {gib(f['resident_growth_bytes'])} while loading, over its "
                 f"share {gib(share)} + the largest tensor {gib(largest)} + {gib(SLACK)} + its share of mapped pages"
+            )
+        through = f["own_growth_through_step_1_bytes"]
+        if through is not None and through > run["plan_estimate_bytes"] + SLACK:
+            bad.append(
+                f"rank {rank}: its own memory grew {gib(through)} through step 1, over the plan's estimate per "
+                f"process {gib(run['plan_estimate_bytes'])} + {gib(SLACK)}"
             )
     return bad
 
@@ -221,7 +259,8 @@ def main() -> int:
                     f"  rank {rank}: before {gib(f['before_bytes'])} ({gib(f['before_own_bytes'])} own); loading "
                     f"peak {gib(f['loading_peak_bytes'])}: +{gib(f['own_growth_bytes'])} own "
                     f"({f['own_growth_over_share']}x its share), +{gib(f['mapped_growth_bytes'])} mapped; "
-                    f"peak through step 1 {gib(f['peak_through_step_1_bytes'] or 0)}"
+                    f"peak through step 1 {gib(f['peak_through_step_1_bytes'] or 0)} "
+                    f"(+{gib(f['own_growth_through_step_1_bytes'] or 0)} own; plan {gib(r['plan_estimate_bytes'])})"
                 )
             if r["loading"] == "each":
                 failures += [f"{nproc} process(es): {v}" for v in bound_violations(r, whole, largest)]
