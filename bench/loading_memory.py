@@ -141,14 +141,14 @@ def probed_run(  # params: the run's shape, each a flag the bench and the suite'
     ranks = {str(r): json.loads(Path(f"{probe}.{r}").read_text()) for r in range(nproc)}
     lines = (out / "metrics.jsonl").read_text().splitlines() if stop is None else []
     metrics = [m for m in map(json.loads, lines) if "loss" in m]
-    plan = json.loads((out / "plan.json").read_text())
+    plan = json.loads((out / "plan.json").read_text()) if stop is None else None  # written after loading
     first = min(p["imports"]["t"] for p in ranks.values())
     return {
         "processes": nproc,
         "loading_asked": loading,
-        "loading": plan["sharding"]["loading"],
-        "offload": plan["sharding"]["offload"],
-        "plan_estimate_bytes": plan["memory"]["estimate_bytes"],
+        "loading": ranks["0"]["after_loading"]["loading"],
+        "offload": plan["sharding"]["offload"] if plan else None,
+        "plan_estimate_bytes": plan["memory"]["estimate_bytes"] if plan else None,
         "ranks": ranks,
         "losses": [m["loss"] for m in metrics],
         "step_time_s": [m["step_time_s"] for m in metrics],
@@ -206,7 +206,7 @@ def bound_violations(run: dict, whole: int, largest: int) -> list[str]:
                 f"share {gib(share)} + the largest tensor {gib(largest)} + {gib(SLACK)} + its share of mapped pages"
             )
         through = f["own_growth_through_step_1_bytes"]
-        if through is not None and through > run["plan_estimate_bytes"] + SLACK:
+        if through is not None and run["plan_estimate_bytes"] and through > run["plan_estimate_bytes"] + SLACK:
             bad.append(
                 f"rank {rank}: its own memory grew {gib(through)} through step 1, over the plan's estimate per "
                 f"process {gib(run['plan_estimate_bytes'])} + {gib(SLACK)}"
@@ -260,7 +260,7 @@ def main() -> int:
                     f"peak {gib(f['loading_peak_bytes'])}: +{gib(f['own_growth_bytes'])} own "
                     f"({f['own_growth_over_share']}x its share), +{gib(f['mapped_growth_bytes'])} mapped; "
                     f"peak through step 1 {gib(f['peak_through_step_1_bytes'] or 0)} "
-                    f"(+{gib(f['own_growth_through_step_1_bytes'] or 0)} own; plan {gib(r['plan_estimate_bytes'])})"
+                    f"(+{gib(f['own_growth_through_step_1_bytes'] or 0)} own; plan {gib(r['plan_estimate_bytes'] or 0)})"
                 )
             if r["loading"] == "each":
                 failures += [f"{nproc} process(es): {v}" for v in bound_violations(r, whole, largest)]

@@ -50,12 +50,13 @@ class Probe:
         self.points: dict[str, dict] = {}
         self.anon_peak = self.file_peak = 0
         self.sampling = False
+        self.loading: str | None = None
 
     def mark(self, point: str) -> None:
         now = status()
         if self.sampling:
             now.update(anon_peak=max(self.anon_peak, now["RssAnon"]), file_peak=max(self.file_peak, now["RssFile"]))
-        self.points[point] = {**now, "t": time.monotonic()}
+        self.points[point] = {**now, "t": time.monotonic(), "loading": self.loading}
         with open(self.path, "w") as f:
             json.dump(self.points, f)
         if os.environ.get("VLFT_PROBE_STOP") == point:
@@ -93,8 +94,9 @@ def main() -> int:
         probe.reset_peaks()
         return base_model(*args, **kwargs)
 
-    def probed_place(*args, **kwargs):
-        place(*args, **kwargs)
+    def probed_place(model, plan, device):
+        place(model, plan, device)
+        probe.loading = plan.sharding.loading  # "each" or "rank0": which way the plan chose
         probe.mark("after_loading")
 
     setup.base_model, setup.place = probed_base_model, probed_place
