@@ -50,6 +50,9 @@ def sized_recipe(hidden_size: int, intermediate_size: int, num_hidden_layers: in
     2.2 GiB in fp32, its largest tensor the embedding (250 MiB); ``SMALL`` 0.3 GiB."""
     import copy
 
+    from vlft.plugins import serve_checkout
+
+    serve_checkout()
     from vlft_models.qwen2_vl import RECIPE_2_5
 
     recipe = copy.deepcopy(RECIPE_2_5)
@@ -71,6 +74,9 @@ def sized_recipe(hidden_size: int, intermediate_size: int, num_hidden_layers: in
 def checkpoint(size: dict = BIG) -> Path:
     """The generated checkpoint of ``size`` (``BIG``, ``SMALL``), built once into VLFT_CACHE."""
     from vlft.models.embedded import cache_root, tokenizer_corpus
+    from vlft.plugins import serve_checkout
+
+    serve_checkout()  # vlft_models from this checkout, as a run's registry takes it
     from vlft_models._tiny import recipe_hash
     from vlft_models.qwen2_vl import build_tiny_2_5
 
