@@ -240,7 +240,7 @@ def main() -> int:
     whole, largest = weight_bytes(model)
     demo = write_demo_dataset(cache_root() / "demo-data")
     out_file = Path(args.out)
-    results = json.loads(out_file.read_text()) if args.only and out_file.exists() else {"runs": []}
+    results: dict = json.loads(out_file.read_text()) if args.only and out_file.exists() else {"runs": []}
     results.update(checkpoint_bytes=whole, largest_tensor_bytes=largest, slack_bytes=SLACK)
     print(f"checkpoint {gib(whole)} at {model}; largest tensor {gib(largest)}")
     wanted = [(int(n), loading) for n, loading in (x.split(":") for x in args.only)] if args.only else None
