@@ -365,8 +365,9 @@ def _loading_note(sharding, memory_plan: memory.MemoryPlan, skeleton, param_dtyp
         return (
             f"--shard fsdp: each process reads only its own 1/{world} shares of the base weights from the "
             f"safetensors files (torch.distributed.checkpoint's HuggingFaceStorageReader): host memory for "
-            f"loading {host} per process (its share of {memory.gib(whole)}, plus the largest tensor, "
-            f"{memory.gib(largest)}, in flight)"
+            f"loading {host} per process beside what it holds before (its share of {memory.gib(whole)}, plus the "
+            f"largest tensor, {memory.gib(largest)}, in flight); the file pages it maps while reading, up to its "
+            "share again, are page cache the kernel reclaims"
         )
     return (
         f"--shard fsdp: rank 0 alone reads the base weights, into its host memory ({memory.gib(whole)}; "
