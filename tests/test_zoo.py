@@ -1,0 +1,44 @@
+"""A handful of the zoo (bench/zoo.py, table in docs/zoo.md): model types built tiny by the zoo's generic
+builder (a shrunk config, a tiny tokenizer holding the processor's tokens, the processor class sized down, a
+ChatML-style template) train 2 steps through ``vlft run`` on mixed text-only and image records, each through
+the family vlft picks; one shared build and run per type (module-scoped)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import zoo
+from helpers import cli_invoke
+
+TYPES = ("TYPES_HERE",)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("zoo")
+    data = zoo.write_data(root)
+    out = {}
+    for model_type in TYPES:
+        folder = zoo.build_checked(model_type, root / model_type / "ckpt")
+        run = root / model_type / "run"
+        code, output = cli_invoke(
+            "run", "--quiet", "--backend", "cpu", "--model", folder, "--data", data, "--output", run,
+            "--steps", "2", "--batch-size", "1", "--max-length", "1024", "--save-every", "0", "--eval-every", "0",
+        )  # fmt: skip
+        out[model_type] = (code, output, run)
+    return out
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_a_zoo_type_trains_two_steps_through_the_cli(runs, model_type):
+    code, output, run = runs[model_type]
+    assert code == 0, output
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 2
+    plan = json.loads((run / "plan.json").read_text())
+    assert model_type in plan["model_family"]["model_types"]
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["loss"] for m in logged if "loss" in m]
+    assert len(losses) == 2 and all(loss == loss and loss > 0 for loss in losses)
