@@ -93,7 +93,7 @@ SHRINK = dict(
 LOCK_HOLD = 200  # seconds: the machine's rule is a command holds the shared CPU lock under 5 minutes
 IMAGE_SIDE_PATCHES = 4  # the tiny vision tower sees images of this many patches a side
 LAYER_LIST_KEYS = ("layer_types", "mlp_layer_types", "layers_block_type", "attn_type_list", "moe_layer_freq")
-TOKEN_LITERAL = re.compile(r"""["']((?:<[^"'\s{}%]{1,40}>)|(?:\[[A-Z_/]{2,30}\]))["']""")
+TOKEN_LITERAL = re.compile(r"""["']((?:<[^"'\s{}%]{1,40}>)|(?:\[[A-Z_/]{2,30}\])|(?:\|[A-Z_]{2,30}\|))["']""")
 TOKEN_ATTRIBUTE = re.compile(r"tokenizer\.(\w+_token)\b")
 BASE_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "<s>", "</s>", "<pad>"]
 EOS, PAD = "<|im_end|>", "<|endoftext|>"
@@ -220,6 +220,16 @@ def _tokenizer(tokens: list[str], attributes: dict[str, str]):
     )
 
 
+def _as_dict(value) -> dict:
+    """A size as a plain dict (transformers 5 keeps it as a SizeDict dataclass), its unset keys left out."""
+    if isinstance(value, dict):
+        return {k: v for k, v in value.items() if v is not None}
+    try:
+        return {k: v for k, v in vars(value).items() if v is not None}
+    except TypeError:
+        return {}
+
+
 def _sized(d: dict, side: int) -> dict:
     """An image processor ``size`` dict at ``side`` (pixel-count bounds scaled to it)."""
     out = {}
@@ -248,8 +258,8 @@ def _image_processor(model_type: str, side: int, config: dict):
         raise NotBuilt(f"{name} needs a package not installed here ({e})".splitlines()[0]) from None
     sized: dict = {}
     for attr in ("size", "crop_size"):
-        value = getattr(default, attr, None)
-        if isinstance(value, dict) and value:
+        value = _as_dict(getattr(default, attr, None))
+        if value:
             sized[attr] = _sized(value, side)
     for attr in ("min_pixels", "max_pixels"):
         if isinstance(getattr(default, attr, None), int):
@@ -282,8 +292,10 @@ def _processor(model_type: str, side: int, config: dict):
     from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING_NAMES
 
     name = PROCESSOR_MAPPING_NAMES.get(model_type)
-    if not name:
-        raise NotBuilt("transformers maps no processor class to it")
+    if not name:  # written as such checkpoints ship: a tokenizer (with a template) and no processor
+        tokenizer = _tokenizer(["<image>"], {})
+        tokenizer.chat_template = TEMPLATE.replace("IMAGE_TOKEN", "<image>")
+        return tokenizer
     cls = getattr(transformers, name)
     tokens, attributes = _processor_tokens(cls)
     tokenizer = _tokenizer(tokens, attributes)
@@ -294,9 +306,13 @@ def _processor(model_type: str, side: int, config: dict):
         kwargs["image_processor"] = _image_processor(model_type, side, config)
     if "feature_extractor" in params:  # the audio part of omni processors: its class defaults
         extractor = FEATURE_EXTRACTOR_MAPPING_NAMES.get(model_type)
+        if isinstance(extractor, dict):
+            extractor = extractor.get("pil") or next(iter(extractor.values()), None)
         kwargs["feature_extractor"] = getattr(transformers, extractor)() if extractor else None
     if "video_processor" in params:
         video = VIDEO_PROCESSOR_MAPPING_NAMES.get(model_type)
+        if isinstance(video, dict):  # {backend: class name}
+            video = video.get("pil") or video.get("torchvision") or next(iter(video.values()), None)
         try:
             kwargs["video_processor"] = getattr(transformers, video)() if video else None
         except ImportError as e:
@@ -305,10 +321,8 @@ def _processor(model_type: str, side: int, config: dict):
         processor = cls(**kwargs)
     except ImportError as e:
         raise NotBuilt(f"{name} needs a package not installed here ({e})".splitlines()[0]) from None
-    token = getattr(processor, "image_token", None)
-    if not isinstance(token, str) or not token:
-        raise NotBuilt(f"{name} names no image_token")
-    processor.chat_template = TEMPLATE.replace("IMAGE_TOKEN", token)
+    token = getattr(processor, "image_token", None)  # none: the template writes no placeholder (vlft says so)
+    processor.chat_template = TEMPLATE.replace("IMAGE_TOKEN", token if isinstance(token, str) else "")
     return processor
 
 
@@ -337,6 +351,19 @@ def _token_ids(d: dict, processor, tokenizer) -> dict:
     return out
 
 
+def _with_sub_configs(d: dict, config_class) -> dict:
+    """Sub-configs the defaults leave None (a VQ model, a second tower) given their own class defaults."""
+    classes = dict(getattr(config_class, "sub_configs", None) or {})
+    classes.update(getattr(config_class, "sub_configs_defaults", None) or {})
+    for key, cls in classes.items():
+        if d.get(key) is None and isinstance(cls, type):
+            try:
+                d[key] = cls().to_dict()
+            except Exception:  # noqa: BLE001 - an abstract or AutoConfig entry: left as the class left it
+                pass
+    return d
+
+
 def build(model_type: str, folder: Path) -> str:
     """The tiny checkpoint of ``model_type`` in ``folder``; its model class name."""
     import torch
@@ -345,13 +372,13 @@ def build(model_type: str, folder: Path) -> str:
 
     try:
         config_class = CONFIG_MAPPING[model_type]
-        default = config_class().to_dict()
+        default = _with_sub_configs(config_class().to_dict(), config_class)
     except ImportError as e:
         raise NotBuilt(f"its config needs a package not installed here ({e})".splitlines()[0]) from None
     has_text = any(_is_text_key(k) for k in default)
     small = shrink(default, 0, text=not has_text)
     processor = _processor(model_type, _vision_side(small) or 32, small)
-    tokenizer = processor.tokenizer
+    tokenizer = getattr(processor, "tokenizer", processor)
     small = _token_ids(shrink(default, len(tokenizer), text=not has_text), processor, tokenizer)
     small.pop("transformers_version", None)
     config = config_class.from_dict(small)
@@ -402,7 +429,7 @@ def run_one(model_type: str, work: Path, data: Path) -> dict:
     out = work / model_type / "run"
     steps = [
         ("run", "--quiet", "--backend", "cpu", "--model", folder, "--data", data, "--output", out, "--steps", "2",
-         "--batch-size", "1", "--max-length", "1024", "--save-every", "0", "--eval-every", "0", "--seed", "0"),
+         "--batch-size", "1", "--max-length", "4096", "--save-every", "0", "--eval-every", "0", "--seed", "0"),
         ("predict", "--adapter", out, "--data", data, "--output", work / model_type / "p.jsonl",
          "--max-new-tokens", "2", "--quiet"),
         ("export", "--adapter", out, "--output", work / model_type / "merged", "--dtype", "fp32"),
