@@ -30,6 +30,7 @@ import argparse
 import inspect
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -90,6 +91,7 @@ SHRINK = dict(
     vision_num_layers=2,
     max_window_layers=2,
 )
+MAX_PARAMETERS = 20_000_000
 LOCK_HOLD = 200  # seconds: the machine's rule is a command holds the shared CPU lock under 5 minutes
 IMAGE_SIDE_PATCHES = 4  # the tiny vision tower sees images of this many patches a side
 LAYER_LIST_KEYS = ("layer_types", "mlp_layer_types", "layers_block_type", "attn_type_list", "moe_layer_freq")
@@ -300,7 +302,8 @@ def _processor(model_type: str, side: int, config: dict):
     tokens, attributes = _processor_tokens(cls)
     tokenizer = _tokenizer(tokens, attributes)
     params = inspect.signature(cls.__init__).parameters
-    kwargs = {"tokenizer": tokenizer}
+    kwargs = {n: tokenizer for n, p in params.items() if n.endswith("tokenizer") and p.default is p.empty}
+    kwargs["tokenizer"] = tokenizer
     kwargs.update(_from_config(config, [n for n, p in params.items() if n not in ("self", "chat_template")]))
     if "image_processor" in params:
         kwargs["image_processor"] = _image_processor(model_type, side, config)
@@ -382,8 +385,14 @@ def build(model_type: str, folder: Path) -> str:
     small = _token_ids(shrink(default, len(tokenizer), text=not has_text), processor, tokenizer)
     small.pop("transformers_version", None)
     config = config_class.from_dict(small)
+    with torch.device("meta"):
+        size = sum(p.numel() for p in AutoModelForImageTextToText.from_config(config).parameters())
+    if size > MAX_PARAMETERS:
+        raise NotBuilt(f"the shrunk config still has {size / 1e6:.0f} M parameters (a size the shrinker misses)")
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_config(config)
+    if getattr(model, "generation_config", None) is None:  # a model without generate (an action policy)
+        raise NotBuilt(f"{type(model).__name__} has no generation config (it does not generate text)")
     model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids(EOS)
     model.generation_config.pad_token_id = tokenizer.convert_tokens_to_ids(PAD)
     model.generation_config.do_sample = False
@@ -397,11 +406,13 @@ def build(model_type: str, folder: Path) -> str:
 
 
 def _where(e: BaseException) -> str:
+    """The frame that raised, and the last of vlft's own frames on the way (the call that reached it)."""
     frames = traceback.extract_tb(e.__traceback__)
     if not frames:
         return ""
-    f = frames[-1]
-    return f"{Path(f.filename).name}:{f.lineno} {f.name}"
+    ours = [f for f in frames if "/vlft/" in f.filename or "/plugins/" in f.filename]
+    named = [frames[-1]] + ([ours[-1]] if ours and ours[-1] is not frames[-1] else [])
+    return " via ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in named)
 
 
 def _first_error_line(output: str) -> str:
@@ -419,6 +430,7 @@ def run_one(model_type: str, work: Path, data: Path) -> dict:
     from vlft.errors import VlftError
 
     row: dict = {"type": model_type, "class": "", "family": "", "result": "", "reason": ""}
+    shutil.rmtree(work / model_type, ignore_errors=True)
     folder = work / model_type / "ckpt"
     try:
         row["class"] = build(model_type, folder)

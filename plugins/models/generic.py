@@ -146,7 +146,8 @@ def _towers(model, model_type: str) -> tuple[Towers, Targets, dict]:
     blocks = _longest_list(modules, vision)
     if not blocks:
         raise _refuse(model_type, f"no vision blocks (a ModuleList named {'/'.join(BLOCK_LISTS)}) under {vision}")
-    if "lm_head" not in modules:
+    head = _named(modules, ("lm_head",))  # the top one, else the text model's own (a wrapped causal LM)
+    if not head:
         raise _refuse(model_type, f"no output head 'lm_head' in {_top(model)}")
     projector = _named(modules, PROJECTOR_NAMES, outside=text)
     text_attention, text_mlp = _linear_names(modules[layers])
@@ -158,7 +159,7 @@ def _towers(model, model_type: str) -> tuple[Towers, Targets, dict]:
         vision_blocks=blocks,
         vision_mergers=(projector,) if projector else (),
         decoder_layers=layers,
-        lm_head="lm_head",
+        lm_head=head,
     )
     targets = Targets(
         vision_attention=vision_attention,
