@@ -139,12 +139,30 @@ def shrink(d: dict, vocab: int, text: bool) -> dict:
         elif key in LAYER_LIST_KEYS and isinstance(value, list):
             out[key] = value[: out.get("num_hidden_layers", 2)]
     _shrink_image(out)
+    _shrink_rope(out)
     if text and isinstance(out.get("vocab_size"), int):
         out["vocab_size"] = vocab
     for key, value in out.items():
         if isinstance(value, dict) and ("model_type" in value or key.endswith("_config")):
             out[key] = shrink(value, vocab, text=text and _is_text_key(key))
     return out
+
+
+def _shrink_rope(out: dict) -> None:
+    """A 3-D rope's sections rescaled to sum to the new head_dim / 2."""
+    head = out.get("head_dim") or (
+        out["hidden_size"] // out["num_attention_heads"]
+        if isinstance(out.get("hidden_size"), int) and isinstance(out.get("num_attention_heads"), int)
+        else None
+    )
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = out.get(key)
+        if not (isinstance(rope, dict) and isinstance(head, int) and isinstance(rope.get("mrope_section"), list)):
+            continue
+        sections, half = rope["mrope_section"], head // 2
+        scaled = [max(1, s * half // sum(sections)) for s in sections]
+        scaled[0] += half - sum(scaled)
+        out[key] = dict(rope, mrope_section=scaled)
 
 
 def _is_text_key(key: str) -> bool:
@@ -217,6 +235,7 @@ def _tokenizer(tokens: list[str], attributes: dict[str, str]):
         eos_token=EOS,
         pad_token=PAD,
         unk_token="<unk>",
+        bos_token="<s>",  # processors that write it themselves (prefix-LM prompts) read it
         model_max_length=4096,
         **attributes,
     )
@@ -343,7 +362,7 @@ def _token_ids(d: dict, processor, tokenizer) -> dict:
             continue
         name = m.group(1)
         if name in ("pad", "eos", "bos"):
-            out[key] = ids({"pad": PAD, "eos": EOS, "bos": PAD}[name])
+            out[key] = ids({"pad": PAD, "eos": EOS, "bos": "<s>"}[name])
             continue
         token = getattr(processor, f"{name}_token", None) or getattr(tokenizer, f"{name}_token", None)
         if isinstance(token, str) and ids(token) != tokenizer.unk_token_id:
