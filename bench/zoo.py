@@ -78,6 +78,7 @@ SHRINK = dict(
     n_shared_experts=1,
     num_shared_experts=1,
     first_k_dense_replace=1,
+    mm_tokens_per_image=4,  # pooled from the tiny tower's 4 x 4 patches
     kv_lora_rank=16,
     q_lora_rank=16,
     qk_rope_head_dim=8,
@@ -92,6 +93,7 @@ SHRINK = dict(
     max_window_layers=2,
 )
 MAX_PARAMETERS = 120_000_000
+SEQUENCE_COUNTS = ("image_seq_length", "num_image_tokens", "image_seq_len", "num_image_token", "image_tokens")
 LOCK_HOLD = 200  # seconds: the machine's rule is a command holds the shared CPU lock under 5 minutes
 IMAGE_SIDE_PATCHES = 4  # the tiny vision tower sees images of this many patches a side
 LAYER_LIST_KEYS = ("layer_types", "mlp_layer_types", "layers_block_type", "attn_type_list", "moe_layer_freq")
@@ -390,6 +392,46 @@ def _with_sub_configs(d: dict, config_class) -> dict:
     return d
 
 
+def _features(out) -> int:
+    """How many feature rows ``get_image_features`` gave (a tensor, a list of them, or a model output)."""
+    import torch
+
+    out = getattr(out, "pooler_output", None) if not torch.is_tensor(out) and hasattr(out, "pooler_output") else out
+    if torch.is_tensor(out):
+        return out.numel() // out.shape[-1]
+    if isinstance(out, (list, tuple)):
+        return sum(_features(x) for x in out)
+    return 0
+
+
+def _calibrate(model, processor) -> None:
+    """Where the processor writes a fixed count of image tokens per image or tile (``image_seq_length`` ...),
+    that count set to what the shrunk tower gives for a probe image: the builder shrank the tower, not the
+    count. Left as it is where the count cannot be measured (the run then shows the mismatch)."""
+    import torch
+    from PIL import Image
+
+    attr = next((a for a in SEQUENCE_COUNTS if isinstance(getattr(processor, a, None), int)), None)
+    token = getattr(processor, "image_token", None)
+    inner = next((m for m in model.modules() if hasattr(m, "get_image_features")), None)
+    if attr is None or not isinstance(token, str) or inner is None:
+        return
+    for _ in range(2):  # the count, then a check of it
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe."}]}]
+        prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        try:
+            out = processor(text=[prompt], images=[[Image.new("RGB", (64, 64))]], return_tensors="pt")
+            names = inspect.signature(inner.get_image_features).parameters
+            with torch.no_grad():
+                features = _features(inner.get_image_features(**{k: v for k, v in out.items() if k in names}))
+        except Exception:  # noqa: BLE001 - not measurable: the run shows what happens
+            return
+        tokens = int((out["input_ids"] == processor.tokenizer.convert_tokens_to_ids(token)).sum())
+        if not tokens or not features or tokens == features:
+            return
+        setattr(processor, attr, max(1, getattr(processor, attr) * features // tokens))
+
+
 def build(model_type: str, folder: Path) -> str:
     """The tiny checkpoint of ``model_type`` in ``folder``; its model class name."""
     import torch
@@ -416,6 +458,7 @@ def build(model_type: str, folder: Path) -> str:
     model = AutoModelForImageTextToText.from_config(config)
     if getattr(model, "generation_config", None) is None:  # a model without generate (an action policy)
         raise NotBuilt(f"{type(model).__name__} has no generation config (it does not generate text)")
+    _calibrate(model, processor)
     model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids(EOS)
     model.generation_config.pad_token_id = tokenizer.convert_tokens_to_ids(PAD)
     model.generation_config.do_sample = False
