@@ -507,7 +507,8 @@ def run_one(model_type: str, work: Path, data: Path) -> dict:
     out = work / model_type / "run"
     steps = [
         ("run", "--quiet", "--backend", "cpu", "--model", folder, "--data", data, "--output", out, "--steps", "2",
-         "--batch-size", "2", "--max-length", "4096", "--save-every", "0", "--eval-every", "0", "--seed", "0"),
+         "--batch-size", "2", "--max-length", "4096", "--save-every", "0", "--eval-every", "0", "--seed", "0",
+         "--max-new-tokens", "2"),
         ("predict", "--adapter", out, "--data", data, "--output", work / model_type / "p.jsonl",
          "--max-new-tokens", "2", "--quiet"),
         ("export", "--adapter", out, "--output", work / model_type / "merged", "--dtype", "fp32"),
