@@ -140,10 +140,9 @@ def shrink(d: dict, vocab: int, text: bool) -> dict:
         out["head_dim"] = max(out["hidden_size"] // out["num_attention_heads"], 8)
     for key in list(out):
         value = out[key]
-        if isinstance(value, list) and layers_before and len(value) == layers_before and key != "architectures":
-            out[key] = value[: out.get("num_hidden_layers", 2)]
-        elif key in LAYER_LIST_KEYS and isinstance(value, list):
-            out[key] = value[: out.get("num_hidden_layers", 2)]
+        per_layer = isinstance(value, list) and layers_before and len(value) == layers_before
+        if (per_layer and key != "architectures") or (key in LAYER_LIST_KEYS and isinstance(value, list)):
+            out[key] = _kept_layers(value, out.get("num_hidden_layers", 2))
     _shrink_image(out)
     _shrink_rope(out)
     if text and isinstance(out.get("vocab_size"), int):
@@ -152,6 +151,15 @@ def shrink(d: dict, vocab: int, text: bool) -> dict:
         if isinstance(value, dict) and ("model_type" in value or key.endswith("_config")):
             out[key] = shrink(value, vocab, text=text and _is_text_key(key))
     return out
+
+
+def _kept_layers(value: list, n: int) -> list:
+    """A per-layer list cut to ``n`` entries keeping one of each kind first (a hybrid model keeps a full
+    attention layer beside its linear ones: generation needs one)."""
+    kinds = list(dict.fromkeys(v for v in value if isinstance(v, str)))
+    if len(kinds) < 2 or len(kinds) > n:
+        return value[:n]
+    return kinds + [value[0]] * (n - len(kinds))
 
 
 def _shrink_rope(out: dict) -> None:

@@ -298,40 +298,45 @@ def trace_activations(model, batch: BatchShape, family, sequence: int = 1) -> Ac
         if unrun:  # a text model of another layout (a checkpoint read generically): said, counted as 0
             untraced.append(unrun)
         else:
-            tokens = -(-batch.tokens // sequence)
-            hidden = torch.empty(batch.samples, tokens, text.config.hidden_size, device="meta", dtype=dtype)
-            if image_features is not None and image_features.requires_grad:
-                hidden.requires_grad_(True)  # adapted vision: its features flow into the text model's input
-            rows = (family.positions.rows,) if family.positions is not None else ()
-            pos = torch.zeros(*rows, batch.samples, tokens, dtype=torch.long, device="meta")
-            pes = _position_embeddings(text, hidden, pos)
-            if sequence > 1:
-                stack.enter_context(_split_attention(text, sequence))
-            extra = (
-                family.call("trace_layer_kwargs", family.trace_layer_kwargs, text, hidden)
-                if family.trace_layer_kwargs is not None
-                else {}
-            )
-            for i, layer in enumerate(text.layers):
-                if grad or _trainable(layer):
-                    inputs.append(hidden.numel() * hidden.element_size())
-                pe = pes[i]
-                hidden = run_layer(
-                    layer,
-                    lambda lay=layer, h=hidden, pe=pe: lay(h, attention_mask=None, position_embeddings=pe, **extra),
+            try:
+                tokens = -(-batch.tokens // sequence)
+                hidden = torch.empty(batch.samples, tokens, text.config.hidden_size, device="meta", dtype=dtype)
+                if image_features is not None and image_features.requires_grad:
+                    hidden.requires_grad_(True)  # adapted vision: its features flow into the text model's input
+                rows = (family.positions.rows,) if family.positions is not None else ()
+                pos = torch.zeros(*rows, batch.samples, tokens, dtype=torch.long, device="meta")
+                pes = _position_embeddings(text, hidden, pos)
+                if sequence > 1:
+                    stack.enter_context(_split_attention(text, sequence))
+                extra = (
+                    family.call("trace_layer_kwargs", family.trace_layer_kwargs, text, hidden)
+                    if family.trace_layer_kwargs is not None
+                    else {}
                 )
-            # the head runs at the labelled positions only (``models.loss.batch_loss_sum``)
-            kept = batch.logit_positions
-            labels = torch.zeros(batch.samples, kept, dtype=torch.long, device="meta")
-            head_before = meter.bytes
-            normed = text.norm(hidden)
-            if sequence > 1:  # the chunks gathered: the head reads the whole row
-                normed = torch.cat([normed] * sequence, dim=1)[:, : batch.tokens]
-            if kept < batch.tokens:
-                normed = torch.take_along_dim(normed, labels[..., None], dim=1)
-            logits = lm_head(normed)
-            kept_loss_sum(logits, labels)
-            head = meter.bytes - head_before
+                for i, layer in enumerate(text.layers):
+                    if grad or _trainable(layer):
+                        inputs.append(hidden.numel() * hidden.element_size())
+                    pe = pes[i]
+                    hidden = run_layer(
+                        layer,
+                        lambda lay=layer, h=hidden, pe=pe: lay(h, attention_mask=None, position_embeddings=pe, **extra),
+                    )
+                # the head runs at the labelled positions only (``models.loss.batch_loss_sum``)
+                kept = batch.logit_positions
+                labels = torch.zeros(batch.samples, kept, dtype=torch.long, device="meta")
+                head_before = meter.bytes
+                normed = text.norm(hidden)
+                if sequence > 1:  # the chunks gathered: the head reads the whole row
+                    normed = torch.cat([normed] * sequence, dim=1)[:, : batch.tokens]
+                if kept < batch.tokens:
+                    normed = torch.take_along_dim(normed, labels[..., None], dim=1)
+                logits = lm_head(normed)
+                kept_loss_sum(logits, labels)
+                head = meter.bytes - head_before
+            except (RuntimeError, TypeError, ValueError) as e:  # a layer that wants more than the tracer gives
+                untraced.append(f"text activations (a decoder layer did not run on the tracer's meta inputs: "
+                                f"{type(e).__name__}: {str(e).splitlines()[0][:160]})")  # fmt: skip
+                head = 0
     full = meter.bytes
     # non-reentrant checkpointing keeps each layer's input; backward recomputes one layer at a time
     checkpointed = sum(inputs) + layer_max + head
