@@ -153,6 +153,18 @@ def shrink(d: dict, vocab: int, text: bool) -> dict:
     return out
 
 
+def _default_mrope(d: dict) -> None:
+    """A 3-D rope whose sections the config leaves to the model's default (sized for the full head): given
+    sections summing to the tiny head_dim / 2, in every (sub-)config with rope parameters."""
+    rope = d.get("rope_parameters")
+    if isinstance(rope, dict) and "mrope_section" not in rope and isinstance(d.get("hidden_size"), int):
+        d["rope_parameters"] = dict(rope, mrope_section=[16, 24, 24])
+        _shrink_rope(d)
+    for value in d.values():
+        if isinstance(value, dict):
+            _default_mrope(value)
+
+
 def _kept_layers(value: list, n: int) -> list:
     """A per-layer list cut to ``n`` entries keeping one of each kind first (a hybrid model keeps a full
     attention layer beside its linear ones: generation needs one)."""
@@ -456,6 +468,8 @@ def build(model_type: str, folder: Path) -> str:
     processor = _processor(model_type, _vision_side(small) or 32, small)
     tokenizer = getattr(processor, "tokenizer", processor)
     small = _token_ids(shrink(default, len(tokenizer), text=not has_text), processor, tokenizer)
+    if "mrope_section" in inspect.getsource(sys.modules[config_class.__module__]):
+        _default_mrope(small)
     small.pop("transformers_version", None)
     config = config_class.from_dict(small)
     with torch.device("meta"):
