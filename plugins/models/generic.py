@@ -42,7 +42,7 @@ from vlft import Chat, FamilyReader, ModelFamily, Packing, Targets, Towers
 
 NAME = "generic"
 TEXT_NAMES = ("language_model", "text_model")
-VISION_NAMES = ("vision_tower", "visual", "vision_model", "vision_encoder", "image_encoder", "vision")
+VISION_NAMES = ("vision_tower", "visual", "vision_model", "vision_encoder", "image_encoder", "image_tower", "vision")
 PROJECTOR_NAMES = (
     "multi_modal_projector",
     "mm_projector",
