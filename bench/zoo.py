@@ -36,6 +36,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = dict(
@@ -109,6 +110,13 @@ TEMPLATE = (
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+
+def _auto(module: str, name: str) -> dict:
+    """One of transformers' auto mappings by model type (``transformers.models.auto.<module>.<name>``)."""
+    import importlib
+
+    return getattr(importlib.import_module(f"transformers.models.auto.{module}"), name)
 
 
 class NotBuilt(Exception):
@@ -251,8 +259,10 @@ def _processor_tokens(processor_class) -> tuple[list[str], dict[str, str]]:
 def _tokenizer(tokens: list[str], attributes: dict[str, str]):
     from transformers import PreTrainedTokenizerFast
 
-    sys.path.insert(0, str(ROOT / "plugins" / "models"))
-    import _tiny  # the tiny families' BPE builder
+    from vlft.plugins import serve_checkout
+
+    serve_checkout()  # vlft_models from this checkout (as the registry will serve it), not an installed copy
+    from vlft_models import _tiny  # the tiny families' BPE builder
 
     specials = list(dict.fromkeys(BASE_SPECIALS + tokens))
     base = _tiny.build_tokenizer(320 + len(specials), specials, eos=EOS, pad=PAD)
@@ -292,9 +302,8 @@ def _sized(d: dict, side: int) -> dict:
 
 def _image_processor(model_type: str, side: int, config: dict):
     import transformers
-    from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
 
-    names = IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type) or {}
+    names = _auto("image_processing_auto", "IMAGE_PROCESSOR_MAPPING_NAMES").get(model_type) or {}
     name = names.get("pil") or names.get("torchvision")
     if not name:
         raise NotBuilt("transformers maps no image processor to it")
@@ -334,11 +343,8 @@ def _from_config(d: dict, names) -> dict:
 
 def _processor(model_type: str, side: int, config: dict):
     import transformers
-    from transformers.models.auto.feature_extraction_auto import FEATURE_EXTRACTOR_MAPPING_NAMES
-    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
-    from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING_NAMES
 
-    name = PROCESSOR_MAPPING_NAMES.get(model_type)
+    name = _auto("processing_auto", "PROCESSOR_MAPPING_NAMES").get(model_type)
     if not name:  # written as such checkpoints ship: a tokenizer (with a template) and no processor
         tokenizer = _tokenizer(["<image>"], {})
         tokenizer.chat_template = TEMPLATE.replace("IMAGE_TOKEN", "<image>")
@@ -347,18 +353,20 @@ def _processor(model_type: str, side: int, config: dict):
     tokens, attributes = _processor_tokens(cls)
     tokenizer = _tokenizer(tokens, attributes)
     params = inspect.signature(cls.__init__).parameters
-    kwargs = {n: tokenizer for n, p in params.items() if n.endswith("tokenizer") and p.default is p.empty}
+    kwargs: dict[str, Any] = {
+        n: tokenizer for n, p in params.items() if n.endswith("tokenizer") and p.default is p.empty
+    }
     kwargs["tokenizer"] = tokenizer
     kwargs.update(_from_config(config, [n for n, p in params.items() if n not in ("self", "chat_template")]))
     if "image_processor" in params:
         kwargs["image_processor"] = _image_processor(model_type, side, config)
     if "feature_extractor" in params:  # the audio part of omni processors: its class defaults
-        extractor = FEATURE_EXTRACTOR_MAPPING_NAMES.get(model_type)
+        extractor = _auto("feature_extraction_auto", "FEATURE_EXTRACTOR_MAPPING_NAMES").get(model_type)
         if isinstance(extractor, dict):
             extractor = extractor.get("pil") or next(iter(extractor.values()), None)
         kwargs["feature_extractor"] = getattr(transformers, extractor)() if extractor else None
     if "video_processor" in params:
-        video = VIDEO_PROCESSOR_MAPPING_NAMES.get(model_type)
+        video = _auto("video_processing_auto", "VIDEO_PROCESSOR_MAPPING_NAMES").get(model_type)
         if isinstance(video, dict):  # {backend: class name}
             video = video.get("pil") or video.get("torchvision") or next(iter(video.values()), None)
         try:
@@ -514,7 +522,7 @@ def _first_error_line(output: str) -> str:
 def run_one(model_type: str, work: Path, data: Path) -> dict:
     """Build ``model_type`` and take it through run, predict and export; the result row."""
     sys.path.insert(0, str(ROOT / "tests"))
-    from helpers import cli_invoke
+    from helpers import cli_invoke  # pyright: ignore[reportMissingImports] - tests/, put on the path above
     from vlft.errors import VlftError
 
     row: dict = {"type": model_type, "class": "", "family": "", "result": "", "reason": ""}
@@ -692,7 +700,7 @@ def table(work: Path, out: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--work", type=Path, default=Path("/tmp/vlft-zoo"))
     parser.add_argument("--only", default="", help="comma-separated model types (default: all)")
     parser.add_argument("--per-type", type=float, default=240.0)
