@@ -6,13 +6,20 @@ the family vlft picks; one shared build and run per type (module-scoped)."""
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
-from bench import zoo
 from helpers import cli_invoke
 
-TYPES = ("TYPES_HERE",)
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # bench/ is a package of the repository, not an installed one
+    sys.path.insert(0, str(ROOT))
+
+from bench import zoo  # noqa: E402 - after the repository is on sys.path
+
+TYPES = ("idefics2", "lfm2_vl", "lighton_ocr", "exaone4_5")  # generic family; fast; four processor styles
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +34,7 @@ def runs(tmp_path_factory) -> dict:
         code, output = cli_invoke(
             "run", "--quiet", "--backend", "cpu", "--model", folder, "--data", data, "--output", run,
             "--steps", "2", "--batch-size", "2", "--max-length", "4096", "--save-every", "0", "--eval-every", "0",
+            "--max-new-tokens", "2",
         )  # fmt: skip
         out[model_type] = (code, output, run)
     return out
