@@ -398,8 +398,11 @@ def _token_ids(d: dict, processor, tokenizer) -> dict:
         if name in ("pad", "eos", "bos"):
             out[key] = ids({"pad": PAD, "eos": EOS, "bos": "<s>"}[name])
             continue
+        given = getattr(processor, f"{name}_token_id", None)  # the id the processor expands to (Aya: a patch token)
         token = getattr(processor, f"{name}_token", None) or getattr(tokenizer, f"{name}_token", None)
-        if isinstance(token, str) and ids(token) != tokenizer.unk_token_id:
+        if isinstance(given, int) and not isinstance(given, bool) and given != tokenizer.unk_token_id:
+            out[key] = given
+        elif isinstance(token, str) and ids(token) != tokenizer.unk_token_id:
             out[key] = ids(token)
     for key, value in out.items():
         if isinstance(value, dict) and ("model_type" in value or key.endswith("_config")):
