@@ -218,7 +218,8 @@ def _join(value, length: int) -> str:
     """How a batch joins one processor output: per token, padded pixels, or joined as it is."""
     if value.dim() == 2 and value.shape[0] == 1 and value.shape[1] == length:
         return "sequence"
-    return "concat_padded" if value.dim() >= 3 else "concat"
+    # 2-D too: a per-image row whose width differs by image (tiles per image) pads like the pixels
+    return "concat_padded" if value.dim() >= 2 else "concat"
 
 
 def _read_processor(path: str, model_type: str) -> tuple[Any, dict, dict]:
