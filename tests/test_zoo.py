@@ -34,7 +34,7 @@ def runs(tmp_path_factory) -> dict:
         code, output = cli_invoke(
             "run", "--quiet", "--backend", "cpu", "--model", folder, "--data", data, "--output", run,
             "--steps", "2", "--batch-size", "2", "--max-length", "4096", "--save-every", "0", "--eval-every", "0",
-            "--max-new-tokens", "2",
+            "--max-new-tokens", "2", "--log-every", "1",
         )  # fmt: skip
         out[model_type] = (code, output, run)
     return out
