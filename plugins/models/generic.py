@@ -272,7 +272,8 @@ def _read_processor(path: str, model_type: str) -> tuple[Any, dict, dict]:
         "inputs": ", ".join(f"{k} ({v})" for k, v in joins.items()),
     }
     warmup = {k: v for k, v in out.items() if joins.get(k) in ("concat", "concat_padded")}
-    return processor, {"joins": joins, "pixels": pixels, "end": end, "warmup": warmup}, found
+    conv = {"joins": joins, "pixels": pixels, "end": end, "warmup": warmup, "probe_ids": out["input_ids"]}
+    return processor, conv, found
 
 
 def _image_token_strings(processor) -> list[str]:
@@ -321,7 +322,7 @@ def _check_whole(processor, texts: list[str], media, ids: list[int]) -> None:
         )
 
 
-def vision_dummy(model, modality: str, warmup: dict | None = None):
+def vision_dummy(model, modality: str, warmup: dict | None = None, probe_ids=None):
     """The probe's blank image through the innermost ``get_image_features`` (the inputs it names), so a batch
     without an image runs the tower too. None for video (the generic family takes none)."""
     from vlft import VisionWarmup
@@ -335,7 +336,58 @@ def vision_dummy(model, modality: str, warmup: dict | None = None):
     if inner is None:
         return None
     names = inspect.signature(inner.get_image_features).parameters
-    return VisionWarmup(inner, "get_image_features", {k: v for k, v in warmup.items() if k in names})
+    inputs = {k: v for k, v in warmup.items() if k in names}
+    if probe_ids is not None:
+        _check_features(model, inner, inputs, probe_ids)
+    return VisionWarmup(inner, "get_image_features", inputs)
+
+
+def _feature_rows(out) -> int:
+    """Feature rows ``get_image_features`` gave: a tensor, a list of them, or an output whose pooler_output holds
+    them (transformers 5); 0 where it cannot be told."""
+    import torch
+
+    if not torch.is_tensor(out) and not isinstance(out, (list, tuple)):
+        out = getattr(out, "pooler_output", None)
+    if torch.is_tensor(out):
+        return out.numel() // out.shape[-1] if out.dim() else 0
+    if isinstance(out, (list, tuple)):
+        return sum(_feature_rows(x) for x in out)
+    return 0
+
+
+def _check_features(model, inner, inputs: dict, probe_ids) -> None:
+    """The probe image's placeholder tokens as the processor writes them against the features the loaded tower
+    gives for it: a checkpoint whose processor and model configs disagree (an image size, a token count) is
+    refused before step 1, naming both counts, instead of failing in the first forward with an image. Checked
+    in a single process only (a sharded tower's direct call would gather out of step), and only where both
+    counts can be told."""
+    import torch
+
+    from vlft import ConfigError
+
+    config = getattr(model, "config", None)
+    ids = [getattr(config, k, None) for k in ("image_token_id", "image_token_index")]
+    token_id = next((i for i in ids if isinstance(i, int) and not isinstance(i, bool)), None)
+    if token_id is None or (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    tokens = int((probe_ids == token_id).sum())
+    param = next(inner.parameters())
+    moved = {
+        k: v.to(param.device, param.dtype) if v.is_floating_point() else v.to(param.device) for k, v in inputs.items()
+    }
+    try:
+        with torch.no_grad():
+            features = _feature_rows(inner.get_image_features(**moved))
+    except Exception:  # noqa: BLE001 - not measurable this way: the first forward will tell
+        return
+    if tokens and features and tokens != features:
+        raise ConfigError(
+            f"the {NAME} family: this checkpoint's processor writes {tokens} image tokens for a "
+            f"{PROBE_SIZE[0]}x{PROBE_SIZE[1]} image but its vision tower gives {features} features for it: the "
+            "processor's and the model's configs disagree (image size, patch or merge size, tokens per image); "
+            "fix the one that differs from the model as trained"
+        )
 
 
 # --- the reader -------------------------------------------------------------------------------------------------
@@ -370,7 +422,7 @@ def read(model_config, path: str | None) -> ModelFamily | None:
         processor_class = type(processor).__name__
         chat = Chat(processor_class=processor_class, load_processor=load_processor, reply_end_token=conv["end"])
         image_inputs = _image_inputs(conv["joins"], conv["pixels"])
-        dummy = partial(vision_dummy, warmup=conv["warmup"])
+        dummy = partial(vision_dummy, warmup=conv["warmup"], probe_ids=conv["probe_ids"])
     description = f"{NAME} family, read from the checkpoint: " + "; ".join(f"{k} {v}" for k, v in found.items())
     family = ModelFamily(
         name=NAME,
