@@ -945,3 +945,21 @@ def test_the_embedded_defaults_weights_are_bit_identical_to_the_ones_make_run_wa
 
     build_tiny_2_5(tmp_path / "m", corpus=tokenizer_corpus())
     assert hashlib.sha256((tmp_path / "m" / "model.safetensors").read_bytes()).hexdigest() == EMBEDDED_DEFAULT_SHA256
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_built_in_familys_text_model_is_traced_by_the_memory_plan(tiny, name):
+    """The plan says a text model it cannot trace is untraced (a checkpoint read generically) rather than stop; no
+    built-in family's may be: each one's text layers and head run on the tracer's meta inputs."""
+    from vlft.planning.trace import BatchShape, skeleton, trace_activations
+    from vlft.policies import AttentionPolicy
+
+    _, _, model = tiny[name]
+    family = _family(name)
+    load = family.load_kwargs("float32") if family.load_kwargs is not None else None
+    sk = skeleton(model.config, AttentionPolicy("sdpa", "sdpa"), torch.float32, load)
+    for n, p in sk.named_parameters():  # as adapters on the text layers would: the layers on the path
+        p.requires_grad_(n.startswith(family.towers.decoder_layers))
+    acts = trace_activations(sk, BatchShape(1, 64, []), family)
+    assert not [u for u in acts.untraced if u.startswith("text")], acts.untraced
+    assert acts.full > 0

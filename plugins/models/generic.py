@@ -47,7 +47,7 @@ from vlft import Chat, FamilyReader, ModelFamily, Packing, Targets, Towers, Vide
 
 NAME = "generic"
 TEXT_NAMES = ("language_model", "text_model")
-VISION_NAMES = ("vision_tower", "visual", "vision_model", "vision_encoder", "image_encoder", "vision")
+VISION_NAMES = ("vision_tower", "visual", "vision_model", "vision_encoder", "image_encoder", "image_tower", "vision")
 PROJECTOR_NAMES = (
     "multi_modal_projector",
     "mm_projector",
@@ -151,7 +151,8 @@ def _towers(model, model_type: str) -> tuple[Towers, Targets, dict]:
     blocks = _longest_list(modules, vision)
     if not blocks:
         raise _refuse(model_type, f"no vision blocks (a ModuleList named {'/'.join(BLOCK_LISTS)}) under {vision}")
-    if "lm_head" not in modules:
+    head = _named(modules, ("lm_head",))  # the top one, else the text model's own (a wrapped causal LM)
+    if not head:
         raise _refuse(model_type, f"no output head 'lm_head' in {_top(model)}")
     projector = _named(modules, PROJECTOR_NAMES, outside=text)
     text_attention, text_mlp = _linear_names(modules[layers])
@@ -163,7 +164,7 @@ def _towers(model, model_type: str) -> tuple[Towers, Targets, dict]:
         vision_blocks=blocks,
         vision_mergers=(projector,) if projector else (),
         decoder_layers=layers,
-        lm_head="lm_head",
+        lm_head=head,
     )
     targets = Targets(
         vision_attention=vision_attention,
@@ -222,7 +223,8 @@ def _join(value, length: int) -> str:
     """How a batch joins one processor output: per token, padded pixels, or joined as it is."""
     if value.dim() == 2 and value.shape[0] == 1 and value.shape[1] == length:
         return "sequence"
-    return "concat_padded" if value.dim() >= 3 else "concat"
+    # 2-D too: a per-image row whose width differs by image (tiles per image) pads like the pixels
+    return "concat_padded" if value.dim() >= 2 else "concat"
 
 
 def _read_processor(path: str, model_type: str) -> tuple[Any, dict, dict]:
@@ -275,7 +277,8 @@ def _read_processor(path: str, model_type: str) -> tuple[Any, dict, dict]:
         "inputs": ", ".join(f"{k} ({v})" for k, v in joins.items()),
     }
     warmup = {k: v for k, v in out.items() if joins.get(k) in ("concat", "concat_padded")}
-    return processor, {"joins": joins, "pixels": pixels, "end": end, "warmup": warmup}, found
+    conv = {"joins": joins, "pixels": pixels, "end": end, "warmup": warmup, "probe_ids": out["input_ids"]}
+    return processor, conv, found
 
 
 def _image_token_strings(processor) -> list[str]:
@@ -326,7 +329,7 @@ def _check_whole(processor, texts: list[str], media, ids: list[int]) -> None:
         )
 
 
-def vision_dummy(model, modality: str, warmup: dict | None = None, video_warmup: dict | None = None):
+def vision_dummy(model, modality: str, warmup: dict | None = None, video_warmup: dict | None = None, probe_ids=None):
     """The probe's blank image through the innermost ``get_image_features`` (the inputs it names), so a batch
     without an image runs the tower too; for video the probe's blank clip through ``get_video_features``, where
     the model has one (a model whose processor folds frames into the image input runs the image warm-up)."""
@@ -342,7 +345,10 @@ def vision_dummy(model, modality: str, warmup: dict | None = None, video_warmup:
     if inner is None:
         return None
     names = inspect.signature(getattr(inner, method)).parameters
-    return VisionWarmup(inner, method, {k: v for k, v in inputs.items() if k in names})
+    inputs = {k: v for k, v in inputs.items() if k in names}
+    if modality == "image" and probe_ids is not None:
+        _check_features(model, inner, inputs, probe_ids)
+    return VisionWarmup(inner, method, inputs)
 
 
 # --- video: through the processor's video processor, where it has one and the model a video path ---------------
@@ -387,6 +393,54 @@ def _read_video(processor, model, image_joins: dict) -> tuple[Any, dict, str]:
     return VideoInputs(pixels=pixels), {"joins": joins, "warmup": warmup}, found
 
 
+def _feature_rows(out) -> int:
+    """Feature rows ``get_image_features`` gave: a tensor, a list of them, or an output whose pooler_output holds
+    them (transformers 5); 0 where it cannot be told."""
+    import torch
+
+    if not torch.is_tensor(out) and not isinstance(out, (list, tuple)):
+        out = getattr(out, "pooler_output", None)
+    if torch.is_tensor(out):
+        return out.numel() // out.shape[-1] if out.dim() else 0
+    if isinstance(out, (list, tuple)):
+        return sum(_feature_rows(x) for x in out)
+    return 0
+
+
+def _check_features(model, inner, inputs: dict, probe_ids) -> None:
+    """The probe image's placeholder tokens as the processor writes them against the features the loaded tower
+    gives for it: a checkpoint whose processor and model configs disagree (an image size, a token count) is
+    refused before step 1, naming both counts, instead of failing in the first forward with an image. Checked
+    in a single process only (a sharded tower's direct call would gather out of step), and only where both
+    counts can be told."""
+    import torch
+
+    from vlft import ConfigError
+
+    config = getattr(model, "config", None)
+    ids = [getattr(config, k, None) for k in ("image_token_id", "image_token_index")]
+    token_id = next((i for i in ids if isinstance(i, int) and not isinstance(i, bool)), None)
+    if token_id is None or (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    tokens = int((probe_ids == token_id).sum())
+    param = next(inner.parameters())
+    moved = {
+        k: v.to(param.device, param.dtype) if v.is_floating_point() else v.to(param.device) for k, v in inputs.items()
+    }
+    try:
+        with torch.no_grad():
+            features = _feature_rows(inner.get_image_features(**moved))
+    except Exception:  # noqa: BLE001 - not measurable this way: the first forward will tell
+        return
+    if tokens and features and tokens != features:
+        raise ConfigError(
+            f"the {NAME} family: this checkpoint's processor writes {tokens} image tokens for a "
+            f"{PROBE_SIZE[0]}x{PROBE_SIZE[1]} image but its vision tower gives {features} features for it: the "
+            "processor's and the model's configs disagree (image size, patch or merge size, tokens per image); "
+            "fix the one that differs from the model as trained"
+        )
+
+
 # --- the reader -------------------------------------------------------------------------------------------------
 
 
@@ -420,7 +474,9 @@ def read(model_config, path: str | None) -> ModelFamily | None:
         processor_class = type(processor).__name__
         chat = Chat(processor_class=processor_class, load_processor=load_processor, reply_end_token=conv["end"])
         image_inputs = _image_inputs({**conv["joins"], **video.get("joins", {})}, conv["pixels"])
-        dummy = partial(vision_dummy, warmup=conv["warmup"], video_warmup=video.get("warmup"))
+        dummy = partial(
+            vision_dummy, warmup=conv["warmup"], video_warmup=video.get("warmup"), probe_ids=conv["probe_ids"]
+        )
     description = f"{NAME} family, read from the checkpoint: " + "; ".join(f"{k} {v}" for k, v in found.items())
     family = ModelFamily(
         name=NAME,

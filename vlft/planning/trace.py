@@ -231,6 +231,17 @@ def _position_embeddings(text, hidden, pos) -> list:
     return [tables[t] for t in types[:n]]
 
 
+def _untraceable_text(text) -> str:
+    """Why the text model is not the decoder layout the tracer runs (``layers``, ``rotary_emb``, ``norm``), or
+    "" where it is."""
+    missing = [
+        name for name in ("layers", "rotary_emb", "norm") if not isinstance(getattr(text, name, None), torch.nn.Module)
+    ]
+    if not missing:
+        return ""
+    return f"text activations ({type(text).__name__} has no {', '.join(missing)}: not the decoder layout traced)"
+
+
 def trace_activations(model, batch: BatchShape, family, sequence: int = 1) -> Activations:
     """Run the adapted meta model's layers once on ``batch``'s shapes and count what autograd saves.
 
@@ -282,39 +293,50 @@ def trace_activations(model, batch: BatchShape, family, sequence: int = 1) -> Ac
                 untraced.append(f"vision activations of the {family.name} family (it gives no tracer)")
             else:
                 image_features = family.call("image_inputs.trace", trace_vision, tower, batch.grids, dtype, run_vision)
-        tokens = -(-batch.tokens // sequence)
-        hidden = torch.empty(batch.samples, tokens, text.config.hidden_size, device="meta", dtype=dtype)
-        if image_features is not None and image_features.requires_grad:
-            hidden.requires_grad_(True)  # adapted vision: its features flow into the text model's input
-        rows = (family.positions.rows,) if family.positions is not None else ()
-        pos = torch.zeros(*rows, batch.samples, tokens, dtype=torch.long, device="meta")
-        pes = _position_embeddings(text, hidden, pos)
-        if sequence > 1:
-            stack.enter_context(_split_attention(text, sequence))
-        extra = (
-            family.call("trace_layer_kwargs", family.trace_layer_kwargs, text, hidden)
-            if family.trace_layer_kwargs is not None
-            else {}
-        )
-        for i, layer in enumerate(text.layers):
-            if grad or _trainable(layer):
-                inputs.append(hidden.numel() * hidden.element_size())
-            pe = pes[i]
-            hidden = run_layer(
-                layer, lambda lay=layer, h=hidden, pe=pe: lay(h, attention_mask=None, position_embeddings=pe, **extra)
-            )
-        # the head runs at the labelled positions only (``models.loss.batch_loss_sum``)
-        kept = batch.logit_positions
-        labels = torch.zeros(batch.samples, kept, dtype=torch.long, device="meta")
-        head_before = meter.bytes
-        normed = text.norm(hidden)
-        if sequence > 1:  # the chunks gathered: the head reads the whole row
-            normed = torch.cat([normed] * sequence, dim=1)[:, : batch.tokens]
-        if kept < batch.tokens:
-            normed = torch.take_along_dim(normed, labels[..., None], dim=1)
-        logits = lm_head(normed)
-        kept_loss_sum(logits, labels)
-        head = meter.bytes - head_before
+        head = 0
+        unrun = _untraceable_text(text)
+        if unrun:  # a text model of another layout (a checkpoint read generically): said, counted as 0
+            untraced.append(unrun)
+        else:
+            try:
+                tokens = -(-batch.tokens // sequence)
+                hidden = torch.empty(batch.samples, tokens, text.config.hidden_size, device="meta", dtype=dtype)
+                if image_features is not None and image_features.requires_grad:
+                    hidden.requires_grad_(True)  # adapted vision: its features flow into the text model's input
+                rows = (family.positions.rows,) if family.positions is not None else ()
+                pos = torch.zeros(*rows, batch.samples, tokens, dtype=torch.long, device="meta")
+                pes = _position_embeddings(text, hidden, pos)
+                if sequence > 1:
+                    stack.enter_context(_split_attention(text, sequence))
+                extra = (
+                    family.call("trace_layer_kwargs", family.trace_layer_kwargs, text, hidden)
+                    if family.trace_layer_kwargs is not None
+                    else {}
+                )
+                for i, layer in enumerate(text.layers):
+                    if grad or _trainable(layer):
+                        inputs.append(hidden.numel() * hidden.element_size())
+                    pe = pes[i]
+                    hidden = run_layer(
+                        layer,
+                        lambda lay=layer, h=hidden, pe=pe: lay(h, attention_mask=None, position_embeddings=pe, **extra),
+                    )
+                # the head runs at the labelled positions only (``models.loss.batch_loss_sum``)
+                kept = batch.logit_positions
+                labels = torch.zeros(batch.samples, kept, dtype=torch.long, device="meta")
+                head_before = meter.bytes
+                normed = text.norm(hidden)
+                if sequence > 1:  # the chunks gathered: the head reads the whole row
+                    normed = torch.cat([normed] * sequence, dim=1)[:, : batch.tokens]
+                if kept < batch.tokens:
+                    normed = torch.take_along_dim(normed, labels[..., None], dim=1)
+                logits = lm_head(normed)
+                kept_loss_sum(logits, labels)
+                head = meter.bytes - head_before
+            except (RuntimeError, TypeError, ValueError) as e:  # a layer that wants more than the tracer gives
+                untraced.append(f"text activations (a decoder layer did not run on the tracer's meta inputs: "
+                                f"{type(e).__name__}: {str(e).splitlines()[0][:160]})")  # fmt: skip
+                head = 0
     full = meter.bytes
     # non-reentrant checkpointing keeps each layer's input; backward recomputes one layer at a time
     checkpointed = sum(inputs) + layer_max + head
