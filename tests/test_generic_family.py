@@ -217,11 +217,11 @@ def test_vlft_plugins_lists_the_reader_after_the_families():
     assert code == 0 and "any other model_type: generic family, any model_type transformers maps" in output
 
 
-def test_a_processor_that_disagrees_with_its_model_is_refused_before_step_1(mistral3, mixed, tmp_path):
-    """The processor's patch size doubled (it writes a quarter of the [IMG] tokens the tower gives features
+def test_a_processor_that_disagrees_with_its_model_is_refused_before_step_1(plain, mixed, tmp_path):
+    """The processor's patch size doubled (it writes a quarter of the <image> tokens the tower gives features
     for): refused before any step, naming both counts, not a traceback in the first forward with an image."""
     bad = tmp_path / "bad-processor"
-    shutil.copytree(mistral3, bad)
+    shutil.copytree(plain, bad)
     cfg = json.loads((bad / "processor_config.json").read_text())
     cfg["patch_size"] *= 2
     (bad / "processor_config.json").write_text(json.dumps(cfg))
