@@ -27,6 +27,7 @@ past a type that hangs (``--per-type`` seconds) or kills the interpreter. Result
 from __future__ import annotations
 
 import argparse
+import importlib
 import inspect
 import json
 import re
@@ -99,6 +100,7 @@ LOCK_HOLD = 200  # seconds: the machine's rule is a command holds the shared CPU
 IMAGE_SIDE_PATCHES = 4  # the tiny vision tower sees images of this many patches a side
 LAYER_LIST_KEYS = ("layer_types", "mlp_layer_types", "layers_block_type", "attn_type_list", "moe_layer_freq")
 TOKEN_LITERAL = re.compile(r"""["']((?:<[^"'\s{}%]{1,40}>)|(?:\[[A-Z_/]{2,30}\])|(?:\|[A-Z_]{2,30}\|))["']""")
+TOKEN_IN_FSTRING = re.compile(r"""(?:f["']|\})(<[A-Za-z_]{2,30}>)(?:\{|["'])""")  # f"<IMG_START>{..." ...}<IMG_GRID>"
 TOKEN_ATTRIBUTE = re.compile(r"tokenizer\.(\w+_token)\b")
 BASE_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "<s>", "</s>", "<pad>"]
 EOS, PAD = "<|im_end|>", "<|endoftext|>"
@@ -114,8 +116,6 @@ TEMPLATE = (
 
 def _auto(module: str, name: str) -> dict:
     """One of transformers' auto mappings by model type (``transformers.models.auto.<module>.<name>``)."""
-    import importlib
-
     return getattr(importlib.import_module(f"transformers.models.auto.{module}"), name)
 
 
@@ -153,6 +153,9 @@ def shrink(d: dict, vocab: int, text: bool) -> dict:
             out[key] = _kept_layers(value, out.get("num_hidden_layers", 2))
     _shrink_image(out)
     _shrink_rope(out)
+    for key in ("vision_feature_layer", "vision_feature_layers"):  # layer indexes into the shrunk tower
+        if key in out:
+            out[key] = _layer_index(out[key])
     if text and isinstance(out.get("vocab_size"), int):
         out["vocab_size"] = vocab
     for key, value in out.items():
@@ -171,6 +174,60 @@ def _default_mrope(d: dict) -> None:
     for value in d.values():
         if isinstance(value, dict):
             _default_mrope(value)
+
+
+# where a type's model reads a token other than the processor's ``image_token`` (the ids the builder gives it)
+TOKEN_IDS = {
+    "ovis2": {  # the processor expands <image> to atoms between indicators; the model fills atoms, embeds indicators
+        "image_token_id": "<IMG_ATOM>",
+        "visual_indicator_token_ids": ["<IMG_START>", "<IMG_GRID>", "<IMG_COL>", "<IMG_ROW>", "<IMG_END>"],
+    },
+}
+
+
+def _type_token_ids(model_type: str, d: dict, tokenizer) -> dict:
+    ids = tokenizer.convert_tokens_to_ids
+    given = {
+        k: [ids(t) for t in v] if isinstance(v, list) else ids(v) for k, v in TOKEN_IDS.get(model_type, {}).items()
+    }
+    return dict(d, **given)
+
+
+def _uses_mrope(config_class, d: dict) -> bool:
+    """Whether the model reads a 3-D rope's sections: its config's or modeling module's source names them, or a
+    sub-config's (GLM-4.6V's text model is GLM-4.1V's; PaddleOCR-VL's modeling code holds the default)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    def types(x: dict):
+        for value in x.values():
+            if isinstance(value, dict):
+                if isinstance(value.get("model_type"), str):
+                    yield value["model_type"]
+                yield from types(value)
+
+    modules = {config_class.__module__}
+    modules.update(CONFIG_MAPPING[t].__module__ for t in types(d) if t in CONFIG_MAPPING)
+    for name in list(modules):
+        modules.add(name.replace(".configuration_", ".modeling_"))
+    for name in modules:
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - no such module, or one needing a package not here: not read
+            continue
+        if "mrope_section" in inspect.getsource(module):
+            return True
+    return False
+
+
+def _layer_index(value):
+    """A vision layer index (or a list of them) moved into the shrunk tower's layers, the list's length kept
+    (VipLLaVA's projector takes one block per listed layer)."""
+    n = SHRINK["num_hidden_layers"]
+    if isinstance(value, list):
+        return [_layer_index(v) for v in value]
+    if isinstance(value, int) and not isinstance(value, bool):
+        return max(value, -n) if value < 0 else min(value, n - 1)
+    return value
 
 
 def _kept_layers(value: list, n: int) -> list:
@@ -233,7 +290,7 @@ def _processor_tokens(processor_class) -> tuple[list[str], dict[str, str]]:
     it reads (``tokenizer.image_token`` ...) with a value each: the __init__ default where it has one."""
     module = sys.modules[processor_class.__module__]
     source = inspect.getsource(module)
-    literals = list(dict.fromkeys(TOKEN_LITERAL.findall(source)))
+    literals = list(dict.fromkeys(TOKEN_LITERAL.findall(source) + TOKEN_IN_FSTRING.findall(source)))
     defaults = {
         name: p.default
         for name, p in inspect.signature(processor_class.__init__).parameters.items()
@@ -313,7 +370,7 @@ def _image_processor(model_type: str, side: int, config: dict):
     except ImportError as e:
         raise NotBuilt(f"{name} needs a package not installed here ({e})".splitlines()[0]) from None
     sized: dict = {}
-    for attr in ("size", "crop_size"):
+    for attr in ("size", "crop_size", "max_image_size"):  # max_image_size: Idefics3's tile, the tower's side
         value = _as_dict(getattr(default, attr, None))
         if value:
             sized[attr] = _sized(value, side)
@@ -341,6 +398,20 @@ def _from_config(d: dict, names) -> dict:
     return found
 
 
+def _tower_counts(config: dict, side: int) -> dict:
+    """Processor arguments that restate the shrunk tower (each read where the processor takes it): the tile side
+    (``img_size``), its patches per tile (``num_image_tokens``), and the CLS token a CLIP tower puts before
+    them (``num_additional_image_tokens``: the "default" feature strategy drops it, the count must too)."""
+    patch = _from_config(config, ("patch_size",)).get("patch_size")
+    vision = next((v for k, v in config.items() if k == "vision_config" and isinstance(v, dict)), {})
+    out: dict[str, Any] = {"img_size": side}
+    if isinstance(patch, int) and patch > 0:
+        out["num_image_tokens"] = (side // patch) ** 2
+    if vision.get("model_type") == "clip_vision_model":
+        out["num_additional_image_tokens"] = 1
+    return out
+
+
 def _processor(model_type: str, side: int, config: dict):
     import transformers
 
@@ -358,6 +429,7 @@ def _processor(model_type: str, side: int, config: dict):
     }
     kwargs["tokenizer"] = tokenizer
     kwargs.update(_from_config(config, [n for n, p in params.items() if n not in ("self", "chat_template")]))
+    kwargs.update({k: v for k, v in _tower_counts(config, side).items() if k in params and kwargs.get(k) is None})
     if "image_processor" in params:
         kwargs["image_processor"] = _image_processor(model_type, side, config)
     if "feature_extractor" in params:  # the audio part of omni processors: its class defaults
@@ -435,6 +507,16 @@ def _features(out) -> int:
     return 0
 
 
+def _tile_tokens(processor, config: dict) -> None:
+    """A processor writing ``patch_size ** 2`` tokens a tile (Cohere2 Vision: its ``patch_size`` is the tile's
+    tokens a side after the pixel shuffle, not the tower's patch): set from the shrunk tower."""
+    factor = config.get("downsample_factor")
+    image = getattr(processor, "image_processor", None)
+    if type(processor).__name__ != "Cohere2VisionProcessor" or not isinstance(factor, int):
+        return
+    image.patch_size = processor.patch_size = IMAGE_SIDE_PATCHES // factor
+
+
 def _calibrate(model, processor) -> None:
     """Where the processor writes a fixed count of image tokens per image or tile (``image_seq_length`` ...),
     that count set to what the shrunk tower gives for a probe image: the builder shrank the tower, not the
@@ -479,7 +561,9 @@ def build(model_type: str, folder: Path) -> str:
     processor = _processor(model_type, _vision_side(small) or 32, small)
     tokenizer = getattr(processor, "tokenizer", processor)
     small = _token_ids(shrink(default, len(tokenizer), text=not has_text), processor, tokenizer)
-    if "mrope_section" in inspect.getsource(sys.modules[config_class.__module__]):
+    small = _type_token_ids(model_type, small, tokenizer)
+    _tile_tokens(processor, small)
+    if _uses_mrope(config_class, small):
         _default_mrope(small)
     small.pop("transformers_version", None)
     config = config_class.from_dict(small)
