@@ -320,6 +320,9 @@ def _tokenizer(tokens: list[str], attributes: dict[str, str]):
 
     serve_checkout()  # vlft_models from this checkout (as the registry will serve it), not an installed copy
     from vlft_models import _tiny  # the tiny families' BPE builder
+    from vlft_models.smolvlm import _allow_without_num2words
+
+    _allow_without_num2words()  # SmolVLM's processor wants num2words for video prompts only (as vlft loads it)
 
     specials = list(dict.fromkeys(BASE_SPECIALS + tokens))
     base = _tiny.build_tokenizer(320 + len(specials), specials, eos=EOS, pad=PAD)
@@ -381,11 +384,18 @@ def _image_processor(model_type: str, side: int, config: dict):
         value = getattr(default, attr, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > 2:
             sized[attr] = 2
+    if getattr(default, "image_grid_pinpoints", None):  # any-resolution tiles: the model's grid (``pinpoints``)
+        sized["image_grid_pinpoints"] = pinpoints(side)
     # the tower's patch and merge sizes, where the image processor has them too
     shared = _from_config(config, ("patch_size", "merge_size", "temporal_patch_size", "spatial_merge_size"))
     sized.update({k: v for k, v in shared.items() if hasattr(default, k) and isinstance(v, int)})
     processor = cls(**sized)
     return processor
+
+
+def pinpoints(side: int) -> list[list[int]]:
+    """Any-resolution grids (LLaVA-NeXT, OneVision) in tiles of the tower's side: up to 2 x 2 tiles."""
+    return [[side, side], [side, 2 * side], [2 * side, side], [2 * side, 2 * side]]
 
 
 def _from_config(d: dict, names) -> dict:
@@ -407,7 +417,7 @@ def _tower_counts(config: dict, side: int) -> dict:
     out: dict[str, Any] = {"img_size": side}
     if isinstance(patch, int) and patch > 0:
         out["num_image_tokens"] = (side // patch) ** 2
-    if vision.get("model_type") == "clip_vision_model":
+    if vision.get("model_type") == "clip_vision_model" and config.get("vision_feature_select_strategy") == "default":
         out["num_additional_image_tokens"] = 1
     return out
 
@@ -526,6 +536,7 @@ def _calibrate(model, processor) -> None:
 
     attr = next((a for a in SEQUENCE_COUNTS if isinstance(getattr(processor, a, None), int)), None)
     token = getattr(processor, "image_token", None)
+    token_id = getattr(model.config, "image_token_id", None)  # the token the model fills (Ovis2: not <image>)
     inner = next((m for m in model.modules() if hasattr(m, "get_image_features")), None)
     if attr is None or not isinstance(token, str) or inner is None:
         return
@@ -539,7 +550,9 @@ def _calibrate(model, processor) -> None:
                 features = _features(inner.get_image_features(**{k: v for k, v in out.items() if k in names}))
         except Exception:  # noqa: BLE001 - not measurable: the run shows what happens
             return
-        tokens = int((out["input_ids"] == processor.tokenizer.convert_tokens_to_ids(token)).sum())
+        if not isinstance(token_id, int):
+            token_id = processor.tokenizer.convert_tokens_to_ids(token)
+        tokens = int((out["input_ids"] == token_id).sum())
         if not tokens or not features or tokens == features:
             return
         setattr(processor, attr, max(1, getattr(processor, attr) * features // tokens))
@@ -562,6 +575,8 @@ def build(model_type: str, folder: Path) -> str:
     tokenizer = getattr(processor, "tokenizer", processor)
     small = _token_ids(shrink(default, len(tokenizer), text=not has_text), processor, tokenizer)
     small = _type_token_ids(model_type, small, tokenizer)
+    if small.get("image_grid_pinpoints"):
+        small["image_grid_pinpoints"] = pinpoints(_vision_side(small) or 32)
     _tile_tokens(processor, small)
     if _uses_mrope(config_class, small):
         _default_mrope(small)
