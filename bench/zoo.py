@@ -177,7 +177,11 @@ def _default_mrope(d: dict) -> None:
 
 
 # where a type's model reads a token other than the processor's ``image_token`` (the ids the builder gives it)
-TOKEN_IDS = {
+TOKEN_IDS = {  # a value naming a tokenizer attribute stands for its token
+    **{  # Gemma 3's processor calls <boi> its image token; the model fills the soft tokens between <boi> and <eoi>
+        t: {"image_token_index": "image_token", "image_token_id": "image_token"}
+        for t in ("gemma3", "shieldgemma2", "t5gemma2")
+    },
     "ovis2": {  # the processor expands <image> to atoms between indicators; the model fills atoms, embeds indicators
         "image_token_id": "<IMG_ATOM>",
         "visual_indicator_token_ids": ["<IMG_START>", "<IMG_GRID>", "<IMG_COL>", "<IMG_ROW>", "<IMG_END>"],
@@ -186,11 +190,16 @@ TOKEN_IDS = {
 
 
 def _type_token_ids(model_type: str, d: dict, tokenizer) -> dict:
-    ids = tokenizer.convert_tokens_to_ids
-    given = {
-        k: [ids(t) for t in v] if isinstance(v, list) else ids(v) for k, v in TOKEN_IDS.get(model_type, {}).items()
-    }
-    return dict(d, **given)
+    """``d`` with the TOKEN_IDS of its type set wherever in its tree the config has them."""
+
+    def ids(token):
+        if isinstance(token, list):
+            return [ids(t) for t in token]
+        return tokenizer.convert_tokens_to_ids(getattr(tokenizer, token, None) or token)
+
+    given = TOKEN_IDS.get(model_type, {})
+    out = {k: ids(given[k]) if k in given else v for k, v in d.items()}
+    return {k: _type_token_ids(model_type, v, tokenizer) if isinstance(v, dict) else v for k, v in out.items()}
 
 
 def _uses_mrope(config_class, d: dict) -> bool:
@@ -360,6 +369,12 @@ def _sized(d: dict, side: int) -> dict:
     return out
 
 
+# image processor settings a type's model needs and the class defaults do not give
+IMAGE_PROCESSOR = {
+    "llava_onevision1_5": {"temporal_patch_size": 1},  # its patch embedding takes one frame (no temporal patch)
+}
+
+
 def _image_processor(model_type: str, side: int, config: dict):
     import transformers
 
@@ -389,6 +404,7 @@ def _image_processor(model_type: str, side: int, config: dict):
     # the tower's patch and merge sizes, where the image processor has them too
     shared = _from_config(config, ("patch_size", "merge_size", "temporal_patch_size", "spatial_merge_size"))
     sized.update({k: v for k, v in shared.items() if hasattr(default, k) and isinstance(v, int)})
+    sized.update(IMAGE_PROCESSOR.get(model_type, {}))
     processor = cls(**sized)
     return processor
 
@@ -415,6 +431,9 @@ def _tower_counts(config: dict, side: int) -> dict:
     patch = _from_config(config, ("patch_size",)).get("patch_size")
     vision = next((v for k, v in config.items() if k == "vision_config" and isinstance(v, dict)), {})
     out: dict[str, Any] = {"img_size": side}
+    pooled = _from_config(config, ("mm_tokens_per_image",)).get("mm_tokens_per_image")
+    if isinstance(pooled, int):  # Gemma 3 writes its image sequence once, in __init__ (no calibrating it after)
+        out["image_seq_length"] = pooled
     if isinstance(patch, int) and patch > 0:
         out["num_image_tokens"] = (side // patch) ** 2
     if vision.get("model_type") == "clip_vision_model" and config.get("vision_feature_select_strategy") == "default":
