@@ -369,9 +369,20 @@ def _sized(d: dict, side: int) -> dict:
     return out
 
 
-# image processor settings a type's model needs and the class defaults do not give
+# image processor settings a type's model needs and the class defaults do not give (from the shrunk config)
 IMAGE_PROCESSOR = {
-    "llava_onevision1_5": {"temporal_patch_size": 1},  # its patch embedding takes one frame (no temporal patch)
+    "llava_onevision1_5": lambda c: {"temporal_patch_size": 1},  # its patch embedding takes one frame
+    "deepseek_vl_hybrid": lambda c: {  # its second (SAM) tower's input side
+        "high_res_size": dict.fromkeys(("height", "width"), c["high_res_vision_config"]["image_size"])
+    },
+}
+# top-level sizes that restate the shrunk towers' (the shrinker caps them, these derive them)
+CONFIG = {
+    **{  # the adapter takes the tower's 2 x 2 merged patches: vision hidden * 4
+        t: {"out_hidden_size": SHRINK["hidden_size"] * 4, "projector_hidden_size": SHRINK["hidden_size"]}
+        for t in ("muse_spark", "muse_glimmer")
+    },
+    "kimi_k25": {"projection_hidden_size": SHRINK["hidden_size"]},  # the projector normalizes the tower's hidden
 }
 
 
@@ -404,7 +415,7 @@ def _image_processor(model_type: str, side: int, config: dict):
     # the tower's patch and merge sizes, where the image processor has them too
     shared = _from_config(config, ("patch_size", "merge_size", "temporal_patch_size", "spatial_merge_size"))
     sized.update({k: v for k, v in shared.items() if hasattr(default, k) and isinstance(v, int)})
-    sized.update(IMAGE_PROCESSOR.get(model_type, {}))
+    sized.update(IMAGE_PROCESSOR[model_type](config) if model_type in IMAGE_PROCESSOR else {})
     processor = cls(**sized)
     return processor
 
@@ -593,7 +604,7 @@ def build(model_type: str, folder: Path) -> str:
     processor = _processor(model_type, _vision_side(small) or 32, small)
     tokenizer = getattr(processor, "tokenizer", processor)
     small = _token_ids(shrink(default, len(tokenizer), text=not has_text), processor, tokenizer)
-    small = _type_token_ids(model_type, small, tokenizer)
+    small = _type_token_ids(model_type, small, tokenizer) | CONFIG.get(model_type, {})
     if small.get("image_grid_pinpoints"):
         small["image_grid_pinpoints"] = pinpoints(_vision_side(small) or 32)
     _tile_tokens(processor, small)
