@@ -146,6 +146,8 @@ def shrink(d: dict, vocab: int, text: bool) -> dict:
         and isinstance(out.get("num_attention_heads"), int)
     ):
         out["head_dim"] = max(out["hidden_size"] // out["num_attention_heads"], 8)
+        if d.get("head_dim") == d.get("qk_rope_head_dim"):  # MLA configs name the rotary part head_dim too
+            out["head_dim"] = out["qk_rope_head_dim"]
     for key in list(out):
         value = out[key]
         per_layer = isinstance(value, list) and layers_before and len(value) == layers_before
