@@ -554,7 +554,7 @@ def _tile_tokens(processor, config: dict) -> None:
     tokens a side after the pixel shuffle, not the tower's patch): set from the shrunk tower."""
     factor = config.get("downsample_factor")
     image = getattr(processor, "image_processor", None)
-    if type(processor).__name__ != "Cohere2VisionProcessor" or not isinstance(factor, int):
+    if image is None or type(processor).__name__ != "Cohere2VisionProcessor" or not isinstance(factor, int):
         return
     image.patch_size = processor.patch_size = IMAGE_SIDE_PATCHES // factor
 
