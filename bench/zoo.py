@@ -158,6 +158,10 @@ def shrink(d: dict, vocab: int, text: bool) -> dict:
     for key in ("vision_feature_layer", "vision_feature_layers"):  # layer indexes into the shrunk tower
         if key in out:
             out[key] = _layer_index(out[key])
+    if isinstance(out.get("global_attn_indexes"), (list, tuple)):  # SAM's global layers, within the shrunk ones
+        out["global_attn_indexes"] = sorted(
+            {min(i, out.get("num_hidden_layers", 2) - 1) for i in out["global_attn_indexes"]}
+        )
     if text and isinstance(out.get("vocab_size"), int):
         out["vocab_size"] = vocab
     for key, value in out.items():
