@@ -389,7 +389,17 @@ CONFIG = {
         for t in ("muse_spark", "muse_glimmer")
     },
     "kimi_k25": {"projection_hidden_size": SHRINK["hidden_size"]},  # the projector normalizes the tower's hidden
+    # the SAM neck's last channels are the second encoder's patch embeddings: its hidden size
+    "unlimited_ocr": {"vision_config": {"sam_config": {"downsample_channels": [32, SHRINK["hidden_size"]]}}},
 }
+
+
+def _merged(d: dict, over: dict) -> dict:
+    """``d`` with ``over``'s values set, nested dicts merged key by key."""
+    out = dict(d)
+    for key, value in over.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def _image_processor(model_type: str, side: int, config: dict):
@@ -610,7 +620,7 @@ def build(model_type: str, folder: Path) -> str:
     processor = _processor(model_type, _vision_side(small) or 32, small)
     tokenizer = getattr(processor, "tokenizer", processor)
     small = _token_ids(shrink(default, len(tokenizer), text=not has_text), processor, tokenizer)
-    small = _type_token_ids(model_type, small, tokenizer) | CONFIG.get(model_type, {})
+    small = _merged(_type_token_ids(model_type, small, tokenizer), CONFIG.get(model_type, {}))
     if small.get("image_grid_pinpoints"):
         small["image_grid_pinpoints"] = pinpoints(_vision_side(small) or 32)
     _tile_tokens(processor, small)
