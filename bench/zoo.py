@@ -8,7 +8,10 @@ For each model type:
    tiny tokenizer's), the model from that config (seeded random init), the processor class transformers maps
    the type to, built from its image processor (the class defaults, sized down) and a tiny BPE tokenizer whose
    special tokens include every token the processor's module names, and a ChatML-style chat template writing
-   the processor's image token for an image part; ``save_pretrained`` into a folder. What cannot be built
+   the processor's image token for an image part; the processor's restatements of the tower (tile side,
+   tokens per tile or image, CLS token, any-resolution grids) derived from the shrunk config, and where a
+   type's model reads what no generic rule finds, a small per-type table says it (``TOKEN_IDS``,
+   ``IMAGE_PROCESSOR``, ``CONFIG``: each entry with its why); ``save_pretrained`` into a folder. What cannot be built
    here (a missing package, a config or processor that needs parts the builder cannot give) is recorded as
    "not built" with the reason;
 2. run ``vlft run`` for 2 steps on tiny mixed data (text-only and image records), then ``vlft predict`` and
