@@ -151,7 +151,7 @@ def shrink(d: dict, vocab: int, text: bool) -> dict:
         and isinstance(out.get("num_attention_heads"), int)
     ):
         out["head_dim"] = max(out["hidden_size"] // out["num_attention_heads"], 8)
-        if d.get("head_dim") == d.get("qk_rope_head_dim"):  # MLA configs name the rotary part head_dim too
+        if "qk_rope_head_dim" in out and d.get("head_dim") == d["qk_rope_head_dim"]:  # MLA: head_dim is the rotary part
             out["head_dim"] = out["qk_rope_head_dim"]
     for key in list(out):
         value = out[key]
