@@ -8,7 +8,10 @@ For each model type:
    tiny tokenizer's), the model from that config (seeded random init), the processor class transformers maps
    the type to, built from its image processor (the class defaults, sized down) and a tiny BPE tokenizer whose
    special tokens include every token the processor's module names, and a ChatML-style chat template writing
-   the processor's image token for an image part; ``save_pretrained`` into a folder. What cannot be built
+   the processor's image token for an image part; the processor's restatements of the tower (tile side,
+   tokens per tile or image, CLS token, any-resolution grids) derived from the shrunk config, and where a
+   type's model reads what no generic rule finds, a small per-type table says it (``TOKEN_IDS``,
+   ``IMAGE_PROCESSOR``, ``CONFIG``: each entry with its why); ``save_pretrained`` into a folder. What cannot be built
    here (a missing package, a config or processor that needs parts the builder cannot give) is recorded as
    "not built" with the reason;
 2. run ``vlft run`` for 2 steps on tiny mixed data (text-only and image records), then ``vlft predict`` and
@@ -27,6 +30,7 @@ past a type that hangs (``--per-type`` seconds) or kills the interpreter. Result
 from __future__ import annotations
 
 import argparse
+import importlib
 import inspect
 import json
 import re
@@ -79,6 +83,8 @@ SHRINK = dict(
     n_shared_experts=1,
     num_shared_experts=1,
     first_k_dense_replace=1,
+    n_group=1,  # DeepSeek-style routing groups: the few experts left make one group
+    topk_group=1,
     mm_tokens_per_image=4,  # pooled from the tiny tower's 4 x 4 patches
     kv_lora_rank=16,
     q_lora_rank=16,
@@ -99,6 +105,7 @@ LOCK_HOLD = 200  # seconds: the machine's rule is a command holds the shared CPU
 IMAGE_SIDE_PATCHES = 4  # the tiny vision tower sees images of this many patches a side
 LAYER_LIST_KEYS = ("layer_types", "mlp_layer_types", "layers_block_type", "attn_type_list", "moe_layer_freq")
 TOKEN_LITERAL = re.compile(r"""["']((?:<[^"'\s{}%]{1,40}>)|(?:\[[A-Z_/]{2,30}\])|(?:\|[A-Z_]{2,30}\|))["']""")
+TOKEN_IN_FSTRING = re.compile(r"""(?:f["']|\})(<[A-Za-z_]{2,30}>)(?:\{|["'])""")  # f"<IMG_START>{..." ...}<IMG_GRID>"
 TOKEN_ATTRIBUTE = re.compile(r"tokenizer\.(\w+_token)\b")
 BASE_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "<s>", "</s>", "<pad>"]
 EOS, PAD = "<|im_end|>", "<|endoftext|>"
@@ -114,8 +121,6 @@ TEMPLATE = (
 
 def _auto(module: str, name: str) -> dict:
     """One of transformers' auto mappings by model type (``transformers.models.auto.<module>.<name>``)."""
-    import importlib
-
     return getattr(importlib.import_module(f"transformers.models.auto.{module}"), name)
 
 
@@ -146,6 +151,8 @@ def shrink(d: dict, vocab: int, text: bool) -> dict:
         and isinstance(out.get("num_attention_heads"), int)
     ):
         out["head_dim"] = max(out["hidden_size"] // out["num_attention_heads"], 8)
+        if "qk_rope_head_dim" in out and d.get("head_dim") == d["qk_rope_head_dim"]:  # MLA: head_dim is the rotary part
+            out["head_dim"] = out["qk_rope_head_dim"]
     for key in list(out):
         value = out[key]
         per_layer = isinstance(value, list) and layers_before and len(value) == layers_before
@@ -153,6 +160,13 @@ def shrink(d: dict, vocab: int, text: bool) -> dict:
             out[key] = _kept_layers(value, out.get("num_hidden_layers", 2))
     _shrink_image(out)
     _shrink_rope(out)
+    for key in ("vision_feature_layer", "vision_feature_layers"):  # layer indexes into the shrunk tower
+        if key in out:
+            out[key] = _layer_index(out[key])
+    if isinstance(out.get("global_attn_indexes"), (list, tuple)):  # SAM's global layers, within the shrunk ones
+        out["global_attn_indexes"] = sorted(
+            {min(i, out.get("num_hidden_layers", 2) - 1) for i in out["global_attn_indexes"]}
+        )
     if text and isinstance(out.get("vocab_size"), int):
         out["vocab_size"] = vocab
     for key, value in out.items():
@@ -171,6 +185,69 @@ def _default_mrope(d: dict) -> None:
     for value in d.values():
         if isinstance(value, dict):
             _default_mrope(value)
+
+
+# where a type's model reads a token other than the processor's ``image_token`` (the ids the builder gives it)
+TOKEN_IDS = {  # a value naming a tokenizer attribute stands for its token
+    **{  # Gemma 3's processor calls <boi> its image token; the model fills the soft tokens between <boi> and <eoi>
+        t: {"image_token_index": "image_token", "image_token_id": "image_token"}
+        for t in ("gemma3", "shieldgemma2", "t5gemma2")
+    },
+    "ovis2": {  # the processor expands <image> to atoms between indicators; the model fills atoms, embeds indicators
+        "image_token_id": "<IMG_ATOM>",
+        "visual_indicator_token_ids": ["<IMG_START>", "<IMG_GRID>", "<IMG_COL>", "<IMG_ROW>", "<IMG_END>"],
+    },
+}
+
+
+def _type_token_ids(model_type: str, d: dict, tokenizer) -> dict:
+    """``d`` with the TOKEN_IDS of its type set wherever in its tree the config has them."""
+
+    def ids(token):
+        if isinstance(token, list):
+            return [ids(t) for t in token]
+        return tokenizer.convert_tokens_to_ids(getattr(tokenizer, token, None) or token)
+
+    given = TOKEN_IDS.get(model_type, {})
+    out = {k: ids(given[k]) if k in given else v for k, v in d.items()}
+    return {k: _type_token_ids(model_type, v, tokenizer) if isinstance(v, dict) else v for k, v in out.items()}
+
+
+def _uses_mrope(config_class, d: dict) -> bool:
+    """Whether the model reads a 3-D rope's sections: its config's or modeling module's source names them, or a
+    sub-config's (GLM-4.6V's text model is GLM-4.1V's; PaddleOCR-VL's modeling code holds the default)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    def types(x: dict):
+        for value in x.values():
+            if isinstance(value, dict):
+                if isinstance(value.get("model_type"), str):
+                    yield value["model_type"]
+                yield from types(value)
+
+    modules = {config_class.__module__}
+    modules.update(CONFIG_MAPPING[t].__module__ for t in types(d) if t in CONFIG_MAPPING)
+    for name in list(modules):
+        modules.add(name.replace(".configuration_", ".modeling_"))
+    for name in modules:
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - no such module, or one needing a package not here: not read
+            continue
+        if "mrope_section" in inspect.getsource(module):
+            return True
+    return False
+
+
+def _layer_index(value):
+    """A vision layer index (or a list of them) moved into the shrunk tower's layers, the list's length kept
+    (VipLLaVA's projector takes one block per listed layer)."""
+    n = SHRINK["num_hidden_layers"]
+    if isinstance(value, list):
+        return [_layer_index(v) for v in value]
+    if isinstance(value, int) and not isinstance(value, bool):
+        return max(value, -n) if value < 0 else min(value, n - 1)
+    return value
 
 
 def _kept_layers(value: list, n: int) -> list:
@@ -233,7 +310,7 @@ def _processor_tokens(processor_class) -> tuple[list[str], dict[str, str]]:
     it reads (``tokenizer.image_token`` ...) with a value each: the __init__ default where it has one."""
     module = sys.modules[processor_class.__module__]
     source = inspect.getsource(module)
-    literals = list(dict.fromkeys(TOKEN_LITERAL.findall(source)))
+    literals = list(dict.fromkeys(TOKEN_LITERAL.findall(source) + TOKEN_IN_FSTRING.findall(source)))
     defaults = {
         name: p.default
         for name, p in inspect.signature(processor_class.__init__).parameters.items()
@@ -263,6 +340,9 @@ def _tokenizer(tokens: list[str], attributes: dict[str, str]):
 
     serve_checkout()  # vlft_models from this checkout (as the registry will serve it), not an installed copy
     from vlft_models import _tiny  # the tiny families' BPE builder
+    from vlft_models.smolvlm import _allow_without_num2words
+
+    _allow_without_num2words()  # SmolVLM's processor wants num2words for video prompts only (as vlft loads it)
 
     specials = list(dict.fromkeys(BASE_SPECIALS + tokens))
     base = _tiny.build_tokenizer(320 + len(specials), specials, eos=EOS, pad=PAD)
@@ -300,6 +380,33 @@ def _sized(d: dict, side: int) -> dict:
     return out
 
 
+# image processor settings a type's model needs and the class defaults do not give (from the shrunk config)
+IMAGE_PROCESSOR = {
+    "llava_onevision1_5": lambda c: {"temporal_patch_size": 1},  # its patch embedding takes one frame
+    "deepseek_vl_hybrid": lambda c: {  # its second (SAM) tower's input side
+        "high_res_size": dict.fromkeys(("height", "width"), c["high_res_vision_config"]["image_size"])
+    },
+}
+# top-level sizes that restate the shrunk towers' (the shrinker caps them, these derive them)
+CONFIG = {
+    **{  # the adapter takes the tower's 2 x 2 merged patches: vision hidden * 4
+        t: {"out_hidden_size": SHRINK["hidden_size"] * 4, "projector_hidden_size": SHRINK["hidden_size"]}
+        for t in ("muse_spark", "muse_glimmer")
+    },
+    "kimi_k25": {"projection_hidden_size": SHRINK["hidden_size"]},  # the projector normalizes the tower's hidden
+    # the SAM neck's last channels are the second encoder's patch embeddings: its hidden size
+    "unlimited_ocr": {"vision_config": {"sam_config": {"downsample_channels": [32, SHRINK["hidden_size"]]}}},
+}
+
+
+def _merged(d: dict, over: dict) -> dict:
+    """``d`` with ``over``'s values set, nested dicts merged key by key."""
+    out = dict(d)
+    for key, value in over.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def _image_processor(model_type: str, side: int, config: dict):
     import transformers
 
@@ -313,7 +420,7 @@ def _image_processor(model_type: str, side: int, config: dict):
     except ImportError as e:
         raise NotBuilt(f"{name} needs a package not installed here ({e})".splitlines()[0]) from None
     sized: dict = {}
-    for attr in ("size", "crop_size"):
+    for attr in ("size", "crop_size", "max_image_size"):  # max_image_size: Idefics3's tile, the tower's side
         value = _as_dict(getattr(default, attr, None))
         if value:
             sized[attr] = _sized(value, side)
@@ -324,11 +431,19 @@ def _image_processor(model_type: str, side: int, config: dict):
         value = getattr(default, attr, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > 2:
             sized[attr] = 2
+    if getattr(default, "image_grid_pinpoints", None):  # any-resolution tiles: the model's grid (``pinpoints``)
+        sized["image_grid_pinpoints"] = pinpoints(side)
     # the tower's patch and merge sizes, where the image processor has them too
     shared = _from_config(config, ("patch_size", "merge_size", "temporal_patch_size", "spatial_merge_size"))
     sized.update({k: v for k, v in shared.items() if hasattr(default, k) and isinstance(v, int)})
+    sized.update(IMAGE_PROCESSOR[model_type](config) if model_type in IMAGE_PROCESSOR else {})
     processor = cls(**sized)
     return processor
+
+
+def pinpoints(side: int) -> list[list[int]]:
+    """Any-resolution grids (LLaVA-NeXT, OneVision) in tiles of the tower's side: up to 2 x 2 tiles."""
+    return [[side, side], [side, 2 * side], [2 * side, side], [2 * side, 2 * side]]
 
 
 def _from_config(d: dict, names) -> dict:
@@ -339,6 +454,23 @@ def _from_config(d: dict, names) -> dict:
             found.update({k: v for k, v in _from_config(value, names).items() if k not in found})
     found.update({k: v for k, v in d.items() if k in names and not isinstance(v, dict)})
     return found
+
+
+def _tower_counts(config: dict, side: int) -> dict:
+    """Processor arguments that restate the shrunk tower (each read where the processor takes it): the tile side
+    (``img_size``), its patches per tile (``num_image_tokens``), and the CLS token a CLIP tower puts before
+    them (``num_additional_image_tokens``: the "default" feature strategy drops it, the count must too)."""
+    patch = _from_config(config, ("patch_size",)).get("patch_size")
+    vision = next((v for k, v in config.items() if k == "vision_config" and isinstance(v, dict)), {})
+    out: dict[str, Any] = {"img_size": side}
+    pooled = _from_config(config, ("mm_tokens_per_image",)).get("mm_tokens_per_image")
+    if isinstance(pooled, int):  # Gemma 3 writes its image sequence once, in __init__ (no calibrating it after)
+        out["image_seq_length"] = pooled
+    if isinstance(patch, int) and patch > 0:
+        out["num_image_tokens"] = (side // patch) ** 2
+    if vision.get("model_type") == "clip_vision_model" and config.get("vision_feature_select_strategy") == "default":
+        out["num_additional_image_tokens"] = 1
+    return out
 
 
 def _processor(model_type: str, side: int, config: dict):
@@ -358,6 +490,7 @@ def _processor(model_type: str, side: int, config: dict):
     }
     kwargs["tokenizer"] = tokenizer
     kwargs.update(_from_config(config, [n for n, p in params.items() if n not in ("self", "chat_template")]))
+    kwargs.update({k: v for k, v in _tower_counts(config, side).items() if k in params and kwargs.get(k) is None})
     if "image_processor" in params:
         kwargs["image_processor"] = _image_processor(model_type, side, config)
     if "feature_extractor" in params:  # the audio part of omni processors: its class defaults
@@ -435,6 +568,16 @@ def _features(out) -> int:
     return 0
 
 
+def _tile_tokens(processor, config: dict) -> None:
+    """A processor writing ``patch_size ** 2`` tokens a tile (Cohere2 Vision: its ``patch_size`` is the tile's
+    tokens a side after the pixel shuffle, not the tower's patch): set from the shrunk tower."""
+    factor = config.get("downsample_factor")
+    image = getattr(processor, "image_processor", None)
+    if image is None or type(processor).__name__ != "Cohere2VisionProcessor" or not isinstance(factor, int):
+        return
+    image.patch_size = processor.patch_size = IMAGE_SIDE_PATCHES // factor
+
+
 def _calibrate(model, processor) -> None:
     """Where the processor writes a fixed count of image tokens per image or tile (``image_seq_length`` ...),
     that count set to what the shrunk tower gives for a probe image: the builder shrank the tower, not the
@@ -444,6 +587,7 @@ def _calibrate(model, processor) -> None:
 
     attr = next((a for a in SEQUENCE_COUNTS if isinstance(getattr(processor, a, None), int)), None)
     token = getattr(processor, "image_token", None)
+    token_id = getattr(model.config, "image_token_id", None)  # the token the model fills (Ovis2: not <image>)
     inner = next((m for m in model.modules() if hasattr(m, "get_image_features")), None)
     if attr is None or not isinstance(token, str) or inner is None:
         return
@@ -457,7 +601,9 @@ def _calibrate(model, processor) -> None:
                 features = _features(inner.get_image_features(**{k: v for k, v in out.items() if k in names}))
         except Exception:  # noqa: BLE001 - not measurable: the run shows what happens
             return
-        tokens = int((out["input_ids"] == processor.tokenizer.convert_tokens_to_ids(token)).sum())
+        if not isinstance(token_id, int):
+            token_id = processor.tokenizer.convert_tokens_to_ids(token)
+        tokens = int((out["input_ids"] == token_id).sum())
         if not tokens or not features or tokens == features:
             return
         setattr(processor, attr, max(1, getattr(processor, attr) * features // tokens))
@@ -479,7 +625,11 @@ def build(model_type: str, folder: Path) -> str:
     processor = _processor(model_type, _vision_side(small) or 32, small)
     tokenizer = getattr(processor, "tokenizer", processor)
     small = _token_ids(shrink(default, len(tokenizer), text=not has_text), processor, tokenizer)
-    if "mrope_section" in inspect.getsource(sys.modules[config_class.__module__]):
+    small = _merged(_type_token_ids(model_type, small, tokenizer), CONFIG.get(model_type, {}))
+    if small.get("image_grid_pinpoints"):
+        small["image_grid_pinpoints"] = pinpoints(_vision_side(small) or 32)
+    _tile_tokens(processor, small)
+    if _uses_mrope(config_class, small):
         _default_mrope(small)
     small.pop("transformers_version", None)
     config = config_class.from_dict(small)

@@ -58,3 +58,17 @@ def test_a_zoo_type_trains_two_steps_through_the_cli(runs, model_type):
     weights = load_file(str(run / "adapter" / "adapter_model.safetensors"))
     moved = [float(v.abs().max()) for k, v in weights.items() if "lora_B" in k and vision in k]
     assert moved and max(moved) > 0, vision
+
+
+def test_an_encoder_decoder_type_is_refused_before_step_one_with_the_reason(tmp_path):
+    """T5Gemma 2 (an image-text-to-text type whose prompt goes to an encoder): the generic family says so, in
+    vlft's own error, instead of a failure inside the model's forward."""
+    folder = tmp_path / "t5gemma2"
+    zoo.build("t5gemma2", folder)
+    code, output = cli_invoke(
+        "run", "--quiet", "--backend", "cpu", "--model", folder, "--data", zoo.write_data(tmp_path),
+        "--output", tmp_path / "run", "--steps", "2", "--max-length", "4096",
+    )  # fmt: skip
+    assert code != 0
+    assert "encoder-decoder model" in output and "decoder-only" in output, output
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

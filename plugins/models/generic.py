@@ -465,6 +465,8 @@ def read(model_config, path: str | None) -> ModelFamily | None:
         model = _meta_model(model_config)
     except Exception as e:  # noqa: BLE001 - a config transformers cannot build a model from
         raise _refuse(model_type, f"transformers cannot build its model ({type(e).__name__}: {e})") from None
+    if getattr(model_config, "is_encoder_decoder", False):  # its prompt goes to an encoder, not the decoder's input
+        raise _refuse(model_type, "it is an encoder-decoder model; the family trains decoder-only text models")
     towers, targets, found = _towers(model, model_type)
     processor_class, chat, image_inputs, video_inputs, dummy = "", Chat(), None, None, None
     if path is not None:
