@@ -49,6 +49,17 @@ from .llava_onevision import capped_size
 INTERNVL = "internvl"
 INTERNVL_IMAGE_TOKENS = dict(start_image_token="<img>", end_image_token="</img>", context_image_token="<IMG_CONTEXT>")
 INTERNVL_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *INTERNVL_IMAGE_TOKENS.values(), "<video>"]
+# what the three tiny models share (each recipe's hash names its cache folder; the keys are hashed sorted)
+TINY_TEXT = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+)
+TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=8)
+TINY_INIT = {"embedding_row_norm": 1.0, "initializer_range": 0.1, "vision_initializer_range": 0.02}
 INTERNVL_RECIPE: dict[str, Any] = {
     "version": 1,
     "family": INTERNVL,
@@ -59,18 +70,9 @@ INTERNVL_RECIPE: dict[str, Any] = {
     "tile": 32,
     "max_patches": 4,
     "downsample_ratio": 0.5,
-    "text": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-    ),
-    "vision": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=8),
-    "embedding_row_norm": 1.0,
-    "initializer_range": 0.1,
-    "vision_initializer_range": 0.02,
+    "text": TINY_TEXT,
+    "vision": TINY_VISION,
+    **TINY_INIT,
 }
 INTERNVL_SIZE_CAP = (
     "the tiling's max_patches lowered to the number of whole tiles (the vision tower's square input) that fit "
@@ -261,18 +263,9 @@ LLAVA_NEXT_RECIPE: dict[str, Any] = {
     # 32 px tiles of 8 px patches (16 tokens a tile, the CLS dropped); pinpoints up to 2 x 2 tiles
     "tile": 32,
     "image_grid_pinpoints": [[32, 32], [32, 64], [64, 32], [64, 64]],
-    "text": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-    ),
-    "vision": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=8),
-    "embedding_row_norm": 1.0,
-    "initializer_range": 0.1,
-    "vision_initializer_range": 0.02,
+    "text": TINY_TEXT,
+    "vision": TINY_VISION,
+    **TINY_INIT,
 }
 LLAVA_NEXT_SIZE_CAP = (
     "a pixel budget per image: scaled down first, aspect ratio kept, so the grid pinpoint the tiling picks (and its "
@@ -456,20 +449,9 @@ MISTRAL3_RECIPE: dict[str, Any] = {
     # 8 px patches merged 2 x 2: a token per 16 px; images scaled to a 64 px longest edge (at most 4 x 4 tokens)
     "longest_edge": 64,
     "spatial_merge_size": 2,
-    "text": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-    ),
-    "vision": dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=8, image_size=64
-    ),
-    "embedding_row_norm": 1.0,
-    "initializer_range": 0.1,
-    "vision_initializer_range": 0.02,
+    "text": TINY_TEXT,
+    "vision": dict(TINY_VISION, image_size=64),
+    **TINY_INIT,
 }
 MISTRAL3_SIZE_CAP = (
     "the image processor's size.longest_edge lowered to the square root of --max-pixels (an image of any aspect "
