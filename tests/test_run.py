@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -334,3 +336,19 @@ def test_dry_run_prints_the_plan_without_training(tmp_path):
     }
     assert len(plan["targets"]["modules"]) == 20 and plan["targets"]["adapter_parameters"] > 0
     assert not (tmp_path / "o").exists()
+
+
+def test_the_cpu_peak_memory_is_the_runs_own_not_its_parents():
+    """A run started by a large parent (a notebook, a pytest session holding models) reports its own peak: Linux
+    carries ``ru_maxrss`` across fork and exec, so the parent's size at the fork came back as the run's peak (the
+    bench's sequence group once read three equal peaks from three different runs)."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the inherited peak is a Linux behaviour")
+    parent = (
+        "import subprocess, sys\n"
+        "held = bytearray(600 * 2**20)\n"  # resident: bytearray zero-fills every page
+        "child = 'from vlft.builtin.cpu import peak_resident_bytes; print(peak_resident_bytes())'\n"
+        "print(subprocess.run([sys.executable, '-c', child], capture_output=True, text=True, check=True).stdout)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, check=True, timeout=120)
+    assert int(out.stdout) < 300 * 2**20, f"the child reported {int(out.stdout) / 2**20:.0f} MiB"

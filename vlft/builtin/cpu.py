@@ -206,12 +206,24 @@ def vlft_device_capacity(backend, config):
 
 @cpu_hookimpl
 def vlft_memory_reader(backend, device):
+    return lambda: MemoryStats(peak_bytes=peak_resident_bytes())
+
+
+def peak_resident_bytes() -> int:
+    """The process's peak resident set: ``VmHWM`` where Linux has it, else ``ru_maxrss``.
+
+    Linux keeps ``ru_maxrss`` across fork and exec, so a run started by a large parent (a notebook, a pytest
+    session holding models) would report the parent's size at the fork as its own peak; ``VmHWM`` belongs to the
+    address space, which exec replaces."""
     import resource
     import sys
 
-    def read() -> MemoryStats:
-        # ru_maxrss is the process's peak resident set: KiB on Linux, bytes on macOS
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return MemoryStats(peak_bytes=peak if sys.platform == "darwin" else peak * 1024)
-
-    return read
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak if sys.platform == "darwin" else peak * 1024
