@@ -294,9 +294,17 @@ def _read_processor(path: str, model_type: str) -> tuple[Any, dict, dict]:
         "reply end": end or "none after a reply (the reply trains to the next turn)",
         "inputs": ", ".join(f"{k} ({v})" for k, v in joins.items()),
     }
-    warmup = {k: v for k, v in out.items() if joins.get(k, "sequence") != "sequence"}
+    warmup = {k: widened(v) for k, v in out.items() if joins.get(k, "sequence") != "sequence"}
     conv = {"joins": joins, "pixels": pixels, "end": end, "warmup": warmup, "probe_ids": out["input_ids"]}
     return processor, conv, found
+
+
+def widened(value):
+    """A probe output for the warm-up in fp32 where the processor gave half precision (Llama 4's bfloat16 pixels),
+    as vlft.processor_image_inputs keeps a sample's."""
+    import torch
+
+    return value.float() if value.dtype in (torch.bfloat16, torch.float16) else value
 
 
 def _image_token_strings(processor) -> list[str]:
@@ -405,7 +413,7 @@ def _read_video(processor, model, image_joins: dict) -> tuple[Any, dict, str]:
     folded = pixels in image_joins
     if not folded and not any(hasattr(m, "get_video_features") for m in model.modules()):
         return None, {}, f"none (the processor returns {pixels}, but the model has no get_video_features)"
-    warmup = {} if folded else {k: v for k, v in out.items() if joins.get(k, "sequence") != "sequence"}
+    warmup = {} if folded else {k: widened(v) for k, v in out.items() if joins.get(k, "sequence") != "sequence"}
     how = f"{pixels}, the frames as images" if folded else f"{pixels} through get_video_features"
     found = f"{token} ({type(processor.video_processor).__name__}: {how}; frames sampled by --video-fps/-max-frames)"
     return VideoInputs(pixels=pixels), {"joins": joins, "warmup": warmup}, found

@@ -16,7 +16,7 @@ Llama4ImageProcessor resizes an image to the best fit of up to ``max_patches`` t
 distorting), cuts it into tiles and adds a global tile when there is more than one; each tile costs (S/p)^2 / 4
 ``<|patch|>`` tokens (after the pixel shuffle), written by the processor between ``<|image_start|>`` and
 ``<|image_end|>`` with tile separators. ``pixel_values`` [tiles, 3, S, S] come in bfloat16 (the original
-implementation's normalisation): the core casts them to the model's dtype (``SampleEncoder``'s inputs).
+implementation's normalisation): ``vlft.processor_image_inputs`` keeps them in fp32.
 
 Packing is refused (``LLAMA4_PACKING_REFUSAL``): the text model reads the row, not the sample.
 

@@ -105,7 +105,8 @@ def _processor_write(wanted: dict, grid, reshape, image_grids, processor, texts:
             parts.append(out[key][0] if key in out else torch.zeros(len(ids), dtype=torch.long))
         for key, parts in stacked.items():
             if key in out:
-                parts.append(reshape(key, out[key]) if reshape is not None else out[key])
+                value = widened(out[key])
+                parts.append(reshape(key, value) if reshape is not None else value)
     if left or clips:
         what = f"{len(left)} image(s)" if left else f"{len(clips)} video(s)"
         raise DataError(f"{where}: {what} have no placeholder in the rendered conversation")
@@ -120,6 +121,16 @@ def _processor_write(wanted: dict, grid, reshape, image_grids, processor, texts:
     else:
         grids = []
     return Written(ids_per_text, extra, grids)
+
+
+def widened(value):
+    """A processor output as the model takes it on any precision: half-precision floats in fp32 (Llama 4's image
+    processor normalises in bfloat16, as its original implementation did, and a fp32 model without autocast
+    cannot take those; autocast and the towers' own casts narrow fp32 again), anything else as it is."""
+    import torch
+
+    half = torch.is_tensor(value) and value.dtype in (torch.bfloat16, torch.float16)
+    return value.float() if half else value
 
 
 def _piece_clips(processor, text: str, clips: list, where: str) -> tuple[dict, list]:
