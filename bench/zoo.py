@@ -197,6 +197,12 @@ TOKEN_IDS = {  # a value naming a tokenizer attribute stands for its token
         "image_token_id": "<IMG_ATOM>",
         "visual_indicator_token_ids": ["<IMG_START>", "<IMG_GRID>", "<IMG_COL>", "<IMG_ROW>", "<IMG_END>"],
     },
+    # Llama 4's processor expands <|image|> to tiles of <|patch|> around one <|image|>; the model fills the patches
+    "llama4": {
+        "image_token_index": "<|patch|>",
+        "boi_token_index": "<|image_start|>",
+        "eoi_token_index": "<|image_end|>",
+    },
 }
 
 
