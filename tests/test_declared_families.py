@@ -47,7 +47,10 @@ def test_the_declared_facts_are_what_the_generic_reader_reads(built, name):
     read_text = {*read.targets.text_attention, *read.targets.text_mlp}
     assert declared_text == (read_text | ADDED.get(name, set())) - LEFT_OUT.get(name, set())
     assert family.chat.reply_end_token == read.chat.reply_end_token
-    assert set(family.image_inputs.batch_inputs) == set(read.image_inputs.batch_inputs)
+    read_inputs = set(read.image_inputs.batch_inputs)
+    if family.video_inputs is None:  # a video path the reader finds but the family does not declare (MiniCPM-V)
+        read_inputs = {k for k in read_inputs if "video" not in k}
+    assert set(family.image_inputs.batch_inputs) == read_inputs
 
 
 def _internvl_capped(processor, image, cap):
