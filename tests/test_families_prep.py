@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from vlft.contracts.family import model_family_help
+from vlft.data.processor_inputs import widened
 from vlft.models.families import (
     check_family,
     frozen_router_parameters,
@@ -128,7 +129,10 @@ def _batch(family, processor, images=None, videos=None, texts=None):
     if videos is not None:
         kw["videos"] = videos
         kw["videos_kwargs"] = dict(do_sample_frames=False)
-    return processor(**kw)
+    out = processor(**kw)
+    for key in out:  # as vlft keeps them: half-precision outputs in fp32 (Llama 4's bf16 pixels, fp32 weights)
+        out[key] = widened(out[key])
+    return out
 
 
 # --- the interface ---------------------------------------------------------------------------------------
