@@ -138,3 +138,31 @@ def test_vlft_plugins_lists_each_declared_family_with_its_model_type():
     for family in FAMILIES:
         line = next((x for x in output.splitlines() if f" {family.name} " in f" {x} "), "")
         assert family.model_types[0] in line, (family.name, output[-2000:])
+
+
+def test_minicpmv_numbers_the_images_of_later_turns_as_the_whole_conversation_does(built):
+    """MiniCPM-V's processor opens each image with <image_id>N</image_id>, N counting the images of the text it is
+    given; vlft gives it one rendered piece at a time, so the family renumbers: the pieces' ids laid end to end
+    equal the processor's on the whole conversation, an image in each of two turns."""
+    from PIL import Image
+
+    from vlft import Media
+
+    family = vm.family_named(minicpmv.NAME)
+    processor = family.chat.load_processor(str(built[minicpmv.NAME]))
+    turn = [{"type": "image"}, {"type": "text", "text": "What colour?"}]
+    chat = [
+        {"role": "user", "content": turn},
+        {"role": "assistant", "content": [{"type": "text", "text": "red"}]},
+        {"role": "user", "content": turn},
+        {"role": "assistant", "content": [{"type": "text", "text": "blue"}]},
+    ]
+    whole = processor.apply_chat_template(chat, tokenize=False)
+    first = processor.apply_chat_template(chat[:2], tokenize=False)
+    pieces = [first, whole[len(first) :]]
+    images = [Image.new("RGB", (64, 64), (200, 30, 30)), Image.new("RGB", (96, 40), (30, 30, 200))]
+    prepared = family.image_inputs.prepare(processor, Media([i.size for i in images], images), None)
+    written = family.image_inputs.write(processor, pieces, prepared)
+    own = processor(text=[whole], images=[images], return_tensors="pt")
+    assert [i for ids in written.ids for i in ids] == own["input_ids"][0].tolist()
+    assert "<image_id>1</image_id>" in processor.tokenizer.decode(written.ids[1])
