@@ -51,6 +51,8 @@ def test_the_declared_facts_are_what_the_generic_reader_reads(built, name):
     if family.video_inputs is None:  # a video path the reader finds but the family does not declare (MiniCPM-V)
         read_inputs = {k for k in read_inputs if "video" not in k}
     assert set(family.image_inputs.batch_inputs) == read_inputs
+    if name == minicpmv.NAME:  # every view of every image in one row of patches: the reader's two-image probe
+        assert read.image_inputs.batch_inputs["pixel_values"] == "concat_last"
 
 
 def _internvl_capped(processor, image, cap):
