@@ -80,7 +80,7 @@ class ImageInputs:
             "tensor first padded with 0 at the end of its other dims to the batch's largest: LLaVA-OneVision's "
             "pixels [images, tiles, 3, H, W], whose tile count differs by image size, the model reading only "
             "each image's own tiles) or 'concat_last' (joined along the last dim: a NaViT-packed patch sequence "
-            "[1, C, p, patches] holding every image of a batch in one row, MiniCPM-V's pixel_values; the model "
+            "[1, C, p, patches] holding every image of a batch in one row, of a NaViT-style tower; the model "
             "cuts it by its per-image sizes, joined 'concat')."
         }
     )

@@ -124,8 +124,8 @@ def _processor_write(wanted: dict, grid, reshape, image_grids, processor, texts:
 
 
 def widened(value):
-    """A processor output as the model takes it on any precision: half-precision floats in fp32 (Llama 4's image
-    processor normalises in bfloat16, as its original implementation did, and a fp32 model without autocast
+    """A processor output as the model takes it on any precision: half-precision floats in fp32 (an image
+    processor may normalise in bfloat16, as an original implementation did, and a fp32 model without autocast
     cannot take those; autocast and the towers' own casts narrow fp32 again), anything else as it is."""
     import torch
 
