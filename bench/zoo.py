@@ -197,6 +197,12 @@ TOKEN_IDS = {  # a value naming a tokenizer attribute stands for its token
         "image_token_id": "<IMG_ATOM>",
         "visual_indicator_token_ids": ["<IMG_START>", "<IMG_GRID>", "<IMG_COL>", "<IMG_ROW>", "<IMG_END>"],
     },
+    # Llama 4's processor expands <|image|> to tiles of <|patch|> around one <|image|>; the model fills the patches
+    "llama4": {
+        "image_token_index": "<|patch|>",
+        "boi_token_index": "<|image_start|>",
+        "eoi_token_index": "<|image_end|>",
+    },
 }
 
 
@@ -396,6 +402,15 @@ CONFIG = {
     "kimi_k25": {"projection_hidden_size": SHRINK["hidden_size"]},  # the projector normalizes the tower's hidden
     # the SAM neck's last channels are the second encoder's patch embeddings: its hidden size
     "unlimited_ocr": {"vision_config": {"sam_config": {"downsample_channels": [32, SHRINK["hidden_size"]]}}},
+    # the 0.5 pixel shuffle gives the tower's MLP 4 x hidden channels, and its output feeds the projector
+    "llama4": {
+        "vision_config": {
+            "intermediate_size": SHRINK["hidden_size"] * 4,
+            **dict.fromkeys(
+                ("projector_input_dim", "projector_output_dim", "vision_output_dim"), SHRINK["hidden_size"]
+            ),
+        }
+    },
 }
 
 

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from vlft.contracts.family import model_family_help
+from vlft.data.processor_inputs import widened
 from vlft.models.families import (
     check_family,
     frozen_router_parameters,
@@ -64,7 +65,9 @@ DECLARED = {
     "internvl": "internvl",
     "llava-next": "llava_next",
     "mistral3": "mistral3",
-}  # declared.py's families: {name: model type}
+    "llama4": "llama4",
+    "minicpmv4.6": "minicpmv4_6",
+}  # the families declared on the generic family (declared.py, llama4.py, minicpmv.py): {name: model type}
 PROMPT = "What colour is the product?"
 ANSWER = "The product is red and has a scratch."
 
@@ -126,7 +129,10 @@ def _batch(family, processor, images=None, videos=None, texts=None):
     if videos is not None:
         kw["videos"] = videos
         kw["videos_kwargs"] = dict(do_sample_frames=False)
-    return processor(**kw)
+    out = processor(**kw)
+    for key in out:  # as vlft keeps them: half-precision outputs in fp32 (Llama 4's bf16 pixels, fp32 weights)
+        out[key] = widened(out[key])
+    return out
 
 
 # --- the interface ---------------------------------------------------------------------------------------
@@ -199,7 +205,10 @@ def test_tiny_model_builds_offline_small_and_of_the_family(tiny, name):
         resolve_module(model, dotted)
     units = set(f.sharding.no_split_modules) if f.sharding is not None else set(model._no_split_modules)
     assert units <= set(model._no_split_modules)  # None (the declared families): the model class's own
-    assert processor.tokenizer.convert_tokens_to_ids(processor.image_token) == model.config.image_token_id
+    # the token the model fills with features: the processor's placeholder, but Llama 4's, which it expands into
+    # <|patch|> runs between tile separators
+    token = "<|patch|>" if name == "llama4" else processor.image_token
+    assert processor.tokenizer.convert_tokens_to_ids(token) == model.config.image_token_id
     if name not in QWEN:
         if name != "llava-onevision":  # its sharding units are a subset of the model's set, which lists more
             assert units == set(model._no_split_modules)

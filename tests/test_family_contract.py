@@ -389,6 +389,32 @@ def test_concat_padded_joins_tensors_of_different_second_dims_padding_with_zero_
     assert check_family(replace(_qwen(), image_inputs=replace(_qwen().image_inputs, batch_inputs=joins))) == []
 
 
+def test_concat_last_joins_one_row_of_patches_per_sample_into_one_row_padded_and_packed():
+    """'concat_last' (MiniCPM-V's NaViT pixel_values [1, C, p, patches]: every view of a sample in one row): the
+    samples' rows joined along the last dim in sample order, padded and packed alike; the per-view sizes beside
+    them join 'concat'."""
+    import torch
+
+    from vlft.data.batching import Collator
+    from vlft.data.packing import PackingCollator, PackingPlan
+
+    one = torch.arange(1 * 3 * 2 * 6, dtype=torch.float32).reshape(1, 3, 2, 6) + 1
+    two = -torch.arange(1 * 3 * 2 * 4, dtype=torch.float32).reshape(1, 3, 2, 4) - 1
+    samples = [
+        {"input_ids": torch.tensor([5, 6, 7]), "pix": one, "sizes": torch.tensor([[2, 3]])},
+        {"input_ids": torch.tensor([5, 6])},
+        {"input_ids": torch.tensor([8]), "pix": two, "sizes": torch.tensor([[2, 2]])},
+    ]
+    joins = {"pix": "concat_last", "sizes": "concat"}
+    padded = Collator(0, joins)(samples)
+    packed = PackingCollator(PackingPlan(True, "segments"), None, None, joins)(samples)
+    for batch in (padded, packed):
+        assert batch["pix"].shape == (1, 3, 2, 10) and batch["sizes"].tolist() == [[2, 3], [2, 2]]
+        assert torch.equal(batch["pix"][..., :6], one) and torch.equal(batch["pix"][..., 6:], two)
+    joins = {**_qwen().image_inputs.batch_inputs, "pixel_values": "concat_last"}
+    assert check_family(replace(_qwen(), image_inputs=replace(_qwen().image_inputs, batch_inputs=joins))) == []
+
+
 # --- the guide ------------------------------------------------------------------------------------------
 
 

@@ -9,9 +9,9 @@ tiled otherwise than one of 1), the Qwen towers (windowed, deepstack, MoE and hy
 and GLM-4.6V's (the processor writing the image tokens, a Conv2d merge before the merger) and Gemma 4's (2-D
 rotary positions, k x k pooled patches padded to the image budget) data parallel; Qwen3-VL's sharded
 (``--shard fsdp``, whose gathers and reductions must run in the same order on every process). The families
-declared on the generic family (InternVL, LLaVA-NeXT, Mistral 3) and Idefics3 train in one process here: their
-2-process runs are test_mixed_ddp.py's, which puts a text-only record on one process at every step. One run per
-family, shared by its checks.
+declared on the generic family (InternVL, LLaVA-NeXT, Mistral 3, Llama 4, MiniCPM-V 4.6) and Idefics3 train in one
+process here: their 2-process runs are test_mixed_ddp.py's, which puts a text-only record on one process at every
+step. Llama 4 adapts its routed experts too. One run per family, shared by its checks.
 """
 
 from __future__ import annotations
@@ -42,9 +42,13 @@ FAMILIES = [
     "internvl",
     "llava-next",
     "mistral3",
+    "llama4",
+    "minicpmv4.6",
 ]
 # every family under 2-process DDP on the mixed data, but those test_mixed_ddp runs so
-TWO_PROCESSES = set(FAMILIES) - {"internvl", "llava-next", "mistral3"}
+TWO_PROCESSES = set(FAMILIES) - {"internvl", "llava-next", "mistral3", "llama4", "minicpmv4.6"}
+# Llama 4 adapts its routed experts too (PEFT target_parameters), as the Qwen MoE families can
+ADAPTER_OPTS = {"llama4": ["--adapter-opt", "target_experts=true"]}
 SHARDED = {"qwen3-vl"}
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -80,6 +84,7 @@ def family_run(request, mixed, tmp_path_factory) -> tuple[str, Path]:
     ]  # fmt: skip
     if family in SHARDED:
         args += ["--shard", "fsdp"]
+    args += ADAPTER_OPTS.get(family, [])
     if processes == 1:
         _vlft(*args)
     else:
@@ -112,6 +117,10 @@ def test_every_family_trains_on_mixed_data(family_run, mixed):
     weights = load_file(str(out / "adapter" / "adapter_model.safetensors"))
     vision_b = [v for k, v in weights.items() if "lora_B" in k and any(t in k for t in ("visual", "vision"))]
     assert vision_b and max(float(v.abs().max()) for v in vision_b) > 0
+    if family in ADAPTER_OPTS:  # the routed experts trained too (their 3-D weights), the router never
+        experts_b = [v for k, v in weights.items() if "lora_B" in k and ".experts." in k]
+        assert experts_b and max(float(v.abs().max()) for v in experts_b) > 0
+        assert not any(".router." in k for k in weights)
 
 
 @pytest.fixture

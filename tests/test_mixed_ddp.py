@@ -119,6 +119,8 @@ def test_qwen3_vl_trains_under_two_process_ddp_on_mixed_data(ddp_run):
         ("internvl", ".vision_tower."),
         ("llava-next", ".vision_tower."),
         ("mistral3", ".vision_tower."),
+        ("llama4", ".vision_model."),
+        ("minicpmv4.6", ".vision_tower."),
     ],
 )
 def test_a_tiled_tower_trains_under_two_process_ddp_with_a_text_only_process(two_records, tmp_path, family, tower):

@@ -219,18 +219,39 @@ def _reply_end(processor, full: str) -> str:
     return min(hits)[2] if hits else ""
 
 
-def _join(value, length: int) -> str:
-    """How a batch joins one processor output: per token, padded pixels, or joined as it is."""
+def _join(value, length: int, two=None) -> str:
+    """How a batch joins one processor output: per token, padded pixels, joined as it is, or along its last dim
+    (``two``, the output for two images, still one row whose last dim grew: NaViT-packed patches)."""
     if value.dim() == 2 and value.shape[0] == 1 and value.shape[1] == length:
         return "sequence"
+    if two is not None and value.dim() >= 3 and value.shape[0] == two.shape[0] == 1 and two.shape[-1] > value.shape[-1]:
+        return "concat_last"
     # 2-D too: a per-image row whose width differs by image (tiles per image) pads like the pixels
     return "concat_padded" if value.dim() >= 2 else "concat"
+
+
+def _joins(processor, prompt: str, out) -> dict:
+    """{model input: how a batch joins it} for the probe's outputs ``out``; the probe twice over, with two
+    images, tells the inputs that hold every image in one row (their first dim stays 1) from those that stack."""
+    import torch
+    from PIL import Image
+
+    length = int(out["input_ids"].shape[-1])
+    image = Image.new("RGB", PROBE_SIZE)
+    try:
+        two = processor(text=[prompt + prompt], images=[[image, image]], return_tensors="pt")
+    except Exception:  # noqa: BLE001 - one image per conversation only: the one-image shapes decide
+        two = {}
+    return {
+        k: _join(v, length, two.get(k))
+        for k, v in out.items()
+        if k not in ("input_ids", "attention_mask") and torch.is_tensor(v)
+    }
 
 
 def _read_processor(path: str, model_type: str) -> tuple[Any, dict, dict]:
     """The processor's conventions from a probe conversation (one blank image, one reply): (processor,
     {model input: how a batch joins it}, the image inputs for the vision warm-up), and what was found."""
-    import torch
     from PIL import Image
 
     try:
@@ -259,10 +280,7 @@ def _read_processor(path: str, model_type: str) -> tuple[Any, dict, dict]:
         ) from None
     if token not in prompt:
         raise _refuse(model_type, f"its chat template writes no image placeholder {token!r} for an image part")
-    length = int(out["input_ids"].shape[-1])
-    joins = {
-        k: _join(v, length) for k, v in out.items() if k not in ("input_ids", "attention_mask") and torch.is_tensor(v)
-    }
+    joins = _joins(processor, prompt, out)
     pixels = "pixel_values" if "pixel_values" in joins else next((k for k in joins if k.startswith("pixel")), "")
     if not pixels:
         raise _refuse(model_type, f"its processor returns no pixel input for an image (it returns {sorted(out)})")
@@ -276,9 +294,17 @@ def _read_processor(path: str, model_type: str) -> tuple[Any, dict, dict]:
         "reply end": end or "none after a reply (the reply trains to the next turn)",
         "inputs": ", ".join(f"{k} ({v})" for k, v in joins.items()),
     }
-    warmup = {k: v for k, v in out.items() if joins.get(k) in ("concat", "concat_padded")}
+    warmup = {k: widened(v) for k, v in out.items() if joins.get(k, "sequence") != "sequence"}
     conv = {"joins": joins, "pixels": pixels, "end": end, "warmup": warmup, "probe_ids": out["input_ids"]}
     return processor, conv, found
+
+
+def widened(value):
+    """A probe output for the warm-up in fp32 where the processor gave half precision (Llama 4's bfloat16 pixels),
+    as vlft.processor_image_inputs keeps a sample's."""
+    import torch
+
+    return value.float() if value.dtype in (torch.bfloat16, torch.float16) else value
 
 
 def _image_token_strings(processor) -> list[str]:
@@ -387,7 +413,7 @@ def _read_video(processor, model, image_joins: dict) -> tuple[Any, dict, str]:
     folded = pixels in image_joins
     if not folded and not any(hasattr(m, "get_video_features") for m in model.modules()):
         return None, {}, f"none (the processor returns {pixels}, but the model has no get_video_features)"
-    warmup = {} if folded else {k: v for k, v in out.items() if joins.get(k) in ("concat", "concat_padded")}
+    warmup = {} if folded else {k: widened(v) for k, v in out.items() if joins.get(k, "sequence") != "sequence"}
     how = f"{pixels}, the frames as images" if folded else f"{pixels} through get_video_features"
     found = f"{token} ({type(processor.video_processor).__name__}: {how}; frames sampled by --video-fps/-max-frames)"
     return VideoInputs(pixels=pixels), {"joins": joins, "warmup": warmup}, found

@@ -15,7 +15,7 @@ from vlft.contracts import contract
 # (``vlft.models.families``) checks them when the plugin's families are first asked for, naming plugin and field.
 
 FAMILY_TOWERS = ("vision", "text", "both")
-BATCH_JOINS = ("concat", "sequence", "concat_padded")
+BATCH_JOINS = ("concat", "sequence", "concat_padded", "concat_last")
 
 
 @contract
@@ -79,7 +79,9 @@ class ImageInputs:
             "token, Gemma 3's token_type_ids) or 'concat_padded' (joined along dim 0 like 'concat', each "
             "tensor first padded with 0 at the end of its other dims to the batch's largest: LLaVA-OneVision's "
             "pixels [images, tiles, 3, H, W], whose tile count differs by image size, the model reading only "
-            "each image's own tiles)."
+            "each image's own tiles) or 'concat_last' (joined along the last dim: a NaViT-packed patch sequence "
+            "[1, C, p, patches] holding every image of a batch in one row, of a NaViT-style tower; the model "
+            "cuts it by its per-image sizes, joined 'concat')."
         }
     )
     pixels: str = field(

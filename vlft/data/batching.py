@@ -9,12 +9,15 @@ import torch
 from vlft.contracts.objective import OWN
 from vlft.data.records import IGNORE_INDEX
 
+# the joins of a family's per-image inputs (``ImageInputs.batch_inputs``), beside 'sequence' (one value per token)
+IMAGE_JOINS = ("concat", "concat_padded", "concat_last")
+
 
 class Collator:
     """Pads a batch to its own longest sample and joins the samples' other model inputs as the family
     declares them (``ImageInputs.batch_inputs``): 'sequence' inputs padded like input_ids (with 0), 'concat'
     inputs joined along dim 0 over the samples that have them ('concat_padded' ones padded with 0 to the
-    largest in their other dims first).
+    largest in their other dims first; 'concat_last' ones along their last dim).
 
     ``padding_side`` is "right" for training and "left" for generation.
     """
@@ -67,17 +70,21 @@ class Collator:
                     fill = torch.zeros(length - len(row), dtype=row.dtype)
                     rows.append(torch.cat([fill, row] if left else [row, fill]))
                 batch[key] = torch.stack(rows)
-            elif how in ("concat", "concat_padded"):
+            elif how in IMAGE_JOINS:
                 batch[key] = join_images([s[key] for s in have], how)
             else:
-                raise ValueError(f"batch_inputs[{key!r}] is {how!r}: 'sequence', 'concat' or 'concat_padded'")
+                raise ValueError(f"batch_inputs[{key!r}] is {how!r}: 'sequence' or one of {IMAGE_JOINS}")
         return batch
 
 
 def join_images(parts: list[torch.Tensor], how: str) -> torch.Tensor:
-    """The samples' tensors of one 'concat' or 'concat_padded' input (``ImageInputs.batch_inputs``) joined along
-    dim 0; 'concat_padded' first pads each with 0 at the end of its other dims to the largest among them (a
-    per-image count of tiles that differs by image, the model reading only each image's own)."""
+    """The samples' tensors of one 'concat', 'concat_padded' or 'concat_last' input (``ImageInputs.batch_inputs``)
+    joined along dim 0; 'concat_padded' first pads each with 0 at the end of its other dims to the largest among
+    them (a per-image count of tiles that differs by image, the model reading only each image's own);
+    'concat_last' joins along the last dim instead (NaViT-packed patches ``[1, C, p, patches]``: one row of every
+    image's patches, which the model cuts by the image sizes joined beside it)."""
+    if how == "concat_last":
+        return torch.cat(parts, dim=-1)
     if how == "concat_padded" and len(parts) > 1:
         shape = [max(p.shape[d] for p in parts) for d in range(1, parts[0].dim())]
         padded = []

@@ -17,7 +17,7 @@ batch's longest row. Nothing else changes:
   (``batching.label_count``) are therefore exactly the padded ones.
 
 - **The family's inputs**: as it declares them (``ImageInputs.batch_inputs``): 'sequence' ones (one value per
-  token) laid end to end like input_ids, 'concat' ones (pixels, grids) joined along dim 0 in sample order.
+  token) laid end to end like input_ids, the others (pixels, grids) joined as a batch joins them, in sample order.
   The vision tower already runs image by image, so images only need to come in the order their placeholders
   appear in the packed rows.
 """
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vlft.data.batching import join_images
+from vlft.data.batching import IMAGE_JOINS, join_images
 from vlft.data.records import IGNORE_INDEX
 from vlft.errors import ConfigError, call_plugin
 
@@ -159,6 +159,6 @@ class PackingCollator:
             batch["labels"] = torch.cat(labels)[None]
         for key, how in self.batch_inputs.items():  # images in the order their tokens appear
             parts = [s[key] for s in samples if key in s]
-            if how in ("concat", "concat_padded") and parts:
+            if how in IMAGE_JOINS and parts:
                 batch[key] = join_images(parts, how)
         return batch

@@ -29,9 +29,9 @@ def processor_image_inputs(
     (``processor(text=, images=)``, e.g. Gemma 3's ``<start_of_image><image_soft_token>*N<end_of_image>``): the
     processor is called once per rendered piece with that piece's images (those of its ``processor.image_token``
     placeholders), and the outputs ``batch_inputs`` names are kept: 'sequence' ones laid end to end over the
-    pieces (0 where a piece has none), 'concat' ones joined along dim 0 ('concat_padded' ones padded first, as a
-    batch joins them). Measuring processes blank images of
-    the recorded sizes (no pixels decoded). ``grid(height, width, max_pixels)``, where given, is each image's patch
+    pieces (0 where a piece has none), the others joined as a batch joins them ('concat' along dim 0,
+    'concat_padded' padded first, 'concat_last' along the last dim). Measuring processes blank images of the
+    recorded sizes (no pixels decoded). ``grid(height, width, max_pixels)``, where given, is each image's patch
     grid (the processor writes none): the memory plan counts its patches and, with ``trace``, traces the tower;
     without it the plan says it counted no vision activations.
 
@@ -84,7 +84,7 @@ def _processor_write(wanted: dict, grid, reshape, image_grids, processor, texts:
     placeholder = processor.image_token or ""
     ids_per_text: list[list[int]] = []
     sequences: dict[str, list] = {k: [] for k, how in wanted.items() if how == "sequence"}
-    stacked: dict[str, list] = {k: [] for k, how in wanted.items() if how in ("concat", "concat_padded")}
+    stacked: dict[str, list] = {k: [] for k, how in wanted.items() if how != "sequence"}
     for k, text in enumerate(texts):
         n = text.count(placeholder) if placeholder else 0
         if n > len(left):
@@ -105,7 +105,8 @@ def _processor_write(wanted: dict, grid, reshape, image_grids, processor, texts:
             parts.append(out[key][0] if key in out else torch.zeros(len(ids), dtype=torch.long))
         for key, parts in stacked.items():
             if key in out:
-                parts.append(reshape(key, out[key]) if reshape is not None else out[key])
+                value = widened(out[key])
+                parts.append(reshape(key, value) if reshape is not None else value)
     if left or clips:
         what = f"{len(left)} image(s)" if left else f"{len(clips)} video(s)"
         raise DataError(f"{where}: {what} have no placeholder in the rendered conversation")
@@ -120,6 +121,16 @@ def _processor_write(wanted: dict, grid, reshape, image_grids, processor, texts:
     else:
         grids = []
     return Written(ids_per_text, extra, grids)
+
+
+def widened(value):
+    """A processor output as the model takes it on any precision: half-precision floats in fp32 (an image
+    processor may normalise in bfloat16, as an original implementation did, and a fp32 model without autocast
+    cannot take those; autocast and the towers' own casts narrow fp32 again), anything else as it is."""
+    import torch
+
+    half = torch.is_tensor(value) and value.dtype in (torch.bfloat16, torch.float16)
+    return value.float() if half else value
 
 
 def _piece_clips(processor, text: str, clips: list, where: str) -> tuple[dict, list]:
