@@ -1,5 +1,5 @@
 """vlft_models: the built-in model-family plugins (Qwen2-VL, Qwen2.5-VL, Qwen3-VL dense and MoE, Qwen3.5
-dense and MoE, SmolVLM / SmolVLM2 and Idefics3, LLaVA-OneVision, GLM-4.1V and GLM-4.6V, Gemma 4), and the generic family read from any other image-text-to-text checkpoint (generic.py), registered as entry point ``models = "vlft_models"`` in group "vlft" (package-dir
+dense and MoE, SmolVLM / SmolVLM2 and Idefics3, LLaVA-OneVision, GLM-4.1V and GLM-4.6V, Gemma 4, PaliGemma; InternVL, LLaVA-NeXT(-Video) and Mistral 3 declared in declared.py), and the generic family read from any other image-text-to-text checkpoint (generic.py), registered as entry point ``models = "vlft_models"`` in group "vlft" (package-dir
 ``vlft_models = "plugins/models"``). NOTES.md has the facts and traps per family.
 
 Importing this package imports neither torch nor transformers.
@@ -19,7 +19,18 @@ DEFAULT_FAMILY = "qwen2.5-vl"
 
 
 def _families() -> tuple[ModelFamily, ...]:
-    from . import declared, gemma4, glm4v, llava_onevision, qwen2_vl, qwen3_5, qwen3_vl, qwen3_vl_moe, smolvlm
+    from . import (
+        declared,
+        gemma4,
+        glm4v,
+        llava_onevision,
+        paligemma,
+        qwen2_vl,
+        qwen3_5,
+        qwen3_vl,
+        qwen3_vl_moe,
+        smolvlm,
+    )
 
     return (
         *qwen2_vl.FAMILIES,
@@ -31,6 +42,7 @@ def _families() -> tuple[ModelFamily, ...]:
         *glm4v.FAMILIES,
         gemma4.FAMILY,
         *declared.FAMILIES,
+        paligemma.FAMILY,
     )
 
 
