@@ -76,8 +76,9 @@ def _frames(sample: dict, processor) -> int:
     """The frames of the record's one clip as the model receives them, read from its inputs."""
     if "video_grid_thw" in sample:  # Qwen: (t, h, w) patches, t a temporal patch of frames
         return int(sample["video_grid_thw"][:, 0].sum()) * processor.video_processor.temporal_patch_size
-    if "pixel_values_videos" in sample and sample["pixel_values_videos"].dim() == 5:  # [clips, frames, C, H, W]
-        return int(sample["pixel_values_videos"].shape[1])
+    if "pixel_values_videos" in sample and sample["pixel_values_videos"].dim() == 5:
+        # [clips, frames, C, H, W], or [frames, 1, C, H, W] (LLaVA-NeXT-Video built in: a clip's frames apart)
+        return int(sample["pixel_values_videos"].shape[0] * sample["pixel_values_videos"].shape[1])
     if "pixel_values" in sample and sample["pixel_values"].dim() == 4:  # frames folded into the images (InternVL)
         return int(sample["pixel_values"].shape[0])
     raise AssertionError(f"no clip input this test knows in {sorted(sample)}: add the family's layout here")

@@ -12,11 +12,11 @@ labels); the model builds its attention from ``token_type_ids`` (``block_sequenc
 every other type-0 token). So here:
 
 - the conversation: vlft's template (``templates/paligemma.jinja``, given to a processor that has none) writes
-  the user turn as the prefix (its images first, a system turn's text before the user's) and the reply as the
-  suffix; ``image_inputs.write`` tokenizes the two as the processor does (its text/suffix pair) and gives
-  ``token_type_ids`` 0 over the prefix and 1 over the suffix. A conversation of more than one reply is refused:
-  the model has one bidirectional prefix and one causal suffix, and an earlier reply inside the prefix would be
-  seen by the tokens before it (trained, it would leak its own next token).
+  every image first, then ``<bos>`` and each turn before the last reply (system, user, earlier replies; a newline
+  after each) as the prefix, and the last reply as the suffix (``Chat.last_reply_only``: the core renders those
+  two pieces, and only the last reply trains: an earlier reply lies in the two-way prefix, where a trained token
+  would see the token it predicts); ``image_inputs.write`` tokenizes the two as the processor does (its
+  text/suffix pair) and gives ``token_type_ids`` 0 over the prefix and 1 over the suffix.
 - generation (``vlft predict``): the prefix alone, all type 0; transformers' generation appends type 1 for each
   new token.
 - text-only records: the prefix is ``<bos>`` + the prompt + ``\\n`` with no image tokens; the model runs without
@@ -85,12 +85,12 @@ RECIPE: dict[str, Any] = {
 
 
 def load_processor(path: str):
-    """AutoProcessor, given vlft's prefix/suffix template where the checkpoint has none (PaliGemma's never do)."""
+    """AutoProcessor with vlft's prefix/suffix template (the published checkpoints ship none; the model's format is
+    fixed, so a template a fine-tune added is replaced too: ``write`` reads the prefix and suffix this one writes)."""
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(path)
-    if not getattr(processor, "chat_template", None):
-        processor.chat_template = _tiny.template(NAME)
+    processor.chat_template = _tiny.template(NAME)
     return processor
 
 
@@ -123,12 +123,6 @@ def write(processor, texts: list[str], prepared) -> Written:
     import torch
 
     pixels, images, where = prepared
-    if len(texts) > 2:
-        raise DataError(
-            f"{where}: PaliGemma takes one prompt and one reply (a bidirectional prefix and a causal suffix), and "
-            f"this conversation has {len(texts) // 2} replies; split it into one record per reply, earlier turns "
-            "written into the prompt"
-        )
     if any(IMAGE_TOKEN in text for text in texts[1:]) or texts[0].count(IMAGE_TOKEN) != images:
         raise DataError(
             f"{where}: PaliGemma takes its images before the prompt: {images} image(s), "
@@ -171,10 +165,11 @@ def build(path: Path, recipe: dict | None = None, corpus=None) -> None:
     tokenizer = _tiny.build_tokenizer(r["vocab_size"], SPECIAL_TOKENS, (), corpus, eos="<eos>", pad="<pad>")
     tokenizer.bos_token = "<bos>"
     side, patch = r["image_size"], r["vision"]["patch_size"]
-    image_processor = SiglipImageProcessor(size={"height": side, "width": side})
-    image_processor.image_seq_length = (side // patch) ** 2
-    processor = PaliGemmaProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=None)
-    processor.chat_template = _tiny.template(NAME)
+    # image_seq_length: the attribute PaliGemmaProcessor reads (the checkpoints' preprocessor_config.json has it)
+    image_processor = SiglipImageProcessor(size={"height": side, "width": side}, image_seq_length=(side // patch) ** 2)
+    processor = PaliGemmaProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=_tiny.template(NAME)
+    )
     ids = _tiny.token_ids(tokenizer)
     config = PaliGemmaConfig(
         text_config=dict(
@@ -225,7 +220,12 @@ def _family() -> ModelFamily:
             text_mlp=GATED_MLP,
             default="both",
         ),
-        chat=Chat(processor_class="PaliGemmaProcessor", load_processor=load_processor, reply_end_token="<eos>"),
+        chat=Chat(
+            processor_class="PaliGemmaProcessor",
+            load_processor=load_processor,
+            reply_end_token="<eos>",
+            last_reply_only=True,
+        ),
         image_inputs=ImageInputs(
             prepare=prepare,
             write=write,
