@@ -197,6 +197,44 @@ def test_a_run_of_internvl_trains_on_clips_at_the_runs_rate(clip_data, tmp_path_
     assert vision_b and max(float(v.abs().max()) for v in vision_b) > 0
 
 
+def test_a_run_of_llava_next_video_trains_on_clips_and_the_plan_counts_their_frames(clip_data, tmp_path):
+    """The built-in LLaVA-NeXT-Video (declared on the generic family): a real `vlft run` on clips, images and text, 2
+    steps; each clip is (frames, S/p, S/p) for the memory plan (every frame one tile through the tower) at the run's
+    --video-max-frames, the plan's longest sample is the clip, and the vision tower's adapters trained."""
+    from safetensors.torch import load_file
+
+    from vlft.data.encoding import SampleEncoder
+    from vlft.data.records import read_records
+    from vlft.models.embedded import embedded_family_dir
+    from vlft.models.families import family_named
+    from vlft.models.loading import load_processor
+
+    registry = installed()
+    family = family_named(registry, "llava-next-video")
+    processor = load_processor(str(embedded_family_dir(family)), family, registry)
+    [record] = read_records(clip_data / "one.jsonl")
+    for cap, frames in ((16, 6), (4, 4)):  # 12 frames at 4 fps, sampled at 2 fps
+        tokens, grids = SampleEncoder(processor, family, video_fps=2.0, video_max_frames=cap).measure(record)
+        assert grids == [(frames, 4, 4)], (cap, grids)  # a 32 px frame of 8 px patches
+    out = tmp_path / "run"
+    code, output = cli_invoke(
+        "run", "--quiet", "--backend", "cpu", "--model", "embedded:llava-next-video", "--data",
+        clip_data / "mixed.jsonl", "--val-data", clip_data / "one.jsonl", "--output", out, "--steps", "2",
+        "--batch-size", "2", "--log-every", "1", "--eval-every", "0", "--eval-samples", "1", "--max-new-tokens", "2",
+        "--save-every", "0", "--lr", "3e-3", "--video-fps", "2", "--video-max-frames", "4",
+    )  # fmt: skip
+    assert code == 0, output
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["model_family"]["name"] == "llava-next-video"
+    encoder = SampleEncoder(processor, family, video_fps=2.0, video_max_frames=4)
+    clips = [encoder.measure(r)[0] for r in read_records(clip_data / "mixed.jsonl") if r.videos]
+    assert plan["lengths"]["longest"] == max(clips) == tokens
+    weights = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    vision_b = [v for k, v in weights.items() if "lora_B" in k and "vision_tower" in k]
+    assert vision_b and max(float(v.abs().max()) for v in vision_b) > 0
+
+
 def test_glm_video_positions_are_the_models_and_a_packed_run_trains_on_clips(clip_data, tmp_path):
     """GLM-4.1V's clips (frames written by its processor after each frame's second): the positions packing builds
     for a video sample (the family's rope index) equal those the model computes unpacked, and a real `vlft run

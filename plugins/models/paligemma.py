@@ -204,8 +204,9 @@ def _family() -> ModelFamily:
     return ModelFamily(
         name=NAME,
         model_types=(NAME,),
-        description="PaliGemma / PaliGemma 2 (3B-28B): SigLIP at a fixed square, one-Linear projector, Gemma / "
-        "Gemma 2 text model as a prefix-LM (image + prompt attended both ways, the reply causal)",
+        description="PaliGemma / PaliGemma 2 (3B-28B): SigLIP on every image resized to the checkpoint's fixed "
+        "square (224/448/896 px: 256/1024/4096 tokens; --max-pixels cannot lower it), one-Linear projector, Gemma / "
+        "Gemma 2 as a prefix-LM (images and prompt attended both ways, the last reply causal and trained)",
         towers=Towers(
             vision="model.vision_tower",
             vision_blocks="model.vision_tower.encoder.layers",
