@@ -119,14 +119,18 @@ def test_each_family_takes_a_clip_at_the_runs_rate_or_refuses_it_naming_itself(n
 
 
 def test_the_generic_family_takes_a_clip_where_the_processor_and_model_have_a_video_path(clip_data, tmp_path_factory):
-    """LLaVA-NeXT-Video (no vlft family owns it): its clips through get_video_features."""
+    """A LLaVA-NeXT-Video checkpoint read by the generic reader (the built-in family declared on it owns the model
+    type now, so the reader is asked directly): its clips through get_video_features."""
+    from transformers import AutoConfig
+
     from vlft.data.records import read_records
-    from vlft.models.loading import load_processor, model_config_and_family
+    from vlft.models.loading import load_processor
+    from vlft_models import generic
 
     folder = build("llava_next_video", tmp_path_factory.mktemp("ckpt") / "llava_next_video")
     registry = installed()
-    _, family = model_config_and_family(str(folder), registry)
-    assert family.name == "generic" and family.video_inputs is not None
+    family = generic.read(AutoConfig.from_pretrained(folder), str(folder))
+    assert family is not None and family.name == "generic" and family.video_inputs is not None
     assert "video <video>" in family.description, family.description
     processor = load_processor(str(folder), family, registry)
     [record] = read_records(clip_data / "one.jsonl")
