@@ -202,8 +202,8 @@ def test_a_run_of_internvl_trains_on_clips_at_the_runs_rate(clip_data, tmp_path_
 
 
 def test_a_run_of_llava_next_video_trains_on_clips_and_the_plan_counts_their_frames(clip_data, tmp_path):
-    """The built-in LLaVA-NeXT-Video (declared on the generic family): a real `vlft run` on clips, images and text, 2
-    steps; each clip is (frames, S/p, S/p) for the memory plan (every frame one tile through the tower) at the run's
+    """The built-in LLaVA-NeXT-Video (declared on the generic family): a real `vlft run --packing on` on clips, images
+    and text, 2 steps (packed equal to padded: check_family's, on images); each clip is (frames, S/p, S/p) for the memory plan (every frame one tile through the tower) at the run's
     --video-max-frames, the plan's longest sample is what encoding gives at that rate (here an image record's: an
     image's tiles cost more than 4 pooled frames), and the vision tower's adapters trained."""
     from safetensors.torch import load_file
@@ -226,12 +226,12 @@ def test_a_run_of_llava_next_video_trains_on_clips_and_the_plan_counts_their_fra
         "run", "--quiet", "--backend", "cpu", "--model", "embedded:llava-next-video", "--data",
         clip_data / "mixed.jsonl", "--val-data", clip_data / "one.jsonl", "--output", out, "--steps", "2",
         "--batch-size", "2", "--log-every", "1", "--eval-every", "0", "--eval-samples", "1", "--max-new-tokens", "2",
-        "--save-every", "0", "--lr", "3e-3", "--video-fps", "2", "--video-max-frames", "4",
+        "--save-every", "0", "--lr", "3e-3", "--video-fps", "2", "--video-max-frames", "4", "--packing", "on",
     )  # fmt: skip
     assert code == 0, output
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["model_family"]["name"] == "llava-next-video"
+    assert plan["model_family"]["name"] == "llava-next-video" and plan["packing"]["enabled"]
     encoder = SampleEncoder(processor, family, video_fps=2.0, video_max_frames=4)
     assert plan["lengths"]["longest"] == max(encoder.measure(r)[0] for r in read_records(clip_data / "mixed.jsonl"))
     weights = load_file(str(out / "adapter" / "adapter_model.safetensors"))
