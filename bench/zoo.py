@@ -392,6 +392,11 @@ IMAGE_PROCESSOR = {
     "deepseek_vl_hybrid": lambda c: {  # its second (SAM) tower's input side
         "high_res_size": dict.fromkeys(("height", "width"), c["high_res_vision_config"]["image_size"])
     },
+    # PaliGemmaProcessor reads its image tokens per image from the image processor (the checkpoints'
+    # preprocessor_config.json has image_seq_length: 256 at 224 px), one per SigLIP patch
+    "paligemma": lambda c: {
+        "image_seq_length": (c["vision_config"]["image_size"] // c["vision_config"]["patch_size"]) ** 2
+    },
 }
 # top-level sizes that restate the shrunk towers' (the shrinker caps them, these derive them)
 CONFIG = {

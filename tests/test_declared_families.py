@@ -84,6 +84,7 @@ def _llava_next_capped(processor, image, cap):
 CAPPED = {
     "internvl": ((120, 40), _internvl_capped),
     "llava-next": ((64, 64), _llava_next_capped),
+    "llava-next-video": ((64, 64), _llava_next_capped),
     "mistral3": ((120, 40), _mistral3_capped),
     "llama4": ((120, 40), _internvl_capped),
     "minicpmv4.6": ((120, 40), _minicpmv_capped),

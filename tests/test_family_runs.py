@@ -9,9 +9,10 @@ tiled otherwise than one of 1), the Qwen towers (windowed, deepstack, MoE and hy
 and GLM-4.6V's (the processor writing the image tokens, a Conv2d merge before the merger) and Gemma 4's (2-D
 rotary positions, k x k pooled patches padded to the image budget) data parallel; Qwen3-VL's sharded
 (``--shard fsdp``, whose gathers and reductions must run in the same order on every process). The families
-declared on the generic family (InternVL, LLaVA-NeXT, Mistral 3, Llama 4, MiniCPM-V 4.6) and Idefics3 train in one
-process here: their 2-process runs are test_mixed_ddp.py's, which puts a text-only record on one process at every
-step. Llama 4 adapts its routed experts too. One run per family, shared by its checks.
+declared on the generic family (InternVL, LLaVA-NeXT(-Video), Mistral 3, Llama 4, MiniCPM-V 4.6), PaliGemma and
+Idefics3 train in one process here (PaliGemma: each multi-turn record's earlier replies in its prompt, the last reply
+trained): their 2-process runs are test_mixed_ddp.py's, which puts a text-only record on one process at every step.
+Llama 4 adapts its routed experts too. One run per family, shared by its checks.
 """
 
 from __future__ import annotations
@@ -41,12 +42,16 @@ FAMILIES = [
     "gemma4",
     "internvl",
     "llava-next",
+    "llava-next-video",
     "mistral3",
     "llama4",
     "minicpmv4.6",
+    "paligemma",
 ]
 # every family under 2-process DDP on the mixed data, but those test_mixed_ddp runs so
-TWO_PROCESSES = set(FAMILIES) - {"internvl", "llava-next", "mistral3", "llama4", "minicpmv4.6"}
+TWO_PROCESSES = set(FAMILIES) - {
+    *("internvl", "llava-next", "llava-next-video", "mistral3", "llama4", "minicpmv4.6", "paligemma")
+}
 # Llama 4 adapts its routed experts too (PEFT target_parameters), as the Qwen MoE families can
 ADAPTER_OPTS = {"llama4": ["--adapter-opt", "target_experts=true"]}
 SHARDED = {"qwen3-vl"}

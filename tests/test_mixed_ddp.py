@@ -121,6 +121,8 @@ def test_qwen3_vl_trains_under_two_process_ddp_on_mixed_data(ddp_run):
         ("mistral3", ".vision_tower."),
         ("llama4", ".vision_model."),
         ("minicpmv4.6", ".vision_tower."),
+        ("llava-next-video", ".vision_tower."),
+        ("paligemma", ".vision_tower."),
     ],
 )
 def test_a_tiled_tower_trains_under_two_process_ddp_with_a_text_only_process(two_records, tmp_path, family, tower):
@@ -128,7 +130,8 @@ def test_a_tiled_tower_trains_under_two_process_ddp_with_a_text_only_process(two
     beside the tower): the text-only process runs the family's dummy tile, or DDP stops at the second step on
     parameters that took no part in the first step's loss. And on Idefics3, whose model drops an all-zero tile
     as padding and then ran its tower on no image at all (``pos_ids.reshape(0, -1)`` on the first step). And on
-    the families declared on the generic family (InternVL, LLaVA-NeXT, Mistral 3: the generic warm-up with one blank tile)."""
+    the families declared on the generic family (InternVL, LLaVA-NeXT(-Video), Mistral 3: the generic warm-up with one
+    blank tile). And on PaliGemma, whose text-only record is a prefix of text alone (no image tokens, no pixels)."""
     from safetensors.torch import load_file
 
     out = tmp_path / "run"

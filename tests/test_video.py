@@ -76,8 +76,9 @@ def _frames(sample: dict, processor) -> int:
     """The frames of the record's one clip as the model receives them, read from its inputs."""
     if "video_grid_thw" in sample:  # Qwen: (t, h, w) patches, t a temporal patch of frames
         return int(sample["video_grid_thw"][:, 0].sum()) * processor.video_processor.temporal_patch_size
-    if "pixel_values_videos" in sample and sample["pixel_values_videos"].dim() == 5:  # [clips, frames, C, H, W]
-        return int(sample["pixel_values_videos"].shape[1])
+    if "pixel_values_videos" in sample and sample["pixel_values_videos"].dim() == 5:
+        # [clips, frames, C, H, W], or [frames, 1, C, H, W] (LLaVA-NeXT-Video built in: a clip's frames apart)
+        return int(sample["pixel_values_videos"].shape[0] * sample["pixel_values_videos"].shape[1])
     if "pixel_values" in sample and sample["pixel_values"].dim() == 4:  # frames folded into the images (InternVL)
         return int(sample["pixel_values"].shape[0])
     raise AssertionError(f"no clip input this test knows in {sorted(sample)}: add the family's layout here")
@@ -118,14 +119,18 @@ def test_each_family_takes_a_clip_at_the_runs_rate_or_refuses_it_naming_itself(n
 
 
 def test_the_generic_family_takes_a_clip_where_the_processor_and_model_have_a_video_path(clip_data, tmp_path_factory):
-    """LLaVA-NeXT-Video (no vlft family owns it): its clips through get_video_features."""
+    """A LLaVA-NeXT-Video checkpoint read by the generic reader (the built-in family declared on it owns the model
+    type now, so the reader is asked directly): its clips through get_video_features."""
+    from transformers import AutoConfig
+
     from vlft.data.records import read_records
-    from vlft.models.loading import load_processor, model_config_and_family
+    from vlft.models.loading import load_processor
+    from vlft_models import generic
 
     folder = build("llava_next_video", tmp_path_factory.mktemp("ckpt") / "llava_next_video")
     registry = installed()
-    _, family = model_config_and_family(str(folder), registry)
-    assert family.name == "generic" and family.video_inputs is not None
+    family = generic.read(AutoConfig.from_pretrained(folder), str(folder))
+    assert family is not None and family.name == "generic" and family.video_inputs is not None
     assert "video <video>" in family.description, family.description
     processor = load_processor(str(folder), family, registry)
     [record] = read_records(clip_data / "one.jsonl")
@@ -191,6 +196,44 @@ def test_a_run_of_internvl_trains_on_clips_at_the_runs_rate(clip_data, tmp_path_
     encoder = SampleEncoder(load_processor(str(folder), family, registry), family, video_fps=2.0, video_max_frames=4)
     clips = [encoder.measure(r)[0] for r in read_records(clip_data / "mixed.jsonl") if r.videos]
     assert plan["lengths"]["longest"] == max(clips)
+    weights = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    vision_b = [v for k, v in weights.items() if "lora_B" in k and "vision_tower" in k]
+    assert vision_b and max(float(v.abs().max()) for v in vision_b) > 0
+
+
+def test_a_run_of_llava_next_video_trains_on_clips_and_the_plan_counts_their_frames(clip_data, tmp_path):
+    """The built-in LLaVA-NeXT-Video (declared on the generic family): a real `vlft run --packing on` on clips, images
+    and text, 2 steps (packed equal to padded: check_family's, on images); each clip is (frames, S/p, S/p) for the memory plan (every frame one tile through the tower) at the run's
+    --video-max-frames, the plan's longest sample is what encoding gives at that rate (here an image record's: an
+    image's tiles cost more than 4 pooled frames), and the vision tower's adapters trained."""
+    from safetensors.torch import load_file
+
+    from vlft.data.encoding import SampleEncoder
+    from vlft.data.records import read_records
+    from vlft.models.embedded import embedded_family_dir
+    from vlft.models.families import family_named
+    from vlft.models.loading import load_processor
+
+    registry = installed()
+    family = family_named(registry, "llava-next-video")
+    processor = load_processor(str(embedded_family_dir(family)), family, registry)
+    [record] = read_records(clip_data / "one.jsonl")
+    for cap, frames in ((16, 6), (4, 4)):  # 12 frames at 4 fps, sampled at 2 fps
+        _, grids = SampleEncoder(processor, family, video_fps=2.0, video_max_frames=cap).measure(record)
+        assert grids == [(frames, 4, 4)], (cap, grids)  # a 32 px frame of 8 px patches
+    out = tmp_path / "run"
+    code, output = cli_invoke(
+        "run", "--quiet", "--backend", "cpu", "--model", "embedded:llava-next-video", "--data",
+        clip_data / "mixed.jsonl", "--val-data", clip_data / "one.jsonl", "--output", out, "--steps", "2",
+        "--batch-size", "2", "--log-every", "1", "--eval-every", "0", "--eval-samples", "1", "--max-new-tokens", "2",
+        "--save-every", "0", "--lr", "3e-3", "--video-fps", "2", "--video-max-frames", "4", "--packing", "on",
+    )  # fmt: skip
+    assert code == 0, output
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["model_family"]["name"] == "llava-next-video" and plan["packing"]["enabled"]
+    encoder = SampleEncoder(processor, family, video_fps=2.0, video_max_frames=4)
+    assert plan["lengths"]["longest"] == max(encoder.measure(r)[0] for r in read_records(clip_data / "mixed.jsonl"))
     weights = load_file(str(out / "adapter" / "adapter_model.safetensors"))
     vision_b = [v for k, v in weights.items() if "lora_B" in k and "vision_tower" in k]
     assert vision_b and max(float(v.abs().max()) for v in vision_b) > 0

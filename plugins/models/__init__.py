@@ -1,6 +1,6 @@
 """vlft_models: the built-in model-family plugins (Qwen2-VL, Qwen2.5-VL, Qwen3-VL dense and MoE, Qwen3.5
-dense and MoE, SmolVLM / SmolVLM2 and Idefics3, LLaVA-OneVision, GLM-4.1V and GLM-4.6V, Gemma 4; InternVL, LLaVA-NeXT,
-Mistral 3, Llama 4 and MiniCPM-V 4.6 declared on the generic family), and the generic family read from any other image-text-to-text checkpoint (generic.py), registered as entry point ``models = "vlft_models"`` in group "vlft" (package-dir
+dense and MoE, SmolVLM / SmolVLM2 and Idefics3, LLaVA-OneVision, GLM-4.1V and GLM-4.6V, Gemma 4, PaliGemma; InternVL,
+LLaVA-NeXT(-Video), Mistral 3, Llama 4 and MiniCPM-V 4.6 declared on the generic family), and the generic family read from any other image-text-to-text checkpoint (generic.py), registered as entry point ``models = "vlft_models"`` in group "vlft" (package-dir
 ``vlft_models = "plugins/models"``). NOTES.md has the facts and traps per family.
 
 Importing this package imports neither torch nor transformers.
@@ -27,6 +27,7 @@ def _families() -> tuple[ModelFamily, ...]:
         llama4,
         llava_onevision,
         minicpmv,
+        paligemma,
         qwen2_vl,
         qwen3_5,
         qwen3_vl,
@@ -46,6 +47,7 @@ def _families() -> tuple[ModelFamily, ...]:
         *declared.FAMILIES,
         llama4.FAMILY,
         minicpmv.FAMILY,
+        paligemma.FAMILY,
     )
 
 

@@ -1,5 +1,5 @@
 """Built-in families declared on the generic family (generic.py): InternVL 3 / 3.5 (``internvl``), LLaVA-NeXT
-(``llava_next``) and Mistral 3 / Pixtral (``mistral3``).
+(``llava_next``), LLaVA-NeXT-Video (``llava_next_video``) and Mistral 3 / Pixtral (``mistral3``).
 
 The generic family reads a checkpoint's towers, targets, processor and chat template at plan time; what it cannot
 read a family states here as facts, each a line or a small function:
@@ -428,6 +428,169 @@ def _llava_next() -> ModelFamily:
     )
 
 
+# --- LLaVA-NeXT-Video ----------------------------------------------------------------------------------------------
+#
+# transformers 5.2x LlavaNextVideoForConditionalGeneration: LLaVA-NeXT's towers and image path (any-resolution tiles,
+# image_newline), a Llama/Vicuna text model (1-D RoPE) and a video path: LlavaNextVideoVideoProcessor resizes and
+# crops every frame to the tower's square (crop_size), pixel_values_videos [clips, frames, 3, S, S];
+# get_video_features runs each frame through the tower as one tile, pools its patch grid by
+# spatial_pool_stride (model.vision_resampler, an average pool: no weights) and projects it; the processor writes
+# (S/p)^2 / 4 <video> tokens a frame. The features of all clips are laid end to end in frame order, so a clip's
+# frames may be given as frames of one each ([frames, 1, 3, S, S]): the batch joins clips of any frame count
+# ('concat'), without the zero frames 'concat_padded' would add (which the model would run as frames).
+
+LLAVA_NEXT_VIDEO = "llava-next-video"
+LLAVA_NEXT_VIDEO_SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "<image>", "<video>"]
+LLAVA_NEXT_VIDEO_RECIPE: dict[str, Any] = {
+    "version": 1,
+    "family": LLAVA_NEXT_VIDEO,
+    "seed": 1234,
+    "vocab_size": 512,
+    # LLaVA-NeXT's tiles (32 px of 8 px patches, pinpoints up to 2 x 2); a frame is one tile, pooled 2 x 2: 4 tokens
+    "tile": 32,
+    "image_grid_pinpoints": [[32, 32], [32, 64], [64, 32], [64, 64]],
+    "spatial_pool_stride": 2,
+    "text": TINY_TEXT,
+    "vision": TINY_VISION,
+    **TINY_INIT,
+}
+LLAVA_NEXT_VIDEO_SIZE_CAP = (
+    LLAVA_NEXT_SIZE_CAP + "; a clip's frames are always resized to the tower's square (the video processor's "
+    "crop_size), which --max-pixels leaves as it is"
+)
+
+
+def llava_next_video_frame_grid(processor) -> tuple[int, int]:
+    """(S/p, S/p): the patch grid of one frame, cropped to the video processor's square."""
+    size = processor.video_processor.crop_size
+    side = int(size["height"] if isinstance(size, dict) else size.height)
+    per = side // int(processor.patch_size)
+    return per, per
+
+
+def llava_next_video_image_inputs():
+    """LLaVA-NeXT's image inputs (each image scaled under --max-pixels), with the clips' pixels as frames of one
+    each, and each clip's grid (frames, S/p, S/p) for the memory plan: the tower runs every frame as one tile."""
+    base = llava_next_image_inputs()
+    joins = {**base.batch_inputs, "pixel_values_videos": "concat"}
+    inner = processor_image_inputs(joins, image_grids=llava_next_grids, trace=llava_next_trace, reshape=_frames_apart)
+
+    def write(processor, texts, prepared):
+        written = inner.write(processor, texts, prepared)
+        per = llava_next_video_frame_grid(processor)
+        clips = [(len(frames), *per) for frames, _ in prepared[4]]
+        return replace(written, grids=[*written.grids, *clips])
+
+    return replace(base, write=write, batch_inputs=joins, size_cap=LLAVA_NEXT_VIDEO_SIZE_CAP)
+
+
+def _frames_apart(name: str, tensor):
+    """A clip's pixels [1, frames, 3, S, S] as [frames, 1, 3, S, S] (the model lays every frame's features end to
+    end either way); the image inputs as the processor gives them."""
+    if name != "pixel_values_videos":
+        return tensor
+    return tensor.reshape(-1, 1, *tensor.shape[2:])
+
+
+def llava_next_video_dummy(model, modality: str):
+    """LLaVA-NeXT's blank image, or a blank clip of one frame, through the generic warm-up."""
+    import torch
+
+    if modality != "video":
+        return llava_next_dummy(model, modality)
+    vision = model.config.vision_config
+    side = int(vision.image_size)
+    frame = torch.zeros(1, 1, int(vision.num_channels), side, side)
+    return generic.vision_dummy(model, modality, video_warmup={"pixel_values_videos": frame})
+
+
+def build_llava_next_video(path: Path, recipe: dict | None = None, corpus=None) -> None:
+    """A tiny random LLaVA-NeXT-Video (CLIP, 2-layer projector, average pooling of each frame, Llama) with its
+    image and video processors and llava-hf's USER/ASSISTANT template (images, then clips, then the text)."""
+    import torch
+    from transformers import (
+        LlavaNextImageProcessor,
+        LlavaNextVideoConfig,
+        LlavaNextVideoForConditionalGeneration,
+        LlavaNextVideoProcessor,
+        LlavaNextVideoVideoProcessor,
+    )
+
+    r = recipe or LLAVA_NEXT_VIDEO_RECIPE
+    tokenizer = _tiny.build_tokenizer(r["vocab_size"], LLAVA_NEXT_VIDEO_SPECIALS, (), corpus, eos="</s>", pad="<pad>")
+    tokenizer.bos_token = "<s>"
+    ids = _tiny.token_ids(tokenizer)
+    per = r["tile"] // r["vision"]["patch_size"]
+    config = LlavaNextVideoConfig(
+        text_config=dict(
+            r["text"],
+            model_type="llama",
+            vocab_size=len(tokenizer),
+            bos_token_id=ids("<s>"),
+            eos_token_id=ids("</s>"),
+            pad_token_id=ids("<pad>"),
+            initializer_range=r["initializer_range"],
+        ),
+        vision_config=dict(
+            r["vision"],
+            model_type="clip_vision_model",
+            image_size=r["tile"],
+            projection_dim=r["vision"]["hidden_size"],
+            initializer_range=r["initializer_range"],
+        ),
+        image_token_index=ids("<image>"),
+        video_token_index=ids("<video>"),
+        image_grid_pinpoints=r["image_grid_pinpoints"],
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        spatial_pool_stride=r["spatial_pool_stride"],
+        image_seq_length=per * per,
+        video_seq_length=(per // r["spatial_pool_stride"]) ** 2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(r["seed"])
+    model = LlavaNextVideoForConditionalGeneration(config)
+    _tiny.initialise(model, r["seed"], r["vision_initializer_range"], r["embedding_row_norm"], "vision_tower")
+    _tiny.finish_generation_config(model, tokenizer)
+    edge, square = {"shortest_edge": r["tile"]}, {"height": r["tile"], "width": r["tile"]}
+    processor = LlavaNextVideoProcessor(
+        video_processor=LlavaNextVideoVideoProcessor(size=edge, crop_size=square),
+        image_processor=LlavaNextImageProcessor(
+            size=edge, crop_size=square, image_grid_pinpoints=r["image_grid_pinpoints"]
+        ),
+        tokenizer=tokenizer,
+        chat_template=_tiny.template("llava_next_video"),
+        patch_size=r["vision"]["patch_size"],
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+    )
+    _tiny.save_atomically(Path(path), model, processor, r)
+
+
+def _llava_next_video() -> ModelFamily:
+    return ModelFamily(
+        name=LLAVA_NEXT_VIDEO,
+        model_types=("llava_next_video",),
+        description="LLaVA-NeXT-Video (7B-34B): LLaVA-NeXT's any-resolution image tiles, and clips whose frames "
+        "are each one tile, pooled 2 x 2; Vicuna/Llama, Mistral or Yi text model",
+        towers=_llava_next().towers,
+        targets=_llava_next().targets,
+        chat=Chat(
+            processor_class="LlavaNextVideoProcessor",
+            load_processor=generic.load_processor,
+            reply_end_token="</s>",
+            box_coordinates="relative-1",
+        ),
+        image_inputs=llava_next_video_image_inputs(),
+        video_inputs=VideoInputs(pixels="pixel_values_videos"),
+        # 1-D RoPE through transformers' attention interface; each image's tiles and each frame through the tower
+        # alone, the pixels joined in sample order
+        packing=Packing(),
+        vision_dummy=llava_next_video_dummy,
+        tiny=Tiny(build_llava_next_video, LLAVA_NEXT_VIDEO_RECIPE),
+    )
+
+
 # --- Mistral 3 (Mistral Small 3.1 / 3.2, Pixtral's tower) -----------------------------------------------------------
 #
 # transformers 5.2x Mistral3ForConditionalGeneration: model.vision_tower (PixtralVisionModel: transformer.layers[i]
@@ -582,4 +745,4 @@ def _mistral3() -> ModelFamily:
     )
 
 
-FAMILIES = (_internvl(), _llava_next(), _mistral3())
+FAMILIES = (_internvl(), _llava_next(), _llava_next_video(), _mistral3())

@@ -334,6 +334,15 @@ class Chat:
             "learns to stop. False: the template writes the reply end itself (Qwen's <|im_end|>)."
         },
     )
+    last_reply_only: bool = field(
+        default=False,
+        metadata={
+            "help": "The model takes one prompt and one reply, not turns (a prefix-LM: PaliGemma's image and prompt "
+            "attended both ways, the reply causally): the conversation up to its last reply is rendered as the "
+            "prompt (the family's template writes earlier turns into it) and only that last reply trains. False: "
+            "every assistant reply is a trained piece."
+        },
+    )
     template_kwargs: dict = field(
         default_factory=dict,
         compare=False,

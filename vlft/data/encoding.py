@@ -109,7 +109,10 @@ class SampleEncoder:
 
     def pieces(self, turns: list[Turn], where: str = "") -> list[tuple[str, bool]]:
         """The rendered conversation as (text, trained) pieces, in order: the template's own assistant spans where
-        it marks them with ``{% generation %}``, else prefix by prefix."""
+        it marks them with ``{% generation %}``, else prefix by prefix; for a family that takes one prompt and one
+        reply (``Chat.last_reply_only``), those two."""
+        if self.family.chat.last_reply_only:
+            return self._prompt_and_last_reply(turns, where)
         try:
             return self._pieces_from_markers(turns)
         except _NotPrefix:
@@ -149,6 +152,18 @@ class SampleEncoder:
             done = end
         pieces.append((full[done:], False))
         return [p for p in pieces if p[0]]
+
+    def _prompt_and_last_reply(self, turns: list[Turn], where: str) -> list[tuple[str, bool]]:
+        """The render up to the last reply's generation prompt (earlier replies in it, untrained) and the reply."""
+        last = max((i for i, t in enumerate(turns) if t.role == "assistant"), default=-1)
+        prompt = self.render(turns[:last], add_generation_prompt=True)
+        full = self.render(turns[: last + 1], add_generation_prompt=False)
+        if last < 1 or not full.startswith(prompt) or not full[len(prompt) :].strip():
+            raise DataError(
+                f"{where}: the chat template does not render this conversation as a prompt followed by its last "
+                "reply (does it end with an assistant turn after a user turn?)"
+            )
+        return [(prompt, False), (full[len(prompt) :], turns[last].trained)]
 
     def _pieces_from_whole(self, turns: list[Turn], where: str) -> list[tuple[str, bool]]:
         """One render of the whole conversation; each reply from where the render up to its generation prompt
