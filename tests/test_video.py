@@ -10,13 +10,15 @@ The test clip: 12 frames at 4 fps (3 s). At 2 fps, 6 frames; capped at 4, 4; at 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 from generic_checkpoints import build
 
-from helpers import cli_invoke, installed
+from helpers import cli_invoke, installed, vlft_command
 
 QUESTION, ANSWER = "What colour is the product?", "red"
 CLIP_FRAMES, CLIP_FPS = 12, 4
@@ -69,6 +71,7 @@ def clip_data(tmp_path_factory) -> Path:
     image["conversations"].append({"from": "gpt", "value": ANSWER})
     text = {"conversations": [{"from": "human", "value": "Say yes."}, {"from": "gpt", "value": "yes"}]}
     _write(root / "mixed.jsonl", [_video(), text, image, _video("How many frames?", "four"), text])
+    _write(root / "pair.jsonl", [_video(), text])  # under 2 processes: a clip on one, text only on the other
     return root
 
 
@@ -78,7 +81,11 @@ def _frames(sample: dict, processor) -> int:
         return int(sample["video_grid_thw"][:, 0].sum()) * processor.video_processor.temporal_patch_size
     if "pixel_values_videos" in sample and sample["pixel_values_videos"].dim() == 5:  # [clips, frames, C, H, W]
         return int(sample["pixel_values_videos"].shape[1])
+    if "num_frames_per_video" in sample:  # Gemma 4: every clip's frames laid end to end
+        return int(sample["num_frames_per_video"].sum())
     if "pixel_values" in sample and sample["pixel_values"].dim() == 4:  # frames folded into the images (InternVL)
+        return int(sample["pixel_values"].shape[0])
+    if "pixel_values" in sample and sample["pixel_values"].dim() == 5:  # SmolVLM2: frames as tiles [frames, 1, ...]
         return int(sample["pixel_values"].shape[0])
     raise AssertionError(f"no clip input this test knows in {sorted(sample)}: add the family's layout here")
 
@@ -241,3 +248,64 @@ def test_glm_video_positions_are_the_models_and_a_packed_run_trains_on_clips(cli
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in logged if "loss" in m)
+
+
+def _vision_trained(out: Path, tower: str) -> bool:
+    """The vision adapters moved (LoRA B starts at 0): the tower's gradients reached them."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    vision_b = [v for k, v in weights.items() if "lora_B" in k and tower in k]
+    return bool(vision_b) and max(float(v.abs().max()) for v in vision_b) > 0
+
+
+@pytest.mark.parametrize("name", ["smolvlm", "llava-onevision", "gemma4"])
+def test_a_run_trains_on_clips_images_and_text_where_the_family_has_video(name, clip_data, tmp_path):
+    """SmolVLM2 (frames as tiles, each after its timestamp), LLaVA-OneVision (frames pooled 2 x 2 through
+    get_video_features) and Gemma 4 (each frame's soft tokens after its mm:ss): a real 2-step `vlft run` on clips,
+    images and text-only records at --video-fps 2 --video-max-frames 4; the plan's longest sample is the clip at
+    that cap, and the vision adapters trained."""
+    from vlft.data.encoding import SampleEncoder
+    from vlft.data.records import read_records
+    from vlft.models.embedded import embedded_family_dir
+    from vlft.models.families import family_named
+    from vlft.models.loading import load_processor
+
+    out = tmp_path / "run"
+    code, output = cli_invoke(
+        "run", "--quiet", "--backend", "cpu", "--model", f"embedded:{name}", "--data", clip_data / "mixed.jsonl",
+        "--output", out, "--steps", "2", "--batch-size", "2", "--log-every", "1", "--eval-every", "0",
+        "--save-every", "0", "--eval-samples", "1", "--max-new-tokens", "1", "--lr", "3e-3", "--video-fps", "2",
+        "--video-max-frames", "4",
+    )  # fmt: skip
+    assert code == 0, output
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    registry = installed()
+    family = family_named(registry, name)
+    processor = load_processor(str(embedded_family_dir(family)), family, registry)
+    encoder = SampleEncoder(processor, family, video_fps=2.0, video_max_frames=4)
+    clips = [encoder.measure(r)[0] for r in read_records(clip_data / "mixed.jsonl") if r.videos]
+    assert json.loads((out / "plan.json").read_text())["lengths"]["longest"] == max(clips)
+    assert _vision_trained(out, "vision")
+
+
+@pytest.mark.parametrize(("name", "tower"), [("glm4.1v", ".visual."), ("internvl", ".vision_tower.")])
+def test_clips_train_under_two_process_ddp_beside_a_text_only_process(name, tower, clip_data, tmp_path):
+    """2-process DDP where at every step one process holds the clip and the other a text-only record: the
+    text-only process runs the tower on the family's dummy clip (GLM-4.1V: get_video_features) or, where the
+    processor folds the frames into the image input (InternVL), on its dummy image, or DDP stops on parameters
+    that took no part in that process's loss."""
+    out = tmp_path / "run"
+    args = [
+        "run", "--nproc-per-node", "2", "--quiet", "--backend", "cpu", "--model", f"embedded:{name}",
+        "--data", str(clip_data / "pair.jsonl"), "--output", str(out), "--steps", "2", "--batch-size", "2",
+        "--log-every", "1", "--eval-every", "0", "--save-every", "0", "--eval-samples", "1", "--max-new-tokens", "1",
+        "--lr", "3e-3", "--seed", "2",
+        "--video-fps", "2", "--video-max-frames", "4",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([*vlft_command(), *args], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert json.loads((out / "config.json").read_text())["world_size"] == 2
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    assert _vision_trained(out, tower)
