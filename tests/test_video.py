@@ -309,3 +309,28 @@ def test_clips_train_under_two_process_ddp_beside_a_text_only_process(name, towe
     assert json.loads((out / "config.json").read_text())["world_size"] == 2
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
     assert _vision_trained(out, tower)
+
+
+def test_an_image_and_a_clip_in_one_turn_are_refused_where_the_processor_returns_both_under_one_name(
+    clip_data, tmp_path
+):
+    """SmolVLM2's video processor returns its frames as ``pixel_values``, the image processor's name: in one
+    processor call the clip's would replace the image's, so the record is refused before step 1, saying how."""
+    from vlft import DataError
+    from vlft.data.encoding import SampleEncoder
+    from vlft.data.records import read_records
+    from vlft.models.embedded import embedded_family_dir
+    from vlft.models.families import family_named
+    from vlft.models.loading import load_processor
+
+    both = {
+        "video": "clips/a.mp4",
+        "image": "red.png",
+        "conversations": [{"from": "human", "value": f"<image><video>\n{QUESTION}"}, {"from": "gpt", "value": ANSWER}],
+    }
+    [record] = read_records(_write(clip_data / "both.jsonl", [both]))
+    registry = installed()
+    family = family_named(registry, "smolvlm")
+    processor = load_processor(str(embedded_family_dir(family)), family, registry)
+    with pytest.raises(DataError, match="put the image and the video in different turns"):
+        SampleEncoder(processor, family, video_fps=2.0, video_max_frames=4).measure(record)
