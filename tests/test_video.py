@@ -311,9 +311,7 @@ def test_clips_train_under_two_process_ddp_beside_a_text_only_process(name, towe
     assert _vision_trained(out, tower)
 
 
-def test_an_image_and_a_clip_in_one_turn_are_refused_where_the_processor_returns_both_under_one_name(
-    clip_data, tmp_path
-):
+def test_an_image_and_a_clip_in_one_turn_are_refused_where_the_processor_returns_both_under_one_name(clip_data):
     """SmolVLM2's video processor returns its frames as ``pixel_values``, the image processor's name: in one
     processor call the clip's would replace the image's, so the record is refused before step 1, saying how."""
     from vlft import DataError
