@@ -274,7 +274,7 @@ def test_a_run_trains_on_clips_images_and_text_where_the_family_has_video(name, 
     out = tmp_path / "run"
     code, output = cli_invoke(
         "run", "--quiet", "--backend", "cpu", "--model", f"embedded:{name}", "--data", clip_data / "mixed.jsonl",
-        "--output", out, "--steps", "2", "--batch-size", "2", "--log-every", "1", "--eval-every", "0",
+        "--val-data", clip_data / "one.jsonl", "--output", out, "--steps", "2", "--batch-size", "2", "--log-every", "1", "--eval-every", "0",
         "--save-every", "0", "--eval-samples", "1", "--max-new-tokens", "1", "--lr", "3e-3", "--video-fps", "2",
         "--video-max-frames", "4",
     )  # fmt: skip
@@ -298,7 +298,7 @@ def test_clips_train_under_two_process_ddp_beside_a_text_only_process(name, towe
     out = tmp_path / "run"
     args = [
         "run", "--nproc-per-node", "2", "--quiet", "--backend", "cpu", "--model", f"embedded:{name}",
-        "--data", str(clip_data / "pair.jsonl"), "--output", str(out), "--steps", "2", "--batch-size", "2",
+        "--data", str(clip_data / "pair.jsonl"), "--val-data", str(clip_data / "one.jsonl"), "--output", str(out), "--steps", "2", "--batch-size", "2",
         "--log-every", "1", "--eval-every", "0", "--save-every", "0", "--eval-samples", "1", "--max-new-tokens", "1",
         "--lr", "3e-3", "--seed", "2",
         "--video-fps", "2", "--video-max-frames", "4",
