@@ -263,8 +263,8 @@ def _vision_trained(out: Path, tower: str) -> bool:
 def test_a_run_trains_on_clips_images_and_text_where_the_family_has_video(name, clip_data, tmp_path):
     """SmolVLM2 (frames as tiles, each after its timestamp), LLaVA-OneVision (frames pooled 2 x 2 through
     get_video_features) and Gemma 4 (each frame's soft tokens after its mm:ss): a real 2-step `vlft run` on clips,
-    images and text-only records at --video-fps 2 --video-max-frames 4; the plan's longest sample is the clip at
-    that cap, and the vision adapters trained."""
+    images and text-only records at --video-fps 4 --video-max-frames 8 (8 frames: a clip then outgrows the image
+    record in each); the plan's longest sample is the clip at that rate and cap, and the vision adapters trained."""
     from vlft.data.encoding import SampleEncoder
     from vlft.data.records import read_records
     from vlft.models.embedded import embedded_family_dir
@@ -275,15 +275,15 @@ def test_a_run_trains_on_clips_images_and_text_where_the_family_has_video(name, 
     code, output = cli_invoke(
         "run", "--quiet", "--backend", "cpu", "--model", f"embedded:{name}", "--data", clip_data / "mixed.jsonl",
         "--val-data", clip_data / "one.jsonl", "--output", out, "--steps", "2", "--batch-size", "2", "--log-every", "1", "--eval-every", "0",
-        "--save-every", "0", "--eval-samples", "1", "--max-new-tokens", "1", "--lr", "3e-3", "--video-fps", "2",
-        "--video-max-frames", "4",
+        "--save-every", "0", "--eval-samples", "1", "--max-new-tokens", "1", "--lr", "3e-3", "--video-fps", "4",
+        "--video-max-frames", "8",
     )  # fmt: skip
     assert code == 0, output
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
     registry = installed()
     family = family_named(registry, name)
     processor = load_processor(str(embedded_family_dir(family)), family, registry)
-    encoder = SampleEncoder(processor, family, video_fps=2.0, video_max_frames=4)
+    encoder = SampleEncoder(processor, family, video_fps=4.0, video_max_frames=8)
     clips = [encoder.measure(r)[0] for r in read_records(clip_data / "mixed.jsonl") if r.videos]
     assert json.loads((out / "plan.json").read_text())["lengths"]["longest"] == max(clips)
     assert _vision_trained(out, "vision")
