@@ -3,7 +3,9 @@
 a temporal patch being 2 frames) and the length check and memory plan count its tokens; a family without video
 refuses the record naming itself, before step 1. The generic family takes video where the checkpoint's processor
 has a video processor and the model a video path: a real run on a tiny InternVL checkpoint (frames folded into the
-image input), and the encoding of a tiny LLaVA-NeXT-Video one (clips through ``get_video_features``).
+image input), and the encoding of a tiny LLaVA-NeXT-Video one (clips through ``get_video_features``). Real runs
+on clips, images and text for SmolVLM2, LLaVA-OneVision and Gemma 4; under 2-process DDP, with a clip on one
+process and only text on the other, for InternVL and GLM-4.1V (the text-only process must run the tower).
 
 The test clip: 12 frames at 4 fps (3 s). At 2 fps, 6 frames; capped at 4, 4; at 1 fps, 3, made 4."""
 
@@ -170,39 +172,6 @@ def test_a_family_without_video_refuses_a_clip_before_step_1(clip_data, tmp_path
     assert not (out / "metrics.jsonl").exists()
 
 
-def test_a_run_of_internvl_trains_on_clips_at_the_runs_rate(clip_data, tmp_path_factory):
-    """A real `vlft run --model DIR` on a tiny InternVL checkpoint written by plain transformers (the built-in
-    family, whose processor folds a clip's frames into its tiles): clips, images and text-only records together, 2
-    steps; the plan's longest sample is the clip at --video-max-frames 4, and the vision tower's adapters trained."""
-    from safetensors.torch import load_file
-
-    from vlft.data.encoding import SampleEncoder
-    from vlft.data.records import read_records
-    from vlft.models.loading import load_processor, model_config_and_family
-
-    folder = build("internvl", tmp_path_factory.mktemp("ckpt") / "internvl")
-    out = tmp_path_factory.mktemp("run") / "run"
-    code, output = cli_invoke(
-        "run", "--quiet", "--backend", "cpu", "--model", folder, "--data", clip_data / "mixed.jsonl",
-        "--val-data", clip_data / "one.jsonl", "--output", out, "--steps", "2", "--batch-size", "2", "--log-every", "1", "--eval-every", "0",
-        "--eval-samples", "1", "--max-new-tokens", "2", "--save-every", "0", "--lr", "3e-3",
-        "--video-fps", "2", "--video-max-frames", "4",
-    )  # fmt: skip
-    assert code == 0, output
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["steps"] == 2
-    plan = json.loads((out / "plan.json").read_text())
-    assert plan["model_family"]["name"] == "internvl"
-    registry = installed()
-    _, family = model_config_and_family(str(folder), registry)
-    encoder = SampleEncoder(load_processor(str(folder), family, registry), family, video_fps=2.0, video_max_frames=4)
-    clips = [encoder.measure(r)[0] for r in read_records(clip_data / "mixed.jsonl") if r.videos]
-    assert plan["lengths"]["longest"] == max(clips)
-    weights = load_file(str(out / "adapter" / "adapter_model.safetensors"))
-    vision_b = [v for k, v in weights.items() if "lora_B" in k and "vision_tower" in k]
-    assert vision_b and max(float(v.abs().max()) for v in vision_b) > 0
-
-
 def test_glm_video_positions_are_the_models_and_a_packed_run_trains_on_clips(clip_data, tmp_path):
     """GLM-4.1V's clips (frames written by its processor after each frame's second): the positions packing builds
     for a video sample (the family's rope index) equal those the model computes unpacked, and a real `vlft run
@@ -289,18 +258,14 @@ def test_a_run_trains_on_clips_images_and_text_where_the_family_has_video(name, 
     assert _vision_trained(out, "vision")
 
 
-@pytest.mark.parametrize(("name", "tower"), [("glm4.1v", ".visual."), ("internvl", ".vision_tower.")])
-def test_clips_train_under_two_process_ddp_beside_a_text_only_process(name, tower, clip_data, tmp_path):
-    """2-process DDP where at every step one process holds the clip and the other a text-only record: the
-    text-only process runs the tower on the family's dummy clip (GLM-4.1V: get_video_features) or, where the
-    processor folds the frames into the image input (InternVL), on its dummy image, or DDP stops on parameters
-    that took no part in that process's loss."""
-    out = tmp_path / "run"
+def _ddp_clip_run(model: str, clip_data: Path, out: Path) -> Path:
+    """A 2-step `vlft run --nproc-per-node 2` on ``pair.jsonl`` at --video-fps 2 --video-max-frames 4: at every
+    step one process holds the clip and the other the text-only record."""
     args = [
-        "run", "--nproc-per-node", "2", "--quiet", "--backend", "cpu", "--model", f"embedded:{name}",
-        "--data", str(clip_data / "pair.jsonl"), "--val-data", str(clip_data / "one.jsonl"), "--output", str(out), "--steps", "2", "--batch-size", "2",
-        "--log-every", "1", "--eval-every", "0", "--save-every", "0", "--eval-samples", "1", "--max-new-tokens", "1",
-        "--lr", "3e-3", "--seed", "2",
+        "run", "--nproc-per-node", "2", "--quiet", "--backend", "cpu", "--model", model,
+        "--data", str(clip_data / "pair.jsonl"), "--val-data", str(clip_data / "one.jsonl"), "--output", str(out),
+        "--steps", "2", "--batch-size", "2", "--log-every", "1", "--eval-every", "0", "--save-every", "0",
+        "--eval-samples", "1", "--max-new-tokens", "1", "--lr", "3e-3", "--seed", "2",
         "--video-fps", "2", "--video-max-frames", "4",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -308,7 +273,36 @@ def test_clips_train_under_two_process_ddp_beside_a_text_only_process(name, towe
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert json.loads((out / "config.json").read_text())["world_size"] == 2
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
-    assert _vision_trained(out, tower)
+    return out
+
+
+def test_a_run_of_internvl_trains_on_clips_under_two_process_ddp_beside_a_text_only_process(clip_data, tmp_path):
+    """A real `vlft run --model DIR` on a tiny InternVL checkpoint written by plain transformers (the built-in
+    family, whose processor folds a clip's frames into its tiles), 2 processes: the one holding the text-only record
+    runs the tower on the family's dummy image (the frames go in the image input, so one warm-up serves both), or
+    DDP stops on parameters that took no part in its loss. The plan's longest sample is the clip at
+    --video-max-frames 4, and the vision tower's adapters trained."""
+    from vlft.data.encoding import SampleEncoder
+    from vlft.data.records import read_records
+    from vlft.models.loading import load_processor, model_config_and_family
+
+    folder = build("internvl", tmp_path / "internvl")
+    out = _ddp_clip_run(str(folder), clip_data, tmp_path / "run")
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["model_family"]["name"] == "internvl"
+    registry = installed()
+    _, family = model_config_and_family(str(folder), registry)
+    encoder = SampleEncoder(load_processor(str(folder), family, registry), family, video_fps=2.0, video_max_frames=4)
+    clips = [encoder.measure(r)[0] for r in read_records(clip_data / "pair.jsonl") if r.videos]
+    assert plan["lengths"]["longest"] == max(clips)
+    assert _vision_trained(out, ".vision_tower.")
+
+
+def test_glm_clips_train_under_two_process_ddp_beside_a_text_only_process(clip_data, tmp_path):
+    """GLM-4.1V, 2 processes: the one holding the text-only record runs the tower on the family's dummy clip
+    (get_video_features), or DDP stops on parameters that took no part in its loss."""
+    out = _ddp_clip_run("embedded:glm4.1v", clip_data, tmp_path / "run")
+    assert _vision_trained(out, ".visual.")
 
 
 def test_an_image_and_a_clip_in_one_turn_are_refused_where_the_processor_returns_both_under_one_name(clip_data):
