@@ -326,3 +326,21 @@ def test_an_image_and_a_clip_in_one_turn_are_refused_where_the_processor_returns
     processor = load_processor(str(embedded_family_dir(family)), family, registry)
     with pytest.raises(DataError, match="put the image and the video in different turns"):
         SampleEncoder(processor, family, video_fps=2.0, video_max_frames=4).measure(record)
+
+
+def test_gemma4s_dummy_clip_runs_the_vision_tower_through_get_video_features():
+    """The warm-up a process without clips runs when the data holds them (Gemma 4's own video path): one blank
+    frame of one soft token through get_video_features reaches every vision encoder layer."""
+    from transformers import AutoModelForImageTextToText
+
+    from vlft.models.embedded import embedded_family_dir
+    from vlft.models.families import family_named
+
+    family = family_named(installed(), "gemma4")
+    model = AutoModelForImageTextToText.from_pretrained(embedded_family_dir(family))
+    warmup = family.vision_dummy(model, "video")
+    assert warmup.method == "get_video_features"
+    out = getattr(warmup.module, warmup.method)(**warmup.inputs, return_dict=True)
+    sum(t.sum() for t in out.pooler_output).backward()
+    layers = model.model.vision_tower.encoder.layers
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in layers.parameters() if p.dim() > 1)
