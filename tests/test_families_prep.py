@@ -536,7 +536,10 @@ def test_llava_onevision_batch_of_different_tile_counts_gives_each_sample_its_ow
             model(**without)
 
 
-def test_llava_onevision_vision_dummy_runs_the_tower_and_reaches_every_vision_block(tiny):
+@pytest.mark.parametrize("modality", ["image", "video"])
+def test_llava_onevision_vision_dummy_runs_the_tower_and_reaches_every_vision_block(tiny, modality):
+    """The blank image through get_image_features, the blank frame through get_video_features: either reaches
+    every vision adapter, so a process without that modality's pixels uses the same parameters."""
     from peft import LoraConfig, get_peft_model
 
     path, _, _ = tiny[LLAVA_OV]
@@ -546,8 +549,7 @@ def test_llava_onevision_vision_dummy_runs_the_tower_and_reaches_every_vision_bl
     model = AutoModelForImageTextToText.from_pretrained(path)
     targets = select_target_modules(model, f, "vision", 10)
     peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=targets.modules, init_lora_weights=False))
-    warmup = f.vision_dummy(peft_model, "image")
-    assert f.vision_dummy(peft_model, "video") is None
+    warmup = f.vision_dummy(peft_model, modality)
     out = getattr(warmup.module, warmup.method)(**warmup.inputs)
     sum(t.sum() for t in out.pooler_output).backward()
     trained = [n for n, p in peft_model.named_parameters() if p.requires_grad]

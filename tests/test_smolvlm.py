@@ -3,7 +3,7 @@ splits each image into tiles plus a global image and writes every tile's tokens 
 ``[1, tiles, 3, S, S]`` pixels as ``[tiles, 1, 3, S, S]`` along dim 0 (the core's 'concat'), where the
 processor's own batch pads the tile axis with zero images. These tests show the two give the model the same
 logits, the family's tile count equals the processor's with and without ``--max-pixels``, the memory plan
-traces the tower, and the processor loads without ``num2words``.
+traces the tower, and the processor loads without ``num2words`` (a video prompt then says what to install).
 """
 
 from __future__ import annotations
@@ -171,27 +171,26 @@ def test_the_memory_plan_counts_and_traces_the_vision_tower(tmp_path):
     assert plan["memory"]["activation_bytes"] > 0
 
 
-def test_the_processor_loads_without_num2words_and_a_video_prompt_says_what_is_missing(tiny):
-    """Without ``num2words`` the family's processor loads (the fixture) and encodes images (the tests above); a
-    video prompt, which spells its frame count in words, stops with the package to install. Idefics3's processor
-    takes no video and needs no num2words."""
+def test_without_num2words_the_processor_loads_and_a_video_prompt_says_what_is_missing(tiny, monkeypatch):
+    """Where ``num2words`` is missing (made so here: vlft's dev extra installs it) the family's processor loads with
+    a stand-in, and a video prompt, which spells its frame count in words, is refused as bad data naming the package
+    to install (the length check meets it before step 1). Idefics3's processor takes no video and needs none."""
     import numpy as np
-    from transformers.utils import is_num2words_available
+    from transformers.models.smolvlm import processing_smolvlm
 
-    if is_num2words_available():
-        pytest.skip("num2words is installed here: SmolVLMProcessor needs no stand-in")
+    from vlft import DataError
+    from vlft_models.smolvlm import _allow_without_num2words
+
     family, processor, _ = tiny
     if family.name == "idefics3":
         assert getattr(processor, "video_processor", None) is None
         return
+    monkeypatch.setattr(processing_smolvlm, "num2words", None)
+    _allow_without_num2words()
     chat = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": PROMPT}]}]
     prompt = processor.apply_chat_template(chat, add_generation_prompt=True)
     assert processor.video_token in prompt
     frames = np.full((4, 64, 64, 3), 128, dtype=np.uint8)  # 4 frames at 2 fps
     metadata = {"fps": 2.0, "total_num_frames": 4, "duration": 2.0, "frames_indices": [0, 1, 2, 3]}
-    with pytest.raises(
-        ImportError,
-        match=r"video prompt spells the frame count with the `num2words` package: "
-        r"pip install num2words",
-    ):
+    with pytest.raises(DataError, match=r"the `num2words` package, which is not installed: pip install num2words"):
         processor(text=[prompt], videos=[frames], video_metadata=[metadata], return_tensors="pt")

@@ -1,5 +1,5 @@
-"""Gemma 4 (transformers ``model_type`` "gemma4"): ``--model embedded:gemma4``. Images and text; audio and
-video are left out (see below).
+"""Gemma 4 (transformers ``model_type`` "gemma4"): ``--model embedded:gemma4``. Images, video and text; audio is
+left out (see below).
 
 transformers 5.24 module tree (``Gemma4ForConditionalGeneration``):
 ``model.vision_tower`` (``Gemma4VisionModel``: ``patch_embedder`` (an nn.Linear over flattened 3*p*p patches
@@ -22,11 +22,15 @@ max_patches, 3*p*p] (every image padded to the budget's patch count), ``image_po
 max_patches, 2] ((x, y) per patch, -1 on padding) and ``mm_token_type_ids`` (1 on image tokens, per token).
 Plain 1-D text positions: no ``positions`` capability.
 
+Video (``Gemma4VideoProcessor``, the model's ``get_video_features``): the clips vlft sampled at ``--video-fps`` /
+``--video-max-frames`` go to the processor as they are (``vlft.clip_arguments``); it writes each frame's
+``mm:ss <|image><|video|> x N<image|>`` (N the frame's soft tokens at the video processor's own
+``max_soft_tokens``: ``--max-pixels`` caps images only) and returns ``pixel_values_videos`` [frames, max_patches,
+3*p*p] and ``video_position_ids`` (every clip's frames laid end to end, padded to the budget's patch count, so
+clips of any length join along dim 0) with ``num_frames_per_video``.
+
 Left out, and why: audio (``Gemma4AudioModel``, ``input_features``): vlft's data has no audio; the tiny model
-is built without an audio tower, and a checkpoint's audio tower stays frozen and unused. Video
-(``Gemma4VideoProcessor``, ``pixel_values_videos`` + ``video_position_ids`` + ``num_frames_per_video``, each
-frame's tokens after an ``mm:ss`` timestamp): not wired yet (no ``video_inputs``), so a record with a video is
-refused. Mixture-of-experts text layers (``enable_moe_block``, the 26B-A4B checkpoint): each such layer runs
+is built without an audio tower, and a checkpoint's audio tower stays frozen and unused. Mixture-of-experts text layers (``enable_moe_block``, the 26B-A4B checkpoint): each such layer runs
 the dense ``mlp`` AND ``router`` + ``experts`` (``Gemma4TextExperts``: fused 3-D ``gate_up_proj`` [E, 2I, H]
 and ``down_proj`` [E, H, I]); an ``Experts`` capability would name ``experts.gate_up_proj`` /
 ``experts.down_proj`` for PEFT's ``target_parameters`` and ``router.proj`` (an nn.Linear) as the router to keep
@@ -52,6 +56,7 @@ from vlft import (
     Targets,
     Tiny,
     Towers,
+    VideoInputs,
     VisionWarmup,
     processor_image_inputs,
 )
@@ -236,7 +241,14 @@ def trace_layer_kwargs(text, hidden) -> dict:
 
 
 IMAGE_INPUTS: ImageInputs = processor_image_inputs(
-    {"pixel_values": "concat", "image_position_ids": "concat", "mm_token_type_ids": "sequence"},
+    {
+        "pixel_values": "concat",
+        "image_position_ids": "concat",
+        "mm_token_type_ids": "sequence",
+        "pixel_values_videos": "concat",
+        "video_position_ids": "concat",
+        "num_frames_per_video": "concat",
+    },
     size_cap="the image processor's soft-token budget (max_soft_tokens, one of 70/140/280/560/1120): --max-pixels "
     "picks the largest budget whose patches (budget x pooling^2 x patch^2 pixels) fit, never above the "
     "processor's own; the resize keeps the aspect ratio",
@@ -369,9 +381,9 @@ def load_processor(path: str):
 
 def vision_dummy(model, modality: str):
     """The smallest input the tower takes: one image of pooling x pooling zero patches (one soft token), with
-    its patch positions, through ``get_image_features``. None for video (not wired) or a model without the
-    tower."""
-    if modality != "image":
+    its patch positions, through ``get_image_features``; for video, the same patches as a one-frame clip
+    through ``get_video_features``. None for a model without the tower."""
+    if modality not in ("image", "video"):
         return None
     inner = None
     for module in model.modules():  # the innermost Gemma4Model (the ForConditionalGeneration delegates to it)
@@ -389,16 +401,18 @@ def vision_dummy(model, modality: str):
     k, p = int(vc.pooling_kernel_size), int(vc.patch_size)
     ys, xs = torch.meshgrid(torch.arange(k), torch.arange(k), indexing="ij")
     positions = torch.stack([xs.reshape(-1), ys.reshape(-1)], dim=-1)[None]
-    return VisionWarmup(
-        inner, "get_image_features", {"pixel_values": torch.zeros(1, k * k, 3 * p * p), "image_position_ids": positions}
-    )
+    pixels = torch.zeros(1, k * k, 3 * p * p)
+    if modality == "video":
+        one_frame = {"video_position_ids": positions, "num_frames_per_video": torch.tensor([1])}
+        return VisionWarmup(inner, "get_video_features", {"pixel_values_videos": pixels, **one_frame})
+    return VisionWarmup(inner, "get_image_features", {"pixel_values": pixels, "image_position_ids": positions})
 
 
 FAMILY = ModelFamily(
     name=NAME,
     model_types=("gemma4",),
-    description="Gemma 4 (E2B/E4B/26B-A4B/31B): 2-D rotary vision encoder, k x k pooled soft tokens, images and "
-    "text (audio and video not wired)",
+    description="Gemma 4 (E2B/E4B/26B-A4B/31B): 2-D rotary vision encoder, k x k pooled soft tokens, images, "
+    "video and text (audio not wired)",
     towers=Towers(
         vision="model.vision_tower",
         vision_blocks="model.vision_tower.encoder.layers",
@@ -425,6 +439,7 @@ FAMILY = ModelFamily(
         box_coordinates="absolute",
     ),
     image_inputs=IMAGE_INPUTS,
+    video_inputs=VideoInputs(pixels="pixel_values_videos"),
     packing=Packing(
         refusal="Gemma 4's checkpoints with use_bidirectional_attention='vision' let each image's "
         "tokens attend both ways (blocks found from mm_token_type_ids), and vlft has not "

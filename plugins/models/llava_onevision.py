@@ -30,6 +30,14 @@ image size: the batch joins it as 'concat_padded' (the model reads ``pixel_value
 pixels; the pinpoint the tiling picks, the tile count and the tokens fall with it (the model config's pinpoints
 are unchanged: the model and the processor read the same smaller ``image_sizes``).
 
+Video (``LlavaOnevisionVideoProcessor``, the model's ``get_video_features``): the clips vlft sampled at
+``--video-fps`` / ``--video-max-frames`` go through the video processor as they are (``do_sample_frames=False``):
+each frame resized to one tile, ``pixel_values_videos`` [1, frames, 3, S, S] per clip; the model runs the tower on
+every frame, pools each frame's (S/p)^2 features 2 x 2 (bilinear, sides rounded up) and appends one
+``image_newline`` per clip, so a clip is ``frames x ceil(S/p/2)^2 + 1`` ``<video>`` tokens (the processor's
+``replace_video_token`` count). The batch joins clips along dim 0, so the clips of one batch must have the same
+frame count (every clip at least ``--video-max-frames / --video-fps`` seconds long has the cap's count).
+
 Imports inside functions: torch, tokenizers and transformers load only when a tiny model or a processor is
 built or loaded, or a run builds its dummy image.
 """
@@ -40,7 +48,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from vlft import Chat, ModelFamily, Packing, Sharding, Targets, Tiny, Towers
+from vlft import Chat, ModelFamily, Packing, Sharding, Targets, Tiny, Towers, VideoInputs
 
 from . import _tiny
 from .family import GATED_MLP, SIGLIP_ATTENTION, SIGLIP_MLP, TEXT_ATTENTION
@@ -123,21 +131,57 @@ def _tokens(processor, height: int, width: int, several: bool) -> int:
     return n - 1 if processor.vision_feature_select_strategy == "default" else n
 
 
+def _video_tokens(processor, frames: int) -> int:
+    """``<video>`` tokens of a clip of ``frames`` frames, as LlavaOnevisionProcessor.replace_video_token counts
+    them: each frame's tile pooled 2 x 2 (sides rounded up), and one image_newline."""
+    pooled = math.ceil(math.isqrt(processor.num_image_tokens) / 2)
+    return frames * pooled * pooled + 1
+
+
+def prepare_clips(processor, clips: list, where: str) -> dict:
+    """The clips vlft sampled through the video processor as they are (no sampling again):
+    ``pixel_values_videos`` [clips, frames, 3, S, S], and each clip's ``<video>`` token count and frames."""
+    if not clips:
+        return {"inputs": {}, "video_tokens": [], "frames": []}
+    import torch
+
+    from vlft import DataError
+
+    pixels = [
+        processor.video_processor(videos=[frames], return_tensors="pt", do_sample_frames=False)["pixel_values_videos"]
+        for frames, _ in clips
+    ]
+    frames = [int(p.shape[1]) for p in pixels]
+    if len(set(frames)) > 1:  # the model takes one [clips, frames, ...] tensor
+        raise DataError(
+            f"{where}: the record's clips give {frames} frames at this --video-fps; LLaVA-OneVision takes a "
+            "record's clips as one tensor, so they need the same count: lower --video-max-frames to the shortest"
+        )
+    return {
+        "inputs": {"pixel_values_videos": torch.cat(pixels)},
+        "video_tokens": [_video_tokens(processor, n) for n in frames],
+        "frames": frames,
+    }
+
+
 def prepare(processor, media, max_pixels=None) -> dict:
     """All of a record's images through the image processor at once (``images=[[...]]``, as the processor
-    takes a conversation's), after ``--max-pixels``; from the sizes alone when measuring."""
+    takes a conversation's), after ``--max-pixels``; from the sizes alone when measuring. Its clips through the
+    video processor (``prepare_clips``)."""
     import torch
 
     sizes = [capped_size(w, h, max_pixels) for w, h in media.sizes]
-    out = {"inputs": {}, "sizes": [(h, w) for w, h in sizes], "where": media.where}
+    clips = prepare_clips(processor, list(media.videos), media.where)
+    out = {"inputs": dict(clips["inputs"]), "sizes": [(h, w) for w, h in sizes], "where": media.where}
+    out["video_tokens"], out["frames"] = clips["video_tokens"], clips["frames"]
     if media.images:
         images = [img if img.size == size else img.resize(size) for img, size in zip(media.images, sizes)]
         done = processor.image_processor(images=[images], return_tensors="pt")
-        out["inputs"] = {
-            "pixel_values": done["pixel_values"],
-            "image_sizes": done["image_sizes"],
-            "batch_num_images": torch.as_tensor(done["batch_num_images"]).reshape(-1),
-        }
+        out["inputs"].update(
+            pixel_values=done["pixel_values"],
+            image_sizes=done["image_sizes"],
+            batch_num_images=torch.as_tensor(done["batch_num_images"]).reshape(-1),
+        )
         out["sizes"] = [tuple(int(x) for x in s) for s in done["image_sizes"]]
     return out
 
@@ -145,26 +189,36 @@ def prepare(processor, media, max_pixels=None) -> dict:
 def write(processor, texts: list[str], prepared: dict):
     """Each ``<image>`` repeated by its image's token count (in placeholder order over the pieces), the pieces
     tokenized; the record's pixels, sizes and image count; one grid per image: (tiles, S/p, S/p)."""
-    from vlft import DataError, Written, tokenize_pieces
+    from vlft import Written, tokenize_pieces
 
     sizes = prepared["sizes"]
     several = len(sizes) > 1
-    counts = iter([_tokens(processor, h, w, several) for h, w in sizes])
-    token = processor.image_token
+    out = list(texts)
+    for token, counts, what in (
+        (processor.image_token, [_tokens(processor, h, w, several) for h, w in sizes], "image"),
+        (processor.video_token, prepared.get("video_tokens", []), "video"),
+    ):
+        out = _expand(out, token, iter(counts), what, prepared["where"])
+    per_tile = math.isqrt(processor.num_image_tokens)  # a tile's patches a side: (S/p)^2 tokens a tile
+    grids = [(_tiles(processor, h, w, several), per_tile, per_tile) for h, w in sizes]
+    grids += [(frames, per_tile, per_tile) for frames in prepared.get("frames", [])]  # a frame is one tile
+    return Written(tokenize_pieces(processor.tokenizer, out), dict(prepared["inputs"]), grids)
+
+
+def _expand(texts: list[str], token: str, counts, what: str, where: str) -> list[str]:
+    """Each ``token`` placeholder over the pieces repeated by the next of ``counts`` (all of them used)."""
+    from vlft import DataError
+
     out = []
     for text in texts:
         pieces = text.split(token)
         try:
             out.append("".join(p + (token * next(counts) if i < len(pieces) - 1 else "") for i, p in enumerate(pieces)))
         except StopIteration:
-            raise DataError(
-                f"{prepared['where']}: the rendered conversation has more image placeholders than images"
-            ) from None
+            raise DataError(f"{where}: the rendered conversation has more {what} placeholders than {what}s") from None
     if next(counts, None) is not None:
-        raise DataError(f"{prepared['where']}: some images have no placeholder in the rendered conversation")
-    per_tile = math.isqrt(processor.num_image_tokens)  # a tile's patches a side: (S/p)^2 tokens a tile
-    grids = [(_tiles(processor, h, w, several), per_tile, per_tile) for h, w in sizes]
-    return Written(tokenize_pieces(processor.tokenizer, out), dict(prepared["inputs"]), grids)
+        raise DataError(f"{where}: some {what}s have no placeholder in the rendered conversation")
+    return out
 
 
 def trace_vision(tower, grids, dtype, run_block):
@@ -188,10 +242,11 @@ def _first(out):
 def vision_dummy(model, modality: str):
     """One blank image of one tile's size through ``get_image_features``: its base tile and its one tile
     (``pixel_values`` [1, 2, 3, S, S]), so a micro-batch without images runs the tower (and the projector and
-    image_newline) on every process. No video dummy: vlft takes no LLaVA-OneVision video."""
+    image_newline) on every process; for video, one blank frame through ``get_video_features`` (the tower, the
+    projector and the pooling)."""
     from vlft import VisionWarmup
 
-    if modality != "image":
+    if modality not in ("image", "video"):
         return None
     inner = None
     for module in model.modules():
@@ -207,6 +262,10 @@ def vision_dummy(model, modality: str):
 
     vc = inner.vision_tower.config
     side = int(vc.image_size)
+    if modality == "video":
+        return VisionWarmup(
+            inner, "get_video_features", {"pixel_values_videos": torch.zeros(1, 1, int(vc.num_channels), side, side)}
+        )
     from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
 
     tiles = image_size_to_num_patches((side, side), inner.config.image_grid_pinpoints, side)
@@ -294,7 +353,12 @@ def _image_inputs():
     return ImageInputs(
         prepare=prepare,
         write=write,
-        batch_inputs={"pixel_values": "concat_padded", "image_sizes": "concat", "batch_num_images": "concat"},
+        batch_inputs={
+            "pixel_values": "concat_padded",
+            "image_sizes": "concat",
+            "batch_num_images": "concat",
+            "pixel_values_videos": "concat",
+        },
         pixels="pixel_values",
         size_cap="a pixel budget per image: scaled down first, aspect ratio kept, so the grid pinpoint the tiling "
         "picks (and its tiles and tokens) falls with it; the config's pinpoints are unchanged",
@@ -306,7 +370,8 @@ def _family() -> ModelFamily:
     return ModelFamily(
         name=NAME,
         model_types=("llava_onevision",),
-        description="LLaVA-OneVision (0.5B/7B/72B): SigLIP + Qwen2, any-resolution tiles by grid pinpoints",
+        description="LLaVA-OneVision (0.5B/7B/72B): SigLIP + Qwen2, any-resolution tiles by grid pinpoints, video "
+        "frames pooled 2 x 2",
         towers=Towers(
             vision="model.vision_tower",
             vision_blocks="model.vision_tower.encoder.layers",
@@ -328,6 +393,7 @@ def _family() -> ModelFamily:
             box_coordinates="relative-1",
         ),
         image_inputs=_image_inputs(),
+        video_inputs=VideoInputs(pixels="pixel_values_videos"),
         # plain 1-D positions and causal attention everywhere (image tokens too): the segments attention keeps
         # packed samples apart, the images joined in sample order (check_family's packing check: equal losses)
         packing=Packing(),

@@ -19,9 +19,16 @@ all-zero padding images, so a batch laid as ``[tiles, 1, 3, tile, tile]`` (every
 joined along dim 0: the core's 'concat') gives the same features in the same order as the processor's own
 ``[batch, max tiles, ...]`` padding (tests/test_smolvlm.py checks the logits).
 
+Video (SmolVLM2; the ``smolvlm`` family only, Idefics3's processor has no video processor): the clips vlft
+sampled at ``--video-fps`` / ``--video-max-frames`` go to the processor (``vlft.clip_arguments``), whose
+``SmolVLMVideoProcessor`` resizes each frame to one tile and whose prompt writes "You are provided the following
+series of <n> frames ..." and each frame's ``Frame from mm:ss:`` before the frame's tokens (one global-image
+tile's ``image_seq_len`` tokens). The frames come back in ``pixel_values`` like an image's tiles, so the model
+reads them as images (``VideoInputs.pixels`` is the image input, and the image warm-up serves clips too).
+
 SmolVLMProcessor refuses to build without the ``num2words`` package, which it uses only to spell a video's
-frame count in its prompt; vlft's family takes images only, so where ``num2words`` is missing the family loads
-the processor with a stand-in that raises if a video prompt is ever built (``_allow_without_num2words``).
+frame count in its prompt (vlft's ``dev`` extra installs it); where it is missing the family loads the processor
+with a stand-in that refuses a video record, saying what to install (``_allow_without_num2words``).
 
 Imports inside functions: torch, tokenizers and transformers load only when a tiny model or a processor is
 built or loaded; the plugin registers, and plans offline, without them.
@@ -34,7 +41,19 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from vlft import Chat, ModelFamily, Packing, Sharding, Targets, Tiny, Towers, VisionWarmup, processor_image_inputs
+from vlft import (
+    Chat,
+    DataError,
+    ModelFamily,
+    Packing,
+    Sharding,
+    Targets,
+    Tiny,
+    Towers,
+    VideoInputs,
+    VisionWarmup,
+    processor_image_inputs,
+)
 
 from . import _tiny
 from .family import GATED_MLP, SIGLIP_ATTENTION, SIGLIP_MLP, TEXT_ATTENTION
@@ -90,9 +109,9 @@ def _allow_without_num2words() -> None:
     if processing_smolvlm.num2words is None:  # pyright: ignore[reportPrivateImportUsage]  # None where it is missing
 
         def num2words(n, *args, **kwargs):
-            raise ImportError(
-                "SmolVLM's video prompt spells the frame count with the `num2words` package: "
-                "pip install num2words (vlft's smolvlm family trains on images only)"
+            raise DataError(
+                "SmolVLM2's video prompt spells the frame count with the `num2words` package, which is not "
+                "installed: pip install num2words (or leave the video records out)"
             )
 
         processing_smolvlm.num2words = num2words  # pyright: ignore[reportPrivateImportUsage]  # the stand-in
@@ -305,6 +324,7 @@ def _family(kind: str) -> ModelFamily:
         description=(
             f"{'SmolVLM / SmolVLM2 (256M/500M/2.2B)' if kind == 'smolvlm' else 'Idefics3 (8B)'}: SigLIP "
             f"on tiles + a global image, pixel-shuffle connector, Llama text model"
+            f"{'; video as timestamped frames' if kind == 'smolvlm' else ''}"
         ),
         towers=Towers(
             vision="model.vision_model",
@@ -334,6 +354,8 @@ def _family(kind: str) -> ModelFamily:
             image_grids=image_grids,
             trace=trace_vision,
         ),
+        # SmolVLM2's clips: frames folded into the image input (the module docstring); Idefics3 has no video
+        video_inputs=VideoInputs(pixels="pixel_values") if kind == "smolvlm" else None,
         packing=Packing(),
         sharding=Sharding(("LlamaDecoderLayer", f"{prefix}VisionAttention")),  # the instance's _no_split_modules
         vision_dummy=vision_dummy,

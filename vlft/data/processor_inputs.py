@@ -91,6 +91,8 @@ def _processor_write(wanted: dict, grid, reshape, image_grids, processor, texts:
             raise DataError(f"{where}: the rendered conversation has more image placeholders than images")
         mine, left = left[:n], left[n:]
         videos, clips = _piece_clips(processor, text, clips, where)
+        if mine and videos:
+            _refuse_shared_pixels(processor, where)
         out = processor(
             text=[text],
             images=[mine] if mine else None,
@@ -142,6 +144,20 @@ def _piece_clips(processor, text: str, clips: list, where: str) -> tuple[dict, l
     if n > len(clips):
         raise DataError(f"{where}: the rendered conversation has more video placeholders than videos")
     return (clip_arguments(clips[:n]) if n else {}), clips[n:]
+
+
+def _refuse_shared_pixels(processor, where: str) -> None:
+    """A processor whose video processor returns its frames under the image processor's names (SmolVLM2's
+    ``pixel_values``) keeps only the clip's when one call has both (transformers merges the two outputs by
+    name): refused, with the way round it, rather than a feature count that fails inside the model."""
+    shared = set(getattr(processor.video_processor, "model_input_names", ())) & set(
+        getattr(processor.image_processor, "model_input_names", ())
+    )
+    if shared:
+        raise DataError(
+            f"{where}: a turn holds both an image and a video, and {type(processor).__name__} returns both "
+            f"under {sorted(shared)}, so one would be lost: put the image and the video in different turns"
+        )
 
 
 def clip_arguments(clips: list) -> dict:

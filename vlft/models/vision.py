@@ -69,6 +69,23 @@ def _prefill(kwargs: dict) -> bool:
     return cache is None or not hasattr(cache, "get_seq_length") or cache.get_seq_length() == 0
 
 
+def _warmups(model, modalities: set[str], family) -> dict:
+    """The warm-up of each pixels input the run's modalities use, by input name. A family whose processor folds a
+    clip's frames into the image input (SmolVLM2, InternVL: ``VideoInputs.pixels`` is ``ImageInputs.pixels``)
+    runs one warm-up for both, the image one: a process whose batch has only a clip has those pixels, and one
+    whose batch has only text must still run the tower when the data holds clips and no image."""
+    keys = pixel_keys(family)
+    out = {}
+    for modality in sorted(modalities):
+        if modality not in keys or keys[modality] in out:
+            continue
+        source = "image" if keys[modality] == keys.get("image") else modality
+        warmup = family.vision_dummy(model, source)
+        if warmup is not None:
+            out[keys[modality]] = warmup
+    return out
+
+
 def install_vision_warmup(model, modalities: set[str], family, sharded: bool = False) -> list:
     """Make every training forward of ``model`` run the vision tower for each of ``modalities`` (those the
     run's data holds): a forward without that modality's pixels gets a dummy through the tower, its output
@@ -79,8 +96,7 @@ def install_vision_warmup(model, modalities: set[str], family, sharded: bool = F
     tower on any process."""
     if family is None or family.vision_dummy is None:
         return []
-    keys = pixel_keys(family)
-    warmups = {m: w for m in sorted(modalities) if m in keys and (w := family.vision_dummy(model, m)) is not None}
+    warmups = _warmups(model, modalities, family)
     if not warmups:
         return []
     inner = next(iter(warmups.values())).module
@@ -91,7 +107,7 @@ def install_vision_warmup(model, modalities: set[str], family, sharded: bool = F
         training = module.training and torch.is_grad_enabled()
         if not (training or (sharded and _prefill(kwargs))) or kwargs.get("mm_encoder_outputs"):
             return None
-        missing = [w for m, w in warmups.items() if kwargs.get(keys[m]) is None]
+        missing = [w for key, w in warmups.items() if kwargs.get(key) is None]
         if not missing:
             return None
         device = next(module.parameters()).device
