@@ -144,7 +144,7 @@ def test_the_run_trains_the_generic_family_and_the_plan_says_what_it_found(run):
     assert "tower traced" in fam["description"], fam["description"]
     batch = plan["memory"]["batch"]
     assert batch["images"] >= 1 and batch["image_patches"] == batch["images"] * 16, batch  # 32 px / 8 px patches
-    assert not [n for n in plan["memory"]["notes"] if "vision activations" in n], plan["memory"]["notes"]
+    assert not [n for n in plan["notes"] if "vision activations" in n], plan["notes"]
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in logged if "loss" in m] == [1, 2, 3]
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in logged if "loss" in m)
@@ -206,23 +206,37 @@ def test_packed_and_padded_losses_are_equal_on_a_generic_checkpoint(plain, tmp_p
     assert [c.status for c in report.checks if c.name == "packing"] == ["passed"], str(report)
 
 
-def test_the_packing_probe_finds_samples_that_attend_across_the_row(plain):
-    """The start-up probe on the loaded text model: on vlft's per-sample attention the two packed runs give what
-    they give alone; on plain sdpa with no mask (the row attended as one causal sample) the second run sees the
-    first, and the probe says so with the numbers."""
+def test_the_packing_probe_passes_a_text_model_that_keeps_samples_apart_and_stops_one_that_does_not(plain):
+    """The start-up probe (two token runs, packed in one row against each alone) on real text models: the LLaVA
+    checkpoint's Llama on vlft's per-sample attention gives what they give alone; LFM2's (a tiny one built from
+    its config class, a short-convolution layer before the attention) carries state across the boundary, and
+    the probe says so with the numbers; the checkpoint reader refuses it before any probe, naming the layer."""
+    from transformers import Lfm2VlConfig, Lfm2VlForConditionalGeneration
+
+    from plugins.models import generic_packing
     from vlft.models.loading import load_model, model_config_and_family
     from vlft.models.segments import segments_name
     from vlft.policies import AttentionPolicy, PrecisionPolicy
 
     _, family = model_config_and_family(str(plain), installed())
     assert family.packing is not None and family.packing.probe is not None and not family.packing.refusal
-    answers = {}
-    for text in ("sdpa", segments_name("sdpa")):
-        model = load_model(str(plain), AttentionPolicy("sdpa", text), PrecisionPolicy("fp32"), family=family).eval()
-        with torch.no_grad():
-            answers[text] = family.packing.probe(model)
-    assert answers[segments_name("sdpa")] == ""
-    assert "packed in one row give hidden states" in answers["sdpa"] and "alone" in answers["sdpa"]
+    policy = AttentionPolicy("sdpa", segments_name("sdpa"))
+    llava = load_model(str(plain), policy, PrecisionPolicy("fp32"), family=family).eval()
+    with torch.no_grad():
+        assert family.packing.probe(llava) == ""
+
+    torch.manual_seed(0)
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    config = Lfm2VlConfig(
+        text_config=dict(text, num_key_value_heads=1, layer_types=["conv", "full_attention"], vocab_size=64),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2),
+    )
+    config._attn_implementation = segments_name("sdpa")
+    lfm2 = Lfm2VlForConditionalGeneration(config).eval()
+    assert "decoder layers include conv" in generic_packing.packing(lfm2, "model.language_model.layers", {}).refusal
+    with torch.no_grad():
+        answer = generic_packing.probe("model.language_model", lfm2)
+    assert "two token runs (7 and 5 tokens) packed in one row give hidden states" in answer, answer
 
 
 def test_a_checkpoint_it_cannot_read_is_refused_naming_what_is_missing(plain, mixed, tmp_path):

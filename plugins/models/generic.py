@@ -27,9 +27,14 @@ Video, where the processor has a video processor and ``video_token`` and the mod
 gives the inputs a batch joins; clips go through the processor as the frames vlft sampled (``vlft.clip_arguments``),
 labels and the warm-up as for images. Otherwise video records are refused, and the description says why.
 
-What it does not do yet, and says so: packing (refused: whether the text model keeps packed samples apart is
-not read from the checkpoint), ``--max-pixels`` (the processor sizes every image itself), the memory
-plan's vision count and trace (no grid: the plan says it counted no vision activations).
+Packing (generic_packing.py): decided from the checkpoint (the text model takes ``position_ids``, 1-D positions,
+attention through transformers' attention interface, full-attention layers only, no per-token mask input), refused
+with the first reason otherwise; before step 1 a probe on the loaded text model compares two token runs packed
+and alone. ``--max-pixels``, the memory plan's vision count and its trace (generic_vision.py): a processor that
+gives a 64x64 and a 512x512 image the same image tokens resizes to a fixed size, and the cap changes nothing (the
+description says so); one whose count grows keeps the image's size, and each image is scaled down to the budget
+before it; the plan counts each image's tokens from the processor and traces the tower's forward on the meta
+device where it runs there ("untraced" with the reason otherwise).
 
 A checkpoint it cannot read is refused with a ConfigError naming what it could not find.
 

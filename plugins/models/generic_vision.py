@@ -27,7 +27,7 @@ from vlft import ImageInputs, processor_image_inputs
 
 from .llava_onevision import capped_size
 
-PROBE_SIDES = (64, 512)  # the two blank square probe images that tell a fixed-size processor from a dynamic one
+PROBE_SIDES = (16, 512)  # the two blank square probe images that tell a fixed-size processor from a dynamic one
 
 
 class _Counted:
@@ -85,8 +85,8 @@ def _size_cap(processor) -> tuple[str, Any]:
             lambda processor, max_pixels: {},
         )
     return (
-        f"a pixel budget per image: scaled down first, aspect ratio kept, before the processor, which keeps an "
-        f"image's size ({' and '.join(map(str, counts))} image tokens at {at}), so the image tokens fall with it",
+        f"a pixel budget per image: scaled down first, aspect ratio kept, before the processor, which sizes an "
+        f"image by its own size ({' and '.join(map(str, counts))} image tokens at {at}), so the image tokens fall with it",
         lambda processor, max_pixels: {},
     )
 
@@ -103,8 +103,8 @@ def image_inputs(processor, model, towers, joins: dict, pixels: str) -> tuple[Im
         found["max pixels"] = size_cap
     counted = _Counted()
     trace, why = _checked_trace(processor, model, towers, counted)
-    found["vision count"] = "image tokens per image from the processor at each image's size (as capped); clips "
-    found["vision count"] += "frames x tokens per frame; tower " + (f"traced ({why})" if trace else f"untraced ({why})")
+    found["vision count"] = "image tokens per image from the processor at each image's size (as capped), clips "
+    found["vision count"] += "frames x tokens per frame, tower " + (f"traced ({why})" if trace else f"untraced ({why})")
     base = processor_image_inputs(
         joins,
         pixels=pixels,
@@ -139,7 +139,7 @@ def _checked_trace(processor, model, towers, counted: _Counted):
         return None, f"its blocks {towers.vision_blocks} lie outside the tower {towers.vision}"
     trace = _tracer(rel, counted)
     try:
-        tokens = counted.tokens(processor, PROBE_SIDES[:1] * 2)
+        tokens = counted.tokens(processor, (PROBE_SIDES[0], PROBE_SIDES[0]))
         trace(model.get_submodule(towers.vision), [(1, 1, tokens)], next(model.parameters()).dtype, _plain)
     except Exception as e:  # noqa: BLE001 - any failure on the meta device: untraced, with the reason
         return None, f"its forward does not run on the meta device: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
