@@ -194,7 +194,8 @@ def test_a_generic_checkpoint_trains_on_two_processes_with_a_text_only_process(
     out = tmp_path / "run"
     args = [
         "run", "--nproc-per-node", "2", "--quiet", "--backend", "cpu", "--model", str(generic_checkpoint),
-        "--data", str(two_records), "--output", str(out), "--steps", "2", "--batch-size", "2", "--log-every", "1",
+        "--data", str(two_records), "--val-data", str(two_records), "--output", str(out), "--steps", "2",
+        "--batch-size", "2", "--log-every", "1", "--eval-samples", "1",
         "--eval-every", "0", "--max-new-tokens", "1", "--save-every", "0", "--lr", "3e-3", "--seed", "2",
         *(["--shard", "fsdp"] if shard == "fsdp" else []),
     ]  # fmt: skip
