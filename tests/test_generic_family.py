@@ -213,10 +213,10 @@ def test_the_packing_probe_passes_a_text_model_that_keeps_samples_apart_and_stop
     the probe says so with the numbers; the checkpoint reader refuses it before any probe, naming the layer."""
     from transformers import Lfm2VlConfig, Lfm2VlForConditionalGeneration
 
-    from plugins.models import generic_packing
     from vlft.models.loading import load_model, model_config_and_family
     from vlft.models.segments import segments_name
     from vlft.policies import AttentionPolicy, PrecisionPolicy
+    from vlft_models import generic_packing
 
     _, family = model_config_and_family(str(plain), installed())
     assert family.packing is not None and family.packing.probe is not None and not family.packing.refusal
