@@ -177,3 +177,39 @@ def test_a_tiled_tower_trains_under_two_process_ddp_with_a_text_only_process(two
     weights = load_file(str(out / "adapter" / "adapter_model.safetensors"))
     vision_b = [v for k, v in weights.items() if "lora_B" in k and tower in k]
     assert vision_b and max(float(v.abs().max()) for v in vision_b) > 0
+
+
+@pytest.fixture(scope="module")
+def generic_checkpoint(tmp_path_factory) -> Path:
+    """A checkpoint no family plugin owns (CLIP + Llama, written by plain transformers): the generic family."""
+    from generic_checkpoints import build
+
+    return build("llava-plain", tmp_path_factory.mktemp("ckpt") / "llava-plain")
+
+
+@pytest.mark.parametrize("shard", ["none", "fsdp"])
+def test_a_generic_checkpoint_trains_on_two_processes_with_a_text_only_process(
+    two_records, generic_checkpoint, tmp_path, shard
+):
+    """The generic family under 2-process DDP and under ``--shard fsdp`` on the same two records: the text-only
+    process runs the tower on the probe's blank image (the generic warm-up through ``get_image_features``), so
+    DDP finds every parameter used and FSDP's gathers stay in step; the vision adapters move on both."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    args = [
+        "run", "--nproc-per-node", "2", "--quiet", "--backend", "cpu", "--model", str(generic_checkpoint),
+        "--data", str(two_records), "--val-data", str(two_records), "--output", str(out), "--steps", "2",
+        "--batch-size", "2", "--log-every", "1", "--eval-samples", "1",
+        "--eval-every", "0", "--max-new-tokens", "1", "--save-every", "0", "--lr", "3e-3", "--seed", "2",
+        *(["--shard", "fsdp"] if shard == "fsdp" else []),
+    ]  # fmt: skip
+    proc = subprocess.run([*vlft_command(), *args], capture_output=True, text=True, env=ENV, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["model_family"]["name"] == "generic" and plan["sharding"]["strategy"] == shard, plan["sharding"]
+    assert json.loads((out / "config.json").read_text())["world_size"] == 2
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    weights = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    vision_b = [v for k, v in weights.items() if "lora_B" in k and ".vision_tower." in k]
+    assert vision_b and max(float(v.abs().max()) for v in vision_b) > 0

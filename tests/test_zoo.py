@@ -6,6 +6,7 @@ the family vlft picks; one shared build and run per type (module-scoped)."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -37,6 +38,7 @@ def runs(tmp_path_factory) -> dict:
             "--max-new-tokens", "2", "--log-every", "1",
         )  # fmt: skip
         out[model_type] = (code, output, run)
+    out["data"] = data
     return out
 
 
@@ -58,6 +60,39 @@ def test_a_zoo_type_trains_two_steps_through_the_cli(runs, model_type):
     weights = load_file(str(run / "adapter" / "adapter_model.safetensors"))
     moved = [float(v.abs().max()) for k, v in weights.items() if "lora_B" in k and vision in k]
     assert moved and max(moved) > 0, vision
+
+
+def _dry_run(runs, model_type: str, data, *extra: str) -> str:
+    code, output = cli_invoke(
+        "run", "--backend", "cpu", "--model", runs[model_type][2].parent / "ckpt", "--data", data,
+        "--dry-run", "--max-length", "4096", *extra,
+    )  # fmt: skip
+    assert code == 0, output
+    return output
+
+
+def test_packing_and_max_pixels_follow_what_the_checkpoint_is(runs, tmp_path):
+    """Read from each checkpoint, not from a list of names. EXAONE 4.5 keeps rope deltas (3-D positions):
+    ``--packing on`` is refused before step 1 with that reason. LFM2-VL's processor sizes an image by its own size
+    (64 tokens up to 256 at 512x512 here): under ``--max-pixels`` each image is scaled down before it, and the plan counts fewer image tokens; the description says what the cap means."""
+    code, output = cli_invoke(
+        "run", "--backend", "cpu", "--model", runs["exaone4_5"][2].parent / "ckpt", "--data", runs["data"],
+        "--dry-run", "--max-length", "4096", "--packing", "on",
+    )  # fmt: skip
+    assert code != 0 and "the generic family cannot pack: its positions are not 1-D" in output, output
+    assert "rope_deltas" in output and "Traceback" not in output
+
+    def counted(output: str) -> tuple[int, int]:
+        longest = int(re.search(r"longest (\d+) tokens", output).group(1))
+        return longest, int(re.search(r"(\d+) image patches", output).group(1))
+
+    from vlft.data.demo import write_varied_dataset
+
+    large = write_varied_dataset(tmp_path / "large", n=3, seed=1, min_side=480, max_side=640, max_images=1)
+    whole, capped = _dry_run(runs, "lfm2_vl", large), _dry_run(runs, "lfm2_vl", large, "--max-pixels", "784")
+    assert "max pixels a pixel budget per image: scaled down first" in whole
+    (long_whole, tokens_whole), (long_capped, tokens_capped) = counted(whole), counted(capped)
+    assert tokens_capped < tokens_whole and long_capped < long_whole, (counted(whole), counted(capped))
 
 
 def test_an_encoder_decoder_type_is_refused_before_step_one_with_the_reason(tmp_path):

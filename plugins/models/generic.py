@@ -27,9 +27,14 @@ Video, where the processor has a video processor and ``video_token`` and the mod
 gives the inputs a batch joins; clips go through the processor as the frames vlft sampled (``vlft.clip_arguments``),
 labels and the warm-up as for images. Otherwise video records are refused, and the description says why.
 
-What it does not do yet, and says so: packing (refused: whether the text model keeps packed samples apart is
-not read from the checkpoint), ``--max-pixels`` (the processor sizes every image itself), the memory
-plan's vision count and trace (no grid: the plan says it counted no vision activations).
+Packing (generic_packing.py): decided from the checkpoint (the text model takes ``position_ids``, 1-D positions,
+attention through transformers' attention interface, full-attention layers only, no per-token mask input), refused
+with the first reason otherwise; before step 1 a probe on the loaded text model compares two token runs packed
+and alone. ``--max-pixels``, the memory plan's vision count and its trace (generic_vision.py): a processor that
+gives a 64x64 and a 512x512 image the same image tokens resizes to a fixed size, and the cap changes nothing (the
+description says so); one whose count grows keeps the image's size, and each image is scaled down to the budget
+before it; the plan counts each image's tokens from the processor and traces the tower's forward on the meta
+device where it runs there ("untraced" with the reason otherwise).
 
 A checkpoint it cannot read is refused with a ConfigError naming what it could not find.
 
@@ -43,7 +48,9 @@ import re
 from dataclasses import replace
 from typing import Any
 
-from vlft import Chat, FamilyReader, ModelFamily, Packing, Targets, Towers, VideoInputs
+from vlft import Chat, FamilyReader, ModelFamily, Targets, Towers, VideoInputs
+
+from . import generic_packing, generic_vision
 
 NAME = "generic"
 TEXT_NAMES = ("language_model", "text_model")
@@ -64,10 +71,6 @@ MLP_STEPS = ("mlp", "feed_forward", "ffn")
 PROBE_SIZE = (64, 64)  # the blank image of the probe conversation and of the vision warm-up
 PROBE_REPLY = "probe reply"
 GENERATION_MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
-PACKING_REFUSAL = (
-    "whether its text model takes 1-D positions and keeps packed samples apart is not read from the checkpoint "
-    "yet (a family plugin for the model type can declare it)"
-)
 
 _READ: dict[tuple, ModelFamily] = {}  # (folder, model_type) -> its family: read once per process
 
@@ -317,13 +320,13 @@ def _image_token_strings(processor) -> list[str]:
 # --- image inputs: the processor writes the image tokens; every sample checked token for token ----------------
 
 
-def _image_inputs(joins: dict, pixels: str):
-    from vlft import processor_image_inputs
-
-    base = processor_image_inputs(joins, pixels=pixels)
+def _image_inputs(base):
+    """``base`` (generic_vision's: the processor's inputs, the size cap, the vision count) with every sample
+    checked token for token against the whole render."""
 
     def prepare(processor, media, max_pixels=None):
-        return base.prepare(processor, media, max_pixels), media
+        inner = base.prepare(processor, media, max_pixels)
+        return inner, replace(media, images=list(inner[0]))  # the whole render checked on the images as capped
 
     def write(processor, texts: list[str], prepared):
         inner, media = prepared
@@ -501,7 +504,11 @@ def read(model_config, path: str | None) -> ModelFamily | None:
         video_inputs, video, found["video"] = _read_video(processor, model, conv["joins"])
         processor_class = type(processor).__name__
         chat = Chat(processor_class=processor_class, load_processor=load_processor, reply_end_token=conv["end"])
-        image_inputs = _image_inputs({**conv["joins"], **video.get("joins", {})}, conv["pixels"])
+        base, seen = generic_vision.image_inputs(
+            processor, model, towers, {**conv["joins"], **video.get("joins", {})}, conv["pixels"]
+        )
+        found.update(seen)
+        image_inputs = _image_inputs(base)
         dummy = partial(
             vision_dummy, warmup=conv["warmup"], video_warmup=video.get("warmup"), probe_ids=conv["probe_ids"]
         )
@@ -515,7 +522,9 @@ def read(model_config, path: str | None) -> ModelFamily | None:
         chat=chat,
         image_inputs=image_inputs,
         video_inputs=video_inputs,
-        packing=Packing(refusal=PACKING_REFUSAL),
+        packing=generic_packing.packing(
+            model, towers.decoder_layers, image_inputs.batch_inputs if image_inputs else {}
+        ),
         vision_dummy=dummy,
     )
     _READ[key] = family

@@ -181,6 +181,17 @@ class Packing:
             "(Qwen3.5: its Gated DeltaNet layers carry state along the row unless run with varlen kernels)."
         },
     )
+    probe: Callable[..., str] | None = field(
+        default=None,
+        compare=False,
+        metadata={
+            "help": "probe(model) -> str: '' where the loaded model (the base model, as the run loaded it: its "
+            "attention, its dtype, on its device) keeps packed samples apart, else why not, with the numbers "
+            "(the generic family: a packed and an unpacked forward of two token runs through its text model "
+            "compared). Run once before step 1, in eval mode without gradients, where the run packs and each "
+            "process holds the whole model; a non-empty answer stops the run. None: no probe."
+        },
+    )
 
 
 @contract

@@ -17,7 +17,7 @@ from vlft.config import RunConfig
 from vlft.data.batching import collator_for
 from vlft.data.layouts import record_format
 from vlft.data.packing import PackingCollator
-from vlft.errors import VlftError
+from vlft.errors import ConfigError, VlftError
 from vlft.models.adapting import (
     compute_adapters_in_autocast_dtype,
     enable_checkpointing,
@@ -151,6 +151,29 @@ def place(model, plan: RunPlan, device) -> None:
     rank0 = plan.sharding.loading == "rank0" and config.world_size > 1 and config.rank == 0
     whole = model.state_dict() if rank0 else None
     shard_model(model, plan.sharding, device, whole, family=plan.family, read_from=plan.model_path)
+
+
+def probe_packing(model, plan: RunPlan) -> None:
+    """The family's packing probe (``Packing.probe``) on the placed base model, where the run packs and this
+    process holds the whole model (a sharded one's direct forward would gather out of step): a model that does
+    not keep packed samples apart after all stops the run before step 1, not after steps trained across them."""
+    family = plan.family
+    probe = family.packing.probe if family is not None and family.packing is not None else None
+    if probe is None or not plan.packing.enabled or plan.sharding.enabled:
+        return
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    training = base.training
+    base.eval()  # dropout off: the two forwards must differ only where the samples meet
+    try:
+        with torch.no_grad():
+            problem = family.call("packing.probe", probe, base)
+    finally:
+        base.train(training)
+    if problem:
+        raise ConfigError(
+            f"--packing: the {family.name} family's text model does not keep packed samples apart: {problem}; "
+            "use --packing off (padded batches)"
+        )
 
 
 def disable_dropout(model) -> None:

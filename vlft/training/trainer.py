@@ -60,6 +60,7 @@ from vlft.training.setup import (
     loop_settings,
     optimizer_and_schedule,
     place,
+    probe_packing,
     reference_model,
     run_collator,
     seeded_device,
@@ -153,6 +154,7 @@ class Trainer:
         model, self.patches = base_model(registry, plan, device)
         self.model, self.setup_notes = adapted(registry, plan, model, resume_from)
         place(self.model, plan, device)
+        probe_packing(self.model, plan)
         towers = modalities(plan.train_records)
         if not towers and (config.world_size > 1 or self.sharded):
             # text-only data: the vision adapter still takes part in every step, or DDP stops at the second
