@@ -189,16 +189,25 @@ def _top(model) -> str:
 # --- the processor ----------------------------------------------------------------------------------------------
 
 
-def load_processor(path: str):
+def load_processor(path: str, token_types: bool = False):
     """AutoProcessor, given the tokenizer's chat template where the processor itself has none (older
-    checkpoints keep it in tokenizer_config.json only)."""
+    checkpoints keep it in tokenizer_config.json only); with ``token_types``, asked for each token's modality
+    (``mm_token_type_ids``: a model whose forward takes them computes its 3-D rope from them, and processors
+    that do not default to returning them return them only when asked)."""
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(path)
     template = getattr(getattr(processor, "tokenizer", None), "chat_template", None)
     if getattr(processor, "chat_template", None) is None and template:
         processor.chat_template = template
+    if token_types and hasattr(processor, "return_mm_token_type_ids"):
+        processor.return_mm_token_type_ids = True
     return processor
+
+
+def _takes_token_types(model) -> bool:
+    """Whether the model's forward reads each token's modality (``mm_token_type_ids``)."""
+    return "mm_token_type_ids" in inspect.signature(model.forward).parameters
 
 
 def _probe_messages(reply: bool) -> list[dict]:
@@ -227,14 +236,14 @@ def _join(value, length: int) -> str:
     return "concat_padded" if value.dim() >= 2 else "concat"
 
 
-def _read_processor(path: str, model_type: str) -> tuple[Any, dict, dict]:
+def _read_processor(path: str, model_type: str, load=load_processor) -> tuple[Any, dict, dict]:
     """The processor's conventions from a probe conversation (one blank image, one reply): (processor,
     {model input: how a batch joins it}, the image inputs for the vision warm-up), and what was found."""
     import torch
     from PIL import Image
 
     try:
-        processor = load_processor(path)
+        processor = load(path)
     except Exception as e:  # noqa: BLE001 - any loader failure is the checkpoint's missing part
         raise _refuse(model_type, f"its processor does not load from {path} ({type(e).__name__}: {e})") from None
     if getattr(processor, "tokenizer", None) is None or getattr(processor, "image_processor", None) is None:
@@ -470,11 +479,12 @@ def read(model_config, path: str | None) -> ModelFamily | None:
     towers, targets, found = _towers(model, model_type)
     processor_class, chat, image_inputs, video_inputs, dummy = "", Chat(), None, None, None
     if path is not None:
-        processor, conv, seen = _read_processor(path, model_type)
+        load = partial(load_processor, token_types=_takes_token_types(model))
+        processor, conv, seen = _read_processor(path, model_type, load)
         found.update(seen)
         video_inputs, video, found["video"] = _read_video(processor, model, conv["joins"])
         processor_class = type(processor).__name__
-        chat = Chat(processor_class=processor_class, load_processor=load_processor, reply_end_token=conv["end"])
+        chat = Chat(processor_class=processor_class, load_processor=load, reply_end_token=conv["end"])
         image_inputs = _image_inputs({**conv["joins"], **video.get("joins", {})}, conv["pixels"])
         dummy = partial(
             vision_dummy, warmup=conv["warmup"], video_warmup=video.get("warmup"), probe_ids=conv["probe_ids"]
