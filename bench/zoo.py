@@ -386,9 +386,13 @@ IMAGE_PROCESSOR = {
     "deepseek_vl_hybrid": lambda c: {  # its second (SAM) tower's input side
         "high_res_size": dict.fromkeys(("height", "width"), c["high_res_vision_config"]["image_size"])
     },
+    # the image is cut into squares of one merged patch (the class default is the full tower's 2 x 20 px)
+    **dict.fromkeys(
+        ("inkling2", "inkling2_loop"), lambda c: {"size": dict.fromkeys(("height", "width"), _merged_patch(c))}
+    ),
 }
 # top-level sizes that restate the shrunk towers' (the shrinker caps them, these derive them)
-CONFIG = {
+CONFIG: dict[str, Any] = {
     **{  # the adapter takes the tower's 2 x 2 merged patches: vision hidden * 4
         t: {"out_hidden_size": SHRINK["hidden_size"] * 4, "projector_hidden_size": SHRINK["hidden_size"]}
         for t in ("muse_spark", "muse_glimmer")
@@ -396,7 +400,26 @@ CONFIG = {
     "kimi_k25": {"projection_hidden_size": SHRINK["hidden_size"]},  # the projector normalizes the tower's hidden
     # the SAM neck's last channels are the second encoder's patch embeddings: its hidden size
     "unlimited_ocr": {"vision_config": {"sam_config": {"downsample_channels": [32, SHRINK["hidden_size"]]}}},
+    # the projector's query count is keyed by the tower's patch count at the processor's two sides (490, 980 px,
+    # its size_conversion's keys): the keys follow the tiny tower's patch, the counts stay the processor's
+    "aria": lambda c: {
+        "projector_patch_to_query_dict": {
+            (s // c["vision_config"]["patch_size"]) ** 2: q for s, q in ((490, 128), (980, 256))
+        }
+    },
 }
+
+
+def _merged_patch(config: dict) -> int:
+    """The side of one merged patch of the vision tower: its patch size times its spatial merge size."""
+    vision = config.get("vision_config", config)
+    return vision["patch_size"] * vision.get("spatial_merge_size", 1)
+
+
+def _config_table(model_type: str, config: dict) -> dict:
+    """The CONFIG entry of ``model_type`` (a dict, or a function of the shrunk config giving one)."""
+    entry = CONFIG.get(model_type, {})
+    return entry(config) if callable(entry) else entry
 
 
 def _merged(d: dict, over: dict) -> dict:
@@ -625,7 +648,7 @@ def build(model_type: str, folder: Path) -> str:
     processor = _processor(model_type, _vision_side(small) or 32, small)
     tokenizer = getattr(processor, "tokenizer", processor)
     small = _token_ids(shrink(default, len(tokenizer), text=not has_text), processor, tokenizer)
-    small = _merged(_type_token_ids(model_type, small, tokenizer), CONFIG.get(model_type, {}))
+    small = _merged(_type_token_ids(model_type, small, tokenizer), _config_table(model_type, small))
     if small.get("image_grid_pinpoints"):
         small["image_grid_pinpoints"] = pinpoints(_vision_side(small) or 32)
     _tile_tokens(processor, small)
