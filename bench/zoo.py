@@ -98,6 +98,7 @@ SHRINK = dict(
     num_query_tokens=4,
     vision_num_layers=2,
     max_window_layers=2,
+    hidden_size_per_layer_input=16,
 )
 MAX_PARAMETERS = 120_000_000
 SEQUENCE_COUNTS = ("image_seq_length", "num_image_tokens", "image_seq_len", "num_image_token", "image_tokens")
@@ -169,6 +170,8 @@ def shrink(d: dict, vocab: int, text: bool) -> dict:
         )
     if text and isinstance(out.get("vocab_size"), int):
         out["vocab_size"] = vocab
+    if text and isinstance(out.get("vocab_size_per_layer_input"), int):  # Gemma 3n/4's per-layer embedding rows
+        out["vocab_size_per_layer_input"] = vocab
     for key, value in out.items():
         if isinstance(value, dict) and ("model_type" in value or key.endswith("_config")):
             out[key] = shrink(value, vocab, text=text and _is_text_key(key))
@@ -433,7 +436,9 @@ def _merged(d: dict, over: dict) -> dict:
 def _image_processor(model_type: str, side: int, config: dict):
     import transformers
 
-    names = _auto("image_processing_auto", "IMAGE_PROCESSOR_MAPPING_NAMES").get(model_type) or {}
+    names = _auto("image_processing_auto", "IMAGE_PROCESSOR_MAPPING_NAMES").get(model_type) or _siblings_image(
+        model_type
+    )
     name = names.get("pil") or names.get("torchvision")
     if not name:
         raise NotBuilt("transformers maps no image processor to it")
@@ -462,6 +467,15 @@ def _image_processor(model_type: str, side: int, config: dict):
     sized.update(IMAGE_PROCESSOR[model_type](config) if model_type in IMAGE_PROCESSOR else {})
     processor = cls(**sized)
     return processor
+
+
+def _siblings_image(model_type: str) -> dict:
+    """The image processor names of another type mapped to the same processor class (transformers maps none to
+    some variants: Qwen3-VL MoE's processor is Qwen3-VL's, and so its image processor), else none."""
+    processors = _auto("processing_auto", "PROCESSOR_MAPPING_NAMES")
+    images = _auto("image_processing_auto", "IMAGE_PROCESSOR_MAPPING_NAMES")
+    mine = processors.get(model_type)
+    return next((images[t] for t, p in processors.items() if mine and p == mine and images.get(t)), {})
 
 
 def pinpoints(side: int) -> list[list[int]]:
@@ -526,7 +540,7 @@ def _processor(model_type: str, side: int, config: dict):
         if isinstance(video, dict):  # {backend: class name}
             video = video.get("pil") or video.get("torchvision") or next(iter(video.values()), None)
         try:
-            kwargs["video_processor"] = getattr(transformers, video)() if video else None
+            kwargs["video_processor"] = _video_processor(getattr(transformers, video)) if video else None
         except ImportError as e:
             raise NotBuilt(f"{video} needs a package not installed here ({e})".splitlines()[0]) from None
     try:
@@ -536,6 +550,11 @@ def _processor(model_type: str, side: int, config: dict):
     token = getattr(processor, "image_token", None)  # none: the template writes no placeholder (vlft says so)
     processor.chat_template = TEMPLATE.replace("IMAGE_TOKEN", token if isinstance(token, str) else "")
     return processor
+
+
+def _video_processor(cls):
+    """The video processor class's defaults, less timestamps drawn on frames (their font file is a download)."""
+    return cls(draw_on_frames=False) if getattr(cls, "draw_on_frames", False) else cls()
 
 
 # --- the model -------------------------------------------------------------------------------------------------
