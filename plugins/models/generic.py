@@ -13,7 +13,8 @@ What a built-in family declares by hand is read from the checkpoint instead:
 - the processor (``AutoProcessor``; the tokenizer's chat template where the processor has none): its image
   placeholder (``processor.image_token``), which the processor expands itself (tiles, row breaks, boundaries:
   they all lie in the prompt pieces, out of the loss), the model inputs it returns for an image (each kept:
-  per-token ones laid end to end, pixel tensors padded to the batch's largest, the rest joined), and, from a
+  per-token ones laid end to end, pixel tensors padded to the batch's largest, the rest joined; each token's
+  modality, ``mm_token_type_ids``, asked for where the model's forward reads it), and, from a
   probe conversation, the token that closes an assistant reply and whether the template marks replies with
   ``{% generation %}``.
 
