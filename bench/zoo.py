@@ -100,6 +100,7 @@ SHRINK = dict(
     max_window_layers=2,
     hidden_size_per_layer_input=16,
 )
+HIDDEN_TIED = ("adapter_in_dim", "adapter_input_size")  # Dots3-Note's vision and audio adapters' input widths
 MAX_PARAMETERS = 120_000_000
 SEQUENCE_COUNTS = ("image_seq_length", "num_image_tokens", "image_seq_len", "num_image_token", "image_tokens")
 LOCK_HOLD = 200  # seconds: the machine's rule is a command holds the shared CPU lock under 5 minutes
@@ -143,6 +144,9 @@ def shrink(d: dict, vocab: int, text: bool) -> dict:
     if isinstance(out.get("num_key_value_heads"), int) and isinstance(out.get("num_attention_heads"), int):
         equal = d.get("num_key_value_heads") == d.get("num_attention_heads")  # MHA stays MHA (some configs insist)
         out["num_key_value_heads"] = out["num_attention_heads"] if equal else min(2, out["num_attention_heads"])
+    for key in HIDDEN_TIED:  # sizes a config insists equal its hidden size follow the shrunk one
+        if isinstance(out.get(key), int) and d.get(key) == d.get("hidden_size"):
+            out[key] = out["hidden_size"]
     if isinstance(out.get("per_layer_config"), dict):  # per-layer overrides keyed by layer index
         n = out.get("num_hidden_layers", 2)
         out["per_layer_config"] = {k: v for k, v in out["per_layer_config"].items() if int(k) < n}
