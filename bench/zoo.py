@@ -99,6 +99,7 @@ SHRINK = dict(
     vision_num_layers=2,
     max_window_layers=2,
     hidden_size_per_layer_input=16,
+    adapter_out_dim=64,  # Dots3-Note: must equal the text hidden size
 )
 HIDDEN_TIED = ("adapter_in_dim", "adapter_input_size")  # Dots3-Note's vision and audio adapters' input widths
 MAX_PARAMETERS = 120_000_000
@@ -186,7 +187,8 @@ def _default_mrope(d: dict) -> None:
     """A 3-D rope whose sections the config leaves to the model's default (sized for the full head): given
     sections summing to the tiny head_dim / 2, in every (sub-)config with rope parameters."""
     rope = d.get("rope_parameters")
-    if isinstance(rope, dict) and "mrope_section" not in rope and isinstance(d.get("hidden_size"), int):
+    # an empty rope dict is a per-layer-type table left empty (Cohere Compass): no rope there to give sections to
+    if isinstance(rope, dict) and rope and "mrope_section" not in rope and isinstance(d.get("hidden_size"), int):
         d["rope_parameters"] = dict(rope, mrope_section=[16, 24, 24])
         _shrink_rope(d)
     for value in d.values():
@@ -393,6 +395,13 @@ IMAGE_PROCESSOR = {
     "deepseek_vl_hybrid": lambda c: {  # its second (SAM) tower's input side
         "high_res_size": dict.fromkeys(("height", "width"), c["high_res_vision_config"]["image_size"])
     },
+    # the global view twice the tower's side, local crops of its side (as 728 / 504 px against 14 px patches
+    # downsampled 4x); the longest side it takes is a size in pixels, not a count (the rule above would cut it)
+    "step3p7": lambda c: {
+        "size": dict.fromkeys(("height", "width"), 2 * c["vision_config"]["image_size"]),
+        "patch_size": c["vision_config"]["image_size"],
+        "max_image_size": 8 * c["vision_config"]["image_size"],
+    },
     # the image is cut into squares of one merged patch (the class default is the full tower's 2 x 20 px)
     **dict.fromkeys(
         ("inkling2", "inkling2_loop"), lambda c: {"size": dict.fromkeys(("height", "width"), _merged_patch(c))}
@@ -440,9 +449,7 @@ def _merged(d: dict, over: dict) -> dict:
 def _image_processor(model_type: str, side: int, config: dict):
     import transformers
 
-    names = _auto("image_processing_auto", "IMAGE_PROCESSOR_MAPPING_NAMES").get(model_type) or _siblings_image(
-        model_type
-    )
+    names = _mapped(model_type, "image_processing_auto", "IMAGE_PROCESSOR_MAPPING_NAMES") or {}
     name = names.get("pil") or names.get("torchvision")
     if not name:
         raise NotBuilt("transformers maps no image processor to it")
@@ -473,13 +480,16 @@ def _image_processor(model_type: str, side: int, config: dict):
     return processor
 
 
-def _siblings_image(model_type: str) -> dict:
-    """The image processor names of another type mapped to the same processor class (transformers maps none to
-    some variants: Qwen3-VL MoE's processor is Qwen3-VL's, and so its image processor), else none."""
+def _mapped(model_type: str, module: str, name: str):
+    """The class name(s) an auto mapping gives the type, else those it gives another type mapped to the same
+    processor class (transformers maps none to some variants: Qwen3-VL MoE's processor is Qwen3-VL's, and so
+    its image processor), else None."""
+    mapping = _auto(module, name)
+    if mapping.get(model_type):
+        return mapping[model_type]
     processors = _auto("processing_auto", "PROCESSOR_MAPPING_NAMES")
-    images = _auto("image_processing_auto", "IMAGE_PROCESSOR_MAPPING_NAMES")
     mine = processors.get(model_type)
-    return next((images[t] for t, p in processors.items() if mine and p == mine and images.get(t)), {})
+    return next((mapping[t] for t, p in processors.items() if mine and p == mine and mapping.get(t)), None)
 
 
 def pinpoints(side: int) -> list[list[int]]:
@@ -535,12 +545,12 @@ def _processor(model_type: str, side: int, config: dict):
     if "image_processor" in params:
         kwargs["image_processor"] = _image_processor(model_type, side, config)
     if "feature_extractor" in params:  # the audio part of omni processors: its class defaults
-        extractor = _auto("feature_extraction_auto", "FEATURE_EXTRACTOR_MAPPING_NAMES").get(model_type)
+        extractor = _mapped(model_type, "feature_extraction_auto", "FEATURE_EXTRACTOR_MAPPING_NAMES")
         if isinstance(extractor, dict):
             extractor = extractor.get("pil") or next(iter(extractor.values()), None)
         kwargs["feature_extractor"] = getattr(transformers, extractor)() if extractor else None
     if "video_processor" in params:
-        video = _auto("video_processing_auto", "VIDEO_PROCESSOR_MAPPING_NAMES").get(model_type)
+        video = _mapped(model_type, "video_processing_auto", "VIDEO_PROCESSOR_MAPPING_NAMES")
         if isinstance(video, dict):  # {backend: class name}
             video = video.get("pil") or video.get("torchvision") or next(iter(video.values()), None)
         try:

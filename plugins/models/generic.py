@@ -63,6 +63,9 @@ BLOCK_LISTS = ("layers", "layer", "blocks", "h")
 ATTENTION_STEPS = ("attn", "attention")
 MLP_STEPS = ("mlp", "feed_forward", "ffn")
 PROBE_SIZE = (64, 64)  # the blank image of the probe conversation and of the vision warm-up
+# a second probe image, large and wide: inputs a processor returns only for some images (local crops of a large or
+# elongated one, as Step-3.7's) are kept too
+WIDE_PROBE_SIZE = (1024, 256)
 PROBE_REPLY = "probe reply"
 GENERATION_MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
 PACKING_REFUSAL = (
@@ -238,9 +241,9 @@ def _join(value, length: int) -> str:
 
 
 def _read_processor(path: str, model_type: str, load=load_processor) -> tuple[Any, dict, dict]:
-    """The processor's conventions from a probe conversation (one blank image, one reply): (processor,
-    {model input: how a batch joins it}, the image inputs for the vision warm-up), and what was found."""
-    import torch
+    """The processor's conventions from a probe conversation (one blank image, one reply; the prompt again with
+    the wide probe image): (processor, {model input: how a batch joins it}, the image inputs for the vision
+    warm-up), and what was found."""
     from PIL import Image
 
     try:
@@ -269,10 +272,8 @@ def _read_processor(path: str, model_type: str, load=load_processor) -> tuple[An
         ) from None
     if token not in prompt:
         raise _refuse(model_type, f"its chat template writes no image placeholder {token!r} for an image part")
-    length = int(out["input_ids"].shape[-1])
-    joins = {
-        k: _join(v, length) for k, v in out.items() if k not in ("input_ids", "attention_mask") and torch.is_tensor(v)
-    }
+    joins = _joins(out)
+    joins.update({k: v for k, v in _wide_probe_joins(processor, prompt).items() if k not in joins})
     pixels = "pixel_values" if "pixel_values" in joins else next((k for k in joins if k.startswith("pixel")), "")
     if not pixels:
         raise _refuse(model_type, f"its processor returns no pixel input for an image (it returns {sorted(out)})")
@@ -289,6 +290,27 @@ def _read_processor(path: str, model_type: str, load=load_processor) -> tuple[An
     warmup = {k: v for k, v in out.items() if joins.get(k) in ("concat", "concat_padded")}
     conv = {"joins": joins, "pixels": pixels, "end": end, "warmup": warmup, "probe_ids": out["input_ids"]}
     return processor, conv, found
+
+
+def _joins(out) -> dict:
+    """{model input: how a batch joins it} for one processor output."""
+    import torch
+
+    length = int(out["input_ids"].shape[-1])
+    return {
+        k: _join(v, length) for k, v in out.items() if k not in ("input_ids", "attention_mask") and torch.is_tensor(v)
+    }
+
+
+def _wide_probe_joins(processor, prompt: str) -> dict:
+    """The joins of the prompt with the wide probe image: the inputs the processor returns for such an image
+    only. None where the processor fails on it (the records' own images show what it does with them)."""
+    from PIL import Image
+
+    try:
+        return _joins(processor(text=[prompt], images=[[Image.new("RGB", WIDE_PROBE_SIZE)]], return_tensors="pt"))
+    except Exception:  # noqa: BLE001 - a processor that cannot take this image: only the first probe's inputs
+        return {}
 
 
 def _image_token_strings(processor) -> list[str]:
@@ -386,10 +408,7 @@ def _read_video(processor, model, image_joins: dict) -> tuple[Any, dict, str]:
         return None, {}, f"none (its processor cannot encode a one-clip conversation: {type(e).__name__}: {e})"
     if token not in prompt:
         return None, {}, f"none (its chat template writes no video placeholder {token!r} for a video part)"
-    length = int(out["input_ids"].shape[-1])
-    joins = {
-        k: _join(v, length) for k, v in out.items() if k not in ("input_ids", "attention_mask") and torch.is_tensor(v)
-    }
+    joins = _joins(out)
     pixels = "pixel_values_videos" if "pixel_values_videos" in joins else next((k for k in joins if "pixel" in k), "")
     takes = inspect.signature(model.forward).parameters
     if not pixels or pixels not in takes:
