@@ -110,6 +110,8 @@ LAYER_LIST_KEYS = ("layer_types", "mlp_layer_types", "layers_block_type", "attn_
 TOKEN_LITERAL = re.compile(r"""["']((?:<[^"'\s{}%]{1,40}>)|(?:\[[A-Z_/]{2,30}\])|(?:\|[A-Z_]{2,30}\|))["']""")
 TOKEN_IN_FSTRING = re.compile(r"""(?:f["']|\})(<[A-Za-z_]{2,30}>)(?:\{|["'])""")  # f"<IMG_START>{..." ...}<IMG_GRID>"
 TOKEN_ATTRIBUTE = re.compile(r"tokenizer\.(\w+_token)\b")
+# an attribute read as optional (Gemma 4 checks its audio boundary tokens on every call, whatever the inputs)
+OPTIONAL_TOKEN_ATTRIBUTE = re.compile(r"""getattr\((?:self\.)?tokenizer, ["'](\w+_token)["'], None\)""")
 BASE_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "<s>", "</s>", "<pad>"]
 EOS, PAD = "<|im_end|>", "<|endoftext|>"
 TEMPLATE = (
@@ -281,7 +283,9 @@ def _shrink_rope(out: dict) -> None:
             continue
         sections, half = rope["mrope_section"], head // 2
         scaled = [max(1, s * half // sum(sections)) for s in sections]
-        scaled[0] += half - sum(scaled)
+        # the rest to a section no other equals (ERNIE 4.5 VL interleaves its equal height and width sections)
+        odd = next((i for i, s in enumerate(sections) if sections.count(s) == 1), 0)
+        scaled[odd] += half - sum(scaled)
         out[key] = dict(rope, mrope_section=scaled)
 
 
@@ -326,7 +330,7 @@ def _processor_tokens(processor_class) -> tuple[list[str], dict[str, str]]:
         if isinstance(p.default, str)
     }
     attributes = {}
-    for name in dict.fromkeys(TOKEN_ATTRIBUTE.findall(source)):
+    for name in dict.fromkeys(TOKEN_ATTRIBUTE.findall(source) + OPTIONAL_TOKEN_ATTRIBUTE.findall(source)):
         if name.startswith("add_") or name in (
             "eos_token",
             "bos_token",
