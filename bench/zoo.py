@@ -102,6 +102,10 @@ SHRINK = dict(
     adapter_out_dim=64,  # Dots3-Note: must equal the text hidden size
 )
 HIDDEN_TIED = ("adapter_in_dim", "adapter_input_size")  # Dots3-Note's vision and audio adapters' input widths
+MROPE_DEFAULT = re.compile(
+    r"""mrope_section["']?\s*,\s*\[(\d+),\s*(\d+),\s*(\d+)\]"""
+)  # .get("mrope_section", [a, b, c])
+SLIDING_WINDOW = 64  # tokens: sliding layers of a config that leaves the window to the checkpoint
 MAX_PARAMETERS = 120_000_000
 SEQUENCE_COUNTS = ("image_seq_length", "num_image_tokens", "image_seq_len", "num_image_token", "image_tokens")
 LOCK_HOLD = 200  # seconds: the machine's rule is a command holds the shared CPU lock under 5 minutes
@@ -168,6 +172,9 @@ def shrink(d: dict, vocab: int, text: bool) -> dict:
             out[key] = _kept_layers(value, out.get("num_hidden_layers", 2))
     _shrink_image(out)
     _shrink_rope(out)
+    layer_kinds = out.get("layer_types") if isinstance(out.get("layer_types"), list) else []
+    if "sliding_attention" in layer_kinds and out.get("sliding_window") is None:  # left to the checkpoint (Step-3.7)
+        out["sliding_window"] = SLIDING_WINDOW
     for key in ("vision_feature_layer", "vision_feature_layers"):  # layer indexes into the shrunk tower
         if key in out:
             out[key] = _layer_index(out[key])
@@ -185,17 +192,17 @@ def shrink(d: dict, vocab: int, text: bool) -> dict:
     return out
 
 
-def _default_mrope(d: dict) -> None:
+def _default_mrope(d: dict, sections: list[int]) -> None:
     """A 3-D rope whose sections the config leaves to the model's default (sized for the full head): given
     sections summing to the tiny head_dim / 2, in every (sub-)config with rope parameters."""
     rope = d.get("rope_parameters")
     # an empty rope dict is a per-layer-type table left empty (Cohere Compass): no rope there to give sections to
     if isinstance(rope, dict) and rope and "mrope_section" not in rope and isinstance(d.get("hidden_size"), int):
-        d["rope_parameters"] = dict(rope, mrope_section=[16, 24, 24])
+        d["rope_parameters"] = dict(rope, mrope_section=list(sections))
         _shrink_rope(d)
     for value in d.values():
         if isinstance(value, dict):
-            _default_mrope(value)
+            _default_mrope(value, sections)
 
 
 # where a type's model reads a token other than the processor's ``image_token`` (the ids the builder gives it)
@@ -224,9 +231,11 @@ def _type_token_ids(model_type: str, d: dict, tokenizer) -> dict:
     return {k: _type_token_ids(model_type, v, tokenizer) if isinstance(v, dict) else v for k, v in out.items()}
 
 
-def _uses_mrope(config_class, d: dict) -> bool:
-    """Whether the model reads a 3-D rope's sections: its config's or modeling module's source names them, or a
-    sub-config's (GLM-4.6V's text model is GLM-4.1V's; PaddleOCR-VL's modeling code holds the default)."""
+def _mrope_sections(config_class, d: dict) -> list[int] | None:
+    """A 3-D rope's default sections where the model reads them (its config's or modeling module's source names
+    them, or a sub-config's: GLM-4.6V's text model is GLM-4.1V's; PaddleOCR-VL's modeling code holds the default):
+    the list the source writes after the name (ERNIE 4.5 VL's equal height and width), else Qwen2-VL's; None
+    where no source names them."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     def types(x: dict):
@@ -240,14 +249,16 @@ def _uses_mrope(config_class, d: dict) -> bool:
     modules.update(CONFIG_MAPPING[t].__module__ for t in types(d) if t in CONFIG_MAPPING)
     for name in list(modules):
         modules.add(name.replace(".configuration_", ".modeling_"))
-    for name in modules:
+    sources = []
+    for name in sorted(modules):
         try:
-            module = importlib.import_module(name)
+            sources.append(inspect.getsource(importlib.import_module(name)))
         except Exception:  # noqa: BLE001 - no such module, or one needing a package not here: not read
             continue
-        if "mrope_section" in inspect.getsource(module):
-            return True
-    return False
+    if not any("mrope_section" in source for source in sources):
+        return None
+    written = next((m for m in map(MROPE_DEFAULT.search, sources) if m), None)
+    return [int(x) for x in written.groups()] if written else [16, 24, 24]
 
 
 def _layer_index(value):
@@ -281,7 +292,8 @@ def _shrink_rope(out: dict) -> None:
         rope = out.get(key)
         if not (isinstance(rope, dict) and isinstance(head, int) and isinstance(rope.get("mrope_section"), list)):
             continue
-        sections, half = rope["mrope_section"], head // 2
+        partial = rope.get("partial_rotary_factor") or out.get("partial_rotary_factor") or 1.0  # GLM-4.5V: half
+        sections, half = rope["mrope_section"], int(head * partial) // 2
         scaled = [max(1, s * half // sum(sections)) for s in sections]
         # the rest to a section no other equals (ERNIE 4.5 VL interleaves its equal height and width sections)
         odd = next((i for i, s in enumerate(sections) if sections.count(s) == 1), 0)
@@ -689,8 +701,9 @@ def build(model_type: str, folder: Path) -> str:
     if small.get("image_grid_pinpoints"):
         small["image_grid_pinpoints"] = pinpoints(_vision_side(small) or 32)
     _tile_tokens(processor, small)
-    if _uses_mrope(config_class, small):
-        _default_mrope(small)
+    sections = _mrope_sections(config_class, small)
+    if sections:
+        _default_mrope(small, sections)
     small.pop("transformers_version", None)
     config = config_class.from_dict(small)
     with torch.device("meta"):
