@@ -105,7 +105,6 @@ HIDDEN_TIED = ("adapter_in_dim", "adapter_input_size")  # Dots3-Note's vision an
 MROPE_DEFAULT = re.compile(
     r"""mrope_section["']?\s*,\s*\[(\d+),\s*(\d+),\s*(\d+)\]"""
 )  # .get("mrope_section", [a, b, c])
-SLIDING_WINDOW = 64  # tokens: sliding layers of a config that leaves the window to the checkpoint
 MAX_PARAMETERS = 120_000_000
 SEQUENCE_COUNTS = ("image_seq_length", "num_image_tokens", "image_seq_len", "num_image_token", "image_tokens")
 LOCK_HOLD = 200  # seconds: the machine's rule is a command holds the shared CPU lock under 5 minutes
@@ -172,9 +171,6 @@ def shrink(d: dict, vocab: int, text: bool) -> dict:
             out[key] = _kept_layers(value, out.get("num_hidden_layers", 2))
     _shrink_image(out)
     _shrink_rope(out)
-    layer_kinds = out.get("layer_types") if isinstance(out.get("layer_types"), list) else []
-    if "sliding_attention" in layer_kinds and out.get("sliding_window") is None:  # left to the checkpoint (Step-3.7)
-        out["sliding_window"] = SLIDING_WINDOW
     for key in ("vision_feature_layer", "vision_feature_layers"):  # layer indexes into the shrunk tower
         if key in out:
             out[key] = _layer_index(out[key])
@@ -432,6 +428,9 @@ CONFIG: dict[str, Any] = {
     "kimi_k25": {"projection_hidden_size": SHRINK["hidden_size"]},  # the projector normalizes the tower's hidden
     # the SAM neck's last channels are the second encoder's patch embeddings: its hidden size
     "unlimited_ocr": {"vision_config": {"sam_config": {"downsample_channels": [32, SHRINK["hidden_size"]]}}},
+    # its text model builds a sliding-window mask whatever its layers are; the class leaves the window to the
+    # checkpoint (None)
+    "step3p7": {"text_config": {"sliding_window": 64}},
     # the projector's query count is keyed by the tower's patch count at the processor's two sides (490, 980 px,
     # its size_conversion's keys): the keys follow the tiny tower's patch, the counts stay the processor's
     "aria": lambda c: {
@@ -616,10 +615,14 @@ def _token_ids(d: dict, processor, tokenizer) -> dict:
 
 
 def _with_sub_configs(d: dict, config_class) -> dict:
-    """Sub-configs the defaults leave None (a VQ model, a second tower) given their own class defaults."""
+    """Sub-configs the defaults leave None (a VQ model, a second tower) given their own class defaults; an
+    optional vision tower (``SubConfigSpec(optional=True)``: Gemma 4) too, an optional audio one not (the zoo
+    runs images)."""
     classes = dict(getattr(config_class, "sub_configs", None) or {})
     classes.update(getattr(config_class, "sub_configs_defaults", None) or {})
     for key, cls in classes.items():
+        if d.get(key) is None and not isinstance(cls, type) and "vision" in key:
+            cls = getattr(cls, "config_class", None)  # a SubConfigSpec naming its class
         if d.get(key) is None and isinstance(cls, type):
             try:
                 d[key] = cls().to_dict()
