@@ -450,7 +450,7 @@ def _merged_patch(config: dict) -> int:
 def _config_table(model_type: str, config: dict) -> dict:
     """The CONFIG entry of ``model_type`` (a dict, or a function of the shrunk config giving one)."""
     entry = CONFIG.get(model_type, {})
-    return entry(config) if callable(entry) else entry
+    return entry if isinstance(entry, dict) else entry(config)
 
 
 def _merged(d: dict, over: dict) -> dict:
