@@ -403,7 +403,8 @@ def _sized(d: dict, side: int) -> dict:
 
 # image processor settings a type's model needs and the class defaults do not give (from the shrunk config)
 IMAGE_PROCESSOR = {
-    "llava_onevision1_5": lambda c: {"temporal_patch_size": 1},  # its patch embedding takes one frame
+    # their patch embedding takes one frame
+    **dict.fromkeys(("llava_onevision1_5", "dots3_note"), lambda c: {"temporal_patch_size": 1}),
     "deepseek_vl_hybrid": lambda c: {  # its second (SAM) tower's input side
         "high_res_size": dict.fromkeys(("height", "width"), c["high_res_vision_config"]["image_size"])
     },
