@@ -432,6 +432,15 @@ CONFIG: dict[str, Any] = {
     # its text model builds a sliding-window mask whatever its layers are; the class leaves the window to the
     # checkpoint (None)
     "step3p7": {"text_config": {"sliding_window": 64}},
+    # its rope is a table by layer type the class leaves empty (the checkpoint fills it): one full-attention entry,
+    # its sections (the modeling default 24/20/20) over the tiny head's 8 frequencies
+    "cohere_compass": {
+        "text_config": {
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 2, 2]}
+            }
+        }
+    },
     # the projector's query count is keyed by the tower's patch count at the processor's two sides (490, 980 px,
     # its size_conversion's keys): the keys follow the tiny tower's patch, the counts stay the processor's
     "aria": lambda c: {
