@@ -192,8 +192,9 @@ def _default_mrope(d: dict, sections: list[int]) -> None:
     """A 3-D rope whose sections the config leaves to the model's default (sized for the full head): given
     sections summing to the tiny head_dim / 2, in every (sub-)config with rope parameters."""
     rope = d.get("rope_parameters")
-    # an empty rope dict is a per-layer-type table left empty (Cohere Compass): no rope there to give sections to
-    if isinstance(rope, dict) and rope and "mrope_section" not in rope and isinstance(d.get("hidden_size"), int):
+    # a rope table by layer type (Cohere Compass: empty, or as CONFIG fills it) holds its sections per entry
+    flat = isinstance(rope, dict) and bool(rope) and not any(isinstance(v, dict) for v in rope.values())
+    if flat and isinstance(rope, dict) and "mrope_section" not in rope and isinstance(d.get("hidden_size"), int):
         d["rope_parameters"] = dict(rope, mrope_section=list(sections))
         _shrink_rope(d)
     for value in d.values():
