@@ -304,7 +304,7 @@ def _joins(out) -> dict:
 
 def _wide_probe_joins(processor, prompt: str) -> dict:
     """The joins of the prompt with the wide probe image: the inputs the processor returns for such an image
-    only. None where the processor fails on it (the records' own images show what it does with them)."""
+    only; none where the processor fails on it (the records' own images show what it does with them)."""
     from PIL import Image
 
     try:
