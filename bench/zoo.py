@@ -98,7 +98,13 @@ SHRINK = dict(
     num_query_tokens=4,
     vision_num_layers=2,
     max_window_layers=2,
+    hidden_size_per_layer_input=16,
+    adapter_out_dim=64,  # Dots3-Note: must equal the text hidden size
 )
+HIDDEN_TIED = ("adapter_in_dim", "adapter_input_size")  # Dots3-Note's vision and audio adapters' input widths
+MROPE_DEFAULT = re.compile(
+    r"""mrope_section["']?\s*,\s*\[(\d+),\s*(\d+),\s*(\d+)\]"""
+)  # .get("mrope_section", [a, b, c])
 MAX_PARAMETERS = 120_000_000
 SEQUENCE_COUNTS = ("image_seq_length", "num_image_tokens", "image_seq_len", "num_image_token", "image_tokens")
 LOCK_HOLD = 200  # seconds: the machine's rule is a command holds the shared CPU lock under 5 minutes
@@ -107,6 +113,8 @@ LAYER_LIST_KEYS = ("layer_types", "mlp_layer_types", "layers_block_type", "attn_
 TOKEN_LITERAL = re.compile(r"""["']((?:<[^"'\s{}%]{1,40}>)|(?:\[[A-Z_/]{2,30}\])|(?:\|[A-Z_]{2,30}\|))["']""")
 TOKEN_IN_FSTRING = re.compile(r"""(?:f["']|\})(<[A-Za-z_]{2,30}>)(?:\{|["'])""")  # f"<IMG_START>{..." ...}<IMG_GRID>"
 TOKEN_ATTRIBUTE = re.compile(r"tokenizer\.(\w+_token)\b")
+# an attribute read as optional (Gemma 4 checks its audio boundary tokens on every call, whatever the inputs)
+OPTIONAL_TOKEN_ATTRIBUTE = re.compile(r"""getattr\((?:self\.)?tokenizer, ["'](\w+_token)["'], None\)""")
 BASE_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "<s>", "</s>", "<pad>"]
 EOS, PAD = "<|im_end|>", "<|endoftext|>"
 TEMPLATE = (
@@ -142,6 +150,9 @@ def shrink(d: dict, vocab: int, text: bool) -> dict:
     if isinstance(out.get("num_key_value_heads"), int) and isinstance(out.get("num_attention_heads"), int):
         equal = d.get("num_key_value_heads") == d.get("num_attention_heads")  # MHA stays MHA (some configs insist)
         out["num_key_value_heads"] = out["num_attention_heads"] if equal else min(2, out["num_attention_heads"])
+    for key in HIDDEN_TIED:  # sizes a config insists equal its hidden size follow the shrunk one
+        if isinstance(out.get(key), int) and d.get(key) == d.get("hidden_size"):
+            out[key] = out["hidden_size"]
     if isinstance(out.get("per_layer_config"), dict):  # per-layer overrides keyed by layer index
         n = out.get("num_hidden_layers", 2)
         out["per_layer_config"] = {k: v for k, v in out["per_layer_config"].items() if int(k) < n}
@@ -169,22 +180,26 @@ def shrink(d: dict, vocab: int, text: bool) -> dict:
         )
     if text and isinstance(out.get("vocab_size"), int):
         out["vocab_size"] = vocab
+    if text and isinstance(out.get("vocab_size_per_layer_input"), int):  # Gemma 3n/4's per-layer embedding rows
+        out["vocab_size_per_layer_input"] = vocab
     for key, value in out.items():
         if isinstance(value, dict) and ("model_type" in value or key.endswith("_config")):
             out[key] = shrink(value, vocab, text=text and _is_text_key(key))
     return out
 
 
-def _default_mrope(d: dict) -> None:
+def _default_mrope(d: dict, sections: list[int]) -> None:
     """A 3-D rope whose sections the config leaves to the model's default (sized for the full head): given
     sections summing to the tiny head_dim / 2, in every (sub-)config with rope parameters."""
     rope = d.get("rope_parameters")
-    if isinstance(rope, dict) and "mrope_section" not in rope and isinstance(d.get("hidden_size"), int):
-        d["rope_parameters"] = dict(rope, mrope_section=[16, 24, 24])
+    # a rope table by layer type (Cohere Compass: empty, or as CONFIG fills it) holds its sections per entry
+    flat = isinstance(rope, dict) and bool(rope) and not any(isinstance(v, dict) for v in rope.values())
+    if flat and isinstance(rope, dict) and "mrope_section" not in rope and isinstance(d.get("hidden_size"), int):
+        d["rope_parameters"] = dict(rope, mrope_section=list(sections))
         _shrink_rope(d)
     for value in d.values():
         if isinstance(value, dict):
-            _default_mrope(value)
+            _default_mrope(value, sections)
 
 
 # where a type's model reads a token other than the processor's ``image_token`` (the ids the builder gives it)
@@ -219,9 +234,11 @@ def _type_token_ids(model_type: str, d: dict, tokenizer) -> dict:
     return {k: _type_token_ids(model_type, v, tokenizer) if isinstance(v, dict) else v for k, v in out.items()}
 
 
-def _uses_mrope(config_class, d: dict) -> bool:
-    """Whether the model reads a 3-D rope's sections: its config's or modeling module's source names them, or a
-    sub-config's (GLM-4.6V's text model is GLM-4.1V's; PaddleOCR-VL's modeling code holds the default)."""
+def _mrope_sections(config_class, d: dict) -> list[int] | None:
+    """A 3-D rope's default sections where the model reads them (its config's or modeling module's source names
+    them, or a sub-config's: GLM-4.6V's text model is GLM-4.1V's; PaddleOCR-VL's modeling code holds the default):
+    the list the source writes after the name (ERNIE 4.5 VL's equal height and width), else Qwen2-VL's; None
+    where no source names them."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     def types(x: dict):
@@ -235,14 +252,16 @@ def _uses_mrope(config_class, d: dict) -> bool:
     modules.update(CONFIG_MAPPING[t].__module__ for t in types(d) if t in CONFIG_MAPPING)
     for name in list(modules):
         modules.add(name.replace(".configuration_", ".modeling_"))
-    for name in modules:
+    sources = []
+    for name in sorted(modules):
         try:
-            module = importlib.import_module(name)
+            sources.append(inspect.getsource(importlib.import_module(name)))
         except Exception:  # noqa: BLE001 - no such module, or one needing a package not here: not read
             continue
-        if "mrope_section" in inspect.getsource(module):
-            return True
-    return False
+    if not any("mrope_section" in source for source in sources):
+        return None
+    written = next((m for m in map(MROPE_DEFAULT.search, sources) if m), None)
+    return [int(x) for x in written.groups()] if written else [16, 24, 24]
 
 
 def _layer_index(value):
@@ -276,9 +295,12 @@ def _shrink_rope(out: dict) -> None:
         rope = out.get(key)
         if not (isinstance(rope, dict) and isinstance(head, int) and isinstance(rope.get("mrope_section"), list)):
             continue
-        sections, half = rope["mrope_section"], head // 2
+        partial = rope.get("partial_rotary_factor") or out.get("partial_rotary_factor") or 1.0  # GLM-4.5V: half
+        sections, half = rope["mrope_section"], int(head * partial) // 2
         scaled = [max(1, s * half // sum(sections)) for s in sections]
-        scaled[0] += half - sum(scaled)
+        # the rest to a section no other equals (ERNIE 4.5 VL interleaves its equal height and width sections)
+        odd = next((i for i, s in enumerate(sections) if sections.count(s) == 1), 0)
+        scaled[odd] += half - sum(scaled)
         out[key] = dict(rope, mrope_section=scaled)
 
 
@@ -323,7 +345,7 @@ def _processor_tokens(processor_class) -> tuple[list[str], dict[str, str]]:
         if isinstance(p.default, str)
     }
     attributes = {}
-    for name in dict.fromkeys(TOKEN_ATTRIBUTE.findall(source)):
+    for name in dict.fromkeys(TOKEN_ATTRIBUTE.findall(source) + OPTIONAL_TOKEN_ATTRIBUTE.findall(source)):
         if name.startswith("add_") or name in (
             "eos_token",
             "bos_token",
@@ -388,7 +410,8 @@ def _sized(d: dict, side: int) -> dict:
 
 # image processor settings a type's model needs and the class defaults do not give (from the shrunk config)
 IMAGE_PROCESSOR = {
-    "llava_onevision1_5": lambda c: {"temporal_patch_size": 1},  # its patch embedding takes one frame
+    # their patch embedding takes one frame
+    **dict.fromkeys(("llava_onevision1_5", "dots3_note"), lambda c: {"temporal_patch_size": 1}),
     "deepseek_vl_hybrid": lambda c: {  # its second (SAM) tower's input side
         "high_res_size": dict.fromkeys(("height", "width"), c["high_res_vision_config"]["image_size"])
     },
@@ -397,9 +420,20 @@ IMAGE_PROCESSOR = {
     "paligemma": lambda c: {
         "image_seq_length": (c["vision_config"]["image_size"] // c["vision_config"]["patch_size"]) ** 2
     },
+    # the global view twice the tower's side, local crops of its side (as 728 / 504 px against 14 px patches
+    # downsampled 4x); the longest side it takes is a size in pixels, not a count (the rule above would cut it)
+    "step3p7": lambda c: {
+        "size": dict.fromkeys(("height", "width"), 2 * c["vision_config"]["image_size"]),
+        "patch_size": c["vision_config"]["image_size"],
+        "max_image_size": 8 * c["vision_config"]["image_size"],
+    },
+    # the image is cut into squares of one merged patch (the class default is the full tower's 2 x 20 px)
+    **dict.fromkeys(
+        ("inkling2", "inkling2_loop"), lambda c: {"size": dict.fromkeys(("height", "width"), _merged_patch(c))}
+    ),
 }
 # top-level sizes that restate the shrunk towers' (the shrinker caps them, these derive them)
-CONFIG = {
+CONFIG: dict[str, Any] = {
     **{  # the adapter takes the tower's 2 x 2 merged patches: vision hidden * 4
         t: {"out_hidden_size": SHRINK["hidden_size"] * 4, "projector_hidden_size": SHRINK["hidden_size"]}
         for t in ("muse_spark", "muse_glimmer")
@@ -407,6 +441,25 @@ CONFIG = {
     "kimi_k25": {"projection_hidden_size": SHRINK["hidden_size"]},  # the projector normalizes the tower's hidden
     # the SAM neck's last channels are the second encoder's patch embeddings: its hidden size
     "unlimited_ocr": {"vision_config": {"sam_config": {"downsample_channels": [32, SHRINK["hidden_size"]]}}},
+    # its text model builds a sliding-window mask whatever its layers are; the class leaves the window to the
+    # checkpoint (None)
+    "step3p7": {"text_config": {"sliding_window": 64}},
+    # its rope is a table by layer type the class leaves empty (the checkpoint fills it): one full-attention entry,
+    # its sections (the modeling default 24/20/20) over the tiny head's 8 frequencies
+    "cohere_compass": {
+        "text_config": {
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 2, 2]}
+            }
+        }
+    },
+    # the projector's query count is keyed by the tower's patch count at the processor's two sides (490, 980 px,
+    # its size_conversion's keys): the keys follow the tiny tower's patch, the counts stay the processor's
+    "aria": lambda c: {
+        "projector_patch_to_query_dict": {
+            (s // c["vision_config"]["patch_size"]) ** 2: q for s, q in ((490, 128), (980, 256))
+        }
+    },
     # the 0.5 pixel shuffle gives the tower's MLP 4 x hidden channels, and its output feeds the projector
     "llama4": {
         "vision_config": {
@@ -417,6 +470,18 @@ CONFIG = {
         }
     },
 }
+
+
+def _merged_patch(config: dict) -> int:
+    """The side of one merged patch of the vision tower: its patch size times its spatial merge size."""
+    vision = config.get("vision_config", config)
+    return vision["patch_size"] * vision.get("spatial_merge_size", 1)
+
+
+def _config_table(model_type: str, config: dict) -> dict:
+    """The CONFIG entry of ``model_type`` (a dict, or a function of the shrunk config giving one)."""
+    entry = CONFIG.get(model_type, {})
+    return entry if isinstance(entry, dict) else entry(config)
 
 
 def _merged(d: dict, over: dict) -> dict:
@@ -430,7 +495,7 @@ def _merged(d: dict, over: dict) -> dict:
 def _image_processor(model_type: str, side: int, config: dict):
     import transformers
 
-    names = _auto("image_processing_auto", "IMAGE_PROCESSOR_MAPPING_NAMES").get(model_type) or {}
+    names = _mapped(model_type, "image_processing_auto", "IMAGE_PROCESSOR_MAPPING_NAMES") or {}
     name = names.get("pil") or names.get("torchvision")
     if not name:
         raise NotBuilt("transformers maps no image processor to it")
@@ -459,6 +524,18 @@ def _image_processor(model_type: str, side: int, config: dict):
     sized.update(IMAGE_PROCESSOR[model_type](config) if model_type in IMAGE_PROCESSOR else {})
     processor = cls(**sized)
     return processor
+
+
+def _mapped(model_type: str, module: str, name: str):
+    """The class name(s) an auto mapping gives the type, else those it gives another type mapped to the same
+    processor class (transformers maps none to some variants: Qwen3-VL MoE's processor is Qwen3-VL's, and so
+    its image processor), else None."""
+    mapping = _auto(module, name)
+    if mapping.get(model_type):
+        return mapping[model_type]
+    processors = _auto("processing_auto", "PROCESSOR_MAPPING_NAMES")
+    mine = processors.get(model_type)
+    return next((mapping[t] for t, p in processors.items() if mine and p == mine and mapping.get(t)), None)
 
 
 def pinpoints(side: int) -> list[list[int]]:
@@ -514,16 +591,16 @@ def _processor(model_type: str, side: int, config: dict):
     if "image_processor" in params:
         kwargs["image_processor"] = _image_processor(model_type, side, config)
     if "feature_extractor" in params:  # the audio part of omni processors: its class defaults
-        extractor = _auto("feature_extraction_auto", "FEATURE_EXTRACTOR_MAPPING_NAMES").get(model_type)
+        extractor = _mapped(model_type, "feature_extraction_auto", "FEATURE_EXTRACTOR_MAPPING_NAMES")
         if isinstance(extractor, dict):
             extractor = extractor.get("pil") or next(iter(extractor.values()), None)
         kwargs["feature_extractor"] = getattr(transformers, extractor)() if extractor else None
     if "video_processor" in params:
-        video = _auto("video_processing_auto", "VIDEO_PROCESSOR_MAPPING_NAMES").get(model_type)
+        video = _mapped(model_type, "video_processing_auto", "VIDEO_PROCESSOR_MAPPING_NAMES")
         if isinstance(video, dict):  # {backend: class name}
             video = video.get("pil") or video.get("torchvision") or next(iter(video.values()), None)
         try:
-            kwargs["video_processor"] = getattr(transformers, video)() if video else None
+            kwargs["video_processor"] = _video_processor(getattr(transformers, video)) if video else None
         except ImportError as e:
             raise NotBuilt(f"{video} needs a package not installed here ({e})".splitlines()[0]) from None
     try:
@@ -533,6 +610,11 @@ def _processor(model_type: str, side: int, config: dict):
     token = getattr(processor, "image_token", None)  # none: the template writes no placeholder (vlft says so)
     processor.chat_template = TEMPLATE.replace("IMAGE_TOKEN", token if isinstance(token, str) else "")
     return processor
+
+
+def _video_processor(cls):
+    """The video processor class's defaults, less timestamps drawn on frames (their font file is a download)."""
+    return cls(draw_on_frames=False) if getattr(cls, "draw_on_frames", False) else cls()
 
 
 # --- the model -------------------------------------------------------------------------------------------------
@@ -564,10 +646,14 @@ def _token_ids(d: dict, processor, tokenizer) -> dict:
 
 
 def _with_sub_configs(d: dict, config_class) -> dict:
-    """Sub-configs the defaults leave None (a VQ model, a second tower) given their own class defaults."""
+    """Sub-configs the defaults leave None (a VQ model, a second tower) given their own class defaults; an
+    optional vision tower (``SubConfigSpec(optional=True)``: Gemma 4) too, an optional audio one not (the zoo
+    runs images)."""
     classes = dict(getattr(config_class, "sub_configs", None) or {})
     classes.update(getattr(config_class, "sub_configs_defaults", None) or {})
     for key, cls in classes.items():
+        if d.get(key) is None and not isinstance(cls, type) and "vision" in key:
+            cls = getattr(cls, "config_class", None)  # a SubConfigSpec naming its class
         if d.get(key) is None and isinstance(cls, type):
             try:
                 d[key] = cls().to_dict()
@@ -645,12 +731,13 @@ def build(model_type: str, folder: Path) -> str:
     processor = _processor(model_type, _vision_side(small) or 32, small)
     tokenizer = getattr(processor, "tokenizer", processor)
     small = _token_ids(shrink(default, len(tokenizer), text=not has_text), processor, tokenizer)
-    small = _merged(_type_token_ids(model_type, small, tokenizer), CONFIG.get(model_type, {}))
+    small = _merged(_type_token_ids(model_type, small, tokenizer), _config_table(model_type, small))
     if small.get("image_grid_pinpoints"):
         small["image_grid_pinpoints"] = pinpoints(_vision_side(small) or 32)
     _tile_tokens(processor, small)
-    if _uses_mrope(config_class, small):
-        _default_mrope(small)
+    sections = _mrope_sections(config_class, small)
+    if sections:
+        _default_mrope(small, sections)
     small.pop("transformers_version", None)
     config = config_class.from_dict(small)
     with torch.device("meta"):

@@ -20,7 +20,10 @@ if str(ROOT) not in sys.path:  # bench/ is a package of the repository, not an i
 
 from bench import zoo  # noqa: E402 - after the repository is on sys.path
 
-TYPES = ("idefics2", "lfm2_vl", "lighton_ocr", "exaone4_5")  # generic family; fast; four processor styles
+# generic family; fast; four processor styles, and two inputs the generic reader must find: Cosmos3-Edge's
+# per-token modality ids (asked of the processor; its 3-D rope reads them) and Step-3.7's local crops (returned
+# only for a large or elongated image: the wide probe finds them)
+TYPES = ("idefics2", "lfm2_vl", "lighton_ocr", "exaone4_5", "cosmos3_edge", "step3p7")
 
 
 @pytest.fixture(scope="module")

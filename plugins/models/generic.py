@@ -13,7 +13,8 @@ What a built-in family declares by hand is read from the checkpoint instead:
 - the processor (``AutoProcessor``; the tokenizer's chat template where the processor has none): its image
   placeholder (``processor.image_token``), which the processor expands itself (tiles, row breaks, boundaries:
   they all lie in the prompt pieces, out of the loss), the model inputs it returns for an image (each kept:
-  per-token ones laid end to end, pixel tensors padded to the batch's largest, the rest joined), and, from a
+  per-token ones laid end to end, pixel tensors padded to the batch's largest, the rest joined; each token's
+  modality, ``mm_token_type_ids``, asked for where the model's forward reads it), and, from a
   probe conversation, the token that closes an assistant reply and whether the template marks replies with
   ``{% generation %}``.
 
@@ -69,6 +70,9 @@ BLOCK_LISTS = ("layers", "layer", "blocks", "h")
 ATTENTION_STEPS = ("attn", "attention")
 MLP_STEPS = ("mlp", "feed_forward", "ffn")
 PROBE_SIZE = (64, 64)  # the blank image of the probe conversation and of the vision warm-up
+# a second probe image, large and wide: inputs a processor returns only for some images (local crops of a large or
+# elongated one, as Step-3.7's) are kept too
+WIDE_PROBE_SIZE = (1024, 256)
 PROBE_REPLY = "probe reply"
 GENERATION_MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
 
@@ -192,16 +196,25 @@ def _top(model) -> str:
 # --- the processor ----------------------------------------------------------------------------------------------
 
 
-def load_processor(path: str):
+def load_processor(path: str, token_types: bool = False):
     """AutoProcessor, given the tokenizer's chat template where the processor itself has none (older
-    checkpoints keep it in tokenizer_config.json only)."""
+    checkpoints keep it in tokenizer_config.json only); with ``token_types``, asked for each token's modality
+    (``mm_token_type_ids``: a model whose forward takes them computes its 3-D rope from them, and processors
+    that do not default to returning them return them only when asked)."""
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(path)
     template = getattr(getattr(processor, "tokenizer", None), "chat_template", None)
     if getattr(processor, "chat_template", None) is None and template:
         processor.chat_template = template
+    if token_types and hasattr(processor, "return_mm_token_type_ids"):
+        processor.return_mm_token_type_ids = True
     return processor
+
+
+def _takes_token_types(model) -> bool:
+    """Whether the model's forward reads each token's modality (``mm_token_type_ids``)."""
+    return "mm_token_type_ids" in inspect.signature(model.forward).parameters
 
 
 def _probe_messages(reply: bool) -> list[dict]:
@@ -233,32 +246,26 @@ def _join(value, length: int, two=None) -> str:
     return "concat_padded" if value.dim() >= 2 else "concat"
 
 
-def _joins(processor, prompt: str, out) -> dict:
-    """{model input: how a batch joins it} for the probe's outputs ``out``; the probe twice over, with two
-    images, tells the inputs that hold every image in one row (their first dim stays 1) from those that stack."""
-    import torch
+def _two_image_probe(processor, prompt: str) -> dict:
+    """The probe twice over, with two images: it tells the inputs that hold every image in one row (their first dim
+    stays 1) from those that stack; empty where the processor takes one image per conversation only."""
     from PIL import Image
 
-    length = int(out["input_ids"].shape[-1])
     image = Image.new("RGB", PROBE_SIZE)
     try:
-        two = processor(text=[prompt + prompt], images=[[image, image]], return_tensors="pt")
+        return processor(text=[prompt + prompt], images=[[image, image]], return_tensors="pt")
     except Exception:  # noqa: BLE001 - one image per conversation only: the one-image shapes decide
-        two = {}
-    return {
-        k: _join(v, length, two.get(k))
-        for k, v in out.items()
-        if k not in ("input_ids", "attention_mask") and torch.is_tensor(v)
-    }
+        return {}
 
 
-def _read_processor(path: str, model_type: str) -> tuple[Any, dict, dict]:
-    """The processor's conventions from a probe conversation (one blank image, one reply): (processor,
-    {model input: how a batch joins it}, the image inputs for the vision warm-up), and what was found."""
+def _read_processor(path: str, model_type: str, load=load_processor) -> tuple[Any, dict, dict]:
+    """The processor's conventions from a probe conversation (one blank image, one reply; the prompt again with
+    the wide probe image): (processor, {model input: how a batch joins it}, the image inputs for the vision
+    warm-up), and what was found."""
     from PIL import Image
 
     try:
-        processor = load_processor(path)
+        processor = load(path)
     except Exception as e:  # noqa: BLE001 - any loader failure is the checkpoint's missing part
         raise _refuse(model_type, f"its processor does not load from {path} ({type(e).__name__}: {e})") from None
     if getattr(processor, "tokenizer", None) is None or getattr(processor, "image_processor", None) is None:
@@ -283,7 +290,8 @@ def _read_processor(path: str, model_type: str) -> tuple[Any, dict, dict]:
         ) from None
     if token not in prompt:
         raise _refuse(model_type, f"its chat template writes no image placeholder {token!r} for an image part")
-    joins = _joins(processor, prompt, out)
+    joins = _joins(out, _two_image_probe(processor, prompt))
+    joins.update({k: v for k, v in _wide_probe_joins(processor, prompt).items() if k not in joins})
     pixels = "pixel_values" if "pixel_values" in joins else next((k for k in joins if k.startswith("pixel")), "")
     if not pixels:
         raise _refuse(model_type, f"its processor returns no pixel input for an image (it returns {sorted(out)})")
@@ -308,6 +316,31 @@ def widened(value):
     import torch
 
     return value.float() if value.dtype in (torch.bfloat16, torch.float16) else value
+
+
+def _joins(out, two=None) -> dict:
+    """{model input: how a batch joins it} for one processor output (``two``: the same prompt's output with two
+    images, where the processor takes them)."""
+    import torch
+
+    length = int(out["input_ids"].shape[-1])
+    two = two or {}
+    return {
+        k: _join(v, length, two.get(k))
+        for k, v in out.items()
+        if k not in ("input_ids", "attention_mask") and torch.is_tensor(v)
+    }
+
+
+def _wide_probe_joins(processor, prompt: str) -> dict:
+    """The joins of the prompt with the wide probe image: the inputs the processor returns for such an image
+    only; none where the processor fails on it (the records' own images show what it does with them)."""
+    from PIL import Image
+
+    try:
+        return _joins(processor(text=[prompt], images=[[Image.new("RGB", WIDE_PROBE_SIZE)]], return_tensors="pt"))
+    except Exception:  # noqa: BLE001 - a processor that cannot take this image: only the first probe's inputs
+        return {}
 
 
 def _image_token_strings(processor) -> list[str]:
@@ -405,10 +438,7 @@ def _read_video(processor, model, image_joins: dict) -> tuple[Any, dict, str]:
         return None, {}, f"none (its processor cannot encode a one-clip conversation: {type(e).__name__}: {e})"
     if token not in prompt:
         return None, {}, f"none (its chat template writes no video placeholder {token!r} for a video part)"
-    length = int(out["input_ids"].shape[-1])
-    joins = {
-        k: _join(v, length) for k, v in out.items() if k not in ("input_ids", "attention_mask") and torch.is_tensor(v)
-    }
+    joins = _joins(out)
     pixels = "pixel_values_videos" if "pixel_values_videos" in joins else next((k for k in joins if "pixel" in k), "")
     takes = inspect.signature(model.forward).parameters
     if not pixels or pixels not in takes:
@@ -499,11 +529,12 @@ def read(model_config, path: str | None) -> ModelFamily | None:
     towers, targets, found = _towers(model, model_type)
     processor_class, chat, image_inputs, video_inputs, dummy = "", Chat(), None, None, None
     if path is not None:
-        processor, conv, seen = _read_processor(path, model_type)
+        load = partial(load_processor, token_types=_takes_token_types(model))
+        processor, conv, seen = _read_processor(path, model_type, load)
         found.update(seen)
         video_inputs, video, found["video"] = _read_video(processor, model, conv["joins"])
         processor_class = type(processor).__name__
-        chat = Chat(processor_class=processor_class, load_processor=load_processor, reply_end_token=conv["end"])
+        chat = Chat(processor_class=processor_class, load_processor=load, reply_end_token=conv["end"])
         base, seen = generic_vision.image_inputs(
             processor, model, towers, {**conv["joins"], **video.get("joins", {})}, conv["pixels"]
         )
