@@ -747,7 +747,8 @@ def test_gemma4_tiny_model_and_template():
     batch = processor(text=[full], images=[[_image(100, 75)]], return_tensors="pt")
     video = {"pixel_values_videos", "video_position_ids", "num_frames_per_video"}  # a clip's, absent for an image
     inputs = set(f.image_inputs.batch_inputs)
-    assert video <= inputs and set(batch) - {"input_ids", "attention_mask", "num_soft_tokens_per_image"} == inputs - video
+    assert (
+        video <= inputs and set(batch) - {"input_ids", "attention_mask", "num_soft_tokens_per_image"} == inputs - video
     )
     ids = batch["input_ids"][0]
     assert torch.equal(batch["mm_token_type_ids"][0], (ids == model.config.image_token_id).long())
