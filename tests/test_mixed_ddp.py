@@ -193,7 +193,9 @@ def test_a_generic_checkpoint_trains_on_two_processes_with_a_text_only_process(
 ):
     """The generic family under 2-process DDP and under ``--shard fsdp`` on the same two records: the text-only
     process runs the tower on the probe's blank image (the generic warm-up through ``get_image_features``), so
-    DDP finds every parameter used and FSDP's gathers stay in step; the vision adapters move on both."""
+    DDP finds every parameter used and FSDP's gathers stay in step; the vision adapters move on both. Both runs pack
+    (the generic family packs this checkpoint: 1-D positions, full attention; the start-up probe runs under DDP and
+    is skipped under FSDP), so packing meets both here."""
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
@@ -202,12 +204,13 @@ def test_a_generic_checkpoint_trains_on_two_processes_with_a_text_only_process(
         "--data", str(two_records), "--val-data", str(two_records), "--output", str(out), "--steps", "2",
         "--batch-size", "2", "--log-every", "1", "--eval-samples", "1",
         "--eval-every", "0", "--max-new-tokens", "1", "--save-every", "0", "--lr", "3e-3", "--seed", "2",
-        *(["--shard", "fsdp"] if shard == "fsdp" else []),
+        "--packing", "on", *(["--shard", "fsdp"] if shard == "fsdp" else []),
     ]  # fmt: skip
     proc = subprocess.run([*vlft_command(), *args], capture_output=True, text=True, env=ENV, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     plan = json.loads((out / "plan.json").read_text())
     assert plan["model_family"]["name"] == "generic" and plan["sharding"]["strategy"] == shard, plan["sharding"]
+    assert plan["packing"]["enabled"], plan["packing"]
     assert json.loads((out / "config.json").read_text())["world_size"] == 2
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
     weights = load_file(str(out / "adapter" / "adapter_model.safetensors"))
