@@ -70,7 +70,7 @@ from vlft.contracts.objective import (
 )
 from vlft.contracts.scorer import Scorer
 from vlft.contracts.sinks import MetricSink
-from vlft.data.processor_inputs import clip_arguments, processor_image_inputs
+from vlft.data.processor_inputs import clip_arguments, processor_image_inputs, widened
 from vlft.errors import BackendUnavailable, ConfigError, DataError, VlftError
 from vlft.hookspecs import hookimpl
 from vlft.policies import (
@@ -131,6 +131,7 @@ __all__ = [
     "parse_attn",
     "processor_image_inputs",
     "clip_arguments",
+    "widened",
     "tokenize_pieces",
     "user_attribute",
     # the objective contract (vlft/contracts/objective.py)

@@ -49,7 +49,7 @@ import re
 from dataclasses import replace
 from typing import Any
 
-from vlft import Chat, FamilyReader, ModelFamily, Targets, Towers, VideoInputs
+from vlft import Chat, FamilyReader, ModelFamily, Targets, Towers, VideoInputs, widened
 
 from . import generic_packing, generic_vision
 
@@ -308,14 +308,6 @@ def _read_processor(path: str, model_type: str, load=load_processor) -> tuple[An
     warmup = {k: widened(v) for k, v in out.items() if joins.get(k, "sequence") != "sequence"}
     conv = {"joins": joins, "pixels": pixels, "end": end, "warmup": warmup, "probe_ids": out["input_ids"]}
     return processor, conv, found
-
-
-def widened(value):
-    """A probe output for the warm-up in fp32 where the processor gave half precision (Llama 4's bfloat16 pixels),
-    as vlft.processor_image_inputs keeps a sample's."""
-    import torch
-
-    return value.float() if value.dtype in (torch.bfloat16, torch.float16) else value
 
 
 def _joins(out, two=None) -> dict:
